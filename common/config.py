@@ -1,0 +1,81 @@
+"""Engine configuration: one frozen dataclass per concern, validated on construction."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+_DTYPES = ("float32", "float16", "bfloat16")
+
+
+def _require(ok: bool, message: str) -> None:
+    if not ok:
+        raise ValueError(message)
+
+
+@dataclass(frozen=True, slots=True)
+class ModelConfig:
+    """Where the weights are and how to run them."""
+
+    model_dir: str
+    dtype: str = "float32"
+    device: str = "cpu"
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        _require(self.dtype in _DTYPES, f"dtype must be one of {_DTYPES}, got {self.dtype!r}")
+        _require(
+            self.device == "cpu" or self.device.startswith("cuda"),
+            f"device must be 'cpu' or 'cuda[:N]', got {self.device!r}",
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class CacheConfig:
+    """Paged KV cache: block geometry and size.
+
+    num_blocks None means "size the pool from kv_cache_bytes" (CPU) or from free device
+    memory times gpu_memory_utilization (CUDA).
+    """
+
+    block_size: int = 16
+    num_blocks: int | None = None
+    enable_prefix_caching: bool = True
+    kv_cache_bytes: int = 256 * 1024**2
+    gpu_memory_utilization: float = 0.85
+
+    def __post_init__(self) -> None:
+        _require(self.block_size in (1, 2, 4, 8, 16, 32, 64, 128), "block_size must be 2^k <= 128")
+        _require(self.num_blocks is None or self.num_blocks >= 2, "num_blocks must be >= 2")
+        _require(self.kv_cache_bytes > 0, "kv_cache_bytes must be positive")
+        _require(0.0 < self.gpu_memory_utilization <= 1.0, "gpu_memory_utilization in (0, 1]")
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerConfig:
+    """Batching limits of one engine step.
+
+    long_prefill_token_threshold caps how many prompt tokens one request may take in one step
+    (0: no cap beyond the budget); chunked prefill splits prompts that exceed the budget.
+    """
+
+    max_num_batched_tokens: int = 512
+    max_num_seqs: int = 64
+    max_model_len: int | None = None
+    long_prefill_token_threshold: int = 0
+    enable_chunked_prefill: bool = True
+    policy: str = "fcfs"
+
+    def __post_init__(self) -> None:
+        _require(self.max_num_batched_tokens >= 1, "max_num_batched_tokens must be >= 1")
+        _require(self.max_num_seqs >= 1, "max_num_seqs must be >= 1")
+        _require(
+            self.max_model_len is None or self.max_model_len >= 1, "max_model_len must be >= 1"
+        )
+        _require(self.long_prefill_token_threshold >= 0, "long_prefill_token_threshold >= 0")
+        _require(self.policy in ("fcfs", "priority"), "policy must be 'fcfs' or 'priority'")
+        _require(
+            self.enable_chunked_prefill
+            or self.max_model_len is None
+            or self.max_model_len <= self.max_num_batched_tokens,
+            "without chunked prefill, max_num_batched_tokens must cover max_model_len",
+        )

@@ -1,0 +1,81 @@
+"""The engine step every node runs: schedule, run, update."""
+
+from __future__ import annotations
+
+import time
+
+from common.config import CacheConfig, ModelConfig, SchedulerConfig
+from common.kv_cache_manager import KVCacheManager
+from common.model_runner import ModelRunner
+from common.request import Request
+from common.sampling_params import SamplingParams
+from common.scheduler import RequestUpdate, Scheduler
+
+
+class LLMEngine:
+    """Scheduler + KV cache manager + model runner, in one process."""
+
+    def __init__(
+        self, model: ModelConfig, cache: CacheConfig, scheduler: SchedulerConfig
+    ) -> None:
+        self.runner = ModelRunner(model, cache)
+        self.kv = KVCacheManager(
+            self.runner.num_blocks, cache.block_size, cache.enable_prefix_caching
+        )
+        self.max_model_len = self._max_model_len(scheduler)
+        self.scheduler = Scheduler(scheduler, self.kv, self.max_model_len)
+
+    def _max_model_len(self, scheduler: SchedulerConfig) -> int:
+        capacity = self.kv.capacity_tokens()
+        limit = min(self.runner.arch.max_position_embeddings, capacity)
+        if scheduler.max_model_len is None:
+            return limit
+        if scheduler.max_model_len > limit:
+            raise ValueError(
+                f"max_model_len {scheduler.max_model_len} exceeds what this engine can hold "
+                f"({limit} tokens: model positions and KV cache capacity)"
+            )
+        return scheduler.max_model_len
+
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]:
+        return self.runner.arch.eos_token_ids
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        sampling: SamplingParams,
+        priority: int = 0,
+    ) -> Request:
+        vocab = self.runner.arch.vocab_size
+        if any(not 0 <= t < vocab for t in prompt_token_ids):
+            raise ValueError(f"prompt token ids must be in [0, {vocab})")
+        request = Request(
+            request_id=request_id,
+            prompt_token_ids=list(prompt_token_ids),
+            sampling=sampling,
+            eos_token_ids=self.eos_token_ids,
+            arrival=time.monotonic(),
+            priority=priority,
+        )
+        self.scheduler.add_request(request)
+        return request
+
+    def abort(self, request_id: str) -> None:
+        self.scheduler.abort(request_id)
+
+    @property
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished
+
+    def step(self) -> list[RequestUpdate]:
+        output = self.scheduler.schedule()
+        if output.empty:
+            self.runner.forget(output.finished_ids)
+            return []
+        sampled = self.runner.execute(output)
+        return self.scheduler.update(output, sampled)
+
+    def check_integrity(self) -> None:
+        self.kv.check_integrity()

@@ -1,0 +1,134 @@
+"""The only part of the engine that touches tensors: KV cache, flat-batch inputs, forward,
+sampling."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from common.attention import AttentionMetadata
+from common.config import CacheConfig, ModelConfig
+from common.model_config import ModelArchConfig
+from common.sampler import Sampler, SamplingRow, make_generator
+from common.scheduler import SampledToken, ScheduledSeq, SchedulerOutput
+from common.weights import load_model
+
+_TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+@dataclass(frozen=True, slots=True)
+class ForwardInputs:
+    """One step flattened: T tokens of B sequences, and which rows to sample."""
+
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    attn: AttentionMetadata
+    logit_indices: torch.Tensor  # [S] flat index of the last token of each sampled sequence
+    sampled_seqs: tuple[ScheduledSeq, ...]
+
+
+def kv_block_bytes(arch: ModelArchConfig, block_size: int, dtype: torch.dtype) -> int:
+    """Bytes one block occupies across all layers (K and V)."""
+    per_layer = 2 * block_size * arch.num_kv_heads * arch.head_dim
+    return per_layer * arch.num_layers * torch.empty((), dtype=dtype).element_size()
+
+
+class ModelRunner:
+    """Loads the model, owns the paged KV cache and runs one scheduled step at a time."""
+
+    def __init__(self, model_config: ModelConfig, cache_config: CacheConfig) -> None:
+        self.device = torch.device(model_config.device)
+        self.dtype = _TORCH_DTYPES[model_config.dtype]
+        self.block_size = cache_config.block_size
+        self.model, self.arch = load_model(model_config.model_dir, self.dtype, self.device)
+        self.num_blocks = self._pool_size(cache_config)
+        shape = (2, self.num_blocks, self.block_size, self.arch.num_kv_heads, self.arch.head_dim)
+        self.kv_caches = [
+            torch.zeros(shape, dtype=self.dtype, device=self.device)
+            for _ in range(self.arch.num_layers)
+        ]
+        self.sampler = Sampler(seed=model_config.seed, device=self.device)
+        self.generators: dict[str, torch.Generator] = {}
+
+    def _pool_size(self, cache: CacheConfig) -> int:
+        if cache.num_blocks is not None:
+            return cache.num_blocks
+        budget = cache.kv_cache_bytes
+        if self.device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(self.device)
+            budget = int(free * cache.gpu_memory_utilization)
+        n = budget // kv_block_bytes(self.arch, self.block_size, self.dtype)
+        if n < 2:
+            raise ValueError("KV cache budget too small for even one block")
+        return int(n)
+
+    # -- one step --------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def execute(self, output: SchedulerOutput) -> dict[str, SampledToken]:
+        """Run the scheduled step and return the sampled token of each completed sequence."""
+        self.forget(output.finished_ids)
+        inputs = self.prepare(output.seqs)
+        hidden = self.model(inputs.input_ids, inputs.positions, inputs.attn, self.kv_caches)
+        if not inputs.sampled_seqs:
+            return {}
+        logits = self.model.compute_logits(hidden[inputs.logit_indices])
+        rows = [self._sampling_row(seq) for seq in inputs.sampled_seqs]
+        result = self.sampler(logits, rows)
+        return {
+            seq.request_id: SampledToken(seq.request_id, tok, lp)
+            for seq, tok, lp in zip(inputs.sampled_seqs, result.token_ids, result.logprobs)
+        }
+
+    def forget(self, request_ids: tuple[str, ...]) -> None:
+        """Drop per-request state (seeded generators) of requests that ended."""
+        for rid in request_ids:
+            self.generators.pop(rid, None)
+
+    def _sampling_row(self, seq: ScheduledSeq) -> SamplingRow:
+        generator = None
+        if seq.sampling.seed is not None:
+            generator = self.generators.get(seq.request_id)
+            if generator is None:
+                generator = make_generator(seq.sampling.seed, self.device)
+                self.generators[seq.request_id] = generator
+        return SamplingRow(seq.sampling, generator, seq.banned_token_ids)
+
+    def prepare(self, seqs: tuple[ScheduledSeq, ...]) -> ForwardInputs:
+        """Flatten scheduled sequences into the model's inputs (host lists, one copy each)."""
+        bs = self.block_size
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        starts = [0]
+        seq_lens: list[int] = []
+        logit_indices: list[int] = []
+        for seq in seqs:
+            n = len(seq.token_ids)
+            input_ids.extend(seq.token_ids)
+            pos = range(seq.start_pos, seq.start_pos + n)
+            positions.extend(pos)
+            slots.extend(seq.block_ids[p // bs] * bs + p % bs for p in pos)
+            starts.append(starts[-1] + n)
+            seq_lens.append(seq.start_pos + n)
+            if seq.sample:
+                logit_indices.append(starts[-1] - 1)
+        width = max(len(seq.block_ids) for seq in seqs)
+        tables = [list(seq.block_ids) + [0] * (width - len(seq.block_ids)) for seq in seqs]
+        dev = self.device
+        attn = AttentionMetadata(
+            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
+            block_tables=torch.tensor(tables, dtype=torch.int32, device=dev),
+            query_start_loc=torch.tensor(starts, dtype=torch.int32, device=dev),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
+            max_query_len=max(len(s.token_ids) for s in seqs),
+            max_seq_len=max(seq_lens),
+        )
+        return ForwardInputs(
+            input_ids=torch.tensor(input_ids, dtype=torch.int64, device=dev),
+            positions=torch.tensor(positions, dtype=torch.int64, device=dev),
+            attn=attn,
+            logit_indices=torch.tensor(logit_indices, dtype=torch.int64, device=dev),
+            sampled_seqs=tuple(seq for seq in seqs if seq.sample),
+        )

@@ -1,0 +1,258 @@
+"""Scheduler core: which tokens of which requests run in the next forward.
+
+Pure Python, vLLM-v1 style: there is no separate "prefill phase"; every request simply has
+num_computed_tokens < num_tokens, and a step gives each running request up to its missing
+tokens (one for decode, a chunk for a prefill), then admits waiting requests while the token
+budget lasts. Preemption frees a request's blocks and recomputes it later.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from common.config import SchedulerConfig
+from common.kv_cache_manager import KVCacheBlocks, KVCacheManager
+from common.request import FinishReason, Request, RequestStatus, TokenLogprobs
+from common.sampling_params import SamplingParams
+
+
+@dataclass(frozen=True, slots=True)
+class ScheduledSeq:
+    """One request's share of a step: tokens to run, where they sit, and whether to sample."""
+
+    request_id: str
+    token_ids: tuple[int, ...]
+    start_pos: int  # position of token_ids[0] == tokens already in the cache
+    block_ids: tuple[int, ...]
+    sample: bool  # True when this step completes the known sequence
+    sampling: SamplingParams
+    banned_token_ids: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerOutput:
+    seqs: tuple[ScheduledSeq, ...]
+    num_batched_tokens: int
+    finished_ids: tuple[str, ...] = ()  # ended since the last step: runner drops their state
+
+    @property
+    def empty(self) -> bool:
+        return not self.seqs
+
+
+@dataclass(frozen=True, slots=True)
+class SampledToken:
+    request_id: str
+    token_id: int
+    logprobs: TokenLogprobs | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class RequestUpdate:
+    """What one step did to one request: the new token and whether it finished."""
+
+    request_id: str
+    new_token_ids: tuple[int, ...]
+    new_logprobs: tuple[TokenLogprobs, ...]
+    finish_reason: FinishReason | None
+
+
+@dataclass(slots=True)
+class _StepBudget:
+    tokens: int
+    seqs: list[ScheduledSeq] = field(default_factory=list)
+
+
+class Scheduler:
+    """Waiting and running queues over one KVCacheManager."""
+
+    def __init__(self, config: SchedulerConfig, kv: KVCacheManager, max_model_len: int) -> None:
+        self.config = config
+        self.kv = kv
+        self.max_model_len = max_model_len
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+        self._finished_ids: list[str] = []
+
+    # -- admission -------------------------------------------------------------------------
+
+    def add_request(self, request: Request) -> None:
+        """Queue a request; ValueError if it can never run here."""
+        if request.request_id in self.requests:
+            raise ValueError(f"duplicate request id {request.request_id!r}")
+        limit = min(self.max_model_len, self.kv.capacity_tokens())
+        if request.num_tokens > limit:
+            raise ValueError(
+                f"prompt has {request.num_tokens} tokens; this engine holds at most {limit}"
+            )
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+        if self.config.policy == "priority":
+            self.waiting = deque(sorted(self.waiting, key=_priority_key))
+
+    def abort(self, request_id: str) -> Request | None:
+        """End a request wherever it is; idempotent (None when unknown or already gone)."""
+        request = self.requests.get(request_id)
+        if request is None:
+            return None
+        self._finish(request, FinishReason.ABORT)
+        return request
+
+    @property
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # -- one step --------------------------------------------------------------------------
+
+    def schedule(self) -> SchedulerOutput:
+        budget = _StepBudget(self.config.max_num_batched_tokens)
+        preempted = self._schedule_running(budget)
+        if not preempted:
+            self._schedule_waiting(budget)
+        finished, self._finished_ids = tuple(self._finished_ids), []
+        used = self.config.max_num_batched_tokens - budget.tokens
+        return SchedulerOutput(tuple(budget.seqs), used, finished)
+
+    def _chunk(self, request: Request, budget: _StepBudget, first: int) -> int:
+        """How many of the request's missing tokens fit in this step."""
+        n = request.num_tokens - first
+        if self.config.long_prefill_token_threshold:
+            n = min(n, self.config.long_prefill_token_threshold)
+        return min(n, budget.tokens)
+
+    def _schedule_running(self, budget: _StepBudget) -> bool:
+        """Give running requests their tokens, preempting the lowest priority on shortage."""
+        preempted_any = False
+        i = 0
+        while i < len(self.running) and budget.tokens > 0:
+            request = self.running[i]
+            n = self._chunk(request, budget, request.num_computed_tokens)
+            if n <= 0:
+                i += 1
+                continue
+            while self.kv.allocate_slots(request, n) is None:
+                victim = self._pick_victim()
+                if self.running.index(victim) < i:
+                    i -= 1
+                self._preempt(victim, budget)
+                preempted_any = True
+                if victim is request:
+                    break
+            else:
+                self._emit(request, n, budget)
+                i += 1
+        return preempted_any
+
+    def _schedule_waiting(self, budget: _StepBudget) -> None:
+        while self.waiting and budget.tokens > 0 and len(self.running) < self.config.max_num_seqs:
+            request = self.waiting[0]
+            hits, n_cached = self.kv.get_computed_blocks(request)
+            n = self._chunk(request, budget, n_cached)
+            missing = request.num_tokens - n_cached
+            if not self.config.enable_chunked_prefill and n < missing:
+                break
+            if self.kv.allocate_slots(request, n, hits) is None:
+                break
+            self.waiting.popleft()
+            if request.status is RequestStatus.WAITING:
+                request.num_cached_tokens = n_cached
+            request.num_computed_tokens = n_cached
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            self._emit(request, n, budget)
+
+    def _emit(self, request: Request, n: int, budget: _StepBudget) -> None:
+        start = request.num_computed_tokens
+        budget.tokens -= n
+        budget.seqs.append(
+            ScheduledSeq(
+                request_id=request.request_id,
+                token_ids=tuple(request.all_token_ids[start : start + n]),
+                start_pos=start,
+                block_ids=tuple(self.kv.block_ids(request.request_id)),
+                sample=start + n == request.num_tokens,
+                sampling=request.sampling,
+                banned_token_ids=self._banned(request),
+            )
+        )
+
+    def _banned(self, request: Request) -> tuple[int, ...]:
+        """EOS and stop ids are forbidden until min_tokens have been produced."""
+        if request.num_output_tokens >= request.sampling.min_tokens:
+            return ()
+        eos = () if request.sampling.ignore_eos else request.eos_token_ids
+        return tuple(eos) + request.sampling.stop_token_ids
+
+    def _pick_victim(self) -> Request:
+        if self.config.policy == "priority":
+            return max(self.running, key=_priority_key)
+        return self.running[-1]  # FCFS: the newest arrival goes first
+
+    def _preempt(self, request: Request, budget: _StepBudget) -> None:
+        # A victim already given tokens in this step (priority policy) loses them again.
+        for seq in budget.seqs:
+            if seq.request_id == request.request_id:
+                budget.seqs.remove(seq)
+                budget.tokens += len(seq.token_ids)
+                break
+        self.running.remove(request)
+        self.kv.free(request)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.waiting.appendleft(request)
+
+    # -- after the forward -----------------------------------------------------------------
+
+    def update(
+        self, output: SchedulerOutput, sampled: dict[str, SampledToken]
+    ) -> list[RequestUpdate]:
+        """Advance progress by what ran, append sampled tokens, apply stop checks."""
+        updates = []
+        for seq in output.seqs:
+            request = self.requests.get(seq.request_id)
+            if request is None or request.is_finished:
+                continue  # aborted while its step ran
+            request.num_computed_tokens += len(seq.token_ids)
+            token = sampled.get(seq.request_id)
+            if token is None:
+                continue
+            request.append_output(token.token_id, token.logprobs)
+            reason = self._stop_reason(request, token.token_id)
+            if reason is not None:
+                self._finish(request, reason)
+            lps = (token.logprobs,) if token.logprobs is not None else ()
+            updates.append(RequestUpdate(request.request_id, (token.token_id,), lps, reason))
+        return updates
+
+    def _stop_reason(self, request: Request, token_id: int) -> FinishReason | None:
+        params = request.sampling
+        if request.num_output_tokens >= params.min_tokens:
+            if token_id in params.stop_token_ids:
+                request.stop_reason = token_id
+                return FinishReason.STOP
+            if not params.ignore_eos and token_id in request.eos_token_ids:
+                return FinishReason.STOP
+        if request.num_output_tokens >= params.max_tokens:
+            return FinishReason.LENGTH
+        if request.num_tokens >= self.max_model_len:
+            return FinishReason.LENGTH
+        return None
+
+    def _finish(self, request: Request, reason: FinishReason) -> None:
+        if request in self.running:
+            self.running.remove(request)
+        elif request in self.waiting:
+            self.waiting.remove(request)
+        self.kv.free(request)
+        request.status = RequestStatus.FINISHED
+        request.finish_reason = reason
+        del self.requests[request.request_id]
+        self._finished_ids.append(request.request_id)
+
+
+def _priority_key(request: Request) -> tuple[int, float]:
+    """Lower value = served first (vLLM's convention)."""
+    return (request.priority, request.arrival)

@@ -1,0 +1,69 @@
+"""The one dispatch point: Triton kernels for CUDA tensors, torch references elsewhere.
+
+Callers (the model runner, the connectors) only ever import from here.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from kernels import reference
+
+
+@functools.cache
+def triton_available() -> bool:
+    """True when triton imports; checked once, lazily, so CPU-only installs never pay for it."""
+    try:
+        import triton  # noqa: F401
+    except Exception:
+        return False
+    return True
+
+
+def _use_triton(t: torch.Tensor) -> bool:
+    return t.is_cuda and triton_available()
+
+
+def store_kv(key, value, k_cache, v_cache, slot_mapping) -> None:
+    """Write K/V rows [T, Hkv, D] into cache slots; slot = block_id * block_size + offset."""
+    if _use_triton(key):
+        from kernels.store_kv import store_kv_triton
+
+        return store_kv_triton(key, value, k_cache, v_cache, slot_mapping)
+    return reference.store_kv_ref(key, value, k_cache, v_cache, slot_mapping)
+
+
+def paged_attention(
+    query, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale, sliding_window=None
+) -> torch.Tensor:
+    """Causal varlen attention over paged K/V (prefill chunks and decode in one call)."""
+    if _use_triton(query):
+        from kernels.paged_attention import paged_attention_triton
+
+        return paged_attention_triton(
+            query, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale,
+            sliding_window,
+        )
+    return reference.paged_attention_ref(
+        query, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale, sliding_window
+    )
+
+
+def gather_pages(layer_cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
+    """Blocks of one layer cache [2, N, bs, H, D] -> contiguous pages [2, n, bs, H, D]."""
+    if _use_triton(layer_cache):
+        from kernels.page_copy import gather_pages_triton
+
+        return gather_pages_triton(layer_cache, block_ids)
+    return reference.gather_pages_ref(layer_cache, block_ids)
+
+
+def scatter_pages(layer_cache: torch.Tensor, block_ids: torch.Tensor, pages: torch.Tensor) -> None:
+    """Contiguous pages [2, n, bs, H, D] -> the given blocks of one layer cache."""
+    if _use_triton(layer_cache):
+        from kernels.page_copy import scatter_pages_triton
+
+        return scatter_pages_triton(layer_cache, block_ids, pages)
+    return reference.scatter_pages_ref(layer_cache, block_ids, pages)

@@ -1,0 +1,241 @@
+"""Scheduler core driven by a fake model whose next token is a function of the history."""
+
+from __future__ import annotations
+
+import pytest
+
+from common.config import SchedulerConfig
+from common.kv_cache_manager import KVCacheManager
+from common.request import FinishReason, Request, RequestStatus
+from common.sampling_params import SamplingParams
+from common.scheduler import SampledToken, Scheduler, SchedulerOutput
+
+EOS = 3
+
+
+def fake_next(history: list[int], banned: tuple[int, ...]) -> int:
+    token = (sum(history) * 31 + len(history)) % 97 + 10  # never EOS by itself
+    while token in banned:
+        token += 1
+    return token
+
+
+class Harness:
+    def __init__(self, num_blocks=64, block_size=4, max_model_len=512, **cfg):
+        self.kv = KVCacheManager(num_blocks, block_size, enable_caching=True)
+        self.s = Scheduler(SchedulerConfig(**cfg), self.kv, max_model_len)
+        self.forced: dict[str, list[int]] = {}  # tokens the fake model must emit
+        self.outputs: list[SchedulerOutput] = []
+
+    def add(self, rid, prompt, priority=0, arrival=0.0, **sp) -> Request:
+        r = Request(rid, list(prompt), SamplingParams(**sp), (EOS,), arrival, priority)
+        self.s.add_request(r)
+        return r
+
+    def step(self):
+        out = self.s.schedule()
+        self.outputs.append(out)
+        sampled = {}
+        for seq in out.seqs:
+            r = self.s.requests[seq.request_id]
+            assert seq.start_pos == r.num_computed_tokens
+            assert list(seq.token_ids) == r.all_token_ids[seq.start_pos : seq.start_pos + len(seq.token_ids)]
+            if seq.sample:
+                forced = self.forced.get(seq.request_id)
+                tok = forced.pop(0) if forced else fake_next(r.all_token_ids, seq.banned_token_ids)
+                sampled[seq.request_id] = SampledToken(seq.request_id, tok)
+        self.s.update(out, sampled)
+        self.kv.check_integrity()
+        return out
+
+    def run(self, max_steps=10_000):
+        for _ in range(max_steps):
+            if not self.s.has_unfinished:
+                return
+            self.step()
+        raise AssertionError("did not finish")
+
+    def done(self):
+        self.s.schedule()  # flush finished ids
+        assert self.kv.num_free_blocks == self.kv.pool.num_blocks - 1, "leaked blocks"
+        self.kv.check_integrity()
+
+
+def test_chunked_prefill_samples_only_on_last_chunk():
+    h = Harness(max_num_batched_tokens=8)
+    r = h.add("a", range(20), max_tokens=2)
+    sizes, samples = [], []
+    h.run()
+    for out in h.outputs:
+        sizes += [len(s.token_ids) for s in out.seqs]
+        samples += [s.sample for s in out.seqs]
+    assert sizes == [8, 8, 4, 1]
+    assert samples == [False, False, True, True]
+    assert r.finish_reason is FinishReason.LENGTH and r.num_output_tokens == 2
+    h.done()
+
+
+def test_long_prefill_threshold_caps_chunk_and_budget_is_shared():
+    h = Harness(max_num_batched_tokens=10, long_prefill_token_threshold=6)
+    h.add("a", range(12), max_tokens=1)
+    h.add("b", range(100, 103), max_tokens=1)
+    out = h.step()
+    assert [(s.request_id, len(s.token_ids)) for s in out.seqs] == [("a", 6), ("b", 3)]
+    assert out.num_batched_tokens == 9
+    h.run()
+    h.done()
+
+
+def test_no_chunking_waits_for_budget():
+    h = Harness(max_num_batched_tokens=8, enable_chunked_prefill=False, max_model_len=8)
+    h.add("a", range(5), max_tokens=2)
+    h.add("b", range(10, 15), max_tokens=2)
+    out = h.step()
+    assert [s.request_id for s in out.seqs] == ["a"]  # b's 5 tokens do not fit in 3
+    h.run()
+    h.done()
+
+
+def test_max_num_seqs_limits_running():
+    h = Harness(max_num_seqs=2)
+    for i in range(4):
+        h.add(f"r{i}", range(i, i + 3), max_tokens=3)
+    h.step()
+    assert len(h.s.running) == 2 and len(h.s.waiting) == 2
+    h.run()
+    h.done()
+
+
+def test_decode_one_token_per_step_for_each_running():
+    h = Harness()
+    h.add("a", range(5), max_tokens=4)
+    h.add("b", range(7), max_tokens=4)
+    h.step()
+    out = h.step()
+    assert [len(s.token_ids) for s in out.seqs] == [1, 1] and all(s.sample for s in out.seqs)
+    h.run()
+    h.done()
+
+
+def outputs_without_pressure(prompts, max_tokens):
+    h = Harness(num_blocks=256)
+    reqs = [h.add(f"r{i}", p, max_tokens=max_tokens) for i, p in enumerate(prompts)]
+    h.run()
+    h.done()
+    return [r.output_token_ids for r in reqs]
+
+
+def test_preemption_fcfs_newest_first_and_recompute_gives_same_tokens():
+    prompts = [list(range(i * 7, i * 7 + 9)) for i in range(4)]
+    want = outputs_without_pressure(prompts, 12)
+    h = Harness(num_blocks=13)  # 12 usable blocks of 4: not enough for 4 x 21 tokens
+    reqs = [h.add(f"r{i}", p, arrival=float(i), max_tokens=12) for i, p in enumerate(prompts)]
+    h.run()
+    assert [r.output_token_ids for r in reqs] == want
+    assert sum(r.num_preemptions for r in reqs) > 0
+    assert reqs[0].num_preemptions == 0  # the oldest is never the FCFS victim
+    h.done()
+
+
+def test_priority_preemption_picks_lowest_priority():
+    h = Harness(num_blocks=9, policy="priority")  # 8 usable blocks
+    hi = h.add("hi", range(12), priority=0, arrival=1.0, max_tokens=10)
+    lo = h.add("lo", range(50, 62), priority=5, arrival=0.0, max_tokens=10)
+    h.run()
+    assert hi.num_preemptions == 0 and lo.num_preemptions > 0
+    assert hi.num_output_tokens == 10 and lo.num_output_tokens == 10
+    h.done()
+
+
+def test_priority_orders_waiting_queue():
+    h = Harness(policy="priority", max_num_seqs=1)
+    h.add("late", range(3), priority=1, arrival=0.0, max_tokens=1)
+    h.add("urgent", range(3), priority=0, arrival=1.0, max_tokens=1)
+    assert h.step().seqs[0].request_id == "urgent"
+    h.run()
+    h.done()
+
+
+def test_eos_stops_and_is_kept():
+    h = Harness()
+    r = h.add("a", range(5), max_tokens=10)
+    h.forced["a"] = [20, EOS]
+    h.run()
+    assert r.output_token_ids == [20, EOS] and r.finish_reason is FinishReason.STOP
+    h.done()
+
+
+def test_ignore_eos_runs_to_length():
+    h = Harness()
+    r = h.add("a", range(5), max_tokens=3, ignore_eos=True)
+    h.forced["a"] = [EOS, EOS, EOS]
+    h.run()
+    assert r.output_token_ids == [EOS] * 3 and r.finish_reason is FinishReason.LENGTH
+    h.done()
+
+
+def test_min_tokens_bans_eos_and_stop_ids_until_reached():
+    h = Harness()
+    r = h.add("a", range(5), max_tokens=10, min_tokens=3, stop_token_ids=(55,))
+    h.step()
+    h.step()
+    banned = [s.banned_token_ids for out in h.outputs for s in out.seqs]
+    assert banned[0] == (EOS, 55)
+    h.forced["a"] = [55]  # at 3 outputs the stop id is allowed and stops the request
+    h.run()
+    assert r.output_token_ids[-1] == 55 and r.stop_reason == 55
+    assert r.finish_reason is FinishReason.STOP and r.num_output_tokens == 3
+    h.done()
+
+
+def test_max_model_len_stops_generation():
+    h = Harness(max_model_len=8)
+    r = h.add("a", range(5), max_tokens=100)
+    h.run()
+    assert r.num_tokens == 8 and r.finish_reason is FinishReason.LENGTH
+    h.done()
+
+
+def test_too_long_prompt_and_duplicate_id_rejected():
+    h = Harness(max_model_len=8)
+    with pytest.raises(ValueError, match="at most 8"):
+        h.add("a", range(9))
+    h.add("b", range(3))
+    with pytest.raises(ValueError, match="duplicate"):
+        h.add("b", range(3))
+    h.run()
+    h.done()
+
+
+def test_abort_waiting_and_running_is_idempotent():
+    h = Harness(max_num_seqs=1)
+    a = h.add("a", range(5), max_tokens=50)
+    b = h.add("b", range(5), max_tokens=50)
+    h.step()
+    assert a.status is RequestStatus.RUNNING and b.status is RequestStatus.WAITING
+    assert h.s.abort("a") is a and h.s.abort("b") is b
+    assert h.s.abort("a") is None and h.s.abort("nope") is None
+    assert a.finish_reason is FinishReason.ABORT and b.finish_reason is FinishReason.ABORT
+    assert set(h.s.schedule().finished_ids) == {"a", "b"}
+    h.done()
+
+
+def test_prefix_cache_hit_is_reported_and_skips_compute():
+    h = Harness(max_num_seqs=1)
+    h.add("a", range(10), max_tokens=1)
+    h.run()
+    b = h.add("b", range(10), max_tokens=1)
+    out = h.step()
+    assert b.num_cached_tokens == 8 and out.seqs[0].start_pos == 8
+    assert len(out.seqs[0].token_ids) == 2
+    h.run()
+    h.done()
+
+
+def test_request_aborted_mid_step_is_skipped_by_update():
+    h = Harness()
+    h.add("a", range(5), max_tokens=5)
+    out = h.s.schedule()
+    h.s.abort("a")
+    assert h.s.update(out, {"a": SampledToken("a", 20)}) == []
+    h.done()
