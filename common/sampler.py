@@ -1,0 +1,162 @@
+"""Turns one batch of logits into next tokens: bans, greedy, temperature, top-k/p, min-p, draws."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from common.request import TokenLogprobs
+from common.sampling_params import SamplingParams
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingRow:
+    """How to sample one row of the logits batch.
+
+    generator is the request's own (see make_generator), on the logits' device, so a seeded
+    request draws the same tokens whatever else is batched with it; None uses the sampler's.
+    banned_token_ids can never be chosen this step (e.g. EOS/stop ids before min_tokens).
+    """
+
+    params: SamplingParams
+    generator: torch.Generator | None
+    banned_token_ids: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class SamplerOutput:
+    """One chosen token per row, and its logprobs where the row asked for them."""
+
+    token_ids: list[int]
+    logprobs: list[TokenLogprobs | None]
+
+
+def make_generator(seed: int, device: torch.device | str) -> torch.Generator:
+    """A generator seeded for one request, on the device its logits will live on."""
+    generator = torch.Generator(device=device)
+    generator.manual_seed(seed)
+    return generator
+
+
+class Sampler:
+    """Picks the next token of every row of a [B, V] logits batch.
+
+    Logprobs are those of the raw logits (before bans, temperature and truncation), like
+    vLLM's default. Greedy rows take the argmax; the others are tempered, truncated by top-k,
+    then top-p, then min-p, and drawn with the exponential race argmax(p / q), q ~ Exp(1),
+    which needs no cumulative sums and gives each row's draw from that row's generator alone.
+    """
+
+    def __init__(self, seed: int | None = None, device: torch.device | str = "cpu") -> None:
+        self.generator = torch.Generator(device=device)
+        if seed is None:
+            self.generator.seed()
+        else:
+            self.generator.manual_seed(seed)
+
+    def __call__(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> SamplerOutput:
+        assert logits.dim() == 2, f"logits must be [B, V], got {tuple(logits.shape)}"
+        assert logits.shape[0] == len(rows), f"{logits.shape[0]} logit rows, {len(rows)} rows"
+        raw = logits.float()
+        allowed = _ban(raw, rows)
+        token_ids = allowed.argmax(dim=-1)
+        sampled = [i for i, row in enumerate(rows) if not row.params.greedy]
+        if sampled:
+            token_ids[sampled] = self._sample(allowed[sampled], [rows[i] for i in sampled])
+        chosen = token_ids.tolist()
+        return SamplerOutput(token_ids=chosen, logprobs=_logprobs(raw, rows, chosen))
+
+    def _sample(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
+        params = [row.params for row in rows]
+        temperature = torch.tensor([p.temperature for p in params], device=logits.device)
+        logits = logits / temperature[:, None]
+        if any(_top_k_on(p) or p.top_p < 1.0 for p in params):
+            logits = _apply_top_k_top_p(logits, params)
+        if any(p.min_p > 0.0 for p in params):
+            logits = _apply_min_p(logits, params)
+        probs = logits.softmax(dim=-1)
+        # A zero draw would turn a masked token's 0/0 into NaN, which argmax would pick.
+        q = self._exponentials(rows, probs).clamp_(min=torch.finfo(probs.dtype).tiny)
+        return (probs / q).argmax(dim=-1)
+
+    def _exponentials(self, rows: Sequence[SamplingRow], probs: torch.Tensor) -> torch.Tensor:
+        """Exp(1) noise shaped like probs; a row with a generator draws only from it."""
+        q = torch.empty_like(probs)
+        shared = [i for i, row in enumerate(rows) if row.generator is None]
+        if shared:
+            q[shared] = _exponential((len(shared), probs.shape[1]), self.generator, probs)
+        for i, row in enumerate(rows):
+            if row.generator is not None:
+                q[i] = _exponential((probs.shape[1],), row.generator, probs)
+        return q
+
+
+def _exponential(
+    shape: tuple[int, ...], generator: torch.Generator, like: torch.Tensor
+) -> torch.Tensor:
+    # Drawn on the generator's own device: a generator cannot feed a tensor elsewhere.
+    noise = torch.empty(shape, dtype=like.dtype, device=generator.device)
+    return noise.exponential_(generator=generator).to(like.device)
+
+
+def _ban(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
+    """A copy of logits with every row's banned ids at -inf; the raw logits stay intact."""
+    row_idx = [i for i, row in enumerate(rows) for _ in row.banned_token_ids]
+    if not row_idx:
+        return logits
+    col_idx = [t for row in rows for t in row.banned_token_ids]
+    banned = logits.clone()
+    banned[row_idx, col_idx] = float("-inf")
+    return banned
+
+
+def _top_k_on(params: SamplingParams) -> bool:
+    return params.top_k > 0
+
+
+def _apply_top_k_top_p(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
+    """Keeps each row's top_k best tokens, then the smallest head whose mass reaches top_p."""
+    vocab = logits.shape[1]
+    device = logits.device
+    top_k = torch.tensor([p.top_k if _top_k_on(p) else vocab for p in params], device=device)
+    top_p = torch.tensor([p.top_p for p in params], device=device)
+    ordered, order = logits.sort(dim=-1, descending=True)
+    rank = torch.arange(vocab, device=device)
+    ordered = ordered.masked_fill(rank[None, :] >= top_k[:, None], float("-inf"))
+    probs = ordered.softmax(dim=-1)
+    mass_before = probs.cumsum(dim=-1) - probs  # exactly 0 for the best token: it always stays
+    # top_p == 1 is "off": rounding must not drop tail tokens whose mass_before creeps to 1.
+    drop = (mass_before >= top_p[:, None]) & (top_p[:, None] < 1.0)
+    ordered = ordered.masked_fill(drop, float("-inf"))
+    return torch.empty_like(logits).scatter_(-1, order, ordered)
+
+
+def _apply_min_p(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
+    """Drops tokens less likely than min_p times the row's most likely token."""
+    min_p = torch.tensor([p.min_p for p in params], device=logits.device)
+    probs = logits.softmax(dim=-1)
+    floor = min_p[:, None] * probs.amax(dim=-1, keepdim=True)
+    return logits.masked_fill(probs < floor, float("-inf"))
+
+
+def _logprobs(
+    raw: torch.Tensor, rows: Sequence[SamplingRow], chosen: list[int]
+) -> list[TokenLogprobs | None]:
+    """Chosen-token and top-N logprobs of the raw distribution, for rows that asked."""
+    wanted = [i for i, row in enumerate(rows) if row.params.logprobs is not None]
+    out: list[TokenLogprobs | None] = [None] * len(rows)
+    if not wanted:
+        return out
+    logprobs = raw[wanted].log_softmax(dim=-1)
+    index = torch.tensor([chosen[i] for i in wanted], device=raw.device)
+    chosen_lp = logprobs.gather(-1, index[:, None]).squeeze(-1).tolist()
+    top_n = max(rows[i].params.logprobs or 0 for i in wanted)
+    top_lp, top_ids = logprobs.topk(top_n, dim=-1)  # sorted descending
+    top_lp, top_ids = top_lp.tolist(), top_ids.tolist()
+    for j, i in enumerate(wanted):
+        n = rows[i].params.logprobs or 0
+        top = tuple(zip(top_ids[j][:n], top_lp[j][:n], strict=True))
+        out[i] = TokenLogprobs(token_id=chosen[i], logprob=chosen_lp[j], top=top)
+    return out
