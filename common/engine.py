@@ -15,9 +15,7 @@ from common.scheduler import RequestUpdate, Scheduler
 class LLMEngine:
     """Scheduler + KV cache manager + model runner, in one process."""
 
-    def __init__(
-        self, model: ModelConfig, cache: CacheConfig, scheduler: SchedulerConfig
-    ) -> None:
+    def __init__(self, model: ModelConfig, cache: CacheConfig, scheduler: SchedulerConfig) -> None:
         self.runner = ModelRunner(model, cache)
         self.kv = KVCacheManager(
             self.runner.num_blocks, cache.block_size, cache.enable_prefix_caching

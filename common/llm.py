@@ -106,7 +106,9 @@ class LLM:
             token_ids=list(request.output_token_ids),
             text=text,
             finish_reason=request.finish_reason.value if request.finish_reason else "abort",
-            logprobs=list(request.output_logprobs) if request.sampling.logprobs is not None else None,
+            logprobs=list(request.output_logprobs)
+            if request.sampling.logprobs is not None
+            else None,
             num_cached_tokens=request.num_cached_tokens,
             num_preemptions=request.num_preemptions,
         )

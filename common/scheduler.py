@@ -12,7 +12,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from common.config import SchedulerConfig
-from common.kv_cache_manager import KVCacheBlocks, KVCacheManager
+from common.kv_cache_manager import KVCacheManager
 from common.request import FinishReason, Request, RequestStatus, TokenLogprobs
 from common.sampling_params import SamplingParams
 

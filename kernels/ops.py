@@ -43,7 +43,13 @@ def paged_attention(
         from kernels.paged_attention import paged_attention_triton
 
         return paged_attention_triton(
-            query, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale,
+            query,
+            k_cache,
+            v_cache,
+            block_tables,
+            query_start_loc,
+            seq_lens,
+            scale,
             sliding_window,
         )
     return reference.paged_attention_ref(

@@ -1,0 +1,174 @@
+"""Control-plane wire protocol: typed messages as msgpack maps with `type` and `version`.
+
+Decoding is bounded and strict: a frame larger than MAX_MESSAGE_BYTES, a map with an unknown
+`type`, another protocol version, a missing or unknown field, or a field of the wrong type is
+refused with ProtocolError. Callers count and drop such frames; nothing on the wire can crash
+a node. There is no pickle anywhere.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+import msgpack
+
+PROTOCOL_VERSION = 1
+MAX_MESSAGE_BYTES = 32 * 1024 * 1024  # a 1M-token prompt of int64 ids fits with room to spare
+
+
+class ProtocolError(ValueError):
+    """A frame that is not a valid message of this protocol version."""
+
+
+_REGISTRY: dict[str, type[Message]] = {}
+
+
+@dataclass(frozen=True, slots=True)
+class Message:
+    """Base of every control message; subclasses set TYPE and are registered by @message."""
+
+    TYPE: ClassVar[str] = ""
+
+
+def message(cls: type[Message]) -> type[Message]:
+    """Register a message class under its TYPE (once)."""
+    assert cls.TYPE and cls.TYPE not in _REGISTRY, f"bad or duplicate message type {cls.TYPE!r}"
+    _REGISTRY[cls.TYPE] = cls
+    return cls
+
+
+def encode(msg: Message) -> bytes:
+    body = {f.name: getattr(msg, f.name) for f in dataclasses.fields(msg)}
+    body["type"] = msg.TYPE
+    body["version"] = PROTOCOL_VERSION
+    return msgpack.packb(body, use_bin_type=True)
+
+
+def decode(frame: bytes) -> Message:
+    """Parse and type-check one frame; ProtocolError on anything unexpected."""
+    if len(frame) > MAX_MESSAGE_BYTES:
+        raise ProtocolError(f"message of {len(frame)} bytes exceeds {MAX_MESSAGE_BYTES}")
+    try:
+        body = msgpack.unpackb(frame, raw=False, strict_map_key=True)
+    except Exception as exc:  # msgpack raises several unrelated types on garbage
+        raise ProtocolError(f"undecodable message: {type(exc).__name__}") from None
+    if not isinstance(body, dict):
+        raise ProtocolError("message is not a map")
+    cls = _REGISTRY.get(body.pop("type", None))  # type: ignore[arg-type]
+    if cls is None:
+        raise ProtocolError("unknown message type")
+    if body.pop("version", None) != PROTOCOL_VERSION:
+        raise ProtocolError(f"{cls.TYPE}: protocol version must be {PROTOCOL_VERSION}")
+    return _build(cls, body)
+
+
+def _build(cls: type[Message], body: dict[str, Any]) -> Message:
+    hints = _hints(cls)
+    names = {f.name for f in dataclasses.fields(cls)}
+    unknown = set(body) - names
+    if unknown:
+        raise ProtocolError(f"{cls.TYPE}: unknown fields {sorted(unknown)[:5]}")
+    kwargs = {}
+    for f in dataclasses.fields(cls):
+        if f.name not in body:
+            if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+                raise ProtocolError(f"{cls.TYPE}: missing field {f.name!r}")
+            continue
+        kwargs[f.name] = _check(body[f.name], hints[f.name], f"{cls.TYPE}.{f.name}")
+    try:
+        return cls(**kwargs)
+    except (TypeError, ValueError) as exc:
+        raise ProtocolError(f"{cls.TYPE}: {exc}") from None
+
+
+_HINT_CACHE: dict[type, dict[str, Any]] = {}
+
+
+def _hints(cls: type) -> dict[str, Any]:
+    if cls not in _HINT_CACHE:
+        _HINT_CACHE[cls] = typing.get_type_hints(cls)
+    return _HINT_CACHE[cls]
+
+
+def _check(value: Any, hint: Any, where: str) -> Any:
+    """Validate value against a type hint of the small vocabulary messages use."""
+    origin = typing.get_origin(hint)
+    args = typing.get_args(hint)
+    if origin in (typing.Union, types.UnionType):
+        for arg in args:
+            if arg is type(None) and value is None:
+                return None
+        non_none = [a for a in args if a is not type(None)]
+        return _check(value, non_none[0], where) if value is not None else _fail(where, hint)
+    if origin in (tuple, list):
+        if not isinstance(value, (list, tuple)):
+            return _fail(where, hint)
+        item = args[0] if args else Any
+        return tuple(_check(v, item, where) for v in value)
+    if origin is dict:
+        if not isinstance(value, dict):
+            return _fail(where, hint)
+        return {_check(k, args[0], where): _check(v, args[1], where) for k, v in value.items()}
+    if hint is Any:
+        return value
+    if hint is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if hint is int and isinstance(value, bool):
+        return _fail(where, hint)
+    if not isinstance(value, hint):
+        return _fail(where, hint)
+    return value
+
+
+def _fail(where: str, hint: Any) -> Any:
+    raise ProtocolError(f"{where}: expected {getattr(hint, '__name__', hint)}")
+
+
+# -- messages ---------------------------------------------------------------------------------
+
+
+@message
+@dataclass(frozen=True, slots=True)
+class Abort(Message):
+    """End a request wherever it is; idempotent."""
+
+    TYPE: ClassVar[str] = "abort"
+    request_id: str
+    reason: str = ""
+
+
+@message
+@dataclass(frozen=True, slots=True)
+class Error(Message):
+    """A request failed; the router turns it into finish_reason "error" or an HTTP error."""
+
+    TYPE: ClassVar[str] = "error"
+    request_id: str
+    message: str
+    code: int = 500
+
+
+@message
+@dataclass(frozen=True, slots=True)
+class CheckIntegrity(Message):
+    """Ask a node to run its block pool's integrity check and report usage."""
+
+    TYPE: ClassVar[str] = "check_integrity"
+    nonce: int = 0
+
+
+@message
+@dataclass(frozen=True, slots=True)
+class IntegrityReport(Message):
+    TYPE: ClassVar[str] = "integrity_report"
+    nonce: int
+    ok: bool
+    detail: str = ""
+    num_blocks: int = 0
+    free_blocks: int = 0
+    cached_blocks: int = 0
+    live_requests: tuple[str, ...] = field(default_factory=tuple)

@@ -1,0 +1,128 @@
+"""Whole-block copies between a paged layer cache and a contiguous page buffer.
+
+Gather (cache -> pages) packs a request's blocks for a KV transfer; scatter (pages -> cache)
+unpacks them on the receiving node. Both are one kernel: copy block `ids[i]` of one side to
+block `i` of the other. References: `gather_pages_ref`, `scatter_pages_ref`.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+_FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+_ID_DTYPES = (torch.int32, torch.int64)
+# Elements copied per program; large enough to amortise the block-id load, small enough
+# that a 16 KiB-element block still spreads over several programs.
+_TILE = 4096
+
+
+@triton.jit
+def _copy_blocks_kernel(
+    src_ptr,
+    dst_ptr,
+    block_ids_ptr,
+    stride_src_kv,
+    stride_src_block,
+    stride_dst_kv,
+    stride_dst_block,
+    block_elems,
+    IDS_INDEX_SRC: tl.constexpr,
+    TILE: tl.constexpr,
+):
+    # Grid: (page i, K or V, tile of the block). A block's rows are compact (checked by the
+    # launchers), so a block is one flat run of block_elems elements on both sides.
+    page = tl.program_id(0)
+    kv = tl.program_id(1)
+    block_id = tl.load(block_ids_ptr + page).to(tl.int64)
+    if IDS_INDEX_SRC:
+        src_block = block_id
+        dst_block = page.to(tl.int64)
+    else:
+        src_block = page.to(tl.int64)
+        dst_block = block_id
+    elems = tl.program_id(2) * TILE + tl.arange(0, TILE)
+    mask = elems < block_elems
+    # int64 block offsets: num_blocks * block_elems overflows int32 on real caches.
+    src = src_ptr + kv * stride_src_kv + src_block * stride_src_block + elems
+    dst = dst_ptr + kv * stride_dst_kv + dst_block * stride_dst_block + elems
+    x = tl.load(src, mask=mask)
+    tl.store(dst, x.to(dst_ptr.dtype.element_ty), mask=mask)
+
+
+def _check_paged(name: str, t: torch.Tensor) -> None:
+    if t.dim() != 5 or t.shape[0] != 2:
+        raise ValueError(
+            f"{name} must be [2, n, block_size, num_kv_heads, head_dim]; got {tuple(t.shape)}"
+        )
+    if t.dtype not in _FLOAT_DTYPES:
+        raise ValueError(f"{name} dtype {t.dtype} is not one of {_FLOAT_DTYPES}")
+    _, _, block_size, heads, head_dim = t.shape
+    if t.stride()[2:] != (heads * head_dim, head_dim, 1):
+        raise ValueError(f"{name} blocks must be compact [block_size, H, D]; strides {t.stride()}")
+
+
+def _check_ids(block_ids: torch.Tensor, layer_cache: torch.Tensor) -> None:
+    if block_ids.dim() != 1 or block_ids.dtype not in _ID_DTYPES:
+        raise ValueError(
+            f"block_ids must be a 1-D tensor of {_ID_DTYPES}; "
+            f"got {tuple(block_ids.shape)} {block_ids.dtype}"
+        )
+    if block_ids.device != layer_cache.device:
+        raise ValueError(f"block_ids on {block_ids.device}, layer_cache on {layer_cache.device}")
+
+
+def _copy_blocks(
+    src: torch.Tensor, dst: torch.Tensor, block_ids: torch.Tensor, ids_index_src: bool
+):
+    num_pages = block_ids.shape[0]
+    if num_pages == 0:
+        return
+    block_elems = src[0, 0].numel()
+    grid = (num_pages, 2, triton.cdiv(block_elems, _TILE))
+    _copy_blocks_kernel[grid](
+        src,
+        dst,
+        block_ids,
+        src.stride(0),
+        src.stride(1),
+        dst.stride(0),
+        dst.stride(1),
+        block_elems,
+        IDS_INDEX_SRC=ids_index_src,
+        TILE=min(_TILE, triton.next_power_of_2(block_elems)),
+    )
+
+
+def gather_pages_triton(layer_cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
+    """Copy blocks `block_ids` of a layer cache [2, N, bs, H, D] into new pages [2, n, bs, H, D].
+
+    Block ids must be in range: checking would need a device-to-host sync.
+    """
+    _check_paged("layer_cache", layer_cache)
+    _check_ids(block_ids, layer_cache)
+    shape = (2, block_ids.shape[0], *layer_cache.shape[2:])
+    pages = torch.empty(shape, dtype=layer_cache.dtype, device=layer_cache.device)
+    _copy_blocks(layer_cache, pages, block_ids, ids_index_src=True)
+    return pages
+
+
+def scatter_pages_triton(
+    layer_cache: torch.Tensor, block_ids: torch.Tensor, pages: torch.Tensor
+) -> None:
+    """Write pages [2, n, bs, H, D] into blocks `block_ids` of a layer cache, cast to its dtype.
+
+    Block ids must be in range and distinct (as for `index_copy_`); not checked, to stay sync-free.
+    """
+    _check_paged("layer_cache", layer_cache)
+    _check_paged("pages", pages)
+    _check_ids(block_ids, layer_cache)
+    if pages.shape != (2, block_ids.shape[0], *layer_cache.shape[2:]):
+        raise ValueError(
+            f"pages {tuple(pages.shape)} do not match {block_ids.shape[0]} blocks "
+            f"of layer_cache {tuple(layer_cache.shape)}"
+        )
+    if pages.device != layer_cache.device:
+        raise ValueError(f"pages on {pages.device}, layer_cache on {layer_cache.device}")
+    _copy_blocks(pages, layer_cache, block_ids, ids_index_src=False)

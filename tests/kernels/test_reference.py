@@ -1,0 +1,176 @@
+"""The torch references against naive dense (non-paged) computations.
+
+The paged batches built here are also the inputs of the Triton tests: every cache entry no
+sequence owns (tails of partial blocks, spare blocks, the block that block-table padding
+points to) is NaN, so a kernel that reads anything it should not poisons its output.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+from kernels.reference import (
+    gather_pages_ref,
+    paged_attention_ref,
+    scatter_pages_ref,
+    store_kv_ref,
+)
+
+# (context_len, q_len) per sequence: a decode in a partial block, a fresh prefill over three
+# blocks, a prefill chunk after a cached prefix, a decode that opens a new block, and a
+# sequence with no new tokens this step.
+MIXED_BATCH = [(37, 1), (0, 19), (21, 9), (32, 1), (5, 0)]
+DECODE_BATCH = [(0, 1), (40, 1), (15, 1)]
+
+
+@dataclass(frozen=True)
+class PagedBatch:
+    """One attention call's inputs plus each sequence's K/V laid out densely."""
+
+    query: torch.Tensor
+    k_cache: torch.Tensor
+    v_cache: torch.Tensor
+    block_tables: torch.Tensor
+    query_start_loc: torch.Tensor
+    seq_lens: torch.Tensor
+    dense_k: list[torch.Tensor]
+    dense_v: list[torch.Tensor]
+
+
+def make_paged_batch(
+    spec: list[tuple[int, int]],
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    block_size: int,
+    dtype: torch.dtype = torch.float32,
+    seed: int = 0,
+) -> PagedBatch:
+    """Random K/V for each (context_len, q_len) sequence, stored in shuffled physical blocks."""
+    gen = torch.Generator().manual_seed(seed)
+    seq_lens = [ctx + q for ctx, q in spec]
+    blocks_per_seq = [-(-n // block_size) for n in seq_lens]
+    max_blocks = max(blocks_per_seq) + 1  # one padding column more than any sequence needs
+    num_blocks = sum(blocks_per_seq) + 3  # spare blocks stay NaN too
+    physical = torch.randperm(num_blocks, generator=gen).tolist()
+    poison = physical.pop()  # block-table padding points here
+    shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    k_cache = torch.full(shape, float("nan"), dtype=dtype)
+    v_cache = torch.full(shape, float("nan"), dtype=dtype)
+    block_tables = torch.full((len(spec), max_blocks), poison, dtype=torch.int32)
+    dense_k, dense_v = [], []
+    for b, seq_len in enumerate(seq_lens):
+        k = torch.randn(seq_len, num_kv_heads, head_dim, generator=gen).to(dtype)
+        v = torch.randn(seq_len, num_kv_heads, head_dim, generator=gen).to(dtype)
+        for j in range(blocks_per_seq[b]):
+            block = physical.pop()
+            block_tables[b, j] = block
+            rows = slice(j * block_size, min((j + 1) * block_size, seq_len))
+            k_cache[block, : rows.stop - rows.start] = k[rows]
+            v_cache[block, : rows.stop - rows.start] = v[rows]
+        dense_k.append(k)
+        dense_v.append(v)
+    q_lens = torch.tensor([q for _, q in spec])
+    query_start_loc = torch.zeros(len(spec) + 1, dtype=torch.int32)
+    query_start_loc[1:] = q_lens.cumsum(0)
+    query = torch.randn(int(q_lens.sum()), num_heads, head_dim, generator=gen).to(dtype)
+    return PagedBatch(
+        query,
+        k_cache,
+        v_cache,
+        block_tables,
+        query_start_loc,
+        torch.tensor(seq_lens, dtype=torch.int32),
+        dense_k,
+        dense_v,
+    )
+
+
+def dense_attention(batch: PagedBatch, scale: float, window: int | None) -> torch.Tensor:
+    """Token by token in float64: each query softmaxes over exactly the keys it may see."""
+    out = torch.zeros(batch.query.shape, dtype=torch.float64)
+    group = batch.query.shape[1] // batch.k_cache.shape[2]
+    starts = batch.query_start_loc.tolist()
+    for b, (k, v) in enumerate(zip(batch.dense_k, batch.dense_v, strict=True)):
+        k = k.double()[:, torch.arange(batch.query.shape[1]) // group]  # kv head of each q head
+        v = v.double()[:, torch.arange(batch.query.shape[1]) // group]
+        q_len = starts[b + 1] - starts[b]
+        for i in range(q_len):
+            pos = k.shape[0] - q_len + i
+            first = 0 if window is None else max(0, pos - window + 1)
+            q = batch.query[starts[b] + i].double()
+            scores = torch.einsum("hd,khd->hk", q, k[first : pos + 1]) * scale
+            out[starts[b] + i] = torch.einsum("hk,khd->hd", scores.softmax(-1), v[first : pos + 1])
+    return out
+
+
+def run_ref(batch: PagedBatch, scale: float, window: int | None) -> torch.Tensor:
+    return paged_attention_ref(
+        batch.query,
+        batch.k_cache,
+        batch.v_cache,
+        batch.block_tables,
+        batch.query_start_loc,
+        batch.seq_lens,
+        scale,
+        window,
+    )
+
+
+@pytest.mark.parametrize("spec", [MIXED_BATCH, DECODE_BATCH], ids=["mixed", "decode"])
+@pytest.mark.parametrize("group", [1, 4, 8])
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("window", [None, 1, 7])
+def test_paged_attention_ref_matches_dense(spec, group, head_dim, window):
+    batch = make_paged_batch(spec, 2 * group, 2, head_dim, block_size=16)
+    scale = head_dim**-0.5
+    out = run_ref(batch, scale, window)
+    torch.testing.assert_close(
+        out.double(), dense_attention(batch, scale, window), atol=1e-5, rtol=1e-5
+    )
+
+
+def test_window_one_returns_own_value():
+    # With w = 1 each query sees only its own key, so the output is its V row exactly.
+    batch = make_paged_batch([(10, 3)], 4, 4, 64, block_size=16)
+    out = run_ref(batch, 0.125, 1)
+    torch.testing.assert_close(out, batch.dense_v[0][-3:], atol=1e-6, rtol=0)
+
+
+def random_slots(num_tokens: int, num_blocks: int, block_size: int, seed: int) -> torch.Tensor:
+    """Distinct random slots over the whole cache, with the second token marked skip (-1)."""
+    gen = torch.Generator().manual_seed(seed)
+    slots = torch.randperm(num_blocks * block_size, generator=gen)[:num_tokens]
+    slots[1] = -1
+    return slots
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16])
+def test_store_kv_ref_writes_slots_and_skips_negative(cache_dtype):
+    num_blocks, block_size, heads, dim = 6, 16, 2, 64
+    key, value = torch.randn(2, 9, heads, dim).unbind(0)
+    k_cache = torch.zeros(num_blocks, block_size, heads, dim, dtype=cache_dtype)
+    v_cache = torch.zeros_like(k_cache)
+    slots = random_slots(9, num_blocks, block_size, seed=1)
+    store_kv_ref(key, value, k_cache, v_cache, slots)
+    expected_k, expected_v = torch.zeros_like(k_cache), torch.zeros_like(v_cache)
+    for t, slot in enumerate(slots.tolist()):
+        if slot >= 0:
+            expected_k[slot // block_size, slot % block_size] = key[t].to(cache_dtype)
+            expected_v[slot // block_size, slot % block_size] = value[t].to(cache_dtype)
+    assert torch.equal(k_cache, expected_k) and torch.equal(v_cache, expected_v)
+
+
+def test_gather_then_scatter_ref_moves_exactly_the_named_blocks():
+    layer = torch.randn(2, 7, 16, 2, 64)
+    ids = torch.tensor([5, 0, 3], dtype=torch.int32)
+    pages = gather_pages_ref(layer, ids)
+    for i, block in enumerate(ids.tolist()):
+        assert torch.equal(pages[:, i], layer[:, block])
+    target = torch.zeros_like(layer)
+    scatter_pages_ref(target, torch.tensor([1, 6, 2]), pages)
+    assert torch.equal(target[:, [1, 6, 2]], pages)
+    assert not target[:, [0, 3, 4, 5]].any()

@@ -1,0 +1,188 @@
+"""Every Triton launcher against its torch reference, run on CPU by the Triton interpreter.
+
+The interpreter is chosen when a kernel is decorated, so TRITON_INTERPRET must be set before
+any kernels.* Triton module is imported.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ["TRITON_INTERPRET"] = "1"
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+pytest.importorskip("triton", reason="triton is not installed; the torch references still run")
+
+from kernels.page_copy import gather_pages_triton, scatter_pages_triton  # noqa: E402
+from kernels.paged_attention import paged_attention_triton  # noqa: E402
+from kernels.reference import gather_pages_ref, scatter_pages_ref, store_kv_ref  # noqa: E402
+from kernels.store_kv import store_kv_triton  # noqa: E402
+from tests.kernels.test_reference import (  # noqa: E402
+    DECODE_BATCH,
+    MIXED_BATCH,
+    PagedBatch,
+    make_paged_batch,
+    random_slots,
+    run_ref,
+)
+
+# fp32 differs from the reference only by summation order. fp16 adds the flash-attention
+# rounding of P to fp16 before P @ V and the final fp16 output rounding, each ~2**-11 relative
+# on outputs of magnitude ~1, so a few e-3 absolute.
+TOLERANCE = {torch.float32: (1e-4, 1e-4), torch.float16: (5e-3, 1e-2)}
+# Triton 3.9's interpreter multiplies bf16 dot operands as their raw uint16 bits
+# (InterpreterBuilder.create_dot), so bf16 attention cannot be checked on CPU.
+BF16_DOT_BROKEN = pytest.mark.skip(reason="Triton interpreter tl.dot on bf16 is wrong")
+
+
+def assert_copied(actual: torch.Tensor, expected: torch.Tensor, source_dtype: torch.dtype) -> None:
+    """Bit-exact, except fp32 -> bf16 within one bf16 ulp: the interpreter truncates that cast
+    (cast_impl passes no rounding mode) where GPUs, like torch, round to nearest even."""
+    if actual.dtype == torch.bfloat16 and source_dtype == torch.float32:
+        torch.testing.assert_close(actual, expected, atol=0, rtol=2**-7)
+    else:
+        assert torch.equal(actual, expected)
+
+
+def run_triton(batch: PagedBatch, scale: float, window: int | None) -> torch.Tensor:
+    return paged_attention_triton(
+        batch.query,
+        batch.k_cache,
+        batch.v_cache,
+        batch.block_tables,
+        batch.query_start_loc,
+        batch.seq_lens,
+        scale,
+        window,
+    )
+
+
+@pytest.mark.parametrize(
+    "group, head_dim, block_size, window",
+    [(1, 64, 16, None), (4, 128, 32, 7), (8, 64, 32, None), (8, 128, 16, 20), (4, 96, 16, None)],
+)
+@pytest.mark.parametrize("spec", [MIXED_BATCH, DECODE_BATCH], ids=["mixed", "decode"])
+def test_paged_attention_fp32(group, head_dim, block_size, window, spec):
+    batch = make_paged_batch(spec, 2 * group, 2, head_dim, block_size, seed=group + head_dim)
+    out = run_triton(batch, head_dim**-0.5, window)
+    expected = run_ref(batch, head_dim**-0.5, window)
+    torch.testing.assert_close(out, expected, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize(
+    "dtype", [torch.float16, pytest.param(torch.bfloat16, marks=BF16_DOT_BROKEN)]
+)
+@pytest.mark.parametrize("group, head_dim, window", [(1, 128, None), (8, 64, 9)])
+def test_paged_attention_half(dtype, group, head_dim, window):
+    batch = make_paged_batch(MIXED_BATCH, 2 * group, 2, head_dim, 16, dtype, seed=3)
+    out = run_triton(batch, head_dim**-0.5, window)
+    assert out.dtype == dtype
+    atol, rtol = TOLERANCE[dtype]
+    torch.testing.assert_close(out, run_ref(batch, head_dim**-0.5, window), atol=atol, rtol=rtol)
+
+
+def test_paged_attention_single_sequence_and_padded_tokens():
+    # One sequence (B == 1 exercises the tile search's edge) followed by 5 padding tokens
+    # that belong to no sequence and must be left alone.
+    batch = make_paged_batch([(30, 3)], 8, 2, 64, 16)
+    padded = torch.cat([batch.query, torch.randn(5, 8, 64)])
+    out = paged_attention_triton(
+        padded, batch.k_cache, batch.v_cache, batch.block_tables,
+        batch.query_start_loc, batch.seq_lens, 0.125,
+    )  # fmt: skip
+    torch.testing.assert_close(out[:3], run_ref(batch, 0.125, None), atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize(
+    "key_dtype, cache_dtype",
+    [
+        (torch.float32, torch.float32),
+        (torch.float32, torch.bfloat16),
+        (torch.bfloat16, torch.bfloat16),
+        (torch.float16, torch.float32),
+    ],
+)
+@pytest.mark.parametrize("num_kv_heads, head_dim, block_size", [(1, 64, 16), (3, 128, 32)])
+def test_store_kv_matches_ref(key_dtype, cache_dtype, num_kv_heads, head_dim, block_size):
+    num_tokens, num_blocks = 11, 4
+    # K and V as column slices of one fused qkv projection: token stride != heads * head_dim.
+    qkv = torch.randn(num_tokens, 4 * num_kv_heads, head_dim).to(key_dtype)
+    key, value = qkv[:, num_kv_heads : 2 * num_kv_heads], qkv[:, 3 * num_kv_heads :]
+    # Block 0 guards each half: a skipped slot (-1) written anyway would land in it.
+    buffer = torch.randn(2, 1 + num_blocks, block_size, num_kv_heads, head_dim).to(cache_dtype)
+    expected = buffer.clone()
+    slots = random_slots(num_tokens, num_blocks, block_size, seed=num_kv_heads)
+    store_kv_ref(key, value, expected[0, 1:], expected[1, 1:], slots)
+    store_kv_triton(key, value, buffer[0, 1:], buffer[1, 1:], slots.to(torch.int32))
+    assert_copied(buffer, expected, key_dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("block_size, head_dim", [(16, 64), (32, 128)])
+def test_gather_and_scatter_pages_match_ref(dtype, block_size, head_dim):
+    # A layer of a [2, layers, N, ...] cache: its K and V halves are far apart in memory.
+    kv = torch.randn(2, 3, 9, block_size, 2, head_dim).to(dtype)
+    layer = kv[:, 1]
+    ids = torch.tensor([7, 2, 8, 0])
+    pages = gather_pages_triton(layer, ids)
+    assert torch.equal(pages, gather_pages_ref(layer, ids))
+
+    new_pages = torch.randn(2, 3, block_size, 2, head_dim)  # fp32: scatter casts to the cache
+    ids = torch.tensor([4, 1, 6], dtype=torch.int32)
+    expected = layer.clone()
+    scatter_pages_ref(expected, ids, new_pages)
+    scatter_pages_triton(layer, ids, new_pages)
+    assert_copied(layer, expected, new_pages.dtype)
+
+
+def test_store_kv_rejects_bad_inputs():
+    key = torch.randn(4, 2, 64)
+    cache = torch.zeros(3, 16, 2, 64)
+    slots = torch.arange(4)
+    with pytest.raises(ValueError, match="cache rows"):
+        store_kv_triton(key[:, :, :32], key[:, :, :32], cache, cache, slots)
+    with pytest.raises(ValueError, match="dtype"):
+        store_kv_triton(key, key, cache.int(), cache.int(), slots)
+    with pytest.raises(ValueError, match="slot_mapping"):
+        store_kv_triton(key, key, cache, cache, slots.float())
+    with pytest.raises(ValueError, match="contiguous"):
+        strided = torch.randn(4, 2, 128)[:, :, ::2]
+        store_kv_triton(strided, strided, cache, cache, slots)
+
+
+def test_paged_attention_rejects_bad_inputs():
+    batch = make_paged_batch([(3, 2)], 4, 2, 64, 16)
+    good = dict(
+        query=batch.query,
+        k_cache=batch.k_cache,
+        v_cache=batch.v_cache,
+        block_tables=batch.block_tables,
+        query_start_loc=batch.query_start_loc,
+        seq_lens=batch.seq_lens,
+        scale=0.125,
+    )
+    bad_cases = [
+        (dict(query=torch.randn(2, 3, 64)), "multiple"),
+        (dict(query=batch.query.half()), "dtype"),
+        (dict(seq_lens=torch.tensor([5, 5], dtype=torch.int32)), "seq_lens"),
+        (dict(block_tables=batch.block_tables.float()), "dtype"),
+        (dict(sliding_window=0), "sliding_window"),
+    ]
+    for change, message in bad_cases:
+        with pytest.raises(ValueError, match=message):
+            paged_attention_triton(**{**good, **change})
+
+
+def test_page_copy_rejects_bad_inputs():
+    layer = torch.zeros(2, 5, 16, 2, 64)
+    ids = torch.tensor([1, 3])
+    with pytest.raises(ValueError, match=r"\[2, n"):
+        gather_pages_triton(layer[0], ids)
+    with pytest.raises(ValueError, match="block_ids"):
+        gather_pages_triton(layer, ids.float())
+    with pytest.raises(ValueError, match="do not match"):
+        scatter_pages_triton(layer, ids, torch.zeros(2, 3, 16, 2, 64))
+    with pytest.raises(ValueError, match="compact"):
+        gather_pages_triton(layer.transpose(2, 3), ids)
