@@ -107,6 +107,10 @@ def _check(value: Any, hint: Any, where: str) -> Any:
     if origin in (tuple, list):
         if not isinstance(value, (list, tuple)):
             return _fail(where, hint)
+        if origin is tuple and args and args[-1] is not Ellipsis:  # fixed shape
+            if len(value) != len(args):
+                return _fail(where, hint)
+            return tuple(_check(v, a, where) for v, a in zip(value, args))
         item = args[0] if args else Any
         return tuple(_check(v, item, where) for v in value)
     if origin is dict:
@@ -172,3 +176,99 @@ class IntegrityReport(Message):
     free_blocks: int = 0
     cached_blocks: int = 0
     live_requests: tuple[str, ...] = field(default_factory=tuple)
+
+
+# -- node registry (node -> router) -----------------------------------------------------------
+
+
+@message
+@dataclass(frozen=True, slots=True)
+class RegisterNode(Message):
+    """A node announces itself to the router when it starts (and again after a reconnect)."""
+
+    TYPE: ClassVar[str] = "register_node"
+    node_id: str
+    role: str  # "prefill" | "decode" | "both"
+    kv_endpoint: str  # where its KV receiver listens ("" on prefill-only nodes)
+    kv_connector: str
+    layout_digest: str
+    num_blocks: int
+    block_size: int
+    max_model_len: int
+
+
+@message
+@dataclass(frozen=True, slots=True)
+class Heartbeat(Message):
+    """Load report; also renews the node's leases."""
+
+    TYPE: ClassVar[str] = "heartbeat"
+    node_id: str
+    free_blocks: int
+    num_running: int
+    num_waiting: int
+    queued_tokens: int
+    prefix_hashes: tuple[bytes, ...] = ()  # leading block hashes it caches, for prefix routing
+
+
+# -- request flow -----------------------------------------------------------------------------
+
+
+@message
+@dataclass(frozen=True, slots=True)
+class ReserveKV(Message):
+    """Router -> decode node: allocate the prompt's blocks now (admission control)."""
+
+    TYPE: ClassVar[str] = "reserve_kv"
+    request_id: str
+    prompt_token_ids: tuple[int, ...]
+    sampling: dict[str, Any]
+
+
+@message
+@dataclass(frozen=True, slots=True)
+class Reserved(Message):
+    """Decode node -> router: the blocks are held for xfer_id until KVDone or the lease ends."""
+
+    TYPE: ClassVar[str] = "reserved"
+    request_id: str
+    xfer_id: str
+    block_ids: tuple[int, ...]
+    kv_endpoint: str
+
+
+@message
+@dataclass(frozen=True, slots=True)
+class Busy(Message):
+    """Decode node -> router: no room now; try another node or later."""
+
+    TYPE: ClassVar[str] = "busy"
+    request_id: str
+    reason: str = ""
+
+
+@message
+@dataclass(frozen=True, slots=True)
+class Prefill(Message):
+    """Router -> prefill node: compute the prompt, stream its KV into the reserved blocks."""
+
+    TYPE: ClassVar[str] = "prefill"
+    request_id: str
+    prompt_token_ids: tuple[int, ...]
+    sampling: dict[str, Any]
+    xfer_id: str = ""  # empty for a colocated ("both") node: it decodes itself
+    dest_block_ids: tuple[int, ...] = ()
+    dest_kv_endpoint: str = ""
+
+
+@message
+@dataclass(frozen=True, slots=True)
+class Tokens(Message):
+    """Node -> router: new tokens of a request (the first one comes from the prefill node)."""
+
+    TYPE: ClassVar[str] = "tokens"
+    request_id: str
+    token_ids: tuple[int, ...]
+    logprobs: tuple[tuple[int, float, tuple[tuple[int, float], ...]], ...] = ()
+    finish_reason: str = ""  # "" while running
+    cached_tokens: int = 0

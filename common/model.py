@@ -1,0 +1,260 @@
+"""Llama, Qwen2, Qwen3 and Mistral as one flat-batch module over a paged KV cache.
+
+The math mirrors transformers' modeling code operation for operation (same casts, same order)
+so greedy output equals HF's token for token in float32. Parameter names equal the HF checkpoint
+names, so loading weights is a name lookup; nothing is fused yet.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from common.attention import AttentionMetadata
+from common.model_config import ModelArchConfig
+from kernels import ops
+
+
+class RMSNorm(nn.Module):
+    """Root-mean-square norm computed in float32, weight applied in the input dtype (as HF)."""
+
+    def __init__(self, size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(dtype)
+
+
+@dataclass
+class _RopeConfigView:
+    """The attributes transformers' ROPE_INIT_FUNCTIONS read, in both 4.x and 5.x spelling.
+
+    5.x reads `rope_parameters` (after `standardize_rope_params()`), 4.x reads `rope_theta`
+    and `rope_scaling`; handing them this view instead of a PreTrainedConfig keeps the model
+    independent of transformers' config classes.
+    """
+
+    hidden_size: int
+    num_attention_heads: int
+    head_dim: int
+    max_position_embeddings: int
+    rope_theta: float
+    rope_scaling: dict[str, Any]
+    rope_parameters: dict[str, Any] = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.rope_parameters = {**self.rope_scaling, "rope_theta": self.rope_theta}
+
+    def standardize_rope_params(self) -> None:
+        """Already standard: the fields were filled from a standardized ModelArchConfig."""
+
+
+def rope_inv_freq(config: ModelArchConfig) -> tuple[torch.Tensor, float]:
+    """(inv_freq [head_dim // 2] float32 on CPU, attention scaling) exactly as transformers does."""
+    dim = config.head_dim
+    if config.rope_type == "default":
+        # HF's default init; kept local because it is not in ROPE_INIT_FUNCTIONS.
+        exponent = torch.arange(0, dim, 2, dtype=torch.int64, device="cpu").float() / dim
+        return 1.0 / (config.rope_theta**exponent), 1.0
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    view = _RopeConfigView(
+        hidden_size=config.hidden_size,
+        num_attention_heads=config.num_heads,
+        head_dim=dim,
+        max_position_embeddings=config.max_position_embeddings,
+        rope_theta=config.rope_theta,
+        rope_scaling={**config.rope_scaling_dict(), "rope_type": config.rope_type},
+    )
+    inv_freq, scaling = ROPE_INIT_FUNCTIONS[config.rope_type](view, torch.device("cpu"))
+    return inv_freq.float(), float(scaling)
+
+
+class RotaryEmbedding(nn.Module):
+    """cos/sin of each token's position, computed per forward like HF (no table to keep exact)."""
+
+    def __init__(self, config: ModelArchConfig) -> None:
+        super().__init__()
+        # The explicit CPU device wins over an enclosing `torch.device("meta")` (the weight
+        # loader builds the model on meta), so this buffer is always real.
+        with torch.device("cpu"):
+            inv_freq, self.attention_scaling = rope_inv_freq(config)
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
+        freqs = positions[:, None].float() * self.inv_freq[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        cos = emb.cos() * self.attention_scaling
+        sin = emb.sin() * self.attention_scaling
+        return cos.to(dtype), sin.to(dtype)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate x [T, H, D] by per-token cos/sin [T, D] (HF's rotate-half convention)."""
+    cos, sin = cos[:, None, :], sin[:, None, :]
+    return x * cos + _rotate_half(x) * sin
+
+
+class Attention(nn.Module):
+    """GQA self-attention that writes its K/V into the paged cache, then attends over it."""
+
+    def __init__(self, config: ModelArchConfig, layer: int) -> None:
+        super().__init__()
+        h, d = config.hidden_size, config.head_dim
+        self.num_heads, self.num_kv_heads, self.head_dim = config.num_heads, config.num_kv_heads, d
+        self.scale = d**-0.5
+        self.sliding_window = config.layer_sliding_window(layer)
+        self.q_proj = nn.Linear(h, config.num_heads * d, bias=config.qkv_bias)
+        self.k_proj = nn.Linear(h, config.num_kv_heads * d, bias=config.qkv_bias)
+        self.v_proj = nn.Linear(h, config.num_kv_heads * d, bias=config.qkv_bias)
+        self.o_proj = nn.Linear(config.num_heads * d, h, bias=config.o_bias)
+        if config.qk_norm:
+            # Qwen3 normalizes each head's q and k before rope.
+            self.q_norm = RMSNorm(d, config.rms_norm_eps)
+            self.k_norm = RMSNorm(d, config.rms_norm_eps)
+        else:
+            self.q_norm = self.k_norm = None
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        attn: AttentionMetadata,
+        kv_cache: torch.Tensor,
+    ) -> torch.Tensor:
+        t = x.shape[0]
+        q = self.q_proj(x).view(t, self.num_heads, self.head_dim)
+        k = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        k_cache, v_cache = kv_cache[0], kv_cache[1]
+        ops.store_kv(k, v, k_cache, v_cache, attn.slot_mapping)
+        out = ops.paged_attention(
+            q,
+            k_cache,
+            v_cache,
+            attn.block_tables,
+            attn.query_start_loc,
+            attn.seq_lens,
+            self.scale,
+            self.sliding_window,
+        )
+        return self.o_proj(out.reshape(t, self.num_heads * self.head_dim))
+
+
+class MLP(nn.Module):
+    """SwiGLU feed-forward: down(silu(gate(x)) * up(x))."""
+
+    def __init__(self, config: ModelArchConfig) -> None:
+        super().__init__()
+        h, i, bias = config.hidden_size, config.intermediate_size, config.mlp_bias
+        self.gate_proj = nn.Linear(h, i, bias=bias)
+        self.up_proj = nn.Linear(h, i, bias=bias)
+        self.down_proj = nn.Linear(i, h, bias=bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm attention block followed by a pre-norm MLP block, each with a residual."""
+
+    def __init__(self, config: ModelArchConfig, layer: int) -> None:
+        super().__init__()
+        self.self_attn = Attention(config, layer)
+        self.mlp = MLP(config)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        attn: AttentionMetadata,
+        kv_cache: torch.Tensor,
+    ) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, attn, kv_cache)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaFamilyModel(nn.Module):
+    """The decoder stack; its attribute names give HF's `model.*` parameter names."""
+
+    def __init__(self, config: ModelArchConfig) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.rotary_emb = RotaryEmbedding(config)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        attn: AttentionMetadata,
+        kv_caches: list[torch.Tensor],
+    ) -> torch.Tensor:
+        assert len(kv_caches) == len(self.layers), (
+            f"{len(kv_caches)} KV caches for {len(self.layers)} layers"
+        )
+        x = self.embed_tokens(input_ids)
+        cos, sin = self.rotary_emb(positions, x.dtype)
+        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+            x = layer(x, cos, sin, attn, kv_cache)
+        return self.norm(x)
+
+
+class LlamaFamilyForCausalLM(nn.Module):
+    """Llama / Qwen2 / Qwen3 / Mistral causal LM over a flat batch of T tokens.
+
+    One forward serves prefill chunks and decode tokens together: `attn` says which tokens
+    belong to which sequence and where their K/V live. kv_caches holds one tensor per layer,
+    shaped [2, num_blocks, block_size, num_kv_heads, head_dim] (K at [0], V at [1]).
+    With tied embeddings there is no lm_head module, so the parameter names equal exactly
+    what a tied checkpoint stores.
+    """
+
+    def __init__(self, config: ModelArchConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.model = LlamaFamilyModel(config)
+        self.lm_head = (
+            None
+            if config.tie_word_embeddings
+            else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        )
+
+    @torch.no_grad()
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        attn: AttentionMetadata,
+        kv_caches: list[torch.Tensor],
+    ) -> torch.Tensor:
+        """Hidden states [T, hidden_size] after the final norm; writes each token's K/V."""
+        return self.model(input_ids, positions, attn, kv_caches)
+
+    @torch.no_grad()
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Logits [N, vocab_size] in float32 for the N rows the sampler needs."""
+        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(hidden, weight).float()

@@ -1,0 +1,220 @@
+"""The architecture facts the engine needs from a Hugging Face model directory.
+
+Everything downstream (model, weight loader, KV-cache layout, scheduler limits) reads this one
+frozen dataclass instead of poking at a transformers config, whose attribute names moved between
+transformers 4.x and 5.x.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+# Architectures whose forward pass `common.model.LlamaFamilyForCausalLM` reproduces exactly.
+SUPPORTED_ARCHITECTURES = (
+    "LlamaForCausalLM",
+    "Qwen2ForCausalLM",
+    "Qwen3ForCausalLM",
+    "MistralForCausalLM",
+)
+
+# RoPE variants with position-independent frequencies, so one inv_freq serves every position.
+# "dynamic" qualifies below max_position_embeddings: HF recomputes only for longer sequences.
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "dynamic")
+
+# Rope dict keys that are not scaling parameters (kept in their own fields instead).
+_ROPE_META_KEYS = ("rope_type", "type", "rope_theta")
+
+
+@dataclass(frozen=True, slots=True)
+class ModelArchConfig:
+    """Shape and behaviour of one Llama-family checkpoint, independent of transformers' version.
+
+    rope_scaling holds the scaling parameters of a non-default rope type as sorted
+    (key, value) pairs (lists turned into tuples) so the dataclass stays hashable;
+    `rope_scaling_dict()` gives them back as a dict. sliding_layers lists the layer indices
+    that attend through a sliding window of `sliding_window` tokens (Qwen2/3 only apply it from
+    max_window_layers on).
+    """
+
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    tie_word_embeddings: bool
+    qkv_bias: bool
+    o_bias: bool
+    mlp_bias: bool
+    qk_norm: bool
+    sliding_window: int | None
+    sliding_layers: tuple[int, ...]
+    max_position_embeddings: int
+    eos_token_ids: tuple[int, ...]
+    rope_theta: float
+    rope_type: str = "default"
+    rope_scaling: tuple[tuple[str, Any], ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.architecture not in SUPPORTED_ARCHITECTURES:
+            raise ValueError(
+                f"unsupported architecture {self.architecture!r}; "
+                f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+            )
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(
+                f"num_heads ({self.num_heads}) must be a multiple of "
+                f"num_kv_heads ({self.num_kv_heads})"
+            )
+        if self.rope_type not in SUPPORTED_ROPE_TYPES:
+            raise ValueError(
+                f"unsupported rope type {self.rope_type!r}; "
+                f"supported: {', '.join(SUPPORTED_ROPE_TYPES)}"
+            )
+        if dict(self.rope_scaling).get("partial_rotary_factor", 1.0) != 1.0:
+            raise ValueError("partial rotary embeddings are not supported")
+        if (self.sliding_window is None) != (not self.sliding_layers):
+            raise ValueError("sliding_window and sliding_layers must be set together")
+
+    def rope_scaling_dict(self) -> dict[str, Any]:
+        """The rope scaling parameters as transformers spells them (without type and theta)."""
+        return {k: list(v) if isinstance(v, tuple) else v for k, v in self.rope_scaling}
+
+    def layer_sliding_window(self, layer: int) -> int | None:
+        """The attention window of one layer, or None when it attends to its whole context."""
+        return self.sliding_window if layer in self.sliding_layers else None
+
+    @classmethod
+    def from_hf(cls, hf_config: Any, generation_config: Any | None = None) -> ModelArchConfig:
+        """Build from a transformers config (4.x or 5.x style) and its optional generation config.
+
+        eos_token_ids is the union of both configs' eos ids (config first): chat models often
+        list their end-of-turn token only in generation_config.json.
+        """
+        arch = _architecture(hf_config)
+        act = getattr(hf_config, "hidden_act", "silu")
+        if act != "silu":
+            raise ValueError(f"unsupported hidden_act {act!r}; the MLP is SwiGLU (silu)")
+        num_heads = hf_config.num_attention_heads
+        head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // num_heads
+        attention_bias = bool(getattr(hf_config, "attention_bias", False))
+        is_qwen2 = arch == "Qwen2ForCausalLM"
+        rope_type, rope_theta, rope_scaling = _rope_settings(hf_config)
+        window, sliding_layers = _sliding_window(arch, hf_config)
+        return cls(
+            architecture=arch,
+            vocab_size=hf_config.vocab_size,
+            hidden_size=hf_config.hidden_size,
+            intermediate_size=hf_config.intermediate_size,
+            num_layers=hf_config.num_hidden_layers,
+            num_heads=num_heads,
+            num_kv_heads=getattr(hf_config, "num_key_value_heads", None) or num_heads,
+            head_dim=head_dim,
+            rms_norm_eps=float(hf_config.rms_norm_eps),
+            tie_word_embeddings=bool(getattr(hf_config, "tie_word_embeddings", False)),
+            # Qwen2 hard-codes bias on q/k/v and none on o_proj, whatever the config says.
+            qkv_bias=is_qwen2 or attention_bias,
+            o_bias=not is_qwen2 and attention_bias,
+            mlp_bias=bool(getattr(hf_config, "mlp_bias", False)),
+            qk_norm=arch == "Qwen3ForCausalLM",
+            sliding_window=window,
+            sliding_layers=sliding_layers,
+            max_position_embeddings=hf_config.max_position_embeddings,
+            eos_token_ids=_eos_ids(hf_config, generation_config),
+            rope_theta=rope_theta,
+            rope_type=rope_type,
+            rope_scaling=rope_scaling,
+        )
+
+    @classmethod
+    def from_dir(cls, model_dir: str | Path) -> ModelArchConfig:
+        """Read config.json (and generation_config.json when present) from a local directory."""
+        from transformers import AutoConfig, GenerationConfig
+
+        hf_config = AutoConfig.from_pretrained(model_dir, local_files_only=True)
+        generation_config = None
+        if (Path(model_dir) / "generation_config.json").is_file():
+            generation_config = GenerationConfig.from_pretrained(model_dir, local_files_only=True)
+        return cls.from_hf(hf_config, generation_config)
+
+
+def _architecture(hf_config: Any) -> str:
+    archs = list(getattr(hf_config, "architectures", None) or [])
+    for arch in archs:
+        if arch in SUPPORTED_ARCHITECTURES:
+            return arch
+    # A config built in code (not read from disk) has no architectures list; its model_type
+    # still names the family unambiguously.
+    by_type = {a.removesuffix("ForCausalLM").lower(): a for a in SUPPORTED_ARCHITECTURES}
+    model_type = getattr(hf_config, "model_type", None)
+    if not archs and model_type in by_type:
+        return by_type[model_type]
+    raise ValueError(
+        f"unsupported architecture {archs or model_type!r}; "
+        f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+    )
+
+
+def _rope_settings(hf_config: Any) -> tuple[str, float, tuple[tuple[str, Any], ...]]:
+    """(rope_type, rope_theta, scaling pairs) from either config style.
+
+    transformers 5.x keeps everything in `rope_parameters` (theta included); 4.x has a separate
+    `rope_theta` and an optional `rope_scaling` dict that older checkpoints spell with "type".
+    """
+    params = getattr(hf_config, "rope_parameters", None)
+    if isinstance(params, dict) and params:
+        theta = params.get("rope_theta", getattr(hf_config, "rope_theta", None))
+        scaling = dict(params)
+    else:
+        theta = getattr(hf_config, "rope_theta", None)
+        scaling = dict(getattr(hf_config, "rope_scaling", None) or {})
+    rope_type = scaling.get("rope_type", scaling.get("type", "default"))
+    extra = {k: v for k, v in scaling.items() if k not in _ROPE_META_KEYS}
+    if rope_type in ("llama3", "yarn"):
+        # Both transformers versions fall back to max_position_embeddings when this is missing.
+        extra.setdefault("original_max_position_embeddings", hf_config.max_position_embeddings)
+    pairs = tuple(sorted((k, tuple(v) if isinstance(v, list) else v) for k, v in extra.items()))
+    return rope_type, float(10000.0 if theta is None else theta), pairs
+
+
+def _sliding_window(arch: str, hf_config: Any) -> tuple[int | None, tuple[int, ...]]:
+    """(window, layers that use it); (None, ()) when no layer slides."""
+    window = getattr(hf_config, "sliding_window", None)
+    n = hf_config.num_hidden_layers
+    if arch == "MistralForCausalLM":
+        layers = tuple(range(n)) if window is not None else ()
+    elif arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM"):
+        # transformers keeps sliding_window set when use_sliding_window is False (4.x), so the
+        # flag decides; 5.x also records the per-layer choice in layer_types.
+        if not getattr(hf_config, "use_sliding_window", False) or window is None:
+            layers = ()
+        elif getattr(hf_config, "layer_types", None):
+            layers = tuple(
+                i for i, t in enumerate(hf_config.layer_types) if t == "sliding_attention"
+            )
+        else:
+            first = getattr(hf_config, "max_window_layers", 0)
+            layers = tuple(range(first, n))
+    else:
+        layers = ()
+    return (int(window), layers) if layers else (None, ())
+
+
+def _as_ids(value: Any) -> list[int]:
+    if value is None:
+        return []
+    if isinstance(value, int):
+        return [value]
+    return [int(v) for v in value]
+
+
+def _eos_ids(hf_config: Any, generation_config: Any | None) -> tuple[int, ...]:
+    ids = _as_ids(getattr(hf_config, "eos_token_id", None))
+    if generation_config is not None:
+        ids += _as_ids(getattr(generation_config, "eos_token_id", None))
+    return tuple(dict.fromkeys(ids))

@@ -1,0 +1,119 @@
+"""Load a Llama-family checkpoint from a local Hugging Face directory into our model.
+
+The model is built on the meta device (no random init, no double memory), then every
+parameter is assigned from the checkpoint by name; anything missing, unexpected or misshapen
+is a ValueError that names it.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+
+from common.model import LlamaFamilyForCausalLM
+from common.model_config import ModelArchConfig
+
+# Checkpoint keys that hold no weights of ours: old Llama checkpoints saved rope buffers.
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+# How many names an error message lists before it says "and N more".
+_MAX_NAMES_IN_ERROR = 10
+
+
+def load_model(
+    model_dir: str | Path, dtype: torch.dtype, device: torch.device | str
+) -> tuple[LlamaFamilyForCausalLM, ModelArchConfig]:
+    """Build the model described by model_dir/config.json and load its weights.
+
+    Reads *.safetensors (one file, or shards listed in model.safetensors.index.json); only when
+    there are none, pytorch_model.bin (or its shards) through torch.load(weights_only=True).
+    Returns the model in eval mode with gradients off, on `device`, in `dtype`.
+    """
+    model_dir = Path(model_dir)
+    config = ModelArchConfig.from_dir(model_dir)
+    with torch.device("meta"):
+        model = LlamaFamilyForCausalLM(config)
+    expected = {name: p.shape for name, p in model.named_parameters()}
+    state = {}
+    for name, tensor in _iter_checkpoint(model_dir):
+        if _ignored(name, config):
+            continue
+        state[name] = tensor.to(device=device, dtype=dtype)
+    _check_names(expected, state, model_dir)
+    model.load_state_dict(state, strict=True, assign=True)
+    # Buffers (rope inv_freq) stay float32: HF computes rope in float32 whatever the dtype.
+    model.to(device)
+    model.requires_grad_(False)
+    return model.eval(), config
+
+
+def checkpoint_files(model_dir: Path) -> list[Path]:
+    """The weight files of model_dir, safetensors preferred; ValueError when there are none."""
+    for index_name, single_name, pattern in (
+        ("model.safetensors.index.json", "model.safetensors", "*.safetensors"),
+        ("pytorch_model.bin.index.json", "pytorch_model.bin", "pytorch_model*.bin"),
+    ):
+        index = model_dir / index_name
+        if index.is_file():
+            weight_map = json.loads(index.read_text())["weight_map"]
+            return [model_dir / f for f in sorted(set(weight_map.values()))]
+        # Without an index, the standard single-file name wins over stray files such as
+        # Mistral's consolidated.safetensors (the same weights under other names).
+        single = model_dir / single_name
+        if single.is_file():
+            return [single]
+        files = sorted(model_dir.glob(pattern))
+        if files:
+            return files
+    raise ValueError(f"no *.safetensors or pytorch_model.bin weights in {model_dir}")
+
+
+def _iter_checkpoint(model_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:
+    from safetensors import safe_open
+
+    for path in checkpoint_files(model_dir):
+        if path.suffix == ".safetensors":
+            with safe_open(str(path), framework="pt", device="cpu") as f:
+                for name in f.keys():
+                    yield name, f.get_tensor(name)
+        else:
+            # weights_only refuses arbitrary pickled objects: a checkpoint is data, not code.
+            yield from torch.load(path, map_location="cpu", weights_only=True).items()
+
+
+def _ignored(name: str, config: ModelArchConfig) -> bool:
+    if name.endswith(_IGNORED_SUFFIXES):
+        return True
+    # Some tied checkpoints still store a copy of the embedding as lm_head; HF ignores it too.
+    return config.tie_word_embeddings and name == "lm_head.weight"
+
+
+def _check_names(
+    expected: dict[str, torch.Size], state: dict[str, torch.Tensor], model_dir: Path
+) -> None:
+    missing = sorted(expected.keys() - state.keys())
+    unexpected = sorted(state.keys() - expected.keys())
+    misshapen = sorted(
+        f"{n} {tuple(state[n].shape)} != {tuple(s)}"
+        for n, s in expected.items()
+        if n in state and state[n].shape != s
+    )
+    problems = [
+        f"{what} ({len(names)}): {_names(names)}"
+        for what, names in (
+            ("missing weights", missing),
+            ("unexpected weights", unexpected),
+            ("wrong shapes", misshapen),
+        )
+        if names
+    ]
+    if problems:
+        raise ValueError(f"checkpoint {model_dir} does not match the model: " + "; ".join(problems))
+
+
+def _names(names: list[str]) -> str:
+    shown = ", ".join(names[:_MAX_NAMES_IN_ERROR])
+    more = len(names) - _MAX_NAMES_IN_ERROR
+    return f"{shown} and {more} more" if more > 0 else shown

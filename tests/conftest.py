@@ -1,0 +1,31 @@
+"""Session-wide fixtures shared by every test folder."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from common.tiny_model import make_tiny_model
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Path]:
+    """Factory `tiny_model_dir(arch, **overrides) -> Path` of tiny random checkpoints.
+
+    Each (arch, overrides) is built once per session (about 0.2 s each) and shared, so tests
+    must treat the directory as read-only; copy it before changing files.
+    """
+    built: dict[tuple[str, str], Path] = {}
+
+    def make(arch: str = "llama", **overrides: Any) -> Path:
+        # repr keys the cache because overrides may hold dicts (rope_scaling).
+        key = (arch, repr(sorted(overrides.items())))
+        if key not in built:
+            out = tmp_path_factory.mktemp(f"tiny-{arch}")
+            built[key] = make_tiny_model(arch, out, **overrides)
+        return built[key]
+
+    return make
