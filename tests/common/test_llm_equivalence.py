@@ -46,8 +46,12 @@ def hf_greedy(model_dir: str) -> tuple[list[list[int]], list[list[float]]]:
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     model.generation_config.eos_token_id = None  # ignore_eos: run every prompt to max tokens
     config = GenerationConfig(
-        max_new_tokens=MAX_TOKENS, do_sample=False, eos_token_id=None, pad_token_id=0,
-        output_logits=True, return_dict_in_generate=True,
+        max_new_tokens=MAX_TOKENS,
+        do_sample=False,
+        eos_token_id=None,
+        pad_token_id=0,
+        output_logits=True,
+        return_dict_in_generate=True,
     )
     tokens, logprobs = [], []
     with torch.no_grad():
@@ -103,7 +107,9 @@ def test_unchunked_greedy_matches_hf(model_dirs, arch, block_size):
 )
 def test_chunked_prefill_matches_hf(model_dirs, arch, block_size, chunk, budget):
     _, outs = run_engine(
-        model_dirs[arch], block_size=block_size, long_prefill_token_threshold=chunk,
+        model_dirs[arch],
+        block_size=block_size,
+        long_prefill_token_threshold=chunk,
         max_num_batched_tokens=budget,
     )
     assert_matches_hf(model_dirs[arch], outs)
@@ -114,7 +120,10 @@ def test_forced_preemption_matches_hf(model_dirs, arch, block_size):
     longest = max(len(p) for p in PROMPTS) + MAX_TOKENS
     num_blocks = -(-longest // block_size) + 4  # room for the longest, not for the batch
     _, outs = run_engine(
-        model_dirs[arch], block_size=block_size, num_blocks=num_blocks, max_num_batched_tokens=128,
+        model_dirs[arch],
+        block_size=block_size,
+        num_blocks=num_blocks,
+        max_num_batched_tokens=128,
     )
     assert sum(o.num_preemptions for o in outs) > 0, "pool was meant to force preemption"
     assert_matches_hf(model_dirs[arch], outs)
@@ -155,7 +164,9 @@ def test_seeded_sampling_is_reproducible_whatever_the_batch(model_dirs):
     seeded = SamplingParams(max_tokens=12, temperature=0.9, top_p=0.95, seed=1234, ignore_eos=True)
     (alone,) = llm.generate([PROMPTS[5]], seeded)
     noise = SamplingParams(max_tokens=20, temperature=1.0, ignore_eos=True)
-    batch = llm.generate([PROMPTS[7], PROMPTS[5], PROMPTS[2], PROMPTS[5]], [noise, seeded, noise, noise])
+    batch = llm.generate(
+        [PROMPTS[7], PROMPTS[5], PROMPTS[2], PROMPTS[5]], [noise, seeded, noise, noise]
+    )
     assert batch[1].token_ids == alone.token_ids
     other = SamplingParams(max_tokens=12, temperature=0.9, top_p=0.95, seed=99, ignore_eos=True)
     (diff,) = llm.generate([PROMPTS[5]], other)

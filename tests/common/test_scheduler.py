@@ -39,7 +39,10 @@ class Harness:
         for seq in out.seqs:
             r = self.s.requests[seq.request_id]
             assert seq.start_pos == r.num_computed_tokens
-            assert list(seq.token_ids) == r.all_token_ids[seq.start_pos : seq.start_pos + len(seq.token_ids)]
+            assert (
+                list(seq.token_ids)
+                == r.all_token_ids[seq.start_pos : seq.start_pos + len(seq.token_ids)]
+            )
             if seq.sample:
                 forced = self.forced.get(seq.request_id)
                 tok = forced.pop(0) if forced else fake_next(r.all_token_ids, seq.banned_token_ids)
