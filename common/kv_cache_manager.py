@@ -100,10 +100,13 @@ class KVCacheManager:
         request: Request,
         num_new_tokens: int,
         new_computed: KVCacheBlocks = KVCacheBlocks(),
+        cache: bool = True,
     ) -> KVCacheBlocks | None:
         """Make room for num_new_tokens after the request's computed (and newly hit) tokens.
 
         Returns the newly allocated blocks, or None when the pool cannot supply them now.
+        cache=False leaves the blocks out of the prefix index (their KV arrives from another
+        node later; call cache_blocks once it has).
         """
         assert num_new_tokens >= 1, "allocate at least one token"
         owned = self.req_blocks.setdefault(request.request_id, [])
@@ -118,10 +121,11 @@ class KVCacheManager:
         owned.extend(new_computed.blocks)
         new_blocks = self.pool.get_new_blocks(max(n_needed, 0))
         owned.extend(new_blocks)
-        self._cache_full_blocks(request, min(total, request.num_tokens))
+        if cache:
+            self.cache_blocks(request, min(total, request.num_tokens))
         return KVCacheBlocks(tuple(new_blocks))
 
-    def _cache_full_blocks(self, request: Request, num_tokens: int) -> None:
+    def cache_blocks(self, request: Request, num_tokens: int) -> None:
         """Index every full block up to num_tokens. Safe before the forward runs: within a
         layer every token's KV is stored before any attention reads the cache."""
         if not self.enable_caching:

@@ -74,12 +74,12 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
+        self.reserved: dict[str, Request] = {}  # blocks held, KV arriving from a prefill node
         self._finished_ids: list[str] = []
 
     # -- admission -------------------------------------------------------------------------
 
-    def add_request(self, request: Request) -> None:
-        """Queue a request; ValueError if it can never run here."""
+    def _validate(self, request: Request) -> None:
         if request.request_id in self.requests:
             raise ValueError(f"duplicate request id {request.request_id!r}")
         limit = min(self.max_model_len, self.kv.capacity_tokens())
@@ -87,6 +87,10 @@ class Scheduler:
             raise ValueError(
                 f"prompt has {request.num_tokens} tokens; this engine holds at most {limit}"
             )
+
+    def add_request(self, request: Request) -> None:
+        """Queue a request; ValueError if it can never run here."""
+        self._validate(request)
         self.requests[request.request_id] = request
         self.waiting.append(request)
         if self.config.policy == "priority":
@@ -99,6 +103,35 @@ class Scheduler:
             return None
         self._finish(request, FinishReason.ABORT)
         return request
+
+    # -- remote prefill (decode node) -----------------------------------------------------
+
+    def reserve(self, request: Request) -> list[int] | None:
+        """Hold blocks for the whole prompt until its KV arrives; None when there is no room.
+
+        The blocks stay out of the prefix index until admit_remote: until then they hold
+        no valid KV.
+        """
+        self._validate(request)
+        if len(self.running) + len(self.reserved) >= self.config.max_num_seqs:
+            return None
+        if self.kv.allocate_slots(request, request.num_tokens, cache=False) is None:
+            self.kv.free(request)
+            return None
+        self.requests[request.request_id] = request
+        self.reserved[request.request_id] = request
+        return self.kv.block_ids(request.request_id)
+
+    def admit_remote(self, request_id: str, first: SampledToken) -> RequestUpdate | None:
+        """The prompt's KV has arrived: run the request from its first sampled token on."""
+        request = self.reserved.pop(request_id, None)
+        if request is None:
+            return None  # aborted meanwhile
+        request.num_computed_tokens = request.num_tokens
+        self.kv.cache_blocks(request, request.num_tokens)
+        request.status = RequestStatus.RUNNING
+        self.running.append(request)
+        return self._accept(request, first)
 
     @property
     def has_unfinished(self) -> bool:
@@ -217,15 +250,24 @@ class Scheduler:
                 continue  # aborted while its step ran
             request.num_computed_tokens += len(seq.token_ids)
             token = sampled.get(seq.request_id)
-            if token is None:
-                continue
-            request.append_output(token.token_id, token.logprobs)
-            reason = self._stop_reason(request, token.token_id)
-            if reason is not None:
-                self._finish(request, reason)
-            lps = (token.logprobs,) if token.logprobs is not None else ()
-            updates.append(RequestUpdate(request.request_id, (token.token_id,), lps, reason))
+            if token is not None:
+                updates.append(self._accept(request, token))
         return updates
+
+    def _accept(self, request: Request, token: SampledToken) -> RequestUpdate:
+        request.append_output(token.token_id, token.logprobs)
+        reason = self._stop_reason(request, token.token_id)
+        if reason is not None:
+            self._finish(request, reason)
+        lps = (token.logprobs,) if token.logprobs is not None else ()
+        return RequestUpdate(request.request_id, (token.token_id,), lps, reason)
+
+    def release(self, request_id: str) -> None:
+        """A prefill node hands a request off after its first token: drop it, keep its
+        full blocks in the prefix cache (they become evictable)."""
+        request = self.requests.get(request_id)
+        if request is not None:
+            self._finish(request, None)
 
     def _stop_reason(self, request: Request, token_id: int) -> FinishReason | None:
         params = request.sampling
@@ -241,11 +283,12 @@ class Scheduler:
             return FinishReason.LENGTH
         return None
 
-    def _finish(self, request: Request, reason: FinishReason) -> None:
+    def _finish(self, request: Request, reason: FinishReason | None) -> None:
         if request in self.running:
             self.running.remove(request)
         elif request in self.waiting:
             self.waiting.remove(request)
+        self.reserved.pop(request.request_id, None)
         self.kv.free(request)
         request.status = RequestStatus.FINISHED
         request.finish_reason = reason

@@ -242,3 +242,55 @@ def test_request_aborted_mid_step_is_skipped_by_update():
     h.s.abort("a")
     assert h.s.update(out, {"a": SampledToken("a", 20)}) == []
     h.done()
+
+
+def test_reserve_then_admit_remote_decodes_from_first_token():
+    h = Harness(num_blocks=9)
+    r = Request("d", list(range(10)), SamplingParams(max_tokens=3), (EOS,))
+    blocks = h.s.reserve(r)
+    assert blocks is not None and len(blocks) == 3
+    assert h.s.schedule().empty  # nothing runs until the KV is there
+    assert h.kv.pool.cached == {}  # reserved blocks hold no valid KV yet: not indexed
+    upd = h.s.admit_remote("d", SampledToken("d", 42))
+    assert upd.new_token_ids == (42,) and upd.finish_reason is None
+    assert len(h.kv.pool.cached) == 2  # now the prompt's full blocks are shareable
+    out = h.step()
+    assert out.seqs[0].start_pos == 10 and out.seqs[0].token_ids == (42,)
+    h.run()
+    assert r.num_output_tokens == 3 and r.finish_reason is FinishReason.LENGTH
+    h.done()
+
+
+def test_reserve_refuses_when_full_and_abort_frees_reservation():
+    h = Harness(num_blocks=5)  # 4 usable blocks of 4
+    a = Request("a", list(range(12)), SamplingParams(max_tokens=3), (EOS,))
+    b = Request("b", list(range(20, 32)), SamplingParams(max_tokens=3), (EOS,))
+    assert h.s.reserve(a) is not None
+    assert h.s.reserve(b) is None  # busy: nothing held for it
+    h.kv.check_integrity()
+    h.s.abort("a")
+    assert h.s.admit_remote("a", SampledToken("a", 1)) is None  # late KVDone is harmless
+    h.done()
+
+
+def test_first_token_can_finish_a_remote_request():
+    h = Harness()
+    r = Request("d", list(range(6)), SamplingParams(max_tokens=1), (EOS,))
+    h.s.reserve(r)
+    upd = h.s.admit_remote("d", SampledToken("d", 7))
+    assert upd.finish_reason is FinishReason.LENGTH
+    h.done()
+
+
+def test_release_keeps_prefix_cached_for_the_next_request():
+    h = Harness()
+    h.add("p", range(9), max_tokens=5)
+    h.step()
+    h.s.release("p")
+    h.s.release("p")  # idempotent
+    assert h.kv.num_free_blocks == h.kv.pool.num_blocks - 1
+    q = h.add("q", range(9), max_tokens=1)
+    h.step()
+    assert q.num_cached_tokens == 8
+    h.run()
+    h.done()
