@@ -46,10 +46,22 @@ class LLMEngine:
         sampling: SamplingParams,
         priority: int = 0,
     ) -> Request:
+        request = self.new_request(request_id, prompt_token_ids, sampling, priority)
+        self.scheduler.add_request(request)
+        return request
+
+    def new_request(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        sampling: SamplingParams,
+        priority: int = 0,
+    ) -> Request:
+        """A validated Request, not yet queued (a decode node reserves it instead)."""
         vocab = self.runner.arch.vocab_size
         if any(not 0 <= t < vocab for t in prompt_token_ids):
             raise ValueError(f"prompt token ids must be in [0, {vocab})")
-        request = Request(
+        return Request(
             request_id=request_id,
             prompt_token_ids=list(prompt_token_ids),
             sampling=sampling,
@@ -57,8 +69,6 @@ class LLMEngine:
             arrival=time.monotonic(),
             priority=priority,
         )
-        self.scheduler.add_request(request)
-        return request
 
     def abort(self, request_id: str) -> None:
         self.scheduler.abort(request_id)

@@ -56,6 +56,7 @@ class RequestUpdate:
     new_token_ids: tuple[int, ...]
     new_logprobs: tuple[TokenLogprobs, ...]
     finish_reason: FinishReason | None
+    cached_tokens: int = 0  # prompt tokens served from the prefix cache (first update only)
 
 
 @dataclass(slots=True)
@@ -260,7 +261,8 @@ class Scheduler:
         if reason is not None:
             self._finish(request, reason)
         lps = (token.logprobs,) if token.logprobs is not None else ()
-        return RequestUpdate(request.request_id, (token.token_id,), lps, reason)
+        cached = request.num_cached_tokens if request.num_output_tokens == 1 else 0
+        return RequestUpdate(request.request_id, (token.token_id,), lps, reason, cached)
 
     def release(self, request_id: str) -> None:
         """A prefill node hands a request off after its first token: drop it, keep its

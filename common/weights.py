@@ -7,6 +7,7 @@ is a ValueError that names it.
 
 from __future__ import annotations
 
+import hashlib
 import json
 from collections.abc import Iterator
 from pathlib import Path
@@ -117,3 +118,22 @@ def _names(names: list[str]) -> str:
     shown = ", ".join(names[:_MAX_NAMES_IN_ERROR])
     more = len(names) - _MAX_NAMES_IN_ERROR
     return f"{shown} and {more} more" if more > 0 else shown
+
+
+def model_fingerprint(model_dir: str | Path) -> str:
+    """A short id of a checkpoint: its config plus a sample of every weight file.
+
+    Two nodes must hold the same model for their KV to be interchangeable; this tells apart
+    checkpoints with equal shapes but other weights, without hashing gigabytes.
+    """
+    root = Path(model_dir)
+    h = hashlib.sha256((root / "config.json").read_bytes())
+    sample = 1 << 16
+    for path in checkpoint_files(root):
+        size = path.stat().st_size
+        h.update(f"{path.name}:{size}".encode())
+        with path.open("rb") as f:
+            h.update(f.read(sample))
+            f.seek(max(0, size - sample))
+            h.update(f.read(sample))
+    return h.hexdigest()[:16]

@@ -1,0 +1,38 @@
+"""Process entry helpers: logging, signals, and the run of one node."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import signal
+
+from common.cli import add_node_args, engine_configs
+
+
+def setup_logging(level: str = "INFO") -> None:
+    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+
+def run_node(
+    node_cls, description: str, argv: list[str] | None = None, pass_args: tuple[str, ...] = ()
+) -> None:
+    """Parse node flags, build the node, serve until SIGINT/SIGTERM."""
+    parser = argparse.ArgumentParser(description=description)
+    add_node_args(parser)
+    args = parser.parse_args(argv)
+    setup_logging()
+    model, cache, sched = engine_configs(args)
+    kwargs = {k: getattr(args, k) for k in pass_args}
+    node = node_cls(
+        model,
+        cache,
+        sched,
+        router_addr=args.router,
+        node_id=args.node_id,
+        heartbeat_interval=args.heartbeat_interval,
+        **kwargs,
+    )
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: node.stop_event.set())
+    logging.getLogger(node_cls.__module__).info("%s %s serving", node.role, node.node_id)
+    node.run()

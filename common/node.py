@@ -1,0 +1,217 @@
+"""The loop every node process runs, and the colocated ("both") role.
+
+A node's loop reads like an engine step with I/O around it:
+
+    handle control messages -> role I/O (KV arrivals) -> engine step -> heartbeat
+
+Role differences live in small subclasses (prefill_node, decode_node, ColocatedNode here)
+that override the hooks; there is no `if role == ...` in the loop.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import threading
+import time
+import uuid
+
+import zmq
+
+from common.config import CacheConfig, ModelConfig, SchedulerConfig
+from common.control import ControlClient
+from common.engine import LLMEngine
+from common.protocol import (
+    Abort,
+    CheckIntegrity,
+    Error,
+    Heartbeat,
+    IntegrityReport,
+    Message,
+    Prefill,
+    RegisterNode,
+    Tokens,
+)
+from common.request import TokenLogprobs
+from common.sampling_params import SamplingParams
+from common.scheduler import RequestUpdate
+
+log = logging.getLogger(__name__)
+
+
+def sampling_from_wire(d: dict) -> SamplingParams:
+    """SamplingParams from a wire dict; ValueError on bad fields."""
+    known = {f.name for f in dataclasses.fields(SamplingParams)}
+    unknown = set(d) - known
+    if unknown:
+        raise ValueError(f"unknown sampling fields {sorted(unknown)}")
+    return SamplingParams(**d)
+
+
+def sampling_to_wire(p: SamplingParams) -> dict:
+    d = dataclasses.asdict(p)
+    d["stop_token_ids"] = list(p.stop_token_ids)
+    return d
+
+
+def logprobs_to_wire(lps: tuple[TokenLogprobs, ...]) -> tuple:
+    return tuple((lp.token_id, lp.logprob, tuple(lp.top)) for lp in lps)
+
+
+def logprobs_from_wire(wire: tuple) -> tuple[TokenLogprobs, ...]:
+    return tuple(TokenLogprobs(t, lp, tuple(tuple(x) for x in top)) for t, lp, top in wire)
+
+
+class EngineNode:
+    """Base node: control link, engine, the loop, and the handlers every role shares."""
+
+    role = "both"
+
+    def __init__(
+        self,
+        model: ModelConfig,
+        cache: CacheConfig,
+        scheduler: SchedulerConfig,
+        router_addr: str,
+        node_id: str | None = None,
+        heartbeat_interval: float = 0.5,
+    ) -> None:
+        self.engine = LLMEngine(model, cache, scheduler)
+        self.model_config = model
+        self.block_size = cache.block_size
+        self.node_id = node_id or f"{self.role}-{uuid.uuid4().hex[:8]}"
+        self.ctx = zmq.Context()
+        self.control = ControlClient(self.ctx, router_addr, self.node_id)
+        self.heartbeat_interval = heartbeat_interval
+        self._next_heartbeat = 0.0
+        self.stop_event = threading.Event()
+
+    # -- hooks for roles -------------------------------------------------------------------
+
+    def kv_endpoint(self) -> str:
+        return ""
+
+    def kv_connector(self) -> str:
+        return ""
+
+    def layout_digest(self) -> str:
+        return ""
+
+    def poll_io(self) -> None:
+        """Role I/O between steps (e.g. KV arrivals on a decode node)."""
+
+    def on_prefill(self, msg: Prefill) -> None:
+        """A colocated node runs the whole request itself."""
+        sampling = sampling_from_wire(msg.sampling)
+        self.engine.add_request(msg.request_id, list(msg.prompt_token_ids), sampling)
+
+    def on_message(self, msg: Message) -> None:
+        raise ValueError(f"{self.role} node does not take {msg.TYPE}")
+
+    def step(self) -> None:
+        for update in self.engine.step():
+            self.send_update(update)
+
+    # -- shared ----------------------------------------------------------------------------
+
+    def send_update(self, update: RequestUpdate) -> None:
+        reason = update.finish_reason.value if update.finish_reason else ""
+        self.control.send(
+            Tokens(
+                request_id=update.request_id,
+                token_ids=update.new_token_ids,
+                logprobs=logprobs_to_wire(update.new_logprobs),
+                finish_reason=reason,
+                cached_tokens=update.cached_tokens,
+            )
+        )
+
+    def register(self) -> None:
+        self.control.send(
+            RegisterNode(
+                node_id=self.node_id,
+                role=self.role,
+                kv_endpoint=self.kv_endpoint(),
+                kv_connector=self.kv_connector(),
+                layout_digest=self.layout_digest(),
+                num_blocks=self.engine.runner.num_blocks,
+                block_size=self.block_size,
+                max_model_len=self.engine.max_model_len,
+            )
+        )
+
+    def heartbeat(self) -> None:
+        now = time.monotonic()
+        if now < self._next_heartbeat:
+            return
+        self._next_heartbeat = now + self.heartbeat_interval
+        sched = self.engine.scheduler
+        queued = sum(r.num_tokens - r.num_computed_tokens for r in sched.waiting)
+        self.control.send(
+            Heartbeat(
+                node_id=self.node_id,
+                free_blocks=self.engine.kv.num_free_blocks,
+                num_running=len(sched.running),
+                num_waiting=len(sched.waiting),
+                queued_tokens=queued,
+            )
+        )
+
+    def handle(self, msg: Message) -> None:
+        rid = getattr(msg, "request_id", "")
+        try:
+            if isinstance(msg, Prefill):
+                self.on_prefill(msg)
+            elif isinstance(msg, Abort):
+                self.abort(msg.request_id)
+            elif isinstance(msg, CheckIntegrity):
+                self.control.send(self.integrity_report(msg.nonce))
+            else:
+                self.on_message(msg)
+        except ValueError as exc:  # bad input for one request: fail it, keep serving
+            log.warning("request %s refused: %s", rid, exc)
+            if rid:
+                self.control.send(Error(request_id=rid, message=str(exc), code=400))
+
+    def abort(self, request_id: str) -> None:
+        self.engine.abort(request_id)
+
+    def integrity_report(self, nonce: int) -> IntegrityReport:
+        kv = self.engine.kv
+        try:
+            self.engine.check_integrity()
+            ok, detail = True, ""
+        except AssertionError as exc:
+            ok, detail = False, str(exc)
+        return IntegrityReport(
+            nonce=nonce,
+            ok=ok,
+            detail=detail,
+            num_blocks=kv.pool.num_blocks - 1,
+            free_blocks=kv.num_free_blocks,
+            cached_blocks=len(kv.pool.cached),
+            live_requests=tuple(self.engine.scheduler.requests),
+        )
+
+    def run(self) -> None:
+        """Serve until stop_event is set."""
+        self.register()
+        while not self.stop_event.is_set():
+            busy = self.engine.has_unfinished
+            for msg in self.control.recv(0 if busy else 5):
+                self.handle(msg)
+            self.poll_io()
+            if self.engine.has_unfinished:
+                self.step()
+            self.heartbeat()
+        self.close()
+
+    def close(self) -> None:
+        self.control.close()
+        self.ctx.term()
+
+
+class ColocatedNode(EngineNode):
+    """Role "both": prefill and decode in one engine (vLLM-style mixed batches)."""
+
+    role = "both"

@@ -1,0 +1,84 @@
+"""The decode node: reserves blocks for prompts, receives their KV, decodes them in batches."""
+
+from __future__ import annotations
+
+import logging
+import uuid
+
+from common.node import EngineNode, sampling_from_wire
+from common.protocol import Busy, Error, Message, Reserved, ReserveKV
+from common.scheduler import SampledToken
+from kv_transfer import create_receiver, node_layout
+
+log = logging.getLogger(__name__)
+
+
+class DecodeNode(EngineNode):
+    """Admission by reservation: ReserveKV holds the prompt's blocks now or answers Busy;
+    the prefill node writes into them; KVDone (the transfer's end) admits the request."""
+
+    role = "decode"
+
+    def __init__(
+        self, *args, kv_connector: str = "zmq", host: str = "127.0.0.1", kv_port: int = 0, **kwargs
+    ) -> None:
+        super().__init__(*args, **kwargs)
+        self.connector = kv_connector
+        self.layout = node_layout(self.engine, self.model_config.model_dir)
+        self.receiver = create_receiver(
+            kv_connector, self.layout, self.engine.runner.kv_caches, host=host, port=kv_port
+        )
+        self.xfer_to_rid: dict[str, str] = {}
+        self.rid_to_xfer: dict[str, str] = {}
+
+    def kv_endpoint(self) -> str:
+        return self.receiver.endpoint
+
+    def kv_connector(self) -> str:
+        return self.connector
+
+    def layout_digest(self) -> str:
+        return self.layout.digest()
+
+    def on_message(self, msg: Message) -> None:
+        if not isinstance(msg, ReserveKV):
+            super().on_message(msg)
+            return
+        sampling = sampling_from_wire(msg.sampling)
+        request = self.engine.new_request(msg.request_id, list(msg.prompt_token_ids), sampling)
+        block_ids = self.engine.scheduler.reserve(request)
+        if block_ids is None:
+            self.control.send(Busy(msg.request_id, "no free blocks"))
+            return
+        xfer_id = uuid.uuid4().hex  # made here, never taken from a client
+        self.receiver.expect(xfer_id, block_ids)
+        self.xfer_to_rid[xfer_id] = msg.request_id
+        self.rid_to_xfer[msg.request_id] = xfer_id
+        self.control.send(
+            Reserved(msg.request_id, xfer_id, tuple(block_ids), self.receiver.endpoint)
+        )
+
+    def poll_io(self) -> None:
+        for result in self.receiver.poll(0):
+            rid = self.xfer_to_rid.pop(result.xfer_id, None)
+            if rid is None:
+                continue
+            self.rid_to_xfer.pop(rid, None)
+            if not result.ok:  # fail closed: never decode from corrupt or partial KV
+                self.engine.abort(rid)
+                self.control.send(Error(rid, f"KV transfer failed: {result.error}", 502))
+                continue
+            first = SampledToken(rid, int(result.meta["first_token"]))
+            # The prefill node already streamed the first token (and any finish) to the router.
+            self.engine.scheduler.admit_remote(rid, first)
+
+    def abort(self, request_id: str) -> None:
+        super().abort(request_id)
+        xfer_id = self.rid_to_xfer.pop(request_id, None)
+        if xfer_id is not None:
+            self.xfer_to_rid.pop(xfer_id, None)
+            self.receiver.cancel(xfer_id)
+
+    def close(self) -> None:
+        self.receiver.close()
+        super().close()
