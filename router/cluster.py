@@ -112,7 +112,7 @@ class ClusterBackend(Backend):
         if policy not in POLICIES:
             raise ValueError(f"unknown policy {policy!r}; choose from {sorted(POLICIES)}")
         self.policy = POLICIES[policy]
-        self.max_model_len = max_model_len
+        self.default_max_model_len = max_model_len
         self.heartbeat_timeout = heartbeat_timeout
         self.reply_timeout = reply_timeout
         self.token_timeout = token_timeout
@@ -150,6 +150,29 @@ class ClusterBackend(Backend):
     def alive(self, roles: tuple[str, ...]) -> list[NodeInfo]:
         cutoff = time.monotonic() - self.heartbeat_timeout
         return [n for n in self.nodes.values() if n.role in roles and n.last_seen >= cutoff]
+
+    @property
+    def max_model_len(self) -> int:  # type: ignore[override]
+        """The tightest limit among live nodes (every node must be able to hold a request)."""
+        lens = [n.max_model_len for n in self.alive(("prefill", "decode", "both"))]
+        return min([self.default_max_model_len, *lens])
+
+    async def integrity(self) -> dict[str, dict]:
+        """Every live node's block-pool integrity report (for operators and tests)."""
+        out = {}
+        for node in self.alive(("prefill", "decode", "both")):
+            report = await self.check_integrity(node.node_id)
+            out[node.node_id] = {"role": node.role, "report": None}
+            if report is not None:
+                out[node.node_id]["report"] = {
+                    "ok": report.ok,
+                    "detail": report.detail,
+                    "num_blocks": report.num_blocks,
+                    "free_blocks": report.free_blocks,
+                    "cached_blocks": report.cached_blocks,
+                    "live_requests": list(report.live_requests),
+                }
+        return out
 
     def ready(self) -> bool:
         if self.alive(("both",)):
