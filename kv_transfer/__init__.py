@@ -1,1 +1,31 @@
-"""pdserve kv_transfer package."""
+"""KV connectors: move KV pages from a prefill node's cache blocks into a decode node's blocks.
+
+Pick a connector by name (`zmq`, `nccl`, `shm`) with `create_sender` / `create_receiver`.
+"""
+
+from kv_transfer.base import (
+    KVReceiver,
+    KVSender,
+    LayoutMismatchError,
+    TransferError,
+    TransferResult,
+    TransferTimeout,
+    connector_names,
+    create_receiver,
+    create_sender,
+)
+from kv_transfer.layout import KVLayout, node_layout
+
+__all__ = [
+    "KVLayout",
+    "KVReceiver",
+    "KVSender",
+    "LayoutMismatchError",
+    "TransferError",
+    "TransferResult",
+    "TransferTimeout",
+    "connector_names",
+    "create_receiver",
+    "create_sender",
+    "node_layout",
+]

@@ -1,0 +1,181 @@
+"""What a KV connector is: one sender class (prefill side), one receiver class (decode side).
+
+A transfer is named by an `xfer_id` the decode node hands out with its reservation. The decode
+node `expect`s it with the blocks it reserved, the prefill node sends pages layer by layer into
+those blocks and ends with `send_done`, and the decode node's `poll` returns one
+`TransferResult` per finished transfer. Connectors are picked by name through
+`create_sender` / `create_receiver`.
+"""
+
+from __future__ import annotations
+
+import abc
+import importlib
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from kv_transfer.layout import KVLayout
+
+
+class LayoutMismatchError(ValueError):
+    """The receiver's KV layout differs from the sender's; the message names the fields."""
+
+
+class TransferTimeout(TimeoutError):
+    """A bounded wait (handshake, send queue, staging space, flush) ran out."""
+
+
+class TransferError(RuntimeError):
+    """The peer refused the connection for a reason other than the layout, or a transport
+    failed."""
+
+
+@dataclass(frozen=True, slots=True)
+class TransferResult:
+    """One finished transfer as the decode node sees it.
+
+    `ok` is False when pages are missing, refused or fail the sender's checksum; `error` then
+    says why. `meta` is the sender's `send_done` meta (first token, n_tokens, ...).
+    """
+
+    xfer_id: str
+    meta: dict[str, Any]
+    ok: bool
+    error: str = ""
+
+
+class KVSender(abc.ABC):
+    """Prefill side of one connection: pushes pages of its cache into one receiver's blocks."""
+
+    def __init__(self, layout: KVLayout) -> None:
+        self.layout = layout
+
+    @abc.abstractmethod
+    def connect(self, endpoint: str, timeout: float = 10.0) -> None:
+        """Connect to a receiver's `endpoint` and handshake.
+
+        The sender sends its layout; the receiver compares digests. Raises
+        LayoutMismatchError (naming the differing fields) on a refused layout, TransferError on
+        any other refusal, TransferTimeout when no answer comes within `timeout` seconds (the
+        receiver answers from its `poll`).
+        """
+
+    @abc.abstractmethod
+    def send_layer(
+        self,
+        xfer_id: str,
+        layer: int,
+        src_block_ids: list[int],
+        dst_block_ids: list[int],
+        layer_cache: torch.Tensor,
+    ) -> None:
+        """Send the pages of `src_block_ids` of one layer into the receiver's `dst_block_ids`.
+
+        The pages are gathered (copied out of `layer_cache`) before this returns, so the caller
+        may overwrite those blocks at once; the transport itself may still be in flight
+        (`flush` waits). Blocks for at most the sender's send timeout when the transport is
+        full (TransferTimeout).
+        """
+
+    @abc.abstractmethod
+    def send_done(self, xfer_id: str, meta: dict[str, Any]) -> None:
+        """End a transfer. `meta` is small msgpack-able info (first token, n_tokens); the
+        connector adds a checksum of every page it sent and a page count per layer, so the
+        receiver can tell a complete transfer from a damaged one."""
+
+    @abc.abstractmethod
+    def flush(self, timeout: float = 10.0) -> None:
+        """Wait until everything sent so far has been handed to the transport
+        (TransferTimeout after `timeout` seconds)."""
+
+    @abc.abstractmethod
+    def close(self) -> None:
+        """Release sockets and buffers without waiting; call `flush` first to be sure that
+        queued pages went out. Idempotent."""
+
+
+class KVReceiver(abc.ABC):
+    """Decode side: owns a listening endpoint and writes arriving pages into reserved blocks.
+
+    Single-threaded by design: the decode node's main loop calls `poll`, which does all the
+    work (handshakes, writes, completions) on the calling thread.
+    """
+
+    def __init__(self, layout: KVLayout, kv_caches: list[torch.Tensor]) -> None:
+        self.layout = layout
+        self.kv_caches = kv_caches
+
+    @property
+    @abc.abstractmethod
+    def endpoint(self) -> str:
+        """Address to give to senders' `connect`."""
+
+    @abc.abstractmethod
+    def expect(self, xfer_id: str, block_ids: list[int]) -> None:
+        """Register a transfer into `block_ids` (the blocks reserved for it).
+
+        Frames for xfer ids not expected (or cancelled, or finished) and frames for blocks
+        outside `block_ids` are refused and counted in `counters`, never written.
+        """
+
+    @abc.abstractmethod
+    def poll(self, timeout: float = 0.0) -> list[TransferResult]:
+        """Process arriving frames for up to `timeout` seconds and return the transfers
+        completed since the last call. Returns early once at least one has completed."""
+
+    @abc.abstractmethod
+    def cancel(self, xfer_id: str) -> None:
+        """Forget a transfer: frames arriving later are dropped and counted; no result is
+        returned for it. Idempotent; the caller may reuse the blocks at once."""
+
+    @property
+    @abc.abstractmethod
+    def counters(self) -> Mapping[str, int]:
+        """Refused or dropped frames and messages by reason (e.g. `unknown_xfer`)."""
+
+    @abc.abstractmethod
+    def close(self) -> None:
+        """Unbind and release buffers; idempotent."""
+
+
+# -- registry -----------------------------------------------------------------------------------
+
+# name -> (module, sender class, receiver class); modules import lazily so that asking for `zmq`
+# never pulls in torch.distributed.
+_CONNECTORS: dict[str, tuple[str, str, str]] = {
+    "zmq": ("kv_transfer.zmq_connector", "ZmqSender", "ZmqReceiver"),
+    "nccl": ("kv_transfer.nccl_connector", "NcclSender", "NcclReceiver"),
+    "shm": ("kv_transfer.shm_connector", "ShmSender", "ShmReceiver"),
+}
+
+
+def connector_names() -> tuple[str, ...]:
+    return tuple(sorted(_CONNECTORS))
+
+
+def _load(name: str, which: int) -> type:
+    if name not in _CONNECTORS:
+        raise ValueError(f"unknown KV connector {name!r}; choose one of {connector_names()}")
+    module, *classes = _CONNECTORS[name]
+    return getattr(importlib.import_module(module), classes[which])
+
+
+def create_sender(name: str, layout: KVLayout, **opts: Any) -> KVSender:
+    """A not yet connected sender of connector `name` (`zmq`, `nccl`, `shm`)."""
+    return _load(name, 0)(layout, **opts)
+
+
+def create_receiver(
+    name: str,
+    layout: KVLayout,
+    kv_caches: list[torch.Tensor],
+    host: str = "127.0.0.1",
+    port: int = 0,
+    **opts: Any,
+) -> KVReceiver:
+    """A bound receiver of connector `name` writing into `kv_caches` (one tensor per layer);
+    `port=0` picks a free port."""
+    return _load(name, 1)(layout, kv_caches, host=host, port=port, **opts)

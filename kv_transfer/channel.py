@@ -1,0 +1,437 @@
+"""The zmq side channel every connector shares: handshake, page headers, done messages.
+
+The receiver binds a ROUTER, each sender connects a DEALER. Page bytes travel however the
+connector moves them (a second zmq frame, a gloo/NCCL recv, a shared staging buffer); the
+connector subclasses only implement that part, through the hooks at the bottom of each class.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections import deque
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import torch
+import zmq
+
+from common.protocol import MAX_MESSAGE_BYTES, Message, ProtocolError, decode, encode
+from kernels import ops
+from kv_transfer.base import (
+    KVReceiver,
+    KVSender,
+    LayoutMismatchError,
+    TransferError,
+    TransferResult,
+    TransferTimeout,
+)
+from kv_transfer.bookkeeping import ReceiveBook, SendBook
+from kv_transfer.layout import KVLayout
+from kv_transfer.wire import (
+    KVDone,
+    KVHello,
+    KVPage,
+    KVRefused,
+    KVWelcome,
+    check_cache,
+    corrupt_first_byte,
+    fault_targets,
+    page_checksum,
+    resolve,
+    wait_event,
+)
+
+# How long poll sleeps between progress checks while data is in flight outside the socket.
+_PROGRESS_INTERVAL_S = 0.001
+
+
+def _ms(seconds: float) -> int:
+    return max(0, int(seconds * 1000))
+
+
+class ChannelSender(KVSender):
+    """Sender half: handshake, argument checks, gathering, checksums and ordered hand-off.
+
+    CUDA copies finish asynchronously; work that must wait for one (sending a header after a
+    device-to-host copy) goes into a FIFO of (event, action) run in order as events complete, so
+    headers never overtake each other and `send_layer` never stalls on the device.
+    """
+
+    CONNECTOR: ClassVar[str] = ""
+
+    def __init__(self, layout: KVLayout, send_timeout: float = 30.0) -> None:
+        super().__init__(layout)
+        self.sender_id = uuid.uuid4().hex
+        self._send_timeout = send_timeout
+        self._sock: zmq.Socket | None = None
+        self._endpoint = ""
+        self._seq = 0
+        self._book = SendBook(layout.num_layers)
+        self._deferred: deque[tuple[Any, Callable[[], None]]] = deque()
+        self._faults = fault_targets()
+
+    # -- public API
+
+    def connect(self, endpoint: str, timeout: float = 10.0) -> None:
+        assert self._sock is None, "connect() may be called once per sender"
+        sock = zmq.Context.instance().socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.ROUTING_ID, self.sender_id.encode())
+        sock.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
+        sock.setsockopt(zmq.SNDTIMEO, _ms(self._send_timeout))
+        sock.connect(endpoint)
+        self._sock, self._endpoint = sock, endpoint
+        try:
+            layout = self.layout
+            self._send(KVHello(self.sender_id, self.CONNECTOR, layout.digest(), layout.to_dict()))
+            reply = self._wait_for((KVWelcome, KVRefused), time.monotonic() + timeout, "handshake")
+            if isinstance(reply, KVRefused):
+                error = LayoutMismatchError if reply.code == "layout" else TransferError
+                raise error(f"{endpoint} refused the connection: {reply.reason}")
+            if reply.digest != layout.digest():
+                raise TransferError(f"{endpoint} welcomed another layout digest")
+            self._on_welcome(reply.extra, timeout)
+        except BaseException:
+            self.close()
+            raise
+
+    def send_layer(
+        self,
+        xfer_id: str,
+        layer: int,
+        src_block_ids: list[int],
+        dst_block_ids: list[int],
+        layer_cache: torch.Tensor,
+    ) -> None:
+        self._check_send_args(layer, src_block_ids, dst_block_ids, layer_cache)
+        self._pump(block=False)
+        step = self._max_blocks_per_frame()
+        for start in range(0, len(src_block_ids), step):
+            src = torch.tensor(src_block_ids[start : start + step], device=layer_cache.device)
+            dst = tuple(int(b) for b in dst_block_ids[start : start + step])
+            pages = ops.gather_pages(layer_cache, src)
+            page = KVPage(xfer_id, layer, dst, self.layout.dtype, tuple(pages.shape), self._seq)
+            self._seq += 1
+            self._ship(page, pages)
+
+    def send_done(self, xfer_id: str, meta: dict[str, Any]) -> None:
+        self._require_connected()
+        # Every frame of the transfer must be on the wire (and booked) before its done.
+        self._pump(block=True, deadline=time.monotonic() + self._send_timeout)
+        self._send(self._book.close(xfer_id, meta))
+
+    def flush(self, timeout: float = 10.0) -> None:
+        self._require_connected()
+        deadline = time.monotonic() + timeout
+        self._pump(block=True, deadline=deadline)
+        self._flush(deadline)
+
+    def close(self) -> None:
+        self._deferred.clear()
+        self._close_transport()
+        if self._sock is not None:
+            self._sock.close(linger=0)
+            self._sock = None
+
+    # -- helpers for subclasses
+
+    def _seal(self, page: KVPage, wire: torch.Tensor) -> None:
+        """Book the checksum of the bytes exactly as they will cross the transport; then, only
+        under the test fault hook, damage them."""
+        self._book.record(page, page_checksum(wire))
+        if self._faults is not None and ({"*", page.xfer_id} & self._faults):
+            corrupt_first_byte(wire)
+
+    def _send(self, msg: Message, *frames: Any) -> zmq.MessageTracker | None:
+        """Send a header (plus raw frames, zero copy); TransferTimeout if the queue stays full."""
+        assert self._sock is not None
+        try:
+            if not frames:
+                self._sock.send(encode(msg))
+                return None
+            return self._sock.send_multipart([encode(msg), *frames], copy=False, track=True)
+        except zmq.Again:
+            raise TransferTimeout(f"send queue to {self._endpoint} full") from None
+
+    def _defer(self, event: Any, action: Callable[[], None]) -> None:
+        """Run `action` once the CUDA `event` completed (at once if None and nothing queued)."""
+        if event is None and not self._deferred:
+            action()
+        else:
+            self._deferred.append((event, action))
+
+    def _pump(self, block: bool, deadline: float = 0.0) -> None:
+        while self._deferred:
+            event, action = self._deferred[0]
+            if event is not None and not event.query():
+                if not block:
+                    return
+                wait_event(event, deadline, f"send to {self._endpoint}")
+            self._deferred.popleft()
+            action()
+
+    def _wait_for(self, kinds: tuple[type, ...], deadline: float, what: str) -> Message:
+        """Next message of one of `kinds` from the receiver; others go to `_on_message`."""
+        assert self._sock is not None
+        while True:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0 or not self._sock.poll(_ms(remaining)):
+                raise TransferTimeout(f"{what}: no answer from {self._endpoint} in time")
+            try:
+                msg = decode(self._sock.recv())
+            except ProtocolError:
+                continue  # a broken reply is as good as none; the deadline still holds
+            if isinstance(msg, kinds):
+                return msg
+            self._on_message(msg)
+
+    def _require_connected(self) -> None:
+        assert self._sock is not None, "connect() first"
+
+    def _check_send_args(
+        self, layer: int, src: list[int], dst: list[int], layer_cache: torch.Tensor
+    ) -> None:
+        self._require_connected()
+        if not 0 <= layer < self.layout.num_layers:
+            raise ValueError(f"layer {layer} out of range [0, {self.layout.num_layers})")
+        if len(src) != len(dst):
+            raise ValueError(f"{len(src)} source blocks but {len(dst)} destination blocks")
+        if len(set(dst)) != len(dst):
+            raise ValueError("destination block ids repeat")
+        check_cache(self.layout, layer_cache, f"layer {layer} cache")
+
+    # -- hooks
+
+    def _on_welcome(self, extra: dict[str, Any], timeout: float) -> None:
+        """Set up the data path from the receiver's welcome."""
+
+    def _on_message(self, msg: Message) -> None:
+        """A receiver message nobody waited for (credits)."""
+
+    def _max_blocks_per_frame(self) -> int:
+        return 1 << 30
+
+    def _ship(self, page: KVPage, pages: torch.Tensor) -> None:
+        """Move one frame of gathered pages (our own copy) and its header; call `_seal` on the
+        bytes that cross."""
+        raise NotImplementedError
+
+    def _flush(self, deadline: float) -> None:
+        """Wait for the transport to have taken everything."""
+
+    def _close_transport(self) -> None:
+        """Release what `_on_welcome` set up."""
+
+
+@dataclass
+class Peer:
+    """A sender that passed the handshake; `state` is the connector's per-pair data."""
+
+    identity: bytes
+    sender_id: str
+    state: Any = None
+
+
+class ChannelReceiver(KVReceiver):
+    """Receiver half: binds the ROUTER, handshakes, validates headers, books and writes pages.
+
+    Subclasses get `_on_page_data(peer, page, frames, admitted)` for every page header that
+    passed validation and call `_land(page, pages)` when the bytes are available; `_land`
+    checksums and writes only if the transfer is still live.
+    """
+
+    CONNECTOR: ClassVar[str] = ""
+
+    def __init__(
+        self,
+        layout: KVLayout,
+        kv_caches: list[torch.Tensor],
+        host: str = "127.0.0.1",
+        port: int = 0,
+        max_frame_bytes: int = MAX_MESSAGE_BYTES,
+        bind: str | None = None,
+    ) -> None:
+        super().__init__(layout, kv_caches)
+        if len(kv_caches) != layout.num_layers:
+            raise ValueError(f"{len(kv_caches)} layer caches for {layout.num_layers} layers")
+        for i, cache in enumerate(kv_caches):
+            check_cache(layout, cache, f"receiver layer {i} cache")
+        self.host = host
+        self.num_blocks = kv_caches[0].shape[1]
+        self._book = ReceiveBook(layout.num_layers)
+        self._peers: dict[bytes, Peer] = {}
+        self._completed: list[TransferResult] = []
+        self._sock = zmq.Context.instance().socket(zmq.ROUTER)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        # zmq drops (and disconnects) a peer whose message exceeds this, before we see it.
+        self._sock.setsockopt(zmq.MAXMSGSIZE, max_frame_bytes + MAX_MESSAGE_BYTES)
+        self._sock.bind(bind or f"tcp://{host}:{port or '*'}")
+        self._endpoint = self._sock.getsockopt(zmq.LAST_ENDPOINT).decode()
+
+    # -- public API
+
+    @property
+    def endpoint(self) -> str:
+        return self._endpoint
+
+    @property
+    def counters(self) -> Mapping[str, int]:
+        return dict(self._book.counters)
+
+    def expect(self, xfer_id: str, block_ids: list[int]) -> None:
+        bad = [b for b in block_ids if not 0 <= b < self.num_blocks]
+        if bad or len(set(block_ids)) != len(block_ids):
+            raise ValueError(f"block ids must be unique and in [0, {self.num_blocks}): {bad}")
+        self._book.expect(xfer_id, block_ids)
+
+    def cancel(self, xfer_id: str) -> None:
+        self._book.cancel(xfer_id)
+
+    def poll(self, timeout: float = 0.0) -> list[TransferResult]:
+        deadline = time.monotonic() + timeout
+        while True:
+            for frames in self._ready_messages():
+                self._handle(frames)
+            self._progress()
+            self._completed.extend(self._book.finished())
+            remaining = deadline - time.monotonic()
+            if self._completed or remaining <= 0:
+                break
+            wait = min(remaining, _PROGRESS_INTERVAL_S) if self._busy() else remaining
+            self._sock.poll(_ms(wait) or 1)
+        results, self._completed = self._completed, []
+        return results
+
+    def close(self) -> None:
+        for peer in self._peers.values():
+            self._drop_peer(peer)
+        self._peers.clear()
+        if not self._sock.closed:
+            self._sock.close(linger=0)
+
+    # -- message handling
+
+    def _ready_messages(self) -> Iterator[list[zmq.Frame]]:
+        # Bounded per call so a flood from one peer cannot starve the decode loop forever.
+        for _ in range(4096):
+            try:
+                yield self._sock.recv_multipart(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return
+
+    def _handle(self, frames: list[zmq.Frame]) -> None:
+        identity = frames[0].bytes
+        try:
+            msg = decode(frames[1].bytes) if len(frames) >= 2 else None
+        except ProtocolError:
+            msg = None
+        if msg is None:
+            self._book.counters["malformed"] += 1
+        elif isinstance(msg, KVHello):
+            self._on_hello(identity, msg)
+        elif identity not in self._peers:
+            self._book.counters["no_handshake"] += 1
+        elif isinstance(msg, KVPage):
+            self._on_page(self._peers[identity], msg, frames[2:])
+        elif isinstance(msg, KVDone) and len(frames) == 2:
+            self._book.on_done(msg)
+        else:
+            self._book.counters["unexpected_message"] += 1
+
+    def _on_hello(self, identity: bytes, hello: KVHello) -> None:
+        if identity in self._peers:  # a reconnecting sender starts over
+            self._drop_peer(self._peers.pop(identity))
+        refusal = self._check_hello(hello)
+        if refusal is not None:
+            self._book.counters[f"refused_{refusal.code}"] += 1
+            self._reply(identity, refusal)
+            return
+        peer = Peer(identity, hello.sender_id)
+        extra = self._accept_peer(peer)
+        self._peers[identity] = peer
+        self._reply(identity, KVWelcome(self.layout.digest(), extra))
+        try:
+            self._after_welcome(peer)
+        except Exception:  # the sender sees its own failure (timeout); we only forget it
+            self._book.counters["pair_setup_failed"] += 1
+            self._drop_peer(self._peers.pop(identity))
+
+    def _check_hello(self, hello: KVHello) -> KVRefused | None:
+        if hello.connector != self.CONNECTOR:
+            return KVRefused(
+                "connector", f"receiver is {self.CONNECTOR!r}, not {hello.connector!r}"
+            )
+        try:
+            theirs = KVLayout.from_dict(hello.layout)
+        except (TypeError, ValueError) as exc:
+            return KVRefused("malformed", f"bad layout: {exc}")
+        if theirs.digest() != hello.digest:
+            return KVRefused("malformed", "layout digest does not match the layout sent")
+        if hello.digest != self.layout.digest():
+            return KVRefused(
+                "layout", theirs.describe_mismatch(self.layout, ("sender", "receiver"))
+            )
+        return None
+
+    def _on_page(self, peer: Peer, page: KVPage, frames: list[zmq.Frame]) -> None:
+        problem = self._check_page(page)
+        if problem is not None:
+            # The bytes of a frame we cannot size may still be on their way (NCCL), so the
+            # pair is no longer trustworthy: forget the sender; it must reconnect.
+            self._book.counters["bad_header"] += 1
+            self._drop_peer(self._peers.pop(peer.identity))
+            return
+        self._on_page_data(peer, page, frames, self._book.admit(page))
+
+    def _check_page(self, page: KVPage) -> str | None:
+        n = len(page.dst_block_ids)
+        if not 0 <= page.layer < self.layout.num_layers:
+            return "layer out of range"
+        if page.dtype != self.layout.dtype or tuple(page.shape) != self.layout.page_shape(n):
+            return "dtype or shape differs from the layout"
+        if n == 0 or len(set(page.dst_block_ids)) != n:
+            return "empty or repeated block ids"
+        if not all(0 <= b < self.num_blocks for b in page.dst_block_ids):
+            return "block id out of range"
+        return None
+
+    def _land(self, page: KVPage, pages: torch.Tensor) -> None:
+        """Checksum and write an admitted frame if its transfer is still live."""
+        if not self._book.land(page, resolve(page_checksum(pages))):
+            return
+        cache = self.kv_caches[page.layer]
+        ids = torch.tensor(page.dst_block_ids, device=cache.device)
+        ops.scatter_pages(cache, ids, pages.to(cache.device))
+
+    def _reply(self, identity: bytes, msg: Message) -> None:
+        try:
+            self._sock.send_multipart([identity, encode(msg)], zmq.NOBLOCK)
+        except zmq.ZMQError:
+            self._book.counters["reply_dropped"] += 1
+
+    # -- hooks
+
+    def _accept_peer(self, peer: Peer) -> dict[str, Any]:
+        """Prepare the data path for a new sender; returns the welcome's `extra`."""
+        return {}
+
+    def _after_welcome(self, peer: Peer) -> None:
+        """Finish setup that needs the sender to have the welcome (a rendezvous)."""
+
+    def _on_page_data(
+        self, peer: Peer, page: KVPage, frames: list[zmq.Frame], admitted: bool
+    ) -> None:
+        """Obtain the bytes of a validated frame; `_land` them if admitted, drop otherwise."""
+        raise NotImplementedError
+
+    def _progress(self) -> None:
+        """Advance transfers in flight outside the socket."""
+
+    def _busy(self) -> bool:
+        """True while `_progress` has work, so `poll` checks back soon."""
+        return False
+
+    def _drop_peer(self, peer: Peer) -> None:
+        """Release a sender's per-pair resources."""

@@ -1,0 +1,115 @@
+"""Shared by the tests and the sender child process: deterministic caches, a child harness."""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from kv_transfer import KVLayout, KVReceiver, TransferResult
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def make_caches(layout: KVLayout, num_blocks: int, seed: int) -> list[torch.Tensor]:
+    """Random layer caches, the same in every process for the same arguments."""
+    gen = torch.Generator().manual_seed(seed)
+    shape = (2, num_blocks, layout.block_size, layout.num_kv_heads, layout.head_dim)
+    dtype = getattr(torch, layout.dtype)
+    return [torch.randn(shape, generator=gen).to(dtype) for _ in range(layout.num_layers)]
+
+
+class Pump:
+    """Polls receivers and keeps their results by xfer id."""
+
+    def __init__(self, *receivers: KVReceiver) -> None:
+        self.receivers = receivers
+        self.results: dict[str, TransferResult] = {}
+
+    def once(self, timeout: float = 0.005) -> None:
+        for receiver in self.receivers:
+            for result in receiver.poll(timeout):
+                assert result.xfer_id not in self.results, f"{result.xfer_id} finished twice"
+                self.results[result.xfer_id] = result
+
+    def until(self, check: Any, timeout: float = 15.0, what: str = "condition") -> None:
+        deadline = time.monotonic() + timeout
+        while not check():
+            assert time.monotonic() < deadline, f"timed out waiting for {what}"
+            self.once()
+
+    def wait_results(self, *xfer_ids: str, timeout: float = 15.0) -> list[TransferResult]:
+        self.until(lambda: all(x in self.results for x in xfer_ids), timeout, f"{xfer_ids}")
+        return [self.results[x] for x in xfer_ids]
+
+
+class SenderProcess:
+    """A child process running tests/kv_transfer/sender_proc.py, driven by JSON lines.
+
+    While a command runs, `call` keeps polling the given pump: the receivers live in the test
+    process and only make progress (handshakes included) when polled.
+    """
+
+    def __init__(self) -> None:
+        env = {**os.environ, "PYTHONPATH": str(REPO)}
+        env.pop("PDSERVE_FAULT_CORRUPT_KV", None)
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "tests.kv_transfer.sender_proc"],
+            cwd=REPO,
+            env=env,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        self._replies: queue.Queue[dict[str, Any]] = queue.Queue()
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            self._replies.put(json.loads(line))
+
+    def call(self, pump: Pump | None, timeout: float = 20.0, **cmd: Any) -> dict[str, Any]:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(json.dumps(cmd) + "\n")
+        self.proc.stdin.flush()
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                return self._replies.get_nowait()
+            except queue.Empty:
+                pass
+            assert self.proc.poll() is None, f"sender process died ({self.proc.returncode})"
+            assert time.monotonic() < deadline, f"sender process did not answer {cmd['op']}"
+            if pump is not None:
+                pump.once()
+            else:
+                time.sleep(0.005)
+
+    def ok(self, pump: Pump | None, **cmd: Any) -> dict[str, Any]:
+        reply = self.call(pump, **cmd)
+        assert reply["ok"], reply
+        return reply
+
+    def close(self) -> None:
+        try:
+            if self.proc.poll() is None:
+                self.call(None, timeout=5.0, op="exit")
+            self.proc.wait(timeout=5.0)
+        except Exception:
+            self.proc.kill()
+            self.proc.wait(timeout=5.0)
+        finally:
+            self._reader.join(timeout=5.0)
+            for pipe in (self.proc.stdin, self.proc.stdout):
+                if pipe is not None:
+                    pipe.close()

@@ -1,0 +1,80 @@
+"""Child process for the connector tests: builds caches and senders, obeys JSON lines on stdin.
+
+One reply line per command: {"ok": true, ...} or {"ok": false, "error": type, "message": str}.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from typing import Any
+
+from kv_transfer import KVLayout, KVSender, create_sender
+from kv_transfer.wire import FAULT_ENV
+from tests.kv_transfer.helpers import make_caches
+
+
+class Child:
+    def __init__(self) -> None:
+        self.caches: dict[str, list[Any]] = {}
+        self.senders: dict[str, KVSender] = {}
+
+    def cache(self, name: str, layout: dict[str, Any], num_blocks: int, seed: int) -> None:
+        self.caches[name] = make_caches(KVLayout.from_dict(layout), num_blocks, seed)
+
+    def sender(
+        self,
+        name: str,
+        connector: str,
+        layout: dict[str, Any],
+        endpoint: str,
+        timeout: float = 10.0,
+        corrupt: str = "",
+    ) -> None:
+        # The fault hook is read once, when the sender is built.
+        if corrupt:
+            os.environ[FAULT_ENV] = corrupt
+        try:
+            sender = create_sender(connector, KVLayout.from_dict(layout), send_timeout=10.0)
+        finally:
+            os.environ.pop(FAULT_ENV, None)
+        sender.connect(endpoint, timeout)
+        self.senders[name] = sender
+
+    def send(
+        self, sender: str, cache: str, xfer: str, layers: list[int], src: list[int], dst: list[int]
+    ) -> None:
+        for layer in layers:
+            self.senders[sender].send_layer(xfer, layer, src, dst, self.caches[cache][layer])
+
+    def done(self, sender: str, xfer: str, meta: dict[str, Any]) -> None:
+        self.senders[sender].send_done(xfer, meta)
+
+    def flush(self, sender: str) -> None:
+        self.senders[sender].flush(10.0)
+
+    def close(self, sender: str) -> None:
+        self.senders.pop(sender).close()
+
+
+def main() -> None:
+    child = Child()
+    for line in sys.stdin:
+        cmd = json.loads(line)
+        op = cmd.pop("op")
+        if op == "exit":
+            break
+        try:
+            getattr(child, op)(**cmd)
+            reply: dict[str, Any] = {"ok": True}
+        except Exception as exc:
+            reply = {"ok": False, "error": type(exc).__name__, "message": str(exc)}
+        print(json.dumps(reply), flush=True)
+    for sender in child.senders.values():
+        sender.close()
+    print(json.dumps({"ok": True}), flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,242 @@
+"""Every connector across real processes: the sender lives in a child, the receiver here."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Iterator
+from dataclasses import replace
+from typing import Any
+
+import pytest
+import torch
+
+from kv_transfer import KVLayout, KVReceiver, create_receiver
+from tests.kv_transfer.helpers import Pump, SenderProcess, make_caches
+
+LAYOUT = KVLayout("tiny-llama", "float32", num_layers=3, num_kv_heads=2, head_dim=8, block_size=4)
+SRC_BLOCKS, DST_BLOCKS = 20, 24
+SENDER_SEED = 1234
+# A small shm ring (3 pages) forces frames to be split, the ring to wrap and credits to flow.
+RECEIVER_OPTS: dict[str, dict[str, Any]] = {"shm": {"staging_bytes": 3 * LAYOUT.page_bytes}}
+
+
+@pytest.fixture(scope="module", params=["zmq", "nccl", "shm"])
+def connector(request: pytest.FixtureRequest) -> str:
+    return request.param
+
+
+@pytest.fixture(scope="module")
+def child(connector: str) -> Iterator[SenderProcess]:
+    proc = SenderProcess()
+    try:
+        yield proc
+    finally:
+        proc.close()
+
+
+class Setup:
+    """A receiver here, a connected sender (named "s") and its caches in the child."""
+
+    def __init__(self, connector: str, child: SenderProcess, layout: KVLayout) -> None:
+        self.connector, self.child, self.layout = connector, child, layout
+        self.caches = make_caches(layout, DST_BLOCKS, seed=99)
+        self.receiver: KVReceiver = create_receiver(
+            connector, layout, self.caches, **RECEIVER_OPTS.get(connector, {})
+        )
+        self.pump = Pump(self.receiver)
+        self.before = [c.clone() for c in self.caches]
+        self.sent = make_caches(layout, SRC_BLOCKS, SENDER_SEED)
+        try:
+            cache = dict(name="c", layout=layout.to_dict(), num_blocks=SRC_BLOCKS, seed=SENDER_SEED)
+            child.ok(None, op="cache", **cache)
+            reply = self.connect("s")
+            assert reply["ok"], reply
+        except BaseException:
+            self.receiver.close()
+            raise
+
+    def connect(self, name: str, layout: KVLayout | None = None, **extra: Any) -> dict[str, Any]:
+        layout = layout or self.layout
+        return self.child.call(
+            self.pump,
+            op="sender",
+            name=name,
+            connector=self.connector,
+            layout=layout.to_dict(),
+            endpoint=self.receiver.endpoint,
+            timeout=5.0,
+            **extra,
+        )
+
+    def send(
+        self,
+        xfer: str,
+        src: list[int],
+        dst: list[int],
+        layers: list[int] | None = None,
+        sender: str = "s",
+    ) -> None:
+        layers = list(range(self.layout.num_layers)) if layers is None else layers
+        self.child.ok(
+            self.pump,
+            op="send",
+            sender=sender,
+            cache="c",
+            xfer=xfer,
+            layers=layers,
+            src=src,
+            dst=dst,
+        )
+
+    def done(self, xfer: str, sender: str = "s", **meta: Any) -> None:
+        self.child.ok(self.pump, op="done", sender=sender, xfer=xfer, meta=meta)
+        self.child.ok(self.pump, op="flush", sender=sender)
+
+    def check_blocks(self, written: dict[int, int], layers: list[int] | None = None) -> None:
+        """Blocks in `written` (dst -> src) hold the sender's pages in `layers`; every other
+        block of every layer is as it was."""
+        layers = list(range(self.layout.num_layers)) if layers is None else layers
+        for layer, cache in enumerate(self.caches):
+            expected = self.before[layer].clone()
+            if layer in layers:
+                for dst, src in written.items():
+                    expected[:, dst] = self.sent[layer][:, src]
+            assert torch.equal(cache.view(torch.uint8), expected.view(torch.uint8)), layer
+
+    def frames(self, n_blocks: int) -> int:
+        """Frames one layer of `n_blocks` takes (a small shm ring splits them)."""
+        staging = RECEIVER_OPTS.get(self.connector, {}).get("staging_bytes")
+        per_frame = staging // self.layout.page_bytes if staging else n_blocks
+        return -(-n_blocks // per_frame)
+
+    def close(self) -> None:
+        self.child.ok(self.pump, op="close", sender="s")
+        self.receiver.close()
+
+
+@pytest.fixture
+def setup(connector: str, child: SenderProcess) -> Iterator[Setup]:
+    s = Setup(connector, child, LAYOUT)
+    try:
+        yield s
+    finally:
+        s.close()
+
+
+def blocks(seed: int, n: int) -> tuple[list[int], list[int]]:
+    """Random non-contiguous source and destination block ids."""
+    rng = random.Random(seed)
+    return rng.sample(range(SRC_BLOCKS), n), rng.sample(range(DST_BLOCKS), n)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_layer_by_layer_transfer_is_bit_exact(
+    connector: str, child: SenderProcess, dtype: str
+) -> None:
+    s = Setup(connector, child, replace(LAYOUT, dtype=dtype))
+    try:
+        src, dst = blocks(1, 7)
+        s.receiver.expect("x1", dst)
+        s.send("x1", src, dst)
+        s.done("x1", first_token=42, n_tokens=27)
+        (result,) = s.pump.wait_results("x1")
+        assert result.ok, result.error
+        assert result.meta == {"first_token": 42, "n_tokens": 27}
+        s.check_blocks(dict(zip(dst, src)))
+        assert not s.receiver.counters
+    finally:
+        s.close()
+
+
+def test_two_transfers_interleaved(setup: Setup) -> None:
+    src_a, dst_a = blocks(2, 5)
+    src_b = [b for b in range(SRC_BLOCKS) if b not in src_a][:6]
+    dst_b = [b for b in range(DST_BLOCKS) if b not in dst_a][::-1][:6]
+    setup.receiver.expect("a", dst_a)
+    setup.receiver.expect("b", dst_b)
+    for layer in range(LAYOUT.num_layers):
+        setup.send("a", src_a, dst_a, [layer])
+        setup.send("b", src_b, dst_b, [layer])
+    setup.done("b", n=2)
+    setup.done("a", n=1)
+    a, b = setup.pump.wait_results("a", "b")
+    assert a.ok and b.ok, (a.error, b.error)
+    assert (a.meta, b.meta) == ({"n": 1}, {"n": 2})
+    setup.check_blocks({**dict(zip(dst_a, src_a)), **dict(zip(dst_b, src_b))})
+
+
+@pytest.mark.parametrize(
+    "field, value",
+    [("dtype", "bfloat16"), ("block_size", 8), ("model_id", "other-model")],
+)
+def test_layout_mismatch_is_refused_at_handshake(setup: Setup, field: str, value: Any) -> None:
+    reply = setup.connect("bad", replace(LAYOUT, **{field: value}))
+    assert not reply["ok"] and reply["error"] == "LayoutMismatchError", reply
+    message = reply["message"]
+    assert field in message and repr(value) in message and repr(getattr(LAYOUT, field)) in message
+    assert setup.receiver.counters == {"refused_layout": 1}
+
+
+def test_unexpected_xfer_is_refused_and_counted(setup: Setup) -> None:
+    src, dst = blocks(3, 4)
+    setup.send("ghost", src, dst)
+    setup.done("ghost")
+    setup.pump.until(lambda: setup.receiver.counters.get("done_unknown_xfer") == 1)
+    assert setup.receiver.counters == {
+        "frame_unknown_xfer": LAYOUT.num_layers * setup.frames(4),
+        "done_unknown_xfer": 1,
+    }
+    assert not setup.pump.results
+    setup.check_blocks({})
+
+
+def test_blocks_outside_the_reservation_are_refused(setup: Setup) -> None:
+    src, dst = blocks(4, 3)  # three blocks: one frame per layer on every connector
+    setup.receiver.expect("y", dst[:2])
+    setup.send("y", src, dst)
+    setup.done("y")
+    (result,) = setup.pump.wait_results("y")
+    assert not result.ok and "refused blocks" in result.error
+    # A frame with one block outside is refused whole, blocks inside the reservation included.
+    assert setup.receiver.counters == {"block_outside_reservation": LAYOUT.num_layers}
+    setup.check_blocks({})
+
+
+def test_corrupted_page_fails_the_checksum(setup: Setup) -> None:
+    reply = setup.connect("faulty", corrupt="bad")
+    assert reply["ok"], reply
+    src, dst = blocks(5, 3)
+    setup.receiver.expect("bad", dst[:2])
+    setup.receiver.expect("good", dst[2:])
+    setup.send("bad", src[:2], dst[:2], sender="faulty")
+    setup.send("good", src[2:], dst[2:], sender="faulty")
+    setup.done("bad", sender="faulty")
+    setup.done("good", sender="faulty")
+    bad, good = setup.pump.wait_results("bad", "good")
+    setup.child.ok(setup.pump, op="close", sender="faulty")
+    assert not bad.ok and "checksum" in bad.error
+    assert good.ok, good.error
+
+
+def test_cancel_drops_late_frames(setup: Setup) -> None:
+    src, dst = blocks(6, 5)
+    setup.receiver.expect("c", dst)
+    setup.send("c", src, dst, [0])
+    written = dict(zip(dst, src))
+
+    def first_layer_landed() -> bool:
+        return all(
+            torch.equal(setup.caches[0][:, d], setup.sent[0][:, s]) for d, s in written.items()
+        )
+
+    setup.pump.until(first_layer_landed, what="layer 0")
+    setup.receiver.cancel("c")
+    setup.send("c", src, dst, list(range(1, LAYOUT.num_layers)))
+    setup.done("c")
+    setup.pump.until(lambda: setup.receiver.counters.get("done_cancelled_xfer") == 1)
+    assert setup.receiver.counters == {
+        "frame_cancelled_xfer": (LAYOUT.num_layers - 1) * setup.frames(5),
+        "done_cancelled_xfer": 1,
+    }
+    assert "c" not in setup.pump.results
+    setup.check_blocks(written, layers=[0])

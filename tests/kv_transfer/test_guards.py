@@ -1,0 +1,158 @@
+"""Receiver and sender guards, in one process with raw sockets where a real sender would not
+misbehave: handshakes, malformed frames, frame sizes, timeouts, argument checks."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+
+import pytest
+import torch
+import zmq
+
+from common.protocol import decode, encode
+from kv_transfer import (
+    KVLayout,
+    KVReceiver,
+    KVSender,
+    TransferError,
+    TransferTimeout,
+    create_receiver,
+    create_sender,
+)
+from kv_transfer.wire import KVDone, KVHello, KVPage, KVWelcome
+from tests.kv_transfer.helpers import Pump, make_caches
+
+LAYOUT = KVLayout("tiny", "float32", num_layers=2, num_kv_heads=1, head_dim=4, block_size=2)
+
+
+@pytest.fixture
+def receiver() -> Iterator[KVReceiver]:
+    recv = create_receiver("zmq", LAYOUT, make_caches(LAYOUT, 8, seed=0))
+    try:
+        yield recv
+    finally:
+        recv.close()
+
+
+@pytest.fixture
+def raw() -> Iterator[zmq.Socket]:
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    try:
+        yield sock
+    finally:
+        sock.close()
+
+
+def handshake(sock: zmq.Socket, receiver: KVReceiver) -> None:
+    sock.connect(receiver.endpoint)
+    sock.send(encode(KVHello("raw", "zmq", LAYOUT.digest(), LAYOUT.to_dict())))
+    Pump(receiver).until(lambda: sock.poll(0) != 0, timeout=5.0, what="welcome")
+    assert isinstance(decode(sock.recv()), KVWelcome)
+
+
+def connect_while_polling(sender: KVSender, receiver: KVReceiver, timeout: float = 5.0) -> None:
+    """connect() needs the receiver polled; in one process a thread polls during the call."""
+    stop = threading.Event()
+
+    def poll() -> None:
+        while not stop.is_set():
+            receiver.poll(0.01)
+
+    thread = threading.Thread(target=poll)
+    thread.start()
+    try:
+        sender.connect(receiver.endpoint, timeout)
+    finally:
+        stop.set()
+        thread.join(timeout=5.0)
+
+
+def test_frames_without_handshake_or_garbage_are_counted(receiver, raw) -> None:
+    raw.connect(receiver.endpoint)
+    raw.send_multipart([encode(KVPage("x", 0, (1,), "float32", (2, 1, 2, 1, 4), 0)), b"\0" * 64])
+    raw.send(b"\xc1 not msgpack")
+    pump = Pump(receiver)
+    pump.until(lambda: sum(receiver.counters.values()) == 2, timeout=5.0)
+    assert receiver.counters == {"no_handshake": 1, "malformed": 1}
+
+
+def test_frame_of_wrong_byte_length_is_not_written(receiver, raw) -> None:
+    handshake(raw, receiver)
+    before = [c.clone() for c in receiver.kv_caches]
+    receiver.expect("x", [1, 3])
+    header = KVPage("x", 0, (1, 3), "float32", (2, 2, 2, 1, 4), seq=0)
+    raw.send_multipart([encode(header), b"\0" * 120])  # 128 bytes expected
+    raw.send(encode(KVDone("x", {}, 0, (2, 0))))
+    (result,) = Pump(receiver).wait_results("x", timeout=5.0)
+    assert not result.ok and "expected one of 128" in result.error
+    assert receiver.counters == {"bad_frame": 1}
+    assert all(torch.equal(a, b) for a, b in zip(before, receiver.kv_caches))
+
+
+def test_header_that_contradicts_the_layout_drops_the_sender(receiver, raw) -> None:
+    handshake(raw, receiver)
+    receiver.expect("x", [1])
+    raw.send_multipart([encode(KVPage("x", 0, (1,), "float16", (2, 1, 2, 1, 4), 0)), b"\0" * 32])
+    raw.send(encode(KVDone("x", {}, 0, (0, 0))))
+    Pump(receiver).until(lambda: receiver.counters.get("no_handshake") == 1, timeout=5.0)
+    assert receiver.counters == {"bad_header": 1, "no_handshake": 1}
+
+
+def test_connect_times_out_when_nobody_answers(receiver) -> None:
+    sender = create_sender("zmq", LAYOUT)
+    try:
+        with pytest.raises(TransferTimeout):
+            sender.connect(receiver.endpoint, timeout=0.2)  # receiver never polled
+    finally:
+        sender.close()
+
+
+def test_other_connector_kind_is_refused(receiver) -> None:
+    sender = create_sender("shm", LAYOUT)
+    try:
+        with pytest.raises(TransferError, match="receiver is 'zmq', not 'shm'"):
+            connect_while_polling(sender, receiver)
+    finally:
+        sender.close()
+
+
+def test_send_arguments_are_checked(receiver) -> None:
+    sender = create_sender("zmq", LAYOUT)
+    cache = make_caches(LAYOUT, 4, seed=1)[0]
+    try:
+        connect_while_polling(sender, receiver)
+        with pytest.raises(ValueError, match="out of range"):
+            sender.send_layer("x", 2, [0], [0], cache)
+        with pytest.raises(ValueError, match="destination blocks"):
+            sender.send_layer("x", 0, [0, 1], [0], cache)
+        with pytest.raises(ValueError, match="dtype"):
+            sender.send_layer("x", 0, [0], [0], cache.to(torch.float16))
+    finally:
+        sender.close()
+
+
+def test_zmq_over_ipc(tmp_path) -> None:
+    caches = make_caches(LAYOUT, 8, seed=0)
+    receiver = create_receiver("zmq", LAYOUT, caches, ipc_path=str(tmp_path / "kv.sock"))
+    sender = create_sender("zmq", LAYOUT)
+    sent = make_caches(LAYOUT, 4, seed=2)
+    try:
+        assert receiver.endpoint.startswith("ipc://")
+        connect_while_polling(sender, receiver)
+        receiver.expect("x", [6, 2])
+        for layer in range(LAYOUT.num_layers):
+            sender.send_layer("x", layer, [3, 0], [6, 2], sent[layer])
+        sender.send_done("x", {"n": 1})
+        (result,) = Pump(receiver).wait_results("x", timeout=5.0)
+        assert result.ok, result.error
+        assert all(torch.equal(c[:, [6, 2]], s[:, [3, 0]]) for c, s in zip(caches, sent))
+    finally:
+        sender.close()
+        receiver.close()
+
+
+def test_unknown_connector_name() -> None:
+    with pytest.raises(ValueError, match="unknown KV connector 'rdma'"):
+        create_sender("rdma", LAYOUT)
