@@ -27,6 +27,7 @@ class PrefillNode(EngineNode):
         self.layout = node_layout(self.engine, self.model_config.model_dir)
         self.senders: dict[str, KVSender] = {}
         self.dests: dict[str, Prefill] = {}  # request id -> where its KV goes
+        self.next_block: dict[str, int] = {}  # request id -> first block not yet fully sent
 
     def kv_connector(self) -> str:
         return self.connector
@@ -49,6 +50,7 @@ class PrefillNode(EngineNode):
         sampling = sampling_from_wire(msg.sampling)
         self.engine.add_request(msg.request_id, list(msg.prompt_token_ids), sampling)
         self.dests[msg.request_id] = msg
+        self.next_block[msg.request_id] = 0
 
     def step(self) -> None:
         output = self.engine.scheduler.schedule()
@@ -62,14 +64,17 @@ class PrefillNode(EngineNode):
             self.hand_off(update)
 
     def ship_kv(self, output: SchedulerOutput) -> None:
-        """Send every block this step wrote, layer by layer, to its reserved block."""
+        """Send every block not yet sent up to what this step wrote, layer by layer, to its
+        reserved block. The first chunk also sends the prefix-cache hits it did not compute;
+        a partly filled last block is sent again once the next chunk completes it."""
         bs = self.block_size
         for seq in output.seqs:
             dest = self.dests.get(seq.request_id)
             if dest is None:
                 continue
-            first = seq.start_pos // bs
-            last = (seq.start_pos + len(seq.token_ids) - 1) // bs + 1
+            end = seq.start_pos + len(seq.token_ids)
+            first, last = self.next_block[seq.request_id], -(-end // bs)
+            self.next_block[seq.request_id] = end // bs
             src, dst = list(seq.block_ids[first:last]), list(dest.dest_block_ids[first:last])
             sender = self.senders[dest.dest_kv_endpoint]
             for layer, cache in enumerate(self.engine.runner.kv_caches):
@@ -77,6 +82,7 @@ class PrefillNode(EngineNode):
 
     def hand_off(self, update: RequestUpdate) -> None:
         dest = self.dests.pop(update.request_id, None)
+        self.next_block.pop(update.request_id, None)
         if dest is None:
             return
         meta = {"first_token": update.new_token_ids[0], "n_tokens": len(dest.prompt_token_ids)}
@@ -86,6 +92,7 @@ class PrefillNode(EngineNode):
     def abort(self, request_id: str) -> None:
         super().abort(request_id)
         self.dests.pop(request_id, None)
+        self.next_block.pop(request_id, None)
 
     def close(self) -> None:
         for sender in self.senders.values():

@@ -318,6 +318,7 @@ class ChoiceDelta:
     logprobs: tuple[TokenLogprobs, ...] = ()
     finish_reason: str | None = None
     error: str | None = None
+    token_ids: tuple[int, ...] = ()
 
 
 class _Choice:
@@ -357,7 +358,7 @@ class _Choice:
             text += tail if hit else tail + self._stops.flush()
             finish = "stop" if hit else finish
         self.finish_reason = finish
-        return ChoiceDelta(self.index, text, event.logprobs, finish, event.error)
+        return ChoiceDelta(self.index, text, event.logprobs, finish, event.error, event.token_ids)
 
     def fail(self, message: str) -> ChoiceDelta:
         self.finish_reason = "error"
@@ -545,9 +546,11 @@ class _Collected:
     text: list[str] = field(default_factory=list)
     logprobs: list[TokenLogprobs] = field(default_factory=list)
     finish_reason: str | None = None
+    token_ids: list[int] = field(default_factory=list)
 
     def add(self, delta: ChoiceDelta) -> None:
         self.text.append(delta.text)
+        self.token_ids.extend(delta.token_ids)
         self.logprobs.extend(delta.logprobs)
         self.finish_reason = delta.finish_reason or self.finish_reason
 
@@ -581,8 +584,11 @@ class _Dialect(ABC):
 class _CompletionDialect(_Dialect):
     prefix = "cmpl"
 
-    def __init__(self, model: str, tokens: _TokenStrings, want_logprobs: bool) -> None:
+    def __init__(
+        self, model: str, tokens: _TokenStrings, want_logprobs: bool, want_ids: bool = False
+    ) -> None:
         super().__init__(model, tokens, want_logprobs)
+        self._want_ids = want_ids
         self._offsets: dict[int, int] = {}  # text_offset reached by each streamed choice
 
     def chunk(self, delta: ChoiceDelta) -> BaseModel:
@@ -602,6 +608,7 @@ class _CompletionDialect(_Dialect):
                 text="".join(c.text),
                 logprobs=self._logprobs(c.index, c.logprobs),
                 finish_reason=c.finish_reason,
+                token_ids=c.token_ids if self._want_ids else None,
             )
             for c in choices
         ]
@@ -804,7 +811,9 @@ class _Server:
         body = await _parse(request, CompletionRequest)
         self._check_model(body.model)
         prompts = await self._completion_prompts(body.prompt)
-        dialect = _CompletionDialect(self._model, self._tokens, body.logprobs is not None)
+        dialect = _CompletionDialect(
+            self._model, self._tokens, body.logprobs is not None, body.return_token_ids
+        )
         return await self._generate(request, body, prompts, dialect, started)
 
     async def chat_completions(self, request: Request) -> Response:

@@ -93,6 +93,7 @@ class _Stream:
     prefill_node: str = ""
     decode_node: str = ""
     got_first: bool = False
+    failed: bool = False  # ended by an error or abort: the other node may still hold blocks
     early: list[TokenEvent] = field(default_factory=list)  # decode tokens that beat the first
 
 
@@ -312,12 +313,13 @@ class ClusterBackend(Backend):
                     return
                 if event.finish_reason is not None:
                     finished = True
+                    stream.failed = event.finish_reason in ("error", "abort")
                 yield event
                 if finished:
                     return
         finally:
-            if not finished:  # the caller stopped listening: free what the nodes hold
-                await self._abort_nodes(rid, stream, "stream closed")
+            if not finished or stream.failed:  # free whatever the nodes still hold
+                await self._abort_nodes(rid, stream, "stream ended")
             self._release(rid)
 
     async def _route(self, request: GenerateRequest, stream: _Stream) -> str | None:

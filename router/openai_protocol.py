@@ -74,6 +74,7 @@ class BaseGenerationRequest(_Request):
     stop_token_ids: list[TokenId] | None = None
     ignore_eos: bool = False
     skip_special_tokens: bool = True
+    return_token_ids: bool = False  # vLLM's extension: the generated ids in each choice
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
@@ -266,6 +267,7 @@ class CompletionChoice(_Response):
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
+    token_ids: list[int] | None = Field(None, exclude_if=lambda v: v is None)
 
 
 class CompletionResponse(_Response):
