@@ -120,3 +120,43 @@ def test_layout_mismatch_is_refused_with_a_clear_error(model_dir):
         assert resp.status_code >= 400
         assert "block_size" in resp.text, resp.text
         assert_clean(c)
+
+
+def test_openai_client_and_demo_against_1p1d(model_dir, capsys):
+    from openai import OpenAI
+
+    from common.demo import run_demo
+
+    with LocalCluster(model_dir, 1, 1, engine_args=ENGINE) as c:
+        client = OpenAI(base_url=c.url + "/v1", api_key="unused", timeout=60)
+        name = client.models.list().data[0].id
+        whole = client.completions.create(
+            model=name,
+            prompt="hello there",
+            max_tokens=6,
+            temperature=0,
+            extra_body={"ignore_eos": True},
+        )
+        pieces = client.completions.create(
+            model=name,
+            prompt="hello there",
+            max_tokens=6,
+            temperature=0,
+            stream=True,
+            extra_body={"ignore_eos": True},
+        )
+        assert "".join(ch.choices[0].text for ch in pieces if ch.choices) == whole.choices[0].text
+        assert whole.usage.completion_tokens == 6
+        messages = [{"role": "user", "content": "hi"}]
+        chat = client.chat.completions.create(
+            model=name, messages=messages, max_tokens=5, temperature=0
+        )
+        streamed = client.chat.completions.create(
+            model=name, messages=messages, max_tokens=5, temperature=0, stream=True
+        )
+        text = "".join(ch.choices[0].delta.content or "" for ch in streamed if ch.choices)
+        assert text == chat.choices[0].message.content
+        assert_clean(c)
+    results = run_demo(model_dir, max_tokens=6, kv_connector="zmq", log_dir=None)
+    assert len(results) == 6 and all(r["tokens"] >= 1 for r in results)
+    assert "block pools clean on every node" in capsys.readouterr().out
