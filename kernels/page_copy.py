@@ -11,8 +11,8 @@ import torch
 import triton
 import triton.language as tl
 
-_FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-_ID_DTYPES = (torch.int32, torch.int64)
+from kernels._checks import FLOAT_DTYPES, INDEX_DTYPES, check_dtype
+
 # Elements copied per program; large enough to amortise the block-id load, small enough
 # that a 16 KiB-element block still spreads over several programs.
 _TILE = 4096
@@ -56,17 +56,16 @@ def _check_paged(name: str, t: torch.Tensor) -> None:
         raise ValueError(
             f"{name} must be [2, n, block_size, num_kv_heads, head_dim]; got {tuple(t.shape)}"
         )
-    if t.dtype not in _FLOAT_DTYPES:
-        raise ValueError(f"{name} dtype {t.dtype} is not one of {_FLOAT_DTYPES}")
+    check_dtype(name, t, FLOAT_DTYPES)
     _, _, block_size, heads, head_dim = t.shape
     if t.stride()[2:] != (heads * head_dim, head_dim, 1):
         raise ValueError(f"{name} blocks must be compact [block_size, H, D]; strides {t.stride()}")
 
 
 def _check_ids(block_ids: torch.Tensor, layer_cache: torch.Tensor) -> None:
-    if block_ids.dim() != 1 or block_ids.dtype not in _ID_DTYPES:
+    if block_ids.dim() != 1 or block_ids.dtype not in INDEX_DTYPES:
         raise ValueError(
-            f"block_ids must be a 1-D tensor of {_ID_DTYPES}; "
+            f"block_ids must be a 1-D tensor of {INDEX_DTYPES}; "
             f"got {tuple(block_ids.shape)} {block_ids.dtype}"
         )
     if block_ids.device != layer_cache.device:

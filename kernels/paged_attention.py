@@ -14,8 +14,8 @@ import torch
 import triton
 import triton.language as tl
 
-_FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-_INDEX_DTYPES = (torch.int32, torch.int64)
+from kernels._checks import INDEX_DTYPES, check_dtype, check_kv_halves, check_one_device, check_rows
+
 # Keys per inner-loop step; tiles may straddle pages because each key looks up its own block.
 _BLOCK_N = 32
 
@@ -137,13 +137,9 @@ def _check_layout(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
         raise ValueError(f"query head_dim {query.shape[2]} != cache head_dim {k_cache.shape[3]}")
     if num_heads % num_kv_heads != 0:
         raise ValueError(f"num_heads {num_heads} is not a multiple of num_kv_heads {num_kv_heads}")
-    if k_cache.stride() != v_cache.stride():
-        raise ValueError("k_cache and v_cache must share strides (halves of one layer cache)")
+    check_kv_halves(k_cache, v_cache)
     for name, t in (("query", query), ("k_cache", k_cache), ("v_cache", v_cache)):
-        if t.dtype not in _FLOAT_DTYPES:
-            raise ValueError(f"{name} dtype {t.dtype} is not one of {_FLOAT_DTYPES}")
-        if t.stride(-1) != 1:
-            raise ValueError(f"{name} must be contiguous in head_dim; strides {t.stride()}")
+        check_rows(name, t)
     if not query.dtype == k_cache.dtype == v_cache.dtype:
         raise ValueError(
             f"query, k_cache, v_cache must share a dtype; "
@@ -174,8 +170,7 @@ def _check_batch(
         ("query_start_loc", query_start_loc),
         ("seq_lens", seq_lens),
     ):
-        if t.dtype not in _INDEX_DTYPES:
-            raise ValueError(f"{name} dtype {t.dtype} is not one of {_INDEX_DTYPES}")
+        check_dtype(name, t, INDEX_DTYPES)
     if sliding_window is not None and sliding_window < 1:
         raise ValueError(f"sliding_window must be None or >= 1; got {sliding_window}")
 
@@ -207,9 +202,7 @@ def paged_attention_triton(
     """
     _check_layout(query, k_cache, v_cache)
     _check_batch(block_tables, query_start_loc, seq_lens, sliding_window)
-    devices = {t.device for t in (query, k_cache, v_cache, block_tables, query_start_loc, seq_lens)}
-    if len(devices) != 1:
-        raise ValueError(f"all tensors must be on one device; got {devices}")
+    check_one_device(query, k_cache, v_cache, block_tables, query_start_loc, seq_lens)
     out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
     num_tokens, num_heads, head_dim = query.shape
     num_seqs, num_kv_heads = seq_lens.shape[0], k_cache.shape[2]

@@ -9,8 +9,7 @@ import torch
 import triton
 import triton.language as tl
 
-_FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-_SLOT_DTYPES = (torch.int32, torch.int64)
+from kernels._checks import INDEX_DTYPES, check_dtype, check_kv_halves, check_one_device, check_rows
 
 
 @triton.jit
@@ -81,20 +80,13 @@ def _check_inputs(
         raise ValueError(
             f"slot_mapping must be [T={key.shape[0]}]; got {tuple(slot_mapping.shape)}"
         )
-    if k_cache.stride() != v_cache.stride():
-        raise ValueError("k_cache and v_cache must share strides (halves of one layer cache)")
+    check_kv_halves(k_cache, v_cache)
     for name, t in (("key", key), ("value", value), ("k_cache", k_cache), ("v_cache", v_cache)):
-        if t.dtype not in _FLOAT_DTYPES:
-            raise ValueError(f"{name} dtype {t.dtype} is not one of {_FLOAT_DTYPES}")
-        if t.stride(-1) != 1:
-            raise ValueError(f"{name} must be contiguous in head_dim; strides {t.stride()}")
+        check_rows(name, t)
     if k_cache.dtype != v_cache.dtype:
         raise ValueError(f"k_cache {k_cache.dtype} and v_cache {v_cache.dtype} differ in dtype")
-    if slot_mapping.dtype not in _SLOT_DTYPES:
-        raise ValueError(f"slot_mapping dtype {slot_mapping.dtype} is not one of {_SLOT_DTYPES}")
-    devices = {t.device for t in (key, value, k_cache, v_cache, slot_mapping)}
-    if len(devices) != 1:
-        raise ValueError(f"all tensors must be on one device; got {devices}")
+    check_dtype("slot_mapping", slot_mapping, INDEX_DTYPES)
+    check_one_device(key, value, k_cache, v_cache, slot_mapping)
 
 
 def store_kv_triton(

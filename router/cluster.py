@@ -67,22 +67,31 @@ class NodeInfo:
 
 
 Policy = Callable[[list[NodeInfo], GenerateRequest], list[NodeInfo]]
-_rr = itertools.count()
 
 
-def round_robin(nodes: list[NodeInfo], _req: GenerateRequest) -> list[NodeInfo]:
-    if not nodes:
-        return nodes
-    start = next(_rr) % len(nodes)
-    ordered = sorted(nodes, key=lambda n: n.node_id)
-    return ordered[start:] + ordered[:start]
+class RoundRobin:
+    """Candidates in turn; the rotation is this policy object's own state."""
+
+    def __init__(self) -> None:
+        self._turn = itertools.count()
+
+    def __call__(self, nodes: list[NodeInfo], _req: GenerateRequest) -> list[NodeInfo]:
+        if not nodes:
+            return nodes
+        start = next(self._turn) % len(nodes)
+        ordered = sorted(nodes, key=lambda n: n.node_id)
+        return ordered[start:] + ordered[:start]
 
 
 def least_loaded(nodes: list[NodeInfo], _req: GenerateRequest) -> list[NodeInfo]:
     return sorted(nodes, key=NodeInfo.load)
 
 
-POLICIES: dict[str, Policy] = {"round_robin": round_robin, "least_loaded": least_loaded}
+# Name -> factory, so every backend gets a fresh policy (and its own state).
+POLICIES: dict[str, Callable[[], Policy]] = {
+    "round_robin": RoundRobin,
+    "least_loaded": lambda: least_loaded,
+}
 
 
 @dataclass(slots=True)
@@ -112,7 +121,7 @@ class ClusterBackend(Backend):
     ) -> None:
         if policy not in POLICIES:
             raise ValueError(f"unknown policy {policy!r}; choose from {sorted(POLICIES)}")
-        self.policy = POLICIES[policy]
+        self.policy = POLICIES[policy]()
         self.default_max_model_len = max_model_len
         self.heartbeat_timeout = heartbeat_timeout
         self.reply_timeout = reply_timeout

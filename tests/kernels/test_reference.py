@@ -107,8 +107,9 @@ def dense_attention(batch: PagedBatch, scale: float, window: int | None) -> torc
     return out
 
 
-def run_ref(batch: PagedBatch, scale: float, window: int | None) -> torch.Tensor:
-    return paged_attention_ref(
+def run_attention(fn, batch: PagedBatch, scale: float, window: int | None) -> torch.Tensor:
+    """Call a paged-attention implementation (reference or Triton) on a batch."""
+    return fn(
         batch.query,
         batch.k_cache,
         batch.v_cache,
@@ -118,6 +119,10 @@ def run_ref(batch: PagedBatch, scale: float, window: int | None) -> torch.Tensor
         scale,
         window,
     )
+
+
+def run_ref(batch: PagedBatch, scale: float, window: int | None) -> torch.Tensor:
+    return run_attention(paged_attention_ref, batch, scale, window)
 
 
 @pytest.mark.parametrize("spec", [MIXED_BATCH, DECODE_BATCH], ids=["mixed", "decode"])

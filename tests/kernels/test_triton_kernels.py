@@ -25,6 +25,7 @@ from tests.kernels.test_reference import (  # noqa: E402
     PagedBatch,
     make_paged_batch,
     random_slots,
+    run_attention,
     run_ref,
 )
 
@@ -47,16 +48,7 @@ def assert_copied(actual: torch.Tensor, expected: torch.Tensor, source_dtype: to
 
 
 def run_triton(batch: PagedBatch, scale: float, window: int | None) -> torch.Tensor:
-    return paged_attention_triton(
-        batch.query,
-        batch.k_cache,
-        batch.v_cache,
-        batch.block_tables,
-        batch.query_start_loc,
-        batch.seq_lens,
-        scale,
-        window,
-    )
+    return run_attention(paged_attention_triton, batch, scale, window)
 
 
 @pytest.mark.parametrize(
