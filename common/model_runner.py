@@ -10,7 +10,7 @@ import torch
 from common.attention import AttentionMetadata
 from common.config import CacheConfig, ModelConfig
 from common.model_config import ModelArchConfig
-from common.sampler import Sampler, SamplingRow, make_generator
+from common.sampler import Sampler, SamplingRow, make_generator, skip_draws
 from common.scheduler import SampledToken, ScheduledSeq, SchedulerOutput
 from common.weights import load_model
 
@@ -92,6 +92,9 @@ class ModelRunner:
             generator = self.generators.get(seq.request_id)
             if generator is None:
                 generator = make_generator(seq.sampling.seed, self.device)
+                # A request that arrives with tokens already sampled elsewhere (a decode node
+                # continuing after the prefill node's first token) continues the same stream.
+                skip_draws(generator, seq.num_output_tokens, self.arch.vocab_size)
                 self.generators[seq.request_id] = generator
         return SamplingRow(seq.sampling, generator, seq.banned_token_ids)
 

@@ -40,6 +40,15 @@ def make_generator(seed: int, device: torch.device | str) -> torch.Generator:
     return generator
 
 
+def skip_draws(generator: torch.Generator, draws: int, vocab_size: int) -> None:
+    """Advance `generator` past `draws` sampling steps over `vocab_size` tokens, exactly as
+    many random numbers as `Sampler` takes from it per step, so a seeded request that moves
+    between nodes goes on drawing where it left off."""
+    for _ in range(draws):  # one call per step: a generator's stream depends on call shapes
+        noise = torch.empty(vocab_size, dtype=torch.float32, device=generator.device)
+        noise.exponential_(generator=generator)
+
+
 class Sampler:
     """Picks the next token of every row of a [B, V] logits batch.
 

@@ -28,6 +28,7 @@ class ScheduledSeq:
     sample: bool  # True when this step completes the known sequence
     sampling: SamplingParams
     banned_token_ids: tuple[int, ...] = ()
+    num_output_tokens: int = 0  # tokens sampled before this step (here or on another node)
 
 
 @dataclass(frozen=True, slots=True)
@@ -209,6 +210,7 @@ class Scheduler:
                 sample=start + n == request.num_tokens,
                 sampling=request.sampling,
                 banned_token_ids=self._banned(request),
+                num_output_tokens=request.num_output_tokens,
             )
         )
 

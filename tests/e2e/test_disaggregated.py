@@ -47,7 +47,21 @@ def reference(model_dir) -> list[list[int]]:
     return [o.token_ids for o in llm.generate(PROMPTS, params)]
 
 
-def complete(url: str, prompt: list[int]) -> dict:
+SEEDED = {"temperature": 1.0, "top_p": 0.9, "top_k": 50}  # sampled, seeded per request
+
+
+@pytest.fixture(scope="module")
+def seeded_reference(model_dir) -> list[list[int]]:
+    llm = LLM(model_dir, block_size=16)
+    return [
+        llm.generate([p], SamplingParams(max_tokens=MAX_TOKENS, seed=i, ignore_eos=True, **SEEDED))[
+            0
+        ].token_ids
+        for i, p in enumerate(PROMPTS[:4])
+    ]
+
+
+def complete(url: str, prompt: list[int], **sampling) -> dict:
     import httpx
 
     body = {
@@ -56,6 +70,7 @@ def complete(url: str, prompt: list[int]) -> dict:
         "temperature": 0,
         "ignore_eos": True,
         "return_token_ids": True,
+        **sampling,
     }
     resp = httpx.post(url + "/v1/completions", json=body, timeout=120)
     assert resp.status_code == 200, resp.text
@@ -82,12 +97,18 @@ def assert_clean(cluster: LocalCluster) -> None:
     "connector,num_p,num_d",
     [("zmq", 1, 1), ("nccl", 1, 1), ("shm", 1, 1), ("zmq", 2, 2)],
 )
-def test_disaggregated_greedy_equals_colocated(model_dir, reference, connector, num_p, num_d):
+def test_disaggregated_greedy_equals_colocated(
+    model_dir, reference, seeded_reference, connector, num_p, num_d
+):
     with LocalCluster(model_dir, num_p, num_d, kv_connector=connector, engine_args=ENGINE) as c:
         results = run_concurrently(c, PROMPTS)
         got = [r["choices"][0]["token_ids"] for r in results]
         for i, (g, want) in enumerate(zip(got, reference)):
             assert g == want, f"prompt {i} (len {len(PROMPTS[i])}) via {connector}"
+        # A seeded request samples its first token on P and the rest on D: one random stream.
+        for i, want in enumerate(seeded_reference):
+            seeded = complete(c.url, PROMPTS[i], seed=i, **SEEDED)
+            assert seeded["choices"][0]["token_ids"] == want, f"seeded prompt {i}"
         cached = [r["usage"]["prompt_tokens_details"]["cached_tokens"] for r in results]
         again = complete(c.url, PROMPTS[1])  # the 1000-token prompt, now cached on P
         assert again["choices"][0]["token_ids"] == reference[1]
