@@ -7,6 +7,7 @@ names, so loading weights is a name lookup; nothing is fused yet.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -211,14 +212,17 @@ class LlamaFamilyModel(nn.Module):
         positions: torch.Tensor,
         attn: AttentionMetadata,
         kv_caches: list[torch.Tensor],
+        on_layer: Callable[[int], None] | None = None,
     ) -> torch.Tensor:
         assert len(kv_caches) == len(self.layers), (
             f"{len(kv_caches)} KV caches for {len(self.layers)} layers"
         )
         x = self.embed_tokens(input_ids)
         cos, sin = self.rotary_emb(positions, x.dtype)
-        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+        for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches, strict=True)):
             x = layer(x, cos, sin, attn, kv_cache)
+            if on_layer is not None:
+                on_layer(i)  # layer i's K/V of this step are in the cache (or queued on device)
         return self.norm(x)
 
 
@@ -249,9 +253,13 @@ class LlamaFamilyForCausalLM(nn.Module):
         positions: torch.Tensor,
         attn: AttentionMetadata,
         kv_caches: list[torch.Tensor],
+        on_layer: Callable[[int], None] | None = None,
     ) -> torch.Tensor:
-        """Hidden states [T, hidden_size] after the final norm; writes each token's K/V."""
-        return self.model(input_ids, positions, attn, kv_caches)
+        """Hidden states [T, hidden_size] after the final norm; writes each token's K/V.
+
+        `on_layer(i)` runs as soon as layer i has written its K/V, before layer i + 1 starts:
+        a prefill node ships layer i's pages from there while the later layers compute."""
+        return self.model(input_ids, positions, attn, kv_caches, on_layer)
 
     @torch.no_grad()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -3,6 +3,7 @@ sampling."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -66,11 +67,17 @@ class ModelRunner:
     # -- one step --------------------------------------------------------------------------
 
     @torch.inference_mode()
-    def execute(self, output: SchedulerOutput) -> dict[str, SampledToken]:
-        """Run the scheduled step and return the sampled token of each completed sequence."""
+    def execute(
+        self, output: SchedulerOutput, on_layer: Callable[[int], None] | None = None
+    ) -> dict[str, SampledToken]:
+        """Run the scheduled step and return the sampled token of each completed sequence.
+
+        `on_layer(i)` is called once layer i has written this step's K/V (see the model)."""
         self.forget(output.finished_ids)
         inputs = self.prepare(output.seqs)
-        hidden = self.model(inputs.input_ids, inputs.positions, inputs.attn, self.kv_caches)
+        hidden = self.model(
+            inputs.input_ids, inputs.positions, inputs.attn, self.kv_caches, on_layer
+        )
         if not inputs.sampled_seqs:
             return {}
         logits = self.model.compute_logits(hidden[inputs.logit_indices])

@@ -3,13 +3,29 @@
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
+
+import zmq
 
 from common.node import EngineNode, sampling_from_wire
-from common.protocol import Prefill
+from common.protocol import Error, Prefill
 from common.scheduler import RequestUpdate, SchedulerOutput
 from kv_transfer import KVSender, create_sender, node_layout
 
 log = logging.getLogger(__name__)
+
+# What a broken or refused KV connection raises (TransferError/TransferTimeout included).
+SEND_ERRORS = (RuntimeError, OSError, zmq.ZMQError)
+
+
+@dataclass(frozen=True, slots=True)
+class Shipment:
+    """One request's pages of one step: source blocks here into reserved blocks there."""
+
+    endpoint: str
+    xfer_id: str
+    src: list[int]
+    dst: list[int]
 
 
 class PrefillNode(EngineNode):
@@ -46,7 +62,11 @@ class PrefillNode(EngineNode):
     def on_prefill(self, msg: Prefill) -> None:
         if not msg.xfer_id:
             raise ValueError("a prefill node needs a destination (xfer_id and blocks)")
-        self._sender(msg.dest_kv_endpoint)
+        try:
+            self._sender(msg.dest_kv_endpoint)
+        except SEND_ERRORS as exc:  # the decode node is unreachable: fail this request only
+            self.control.send(Error(msg.request_id, f"KV connection failed: {exc}", 502))
+            return
         sampling = sampling_from_wire(msg.sampling)
         self.engine.add_request(msg.request_id, list(msg.prompt_token_ids), sampling)
         self.dests[msg.request_id] = msg
@@ -57,17 +77,39 @@ class PrefillNode(EngineNode):
         if output.empty:
             self.engine.runner.forget(output.finished_ids)
             return
-        sampled = self.engine.runner.execute(output)
-        self.ship_kv(output)
-        for update in self.engine.scheduler.update(output, sampled):
-            self.send_update(update)  # the first token goes to the client at once
-            self.hand_off(update)
+        shipments = self.plan_kv(output)
+        failed: dict[str, str] = {}  # decode node endpoint -> why sending to it failed
 
-    def ship_kv(self, output: SchedulerOutput) -> None:
-        """Send every block not yet sent up to what this step wrote, layer by layer, to its
-        reserved block. The first chunk also sends the prefix-cache hits it did not compute;
-        a partly filled last block is sent again once the next chunk completes it."""
+        def ship_layer(layer: int) -> None:
+            # Runs inside the forward right after layer `layer` wrote its K/V: its pages are
+            # gathered and handed to the transport while the later layers compute.
+            cache = self.engine.runner.kv_caches[layer]
+            for ship in shipments:
+                if ship.endpoint in failed:
+                    continue
+                try:
+                    self.senders[ship.endpoint].send_layer(
+                        ship.xfer_id, layer, ship.src, ship.dst, cache
+                    )
+                except SEND_ERRORS as exc:
+                    failed[ship.endpoint] = str(exc)
+
+        sampled = self.engine.runner.execute(output, on_layer=ship_layer if shipments else None)
+        for update in self.engine.scheduler.update(output, sampled):
+            dest = self.dests.get(update.request_id)
+            if dest is not None and dest.dest_kv_endpoint in failed:
+                continue  # failed below, before any of its tokens reach the client
+            self.send_update(update)  # the first token goes to the client at once
+            self.hand_off(update, failed)
+        for endpoint, error in failed.items():
+            self.drop_destination(endpoint, error)
+
+    def plan_kv(self, output: SchedulerOutput) -> list[Shipment]:
+        """Which blocks of this step go where: every block not yet sent up to what the step
+        writes. The first chunk also sends the prefix-cache hits it did not compute; a partly
+        filled last block is sent again once the next chunk completes it."""
         bs = self.block_size
+        shipments = []
         for seq in output.seqs:
             dest = self.dests.get(seq.request_id)
             if dest is None:
@@ -76,18 +118,32 @@ class PrefillNode(EngineNode):
             first, last = self.next_block[seq.request_id], -(-end // bs)
             self.next_block[seq.request_id] = end // bs
             src, dst = list(seq.block_ids[first:last]), list(dest.dest_block_ids[first:last])
-            sender = self.senders[dest.dest_kv_endpoint]
-            for layer, cache in enumerate(self.engine.runner.kv_caches):
-                sender.send_layer(dest.xfer_id, layer, src, dst, cache)
+            shipments.append(Shipment(dest.dest_kv_endpoint, dest.xfer_id, src, dst))
+        return shipments
 
-    def hand_off(self, update: RequestUpdate) -> None:
+    def hand_off(self, update: RequestUpdate, failed: dict[str, str]) -> None:
         dest = self.dests.pop(update.request_id, None)
         self.next_block.pop(update.request_id, None)
         if dest is None:
             return
         meta = {"first_token": update.new_token_ids[0], "n_tokens": len(dest.prompt_token_ids)}
-        self.senders[dest.dest_kv_endpoint].send_done(dest.xfer_id, meta)
         self.engine.scheduler.release(update.request_id)
+        try:
+            self.senders[dest.dest_kv_endpoint].send_done(dest.xfer_id, meta)
+        except SEND_ERRORS as exc:
+            failed[dest.dest_kv_endpoint] = str(exc)
+            self.control.send(Error(update.request_id, f"KV transfer failed: {exc}", 502))
+
+    def drop_destination(self, endpoint: str, error: str) -> None:
+        """A connection to a decode node broke: fail every request bound there (the router
+        then aborts their reservations) and reconnect on the next request."""
+        log.warning("KV connection to %s failed: %s", endpoint, error)
+        sender = self.senders.pop(endpoint, None)
+        if sender is not None:
+            sender.close()
+        for rid in [rid for rid, d in self.dests.items() if d.dest_kv_endpoint == endpoint]:
+            self.abort(rid)
+            self.control.send(Error(rid, f"KV transfer to the decode node failed: {error}", 502))
 
     def abort(self, request_id: str) -> None:
         super().abort(request_id)

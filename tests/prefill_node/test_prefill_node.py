@@ -1,0 +1,156 @@
+"""The prefill node in-process against a real decode node's zmq receiver.
+
+The test owns the router's ROUTER socket and drives both nodes' handlers and steps by hand, so
+it can see the order of the prefill node's compute and sends and break its sender at will.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+
+import pytest
+import zmq
+
+from common.config import CacheConfig, ModelConfig, SchedulerConfig
+from common.llm import LLM, SamplingParams
+from common.node import sampling_to_wire
+from common.protocol import Error, Message, Prefill, Reserved, ReserveKV, Tokens, decode
+from decode_node.node import DecodeNode
+from kv_transfer.base import TransferError
+from prefill_node.node import PrefillNode
+
+BLOCK = 16
+SAMPLING = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)
+
+
+class FakeRouter:
+    """The router's ROUTER socket; collects what nodes send."""
+
+    def __init__(self) -> None:
+        self.sock = zmq.Context.instance().socket(zmq.ROUTER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        port = self.sock.bind_to_random_port("tcp://127.0.0.1")
+        self.addr = f"127.0.0.1:{port}"
+
+    def recv(self, kind: type, request_id: str, timeout: float = 10.0) -> Message:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.sock.poll(50):
+                _, frame = self.sock.recv_multipart()
+                msg = decode(frame)
+                if isinstance(msg, kind) and getattr(msg, "request_id", "") == request_id:
+                    return msg
+        raise AssertionError(f"no {kind.__name__} for {request_id}")
+
+    def drain(self) -> list[Message]:
+        out = []
+        while self.sock.poll(100):
+            out.append(decode(self.sock.recv_multipart()[1]))
+        return out
+
+
+@pytest.fixture()
+def nodes(tiny_model_dir) -> Iterator[tuple[FakeRouter, PrefillNode, DecodeNode]]:
+    model = ModelConfig(str(tiny_model_dir("llama")))
+    cache = CacheConfig(block_size=BLOCK, num_blocks=64)
+    sched = SchedulerConfig(max_num_batched_tokens=40, max_num_seqs=8)
+    router = FakeRouter()
+    prefill = PrefillNode(model, cache, sched, router_addr=router.addr)
+    decode_ = DecodeNode(model, cache, sched, router_addr=router.addr)
+    yield router, prefill, decode_
+    prefill.close()
+    decode_.close()
+    router.sock.close()
+
+
+def start(router, prefill, decode_, rid: str, prompt: list[int]) -> Reserved:
+    """ReserveKV on D, then Prefill on P (handshaking while D's receiver is polled)."""
+    sampling = sampling_to_wire(SAMPLING)
+    decode_.on_message(ReserveKV(rid, tuple(prompt), sampling))
+    reserved = router.recv(Reserved, rid)
+    stop = threading.Event()
+    pump = threading.Thread(
+        target=lambda: [decode_.receiver.poll(0.01) for _ in iter(stop.is_set, True)]
+    )
+    pump.start()
+    try:
+        prefill.on_prefill(
+            Prefill(
+                rid,
+                tuple(prompt),
+                sampling,
+                reserved.xfer_id,
+                reserved.block_ids,
+                reserved.kv_endpoint,
+            )
+        )
+    finally:
+        stop.set()
+        pump.join()
+    return reserved
+
+
+def test_pages_of_a_layer_leave_before_the_next_layer_computes(nodes, tiny_model_dir):
+    router, prefill, decode_ = nodes
+    prompt = list(range(3, 90))  # 87 tokens: 3 chunks of at most 40
+    start(router, prefill, decode_, "r1", prompt)
+    events: list[tuple[str, int]] = []
+    for i, layer in enumerate(prefill.engine.runner.model.model.layers):
+        layer.register_forward_pre_hook(lambda *_, i=i: events.append(("compute", i)))
+    sender = next(iter(prefill.senders.values()))
+    send_layer = sender.send_layer
+    sender.send_layer = lambda xfer, layer, *a: (
+        events.append(("send", layer)),
+        send_layer(xfer, layer, *a),
+    )[1]
+    steps = 0
+    while "r1" in prefill.dests:
+        prefill.step()
+        steps += 1
+    assert steps == 3
+    n = len(prefill.engine.runner.model.model.layers)
+    per_step = [e for layer in range(n) for e in (("compute", layer), ("send", layer))]
+    assert events == per_step * steps  # interleaved: send i happens before compute i + 1
+
+    # The decode node admits it and finishes it with the colocated engine's tokens.
+    first = router.recv(Tokens, "r1")
+    got = list(first.token_ids)
+    deadline = time.monotonic() + 30
+    while len(got) < SAMPLING.max_tokens:
+        assert time.monotonic() < deadline
+        decode_.poll_io()
+        if decode_.engine.has_unfinished:
+            decode_.step()
+        for msg in router.drain():
+            if isinstance(msg, Tokens) and msg.request_id == "r1":
+                got += list(msg.token_ids)
+    want = LLM(str(tiny_model_dir("llama")), block_size=BLOCK).generate([prompt], SAMPLING)
+    assert got == want[0].token_ids
+    prefill.engine.check_integrity()
+    decode_.engine.check_integrity()
+
+
+def test_a_broken_kv_connection_fails_only_its_requests(nodes):
+    router, prefill, decode_ = nodes
+    start(router, prefill, decode_, "bad", list(range(3, 60)))
+    sender = next(iter(prefill.senders.values()))
+
+    def broken(*_):
+        raise TransferError("peer went away")
+
+    sender.send_layer = broken
+    prefill.step()
+    error = router.recv(Error, "bad")
+    assert error.code == 502 and "peer went away" in error.message
+    assert "bad" not in prefill.dests and not prefill.senders  # reconnects next time
+    assert not prefill.engine.has_unfinished
+    assert all(not isinstance(m, Tokens) for m in router.drain())  # no token before the error
+    prefill.engine.check_integrity()
+    assert prefill.engine.kv.num_free_blocks == prefill.engine.runner.num_blocks - 1
+    # The next request reconnects and goes through.
+    start(router, prefill, decode_, "good", list(range(5, 30)))
+    while "good" in prefill.dests:
+        prefill.step()
+    assert router.recv(Tokens, "good").token_ids
