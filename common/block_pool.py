@@ -41,6 +41,44 @@ def hash_token_blocks(token_ids: Sequence[int], block_size: int) -> list[BlockHa
     return hashes
 
 
+class PrefixEvents:
+    """Which hashes joined or left the prefix-cache index since the last drain.
+
+    A node's heartbeat carries them so a router can send each prompt where its leading blocks
+    are cached. Bounded: past `limit` pending changes it forgets them and the next drain is a
+    full snapshot of the index instead (as is the first one).
+    """
+
+    def __init__(self, limit: int = 4096) -> None:
+        self.limit = limit
+        self.pending: dict[BlockHash, bool] = {}  # hash -> cached now; the last change wins
+        self.overflow = True  # start with a snapshot
+
+    def resync(self) -> None:
+        """Make the next drain a full snapshot."""
+        self.overflow = True
+        self.pending.clear()
+
+    def record(self, block_hash: BlockHash, cached: bool) -> None:
+        if self.overflow:
+            return
+        self.pending[block_hash] = cached
+        if len(self.pending) > self.limit:
+            self.resync()
+
+    def drain(
+        self, index: Iterable[BlockHash]
+    ) -> tuple[bool, tuple[BlockHash, ...], tuple[BlockHash, ...]]:
+        """(is_snapshot, stored, removed) since the last drain; a snapshot lists `index`."""
+        if self.overflow:
+            self.overflow = False
+            return True, tuple(index), ()
+        stored = tuple(h for h, cached in self.pending.items() if cached)
+        removed = tuple(h for h, cached in self.pending.items() if not cached)
+        self.pending.clear()
+        return False, stored, removed
+
+
 class KVCacheBlock:
     """One physical block. prev_free/next_free link it into the free queue."""
 
@@ -122,6 +160,7 @@ class BlockPool:
         self.null_block.is_null = True
         self.free_queue = FreeBlockQueue(self.blocks[1:])
         self.cached: dict[BlockHash, KVCacheBlock] = {}
+        self.prefix_events: PrefixEvents | None = None  # set by nodes that report their cache
 
     @property
     def num_free_blocks(self) -> int:
@@ -153,6 +192,8 @@ class BlockPool:
             return
         if self.cached.get(block.block_hash) is block:
             del self.cached[block.block_hash]
+            if self.prefix_events is not None:
+                self.prefix_events.record(block.block_hash, False)
         block.block_hash = None
 
     def touch(self, blocks: Iterable[KVCacheBlock]) -> None:
@@ -181,6 +222,8 @@ class BlockPool:
             return  # an identical block is already indexed; this copy stays private
         block.block_hash = block_hash
         self.cached[block_hash] = block
+        if self.prefix_events is not None:
+            self.prefix_events.record(block_hash, True)
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached hash; only allowed when no block is referenced."""
@@ -189,6 +232,8 @@ class BlockPool:
         for block in self.blocks:
             block.block_hash = None
         self.cached.clear()
+        if self.prefix_events is not None:
+            self.prefix_events.resync()  # the next report is a (now empty) snapshot
         return True
 
     def check_integrity(self) -> None:

@@ -18,6 +18,7 @@ import uuid
 
 import zmq
 
+from common.block_pool import PrefixEvents
 from common.config import CacheConfig, ModelConfig, SchedulerConfig
 from common.control import ControlClient
 from common.engine import LLMEngine
@@ -30,6 +31,7 @@ from common.protocol import (
     Message,
     Prefill,
     RegisterNode,
+    SyncPrefixes,
     Tokens,
 )
 from common.request import TokenLogprobs
@@ -84,6 +86,9 @@ class EngineNode:
         self.control = ControlClient(self.ctx, router_addr, self.node_id)
         self.heartbeat_interval = heartbeat_interval
         self._next_heartbeat = 0.0
+        self._prefix_seq = 0
+        if self.role in ("prefill", "both"):  # nodes a prefix-aware router picks by cache
+            self.engine.kv.pool.prefix_events = PrefixEvents()
         self.stop_event = threading.Event()
 
     # -- hooks for roles -------------------------------------------------------------------
@@ -147,6 +152,17 @@ class EngineNode:
         self._next_heartbeat = now + self.heartbeat_interval
         sched = self.engine.scheduler
         queued = sum(r.num_tokens - r.num_computed_tokens for r in sched.waiting)
+        prefixes = {}
+        pool = self.engine.kv.pool
+        if pool.prefix_events is not None:
+            reset, stored, removed = pool.prefix_events.drain(pool.cached)
+            self._prefix_seq += 1
+            prefixes = dict(
+                prefix_seq=self._prefix_seq,
+                prefix_reset=reset,
+                prefix_stored=stored,
+                prefix_removed=removed,
+            )
         self.control.send(
             Heartbeat(
                 node_id=self.node_id,
@@ -154,6 +170,7 @@ class EngineNode:
                 num_running=len(sched.running),
                 num_waiting=len(sched.waiting),
                 queued_tokens=queued,
+                **prefixes,
             )
         )
 
@@ -166,6 +183,10 @@ class EngineNode:
                 self.abort(msg.request_id)
             elif isinstance(msg, CheckIntegrity):
                 self.control.send(self.integrity_report(msg.nonce))
+            elif isinstance(msg, SyncPrefixes):
+                if self.engine.kv.pool.prefix_events is not None:
+                    self.engine.kv.pool.prefix_events.resync()
+                    self._next_heartbeat = 0.0  # send the snapshot now
             else:
                 self.on_message(msg)
         except ValueError as exc:  # bad input for one request: fail it, keep serving

@@ -208,7 +208,20 @@ class Heartbeat(Message):
     num_running: int
     num_waiting: int
     queued_tokens: int
-    prefix_hashes: tuple[bytes, ...] = ()  # leading block hashes it caches, for prefix routing
+    # Prefix-cache changes since the last heartbeat (prefill and colocated nodes), numbered so
+    # the router can tell a gap; a reset replaces the router's view with prefix_stored.
+    prefix_seq: int = 0
+    prefix_reset: bool = False
+    prefix_stored: tuple[bytes, ...] = ()
+    prefix_removed: tuple[bytes, ...] = ()
+
+
+@message
+@dataclass(frozen=True, slots=True)
+class SyncPrefixes(Message):
+    """Router -> node: its view of the node's prefix cache has a gap; send a full snapshot."""
+
+    TYPE: ClassVar[str] = "sync_prefixes"
 
 
 # -- request flow -----------------------------------------------------------------------------

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 import zmq
 import zmq.asyncio
 
+from common.block_pool import hash_token_blocks
 from common.node import logprobs_from_wire, sampling_to_wire
 from common.protocol import (
     Abort,
@@ -35,6 +36,7 @@ from common.protocol import (
     RegisterNode,
     Reserved,
     ReserveKV,
+    SyncPrefixes,
     Tokens,
     decode,
     encode,
@@ -61,9 +63,53 @@ class NodeInfo:
     num_waiting: int = 0
     queued_tokens: int = 0
     inflight: int = 0  # requests the router has routed there and not seen finish
+    block_size: int = 16
+    # Prefix cache as the node reports it (block hash set) plus what the router has sent
+    # there since (hash -> expiry time), and prompt tokens sent since its last heartbeat.
+    prefixes: set[bytes] = field(default_factory=set)
+    prefix_seq: int = 0
+    recent_prefixes: dict[bytes, float] = field(default_factory=dict)
+    recent_tokens: int = 0
 
     def load(self) -> tuple[int, int]:
         return (self.inflight + self.num_waiting, -self.free_blocks)
+
+    def apply_heartbeat(self, msg: Heartbeat, now: float) -> bool:
+        """Take a heartbeat's load and prefix-cache changes; False when the prefix changes
+        have a gap (the view is then empty until the node sends a snapshot)."""
+        self.free_blocks, self.num_running = msg.free_blocks, msg.num_running
+        self.num_waiting, self.queued_tokens = msg.num_waiting, msg.queued_tokens
+        self.recent_tokens = 0  # now counted in queued_tokens
+        self.recent_prefixes = {h: t for h, t in self.recent_prefixes.items() if t > now}
+        if not msg.prefix_seq:
+            return True  # this node does not report its prefix cache
+        in_order = msg.prefix_seq == self.prefix_seq + 1
+        self.prefix_seq = msg.prefix_seq
+        if msg.prefix_reset:
+            self.prefixes = set(msg.prefix_stored)
+            return True
+        if not in_order:
+            self.prefixes.clear()
+            return False
+        self.prefixes.difference_update(msg.prefix_removed)
+        self.prefixes.update(msg.prefix_stored)
+        return True
+
+    def cached_blocks(self, hashes: list[bytes], now: float) -> int:
+        """How many leading blocks of a prompt (its chained block hashes) this node holds or
+        is about to hold."""
+        n = 0
+        for h in hashes:
+            if h not in self.prefixes and self.recent_prefixes.get(h, 0.0) <= now:
+                break
+            n += 1
+        return n
+
+    def routed(self, request: GenerateRequest, now: float, ttl: float = 5.0) -> None:
+        """A prompt was sent here: count its tokens and expect its blocks to be cached soon."""
+        self.recent_tokens += len(request.prompt_token_ids)
+        for h in hash_token_blocks(request.prompt_token_ids, self.block_size):
+            self.recent_prefixes[h] = now + ttl
 
 
 Policy = Callable[[list[NodeInfo], GenerateRequest], list[NodeInfo]]
@@ -87,10 +133,29 @@ def least_loaded(nodes: list[NodeInfo], _req: GenerateRequest) -> list[NodeInfo]
     return sorted(nodes, key=NodeInfo.load)
 
 
+def prefix_aware(nodes: list[NodeInfo], req: GenerateRequest) -> list[NodeInfo]:
+    """Least prefill work first: tokens already queued there plus the prompt tokens it would
+    have to compute, i.e. not covered by the leading blocks it caches. A node holding the
+    prompt's prefix wins unless its queue outweighs the saving; load breaks ties (decode
+    nodes report no prefixes, so for them this is least_loaded)."""
+    now = time.monotonic()
+    prompt = req.prompt_token_ids
+    hashes: dict[int, list[bytes]] = {}  # block size -> the prompt's block hashes
+
+    def work(node: NodeInfo) -> int:
+        if node.block_size not in hashes:
+            hashes[node.block_size] = hash_token_blocks(prompt, node.block_size)
+        hit = node.cached_blocks(hashes[node.block_size], now) * node.block_size
+        return node.queued_tokens + node.recent_tokens + len(prompt) - hit
+
+    return sorted(nodes, key=lambda n: (work(n), n.load()))
+
+
 # Name -> factory, so every backend gets a fresh policy (and its own state).
 POLICIES: dict[str, Callable[[], Policy]] = {
     "round_robin": RoundRobin,
     "least_loaded": lambda: least_loaded,
+    "prefix_aware": lambda: prefix_aware,
 }
 
 
@@ -135,6 +200,7 @@ class ClusterBackend(Backend):
         self._sock: zmq.asyncio.Socket | None = None
         self._task: asyncio.Task | None = None
         self._nonce = itertools.count(1)
+        self._background: set[asyncio.Task] = set()
 
     # -- lifecycle -------------------------------------------------------------------------
 
@@ -200,6 +266,12 @@ class ClusterBackend(Backend):
 
     # -- messages --------------------------------------------------------------------------
 
+    def _spawn(self, coro) -> None:
+        """Run a send from synchronous message handling; the task is kept until done."""
+        task = asyncio.create_task(coro)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
     async def _send(self, node_id: str, msg: Message) -> None:
         assert self._sock is not None, "backend not started"
         try:
@@ -235,14 +307,15 @@ class ClusterBackend(Backend):
                 max_model_len=msg.max_model_len,
                 last_seen=now,
                 free_blocks=msg.num_blocks,
+                block_size=msg.block_size,
             )
             return
         node = self.nodes.get(sender)
         if node is not None:
             node.last_seen = now
         if isinstance(msg, Heartbeat) and node is not None:
-            node.free_blocks, node.num_running = msg.free_blocks, msg.num_running
-            node.num_waiting, node.queued_tokens = msg.num_waiting, msg.queued_tokens
+            if not node.apply_heartbeat(msg, now):
+                self._spawn(self._send(sender, SyncPrefixes()))
         elif isinstance(msg, Reserved | Busy):
             self._resolve(msg.request_id, msg)
         elif isinstance(msg, IntegrityReport):
@@ -341,6 +414,7 @@ class ClusterBackend(Backend):
             node = colocated[0]
             stream.prefill_node = node.node_id
             node.inflight += 1
+            node.routed(request, time.monotonic())
             await self._send(
                 node.node_id, Prefill(request.request_id, request.prompt_token_ids, sampling)
             )
@@ -353,6 +427,7 @@ class ClusterBackend(Backend):
         prefill = prefills[0]
         stream.prefill_node = prefill.node_id
         prefill.inflight += 1
+        prefill.routed(request, time.monotonic())
         await self._send(
             prefill.node_id,
             Prefill(

@@ -5,7 +5,13 @@ from __future__ import annotations
 
 import pytest
 
-from common.block_pool import BlockPool, FreeBlockQueue, KVCacheBlock, hash_token_blocks
+from common.block_pool import (
+    BlockPool,
+    FreeBlockQueue,
+    KVCacheBlock,
+    PrefixEvents,
+    hash_token_blocks,
+)
 
 
 @pytest.fixture
@@ -137,3 +143,23 @@ def test_block_hash_is_chained_and_stable():
     # Stable across processes and Python versions (sha256), pinned here.
     assert a[0].hex() == hash_token_blocks([1, 2, 3, 4], 4)[0].hex()
     assert len(a[0]) == 16
+
+
+def test_prefix_events_report_a_snapshot_then_changes_and_resync_when_full():
+    pool = BlockPool(8)
+    events = pool.prefix_events = PrefixEvents(limit=3)
+    a, b, c = pool.get_new_blocks(3)
+    pool.cache_block(a, b"ha")
+    assert events.drain(pool.cached) == (True, (b"ha",), ())  # the first report: a snapshot
+    pool.cache_block(b, b"hb")
+    pool.free_blocks([b])
+    pool.get_new_blocks(5)  # takes every free block: b is evicted
+    pool.cache_block(c, b"hc")
+    assert events.drain(pool.cached) == (False, (b"hc",), (b"hb",))
+    assert events.drain(pool.cached) == (False, (), ())
+    for i in range(4):  # more changes than the limit: the next report is a snapshot again
+        events.record(b"h%d" % i, True)
+    assert events.drain(pool.cached) == (True, (b"ha", b"hc"), ())
+    events.record(b"hd", True)
+    events.record(b"hd", False)  # the last change of a hash wins
+    assert events.drain(pool.cached) == (False, (), (b"hd",))

@@ -8,6 +8,7 @@ every node's block pool must be clean afterwards.
 from __future__ import annotations
 
 import random
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -181,3 +182,28 @@ def test_openai_client_and_demo_against_1p1d(model_dir, capsys):
     results = run_demo(model_dir, max_tokens=6, kv_connector="zmq", log_dir=None)
     assert len(results) == 6 and all(r["tokens"] >= 1 for r in results)
     assert "block pools clean on every node" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("policy", ["prefix_aware", "least_loaded"])
+def test_prefix_aware_routing_sends_a_prompt_to_the_node_holding_its_prefix(model_dir, policy):
+    """Four fresh 200-token prefixes spread over two prefill nodes; a follow-up of each must
+    then hit that node's prefix cache. least_loaded (which ignores caches) is the control:
+    with idle nodes it sends every follow-up to the same node, so some of them miss."""
+    rng = random.Random(7)
+    prefixes = [[rng.randrange(VOCAB) for _ in range(200)] for _ in range(4)]
+    args = ["--policy", policy]
+    with LocalCluster(model_dir, 2, 1, engine_args=ENGINE, router_args=args) as c:
+        run_concurrently(c, [p + [1, 2, 3] for p in prefixes])
+        time.sleep(1.5)  # a few heartbeats: the nodes report what they cached
+        cached = [
+            complete(c.url, p + [4, 5])["usage"]["prompt_tokens_details"]["cached_tokens"]
+            for p in prefixes
+        ]
+        reports = c.integrity()
+        holders = [n for n, r in reports.items() if r["role"] == "prefill"]
+        assert all(reports[n]["report"]["cached_blocks"] > 0 for n in holders)  # spread
+        if policy == "prefix_aware":
+            assert cached == [192] * 4, cached
+        else:
+            assert min(cached) == 0, cached
+        assert_clean(c)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 from common.sampling_params import SamplingParams
 from router.backend import GenerateRequest
 from router.cluster import POLICIES, NodeInfo
@@ -26,3 +28,67 @@ def test_round_robin_rotates_and_each_backend_has_its_own_turn():
 def test_least_loaded_prefers_fewer_requests_then_more_free_blocks():
     nodes = [node("busy", inflight=3), node("full", free=1), node("roomy", free=9)]
     assert [n.node_id for n in POLICIES["least_loaded"]()(nodes, REQ)] == ["roomy", "full", "busy"]
+
+
+# -- prefix-aware routing -------------------------------------------------------------------
+
+from common.block_pool import hash_token_blocks  # noqa: E402
+from common.protocol import Heartbeat  # noqa: E402
+
+BS = 4
+PROMPT = tuple(range(100, 141))  # 41 tokens: 10 full blocks of 4
+
+
+def prefill(name: str, queued: int = 0) -> NodeInfo:
+    info = NodeInfo(name, "prefill", "", "zmq", "", 64, 100, 0.0, free_blocks=64, block_size=BS)
+    info.queued_tokens = queued
+    return info
+
+
+def beat(seq: int, stored=(), removed=(), reset=False, queued: int = 0) -> Heartbeat:
+    return Heartbeat("n", 64, 0, 0, queued, seq, reset, tuple(stored), tuple(removed))
+
+
+def test_heartbeats_keep_the_prefix_view_and_a_gap_clears_it():
+    info = prefill("p")
+    blocks = hash_token_blocks(PROMPT, BS)
+    assert info.apply_heartbeat(beat(1, blocks[:3], reset=True), 0.0)
+    assert info.cached_blocks(blocks, 0.0) == 3
+    assert info.apply_heartbeat(beat(2, blocks[3:6], [blocks[1]]), 0.0)
+    assert info.cached_blocks(blocks, 0.0) == 1  # a chain breaks at the first missing block
+    assert not info.apply_heartbeat(beat(4, blocks[1:2]), 0.0)  # seq 3 went missing
+    assert info.prefixes == set() and info.cached_blocks(blocks, 0.0) == 0
+    assert info.apply_heartbeat(beat(5, blocks, reset=True), 0.0)  # the snapshot it asked for
+    assert info.cached_blocks(blocks, 0.0) == len(blocks)
+
+
+def test_prefix_aware_picks_the_node_holding_the_prefix_unless_its_queue_outweighs_it():
+    policy = POLICIES["prefix_aware"]()
+    req = GenerateRequest("r", PROMPT, SamplingParams())
+    holder, other = prefill("holder"), prefill("other")
+    holder.prefixes = set(hash_token_blocks(PROMPT[:32], BS))  # 8 blocks = 32 tokens
+    assert [n.node_id for n in policy([other, holder], req)] == ["holder", "other"]
+    holder.queued_tokens = 31  # 31 + 41 - 32 < 41: still cheaper
+    assert policy([other, holder], req)[0].node_id == "holder"
+    holder.queued_tokens = 33  # the saving no longer pays for the queue
+    assert policy([other, holder], req)[0].node_id == "other"
+
+
+def test_prefix_aware_expects_what_it_just_routed_and_spreads_fresh_prompts():
+    policy = POLICIES["prefix_aware"]()
+    a, b = prefill("a"), prefill("b")
+    first = GenerateRequest("1", PROMPT, SamplingParams())
+    chosen = policy([a, b], first)[0]
+    chosen.routed(first, time.monotonic())
+    fresh = GenerateRequest("3", tuple(range(500, 541)), SamplingParams())
+    assert policy([a, b], fresh)[0] is not chosen  # the other one has less queued work
+    chosen.apply_heartbeat(beat(1), time.monotonic())  # prompt computed, blocks not yet reported
+    follow_up = GenerateRequest("2", PROMPT[:36] + (7, 7, 7), SamplingParams())
+    assert policy([a, b], follow_up)[0] is chosen  # it expects the blocks it just routed
+    chosen.apply_heartbeat(beat(2), time.monotonic() + 60)  # they never came: expectation ends
+    assert chosen.cached_blocks(hash_token_blocks(PROMPT, BS), time.monotonic()) == 0
+
+
+def test_prefix_aware_orders_decode_nodes_by_load():
+    nodes = [node("busy", inflight=3), node("full", free=1), node("roomy", free=9)]
+    assert [n.node_id for n in POLICIES["prefix_aware"]()(nodes, REQ)] == ["roomy", "full", "busy"]
