@@ -424,6 +424,12 @@ class ClusterBackend(Backend):
         reserved = await self._reserve(request, sampling, decodes, stream)
         if reserved is None:
             return "no decode node has room for this request"
+        # Picked after the reservation's round trip, so the choice sees requests routed
+        # meanwhile (the policy's load and prefix view include them).
+        prefills = self.policy(self.alive(("prefill",)), request)
+        if not prefills:
+            await self._send(stream.decode_node, Abort(request.request_id, "no prefill node"))
+            return "no prefill node available"
         prefill = prefills[0]
         stream.prefill_node = prefill.node_id
         prefill.inflight += 1
