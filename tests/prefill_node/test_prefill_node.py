@@ -13,10 +13,21 @@ from collections.abc import Iterator
 import pytest
 import zmq
 
+from common.block_pool import hash_token_blocks
 from common.config import CacheConfig, ModelConfig, SchedulerConfig
 from common.llm import LLM, SamplingParams
 from common.node import sampling_to_wire
-from common.protocol import Error, Message, Prefill, Reserved, ReserveKV, Tokens, decode
+from common.protocol import (
+    Error,
+    Heartbeat,
+    Message,
+    Prefill,
+    Reserved,
+    ReserveKV,
+    SyncPrefixes,
+    Tokens,
+    decode,
+)
 from decode_node.node import DecodeNode
 from kv_transfer.base import TransferError
 from prefill_node.node import PrefillNode
@@ -154,3 +165,26 @@ def test_a_broken_kv_connection_fails_only_its_requests(nodes):
     while "good" in prefill.dests:
         prefill.step()
     assert router.recv(Tokens, "good").token_ids
+
+
+def test_heartbeats_report_prefix_cache_changes_and_a_snapshot_on_request(nodes):
+    router, prefill, decode_ = nodes
+    prefill.heartbeat()
+    first = router.recv(Heartbeat, "")
+    assert first.prefix_seq == 1 and first.prefix_reset and first.prefix_stored == ()
+    prompt = list(range(3, 60))  # 3 full blocks of 16 get cached
+    start(router, prefill, decode_, "r", prompt)
+    while "r" in prefill.dests:
+        prefill.step()
+    prefill._next_heartbeat = 0.0
+    prefill.heartbeat()
+    delta = router.recv(Heartbeat, "")
+    assert delta.prefix_seq == 2 and not delta.prefix_reset
+    assert delta.prefix_stored == tuple(hash_token_blocks(prompt, BLOCK))
+    prefill.handle(SyncPrefixes())
+    prefill.heartbeat()
+    snapshot = router.recv(Heartbeat, "")
+    assert snapshot.prefix_seq == 3 and snapshot.prefix_reset
+    assert set(snapshot.prefix_stored) == set(delta.prefix_stored)
+    decode_.heartbeat()
+    assert router.recv(Heartbeat, "").prefix_seq == 0  # decode nodes do not report prefixes
