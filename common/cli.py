@@ -30,6 +30,24 @@ def add_node_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kv-connector", default="zmq", choices=["zmq", "nccl", "shm"])
     parser.add_argument("--node-id", default=None)
     parser.add_argument("--heartbeat-interval", type=float, default=0.5)
+    parser.add_argument(
+        "--lease-timeout",
+        type=float,
+        default=10.0,
+        help="free and fail a request the router has not renewed for this long (s)",
+    )
+    parser.add_argument(
+        "--max-queued-requests",
+        type=int,
+        default=1024,
+        help="requests held at once (queued, running, reserved); beyond: refused with 503",
+    )
+    parser.add_argument(
+        "--drain-timeout",
+        type=float,
+        default=30.0,
+        help="on SIGTERM, finish held requests for up to this long (s), then fail the rest",
+    )
 
 
 def engine_configs(args: argparse.Namespace) -> tuple[ModelConfig, CacheConfig, SchedulerConfig]:

@@ -45,8 +45,11 @@ class LLMEngine:
         prompt_token_ids: list[int],
         sampling: SamplingParams,
         priority: int = 0,
+        output_token_ids: list[int] | tuple[int, ...] = (),
     ) -> Request:
-        request = self.new_request(request_id, prompt_token_ids, sampling, priority)
+        request = self.new_request(
+            request_id, prompt_token_ids, sampling, priority, output_token_ids
+        )
         self.scheduler.add_request(request)
         return request
 
@@ -56,12 +59,18 @@ class LLMEngine:
         prompt_token_ids: list[int],
         sampling: SamplingParams,
         priority: int = 0,
+        output_token_ids: list[int] | tuple[int, ...] = (),
     ) -> Request:
-        """A validated Request, not yet queued (a decode node reserves it instead)."""
+        """A validated Request, not yet queued (a decode node reserves it instead).
+
+        `output_token_ids` resumes a request another node started: they count as generated
+        (max_tokens, stop checks, seeded draws) and are recomputed like a preempted request's.
+        """
         vocab = self.runner.arch.vocab_size
-        if any(not 0 <= t < vocab for t in prompt_token_ids):
+        if any(not 0 <= t < vocab for t in [*prompt_token_ids, *output_token_ids]):
             raise ValueError(f"prompt token ids must be in [0, {vocab})")
         return Request(
+            output_token_ids=list(output_token_ids),
             request_id=request_id,
             prompt_token_ids=list(prompt_token_ids),
             sampling=sampling,

@@ -30,9 +30,12 @@ def run_node(
         router_addr=args.router,
         node_id=args.node_id,
         heartbeat_interval=args.heartbeat_interval,
+        lease_timeout=args.lease_timeout,
+        max_queued_requests=args.max_queued_requests,
+        drain_timeout=args.drain_timeout,
         **kwargs,
     )
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: node.stop_event.set())
+    for sig in (signal.SIGINT, signal.SIGTERM):  # drain; a second signal stops at once
+        signal.signal(sig, lambda *_: node.drain())
     logging.getLogger(node_cls.__module__).info("%s %s serving", node.role, node.node_id)
     node.run()

@@ -24,13 +24,16 @@ from common.control import ControlClient
 from common.engine import LLMEngine
 from common.protocol import (
     Abort,
+    Busy,
     CheckIntegrity,
     Error,
     Heartbeat,
     IntegrityReport,
+    Lease,
     Message,
     Prefill,
     RegisterNode,
+    ReserveKV,
     SyncPrefixes,
     Tokens,
 )
@@ -77,6 +80,9 @@ class EngineNode:
         router_addr: str,
         node_id: str | None = None,
         heartbeat_interval: float = 0.5,
+        lease_timeout: float = 10.0,
+        max_queued_requests: int = 1024,
+        drain_timeout: float = 30.0,
     ) -> None:
         self.engine = LLMEngine(model, cache, scheduler)
         self.model_config = model
@@ -87,6 +93,14 @@ class EngineNode:
         self.heartbeat_interval = heartbeat_interval
         self._next_heartbeat = 0.0
         self._prefix_seq = 0
+        # Every request this node holds has a lease the router renews (Lease messages); one
+        # left unrenewed for lease_timeout is freed and failed.
+        self.lease_timeout = lease_timeout
+        self.leases: dict[str, float] = {}  # request id -> expiry (monotonic)
+        self._next_lease_check = 0.0
+        self.max_queued_requests = max_queued_requests
+        self.drain_timeout = drain_timeout
+        self.drain_deadline: float | None = None  # set once draining (SIGTERM)
         if self.role in ("prefill", "both"):  # nodes a prefix-aware router picks by cache
             self.engine.kv.pool.prefix_events = PrefixEvents()
         self.stop_event = threading.Event()
@@ -107,8 +121,28 @@ class EngineNode:
 
     def on_prefill(self, msg: Prefill) -> None:
         """A colocated node runs the whole request itself."""
-        sampling = sampling_from_wire(msg.sampling)
-        self.engine.add_request(msg.request_id, list(msg.prompt_token_ids), sampling)
+        self.add_request(msg)
+
+    def add_request(self, msg: Prefill) -> None:
+        """Queue a Prefill's request (resumed ones carry the tokens already streamed)."""
+        self.engine.add_request(
+            msg.request_id,
+            list(msg.prompt_token_ids),
+            sampling_from_wire(msg.sampling),
+            output_token_ids=msg.output_token_ids,
+        )
+        self.take_lease(msg.request_id)
+
+    def take_lease(self, request_id: str) -> None:
+        self.leases[request_id] = time.monotonic() + self.lease_timeout
+
+    def refusal(self, msg: Message) -> str:
+        """Why a new request must be refused now ("" when it can be taken)."""
+        if self.drain_deadline is not None:
+            return "node is shutting down"
+        if len(self.engine.scheduler.requests) >= self.max_queued_requests:
+            return f"node holds its maximum of {self.max_queued_requests} requests"
+        return ""
 
     def on_message(self, msg: Message) -> None:
         raise ValueError(f"{self.role} node does not take {msg.TYPE}")
@@ -170,6 +204,7 @@ class EngineNode:
                 num_running=len(sched.running),
                 num_waiting=len(sched.waiting),
                 queued_tokens=queued,
+                draining=self.drain_deadline is not None,
                 **prefixes,
             )
         )
@@ -177,10 +212,14 @@ class EngineNode:
     def handle(self, msg: Message) -> None:
         rid = getattr(msg, "request_id", "")
         try:
-            if isinstance(msg, Prefill):
+            if isinstance(msg, Prefill | ReserveKV) and (why := self.refusal(msg)):
+                self.refuse(msg, why)
+            elif isinstance(msg, Prefill):
                 self.on_prefill(msg)
             elif isinstance(msg, Abort):
                 self.abort(msg.request_id)
+            elif isinstance(msg, Lease):
+                self.renew_leases(msg.request_ids)
             elif isinstance(msg, CheckIntegrity):
                 self.control.send(self.integrity_report(msg.nonce))
             elif isinstance(msg, SyncPrefixes):
@@ -194,8 +233,56 @@ class EngineNode:
             if rid:
                 self.control.send(Error(request_id=rid, message=str(exc), code=400))
 
+    def refuse(self, msg: Prefill | ReserveKV, why: str) -> None:
+        if isinstance(msg, ReserveKV):
+            self.control.send(Busy(msg.request_id, why))  # the router tries another node
+        else:
+            self.control.send(Error(request_id=msg.request_id, message=why, code=503))
+
     def abort(self, request_id: str) -> None:
+        """Free everything the request holds here; idempotent."""
         self.engine.abort(request_id)
+        self.leases.pop(request_id, None)
+
+    def renew_leases(self, request_ids: tuple[str, ...]) -> None:
+        expiry = time.monotonic() + self.lease_timeout
+        for rid in request_ids:
+            if rid in self.leases:
+                self.leases[rid] = expiry
+
+    def expire_leases(self) -> None:
+        """Fail and free requests whose lease ran out; forget leases of ended requests."""
+        now = time.monotonic()
+        if now < self._next_lease_check:
+            return
+        self._next_lease_check = now + min(0.5, self.lease_timeout / 4)
+        live = self.engine.scheduler.requests
+        for rid, expiry in list(self.leases.items()):
+            if rid not in live:
+                del self.leases[rid]
+            elif expiry < now:
+                log.warning("lease of request %s expired: freeing it", rid)
+                self.abort(rid)
+                self.control.send(Error(rid, "lease expired: the router stopped renewing", 504))
+
+    def drain(self) -> None:
+        """Stop taking requests; finish (or, past drain_timeout, fail) what is held; exit.
+        A second call stops at once."""
+        if self.drain_deadline is not None:
+            self.stop_event.set()
+            return
+        self.drain_deadline = time.monotonic() + self.drain_timeout
+        self._next_heartbeat = 0.0  # tell the router now
+
+    def _drained(self) -> bool:
+        if not self.engine.scheduler.requests:
+            return True
+        if time.monotonic() < self.drain_deadline:
+            return False
+        for rid in list(self.engine.scheduler.requests):
+            self.abort(rid)
+            self.control.send(Error(rid, "node shut down before the request finished", 503))
+        return True
 
     def integrity_report(self, nonce: int) -> IntegrityReport:
         kv = self.engine.kv
@@ -215,7 +302,7 @@ class EngineNode:
         )
 
     def run(self) -> None:
-        """Serve until stop_event is set."""
+        """Serve until stop_event is set, or until drained after drain()."""
         self.register()
         while not self.stop_event.is_set():
             busy = self.engine.has_unfinished
@@ -224,8 +311,16 @@ class EngineNode:
             self.poll_io()
             if self.engine.has_unfinished:
                 self.step()
+            self.expire_leases()
             self.heartbeat()
+            if self.drain_deadline is not None and self._drained():
+                self.heartbeat_now()
+                break
         self.close()
+
+    def heartbeat_now(self) -> None:
+        self._next_heartbeat = 0.0
+        self.heartbeat()
 
     def close(self) -> None:
         self.control.close()

@@ -214,6 +214,18 @@ class Heartbeat(Message):
     prefix_reset: bool = False
     prefix_stored: tuple[bytes, ...] = ()
     prefix_removed: tuple[bytes, ...] = ()
+    draining: bool = False  # shutting down: finishing what it holds, taking nothing new
+
+
+@message
+@dataclass(frozen=True, slots=True)
+class Lease(Message):
+    """Router -> node, every lease interval: the requests the router still wants from this
+    node. A request a node holds that goes unlisted for its lease timeout is freed and failed
+    (so a lost abort or a dead router never pins blocks)."""
+
+    TYPE: ClassVar[str] = "lease"
+    request_ids: tuple[str, ...]
 
 
 @message
@@ -236,6 +248,7 @@ class ReserveKV(Message):
     request_id: str
     prompt_token_ids: tuple[int, ...]
     sampling: dict[str, Any]
+    output_token_ids: tuple[int, ...] = ()  # a resumed request: tokens already streamed
 
 
 @message
@@ -272,6 +285,26 @@ class Prefill(Message):
     xfer_id: str = ""  # empty for a colocated ("both") node: it decodes itself
     dest_block_ids: tuple[int, ...] = ()
     dest_kv_endpoint: str = ""
+    output_token_ids: tuple[int, ...] = ()  # a resumed request: tokens already streamed
+
+
+@message
+@dataclass(frozen=True, slots=True)
+class RenewTransfer(Message):
+    """Router -> decode node: the prefill node feeding this reservation died; keep the blocks,
+    forget the old transfer (late frames are dropped) and answer Reserved with a new xfer id."""
+
+    TYPE: ClassVar[str] = "renew_transfer"
+    request_id: str
+
+
+@message
+@dataclass(frozen=True, slots=True)
+class Admitted(Message):
+    """Decode node -> router: the KV arrived whole and the request runs here now."""
+
+    TYPE: ClassVar[str] = "admitted"
+    request_id: str
 
 
 @message

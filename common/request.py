@@ -60,7 +60,8 @@ class Request:
     def __post_init__(self) -> None:
         if not self.prompt_token_ids:
             raise ValueError("prompt must contain at least one token")
-        self.all_token_ids = list(self.prompt_token_ids)
+        # Outputs given at creation come from another node (a resumed request).
+        self.all_token_ids = list(self.prompt_token_ids) + list(self.output_token_ids)
 
     @property
     def num_prompt_tokens(self) -> int:

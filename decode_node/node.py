@@ -6,7 +6,15 @@ import logging
 import uuid
 
 from common.node import EngineNode, sampling_from_wire
-from common.protocol import Busy, Error, Message, Reserved, ReserveKV
+from common.protocol import (
+    Admitted,
+    Busy,
+    Error,
+    Message,
+    RenewTransfer,
+    Reserved,
+    ReserveKV,
+)
 from common.scheduler import SampledToken
 from kv_transfer import create_receiver, node_layout
 
@@ -41,22 +49,46 @@ class DecodeNode(EngineNode):
         return self.layout.digest()
 
     def on_message(self, msg: Message) -> None:
-        if not isinstance(msg, ReserveKV):
+        if isinstance(msg, ReserveKV):
+            self.reserve(msg)
+        elif isinstance(msg, RenewTransfer):
+            self.renew_transfer(msg.request_id)
+        else:
             super().on_message(msg)
-            return
+
+    def reserve(self, msg: ReserveKV) -> None:
         sampling = sampling_from_wire(msg.sampling)
-        request = self.engine.new_request(msg.request_id, list(msg.prompt_token_ids), sampling)
+        request = self.engine.new_request(
+            msg.request_id,
+            list(msg.prompt_token_ids),
+            sampling,
+            output_token_ids=msg.output_token_ids,
+        )
         block_ids = self.engine.scheduler.reserve(request)
         if block_ids is None:
             self.control.send(Busy(msg.request_id, "no free blocks"))
             return
+        self.take_lease(msg.request_id)
+        self.expect(msg.request_id, block_ids)
+
+    def expect(self, request_id: str, block_ids: list[int]) -> None:
+        """Open a transfer into the reserved blocks and tell the router where to send."""
         xfer_id = uuid.uuid4().hex  # made here, never taken from a client
         self.receiver.expect(xfer_id, block_ids)
-        self.xfer_to_rid[xfer_id] = msg.request_id
-        self.rid_to_xfer[msg.request_id] = xfer_id
-        self.control.send(
-            Reserved(msg.request_id, xfer_id, tuple(block_ids), self.receiver.endpoint)
-        )
+        self.xfer_to_rid[xfer_id] = request_id
+        self.rid_to_xfer[request_id] = xfer_id
+        self.control.send(Reserved(request_id, xfer_id, tuple(block_ids), self.receiver.endpoint))
+
+    def renew_transfer(self, request_id: str) -> None:
+        """The prefill node feeding a reservation died: same blocks, a new transfer id; frames
+        of the old one that still arrive are dropped."""
+        old = self.rid_to_xfer.pop(request_id, None)
+        if old is None:  # not reserved here (any more): nothing to renew
+            self.control.send(Error(request_id, "no reservation to renew", 409))
+            return
+        self.xfer_to_rid.pop(old, None)
+        self.receiver.cancel(old)
+        self.expect(request_id, self.engine.kv.block_ids(request_id))
 
     def poll_io(self) -> None:
         for result in self.receiver.poll(0):
@@ -71,6 +103,7 @@ class DecodeNode(EngineNode):
             first = SampledToken(rid, int(result.meta["first_token"]))
             # The prefill node already streamed the first token (and any finish) to the router.
             self.engine.scheduler.admit_remote(rid, first)
+            self.control.send(Admitted(rid))
 
     def abort(self, request_id: str) -> None:
         super().abort(request_id)

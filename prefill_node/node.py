@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import zmq
 
-from common.node import EngineNode, sampling_from_wire
+from common.node import EngineNode
 from common.protocol import Error, Prefill
 from common.scheduler import RequestUpdate, SchedulerOutput
 from kv_transfer import KVSender, create_sender, node_layout
@@ -67,8 +67,7 @@ class PrefillNode(EngineNode):
         except SEND_ERRORS as exc:  # the decode node is unreachable: fail this request only
             self.control.send(Error(msg.request_id, f"KV connection failed: {exc}", 502))
             return
-        sampling = sampling_from_wire(msg.sampling)
-        self.engine.add_request(msg.request_id, list(msg.prompt_token_ids), sampling)
+        self.add_request(msg)
         self.dests[msg.request_id] = msg
         self.next_block[msg.request_id] = 0
 

@@ -13,6 +13,7 @@ import asyncio
 import contextlib
 import itertools
 import logging
+import math
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -25,15 +26,18 @@ from common.block_pool import hash_token_blocks
 from common.node import logprobs_from_wire, sampling_to_wire
 from common.protocol import (
     Abort,
+    Admitted,
     Busy,
     CheckIntegrity,
     Error,
     Heartbeat,
     IntegrityReport,
+    Lease,
     Message,
     Prefill,
     ProtocolError,
     RegisterNode,
+    RenewTransfer,
     Reserved,
     ReserveKV,
     SyncPrefixes,
@@ -44,6 +48,8 @@ from common.protocol import (
 from router.backend import Backend, GenerateRequest, TokenEvent
 
 log = logging.getLogger(__name__)
+
+NODE_ROLES = ("prefill", "decode", "both")
 
 
 @dataclass(slots=True)
@@ -70,6 +76,7 @@ class NodeInfo:
     prefix_seq: int = 0
     recent_prefixes: dict[bytes, float] = field(default_factory=dict)
     recent_tokens: int = 0
+    draining: bool = False  # shutting down: takes no new requests
 
     def load(self) -> tuple[int, int]:
         return (self.inflight + self.num_waiting, -self.free_blocks)
@@ -80,6 +87,7 @@ class NodeInfo:
         self.free_blocks, self.num_running = msg.free_blocks, msg.num_running
         self.num_waiting, self.queued_tokens = msg.num_waiting, msg.queued_tokens
         self.recent_tokens = 0  # now counted in queued_tokens
+        self.draining = msg.draining
         self.recent_prefixes = {h: t for h, t in self.recent_prefixes.items() if t > now}
         if not msg.prefix_seq:
             return True  # this node does not report its prefix cache
@@ -159,20 +167,43 @@ POLICIES: dict[str, Callable[[], Policy]] = {
 }
 
 
+@dataclass(frozen=True, slots=True)
+class _Failover:
+    """Queued into a stream when a node it depends on died, stalled or refused it.
+
+    kind "prefill": only the prefill node is lost and no token reached the client yet, so the
+    decode node keeps its reservation and another prefill node fills it. kind "resume": run the
+    rest elsewhere from the prompt plus the tokens already streamed.
+    """
+
+    kind: str
+    lost: tuple[str, ...]  # node ids not to route this request to again
+    why: str
+
+
 @dataclass(slots=True)
 class _Stream:
     """Router-side state of one request in flight."""
 
-    queue: asyncio.Queue[TokenEvent] = field(default_factory=asyncio.Queue)
+    request: GenerateRequest
+    queue: asyncio.Queue[TokenEvent | _Failover] = field(default_factory=asyncio.Queue)
     prefill_node: str = ""
     decode_node: str = ""
     got_first: bool = False
+    admitted: bool = False  # the decode node has the whole KV: the prefill node is done
     failed: bool = False  # ended by an error or abort: the other node may still hold blocks
     early: list[TokenEvent] = field(default_factory=list)  # decode tokens that beat the first
+    generated: list[int] = field(default_factory=list)  # tokens handed to the client
+    failovers: int = 0
+    lost: set[str] = field(default_factory=set)  # nodes this request left behind
+
+    def nodes(self) -> set[str]:
+        return {self.prefill_node, self.decode_node} - {""}
 
 
 class ClusterBackend(Backend):
-    """Backend over the node registry; one asyncio task receives every node message."""
+    """Backend over the node registry; one asyncio task receives every node message, another
+    renews leases and watches for dead nodes."""
 
     def __init__(
         self,
@@ -183,6 +214,8 @@ class ClusterBackend(Backend):
         heartbeat_timeout: float = 5.0,
         reply_timeout: float = 10.0,
         token_timeout: float = 120.0,
+        lease_interval: float = 1.0,
+        max_failovers: int = 3,
     ) -> None:
         if policy not in POLICIES:
             raise ValueError(f"unknown policy {policy!r}; choose from {sorted(POLICIES)}")
@@ -191,14 +224,17 @@ class ClusterBackend(Backend):
         self.heartbeat_timeout = heartbeat_timeout
         self.reply_timeout = reply_timeout
         self.token_timeout = token_timeout
+        self.lease_interval = lease_interval
+        self.max_failovers = max_failovers
         self.nodes: dict[str, NodeInfo] = {}
         self.streams: dict[str, _Stream] = {}
         self.replies: dict[str, asyncio.Future[Message]] = {}
         self.num_malformed = 0
+        self.num_failovers = 0
         self._addr = f"tcp://{host}:{control_port}"
         self._ctx = zmq.asyncio.Context()
         self._sock: zmq.asyncio.Socket | None = None
-        self._task: asyncio.Task | None = None
+        self._tasks: list[asyncio.Task] = []
         self._nonce = itertools.count(1)
         self._background: set[asyncio.Task] = set()
 
@@ -210,13 +246,16 @@ class ClusterBackend(Backend):
         self._sock.setsockopt(zmq.MAXMSGSIZE, 64 * 1024 * 1024)
         self._sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
         self._sock.bind(self._addr)
-        self._task = asyncio.create_task(self._receive_loop())
+        self._tasks = [
+            asyncio.create_task(self._receive_loop()),
+            asyncio.create_task(self._watch_loop()),
+        ]
 
     async def close(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
+        for task in self._tasks:
+            task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+                await task
         if self._sock is not None:
             self._sock.close(linger=0)
         self._ctx.term()
@@ -224,19 +263,24 @@ class ClusterBackend(Backend):
     # -- registry --------------------------------------------------------------------------
 
     def alive(self, roles: tuple[str, ...]) -> list[NodeInfo]:
+        """Nodes of these roles heard from within the heartbeat timeout."""
         cutoff = time.monotonic() - self.heartbeat_timeout
         return [n for n in self.nodes.values() if n.role in roles and n.last_seen >= cutoff]
+
+    def routable(self, roles: tuple[str, ...], exclude: set[str] = frozenset()) -> list[NodeInfo]:
+        """Live nodes that take new requests (not draining, not excluded)."""
+        return [n for n in self.alive(roles) if not n.draining and n.node_id not in exclude]
 
     @property
     def max_model_len(self) -> int:  # type: ignore[override]
         """The tightest limit among live nodes (every node must be able to hold a request)."""
-        lens = [n.max_model_len for n in self.alive(("prefill", "decode", "both"))]
+        lens = [n.max_model_len for n in self.alive(NODE_ROLES)]
         return min([self.default_max_model_len, *lens])
 
     async def integrity(self) -> dict[str, dict]:
         """Every live node's block-pool integrity report (for operators and tests)."""
         out = {}
-        for node in self.alive(("prefill", "decode", "both")):
+        for node in self.alive(NODE_ROLES):
             report = await self.check_integrity(node.node_id)
             out[node.node_id] = {"role": node.role, "report": None}
             if report is not None:
@@ -251,9 +295,9 @@ class ClusterBackend(Backend):
         return out
 
     def ready(self) -> bool:
-        if self.alive(("both",)):
+        if self.routable(("both",)):
             return True
-        return bool(self.alive(("prefill",)) and self.alive(("decode",)))
+        return bool(self.routable(("prefill",)) and self.routable(("decode",)))
 
     def stats(self) -> dict[str, float]:
         return {
@@ -262,6 +306,7 @@ class ClusterBackend(Backend):
             "nodes_colocated": len(self.alive(("both",))),
             "requests_in_flight": len(self.streams),
             "malformed_messages": self.num_malformed,
+            "failovers": self.num_failovers,
         }
 
     # -- messages --------------------------------------------------------------------------
@@ -276,8 +321,11 @@ class ClusterBackend(Backend):
         assert self._sock is not None, "backend not started"
         try:
             await self._sock.send_multipart([node_id.encode(), encode(msg)])
-        except zmq.ZMQError as exc:  # peer gone (ROUTER_MANDATORY): it will miss heartbeats
+        except zmq.ZMQError as exc:  # peer gone (ROUTER_MANDATORY): treat it as dead now
             log.warning("send to %s failed: %s", node_id, exc)
+            node = self.nodes.get(node_id)
+            if node is not None:
+                node.last_seen = -math.inf
 
     async def _receive_loop(self) -> None:
         assert self._sock is not None
@@ -312,19 +360,34 @@ class ClusterBackend(Backend):
             return
         node = self.nodes.get(sender)
         if node is not None:
-            node.last_seen = now
+            node.last_seen = now  # any message proves it is alive (a stalled node comes back)
         if isinstance(msg, Heartbeat) and node is not None:
             if not node.apply_heartbeat(msg, now):
                 self._spawn(self._send(sender, SyncPrefixes()))
         elif isinstance(msg, Reserved | Busy):
-            self._resolve(msg.request_id, msg)
+            self._resolve(f"{sender}/{msg.request_id}", msg)
         elif isinstance(msg, IntegrityReport):
-            self._resolve(f"integrity-{msg.nonce}", msg)
+            self._resolve(f"{sender}/integrity-{msg.nonce}", msg)
         elif isinstance(msg, Tokens):
             self._on_tokens(sender, msg)
+        elif isinstance(msg, Admitted):
+            stream = self.streams.get(msg.request_id)
+            if stream is not None and stream.decode_node == sender:
+                stream.admitted = True
         elif isinstance(msg, Error):
-            if not self._resolve(msg.request_id, msg):
-                self._push(msg.request_id, TokenEvent((), finish_reason="error", error=msg.message))
+            self._on_error(sender, msg)
+
+    def _on_error(self, sender: str, msg: Error) -> None:
+        if self._resolve(f"{sender}/{msg.request_id}", msg):
+            return
+        stream = self.streams.get(msg.request_id)
+        if stream is None or sender not in stream.nodes():
+            return  # about a request that moved on or ended: stale
+        if msg.code == 503 and sender == stream.prefill_node and not stream.got_first:
+            # The prefill node is full or draining: another one takes the prompt.
+            self._fail_over(stream, {sender}, f"{sender} refused: {msg.message}")
+            return
+        stream.queue.put_nowait(TokenEvent((), finish_reason="error", error=msg.message))
 
     def _resolve(self, key: str, msg: Message) -> bool:
         fut = self.replies.pop(key, None)
@@ -335,8 +398,8 @@ class ClusterBackend(Backend):
 
     def _on_tokens(self, sender: str, msg: Tokens) -> None:
         stream = self.streams.get(msg.request_id)
-        if stream is None:
-            return  # finished or aborted already
+        if stream is None or sender not in stream.nodes():
+            return  # finished, aborted, or moved to other nodes: the sender is stale
         event = TokenEvent(
             token_ids=msg.token_ids,
             logprobs=logprobs_from_wire(msg.logprobs),
@@ -352,12 +415,9 @@ class ClusterBackend(Backend):
             stream.queue.put_nowait(e)
         stream.early.clear()
 
-    def _push(self, request_id: str, event: TokenEvent) -> None:
-        stream = self.streams.get(request_id)
-        if stream is not None:
-            stream.queue.put_nowait(event)
-
     async def _ask(self, node_id: str, key: str, msg: Message) -> Message | None:
+        """Send msg and wait for the reply that node sends under key (None on timeout)."""
+        key = f"{node_id}/{key}"
         fut: asyncio.Future[Message] = asyncio.get_running_loop().create_future()
         self.replies[key] = fut
         await self._send(node_id, msg)
@@ -373,30 +433,87 @@ class ClusterBackend(Backend):
         reply = await self._ask(node_id, f"integrity-{nonce}", CheckIntegrity(nonce))
         return reply if isinstance(reply, IntegrityReport) else None
 
+    # -- leases and failure detection -------------------------------------------------------
+
+    async def _watch_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.lease_interval)
+            self._check_nodes()
+            await self._renew_leases()
+
+    def _check_nodes(self) -> None:
+        """Fail over every request that depends on a node missing its heartbeats."""
+        alive = {n.node_id for n in self.alive(NODE_ROLES)}
+        for stream in list(self.streams.values()):
+            p_lost = stream.prefill_node and stream.prefill_node not in alive
+            d_lost = stream.decode_node and stream.decode_node not in alive
+            if p_lost and not stream.admitted:
+                self._fail_over(stream, {stream.prefill_node}, f"{stream.prefill_node} is gone")
+            elif d_lost:
+                self._fail_over(stream, {stream.decode_node}, f"{stream.decode_node} is gone")
+
+    async def _renew_leases(self) -> None:
+        held: dict[str, list[str]] = {n.node_id: [] for n in self.alive(NODE_ROLES)}
+        for rid, stream in self.streams.items():
+            for node_id in stream.nodes():
+                if node_id in held:
+                    held[node_id].append(rid)
+        for node_id, rids in held.items():
+            await self._send(node_id, Lease(tuple(rids)))
+
+    def _fail_over(self, stream: _Stream, lost: set[str], why: str) -> None:
+        """Detach the request from lost nodes at once (later messages from them are ignored)
+        and let its generator re-route it."""
+        only_prefill = (
+            lost == {stream.prefill_node} and not stream.got_first and bool(stream.decode_node)
+        )
+        kind = "prefill" if only_prefill else "resume"
+        detached = lost if only_prefill else stream.nodes()
+        self._detach(stream, detached)
+        stream.queue.put_nowait(_Failover(kind, tuple(lost), why))
+
+    def _detach(self, stream: _Stream, node_ids: set[str]) -> None:
+        for node_id in node_ids:
+            node = self.nodes.get(node_id)
+            if node is not None:
+                node.inflight = max(0, node.inflight - 1)
+            stream.lost.add(node_id)
+        if stream.prefill_node in node_ids:
+            stream.prefill_node = ""
+        if stream.decode_node in node_ids:
+            stream.decode_node = ""
+            stream.admitted = False
+
     # -- requests --------------------------------------------------------------------------
 
     async def generate(self, request: GenerateRequest) -> AsyncIterator[TokenEvent]:
         rid = request.request_id
-        stream = self.streams[rid] = _Stream()
+        stream = self.streams[rid] = _Stream(request)
         finished = False
         try:
-            error = await self._route(request, stream)
+            error = await self._route(stream)
             if error is not None:
                 yield TokenEvent((), finish_reason="error", error=error)
                 return
             while True:
                 try:
-                    event = await asyncio.wait_for(stream.queue.get(), self.token_timeout)
+                    item = await asyncio.wait_for(stream.queue.get(), self.token_timeout)
                 except asyncio.TimeoutError:
                     yield TokenEvent(
                         (), finish_reason="error", error="timed out waiting for tokens"
                     )
                     await self.abort(rid)
                     return
-                if event.finish_reason is not None:
+                if isinstance(item, _Failover):
+                    error = await self._recover(stream, item)
+                    if error is None:
+                        continue
+                    item = TokenEvent((), finish_reason="error", error=error)
+                if item.finish_reason is not None:
                     finished = True
-                    stream.failed = event.finish_reason in ("error", "abort")
-                yield event
+                    stream.failed = item.finish_reason in ("error", "abort")
+                stream.generated.extend(item.token_ids)
+                yield item
                 if finished:
                     return
         finally:
@@ -404,31 +521,73 @@ class ClusterBackend(Backend):
                 await self._abort_nodes(rid, stream, "stream ended")
             self._release(rid)
 
-    async def _route(self, request: GenerateRequest, stream: _Stream) -> str | None:
-        """Send the request on its way; an error message if nothing can take it."""
-        sampling = sampling_to_wire(request.sampling)
-        colocated = self.policy(self.alive(("both",)), request)
-        prefills = self.policy(self.alive(("prefill",)), request)
-        decodes = self.policy(self.alive(("decode",)), request)
-        if colocated and not (prefills and decodes):
+    async def _recover(self, stream: _Stream, failover: _Failover) -> str | None:
+        """Carry the request on without the lost nodes; an error message when it cannot."""
+        rid = stream.request.request_id
+        log.warning("request %s: %s; failing over (%s)", rid, failover.why, failover.kind)
+        for node_id in failover.lost:  # it may only be stalled: free what it holds later
+            await self._send(node_id, Abort(rid, failover.why))
+        stream.failovers += 1
+        self.num_failovers += 1
+        if stream.failovers > self.max_failovers:
+            return f"gave up after {self.max_failovers} failovers: {failover.why}"
+        if failover.kind == "prefill":
+            reserved = await self._renew_transfer(stream)
+            if reserved is not None:
+                return await self._send_prefill(stream, reserved)
+        for node_id in stream.nodes():  # resume from scratch: drop the survivor's state too
+            await self._send(node_id, Abort(rid, "resuming elsewhere"))
+        self._detach(stream, stream.nodes())
+        stream.got_first = False
+        stream.early.clear()
+        return await self._route(stream)
+
+    async def _renew_transfer(self, stream: _Stream) -> Reserved | None:
+        rid = stream.request.request_id
+        reply = await self._ask(stream.decode_node, rid, RenewTransfer(rid))
+        return reply if isinstance(reply, Reserved) else None
+
+    def _wire(self, stream: _Stream) -> tuple[dict, tuple[int, ...]]:
+        """The request's sampling and already streamed tokens, as nodes take them."""
+        return sampling_to_wire(stream.request.sampling), tuple(stream.generated)
+
+    async def _route(self, stream: _Stream) -> str | None:
+        """Send the request on its way (resuming after stream.generated); an error message
+        if nothing can take it."""
+        request = stream.request
+        sampling, outputs = self._wire(stream)
+        exclude = stream.lost
+        colocated = self.policy(self.routable(("both",), exclude), request)
+        decodes = self.policy(self.routable(("decode",), exclude), request)
+        if colocated and not (decodes and self.routable(("prefill",), exclude)):
             node = colocated[0]
             stream.prefill_node = node.node_id
             node.inflight += 1
             node.routed(request, time.monotonic())
             await self._send(
-                node.node_id, Prefill(request.request_id, request.prompt_token_ids, sampling)
+                node.node_id,
+                Prefill(
+                    request.request_id,
+                    request.prompt_token_ids,
+                    sampling,
+                    output_token_ids=outputs,
+                ),
             )
             return None
-        if not (prefills and decodes):
+        if not (decodes and self.routable(("prefill",), exclude)):
             return "no prefill/decode node available"
-        reserved = await self._reserve(request, sampling, decodes, stream)
+        reserved = await self._reserve(stream, decodes)
         if reserved is None:
             return "no decode node has room for this request"
+        return await self._send_prefill(stream, reserved)
+
+    async def _send_prefill(self, stream: _Stream, reserved: Reserved) -> str | None:
+        request = stream.request
+        sampling, outputs = self._wire(stream)
         # Picked after the reservation's round trip, so the choice sees requests routed
         # meanwhile (the policy's load and prefix view include them).
-        prefills = self.policy(self.alive(("prefill",)), request)
+        prefills = self.policy(self.routable(("prefill",), stream.lost), request)
         if not prefills:
-            await self._send(stream.decode_node, Abort(request.request_id, "no prefill node"))
             return "no prefill node available"
         prefill = prefills[0]
         stream.prefill_node = prefill.node_id
@@ -443,13 +602,16 @@ class ClusterBackend(Backend):
                 xfer_id=reserved.xfer_id,
                 dest_block_ids=reserved.block_ids,
                 dest_kv_endpoint=reserved.kv_endpoint,
+                output_token_ids=outputs,
             ),
         )
         return None
 
-    async def _reserve(self, request, sampling, decodes, stream) -> Reserved | None:
+    async def _reserve(self, stream: _Stream, decodes: list[NodeInfo]) -> Reserved | None:
+        request = stream.request
+        sampling, outputs = self._wire(stream)
         for node in decodes:
-            msg = ReserveKV(request.request_id, request.prompt_token_ids, sampling)
+            msg = ReserveKV(request.request_id, request.prompt_token_ids, sampling, outputs)
             reply = await self._ask(node.node_id, request.request_id, msg)
             if isinstance(reply, Reserved):
                 stream.decode_node = node.node_id
@@ -461,23 +623,20 @@ class ClusterBackend(Backend):
 
     def _release(self, request_id: str) -> None:
         stream = self.streams.pop(request_id, None)
-        if stream is None:
-            return
-        for node_id in (stream.prefill_node, stream.decode_node):
-            node = self.nodes.get(node_id)
-            if node is not None:
-                node.inflight = max(0, node.inflight - 1)
+        if stream is not None:
+            self._detach(stream, stream.nodes())
 
     async def abort(self, request_id: str) -> None:
         stream = self.streams.get(request_id)
         if stream is None:
             return
         await self._abort_nodes(request_id, stream, "client")
-        self._push(request_id, TokenEvent((), finish_reason="abort"))
+        stream.queue.put_nowait(TokenEvent((), finish_reason="abort"))
 
     async def _abort_nodes(self, request_id: str, stream: _Stream, why: str) -> None:
-        for node_id in {stream.prefill_node, stream.decode_node} - {""}:
+        for node_id in stream.nodes():
             await self._send(node_id, Abort(request_id, why))
+
 
 
 def new_request_id() -> str:
