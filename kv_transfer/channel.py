@@ -7,6 +7,7 @@ connector subclasses only implement that part, through the hooks at the bottom o
 
 from __future__ import annotations
 
+import random
 import time
 import uuid
 from collections import deque
@@ -30,6 +31,7 @@ from kv_transfer.base import (
 from kv_transfer.bookkeeping import ReceiveBook, SendBook
 from kv_transfer.layout import KVLayout
 from kv_transfer.wire import (
+    FaultPlan,
     KVDone,
     KVHello,
     KVPage,
@@ -71,6 +73,8 @@ class ChannelSender(KVSender):
         self._book = SendBook(layout.num_layers)
         self._deferred: deque[tuple[Any, Callable[[], None]]] = deque()
         self._faults = fault_targets()
+        self._plan = FaultPlan.from_env()
+        self._fault_rng = random.Random(self._plan.seed if self._plan else 0)
 
     # -- public API
 
@@ -114,6 +118,8 @@ class ChannelSender(KVSender):
             pages = ops.gather_pages(layer_cache, src)
             page = KVPage(xfer_id, layer, dst, self.layout.dtype, tuple(pages.shape), self._seq)
             self._seq += 1
+            if self._plan is not None and self._injected_drop(page):
+                continue
             self._ship(page, pages)
 
     def send_done(self, xfer_id: str, meta: dict[str, Any]) -> None:
@@ -139,10 +145,22 @@ class ChannelSender(KVSender):
 
     def _seal(self, page: KVPage, wire: torch.Tensor) -> None:
         """Book the checksum of the bytes exactly as they will cross the transport; then, only
-        under the test fault hook, damage them."""
+        under the test fault hooks, damage them."""
         self._book.record(page, page_checksum(wire))
         if self._faults is not None and ({"*", page.xfer_id} & self._faults):
             corrupt_first_byte(wire)
+        elif self._plan is not None and self._fault_rng.random() < self._plan.corrupt:
+            corrupt_first_byte(wire)
+
+    def _injected_drop(self, page: KVPage) -> bool:
+        """Fault plan only: maybe delay this frame; maybe drop it (booked, never sent)."""
+        assert self._plan is not None
+        if self._fault_rng.random() < self._plan.delay:
+            time.sleep(self._plan.delay_s)
+        if self._fault_rng.random() < self._plan.drop:
+            self._book.record(page, 0)
+            return True
+        return False
 
     def _send(self, msg: Message, *frames: Any) -> zmq.MessageTracker | None:
         """Send a header (plus raw frames, zero copy); TransferTimeout if the queue stays full."""

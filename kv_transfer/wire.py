@@ -215,5 +215,33 @@ def fault_targets() -> frozenset[str] | None:
     return frozenset({"*"} if value == "1" else value.split(","))
 
 
+FAULT_PLAN_ENV = "PDSERVE_FAULT_KV"
+
+
+@dataclass(frozen=True, slots=True)
+class FaultPlan:
+    """Test-only fault hook for fault-injection runs: each frame a sender ships is dropped,
+    corrupted or delayed with the given probabilities, from a seeded stream.
+
+    `PDSERVE_FAULT_KV="drop=0.02,corrupt=0.02,delay=0.1,delay_s=0.05,seed=1"`. A dropped frame
+    is booked (counted in the done message) but never sent; a corrupted one is damaged after
+    its checksum was taken; a delayed one waits `delay_s` first. None when unset.
+    """
+
+    drop: float = 0.0
+    corrupt: float = 0.0
+    delay: float = 0.0
+    delay_s: float = 0.05
+    seed: int = 0
+
+    @classmethod
+    def from_env(cls) -> FaultPlan | None:
+        value = os.environ.get(FAULT_PLAN_ENV, "")
+        if not value:
+            return None
+        fields = dict(item.split("=", 1) for item in value.split(","))
+        return cls(**{k: (int if k == "seed" else float)(v) for k, v in fields.items()})
+
+
 def corrupt_first_byte(t: torch.Tensor) -> None:
     as_bytes(t)[:1].bitwise_xor_(0x5A)

@@ -178,6 +178,7 @@ class _Failover:
 
     kind: str
     lost: tuple[str, ...]  # node ids not to route this request to again
+    detached: tuple[str, ...]  # node ids the request left (each gets an Abort)
     why: str
 
 
@@ -387,6 +388,11 @@ class ClusterBackend(Backend):
             # The prefill node is full or draining: another one takes the prompt.
             self._fail_over(stream, {sender}, f"{sender} refused: {msg.message}")
             return
+        if msg.code == 502 and sender == stream.decode_node:
+            # The KV arrived damaged or incomplete: nothing was decoded from it; retry the
+            # request (from the tokens already streamed) while failovers remain.
+            self._fail_over(stream, set(), f"{sender}: {msg.message}")
+            return
         stream.queue.put_nowait(TokenEvent((), finish_reason="error", error=msg.message))
 
     def _resolve(self, key: str, msg: Message) -> bool:
@@ -470,14 +476,14 @@ class ClusterBackend(Backend):
         kind = "prefill" if only_prefill else "resume"
         detached = lost if only_prefill else stream.nodes()
         self._detach(stream, detached)
-        stream.queue.put_nowait(_Failover(kind, tuple(lost), why))
+        stream.lost |= lost
+        stream.queue.put_nowait(_Failover(kind, tuple(lost), tuple(detached), why))
 
     def _detach(self, stream: _Stream, node_ids: set[str]) -> None:
         for node_id in node_ids:
             node = self.nodes.get(node_id)
             if node is not None:
                 node.inflight = max(0, node.inflight - 1)
-            stream.lost.add(node_id)
         if stream.prefill_node in node_ids:
             stream.prefill_node = ""
         if stream.decode_node in node_ids:
@@ -525,7 +531,7 @@ class ClusterBackend(Backend):
         """Carry the request on without the lost nodes; an error message when it cannot."""
         rid = stream.request.request_id
         log.warning("request %s: %s; failing over (%s)", rid, failover.why, failover.kind)
-        for node_id in failover.lost:  # it may only be stalled: free what it holds later
+        for node_id in failover.detached:  # a lost one may only be stalled: it frees later
             await self._send(node_id, Abort(rid, failover.why))
         stream.failovers += 1
         self.num_failovers += 1
@@ -536,7 +542,7 @@ class ClusterBackend(Backend):
             if reserved is not None:
                 return await self._send_prefill(stream, reserved)
         for node_id in stream.nodes():  # resume from scratch: drop the survivor's state too
-            await self._send(node_id, Abort(rid, "resuming elsewhere"))
+            await self._send(node_id, Abort(rid, "resuming"))
         self._detach(stream, stream.nodes())
         stream.got_first = False
         stream.early.clear()
@@ -636,7 +642,6 @@ class ClusterBackend(Backend):
     async def _abort_nodes(self, request_id: str, stream: _Stream, why: str) -> None:
         for node_id in stream.nodes():
             await self._send(node_id, Abort(request_id, why))
-
 
 
 def new_request_id() -> str:

@@ -156,3 +156,26 @@ def test_zmq_over_ipc(tmp_path) -> None:
 def test_unknown_connector_name() -> None:
     with pytest.raises(ValueError, match="unknown KV connector 'rdma'"):
         create_sender("rdma", LAYOUT)
+
+
+@pytest.mark.parametrize(
+    "plan,ok", [("drop=1", False), ("corrupt=1", False), ("delay=1,delay_s=0.01", True)]
+)
+def test_fault_plan_frames_fail_the_transfer_never_pass_as_whole(
+    receiver, monkeypatch, plan, ok
+) -> None:
+    """A dropped frame is still counted in the done message and a corrupted one fails the
+    checksum: the receiver reports the transfer failed instead of admitting partial KV."""
+    monkeypatch.setenv("PDSERVE_FAULT_KV", plan)
+    sender = create_sender("zmq", LAYOUT)
+    connect_while_polling(sender, receiver)
+    try:
+        receiver.expect("x", [1, 2, 3])
+        cache = make_caches(LAYOUT, 8, seed=1)
+        for layer in range(LAYOUT.num_layers):
+            sender.send_layer("x", layer, [4, 5, 6], [1, 2, 3], cache[layer])
+        sender.send_done("x", {"first_token": 1})
+        (result,) = Pump(receiver).wait_results("x")
+        assert result.ok is ok, result.error
+    finally:
+        sender.close()
