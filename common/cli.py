@@ -48,6 +48,12 @@ def add_node_args(parser: argparse.ArgumentParser) -> None:
         default=30.0,
         help="on SIGTERM, finish held requests for up to this long (s), then fail the rest",
     )
+    parser.add_argument(
+        "--stall-timeout",
+        type=float,
+        default=60.0,
+        help="stop proving liveness when the node loop made no progress for this long (s)",
+    )
 
 
 def engine_configs(args: argparse.Namespace) -> tuple[ModelConfig, CacheConfig, SchedulerConfig]:

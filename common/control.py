@@ -19,6 +19,7 @@ class ControlClient:
 
     def __init__(self, ctx: zmq.Context, router_addr: str, node_id: str) -> None:
         self.node_id = node_id
+        self.router_addr = router_addr
         self.sock = ctx.socket(zmq.DEALER)
         self.sock.setsockopt(zmq.IDENTITY, node_id.encode())
         self.sock.setsockopt(zmq.LINGER, 0)

@@ -33,6 +33,7 @@ def run_node(
         lease_timeout=args.lease_timeout,
         max_queued_requests=args.max_queued_requests,
         drain_timeout=args.drain_timeout,
+        stall_timeout=args.stall_timeout,
         **kwargs,
     )
     for sig in (signal.SIGINT, signal.SIGTERM):  # drain; a second signal stops at once

@@ -10,6 +10,7 @@ that override the hooks; there is no `if role == ...` in the loop.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import threading
@@ -23,7 +24,9 @@ from common.config import CacheConfig, ModelConfig, SchedulerConfig
 from common.control import ControlClient
 from common.engine import LLMEngine
 from common.protocol import (
+    ALIVE_SUFFIX,
     Abort,
+    Alive,
     Busy,
     CheckIntegrity,
     Error,
@@ -36,6 +39,7 @@ from common.protocol import (
     ReserveKV,
     SyncPrefixes,
     Tokens,
+    encode,
 )
 from common.request import TokenLogprobs
 from common.sampling_params import SamplingParams
@@ -83,6 +87,7 @@ class EngineNode:
         lease_timeout: float = 10.0,
         max_queued_requests: int = 1024,
         drain_timeout: float = 30.0,
+        stall_timeout: float = 60.0,
     ) -> None:
         self.engine = LLMEngine(model, cache, scheduler)
         self.model_config = model
@@ -101,6 +106,9 @@ class EngineNode:
         self.max_queued_requests = max_queued_requests
         self.drain_timeout = drain_timeout
         self.drain_deadline: float | None = None  # set once draining (SIGTERM)
+        self.stall_timeout = stall_timeout
+        self._last_progress = time.monotonic()
+        self._liveness = threading.Thread(target=self._prove_alive, daemon=True)
         if self.role in ("prefill", "both"):  # nodes a prefix-aware router picks by cache
             self.engine.kv.pool.prefix_events = PrefixEvents()
         self.stop_event = threading.Event()
@@ -301,10 +309,29 @@ class EngineNode:
             live_requests=tuple(self.engine.scheduler.requests),
         )
 
+    def _prove_alive(self) -> None:
+        """Liveness thread: tell the router this node lives every heartbeat interval, as long
+        as the loop moved within stall_timeout (a wedged loop goes silent, and fails over)."""
+        sock = self.ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.IDENTITY, (self.node_id + ALIVE_SUFFIX).encode())
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.SNDHWM, 4)
+        sock.connect(f"tcp://{self.control.router_addr}")
+        frame = encode(Alive(self.node_id))
+        try:
+            while not self.stop_event.wait(self.heartbeat_interval):
+                if time.monotonic() - self._last_progress < self.stall_timeout:
+                    with contextlib.suppress(zmq.Again):
+                        sock.send(frame, flags=zmq.NOBLOCK)
+        finally:
+            sock.close(linger=0)
+
     def run(self) -> None:
         """Serve until stop_event is set, or until drained after drain()."""
         self.register()
+        self._liveness.start()
         while not self.stop_event.is_set():
+            self._last_progress = time.monotonic()
             busy = self.engine.has_unfinished
             for msg in self.control.recv(0 if busy else 5):
                 self.handle(msg)
@@ -316,6 +343,8 @@ class EngineNode:
             if self.drain_deadline is not None and self._drained():
                 self.heartbeat_now()
                 break
+        self.stop_event.set()
+        self._liveness.join(timeout=5.0)
         self.close()
 
     def heartbeat_now(self) -> None:

@@ -219,6 +219,20 @@ class Heartbeat(Message):
 
 @message
 @dataclass(frozen=True, slots=True)
+class Alive(Message):
+    """Node -> router from the node's liveness thread, on a second socket whose identity is
+    `<node_id>#alive`: the process runs and its loop made progress lately, however long one
+    step takes (a long prefill must not look like a dead node)."""
+
+    TYPE: ClassVar[str] = "alive"
+    node_id: str
+
+
+ALIVE_SUFFIX = "#alive"
+
+
+@message
+@dataclass(frozen=True, slots=True)
 class Lease(Message):
     """Router -> node, every lease interval: the requests the router still wants from this
     node. A request a node holds that goes unlisted for its lease timeout is freed and failed

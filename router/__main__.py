@@ -1,5 +1,6 @@
 """python -m router --model DIR [--host 127.0.0.1] [--port 8000] [--control-port 8100]
-[--policy NAME] [--api-key KEY]"""
+[--policy NAME] [--api-key KEY] [--max-request-bytes N] [--max-queued-requests N]
+[--max-queued-tokens N]"""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import os
 
 import uvicorn
 
-from router.api import create_app
+from router.api import RouterLimits, create_app
 from router.cluster import POLICIES, ClusterBackend
 
 
@@ -25,7 +26,46 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--policy", default="least_loaded", choices=sorted(POLICIES))
     p.add_argument("--api-key", default=os.environ.get("PDSERVE_API_KEY"))
     p.add_argument("--max-model-len", type=int, default=None)
+    defaults = RouterLimits()
+    p.add_argument(
+        "--max-request-bytes",
+        type=int,
+        default=defaults.max_request_bytes,
+        help="larger request bodies get 413",
+    )
+    p.add_argument(
+        "--max-queued-requests",
+        type=int,
+        default=defaults.max_queued_requests,
+        help="backend requests (choices) in flight beyond which new requests get 503",
+    )
+    p.add_argument(
+        "--max-queued-tokens",
+        type=int,
+        default=defaults.max_queued_tokens,
+        help="prompt tokens in flight beyond which new requests get 503",
+    )
+    p.add_argument(
+        "--heartbeat-timeout",
+        type=float,
+        default=5.0,
+        help="a node silent this long (s) leaves the rotation; its requests fail over",
+    )
+    p.add_argument(
+        "--lease-interval",
+        type=float,
+        default=1.0,
+        help="how often (s) the router renews the leases of the requests nodes hold",
+    )
     return p.parse_args(argv)
+
+
+def limits_of(args: argparse.Namespace) -> RouterLimits:
+    return RouterLimits(
+        max_request_bytes=args.max_request_bytes,
+        max_queued_requests=args.max_queued_requests,
+        max_queued_tokens=args.max_queued_tokens,
+    )
 
 
 def max_model_len_of(model_dir: str, override: int | None) -> int:
@@ -38,18 +78,22 @@ def max_model_len_of(model_dir: str, override: int | None) -> int:
 async def serve(args: argparse.Namespace) -> None:
     from transformers import AutoTokenizer
 
+    limits = limits_of(args)  # a bad flag fails here, before anything is started
+
     tokenizer = AutoTokenizer.from_pretrained(args.model)
     backend = ClusterBackend(
         host=args.control_host or args.host,
         control_port=args.control_port,
         policy=args.policy,
         max_model_len=max_model_len_of(args.model, args.max_model_len),
+        heartbeat_timeout=args.heartbeat_timeout,
+        lease_interval=args.lease_interval,
     )
     await backend.start()
     name = args.served_model_name or os.path.basename(os.path.normpath(args.model))
-    app = create_app(backend, tokenizer, name, api_key=args.api_key)
+    app = create_app(backend, tokenizer, name, api_key=args.api_key, limits=limits)
 
-    @app.get("/internal/integrity", dependencies=app.state.guarded)
+    @app.get("/internal/integrity")  # behind the API key like every route but /health
     async def integrity() -> dict:
         """Block-pool integrity of every node: all blocks free or cached when idle."""
         return await backend.integrity()

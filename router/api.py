@@ -1,22 +1,27 @@
 """The router's OpenAI-compatible HTTP API, served over any `Backend`.
 
-A request is validated, tokenized (off the event loop), length-checked and split into choices
-(n per prompt), each one backend request. `_Generation` runs the choices concurrently and turns
-their token events into text deltas (incremental detokenization, stop strings); a dialect
-(completions or chat) shapes the deltas into SSE chunks or one JSON response. Whatever ends a
-request early (client gone, error, cancellation) aborts its unfinished backend requests.
+Pure-ASGI middlewares count every request, check the API key and bound the body size before
+any handler runs. A request is then validated, tokenized (off the event loop), length-checked
+and split into choices (n per prompt), each one backend request; `Admission` refuses it with
+503 when the work in flight would pass `RouterLimits`. `_Generation` runs the choices
+concurrently and turns their token events into text deltas (incremental detokenization, stop
+strings); a dialect (completions or chat) shapes the deltas into SSE chunks or one JSON
+response. Whatever ends a request early (client gone, error, cancellation) aborts its
+unfinished backend requests and releases its admission. Every error, whatever its cause, is
+answered in vLLM's envelope {"error": {"message", "type", "param", "code"}}.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import re
 import secrets
 import time
 import uuid
 from abc import ABC, abstractmethod
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
@@ -24,9 +29,10 @@ from functools import partial
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import anyio
-from fastapi import Depends, FastAPI, Request
+from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.openapi.utils import get_openapi
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from prometheus_client import (
     CONTENT_TYPE_LATEST,
     CollectorRegistry,
@@ -85,24 +91,35 @@ ROUTES = (
     "/metrics",
     "/tokenize",
     "/detokenize",
+    "/openapi.json",
 )
+OPEN_ROUTES = ("/health",)  # every other path, unknown ones included, wants the API key
 # How often a request waiting for tokens checks whether its client is still there; a token
 # that arrives meanwhile is handled at once, so this bounds only how long an abandoned request
 # keeps running on the nodes.
 DISCONNECT_POLL_S = 0.5
 # Bound on aborting and on tearing down a request, so a stuck backend cannot hang the router.
 CLEANUP_TIMEOUT_S = 5.0
+RETRY_AFTER_S = 1  # what a 503 tells the client to wait before trying again
 # JSON has no -inf; vLLM reports impossible tokens with this floor too.
 _MIN_LOGPROB = -9999.0
-_CLIENT_CLOSED_REQUEST = 499  # nginx's status for a client that left before the answer
+_MAX_MESSAGE_CHARS = 1000  # an error message never echoes more of the input than this
+_ECHO_BYTES = 64  # of a malformed JSON body, at most this much is quoted back
+_MAX_REPORTED_ERRORS = 3
 _ERROR_TYPES = {
     400: "BadRequestError",
     401: "AuthenticationError",
     404: "NotFoundError",
     405: "MethodNotAllowedError",
+    413: "RequestTooLargeError",
+    415: "UnsupportedMediaTypeError",
+    499: "ClientClosedRequest",
     500: "InternalServerError",
     503: "ServiceUnavailableError",
 }
+# What ClusterBackend reports when no node can take a request: the client should retry
+# (503), not give up (500). A typed signal from the backend would be better than the text.
+_UNAVAILABLE_ERRORS = ("no prefill/decode node available", "no decode node has room")
 
 _M = TypeVar("_M", bound=BaseModel)
 
@@ -111,13 +128,30 @@ _M = TypeVar("_M", bound=BaseModel)
 
 
 class APIError(Exception):
-    """An error answered with vLLM's envelope and the given HTTP status."""
+    """An error answered with vLLM's envelope and the given HTTP status.
 
-    def __init__(self, status: int, message: str, param: str | None = None) -> None:
+    The message is cut to a bounded length, so no input is ever echoed back in full; a 503
+    carries Retry-After, a 401 WWW-Authenticate.
+    """
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        param: str | None = None,
+        headers: Mapping[str, str] | None = None,
+    ) -> None:
+        if len(message) > _MAX_MESSAGE_CHARS:
+            message = message[: _MAX_MESSAGE_CHARS - 3] + "..."
         super().__init__(message)
         self.status = status
         self.message = message
         self.param = param
+        self.headers = dict(headers or {})
+        if status == 401:
+            self.headers["WWW-Authenticate"] = "Bearer"
+        if status == 503:
+            self.headers.setdefault("Retry-After", str(RETRY_AFTER_S))
 
     def body(self) -> ErrorResponse:
         kind = _ERROR_TYPES.get(self.status, "Error")
@@ -125,26 +159,76 @@ class APIError(Exception):
         return ErrorResponse(error=info)
 
     def response(self) -> JSONResponse:
-        headers = {"WWW-Authenticate": "Bearer"} if self.status == 401 else None
-        return JSONResponse(self.body().model_dump(), self.status, headers=headers)
+        return JSONResponse(self.body().model_dump(), self.status, headers=self.headers)
+
+
+def _client_gone() -> APIError:
+    # nginx's status for a client that left before the answer; nobody reads it, but the
+    # access log and the request metrics do.
+    return APIError(499, "the client closed the request before the answer was ready")
 
 
 def _validation_message(exc: ValidationError) -> tuple[str, str | None]:
     """A readable message and the first offending parameter, from pydantic's errors."""
     parts, params = [], []
-    for err in exc.errors(include_url=False):
+    errors = exc.errors(include_url=False, include_input=False, include_context=False)
+    for err in errors[:_MAX_REPORTED_ERRORS]:
         loc = ".".join(str(p) for p in err["loc"])
-        # The top-level field: deeper parts name union members ("prompt.list[str]").
+        # The top-level field: deeper parts name union members ("prompt.tokens.3").
         params.append(str(err["loc"][0]) if err["loc"] else None)
-        msg = err["msg"].removeprefix("Value error, ")
+        if err["type"] == "extra_forbidden":
+            # The name may be anything a client sent: quoted, and cut to a sane length.
+            parts.append(f"unknown field {json.dumps(loc[:100])}: this server does not support it")
+            continue
+        if err["type"] == "model_type" and not err["loc"]:
+            msg = "the request body must be a JSON object"
+        else:
+            msg = err["msg"].removeprefix("Value error, ")
         parts.append(f"{loc}: {msg}" if loc else msg)
+    if len(errors) > _MAX_REPORTED_ERRORS:
+        parts.append(f"and {len(errors) - _MAX_REPORTED_ERRORS} more errors")
     return "; ".join(parts), params[0] if params else None
 
 
+def _json_error(body: bytes, exc: ValidationError) -> APIError | None:
+    """400 for a body that is not JSON at all, quoting at most _ECHO_BYTES of it."""
+    err = exc.errors(include_url=False, include_input=False)[0]
+    if err["type"] != "json_invalid":
+        return None
+    if not body.strip():
+        return APIError(400, "the request body is empty; expected a JSON object")
+    at = re.search(r"line (\d+) column (\d+)", err["msg"])
+    offset = 0
+    if at is not None:
+        line, column = int(at.group(1)), int(at.group(2))
+        offset = sum(len(row) + 1 for row in body.split(b"\n")[: line - 1]) + column
+    start = max(0, min(offset, len(body)) - _ECHO_BYTES // 2)
+    fragment = body[start : start + _ECHO_BYTES].decode("utf-8", "replace")
+    where = f"bytes {start}..{start + len(body[start : start + _ECHO_BYTES])}"
+    return APIError(400, f"malformed JSON body: {err['msg']} (near {where}: {fragment!r})")
+
+
+def _check_content_type(request: Request) -> None:
+    """JSON bodies only; a missing content type is taken as JSON, as FastAPI does."""
+    content_type = request.headers.get("content-type")
+    if content_type is None:
+        return
+    mime = content_type.split(";", 1)[0].strip().lower()
+    if mime != "application/json" and not (
+        mime.startswith("application/") and mime.endswith("+json")
+    ):
+        raise APIError(415, f"unsupported content type {mime[:64]!r}: send application/json")
+
+
 async def _parse(request: Request, model: type[_M]) -> _M:
+    _check_content_type(request)
+    body = await request.body()
     try:
-        return model.model_validate_json(await request.body())
+        return model.model_validate_json(body)
     except ValidationError as exc:
+        json_error = _json_error(body, exc)
+        if json_error is not None:
+            raise json_error from None
         message, param = _validation_message(exc)
         raise APIError(400, message, param) from None
 
@@ -154,21 +238,111 @@ def _install_error_handlers(app: FastAPI) -> None:
         assert isinstance(exc, APIError)
         return exc.response()
 
-    async def http_error(_: Request, exc: Exception) -> Response:
+    async def http_error(request: Request, exc: Exception) -> Response:
         assert isinstance(exc, StarletteHTTPException)
-        return APIError(exc.status_code, str(exc.detail)).response()
+        what = f"{request.method} {request.url.path}"
+        message = {
+            404: f"no such route: {what}",
+            405: f"method not allowed: {what}",
+        }.get(exc.status_code, str(exc.detail))
+        return APIError(exc.status_code, message, headers=exc.headers).response()
 
     async def validation_error(_: Request, exc: Exception) -> Response:
-        return APIError(400, str(exc)).response()
+        # Handlers parse their own bodies, so only parameters declared on a route get here.
+        assert isinstance(exc, RequestValidationError)
+        errors = exc.errors()
+        return APIError(400, str(errors[0].get("msg")) if errors else "invalid request").response()
+
+    async def client_gone(_: Request, exc: Exception) -> Response:
+        return _client_gone().response()  # it left while its body was being read
 
     async def unexpected(_: Request, exc: Exception) -> Response:
+        # The log gets the details; the client only learns that it was not its fault.
         logger.exception("unhandled error", exc_info=exc)
-        return APIError(500, f"internal error: {type(exc).__name__}").response()
+        return APIError(500, "internal server error").response()
 
     app.add_exception_handler(APIError, api_error)
     app.add_exception_handler(StarletteHTTPException, http_error)
     app.add_exception_handler(RequestValidationError, validation_error)
+    app.add_exception_handler(ClientDisconnect, client_gone)
     app.add_exception_handler(Exception, unexpected)
+
+
+async def _send_error(error: APIError, scope: Scope, receive: Receive, send: Send) -> None:
+    await error.response()(scope, receive, send)
+
+
+class _ApiKeyGuard:
+    """ASGI middleware: with an API key, every path but OPEN_ROUTES wants `Authorization:
+    Bearer <key>`, unknown paths too (a scanner learns nothing), before any body is read."""
+
+    def __init__(self, app: ASGIApp, api_key: str) -> None:
+        self._app = app
+        self._key = api_key.encode()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["path"] not in OPEN_ROUTES:
+            if not self._authorized(scope):
+                error = APIError(401, "invalid or missing API key (Authorization: Bearer <key>)")
+                await _send_error(error, scope, receive, send)
+                return
+        await self._app(scope, receive, send)
+
+    def _authorized(self, scope: Scope) -> bool:
+        values = [v for k, v in scope["headers"] if k.lower() == b"authorization"]
+        if len(values) != 1:
+            return False
+        scheme, _, token = values[0].partition(b" ")
+        # compare_digest: the time taken must not tell how much of a guessed key was right.
+        return scheme.lower() == b"bearer" and secrets.compare_digest(token.strip(), self._key)
+
+
+class _BodyLimit:
+    """ASGI middleware bounding request bodies: 413 at once when Content-Length says too
+    much, else the bytes are counted as they arrive and the read fails at the bound, so no
+    body larger than max_bytes is ever held in memory (chunked uploads included)."""
+
+    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+        self._app = app
+        self._max = max_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self._app(scope, receive, send)
+            return
+        error = self._check_declared(scope)
+        if error is not None:
+            await _send_error(error, scope, receive, send)
+            return
+        received = 0
+
+        async def counting_receive() -> Message:
+            nonlocal received
+            message = await receive()
+            if message["type"] == "http.request":
+                received += len(message.get("body", b""))
+                if received > self._max:
+                    # Raised inside the handler's body read: the app answers it like any
+                    # other APIError.
+                    raise self._too_large(f"more than {self._max} bytes")
+            return message
+
+        await self._app(scope, counting_receive, send)
+
+    def _check_declared(self, scope: Scope) -> APIError | None:
+        values = [v for k, v in scope["headers"] if k.lower() == b"content-length"]
+        if not values:
+            return None
+        try:
+            declared = int(values[0])
+        except ValueError:
+            return APIError(400, "invalid Content-Length header")
+        if declared > self._max:
+            return self._too_large(f"{declared} bytes")
+        return None
+
+    def _too_large(self, size: str) -> APIError:
+        return APIError(413, f"request body too large: {size}; the limit is {self._max} bytes")
 
 
 # ---------------------------------------------------------------- metrics
@@ -387,12 +561,15 @@ class _Generation:
         http_request: Request,
         metrics: RouterMetrics,
         started: float,
+        admission: Admission,
     ) -> None:
         self._backend = backend
         self.choices = choices
         self._http = http_request
         self._metrics = metrics
         self._started = started
+        self._admission = admission
+        self._ticket: _Ticket | None = None
         self._queue: asyncio.Queue[ChoiceDelta] = asyncio.Queue()
         self._tasks: list[asyncio.Task[None]] = []
         self._remaining = len(choices)
@@ -401,6 +578,9 @@ class _Generation:
         self.disconnected = False
 
     async def __aenter__(self) -> _Generation:
+        """Admits the request (APIError 503 when the router is full) and starts its choices."""
+        tokens = sum(len(c.request.prompt_token_ids) for c in self.choices)
+        self._ticket = self._admission.admit(len(self.choices), tokens)
         self._metrics.in_flight.inc()
         self._tasks = [asyncio.create_task(self._pump(c)) for c in self.choices]
         return self
@@ -413,6 +593,9 @@ class _Generation:
                 task.cancel()
             await asyncio.gather(*self._tasks, return_exceptions=True)
             await self._abort_unfinished()
+        self._tasks = []
+        assert self._ticket is not None, "left a generation that was never entered"
+        self._ticket.release()
         self._metrics.in_flight.dec()
         if self._remaining == 0 and not self.failed:
             self._metrics.e2e.observe(time.monotonic() - self._started)
@@ -444,10 +627,11 @@ class _Generation:
     async def _pump(self, choice: _Choice) -> None:
         try:
             await self._consume(choice)
-        except Exception as exc:  # any backend failure must reach the client as an error
+        except Exception:  # any backend failure must reach the client as an error
             logger.exception("request %s failed", choice.request.request_id)
             if choice.finish_reason is None:  # one finishing delta per choice, never two
-                self._queue.put_nowait(choice.fail(f"backend error: {exc}"))
+                # The log has the details; the client is not told the router's internals.
+                self._queue.put_nowait(choice.fail("backend failure: the request was stopped"))
 
     async def _consume(self, choice: _Choice) -> None:
         events = self._backend.generate(choice.request)
@@ -577,6 +761,10 @@ class _Dialect(ABC):
     @abstractmethod
     def usage_chunk(self, usage: UsageInfo) -> BaseModel: ...
 
+    def wants(self, delta: ChoiceDelta) -> bool:
+        """Whether a delta without text still makes a chunk (its token ids were asked for)."""
+        return False
+
     @abstractmethod
     def response(self, choices: list[_Collected], usage: UsageInfo) -> BaseModel: ...
 
@@ -591,10 +779,17 @@ class _CompletionDialect(_Dialect):
         self._want_ids = want_ids
         self._offsets: dict[int, int] = {}  # text_offset reached by each streamed choice
 
+    def wants(self, delta: ChoiceDelta) -> bool:
+        return self._want_ids and bool(delta.token_ids)
+
     def chunk(self, delta: ChoiceDelta) -> BaseModel:
         logprobs = self._logprobs(delta.index, delta.logprobs)
         choice = CompletionChoice(
-            index=delta.index, text=delta.text, logprobs=logprobs, finish_reason=delta.finish_reason
+            index=delta.index,
+            text=delta.text,
+            logprobs=logprobs,
+            finish_reason=delta.finish_reason,
+            token_ids=list(delta.token_ids) if self._want_ids else None,
         )
         return self._wrap([choice])
 
@@ -718,34 +913,144 @@ _SSE_DONE = "data: [DONE]\n\n"
 
 
 class _SSEResponse(StreamingResponse):
-    """A StreamingResponse that always closes its iterator, so the iterator's cleanup (the
-    backend aborts) runs at once even when a send fails or is cancelled mid-chunk."""
+    """An SSE stream of a first line already produced and the rest. It always closes the
+    rest of the stream, so its cleanup (the backend aborts, the admission release) runs at
+    once even when a send fails, is cancelled mid-chunk, or the response never starts."""
+
+    def __init__(self, first: str, rest: AsyncGenerator[str, None]) -> None:
+        super().__init__(_prepend(first, rest), media_type="text/event-stream")
+        self._rest = rest
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
             await super().__call__(scope, receive, send)
         except ClientDisconnect:
             pass  # an ASGI 2.4 server's way to say the client left; already cleaned up
+        finally:
+            await self._close()
 
     async def stream_response(self, send: Send) -> None:
-        iterator = self.body_iterator
         try:
             await super().stream_response(send)
         finally:
-            close = getattr(iterator, "aclose", None)
-            if close is not None:
-                await close()
+            await self._close()
+
+    async def _close(self) -> None:
+        # Shielded: a cancelled response must still release what its stream holds. The rest
+        # is closed on its own too: a wrapper that never started has nothing to close.
+        with anyio.CancelScope(shield=True):
+            await _aclose(self.body_iterator)
+            await self._rest.aclose()
+
+
+async def _prepend(first: str, rest: AsyncIterator[str]) -> AsyncIterator[str]:
+    yield first
+    async for line in rest:
+        yield line
+
+
+# ---------------------------------------------------------------- limits and admission
+
+
+@dataclass(frozen=True, slots=True)
+class RouterLimits:
+    """Bounds that keep the router's memory and the cluster's queues finite.
+
+    max_request_bytes bounds one request body. max_queued_requests bounds the backend
+    requests (choices) admitted and not yet finished, and max_queued_tokens their prompt
+    tokens; the router does not know how many of them the nodes run at once, so the bounds
+    count running and waiting ones alike. Beyond either bound a request gets 503 with
+    Retry-After at once, without reaching the backend. A request larger than the token
+    bound alone is still admitted when nothing else is in flight, so every valid request can
+    eventually be served.
+    """
+
+    max_request_bytes: int = 16 * 1024**2
+    max_queued_requests: int = 1024
+    max_queued_tokens: int = 1024**2
+
+    def __post_init__(self) -> None:
+        for name in ("max_request_bytes", "max_queued_requests", "max_queued_tokens"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
+
+
+class Admission:
+    """Counts the generation work in flight and refuses what would pass RouterLimits."""
+
+    def __init__(self, limits: RouterLimits) -> None:
+        self._limits = limits
+        self.requests = 0  # backend requests admitted and not finished
+        self.tokens = 0  # their prompt tokens
+
+    def check_room(self) -> None:
+        """APIError 503 if the router is full already, before a request is even read: under
+        overload, refusing must cost less than parsing and tokenizing."""
+        self._check(1, 1)
+
+    def admit(self, requests: int, tokens: int) -> _Ticket:
+        """A ticket for requests backend requests of tokens prompt tokens; APIError 503 if
+        they do not fit now."""
+        self._check(requests, tokens)
+        self.requests += requests
+        self.tokens += tokens
+        return _Ticket(self, requests, tokens)
+
+    def _check(self, requests: int, tokens: int) -> None:
+        limits = self._limits
+        if self.requests and self.requests + requests > limits.max_queued_requests:
+            raise APIError(
+                503,
+                f"the server is overloaded: {self.requests} requests are in flight and this "
+                f"one adds {requests}; the limit is {limits.max_queued_requests} "
+                f"(--max-queued-requests). Retry after {RETRY_AFTER_S} s.",
+            )
+        if self.requests and self.tokens + tokens > limits.max_queued_tokens:
+            raise APIError(
+                503,
+                f"the server is overloaded: {self.tokens} prompt tokens are in flight and "
+                f"this request adds {tokens}; the limit is {limits.max_queued_tokens} "
+                f"(--max-queued-tokens). Retry after {RETRY_AFTER_S} s.",
+            )
+
+    def _release(self, requests: int, tokens: int) -> None:
+        self.requests -= requests
+        self.tokens -= tokens
+        assert self.requests >= 0 and self.tokens >= 0, "admission released more than admitted"
+
+
+class _Ticket:
+    """One admitted request's share of Admission; release() is idempotent."""
+
+    def __init__(self, admission: Admission, requests: int, tokens: int) -> None:
+        self._admission = admission
+        self._share: tuple[int, int] | None = (requests, tokens)
+
+    def release(self) -> None:
+        if self._share is not None:
+            self._admission._release(*self._share)
+            self._share = None
 
 
 # ---------------------------------------------------------------- the server
 
 
-def _too_long(limit: int, prompt_len: int, max_tokens: int, param: str) -> APIError:
+def _too_long(limit: int, prompt_len: int, max_tokens: int | None, param: str) -> APIError:
+    """vLLM's rule and wording: the prompt plus max_tokens must fit max_model_len; with
+    max_tokens omitted, the prompt must leave room for at least one token."""
+    if max_tokens is None:
+        return APIError(
+            400,
+            f"This model's maximum context length is {limit} tokens (max_model_len). However, "
+            f"your prompt has {prompt_len} tokens, which leaves no room for the completion. "
+            "Please reduce the length of the prompt.",
+            param,
+        )
     return APIError(
         400,
-        f"This model's maximum context length is {limit} tokens. However, you requested "
-        f"{prompt_len + max_tokens} tokens ({prompt_len} in the prompt, {max_tokens} for the "
-        "completion). Please reduce the length of the prompt or max_tokens.",
+        f"This model's maximum context length is {limit} tokens (max_model_len). However, you "
+        f"requested {prompt_len + max_tokens} tokens ({prompt_len} in the prompt, {max_tokens} "
+        "for the completion). Please reduce the length of the prompt or max_tokens.",
         param,
     )
 
@@ -761,10 +1066,12 @@ class _Tokenization:
 
     def __init__(self, tokenizer: PreTrainedTokenizerBase) -> None:
         self._tokenizer = tokenizer
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenizer")
-        self.vocab_size = len(tokenizer)
+        self._executor: ThreadPoolExecutor | None = None  # made on first use, so the app
+        self.vocab_size = len(tokenizer)  # serves again after a lifespan's shutdown
 
     async def run(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        if self._executor is None:
+            self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenizer")
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self._executor, partial(fn, *args, **kwargs))
 
@@ -788,42 +1095,61 @@ class _Tokenization:
     def check_ids(self, ids: list[int], param: str) -> None:
         if not ids:
             raise APIError(400, "the prompt has no tokens", param)
-        if max(ids) >= self.vocab_size:
-            raise APIError(400, f"token id {max(ids)} is outside the vocabulary", param)
+        self.check_vocab(ids, param)
+
+    def check_vocab(self, ids: list[int] | tuple[int, ...], param: str) -> None:
+        if ids and max(ids) >= self.vocab_size:
+            raise APIError(
+                400,
+                f"token id {max(ids)} is outside the vocabulary (ids 0..{self.vocab_size - 1})",
+                param,
+            )
 
     def close(self) -> None:
-        self._executor.shutdown(wait=False, cancel_futures=True)
+        if self._executor is not None:
+            self._executor.shutdown(wait=False, cancel_futures=True)
+            self._executor = None
 
 
 class _Server:
     """Route handlers of one app, over one backend and tokenizer."""
 
-    def __init__(self, backend: Backend, tokenizer: PreTrainedTokenizerBase, model: str) -> None:
+    def __init__(
+        self,
+        backend: Backend,
+        tokenizer: PreTrainedTokenizerBase,
+        model: str,
+        limits: RouterLimits,
+    ) -> None:
         self._backend = backend
         self._tokenizer = tokenizer
         self._model = model
         self.tokenization = _Tokenization(tokenizer)
         self._tokens = _TokenStrings(tokenizer)
         self.metrics = RouterMetrics(backend)
+        self.admission = Admission(limits)
 
     async def completions(self, request: Request) -> Response:
         started = time.monotonic()
+        self.admission.check_room()
         body = await _parse(request, CompletionRequest)
         self._check_model(body.model)
-        prompts = await self._completion_prompts(body.prompt)
+        prompts = await self._completion_prompts(body.prompt, body.add_special_tokens)
         dialect = _CompletionDialect(
             self._model, self._tokens, body.logprobs is not None, body.return_token_ids
         )
-        return await self._generate(request, body, prompts, dialect, started)
+        return await self._generate(request, body, prompts, dialect, started, "prompt")
 
     async def chat_completions(self, request: Request) -> Response:
         started = time.monotonic()
+        self.admission.check_room()
         body = await _parse(request, ChatCompletionRequest)
         self._check_model(body.model)
         messages = [m.template_dict() for m in body.messages]
-        prompt = await self.tokenization.chat(messages, add_generation_prompt=True)
+        prompt = await self.tokenization.chat(messages, body.add_generation_prompt)
+        self.tokenization.check_ids(prompt, "messages")
         dialect = _ChatDialect(self._model, self._tokens, body.logprobs_count() is not None)
-        return await self._generate(request, body, [prompt], dialect, started)
+        return await self._generate(request, body, [prompt], dialect, started, "messages")
 
     async def models(self) -> ModelList:
         card = ModelCard(id=self._model, max_model_len=self._backend.max_model_len)
@@ -852,47 +1178,58 @@ class _Server:
     async def detokenize(self, request: Request) -> DetokenizeResponse:
         body = await _parse(request, DetokenizeRequest)
         self._check_model(body.model)
-        if body.tokens and max(body.tokens) >= self.tokenization.vocab_size:
-            raise APIError(400, f"token id {max(body.tokens)} is outside the vocabulary", "tokens")
+        self.tokenization.check_vocab(body.tokens, "tokens")
         text = await self.tokenization.run(self._tokenizer.decode, body.tokens)
         return DetokenizeResponse(prompt=text)
 
     def _check_model(self, name: str | None) -> None:
         if name is not None and name != self._model:
-            raise APIError(404, f"The model `{name}` does not exist.", "model")
+            shown = name if len(name) <= 100 else name[:100] + "..."
+            raise APIError(
+                404,
+                f"The model `{shown}` does not exist; this server serves `{self._model}`.",
+                "model",
+            )
 
-    async def _completion_prompts(self, prompt: str | list[Any]) -> list[list[int]]:
+    async def _completion_prompts(
+        self, prompt: str | list[Any], add_special_tokens: bool
+    ) -> list[list[int]]:
         if isinstance(prompt, str):
-            prompts = [await self.tokenization.encode(prompt)]
+            prompts = [await self.tokenization.encode(prompt, add_special_tokens)]
         elif isinstance(prompt[0], int):
             prompts = [list(prompt)]
         elif isinstance(prompt[0], str):
-            prompts = [await self.tokenization.encode(p) for p in prompt]
+            prompts = [await self.tokenization.encode(p, add_special_tokens) for p in prompt]
         else:
             prompts = [list(p) for p in prompt]
         for ids in prompts:
             self.tokenization.check_ids(ids, "prompt")
         return prompts
 
-    def _max_tokens(self, prompt_len: int, requested: int | None) -> int:
+    def _max_tokens(
+        self, prompt_len: int, requested: int | None, prompt_param: str, max_tokens_param: str
+    ) -> int:
         """requested, or the room left when omitted; 400 if it does not fit the context."""
         limit = self._backend.max_model_len
         if requested is None:
             if prompt_len >= limit:
-                raise _too_long(limit, prompt_len, 1, "prompt")
+                raise _too_long(limit, prompt_len, None, prompt_param)
             return limit - prompt_len
         if prompt_len + requested > limit:
-            raise _too_long(limit, prompt_len, requested, "max_tokens")
+            raise _too_long(limit, prompt_len, requested, max_tokens_param)
         return requested
 
     def _make_choices(
-        self, rid: str, prompts: list[list[int]], body: BaseGenerationRequest
+        self, rid: str, prompts: list[list[int]], body: BaseGenerationRequest, prompt_param: str
     ) -> list[_Choice]:
         stops = body.stop_strings()
+        self.tokenization.check_vocab(body.stop_token_ids or (), "stop_token_ids")
         single = len(prompts) * body.n == 1
         choices = []
         for p, ids in enumerate(prompts):
-            max_tokens = self._max_tokens(len(ids), body.requested_max_tokens())
+            max_tokens = self._max_tokens(
+                len(ids), body.requested_max_tokens(), prompt_param, body.max_tokens_param()
+            )
             for i in range(body.n):
                 index = p * body.n + i
                 seed = None if body.seed is None else _wrap_int64(body.seed + i)
@@ -913,49 +1250,70 @@ class _Server:
         prompts: list[list[int]],
         dialect: _Dialect,
         started: float,
+        prompt_param: str,
     ) -> Response:
-        choices = self._make_choices(dialect.id, prompts, body)
+        choices = self._make_choices(dialect.id, prompts, body, prompt_param)
+        if not self._backend.ready():
+            raise APIError(503, "no prefill/decode route is available; retry later")
         self.metrics.prompt_tokens.inc(sum(len(p) for p in prompts))
-        gen = _Generation(self._backend, choices, request, self.metrics, started)
+        gen = _Generation(self._backend, choices, request, self.metrics, started, self.admission)
         if body.stream:
-            events = _stream(gen, dialect, prompts, body.include_usage)
-            return _SSEResponse(events, media_type="text/event-stream")
+            return await _stream_response(_stream(gen, dialect, prompts, body.include_usage))
         collected = await _collect(gen)
         if collected is None:
-            return Response(status_code=_CLIENT_CLOSED_REQUEST)
+            return _client_gone().response()
         answer = dialect.response(collected, _usage(prompts, choices))
         # pydantic's JSON writes non-finite floats as null; json.dumps would refuse them.
         return Response(answer.model_dump_json(), media_type="application/json")
 
 
+def _failure(delta: ChoiceDelta, first: bool) -> APIError:
+    """The HTTP error for a failed choice: 503 when no node could take it (retry later),
+    500 otherwise."""
+    error = delta.error or "generation failed"
+    if first and error.startswith(_UNAVAILABLE_ERRORS):
+        return APIError(503, f"{error}; retry later")
+    return APIError(500, error)
+
+
 async def _collect(gen: _Generation) -> list[_Collected] | None:
-    """Every choice in full; None if the client left; APIError 500 if a choice failed."""
+    """Every choice in full; None if the client left; APIError 500/503 if a choice failed."""
     collected = [_Collected(c.index) for c in gen.choices]
+    first = True
     async with gen:
         async for delta in gen:
             if delta.finish_reason == "error":
-                raise APIError(500, delta.error or "generation failed")
+                raise _failure(delta, first)
+            first = False
             collected[delta.index].add(delta)
     return None if gen.disconnected else collected
 
 
 async def _stream(
     gen: _Generation, dialect: _Dialect, prompts: list[list[int]], include_usage: bool
-) -> AsyncIterator[str]:
+) -> AsyncGenerator[str, None]:
     """SSE lines: opening chunks, a chunk per delta, usage if asked, then [DONE].
 
-    A failed choice ends the stream with its finish_reason "error" chunk, an error line in
-    the error envelope, and [DONE]. A gone client gets nothing more.
+    Nothing is yielded before the first delta: if that one is an error (no node could take
+    the request, or it failed before any token), APIError is raised instead, so the client
+    gets an HTTP error status rather than a 200 stream. A later failed choice ends the
+    stream with its finish_reason "error" chunk, an error line in the error envelope, and
+    [DONE]. A gone client gets nothing more.
     """
     exclude = None if include_usage else {"usage"}
+    opened = False
     async with gen:
-        for chunk in dialect.opening(len(gen.choices)):
-            yield _sse(chunk, exclude)
         async for delta in gen:
-            if delta.text or delta.logprobs or delta.finish_reason:
+            if not opened:
+                if delta.finish_reason == "error":
+                    raise _failure(delta, first=True)
+                opened = True
+                for chunk in dialect.opening(len(gen.choices)):
+                    yield _sse(chunk, exclude)
+            if delta.text or delta.logprobs or delta.finish_reason or dialect.wants(delta):
                 yield _sse(dialect.chunk(delta), exclude)
             if delta.finish_reason == "error":
-                yield _sse(APIError(500, delta.error or "generation failed").body())
+                yield _sse(_failure(delta, first=False).body())
     if gen.disconnected:
         return
     if include_usage and not gen.failed:
@@ -963,21 +1321,68 @@ async def _stream(
     yield _SSE_DONE
 
 
+async def _stream_response(events: AsyncGenerator[str, None]) -> Response:
+    """Waits for the stream's first line before answering, so admission and failures before
+    the first token become HTTP errors; then streams the rest."""
+    try:
+        first = await anext(events)
+    except StopAsyncIteration:  # the client left before the first token
+        return _client_gone().response()
+    except BaseException:
+        await events.aclose()
+        raise
+    return _SSEResponse(first, events)
+
+
 # ---------------------------------------------------------------- app
 
 
-def _auth(api_key: str | None) -> Callable[[Request], Any]:
-    async def check(request: Request) -> None:
-        if api_key is None:
-            return
-        scheme, _, token = request.headers.get("authorization", "").partition(" ")
-        # compare_digest: the time taken must not tell how much of a guessed key was right.
-        if scheme.lower() != "bearer" or not secrets.compare_digest(
-            token.strip().encode(), api_key.encode()
-        ):
-            raise APIError(401, "invalid or missing API key (Authorization: Bearer <key>)")
+def _openapi(app: FastAPI, bodies: Mapping[str, type[BaseModel]], api_key: bool) -> dict:
+    """FastAPI's schema plus the request bodies the handlers parse themselves (for 400s in
+    the error envelope), and the bearer scheme when an API key is set."""
+    schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
+    components = schema.setdefault("components", {}).setdefault("schemas", {})
+    for path, model in bodies.items():
+        model_schema = model.model_json_schema(ref_template="#/components/schemas/{model}")
+        components.update(model_schema.pop("$defs", {}))
+        components[model.__name__] = model_schema
+        ref = {"$ref": f"#/components/schemas/{model.__name__}"}
+        operation = schema["paths"][path]["post"]
+        operation["requestBody"] = {
+            "required": True,
+            "content": {"application/json": {"schema": ref}},
+        }
+    if api_key:
+        schemes = schema["components"].setdefault("securitySchemes", {})
+        schemes["bearer"] = {"type": "http", "scheme": "bearer"}
+        schema["security"] = [{"bearer": []}]
+        refused = {
+            "description": _ERROR_TYPES[401],
+            "content": {
+                "application/json": {"schema": {"$ref": "#/components/schemas/ErrorResponse"}}
+            },
+        }
+        for path, operations in schema["paths"].items():
+            for operation in operations.values():
+                if path in OPEN_ROUTES:
+                    operation["security"] = []
+                else:
+                    operation["responses"].setdefault("401", refused)
+    return schema
 
-    return check
+
+def _responses(ok: type[BaseModel] | None, *errors: int, stream: bool = False) -> dict:
+    """The documented answers of a route: ok's schema (or an SSE stream too), and the error
+    envelope for each status in errors."""
+    out: dict[int | str, dict[str, Any]] = {}
+    if ok is not None:
+        content: dict[str, Any] = {"application/json": {}}
+        if stream:
+            content["text/event-stream"] = {"schema": {"type": "string"}}
+        out[200] = {"model": ok, "content": content}
+    for status in errors:
+        out[status] = {"model": ErrorResponse, "description": _ERROR_TYPES[status]}
+    return out
 
 
 def create_app(
@@ -985,30 +1390,57 @@ def create_app(
     tokenizer: PreTrainedTokenizerBase,
     model_name: str,
     api_key: str | None = None,
+    limits: RouterLimits | None = None,
 ) -> FastAPI:
     """The router's FastAPI app: OpenAI-compatible routes plus /health, /metrics, /tokenize,
-    /detokenize. With api_key every route but /health wants `Authorization: Bearer <key>`."""
-    server = _Server(backend, tokenizer, model_name)
+    /detokenize and /openapi.json. With api_key every path but /health wants
+    `Authorization: Bearer <key>`. Every error, whatever its cause, has vLLM's envelope."""
+    limits = limits or RouterLimits()
+    server = _Server(backend, tokenizer, model_name, limits)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         yield
         server.tokenization.close()
 
-    # No /docs or /openapi.json: they would bypass the API key, and the handlers parse their
-    # bodies themselves (for 400s in the error envelope), so the schema would be empty anyway.
-    app = FastAPI(
-        title="pdserve router", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None
-    )
+    # No /docs: it loads its page from a CDN. /openapi.json is served (behind the API key).
+    app = FastAPI(title="pdserve router", lifespan=lifespan, docs_url=None, redoc_url=None)
     _install_error_handlers(app)
+    # Added innermost first: requests are counted, then authorized, then size-bounded.
+    app.add_middleware(_BodyLimit, max_bytes=limits.max_request_bytes)
+    if api_key is not None:
+        app.add_middleware(_ApiKeyGuard, api_key=api_key)
     app.add_middleware(_RequestCounter, metrics=server.metrics)
-    guarded = [Depends(_auth(api_key))]
-    app.post("/v1/completions", dependencies=guarded)(server.completions)
-    app.post("/v1/chat/completions", dependencies=guarded)(server.chat_completions)
-    app.get("/v1/models", dependencies=guarded)(server.models)
-    app.get("/health")(server.health)
-    app.get("/metrics", dependencies=guarded)(server.prometheus)
-    app.post("/tokenize", dependencies=guarded)(server.tokenize)
-    app.post("/detokenize", dependencies=guarded)(server.detokenize)
-    app.state.guarded = guarded  # for routes the launcher adds (same API-key rule)
+    generation = (400, 404, 413, 415, 500, 503)
+    app.post("/v1/completions", responses=_responses(CompletionResponse, *generation, stream=True))(
+        server.completions
+    )
+    app.post(
+        "/v1/chat/completions",
+        responses=_responses(ChatCompletionResponse, *generation, stream=True),
+    )(server.chat_completions)
+    app.get("/v1/models", response_model=ModelList)(server.models)
+    app.get("/health", responses=_responses(None, 503))(server.health)
+    app.get("/metrics", response_class=PlainTextResponse)(server.prometheus)
+    app.post("/tokenize", response_model=TokenizeResponse, responses=_responses(None, 400, 404))(
+        server.tokenize
+    )
+    app.post(
+        "/detokenize", response_model=DetokenizeResponse, responses=_responses(None, 400, 404)
+    )(server.detokenize)
+    bodies = {
+        "/v1/completions": CompletionRequest,
+        "/v1/chat/completions": ChatCompletionRequest,
+        "/tokenize": TokenizeRequest,
+        "/detokenize": DetokenizeRequest,
+    }
+    schema: dict[str, Any] = {}
+
+    def openapi() -> dict:
+        if not schema:
+            schema.update(_openapi(app, bodies, api_key is not None))
+        return schema
+
+    app.openapi = openapi  # type: ignore[method-assign]
+    app.state.admission = server.admission  # for tests and operators: work in flight
     return app

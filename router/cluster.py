@@ -25,8 +25,10 @@ import zmq.asyncio
 from common.block_pool import hash_token_blocks
 from common.node import logprobs_from_wire, sampling_to_wire
 from common.protocol import (
+    ALIVE_SUFFIX,
     Abort,
     Admitted,
+    Alive,
     Busy,
     CheckIntegrity,
     Error,
@@ -196,7 +198,15 @@ class _Stream:
     early: list[TokenEvent] = field(default_factory=list)  # decode tokens that beat the first
     generated: list[int] = field(default_factory=list)  # tokens handed to the client
     failovers: int = 0
+    attempt: int = 0  # bumped when the request starts over on other nodes
     lost: set[str] = field(default_factory=set)  # nodes this request left behind
+
+    @property
+    def wire_id(self) -> str:
+        """The id nodes know this attempt by: late messages of an earlier attempt (even from
+        the same node) can never be taken for this one's."""
+        rid = self.request.request_id
+        return rid if self.attempt == 0 else f"{rid}~{self.attempt}"
 
     def nodes(self) -> set[str]:
         return {self.prefill_node, self.decode_node} - {""}
@@ -228,7 +238,8 @@ class ClusterBackend(Backend):
         self.lease_interval = lease_interval
         self.max_failovers = max_failovers
         self.nodes: dict[str, NodeInfo] = {}
-        self.streams: dict[str, _Stream] = {}
+        self.streams: dict[str, _Stream] = {}  # by the client-facing request id
+        self.by_wire: dict[str, _Stream] = {}  # by the id of the current attempt
         self.replies: dict[str, asyncio.Future[Message]] = {}
         self.num_malformed = 0
         self.num_failovers = 0
@@ -345,6 +356,11 @@ class ClusterBackend(Backend):
 
     def _on_message(self, sender: str, msg: Message) -> None:
         now = time.monotonic()
+        if isinstance(msg, Alive):  # from a node's liveness socket: proof of life only
+            node = self.nodes.get(sender.removesuffix(ALIVE_SUFFIX))
+            if node is not None and sender.endswith(ALIVE_SUFFIX):
+                node.last_seen = now
+            return
         if isinstance(msg, RegisterNode):
             self.nodes[sender] = NodeInfo(
                 node_id=sender,
@@ -372,7 +388,7 @@ class ClusterBackend(Backend):
         elif isinstance(msg, Tokens):
             self._on_tokens(sender, msg)
         elif isinstance(msg, Admitted):
-            stream = self.streams.get(msg.request_id)
+            stream = self.by_wire.get(msg.request_id)
             if stream is not None and stream.decode_node == sender:
                 stream.admitted = True
         elif isinstance(msg, Error):
@@ -381,7 +397,7 @@ class ClusterBackend(Backend):
     def _on_error(self, sender: str, msg: Error) -> None:
         if self._resolve(f"{sender}/{msg.request_id}", msg):
             return
-        stream = self.streams.get(msg.request_id)
+        stream = self.by_wire.get(msg.request_id)
         if stream is None or sender not in stream.nodes():
             return  # about a request that moved on or ended: stale
         if msg.code == 503 and sender == stream.prefill_node and not stream.got_first:
@@ -403,7 +419,7 @@ class ClusterBackend(Backend):
         return True
 
     def _on_tokens(self, sender: str, msg: Tokens) -> None:
-        stream = self.streams.get(msg.request_id)
+        stream = self.by_wire.get(msg.request_id)
         if stream is None or sender not in stream.nodes():
             return  # finished, aborted, or moved to other nodes: the sender is stale
         event = TokenEvent(
@@ -460,10 +476,10 @@ class ClusterBackend(Backend):
 
     async def _renew_leases(self) -> None:
         held: dict[str, list[str]] = {n.node_id: [] for n in self.alive(NODE_ROLES)}
-        for rid, stream in self.streams.items():
+        for wire_id, stream in self.by_wire.items():
             for node_id in stream.nodes():
                 if node_id in held:
-                    held[node_id].append(rid)
+                    held[node_id].append(wire_id)
         for node_id, rids in held.items():
             await self._send(node_id, Lease(tuple(rids)))
 
@@ -494,7 +510,7 @@ class ClusterBackend(Backend):
 
     async def generate(self, request: GenerateRequest) -> AsyncIterator[TokenEvent]:
         rid = request.request_id
-        stream = self.streams[rid] = _Stream(request)
+        stream = self.streams[rid] = self.by_wire[rid] = _Stream(request)
         finished = False
         try:
             error = await self._route(stream)
@@ -524,12 +540,12 @@ class ClusterBackend(Backend):
                     return
         finally:
             if not finished or stream.failed:  # free whatever the nodes still hold
-                await self._abort_nodes(rid, stream, "stream ended")
+                await self._abort_nodes(stream, "stream ended")
             self._release(rid)
 
     async def _recover(self, stream: _Stream, failover: _Failover) -> str | None:
         """Carry the request on without the lost nodes; an error message when it cannot."""
-        rid = stream.request.request_id
+        rid = stream.wire_id
         log.warning("request %s: %s; failing over (%s)", rid, failover.why, failover.kind)
         for node_id in failover.detached:  # a lost one may only be stalled: it frees later
             await self._send(node_id, Abort(rid, failover.why))
@@ -546,10 +562,13 @@ class ClusterBackend(Backend):
         self._detach(stream, stream.nodes())
         stream.got_first = False
         stream.early.clear()
+        del self.by_wire[rid]
+        stream.attempt += 1
+        self.by_wire[stream.wire_id] = stream
         return await self._route(stream)
 
     async def _renew_transfer(self, stream: _Stream) -> Reserved | None:
-        rid = stream.request.request_id
+        rid = stream.wire_id
         reply = await self._ask(stream.decode_node, rid, RenewTransfer(rid))
         return reply if isinstance(reply, Reserved) else None
 
@@ -573,10 +592,7 @@ class ClusterBackend(Backend):
             await self._send(
                 node.node_id,
                 Prefill(
-                    request.request_id,
-                    request.prompt_token_ids,
-                    sampling,
-                    output_token_ids=outputs,
+                    stream.wire_id, request.prompt_token_ids, sampling, output_token_ids=outputs
                 ),
             )
             return None
@@ -602,7 +618,7 @@ class ClusterBackend(Backend):
         await self._send(
             prefill.node_id,
             Prefill(
-                request.request_id,
+                stream.wire_id,
                 request.prompt_token_ids,
                 sampling,
                 xfer_id=reserved.xfer_id,
@@ -617,31 +633,32 @@ class ClusterBackend(Backend):
         request = stream.request
         sampling, outputs = self._wire(stream)
         for node in decodes:
-            msg = ReserveKV(request.request_id, request.prompt_token_ids, sampling, outputs)
-            reply = await self._ask(node.node_id, request.request_id, msg)
+            msg = ReserveKV(stream.wire_id, request.prompt_token_ids, sampling, outputs)
+            reply = await self._ask(node.node_id, stream.wire_id, msg)
             if isinstance(reply, Reserved):
                 stream.decode_node = node.node_id
                 node.inflight += 1
                 return reply
             if reply is None:  # no answer in time: make sure it holds nothing for us
-                await self._send(node.node_id, Abort(request.request_id, "reserve timed out"))
+                await self._send(node.node_id, Abort(stream.wire_id, "reserve timed out"))
         return None
 
     def _release(self, request_id: str) -> None:
         stream = self.streams.pop(request_id, None)
         if stream is not None:
+            self.by_wire.pop(stream.wire_id, None)
             self._detach(stream, stream.nodes())
 
     async def abort(self, request_id: str) -> None:
         stream = self.streams.get(request_id)
         if stream is None:
             return
-        await self._abort_nodes(request_id, stream, "client")
+        await self._abort_nodes(stream, "client")
         stream.queue.put_nowait(TokenEvent((), finish_reason="abort"))
 
-    async def _abort_nodes(self, request_id: str, stream: _Stream, why: str) -> None:
+    async def _abort_nodes(self, stream: _Stream, why: str) -> None:
         for node_id in stream.nodes():
-            await self._send(node_id, Abort(request_id, why))
+            await self._send(node_id, Abort(stream.wire_id, why))
 
 
 def new_request_id() -> str:

@@ -1,13 +1,21 @@
 """Pydantic models of the OpenAI-compatible API: requests, responses, stream chunks, errors.
 
-Requests are validated strictly (a string is not an int, 1.5 is not an int) but unknown fields
-are ignored, as OpenAI clients send fields this server has no use for. Parameters whose
-effect this server cannot honour (penalties, logit_bias, echo, ...) are accepted only at their
-neutral value, so a client never silently gets a different sampling than it asked for.
+Requests are validated strictly (a string is not an int, 1.5 is not an int, NaN is not a
+number) and within bounds that keep one request's cost bounded (choices, prompts, stop strings).
+
+Unknown fields: a field this server does not know is refused (400 naming it) rather than
+ignored, so a misspelt `max_token` or a feature we lack never silently changes the answer.
+The standard OpenAI fields (and a few of vLLM's) that this server cannot honour are still
+accepted at their neutral value (`presence_penalty: 0`, `logit_bias: {}`, `tools: []`,
+`user: "..."`, null for any of them), since clients and SDKs send them routinely; any other
+value of them is refused with 400, so a client never gets a different sampling than it asked
+for. The same rule holds inside chat messages, where clients echo back the fields of an
+earlier response (`refusal`, `tool_calls`, ...).
 """
 
 from __future__ import annotations
 
+import json
 import time
 from abc import abstractmethod
 from typing import Annotated, Any, Literal
@@ -16,9 +24,11 @@ from pydantic import (
     AfterValidator,
     BaseModel,
     ConfigDict,
+    Discriminator,
     Field,
     SerializerFunctionWrapHandler,
-    field_validator,
+    Tag,
+    WithJsonSchema,
     model_serializer,
     model_validator,
 )
@@ -26,23 +36,76 @@ from pydantic import (
 from common.sampling_params import SamplingParams
 
 MAX_N = 16  # choices per prompt: each one is a backend request holding its own KV blocks
+MAX_PROMPTS = 64  # prompts in one completions request
+MAX_CHOICES = 256  # prompts x n: backend requests one HTTP request may start
 MAX_LOGPROBS = 20
+MAX_STOP_STRINGS = 16
+MAX_STOP_CHARS = 256  # the stop-string matcher's work per token grows with the longest one
+MAX_STOP_TOKEN_IDS = 256
+_INT32_MAX = 2**31 - 1
 _INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
 
 
-def _neutral_only(value: Any) -> Any:
-    if value:
-        raise ValueError("unsupported by this server: only 0, false or empty is accepted")
-    return value
+def Neutral(*values: Any) -> Any:  # capitalized: it is used as a type annotation
+    """Annotated metadata of a parameter this server cannot honour: only null or one of
+    values (its neutral ones) is accepted, and the schema says so."""
+    shown = " or ".join(json.dumps(v) for v in (*values, None))
+
+    def check(value: Any) -> Any:
+        if value is not None and value not in values:
+            raise ValueError(f"unsupported by this server: only {shown} is accepted")
+        return value
+
+    return Annotated[Any, AfterValidator(check), WithJsonSchema({"enum": [*values, None]})]
+
+
+def _shape(value: Any, empty: str) -> str | None:
+    """The member of a string-or-list union that value's JSON shape asks for (empty: the one
+    for an empty list), so a wrong value gets one precise error, not one per member."""
+    if isinstance(value, str):
+        return "text"
+    if not isinstance(value, list):
+        return None
+    if not value:
+        return empty
+    if isinstance(value[0], str):
+        return "texts"
+    if isinstance(value[0], list):
+        return "token_lists"
+    if isinstance(value[0], dict):
+        return "parts"
+    return "tokens"
 
 
 TokenId = Annotated[int, Field(ge=0)]
-# A parameter this server cannot honour, accepted only at its neutral value.
-Unsupported = AfterValidator(_neutral_only)
+TokenIds = Annotated[list[TokenId], Field(min_length=1)]
+Text = Annotated[str, Field(min_length=1)]
+Prompt = Annotated[
+    Annotated[Text, Tag("text")]
+    | Annotated[list[Text], Tag("texts"), Field(min_length=1, max_length=MAX_PROMPTS)]
+    | Annotated[TokenIds, Tag("tokens")]
+    | Annotated[list[TokenIds], Tag("token_lists"), Field(min_length=1, max_length=MAX_PROMPTS)],
+    Discriminator(
+        lambda v: _shape(v, "tokens"),
+        custom_error_type="prompt_type",
+        custom_error_message="must be a non-empty string, list of strings, list of token ids "
+        "or list of token id lists",
+    ),
+]
+StopString = Annotated[str, Field(max_length=MAX_STOP_CHARS)]
+Stop = Annotated[
+    Annotated[StopString, Tag("text")]
+    | Annotated[list[StopString], Tag("texts"), Field(max_length=MAX_STOP_STRINGS)],
+    Discriminator(
+        lambda v: "text" if isinstance(v, str) else "texts" if isinstance(v, list) else None,
+        custom_error_type="stop_type",
+        custom_error_message="must be a string or a list of strings",
+    ),
+]
 
 
 class _Request(BaseModel):
-    model_config = ConfigDict(extra="ignore", strict=True)
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
 
 
 class _Response(BaseModel):
@@ -55,7 +118,8 @@ class _Response(BaseModel):
 class StreamOptions(_Request):
     """OpenAI stream_options: include_usage adds a final chunk with the usage."""
 
-    include_usage: bool = False
+    include_usage: bool | None = False
+    continuous_usage_stats: Neutral(False) = None
 
 
 class BaseGenerationRequest(_Request):
@@ -66,21 +130,28 @@ class BaseGenerationRequest(_Request):
     min_tokens: int = Field(0, ge=0)
     temperature: float | None = Field(None, ge=0.0)
     top_p: float | None = Field(None, gt=0.0, le=1.0)
-    top_k: int | None = Field(None, ge=-1)
+    top_k: int | None = Field(None, ge=-1, le=_INT32_MAX)
     min_p: float | None = Field(None, ge=0.0, le=1.0)
     seed: int | None = Field(None, ge=_INT64_MIN, le=_INT64_MAX)
     n: int = Field(1, ge=1, le=MAX_N)
-    stop: str | list[str] | None = None
-    stop_token_ids: list[TokenId] | None = None
+    stop: Stop | None = None
+    stop_token_ids: list[TokenId] | None = Field(None, max_length=MAX_STOP_TOKEN_IDS)
     ignore_eos: bool = False
     skip_special_tokens: bool = True
     return_token_ids: bool = False  # vLLM's extension: the generated ids in each choice
-    stream: bool = False
+    stream: bool | None = False
     stream_options: StreamOptions | None = None
-    user: str | None = None
-    presence_penalty: Annotated[float | None, Unsupported] = None
-    frequency_penalty: Annotated[float | None, Unsupported] = None
-    logit_bias: Annotated[dict[str, float] | None, Unsupported] = None
+    user: str | None = None  # the client's end-user id: no effect on the answer
+    # Accepted at their neutral value only (see the module docstring).
+    presence_penalty: Neutral(0) = None
+    frequency_penalty: Neutral(0) = None
+    repetition_penalty: Neutral(1) = None
+    logit_bias: Neutral({}) = None
+    include_stop_str_in_output: Neutral(False) = None
+    spaces_between_special_tokens: Neutral(True) = None
+    prompt_logprobs: Neutral() = None
+    truncate_prompt_tokens: Neutral() = None
+    priority: Neutral(0) = None
 
     @model_validator(mode="after")
     def _stream_options_need_stream(self) -> BaseGenerationRequest:
@@ -90,7 +161,7 @@ class BaseGenerationRequest(_Request):
 
     @property
     def include_usage(self) -> bool:
-        return self.stream_options is not None and self.stream_options.include_usage
+        return self.stream_options is not None and bool(self.stream_options.include_usage)
 
     def stop_strings(self) -> tuple[str, ...]:
         """The stop strings; empty ones are dropped, since they would match at once."""
@@ -99,6 +170,10 @@ class BaseGenerationRequest(_Request):
 
     def requested_max_tokens(self) -> int | None:
         return self.max_tokens
+
+    def max_tokens_param(self) -> str:
+        """The field that set requested_max_tokens(), for error messages."""
+        return "max_tokens"
 
     @abstractmethod
     def logprobs_count(self) -> int | None:
@@ -120,31 +195,27 @@ class BaseGenerationRequest(_Request):
         )
 
 
-Prompt = str | list[str] | list[TokenId] | list[list[TokenId]]
-
-
 class CompletionRequest(BaseGenerationRequest):
     """POST /v1/completions. Several prompts give n choices each, indexed prompt-major."""
 
     prompt: Prompt
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
-    echo: Annotated[bool, Unsupported] = False
-    suffix: Annotated[str | None, Unsupported] = None
+    add_special_tokens: bool = True  # vLLM's extension: BOS and the like around the prompt
+    echo: Neutral(False) = None
+    suffix: Neutral("") = None
     best_of: int | None = None
 
-    @field_validator("prompt")
-    @classmethod
-    def _prompt_not_empty(cls, value: Prompt) -> Prompt:
-        if not value:
-            raise ValueError("must not be empty")
-        if isinstance(value, list) and any(isinstance(p, (str, list)) and not p for p in value):
-            raise ValueError("must not contain an empty prompt")
-        return value
-
     @model_validator(mode="after")
-    def _best_of_is_n(self) -> CompletionRequest:
+    def _bounded_choices(self) -> CompletionRequest:
         if self.best_of is not None and self.best_of != self.n:
             raise ValueError("best_of is unsupported: it must be omitted or equal n")
+        single = isinstance(self.prompt, str) or isinstance(self.prompt[0], int)
+        prompts = 1 if single else len(self.prompt)
+        if prompts * self.n > MAX_CHOICES:
+            raise ValueError(
+                f"{prompts} prompts x n={self.n} make {prompts * self.n} choices; "
+                f"at most {MAX_CHOICES} are allowed per request"
+            )
         return self
 
     def logprobs_count(self) -> int | None:
@@ -154,28 +225,40 @@ class CompletionRequest(BaseGenerationRequest):
 class ContentPart(_Request):
     """One part of a message's content; only text parts are supported."""
 
-    type: str
-    text: str | None = None
-
-    @model_validator(mode="after")
-    def _text_only(self) -> ContentPart:
-        if self.type != "text" or self.text is None:
-            raise ValueError(f"unsupported content part type {self.type!r}: only text")
-        return self
+    type: Literal["text"]
+    text: str
 
 
 class ChatMessage(_Request):
     """One chat message; a list of text parts is joined into one string."""
 
     role: str
-    content: str | list[ContentPart] | None = None
+    content: (
+        Annotated[
+            Annotated[str, Tag("text")] | Annotated[list[ContentPart], Tag("parts")],
+            Discriminator(
+                lambda v: _shape(v, "parts") if isinstance(v, (str, list)) else None,
+                custom_error_type="content_type",
+                custom_error_message="must be a string or a list of content parts",
+            ),
+        ]
+        | None
+    ) = None
     name: str | None = None
+    # Fields of an earlier response that clients send back; no tools, so only empty ones.
+    refusal: Neutral("") = None
+    tool_calls: Neutral([]) = None
+    function_call: Neutral() = None
+    tool_call_id: Neutral() = None
+    audio: Neutral() = None
+    annotations: Neutral([]) = None
+    reasoning_content: Neutral("") = None
 
     def template_dict(self) -> dict[str, str]:
         """The message as the chat template expects it: role and content strings."""
         content = self.content
         if isinstance(content, list):
-            content = "".join(part.text or "" for part in content)
+            content = "".join(part.text for part in content)
         message = {"role": self.role, "content": content or ""}
         if self.name is not None:
             message["name"] = self.name
@@ -189,7 +272,27 @@ class ChatCompletionRequest(BaseGenerationRequest):
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool | None = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
-    tools: Annotated[list[Any] | None, Unsupported] = None
+    add_generation_prompt: bool = True  # vLLM's extension
+    # OpenAI fields this server cannot honour: neutral values only (see the module docstring).
+    tools: Neutral([]) = None
+    tool_choice: Neutral("none", "auto") = None
+    parallel_tool_calls: bool | None = None  # no tools, so no effect
+    functions: Neutral([]) = None
+    function_call: Neutral("none", "auto") = None
+    response_format: Neutral({"type": "text"}) = None
+    modalities: Neutral(["text"]) = None
+    store: Neutral(False) = None
+    metadata: dict[str, str] | None = None  # stored with the completion by OpenAI: no effect
+    service_tier: Neutral("auto", "default") = None
+    reasoning_effort: Neutral() = None
+    audio: Neutral() = None
+    prediction: Neutral() = None
+    web_search_options: Neutral() = None
+    echo: Neutral(False) = None
+    add_special_tokens: Neutral(False) = None
+    continue_final_message: Neutral(False) = None
+    chat_template: Neutral() = None
+    chat_template_kwargs: Neutral({}) = None
 
     @model_validator(mode="after")
     def _top_logprobs_need_logprobs(self) -> ChatCompletionRequest:
@@ -200,6 +303,9 @@ class ChatCompletionRequest(BaseGenerationRequest):
     def requested_max_tokens(self) -> int | None:
         # max_completion_tokens is OpenAI's newer name; it wins when both are given.
         return self.max_completion_tokens or self.max_tokens
+
+    def max_tokens_param(self) -> str:
+        return "max_completion_tokens" if self.max_completion_tokens else "max_tokens"
 
     def logprobs_count(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None
@@ -213,6 +319,7 @@ class TokenizeRequest(_Request):
     messages: list[ChatMessage] | None = None
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
+    return_token_strs: Neutral(False) = None
 
     @model_validator(mode="after")
     def _one_input(self) -> TokenizeRequest:

@@ -1,4 +1,4 @@
-"""An in-process Backend for router tests, plus the tiny tokenizer they share.
+"""An in-process Backend for router tests, plus the tiny tokenizer and checks they share.
 
 FakeBackend generates a deterministic token sequence per (prompt, seed), or a scripted one,
 and honours the stopping parameters a real node would: max_tokens, min_tokens, EOS,
@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import random
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from typing import Any
 
 from common.request import TokenLogprobs
@@ -25,6 +25,26 @@ def tiny_tokenizer() -> Any:
     from common.tiny_model import train_tokenizer
 
     return train_tokenizer(vocab_size=512, max_length=512)
+
+
+ERROR_FIELDS = {"message", "type", "param", "code"}
+
+
+def assert_error(response: Any, status: int, *fragments: str) -> dict[str, Any]:
+    """The error of response, which must have this status and vLLM's envelope; its message
+    must contain every fragment."""
+    assert response.status_code == status, response.text
+    assert response.headers["content-type"] == "application/json", response.headers
+    body = response.json()
+    assert set(body) == {"error"}, body
+    error = body["error"]
+    assert set(error) == ERROR_FIELDS, error
+    assert error["code"] == status and isinstance(error["type"], str), error
+    assert isinstance(error["message"], str) and error["message"], error
+    assert error["param"] is None or isinstance(error["param"], str), error
+    for fragment in fragments:
+        assert fragment in error["message"], error
+    return error
 
 
 class FakeBackend(Backend):
@@ -64,11 +84,31 @@ class FakeBackend(Backend):
         self.requests: list[GenerateRequest] = []
         self.aborted: list[str] = []
         self.finished: list[str] = []  # request ids whose generator ran to its last event
+        self.live = 0  # generate() calls not yet closed: a leak leaves this above zero
+        # When set, requests wait for this event before their first token (overload tests).
+        self.gate: asyncio.Event | None = None
+        # When set, every request fails at once with this error, as a full cluster answers.
+        self.unavailable: str | None = None
 
     # ------------------------------------------------------------ Backend
 
     async def generate(self, request: GenerateRequest) -> AsyncIterator[TokenEvent]:
         self.requests.append(request)
+        self.live += 1
+        events = self._events(request)
+        try:
+            async for event in events:
+                yield event
+        finally:
+            await events.aclose()
+            self.live -= 1
+
+    async def _events(self, request: GenerateRequest) -> AsyncGenerator[TokenEvent, None]:
+        if self.unavailable is not None:
+            yield TokenEvent((), finish_reason="error", error=self.unavailable)
+            return
+        if self.gate is not None:
+            await self.gate.wait()
         await asyncio.sleep(self.first_token_delay)
         stream = self._tokens(request)
         produced = 0

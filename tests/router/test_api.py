@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 import json
 import random
 import subprocess
@@ -12,13 +13,14 @@ from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 from fastapi import FastAPI
 from fastapi.testclient import TestClient
 
-from router.api import StopStringMatcher, create_app
+from router.api import RouterLimits, StopStringMatcher, _Generation, create_app
 from router.backend import GenerateRequest, TokenEvent
-from tests.router.fake_backend import FakeBackend, tiny_tokenizer
+from tests.router.fake_backend import FakeBackend, assert_error, tiny_tokenizer
 
 MODEL = "tiny-llama"
 TEXT = " the cat sat on the mat"
@@ -60,16 +62,6 @@ def sse_payloads(body: str) -> list[dict[str, Any]]:
     assert all(line.startswith("data: ") for line in lines), body
     assert lines[-1] == "data: [DONE]", body
     return [json.loads(line.removeprefix("data: ")) for line in lines[:-1]]
-
-
-def assert_error(response: Any, status: int, *fragments: str) -> dict[str, Any]:
-    assert response.status_code == status, response.text
-    error = response.json()["error"]
-    assert set(error) == {"message", "type", "param", "code"}
-    assert error["code"] == status
-    for fragment in fragments:
-        assert fragment in error["message"], error
-    return error
 
 
 def streamed_text(payloads: list[dict[str, Any]], index: int = 0) -> str:
@@ -251,9 +243,12 @@ def test_sampling_fields_reach_the_backend(
         "ignore_eos": True,
         "presence_penalty": 0,
         "user": "someone",
-        "some_unknown_field": {"is": "ignored"},
+        "logit_bias": {},
     }
-    make_client(backend).post("/v1/completions", json={"prompt": "Hi", "max_tokens": 4, **fields})
+    response = make_client(backend).post(
+        "/v1/completions", json={"prompt": "Hi", "max_tokens": 4, **fields}
+    )
+    assert response.status_code == 200, response.text
     sampling = backend.requests[0].sampling
     assert (sampling.temperature, sampling.top_p, sampling.top_k, sampling.min_p) == (
         0.5,
@@ -597,7 +592,8 @@ def test_backend_exception_becomes_an_error_and_aborts(
 ) -> None:
     backend = _RaisingBackend(512, 2)
     error = assert_error(make_client(backend).post("/v1/completions", json=COMPLETION), 500)
-    assert "node went away" in error["message"]
+    assert "backend failure" in error["message"]
+    assert "node went away" not in error["message"]  # the log has it, the client does not
     assert backend.aborted == [backend.requests[0].request_id]
 
 
@@ -631,7 +627,10 @@ AUTH_ROUTES = [
     ("GET", "/metrics", None),
     ("POST", "/tokenize", {"prompt": "hi"}),
     ("POST", "/detokenize", {"tokens": [5, 6]}),
+    ("GET", "/openapi.json", None),
 ]
+WRONG_KEYS = ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "sesame"})
+WRONG_KEYS += ({"Authorization": "Basic sesame"}, {"Authorization": "Bearer "})
 
 
 @pytest.mark.parametrize("method, path, body", AUTH_ROUTES)
@@ -639,12 +638,62 @@ def test_api_key_guards_every_route_but_health(
     make_client: Callable[..., TestClient], method: str, path: str, body: Any
 ) -> None:
     client = make_client(api_key="sesame")
-    for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "sesame"}):
+    for headers in WRONG_KEYS:
         response = client.request(method, path, json=body, headers=headers)
         assert_error(response, 401, "API key")
+        assert response.headers["www-authenticate"] == "Bearer"
     ok = client.request(method, path, json=body, headers={"Authorization": "Bearer sesame"})
     assert ok.status_code == 200, ok.text
-    assert client.get("/health").status_code == 200
+    for headers in WRONG_KEYS:
+        assert client.get("/health", headers=headers).json() == {"status": "ok"}
+
+
+@pytest.mark.parametrize(
+    "method, path, status_with_key",
+    [("GET", "/v1/nothing", 404), ("GET", "/v1/completions", 405), ("DELETE", "/tokenize", 405)],
+)
+def test_api_key_is_checked_before_routing(
+    make_client: Callable[..., TestClient], method: str, path: str, status_with_key: int
+) -> None:
+    # A client without the key learns nothing, not even which routes exist.
+    client = make_client(api_key="sesame")
+    assert_error(client.request(method, path), 401, "API key")
+    with_key = client.request(method, path, headers={"Authorization": "Bearer sesame"})
+    assert_error(with_key, status_with_key)
+
+
+def test_api_key_is_checked_before_the_body_is_read(
+    make_client: Callable[..., TestClient], tokenizer: Any
+) -> None:
+    backend = make_backend(tokenizer)
+    client = make_client(backend, api_key="sesame")
+    huge = b"x" * (32 * 1024**2)  # over the default body limit: 413 if it were read
+    response = client.post("/v1/completions", content=huge)
+    assert_error(response, 401, "API key")
+    assert backend.requests == []
+
+
+def test_openapi_schema_describes_the_request_bodies(make_client: Callable[..., TestClient]):
+    schema = make_client(api_key="sesame").get(
+        "/openapi.json", headers={"Authorization": "Bearer sesame"}
+    )
+    schema = schema.json()
+    bodies = {
+        path: op["post"]["requestBody"]["content"]["application/json"]["schema"]["$ref"]
+        for path, op in schema["paths"].items()
+        if "post" in op
+    }
+    assert bodies == {
+        "/v1/completions": "#/components/schemas/CompletionRequest",
+        "/v1/chat/completions": "#/components/schemas/ChatCompletionRequest",
+        "/tokenize": "#/components/schemas/TokenizeRequest",
+        "/detokenize": "#/components/schemas/DetokenizeRequest",
+    }
+    completion = schema["components"]["schemas"]["CompletionRequest"]
+    assert completion["additionalProperties"] is False and completion["required"] == ["prompt"]
+    assert completion["properties"]["presence_penalty"]["enum"] == [0, None]
+    assert schema["security"] == [{"bearer": []}]
+    assert schema["paths"]["/health"]["get"]["security"] == []
 
 
 # ---------------------------------------------------------------- client disconnect
@@ -714,3 +763,40 @@ def test_client_leaving_a_plain_request_aborts_it(tokenizer: Any) -> None:
     body = {"prompt": "Hello", "max_tokens": 20}
     asyncio.run(_call_and_leave(app, body, "2.3", leave_after=0))
     assert backend.aborted == [backend.requests[0].request_id]
+
+
+def test_no_request_state_outlives_its_request(tokenizer: Any) -> None:
+    """Finished, failed, refused and abandoned requests alike leave no bookkeeping behind:
+    admission counts, backend generators, _Generation objects, tasks, the in-flight gauge."""
+    backend = make_backend(tokenizer, token_delay=0.005)
+    app = create_app(backend, tokenizer, MODEL, limits=RouterLimits(max_queued_requests=8))
+
+    async def scenario() -> set[asyncio.Task]:
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://router") as client:
+            bodies = [COMPLETION, {**COMPLETION, "stream": True, "n": 3}] * 4
+            answers = await asyncio.gather(
+                *(client.post("/v1/completions", json=b) for b in bodies),
+                client.post("/v1/chat/completions", json={**CHAT, "stream": True}),
+            )
+            assert {a.status_code for a in answers} == {200, 503}
+            backend.error_after = 2
+            failed = await client.post("/v1/completions", json=COMPLETION)
+            assert failed.status_code == 500
+            backend.error_after = None
+        stream = {"prompt": "Hello", "max_tokens": 200, "n": 2, "stream": True}
+        for spec in ("2.3", "2.4"):
+            await _call_and_leave(app, stream, spec, leave_after=3)  # mid-stream
+            await _call_and_leave(app, stream, spec, leave_after=0)  # before it starts
+        await _call_and_leave(app, {"prompt": "Hello", "max_tokens": 200}, "2.3", leave_after=0)
+        await asyncio.sleep(0.1)
+        return asyncio.all_tasks() - {asyncio.current_task()}
+
+    assert asyncio.run(scenario()) == set()
+    gc.collect()
+    assert (app.state.admission.requests, app.state.admission.tokens) == (0, 0)
+    assert backend.live == 0
+    assert not [o for o in gc.get_objects() if type(o) is _Generation]
+    gauge = "pdserve_router_requests_in_flight 0.0"
+    with TestClient(app) as client:
+        assert gauge in client.get("/metrics").text.splitlines()

@@ -1,0 +1,202 @@
+"""Load plus one injected fault against a real local cluster, and what became of each request.
+
+Shared by tests/e2e/test_faults.py (which asserts) and scripts/reliability_report.py (which
+writes docs/reliability.md). Every request is greedy, so a complete answer can be checked
+token for token against the in-process engine; the outcome of each is one of
+
+  ok            complete, and equal to the reference
+  error         an explicit failure: an HTTP error status or finish_reason "error"
+  disconnected  the client went away on purpose mid-stream
+  wrong         a 200 whose tokens differ from the reference: must never happen
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass, field
+
+import httpx
+
+from common.llm import LLM, SamplingParams
+from common.local_cluster import LocalCluster
+
+MAX_TOKENS = 12
+NUM_REQUESTS = 100
+ENGINE = ["--block-size", "16", "--max-num-batched-tokens", "128", "--max-model-len", "1100"]
+# Fast failure detection for tests: nodes heartbeat every 0.2 s, the router gives up on one
+# after 1.5 s, and nodes free requests the router stopped renewing after 4 s.
+NODE_ARGS = ["--heartbeat-interval", "0.2", "--lease-timeout", "4"]
+ROUTER_ARGS = ["--heartbeat-timeout", "1.5", "--lease-interval", "0.3"]
+
+
+def make_prompts(vocab: int, n: int = NUM_REQUESTS, seed: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(vocab) for _ in range(rng.randrange(1, 300))] for _ in range(n)]
+
+
+def reference(model_dir: str, prompts: list[list[int]]) -> list[list[int]]:
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
+    return [o.token_ids for o in LLM(model_dir, block_size=16).generate(prompts, params)]
+
+
+@dataclass
+class Outcome:
+    index: int
+    status: str
+    start: float
+    end: float
+    detail: str = ""
+
+
+@dataclass
+class Run:
+    """One scenario's result: outcomes, when the fault hit, and what the router counted."""
+
+    scenario: str
+    fault_at: float = 0.0
+    outcomes: list[Outcome] = field(default_factory=list)
+    failovers: int = 0
+
+    def count(self, status: str) -> int:
+        return sum(o.status == status for o in self.outcomes)
+
+    def recovery_s(self) -> float:
+        """From the fault to the end of the last request that was in flight when it hit."""
+        hit = [o.end for o in self.outcomes if o.start <= self.fault_at <= o.end]
+        return max(hit) - self.fault_at if hit else 0.0
+
+    def summary(self) -> dict:
+        return {
+            "scenario": self.scenario,
+            "requests": len(self.outcomes),
+            "ok": self.count("ok"),
+            "error": self.count("error"),
+            "disconnected": self.count("disconnected"),
+            "wrong": self.count("wrong"),
+            "failovers": self.failovers,
+            "recovery_s": round(self.recovery_s(), 2),
+            "errors": sorted({o.detail for o in self.outcomes if o.status == "error"})[:5],
+        }
+
+
+def one_request(
+    url: str, index: int, prompt: list[int], want: list[int], disconnect: bool
+) -> Outcome:
+    """Stream one completion; check its token ids against `want` (or drop it after two
+    chunks)."""
+    body = {
+        "prompt": prompt,
+        "max_tokens": MAX_TOKENS,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+        "return_token_ids": True,
+    }
+    start = time.monotonic()
+    got, finish, chunks = [], None, 0
+    try:
+        with httpx.stream("POST", url + "/v1/completions", json=body, timeout=120) as resp:
+            if resp.status_code != 200:
+                resp.read()
+                return Outcome(index, "error", start, time.monotonic(), f"HTTP {resp.status_code}")
+            for line in resp.iter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                chunk = json.loads(line[6:])
+                if "error" in chunk:
+                    why = str(chunk["error"].get("message", ""))[:80]
+                    return Outcome(index, "error", start, time.monotonic(), why)
+                for choice in chunk.get("choices", []):
+                    got += choice.get("token_ids") or []
+                    finish = choice.get("finish_reason") or finish
+                chunks += 1
+                if disconnect and chunks >= 2:
+                    return Outcome(index, "disconnected", start, time.monotonic())
+    except httpx.HTTPError as exc:
+        return Outcome(index, "error", start, time.monotonic(), type(exc).__name__)
+    end = time.monotonic()
+    if finish == "error":
+        return Outcome(index, "error", start, end, "finish_reason error")
+    if finish == "length" and got == want:
+        return Outcome(index, "ok", start, end)
+    return Outcome(index, "wrong", start, end, f"finish {finish!r}, tokens {got} != {want}")
+
+
+def run_scenario(
+    name: str,
+    cluster: LocalCluster,
+    prompts: list[list[int]],
+    wants: list[list[int]],
+    fault: Callable[[LocalCluster], None] | None = None,
+    fault_after_s: float = 1.0,
+    disconnect_fraction: float = 0.0,
+) -> Run:
+    """All requests at once; `fault(cluster)` runs `fault_after_s` into the load."""
+    run = Run(name)
+    rng = random.Random(1)
+    drops = {i for i in range(len(prompts)) if rng.random() < disconnect_fraction}
+
+    def injector() -> None:
+        time.sleep(fault_after_s)
+        run.fault_at = time.monotonic()
+        if fault is not None:
+            fault(cluster)
+
+    thread = threading.Thread(target=injector)
+    with ThreadPoolExecutor(max_workers=len(prompts)) as pool:
+        futures = [
+            pool.submit(one_request, cluster.url, i, p, w, i in drops)
+            for i, (p, w) in enumerate(zip(prompts, wants, strict=True))
+        ]
+        thread.start()
+        run.outcomes = [f.result() for f in futures]
+    thread.join()
+    run.failovers = router_failovers(cluster)
+    return run
+
+
+def router_failovers(cluster: LocalCluster) -> int:
+    resp = httpx.get(cluster.url + "/metrics", timeout=10)
+    for line in resp.text.splitlines():
+        if line.startswith("pdserve_backend_failovers"):
+            return int(float(line.split()[-1]))
+    return 0
+
+
+def wait_clean(cluster: LocalCluster, timeout: float = 30.0) -> dict:
+    """Until every node that answers reports no live request and every block free or cached;
+    returns the last reports (the caller asserts on them)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        reports = cluster.integrity()
+        clean = all(
+            r["report"] is not None
+            and r["report"]["ok"]
+            and not r["report"]["live_requests"]
+            and r["report"]["free_blocks"] == r["report"]["num_blocks"]
+            for r in reports.values()
+        )
+        if clean or time.monotonic() > deadline:
+            return reports
+        time.sleep(0.5)
+
+
+def cluster_for(model_dir: str, **kwargs) -> LocalCluster:
+    return LocalCluster(
+        model_dir,
+        kwargs.pop("num_prefill", 2),
+        kwargs.pop("num_decode", 2),
+        engine_args=[*ENGINE, *NODE_ARGS],
+        router_args=ROUTER_ARGS,
+        **kwargs,
+    )
+
+
+def save(runs: list[Run], path: str) -> None:
+    with open(path, "w") as f:
+        json.dump([{**r.summary(), "outcomes": [asdict(o) for o in r.outcomes]} for r in runs], f)
