@@ -265,6 +265,10 @@ class EngineNode:
             return
         self._next_lease_check = now + min(0.5, self.lease_timeout / 4)
         live = self.engine.scheduler.requests
+        if any(expiry < now for expiry in self.leases.values()):
+            # Renewals may be waiting in the socket after a long step: take them first.
+            for msg in self.control.recv(0):
+                self.handle(msg)
         for rid, expiry in list(self.leases.items()):
             if rid not in live:
                 del self.leases[rid]

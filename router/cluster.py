@@ -227,6 +227,7 @@ class ClusterBackend(Backend):
         token_timeout: float = 120.0,
         lease_interval: float = 1.0,
         max_failovers: int = 3,
+        reserve_wait: float = 10.0,
     ) -> None:
         if policy not in POLICIES:
             raise ValueError(f"unknown policy {policy!r}; choose from {sorted(POLICIES)}")
@@ -237,6 +238,7 @@ class ClusterBackend(Backend):
         self.token_timeout = token_timeout
         self.lease_interval = lease_interval
         self.max_failovers = max_failovers
+        self.reserve_wait = reserve_wait
         self.nodes: dict[str, NodeInfo] = {}
         self.streams: dict[str, _Stream] = {}  # by the client-facing request id
         self.by_wire: dict[str, _Stream] = {}  # by the id of the current attempt
@@ -460,8 +462,11 @@ class ClusterBackend(Backend):
     async def _watch_loop(self) -> None:
         while True:
             await asyncio.sleep(self.lease_interval)
-            self._check_nodes()
-            await self._renew_leases()
+            try:
+                self._check_nodes()
+                await self._renew_leases()
+            except Exception:  # never let one bad round stop leases and failure detection
+                log.exception("lease/health round failed")
 
     def _check_nodes(self) -> None:
         """Fail over every request that depends on a node missing its heartbeats."""
@@ -630,18 +635,25 @@ class ClusterBackend(Backend):
         return None
 
     async def _reserve(self, stream: _Stream, decodes: list[NodeInfo]) -> Reserved | None:
+        """Blocks on a decode node; when every one is full, ask again (they free blocks as
+        requests finish) for up to reserve_wait seconds."""
         request = stream.request
         sampling, outputs = self._wire(stream)
-        for node in decodes:
-            msg = ReserveKV(stream.wire_id, request.prompt_token_ids, sampling, outputs)
-            reply = await self._ask(node.node_id, stream.wire_id, msg)
-            if isinstance(reply, Reserved):
-                stream.decode_node = node.node_id
-                node.inflight += 1
-                return reply
-            if reply is None:  # no answer in time: make sure it holds nothing for us
-                await self._send(node.node_id, Abort(stream.wire_id, "reserve timed out"))
-        return None
+        deadline = time.monotonic() + self.reserve_wait
+        while True:
+            for node in decodes:
+                msg = ReserveKV(stream.wire_id, request.prompt_token_ids, sampling, outputs)
+                reply = await self._ask(node.node_id, stream.wire_id, msg)
+                if isinstance(reply, Reserved):
+                    stream.decode_node = node.node_id
+                    node.inflight += 1
+                    return reply
+                if reply is None:  # no answer in time: make sure it holds nothing for us
+                    await self._send(node.node_id, Abort(stream.wire_id, "reserve timed out"))
+            if time.monotonic() >= deadline:
+                return None
+            await asyncio.sleep(0.2)
+            decodes = self.policy(self.routable(("decode",), stream.lost), request)
 
     def _release(self, request_id: str) -> None:
         stream = self.streams.pop(request_id, None)

@@ -29,8 +29,9 @@ MAX_TOKENS = 12
 NUM_REQUESTS = 100
 ENGINE = ["--block-size", "16", "--max-num-batched-tokens", "128", "--max-model-len", "1100"]
 # Fast failure detection for tests: nodes heartbeat every 0.2 s, the router gives up on one
-# after 1.5 s, and nodes free requests the router stopped renewing after 4 s.
-NODE_ARGS = ["--heartbeat-interval", "0.2", "--lease-timeout", "4"]
+# after 1.5 s, and nodes free requests the router stopped renewing after 6 s. A decode node
+# holds all 100 requests, so the survivor of two can take over every stream.
+NODE_ARGS = ["--heartbeat-interval", "0.2", "--lease-timeout", "6", "--max-num-seqs", "128"]
 ROUTER_ARGS = ["--heartbeat-timeout", "1.5", "--lease-interval", "0.3"]
 
 
