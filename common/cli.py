@@ -49,6 +49,11 @@ def add_node_args(parser: argparse.ArgumentParser) -> None:
         help="on SIGTERM, finish held requests for up to this long (s), then fail the rest",
     )
     parser.add_argument(
+        "--curve-dir",
+        default=None,
+        help="CurveZMQ keys (python -m common.security keygen DIR): authenticate every link",
+    )
+    parser.add_argument(
         "--stall-timeout",
         type=float,
         default=60.0,

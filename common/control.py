@@ -7,6 +7,7 @@ import logging
 import zmq
 
 from common.protocol import Message, ProtocolError, decode, encode
+from common.security import CurveKeys
 
 log = logging.getLogger(__name__)
 
@@ -17,7 +18,9 @@ class ControlClient:
     Malformed frames are counted and dropped, never raised into the node loop.
     """
 
-    def __init__(self, ctx: zmq.Context, router_addr: str, node_id: str) -> None:
+    def __init__(
+        self, ctx: zmq.Context, router_addr: str, node_id: str, curve: CurveKeys | None = None
+    ) -> None:
         self.node_id = node_id
         self.router_addr = router_addr
         self.sock = ctx.socket(zmq.DEALER)
@@ -25,6 +28,9 @@ class ControlClient:
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.setsockopt(zmq.MAXMSGSIZE, 64 * 1024 * 1024)
         self.sock.setsockopt(zmq.SNDHWM, 100_000)
+        self.curve = curve
+        if curve is not None:
+            curve.connect(self.sock)
         self.sock.connect(f"tcp://{router_addr}")
         self.num_malformed = 0
 

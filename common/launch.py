@@ -34,6 +34,7 @@ def run_node(
         max_queued_requests=args.max_queued_requests,
         drain_timeout=args.drain_timeout,
         stall_timeout=args.stall_timeout,
+        curve_dir=args.curve_dir,
         **kwargs,
     )
     for sig in (signal.SIGINT, signal.SIGTERM):  # drain; a second signal stops at once

@@ -44,6 +44,7 @@ from common.protocol import (
 from common.request import TokenLogprobs
 from common.sampling_params import SamplingParams
 from common.scheduler import RequestUpdate
+from common.security import load_keys
 
 log = logging.getLogger(__name__)
 
@@ -88,13 +89,14 @@ class EngineNode:
         max_queued_requests: int = 1024,
         drain_timeout: float = 30.0,
         stall_timeout: float = 60.0,
+        curve_dir: str | None = None,
     ) -> None:
         self.engine = LLMEngine(model, cache, scheduler)
         self.model_config = model
         self.block_size = cache.block_size
         self.node_id = node_id or f"{self.role}-{uuid.uuid4().hex[:8]}"
         self.ctx = zmq.Context()
-        self.control = ControlClient(self.ctx, router_addr, self.node_id)
+        self.control = ControlClient(self.ctx, router_addr, self.node_id, load_keys(curve_dir))
         self.heartbeat_interval = heartbeat_interval
         self._next_heartbeat = 0.0
         self._prefix_seq = 0
@@ -320,6 +322,8 @@ class EngineNode:
         sock.setsockopt(zmq.IDENTITY, (self.node_id + ALIVE_SUFFIX).encode())
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.SNDHWM, 4)
+        if self.control.curve is not None:
+            self.control.curve.connect(sock)
         sock.connect(f"tcp://{self.control.router_addr}")
         frame = encode(Alive(self.node_id))
         try:

@@ -17,6 +17,7 @@ from common.protocol import (
 )
 from common.scheduler import SampledToken
 from kv_transfer import create_receiver, node_layout
+from kv_transfer.channel import use_curve
 
 log = logging.getLogger(__name__)
 
@@ -33,6 +34,7 @@ class DecodeNode(EngineNode):
         super().__init__(*args, **kwargs)
         self.connector = kv_connector
         self.layout = node_layout(self.engine, self.model_config.model_dir)
+        use_curve(self.control.curve)  # the KV side channel is a cluster link too
         self.receiver = create_receiver(
             kv_connector, self.layout, self.engine.runner.kv_caches, host=host, port=kv_port
         )

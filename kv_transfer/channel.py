@@ -19,6 +19,7 @@ import torch
 import zmq
 
 from common.protocol import MAX_MESSAGE_BYTES, Message, ProtocolError, decode, encode
+from common.security import CurveKeys, admit_cluster_keys
 from kernels import ops
 from kv_transfer.base import (
     KVReceiver,
@@ -37,6 +38,7 @@ from kv_transfer.wire import (
     KVPage,
     KVRefused,
     KVWelcome,
+    blocks_per_frame,
     check_cache,
     corrupt_first_byte,
     fault_targets,
@@ -44,6 +46,17 @@ from kv_transfer.wire import (
     resolve,
     wait_event,
 )
+
+# The cluster's CurveZMQ keys for every side-channel socket made from now on (None: plain).
+_CURVE: CurveKeys | None = None
+
+
+def use_curve(keys: CurveKeys | None) -> None:
+    """Authenticate and encrypt every KV side channel this process opens (see
+    common/security.py); a node calls it once at start."""
+    global _CURVE
+    _CURVE = keys
+
 
 # How long poll sleeps between progress checks while data is in flight outside the socket.
 _PROGRESS_INTERVAL_S = 0.001
@@ -85,6 +98,8 @@ class ChannelSender(KVSender):
         sock.setsockopt(zmq.ROUTING_ID, self.sender_id.encode())
         sock.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
         sock.setsockopt(zmq.SNDTIMEO, _ms(self._send_timeout))
+        if _CURVE is not None:
+            _CURVE.connect(sock)
         sock.connect(endpoint)
         self._sock, self._endpoint = sock, endpoint
         try:
@@ -115,7 +130,8 @@ class ChannelSender(KVSender):
         for start in range(0, len(src_block_ids), step):
             src = torch.tensor(src_block_ids[start : start + step], device=layer_cache.device)
             dst = tuple(int(b) for b in dst_block_ids[start : start + step])
-            pages = ops.gather_pages(layer_cache, src)
+            out = self._frame_buffer(self.layout.page_shape(len(dst)), layer_cache)
+            pages = ops.gather_pages(layer_cache, src, out=out)
             page = KVPage(xfer_id, layer, dst, self.layout.dtype, tuple(pages.shape), self._seq)
             self._seq += 1
             if self._plan is not None and self._injected_drop(page):
@@ -229,7 +245,14 @@ class ChannelSender(KVSender):
         """A receiver message nobody waited for (credits)."""
 
     def _max_blocks_per_frame(self) -> int:
-        return 1 << 30
+        return blocks_per_frame(self.layout.page_bytes)
+
+    def _frame_buffer(
+        self, shape: tuple[int, ...], layer_cache: torch.Tensor
+    ) -> torch.Tensor | None:
+        """A tensor of `shape` the connector owns (a staging slot) to gather the next frame
+        into, or None for a fresh one."""
+        return None
 
     def _ship(self, page: KVPage, pages: torch.Tensor) -> None:
         """Move one frame of gathered pages (our own copy) and its header; call `_seal` on the
@@ -285,6 +308,9 @@ class ChannelReceiver(KVReceiver):
         self._sock.setsockopt(zmq.LINGER, 0)
         # zmq drops (and disconnects) a peer whose message exceeds this, before we see it.
         self._sock.setsockopt(zmq.MAXMSGSIZE, max_frame_bytes + MAX_MESSAGE_BYTES)
+        if _CURVE is not None and not (bind or "").startswith("ipc://"):
+            admit_cluster_keys(zmq.Context.instance(), _CURVE)
+            _CURVE.serve(self._sock)
         self._sock.bind(bind or f"tcp://{host}:{port or '*'}")
         self._endpoint = self._sock.getsockopt(zmq.LAST_ENDPOINT).decode()
 

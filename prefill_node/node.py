@@ -11,6 +11,7 @@ from common.node import EngineNode
 from common.protocol import Error, Prefill
 from common.scheduler import RequestUpdate, SchedulerOutput
 from kv_transfer import KVSender, create_sender, node_layout
+from kv_transfer.channel import use_curve
 
 log = logging.getLogger(__name__)
 
@@ -41,6 +42,7 @@ class PrefillNode(EngineNode):
         self.connector = kv_connector
         self.connect_timeout = connect_timeout
         self.layout = node_layout(self.engine, self.model_config.model_dir)
+        use_curve(self.control.curve)  # the KV side channel is a cluster link too
         self.senders: dict[str, KVSender] = {}
         self.dests: dict[str, Prefill] = {}  # request id -> where its KV goes
         self.next_block: dict[str, int] = {}  # request id -> first block not yet fully sent

@@ -57,6 +57,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=1.0,
         help="how often (s) the router renews the leases of the requests nodes hold",
     )
+    p.add_argument(
+        "--curve-dir",
+        default=None,
+        help="CurveZMQ keys (python -m common.security keygen DIR): only nodes with them join",
+    )
     return p.parse_args(argv)
 
 
@@ -88,6 +93,7 @@ async def serve(args: argparse.Namespace) -> None:
         max_model_len=max_model_len_of(args.model, args.max_model_len),
         heartbeat_timeout=args.heartbeat_timeout,
         lease_interval=args.lease_interval,
+        curve_dir=args.curve_dir,
     )
     await backend.start()
     name = args.served_model_name or os.path.basename(os.path.normpath(args.model))

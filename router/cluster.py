@@ -47,6 +47,7 @@ from common.protocol import (
     decode,
     encode,
 )
+from common.security import admit_cluster_keys, load_keys, stop_admitting
 from router.backend import Backend, GenerateRequest, TokenEvent
 
 log = logging.getLogger(__name__)
@@ -228,6 +229,7 @@ class ClusterBackend(Backend):
         lease_interval: float = 1.0,
         max_failovers: int = 3,
         reserve_wait: float = 10.0,
+        curve_dir: str | None = None,
     ) -> None:
         if policy not in POLICIES:
             raise ValueError(f"unknown policy {policy!r}; choose from {sorted(POLICIES)}")
@@ -239,6 +241,7 @@ class ClusterBackend(Backend):
         self.lease_interval = lease_interval
         self.max_failovers = max_failovers
         self.reserve_wait = reserve_wait
+        self.curve = load_keys(curve_dir)
         self.nodes: dict[str, NodeInfo] = {}
         self.streams: dict[str, _Stream] = {}  # by the client-facing request id
         self.by_wire: dict[str, _Stream] = {}  # by the id of the current attempt
@@ -259,6 +262,9 @@ class ClusterBackend(Backend):
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.setsockopt(zmq.MAXMSGSIZE, 64 * 1024 * 1024)
         self._sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        if self.curve is not None:  # only nodes holding the cluster's keys get through
+            admit_cluster_keys(self._ctx, self.curve)
+            self.curve.serve(self._sock)
         self._sock.bind(self._addr)
         self._tasks = [
             asyncio.create_task(self._receive_loop()),
@@ -272,6 +278,7 @@ class ClusterBackend(Backend):
                 await task
         if self._sock is not None:
             self._sock.close(linger=0)
+        stop_admitting(self._ctx)
         self._ctx.term()
 
     # -- registry --------------------------------------------------------------------------

@@ -1,0 +1,112 @@
+"""CurveZMQ: with the cluster's keys a peer gets through; without them nothing it sends lands."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Iterator
+
+import pytest
+import zmq
+
+from common.control import ControlClient
+from common.local_cluster import LocalCluster, free_port
+from common.protocol import RegisterNode, encode
+from common.security import CurveKeys
+from common.security import main as keygen
+from kv_transfer import KVLayout, TransferTimeout, create_receiver, create_sender
+from kv_transfer.channel import use_curve
+from router.cluster import ClusterBackend
+from tests.kv_transfer.helpers import Pump, make_caches
+from tests.kv_transfer.test_guards import connect_while_polling
+
+LAYOUT = KVLayout("tiny", "float32", num_layers=2, num_kv_heads=1, head_dim=4, block_size=2)
+
+
+@pytest.fixture(scope="module")
+def keys(tmp_path_factory) -> CurveKeys:
+    directory = str(tmp_path_factory.mktemp("curve"))
+    keygen(["keygen", directory])
+    return CurveKeys.load(directory)
+
+
+@pytest.fixture
+def plain_after() -> Iterator[None]:
+    yield
+    use_curve(None)
+
+
+def register(node_id: str) -> bytes:
+    return encode(RegisterNode(node_id, "both", "", "", "", 8, 16, 64))
+
+
+def test_router_refuses_a_node_without_the_keys(keys):
+    async def scenario() -> tuple[set[str], set[str]]:
+        port = free_port()
+        backend = ClusterBackend(control_port=port, curve_dir=keys.directory)
+        await backend.start()
+        try:
+            intruder = zmq.Context.instance().socket(zmq.DEALER)
+            intruder.setsockopt(zmq.LINGER, 0)
+            intruder.connect(f"tcp://127.0.0.1:{port}")
+            intruder.send(register("intruder"), flags=zmq.NOBLOCK)
+            wrong = zmq.Context.instance().socket(zmq.DEALER)  # a key pair of its own
+            wrong.setsockopt(zmq.LINGER, 0)
+            public, secret = zmq.curve_keypair()
+            wrong.curve_publickey, wrong.curve_secretkey = public, secret
+            wrong.curve_serverkey = keys.public
+            wrong.connect(f"tcp://127.0.0.1:{port}")
+            wrong.send(register("stranger"), flags=zmq.NOBLOCK)
+            await asyncio.sleep(1.0)
+            before = set(backend.nodes)
+            member = ControlClient(zmq.Context.instance(), f"127.0.0.1:{port}", "member", keys)
+            member.send(RegisterNode("member", "both", "", "", "", 8, 16, 64))
+            deadline = time.monotonic() + 5
+            while "member" not in backend.nodes and time.monotonic() < deadline:
+                await asyncio.sleep(0.05)
+            after = set(backend.nodes)
+            for sock in (intruder, wrong, member.sock):
+                sock.close(linger=0)
+            return before, after
+        finally:
+            await backend.close()
+
+    before, after = asyncio.run(scenario())
+    assert before == set()  # neither the keyless nor the foreign-key peer was heard
+    assert after == {"member"}
+
+
+def test_kv_receiver_refuses_a_sender_without_the_keys(keys, plain_after):
+    use_curve(keys)
+    receiver = create_receiver("zmq", LAYOUT, make_caches(LAYOUT, 8, seed=0))
+    try:
+        use_curve(None)
+        outsider = create_sender("zmq", LAYOUT)
+        with pytest.raises(TransferTimeout):
+            connect_while_polling(outsider, receiver, timeout=1.0)
+        use_curve(keys)
+        member = create_sender("zmq", LAYOUT)
+        connect_while_polling(member, receiver)
+        receiver.expect("x", [1, 2])
+        cache = make_caches(LAYOUT, 8, seed=1)
+        for layer in range(LAYOUT.num_layers):
+            member.send_layer("x", layer, [3, 4], [1, 2], cache[layer])
+        member.send_done("x", {"first_token": 0})
+        (result,) = Pump(receiver).wait_results("x")
+        assert result.ok, result.error
+        member.close()
+    finally:
+        receiver.close()
+
+
+def test_a_cluster_with_curve_serves(keys, tiny_model_dir):
+    import httpx
+
+    curve = ["--curve-dir", keys.directory]
+    with LocalCluster(
+        str(tiny_model_dir("llama")), 1, 1, engine_args=curve, router_args=curve
+    ) as c:
+        body = {"prompt": [1, 2, 3], "max_tokens": 3, "ignore_eos": True}
+        resp = httpx.post(c.url + "/v1/completions", json=body, timeout=60)
+        assert resp.status_code == 200, resp.text
+        assert resp.json()["usage"]["completion_tokens"] == 3
