@@ -409,8 +409,9 @@ class ClusterBackend(Backend):
         stream = self.by_wire.get(msg.request_id)
         if stream is None or sender not in stream.nodes():
             return  # about a request that moved on or ended: stale
-        if msg.code == 503 and sender == stream.prefill_node and not stream.got_first:
-            # The prefill node is full or draining: another one takes the prompt.
+        if msg.code == 503:
+            # The node is full or shutting down: others carry the request on (a prefill
+            # node's share alone when no token went out yet).
             self._fail_over(stream, {sender}, f"{sender} refused: {msg.message}")
             return
         if msg.code == 502 and sender == stream.decode_node:

@@ -32,6 +32,7 @@ ENGINE = ["--block-size", "16", "--max-num-batched-tokens", "128", "--max-model-
 # after 1.5 s, and nodes free requests the router stopped renewing after 6 s. A decode node
 # holds all 100 requests, so the survivor of two can take over every stream.
 NODE_ARGS = ["--heartbeat-interval", "0.2", "--lease-timeout", "6", "--max-num-seqs", "128"]
+NODE_ARGS += ["--drain-timeout", "15"]  # what a draining node still holds then fails over
 ROUTER_ARGS = ["--heartbeat-timeout", "1.5", "--lease-interval", "0.3"]
 
 
@@ -104,7 +105,10 @@ def one_request(
         with httpx.stream("POST", url + "/v1/completions", json=body, timeout=120) as resp:
             if resp.status_code != 200:
                 resp.read()
-                return Outcome(index, "error", start, time.monotonic(), f"HTTP {resp.status_code}")
+                why = f"HTTP {resp.status_code}"
+                if resp.status_code != 503:  # 503s differ only in load figures
+                    why += f": {resp.text[:60]}"
+                return Outcome(index, "error", start, time.monotonic(), why)
             for line in resp.iter_lines():
                 if not line.startswith("data: ") or line == "data: [DONE]":
                     continue
@@ -187,15 +191,23 @@ def wait_clean(cluster: LocalCluster, timeout: float = 30.0) -> dict:
         time.sleep(0.5)
 
 
-def cluster_for(model_dir: str, **kwargs) -> LocalCluster:
+def cluster_for(model_dir: str, router_extra: tuple[str, ...] = (), **kwargs) -> LocalCluster:
     return LocalCluster(
         model_dir,
         kwargs.pop("num_prefill", 2),
         kwargs.pop("num_decode", 2),
         engine_args=[*ENGINE, *NODE_ARGS],
-        router_args=ROUTER_ARGS,
+        router_args=[*ROUTER_ARGS, *router_extra],
         **kwargs,
     )
+
+
+def rss_mib(pid: int) -> float:
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    return 0.0
 
 
 def save(runs: list[Run], path: str) -> None:

@@ -108,3 +108,35 @@ def test_clients_that_disconnect_mid_stream(model_dir, load):
         run = fh.run_scenario("30% disconnect", c, prompts, wants, disconnect_fraction=0.3)
         assert run.count("disconnected") >= 20
         check(run, c, min_ok=len(prompts) - run.count("disconnected"))
+
+
+def test_overload_at_ten_times_the_queue(model_dir, load):
+    """100 requests at once against a router that queues 10: the rest get 503 with
+    Retry-After at once, every admitted one finishes correctly, router memory stays flat."""
+    prompts, wants = load
+    extra = ("--max-queued-requests", "10")
+    with fh.cluster_for(model_dir, extra, num_prefill=1, num_decode=1) as c:
+        router = c.procs["router"].pid
+        before = fh.rss_mib(router)
+        runs = [fh.run_scenario(f"overload {i}", c, prompts, wants) for i in range(3)]
+        growth = fh.rss_mib(router) - before
+        for run in runs:
+            refused = [o for o in run.outcomes if o.status == "error"]
+            assert all(o.detail == "HTTP 503" for o in refused), {o.detail for o in refused}
+            assert run.count("ok") >= 10 and len(refused) >= 50, run.summary()
+            check(run, c, min_ok=10)
+        assert growth < 64, f"router RSS grew {growth:.0f} MiB over 300 requests"
+
+
+def test_sigterm_drains_a_decode_node(model_dir, load):
+    """SIGTERM: the node takes nothing new, finishes what it holds (what it cannot finish in
+    its drain timeout fails over), exits 0; requests go on to the other decode node."""
+    prompts, wants = load
+    with fh.cluster_for(model_dir, num_prefill=1, num_decode=2) as c:
+
+        def term(cluster) -> None:
+            cluster.procs["decode0"].send_signal(signal.SIGTERM)
+
+        run = fh.run_scenario("SIGTERM decode", c, prompts, wants, term, 1.0)
+        assert c.procs["decode0"].wait(timeout=30) == 0
+        check(run, c, min_ok=len(prompts))
