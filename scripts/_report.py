@@ -1,0 +1,74 @@
+"""What every benchmark script shares: results as JSON, and its own section of a Markdown page.
+
+Each benchmark owns one named section of `docs/benchmarks.md`, fenced by HTML comments, and
+rewrites only that section; prose outside the fences is kept as written.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parent.parent
+BENCH_DOC = REPO / "docs" / "benchmarks.md"
+BENCH_DIR = REPO / "docs" / "bench"
+
+
+def machine() -> dict[str, Any]:
+    """Where a result was measured, stored next to it."""
+    import torch
+
+    info: dict[str, Any] = {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "cpu": platform.processor() or platform.machine(),
+        "cpu_count": os.cpu_count(),
+        "threads": torch.get_num_threads(),
+    }
+    if torch.cuda.is_available():
+        info["gpu"] = torch.cuda.get_device_name()
+    return info
+
+
+def save_json(path: str | Path, result: dict[str, Any]) -> Path:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(result, indent=2, sort_keys=True) + "\n")
+    return path
+
+
+def write_section(name: str, body: str, doc: str | Path = BENCH_DOC) -> Path:
+    """Replace the section `name` of `doc` (append it, or create the page, when missing).
+
+    ValueError when the page holds the section's markers other than once each, in order: a
+    guess there could overwrite the prose between two stray markers.
+    """
+    doc = Path(doc)
+    begin, end = f"<!-- BEGIN {name} -->", f"<!-- END {name} -->"
+    block = f"{begin}\n{body.rstrip()}\n{end}"
+    text = doc.read_text() if doc.exists() else "# Benchmarks\n"
+    counts = (text.count(begin), text.count(end))
+    if counts == (1, 1) and text.index(begin) < text.index(end):
+        head, rest = text.split(begin, 1)
+        text = head + block + rest.split(end, 1)[1]
+    elif counts == (0, 0):
+        text = text.rstrip() + "\n\n" + block + "\n"
+    else:
+        raise ValueError(f"{doc}: the markers of section {name!r} are broken; fix them by hand")
+    doc.parent.mkdir(parents=True, exist_ok=True)
+    doc.write_text(text)
+    return doc
+
+
+def markdown_table(header: list[str], rows: list[list[Any]]) -> str:
+    def cell(v: Any) -> str:
+        if isinstance(v, float):
+            return f"{v:.3g}" if abs(v) < 1000 else f"{v:,.0f}"
+        return str(v)
+
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(cell(v) for v in row) + " |" for row in rows]
+    return "\n".join(lines)
