@@ -729,6 +729,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--api-key", default=None)
     p.add_argument("--result-file", default=None, help="write the result as JSON here")
     p.add_argument("--disable-tqdm", action="store_true")
+    p.add_argument("--quick", action="store_true", help="a few short requests (for tests)")
     return p
 
 
@@ -775,8 +776,21 @@ def load_pool(tokenizer_dir: str) -> TokenPool:
     return TokenPool(AutoTokenizer.from_pretrained(tokenizer_dir))
 
 
+QUICK = {
+    "num_prompts": 6,
+    "input_len": 32,
+    "output_len": 6,
+    "num_conversations": 2,
+    "turns": 2,
+    "system_prompt_len": 32,
+    "num_warmups": 0,
+}
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = build_parser().parse_args(argv)
+    if args.quick:
+        vars(args).update(QUICK)
     config = config_from_args(args)
     pool = load_pool(args.tokenizer)
     requests = dataset_from_args(args, pool)

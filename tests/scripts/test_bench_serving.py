@@ -241,6 +241,15 @@ def test_cli_against_colocated_pdserve(cluster, tmp_path):
     assert out["max_concurrency"] == 4 and out["request_rate"] == 20
 
 
+def test_quick_mode_against_colocated_pdserve(cluster, tmp_path):
+    c, model = cluster
+    path = tmp_path / "quick.json"
+    argv = ["--base-url", c.url, "--tokenizer", str(model), "--quick", "--disable-tqdm"]
+    bs.main([*argv, "--result-file", str(path)])
+    out = json.loads(path.read_text())
+    _check_summary(out, bs.QUICK["num_prompts"])
+
+
 def test_multiturn_core_against_colocated_pdserve(cluster, pool):
     c, _ = cluster
     reqs = bs.multiturn_requests(pool, 2, 2, 24, 4, system_len=40, seed=5)
