@@ -57,13 +57,16 @@ def paged_attention(
     )
 
 
-def gather_pages(layer_cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
-    """Blocks of one layer cache [2, N, bs, H, D] -> contiguous pages [2, n, bs, H, D]."""
+def gather_pages(
+    layer_cache: torch.Tensor, block_ids: torch.Tensor, out: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Blocks of one layer cache [2, N, bs, H, D] -> contiguous pages [2, n, bs, H, D], new or
+    written into `out` (contiguous, same dtype and device; returned)."""
     if _use_triton(layer_cache):
         from kernels.page_copy import gather_pages_triton
 
-        return gather_pages_triton(layer_cache, block_ids)
-    return reference.gather_pages_ref(layer_cache, block_ids)
+        return gather_pages_triton(layer_cache, block_ids, out)
+    return reference.gather_pages_ref(layer_cache, block_ids, out)
 
 
 def scatter_pages(layer_cache: torch.Tensor, block_ids: torch.Tensor, pages: torch.Tensor) -> None:

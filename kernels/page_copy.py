@@ -12,6 +12,7 @@ import triton
 import triton.language as tl
 
 from kernels._checks import FLOAT_DTYPES, INDEX_DTYPES, check_dtype
+from kernels.reference import check_pages_out
 
 # Elements copied per program; large enough to amortise the block-id load, small enough
 # that a 16 KiB-element block still spreads over several programs.
@@ -94,17 +95,22 @@ def _copy_blocks(
     )
 
 
-def gather_pages_triton(layer_cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
-    """Copy blocks `block_ids` of a layer cache [2, N, bs, H, D] into new pages [2, n, bs, H, D].
+def gather_pages_triton(
+    layer_cache: torch.Tensor, block_ids: torch.Tensor, out: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Copy blocks `block_ids` of a layer cache [2, N, bs, H, D] into pages [2, n, bs, H, D]:
+    new ones, or `out` (exactly that shape and dtype, contiguous, on the cache's device).
 
     Block ids must be in range: checking would need a device-to-host sync.
     """
     _check_paged("layer_cache", layer_cache)
     _check_ids(block_ids, layer_cache)
-    shape = (2, block_ids.shape[0], *layer_cache.shape[2:])
-    pages = torch.empty(shape, dtype=layer_cache.dtype, device=layer_cache.device)
-    _copy_blocks(layer_cache, pages, block_ids, ids_index_src=True)
-    return pages
+    if out is None:
+        shape = (2, block_ids.shape[0], *layer_cache.shape[2:])
+        out = torch.empty(shape, dtype=layer_cache.dtype, device=layer_cache.device)
+    check_pages_out(out, layer_cache, block_ids)
+    _copy_blocks(layer_cache, out, block_ids, ids_index_src=True)
+    return out
 
 
 def scatter_pages_triton(

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from kv_transfer.base import TransferResult
-from kv_transfer.wire import KVDone, KVPage, combine, frame_digest, resolve
+from kv_transfer.wire import CHECKSUM_SCHEME, KVDone, KVPage, combine, frame_digest, resolve
 
 # How many finished or cancelled xfer ids to remember, to tell "late" from "never heard of".
 _RECENT = 4096
@@ -43,7 +43,7 @@ class SendBook:
         """The done message for `xfer_id`; a transfer with no frames is legal (all cached)."""
         out = self._open.pop(xfer_id, None) or _Outbound([0] * self._num_layers)
         digest = combine(frame_digest(lay, ids, resolve(ck)) for lay, ids, ck in out.frames)
-        return KVDone(xfer_id, dict(meta), digest, tuple(out.pages_per_layer))
+        return KVDone(xfer_id, dict(meta), digest, tuple(out.pages_per_layer), CHECKSUM_SCHEME)
 
 
 @dataclass
@@ -138,6 +138,11 @@ class ReceiveBook:
         done = inbound.done
         assert done is not None
         problems = list(inbound.problems)
+        if done.checksum_scheme != CHECKSUM_SCHEME:
+            problems.append(
+                f"sender checksums pages with {done.checksum_scheme!r}, this receiver with "
+                f"{CHECKSUM_SCHEME!r}; run the same pdserve version on both ends"
+            )
         for layer, (got, sent) in enumerate(zip(inbound.pages_per_layer, done.pages_per_layer)):
             if got != sent:
                 problems.append(f"layer {layer}: received {got} pages, sender sent {sent}")

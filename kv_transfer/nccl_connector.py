@@ -29,10 +29,21 @@ import torch.distributed as dist
 from kv_transfer.base import TransferError, TransferTimeout
 from kv_transfer.channel import ChannelReceiver, ChannelSender, Peer
 from kv_transfer.layout import KVLayout
-from kv_transfer.wire import KVPage, torch_dtype
+from kv_transfer.wire import (
+    FramePool,
+    KVPage,
+    blocks_per_frame,
+    check_welcome,
+    torch_dtype,
+    welcome_extra,
+)
 
 _TAG_MASK = (1 << 30) - 1
-_MAX_INFLIGHT = 64  # frames whose gathered copies a sender holds before it waits for the oldest
+_MAX_INFLIGHT = 64  # CUDA frames whose gathered copies a sender holds before it waits
+# gloo (CPU): gather buffers a sender reuses, so at most this many sends are in flight (plenty
+# to keep the pair's socket busy with frames of up to FRAME_BYTES); recv buffers a receiver
+# reuses
+_POOL_FRAMES = 4
 
 
 def _tag(seq: int) -> int:
@@ -117,16 +128,18 @@ class NcclReceiver(ChannelReceiver):
         self._timeout = timedelta(seconds=pair_timeout)
         self._store, self._listener = _listening_store(host, store_port, self._timeout)
         self._pending: list[_Recv] = []
+        frame_bytes = blocks_per_frame(layout.page_bytes) * layout.page_bytes
+        self._pool = FramePool(_POOL_FRAMES, frame_bytes)
 
     def _accept_peer(self, peer: Peer) -> dict[str, Any]:
         peer.state = _Pair(uuid.uuid4().hex)
-        return {
-            "store_host": self.host,
-            "store_port": self._listener.getsockname()[1],
-            "pair": peer.state.name,
-            "backend": self._backend,
-            "timeout_s": self._timeout.total_seconds(),
-        }
+        return welcome_extra(
+            store_host=self.host,
+            store_port=self._listener.getsockname()[1],
+            pair=peer.state.name,
+            backend=self._backend,
+            timeout_s=self._timeout.total_seconds(),
+        )
 
     def _after_welcome(self, peer: Peer) -> None:
         state = peer.state
@@ -141,7 +154,10 @@ class NcclReceiver(ChannelReceiver):
             return
         # Refused frames are received too (into a scratch buffer): the pair's stream of sends
         # must stay matched with our recvs.
-        buf = torch.empty(page.shape, dtype=torch_dtype(page.dtype), device=self._device)
+        dtype = torch_dtype(page.dtype)
+        buf = None if self._device.type == "cuda" else self._pool.take(page.shape, dtype)
+        if buf is None:
+            buf = torch.empty(page.shape, dtype=dtype, device=self._device)
         work = peer.state.group.recv([buf], 0, _tag(page.seq))
         self._pending.append(_Recv(peer, page, buf, work, admitted))
 
@@ -154,12 +170,13 @@ class NcclReceiver(ChannelReceiver):
             try:
                 # Raises the transport's error; on CUDA also orders our stream after the recv.
                 recv.work.wait(self._recv_timeout)
-            except Exception as exc:
+            except Exception as exc:  # its buffer stays lent: the recv may still land
                 if recv.admitted:
                     self._book.fail(recv.page, f"recv failed: {exc}")
                 continue
             if recv.admitted:
                 self._land(recv.page, recv.buf)
+            self._pool.give_back(recv.buf)
         self._pending = still
 
     def _busy(self) -> bool:
@@ -192,9 +209,12 @@ class NcclSender(ChannelSender):
         self._group: Any = None
         self._store: dist.Store | None = None
         self._device_type = ""
-        self._works: list[tuple[Any, torch.Tensor]] = []
+        self._works: list[tuple[Any, torch.Tensor]] = []  # (work, the pages it sends)
+        frame_bytes = blocks_per_frame(layout.page_bytes) * layout.page_bytes
+        self._pool = FramePool(_POOL_FRAMES, frame_bytes)
 
     def _on_welcome(self, extra: dict[str, Any], timeout: float) -> None:
+        check_welcome(extra, self._endpoint)
         try:
             host, port = str(extra["store_host"]), int(extra["store_port"])
             pair, backend = str(extra["pair"]), str(extra["backend"])
@@ -205,6 +225,14 @@ class NcclSender(ChannelSender):
         self._store = dist.TCPStore(host, port, None, False, wait, wait_for_workers=False)
         self._group = pair_group(self._store, pair, 0, backend, self._bind_host, pair_timeout)
         self._device_type = "cuda" if backend == "nccl" else "cpu"
+
+    def _frame_buffer(
+        self, shape: tuple[int, ...], layer_cache: torch.Tensor
+    ) -> torch.Tensor | None:
+        if self._device_type != "cpu" or layer_cache.is_cuda:
+            return None
+        self._reap(deadline=None, keep=_POOL_FRAMES - 1)  # a buffer comes free
+        return self._pool.take(shape, layer_cache.dtype)
 
     def _ship(self, page: KVPage, pages: torch.Tensor) -> None:
         if pages.device.type != self._device_type:
@@ -221,18 +249,18 @@ class NcclSender(ChannelSender):
     def _flush(self, deadline: float) -> None:
         self._reap(deadline)
 
-    def _reap(self, deadline: float | None) -> None:
+    def _reap(self, deadline: float | None, keep: int = _MAX_INFLIGHT) -> None:
         """Retire finished sends, raising the first failure; with a deadline, wait for all.
 
         Without one, only sends known to be done are retired, plus the oldest ones beyond
-        _MAX_INFLIGHT (which bounds the gathered copies we hold): gloo work reports completion
-        only from `wait()`.
+        `keep` (which bounds the gathered copies we hold): gloo work reports completion only
+        from `wait()`. Retired pooled buffers go back to the pool.
         """
         while self._works:
-            work = self._works[0][0]
+            work, pages = self._works[0]
             if deadline is None:
                 done = self._device_type == "cuda" and work.is_completed()
-                if not done and len(self._works) <= _MAX_INFLIGHT:
+                if not done and len(self._works) <= keep:
                     return
             until = deadline if deadline is not None else time.monotonic() + self._send_timeout
             remaining = until - time.monotonic()
@@ -245,6 +273,7 @@ class NcclSender(ChannelSender):
                     f"send to {self._endpoint} failed or timed out: {exc}"
                 ) from None
             self._works.pop(0)
+            self._pool.give_back(pages)
 
     def _close_transport(self) -> None:
         self._works.clear()

@@ -2,8 +2,10 @@
 
 Sender: gathered pages (already our own contiguous copy) go out zero copy through
 `copy=False`; pyzmq holds the buffer until the io thread is done with it, and `flush` waits on
-the trackers. CUDA pages are first copied to pinned host memory asynchronously; the frame is
-sent once that copy's event completes (checked on every later call, awaited by done/flush).
+the trackers. CPU pages are gathered into a few reused buffers, each lent until its tracker is
+done (a fresh one when all are out: a slow receiver never blocks the gather). CUDA pages are
+first copied to pinned host memory asynchronously; the frame is sent once that copy's event
+completes (checked on every later call, awaited by done/flush).
 Receiver: the frame's bytes are checked against dtype x shape, viewed in place (bfloat16 via a
 uint8 view, as numpy has no bfloat16) and scattered into the reserved blocks.
 """
@@ -20,7 +22,19 @@ import zmq
 from kv_transfer.base import TransferTimeout
 from kv_transfer.channel import ChannelReceiver, ChannelSender, Peer
 from kv_transfer.layout import KVLayout
-from kv_transfer.wire import KVPage, as_bytes, frame_nbytes, from_bytes
+from kv_transfer.wire import (
+    FramePool,
+    KVPage,
+    as_bytes,
+    blocks_per_frame,
+    check_welcome,
+    frame_nbytes,
+    from_bytes,
+    welcome_extra,
+)
+
+# Reused gather buffers per sender (frames of up to FRAME_BYTES each).
+_POOL_FRAMES = 4
 
 
 class ZmqSender(ChannelSender):
@@ -30,7 +44,21 @@ class ZmqSender(ChannelSender):
 
     def __init__(self, layout: KVLayout, send_timeout: float = 30.0) -> None:
         super().__init__(layout, send_timeout)
-        self._trackers: deque[zmq.MessageTracker] = deque()
+        # (tracker, host pages) of frames zmq may still read from, oldest first
+        self._trackers: deque[tuple[zmq.MessageTracker, torch.Tensor]] = deque()
+        frame_bytes = blocks_per_frame(layout.page_bytes) * layout.page_bytes
+        self._pool = FramePool(_POOL_FRAMES, frame_bytes)
+
+    def _on_welcome(self, extra: dict[str, Any], timeout: float) -> None:
+        check_welcome(extra, self._endpoint)
+
+    def _frame_buffer(
+        self, shape: tuple[int, ...], layer_cache: torch.Tensor
+    ) -> torch.Tensor | None:
+        if layer_cache.is_cuda:
+            return None
+        self._retire()
+        return self._pool.take(shape, layer_cache.dtype)
 
     def _ship(self, page: KVPage, pages: torch.Tensor) -> None:
         if not pages.is_cuda:
@@ -47,10 +75,14 @@ class ZmqSender(ChannelSender):
         self._seal(page, wire)
         # numpy() shares memory and keeps the tensor alive as long as zmq holds the frame
         tracker = self._send(page, wire.numpy())
-        if tracker is not None and not tracker.done:
-            self._trackers.append(tracker)
-        while self._trackers and self._trackers[0].done:
-            self._trackers.popleft()
+        if tracker is not None:
+            self._trackers.append((tracker, host_pages))
+        self._retire()
+
+    def _retire(self) -> None:
+        """Forget frames zmq is done with, returning pooled buffers."""
+        while self._trackers and self._trackers[0][0].done:
+            self._pool.give_back(self._trackers.popleft()[1])
 
     def _flush(self, deadline: float) -> None:
         while self._trackers:
@@ -58,10 +90,10 @@ class ZmqSender(ChannelSender):
             if remaining <= 0:
                 raise TransferTimeout(f"flush to {self._endpoint}: frames still queued")
             try:
-                self._trackers[0].wait(min(remaining, 0.05))
+                self._trackers[0][0].wait(min(remaining, 0.05))
             except zmq.NotDone:
                 continue
-            self._trackers.popleft()
+            self._retire()
 
 
 class ZmqReceiver(ChannelReceiver):
@@ -81,6 +113,9 @@ class ZmqReceiver(ChannelReceiver):
         layer_bytes = kv_caches[0].numel() * kv_caches[0].element_size() if kv_caches else 0
         bind = f"ipc://{ipc_path}" if ipc_path is not None else None
         super().__init__(layout, kv_caches, host, port, max_frame_bytes=layer_bytes, bind=bind)
+
+    def _accept_peer(self, peer: Peer) -> dict[str, Any]:
+        return welcome_extra()
 
     def _on_page_data(self, peer: Peer, page: KVPage, frames: list[Any], admitted: bool) -> None:
         if not admitted:

@@ -592,7 +592,8 @@ def stage_costs(point: Point, device: str) -> dict[str, float]:
     """GB/s of each pass a connector adds over its transport, on one layer of `point`.
 
     Best of a few runs, so buffers are reused and page faults do not show here (they do in
-    the transfers). `crc32` is the checksum `page_checksum` replaced, for comparison.
+    the transfers). For comparison: `crc32` is the checksum `page_checksum` replaced, and
+    `index_copy_ rows` the scatter's `index_copy_` on a [2 * blocks, block] view.
     """
     layout, n = point.layout, point.n_blocks
     cache = torch.rand(layout.page_shape(n)).to(dtype_of(layout)).to(device)
@@ -606,6 +607,9 @@ def stage_costs(point: Point, device: str) -> dict[str, float]:
         "copy_": lambda: cache.copy_(pages),
         "page_checksum": lambda: page_checksum(pages).tolist(),
     }
+    rows, block_rows = cache.view(2 * n, -1), pages.view(2 * n, -1)
+    row_ids = torch.cat([ids, ids + n])
+    fns["index_copy_ rows"] = lambda: rows.index_copy_(0, row_ids, block_rows)
     if device == "cpu":
         fns["crc32"] = lambda: zlib.crc32(as_bytes(pages).numpy())
     return {name: nbytes / time_once(fn, device) / 1e9 for name, fn in fns.items()}
@@ -613,36 +617,49 @@ def stage_costs(point: Point, device: str) -> dict[str, float]:
 
 # -- report -------------------------------------------------------------------------------------
 
-# What profiling found (cProfile of both processes, llama3-8b layout, 2k tokens, this 2-core
-# machine); kept here so the doc section states it next to the numbers that show it.
+# What changed and what profiling found (perf and cProfile of both processes, llama3-8b
+# layout, 2k tokens, this 2-core machine); kept here so the doc section states it next to the
+# numbers that show it.
 WHY_MISSED = """\
-Why pdserve misses (profiled with cProfile in both processes, llama3-8b layout, 2k tokens,
-CPU): the transfer is CPU bound, and each connector makes three or four full passes over the
-bytes on top of its transport, in the Python thread that also drives the transport:
+What changed: before it, this section showed at llama3-8b 2k zmq 0.31, nccl 0.24, shm 0.10
+x raw (0.51, 0.54, 0.73 GB/s). Same-session steps, each measured with
+`python scripts/bench_kv_transfer.py --layouts llama3-8b --tokens 2k --repeats 3 --out DIR`
+(ratio, CPU s/GB): before, zmq 0.24 / 1.63, nccl 0.19 / 1.81, shm 0.11 / 0.94;
 
-- **crc32 on both ends** (`kv_transfer/wire.py: page_checksum`, zlib at about 3.5 GB/s on one
-  core) is the largest single cost: about 1.4 s of the zmq sender's 2.8 s of CPU for 2.2 GB,
-  and as much again on the receiver. With an int64 word-sum checksum instead (patched in
-  both processes for the experiment only), CPU per GB fell from 1.50 to 1.05 s (zmq), 2.08 to
-  1.39 s (nccl), 0.94 to 0.68 s (shm), and the zmq ratio rose from 0.22 to 0.4.
-- **gather and scatter copies**: `send_layer` gathers every frame into a fresh tensor
-  (`index_select`), and the receiver scatters it (`index_copy_`). While frames are held in
-  flight (zmq's zero-copy send, the nccl sender's up to 64 outstanding gloo sends) each
-  gather lands in fresh memory and pays first-touch page faults; the nccl receiver also
-  allocates a fresh `torch.empty` per frame. zmq and nccl send a whole layer as one frame;
-  above glibc's 32 MiB mmap threshold every such buffer is a fresh mapping: at 64 MiB frames
-  (llama3-8b, 8k tokens) connector and raw zmq both fell about 3x in a trial run, and capping
-  the connectors' frames at 8 MiB (experiment, llama3-8b 4k tokens) took zmq from 0.24 to
-  0.55 GB/s (CPU 2.70 to 1.75 s/GB) and nccl from 0.31 to 0.55 GB/s.
-- **shm** copies three times (gather, copy into the ring, scatter out of it) and checksums
-  twice, against the single `copy_` it is compared with; five passes cannot come near 0.7 x
-  one, so the fix is fewer passes (gather straight into the ring), not a faster one.
-- **nccl** (gloo on CPU): the sender holds up to 64 gathered frames until gloo has sent
-  them, so its gathers run in fresh memory: `index_select` took 3.0 s for 2.2 GB there,
-  against 1.1 s in the zmq sender. The receiver allocates a fresh buffer per frame and waits
-  on each gloo recv inside `poll` before it checksums and scatters it. Small transfers are
-  latency bound: a frame's zmq header and its gloo payload are separate hand-offs between
-  threads, and on two loaded cores each one waits for a core.
+- **checksum** (`kv_transfer/wire.py: page_checksum`): crc32 is replaced by
+  `pdserve-rowcol64/1`, int64 sums of the frame's rows and columns weighted by position (any
+  changed byte changes the plain sum; moved words change a weighted one), exact integer
+  arithmetic, so CPU and CUDA ends compute the same value. Receivers name it in their welcome
+  and senders in their done message, so ends of different versions are refused (sender:
+  TransferError at connect; receiver: the transfer fails naming both schemes). It ran at two
+  to three times crc32's speed (single-pass line above): zmq 0.32 / 1.17, nccl 0.23 / 1.67,
+  shm 0.15 / 0.73.
+- **frames of at most 8 MiB** (`FRAME_BYTES`, whole pages): no more fresh mappings per
+  frame, and frames pipeline; **shm gathers straight into its ring slot** (one pass fewer):
+  zmq 0.42, nccl 0.35, shm 0.24.
+- **reused buffers**: the zmq sender gathers into four buffers, each lent until zmq's tracker
+  says the frame left (a fresh one when all are out, so a slow receiver never blocks it); the
+  gloo sender keeps at most four sends in flight (was 64 fresh gathers) in reused buffers,
+  and the gloo receiver receives into reused buffers (this step also widened the checksum's
+  rows to 1000 words, which sums faster): zmq 0.53, nccl 0.45, shm 0.23.
+
+Why the goals are still missed: on two shared cores the transfer is CPU bound, so the ratio
+follows the raw transport's CPU per GB over the connector's (the CPU s/GB column), and
+each connector still makes four or five passes over the bytes that the raw transport does
+not: gather, a checksum of two integer-sum passes on each end, and the receiver's scatter.
+
+- **scatter** (`kernels/reference.py: scatter_pages_ref`, `index_copy_`) is the largest
+  single cost on every receiver (perf: about a quarter of the shm samples, a tenth of zmq's).
+  On a `[2 * num_blocks, block]` view of the cache (`index_copy_ rows` above) it was faster
+  in one trial and not in this run: no change made.
+- **shm** is compared with one `copy_`; gather + two checksums + scatter cannot reach 0.7 of
+  it on CPU while the receiver verifies every page (perf: its checksum, reading the ring the
+  other process wrote, costs more than the sender's).
+- **small pages** (tiny layout, 4 KiB pages: up to 2048 block ids per frame): per-id Python
+  work dominates: the strict header decoder (`common/protocol.py: _check`) checks every block
+  id one by one, the largest cost in the receiver's cProfile, ahead of its scatter.
+- **CUDA** paths (the checksum on device, gathers into a CUDA ring, NCCL frames of 8 MiB) were
+  not measured: no GPU here.
 """
 
 

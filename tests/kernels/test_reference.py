@@ -179,3 +179,16 @@ def test_gather_then_scatter_ref_moves_exactly_the_named_blocks():
     scatter_pages_ref(target, torch.tensor([1, 6, 2]), pages)
     assert torch.equal(target[:, [1, 6, 2]], pages)
     assert not target[:, [0, 3, 4, 5]].any()
+
+
+def test_gather_ref_into_out_writes_the_given_buffer_or_refuses_it():
+    layer = torch.randn(2, 7, 16, 2, 64)
+    ids = torch.tensor([5, 0, 3])
+    staging = torch.zeros(4 * layer[:, :3].numel() * 4, dtype=torch.uint8)  # bytes, like a ring
+    out = staging[4096 : 4096 + layer[:, :3].numel() * 4].view(torch.float32).view(2, 3, 16, 2, 64)
+    assert gather_pages_ref(layer, ids, out=out) is out
+    assert torch.equal(out, gather_pages_ref(layer, ids))
+    assert not staging[:4096].any()
+    for bad in (out[:, :2], out.to(torch.float16), out.transpose(2, 3)):
+        with pytest.raises(ValueError, match="out"):
+            gather_pages_ref(layer, ids, out=bad)

@@ -120,6 +120,8 @@ def test_gather_and_scatter_pages_match_ref(dtype, block_size, head_dim):
     ids = torch.tensor([7, 2, 8, 0])
     pages = gather_pages_triton(layer, ids)
     assert torch.equal(pages, gather_pages_ref(layer, ids))
+    out = torch.full_like(pages, float("nan"))
+    assert gather_pages_triton(layer, ids, out) is out and torch.equal(out, pages)
 
     new_pages = torch.randn(2, 3, block_size, 2, head_dim)  # fp32: scatter casts to the cache
     ids = torch.tensor([4, 1, 6], dtype=torch.int32)
@@ -178,3 +180,7 @@ def test_page_copy_rejects_bad_inputs():
         scatter_pages_triton(layer, ids, torch.zeros(2, 3, 16, 2, 64))
     with pytest.raises(ValueError, match="compact"):
         gather_pages_triton(layer.transpose(2, 3), ids)
+    with pytest.raises(ValueError, match="out"):
+        gather_pages_triton(layer, ids, torch.zeros(2, 3, 16, 2, 64))
+    with pytest.raises(ValueError, match="out"):
+        gather_pages_triton(layer, ids, torch.zeros(2, 2, 16, 2, 64, dtype=torch.float16))

@@ -3,6 +3,7 @@ misbehave: handshakes, malformed frames, frame sizes, timeouts, argument checks.
 
 from __future__ import annotations
 
+import re
 import threading
 from collections.abc import Iterator
 
@@ -20,7 +21,7 @@ from kv_transfer import (
     create_receiver,
     create_sender,
 )
-from kv_transfer.wire import KVDone, KVHello, KVPage, KVWelcome
+from kv_transfer.wire import CHECKSUM_SCHEME, KVDone, KVHello, KVPage, KVWelcome
 from tests.kv_transfer.helpers import Pump, make_caches
 
 LAYOUT = KVLayout("tiny", "float32", num_layers=2, num_kv_heads=1, head_dim=4, block_size=2)
@@ -49,7 +50,8 @@ def handshake(sock: zmq.Socket, receiver: KVReceiver) -> None:
     sock.connect(receiver.endpoint)
     sock.send(encode(KVHello("raw", "zmq", LAYOUT.digest(), LAYOUT.to_dict())))
     Pump(receiver).until(lambda: sock.poll(0) != 0, timeout=5.0, what="welcome")
-    assert isinstance(decode(sock.recv()), KVWelcome)
+    welcome = decode(sock.recv())
+    assert isinstance(welcome, KVWelcome) and welcome.extra == {"checksum": CHECKSUM_SCHEME}
 
 
 def connect_while_polling(sender: KVSender, receiver: KVReceiver, timeout: float = 5.0) -> None:
@@ -148,6 +150,52 @@ def test_zmq_over_ipc(tmp_path) -> None:
         (result,) = Pump(receiver).wait_results("x", timeout=5.0)
         assert result.ok, result.error
         assert all(torch.equal(c[:, [6, 2]], s[:, [3, 0]]) for c, s in zip(caches, sent))
+    finally:
+        sender.close()
+        receiver.close()
+
+
+@pytest.mark.parametrize("connector", ["zmq", "nccl", "shm"])
+def test_receiver_of_another_checksum_scheme_is_refused(connector: str) -> None:
+    """An older receiver welcomes without naming a checksum scheme (it used crc32): the
+    sender refuses it at connect instead of failing every transfer later."""
+    router = zmq.Context.instance().socket(zmq.ROUTER)
+    router.setsockopt(zmq.LINGER, 0)
+    port = router.bind_to_random_port("tcp://127.0.0.1")
+
+    def old_receiver() -> None:
+        if router.poll(5000):
+            identity, frame = router.recv_multipart()
+            router.send_multipart([identity, encode(KVWelcome(decode(frame).digest, {}))])
+
+    thread = threading.Thread(target=old_receiver)
+    thread.start()
+    sender = create_sender(connector, LAYOUT)
+    try:
+        with pytest.raises(TransferError, match=f"'crc32.*{re.escape(CHECKSUM_SCHEME)}"):
+            sender.connect(f"tcp://127.0.0.1:{port}", timeout=5.0)
+    finally:
+        thread.join(timeout=5.0)
+        sender.close()
+        router.close()
+
+
+def test_shm_frames_dropped_unsent_give_their_ring_slot_back(monkeypatch) -> None:
+    """Frames are gathered straight into the ring; a frame the fault plan drops must free its
+    slot, or with a ring of one frame the next one would wait for credits that never come."""
+    monkeypatch.setenv("PDSERVE_FAULT_KV", "drop=1")
+    ring = 4 * LAYOUT.page_bytes  # 256 bytes: the smallest aligned ring, one frame of 4 pages
+    receiver = create_receiver("shm", LAYOUT, make_caches(LAYOUT, 8, seed=0), staging_bytes=ring)
+    sender = create_sender("shm", LAYOUT, send_timeout=2.0)
+    try:
+        connect_while_polling(sender, receiver)
+        receiver.expect("x", [1, 2, 3, 4])
+        cache = make_caches(LAYOUT, 8, seed=1)
+        for layer in range(LAYOUT.num_layers):
+            sender.send_layer("x", layer, [4, 5, 6, 7], [1, 2, 3, 4], cache[layer])
+        sender.send_done("x", {})
+        (result,) = Pump(receiver).wait_results("x", timeout=5.0)
+        assert not result.ok and "received 0 pages, sender sent 4" in result.error
     finally:
         sender.close()
         receiver.close()

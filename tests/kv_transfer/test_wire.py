@@ -2,44 +2,132 @@
 
 from __future__ import annotations
 
+import msgpack
 import pytest
 import torch
 
 from common.protocol import ProtocolError, decode, encode
 from kv_transfer.bookkeeping import ReceiveBook, SendBook
 from kv_transfer.wire import (
+    CHECKSUM_ROW_WORDS,
+    CHECKSUM_SCHEME,
     FAULT_ENV,
+    FRAME_BYTES,
+    FramePool,
+    KVDone,
     KVPage,
     as_bytes,
-    device_checksum,
+    blocks_per_frame,
     fault_targets,
     page_checksum,
     resolve,
 )
 
 
-def test_device_checksum_catches_flips_and_swaps() -> None:
-    # device_checksum is the CUDA path; it is plain torch, so its logic is checked on CPU.
-    pages = torch.randn(2, 4, 4, 2, 8)
-    base = resolve(device_checksum(pages))
-    assert base == resolve(device_checksum(pages.clone()))
-    for index in (0, 1, 777, as_bytes(pages).numel() - 1):
-        flipped = pages.clone()
-        as_bytes(flipped)[index] ^= 1
-        assert resolve(device_checksum(flipped)) != base, index
-    swapped = pages.clone()
-    swapped[:, [0, 1]] = pages[:, [1, 0]]
-    assert resolve(device_checksum(swapped)) != base
-    odd = torch.arange(7, dtype=torch.uint8)  # not a whole number of 32-bit words
-    assert resolve(device_checksum(odd)) != resolve(device_checksum(odd.flip(0)))
+def reference_checksum(data: bytes) -> tuple[int, int, int]:
+    """page_checksum's documented arithmetic, word by word in plain Python."""
+    width = CHECKSUM_ROW_WORDS
+    data += bytes(-len(data) % (8 * width))
+    words = [int.from_bytes(data[i : i + 8], "little", signed=True) for i in range(0, len(data), 8)]
+    rows = [sum(words[i : i + width]) for i in range(0, len(words), width)]
+    cols = [sum(words[c::width]) for c in range(width)]
+    mask = (1 << 64) - 1
+    return (
+        sum(rows) & mask,
+        sum(r * w for w, r in enumerate(rows, 1)) & mask,
+        sum(c * w for w, c in enumerate(cols, 1)) & mask,
+    )
 
 
-def test_cpu_checksum_is_crc_of_bytes_for_any_dtype() -> None:
-    pages = torch.randn(2, 3, 4, 2, 8).to(torch.bfloat16)
-    assert page_checksum(pages) == page_checksum(pages.clone())
-    flipped = pages.clone()
-    as_bytes(flipped)[5] ^= 0x10
-    assert page_checksum(flipped) != page_checksum(pages)
+@pytest.mark.parametrize("rows, extra", [(0, 0), (0, 5), (1, 0), (3, 1000)])
+def test_checksum_is_the_documented_sums(rows: int, extra: int) -> None:
+    nbytes = rows * 8 * CHECKSUM_ROW_WORDS + extra
+    gen = torch.Generator().manual_seed(nbytes)
+    data = torch.randint(0, 256, (nbytes,), dtype=torch.uint8, generator=gen)
+    got = page_checksum(data)
+    assert got.dtype == torch.int64 and got.shape == (3,)
+    unsigned = tuple(v & ((1 << 64) - 1) for v in got.tolist())
+    assert unsigned == reference_checksum(data.numpy().tobytes())
+
+
+def test_checksum_catches_every_flipped_byte() -> None:
+    # More than a row, with a padded tail: every byte, low bit and high bit (d * 2**63 too).
+    pages = torch.randn(2, 3, 7, 2, 48).to(torch.bfloat16)
+    raw = as_bytes(pages)
+    assert raw.numel() % (8 * CHECKSUM_ROW_WORDS) != 0 and raw.numel() > 8 * CHECKSUM_ROW_WORDS
+    base = resolve(page_checksum(pages))
+    assert base == resolve(page_checksum(pages.clone()))
+    for index in range(raw.numel()):
+        for bit in (0x01, 0x80):
+            flipped = pages.clone()
+            as_bytes(flipped)[index] ^= bit
+            assert resolve(page_checksum(flipped)) != base, (index, bit)
+
+
+def test_checksum_catches_reordering() -> None:
+    pages = torch.randn(2, 6, 16, 2, 64)  # 8 KiB pages: two checksum rows each
+    base = resolve(page_checksum(pages))
+
+    def swapped(i: int, j: int, words: bool = False) -> int:
+        t = pages.clone()
+        if words:
+            w = as_bytes(t).view(torch.int64)
+            w[[i, j]] = w[[j, i]]
+        else:
+            t[:, [i, j]] = t[:, [j, i]]
+        return resolve(page_checksum(t))
+
+    assert swapped(0, 1) != base and swapped(2, 5) != base  # whole pages
+    assert swapped(3, 4, words=True) != base  # neighbours in one row
+    assert swapped(7, 7 + CHECKSUM_ROW_WORDS, words=True) != base  # same column, next row
+    assert swapped(0, 3 * CHECKSUM_ROW_WORDS + 9, words=True) != base
+    assert resolve(page_checksum(pages.flip(0).contiguous())) != base  # K and V halves swapped
+
+
+def test_checksum_ignores_alignment_and_dtype_views() -> None:
+    data = torch.randint(0, 256, (9003,), dtype=torch.uint8)
+    for misaligned in (data[3:], data[3:-2]):  # whole words or not
+        assert misaligned.storage_offset() % 8
+        assert resolve(page_checksum(misaligned)) == resolve(page_checksum(misaligned.clone()))
+    floats = torch.randn(2, 2, 4, 2, 8)
+    assert resolve(page_checksum(floats)) == resolve(page_checksum(floats.view(torch.uint8)))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_checksum_is_the_same_on_cpu_and_cuda() -> None:
+    pages = torch.randn(2, 7, 16, 8, 128).to(torch.bfloat16)
+    assert resolve(page_checksum(pages)) == resolve(page_checksum(pages.cuda()))
+
+
+def test_resolve_passes_ints_through() -> None:
+    assert resolve(5) == 5 and resolve(-1) == (1 << 64) - 1
+
+
+def test_frames_hold_whole_pages_up_to_the_cap() -> None:
+    assert blocks_per_frame(128 << 10) == FRAME_BYTES // (128 << 10)
+    assert blocks_per_frame(3 << 20) == 2
+    assert blocks_per_frame(FRAME_BYTES + 1) == 1  # a page larger than the cap still goes
+    assert blocks_per_frame(512, limit=3 * 512) == 3
+
+
+def test_frame_pool_lends_each_buffer_once_and_takes_back_only_its_own() -> None:
+    pool = FramePool(count=2, nbytes=1024)
+    a = pool.take((2, 4, 8), torch.float32)
+    b = pool.take((16,), torch.bfloat16)
+    assert a is not None and b is not None and a.shape == (2, 4, 8) and b.dtype == torch.bfloat16
+
+    def address(t: torch.Tensor) -> int:
+        return t.untyped_storage().data_ptr()
+
+    assert address(a) != address(b)
+    assert pool.take((1,), torch.float32) is None  # all lent: the caller allocates
+    pool.give_back(torch.zeros(4))  # not the pool's: ignored
+    assert pool.take((1,), torch.float32) is None
+    pool.give_back(a)
+    again = pool.take((256,), torch.float32)
+    assert again is not None and address(again) == address(a)
+    pool.give_back(b)
+    assert pool.take((257,), torch.float32) is None  # larger than a buffer
 
 
 def test_page_header_decoding_is_strict() -> None:
@@ -98,3 +186,20 @@ def test_done_waits_for_frames_in_flight_and_cancel_makes_them_late() -> None:
     assert not got.land(page, 1)
     assert got.counters == {"late_frame": 1}
     assert not got.admit(page) and got.counters["frame_cancelled_xfer"] == 1
+
+
+def test_done_from_another_checksum_scheme_fails_the_transfer_clearly() -> None:
+    sent, got = SendBook(1), ReceiveBook(1)
+    sent.record(_page("t", 0, (1,)), 7)
+    done = sent.close("t", {})
+    assert done.checksum_scheme == CHECKSUM_SCHEME
+    got.expect("t", [1])
+    assert got.admit(_page("t", 0, (1,))) and got.land(_page("t", 0, (1,)), 7)
+    # An older sender's done has no scheme field: it decodes as crc32 and is refused by name.
+    body = msgpack.unpackb(encode(done))
+    del body["checksum_scheme"]
+    legacy = decode(msgpack.packb(body))
+    assert isinstance(legacy, KVDone) and legacy.checksum_scheme == "crc32"
+    got.on_done(legacy)
+    (result,) = got.finished()
+    assert not result.ok and "'crc32'" in result.error and CHECKSUM_SCHEME in result.error
