@@ -116,9 +116,14 @@ class NodeInfo:
             n += 1
         return n
 
-    def routed(self, request: GenerateRequest, now: float, ttl: float = 5.0) -> None:
-        """A prompt was sent here: count its tokens and expect its blocks to be cached soon."""
+    def routed(
+        self, request: GenerateRequest, now: float, ttl: float = 5.0, prefixes: bool = True
+    ) -> None:
+        """A prompt was sent here: count its tokens and (when the policy reads them) expect
+        its blocks to be cached soon."""
         self.recent_tokens += len(request.prompt_token_ids)
+        if not prefixes:
+            return
         for h in hash_token_blocks(request.prompt_token_ids, self.block_size):
             self.recent_prefixes[h] = now + ttl
 
@@ -234,6 +239,7 @@ class ClusterBackend(Backend):
         if policy not in POLICIES:
             raise ValueError(f"unknown policy {policy!r}; choose from {sorted(POLICIES)}")
         self.policy = POLICIES[policy]()
+        self.hash_prompts = policy == "prefix_aware"  # only it reads recent_prefixes
         self.default_max_model_len = max_model_len
         self.heartbeat_timeout = heartbeat_timeout
         self.reply_timeout = reply_timeout
@@ -601,7 +607,7 @@ class ClusterBackend(Backend):
             node = colocated[0]
             stream.prefill_node = node.node_id
             node.inflight += 1
-            node.routed(request, time.monotonic())
+            node.routed(request, time.monotonic(), prefixes=self.hash_prompts)
             await self._send(
                 node.node_id,
                 Prefill(
@@ -627,7 +633,7 @@ class ClusterBackend(Backend):
         prefill = prefills[0]
         stream.prefill_node = prefill.node_id
         prefill.inflight += 1
-        prefill.routed(request, time.monotonic())
+        prefill.routed(request, time.monotonic(), prefixes=self.hash_prompts)
         await self._send(
             prefill.node_id,
             Prefill(
