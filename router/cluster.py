@@ -121,10 +121,14 @@ class NodeInfo:
     ) -> None:
         """A prompt was sent here: count its tokens and (when the policy reads them) expect
         its blocks to be cached soon."""
-        self.recent_tokens += len(request.prompt_token_ids)
+        prompt = request.prompt_token_ids
         if not prefixes:
+            self.recent_tokens += len(prompt)
             return
-        for h in hash_token_blocks(request.prompt_token_ids, self.block_size):
+        hashes = hash_token_blocks(prompt, self.block_size)
+        # Queued work is what it must compute: the prompt less the leading blocks it holds.
+        self.recent_tokens += len(prompt) - self.cached_blocks(hashes, now) * self.block_size
+        for h in hashes:
             self.recent_prefixes[h] = now + ttl
 
 
