@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import math
 import threading
+from dataclasses import dataclass
 
 import torch
 
@@ -35,8 +36,51 @@ def store_kv_ref(
     v_flat.index_copy_(0, slots, value[valid].to(v_cache.dtype))
 
 
+@dataclass(frozen=True, slots=True)
+class _Part:
+    """One SDPA call's worth of a step: n sequences with q_len query tokens each.
+
+    tokens:  [n * q_len] rows of the flat query (and output), sequence-major
+    index:   [n * blocks] the blocks to gather, each sequence's padded to the part's longest
+             (entries past a sequence's last block point at block 0: never read as context)
+    seen:    [n, q_len, blocks * block_size] True where a query sees a key; None: plain causal
+             over a whole prompt (q_len == keys), which SDPA does without a mask
+    unseen:  flat rows of the gathered keys that no query sees (they may hold NaN), or None
+    keys:    keys per sequence actually attended (the gather's rows past it are cut off)
+    """
+
+    tokens: torch.Tensor
+    index: torch.Tensor
+    seen: torch.Tensor | None
+    unseen: torch.Tensor | None
+    n: int
+    q_len: int
+    keys: int
+
+
+@dataclass(frozen=True, slots=True)
+class _Plan:
+    """Everything an attention call derives from the step's metadata, made once per step and
+    shared by every layer (each layer gets the same metadata)."""
+
+    inputs: tuple[torch.Tensor, ...]  # copies of the metadata it was made from
+    block_size: int
+    sliding_window: int | None
+    parts: tuple[_Part, ...]
+
+    def fits(self, inputs: tuple[torch.Tensor, ...], block_size: int, window: int | None) -> bool:
+        # Compared by value: a few small int tensors, and ids or version counters cannot be
+        # trusted (ids are reused, inference tensors have no version counter).
+        return (
+            block_size == self.block_size
+            and window == self.sliding_window
+            and all(torch.equal(a, b) for a, b in zip(inputs, self.inputs, strict=True))
+        )
+
+
 class _Scratch(threading.local):
-    """Reused buffers for the K/V gathers of attention, one set per thread.
+    """Per-thread state of the reference attention: the last step's plan, and reused buffers
+    for the K/V gathers.
 
     A fresh multi-megabyte tensor per gather and layer costs more in page faults than the
     copy itself (about 4x on CPU), so each named buffer is kept and grown as needed, up to
@@ -47,6 +91,7 @@ class _Scratch(threading.local):
 
     def __init__(self) -> None:
         self.buffers: dict[tuple[str, torch.dtype, torch.device, bool], torch.Tensor] = {}
+        self.plan: _Plan | None = None
 
     def take(self, name: str, shape: tuple[int, ...], like: torch.Tensor) -> torch.Tensor:
         numel = math.prod(shape)
@@ -63,65 +108,6 @@ class _Scratch(threading.local):
 _SCRATCH = _Scratch()
 
 
-def _gather_rows(
-    cache: torch.Tensor, tables: torch.Tensor, lens: torch.Tensor, name: str
-) -> torch.Tensor:
-    """Rows 0..max(lens) of each sequence's K (or V) through its block table, in whole blocks:
-    [n, blocks * block_size, Hkv, D], in this thread's scratch buffer `name` (valid until the
-    next gather into it). Entries past a sequence's last block are never followed (block 0
-    stands in), so table padding may hold anything."""
-    block_size = cache.shape[1]
-    n_blocks = (int(lens.max()) + block_size - 1) // block_size
-    tables = tables[:, :n_blocks].long()
-    owned = torch.arange(n_blocks, device=tables.device)[None, :] * block_size < lens[:, None]
-    index = torch.where(owned, tables, 0).flatten()
-    out = _SCRATCH.take(name, (index.shape[0], *cache.shape[1:]), cache)
-    torch.index_select(cache, 0, index, out=out)
-    return out.view(tables.shape[0], n_blocks * block_size, *cache.shape[2:])
-
-
-def _attend(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seen: torch.Tensor | None, scale: float
-) -> torch.Tensor:
-    """Grouped-query attention of n sequences in float32 (one SDPA call, K/V not repeated).
-
-    q [n, q_len, H, D], k/v [n, L, Hkv, D], seen [n, q_len, L] (True: the query sees the key;
-    None: plain causal with q_len == L, which lets SDPA skip the masked half) ->
-    [n, q_len, H, D] float32. Query head h reads K/V head h // (H // Hkv). Every query must
-    see at least one key; keys no query sees may hold anything, NaN included. k and v are
-    scratch (the callers' own gathered copies, contiguous): unseen rows are zeroed in place.
-    """
-    n, length = k.shape[:2]
-    k, v = k.float(), v.float()
-    unseen = None if seen is None else ~seen.any(dim=1).flatten()
-    if unseen is not None and unseen.any():
-        # Masked to weight 0, yet NaN * 0 is NaN: zero those keys and values.
-        rows = unseen.nonzero().flatten()
-        for t in (k, v):
-            t.view(n * length, *t.shape[2:]).index_fill_(0, rows, 0.0)
-    out = torch.nn.functional.scaled_dot_product_attention(
-        q.float().transpose(1, 2),
-        k.transpose(1, 2),
-        v.transpose(1, 2),
-        attn_mask=None if seen is None else seen[:, None],
-        is_causal=seen is None,
-        scale=scale,
-        enable_gqa=True,
-    )
-    return out.transpose(1, 2)
-
-
-def _seen_keys(q_pos: torch.Tensor, key_len: int, sliding_window: int | None) -> torch.Tensor:
-    """[n, q_len, key_len] True where the query at position q_pos[i, j] sees key position k:
-    k <= q_pos, and with a window w, also k > q_pos - w."""
-    k_pos = torch.arange(key_len, device=q_pos.device)[None, None, :]
-    q_pos = q_pos[:, :, None]
-    seen = k_pos <= q_pos
-    if sliding_window is not None:
-        seen &= k_pos > q_pos - sliding_window
-    return seen
-
-
 def _decode_groups(q_lens: list[int], seq_lens: list[int]) -> list[list[int]]:
     """The decode rows (q_len 1) in groups, longest first, each row at least half as long as
     its group's longest: padding every row to its group's longest at most doubles the work."""
@@ -133,6 +119,98 @@ def _decode_groups(q_lens: list[int], seq_lens: list[int]) -> list[list[int]]:
         else:
             groups.append([b])
     return groups
+
+
+def _make_part(
+    seqs: list[int],
+    starts: list[int],
+    seq_lens: list[int],
+    q_len: int,
+    block_tables: torch.Tensor,
+    block_size: int,
+    sliding_window: int | None,
+) -> _Part:
+    """The part for sequences `seqs`, all with q_len new tokens (the last q_len positions)."""
+    dev = block_tables.device
+    n_blocks = (max(seq_lens[b] for b in seqs) + block_size - 1) // block_size
+    lens = torch.tensor([seq_lens[b] for b in seqs], device=dev)
+    tables = block_tables[torch.tensor(seqs, device=dev), :n_blocks].long()
+    owned = torch.arange(n_blocks, device=dev)[None, :] * block_size < lens[:, None]
+    index = torch.where(owned, tables, 0).flatten()
+    tokens = torch.tensor([starts[b] + i for b in seqs for i in range(q_len)], device=dev)
+    keys = n_blocks * block_size if len(seqs) > 1 else seq_lens[seqs[0]]
+    seen = unseen = None
+    if len(seqs) > 1 or q_len < keys or sliding_window is not None:
+        k_pos = torch.arange(keys, device=dev)[None, None, :]
+        q_pos = (lens[:, None] - q_len + torch.arange(q_len, device=dev)[None, :])[:, :, None]
+        seen = k_pos <= q_pos
+        if sliding_window is not None:
+            seen &= k_pos > q_pos - sliding_window
+        rows = (~seen.any(dim=1)).flatten().nonzero().flatten()
+        unseen = rows if rows.numel() else None
+    return _Part(tokens, index, seen, unseen, len(seqs), q_len, keys)
+
+
+def _plan(
+    block_tables: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_size: int,
+    sliding_window: int | None,
+) -> _Plan:
+    """This step's plan: the cached one when the metadata is the same, else a new one."""
+    inputs = (block_tables, query_start_loc, seq_lens)
+    cached = _SCRATCH.plan
+    if cached is not None and cached.fits(inputs, block_size, sliding_window):
+        return cached
+    starts = query_start_loc.tolist()
+    lens = seq_lens.tolist()
+    q_lens = [starts[b + 1] - starts[b] for b in range(len(lens))]
+    parts = [
+        _make_part(group, starts, lens, 1, block_tables, block_size, sliding_window)
+        for group in _decode_groups(q_lens, lens)
+    ]
+    parts += [
+        _make_part([b], starts, lens, q_len, block_tables, block_size, sliding_window)
+        for b, q_len in enumerate(q_lens)
+        if q_len > 1
+    ]
+    plan = _Plan(tuple(t.clone() for t in inputs), block_size, sliding_window, tuple(parts))
+    _SCRATCH.plan = plan
+    return plan
+
+
+def _gather(cache: torch.Tensor, part: _Part, name: str) -> torch.Tensor:
+    """The part's K (or V) rows [n, keys, Hkv, D] from the paged cache, in this thread's
+    scratch buffer `name` (valid until the next gather into it), unseen rows zeroed."""
+    out = _SCRATCH.take(name, (part.index.shape[0], *cache.shape[1:]), cache)
+    torch.index_select(cache, 0, part.index, out=out)
+    rows = out.view(part.n, -1, *cache.shape[2:])[:, : part.keys]
+    if part.unseen is not None:
+        # Masked to weight 0, yet NaN * 0 is NaN: zero the keys and values no query sees.
+        rows.view(-1, *cache.shape[2:]).index_fill_(0, part.unseen, 0.0)
+    return rows
+
+
+def _attend(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seen: torch.Tensor | None, scale: float
+) -> torch.Tensor:
+    """Grouped-query attention of n sequences in float32 (one SDPA call, K/V not repeated).
+
+    q [n, q_len, H, D], k/v [n, L, Hkv, D], seen [n, q_len, L] (True: the query sees the key;
+    None: plain causal with q_len == L, which lets SDPA skip the masked half) ->
+    [n, q_len, H, D] float32. Query head h reads K/V head h // (H // Hkv).
+    """
+    out = torch.nn.functional.scaled_dot_product_attention(
+        q.float().transpose(1, 2),
+        k.float().transpose(1, 2),
+        v.float().transpose(1, 2),
+        attn_mask=None if seen is None else seen[:, None],
+        is_causal=seen is None,
+        scale=scale,
+        enable_gqa=True,
+    )
+    return out.transpose(1, 2)
 
 
 def paged_attention_ref(
@@ -151,36 +229,20 @@ def paged_attention_ref(
     keys 0..position (and, with a sliding window w, only the last w of them). Serves prefill
     chunks with a cached prefix and decode (q_len == 1) alike. Accumulates in float32.
 
-    Decode rows (one new token each) go through in batched calls, each padded to its longest
-    row (rows are grouped by length so padding never doubles a group's work); each longer query
-    runs on its own, since its matmuls already fill the machine.
+    Decode rows (one new token each) go through in batched SDPA calls, each padded to its
+    longest row (rows are grouped by length so padding never doubles a group's work); each
+    longer query runs on its own, since its matmuls already fill the machine. What the calls
+    derive from the metadata (groups, gather indices, masks) is made once per step: the
+    layers of a forward pass share it.
     """
     out = torch.empty_like(query)
-    dev = query.device
-    starts = query_start_loc.tolist()
-    lens = seq_lens.tolist()
-    q_lens = [starts[b + 1] - starts[b] for b in range(len(lens))]
-    for group in _decode_groups(q_lens, lens):
-        rows = torch.tensor(group, device=dev)
-        tokens = torch.tensor([starts[b] for b in group], device=dev)
-        dec_lens = torch.tensor([lens[b] for b in group], device=dev)
-        k = _gather_rows(k_cache, block_tables[rows], dec_lens, "k")
-        v = _gather_rows(v_cache, block_tables[rows], dec_lens, "v")
-        seen = _seen_keys((dec_lens - 1)[:, None], k.shape[1], sliding_window)
-        out[tokens] = _attend(query[tokens][:, None], k, v, seen, scale)[:, 0].to(out.dtype)
-    for b, q_len in enumerate(q_lens):
-        if q_len <= 1:
-            continue
-        seq_len = lens[b]
-        length = torch.tensor([seq_len], device=dev)
-        k = _gather_rows(k_cache, block_tables[b : b + 1], length, "k")[:, :seq_len]
-        v = _gather_rows(v_cache, block_tables[b : b + 1], length, "v")[:, :seq_len]
-        seen = None  # a whole prompt, no window: plain causal
-        if q_len < seq_len or sliding_window is not None:
-            q_pos = torch.arange(seq_len - q_len, seq_len, device=dev)[None]
-            seen = _seen_keys(q_pos, seq_len, sliding_window)
-        q = query[starts[b] : starts[b + 1]][None]
-        out[starts[b] : starts[b + 1]] = _attend(q, k, v, seen, scale)[0].to(out.dtype)
+    plan = _plan(block_tables, query_start_loc, seq_lens, k_cache.shape[1], sliding_window)
+    for part in plan.parts:
+        q = query[part.tokens].view(part.n, part.q_len, *query.shape[1:])
+        k = _gather(k_cache, part, "k")
+        v = _gather(v_cache, part, "v")
+        result = _attend(q, k, v, part.seen, scale).reshape(-1, *query.shape[1:])
+        out[part.tokens] = result.to(out.dtype)
     return out
 
 

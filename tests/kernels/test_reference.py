@@ -7,7 +7,7 @@ points to) is NaN, so a kernel that reads anything it should not poisons its out
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import pytest
 import torch
@@ -135,6 +135,49 @@ def test_paged_attention_ref_matches_dense(spec, group, head_dim, window):
     out = run_ref(batch, scale, window)
     torch.testing.assert_close(
         out.double(), dense_attention(batch, scale, window), atol=1e-5, rtol=1e-5
+    )
+
+
+def test_attention_plan_is_shared_while_metadata_holds_and_remade_when_it_changes():
+    # The reference derives groups, gather indices and masks once per step and reuses them
+    # for every layer: the same metadata tensors with other cache contents (another layer),
+    # and the same tensors changed in place, must both give the right answer.
+    batch = make_paged_batch(MIXED_BATCH, 8, 2, 64, block_size=16)
+    scale = 0.125
+    torch.testing.assert_close(
+        run_ref(batch, scale, None).double(),
+        dense_attention(batch, scale, None),
+        atol=1e-5,
+        rtol=1e-5,
+    )
+
+    other_layer = replace(
+        batch,
+        k_cache=batch.k_cache * -2,
+        v_cache=batch.v_cache + 1,
+        dense_k=[k * -2 for k in batch.dense_k],
+        dense_v=[v + 1 for v in batch.dense_v],
+    )
+    torch.testing.assert_close(
+        run_ref(other_layer, scale, None).double(),
+        dense_attention(other_layer, scale, None),
+        atol=1e-5,
+        rtol=1e-5,
+    )
+
+    # Move sequence 0's first block to a spare one, poisoning the old place, in place.
+    used = set(batch.block_tables.flatten().tolist())
+    spare = next(b for b in range(batch.k_cache.shape[0]) if b not in used)
+    old = int(batch.block_tables[0, 0])
+    for cache in (batch.k_cache, batch.v_cache):
+        cache[spare] = cache[old]
+        cache[old] = float("nan")
+    batch.block_tables[0, 0] = spare
+    torch.testing.assert_close(
+        run_ref(batch, scale, None).double(),
+        dense_attention(batch, scale, None),
+        atol=1e-5,
+        rtol=1e-5,
     )
 
 
