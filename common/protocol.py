@@ -112,6 +112,10 @@ def _check(value: Any, hint: Any, where: str) -> Any:
                 return _fail(where, hint)
             return tuple(_check(v, a, where) for v, a in zip(value, args))
         item = args[0] if args else Any
+        # Fast path for the long homogeneous lists the wire carries (block ids, token ids):
+        # one C-level type test per element instead of a recursive call; bool is not int here.
+        if item in (int, str) and all(type(v) is item for v in value):
+            return tuple(value)
         return tuple(_check(v, item, where) for v in value)
     if origin is dict:
         if not isinstance(value, dict):

@@ -421,7 +421,7 @@ model, one thread): both engines spend most of a step in the same matmuls, `aten
 (`kernels/reference.py`), as fast as HF's (prefill 1024 tokens: 450 ms against 445 ms). What
 pdserve spends beyond HF, a few percent of a step, is the paged cache: each layer gathers the
 batch's context blocks through the block table (`index_select`, about 4% of a batch-16 decode
-step) and builds its masks, and each step runs the scheduler and prepares its inputs. Ratios
+step), and each step builds its attention plan, runs the scheduler and prepares its inputs. Ratios
 within a few percent of 1 are inside this shared machine's run-to-run noise."""
 
 

@@ -85,6 +85,24 @@ def test_plot_and_section_land_in_out_not_docs(quick) -> None:
         assert f"- {connector}: " in section  # the goal line, met or missed
     assert "Skipped points" in section and section.count("| tiny |") == 6
     assert "- tiny 32k (zmq, nccl, shm): KV bytes" in section
+    assert "Serial pass model" in section
+    for connector in CONNECTORS:
+        assert f"{connector} " in section.split("Serial pass model")[1].split("\n")[0]
+
+
+def test_pass_model_adds_the_extra_passes_to_the_raw_time() -> None:
+    # raw 1 GB/s and every pass at 4 GB/s: zmq and nccl add four passes (1 s/GB in all),
+    # shm three (its gather is its copy): 1 / (1 + 1) and 1 / (1 + 0.75).
+    sys.path.insert(0, str(SCRIPT.parent))
+    from bench_kv_transfer import pass_model
+
+    summary = {"ratio_at_largest": 0.3, "raw_gb_s_at_largest": 1.0}
+    rates = {"gather_pages out=": 4.0, "page_checksum": 4.0, "scatter_pages": 4.0}
+    report = {"summary": {c: summary for c in CONNECTORS}, "stages": {"gb_s": rates}}
+    model = pass_model(report)
+    assert model["zmq"] == model["nccl"] == pytest.approx((0.5, 0.3))
+    assert model["shm"] == pytest.approx((1 / 1.75, 0.3))
+    assert pass_model({"summary": report["summary"]}) == {}  # run with --no-stages
 
 
 def test_quick_refuses_to_write_into_docs() -> None:
