@@ -87,7 +87,7 @@ class _Scratch(threading.local):
     MAX_BYTES; a gather larger than that gets a tensor of its own.
     """
 
-    MAX_BYTES = 256 << 20
+    MAX_BYTES = 64 << 20
 
     def __init__(self) -> None:
         self.buffers: dict[tuple[str, torch.dtype, torch.device, bool], torch.Tensor] = {}
