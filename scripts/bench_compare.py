@@ -634,9 +634,9 @@ def _reading(report: dict[str, Any]) -> list[str]:
         " server computes on one core, in float32, and both spend most of a step in the same"
         " matmuls (about 80% of pdserve's batch-16 decode step is `aten::mm`, and HF's"
         " `generate` runs the same shapes: see the offline section, where pdserve's engine is"
-        " at 0.9-1.0x HF's). pdserve's lead at saturation comes from what surrounds the"
-        " matmuls (scheduling, batching prefill chunks with decodes, a batched paged"
-        " attention); a 2x lead would need transformers serve to spend more than half its"
+        " at 0.9-1.0x HF's). What separates the two at saturation is the time around the"
+        " matmuls (scheduling, batching prefill chunks with decodes, the paged attention);"
+        " a 2x lead would need transformers serve to spend more than half its"
         " time outside them, which on this CPU it does not. The goal is a GPU one, where a"
         " step's fixed costs weigh far more; no GPU was available to measure it.",
         f"- *Mixed run.* With a {budget}-token budget colocated pdserve interleaves each"
