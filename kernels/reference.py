@@ -28,12 +28,14 @@ def store_kv_ref(
 ) -> None:
     """Write each token's K and V into its slot; a negative slot means "do not store"."""
     num_blocks, block_size = k_cache.shape[:2]
-    valid = slot_mapping >= 0
-    slots = slot_mapping[valid].long()
+    slots = slot_mapping.long()
+    if not bool((slots >= 0).all()):  # the boolean selection only when some are skipped
+        valid = slots >= 0
+        slots, key, value = slots[valid], key[valid], value[valid]
     k_flat = k_cache.view(num_blocks * block_size, *k_cache.shape[2:])
     v_flat = v_cache.view(num_blocks * block_size, *v_cache.shape[2:])
-    k_flat.index_copy_(0, slots, key[valid].to(k_cache.dtype))
-    v_flat.index_copy_(0, slots, value[valid].to(v_cache.dtype))
+    k_flat.index_copy_(0, slots, key.to(k_cache.dtype))
+    v_flat.index_copy_(0, slots, value.to(v_cache.dtype))
 
 
 @dataclass(frozen=True, slots=True)
