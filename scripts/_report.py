@@ -16,6 +16,18 @@ REPO = Path(__file__).resolve().parent.parent
 BENCH_DOC = REPO / "docs" / "benchmarks.md"
 BENCH_DIR = REPO / "docs" / "bench"
 
+# The benchmark model's geometry (common.tiny_model arguments): a ~90M-parameter Llama with
+# random weights, small enough for a CPU, big enough that matmuls dominate a step.
+BENCH_MODEL_SIZES = {
+    "layers": 12,
+    "hidden": 768,
+    "heads": 12,
+    "kv_heads": 4,
+    "intermediate": 2048,
+    "vocab": 8192,
+    "max_position": 4096,
+}
+
 
 def machine() -> dict[str, Any]:
     """Where a result was measured, stored next to it."""
@@ -31,6 +43,12 @@ def machine() -> dict[str, Any]:
     if torch.cuda.is_available():
         info["gpu"] = torch.cuda.get_device_name()
     return info
+
+
+def describe_machine(m: dict[str, Any], threads: str = "torch threads") -> str:
+    """One line for a report from machine()'s record; `threads` names its thread count."""
+    where = m.get("gpu") or f"{m['cpu']} x{m['cpu_count']} cores"
+    return f"{where}, torch {m['torch']}, {threads}: {m['threads']}"
 
 
 def save_json(path: str | Path, result: dict[str, Any]) -> Path:

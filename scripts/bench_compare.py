@@ -42,7 +42,16 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from _report import BENCH_DIR, BENCH_DOC, REPO, machine, markdown_table, save_json, write_section
+from _report import (
+    BENCH_DIR,
+    BENCH_DOC,
+    BENCH_MODEL_SIZES,
+    REPO,
+    machine,
+    markdown_table,
+    save_json,
+    write_section,
+)
 from bench_serving import (
     BenchConfig,
     BenchRequest,
@@ -59,17 +68,9 @@ QUICK_SYSTEMS = SYSTEMS[:2]
 SECTION = "compare"
 DEFAULT_BATCH_TOKENS = 512  # common.cli's --max-num-batched-tokens
 
-# The benchmark model: Llama geometry of a ~90M-parameter model; random weights.
-BENCH_MODEL = {
-    "layers": 12,
-    "hidden": 768,
-    "heads": 12,
-    "kv_heads": 4,
-    "intermediate": 2048,
-    "vocab": 8192,
-    "max_position": 4096,
-    "initializer_range": 0.02,
-}
+# The benchmark model: the offline benchmark's geometry, random weights drawn with the
+# usual 0.02 initializer range (tiny_model's default is 0.1).
+BENCH_MODEL = {**BENCH_MODEL_SIZES, "initializer_range": 0.02}
 QUICK_MODEL: dict[str, Any] = {}  # the tests' tiny Llama as common.tiny_model makes it
 
 

@@ -57,7 +57,15 @@ from typing import Any
 
 import torch
 import zmq
-from _report import BENCH_DIR, REPO, machine, markdown_table, save_json, write_section
+from _report import (
+    BENCH_DIR,
+    REPO,
+    describe_machine,
+    machine,
+    markdown_table,
+    save_json,
+    write_section,
+)
 
 from kernels import ops
 from kv_transfer import KVLayout, KVReceiver, create_receiver, create_sender
@@ -739,7 +747,8 @@ def section(report: dict[str, Any]) -> str:
         "## KV transfer: connectors against their raw transport",
         "",
         f"Command: `{report['command']}`  ",
-        f"Machine: {describe_machine(report['machine'])}; device `{report['device']}`; "
+        f"Machine: {describe_machine(report['machine'], 'torch threads per process')}; "
+        f"device `{report['device']}`; "
         f"median of {report['repeats']} repeats; load average {report['load_avg'][0]:.1f} "
         f"at start, {report['load_avg'][1]:.1f} at end (other work shared the cores).",
         "",
@@ -839,11 +848,6 @@ def goal_lines(report: dict[str, Any]) -> list[str]:
             f"{s['points']} points meet {s['goal']}."
         )
     return lines
-
-
-def describe_machine(m: dict[str, Any]) -> str:
-    where = m.get("gpu") or f"{m['cpu']} x{m['cpu_count']} cores"
-    return f"{where}, torch {m['torch']}, torch threads per process: {m['threads']}"
 
 
 def plot(report: dict[str, Any], path: Path) -> None:

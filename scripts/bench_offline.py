@@ -48,20 +48,19 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from _report import BENCH_DIR, machine, markdown_table, save_json, write_section
+from _report import (
+    BENCH_DIR,
+    BENCH_MODEL_SIZES,
+    describe_machine,
+    machine,
+    markdown_table,
+    save_json,
+    write_section,
+)
 
 from common.llm import LLM, SamplingParams
 from common.tiny_model import make_tiny_model
 
-BIG_MODEL = {
-    "layers": 12,
-    "hidden": 768,
-    "heads": 12,
-    "kv_heads": 4,
-    "intermediate": 2048,
-    "vocab": 8192,
-    "max_position": 4096,
-}
 DEFAULT_CACHE = Path(tempfile.gettempdir()) / "pdserve-bench-models"
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -73,7 +72,7 @@ def model_dir(args: argparse.Namespace) -> Path:
     """--model, or the benchmark model built once into the cache (tiny defaults when quick)."""
     if args.model:
         return Path(args.model)
-    sizes = {} if args.quick else BIG_MODEL
+    sizes = {} if args.quick else BENCH_MODEL_SIZES
     name = "llama-tiny" if args.quick else "llama-" + "-".join(f"{v}" for v in sizes.values())
     out = Path(args.cache_dir) / name
     if not (out / "config.json").is_file():
@@ -440,11 +439,6 @@ def verdict_lines(report: dict[str, Any]) -> list[str]:
         "random weights; see `first_mismatch` in the JSON).",
     ]
     return lines
-
-
-def describe_machine(m: dict[str, Any]) -> str:
-    where = m.get("gpu") or f"{m['cpu']} x{m['cpu_count']} cores"
-    return f"{where}, torch {m['torch']}, torch threads: {m['threads']}"
 
 
 def plot(report: dict[str, Any], path: Path) -> None:
