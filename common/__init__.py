@@ -1,1 +1,1 @@
-"""pdserve common package."""
+"""Code every role shares, by subsystem: engine/, model/, wire/, node/."""

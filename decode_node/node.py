@@ -5,8 +5,10 @@ from __future__ import annotations
 import logging
 import uuid
 
-from common.node import EngineNode, sampling_from_wire
-from common.protocol import (
+from pdserve.common.engine.scheduler import SampledToken
+from pdserve.common.node.loop import EngineNode
+from pdserve.common.wire.codecs import sampling_from_wire
+from pdserve.common.wire.messages import (
     Admitted,
     Busy,
     Error,
@@ -15,9 +17,8 @@ from common.protocol import (
     Reserved,
     ReserveKV,
 )
-from common.scheduler import SampledToken
-from kv_transfer import create_receiver, node_layout
-from kv_transfer.channel import use_curve
+from pdserve.kv_transfer import create_receiver, node_layout
+from pdserve.kv_transfer.channel import use_curve
 
 log = logging.getLogger(__name__)
 

@@ -9,7 +9,7 @@ import functools
 
 import torch
 
-from kernels import reference
+from pdserve.kernels import reference
 
 
 @functools.cache
@@ -29,7 +29,7 @@ def _use_triton(t: torch.Tensor) -> bool:
 def store_kv(key, value, k_cache, v_cache, slot_mapping) -> None:
     """Write K/V rows [T, Hkv, D] into cache slots; slot = block_id * block_size + offset."""
     if _use_triton(key):
-        from kernels.store_kv import store_kv_triton
+        from pdserve.kernels.store_kv import store_kv_triton
 
         return store_kv_triton(key, value, k_cache, v_cache, slot_mapping)
     return reference.store_kv_ref(key, value, k_cache, v_cache, slot_mapping)
@@ -40,7 +40,7 @@ def paged_attention(
 ) -> torch.Tensor:
     """Causal varlen attention over paged K/V (prefill chunks and decode in one call)."""
     if _use_triton(query):
-        from kernels.paged_attention import paged_attention_triton
+        from pdserve.kernels.paged_attention import paged_attention_triton
 
         return paged_attention_triton(
             query,
@@ -63,7 +63,7 @@ def gather_pages(
     """Blocks of one layer cache [2, N, bs, H, D] -> contiguous pages [2, n, bs, H, D], new or
     written into `out` (contiguous, same dtype and device; returned)."""
     if _use_triton(layer_cache):
-        from kernels.page_copy import gather_pages_triton
+        from pdserve.kernels.page_copy import gather_pages_triton
 
         return gather_pages_triton(layer_cache, block_ids, out)
     return reference.gather_pages_ref(layer_cache, block_ids, out)
@@ -72,7 +72,7 @@ def gather_pages(
 def scatter_pages(layer_cache: torch.Tensor, block_ids: torch.Tensor, pages: torch.Tensor) -> None:
     """Contiguous pages [2, n, bs, H, D] -> the given blocks of one layer cache."""
     if _use_triton(layer_cache):
-        from kernels.page_copy import scatter_pages_triton
+        from pdserve.kernels.page_copy import scatter_pages_triton
 
         return scatter_pages_triton(layer_cache, block_ids, pages)
     return reference.scatter_pages_ref(layer_cache, block_ids, pages)

@@ -11,8 +11,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._checks import FLOAT_DTYPES, INDEX_DTYPES, check_dtype
-from kernels.reference import check_pages_out
+from pdserve.kernels._checks import FLOAT_DTYPES, INDEX_DTYPES, check_dtype
+from pdserve.kernels.reference import check_pages_out
 
 # Elements copied per program; large enough to amortise the block-id load, small enough
 # that a 16 KiB-element block still spreads over several programs.

@@ -14,7 +14,13 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._checks import INDEX_DTYPES, check_dtype, check_kv_halves, check_one_device, check_rows
+from pdserve.kernels._checks import (
+    INDEX_DTYPES,
+    check_dtype,
+    check_kv_halves,
+    check_one_device,
+    check_rows,
+)
 
 # Keys per inner-loop step; tiles may straddle pages because each key looks up its own block.
 _BLOCK_N = 32

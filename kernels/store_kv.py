@@ -9,7 +9,13 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._checks import INDEX_DTYPES, check_dtype, check_kv_halves, check_one_device, check_rows
+from pdserve.kernels._checks import (
+    INDEX_DTYPES,
+    check_dtype,
+    check_kv_halves,
+    check_one_device,
+    check_rows,
+)
 
 
 @triton.jit

@@ -3,7 +3,7 @@
 Pick a connector by name (`zmq`, `nccl`, `shm`) with `create_sender` / `create_receiver`.
 """
 
-from kv_transfer.base import (
+from pdserve.kv_transfer.base import (
     KVReceiver,
     KVSender,
     LayoutMismatchError,
@@ -14,7 +14,7 @@ from kv_transfer.base import (
     create_receiver,
     create_sender,
 )
-from kv_transfer.layout import KVLayout, node_layout
+from pdserve.kv_transfer.layout import KVLayout, node_layout
 
 __all__ = [
     "KVLayout",

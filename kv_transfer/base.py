@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from kv_transfer.layout import KVLayout
+from pdserve.kv_transfer.layout import KVLayout
 
 
 class LayoutMismatchError(ValueError):
@@ -146,9 +146,9 @@ class KVReceiver(abc.ABC):
 # name -> (module, sender class, receiver class); modules import lazily so that asking for `zmq`
 # never pulls in torch.distributed.
 _CONNECTORS: dict[str, tuple[str, str, str]] = {
-    "zmq": ("kv_transfer.zmq_connector", "ZmqSender", "ZmqReceiver"),
-    "nccl": ("kv_transfer.nccl_connector", "NcclSender", "NcclReceiver"),
-    "shm": ("kv_transfer.shm_connector", "ShmSender", "ShmReceiver"),
+    "zmq": ("pdserve.kv_transfer.zmq_connector", "ZmqSender", "ZmqReceiver"),
+    "nccl": ("pdserve.kv_transfer.nccl_connector", "NcclSender", "NcclReceiver"),
+    "shm": ("pdserve.kv_transfer.shm_connector", "ShmSender", "ShmReceiver"),
 }
 
 

@@ -13,8 +13,8 @@ from typing import Any
 
 import torch
 
-from kv_transfer.base import TransferResult
-from kv_transfer.wire import CHECKSUM_SCHEME, KVDone, KVPage, combine, frame_digest, resolve
+from pdserve.kv_transfer.base import TransferResult
+from pdserve.kv_transfer.wire import CHECKSUM_SCHEME, KVDone, KVPage, combine, frame_digest, resolve
 
 # How many finished or cancelled xfer ids to remember, to tell "late" from "never heard of".
 _RECENT = 4096

@@ -18,10 +18,10 @@ from typing import Any, ClassVar
 import torch
 import zmq
 
-from common.protocol import MAX_MESSAGE_BYTES, Message, ProtocolError, decode, encode
-from common.security import CurveKeys, admit_cluster_keys
-from kernels import ops
-from kv_transfer.base import (
+from pdserve.common.wire.messages import MAX_MESSAGE_BYTES, Message, ProtocolError, decode, encode
+from pdserve.common.wire.security import CurveKeys, admit_cluster_keys
+from pdserve.kernels import ops
+from pdserve.kv_transfer.base import (
     KVReceiver,
     KVSender,
     LayoutMismatchError,
@@ -29,9 +29,9 @@ from kv_transfer.base import (
     TransferResult,
     TransferTimeout,
 )
-from kv_transfer.bookkeeping import ReceiveBook, SendBook
-from kv_transfer.layout import KVLayout
-from kv_transfer.wire import (
+from pdserve.kv_transfer.bookkeeping import ReceiveBook, SendBook
+from pdserve.kv_transfer.layout import KVLayout
+from pdserve.kv_transfer.wire import (
     FaultPlan,
     KVDone,
     KVHello,

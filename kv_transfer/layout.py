@@ -99,7 +99,7 @@ class KVLayout:
 
 def node_layout(engine: Any, model_dir: str) -> KVLayout:
     """The layout of a running engine's KV cache (duck-typed: keeps this module torch-free)."""
-    from common.weights import model_fingerprint
+    from pdserve.common.model.weights import model_fingerprint
 
     arch = engine.runner.arch
     return KVLayout(

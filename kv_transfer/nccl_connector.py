@@ -26,10 +26,10 @@ from typing import Any, ClassVar
 import torch
 import torch.distributed as dist
 
-from kv_transfer.base import TransferError, TransferTimeout
-from kv_transfer.channel import ChannelReceiver, ChannelSender, Peer
-from kv_transfer.layout import KVLayout
-from kv_transfer.wire import (
+from pdserve.kv_transfer.base import TransferError, TransferTimeout
+from pdserve.kv_transfer.channel import ChannelReceiver, ChannelSender, Peer
+from pdserve.kv_transfer.layout import KVLayout
+from pdserve.kv_transfer.wire import (
     FramePool,
     KVPage,
     blocks_per_frame,

@@ -28,11 +28,11 @@ from typing import Any, ClassVar
 
 import torch
 
-from common.protocol import Message
-from kv_transfer.base import TransferError
-from kv_transfer.channel import ChannelReceiver, ChannelSender, Peer
-from kv_transfer.layout import KVLayout
-from kv_transfer.wire import (
+from pdserve.common.wire.messages import Message
+from pdserve.kv_transfer.base import TransferError
+from pdserve.kv_transfer.channel import ChannelReceiver, ChannelSender, Peer
+from pdserve.kv_transfer.layout import KVLayout
+from pdserve.kv_transfer.wire import (
     FRAME_BYTES,
     KVCredit,
     KVPage,

@@ -21,9 +21,9 @@ import msgpack
 import torch
 import torch.nn.functional as F
 
-from common.protocol import Message, message
-from kv_transfer.base import TransferError, TransferTimeout
-from kv_transfer.layout import KVLayout
+from pdserve.common.wire.messages import Message, message
+from pdserve.kv_transfer.base import TransferError, TransferTimeout
+from pdserve.kv_transfer.layout import KVLayout
 
 _MASK64 = (1 << 64) - 1
 FAULT_ENV = "PDSERVE_FAULT_CORRUPT_KV"

@@ -1,7 +1,21 @@
-"""python -m prefill_node --model DIR --router HOST:PORT [engine flags]"""
+"""`pdserve prefill MODEL --router HOST:PORT [flags]` (also `python -m pdserve.prefill_node`)."""
 
-from common.launch import run_node
-from prefill_node.node import PrefillNode
+from __future__ import annotations
+
+from pdserve.common.node.launch import run_node
+
+
+def main(argv: list[str] | None = None) -> None:
+    from pdserve.prefill_node.node import PrefillNode
+
+    run_node(
+        PrefillNode,
+        "pdserve prefill",
+        "A prefill node: chunked prefill, KV pages shipped to the decode node's blocks.",
+        argv,
+        pass_args=("kv_connector",),
+    )
+
 
 if __name__ == "__main__":
-    run_node(PrefillNode, "pdserve prefill node", pass_args=("kv_connector",))
+    main()

@@ -7,11 +7,11 @@ from dataclasses import dataclass
 
 import zmq
 
-from common.node import EngineNode
-from common.protocol import Error, Prefill
-from common.scheduler import RequestUpdate, SchedulerOutput
-from kv_transfer import KVSender, create_sender, node_layout
-from kv_transfer.channel import use_curve
+from pdserve.common.engine.scheduler import RequestUpdate, SchedulerOutput
+from pdserve.common.node.loop import EngineNode
+from pdserve.common.wire.messages import Error, Prefill
+from pdserve.kv_transfer import KVSender, create_sender, node_layout
+from pdserve.kv_transfer.channel import use_curve
 
 log = logging.getLogger(__name__)
 

@@ -1,6 +1,5 @@
-"""python -m router --model DIR [--host 127.0.0.1] [--port 8000] [--control-port 8100]
-[--policy NAME] [--api-key KEY] [--max-request-bytes N] [--max-queued-requests N]
-[--max-queued-tokens N]"""
+"""`pdserve router MODEL [flags]` (also `python -m pdserve.router`): the HTTP front of a
+cluster; `pdserve router --help` lists the flags."""
 
 from __future__ import annotations
 
@@ -11,58 +10,77 @@ import os
 
 import uvicorn
 
-from router.api import RouterLimits, create_app
-from router.cluster import POLICIES, ClusterBackend
+from pdserve.common.node.cli import add_curve_arg, add_model_arg, parser, resolve_model
+from pdserve.router.api import RouterLimits, create_app
+from pdserve.router.cluster import POLICIES, ClusterBackend
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description="pdserve router (OpenAI-compatible HTTP API)")
-    p.add_argument("--model", required=True, help="checkpoint directory (for its tokenizer)")
-    p.add_argument("--served-model-name", default=None)
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--control-host", default=None, help="defaults to --host")
-    p.add_argument("--control-port", type=int, default=8100)
-    p.add_argument("--policy", default="least_loaded", choices=sorted(POLICIES))
-    p.add_argument("--api-key", default=os.environ.get("PDSERVE_API_KEY"))
-    p.add_argument("--max-model-len", type=int, default=None)
-    defaults = RouterLimits()
-    p.add_argument(
-        "--max-request-bytes",
-        type=int,
-        default=defaults.max_request_bytes,
-        help="larger request bodies get 413",
+    p = parser(
+        "pdserve router",
+        "The OpenAI-compatible HTTP front: tokenizes, routes to prefill and decode nodes,\n"
+        "streams tokens back. Nodes register on its control port.",
     )
-    p.add_argument(
-        "--max-queued-requests",
-        type=int,
-        default=defaults.max_queued_requests,
-        help="backend requests (choices) in flight beyond which new requests get 503",
+    add_model_arg(p)
+    api = p.add_argument_group("HTTP API")
+    api.add_argument(
+        "--served-model-name",
+        default=None,
+        help="the model's name in the API (default: MODEL as given)",
     )
-    p.add_argument(
-        "--max-queued-tokens",
-        type=int,
-        default=defaults.max_queued_tokens,
-        help="prompt tokens in flight beyond which new requests get 503",
+    api.add_argument("--host", default="127.0.0.1", help="address to bind HTTP (and control) on")
+    api.add_argument("--port", type=int, default=8000, help="HTTP port")
+    api.add_argument(
+        "--api-key",
+        default=os.environ.get("PDSERVE_API_KEY"),
+        help="Bearer key every route but /health requires (env PDSERVE_API_KEY)",
     )
-    p.add_argument(
+    api.add_argument(
+        "--max-model-len",
+        type=int,
+        default=None,
+        help="prompt + output tokens per request (default: the model's own limit)",
+    )
+    cluster = p.add_argument_group("cluster")
+    cluster.add_argument("--control-host", default=None, help="default: --host")
+    cluster.add_argument("--control-port", type=int, default=8100, help="port nodes register on")
+    cluster.add_argument("--policy", default="least_loaded", choices=sorted(POLICIES))
+    cluster.add_argument(
         "--heartbeat-timeout",
         type=float,
         default=5.0,
         help="a node silent this long (s) leaves the rotation; its requests fail over",
     )
-    p.add_argument(
+    cluster.add_argument(
         "--lease-interval",
         type=float,
         default=1.0,
         help="how often (s) the router renews the leases of the requests nodes hold",
     )
-    p.add_argument(
-        "--curve-dir",
-        default=None,
-        help="CurveZMQ keys (python -m common.security keygen DIR): only nodes with them join",
+    defaults = RouterLimits()
+    limits = p.add_argument_group("limits and admission")
+    limits.add_argument(
+        "--max-request-bytes",
+        type=int,
+        default=defaults.max_request_bytes,
+        help="larger request bodies get 413 (bytes)",
     )
-    return p.parse_args(argv)
+    limits.add_argument(
+        "--max-queued-requests",
+        type=int,
+        default=defaults.max_queued_requests,
+        help="backend requests (choices) in flight beyond which new requests get 503",
+    )
+    limits.add_argument(
+        "--max-queued-tokens",
+        type=int,
+        default=defaults.max_queued_tokens,
+        help="prompt tokens in flight beyond which new requests get 503",
+    )
+    add_curve_arg(p, "only nodes holding them join")
+    args = p.parse_args(argv)
+    resolve_model(p, args)
+    return args
 
 
 def limits_of(args: argparse.Namespace) -> RouterLimits:
@@ -96,7 +114,7 @@ async def serve(args: argparse.Namespace) -> None:
         curve_dir=args.curve_dir,
     )
     await backend.start()
-    name = args.served_model_name or os.path.basename(os.path.normpath(args.model))
+    name = args.served_model_name or args.model  # vLLM's rule: MODEL as the user typed it
     app = create_app(backend, tokenizer, name, api_key=args.api_key, limits=limits)
 
     @app.get("/internal/integrity")  # behind the API key like every route but /health
@@ -111,9 +129,10 @@ async def serve(args: argparse.Namespace) -> None:
         await backend.close()
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
     logging.basicConfig(level="INFO", format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    asyncio.run(serve(parse_args()))
+    asyncio.run(serve(args))
 
 
 if __name__ == "__main__":

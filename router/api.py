@@ -47,10 +47,10 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from common.detokenizer import IncrementalDetokenizer
-from common.request import TokenLogprobs
-from router.backend import Backend, GenerateRequest, TokenEvent
-from router.openai_protocol import (
+from pdserve.common.engine.request import TokenLogprobs
+from pdserve.router.backend import Backend, GenerateRequest, TokenEvent
+from pdserve.router.detokenizer import IncrementalDetokenizer
+from pdserve.router.openai_protocol import (
     BaseGenerationRequest,
     ChatChoice,
     ChatCompletionChunk,

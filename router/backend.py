@@ -10,8 +10,8 @@ from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
-from common.request import TokenLogprobs
-from common.sampling_params import SamplingParams
+from pdserve.common.engine.request import TokenLogprobs
+from pdserve.common.engine.sampling_params import SamplingParams
 
 
 @dataclass(frozen=True, slots=True)

@@ -22,9 +22,9 @@ from dataclasses import dataclass, field
 import zmq
 import zmq.asyncio
 
-from common.block_pool import hash_token_blocks
-from common.node import logprobs_from_wire, sampling_to_wire
-from common.protocol import (
+from pdserve.common.engine.block_pool import hash_token_blocks
+from pdserve.common.wire.codecs import logprobs_from_wire, sampling_to_wire
+from pdserve.common.wire.messages import (
     ALIVE_SUFFIX,
     Abort,
     Admitted,
@@ -47,8 +47,8 @@ from common.protocol import (
     decode,
     encode,
 )
-from common.security import admit_cluster_keys, load_keys, stop_admitting
-from router.backend import Backend, GenerateRequest, TokenEvent
+from pdserve.common.wire.security import admit_cluster_keys, load_keys, stop_admitting
+from pdserve.router.backend import Backend, GenerateRequest, TokenEvent
 
 log = logging.getLogger(__name__)
 

@@ -33,7 +33,7 @@ from pydantic import (
     model_validator,
 )
 
-from common.sampling_params import SamplingParams
+from pdserve.common.engine.sampling_params import SamplingParams
 
 MAX_N = 16  # choices per prompt: each one is a backend request holding its own KV blocks
 MAX_PROMPTS = 64  # prompts in one completions request

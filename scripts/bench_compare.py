@@ -61,7 +61,7 @@ from bench_serving import (
     run_benchmark,
 )
 
-from common.local_cluster import LocalCluster, free_port
+from pdserve.local_cluster import LocalCluster, free_port
 
 SYSTEMS = ("pdserve-colocated", "pdserve-1p1d", "transformers-serve")
 QUICK_SYSTEMS = SYSTEMS[:2]
@@ -158,7 +158,7 @@ def scenario_runs(pool: TokenPool, sizes: Sizes, seed: int) -> list[Run]:
 
 def ensure_model(cache_dir: Path, quick: bool) -> Path:
     """The benchmark model under cache_dir, built once; a stamp file names its config."""
-    from common.tiny_model import make_tiny_model
+    from pdserve.tiny_model import make_tiny_model
 
     spec = QUICK_MODEL if quick else BENCH_MODEL
     name = "tiny-llama" if quick else "llama-12x768-random"
@@ -295,7 +295,7 @@ def router_args(heartbeat_timeout: float) -> list[str]:
     if heartbeat_timeout <= 0:
         return []
     help_text = subprocess.run(
-        [sys.executable, "-m", "router", "--help"],
+        [sys.executable, "-m", "pdserve", "router", "--help"],
         cwd=REPO,
         capture_output=True,
         text=True,

@@ -42,7 +42,7 @@ def layer_cache(num_blocks: int) -> torch.Tensor:
 
 
 def bench_store_kv(num_tokens: int) -> dict:
-    from kernels.store_kv import store_kv_triton
+    from pdserve.kernels.store_kv import store_kv_triton
 
     layer = layer_cache(num_tokens // BLOCK_SIZE + 1)
     key, value = torch.randn(2, num_tokens, NUM_KV_HEADS, HEAD_DIM, dtype=DTYPE, device="cuda")
@@ -52,7 +52,7 @@ def bench_store_kv(num_tokens: int) -> dict:
 
 
 def bench_page_copy(num_pages: int) -> list[dict]:
-    from kernels.page_copy import gather_pages_triton, scatter_pages_triton
+    from pdserve.kernels.page_copy import gather_pages_triton, scatter_pages_triton
 
     layer = layer_cache(4 * num_pages)
     ids = torch.randperm(4 * num_pages, device="cuda")[:num_pages]
@@ -66,7 +66,7 @@ def bench_page_copy(num_pages: int) -> list[dict]:
 
 
 def bench_decode(batch: int, context: int) -> dict:
-    from kernels.paged_attention import paged_attention_triton
+    from pdserve.kernels.paged_attention import paged_attention_triton
 
     blocks_per_seq = -(-context // BLOCK_SIZE)
     layer = layer_cache(batch * blocks_per_seq)

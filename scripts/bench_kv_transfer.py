@@ -67,9 +67,9 @@ from _report import (
     write_section,
 )
 
-from kernels import ops
-from kv_transfer import KVLayout, KVReceiver, create_receiver, create_sender
-from kv_transfer.wire import FRAME_BYTES, as_bytes, blocks_per_frame, page_checksum
+from pdserve.kernels import ops
+from pdserve.kv_transfer import KVLayout, KVReceiver, create_receiver, create_sender
+from pdserve.kv_transfer.wire import FRAME_BYTES, as_bytes, blocks_per_frame, page_checksum
 
 CONNECTORS = ("zmq", "nccl", "shm")
 GOALS = {"zmq": 0.9, "nccl": 0.9, "shm": 0.7}

@@ -58,8 +58,8 @@ from _report import (
     write_section,
 )
 
-from common.llm import LLM, SamplingParams
-from common.tiny_model import make_tiny_model
+from pdserve.common.engine.llm import LLM, SamplingParams
+from pdserve.tiny_model import make_tiny_model
 
 DEFAULT_CACHE = Path(tempfile.gettempdir()) / "pdserve-bench-models"
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -214,7 +214,7 @@ def gemm_flops(m: int, k: int, n: int, dtype: torch.dtype, device: str) -> float
 
 
 def self_arch(path: Path) -> Any:
-    from common.model_config import ModelArchConfig
+    from pdserve.common.model.config import ModelArchConfig
 
     return ModelArchConfig.from_dir(path)
 

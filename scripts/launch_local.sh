@@ -6,4 +6,4 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 source scripts/_env.sh
 pdserve_env
-exec python -m common.local_cluster "$@"
+exec pdserve serve "$@"

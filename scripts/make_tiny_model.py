@@ -8,7 +8,7 @@ from __future__ import annotations
 import argparse
 from collections.abc import Sequence
 
-from common.tiny_model import TINY_ARCHS, make_tiny_model
+from pdserve.tiny_model import TINY_ARCHS, make_tiny_model
 
 # Flags whose values become config overrides under the same (short) names.
 _SIZE_FLAGS = (

@@ -16,7 +16,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from common.tiny_model import make_tiny_model  # noqa: E402
+from pdserve.tiny_model import make_tiny_model  # noqa: E402
 from scripts._report import REPO, markdown_table, save_json, write_section  # noqa: E402
 from tests.e2e import fault_harness as fh  # noqa: E402
 

@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from common.tiny_model import make_tiny_model
+from pdserve.tiny_model import make_tiny_model
 
 
 @pytest.fixture(scope="session")

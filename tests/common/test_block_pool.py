@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from common.block_pool import (
+from pdserve.common.engine.block_pool import (
     BlockPool,
     FreeBlockQueue,
     KVCacheBlock,

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from common.kv_cache_manager import KVCacheManager
-from common.request import Request
-from common.sampling_params import SamplingParams
+from pdserve.common.engine.kv_cache_manager import KVCacheManager
+from pdserve.common.engine.request import Request
+from pdserve.common.engine.sampling_params import SamplingParams
 
 BS = 4
 

@@ -7,8 +7,8 @@ import random
 import pytest
 import torch
 
-from common.llm import LLM, SamplingParams
-from common.tiny_model import make_tiny_model
+from pdserve.common.engine.llm import LLM, SamplingParams
+from pdserve.tiny_model import make_tiny_model
 
 ARCHS = ("llama", "qwen2", "qwen3", "mistral")
 MAX_TOKENS = 10

@@ -12,10 +12,10 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from common.attention import AttentionMetadata
-from common.model import LlamaFamilyForCausalLM
-from common.model_config import ModelArchConfig
-from common.weights import load_model
+from pdserve.common.model.attention import AttentionMetadata
+from pdserve.common.model.config import ModelArchConfig
+from pdserve.common.model.llama import LlamaFamilyForCausalLM
+from pdserve.common.model.weights import load_model
 
 ARCHS = ("llama", "qwen2", "qwen3", "mistral")
 BLOCK_SIZE = 16

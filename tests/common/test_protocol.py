@@ -5,8 +5,15 @@ from __future__ import annotations
 import msgpack
 import pytest
 
-from common import protocol
-from common.protocol import Abort, Error, IntegrityReport, ProtocolError, decode, encode
+from pdserve.common.wire import messages as protocol
+from pdserve.common.wire.messages import (
+    Abort,
+    Error,
+    IntegrityReport,
+    ProtocolError,
+    decode,
+    encode,
+)
 
 
 def test_round_trip_keeps_types():

@@ -7,8 +7,8 @@ import math
 import pytest
 import torch
 
-from common.sampler import Sampler, SamplingRow, make_generator, skip_draws
-from common.sampling_params import SamplingParams
+from pdserve.common.engine.sampler import Sampler, SamplingRow, make_generator, skip_draws
+from pdserve.common.engine.sampling_params import SamplingParams
 
 VOCAB = 64
 

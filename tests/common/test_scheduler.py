@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import pytest
 
-from common.config import SchedulerConfig
-from common.kv_cache_manager import KVCacheManager
-from common.request import FinishReason, Request, RequestStatus
-from common.sampling_params import SamplingParams
-from common.scheduler import SampledToken, Scheduler, SchedulerOutput
+from pdserve.common.engine.config import SchedulerConfig
+from pdserve.common.engine.kv_cache_manager import KVCacheManager
+from pdserve.common.engine.request import FinishReason, Request, RequestStatus
+from pdserve.common.engine.sampling_params import SamplingParams
+from pdserve.common.engine.scheduler import SampledToken, Scheduler, SchedulerOutput
 
 EOS = 3
 

@@ -9,14 +9,13 @@ from collections.abc import Iterator
 import pytest
 import zmq
 
-from common.control import ControlClient
-from common.local_cluster import LocalCluster, free_port
-from common.protocol import RegisterNode, encode
-from common.security import CurveKeys
-from common.security import main as keygen
-from kv_transfer import KVLayout, TransferTimeout, create_receiver, create_sender
-from kv_transfer.channel import use_curve
-from router.cluster import ClusterBackend
+from pdserve.common.wire.control import ControlClient
+from pdserve.common.wire.messages import RegisterNode, encode
+from pdserve.common.wire.security import CurveKeys, keygen
+from pdserve.kv_transfer import KVLayout, TransferTimeout, create_receiver, create_sender
+from pdserve.kv_transfer.channel import use_curve
+from pdserve.local_cluster import LocalCluster, free_port
+from pdserve.router.cluster import ClusterBackend
 from tests.kv_transfer.helpers import Pump, make_caches
 from tests.kv_transfer.test_guards import connect_while_polling
 
@@ -26,7 +25,7 @@ LAYOUT = KVLayout("tiny", "float32", num_layers=2, num_kv_heads=1, head_dim=4, b
 @pytest.fixture(scope="module")
 def keys(tmp_path_factory) -> CurveKeys:
     directory = str(tmp_path_factory.mktemp("curve"))
-    keygen(["keygen", directory])
+    keygen(directory)
     return CurveKeys.load(directory)
 
 

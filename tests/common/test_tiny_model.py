@@ -13,7 +13,7 @@ from safetensors.torch import load_file
 from tokenizers import Tokenizer
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-from common.tiny_model import EOS, IM_END, IM_START, TINY_ARCHS, make_tiny_model
+from pdserve.tiny_model import EOS, IM_END, IM_START, TINY_ARCHS, make_tiny_model
 
 REPO = Path(__file__).resolve().parents[2]
 TEXTS = (

@@ -22,8 +22,8 @@ from dataclasses import asdict, dataclass, field
 
 import httpx
 
-from common.llm import LLM, SamplingParams
-from common.local_cluster import LocalCluster
+from pdserve.common.engine.llm import LLM, SamplingParams
+from pdserve.local_cluster import LocalCluster
 
 MAX_TOKENS = 12
 NUM_REQUESTS = 100

@@ -13,9 +13,9 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from common.llm import LLM, SamplingParams
-from common.local_cluster import LocalCluster
-from common.tiny_model import make_tiny_model
+from pdserve.common.engine.llm import LLM, SamplingParams
+from pdserve.local_cluster import LocalCluster
+from pdserve.tiny_model import make_tiny_model
 
 VOCAB = 512
 MAX_TOKENS = 8
@@ -147,7 +147,7 @@ def test_layout_mismatch_is_refused_with_a_clear_error(model_dir):
 def test_openai_client_and_demo_against_1p1d(model_dir, capsys):
     from openai import OpenAI
 
-    from common.demo import run_demo
+    from pdserve.demo import run_demo
 
     with LocalCluster(model_dir, 1, 1, engine_args=ENGINE) as c:
         client = OpenAI(base_url=c.url + "/v1", api_key="unused", timeout=60)

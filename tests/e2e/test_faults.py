@@ -14,7 +14,7 @@ import time
 
 import pytest
 
-from common.tiny_model import make_tiny_model
+from pdserve.tiny_model import make_tiny_model
 from tests.e2e import fault_harness as fh
 
 VOCAB = 512

@@ -12,7 +12,7 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-from common.local_cluster import free_port
+from pdserve.local_cluster import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -12,7 +12,7 @@ from dataclasses import dataclass, replace
 import pytest
 import torch
 
-from kernels.reference import (
+from pdserve.kernels.reference import (
     gather_pages_ref,
     paged_attention_ref,
     scatter_pages_ref,

@@ -15,10 +15,10 @@ import torch  # noqa: E402
 
 pytest.importorskip("triton", reason="triton is not installed; the torch references still run")
 
-from kernels.page_copy import gather_pages_triton, scatter_pages_triton  # noqa: E402
-from kernels.paged_attention import paged_attention_triton  # noqa: E402
-from kernels.reference import gather_pages_ref, scatter_pages_ref, store_kv_ref  # noqa: E402
-from kernels.store_kv import store_kv_triton  # noqa: E402
+from pdserve.kernels.page_copy import gather_pages_triton, scatter_pages_triton  # noqa: E402
+from pdserve.kernels.paged_attention import paged_attention_triton  # noqa: E402
+from pdserve.kernels.reference import gather_pages_ref, scatter_pages_ref, store_kv_ref  # noqa: E402
+from pdserve.kernels.store_kv import store_kv_triton  # noqa: E402
 from tests.kernels.test_reference import (  # noqa: E402
     DECODE_BATCH,
     MIXED_BATCH,

@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from kv_transfer import KVLayout, KVReceiver, TransferResult
+from pdserve.kv_transfer import KVLayout, KVReceiver, TransferResult
 
 REPO = Path(__file__).resolve().parents[2]
 

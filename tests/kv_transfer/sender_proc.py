@@ -10,8 +10,8 @@ import os
 import sys
 from typing import Any
 
-from kv_transfer import KVLayout, KVSender, create_sender
-from kv_transfer.wire import FAULT_ENV
+from pdserve.kv_transfer import KVLayout, KVSender, create_sender
+from pdserve.kv_transfer.wire import FAULT_ENV
 from tests.kv_transfer.helpers import make_caches
 
 

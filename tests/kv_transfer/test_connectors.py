@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 import torch
 
-from kv_transfer import KVLayout, KVReceiver, create_receiver
+from pdserve.kv_transfer import KVLayout, KVReceiver, create_receiver
 from tests.kv_transfer.helpers import Pump, SenderProcess, make_caches
 
 LAYOUT = KVLayout("tiny-llama", "float32", num_layers=3, num_kv_heads=2, head_dim=8, block_size=4)

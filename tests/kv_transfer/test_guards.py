@@ -11,8 +11,8 @@ import pytest
 import torch
 import zmq
 
-from common.protocol import decode, encode
-from kv_transfer import (
+from pdserve.common.wire.messages import decode, encode
+from pdserve.kv_transfer import (
     KVLayout,
     KVReceiver,
     KVSender,
@@ -21,7 +21,7 @@ from kv_transfer import (
     create_receiver,
     create_sender,
 )
-from kv_transfer.wire import CHECKSUM_SCHEME, KVDone, KVHello, KVPage, KVWelcome
+from pdserve.kv_transfer.wire import CHECKSUM_SCHEME, KVDone, KVHello, KVPage, KVWelcome
 from tests.kv_transfer.helpers import Pump, make_caches
 
 LAYOUT = KVLayout("tiny", "float32", num_layers=2, num_kv_heads=1, head_dim=4, block_size=2)

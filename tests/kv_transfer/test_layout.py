@@ -6,7 +6,7 @@ from dataclasses import replace
 
 import pytest
 
-from kv_transfer import KVLayout
+from pdserve.kv_transfer import KVLayout
 
 LAYOUT = KVLayout("m", "bfloat16", num_layers=2, num_kv_heads=4, head_dim=64, block_size=16)
 

@@ -6,9 +6,9 @@ import msgpack
 import pytest
 import torch
 
-from common.protocol import ProtocolError, decode, encode
-from kv_transfer.bookkeeping import ReceiveBook, SendBook
-from kv_transfer.wire import (
+from pdserve.common.wire.messages import ProtocolError, decode, encode
+from pdserve.kv_transfer.bookkeeping import ReceiveBook, SendBook
+from pdserve.kv_transfer.wire import (
     CHECKSUM_ROW_WORDS,
     CHECKSUM_SCHEME,
     FAULT_ENV,

@@ -13,11 +13,11 @@ from collections.abc import Iterator
 import pytest
 import zmq
 
-from common.block_pool import hash_token_blocks
-from common.config import CacheConfig, ModelConfig, SchedulerConfig
-from common.llm import LLM, SamplingParams
-from common.node import sampling_to_wire
-from common.protocol import (
+from pdserve.common.engine.block_pool import hash_token_blocks
+from pdserve.common.engine.config import CacheConfig, ModelConfig, SchedulerConfig
+from pdserve.common.engine.llm import LLM, SamplingParams
+from pdserve.common.wire.codecs import sampling_to_wire
+from pdserve.common.wire.messages import (
     Error,
     Heartbeat,
     Message,
@@ -28,9 +28,9 @@ from common.protocol import (
     Tokens,
     decode,
 )
-from decode_node.node import DecodeNode
-from kv_transfer.base import TransferError
-from prefill_node.node import PrefillNode
+from pdserve.decode_node.node import DecodeNode
+from pdserve.kv_transfer.base import TransferError
+from pdserve.prefill_node.node import PrefillNode
 
 BLOCK = 16
 SAMPLING = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)

@@ -13,8 +13,8 @@ import random
 from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from typing import Any
 
-from common.request import TokenLogprobs
-from router.backend import Backend, GenerateRequest, TokenEvent
+from pdserve.common.engine.request import TokenLogprobs
+from pdserve.router.backend import Backend, GenerateRequest, TokenEvent
 
 FIRST_ORDINARY_ID = 5  # ids 0..4 are the tiny tokenizer's special tokens
 
@@ -22,7 +22,7 @@ FIRST_ORDINARY_ID = 5  # ids 0..4 are the tiny tokenizer's special tokens
 @functools.cache
 def tiny_tokenizer() -> Any:
     """The byte-level BPE tokenizer of the tiny test models (ChatML template), built once."""
-    from common.tiny_model import train_tokenizer
+    from pdserve.tiny_model import train_tokenizer
 
     return train_tokenizer(vocab_size=512, max_length=512)
 

@@ -18,8 +18,8 @@ import pytest
 from fastapi import FastAPI
 from fastapi.testclient import TestClient
 
-from router.api import RouterLimits, StopStringMatcher, _Generation, create_app
-from router.backend import GenerateRequest, TokenEvent
+from pdserve.router.api import RouterLimits, StopStringMatcher, _Generation, create_app
+from pdserve.router.backend import GenerateRequest, TokenEvent
 from tests.router.fake_backend import FakeBackend, assert_error, tiny_tokenizer
 
 MODEL = "tiny-llama"

@@ -14,9 +14,14 @@ import pytest
 from fastapi import FastAPI
 from fastapi.testclient import TestClient
 
-from router.__main__ import limits_of, parse_args
-from router.api import RETRY_AFTER_S, RouterLimits, create_app
-from router.openai_protocol import MAX_CHOICES, MAX_PROMPTS, MAX_STOP_CHARS, MAX_STOP_STRINGS
+from pdserve.router.__main__ import limits_of, parse_args
+from pdserve.router.api import RETRY_AFTER_S, RouterLimits, create_app
+from pdserve.router.openai_protocol import (
+    MAX_CHOICES,
+    MAX_PROMPTS,
+    MAX_STOP_CHARS,
+    MAX_STOP_STRINGS,
+)
 from tests.router.fake_backend import FakeBackend, assert_error, tiny_tokenizer
 
 MODEL = "tiny-llama"

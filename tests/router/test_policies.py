@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import time
 
-from common.sampling_params import SamplingParams
-from router.backend import GenerateRequest
-from router.cluster import POLICIES, NodeInfo
+from pdserve.common.engine.sampling_params import SamplingParams
+from pdserve.router.backend import GenerateRequest
+from pdserve.router.cluster import POLICIES, NodeInfo
 
 REQ = GenerateRequest("r", (1, 2), SamplingParams())
 
@@ -32,8 +32,8 @@ def test_least_loaded_prefers_fewer_requests_then_more_free_blocks():
 
 # -- prefix-aware routing -------------------------------------------------------------------
 
-from common.block_pool import hash_token_blocks  # noqa: E402
-from common.protocol import Heartbeat  # noqa: E402
+from pdserve.common.engine.block_pool import hash_token_blocks  # noqa: E402
+from pdserve.common.wire.messages import Heartbeat  # noqa: E402
 
 BS = 4
 PROMPT = tuple(range(100, 141))  # 41 tokens: 10 full blocks of 4

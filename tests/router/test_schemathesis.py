@@ -23,8 +23,8 @@ import schemathesis
 from hypothesis import HealthCheck, given, settings
 from schemathesis import GenerationMode
 
-from common.local_cluster import LocalCluster
-from router.api import create_app
+from pdserve.local_cluster import LocalCluster
+from pdserve.router.api import create_app
 from tests.router.fake_backend import ERROR_FIELDS, FakeBackend, tiny_tokenizer
 
 MODEL = "tiny-llama"

@@ -19,7 +19,7 @@ sys.path.insert(0, str(SCRIPTS))
 
 import bench_serving as bs  # noqa: E402
 
-from common.local_cluster import LocalCluster, free_port  # noqa: E402
+from pdserve.local_cluster import LocalCluster, free_port  # noqa: E402
 
 DISTRIBUTIONS = ("ttft", "tpot", "itl", "e2el")
 SUMMARY_KEYS = (

@@ -8,12 +8,12 @@ from dataclasses import dataclass
 
 import torch
 
-from common.attention import AttentionMetadata
-from common.config import CacheConfig, ModelConfig
-from common.model_config import ModelArchConfig
-from common.sampler import Sampler, SamplingRow, make_generator, skip_draws
-from common.scheduler import SampledToken, ScheduledSeq, SchedulerOutput
-from common.weights import load_model
+from pdserve.common.engine.config import CacheConfig, ModelConfig
+from pdserve.common.engine.sampler import Sampler, SamplingRow, make_generator, skip_draws
+from pdserve.common.engine.scheduler import SampledToken, ScheduledSeq, SchedulerOutput
+from pdserve.common.model.attention import AttentionMetadata
+from pdserve.common.model.config import ModelArchConfig
+from pdserve.common.model.weights import load_model
 
 _TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 

@@ -7,8 +7,8 @@ from dataclasses import dataclass
 
 import torch
 
-from common.request import TokenLogprobs
-from common.sampling_params import SamplingParams
+from pdserve.common.engine.request import TokenLogprobs
+from pdserve.common.engine.sampling_params import SamplingParams
 
 
 @dataclass(frozen=True, slots=True)

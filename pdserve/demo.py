@@ -7,7 +7,7 @@ import argparse
 import tempfile
 import time
 
-from common.local_cluster import LocalCluster
+from pdserve.local_cluster import LocalCluster
 
 PROMPTS = [
     "The quick brown fox",
@@ -65,7 +65,7 @@ def run_demo(
 ) -> list[dict]:
     from openai import OpenAI
 
-    from common.tiny_model import make_tiny_model
+    from pdserve.tiny_model import make_tiny_model
 
     with tempfile.TemporaryDirectory() as tmp:
         model = model_dir or str(

@@ -15,9 +15,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from common.attention import AttentionMetadata
-from common.model_config import ModelArchConfig
-from kernels import ops
+from pdserve.common.model.attention import AttentionMetadata
+from pdserve.common.model.config import ModelArchConfig
+from pdserve.kernels import ops
 
 
 class RMSNorm(nn.Module):

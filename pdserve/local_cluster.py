@@ -1,7 +1,7 @@
 """Start a router plus N prefill and M decode nodes (or colocated nodes) on this host.
 
 Used by scripts/launch_local.sh, the demo, the benchmarks and the end-to-end tests:
-`python -m common.local_cluster --model DIR --num-prefill 1 --num-decode 1`.
+`pdserve serve MODEL --num-prefill 1 --num-decode 1`.
 Runs in the foreground and stops every child on SIGINT or SIGTERM.
 """
 
@@ -61,7 +61,7 @@ class LocalCluster:
             out = open(os.path.join(self.log_dir, f"{name}.log"), "wb")  # noqa: SIM115
         env = dict(os.environ, PYTHONUNBUFFERED="1")
         self.procs[name] = subprocess.Popen(
-            [sys.executable, "-m", *args], stdout=out, stderr=subprocess.STDOUT, env=env
+            [sys.executable, "-m", "pdserve", *args], stdout=out, stderr=subprocess.STDOUT, env=env
         )
 
     def start(self, timeout: float = 120.0) -> LocalCluster:
@@ -84,7 +84,7 @@ class LocalCluster:
             self._spawn(
                 f"prefill{i}",
                 [
-                    "prefill_node",
+                    "prefill",
                     *node,
                     "--node-id",
                     f"prefill{i}",
@@ -97,7 +97,7 @@ class LocalCluster:
             self._spawn(
                 f"decode{i}",
                 [
-                    "decode_node",
+                    "decode",
                     *node,
                     "--node-id",
                     f"decode{i}",
@@ -107,9 +107,7 @@ class LocalCluster:
                 ],
             )
         for i in range(self.num_colocated):
-            self._spawn(
-                f"both{i}", ["decode_node", "--role", "both", *node, "--node-id", f"both{i}"]
-            )
+            self._spawn(f"both{i}", ["decode", "--role", "both", *node, "--node-id", f"both{i}"])
         self.wait_ready(timeout)
         return self
 

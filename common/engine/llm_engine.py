@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import time
 
-from common.config import CacheConfig, ModelConfig, SchedulerConfig
-from common.kv_cache_manager import KVCacheManager
-from common.model_runner import ModelRunner
-from common.request import Request
-from common.sampling_params import SamplingParams
-from common.scheduler import RequestUpdate, Scheduler
+from pdserve.common.engine.config import CacheConfig, ModelConfig, SchedulerConfig
+from pdserve.common.engine.kv_cache_manager import KVCacheManager
+from pdserve.common.engine.model_runner import ModelRunner
+from pdserve.common.engine.request import Request
+from pdserve.common.engine.sampling_params import SamplingParams
+from pdserve.common.engine.scheduler import RequestUpdate, Scheduler
 
 
 class LLMEngine:

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from common.block_pool import BlockHash, BlockPool, KVCacheBlock, hash_block_tokens
-from common.request import Request
+from pdserve.common.engine.block_pool import BlockHash, BlockPool, KVCacheBlock, hash_block_tokens
+from pdserve.common.engine.request import Request
 
 
 @dataclass(frozen=True, slots=True)

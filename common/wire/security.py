@@ -1,6 +1,6 @@
 """CurveZMQ for every pdserve link (router <-> node control, node <-> node KV side channel).
 
-A cluster shares one CURVE key pair made by `python -m common.security keygen DIR`
+A cluster shares one CURVE key pair made by `pdserve keygen DIR`
 (DIR/cluster.key and DIR/cluster.key_secret, pyzmq's certificate format). With `--curve-dir DIR`
 every server socket (the router's control socket, a decode node's KV receiver) runs as a CURVE
 server whose ZAP handler admits only clients presenting a public key found in DIR, and every
@@ -12,7 +12,6 @@ use `zmq` or `shm` where links must be authenticated end to end.
 
 from __future__ import annotations
 
-import argparse
 import os
 from dataclasses import dataclass
 
@@ -35,7 +34,7 @@ class CurveKeys:
     def load(cls, directory: str) -> CurveKeys:
         path = os.path.join(directory, f"{KEY_NAME}.key_secret")
         if not os.path.exists(path):
-            raise ValueError(f"no {path}: make one with `python -m common.security keygen DIR`")
+            raise ValueError(f"no {path}: make one with `pdserve keygen DIR`")
         public, secret = zmq.auth.load_certificate(path)
         if secret is None:
             raise ValueError(f"{path} holds no secret key")
@@ -86,17 +85,9 @@ def load_keys(directory: str | None) -> CurveKeys | None:
     return CurveKeys.load(directory) if directory else None
 
 
-def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(description="pdserve CurveZMQ keys")
-    sub = p.add_subparsers(dest="cmd", required=True)
-    gen = sub.add_parser("keygen", help="write DIR/cluster.key and DIR/cluster.key_secret")
-    gen.add_argument("dir")
-    args = p.parse_args(argv)
-    os.makedirs(args.dir, mode=0o700, exist_ok=True)
-    public, secret = zmq.auth.create_certificates(args.dir, KEY_NAME)
+def keygen(directory: str) -> tuple[str, str]:
+    """Write DIR/cluster.key and DIR/cluster.key_secret (owner-only); their paths."""
+    os.makedirs(directory, mode=0o700, exist_ok=True)
+    public, secret = zmq.auth.create_certificates(directory, KEY_NAME)
     os.chmod(secret, 0o600)
-    print(f"wrote {public} and {secret}; give every router and node --curve-dir {args.dir}")
-
-
-if __name__ == "__main__":
-    main()
+    return public, secret

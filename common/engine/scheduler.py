@@ -11,10 +11,10 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-from common.config import SchedulerConfig
-from common.kv_cache_manager import KVCacheManager
-from common.request import FinishReason, Request, RequestStatus, TokenLogprobs
-from common.sampling_params import SamplingParams
+from pdserve.common.engine.config import SchedulerConfig
+from pdserve.common.engine.kv_cache_manager import KVCacheManager
+from pdserve.common.engine.request import FinishReason, Request, RequestStatus, TokenLogprobs
+from pdserve.common.engine.sampling_params import SamplingParams
 
 
 @dataclass(frozen=True, slots=True)

@@ -14,8 +14,8 @@ from pathlib import Path
 
 import torch
 
-from common.model import LlamaFamilyForCausalLM
-from common.model_config import ModelArchConfig
+from pdserve.common.model.config import ModelArchConfig
+from pdserve.common.model.llama import LlamaFamilyForCausalLM
 
 # Checkpoint keys that hold no weights of ours: old Llama checkpoints saved rope buffers.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)

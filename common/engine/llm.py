@@ -6,10 +6,10 @@ import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from common.config import CacheConfig, ModelConfig, SchedulerConfig
-from common.engine import LLMEngine
-from common.request import Request, TokenLogprobs
-from common.sampling_params import SamplingParams
+from pdserve.common.engine.config import CacheConfig, ModelConfig, SchedulerConfig
+from pdserve.common.engine.llm_engine import LLMEngine
+from pdserve.common.engine.request import Request, TokenLogprobs
+from pdserve.common.engine.sampling_params import SamplingParams
 
 __all__ = ["LLM", "RequestOutput", "SamplingParams"]
 

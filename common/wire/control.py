@@ -6,8 +6,8 @@ import logging
 
 import zmq
 
-from common.protocol import Message, ProtocolError, decode, encode
-from common.security import CurveKeys
+from pdserve.common.wire.messages import Message, ProtocolError, decode, encode
+from pdserve.common.wire.security import CurveKeys
 
 log = logging.getLogger(__name__)
 

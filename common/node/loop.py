@@ -11,7 +11,6 @@ that override the hooks; there is no `if role == ...` in the loop.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import logging
 import threading
 import time
@@ -19,11 +18,13 @@ import uuid
 
 import zmq
 
-from common.block_pool import PrefixEvents
-from common.config import CacheConfig, ModelConfig, SchedulerConfig
-from common.control import ControlClient
-from common.engine import LLMEngine
-from common.protocol import (
+from pdserve.common.engine.block_pool import PrefixEvents
+from pdserve.common.engine.config import CacheConfig, ModelConfig, SchedulerConfig
+from pdserve.common.engine.llm_engine import LLMEngine
+from pdserve.common.engine.scheduler import RequestUpdate
+from pdserve.common.wire.codecs import logprobs_to_wire, sampling_from_wire
+from pdserve.common.wire.control import ControlClient
+from pdserve.common.wire.messages import (
     ALIVE_SUFFIX,
     Abort,
     Alive,
@@ -41,35 +42,9 @@ from common.protocol import (
     Tokens,
     encode,
 )
-from common.request import TokenLogprobs
-from common.sampling_params import SamplingParams
-from common.scheduler import RequestUpdate
-from common.security import load_keys
+from pdserve.common.wire.security import load_keys
 
 log = logging.getLogger(__name__)
-
-
-def sampling_from_wire(d: dict) -> SamplingParams:
-    """SamplingParams from a wire dict; ValueError on bad fields."""
-    known = {f.name for f in dataclasses.fields(SamplingParams)}
-    unknown = set(d) - known
-    if unknown:
-        raise ValueError(f"unknown sampling fields {sorted(unknown)}")
-    return SamplingParams(**d)
-
-
-def sampling_to_wire(p: SamplingParams) -> dict:
-    d = dataclasses.asdict(p)
-    d["stop_token_ids"] = list(p.stop_token_ids)
-    return d
-
-
-def logprobs_to_wire(lps: tuple[TokenLogprobs, ...]) -> tuple:
-    return tuple((lp.token_id, lp.logprob, tuple(lp.top)) for lp in lps)
-
-
-def logprobs_from_wire(wire: tuple) -> tuple[TokenLogprobs, ...]:
-    return tuple(TokenLogprobs(t, lp, tuple(tuple(x) for x in top)) for t, lp, top in wire)
 
 
 class EngineNode:

@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-import argparse
 import logging
 import signal
 
-from common.cli import add_node_args, engine_configs
+from pdserve.common.node.cli import add_node_args, engine_configs, parser, resolve_model
 
 
 def setup_logging(level: str = "INFO") -> None:
@@ -14,12 +13,17 @@ def setup_logging(level: str = "INFO") -> None:
 
 
 def run_node(
-    node_cls, description: str, argv: list[str] | None = None, pass_args: tuple[str, ...] = ()
+    node_cls,
+    prog: str,
+    description: str,
+    argv: list[str] | None = None,
+    pass_args: tuple[str, ...] = (),
 ) -> None:
     """Parse node flags, build the node, serve until SIGINT/SIGTERM."""
-    parser = argparse.ArgumentParser(description=description)
-    add_node_args(parser)
-    args = parser.parse_args(argv)
+    p = parser(prog, description)
+    add_node_args(p)
+    args = p.parse_args(argv)
+    resolve_model(p, args)
     setup_logging()
     model, cache, sched = engine_configs(args)
     kwargs = {k: getattr(args, k) for k in pass_args}

@@ -1,0 +1,1 @@
+"""The Llama-family model: architecture config, attention, the model, and weight loading."""

@@ -1,0 +1,1 @@
+"""What every node process shares: its loop, the colocated role, and its command-line flags."""

@@ -1,0 +1,152 @@
+"""Command-line flags shared by every node (and by `pdserve serve`), turned into configs in one
+place. Flags come in named groups; every help line states its default and unit."""
+
+from __future__ import annotations
+
+import argparse
+
+from pdserve.common.engine.config import CacheConfig, ModelConfig, SchedulerConfig
+
+KV_CONNECTORS = ("zmq", "nccl", "shm")
+
+
+class HelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """Every help line ends with its default (unless it names one itself or has none);
+    descriptions keep their line breaks."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if "default" in text or action.default in (None, False, argparse.SUPPRESS):
+            return text
+        if action.option_strings or action.nargs in (argparse.OPTIONAL, argparse.ZERO_OR_MORE):
+            return f"{text} (default: %(default)s)".strip()
+        return text
+
+
+def parser(prog: str, description: str) -> argparse.ArgumentParser:
+    return argparse.ArgumentParser(
+        prog=prog, description=description, formatter_class=HelpFormatter
+    )
+
+
+def add_model_arg(p: argparse.ArgumentParser) -> None:
+    """MODEL as a positional (like `vllm serve MODEL`) or as --model (the launch scripts)."""
+    p.add_argument(
+        "model_pos",
+        nargs="?",
+        metavar="MODEL",
+        help="HF checkpoint directory, or a .gguf file (or a directory holding one)",
+    )
+    p.add_argument("--model", default=None, help="the same as MODEL")
+
+
+def resolve_model(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """args.model from whichever form was given; an error when neither or both disagree."""
+    if args.model_pos and args.model and args.model_pos != args.model:
+        p.error(f"MODEL {args.model_pos!r} and --model {args.model!r} disagree")
+    args.model = args.model or args.model_pos
+    if not args.model:
+        p.error("a MODEL is required (positional or --model)")
+
+
+def add_engine_args(p: argparse.ArgumentParser) -> None:
+    model = p.add_argument_group("model")
+    model.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"])
+    model.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
+    model.add_argument("--seed", type=int, default=0, help="seed of the sampling generator")
+    cache = p.add_argument_group("KV cache")
+    cache.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
+    cache.add_argument(
+        "--num-blocks", type=int, default=None, help="KV blocks (default: from --kv-cache-bytes)"
+    )
+    cache.add_argument(
+        "--kv-cache-bytes", type=int, default=256 * 1024**2, help="KV pool size on CPU (bytes)"
+    )
+    cache.add_argument("--no-prefix-caching", action="store_true", help="turn prefix caching off")
+    sched = p.add_argument_group("scheduler")
+    sched.add_argument(
+        "--max-num-batched-tokens", type=int, default=512, help="tokens per engine step"
+    )
+    sched.add_argument("--max-num-seqs", type=int, default=64, help="requests per engine step")
+    sched.add_argument(
+        "--max-model-len",
+        type=int,
+        default=None,
+        help="prompt + output tokens per request (default: the model's own limit)",
+    )
+    sched.add_argument(
+        "--long-prefill-token-threshold",
+        type=int,
+        default=0,
+        help="prompt tokens one request may take per step (tokens; 0: no cap)",
+    )
+
+
+def add_reliability_args(p: argparse.ArgumentParser) -> None:
+    """Node flags of the cluster protocol: ids, heartbeats, leases, queue bound, drain."""
+    g = p.add_argument_group("cluster and reliability")
+    g.add_argument("--node-id", default=None, help="id in the router (default: role-random)")
+    g.add_argument("--heartbeat-interval", type=float, default=0.5, help="seconds between reports")
+    g.add_argument(
+        "--lease-timeout",
+        type=float,
+        default=10.0,
+        help="free and fail a request the router has not renewed for this long (s)",
+    )
+    g.add_argument(
+        "--max-queued-requests",
+        type=int,
+        default=1024,
+        help="requests held at once (queued, running, reserved); beyond: refused with 503",
+    )
+    g.add_argument(
+        "--drain-timeout",
+        type=float,
+        default=30.0,
+        help="on SIGTERM, finish held requests for up to this long (s), then fail the rest",
+    )
+    g.add_argument(
+        "--stall-timeout",
+        type=float,
+        default=60.0,
+        help="stop proving liveness when the node loop made no progress for this long (s)",
+    )
+
+
+def add_curve_arg(p: argparse.ArgumentParser, who: str) -> None:
+    g = p.add_argument_group("security")
+    g.add_argument(
+        "--curve-dir",
+        default=None,
+        help=f"CurveZMQ keys (`pdserve keygen DIR`): {who} (default: no encryption)",
+    )
+
+
+def add_node_args(p: argparse.ArgumentParser) -> None:
+    add_model_arg(p)
+    add_engine_args(p)
+    net = p.add_argument_group("network")
+    net.add_argument("--router", required=True, help="HOST:CONTROL_PORT of the router")
+    net.add_argument("--host", default="127.0.0.1", help="address to bind KV sockets on")
+    net.add_argument("--kv-port", type=int, default=0, help="KV receiver port (0: a free one)")
+    net.add_argument("--kv-connector", default="zmq", choices=KV_CONNECTORS)
+    add_reliability_args(p)
+    add_curve_arg(p, "authenticate and encrypt every link")
+
+
+def engine_configs(args: argparse.Namespace) -> tuple[ModelConfig, CacheConfig, SchedulerConfig]:
+    return (
+        ModelConfig(args.model, dtype=args.dtype, device=args.device, seed=args.seed),
+        CacheConfig(
+            block_size=args.block_size,
+            num_blocks=args.num_blocks,
+            enable_prefix_caching=not args.no_prefix_caching,
+            kv_cache_bytes=args.kv_cache_bytes,
+        ),
+        SchedulerConfig(
+            max_num_batched_tokens=args.max_num_batched_tokens,
+            max_num_seqs=args.max_num_seqs,
+            max_model_len=args.max_model_len,
+            long_prefill_token_threshold=args.long_prefill_token_threshold,
+        ),
+    )
