@@ -12,6 +12,7 @@ from pdserve.common.wire.messages import (
     Admitted,
     Busy,
     Error,
+    Failure,
     Message,
     RenewTransfer,
     Reserved,
@@ -87,7 +88,7 @@ class DecodeNode(EngineNode):
         of the old one that still arrive are dropped."""
         old = self.rid_to_xfer.pop(request_id, None)
         if old is None:  # not reserved here (any more): nothing to renew
-            self.control.send(Error(request_id, "no reservation to renew", 409))
+            self.control.send(Error(request_id, "no reservation to renew", Failure.NO_RESERVATION))
             return
         self.xfer_to_rid.pop(old, None)
         self.receiver.cancel(old)
@@ -101,7 +102,9 @@ class DecodeNode(EngineNode):
             self.rid_to_xfer.pop(rid, None)
             if not result.ok:  # fail closed: never decode from corrupt or partial KV
                 self.engine.abort(rid)
-                self.control.send(Error(rid, f"KV transfer failed: {result.error}", 502))
+                self.control.send(
+                    Error(rid, f"KV transfer failed: {result.error}", Failure.KV_FAILED)
+                )
                 continue
             first = SampledToken(rid, int(result.meta["first_token"]))
             # The prefill node already streamed the first token (and any finish) to the router.

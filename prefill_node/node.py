@@ -9,7 +9,7 @@ import zmq
 
 from pdserve.common.engine.scheduler import RequestUpdate, SchedulerOutput
 from pdserve.common.node.loop import EngineNode
-from pdserve.common.wire.messages import Error, Prefill
+from pdserve.common.wire.messages import Error, Failure, Prefill
 from pdserve.kv_transfer import KVSender, create_sender, node_layout
 from pdserve.kv_transfer.channel import use_curve
 
@@ -67,7 +67,9 @@ class PrefillNode(EngineNode):
         try:
             self._sender(msg.dest_kv_endpoint)
         except SEND_ERRORS as exc:  # the decode node is unreachable: fail this request only
-            self.control.send(Error(msg.request_id, f"KV connection failed: {exc}", 502))
+            self.control.send(
+                Error(msg.request_id, f"KV connection failed: {exc}", Failure.KV_FAILED)
+            )
             return
         self.add_request(msg)
         self.dests[msg.request_id] = msg
@@ -133,7 +135,9 @@ class PrefillNode(EngineNode):
             self.senders[dest.dest_kv_endpoint].send_done(dest.xfer_id, meta)
         except SEND_ERRORS as exc:
             failed[dest.dest_kv_endpoint] = str(exc)
-            self.control.send(Error(update.request_id, f"KV transfer failed: {exc}", 502))
+            self.control.send(
+                Error(update.request_id, f"KV transfer failed: {exc}", Failure.KV_FAILED)
+            )
 
     def drop_destination(self, endpoint: str, error: str) -> None:
         """A connection to a decode node broke: fail every request bound there (the router
@@ -144,7 +148,9 @@ class PrefillNode(EngineNode):
             sender.close()
         for rid in [rid for rid, d in self.dests.items() if d.dest_kv_endpoint == endpoint]:
             self.abort(rid)
-            self.control.send(Error(rid, f"KV transfer to the decode node failed: {error}", 502))
+            self.control.send(
+                Error(rid, f"KV transfer to the decode node failed: {error}", Failure.KV_FAILED)
+            )
 
     def abort(self, request_id: str) -> None:
         super().abort(request_id)

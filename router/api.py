@@ -48,6 +48,7 @@ from starlette.requests import ClientDisconnect
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from pdserve.common.engine.request import TokenLogprobs
+from pdserve.common.wire.messages import Failure
 from pdserve.router.backend import Backend, GenerateRequest, TokenEvent
 from pdserve.router.detokenizer import IncrementalDetokenizer
 from pdserve.router.openai_protocol import (
@@ -117,9 +118,9 @@ _ERROR_TYPES = {
     500: "InternalServerError",
     503: "ServiceUnavailableError",
 }
-# What ClusterBackend reports when no node can take a request: the client should retry
-# (503), not give up (500). A typed signal from the backend would be better than the text.
-_UNAVAILABLE_ERRORS = ("no prefill/decode node available", "no decode node has room")
+# A failure before any output has its own status: the client should retry when no node can
+# take the request (503), and fix a request a node refused as invalid (400); else 500.
+_FAILURE_STATUS = {Failure.UNAVAILABLE: 503, Failure.BAD_REQUEST: 400}
 
 _M = TypeVar("_M", bound=BaseModel)
 
@@ -493,6 +494,7 @@ class ChoiceDelta:
     finish_reason: str | None = None
     error: str | None = None
     token_ids: tuple[int, ...] = ()
+    failure: Failure | None = None
 
 
 class _Choice:
@@ -532,7 +534,9 @@ class _Choice:
             text += tail if hit else tail + self._stops.flush()
             finish = "stop" if hit else finish
         self.finish_reason = finish
-        return ChoiceDelta(self.index, text, event.logprobs, finish, event.error, event.token_ids)
+        return ChoiceDelta(
+            self.index, text, event.logprobs, finish, event.error, event.token_ids, event.failure
+        )
 
     def fail(self, message: str) -> ChoiceDelta:
         self.finish_reason = "error"
@@ -1271,9 +1275,8 @@ def _failure(delta: ChoiceDelta, first: bool) -> APIError:
     """The HTTP error for a failed choice: 503 when no node could take it (retry later),
     500 otherwise."""
     error = delta.error or "generation failed"
-    if first and error.startswith(_UNAVAILABLE_ERRORS):
-        return APIError(503, f"{error}; retry later")
-    return APIError(500, error)
+    status = _FAILURE_STATUS.get(delta.failure, 500) if first else 500
+    return APIError(status, f"{error}; retry later" if status == 503 else error)
 
 
 async def _collect(gen: _Generation) -> list[_Collected] | None:

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 from pdserve.common.engine.request import TokenLogprobs
 from pdserve.common.engine.sampling_params import SamplingParams
+from pdserve.common.wire.messages import Failure
 
 
 @dataclass(frozen=True, slots=True)
@@ -38,6 +39,12 @@ class TokenEvent:
     finish_reason: str | None = None
     cached_tokens: int = 0
     error: str | None = None
+    failure: Failure | None = None  # with finish_reason "error": what kind of failure
+
+    @classmethod
+    def failed(cls, failure: Failure, error: str) -> TokenEvent:
+        """The last event of a request that failed."""
+        return cls((), finish_reason="error", error=error, failure=failure)
 
 
 class Backend(ABC):

@@ -32,6 +32,7 @@ from pdserve.common.wire.messages import (
     Busy,
     CheckIntegrity,
     Error,
+    Failure,
     Heartbeat,
     IntegrityReport,
     Lease,
@@ -40,6 +41,7 @@ from pdserve.common.wire.messages import (
     ProtocolError,
     RegisterNode,
     RenewTransfer,
+    Reregister,
     Reserved,
     ReserveKV,
     SyncPrefixes,
@@ -80,6 +82,7 @@ class NodeInfo:
     recent_prefixes: dict[bytes, float] = field(default_factory=dict)
     recent_tokens: int = 0
     draining: bool = False  # shutting down: takes no new requests
+    incarnation: str = ""  # the node process's random start id (a restart changes it)
 
     def load(self) -> tuple[int, int]:
         return (self.inflight + self.num_waiting, -self.free_blocks)
@@ -381,23 +384,15 @@ class ClusterBackend(Backend):
                 node.last_seen = now
             return
         if isinstance(msg, RegisterNode):
-            self.nodes[sender] = NodeInfo(
-                node_id=sender,
-                role=msg.role,
-                kv_endpoint=msg.kv_endpoint,
-                kv_connector=msg.kv_connector,
-                layout_digest=msg.layout_digest,
-                num_blocks=msg.num_blocks,
-                max_model_len=msg.max_model_len,
-                last_seen=now,
-                free_blocks=msg.num_blocks,
-                block_size=msg.block_size,
-            )
+            self._register(sender, msg, now)
             return
         node = self.nodes.get(sender)
-        if node is not None:
-            node.last_seen = now  # any message proves it is alive (a stalled node comes back)
-        if isinstance(msg, Heartbeat) and node is not None:
+        if node is None:  # a node this router does not know (it restarted): ask it in
+            if isinstance(msg, Heartbeat):
+                self._spawn(self._send(sender, Reregister()))
+            return
+        node.last_seen = now  # any message proves it is alive (a stalled node comes back)
+        if isinstance(msg, Heartbeat):
             if not node.apply_heartbeat(msg, now):
                 self._spawn(self._send(sender, SyncPrefixes()))
         elif isinstance(msg, Reserved | Busy):
@@ -413,23 +408,51 @@ class ClusterBackend(Backend):
         elif isinstance(msg, Error):
             self._on_error(sender, msg)
 
+    def _register(self, sender: str, msg: RegisterNode, now: float) -> None:
+        """Add a node, or take it again; a new incarnation under a known id is a restarted
+        process that holds nothing the old one held: fail those requests over now."""
+        old = self.nodes.get(sender)
+        if old is not None and old.incarnation != msg.incarnation:
+            log.warning("node %s restarted: failing over what it held", sender)
+            for stream in list(self.streams.values()):
+                if sender in stream.nodes():
+                    self._fail_over(stream, {sender}, f"{sender} restarted")
+                    stream.lost.discard(sender)  # the new process may take the retry
+        elif old is not None:
+            old.last_seen = now
+            return
+        log.info("node %s registered (%s, %s KV)", sender, msg.role, msg.kv_connector or "no")
+        self.nodes[sender] = NodeInfo(
+            node_id=sender,
+            role=msg.role,
+            kv_endpoint=msg.kv_endpoint,
+            kv_connector=msg.kv_connector,
+            layout_digest=msg.layout_digest,
+            num_blocks=msg.num_blocks,
+            max_model_len=msg.max_model_len,
+            last_seen=now,
+            free_blocks=msg.num_blocks,
+            block_size=msg.block_size,
+            incarnation=msg.incarnation,
+        )
+
     def _on_error(self, sender: str, msg: Error) -> None:
         if self._resolve(f"{sender}/{msg.request_id}", msg):
             return
         stream = self.by_wire.get(msg.request_id)
         if stream is None or sender not in stream.nodes():
             return  # about a request that moved on or ended: stale
-        if msg.code == 503:
+        if msg.kind.elsewhere:
             # The node is full or shutting down: others carry the request on (a prefill
             # node's share alone when no token went out yet).
             self._fail_over(stream, {sender}, f"{sender} refused: {msg.message}")
             return
-        if msg.code == 502 and sender == stream.decode_node:
+        if msg.kind is Failure.KV_FAILED and sender == stream.decode_node:
             # The KV arrived damaged or incomplete: nothing was decoded from it; retry the
             # request (from the tokens already streamed) while failovers remain.
             self._fail_over(stream, set(), f"{sender}: {msg.message}")
             return
-        stream.queue.put_nowait(TokenEvent((), finish_reason="error", error=msg.message))
+        stream.queue.put_nowait(TokenEvent.failed(msg.kind, msg.message))
 
     def _resolve(self, key: str, msg: Message) -> bool:
         fut = self.replies.pop(key, None)
@@ -536,24 +559,22 @@ class ClusterBackend(Backend):
         stream = self.streams[rid] = self.by_wire[rid] = _Stream(request)
         finished = False
         try:
-            error = await self._route(stream)
-            if error is not None:
-                yield TokenEvent((), finish_reason="error", error=error)
+            failure = await self._route(stream)
+            if failure is not None:
+                yield failure
                 return
             while True:
                 try:
                     item = await asyncio.wait_for(stream.queue.get(), self.token_timeout)
                 except asyncio.TimeoutError:
-                    yield TokenEvent(
-                        (), finish_reason="error", error="timed out waiting for tokens"
-                    )
+                    yield TokenEvent.failed(Failure.TIMEOUT, "timed out waiting for tokens")
                     await self.abort(rid)
                     return
                 if isinstance(item, _Failover):
-                    error = await self._recover(stream, item)
-                    if error is None:
+                    failure = await self._recover(stream, item)
+                    if failure is None:
                         continue
-                    item = TokenEvent((), finish_reason="error", error=error)
+                    item = failure
                 if item.finish_reason is not None:
                     finished = True
                     stream.failed = item.finish_reason in ("error", "abort")
@@ -566,7 +587,7 @@ class ClusterBackend(Backend):
                 await self._abort_nodes(stream, "stream ended")
             self._release(rid)
 
-    async def _recover(self, stream: _Stream, failover: _Failover) -> str | None:
+    async def _recover(self, stream: _Stream, failover: _Failover) -> TokenEvent | None:
         """Carry the request on without the lost nodes; an error message when it cannot."""
         rid = stream.wire_id
         log.warning("request %s: %s; failing over (%s)", rid, failover.why, failover.kind)
@@ -575,7 +596,8 @@ class ClusterBackend(Backend):
         stream.failovers += 1
         self.num_failovers += 1
         if stream.failovers > self.max_failovers:
-            return f"gave up after {self.max_failovers} failovers: {failover.why}"
+            why = f"gave up after {self.max_failovers} failovers: {failover.why}"
+            return TokenEvent.failed(Failure.UNAVAILABLE, why)
         if failover.kind == "prefill":
             reserved = await self._renew_transfer(stream)
             if reserved is not None:
@@ -599,7 +621,7 @@ class ClusterBackend(Backend):
         """The request's sampling and already streamed tokens, as nodes take them."""
         return sampling_to_wire(stream.request.sampling), tuple(stream.generated)
 
-    async def _route(self, stream: _Stream) -> str | None:
+    async def _route(self, stream: _Stream) -> TokenEvent | None:
         """Send the request on its way (resuming after stream.generated); an error message
         if nothing can take it."""
         request = stream.request
@@ -620,20 +642,22 @@ class ClusterBackend(Backend):
             )
             return None
         if not (decodes and self.routable(("prefill",), exclude)):
-            return "no prefill/decode node available"
+            return TokenEvent.failed(Failure.UNAVAILABLE, "no prefill/decode node available")
         reserved = await self._reserve(stream, decodes)
         if reserved is None:
-            return "no decode node has room for this request"
+            return TokenEvent.failed(
+                Failure.UNAVAILABLE, "no decode node has room for this request"
+            )
         return await self._send_prefill(stream, reserved)
 
-    async def _send_prefill(self, stream: _Stream, reserved: Reserved) -> str | None:
+    async def _send_prefill(self, stream: _Stream, reserved: Reserved) -> TokenEvent | None:
         request = stream.request
         sampling, outputs = self._wire(stream)
         # Picked after the reservation's round trip, so the choice sees requests routed
         # meanwhile (the policy's load and prefix view include them).
         prefills = self.policy(self.routable(("prefill",), stream.lost), request)
         if not prefills:
-            return "no prefill node available"
+            return TokenEvent.failed(Failure.UNAVAILABLE, "no prefill node available")
         prefill = prefills[0]
         stream.prefill_node = prefill.node_id
         prefill.inflight += 1

@@ -31,12 +31,14 @@ from pdserve.common.wire.messages import (
     Busy,
     CheckIntegrity,
     Error,
+    Failure,
     Heartbeat,
     IntegrityReport,
     Lease,
     Message,
     Prefill,
     RegisterNode,
+    Reregister,
     ReserveKV,
     SyncPrefixes,
     Tokens,
@@ -70,6 +72,7 @@ class EngineNode:
         self.model_config = model
         self.block_size = cache.block_size
         self.node_id = node_id or f"{self.role}-{uuid.uuid4().hex[:8]}"
+        self.incarnation = uuid.uuid4().hex
         self.ctx = zmq.Context()
         self.control = ControlClient(self.ctx, router_addr, self.node_id, load_keys(curve_dir))
         self.heartbeat_interval = heartbeat_interval
@@ -121,13 +124,13 @@ class EngineNode:
     def take_lease(self, request_id: str) -> None:
         self.leases[request_id] = time.monotonic() + self.lease_timeout
 
-    def refusal(self, msg: Message) -> str:
-        """Why a new request must be refused now ("" when it can be taken)."""
+    def refusal(self, msg: Message) -> tuple[Failure, str] | None:
+        """Why a new request must be refused now (None when it can be taken)."""
         if self.drain_deadline is not None:
-            return "node is shutting down"
+            return Failure.DRAINING, "node is shutting down"
         if len(self.engine.scheduler.requests) >= self.max_queued_requests:
-            return f"node holds its maximum of {self.max_queued_requests} requests"
-        return ""
+            return Failure.BUSY, f"node holds its maximum of {self.max_queued_requests} requests"
+        return None
 
     def on_message(self, msg: Message) -> None:
         raise ValueError(f"{self.role} node does not take {msg.TYPE}")
@@ -161,6 +164,7 @@ class EngineNode:
                 num_blocks=self.engine.runner.num_blocks,
                 block_size=self.block_size,
                 max_model_len=self.engine.max_model_len,
+                incarnation=self.incarnation,
             )
         )
 
@@ -198,13 +202,16 @@ class EngineNode:
         rid = getattr(msg, "request_id", "")
         try:
             if isinstance(msg, Prefill | ReserveKV) and (why := self.refusal(msg)):
-                self.refuse(msg, why)
+                self.refuse(msg, *why)
             elif isinstance(msg, Prefill):
                 self.on_prefill(msg)
             elif isinstance(msg, Abort):
                 self.abort(msg.request_id)
             elif isinstance(msg, Lease):
                 self.renew_leases(msg.request_ids)
+            elif isinstance(msg, Reregister):  # the router restarted: announce ourselves again
+                self.register()
+                self.heartbeat_now()
             elif isinstance(msg, CheckIntegrity):
                 self.control.send(self.integrity_report(msg.nonce))
             elif isinstance(msg, SyncPrefixes):
@@ -216,13 +223,13 @@ class EngineNode:
         except ValueError as exc:  # bad input for one request: fail it, keep serving
             log.warning("request %s refused: %s", rid, exc)
             if rid:
-                self.control.send(Error(request_id=rid, message=str(exc), code=400))
+                self.control.send(Error(rid, str(exc), Failure.BAD_REQUEST))
 
-    def refuse(self, msg: Prefill | ReserveKV, why: str) -> None:
+    def refuse(self, msg: Prefill | ReserveKV, kind: Failure, why: str) -> None:
         if isinstance(msg, ReserveKV):
             self.control.send(Busy(msg.request_id, why))  # the router tries another node
         else:
-            self.control.send(Error(request_id=msg.request_id, message=why, code=503))
+            self.control.send(Error(msg.request_id, why, kind))
 
     def abort(self, request_id: str) -> None:
         """Free everything the request holds here; idempotent."""
@@ -252,7 +259,9 @@ class EngineNode:
             elif expiry < now:
                 log.warning("lease of request %s expired: freeing it", rid)
                 self.abort(rid)
-                self.control.send(Error(rid, "lease expired: the router stopped renewing", 504))
+                self.control.send(
+                    Error(rid, "lease expired: the router stopped renewing", Failure.LEASE_EXPIRED)
+                )
 
     def drain(self) -> None:
         """Stop taking requests; finish (or, past drain_timeout, fail) what is held; exit.
@@ -270,7 +279,9 @@ class EngineNode:
             return False
         for rid in list(self.engine.scheduler.requests):
             self.abort(rid)
-            self.control.send(Error(rid, "node shut down before the request finished", 503))
+            self.control.send(
+                Error(rid, "node shut down before the request finished", Failure.DRAINING)
+            )
         return True
 
     def integrity_report(self, nonce: int) -> IntegrityReport:

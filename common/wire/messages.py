@@ -9,6 +9,7 @@ a node. There is no pickle anywhere.
 from __future__ import annotations
 
 import dataclasses
+import enum
 import types
 import typing
 from dataclasses import dataclass, field
@@ -16,7 +17,7 @@ from typing import Any, ClassVar
 
 import msgpack
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2  # 2: typed failure kinds, incarnations, Reregister
 MAX_MESSAGE_BYTES = 32 * 1024 * 1024  # a 1M-token prompt of int64 ids fits with room to spare
 
 
@@ -123,6 +124,11 @@ def _check(value: Any, hint: Any, where: str) -> Any:
         return {_check(k, args[0], where): _check(v, args[1], where) for k, v in value.items()}
     if hint is Any:
         return value
+    if isinstance(hint, type) and issubclass(hint, enum.Enum):
+        try:
+            return hint(value)
+        except ValueError:
+            return _fail(where, hint)
     if hint is float and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
     if hint is int and isinstance(value, bool):
@@ -139,6 +145,26 @@ def _fail(where: str, hint: Any) -> Any:
 # -- messages ---------------------------------------------------------------------------------
 
 
+class Failure(str, enum.Enum):
+    """Why a request failed, said once, in the terms the router acts on (no HTTP codes or
+    message text to re-read)."""
+
+    BAD_REQUEST = "bad_request"  # the request itself is invalid: the client's error (400)
+    BUSY = "busy"  # the node holds all it can: another node may take the request
+    DRAINING = "draining"  # the node is shutting down: another node may take the request
+    KV_FAILED = "kv_failed"  # the KV transfer failed: retry from the tokens already streamed
+    LEASE_EXPIRED = "lease_expired"  # the router stopped renewing: the node freed it
+    NO_RESERVATION = "no_reservation"  # a transfer to renew is not held (any more)
+    UNAVAILABLE = "unavailable"  # (router) no node can take it now: the client may retry
+    TIMEOUT = "timeout"  # (router) no token within the token timeout
+    INTERNAL = "internal"
+
+    @property
+    def elsewhere(self) -> bool:
+        """Another node may succeed where this one refused."""
+        return self in (Failure.BUSY, Failure.DRAINING)
+
+
 @message
 @dataclass(frozen=True, slots=True)
 class Abort(Message):
@@ -152,12 +178,13 @@ class Abort(Message):
 @message
 @dataclass(frozen=True, slots=True)
 class Error(Message):
-    """A request failed; the router turns it into finish_reason "error" or an HTTP error."""
+    """A request failed; the router fails it over, retries it, or turns it into
+    finish_reason "error" (or an HTTP error), by its kind."""
 
     TYPE: ClassVar[str] = "error"
     request_id: str
     message: str
-    code: int = 500
+    kind: Failure = Failure.INTERNAL
 
 
 @message
@@ -199,6 +226,18 @@ class RegisterNode(Message):
     num_blocks: int
     block_size: int
     max_model_len: int
+    # Random per process start: the same node id with a new incarnation is a restarted node,
+    # which holds none of the requests the router had sent to the old one.
+    incarnation: str = ""
+
+
+@message
+@dataclass(frozen=True, slots=True)
+class Reregister(Message):
+    """Router -> node: a message from a node this router does not know (the router restarted,
+    or forgot the node): register again."""
+
+    TYPE: ClassVar[str] = "reregister"
 
 
 @message

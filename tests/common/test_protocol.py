@@ -7,6 +7,7 @@ import pytest
 
 from pdserve.common.wire import messages as protocol
 from pdserve.common.wire.messages import (
+    PROTOCOL_VERSION,
     Abort,
     Error,
     IntegrityReport,
@@ -22,6 +23,9 @@ def test_round_trip_keeps_types():
     assert decode(encode(Abort("r1"))) == Abort("r1", "")
 
 
+V = PROTOCOL_VERSION
+
+
 def raw(body: dict) -> bytes:
     return msgpack.packb(body, use_bin_type=True)
 
@@ -30,23 +34,27 @@ BAD = {
     "not a map": (raw([1, 2, 3]), "not a map"),
     "garbage": (b"\xc1\xff\x00garbage", "undecodable"),
     "truncated": (encode(Error("r", "boom"))[:-3], "undecodable"),
-    "unknown type": (raw({"type": "nope", "version": 1}), "unknown message type"),
-    "no type": (raw({"version": 1, "request_id": "x"}), "unknown message type"),
+    "unknown type": (raw({"type": "nope", "version": V}), "unknown message type"),
+    "no type": (raw({"version": V, "request_id": "x"}), "unknown message type"),
     "old version": (raw({"type": "abort", "version": 0, "request_id": "x"}), "version"),
-    "missing field": (raw({"type": "abort", "version": 1}), "missing field"),
+    "missing field": (raw({"type": "abort", "version": V}), "missing field"),
     "unknown field": (
-        raw({"type": "abort", "version": 1, "request_id": "x", "evil": 1}),
+        raw({"type": "abort", "version": V, "request_id": "x", "evil": 1}),
         "unknown fields",
     ),
-    "wrong type": (raw({"type": "abort", "version": 1, "request_id": 5}), "expected str"),
+    "wrong type": (raw({"type": "abort", "version": V, "request_id": 5}), "expected str"),
     "bool is not int": (
-        raw({"type": "error", "version": 1, "request_id": "x", "message": "m", "code": True}),
+        raw({"type": "check_integrity", "version": V, "nonce": True}),
         "expected int",
+    ),
+    "unknown failure kind": (
+        raw({"type": "error", "version": V, "request_id": "x", "message": "m", "kind": "oops"}),
+        "expected Failure",
     ),
     "non-str map key": (raw({1: 2}), "undecodable"),
     "list item type": (
         raw(
-            {"type": "integrity_report", "version": 1, "nonce": 1, "ok": True, "live_requests": [1]}
+            {"type": "integrity_report", "version": V, "nonce": 1, "ok": True, "live_requests": [1]}
         ),
         "expected str",
     ),

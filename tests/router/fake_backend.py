@@ -14,6 +14,7 @@ from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from typing import Any
 
 from pdserve.common.engine.request import TokenLogprobs
+from pdserve.common.wire.messages import Failure
 from pdserve.router.backend import Backend, GenerateRequest, TokenEvent
 
 FIRST_ORDINARY_ID = 5  # ids 0..4 are the tiny tokenizer's special tokens
@@ -89,6 +90,8 @@ class FakeBackend(Backend):
         self.gate: asyncio.Event | None = None
         # When set, every request fails at once with this error, as a full cluster answers.
         self.unavailable: str | None = None
+        # When set, every request fails at once with this error, as a crashed node answers.
+        self.crash: str | None = None
 
     # ------------------------------------------------------------ Backend
 
@@ -105,7 +108,10 @@ class FakeBackend(Backend):
 
     async def _events(self, request: GenerateRequest) -> AsyncGenerator[TokenEvent, None]:
         if self.unavailable is not None:
-            yield TokenEvent((), finish_reason="error", error=self.unavailable)
+            yield TokenEvent.failed(Failure.UNAVAILABLE, self.unavailable)
+            return
+        if self.crash is not None:
+            yield TokenEvent.failed(Failure.INTERNAL, self.crash)
             return
         if self.gate is not None:
             await self.gate.wait()

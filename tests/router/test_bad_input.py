@@ -502,7 +502,7 @@ def test_a_cluster_with_no_room_gives_503_not_500(
 def test_a_stream_that_fails_before_its_first_token_gets_a_500_status(
     client: TestClient, backend: FakeBackend
 ) -> None:
-    backend.unavailable = "node crashed"  # not a capacity problem
+    backend.crash = "node crashed"  # not a capacity problem
     check_refused(send(client, CC, {**CHAT, "stream": True}), 500, "node crashed")
 
 
