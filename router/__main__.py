@@ -11,7 +11,7 @@ import os
 import uvicorn
 
 from pdserve.common.node.cli import add_curve_arg, add_model_arg, parser, resolve_model
-from pdserve.router.api import RouterLimits, create_app
+from pdserve.router.app import RouterLimits, create_app
 from pdserve.router.cluster import POLICIES, ClusterBackend
 
 
@@ -44,7 +44,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     cluster = p.add_argument_group("cluster")
     cluster.add_argument("--control-host", default=None, help="default: --host")
     cluster.add_argument("--control-port", type=int, default=8100, help="port nodes register on")
-    cluster.add_argument("--policy", default="least_loaded", choices=sorted(POLICIES))
+    cluster.add_argument(
+        "--policy", default="least_loaded", choices=sorted(POLICIES), help="how nodes are picked"
+    )
     cluster.add_argument(
         "--heartbeat-timeout",
         type=float,

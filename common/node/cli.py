@@ -16,7 +16,8 @@ class HelpFormatter(argparse.RawDescriptionHelpFormatter):
 
     def _get_help_string(self, action: argparse.Action) -> str:
         text = action.help or ""
-        if "default" in text or action.default in (None, False, argparse.SUPPRESS):
+        default = action.default
+        if "default" in text or default is None or default is False or default == argparse.SUPPRESS:
             return text
         if action.option_strings or action.nargs in (argparse.OPTIONAL, argparse.ZERO_OR_MORE):
             return f"{text} (default: %(default)s)".strip()
@@ -51,7 +52,12 @@ def resolve_model(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
     model = p.add_argument_group("model")
-    model.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"])
+    model.add_argument(
+        "--dtype",
+        default="float32",
+        choices=["float32", "float16", "bfloat16"],
+        help="weights, activations and KV cache",
+    )
     model.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
     model.add_argument("--seed", type=int, default=0, help="seed of the sampling generator")
     cache = p.add_argument_group("KV cache")
@@ -129,7 +135,9 @@ def add_node_args(p: argparse.ArgumentParser) -> None:
     net.add_argument("--router", required=True, help="HOST:CONTROL_PORT of the router")
     net.add_argument("--host", default="127.0.0.1", help="address to bind KV sockets on")
     net.add_argument("--kv-port", type=int, default=0, help="KV receiver port (0: a free one)")
-    net.add_argument("--kv-connector", default="zmq", choices=KV_CONNECTORS)
+    net.add_argument(
+        "--kv-connector", default="zmq", choices=KV_CONNECTORS, help="how KV pages travel P -> D"
+    )
     add_reliability_args(p)
     add_curve_arg(p, "authenticate and encrypt every link")
 
