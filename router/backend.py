@@ -1,7 +1,7 @@
 """What the HTTP layer needs from the serving cluster: submit, stream tokens, abort.
 
-The API layer (router/api.py) is written against `Backend` only, so it can be tested with an
-in-process fake and served over the ZMQ node registry without change.
+The HTTP layer (router/app.py and the modules below it) is written against `Backend` only, so
+it can be tested with an in-process fake and served over the ZMQ node registry without change.
 """
 
 from __future__ import annotations

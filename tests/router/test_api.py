@@ -18,8 +18,9 @@ import pytest
 from fastapi import FastAPI
 from fastapi.testclient import TestClient
 
-from pdserve.router.api import RouterLimits, StopStringMatcher, _Generation, create_app
+from pdserve.router.app import RouterLimits, create_app
 from pdserve.router.backend import GenerateRequest, TokenEvent
+from pdserve.router.generation import Generation, StopStringMatcher
 from tests.router.fake_backend import FakeBackend, assert_error, tiny_tokenizer
 
 MODEL = "tiny-llama"
@@ -75,7 +76,7 @@ def streamed_text(payloads: list[dict[str, Any]], index: int = 0) -> str:
 
 def test_router_api_imports_no_torch() -> None:
     # The router process must stay free of torch model code (DESIGN.md).
-    code = "import sys, router.api; sys.exit('torch' in sys.modules)"
+    code = "import sys, pdserve.router.app; sys.exit('torch' in sys.modules)"
     root = Path(__file__).resolve().parents[2]
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60, cwd=root)
 
@@ -767,7 +768,7 @@ def test_client_leaving_a_plain_request_aborts_it(tokenizer: Any) -> None:
 
 def test_no_request_state_outlives_its_request(tokenizer: Any) -> None:
     """Finished, failed, refused and abandoned requests alike leave no bookkeeping behind:
-    admission counts, backend generators, _Generation objects, tasks, the in-flight gauge."""
+    admission counts, backend generators, Generation objects, tasks, the in-flight gauge."""
     backend = make_backend(tokenizer, token_delay=0.005)
     app = create_app(backend, tokenizer, MODEL, limits=RouterLimits(max_queued_requests=8))
 
@@ -796,7 +797,7 @@ def test_no_request_state_outlives_its_request(tokenizer: Any) -> None:
     gc.collect()
     assert (app.state.admission.requests, app.state.admission.tokens) == (0, 0)
     assert backend.live == 0
-    assert not [o for o in gc.get_objects() if type(o) is _Generation]
+    assert not [o for o in gc.get_objects() if type(o) is Generation]
     gauge = "pdserve_router_requests_in_flight 0.0"
     with TestClient(app) as client:
         assert gauge in client.get("/metrics").text.splitlines()

@@ -15,7 +15,8 @@ from fastapi import FastAPI
 from fastapi.testclient import TestClient
 
 from pdserve.router.__main__ import limits_of, parse_args
-from pdserve.router.api import RETRY_AFTER_S, RouterLimits, create_app
+from pdserve.router.app import RouterLimits, create_app
+from pdserve.router.errors import RETRY_AFTER_S
 from pdserve.router.openai_protocol import (
     MAX_CHOICES,
     MAX_PROMPTS,

@@ -13,7 +13,7 @@ import openai
 import pytest
 import uvicorn
 
-from pdserve.router.api import create_app
+from pdserve.router.app import create_app
 from tests.router.fake_backend import FakeBackend, tiny_tokenizer
 
 MODEL = "tiny-llama"

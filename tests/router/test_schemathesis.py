@@ -24,7 +24,7 @@ from hypothesis import HealthCheck, given, settings
 from schemathesis import GenerationMode
 
 from pdserve.local_cluster import LocalCluster
-from pdserve.router.api import create_app
+from pdserve.router.app import create_app
 from tests.router.fake_backend import ERROR_FIELDS, FakeBackend, tiny_tokenizer
 
 MODEL = "tiny-llama"

@@ -1,0 +1,158 @@
+"""The router's OpenAI-compatible HTTP app, served over any `Backend`.
+
+Pure-ASGI middlewares count every request, check the API key and bound the body size before
+any handler runs. A request is then validated, tokenized (off the event loop), length-checked
+and split into choices (n per prompt), each one backend request; `Admission` refuses it with
+503 when the work in flight would pass `RouterLimits`. A generation runs the choices
+concurrently and turns their token events into text deltas (incremental detokenization, stop
+strings); a dialect (completions or chat) shapes the deltas into SSE chunks or one JSON
+response. Whatever ends a request early (client gone, error, cancellation) aborts its
+unfinished backend requests and releases its admission. Every error, whatever its cause, is
+answered in vLLM's envelope {"error": {"message", "type", "param", "code"}}.
+
+Modules, from the bottom up: errors, metrics; middleware, admission, tokenization;
+generation; dialects; streaming; handlers; app.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Mapping
+from contextlib import asynccontextmanager
+from typing import TYPE_CHECKING, Any
+
+from fastapi import FastAPI
+from fastapi.openapi.utils import get_openapi
+from fastapi.responses import PlainTextResponse
+from pydantic import BaseModel
+
+from pdserve.router.admission import RouterLimits
+from pdserve.router.backend import Backend
+from pdserve.router.errors import ERROR_TYPES, install_error_handlers
+from pdserve.router.handlers import Handlers
+from pdserve.router.middleware import OPEN_ROUTES, ApiKeyGuard, BodyLimit, RequestCounter
+from pdserve.router.openai_protocol import (
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    CompletionRequest,
+    CompletionResponse,
+    DetokenizeRequest,
+    DetokenizeResponse,
+    ErrorResponse,
+    ModelList,
+    TokenizeRequest,
+    TokenizeResponse,
+)
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+__all__ = ["RouterLimits", "create_app"]
+
+
+def _openapi(app: FastAPI, bodies: Mapping[str, type[BaseModel]], api_key: bool) -> dict:
+    """FastAPI's schema plus the request bodies the handlers parse themselves (for 400s in
+    the error envelope), and the bearer scheme when an API key is set."""
+    schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
+    components = schema.setdefault("components", {}).setdefault("schemas", {})
+    for path, model in bodies.items():
+        model_schema = model.model_json_schema(ref_template="#/components/schemas/{model}")
+        components.update(model_schema.pop("$defs", {}))
+        components[model.__name__] = model_schema
+        ref = {"$ref": f"#/components/schemas/{model.__name__}"}
+        operation = schema["paths"][path]["post"]
+        operation["requestBody"] = {
+            "required": True,
+            "content": {"application/json": {"schema": ref}},
+        }
+    if api_key:
+        schemes = schema["components"].setdefault("securitySchemes", {})
+        schemes["bearer"] = {"type": "http", "scheme": "bearer"}
+        schema["security"] = [{"bearer": []}]
+        refused = {
+            "description": ERROR_TYPES[401],
+            "content": {
+                "application/json": {"schema": {"$ref": "#/components/schemas/ErrorResponse"}}
+            },
+        }
+        for path, operations in schema["paths"].items():
+            for operation in operations.values():
+                if path in OPEN_ROUTES:
+                    operation["security"] = []
+                else:
+                    operation["responses"].setdefault("401", refused)
+    return schema
+
+
+def _responses(ok: type[BaseModel] | None, *errors: int, stream: bool = False) -> dict:
+    """The documented answers of a route: ok's schema (or an SSE stream too), and the error
+    envelope for each status in errors."""
+    out: dict[int | str, dict[str, Any]] = {}
+    if ok is not None:
+        content: dict[str, Any] = {"application/json": {}}
+        if stream:
+            content["text/event-stream"] = {"schema": {"type": "string"}}
+        out[200] = {"model": ok, "content": content}
+    for status in errors:
+        out[status] = {"model": ErrorResponse, "description": ERROR_TYPES[status]}
+    return out
+
+
+def create_app(
+    backend: Backend,
+    tokenizer: PreTrainedTokenizerBase,
+    model_name: str,
+    api_key: str | None = None,
+    limits: RouterLimits | None = None,
+) -> FastAPI:
+    """The router's FastAPI app: OpenAI-compatible routes plus /health, /metrics, /tokenize,
+    /detokenize and /openapi.json. With api_key every path but /health wants
+    `Authorization: Bearer <key>`. Every error, whatever its cause, has vLLM's envelope."""
+    limits = limits or RouterLimits()
+    handlers = Handlers(backend, tokenizer, model_name, limits)
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        yield
+        handlers.tokenization.close()
+
+    # No /docs: it loads its page from a CDN. /openapi.json is served (behind the API key).
+    app = FastAPI(title="pdserve router", lifespan=lifespan, docs_url=None, redoc_url=None)
+    install_error_handlers(app)
+    # Added innermost first: requests are counted, then authorized, then size-bounded.
+    app.add_middleware(BodyLimit, max_bytes=limits.max_request_bytes)
+    if api_key is not None:
+        app.add_middleware(ApiKeyGuard, api_key=api_key)
+    app.add_middleware(RequestCounter, metrics=handlers.metrics)
+    generation = (400, 404, 413, 415, 500, 503)
+    app.post("/v1/completions", responses=_responses(CompletionResponse, *generation, stream=True))(
+        handlers.completions
+    )
+    app.post(
+        "/v1/chat/completions",
+        responses=_responses(ChatCompletionResponse, *generation, stream=True),
+    )(handlers.chat_completions)
+    app.get("/v1/models", response_model=ModelList)(handlers.models)
+    app.get("/health", responses=_responses(None, 503))(handlers.health)
+    app.get("/metrics", response_class=PlainTextResponse)(handlers.prometheus)
+    app.post("/tokenize", response_model=TokenizeResponse, responses=_responses(None, 400, 404))(
+        handlers.tokenize
+    )
+    app.post(
+        "/detokenize", response_model=DetokenizeResponse, responses=_responses(None, 400, 404)
+    )(handlers.detokenize)
+    bodies = {
+        "/v1/completions": CompletionRequest,
+        "/v1/chat/completions": ChatCompletionRequest,
+        "/tokenize": TokenizeRequest,
+        "/detokenize": DetokenizeRequest,
+    }
+    schema: dict[str, Any] = {}
+
+    def openapi() -> dict:
+        if not schema:
+            schema.update(_openapi(app, bodies, api_key is not None))
+        return schema
+
+    app.openapi = openapi  # type: ignore[method-assign]
+    app.state.admission = handlers.admission  # for tests and operators: work in flight
+    return app

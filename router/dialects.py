@@ -1,0 +1,272 @@
+"""Response shapes: a dialect (completions or chat) turns choice deltas into one API's
+stream chunks and final response, logprobs and usage included."""
+
+from __future__ import annotations
+
+import re
+import time
+import uuid
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from pydantic import BaseModel
+
+from pdserve.common.engine.request import TokenLogprobs
+from pdserve.router.generation import Choice, ChoiceDelta
+from pdserve.router.openai_protocol import (
+    ChatChoice,
+    ChatCompletionChunk,
+    ChatCompletionResponse,
+    ChatLogprobs,
+    ChatResponseMessage,
+    ChatStreamChoice,
+    ChatTokenLogprob,
+    ChatTopLogprob,
+    CompletionChoice,
+    CompletionLogprobs,
+    CompletionResponse,
+    DeltaMessage,
+    PromptTokensDetails,
+    UsageInfo,
+)
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+# JSON has no -inf; vLLM reports impossible tokens with this floor too.
+_MIN_LOGPROB = -9999.0
+
+
+class TokenStrings:
+    """Text and UTF-8 bytes of single tokens, as logprobs report them; cached per id."""
+
+    def __init__(self, tokenizer: PreTrainedTokenizerBase) -> None:
+        self._tokenizer = tokenizer
+        self._cache: dict[int, tuple[str, list[int]]] = {}
+
+    def get(self, token_id: int) -> tuple[str, list[int]]:
+        if token_id not in self._cache:
+            self._cache[token_id] = self._compute(token_id)
+        return self._cache[token_id]
+
+    def text(self, token_id: int) -> str:
+        return self.get(token_id)[0]
+
+    def _compute(self, token_id: int) -> tuple[str, list[int]]:
+        text = self._tokenizer.decode([token_id], skip_special_tokens=False)
+        if "\ufffd" not in text:
+            return text, list(text.encode())
+        # Part of a multi-byte character: its real bytes are in the raw token string, in
+        # byte-level BPE's printable alphabet or as SentencePiece's <0xNN> byte fallback.
+        raw = self._tokenizer.convert_ids_to_tokens(token_id)
+        byte_fallback = re.fullmatch(r"<0x([0-9A-Fa-f]{2})>", raw)
+        if byte_fallback:
+            return text, [int(byte_fallback.group(1), 16)]
+        if all(ch in _BYTE_LEVEL_DECODER for ch in raw):
+            return text, [_BYTE_LEVEL_DECODER[ch] for ch in raw]
+        return text, list(text.encode())
+
+
+def _byte_level_decoder() -> dict[str, int]:
+    """GPT-2's byte-to-printable-character table, inverted."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAC + 1), *range(0xAE, 0xFF + 1)]
+    chars, shift = dict.fromkeys(printable, 0), 0
+    table = {}
+    for byte in range(256):
+        if byte in chars:
+            table[chr(byte)] = byte
+        else:
+            table[chr(256 + shift)] = byte
+            shift += 1
+    return table
+
+
+_BYTE_LEVEL_DECODER = _byte_level_decoder()
+
+
+def _logprob(value: float) -> float:
+    return max(value, _MIN_LOGPROB)
+
+
+@dataclass(slots=True)
+class Collected:
+    """A whole choice, gathered for a non-streaming response."""
+
+    index: int
+    text: list[str] = field(default_factory=list)
+    logprobs: list[TokenLogprobs] = field(default_factory=list)
+    finish_reason: str | None = None
+    token_ids: list[int] = field(default_factory=list)
+
+    def add(self, delta: ChoiceDelta) -> None:
+        self.text.append(delta.text)
+        self.token_ids.extend(delta.token_ids)
+        self.logprobs.extend(delta.logprobs)
+        self.finish_reason = delta.finish_reason or self.finish_reason
+
+
+class Dialect(ABC):
+    """Shapes deltas into one API's stream chunks and final response."""
+
+    prefix: str
+
+    def __init__(self, model: str, tokens: TokenStrings, want_logprobs: bool) -> None:
+        self.id = f"{self.prefix}-{uuid.uuid4().hex}"
+        self.created = int(time.time())
+        self.model = model
+        self._tokens = tokens
+        self._want_logprobs = want_logprobs
+
+    def opening(self, num_choices: int) -> list[BaseModel]:
+        """Chunks sent before any token."""
+        return []
+
+    @abstractmethod
+    def chunk(self, delta: ChoiceDelta) -> BaseModel: ...
+
+    @abstractmethod
+    def usage_chunk(self, usage: UsageInfo) -> BaseModel: ...
+
+    def wants(self, delta: ChoiceDelta) -> bool:
+        """Whether a delta without text still makes a chunk (its token ids were asked for)."""
+        return False
+
+    @abstractmethod
+    def response(self, choices: list[Collected], usage: UsageInfo) -> BaseModel: ...
+
+
+class CompletionDialect(Dialect):
+    prefix = "cmpl"
+
+    def __init__(
+        self, model: str, tokens: TokenStrings, want_logprobs: bool, want_ids: bool = False
+    ) -> None:
+        super().__init__(model, tokens, want_logprobs)
+        self._want_ids = want_ids
+        self._offsets: dict[int, int] = {}  # text_offset reached by each streamed choice
+
+    def wants(self, delta: ChoiceDelta) -> bool:
+        return self._want_ids and bool(delta.token_ids)
+
+    def chunk(self, delta: ChoiceDelta) -> BaseModel:
+        logprobs = self._logprobs(delta.index, delta.logprobs)
+        choice = CompletionChoice(
+            index=delta.index,
+            text=delta.text,
+            logprobs=logprobs,
+            finish_reason=delta.finish_reason,
+            token_ids=list(delta.token_ids) if self._want_ids else None,
+        )
+        return self._wrap([choice])
+
+    def usage_chunk(self, usage: UsageInfo) -> BaseModel:
+        return self._wrap([], usage)
+
+    def response(self, choices: list[Collected], usage: UsageInfo) -> BaseModel:
+        out = [
+            CompletionChoice(
+                index=c.index,
+                text="".join(c.text),
+                logprobs=self._logprobs(c.index, c.logprobs),
+                finish_reason=c.finish_reason,
+                token_ids=c.token_ids if self._want_ids else None,
+            )
+            for c in choices
+        ]
+        return self._wrap(out, usage)
+
+    def _wrap(self, choices: list[CompletionChoice], usage: UsageInfo | None = None) -> BaseModel:
+        return CompletionResponse(
+            id=self.id, created=self.created, model=self.model, choices=choices, usage=usage
+        )
+
+    def _logprobs(
+        self, index: int, lps: list[TokenLogprobs] | tuple[TokenLogprobs, ...]
+    ) -> CompletionLogprobs | None:
+        if not self._want_logprobs:
+            return None
+        offset = self._offsets.get(index, 0)
+        out = CompletionLogprobs(tokens=[], token_logprobs=[], top_logprobs=[], text_offset=[])
+        for lp in lps:
+            text = self._tokens.text(lp.token_id)
+            out.tokens.append(text)
+            out.token_logprobs.append(_logprob(lp.logprob))
+            out.top_logprobs.append({self._tokens.text(t): _logprob(v) for t, v in lp.top})
+            out.text_offset.append(offset)
+            offset += len(text)
+        self._offsets[index] = offset
+        return out
+
+
+class ChatDialect(Dialect):
+    prefix = "chatcmpl"
+
+    def opening(self, num_choices: int) -> list[BaseModel]:
+        # OpenAI's first delta of each choice names the role, before any content.
+        role = DeltaMessage(role="assistant", content="")
+        return [self._wrap([ChatStreamChoice(index=i, delta=role)]) for i in range(num_choices)]
+
+    def chunk(self, delta: ChoiceDelta) -> BaseModel:
+        choice = ChatStreamChoice(
+            index=delta.index,
+            delta=DeltaMessage(content=delta.text or None),
+            logprobs=self._logprobs(delta.logprobs),
+            finish_reason=delta.finish_reason,
+        )
+        return self._wrap([choice])
+
+    def usage_chunk(self, usage: UsageInfo) -> BaseModel:
+        return self._wrap([], usage)
+
+    def response(self, choices: list[Collected], usage: UsageInfo) -> BaseModel:
+        out = [
+            ChatChoice(
+                index=c.index,
+                message=ChatResponseMessage(content="".join(c.text)),
+                logprobs=self._logprobs(c.logprobs),
+                finish_reason=c.finish_reason,
+            )
+            for c in choices
+        ]
+        return ChatCompletionResponse(
+            id=self.id, created=self.created, model=self.model, choices=out, usage=usage
+        )
+
+    def _wrap(self, choices: list[ChatStreamChoice], usage: UsageInfo | None = None) -> BaseModel:
+        return ChatCompletionChunk(
+            id=self.id, created=self.created, model=self.model, choices=choices, usage=usage
+        )
+
+    def _logprobs(
+        self, lps: list[TokenLogprobs] | tuple[TokenLogprobs, ...]
+    ) -> ChatLogprobs | None:
+        if not self._want_logprobs:
+            return None
+        return ChatLogprobs(content=[self._token_logprob(lp) for lp in lps])
+
+    def _token_logprob(self, lp: TokenLogprobs) -> ChatTokenLogprob:
+        text, raw = self._tokens.get(lp.token_id)
+        top = [self._top(t, v) for t, v in lp.top]
+        return ChatTokenLogprob(
+            token=text, logprob=_logprob(lp.logprob), bytes=raw, top_logprobs=top
+        )
+
+    def _top(self, token_id: int, logprob: float) -> ChatTopLogprob:
+        text, raw = self._tokens.get(token_id)
+        return ChatTopLogprob(token=text, logprob=_logprob(logprob), bytes=raw)
+
+
+def usage_info(prompts: list[list[int]], choices: list[Choice]) -> UsageInfo:
+    """Each prompt counts once however many choices it has, as OpenAI counts it."""
+    prompt_tokens = sum(len(p) for p in prompts)
+    completion_tokens = sum(c.num_tokens for c in choices)
+    cached = sum(
+        max(c.cached_tokens for c in choices if c.prompt_index == i) for i in range(len(prompts))
+    )
+    return UsageInfo(
+        prompt_tokens=prompt_tokens,
+        completion_tokens=completion_tokens,
+        total_tokens=prompt_tokens + completion_tokens,
+        prompt_tokens_details=PromptTokensDetails(cached_tokens=cached),
+    )

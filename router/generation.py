@@ -1,0 +1,263 @@
+"""One HTTP request's generation: its choices (n per prompt), each one backend request,
+run concurrently; their token events become text deltas (incremental detokenization, stop
+strings). Whatever ends a request early aborts its unfinished backend requests and releases
+its admission."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+import anyio
+from fastapi import Request
+
+from pdserve.common.engine.request import TokenLogprobs
+from pdserve.common.wire.messages import Failure
+from pdserve.router.admission import Admission, Ticket
+from pdserve.router.backend import Backend, GenerateRequest, TokenEvent
+from pdserve.router.detokenizer import IncrementalDetokenizer
+from pdserve.router.metrics import RouterMetrics
+
+logger = logging.getLogger(__name__)
+
+# How often a request waiting for tokens checks whether its client is still there; a token
+# that arrives meanwhile is handled at once, so this bounds only how long an abandoned request
+# keeps running on the nodes.
+DISCONNECT_POLL_S = 0.5
+# Bound on aborting and on tearing down a request, so a stuck backend cannot hang the router.
+CLEANUP_TIMEOUT_S = 5.0
+
+
+class StopStringMatcher:
+    """Cuts streamed text at the first stop string, holding back a tail that may begin one.
+
+    Text already returned never ends with a proper prefix of a stop string, so a stop string
+    can only start in the held-back tail or in new text: searching pending + new is enough.
+    """
+
+    def __init__(self, stops: tuple[str, ...]) -> None:
+        self._stops = stops
+        self._pending = ""
+
+    def push(self, text: str, search: bool = True) -> tuple[str, bool]:
+        """Returns the text safe to emit and whether a stop string ended it (text cut before)."""
+        buf = self._pending + text
+        self._pending = ""
+        if not self._stops or not search:
+            return buf, False
+        cut = self._first_stop(buf)
+        if cut is not None:
+            return buf[:cut], True
+        keep = self._partial_stop_len(buf)
+        self._pending = buf[len(buf) - keep :]
+        return buf[: len(buf) - keep], False
+
+    def flush(self) -> str:
+        """The held-back tail, once no more text will come."""
+        out, self._pending = self._pending, ""
+        return out
+
+    def _first_stop(self, buf: str) -> int | None:
+        """Where the stop string that ends first begins (the longer one on a tie): the one a
+        generator would have hit first, whatever the chunking of the text."""
+        found = [(i + len(s), i) for s in self._stops if (i := buf.find(s)) >= 0]
+        return min(found)[1] if found else None
+
+    def _partial_stop_len(self, buf: str) -> int:
+        longest = max(len(s) for s in self._stops) - 1
+        for size in range(min(longest, len(buf)), 0, -1):
+            tail = buf[-size:]
+            if any(s.startswith(tail) for s in self._stops):
+                return size
+        return 0
+
+
+@dataclass(frozen=True, slots=True)
+class ChoiceDelta:
+    """What one backend event means for one choice: new text, logprobs, maybe its end."""
+
+    index: int
+    text: str = ""
+    logprobs: tuple[TokenLogprobs, ...] = ()
+    finish_reason: str | None = None
+    error: str | None = None
+    token_ids: tuple[int, ...] = ()
+    failure: Failure | None = None
+
+
+class Choice:
+    """One choice of a response: its backend request, detokenizer and stop-string matcher."""
+
+    def __init__(
+        self,
+        index: int,
+        prompt_index: int,
+        request: GenerateRequest,
+        detokenizer: IncrementalDetokenizer,
+        stops: StopStringMatcher,
+    ) -> None:
+        self.index = index
+        self.prompt_index = prompt_index
+        self.request = request
+        self._detok = detokenizer
+        self._stops = stops
+        self.num_tokens = 0
+        self.cached_tokens = 0
+        self.finish_reason: str | None = None
+        self.backend_done = False  # the backend ended this request; no abort needed
+        self._seen_event = False
+
+    def on_event(self, event: TokenEvent) -> ChoiceDelta:
+        if not self._seen_event:  # the backend reports cached_tokens on the first event
+            self._seen_event = True
+            self.cached_tokens = event.cached_tokens
+        self.num_tokens += len(event.token_ids)
+        self.backend_done = event.finish_reason is not None
+        # Like vLLM, stop strings only count once min_tokens have been generated.
+        search = self.num_tokens >= self.request.sampling.min_tokens
+        text, hit = self._stops.push(self._detok.push(list(event.token_ids)), search)
+        finish = "stop" if hit else event.finish_reason
+        if not hit and finish is not None:
+            tail, hit = self._stops.push(self._detok.flush(), search)
+            text += tail if hit else tail + self._stops.flush()
+            finish = "stop" if hit else finish
+        self.finish_reason = finish
+        return ChoiceDelta(
+            self.index, text, event.logprobs, finish, event.error, event.token_ids, event.failure
+        )
+
+    def fail(self, message: str) -> ChoiceDelta:
+        self.finish_reason = "error"
+        return ChoiceDelta(self.index, finish_reason="error", error=message)
+
+
+async def aclose(events: AsyncIterator[TokenEvent]) -> None:
+    close = getattr(events, "aclose", None)
+    if close is not None:
+        await close()
+
+
+class Generation:
+    """Runs the choices of one HTTP request concurrently; yields their deltas as they come.
+
+    Use as `async with gen: async for delta in gen: ...`. Iteration ends when every choice has
+    finished, after the first error delta (yielded), or when the client has gone
+    (`disconnected`). Leaving the block aborts every backend request that has not ended,
+    whatever the reason: disconnect, error, an exception or cancellation of the caller.
+    """
+
+    def __init__(
+        self,
+        backend: Backend,
+        choices: list[Choice],
+        http_request: Request,
+        metrics: RouterMetrics,
+        started: float,
+        admission: Admission,
+    ) -> None:
+        self._backend = backend
+        self.choices = choices
+        self._http = http_request
+        self._metrics = metrics
+        self._started = started
+        self._admission = admission
+        self._ticket: Ticket | None = None
+        self._queue: asyncio.Queue[ChoiceDelta] = asyncio.Queue()
+        self._tasks: list[asyncio.Task[None]] = []
+        self._remaining = len(choices)
+        self._first_token_seen = False
+        self.failed = False
+        self.disconnected = False
+
+    async def __aenter__(self) -> Generation:
+        """Admits the request (APIError 503 when the router is full) and starts its choices."""
+        tokens = sum(len(c.request.prompt_token_ids) for c in self.choices)
+        self._ticket = self._admission.admit(len(self.choices), tokens)
+        self._metrics.in_flight.inc()
+        self._tasks = [asyncio.create_task(self._pump(c)) for c in self.choices]
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        # Shielded: this also runs when the caller is being cancelled (client disconnect), and
+        # the aborts must still reach the backend.
+        with anyio.move_on_after(CLEANUP_TIMEOUT_S, shield=True):
+            for task in self._tasks:
+                task.cancel()
+            await asyncio.gather(*self._tasks, return_exceptions=True)
+            await self._abort_unfinished()
+        self._tasks = []
+        assert self._ticket is not None, "left a generation that was never entered"
+        self._ticket.release()
+        self._metrics.in_flight.dec()
+        if self._remaining == 0 and not self.failed:
+            self._metrics.e2e.observe(time.monotonic() - self._started)
+
+    def __aiter__(self) -> Generation:
+        return self
+
+    async def __anext__(self) -> ChoiceDelta:
+        if self._remaining == 0 or self.failed or self.disconnected:
+            raise StopAsyncIteration
+        delta = await self._next_delta()
+        if delta is None:
+            self.disconnected = True
+            raise StopAsyncIteration
+        if delta.finish_reason is not None:
+            self._remaining -= 1
+            self.failed = delta.finish_reason == "error"
+        return delta
+
+    async def _next_delta(self) -> ChoiceDelta | None:
+        """The next delta, or None once the client has disconnected."""
+        while True:
+            try:
+                return await asyncio.wait_for(self._queue.get(), DISCONNECT_POLL_S)
+            except asyncio.TimeoutError:
+                if await self._http.is_disconnected():
+                    return None
+
+    async def _pump(self, choice: Choice) -> None:
+        try:
+            await self._consume(choice)
+        except Exception:  # any backend failure must reach the client as an error
+            logger.exception("request %s failed", choice.request.request_id)
+            if choice.finish_reason is None:  # one finishing delta per choice, never two
+                # The log has the details; the client is not told the router's internals.
+                self._queue.put_nowait(choice.fail("backend failure: the request was stopped"))
+
+    async def _consume(self, choice: Choice) -> None:
+        events = self._backend.generate(choice.request)
+        try:
+            async for event in events:
+                self._on_tokens(len(event.token_ids))
+                delta = choice.on_event(event)
+                if delta.finish_reason is not None and not choice.backend_done:
+                    await self._abort(choice)  # a stop string ended it before the backend did
+                self._queue.put_nowait(delta)
+                if delta.finish_reason is not None:
+                    return
+            self._queue.put_nowait(choice.fail("backend stream ended without a finish reason"))
+        finally:
+            await aclose(events)
+
+    def _on_tokens(self, count: int) -> None:
+        self._metrics.generation_tokens.inc(count)
+        if count and not self._first_token_seen:
+            self._first_token_seen = True
+            self._metrics.ttft.observe(time.monotonic() - self._started)
+
+    async def _abort(self, choice: Choice) -> None:
+        rid = choice.request.request_id
+        try:
+            with anyio.fail_after(CLEANUP_TIMEOUT_S):
+                await self._backend.abort(rid)
+            choice.backend_done = True
+        except Exception:  # the lease on the nodes frees the blocks eventually anyway
+            logger.exception("abort of %s failed", rid)
+
+    async def _abort_unfinished(self) -> None:
+        unfinished = [c for c in self.choices if not c.backend_done]
+        await asyncio.gather(*(self._abort(c) for c in unfinished))

@@ -1,0 +1,238 @@
+"""The route handlers: validate, tokenize, length-check and split a request into choices,
+then answer it as one JSON response or an SSE stream."""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING, Any
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST
+
+from pdserve.router.admission import Admission, RouterLimits
+from pdserve.router.backend import Backend, GenerateRequest
+from pdserve.router.detokenizer import IncrementalDetokenizer
+from pdserve.router.dialects import (
+    ChatDialect,
+    Collected,
+    CompletionDialect,
+    Dialect,
+    TokenStrings,
+    usage_info,
+)
+from pdserve.router.errors import APIError, client_gone, failure_error, parse_body
+from pdserve.router.generation import Choice, Generation, StopStringMatcher
+from pdserve.router.metrics import RouterMetrics
+from pdserve.router.openai_protocol import (
+    BaseGenerationRequest,
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    DetokenizeResponse,
+    ModelCard,
+    ModelList,
+    TokenizeRequest,
+    TokenizeResponse,
+)
+from pdserve.router.streaming import stream_events, streaming_response
+from pdserve.router.tokenization import Tokenization
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+
+def _too_long(limit: int, prompt_len: int, max_tokens: int | None, param: str) -> APIError:
+    """vLLM's rule and wording: the prompt plus max_tokens must fit max_model_len; with
+    max_tokens omitted, the prompt must leave room for at least one token."""
+    if max_tokens is None:
+        return APIError(
+            400,
+            f"This model's maximum context length is {limit} tokens (max_model_len). However, "
+            f"your prompt has {prompt_len} tokens, which leaves no room for the completion. "
+            "Please reduce the length of the prompt.",
+            param,
+        )
+    return APIError(
+        400,
+        f"This model's maximum context length is {limit} tokens (max_model_len). However, you "
+        f"requested {prompt_len + max_tokens} tokens ({prompt_len} in the prompt, {max_tokens} "
+        "for the completion). Please reduce the length of the prompt or max_tokens.",
+        param,
+    )
+
+
+def _wrap_int64(value: int) -> int:
+    # seed + i of the last choices may pass int64's top; wrap like the int64 it becomes.
+    return (value + 2**63) % 2**64 - 2**63
+
+
+class Handlers:
+    """Route handlers of one app, over one backend and tokenizer."""
+
+    def __init__(
+        self,
+        backend: Backend,
+        tokenizer: PreTrainedTokenizerBase,
+        model: str,
+        limits: RouterLimits,
+    ) -> None:
+        self._backend = backend
+        self._tokenizer = tokenizer
+        self._model = model
+        self.tokenization = Tokenization(tokenizer)
+        self._tokens = TokenStrings(tokenizer)
+        self.metrics = RouterMetrics(backend)
+        self.admission = Admission(limits)
+
+    async def completions(self, request: Request) -> Response:
+        started = time.monotonic()
+        self.admission.check_room()
+        body = await parse_body(request, CompletionRequest)
+        self._check_model(body.model)
+        prompts = await self._completion_prompts(body.prompt, body.add_special_tokens)
+        dialect = CompletionDialect(
+            self._model, self._tokens, body.logprobs is not None, body.return_token_ids
+        )
+        return await self._generate(request, body, prompts, dialect, started, "prompt")
+
+    async def chat_completions(self, request: Request) -> Response:
+        started = time.monotonic()
+        self.admission.check_room()
+        body = await parse_body(request, ChatCompletionRequest)
+        self._check_model(body.model)
+        messages = [m.template_dict() for m in body.messages]
+        prompt = await self.tokenization.chat(messages, body.add_generation_prompt)
+        self.tokenization.check_ids(prompt, "messages")
+        dialect = ChatDialect(self._model, self._tokens, body.logprobs_count() is not None)
+        return await self._generate(request, body, [prompt], dialect, started, "messages")
+
+    async def models(self) -> ModelList:
+        card = ModelCard(id=self._model, max_model_len=self._backend.max_model_len)
+        return ModelList(data=[card])
+
+    async def health(self) -> Response:
+        if not self._backend.ready():
+            return APIError(503, "no prefill/decode route is available").response()
+        return JSONResponse({"status": "ok"})
+
+    async def prometheus(self) -> Response:
+        return Response(self.metrics.exposition(), media_type=CONTENT_TYPE_LATEST)
+
+    async def tokenize(self, request: Request) -> TokenizeResponse:
+        body = await parse_body(request, TokenizeRequest)
+        self._check_model(body.model)
+        if body.messages is not None:
+            messages = [m.template_dict() for m in body.messages]
+            ids = await self.tokenization.chat(messages, body.add_generation_prompt)
+        else:
+            ids = await self.tokenization.encode(body.prompt or "", body.add_special_tokens)
+        return TokenizeResponse(
+            count=len(ids), max_model_len=self._backend.max_model_len, tokens=ids
+        )
+
+    async def detokenize(self, request: Request) -> DetokenizeResponse:
+        body = await parse_body(request, DetokenizeRequest)
+        self._check_model(body.model)
+        self.tokenization.check_vocab(body.tokens, "tokens")
+        text = await self.tokenization.run(self._tokenizer.decode, body.tokens)
+        return DetokenizeResponse(prompt=text)
+
+    def _check_model(self, name: str | None) -> None:
+        if name is not None and name != self._model:
+            shown = name if len(name) <= 100 else name[:100] + "..."
+            raise APIError(
+                404,
+                f"The model `{shown}` does not exist; this server serves `{self._model}`.",
+                "model",
+            )
+
+    async def _completion_prompts(
+        self, prompt: str | list[Any], add_special_tokens: bool
+    ) -> list[list[int]]:
+        if isinstance(prompt, str):
+            prompts = [await self.tokenization.encode(prompt, add_special_tokens)]
+        elif isinstance(prompt[0], int):
+            prompts = [list(prompt)]
+        elif isinstance(prompt[0], str):
+            prompts = [await self.tokenization.encode(p, add_special_tokens) for p in prompt]
+        else:
+            prompts = [list(p) for p in prompt]
+        for ids in prompts:
+            self.tokenization.check_ids(ids, "prompt")
+        return prompts
+
+    def _max_tokens(
+        self, prompt_len: int, requested: int | None, prompt_param: str, max_tokens_param: str
+    ) -> int:
+        """requested, or the room left when omitted; 400 if it does not fit the context."""
+        limit = self._backend.max_model_len
+        if requested is None:
+            if prompt_len >= limit:
+                raise _too_long(limit, prompt_len, None, prompt_param)
+            return limit - prompt_len
+        if prompt_len + requested > limit:
+            raise _too_long(limit, prompt_len, requested, max_tokens_param)
+        return requested
+
+    def _make_choices(
+        self, rid: str, prompts: list[list[int]], body: BaseGenerationRequest, prompt_param: str
+    ) -> list[Choice]:
+        stops = body.stop_strings()
+        self.tokenization.check_vocab(body.stop_token_ids or (), "stop_token_ids")
+        single = len(prompts) * body.n == 1
+        choices = []
+        for p, ids in enumerate(prompts):
+            max_tokens = self._max_tokens(
+                len(ids), body.requested_max_tokens(), prompt_param, body.max_tokens_param()
+            )
+            for i in range(body.n):
+                index = p * body.n + i
+                seed = None if body.seed is None else _wrap_int64(body.seed + i)
+                try:
+                    sampling = body.sampling_params(max_tokens, seed)
+                except ValueError as exc:
+                    # SamplingParams' messages start with the offending field's name.
+                    raise APIError(400, str(exc), str(exc).split()[0]) from None
+                request = GenerateRequest(rid if single else f"{rid}-{index}", tuple(ids), sampling)
+                detok = IncrementalDetokenizer(self._tokenizer, ids, body.skip_special_tokens)
+                choices.append(Choice(index, p, request, detok, StopStringMatcher(stops)))
+        return choices
+
+    async def _generate(
+        self,
+        request: Request,
+        body: BaseGenerationRequest,
+        prompts: list[list[int]],
+        dialect: Dialect,
+        started: float,
+        prompt_param: str,
+    ) -> Response:
+        choices = self._make_choices(dialect.id, prompts, body, prompt_param)
+        if not self._backend.ready():
+            raise APIError(503, "no prefill/decode route is available; retry later")
+        self.metrics.prompt_tokens.inc(sum(len(p) for p in prompts))
+        gen = Generation(self._backend, choices, request, self.metrics, started, self.admission)
+        if body.stream:
+            return await streaming_response(
+                stream_events(gen, dialect, prompts, body.include_usage)
+            )
+        collected = await _collect(gen)
+        if collected is None:
+            return client_gone().response()
+        answer = dialect.response(collected, usage_info(prompts, choices))
+        # pydantic's JSON writes non-finite floats as null; json.dumps would refuse them.
+        return Response(answer.model_dump_json(), media_type="application/json")
+
+
+async def _collect(gen: Generation) -> list[Collected] | None:
+    """Every choice in full; None if the client left; APIError 500/503 if a choice failed."""
+    collected = [Collected(c.index) for c in gen.choices]
+    first = True
+    async with gen:
+        async for delta in gen:
+            if delta.finish_reason == "error":
+                raise failure_error(delta.error, delta.failure, first)
+            first = False
+            collected[delta.index].add(delta)
+    return None if gen.disconnected else collected

@@ -1,0 +1,128 @@
+"""Pure-ASGI middlewares, run before any handler: count every request by route and status,
+check the API key, and bound the body size."""
+
+from __future__ import annotations
+
+import secrets
+
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from pdserve.router.errors import APIError
+from pdserve.router.metrics import RouterMetrics
+
+ROUTES = (
+    "/v1/completions",
+    "/v1/chat/completions",
+    "/v1/models",
+    "/health",
+    "/metrics",
+    "/tokenize",
+    "/detokenize",
+    "/openapi.json",
+)
+OPEN_ROUTES = ("/health",)  # every other path, unknown ones included, wants the API key
+
+
+async def _send_error(error: APIError, scope: Scope, receive: Receive, send: Send) -> None:
+    await error.response()(scope, receive, send)
+
+
+class ApiKeyGuard:
+    """ASGI middleware: with an API key, every path but OPEN_ROUTES wants `Authorization:
+    Bearer <key>`, unknown paths too (a scanner learns nothing), before any body is read."""
+
+    def __init__(self, app: ASGIApp, api_key: str) -> None:
+        self._app = app
+        self._key = api_key.encode()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["path"] not in OPEN_ROUTES:
+            if not self._authorized(scope):
+                error = APIError(401, "invalid or missing API key (Authorization: Bearer <key>)")
+                await _send_error(error, scope, receive, send)
+                return
+        await self._app(scope, receive, send)
+
+    def _authorized(self, scope: Scope) -> bool:
+        values = [v for k, v in scope["headers"] if k.lower() == b"authorization"]
+        if len(values) != 1:
+            return False
+        scheme, _, token = values[0].partition(b" ")
+        # compare_digest: the time taken must not tell how much of a guessed key was right.
+        return scheme.lower() == b"bearer" and secrets.compare_digest(token.strip(), self._key)
+
+
+class BodyLimit:
+    """ASGI middleware bounding request bodies: 413 at once when Content-Length says too
+    much, else the bytes are counted as they arrive and the read fails at the bound, so no
+    body larger than max_bytes is ever held in memory (chunked uploads included)."""
+
+    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+        self._app = app
+        self._max = max_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self._app(scope, receive, send)
+            return
+        error = self._check_declared(scope)
+        if error is not None:
+            await _send_error(error, scope, receive, send)
+            return
+        received = 0
+
+        async def counting_receive() -> Message:
+            nonlocal received
+            message = await receive()
+            if message["type"] == "http.request":
+                received += len(message.get("body", b""))
+                if received > self._max:
+                    # Raised inside the handler's body read: the app answers it like any
+                    # other APIError.
+                    raise self._too_large(f"more than {self._max} bytes")
+            return message
+
+        await self._app(scope, counting_receive, send)
+
+    def _check_declared(self, scope: Scope) -> APIError | None:
+        values = [v for k, v in scope["headers"] if k.lower() == b"content-length"]
+        if not values:
+            return None
+        try:
+            declared = int(values[0])
+        except ValueError:
+            return APIError(400, "invalid Content-Length header")
+        if declared > self._max:
+            return self._too_large(f"{declared} bytes")
+        return None
+
+    def _too_large(self, size: str) -> APIError:
+        return APIError(413, f"request body too large: {size}; the limit is {self._max} bytes")
+
+
+class RequestCounter:
+    """ASGI middleware counting requests by route and status; pure ASGI, unlike Starlette's
+    BaseHTTPMiddleware, so it neither buffers streams nor hides client disconnects."""
+
+    def __init__(self, app: ASGIApp, metrics: RouterMetrics) -> None:
+        self._app = app
+        self._metrics = metrics
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self._app(scope, receive, send)
+            return
+        status = 500  # what the client gets if the app raises before starting a response
+
+        async def send_status(message: Message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        try:
+            await self._app(scope, receive, send_status)
+        finally:
+            # Unknown paths share one label, so scanners cannot blow up the label space.
+            route = scope["path"] if scope["path"] in ROUTES else "other"
+            self._metrics.requests.labels(route=route, status=str(status)).inc()
