@@ -6,7 +6,8 @@ import time
 
 from pdserve.common.engine.sampling_params import SamplingParams
 from pdserve.router.backend import GenerateRequest
-from pdserve.router.cluster import POLICIES, NodeInfo
+from pdserve.router.cluster.policies import POLICIES
+from pdserve.router.cluster.registry import NodeInfo
 
 REQ = GenerateRequest("r", (1, 2), SamplingParams())
 

@@ -1,0 +1,17 @@
+"""The router's view of the cluster: node registry, routing policies, and the ZMQ backend.
+
+Nodes connect DEALER sockets to the router's ROUTER socket and register; heartbeats carry
+their load. A request on the P/D path goes: ReserveKV to a decode node (it allocates the
+prompt's blocks or answers Busy), Prefill to a prefill node with the reserved blocks as the
+destination; the prefill node streams the first token here and hands the KV to the decode
+node, which streams the rest.
+
+Modules, from the bottom up: registry (NodeInfo, which nodes are alive), policies (orderings
+of candidate nodes), streams (one request's state), control (the ROUTER socket), routing
+(putting a request on nodes), backend (ClusterBackend: messages, failover, leases).
+"""
+
+from pdserve.router.cluster.backend import ClusterBackend
+from pdserve.router.cluster.policies import POLICIES
+
+__all__ = ["POLICIES", "ClusterBackend"]

@@ -1,0 +1,58 @@
+"""Routing policies: each orders candidate nodes for one request, best first. Chosen by
+name from POLICIES; every backend gets a fresh policy object (and its own state)."""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import Callable
+
+from pdserve.common.engine.block_pool import hash_token_blocks
+from pdserve.router.backend import GenerateRequest
+from pdserve.router.cluster.registry import NodeInfo
+
+Policy = Callable[[list[NodeInfo], GenerateRequest], list[NodeInfo]]
+
+
+class RoundRobin:
+    """Candidates in turn; the rotation is this policy object's own state."""
+
+    def __init__(self) -> None:
+        self._turn = itertools.count()
+
+    def __call__(self, nodes: list[NodeInfo], _req: GenerateRequest) -> list[NodeInfo]:
+        if not nodes:
+            return nodes
+        start = next(self._turn) % len(nodes)
+        ordered = sorted(nodes, key=lambda n: n.node_id)
+        return ordered[start:] + ordered[:start]
+
+
+def least_loaded(nodes: list[NodeInfo], _req: GenerateRequest) -> list[NodeInfo]:
+    return sorted(nodes, key=NodeInfo.load)
+
+
+def prefix_aware(nodes: list[NodeInfo], req: GenerateRequest) -> list[NodeInfo]:
+    """Least prefill work first: tokens already queued there plus the prompt tokens it would
+    have to compute, i.e. not covered by the leading blocks it caches. A node holding the
+    prompt's prefix wins unless its queue outweighs the saving; load breaks ties (decode
+    nodes report no prefixes, so for them this is least_loaded)."""
+    now = time.monotonic()
+    prompt = req.prompt_token_ids
+    hashes: dict[int, list[bytes]] = {}  # block size -> the prompt's block hashes
+
+    def work(node: NodeInfo) -> int:
+        if node.block_size not in hashes:
+            hashes[node.block_size] = hash_token_blocks(prompt, node.block_size)
+        hit = node.cached_blocks(hashes[node.block_size], now) * node.block_size
+        return node.queued_tokens + node.recent_tokens + len(prompt) - hit
+
+    return sorted(nodes, key=lambda n: (work(n), n.load()))
+
+
+# Name -> factory, so every backend gets a fresh policy (and its own state).
+POLICIES: dict[str, Callable[[], Policy]] = {
+    "round_robin": RoundRobin,
+    "least_loaded": lambda: least_loaded,
+    "prefix_aware": lambda: prefix_aware,
+}

@@ -1,0 +1,149 @@
+"""The nodes the router knows: what each one reported (role, KV endpoint, load, prefix
+cache), and which of them are alive and take new requests."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from pdserve.common.engine.block_pool import hash_token_blocks
+from pdserve.common.wire.messages import Heartbeat, RegisterNode
+from pdserve.router.backend import GenerateRequest
+
+NODE_ROLES = ("prefill", "decode", "both")
+
+
+@dataclass(slots=True)
+class NodeInfo:
+    """What the router knows of one node, refreshed by its heartbeats."""
+
+    node_id: str
+    role: str
+    kv_endpoint: str
+    kv_connector: str
+    layout_digest: str
+    num_blocks: int
+    max_model_len: int
+    last_seen: float
+    free_blocks: int = 0
+    num_running: int = 0
+    num_waiting: int = 0
+    queued_tokens: int = 0
+    inflight: int = 0  # requests the router has routed there and not seen finish
+    block_size: int = 16
+    # Prefix cache as the node reports it (block hash set) plus what the router has sent
+    # there since (hash -> expiry time), and prompt tokens sent since its last heartbeat.
+    prefixes: set[bytes] = field(default_factory=set)
+    prefix_seq: int = 0
+    recent_prefixes: dict[bytes, float] = field(default_factory=dict)
+    recent_tokens: int = 0
+    draining: bool = False  # shutting down: takes no new requests
+    incarnation: str = ""  # the node process's random start id (a restart changes it)
+
+    def load(self) -> tuple[int, int]:
+        return (self.inflight + self.num_waiting, -self.free_blocks)
+
+    def apply_heartbeat(self, msg: Heartbeat, now: float) -> bool:
+        """Take a heartbeat's load and prefix-cache changes; False when the prefix changes
+        have a gap (the view is then empty until the node sends a snapshot)."""
+        self.free_blocks, self.num_running = msg.free_blocks, msg.num_running
+        self.num_waiting, self.queued_tokens = msg.num_waiting, msg.queued_tokens
+        self.recent_tokens = 0  # now counted in queued_tokens
+        self.draining = msg.draining
+        self.recent_prefixes = {h: t for h, t in self.recent_prefixes.items() if t > now}
+        if not msg.prefix_seq:
+            return True  # this node does not report its prefix cache
+        in_order = msg.prefix_seq == self.prefix_seq + 1
+        self.prefix_seq = msg.prefix_seq
+        if msg.prefix_reset:
+            self.prefixes = set(msg.prefix_stored)
+            return True
+        if not in_order:
+            self.prefixes.clear()
+            return False
+        self.prefixes.difference_update(msg.prefix_removed)
+        self.prefixes.update(msg.prefix_stored)
+        return True
+
+    def cached_blocks(self, hashes: list[bytes], now: float) -> int:
+        """How many leading blocks of a prompt (its chained block hashes) this node holds or
+        is about to hold."""
+        n = 0
+        for h in hashes:
+            if h not in self.prefixes and self.recent_prefixes.get(h, 0.0) <= now:
+                break
+            n += 1
+        return n
+
+    def routed(
+        self, request: GenerateRequest, now: float, ttl: float = 5.0, prefixes: bool = True
+    ) -> None:
+        """A prompt was sent here: count its tokens and (when the policy reads them) expect
+        its blocks to be cached soon."""
+        prompt = request.prompt_token_ids
+        if not prefixes:
+            self.recent_tokens += len(prompt)
+            return
+        hashes = hash_token_blocks(prompt, self.block_size)
+        # Queued work is what it must compute: the prompt less the leading blocks it holds.
+        self.recent_tokens += len(prompt) - self.cached_blocks(hashes, now) * self.block_size
+        for h in hashes:
+            self.recent_prefixes[h] = now + ttl
+
+
+class NodeRegistry:
+    """Nodes by id, as they registered; a node is alive while it is heard from within
+    heartbeat_timeout."""
+
+    def __init__(self, heartbeat_timeout: float, default_max_model_len: int) -> None:
+        self.heartbeat_timeout = heartbeat_timeout
+        self.default_max_model_len = default_max_model_len
+        self.nodes: dict[str, NodeInfo] = {}
+
+    def get(self, node_id: str) -> NodeInfo | None:
+        return self.nodes.get(node_id)
+
+    def add(self, node_id: str, msg: RegisterNode, now: float) -> None:
+        """Take a node as it registers (again): what was known of it before is dropped."""
+        self.nodes[node_id] = NodeInfo(
+            node_id=node_id,
+            role=msg.role,
+            kv_endpoint=msg.kv_endpoint,
+            kv_connector=msg.kv_connector,
+            layout_digest=msg.layout_digest,
+            num_blocks=msg.num_blocks,
+            max_model_len=msg.max_model_len,
+            last_seen=now,
+            free_blocks=msg.num_blocks,
+            block_size=msg.block_size,
+            incarnation=msg.incarnation,
+        )
+
+    def alive(self, roles: tuple[str, ...]) -> list[NodeInfo]:
+        """Nodes of these roles heard from within the heartbeat timeout."""
+        cutoff = time.monotonic() - self.heartbeat_timeout
+        return [n for n in self.nodes.values() if n.role in roles and n.last_seen >= cutoff]
+
+    def routable(self, roles: tuple[str, ...], exclude: set[str] = frozenset()) -> list[NodeInfo]:
+        """Live nodes that take new requests (not draining, not excluded)."""
+        return [n for n in self.alive(roles) if not n.draining and n.node_id not in exclude]
+
+    @property
+    def max_model_len(self) -> int:
+        """The tightest limit among live nodes (every node must be able to hold a request)."""
+        lens = [n.max_model_len for n in self.alive(NODE_ROLES)]
+        return min([self.default_max_model_len, *lens])
+
+    def ready(self) -> bool:
+        """Whether some route takes requests: a colocated node, or a prefill and a decode node."""
+        if self.routable(("both",)):
+            return True
+        return bool(self.routable(("prefill",)) and self.routable(("decode",)))
+
+    def stats(self) -> dict[str, float]:
+        """Live nodes of each role."""
+        return {
+            "nodes_prefill": len(self.alive(("prefill",))),
+            "nodes_decode": len(self.alive(("decode",))),
+            "nodes_colocated": len(self.alive(("both",))),
+        }
