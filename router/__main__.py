@@ -10,6 +10,7 @@ import os
 
 import uvicorn
 
+from pdserve.common.model.checkpoint import Checkpoint
 from pdserve.common.node.cli import add_curve_arg, add_model_arg, parser, resolve_model
 from pdserve.router.app import RouterLimits, create_app
 from pdserve.router.cluster import POLICIES, ClusterBackend
@@ -94,18 +95,14 @@ def limits_of(args: argparse.Namespace) -> RouterLimits:
 
 
 def max_model_len_of(model_dir: str, override: int | None) -> int:
-    from transformers import AutoConfig
-
-    limit = AutoConfig.from_pretrained(model_dir).max_position_embeddings
+    limit = Checkpoint.resolve(model_dir).hf_config().max_position_embeddings
     return min(limit, override) if override else limit
 
 
 async def serve(args: argparse.Namespace) -> None:
-    from transformers import AutoTokenizer
-
     limits = limits_of(args)  # a bad flag fails here, before anything is started
 
-    tokenizer = AutoTokenizer.from_pretrained(args.model)
+    tokenizer = Checkpoint.resolve(args.model).tokenizer()
     backend = ClusterBackend(
         host=args.control_host or args.host,
         control_port=args.control_port,

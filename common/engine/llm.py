@@ -123,10 +123,10 @@ def _as_batch(prompts) -> list[str | list[int]]:
 
 
 def _load_tokenizer(model_dir: str):
-    from transformers import AutoTokenizer
+    from pdserve.common.model.checkpoint import Checkpoint
 
     try:
-        return AutoTokenizer.from_pretrained(model_dir)
+        return Checkpoint.resolve(model_dir).tokenizer()
     except Exception as exc:  # a checkpoint without tokenizer files
         raise ValueError(
             f"cannot load a tokenizer from {model_dir}: {exc}; pass skip_tokenizer_init=True "

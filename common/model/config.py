@@ -132,15 +132,13 @@ class ModelArchConfig:
         )
 
     @classmethod
-    def from_dir(cls, model_dir: str | Path) -> ModelArchConfig:
-        """Read config.json (and generation_config.json when present) from a local directory."""
-        from transformers import AutoConfig, GenerationConfig
+    def from_dir(cls, model: str | Path) -> ModelArchConfig:
+        """Read a checkpoint's config: config.json (and generation_config.json when present)
+        of a directory, or a GGUF file's metadata."""
+        from pdserve.common.model.checkpoint import Checkpoint
 
-        hf_config = AutoConfig.from_pretrained(model_dir, local_files_only=True)
-        generation_config = None
-        if (Path(model_dir) / "generation_config.json").is_file():
-            generation_config = GenerationConfig.from_pretrained(model_dir, local_files_only=True)
-        return cls.from_hf(hf_config, generation_config)
+        checkpoint = Checkpoint.resolve(model)
+        return cls.from_hf(checkpoint.hf_config(), checkpoint.generation_config())
 
 
 def _architecture(hf_config: Any) -> str:

@@ -1,4 +1,5 @@
-"""Load a Llama-family checkpoint from a local Hugging Face directory into our model.
+"""Load a Llama-family checkpoint (a local Hugging Face directory, or a GGUF file) into our
+model.
 
 The model is built on the meta device (no random init, no double memory), then every
 parameter is assigned from the checkpoint by name; anything missing, unexpected or misshapen
@@ -14,6 +15,7 @@ from pathlib import Path
 
 import torch
 
+from pdserve.common.model.checkpoint import Checkpoint
 from pdserve.common.model.config import ModelArchConfig
 from pdserve.common.model.llama import LlamaFamilyForCausalLM
 
@@ -32,13 +34,13 @@ def load_model(
     there are none, pytorch_model.bin (or its shards) through torch.load(weights_only=True).
     Returns the model in eval mode with gradients off, on `device`, in `dtype`.
     """
-    model_dir = Path(model_dir)
+    checkpoint = Checkpoint.resolve(model_dir)
     config = ModelArchConfig.from_dir(model_dir)
     with torch.device("meta"):
         model = LlamaFamilyForCausalLM(config)
     expected = {name: p.shape for name, p in model.named_parameters()}
     state = {}
-    for name, tensor in _iter_checkpoint(model_dir):
+    for name, tensor in _iter_checkpoint(checkpoint, config, expected):
         if _ignored(name, config):
             continue
         state[name] = tensor.to(device=device, dtype=dtype)
@@ -71,10 +73,21 @@ def checkpoint_files(model_dir: Path) -> list[Path]:
     raise ValueError(f"no *.safetensors or pytorch_model.bin weights in {model_dir}")
 
 
-def _iter_checkpoint(model_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:
+def _iter_checkpoint(
+    checkpoint: Checkpoint, config: ModelArchConfig, expected: dict[str, torch.Size]
+) -> Iterator[tuple[str, torch.Tensor]]:
+    if checkpoint.is_gguf:
+        from pdserve.common.model.gguf import read_tensors
+
+        names = [*expected, "lm_head.weight"]  # a tied model's file may still hold lm_head
+        for name, array in read_tensors(
+            checkpoint.gguf_path, names, config.num_layers, config.num_heads, config.num_kv_heads
+        ):
+            yield name, torch.from_numpy(array)
+        return
     from safetensors import safe_open
 
-    for path in checkpoint_files(model_dir):
+    for path in checkpoint_files(checkpoint.directory):
         if path.suffix == ".safetensors":
             with safe_open(str(path), framework="pt", device="cpu") as f:
                 for name in f.keys():
@@ -126,10 +139,14 @@ def model_fingerprint(model_dir: str | Path) -> str:
     Two nodes must hold the same model for their KV to be interchangeable; this tells apart
     checkpoints with equal shapes but other weights, without hashing gigabytes.
     """
-    root = Path(model_dir)
-    h = hashlib.sha256((root / "config.json").read_bytes())
+    checkpoint = Checkpoint.resolve(model_dir)
+    if checkpoint.is_gguf:  # the metadata (config, tokenizer) sits in the file itself
+        h, files = hashlib.sha256(b"gguf"), [checkpoint.gguf_path]
+    else:
+        h = hashlib.sha256((checkpoint.directory / "config.json").read_bytes())
+        files = checkpoint_files(checkpoint.directory)
     sample = 1 << 16
-    for path in checkpoint_files(root):
+    for path in files:
         size = path.stat().st_size
         h.update(f"{path.name}:{size}".encode())
         with path.open("rb") as f:
