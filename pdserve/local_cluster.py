@@ -1,20 +1,20 @@
-"""Start a router plus N prefill and M decode nodes (or colocated nodes) on this host.
+"""The child processes of one deployment on this host: a router plus N prefill and M decode
+nodes (or colocated nodes), each `python -m pdserve <role> ...`.
 
-Used by scripts/launch_local.sh, the demo, the benchmarks and the end-to-end tests:
-`pdserve serve MODEL --num-prefill 1 --num-decode 1`.
-Runs in the foreground and stops every child on SIGINT or SIGTERM.
+`LocalCluster` starts them and waits until the router answers and every node registered; the
+tests, the demo and the benchmarks use it directly, and `pdserve serve` supervises one (see
+`pdserve.serve`). Every child is described by a name and its command line, so a supervisor
+can start the same child again.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import signal
 import socket
 import subprocess
 import sys
-import threading
 import time
 import urllib.error
 import urllib.request
@@ -30,7 +30,11 @@ def free_port(host: str = "127.0.0.1") -> int:
 @dataclass
 class LocalCluster:
     """Child processes of one local deployment; `with LocalCluster(...) as c:` waits for
-    /health and stops everything on exit."""
+    /health and stops everything on exit.
+
+    Child output goes to `log_dir/<name>.log` when log_dir is set, to this process's own
+    stdout/stderr when inherit_output is set, else nowhere.
+    """
 
     model: str
     num_prefill: int = 1
@@ -44,6 +48,8 @@ class LocalCluster:
     decode_args: list[str] = field(default_factory=list)
     router_args: list[str] = field(default_factory=list)
     log_dir: str | None = None
+    host: str = "127.0.0.1"
+    inherit_output: bool = False
     procs: dict[str, subprocess.Popen] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -52,69 +58,70 @@ class LocalCluster:
 
     @property
     def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
+        host = "127.0.0.1" if self.host in ("0.0.0.0", "::") else self.host
+        return f"http://{host}:{self.port}"
 
-    def _spawn(self, name: str, args: list[str]) -> None:
-        out = subprocess.DEVNULL
-        if self.log_dir:
-            os.makedirs(self.log_dir, exist_ok=True)
-            out = open(os.path.join(self.log_dir, f"{name}.log"), "wb")  # noqa: SIM115
-        env = dict(os.environ, PYTHONUNBUFFERED="1")
-        self.procs[name] = subprocess.Popen(
-            [sys.executable, "-m", "pdserve", *args], stdout=out, stderr=subprocess.STDOUT, env=env
-        )
+    @property
+    def node_names(self) -> list[str]:
+        return [n for n in self.children() if n != "router"]
 
-    def start(self, timeout: float = 120.0) -> LocalCluster:
-        router = f"127.0.0.1:{self.control_port}"
-        self._spawn(
-            "router",
-            [
+    def children(self) -> dict[str, list[str]]:
+        """Every child by name: the arguments after `python -m pdserve`."""
+        router_addr = f"127.0.0.1:{self.control_port}"
+        node = ["--model", self.model, "--router", router_addr, *self.engine_args]
+        kv = ["--kv-connector", self.kv_connector]
+        out = {
+            "router": [
                 "router",
                 "--model",
                 self.model,
+                "--host",
+                self.host,
                 "--port",
                 str(self.port),
+                "--control-host",
+                "127.0.0.1",
                 "--control-port",
                 str(self.control_port),
                 *self.router_args,
-            ],
-        )
-        node = ["--model", self.model, "--router", router, *self.engine_args]
+            ]
+        }
         for i in range(self.num_prefill):
-            self._spawn(
-                f"prefill{i}",
-                [
-                    "prefill",
-                    *node,
-                    "--node-id",
-                    f"prefill{i}",
-                    "--kv-connector",
-                    self.kv_connector,
-                    *self.prefill_args,
-                ],
-            )
+            out[f"prefill{i}"] = ["prefill", *node, "--node-id", f"prefill{i}", *kv]
+            out[f"prefill{i}"] += self.prefill_args
         for i in range(self.num_decode):
-            self._spawn(
-                f"decode{i}",
-                [
-                    "decode",
-                    *node,
-                    "--node-id",
-                    f"decode{i}",
-                    "--kv-connector",
-                    self.kv_connector,
-                    *self.decode_args,
-                ],
-            )
+            out[f"decode{i}"] = ["decode", *node, "--node-id", f"decode{i}", *kv]
+            out[f"decode{i}"] += self.decode_args
         for i in range(self.num_colocated):
-            self._spawn(f"both{i}", ["decode", "--role", "both", *node, "--node-id", f"both{i}"])
+            out[f"both{i}"] = ["decode", "--role", "both", *node, "--node-id", f"both{i}"]
+        return out
+
+    def spawn(self, name: str) -> subprocess.Popen:
+        """Start child `name` (again): a restart appends to its log."""
+        out = subprocess.DEVNULL
+        if self.log_dir:
+            os.makedirs(self.log_dir, exist_ok=True)
+            out = open(os.path.join(self.log_dir, f"{name}.log"), "ab")  # noqa: SIM115
+        elif self.inherit_output:
+            out = None
+        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        args = [sys.executable, "-m", "pdserve", *self.children()[name]]
+        proc = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT, env=env)
+        if out not in (None, subprocess.DEVNULL):
+            out.close()  # the child holds its own descriptor
+        self.procs[name] = proc
+        return proc
+
+    def start(self, timeout: float = 120.0) -> LocalCluster:
+        for name in self.children():
+            self.spawn(name)
         self.wait_ready(timeout)
         return self
 
     def wait_ready(self, timeout: float) -> None:
         """Until /health says 200 and every node has registered; RuntimeError otherwise."""
         deadline = time.monotonic() + timeout
-        want = self.num_prefill + self.num_decode + self.num_colocated
+        want = len(self.node_names)
         while time.monotonic() < deadline:
             dead = [n for n, p in self.procs.items() if p.poll() is not None]
             if dead:
@@ -138,6 +145,7 @@ class LocalCluster:
         return self.get("/internal/integrity") or {}
 
     def stop(self, timeout: float = 15.0) -> None:
+        """SIGTERM every child (nodes drain), wait up to timeout, then kill what is left."""
         for p in self.procs.values():
             if p.poll() is None:
                 p.send_signal(signal.SIGTERM)
@@ -158,41 +166,3 @@ class LocalCluster:
 
     def __exit__(self, *exc) -> None:
         self.stop()
-
-
-def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(description="pdserve: router + prefill + decode on this host")
-    p.add_argument("--model", required=True)
-    p.add_argument("--num-prefill", type=int, default=1)
-    p.add_argument("--num-decode", type=int, default=1)
-    p.add_argument("--num-colocated", type=int, default=0)
-    p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--control-port", type=int, default=8100)
-    p.add_argument("--kv-connector", default="zmq", choices=["zmq", "nccl", "shm"])
-    p.add_argument("--log-dir", default=None)
-    args, engine_args = p.parse_known_args(argv)
-    cluster = LocalCluster(
-        args.model,
-        args.num_prefill,
-        args.num_decode,
-        args.num_colocated,
-        args.kv_connector,
-        args.port,
-        args.control_port,
-        engine_args=engine_args,
-        log_dir=args.log_dir,
-    )
-    stop = threading.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: stop.set())
-    with cluster:
-        print(f"pdserve ready at {cluster.url} (Ctrl-C to stop)", flush=True)
-        while not stop.is_set():
-            if any(proc.poll() is not None for proc in cluster.procs.values()):
-                print("a pdserve process exited; stopping", file=sys.stderr)
-                break
-            stop.wait(0.5)
-
-
-if __name__ == "__main__":
-    main()

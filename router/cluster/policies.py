@@ -15,15 +15,18 @@ Policy = Callable[[list[NodeInfo], GenerateRequest], list[NodeInfo]]
 
 
 class RoundRobin:
-    """Candidates in turn; the rotation is this policy object's own state."""
+    """Candidates in turn; the rotation is this policy object's own state, one turn per role,
+    so that asking for decode nodes does not move the prefill nodes' turn (one request asks
+    for both: a shared turn would send every request of a 2P1D cluster to the same P)."""
 
     def __init__(self) -> None:
-        self._turn = itertools.count()
+        self._turns: dict[str, itertools.count] = {}
 
     def __call__(self, nodes: list[NodeInfo], _req: GenerateRequest) -> list[NodeInfo]:
         if not nodes:
             return nodes
-        start = next(self._turn) % len(nodes)
+        turn = self._turns.setdefault(nodes[0].role, itertools.count())
+        start = next(turn) % len(nodes)
         ordered = sorted(nodes, key=lambda n: n.node_id)
         return ordered[start:] + ordered[:start]
 

@@ -12,10 +12,8 @@ from pdserve.router.cluster.registry import NodeInfo
 REQ = GenerateRequest("r", (1, 2), SamplingParams())
 
 
-def node(name: str, inflight: int = 0, free: int = 10) -> NodeInfo:
-    return NodeInfo(
-        name, "decode", "", "zmq", "", 10, 100, 0.0, free_blocks=free, inflight=inflight
-    )
+def node(name: str, inflight: int = 0, free: int = 10, role: str = "decode") -> NodeInfo:
+    return NodeInfo(name, role, "", "zmq", "", 10, 100, 0.0, free_blocks=free, inflight=inflight)
 
 
 def test_round_robin_rotates_and_each_backend_has_its_own_turn():
@@ -24,6 +22,18 @@ def test_round_robin_rotates_and_each_backend_has_its_own_turn():
     firsts = [rr(nodes, REQ)[0].node_id for _ in range(4)]
     assert firsts == ["a", "b", "c", "a"]
     assert POLICIES["round_robin"]()(nodes, REQ)[0].node_id == "a"  # fresh state
+
+
+def test_round_robin_keeps_one_turn_per_role():
+    """A request asks for decode nodes, then prefill nodes: each role rotates on its own."""
+    prefills = [node("p0", role="prefill"), node("p1", role="prefill")]
+    decodes = [node("d0", role="decode")]
+    rr = POLICIES["round_robin"]()
+    firsts = []
+    for _ in range(4):
+        rr(decodes, REQ)
+        firsts.append(rr(prefills, REQ)[0].node_id)
+    assert firsts == ["p0", "p1", "p0", "p1"]
 
 
 def test_least_loaded_prefers_fewer_requests_then_more_free_blocks():
