@@ -33,7 +33,6 @@ def main(argv: list[str] | None = None) -> None:
             "A decode node: reserves blocks, receives KV, decodes with continuous batching.\n"
             "--role both makes it a colocated node (prefill and decode in one engine).",
             argv,
-            ("kv_connector", "host", "kv_port"),
         )
     else:
         sys.exit(f"--role must be 'decode' or 'both', got {role!r}")

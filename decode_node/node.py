@@ -5,8 +5,10 @@ from __future__ import annotations
 import logging
 import uuid
 
+from pdserve.common.engine.config import CacheConfig, ModelConfig, SchedulerConfig
 from pdserve.common.engine.scheduler import SampledToken
-from pdserve.common.node.loop import EngineNode
+from pdserve.common.node.config import NodeConfig
+from pdserve.common.node.loop import EngineNode, Handler
 from pdserve.common.wire.codecs import sampling_from_wire
 from pdserve.common.wire.messages import (
     Admitted,
@@ -18,8 +20,7 @@ from pdserve.common.wire.messages import (
     Reserved,
     ReserveKV,
 )
-from pdserve.kv_transfer import create_receiver, node_layout
-from pdserve.kv_transfer.channel import use_curve
+from pdserve.kv_transfer import KVPort
 
 log = logging.getLogger(__name__)
 
@@ -29,36 +30,26 @@ class DecodeNode(EngineNode):
     the prefill node writes into them; KVDone (the transfer's end) admits the request."""
 
     role = "decode"
+    kv_port: KVPort
 
     def __init__(
-        self, *args, kv_connector: str = "zmq", host: str = "127.0.0.1", kv_port: int = 0, **kwargs
+        self, model: ModelConfig, cache: CacheConfig, scheduler: SchedulerConfig, node: NodeConfig
     ) -> None:
-        super().__init__(*args, **kwargs)
-        self.connector = kv_connector
-        self.layout = node_layout(self.engine, self.model_config.model_dir)
-        use_curve(self.control.curve)  # the KV side channel is a cluster link too
-        self.receiver = create_receiver(
-            kv_connector, self.layout, self.engine.runner.kv_caches, host=host, port=kv_port
-        )
+        super().__init__(model, cache, scheduler, node)
+        self.kv_port = KVPort.of_engine(self.engine, model.model_dir, node.kv_connector, self.curve)
+        self.receiver = self.kv_port.listen(self.engine.runner.kv_caches, node.host, node.kv_port)
         self.xfer_to_rid: dict[str, str] = {}
         self.rid_to_xfer: dict[str, str] = {}
 
-    def kv_endpoint(self) -> str:
-        return self.receiver.endpoint
+    def handlers(self) -> dict[type[Message], Handler]:
+        return {
+            **super().handlers(),
+            ReserveKV: self.admitting(self.reserve),
+            RenewTransfer: self.renew_transfer,
+        }
 
-    def kv_connector(self) -> str:
-        return self.connector
-
-    def layout_digest(self) -> str:
-        return self.layout.digest()
-
-    def on_message(self, msg: Message) -> None:
-        if isinstance(msg, ReserveKV):
-            self.reserve(msg)
-        elif isinstance(msg, RenewTransfer):
-            self.renew_transfer(msg.request_id)
-        else:
-            super().on_message(msg)
+    def refuse(self, request_id: str, kind: Failure, why: str) -> None:
+        self.control.send(Busy(request_id, why))  # the router tries another decode node
 
     def reserve(self, msg: ReserveKV) -> None:
         sampling = sampling_from_wire(msg.sampling)
@@ -83,9 +74,10 @@ class DecodeNode(EngineNode):
         self.rid_to_xfer[request_id] = xfer_id
         self.control.send(Reserved(request_id, xfer_id, tuple(block_ids), self.receiver.endpoint))
 
-    def renew_transfer(self, request_id: str) -> None:
+    def renew_transfer(self, msg: RenewTransfer) -> None:
         """The prefill node feeding a reservation died: same blocks, a new transfer id; frames
         of the old one that still arrive are dropped."""
+        request_id = msg.request_id
         old = self.rid_to_xfer.pop(request_id, None)
         if old is None:  # not reserved here (any more): nothing to renew
             self.control.send(Error(request_id, "no reservation to renew", Failure.NO_RESERVATION))
@@ -119,5 +111,5 @@ class DecodeNode(EngineNode):
             self.receiver.cancel(xfer_id)
 
     def close(self) -> None:
-        self.receiver.close()
+        self.kv_port.close()
         super().close()

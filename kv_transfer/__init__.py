@@ -1,6 +1,7 @@
 """KV connectors: move KV pages from a prefill node's cache blocks into a decode node's blocks.
 
-Pick a connector by name (`zmq`, `nccl`, `shm`) with `create_sender` / `create_receiver`.
+Pick a connector by name (`zmq`, `nccl`, `shm`) with `create_sender` / `create_receiver`; a node
+holds its end of the data plane in a `KVPort`.
 """
 
 from pdserve.kv_transfer.base import (
@@ -15,9 +16,11 @@ from pdserve.kv_transfer.base import (
     create_sender,
 )
 from pdserve.kv_transfer.layout import KVLayout, node_layout
+from pdserve.kv_transfer.port import KVPort
 
 __all__ = [
     "KVLayout",
+    "KVPort",
     "KVReceiver",
     "KVSender",
     "LayoutMismatchError",

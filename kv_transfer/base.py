@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from pdserve.common.wire.security import CurveKeys
 from pdserve.kv_transfer.layout import KVLayout
 
 
@@ -163,9 +164,12 @@ def _load(name: str, which: int) -> type:
     return getattr(importlib.import_module(module), classes[which])
 
 
-def create_sender(name: str, layout: KVLayout, **opts: Any) -> KVSender:
-    """A not yet connected sender of connector `name` (`zmq`, `nccl`, `shm`)."""
-    return _load(name, 0)(layout, **opts)
+def create_sender(
+    name: str, layout: KVLayout, curve: CurveKeys | None = None, **opts: Any
+) -> KVSender:
+    """A not yet connected sender of connector `name` (`zmq`, `nccl`, `shm`); with `curve`
+    (the cluster's keys) it authenticates to the receiver and encrypts its side channel."""
+    return _load(name, 0)(layout, curve=curve, **opts)
 
 
 def create_receiver(
@@ -174,8 +178,10 @@ def create_receiver(
     kv_caches: list[torch.Tensor],
     host: str = "127.0.0.1",
     port: int = 0,
+    curve: CurveKeys | None = None,
     **opts: Any,
 ) -> KVReceiver:
     """A bound receiver of connector `name` writing into `kv_caches` (one tensor per layer);
-    `port=0` picks a free port."""
-    return _load(name, 1)(layout, kv_caches, host=host, port=port, **opts)
+    `port=0` picks a free port. With `curve` it admits only senders holding the cluster's
+    keys."""
+    return _load(name, 1)(layout, kv_caches, host=host, port=port, curve=curve, **opts)

@@ -47,17 +47,6 @@ from pdserve.kv_transfer.wire import (
     wait_event,
 )
 
-# The cluster's CurveZMQ keys for every side-channel socket made from now on (None: plain).
-_CURVE: CurveKeys | None = None
-
-
-def use_curve(keys: CurveKeys | None) -> None:
-    """Authenticate and encrypt every KV side channel this process opens (see
-    common/security.py); a node calls it once at start."""
-    global _CURVE
-    _CURVE = keys
-
-
 # How long poll sleeps between progress checks while data is in flight outside the socket.
 _PROGRESS_INTERVAL_S = 0.001
 
@@ -71,14 +60,18 @@ class ChannelSender(KVSender):
 
     CUDA copies finish asynchronously; work that must wait for one (sending a header after a
     device-to-host copy) goes into a FIFO of (event, action) run in order as events complete, so
-    headers never overtake each other and `send_layer` never stalls on the device.
+    headers never overtake each other and `send_layer` never stalls on the device. With
+    `curve` (the cluster's keys) the side channel authenticates and encrypts.
     """
 
     CONNECTOR: ClassVar[str] = ""
 
-    def __init__(self, layout: KVLayout, send_timeout: float = 30.0) -> None:
+    def __init__(
+        self, layout: KVLayout, send_timeout: float = 30.0, curve: CurveKeys | None = None
+    ) -> None:
         super().__init__(layout)
         self.sender_id = uuid.uuid4().hex
+        self._curve = curve  # the cluster's keys: the side channel is a cluster link too
         self._send_timeout = send_timeout
         self._sock: zmq.Socket | None = None
         self._endpoint = ""
@@ -98,8 +91,8 @@ class ChannelSender(KVSender):
         sock.setsockopt(zmq.ROUTING_ID, self.sender_id.encode())
         sock.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
         sock.setsockopt(zmq.SNDTIMEO, _ms(self._send_timeout))
-        if _CURVE is not None:
-            _CURVE.connect(sock)
+        if self._curve is not None:
+            self._curve.connect(sock)
         sock.connect(endpoint)
         self._sock, self._endpoint = sock, endpoint
         try:
@@ -280,7 +273,8 @@ class ChannelReceiver(KVReceiver):
 
     Subclasses get `_on_page_data(peer, page, frames, admitted)` for every page header that
     passed validation and call `_land(page, pages)` when the bytes are available; `_land`
-    checksums and writes only if the transfer is still live.
+    checksums and writes only if the transfer is still live. With `curve` (the cluster's keys)
+    only senders holding them get through a TCP bind.
     """
 
     CONNECTOR: ClassVar[str] = ""
@@ -293,6 +287,7 @@ class ChannelReceiver(KVReceiver):
         port: int = 0,
         max_frame_bytes: int = MAX_MESSAGE_BYTES,
         bind: str | None = None,
+        curve: CurveKeys | None = None,
     ) -> None:
         super().__init__(layout, kv_caches)
         if len(kv_caches) != layout.num_layers:
@@ -308,9 +303,9 @@ class ChannelReceiver(KVReceiver):
         self._sock.setsockopt(zmq.LINGER, 0)
         # zmq drops (and disconnects) a peer whose message exceeds this, before we see it.
         self._sock.setsockopt(zmq.MAXMSGSIZE, max_frame_bytes + MAX_MESSAGE_BYTES)
-        if _CURVE is not None and not (bind or "").startswith("ipc://"):
-            admit_cluster_keys(zmq.Context.instance(), _CURVE)
-            _CURVE.serve(self._sock)
+        if curve is not None and not (bind or "").startswith("ipc://"):
+            admit_cluster_keys(zmq.Context.instance(), curve)
+            curve.serve(self._sock)
         self._sock.bind(bind or f"tcp://{host}:{port or '*'}")
         self._endpoint = self._sock.getsockopt(zmq.LAST_ENDPOINT).decode()
 

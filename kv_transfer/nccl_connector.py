@@ -26,6 +26,7 @@ from typing import Any, ClassVar
 import torch
 import torch.distributed as dist
 
+from pdserve.common.wire.security import CurveKeys
 from pdserve.kv_transfer.base import TransferError, TransferTimeout
 from pdserve.kv_transfer.channel import ChannelReceiver, ChannelSender, Peer
 from pdserve.kv_transfer.layout import KVLayout
@@ -120,8 +121,9 @@ class NcclReceiver(ChannelReceiver):
         store_port: int = 0,
         pair_timeout: float = 30.0,
         recv_timeout: float = 10.0,
+        curve: CurveKeys | None = None,
     ) -> None:
-        super().__init__(layout, kv_caches, host, port)
+        super().__init__(layout, kv_caches, host, port, curve=curve)
         self._recv_timeout = timedelta(seconds=recv_timeout)
         self._device = kv_caches[0].device
         self._backend = "nccl" if self._device.type == "cuda" else "gloo"
@@ -202,9 +204,13 @@ class NcclSender(ChannelSender):
     CONNECTOR: ClassVar[str] = "nccl"
 
     def __init__(
-        self, layout: KVLayout, send_timeout: float = 30.0, bind_host: str = "127.0.0.1"
+        self,
+        layout: KVLayout,
+        send_timeout: float = 30.0,
+        bind_host: str = "127.0.0.1",
+        curve: CurveKeys | None = None,
     ) -> None:
-        super().__init__(layout, send_timeout)
+        super().__init__(layout, send_timeout, curve)
         self._bind_host = bind_host
         self._group: Any = None
         self._store: dist.Store | None = None

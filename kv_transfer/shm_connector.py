@@ -29,6 +29,7 @@ from typing import Any, ClassVar
 import torch
 
 from pdserve.common.wire.messages import Message
+from pdserve.common.wire.security import CurveKeys
 from pdserve.kv_transfer.base import TransferError
 from pdserve.kv_transfer.channel import ChannelReceiver, ChannelSender, Peer
 from pdserve.kv_transfer.layout import KVLayout
@@ -124,8 +125,9 @@ class ShmReceiver(ChannelReceiver):
         port: int = 0,
         staging_bytes: int = _DEFAULT_STAGING,
         shm_dir: str | None = None,
+        curve: CurveKeys | None = None,
     ) -> None:
-        super().__init__(layout, kv_caches, host, port)
+        super().__init__(layout, kv_caches, host, port, curve=curve)
         self._capacity = staging_bytes // ALIGN * ALIGN
         if self._capacity < layout.page_bytes:
             raise ValueError(f"staging_bytes {staging_bytes} below one page ({layout.page_bytes})")
@@ -190,8 +192,10 @@ class ShmSender(ChannelSender):
 
     CONNECTOR: ClassVar[str] = "shm"
 
-    def __init__(self, layout: KVLayout, send_timeout: float = 30.0) -> None:
-        super().__init__(layout, send_timeout)
+    def __init__(
+        self, layout: KVLayout, send_timeout: float = 30.0, curve: CurveKeys | None = None
+    ) -> None:
+        super().__init__(layout, send_timeout, curve)
         self._staging: torch.Tensor | None = None
         self._capacity = 0
         self._written = 0  # absolute, aligned end of the last frame we placed

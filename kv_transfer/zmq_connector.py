@@ -19,6 +19,7 @@ from typing import Any, ClassVar
 import torch
 import zmq
 
+from pdserve.common.wire.security import CurveKeys
 from pdserve.kv_transfer.base import TransferTimeout
 from pdserve.kv_transfer.channel import ChannelReceiver, ChannelSender, Peer
 from pdserve.kv_transfer.layout import KVLayout
@@ -42,8 +43,10 @@ class ZmqSender(ChannelSender):
 
     CONNECTOR: ClassVar[str] = "zmq"
 
-    def __init__(self, layout: KVLayout, send_timeout: float = 30.0) -> None:
-        super().__init__(layout, send_timeout)
+    def __init__(
+        self, layout: KVLayout, send_timeout: float = 30.0, curve: CurveKeys | None = None
+    ) -> None:
+        super().__init__(layout, send_timeout, curve)
         # (tracker, host pages) of frames zmq may still read from, oldest first
         self._trackers: deque[tuple[zmq.MessageTracker, torch.Tensor]] = deque()
         frame_bytes = blocks_per_frame(layout.page_bytes) * layout.page_bytes
@@ -108,11 +111,14 @@ class ZmqReceiver(ChannelReceiver):
         host: str = "127.0.0.1",
         port: int = 0,
         ipc_path: str | None = None,
+        curve: CurveKeys | None = None,
     ) -> None:
         # No frame can legitimately carry more than one whole layer cache.
         layer_bytes = kv_caches[0].numel() * kv_caches[0].element_size() if kv_caches else 0
         bind = f"ipc://{ipc_path}" if ipc_path is not None else None
-        super().__init__(layout, kv_caches, host, port, max_frame_bytes=layer_bytes, bind=bind)
+        super().__init__(
+            layout, kv_caches, host, port, max_frame_bytes=layer_bytes, bind=bind, curve=curve
+        )
 
     def _accept_peer(self, peer: Peer) -> dict[str, Any]:
         return welcome_extra()

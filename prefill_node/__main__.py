@@ -13,7 +13,6 @@ def main(argv: list[str] | None = None) -> None:
         "pdserve prefill",
         "A prefill node: chunked prefill, KV pages shipped to the decode node's blocks.",
         argv,
-        pass_args=("kv_connector",),
     )
 
 

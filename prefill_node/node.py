@@ -3,15 +3,17 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import zmq
 
+from pdserve.common.engine.config import CacheConfig, ModelConfig, SchedulerConfig
 from pdserve.common.engine.scheduler import RequestUpdate, SchedulerOutput
-from pdserve.common.node.loop import EngineNode
-from pdserve.common.wire.messages import Error, Failure, Prefill
-from pdserve.kv_transfer import KVSender, create_sender, node_layout
-from pdserve.kv_transfer.channel import use_curve
+from pdserve.common.node.config import NodeConfig
+from pdserve.common.node.loop import EngineNode, Handler
+from pdserve.common.wire.messages import Error, Failure, Message, Prefill
+from pdserve.kv_transfer import KVPort
 
 log = logging.getLogger(__name__)
 
@@ -34,38 +36,27 @@ class PrefillNode(EngineNode):
     blocks of the decode node, the first token to the router."""
 
     role = "prefill"
+    reports_prefixes = True
+    kv_port: KVPort
 
     def __init__(
-        self, *args, kv_connector: str = "zmq", connect_timeout: float = 10.0, **kwargs
+        self, model: ModelConfig, cache: CacheConfig, scheduler: SchedulerConfig, node: NodeConfig
     ) -> None:
-        super().__init__(*args, **kwargs)
-        self.connector = kv_connector
-        self.connect_timeout = connect_timeout
-        self.layout = node_layout(self.engine, self.model_config.model_dir)
-        use_curve(self.control.curve)  # the KV side channel is a cluster link too
-        self.senders: dict[str, KVSender] = {}
+        super().__init__(model, cache, scheduler, node)
+        self.kv_port = KVPort.of_engine(
+            self.engine, model.model_dir, node.kv_connector, self.curve, node.connect_timeout
+        )
         self.dests: dict[str, Prefill] = {}  # request id -> where its KV goes
         self.next_block: dict[str, int] = {}  # request id -> first block not yet fully sent
 
-    def kv_connector(self) -> str:
-        return self.connector
-
-    def layout_digest(self) -> str:
-        return self.layout.digest()
-
-    def _sender(self, endpoint: str) -> KVSender:
-        sender = self.senders.get(endpoint)
-        if sender is None:  # handshake once per decode node; a layout mismatch raises here
-            sender = create_sender(self.connector, self.layout)
-            sender.connect(endpoint, self.connect_timeout)
-            self.senders[endpoint] = sender
-        return sender
+    def handlers(self) -> dict[type[Message], Handler]:
+        return {**super().handlers(), Prefill: self.admitting(self.on_prefill)}
 
     def on_prefill(self, msg: Prefill) -> None:
         if not msg.xfer_id:
             raise ValueError("a prefill node needs a destination (xfer_id and blocks)")
-        try:
-            self._sender(msg.dest_kv_endpoint)
+        try:  # handshake once per decode node; a layout mismatch raises here
+            self.kv_port.sender(msg.dest_kv_endpoint)
         except SEND_ERRORS as exc:  # the decode node is unreachable: fail this request only
             self.control.send(
                 Error(msg.request_id, f"KV connection failed: {exc}", Failure.KV_FAILED)
@@ -76,29 +67,8 @@ class PrefillNode(EngineNode):
         self.next_block[msg.request_id] = 0
 
     def step(self) -> None:
-        output = self.engine.scheduler.schedule()
-        if output.empty:
-            self.engine.runner.forget(output.finished_ids)
-            return
-        shipments = self.plan_kv(output)
         failed: dict[str, str] = {}  # decode node endpoint -> why sending to it failed
-
-        def ship_layer(layer: int) -> None:
-            # Runs inside the forward right after layer `layer` wrote its K/V: its pages are
-            # gathered and handed to the transport while the later layers compute.
-            cache = self.engine.runner.kv_caches[layer]
-            for ship in shipments:
-                if ship.endpoint in failed:
-                    continue
-                try:
-                    self.senders[ship.endpoint].send_layer(
-                        ship.xfer_id, layer, ship.src, ship.dst, cache
-                    )
-                except SEND_ERRORS as exc:
-                    failed[ship.endpoint] = str(exc)
-
-        sampled = self.engine.runner.execute(output, on_layer=ship_layer if shipments else None)
-        for update in self.engine.scheduler.update(output, sampled):
+        for update in self.engine.step(on_layer=lambda output: self.ship_kv(output, failed)):
             dest = self.dests.get(update.request_id)
             if dest is not None and dest.dest_kv_endpoint in failed:
                 continue  # failed below, before any of its tokens reach the client
@@ -106,6 +76,30 @@ class PrefillNode(EngineNode):
             self.hand_off(update, failed)
         for endpoint, error in failed.items():
             self.drop_destination(endpoint, error)
+
+    def ship_kv(
+        self, output: SchedulerOutput, failed: dict[str, str]
+    ) -> Callable[[int], None] | None:
+        """The layer hook of this step's forward: each layer's new pages leave as soon as the
+        layer wrote them, while the later layers compute. Broken connections go to `failed`."""
+        shipments = self.plan_kv(output)
+        if not shipments:
+            return None
+        senders = self.kv_port.senders
+
+        def ship_layer(layer: int) -> None:
+            cache = self.engine.runner.kv_caches[layer]
+            for ship in shipments:
+                if ship.endpoint in failed:
+                    continue
+                try:
+                    senders[ship.endpoint].send_layer(
+                        ship.xfer_id, layer, ship.src, ship.dst, cache
+                    )
+                except SEND_ERRORS as exc:
+                    failed[ship.endpoint] = str(exc)
+
+        return ship_layer
 
     def plan_kv(self, output: SchedulerOutput) -> list[Shipment]:
         """Which blocks of this step go where: every block not yet sent up to what the step
@@ -132,7 +126,7 @@ class PrefillNode(EngineNode):
         meta = {"first_token": update.new_token_ids[0], "n_tokens": len(dest.prompt_token_ids)}
         self.engine.scheduler.release(update.request_id)
         try:
-            self.senders[dest.dest_kv_endpoint].send_done(dest.xfer_id, meta)
+            self.kv_port.senders[dest.dest_kv_endpoint].send_done(dest.xfer_id, meta)
         except SEND_ERRORS as exc:
             failed[dest.dest_kv_endpoint] = str(exc)
             self.control.send(
@@ -143,9 +137,7 @@ class PrefillNode(EngineNode):
         """A connection to a decode node broke: fail every request bound there (the router
         then aborts their reservations) and reconnect on the next request."""
         log.warning("KV connection to %s failed: %s", endpoint, error)
-        sender = self.senders.pop(endpoint, None)
-        if sender is not None:
-            sender.close()
+        self.kv_port.drop(endpoint)
         for rid in [rid for rid, d in self.dests.items() if d.dest_kv_endpoint == endpoint]:
             self.abort(rid)
             self.control.send(
@@ -158,6 +150,5 @@ class PrefillNode(EngineNode):
         self.next_block.pop(request_id, None)
 
     def close(self) -> None:
-        for sender in self.senders.values():
-            sender.close()
+        self.kv_port.close()
         super().close()

@@ -3,13 +3,17 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
 from pdserve.common.engine.config import CacheConfig, ModelConfig, SchedulerConfig
 from pdserve.common.engine.kv_cache_manager import KVCacheManager
 from pdserve.common.engine.model_runner import ModelRunner
 from pdserve.common.engine.request import Request
 from pdserve.common.engine.sampling_params import SamplingParams
-from pdserve.common.engine.scheduler import RequestUpdate, Scheduler
+from pdserve.common.engine.scheduler import RequestUpdate, Scheduler, SchedulerOutput
+
+# Given a step's batch, a callback `f(layer)` for its forward, or None (see LLMEngine.step).
+LayerHook = Callable[[SchedulerOutput], Callable[[int], None] | None]
 
 
 class LLMEngine:
@@ -86,12 +90,15 @@ class LLMEngine:
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished
 
-    def step(self) -> list[RequestUpdate]:
+    def step(self, on_layer: LayerHook | None = None) -> list[RequestUpdate]:
+        """Schedule, run, update. `on_layer`, given the scheduled batch, returns what runs
+        inside its forward right after each layer wrote its K/V (the prefill node ships
+        that layer's pages with it), or None for nothing."""
         output = self.scheduler.schedule()
         if output.empty:
             self.runner.forget(output.finished_ids)
             return []
-        sampled = self.runner.execute(output)
+        sampled = self.runner.execute(output, on_layer(output) if on_layer else None)
         return self.scheduler.update(output, sampled)
 
     def check_integrity(self) -> None:

@@ -6,8 +6,7 @@ from __future__ import annotations
 import argparse
 
 from pdserve.common.engine.config import CacheConfig, ModelConfig, SchedulerConfig
-
-KV_CONNECTORS = ("zmq", "nccl", "shm")
+from pdserve.common.node.config import KV_CONNECTORS, NodeConfig
 
 
 class HelpFormatter(argparse.RawDescriptionHelpFormatter):
@@ -157,4 +156,21 @@ def engine_configs(args: argparse.Namespace) -> tuple[ModelConfig, CacheConfig, 
             max_model_len=args.max_model_len,
             long_prefill_token_threshold=args.long_prefill_token_threshold,
         ),
+    )
+
+
+def node_config(args: argparse.Namespace) -> NodeConfig:
+    """The node settings of parsed `add_node_args` flags (ValueError on a bad value)."""
+    return NodeConfig(
+        router_addr=args.router,
+        node_id=args.node_id,
+        heartbeat_interval=args.heartbeat_interval,
+        lease_timeout=args.lease_timeout,
+        max_queued_requests=args.max_queued_requests,
+        drain_timeout=args.drain_timeout,
+        stall_timeout=args.stall_timeout,
+        curve_dir=args.curve_dir,
+        kv_connector=args.kv_connector,
+        host=args.host,
+        kv_port=args.kv_port,
     )

@@ -4,8 +4,18 @@ from __future__ import annotations
 
 import logging
 import signal
+from typing import TYPE_CHECKING
 
-from pdserve.common.node.cli import add_node_args, engine_configs, parser, resolve_model
+from pdserve.common.node.cli import (
+    add_node_args,
+    engine_configs,
+    node_config,
+    parser,
+    resolve_model,
+)
+
+if TYPE_CHECKING:
+    from pdserve.common.node.loop import EngineNode
 
 
 def setup_logging(level: str = "INFO") -> None:
@@ -13,35 +23,20 @@ def setup_logging(level: str = "INFO") -> None:
 
 
 def run_node(
-    node_cls,
-    prog: str,
-    description: str,
-    argv: list[str] | None = None,
-    pass_args: tuple[str, ...] = (),
+    node_cls: type[EngineNode], prog: str, description: str, argv: list[str] | None = None
 ) -> None:
     """Parse node flags, build the node, serve until SIGINT/SIGTERM."""
     p = parser(prog, description)
     add_node_args(p)
     args = p.parse_args(argv)
     resolve_model(p, args)
+    try:
+        node = node_config(args)
+    except ValueError as exc:
+        p.error(str(exc))
     setup_logging()
-    model, cache, sched = engine_configs(args)
-    kwargs = {k: getattr(args, k) for k in pass_args}
-    node = node_cls(
-        model,
-        cache,
-        sched,
-        router_addr=args.router,
-        node_id=args.node_id,
-        heartbeat_interval=args.heartbeat_interval,
-        lease_timeout=args.lease_timeout,
-        max_queued_requests=args.max_queued_requests,
-        drain_timeout=args.drain_timeout,
-        stall_timeout=args.stall_timeout,
-        curve_dir=args.curve_dir,
-        **kwargs,
-    )
+    server = node_cls(*engine_configs(args), node)
     for sig in (signal.SIGINT, signal.SIGTERM):  # drain; a second signal stops at once
-        signal.signal(sig, lambda *_: node.drain())
-    logging.getLogger(node_cls.__module__).info("%s %s serving", node.role, node.node_id)
-    node.run()
+        signal.signal(sig, lambda *_: server.drain())
+    logging.getLogger(node_cls.__module__).info("%s %s serving", server.role, server.node_id)
+    server.run()

@@ -4,8 +4,9 @@ A node's loop reads like an engine step with I/O around it:
 
     handle control messages -> role I/O (KV arrivals) -> engine step -> heartbeat
 
-Role differences live in small subclasses (prefill_node, decode_node, ColocatedNode here)
-that override the hooks; there is no `if role == ...` in the loop.
+Role differences live in small subclasses (prefill_node, decode_node, ColocatedNode here):
+each adds its entries to the handler table (message type -> bound method) and overrides a few
+hooks; there is no `if role == ...` in the loop.
 """
 
 from __future__ import annotations
@@ -15,6 +16,8 @@ import logging
 import threading
 import time
 import uuid
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import zmq
 
@@ -22,13 +25,13 @@ from pdserve.common.engine.block_pool import PrefixEvents
 from pdserve.common.engine.config import CacheConfig, ModelConfig, SchedulerConfig
 from pdserve.common.engine.llm_engine import LLMEngine
 from pdserve.common.engine.scheduler import RequestUpdate
+from pdserve.common.node.config import NodeConfig
 from pdserve.common.wire.codecs import logprobs_to_wire, sampling_from_wire
 from pdserve.common.wire.control import ControlClient
 from pdserve.common.wire.messages import (
     ALIVE_SUFFIX,
     Abort,
     Alive,
-    Busy,
     CheckIntegrity,
     Error,
     Failure,
@@ -46,70 +49,97 @@ from pdserve.common.wire.messages import (
 )
 from pdserve.common.wire.security import load_keys
 
+if TYPE_CHECKING:  # a role that moves KV sets one; this module never needs kv_transfer
+    from pdserve.kv_transfer.port import KVPort
+
 log = logging.getLogger(__name__)
+
+# A handler takes the message type it is filed under in the table.
+Handler = Callable[[Any], None]
 
 
 class EngineNode:
-    """Base node: control link, engine, the loop, and the handlers every role shares."""
+    """Base of every role: control link, engine, leases, the loop, and the handlers every role
+    shares. A role sets `role`, adds its handlers in `handlers()`, and overrides hooks."""
 
-    role = "both"
+    role: ClassVar[str] = ""
+    reports_prefixes: ClassVar[bool] = False  # heartbeats carry prefix-cache changes
+    kv_port: KVPort | None = None  # the node's KV connector, for roles that move KV
 
     def __init__(
-        self,
-        model: ModelConfig,
-        cache: CacheConfig,
-        scheduler: SchedulerConfig,
-        router_addr: str,
-        node_id: str | None = None,
-        heartbeat_interval: float = 0.5,
-        lease_timeout: float = 10.0,
-        max_queued_requests: int = 1024,
-        drain_timeout: float = 30.0,
-        stall_timeout: float = 60.0,
-        curve_dir: str | None = None,
+        self, model: ModelConfig, cache: CacheConfig, scheduler: SchedulerConfig, node: NodeConfig
     ) -> None:
+        assert self.role, "EngineNode is a base: build one of its roles"
+        self.config = node
         self.engine = LLMEngine(model, cache, scheduler)
         self.model_config = model
         self.block_size = cache.block_size
-        self.node_id = node_id or f"{self.role}-{uuid.uuid4().hex[:8]}"
+        self.node_id = node.node_id or f"{self.role}-{uuid.uuid4().hex[:8]}"
         self.incarnation = uuid.uuid4().hex
+        self.curve = load_keys(node.curve_dir)
         self.ctx = zmq.Context()
-        self.control = ControlClient(self.ctx, router_addr, self.node_id, load_keys(curve_dir))
-        self.heartbeat_interval = heartbeat_interval
+        self.control = ControlClient(self.ctx, node.router_addr, self.node_id, self.curve)
         self._next_heartbeat = 0.0
         self._prefix_seq = 0
         # Every request this node holds has a lease the router renews (Lease messages); one
         # left unrenewed for lease_timeout is freed and failed.
-        self.lease_timeout = lease_timeout
         self.leases: dict[str, float] = {}  # request id -> expiry (monotonic)
         self._next_lease_check = 0.0
-        self.max_queued_requests = max_queued_requests
-        self.drain_timeout = drain_timeout
         self.drain_deadline: float | None = None  # set once draining (SIGTERM)
-        self.stall_timeout = stall_timeout
         self._last_progress = time.monotonic()
         self._liveness = threading.Thread(target=self._prove_alive, daemon=True)
-        if self.role in ("prefill", "both"):  # nodes a prefix-aware router picks by cache
+        if self.reports_prefixes:  # nodes a prefix-aware router picks by cache
             self.engine.kv.pool.prefix_events = PrefixEvents()
         self.stop_event = threading.Event()
+        self._handlers = self.handlers()
 
-    # -- hooks for roles -------------------------------------------------------------------
+    # -- the role's contract -----------------------------------------------------------------
 
-    def kv_endpoint(self) -> str:
-        return ""
-
-    def kv_connector(self) -> str:
-        return ""
-
-    def layout_digest(self) -> str:
-        return ""
+    def handlers(self) -> dict[type[Message], Handler]:
+        """What this node does with each control message; a role adds its own entries (the
+        message that brings it new requests through `admitting`). Any other type is refused."""
+        return {
+            Abort: self.on_abort,
+            Lease: self.renew_leases,
+            Reregister: self.reregister,
+            CheckIntegrity: self.report_integrity,
+            SyncPrefixes: self.resync_prefixes,
+        }
 
     def poll_io(self) -> None:
         """Role I/O between steps (e.g. KV arrivals on a decode node)."""
 
-    def on_prefill(self, msg: Prefill) -> None:
-        """A colocated node runs the whole request itself."""
-        self.add_request(msg)
+    def step(self) -> None:
+        for update in self.engine.step():
+            self.send_update(update)
+
+    def refuse(self, request_id: str, kind: Failure, why: str) -> None:
+        """Turn a new request away (draining, full): the router's failover reads `kind`."""
+        self.control.send(Error(request_id, why, kind))
+
+    # -- handlers every role shares ------------------------------------------------------------
+
+    def admitting(self, take: Handler) -> Handler:
+        """The handler of a message that brings a new request: `take` it, unless the node must
+        refuse new requests now."""
+
+        def admit(msg: Prefill | ReserveKV) -> None:
+            why = self.refusal()
+            if why is None:
+                take(msg)
+            else:
+                self.refuse(msg.request_id, *why)
+
+        return admit
+
+    def refusal(self) -> tuple[Failure, str] | None:
+        """Why a new request must be refused now (None when it can be taken)."""
+        if self.drain_deadline is not None:
+            return Failure.DRAINING, "node is shutting down"
+        limit = self.config.max_queued_requests
+        if len(self.engine.scheduler.requests) >= limit:
+            return Failure.BUSY, f"node holds its maximum of {limit} requests"
+        return None
 
     def add_request(self, msg: Prefill) -> None:
         """Queue a Prefill's request (resumed ones carry the tokens already streamed)."""
@@ -121,23 +151,27 @@ class EngineNode:
         )
         self.take_lease(msg.request_id)
 
-    def take_lease(self, request_id: str) -> None:
-        self.leases[request_id] = time.monotonic() + self.lease_timeout
+    def on_abort(self, msg: Abort) -> None:
+        self.abort(msg.request_id)
 
-    def refusal(self, msg: Message) -> tuple[Failure, str] | None:
-        """Why a new request must be refused now (None when it can be taken)."""
-        if self.drain_deadline is not None:
-            return Failure.DRAINING, "node is shutting down"
-        if len(self.engine.scheduler.requests) >= self.max_queued_requests:
-            return Failure.BUSY, f"node holds its maximum of {self.max_queued_requests} requests"
-        return None
+    def renew_leases(self, msg: Lease) -> None:
+        expiry = time.monotonic() + self.config.lease_timeout
+        for rid in msg.request_ids:
+            if rid in self.leases:
+                self.leases[rid] = expiry
 
-    def on_message(self, msg: Message) -> None:
-        raise ValueError(f"{self.role} node does not take {msg.TYPE}")
+    def reregister(self, _: Reregister) -> None:
+        """The router restarted: announce ourselves again."""
+        self.register()
+        self.heartbeat_now()
 
-    def step(self) -> None:
-        for update in self.engine.step():
-            self.send_update(update)
+    def report_integrity(self, msg: CheckIntegrity) -> None:
+        self.control.send(self.integrity_report(msg.nonce))
+
+    def resync_prefixes(self, _: SyncPrefixes) -> None:
+        if self.engine.kv.pool.prefix_events is not None:
+            self.engine.kv.pool.prefix_events.resync()
+            self._next_heartbeat = 0.0  # send the snapshot now
 
     # -- shared ----------------------------------------------------------------------------
 
@@ -153,14 +187,18 @@ class EngineNode:
             )
         )
 
+    def take_lease(self, request_id: str) -> None:
+        self.leases[request_id] = time.monotonic() + self.config.lease_timeout
+
     def register(self) -> None:
+        port = self.kv_port
         self.control.send(
             RegisterNode(
                 node_id=self.node_id,
                 role=self.role,
-                kv_endpoint=self.kv_endpoint(),
-                kv_connector=self.kv_connector(),
-                layout_digest=self.layout_digest(),
+                kv_endpoint=port.endpoint if port else "",
+                kv_connector=port.connector if port else "",
+                layout_digest=port.digest if port else "",
                 num_blocks=self.engine.runner.num_blocks,
                 block_size=self.block_size,
                 max_model_len=self.engine.max_model_len,
@@ -172,7 +210,7 @@ class EngineNode:
         now = time.monotonic()
         if now < self._next_heartbeat:
             return
-        self._next_heartbeat = now + self.heartbeat_interval
+        self._next_heartbeat = now + self.config.heartbeat_interval
         sched = self.engine.scheduler
         queued = sum(r.num_tokens - r.num_computed_tokens for r in sched.waiting)
         prefixes = {}
@@ -199,55 +237,29 @@ class EngineNode:
         )
 
     def handle(self, msg: Message) -> None:
+        """Run this role's handler for `msg`; bad input fails only its request."""
         rid = getattr(msg, "request_id", "")
         try:
-            if isinstance(msg, Prefill | ReserveKV) and (why := self.refusal(msg)):
-                self.refuse(msg, *why)
-            elif isinstance(msg, Prefill):
-                self.on_prefill(msg)
-            elif isinstance(msg, Abort):
-                self.abort(msg.request_id)
-            elif isinstance(msg, Lease):
-                self.renew_leases(msg.request_ids)
-            elif isinstance(msg, Reregister):  # the router restarted: announce ourselves again
-                self.register()
-                self.heartbeat_now()
-            elif isinstance(msg, CheckIntegrity):
-                self.control.send(self.integrity_report(msg.nonce))
-            elif isinstance(msg, SyncPrefixes):
-                if self.engine.kv.pool.prefix_events is not None:
-                    self.engine.kv.pool.prefix_events.resync()
-                    self._next_heartbeat = 0.0  # send the snapshot now
-            else:
-                self.on_message(msg)
+            handler = self._handlers.get(type(msg))
+            if handler is None:
+                raise ValueError(f"{self.role} node does not take {msg.TYPE}")
+            handler(msg)
         except ValueError as exc:  # bad input for one request: fail it, keep serving
             log.warning("request %s refused: %s", rid, exc)
             if rid:
                 self.control.send(Error(rid, str(exc), Failure.BAD_REQUEST))
-
-    def refuse(self, msg: Prefill | ReserveKV, kind: Failure, why: str) -> None:
-        if isinstance(msg, ReserveKV):
-            self.control.send(Busy(msg.request_id, why))  # the router tries another node
-        else:
-            self.control.send(Error(msg.request_id, why, kind))
 
     def abort(self, request_id: str) -> None:
         """Free everything the request holds here; idempotent."""
         self.engine.abort(request_id)
         self.leases.pop(request_id, None)
 
-    def renew_leases(self, request_ids: tuple[str, ...]) -> None:
-        expiry = time.monotonic() + self.lease_timeout
-        for rid in request_ids:
-            if rid in self.leases:
-                self.leases[rid] = expiry
-
     def expire_leases(self) -> None:
         """Fail and free requests whose lease ran out; forget leases of ended requests."""
         now = time.monotonic()
         if now < self._next_lease_check:
             return
-        self._next_lease_check = now + min(0.5, self.lease_timeout / 4)
+        self._next_lease_check = now + min(0.5, self.config.lease_timeout / 4)
         live = self.engine.scheduler.requests
         if any(expiry < now for expiry in self.leases.values()):
             # Renewals may be waiting in the socket after a long step: take them first.
@@ -269,7 +281,7 @@ class EngineNode:
         if self.drain_deadline is not None:
             self.stop_event.set()
             return
-        self.drain_deadline = time.monotonic() + self.drain_timeout
+        self.drain_deadline = time.monotonic() + self.config.drain_timeout
         self._next_heartbeat = 0.0  # tell the router now
 
     def _drained(self) -> bool:
@@ -308,13 +320,13 @@ class EngineNode:
         sock.setsockopt(zmq.IDENTITY, (self.node_id + ALIVE_SUFFIX).encode())
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.SNDHWM, 4)
-        if self.control.curve is not None:
-            self.control.curve.connect(sock)
+        if self.curve is not None:
+            self.curve.connect(sock)
         sock.connect(f"tcp://{self.control.router_addr}")
         frame = encode(Alive(self.node_id))
         try:
-            while not self.stop_event.wait(self.heartbeat_interval):
-                if time.monotonic() - self._last_progress < self.stall_timeout:
+            while not self.stop_event.wait(self.config.heartbeat_interval):
+                if time.monotonic() - self._last_progress < self.config.stall_timeout:
                     with contextlib.suppress(zmq.Again):
                         sock.send(frame, flags=zmq.NOBLOCK)
         finally:
@@ -351,6 +363,11 @@ class EngineNode:
 
 
 class ColocatedNode(EngineNode):
-    """Role "both": prefill and decode in one engine (vLLM-style mixed batches)."""
+    """Role "both": prefill and decode in one engine (vLLM-style mixed batches). A Prefill
+    brings a whole request: the node runs it to its end itself."""
 
     role = "both"
+    reports_prefixes = True
+
+    def handlers(self) -> dict[type[Message], Handler]:
+        return {**super().handlers(), Prefill: self.admitting(self.add_request)}

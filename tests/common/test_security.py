@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Iterator
 
 import pytest
 import zmq
@@ -13,7 +12,6 @@ from pdserve.common.wire.control import ControlClient
 from pdserve.common.wire.messages import RegisterNode, encode
 from pdserve.common.wire.security import CurveKeys, keygen
 from pdserve.kv_transfer import KVLayout, TransferTimeout, create_receiver, create_sender
-from pdserve.kv_transfer.channel import use_curve
 from pdserve.local_cluster import LocalCluster, free_port
 from pdserve.router.cluster import ClusterBackend
 from tests.kv_transfer.helpers import Pump, make_caches
@@ -27,12 +25,6 @@ def keys(tmp_path_factory) -> CurveKeys:
     directory = str(tmp_path_factory.mktemp("curve"))
     keygen(directory)
     return CurveKeys.load(directory)
-
-
-@pytest.fixture
-def plain_after() -> Iterator[None]:
-    yield
-    use_curve(None)
 
 
 def register(node_id: str) -> bytes:
@@ -75,16 +67,13 @@ def test_router_refuses_a_node_without_the_keys(keys):
     assert after == {"member"}
 
 
-def test_kv_receiver_refuses_a_sender_without_the_keys(keys, plain_after):
-    use_curve(keys)
-    receiver = create_receiver("zmq", LAYOUT, make_caches(LAYOUT, 8, seed=0))
+def test_kv_receiver_refuses_a_sender_without_the_keys(keys):
+    receiver = create_receiver("zmq", LAYOUT, make_caches(LAYOUT, 8, seed=0), curve=keys)
     try:
-        use_curve(None)
         outsider = create_sender("zmq", LAYOUT)
         with pytest.raises(TransferTimeout):
             connect_while_polling(outsider, receiver, timeout=1.0)
-        use_curve(keys)
-        member = create_sender("zmq", LAYOUT)
+        member = create_sender("zmq", LAYOUT, curve=keys)
         connect_while_polling(member, receiver)
         receiver.expect("x", [1, 2])
         cache = make_caches(LAYOUT, 8, seed=1)

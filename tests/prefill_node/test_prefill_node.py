@@ -16,9 +16,11 @@ import zmq
 from pdserve.common.engine.block_pool import hash_token_blocks
 from pdserve.common.engine.config import CacheConfig, ModelConfig, SchedulerConfig
 from pdserve.common.engine.llm import LLM, SamplingParams
+from pdserve.common.node.config import NodeConfig
 from pdserve.common.wire.codecs import sampling_to_wire
 from pdserve.common.wire.messages import (
     Error,
+    Failure,
     Heartbeat,
     Message,
     Prefill,
@@ -68,8 +70,9 @@ def nodes(tiny_model_dir) -> Iterator[tuple[FakeRouter, PrefillNode, DecodeNode]
     cache = CacheConfig(block_size=BLOCK, num_blocks=64)
     sched = SchedulerConfig(max_num_batched_tokens=40, max_num_seqs=8)
     router = FakeRouter()
-    prefill = PrefillNode(model, cache, sched, router_addr=router.addr)
-    decode_ = DecodeNode(model, cache, sched, router_addr=router.addr)
+    node = NodeConfig(router_addr=router.addr)
+    prefill = PrefillNode(model, cache, sched, node)
+    decode_ = DecodeNode(model, cache, sched, node)
     yield router, prefill, decode_
     prefill.close()
     decode_.close()
@@ -79,7 +82,7 @@ def nodes(tiny_model_dir) -> Iterator[tuple[FakeRouter, PrefillNode, DecodeNode]
 def start(router, prefill, decode_, rid: str, prompt: list[int]) -> Reserved:
     """ReserveKV on D, then Prefill on P (handshaking while D's receiver is polled)."""
     sampling = sampling_to_wire(SAMPLING)
-    decode_.on_message(ReserveKV(rid, tuple(prompt), sampling))
+    decode_.handle(ReserveKV(rid, tuple(prompt), sampling))
     reserved = router.recv(Reserved, rid)
     stop = threading.Event()
     pump = threading.Thread(
@@ -87,7 +90,7 @@ def start(router, prefill, decode_, rid: str, prompt: list[int]) -> Reserved:
     )
     pump.start()
     try:
-        prefill.on_prefill(
+        prefill.handle(
             Prefill(
                 rid,
                 tuple(prompt),
@@ -110,7 +113,7 @@ def test_pages_of_a_layer_leave_before_the_next_layer_computes(nodes, tiny_model
     events: list[tuple[str, int]] = []
     for i, layer in enumerate(prefill.engine.runner.model.model.layers):
         layer.register_forward_pre_hook(lambda *_, i=i: events.append(("compute", i)))
-    sender = next(iter(prefill.senders.values()))
+    sender = next(iter(prefill.kv_port.senders.values()))
     send_layer = sender.send_layer
     sender.send_layer = lambda xfer, layer, *a: (
         events.append(("send", layer)),
@@ -146,7 +149,7 @@ def test_pages_of_a_layer_leave_before_the_next_layer_computes(nodes, tiny_model
 def test_a_broken_kv_connection_fails_only_its_requests(nodes):
     router, prefill, decode_ = nodes
     start(router, prefill, decode_, "bad", list(range(3, 60)))
-    sender = next(iter(prefill.senders.values()))
+    sender = next(iter(prefill.kv_port.senders.values()))
 
     def broken(*_):
         raise TransferError("peer went away")
@@ -154,8 +157,8 @@ def test_a_broken_kv_connection_fails_only_its_requests(nodes):
     sender.send_layer = broken
     prefill.step()
     error = router.recv(Error, "bad")
-    assert error.code == 502 and "peer went away" in error.message
-    assert "bad" not in prefill.dests and not prefill.senders  # reconnects next time
+    assert error.kind is Failure.KV_FAILED and "peer went away" in error.message
+    assert "bad" not in prefill.dests and not prefill.kv_port.senders  # reconnects next time
     assert not prefill.engine.has_unfinished
     assert all(not isinstance(m, Tokens) for m in router.drain())  # no token before the error
     prefill.engine.check_integrity()

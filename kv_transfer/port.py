@@ -1,0 +1,86 @@
+"""A node's end of the KV data plane: the setup prefill and decode nodes share."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from pdserve.common.wire.security import CurveKeys
+from pdserve.kv_transfer.base import KVReceiver, KVSender, create_receiver, create_sender
+from pdserve.kv_transfer.layout import KVLayout, node_layout
+
+if TYPE_CHECKING:
+    from pdserve.common.engine.llm_engine import LLMEngine
+
+
+class KVPort:
+    """One node's KV connector: its name, the cache layout both ends must agree on (the digest
+    a node registers with), and the cluster's CurveZMQ keys for every socket it opens.
+
+    A prefill node keeps one connected sender per decode node (`sender`, `drop`); a decode node
+    binds one receiver (`listen`) and registers its `endpoint`.
+    """
+
+    def __init__(
+        self,
+        connector: str,
+        layout: KVLayout,
+        curve: CurveKeys | None = None,
+        connect_timeout: float = 10.0,
+    ) -> None:
+        self.connector = connector
+        self.layout = layout
+        self.digest = layout.digest()
+        self.curve = curve
+        self.connect_timeout = connect_timeout
+        self.senders: dict[str, KVSender] = {}  # receiver endpoint -> connected sender
+        self.receiver: KVReceiver | None = None
+
+    @classmethod
+    def of_engine(
+        cls,
+        engine: LLMEngine,
+        model_dir: str,
+        connector: str,
+        curve: CurveKeys | None = None,
+        connect_timeout: float = 10.0,
+    ) -> KVPort:
+        """The port of a running engine's KV cache."""
+        return cls(connector, node_layout(engine, model_dir), curve, connect_timeout)
+
+    @property
+    def endpoint(self) -> str:
+        """Where senders connect ("" on a node that binds no receiver)."""
+        return self.receiver.endpoint if self.receiver is not None else ""
+
+    def listen(self, kv_caches: list[torch.Tensor], host: str, port: int) -> KVReceiver:
+        """Bind the receiver that writes arriving pages into `kv_caches` (`port=0`: any free)."""
+        assert self.receiver is None, "a KV port binds one receiver"
+        self.receiver = create_receiver(
+            self.connector, self.layout, kv_caches, host=host, port=port, curve=self.curve
+        )
+        return self.receiver
+
+    def sender(self, endpoint: str) -> KVSender:
+        """The connected sender to the receiver at `endpoint`. The first call handshakes and
+        raises what `KVSender.connect` raises (a layout mismatch included)."""
+        sender = self.senders.get(endpoint)
+        if sender is None:
+            sender = create_sender(self.connector, self.layout, curve=self.curve)
+            sender.connect(endpoint, self.connect_timeout)
+            self.senders[endpoint] = sender
+        return sender
+
+    def drop(self, endpoint: str) -> None:
+        """Close the sender to `endpoint` (its connection broke); the next `sender` reconnects."""
+        sender = self.senders.pop(endpoint, None)
+        if sender is not None:
+            sender.close()
+
+    def close(self) -> None:
+        """Close every sender and the receiver; idempotent."""
+        for endpoint in list(self.senders):
+            self.drop(endpoint)
+        if self.receiver is not None:
+            self.receiver.close()

@@ -1,0 +1,79 @@
+"""NodeConfig: validated settings, built from the node flags in one place."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from pdserve.common.node.cli import add_node_args, node_config, parser
+from pdserve.common.node.config import KV_CONNECTORS, NodeConfig
+from pdserve.common.node.launch import run_node
+from pdserve.common.node.loop import ColocatedNode
+from pdserve.kv_transfer import connector_names
+
+
+def test_flags_become_one_node_config() -> None:
+    p = parser("test", "")
+    add_node_args(p)
+    args = p.parse_args(
+        "m --router 10.0.0.1:8100 --node-id d0 --heartbeat-interval 0.25 --lease-timeout 3 "
+        "--max-queued-requests 7 --drain-timeout 0 --stall-timeout 9 --curve-dir keys "
+        "--kv-connector shm --host 0.0.0.0 --kv-port 9100".split()
+    )
+    assert node_config(args) == NodeConfig(
+        router_addr="10.0.0.1:8100",
+        node_id="d0",
+        heartbeat_interval=0.25,
+        lease_timeout=3.0,
+        max_queued_requests=7,
+        drain_timeout=0.0,
+        stall_timeout=9.0,
+        curve_dir="keys",
+        kv_connector="shm",
+        host="0.0.0.0",
+        kv_port=9100,
+    )
+
+
+def test_defaults_are_valid_and_the_config_is_frozen() -> None:
+    config = NodeConfig("127.0.0.1:8100")
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        config.lease_timeout = 1.0  # type: ignore[misc]
+    assert not hasattr(config, "__dict__")  # slotted
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        {"router_addr": "localhost"},
+        {"router_addr": ":8100"},
+        {"router_addr": "h:0"},
+        {"router_addr": "h:70000"},
+        {"node_id": " "},
+        {"heartbeat_interval": 0.0},
+        {"lease_timeout": -1.0},
+        {"stall_timeout": 0.0},
+        {"connect_timeout": 0.0},
+        {"drain_timeout": -0.5},
+        {"max_queued_requests": 0},
+        {"kv_connector": "rdma"},
+        {"host": ""},
+        {"kv_port": 65536},
+        {"kv_port": -1},
+    ],
+)
+def test_bad_values_are_refused(bad: dict) -> None:
+    with pytest.raises(ValueError):
+        NodeConfig(**{"router_addr": "127.0.0.1:8100", **bad})
+
+
+def test_a_bad_flag_value_is_a_usage_error(capsys) -> None:
+    with pytest.raises(SystemExit) as exit_:
+        run_node(ColocatedNode, "t", "", ["m", "--router", "h:1", "--lease-timeout", "0"])
+    assert exit_.value.code == 2
+    assert "lease_timeout must be > 0" in capsys.readouterr().err
+
+
+def test_the_cli_offers_exactly_the_registered_connectors() -> None:
+    assert sorted(KV_CONNECTORS) == sorted(connector_names())

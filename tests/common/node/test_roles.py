@@ -1,0 +1,111 @@
+"""Each role's contract: which control messages it takes, and how it turns new requests away."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+
+import pytest
+import zmq
+
+from pdserve.common.engine.config import CacheConfig, ModelConfig, SchedulerConfig
+from pdserve.common.engine.sampling_params import SamplingParams
+from pdserve.common.node.config import NodeConfig
+from pdserve.common.node.loop import ColocatedNode, EngineNode
+from pdserve.common.wire.codecs import sampling_to_wire
+from pdserve.common.wire.messages import (
+    Abort,
+    Busy,
+    CheckIntegrity,
+    Error,
+    Failure,
+    Lease,
+    Message,
+    Prefill,
+    RenewTransfer,
+    Reregister,
+    ReserveKV,
+    SyncPrefixes,
+    decode,
+)
+from pdserve.decode_node.node import DecodeNode
+from pdserve.prefill_node.node import PrefillNode
+
+SHARED = {Abort, Lease, Reregister, CheckIntegrity, SyncPrefixes}
+SAMPLING = sampling_to_wire(SamplingParams(max_tokens=2))
+
+
+class Router:
+    """The router's ROUTER socket; hands back what nodes send."""
+
+    def __init__(self) -> None:
+        self.sock = zmq.Context.instance().socket(zmq.ROUTER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.addr = f"127.0.0.1:{self.sock.bind_to_random_port('tcp://127.0.0.1')}"
+
+    def recv(self, kind: type, timeout: float = 5.0) -> Message:
+        deadline = time.monotonic() + timeout
+        while self.sock.poll(max(1, int((deadline - time.monotonic()) * 1000))):
+            msg = decode(self.sock.recv_multipart()[1])
+            if isinstance(msg, kind):
+                return msg
+        raise AssertionError(f"no {kind.__name__} from the node")
+
+
+@pytest.fixture()
+def router() -> Iterator[Router]:
+    router = Router()
+    yield router
+    router.sock.close()
+
+
+@pytest.fixture()
+def build(tiny_model_dir, router) -> Iterator:
+    built: list[EngineNode] = []
+
+    def make(cls: type[EngineNode], **settings) -> EngineNode:
+        model = ModelConfig(str(tiny_model_dir("llama")))
+        node = NodeConfig(router.addr, **settings)
+        built.append(cls(model, CacheConfig(num_blocks=16), SchedulerConfig(), node))
+        return built[-1]
+
+    yield make
+    for node in built:
+        node.close()
+
+
+@pytest.mark.parametrize(
+    "cls, own",
+    [
+        (ColocatedNode, {Prefill}),
+        (PrefillNode, {Prefill}),
+        (DecodeNode, {ReserveKV, RenewTransfer}),
+    ],
+)
+def test_each_role_takes_the_shared_messages_and_its_own(build, cls, own) -> None:
+    assert set(build(cls)._handlers) == SHARED | own
+
+
+def test_a_message_of_another_role_fails_only_its_request(build, router) -> None:
+    node = build(DecodeNode)
+    node.handle(Prefill("r", (1, 2, 3), SAMPLING))
+    error = router.recv(Error)
+    assert (error.request_id, error.kind) == ("r", Failure.BAD_REQUEST)
+    assert "decode node does not take prefill" in error.message
+
+
+def test_a_full_colocated_node_refuses_with_an_error_kind(build, router) -> None:
+    node = build(ColocatedNode, max_queued_requests=1)
+    node.handle(Prefill("a", (1, 2, 3), SAMPLING))
+    node.handle(Prefill("b", (1, 2, 3), SAMPLING))
+    error = router.recv(Error)
+    assert (error.request_id, error.kind) == ("b", Failure.BUSY)
+    assert list(node.engine.scheduler.requests) == ["a"]
+
+
+def test_a_draining_decode_node_answers_busy(build, router) -> None:
+    node = build(DecodeNode)
+    node.drain()
+    node.handle(ReserveKV("r", (1, 2, 3), SAMPLING))
+    assert router.recv(Busy).request_id == "r"
+    assert not node.engine.scheduler.requests
