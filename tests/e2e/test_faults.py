@@ -14,8 +14,8 @@ import time
 
 import pytest
 
+from pdserve.bench import faults as fh
 from pdserve.tiny_model import make_tiny_model
-from tests.e2e import fault_harness as fh
 
 VOCAB = 512
 

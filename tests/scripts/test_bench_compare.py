@@ -4,13 +4,8 @@ markdown section written into the given directory (nothing under docs/)."""
 from __future__ import annotations
 
 import json
-import sys
-from pathlib import Path
 
-SCRIPTS = Path(__file__).resolve().parents[2] / "scripts"
-sys.path.insert(0, str(SCRIPTS))
-
-import bench_compare as bc  # noqa: E402
+from pdserve.bench import compare as bc
 
 SYSTEMS = ["pdserve-colocated", "pdserve-1p1d"]
 

@@ -93,8 +93,7 @@ def test_plot_and_section_land_in_out_not_docs(quick) -> None:
 def test_pass_model_adds_the_extra_passes_to_the_raw_time() -> None:
     # raw 1 GB/s and every pass at 4 GB/s: zmq and nccl add four passes (1 s/GB in all),
     # shm three (its gather is its copy): 1 / (1 + 1) and 1 / (1 + 0.75).
-    sys.path.insert(0, str(SCRIPT.parent))
-    from bench_kv_transfer import pass_model
+    from pdserve.bench.kv_transfer import pass_model
 
     summary = {"ratio_at_largest": 0.3, "raw_gb_s_at_largest": 1.0}
     rates = {"gather_pages out=": 4.0, "page_checksum": 4.0, "scatter_pages": 4.0}

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import math
-import sys
 import threading
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
@@ -14,12 +13,8 @@ import pytest
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-SCRIPTS = Path(__file__).resolve().parents[2] / "scripts"
-sys.path.insert(0, str(SCRIPTS))
-
-import bench_serving as bs  # noqa: E402
-
-from pdserve.local_cluster import LocalCluster, free_port  # noqa: E402
+from pdserve.bench import serve as bs
+from pdserve.local_cluster import LocalCluster, free_port
 
 DISTRIBUTIONS = ("ttft", "tpot", "itl", "e2el")
 SUMMARY_KEYS = (
@@ -233,7 +228,8 @@ def test_cli_against_colocated_pdserve(cluster, tmp_path):
     out = json.loads(path.read_text())
     assert out["completed"] == returned["completed"]
     _check_summary(out, 6)
-    assert out["server"] == {"token_ids": True, "eos_mode": "ignore_eos", "model": model.name}
+    # The served name is MODEL as given to the router (vLLM's rule).
+    assert out["server"] == {"token_ids": True, "eos_mode": "ignore_eos", "model": str(model)}
     # ignore_eos and token-id prompts: the server's usage equals what was asked for.
     assert out["input_len_mismatches"] == 0 and out["output_len_mismatches"] == 0
     assert out["usage_missing"] == 0

@@ -8,9 +8,7 @@ from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
-
-import _report  # noqa: E402
+from pdserve.bench import report as _report
 
 
 def test_first_section_creates_the_page(tmp_path: Path) -> None:
@@ -87,3 +85,24 @@ def test_markdown_table() -> None:
 def test_machine_names_the_software() -> None:
     info = _report.machine()
     assert info["torch"] and info["python"] and info["threads"] >= 1
+
+
+def test_pdserve_bench_lists_and_runs_the_benchmarks() -> None:
+    import subprocess
+
+    top = subprocess.run(
+        [sys.executable, "-m", "pdserve", "bench", "--help"], capture_output=True, text=True
+    )
+    assert top.returncode == 0
+    for name in ("serve", "kv-transfer", "offline", "compare", "kernels", "reliability"):
+        assert f"  {name} " in top.stdout, name
+    one = subprocess.run(
+        [sys.executable, "-m", "pdserve", "bench", "offline", "--help"],
+        capture_output=True,
+        text=True,
+    )
+    assert one.returncode == 0 and one.stdout.startswith("usage: pdserve bench offline")
+    bad = subprocess.run(
+        [sys.executable, "-m", "pdserve", "bench", "nope"], capture_output=True, text=True
+    )
+    assert bad.returncode != 0 and "unknown benchmark 'nope'" in bad.stderr

@@ -12,7 +12,19 @@ import platform
 from pathlib import Path
 from typing import Any
 
-REPO = Path(__file__).resolve().parent.parent
+
+def _docs_root() -> Path:
+    """Where benchmark pages and figures go: the checkout pdserve runs from (its docs/), else
+    the current directory (never site-packages); PDSERVE_DOCS_ROOT overrides."""
+    if os.environ.get("PDSERVE_DOCS_ROOT"):
+        return Path(os.environ["PDSERVE_DOCS_ROOT"])
+    checkout = Path(__file__).resolve().parents[2]
+    if (checkout / "pyproject.toml").is_file() and (checkout / "docs").is_dir():
+        return checkout
+    return Path.cwd()
+
+
+REPO = _docs_root()
 BENCH_DOC = REPO / "docs" / "benchmarks.md"
 BENCH_DIR = REPO / "docs" / "bench"
 

@@ -1,0 +1,49 @@
+"""`pdserve bench NAME ...`: the benchmarks, each measured against a baseline of the same run.
+
+| name | measures |
+|---|---|
+| serve | a running server under load: TTFT, ITL, throughput (any OpenAI-compatible URL) |
+| kv-transfer | each KV connector against its raw transport |
+| offline | `LLM` against HF `generate`, and both against the hardware floor |
+| compare | colocated, 1P1D and `transformers serve`, side by side |
+| kernels | the Triton kernels against their torch references |
+| reliability | the fault-injection scenarios, figures for docs/reliability.md |
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+
+# command name -> (module, one line)
+BENCHMARKS = {
+    "serve": ("serve", "a running server under load: TTFT, ITL, throughput"),
+    "kv-transfer": ("kv_transfer", "each KV connector against its raw transport"),
+    "offline": ("offline", "LLM against HF generate and the hardware floor"),
+    "compare": ("compare", "colocated, 1P1D and transformers serve, side by side"),
+    "kernels": ("kernels", "Triton kernels against their torch references"),
+    "reliability": ("reliability", "fault-injection scenarios (docs/reliability.md)"),
+}
+
+
+def usage() -> str:
+    width = max(map(len, BENCHMARKS))
+    lines = [f"  {name:<{width}}  {text}" for name, (_, text) in BENCHMARKS.items()]
+    return (
+        "usage: pdserve bench NAME [flags]\n\nbenchmarks:\n"
+        + "\n".join(lines)
+        + ("\n\n`pdserve bench NAME --help` shows a benchmark's flags.")
+    )
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help"):
+        print(usage())
+        return
+    if argv[0] not in BENCHMARKS:
+        sys.exit(f"pdserve bench: unknown benchmark {argv[0]!r}\n\n{usage()}")
+    module = importlib.import_module(f"pdserve.bench.{BENCHMARKS[argv[0]][0]}")
+    result = module.main(argv[1:])
+    if isinstance(result, int) and result:
+        sys.exit(result)

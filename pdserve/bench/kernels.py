@@ -1,0 +1,107 @@
+"""Achieved memory bandwidth of each Triton kernel on one CUDA device, written as JSON.
+
+    python scripts/bench_kernels.py --out bench.json
+
+All three kernels are memory bound, so GB/s (bytes a perfect kernel must move / time) is the
+figure to compare against the device's peak. Without CUDA there is nothing to time: exit 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Callable
+
+import torch
+
+DTYPE = torch.bfloat16
+BLOCK_SIZE, NUM_KV_HEADS, NUM_HEADS, HEAD_DIM = 16, 8, 32, 128
+
+
+def time_ms(fn: Callable[[], object], iters: int = 50) -> float:
+    """Mean milliseconds per call after a warm-up that also triggers compilation."""
+    for _ in range(3):
+        fn()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(iters):
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / iters
+
+
+def result(name: str, nbytes: int, ms: float, **shape: int) -> dict:
+    return {"kernel": name, **shape, "ms": ms, "gb_per_s": nbytes / ms / 1e6}
+
+
+def layer_cache(num_blocks: int) -> torch.Tensor:
+    shape = (2, num_blocks, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM)
+    return torch.randn(shape, dtype=DTYPE, device="cuda")
+
+
+def bench_store_kv(num_tokens: int) -> dict:
+    from pdserve.kernels.store_kv import store_kv_triton
+
+    layer = layer_cache(num_tokens // BLOCK_SIZE + 1)
+    key, value = torch.randn(2, num_tokens, NUM_KV_HEADS, HEAD_DIM, dtype=DTYPE, device="cuda")
+    slots = torch.randperm(num_tokens, device="cuda")
+    ms = time_ms(lambda: store_kv_triton(key, value, layer[0], layer[1], slots))
+    return result("store_kv", 2 * (key.nbytes + value.nbytes), ms, tokens=num_tokens)
+
+
+def bench_page_copy(num_pages: int) -> list[dict]:
+    from pdserve.kernels.page_copy import gather_pages_triton, scatter_pages_triton
+
+    layer = layer_cache(4 * num_pages)
+    ids = torch.randperm(4 * num_pages, device="cuda")[:num_pages]
+    pages = gather_pages_triton(layer, ids)
+    gather_ms = time_ms(lambda: gather_pages_triton(layer, ids))
+    scatter_ms = time_ms(lambda: scatter_pages_triton(layer, ids, pages))
+    return [
+        result("gather_pages", 2 * pages.nbytes, gather_ms, pages=num_pages),
+        result("scatter_pages", 2 * pages.nbytes, scatter_ms, pages=num_pages),
+    ]
+
+
+def bench_decode(batch: int, context: int) -> dict:
+    from pdserve.kernels.paged_attention import paged_attention_triton
+
+    blocks_per_seq = -(-context // BLOCK_SIZE)
+    layer = layer_cache(batch * blocks_per_seq)
+    block_tables = torch.randperm(batch * blocks_per_seq, device="cuda", dtype=torch.int32)
+    block_tables = block_tables.view(batch, blocks_per_seq)
+    query = torch.randn(batch, NUM_HEADS, HEAD_DIM, dtype=DTYPE, device="cuda")
+    query_start_loc = torch.arange(batch + 1, dtype=torch.int32, device="cuda")
+    seq_lens = torch.full((batch,), context, dtype=torch.int32, device="cuda")
+    args = (query, layer[0], layer[1], block_tables, query_start_loc, seq_lens, HEAD_DIM**-0.5)
+    ms = time_ms(lambda: paged_attention_triton(*args))
+    kv_bytes = 2 * batch * context * NUM_KV_HEADS * HEAD_DIM * layer.element_size()
+    return result("paged_attention_decode", kv_bytes, ms, batch=batch, context=context)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="pdserve bench kernels",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        description=__doc__.splitlines()[0],
+    )
+    parser.add_argument("--out", required=True, help="path of the JSON results file")
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("bench_kernels needs a CUDA device to time kernels; nothing to do")
+        return 0
+    results = [bench_store_kv(n) for n in (256, 4096)]
+    results += [r for n in (16, 256) for r in bench_page_copy(n)]
+    results += [bench_decode(32, ctx) for ctx in (512, 2048, 8192)]
+    for r in results:
+        print(json.dumps(r))
+    meta = {"device": torch.cuda.get_device_name(), "dtype": str(DTYPE)}
+    with open(args.out, "w") as f:
+        json.dump({**meta, "results": results}, f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,123 @@
+"""Run the fault-injection scenarios of tests/e2e/test_faults.py once more and write what
+happened to each request, and how long recovery took, into docs/reliability.md.
+
+    python scripts/reliability_report.py [--out docs/reliability.md] [--requests 100]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import tempfile
+import time
+from pathlib import Path
+
+from pdserve.bench import faults as fh
+from pdserve.bench.report import REPO, markdown_table, save_json, write_section
+from pdserve.tiny_model import make_tiny_model
+
+
+def kill(name: str):
+    return lambda cluster: cluster.procs[name].kill()
+
+
+def stall(name: str, seconds: float):
+    def fault(cluster) -> None:
+        pid = cluster.procs[name].pid
+        os.kill(pid, signal.SIGSTOP)
+        time.sleep(seconds)
+        os.kill(pid, signal.SIGCONT)
+
+    return fault
+
+
+def term(name: str):
+    return lambda cluster: cluster.procs[name].send_signal(signal.SIGTERM)
+
+
+QUEUE_10 = ("--max-queued-requests", "10")
+
+
+def scenarios() -> list[tuple[str, dict, dict]]:
+    """(name, cluster kwargs, run kwargs)"""
+    small = {"num_prefill": 1, "num_decode": 1}
+    return [
+        ("no fault (2P2D)", {}, {}),
+        ("kill -9 prefill0 at 0.8 s (2P2D)", {}, {"fault": kill("prefill0"), "fault_after_s": 0.8}),
+        ("kill -9 decode0 at 2 s (2P2D)", {}, {"fault": kill("decode0"), "fault_after_s": 2.0}),
+        (
+            "SIGSTOP decode1 for 3 s (2P2D)",
+            {},
+            {"fault": stall("decode1", 3.0), "fault_after_s": 1.5},
+        ),
+        ("SIGTERM decode0 at 1 s (1P2D)", {"num_prefill": 1}, {"fault": term("decode0")}),
+        ("KV frames: 3% dropped (1P1D)", {**small, "env": "drop=0.03,seed=1"}, {}),
+        ("KV frames: 3% corrupted (1P1D)", {**small, "env": "corrupt=0.03,seed=2"}, {}),
+        ("KV frames: 20% delayed 20 ms (1P1D)", {**small, "env": "delay=0.2,delay_s=0.02"}, {}),
+        ("30% of clients disconnect (1P1D)", small, {"disconnect_fraction": 0.3}),
+        (
+            "10x overload, queue 10 (1P1D)",
+            {**small, "router_extra": ("--max-queued-requests", "10")},
+            {},
+        ),
+    ]
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(
+        prog="pdserve bench reliability",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        description=__doc__.splitlines()[0],
+    )
+    p.add_argument("--out", default=str(REPO / "docs" / "reliability.md"))
+    p.add_argument("--requests", type=int, default=fh.NUM_REQUESTS)
+    args = p.parse_args(argv)
+    model = str(make_tiny_model("llama", Path(tempfile.mkdtemp()) / "m", max_position=2048))
+    prompts = fh.make_prompts(512, args.requests)
+    wants = fh.reference(model, prompts)
+    summaries = []
+    for name, cluster_kw, run_kw in scenarios():
+        cluster_kw = dict(cluster_kw)
+        env = cluster_kw.pop("env", "")
+        os.environ.pop("PDSERVE_FAULT_KV", None)
+        if env:
+            os.environ["PDSERVE_FAULT_KV"] = env
+        with fh.cluster_for(model, **cluster_kw) as cluster:
+            run = fh.run_scenario(name, cluster, prompts, wants, **run_kw)
+            reports = fh.wait_clean(cluster)
+        leaked = sum(
+            r["report"]["num_blocks"] - r["report"]["free_blocks"]
+            for r in reports.values()
+            if r["report"] is not None
+        )
+        summaries.append({**run.summary(), "leaked_blocks": leaked, "nodes": sorted(reports)})
+        print(summaries[-1], flush=True)
+    os.environ.pop("PDSERVE_FAULT_KV", None)
+    save_json(REPO / "docs" / "bench" / "reliability.json", {"scenarios": summaries})
+    rows = [
+        [
+            s["scenario"],
+            s["requests"],
+            s["ok"],
+            s["error"],
+            s["disconnected"],
+            s["wrong"],
+            s["failovers"],
+            s["leaked_blocks"],
+            f"{s['recovery_s']:.1f}",
+        ]
+        for s in summaries
+    ]
+    header = ["scenario", "requests", "ok", "explicit error", "left", "wrong", "failovers"]
+    header += ["leaked blocks", "recovery s"]
+    body = (
+        f"`python scripts/reliability_report.py` ({args.requests} greedy requests at once, "
+        f"{fh.MAX_TOKENS} tokens each, tiny Llama, zmq connector, router heartbeat timeout "
+        "1.5 s, lease timeout 6 s).\n\n" + markdown_table(header, rows)
+    )
+    write_section("reliability", body, args.out)
+
+
+if __name__ == "__main__":
+    main()
