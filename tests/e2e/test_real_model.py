@@ -72,3 +72,20 @@ def test_one_prefill_one_decode_answer_paris_through_the_openai_client(
         assert "Paris" in reply.choices[0].message.content
         for node, info in cluster.integrity().items():
             assert info["report"]["ok"] and not info["report"]["live_requests"], node
+
+
+def test_the_demo_prints_real_answers(smollm2_gguf: Path) -> None:
+    """`pdserve demo` (what scripts/demo.sh runs) with its default model: SmolLM2 answers."""
+    import subprocess
+    import sys
+
+    out = subprocess.run(
+        [sys.executable, "-m", "pdserve", "demo", "--max-tokens", "16"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    answer = out.stdout.split("'What is the capital of France?'", 1)[1].split("\n")[1]
+    assert "Paris" in answer, out.stdout
+    assert "block pools clean on every node" in out.stdout
