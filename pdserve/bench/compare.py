@@ -1,11 +1,13 @@
 """pdserve colocated, pdserve 1P1D and `transformers serve --continuous-batching`, side by side.
 
-    python scripts/bench_compare.py                     # docs/bench/compare.* + docs/benchmarks.md
-    python scripts/bench_compare.py --quick --out DIR   # tiny model, a handful of requests
+    pdserve bench compare                       # docs/bench/compare.* + docs/benchmarks.md
+    pdserve bench compare --quick --out DIR     # tiny model, a handful of requests
+    python scripts/bench_compare.py ...         # the same, as the docs cite it
 
 One command: builds (or reuses, under `--cache-dir`) a 12-layer, 768-wide Llama with random
 weights and the locally trained tokenizer, then starts each system in turn on this machine and
-runs the same three scenarios against it with scripts/bench_serving.py's core:
+runs the same three scenarios against it with `pdserve bench serve`'s core
+(pdserve.bench.serve):
 
 - **latency**: 1k-token prompts one at a time (max concurrency 1): TTFT without queueing.
 - **saturation**: short prompts at a few Poisson request rates and all at once (inf):
@@ -17,7 +19,7 @@ Goals (each reported met or missed): pdserve colocated >= 2x transformers serve 
 at saturation; in the mixed run, 1P1D p99 ITL of the short requests <= 1/3 of colocated's; in
 the latency run, mean TTFT(1P1D) <= 1.1x TTFT(colocated).
 
-Arguments this script does not know go to every pdserve node as engine flags (e.g.
+Arguments this benchmark does not know go to every pdserve node as engine flags (e.g.
 `--max-num-batched-tokens 256 --num-blocks 2048`); `--max-num-batched-tokens` also sets
 transformers serve's `--cb-max-batch-tokens`, so both schedule the same token budget per step.
 Every child process is stopped on exit, error or SIGTERM.
@@ -43,12 +45,18 @@ from pathlib import Path
 from typing import Any
 
 from pdserve.bench.report import (
-    BENCH_DIR,
-    BENCH_DOC,
     BENCH_MODEL_SIZES,
-    REPO,
+    Outputs,
+    add_output_flags,
+    cached_model,
+    checkout_root,
+    command_line,
+    environ,
     machine,
     markdown_table,
+    outputs,
+    pyplot,
+    save_figure,
     save_json,
     write_section,
 )
@@ -60,17 +68,18 @@ from pdserve.bench.serve import (
     random_requests,
     run_benchmark,
 )
+from pdserve.common.node.cli import parser
 from pdserve.local_cluster import LocalCluster, free_port
 
 SYSTEMS = ("pdserve-colocated", "pdserve-1p1d", "transformers-serve")
 QUICK_SYSTEMS = SYSTEMS[:2]
 SECTION = "compare"
-DEFAULT_BATCH_TOKENS = 512  # common.cli's --max-num-batched-tokens
+DEFAULT_BATCH_TOKENS = 512  # pdserve's --max-num-batched-tokens (pdserve.common.node.cli)
 
 # The benchmark model: the offline benchmark's geometry, random weights drawn with the
 # usual 0.02 initializer range (tiny_model's default is 0.1).
 BENCH_MODEL = {**BENCH_MODEL_SIZES, "initializer_range": 0.02}
-QUICK_MODEL: dict[str, Any] = {}  # the tests' tiny Llama as common.tiny_model makes it
+QUICK_MODEL: dict[str, Any] = {}  # the tests' tiny Llama as pdserve.tiny_model makes it
 
 
 @dataclass(frozen=True, slots=True)
@@ -156,19 +165,10 @@ def scenario_runs(pool: TokenPool, sizes: Sizes, seed: int) -> list[Run]:
 
 
 def ensure_model(cache_dir: Path, quick: bool) -> Path:
-    """The benchmark model under cache_dir, built once; a stamp file names its config."""
-    from pdserve.tiny_model import make_tiny_model
-
-    spec = QUICK_MODEL if quick else BENCH_MODEL
-    name = "tiny-llama" if quick else "llama-12x768-random"
-    out = cache_dir / name
-    stamp = out / "pdserve-bench.json"
-    if stamp.exists() and json.loads(stamp.read_text()) == spec:
-        return out
-    print(f"building {name} into {out}", flush=True)
-    make_tiny_model("llama", out, **spec)
-    stamp.write_text(json.dumps(spec))
-    return out
+    """The benchmark model under cache_dir, built once."""
+    if quick:
+        return cached_model(cache_dir, "tiny-llama", QUICK_MODEL)
+    return cached_model(cache_dir, "llama-12x768-random", BENCH_MODEL)
 
 
 # ---------------------------------------------------------------- the systems
@@ -262,25 +262,10 @@ def pdserve(model: Path, system: str, args: argparse.Namespace) -> Iterator[str]
 
 
 @contextmanager
-def _environ(values: dict[str, str]) -> Iterator[None]:
-    """os.environ with values set (children started inside inherit them), then restored."""
-    saved = {k: os.environ.get(k) for k in values}
-    os.environ.update(values)
-    try:
-        yield
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-
-
-@contextmanager
 def start_system(system: str, args: argparse.Namespace, model: Path) -> Iterator[str]:
     """Start one system with every server process capped at args.threads torch threads."""
     env = {"OMP_NUM_THREADS": str(args.threads), "MKL_NUM_THREADS": str(args.threads)}
-    with _environ(env if args.threads else {}):
+    with environ(env if args.threads else {}):
         if system == "transformers-serve":
             server = transformers_serve(model, batch_tokens(args.engine_args), args.log_dir, 600.0)
         else:
@@ -295,7 +280,6 @@ def router_args(heartbeat_timeout: float) -> list[str]:
         return []
     help_text = subprocess.run(
         [sys.executable, "-m", "pdserve", "router", "--help"],
-        cwd=REPO,
         capture_output=True,
         text=True,
         timeout=120,
@@ -435,11 +419,9 @@ def _requests_of(res: dict | None, tag: str | None = None) -> list[dict]:
 
 def plot_distributions(results: dict[str, dict], sizes: Sizes, out: Path, metric: str) -> Path:
     """CDFs of TTFT or ITL (ms) per system, one panel per scenario."""
-    import matplotlib
+    from matplotlib import ticker
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     panels = [
         ("latency/concurrency=1", None, "latency (1k prompts)"),
         (_sat_key(sizes), None, "saturation (rate inf)"),
@@ -458,27 +440,18 @@ def plot_distributions(results: dict[str, dict], sizes: Sizes, out: Path, metric
         ax.set_xscale("log")
         # Label 1-2-5 steps in plain numbers: few decades per panel, so powers of ten alone
         # would leave most panels unlabelled.
-        ticker = matplotlib.ticker
         plain = ticker.FuncFormatter(lambda v, _: f"{v:g}")
         ax.xaxis.set_minor_locator(ticker.LogLocator(base=10, subs=(2.0, 5.0)))
         ax.xaxis.set_minor_formatter(plain)
         ax.xaxis.set_major_formatter(plain)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
-    fig.tight_layout()
-    path = out / f"compare_{metric}.png"
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return save_figure(fig, out / f"compare_{metric}.png")
 
 
 def plot_throughput(results: dict[str, dict], sizes: Sizes, out: Path) -> Path:
     """Output tokens/s against the offered request rate (inf drawn at the right end)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     finite = [r for r in sizes.sat_rates if math.isfinite(r)]
     inf_x = 2 * max(finite) if finite else 1.0
     xs = [r if math.isfinite(r) else inf_x for r in sizes.sat_rates]
@@ -494,11 +467,7 @@ def plot_throughput(results: dict[str, dict], sizes: Sizes, out: Path) -> Path:
     ax.set_title(f"throughput, prompts ~{sizes.sat_input} tok, outputs ~{sizes.sat_output} tok")
     ax.grid(alpha=0.3)
     ax.legend()
-    fig.tight_layout()
-    path = out / "compare_throughput.png"
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return save_figure(fig, out / "compare_throughput.png")
 
 
 # ---------------------------------------------------------------- the report
@@ -668,8 +637,7 @@ def _num(x: float | None) -> str:
     return "—" if x is None else f"{x:.3g}"
 
 
-def render_section(report: dict[str, Any], doc: Path, plots: list[Path]) -> str:
-    rel = [os.path.relpath(p, doc.parent) for p in plots]
+def render_section(report: dict[str, Any], to: Outputs, plots: list[Path]) -> str:
     m, s = report["machine"], sizes_from_dict(report["sizes"])
     lines = [
         "## pdserve against transformers serve (`scripts/bench_compare.py`)",
@@ -727,9 +695,9 @@ def render_section(report: dict[str, Any], doc: Path, plots: list[Path]) -> str:
         "",
         "### Plots",
         "",
-        *[f"![{Path(p).stem}]({p})" for p in rel],
+        *[f"![{p.stem}]({to.link(p)})" for p in plots],
         "",
-        f"Raw results, every request included: `{os.path.relpath(report['json'], doc.parent)}`.",
+        f"Raw results, every request included: `{to.link(Path(report['json']))}`.",
     ]
     notes = report.get("notes") or []
     if notes:
@@ -741,36 +709,81 @@ def render_section(report: dict[str, Any], doc: Path, plots: list[Path]) -> str:
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(
-        prog="pdserve bench compare",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-        description=__doc__.split("\n\n")[0],
+    p = parser("pdserve bench compare", __doc__.split("\n\n")[0])
+    p.epilog = (
+        "Flags not listed here go to every pdserve node as engine flags (`pdserve serve\n"
+        "--help` lists them), e.g. --max-num-batched-tokens 256 --num-blocks 2048."
     )
-    p.add_argument("--systems", default=None, help=f"comma list from {','.join(SYSTEMS)}")
-    p.add_argument("--quick", action="store_true", help="tiny model, a handful of requests")
-    p.add_argument("--model", type=Path, default=None, help="use this HF model dir instead")
-    p.add_argument("--cache-dir", type=Path, default=Path.home() / ".cache" / "pdserve-bench")
-    p.add_argument("--out", type=Path, default=None, help="results dir (default docs/bench)")
-    p.add_argument("--doc", type=Path, default=None, help="markdown page (default: by --out)")
-    p.add_argument("--log-dir", type=Path, default=None, help="server logs (default: a tmp dir)")
-    p.add_argument(
-        "--threads", type=int, default=1, help="torch threads of every server process (0: torch's)"
+    run = p.add_argument_group("run")
+    run.add_argument(
+        "--systems",
+        default=None,
+        metavar="NAME,...",
+        help=f"a comma list from {','.join(SYSTEMS)} (default: all; quick: the pdserve ones)",
     )
-    p.add_argument(
+    run.add_argument(
+        "--quick",
+        action="store_true",
+        help="tiny model, a handful of requests: minutes, not hours (default --out: a "
+        "temporary folder)",
+    )
+    run.add_argument("--seed", type=int, default=0, help="seed of the requests' prompts")
+    run.add_argument(
+        "--request-timeout", type=float, default=600.0, help="seconds one request may take"
+    )
+    run.add_argument("--disable-tqdm", action="store_true", help="no progress bars")
+    model = p.add_argument_group("model")
+    model.add_argument(
+        "--model",
+        type=Path,
+        default=None,
+        metavar="DIR",
+        help="an HF model directory (default: the random-weight benchmark Llama)",
+    )
+    model.add_argument(
+        "--cache-dir",
+        type=Path,
+        default=Path.home() / ".cache" / "pdserve-bench",
+        metavar="DIR",
+        help="where the built model is kept",
+    )
+    servers = p.add_argument_group("servers")
+    servers.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="torch threads of every server process (0: torch's own)",
+    )
+    servers.add_argument(
         "--heartbeat-timeout",
         type=float,
         default=0.0,
-        help="pdserve router's node heartbeat timeout (s), where it has the flag (0: its own)",
+        help="pdserve router's node heartbeat timeout, seconds, where it has the flag "
+        "(0: the router's own)",
     )
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument(
+    servers.add_argument(
+        "--log-dir",
+        type=Path,
+        default=None,
+        metavar="DIR",
+        help="server logs (default: a temporary folder, removed at the end)",
+    )
+    out = add_output_flags(p, "compare.json and the plots")
+    out.add_argument(
+        "--doc",
+        type=Path,
+        default=None,
+        metavar="FILE",
+        help="the Markdown page of the section (default: DOCS/benchmarks.md, or "
+        "OUT/benchmarks.md with another --out)",
+    )
+    out.add_argument(
         "--from-json",
         type=Path,
         default=None,
-        help="measure nothing: redraw the plots and section of this compare.json into --out/--doc",
+        metavar="FILE",
+        help="measure nothing: redraw the plots and section of this compare.json",
     )
-    p.add_argument("--request-timeout", type=float, default=600.0)
-    p.add_argument("--disable-tqdm", action="store_true")
     args, engine_args = p.parse_known_args(argv)
     args.engine_args = engine_args
     names = (
@@ -780,18 +793,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     if unknown:
         p.error(f"unknown systems {sorted(unknown)}; choose from {', '.join(SYSTEMS)}")
     args.systems = names
-    if args.out is None:
-        args.out = Path(tempfile.mkdtemp(prefix="bench-compare-")) if args.quick else BENCH_DIR
-    if args.doc is None:
-        args.doc = (
-            BENCH_DOC if args.out.resolve() == BENCH_DIR.resolve() else args.out / "benchmarks.md"
-        )
+    if args.out is None and args.quick:
+        args.out = Path(tempfile.mkdtemp(prefix="bench-compare-"))
+    to = outputs(args.out, args.docs_dir)
+    args.outputs = Outputs(to.folder, args.doc or to.page)
     return args
-
-
-def _command(argv: list[str] | None) -> str:
-    given = sys.argv[1:] if argv is None else argv
-    return shlex.join(["python", "scripts/bench_compare.py", *given])
 
 
 @contextmanager
@@ -812,7 +818,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
     if args.from_json is not None:
         report = json.loads(args.from_json.read_text())
-        publish(report, args.out, args.doc)
+        publish(report, args.outputs)
         return report
     sizes = QUICK_SIZES if args.quick else Sizes()
     with _sigterm_raises(), tempfile.TemporaryDirectory(prefix="bench-compare-logs-") as tmp:
@@ -839,7 +845,7 @@ def write_report(
     """compare.json, the plots and the markdown section of a finished measurement."""
     config = json.loads((model / "config.json").read_text())
     report = {
-        "command": _command(argv),
+        "command": command_line("bench_compare.py", sys.argv[1:] if argv is None else argv),
         "date": time.strftime("%Y-%m-%d %H:%M"),
         "machine": machine(),
         "model": str(model),
@@ -855,29 +861,29 @@ def write_report(
         "results": results,
         "goals": evaluate_goals(results, sizes),
         "notes": notes,
-        "json": str(args.out / "compare.json"),
+        "json": str(args.outputs.folder / "compare.json"),
     }
-    args.out.mkdir(parents=True, exist_ok=True)
-    save_json(args.out / "compare.json", _jsonable(report))
-    publish(report, args.out, args.doc)
+    save_json(args.outputs.folder / "compare.json", report)
+    publish(report, args.outputs)
     return report
 
 
-def publish(report: dict[str, Any], out: Path, doc: Path) -> None:
-    """Plots into out and the section into doc, from a report (fresh, or read back from JSON)."""
+def publish(report: dict[str, Any], to: Outputs) -> None:
+    """Plots into to.folder and the section into to.page, from a report (fresh, or read back
+    from JSON)."""
     sizes = sizes_from_dict(report["sizes"])
     # JSON comes back with sorted keys; tables and legends list systems in SYSTEMS order.
     results = {s: report["results"][s] for s in SYSTEMS if s in report["results"]}
     report = {**report, "results": results}
-    out.mkdir(parents=True, exist_ok=True)
+    to.folder.mkdir(parents=True, exist_ok=True)
     plots = [
-        plot_distributions(results, sizes, out, "ttft"),
-        plot_distributions(results, sizes, out, "itl"),
-        plot_throughput(results, sizes, out),
+        plot_distributions(results, sizes, to.folder, "ttft"),
+        plot_distributions(results, sizes, to.folder, "itl"),
+        plot_throughput(results, sizes, to.folder),
     ]
-    write_section(SECTION, render_section(report, doc, plots), doc)
+    write_section(SECTION, render_section(report, to, plots), to.page)
     print(goals_table(report["goals"]))
-    print(f"wrote the plots into {out} and the `{SECTION}` section of {doc}")
+    print(f"wrote the plots into {to.folder} and the `{SECTION}` section of {to.page}")
 
 
 def sizes_from_dict(d: dict[str, Any]) -> Sizes:
@@ -892,9 +898,12 @@ def sizes_from_dict(d: dict[str, Any]) -> Sizes:
 
 def _git_state() -> str:
     """HEAD and whether the tree had changes: what exactly was measured."""
+    root = checkout_root()
+    if root is None:
+        return "unknown (not run from a checkout)"
     try:
         run = lambda *a: subprocess.run(  # noqa: E731
-            ["git", *a], cwd=REPO, capture_output=True, text=True, timeout=10
+            ["git", *a], cwd=root, capture_output=True, text=True, timeout=10
         ).stdout.strip()
         dirty = " with uncommitted changes" if run("status", "--porcelain", "-uno") else ""
         return run("rev-parse", "--short", "HEAD") + dirty
@@ -910,17 +919,6 @@ def _model_desc(config: dict[str, Any], args: argparse.Namespace) -> str:
         f"MLP {config['intermediate_size']}, vocab {config['vocab_size']}, random weights, "
         "locally trained BPE tokenizer"
     )
-
-
-def _jsonable(x: Any) -> Any:
-    """inf and nan as strings, so the file is strict JSON."""
-    if isinstance(x, float) and not math.isfinite(x):
-        return str(x)
-    if isinstance(x, dict):
-        return {k: _jsonable(v) for k, v in x.items()}
-    if isinstance(x, (list, tuple)):
-        return [_jsonable(v) for v in x]
-    return x
 
 
 if __name__ == "__main__":

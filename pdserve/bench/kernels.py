@@ -1,6 +1,7 @@
 """Achieved memory bandwidth of each Triton kernel on one CUDA device, written as JSON.
 
-    python scripts/bench_kernels.py --out bench.json
+    pdserve bench kernels --out bench.json
+    python scripts/bench_kernels.py --out bench.json     # the same, as the docs cite it
 
 All three kernels are memory bound, so GB/s (bytes a perfect kernel must move / time) is the
 figure to compare against the device's peak. Without CUDA there is nothing to time: exit 0.
@@ -8,12 +9,13 @@ figure to compare against the device's peak. Without CUDA there is nothing to ti
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 from collections.abc import Callable
 
 import torch
+
+from pdserve.common.node.cli import parser
 
 DTYPE = torch.bfloat16
 BLOCK_SIZE, NUM_KV_HEADS, NUM_HEADS, HEAD_DIM = 16, 8, 32, 128
@@ -82,13 +84,15 @@ def bench_decode(batch: int, context: int) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="pdserve bench kernels",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-        description=__doc__.splitlines()[0],
+    p = parser("pdserve bench kernels", __doc__.split("\n\n")[0])
+    out = p.add_argument_group("output")
+    out.add_argument(
+        "--out",
+        required=True,
+        metavar="FILE",
+        help="the JSON results: GB/s and ms per call of each kernel and shape",
     )
-    parser.add_argument("--out", required=True, help="path of the JSON results file")
-    args = parser.parse_args(argv)
+    args = p.parse_args(argv)
     if not torch.cuda.is_available():
         print("bench_kernels needs a CUDA device to time kernels; nothing to do")
         return 0

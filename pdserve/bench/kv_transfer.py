@@ -1,12 +1,13 @@
 """KV transfer: each connector against its raw transport, sender and receiver in two processes.
 
-    python scripts/bench_kv_transfer.py                       # docs/bench + docs/benchmarks.md
-    python scripts/bench_kv_transfer.py --quick --out DIR     # seconds; what the tests run
+    pdserve bench kv-transfer                       # docs/bench + docs/benchmarks.md
+    pdserve bench kv-transfer --quick --out DIR     # seconds; what the tests run
+    python scripts/bench_kv_transfer.py ...         # the same, as the docs cite it
 
 For every connector (`zmq`, `nccl`, `shm`), layout (`tiny`: the geometry of
-common.tiny_model's default model; `llama3-8b`: 32 layers, 8 KV heads, head_dim 128; block
+pdserve.tiny_model's default model; `llama3-8b`: 32 layers, 8 KV heads, head_dim 128; block
 size 16; float32 on CPU, bfloat16 on CUDA) and prompt length N, the receiver lives in this
-process with a cache of exactly the N tokens' blocks, and a child process (this script with
+process with a cache of exactly the N tokens' blocks, and a child process (this module with
 `--child`) holds the sender's cache. Source and destination block ids are random
 permutations, as a real block table's would be. Both processes read the same clock
 (CLOCK_MONOTONIC), so a start taken in the child and an end taken here measure one span.
@@ -40,7 +41,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import queue
 import statistics
@@ -59,17 +59,24 @@ import torch
 import zmq
 
 from pdserve.bench.report import (
-    BENCH_DIR,
-    REPO,
+    add_output_flags,
+    best_time,
+    command_line,
     describe_machine,
     machine,
     markdown_table,
+    outputs_from_args,
+    pyplot,
+    save_figure,
     save_json,
+    sync,
     write_section,
 )
+from pdserve.common.node.cli import parser
 from pdserve.kernels import ops
 from pdserve.kv_transfer import KVLayout, KVReceiver, create_receiver, create_sender
 from pdserve.kv_transfer.wire import FRAME_BYTES, as_bytes, blocks_per_frame, page_checksum
+from pdserve.local_cluster import free_port
 
 CONNECTORS = ("zmq", "nccl", "shm")
 GOALS = {"zmq": 0.9, "nccl": 0.9, "shm": 0.7}
@@ -314,7 +321,6 @@ class Child:
                 "--threads",
                 str(torch.get_num_threads()),
             ],
-            cwd=REPO,
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             text=True,
@@ -569,32 +575,7 @@ def dtype_of(layout: KVLayout) -> torch.dtype:
     return getattr(torch, layout.dtype)
 
 
-def sync(device: str) -> None:
-    if device == "cuda":
-        torch.cuda.synchronize()
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 # -- per-pass costs -----------------------------------------------------------------------------
-
-
-def time_once(fn: Callable[[], object], device: str, repeats: int = 3) -> float:
-    """Best of a few runs, seconds."""
-    best = math.inf
-    for _ in range(repeats):
-        sync(device)
-        t0 = time.monotonic()
-        fn()
-        sync(device)
-        best = min(best, time.monotonic() - t0)
-    return best
 
 
 def stage_costs(point: Point, device: str) -> dict[str, float]:
@@ -621,7 +602,7 @@ def stage_costs(point: Point, device: str) -> dict[str, float]:
     fns["index_copy_ rows"] = lambda: rows.index_copy_(0, row_ids, block_rows)
     if device == "cpu":
         fns["crc32"] = lambda: zlib.crc32(as_bytes(pages).numpy())
-    return {name: nbytes / time_once(fn, device) / 1e9 for name, fn in fns.items()}
+    return {name: nbytes / best_time(fn, device) / 1e9 for name, fn in fns.items()}
 
 
 # -- report -------------------------------------------------------------------------------------
@@ -710,7 +691,8 @@ def fmt_tokens(n: int) -> str:
     return f"{n // 1024}k" if n >= 1024 and n % 1024 == 0 else str(n)
 
 
-def section(report: dict[str, Any]) -> str:
+def section(report: dict[str, Any], figure: str) -> str:
+    """The benchmarks.md section; `figure` is the plot's path as the page links it."""
     header = [
         "layout",
         "tokens",
@@ -760,11 +742,11 @@ def section(report: dict[str, Any]) -> str:
         f"{RAW_NAMES['shm']} per frame); **CPU s/GB** = CPU seconds of both processes per GB "
         "moved, which other load on the machine disturbs less than wall time; **send_layer ms** "
         "= how long one call blocks the sender; **tail ms** = from the last `send_layer` "
-        "return to the result. GB = 1e9 bytes. Definitions in `scripts/bench_kv_transfer.py`.",
+        "return to the result. GB = 1e9 bytes. Definitions in `pdserve/bench/kv_transfer.py`.",
         "",
         markdown_table(header, rows),
         "",
-        "![KV transfer GB/s](bench/kv_transfer.png)",
+        f"![KV transfer GB/s]({figure})",
         "",
         *goal_lines(report),
     ]
@@ -851,12 +833,8 @@ def goal_lines(report: dict[str, Any]) -> list[str]:
     return lines
 
 
-def plot(report: dict[str, Any], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+def plot(report: dict[str, Any], path: Path) -> Path:
+    plt = pyplot()
     layouts = sorted({r["layout"] for r in report["results"]})
     fig, axes = plt.subplots(1, len(layouts), figsize=(6 * len(layouts), 4.2), squeeze=False)
     for ax, name in zip(axes[0], layouts):
@@ -890,9 +868,7 @@ def plot(report: dict[str, Any], path: Path) -> None:
         ax.set_title(f"{name} layout ({report['layouts'][name]['dtype']})")
         ax.grid(True, alpha=0.3)
         ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    return save_figure(fig, path)
 
 
 # -- CLI ----------------------------------------------------------------------------------------
@@ -919,60 +895,73 @@ def parse_tokens(text: str) -> list[int]:
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(
-        prog="pdserve bench kv-transfer",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-        description=__doc__.splitlines()[0],
-    )
-    parser.add_argument(
+    p = parser("pdserve bench kv-transfer", __doc__.split("\n\n")[0])
+    run = p.add_argument_group("run")
+    run.add_argument(
         "--quick",
         action="store_true",
-        help="tiny layout, 128 and 512 tokens, 2 repeats (needs --out)",
+        help="tiny layout, 128 and 512 tokens, 2 repeats: seconds (needs --out)",
     )
-    parser.add_argument(
-        "--out",
-        type=Path,
+    run.add_argument(
+        "--connectors",
+        default=",".join(CONNECTORS),
+        metavar="NAME,...",
+        help="connectors to measure, a comma list",
+    )
+    run.add_argument(
+        "--layouts",
         default=None,
-        help=f"folder for kv_transfer.json/.png (default {BENCH_DIR}); the "
-        "benchmarks.md section goes to docs/ only with the default",
+        metavar="NAME,...",
+        help="KV layouts, a comma list of tiny and llama3-8b (default: both; quick: tiny)",
     )
-    parser.add_argument("--connectors", default=",".join(CONNECTORS))
-    parser.add_argument("--layouts", default=None, help="tiny,llama3-8b (quick: tiny)")
-    parser.add_argument(
+    run.add_argument(
         "--tokens",
         type=parse_tokens,
         default=None,
-        help="comma list, k = 1024 (default 128,512,2k,4k,8k,32k)",
+        metavar="N,N,...",
+        help="prompt lengths in tokens, a comma list, k = 1024 (default: 128,512,2k,4k,8k,32k; "
+        "quick: 128,512)",
     )
-    parser.add_argument("--repeats", type=int, default=None, help="default 5 (quick: 2)")
-    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
-    parser.add_argument(
+    run.add_argument(
+        "--repeats",
+        type=int,
+        default=None,
+        help="timed transfers per point, the median reported (default: 5; quick: 2)",
+    )
+    run.add_argument(
         "--max-bytes",
         type=parse_size,
         default=parse_size("512M"),
-        help="skip points whose KV bytes (one side) exceed this (default 512M)",
+        metavar="SIZE",
+        help="skip points whose KV bytes (one side) exceed this, binary units: 512M, 2G "
+        "(default: 512M)",
     )
-    parser.add_argument(
+    run.add_argument(
+        "--no-stages", action="store_true", help="skip the per-pass timings (gather, checksum)"
+    )
+    device = p.add_argument_group("device")
+    device.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="where the KV is")
+    device.add_argument(
         "--threads",
         type=int,
         default=1,
-        help="torch threads per process on CPU (default 1: two processes, two cores)",
+        help="torch threads per process on CPU (1: two processes on two cores)",
     )
-    parser.add_argument("--no-stages", action="store_true", help="skip the per-pass timings")
-    parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
-    args = parser.parse_args(argv)
-    if args.quick and args.out is None:
-        parser.error("--quick writes only under --out DIR, never into docs/")
+    add_output_flags(p, "kv_transfer.json and kv_transfer.png")
+    p.add_argument("--child", default=None, help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.child:
+        return args
+    args.outputs = outputs_from_args(p, args)
     connectors = [c.strip() for c in args.connectors.split(",") if c.strip()]
     if not connectors or set(connectors) - set(CONNECTORS):
-        parser.error(f"--connectors must name some of {CONNECTORS}")
+        p.error(f"--connectors must name some of {CONNECTORS}")
     args.connectors = connectors
-    args.out = args.out or BENCH_DIR
     args.layouts = (args.layouts or ("tiny" if args.quick else "tiny,llama3-8b")).split(",")
     args.tokens = args.tokens or list(QUICK_TOKENS if args.quick else DEFAULT_TOKENS)
     args.repeats = args.repeats or (2 if args.quick else 5)
     if args.device == "cuda" and not torch.cuda.is_available():
-        parser.error("--device cuda: no CUDA device here")
+        p.error("--device cuda: no CUDA device here")
     return args
 
 
@@ -991,7 +980,7 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> dict[str, Any]:
             results += run_connector(connector, mine, args.repeats, args.device)
     report = {
         "benchmark": "kv_transfer",
-        "command": " ".join(["python scripts/bench_kv_transfer.py", *argv]),
+        "command": command_line("bench_kv_transfer.py", list(argv)),
         "machine": machine(),
         "device": args.device,
         "repeats": args.repeats,
@@ -1053,12 +1042,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     report = run(args, argv)
     for s in report["skipped"]:
         print(f"skipped {s['connector']} {s['layout']} {fmt_tokens(s['tokens'])}: {s['reason']}")
-    out = Path(args.out)
-    save_json(out / "kv_transfer.json", report)
-    plot(report, out / "kv_transfer.png")
-    doc = None if out.resolve() == BENCH_DIR.resolve() else out / "benchmarks.md"
-    written = write_section("kv_transfer", section(report), *([doc] if doc else []))
-    print(f"wrote {out / 'kv_transfer.json'}, {out / 'kv_transfer.png'}, {written}")
+    to = args.outputs
+    data = save_json(to.folder / "kv_transfer.json", report)
+    figure = plot(report, to.folder / "kv_transfer.png")
+    page = write_section("kv_transfer", section(report, to.link(figure)), to.page)
+    print(f"wrote {data}, {figure}, {page}")
     return 0
 
 

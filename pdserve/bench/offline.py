@@ -1,10 +1,11 @@
-"""Offline throughput: common.llm.LLM against HF transformers `generate`, and both against
+"""Offline throughput: pdserve's `LLM` against HF transformers `generate`, and both against
 the machine's own floors.
 
-    python scripts/bench_offline.py                       # docs/bench + docs/benchmarks.md
-    python scripts/bench_offline.py --quick --out DIR     # seconds; what the tests run
+    pdserve bench offline                       # docs/bench + docs/benchmarks.md
+    pdserve bench offline --quick --out DIR     # seconds; what the tests run
+    python scripts/bench_offline.py ...         # the same, as the docs cite it
 
-The model is a random-weight Llama built by common.tiny_model (default 12 layers, hidden 768,
+The model is a random-weight Llama built by pdserve.tiny_model (default 12 layers, hidden 768,
 12 heads, 4 KV heads, MLP 2048, vocab 8192; cached under --cache-dir) or any HF directory
 given with --model. For each batch size B, B random prompts of --prompt-len tokens each run
 greedy to exactly --max-tokens new tokens (EOS ignored) through both engines, in this
@@ -43,23 +44,30 @@ import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from pdserve.bench.report import (
-    BENCH_DIR,
     BENCH_MODEL_SIZES,
+    add_output_flags,
+    best_time,
+    cached_model,
+    command_line,
     describe_machine,
     machine,
     markdown_table,
+    outputs_from_args,
+    pyplot,
+    save_figure,
     save_json,
+    sync,
     write_section,
 )
 from pdserve.common.engine.llm import LLM, SamplingParams
-from pdserve.tiny_model import make_tiny_model
+from pdserve.common.node.cli import parser
 
 DEFAULT_CACHE = Path(tempfile.gettempdir()) / "pdserve-bench-models"
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -74,17 +82,7 @@ def model_dir(args: argparse.Namespace) -> Path:
         return Path(args.model)
     sizes = {} if args.quick else BENCH_MODEL_SIZES
     name = "llama-tiny" if args.quick else "llama-" + "-".join(f"{v}" for v in sizes.values())
-    out = Path(args.cache_dir) / name
-    if not (out / "config.json").is_file():
-        # Built aside and renamed, so a concurrent run never reads a half-written model.
-        out.parent.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
-            make_tiny_model("llama", Path(tmp) / "m", **sizes)
-            try:
-                os.rename(Path(tmp) / "m", out)
-            except OSError:  # another run got there first
-                pass
-    return out
+    return cached_model(Path(args.cache_dir), name, sizes)
 
 
 def make_prompts(batch: int, length: int, vocab: int, seed: int) -> list[list[int]]:
@@ -188,17 +186,6 @@ class HF:
 # -- floors ---------------------------------------------------------------------------------------
 
 
-def best_time(fn: Callable[[], object], device: str, repeats: int = 3) -> float:
-    best = float("inf")
-    for _ in range(repeats + 1):  # the first run warms up
-        sync(device)
-        t0 = time.perf_counter()
-        fn()
-        sync(device)
-        best = min(best, time.perf_counter() - t0)
-    return best
-
-
 def copy_bandwidth(nbytes: int, dtype: torch.dtype, device: str) -> float:
     """Bytes per second read plus written by a large `copy_`."""
     src = torch.ones(nbytes // dtype.itemsize, dtype=dtype, device=device)
@@ -281,11 +268,6 @@ def floors_at(batch: int, arch: Any, weights: tuple[int, int], args, copy_bw: fl
     }
 
 
-def sync(device: str) -> None:
-    if device.startswith("cuda"):
-        torch.cuda.synchronize()
-
-
 # -- one batch size -------------------------------------------------------------------------------
 
 
@@ -352,7 +334,8 @@ def bench_batch(
 # -- report -------------------------------------------------------------------------------------
 
 
-def section(report: dict[str, Any]) -> str:
+def section(report: dict[str, Any], figure: str) -> str:
+    """The benchmarks.md section; `figure` is the plot's path as the page links it."""
     header = [
         "batch",
         "pdserve tok/s",
@@ -395,14 +378,14 @@ def section(report: dict[str, Any]) -> str:
             "",
             markdown_table(header, rows),
             "",
-            "![offline throughput](bench/offline.png)",
+            f"![offline throughput]({figure})",
             "",
             f"Floors measured in the same run: copy bandwidth {f['copy_bytes_per_s'] / 1e9:.1f} "
             "GB/s (read + write of a large `copy_`); matmul FLOP/s at each phase's own shape "
             "(batch x prompt tokens for prefill, batch rows for decode). A floor column is "
             "floor time / measured time (1.0 = at the floor); the roofline of a decode step is "
             "the larger of its bandwidth floor and its FLOPs at the decode-shaped matmul rate. "
-            "Definitions in `scripts/bench_offline.py`.",
+            "Definitions in `pdserve/bench/offline.py`.",
             "",
             *verdict_lines(report),
             "",
@@ -441,12 +424,8 @@ def verdict_lines(report: dict[str, Any]) -> list[str]:
     return lines
 
 
-def plot(report: dict[str, Any], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+def plot(report: dict[str, Any], path: Path) -> Path:
+    plt = pyplot()
     rs = report["results"]
     x = [r["batch"] for r in rs]
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.2))
@@ -470,63 +449,78 @@ def plot(report: dict[str, Any], path: Path) -> None:
         ax.grid(True, alpha=0.3)
         ax.legend(fontsize=8)
     fig.suptitle(report["model"]["description"], fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    return save_figure(fig, path)
 
 
 # -- CLI ----------------------------------------------------------------------------------------
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(
-        prog="pdserve bench offline",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-        description=__doc__.splitlines()[0],
-    )
-    parser.add_argument(
+    p = parser("pdserve bench offline", __doc__.split("\n\n")[0])
+    run = p.add_argument_group("run")
+    run.add_argument(
         "--quick",
         action="store_true",
-        help="tiny model, batch 1 and 2, short prompts, 1 repeat (needs --out)",
+        help="tiny model, batch 1 and 2, 16-token prompts, 8 new tokens, 1 repeat: seconds "
+        "(needs --out)",
     )
-    parser.add_argument(
-        "--out",
-        type=Path,
+    run.add_argument(
+        "--batch-sizes",
         default=None,
-        help=f"folder for offline.json/.png (default {BENCH_DIR}); the "
-        "benchmarks.md section goes to docs/ only with the default",
+        metavar="B,B,...",
+        help="sequences per generate call, a comma list (default: 1,4,16; quick: 1,2)",
     )
-    parser.add_argument("--model", default=None, help="an HF checkpoint directory to use")
-    parser.add_argument(
+    run.add_argument(
+        "--prompt-len", type=int, default=None, help="tokens per prompt (default: 128; quick: 16)"
+    )
+    run.add_argument(
+        "--max-tokens",
+        type=int,
+        default=None,
+        help="new tokens per sequence, at least 2 (default: 64; quick: 8)",
+    )
+    run.add_argument(
+        "--repeats",
+        type=int,
+        default=None,
+        help="timed runs per batch size, the median reported (default: 3; quick: 1)",
+    )
+    model = p.add_argument_group("model")
+    model.add_argument(
+        "--model",
+        default=None,
+        metavar="DIR",
+        help="an HF checkpoint directory (default: the random-weight benchmark Llama)",
+    )
+    model.add_argument(
         "--cache-dir",
         default=None,
-        help=f"where the built model is kept (default {DEFAULT_CACHE}; quick: under --out)",
+        metavar="DIR",
+        help=f"where the built model is kept (default: {DEFAULT_CACHE}; quick: OUT/models)",
     )
-    parser.add_argument("--batch-sizes", default=None, help="comma list (default 1,4,16)")
-    parser.add_argument("--prompt-len", type=int, default=None, help="default 128 (quick 16)")
-    parser.add_argument("--max-tokens", type=int, default=None, help="default 64 (quick 8)")
-    parser.add_argument("--repeats", type=int, default=None, help="default 3 (quick 1)")
-    parser.add_argument("--device", default="cpu")
-    parser.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
-    parser.add_argument(
+    device = p.add_argument_group("device")
+    device.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
+    device.add_argument(
+        "--dtype", choices=sorted(DTYPES), default="float32", help="weights and activations"
+    )
+    device.add_argument(
         "--threads",
         type=int,
         default=1,
-        help="torch threads for both engines and the floors (default 1: steadier on a shared "
-        "machine; 0 keeps torch's default)",
+        help="torch threads for both engines and the floors; 1 is steadier on a shared "
+        "machine, 0 keeps torch's own",
     )
-    parser.add_argument(
+    device.add_argument(
         "--copy-mib",
         type=int,
         default=None,
-        help="size of the bandwidth probe (default 512, quick 64)",
+        help="size of the copy-bandwidth probe, MiB (default: 512; quick: 64)",
     )
-    args = parser.parse_args(argv)
-    if args.quick and args.out is None:
-        parser.error("--quick writes only under --out DIR, never into docs/")
+    add_output_flags(p, "offline.json and offline.png")
+    args = p.parse_args(argv)
+    args.outputs = outputs_from_args(p, args)
     quick = args.quick
-    args.out = args.out or BENCH_DIR
-    args.cache_dir = args.cache_dir or (args.out / "models" if quick else DEFAULT_CACHE)
+    args.cache_dir = args.cache_dir or (args.outputs.folder / "models" if quick else DEFAULT_CACHE)
     sizes = args.batch_sizes or ("1,2" if quick else "1,4,16")
     args.batch_sizes = [int(b) for b in sizes.split(",")]
     args.prompt_len = args.prompt_len or (16 if quick else 128)
@@ -534,7 +528,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     args.repeats = args.repeats or (1 if quick else 3)
     args.copy_mib = args.copy_mib or (64 if quick else 512)
     if min(args.batch_sizes) < 1 or args.prompt_len < 1 or args.max_tokens < 2:
-        parser.error("batch sizes and --prompt-len must be >= 1, --max-tokens >= 2")
+        p.error("batch sizes and --prompt-len must be >= 1, --max-tokens >= 2")
     return args
 
 
@@ -563,7 +557,7 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> dict[str, Any]:
     params = sum(p.numel() for p in pd.llm.engine.runner.model.parameters())
     return {
         "benchmark": "offline",
-        "command": " ".join(["python scripts/bench_offline.py", *argv]),
+        "command": command_line("bench_offline.py", list(argv)),
         "machine": machine(),
         "load_avg": [load_start, os.getloadavg()[0]],
         "device": args.device,
@@ -592,12 +586,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.threads > 0:
         torch.set_num_threads(args.threads)
     report = run(args, argv)
-    out = Path(args.out)
-    save_json(out / "offline.json", report)
-    plot(report, out / "offline.png")
-    doc = None if out.resolve() == BENCH_DIR.resolve() else out / "benchmarks.md"
-    written = write_section("offline", section(report), *([doc] if doc else []))
-    print(f"wrote {out / 'offline.json'}, {out / 'offline.png'}, {written}")
+    to = args.outputs
+    data = save_json(to.folder / "offline.json", report)
+    figure = plot(report, to.folder / "offline.png")
+    page = write_section("offline", section(report, to.link(figure)), to.page)
+    print(f"wrote {data}, {figure}, {page}")
     return 0
 
 

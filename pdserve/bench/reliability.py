@@ -1,7 +1,10 @@
 """Run the fault-injection scenarios of tests/e2e/test_faults.py once more and write what
 happened to each request, and how long recovery took, into docs/reliability.md.
 
-    python scripts/reliability_report.py [--out docs/reliability.md] [--requests 100]
+    pdserve bench reliability [--out docs/reliability.md] [--requests 100]
+    python scripts/reliability_report.py ...      # the same, as the docs cite it
+
+The scenarios run on pdserve.bench.faults, the harness the tests assert with.
 """
 
 from __future__ import annotations
@@ -14,7 +17,15 @@ import time
 from pathlib import Path
 
 from pdserve.bench import faults as fh
-from pdserve.bench.report import REPO, markdown_table, save_json, write_section
+from pdserve.bench.report import (
+    add_docs_dir_flag,
+    default_docs_dir,
+    environ,
+    markdown_table,
+    save_json,
+    write_section,
+)
+from pdserve.common.node.cli import parser
 from pdserve.tiny_model import make_tiny_model
 
 
@@ -58,43 +69,64 @@ def scenarios() -> list[tuple[str, dict, dict]]:
         ("30% of clients disconnect (1P1D)", small, {"disconnect_fraction": 0.3}),
         (
             "10x overload, queue 10 (1P1D)",
-            {**small, "router_extra": ("--max-queued-requests", "10")},
+            {**small, "router_extra": QUEUE_10},
             {},
         ),
     ]
 
 
-def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(
-        prog="pdserve bench reliability",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-        description=__doc__.splitlines()[0],
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = parser("pdserve bench reliability", __doc__.split("\n\n")[0])
+    run = p.add_argument_group("run")
+    run.add_argument(
+        "--requests", type=int, default=fh.NUM_REQUESTS, help="greedy requests per scenario"
     )
-    p.add_argument("--out", default=str(REPO / "docs" / "reliability.md"))
-    p.add_argument("--requests", type=int, default=fh.NUM_REQUESTS)
+    out = p.add_argument_group("output")
+    out.add_argument(
+        "--out",
+        type=Path,
+        default=None,
+        metavar="FILE",
+        help="the Markdown page of the section (default: DOCS/reliability.md)",
+    )
+    add_docs_dir_flag(out, "reliability.md and bench/reliability.json")
     args = p.parse_args(argv)
+    args.docs_dir = args.docs_dir or default_docs_dir()
+    args.out = args.out or args.docs_dir / "reliability.md"
+    return args
+
+
+def measure(
+    model: str,
+    prompts: list[list[int]],
+    wants: list[list[int]],
+    scenario: tuple[str, dict, dict],
+) -> dict:
+    """One scenario on a fresh cluster: its summary, and the blocks its nodes still held."""
+    name, cluster_kw, run_kw = scenario
+    cluster_kw = dict(cluster_kw)
+    fault_kv = cluster_kw.pop("env", "") or None
+    with environ({"PDSERVE_FAULT_KV": fault_kv}), fh.cluster_for(model, **cluster_kw) as cluster:
+        run = fh.run_scenario(name, cluster, prompts, wants, **run_kw)
+        reports = fh.wait_clean(cluster)
+    leaked = sum(
+        r["report"]["num_blocks"] - r["report"]["free_blocks"]
+        for r in reports.values()
+        if r["report"] is not None
+    )
+    return {**run.summary(), "leaked_blocks": leaked, "nodes": sorted(reports)}
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
     model = str(make_tiny_model("llama", Path(tempfile.mkdtemp()) / "m", max_position=2048))
     prompts = fh.make_prompts(512, args.requests)
     wants = fh.reference(model, prompts)
     summaries = []
-    for name, cluster_kw, run_kw in scenarios():
-        cluster_kw = dict(cluster_kw)
-        env = cluster_kw.pop("env", "")
-        os.environ.pop("PDSERVE_FAULT_KV", None)
-        if env:
-            os.environ["PDSERVE_FAULT_KV"] = env
-        with fh.cluster_for(model, **cluster_kw) as cluster:
-            run = fh.run_scenario(name, cluster, prompts, wants, **run_kw)
-            reports = fh.wait_clean(cluster)
-        leaked = sum(
-            r["report"]["num_blocks"] - r["report"]["free_blocks"]
-            for r in reports.values()
-            if r["report"] is not None
-        )
-        summaries.append({**run.summary(), "leaked_blocks": leaked, "nodes": sorted(reports)})
+    for scenario in scenarios():
+        summaries.append(measure(model, prompts, wants, scenario))
         print(summaries[-1], flush=True)
-    os.environ.pop("PDSERVE_FAULT_KV", None)
-    save_json(REPO / "docs" / "bench" / "reliability.json", {"scenarios": summaries})
+    save_json(args.docs_dir / "bench" / "reliability.json", {"scenarios": summaries})
     rows = [
         [
             s["scenario"],

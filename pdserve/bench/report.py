@@ -1,34 +1,31 @@
-"""What every benchmark script shares: results as JSON, and its own section of a Markdown page.
+"""What every benchmark shares: where its outputs go, the command it records, timing on a
+device, the cached benchmark model, results as JSON, figures, and its own section of a
+Markdown page.
 
 Each benchmark owns one named section of `docs/benchmarks.md`, fenced by HTML comments, and
-rewrites only that section; prose outside the fences is kept as written.
+rewrites only that section; prose outside the fences is kept as written. Outputs go to the
+docs folder named by `--docs-dir` (default: the checkout pdserve is imported from, else
+./docs), never into site-packages.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
+import math
 import os
 import platform
+import shlex
+import shutil
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-
-def _docs_root() -> Path:
-    """Where benchmark pages and figures go: the checkout pdserve runs from (its docs/), else
-    the current directory (never site-packages); PDSERVE_DOCS_ROOT overrides."""
-    if os.environ.get("PDSERVE_DOCS_ROOT"):
-        return Path(os.environ["PDSERVE_DOCS_ROOT"])
-    checkout = Path(__file__).resolve().parents[2]
-    if (checkout / "pyproject.toml").is_file() and (checkout / "docs").is_dir():
-        return checkout
-    return Path.cwd()
-
-
-REPO = _docs_root()
-BENCH_DOC = REPO / "docs" / "benchmarks.md"
-BENCH_DIR = REPO / "docs" / "bench"
-
-# The benchmark model's geometry (common.tiny_model arguments): a ~90M-parameter Llama with
+# The benchmark model's geometry (pdserve.tiny_model arguments): a ~90M-parameter Llama with
 # random weights, small enough for a CPU, big enough that matmuls dominate a step.
 BENCH_MODEL_SIZES = {
     "layers": 12,
@@ -39,6 +36,138 @@ BENCH_MODEL_SIZES = {
     "vocab": 8192,
     "max_position": 4096,
 }
+MODEL_STAMP = "pdserve-bench.json"  # the spec a cached model was built from
+
+
+# -- where outputs go -----------------------------------------------------------------------------
+
+
+def checkout_root() -> Path | None:
+    """The pdserve repository this package is imported from (a source tree or an editable
+    install); None for an installed wheel."""
+    root = Path(__file__).resolve().parents[2]
+    pyproject = root / "pyproject.toml"
+    if (root / "docs").is_dir() and pyproject.is_file():
+        if 'name = "pdserve"' in pyproject.read_text():
+            return root
+    return None
+
+
+def default_docs_dir() -> Path:
+    """docs/ of the checkout pdserve runs from, else ./docs of the current directory."""
+    root = checkout_root()
+    return root / "docs" if root else Path.cwd() / "docs"
+
+
+@dataclass(frozen=True, slots=True)
+class Outputs:
+    """Where one run writes: JSON and figures into `folder`, its section into `page`."""
+
+    folder: Path
+    page: Path
+
+    def link(self, path: Path) -> str:
+        """`path` as the page links it."""
+        return os.path.relpath(path, self.page.parent)
+
+
+def outputs(out: Path | None, docs_dir: Path | None) -> Outputs:
+    """DOCS/bench and DOCS/benchmarks.md by default; an `out` folder elsewhere gets its own
+    benchmarks.md, so a trial run leaves the docs alone."""
+    docs = docs_dir or default_docs_dir()
+    folder = out or docs / "bench"
+    if folder.resolve() == (docs / "bench").resolve():
+        return Outputs(folder, docs / "benchmarks.md")
+    return Outputs(folder, folder / "benchmarks.md")
+
+
+def add_output_flags(p: argparse.ArgumentParser, files: str) -> argparse._ArgumentGroup:
+    """The group "output" with --out and --docs-dir; `files` names what --out receives."""
+    group = p.add_argument_group("output")
+    group.add_argument(
+        "--out",
+        type=Path,
+        default=None,
+        metavar="DIR",
+        help=f"folder for {files} (default: DOCS/bench); any other folder also gets its own "
+        "benchmarks.md, and DOCS is left alone",
+    )
+    add_docs_dir_flag(group, "benchmarks.md and bench/")
+    return group
+
+
+def add_docs_dir_flag(group: argparse._ArgumentGroup, holds: str) -> None:
+    """--docs-dir DOCS; `holds` names what the benchmark writes there."""
+    group.add_argument(
+        "--docs-dir",
+        type=Path,
+        default=None,
+        metavar="DOCS",
+        help=f"docs folder for {holds} (default: docs/ of the checkout pdserve is imported "
+        "from, else ./docs)",
+    )
+
+
+def outputs_from_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> Outputs:
+    """The run's Outputs; a --quick run must name its own --out (it never writes into docs)."""
+    if getattr(args, "quick", False) and args.out is None:
+        p.error("--quick writes only under --out DIR, never into docs/")
+    return outputs(args.out, args.docs_dir)
+
+
+def command_line(script: str, argv: list[str]) -> str:
+    """How to repeat this run, as the docs cite it: `python scripts/SCRIPT ARGS`."""
+    return shlex.join(["python", f"scripts/{script}", *argv])
+
+
+# -- timing -------------------------------------------------------------------------------------
+
+
+def sync(device: str) -> None:
+    """Wait for the device's queued work, so a wall-clock span covers it (nothing on CPU)."""
+    if device.startswith("cuda"):
+        import torch
+
+        torch.cuda.synchronize()
+
+
+def best_time(fn: Callable[[], object], device: str, repeats: int = 3) -> float:
+    """Best wall seconds of `repeats` calls of fn, after one untimed warm-up call."""
+    fn()
+    best = math.inf
+    for _ in range(repeats):
+        sync(device)
+        t0 = time.perf_counter()
+        fn()
+        sync(device)
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+# -- the benchmark model and the machine ----------------------------------------------------------
+
+
+def cached_model(cache_dir: Path, name: str, spec: dict[str, Any]) -> Path:
+    """The random-weight Llama of `spec` (make_tiny_model's arguments) at cache_dir/name,
+    built once. Built aside and renamed, so a concurrent run never reads half a model; a stamp
+    names the spec, so a changed spec builds it again."""
+    out = cache_dir / name
+    stamp = out / MODEL_STAMP
+    if stamp.is_file() and json.loads(stamp.read_text()) == spec:
+        return out
+    from pdserve.tiny_model import make_tiny_model
+
+    print(f"building {name} into {out}", flush=True)
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=cache_dir) as tmp:
+        built = make_tiny_model("llama", Path(tmp) / "m", **spec)
+        (built / MODEL_STAMP).write_text(json.dumps(spec))
+        shutil.rmtree(out, ignore_errors=True)  # built from another spec
+        try:
+            os.rename(built, out)
+        except OSError:  # another run got there first
+            pass
+    return out
 
 
 def machine() -> dict[str, Any]:
@@ -63,14 +192,64 @@ def describe_machine(m: dict[str, Any], threads: str = "torch threads") -> str:
     return f"{where}, torch {m['torch']}, {threads}: {m['threads']}"
 
 
+@contextmanager
+def environ(values: dict[str, str | None]) -> Iterator[None]:
+    """os.environ with `values` set (None: unset) for children started inside, then restored."""
+    saved = {k: os.environ.get(k) for k in values}
+    try:
+        _set_environ(values)
+        yield
+    finally:
+        _set_environ(saved)
+
+
+def _set_environ(values: dict[str, str | None]) -> None:
+    for k, v in values.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
+
+
+# -- results, figures, the page -------------------------------------------------------------------
+
+
+def strict_json(x: Any) -> Any:
+    """inf and nan as strings, so the file is strict JSON."""
+    if isinstance(x, float) and not math.isfinite(x):
+        return str(x)
+    if isinstance(x, dict):
+        return {k: strict_json(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [strict_json(v) for v in x]
+    return x
+
+
 def save_json(path: str | Path, result: dict[str, Any]) -> Path:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(result, indent=2, sort_keys=True) + "\n")
+    path.write_text(json.dumps(strict_json(result), indent=2, sort_keys=True) + "\n")
     return path
 
 
-def write_section(name: str, body: str, doc: str | Path = BENCH_DOC) -> Path:
+def pyplot() -> Any:
+    """matplotlib.pyplot drawing off-screen, imported only when a figure is drawn."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def save_figure(fig: Any, path: Path) -> Path:
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    pyplot().close(fig)
+    return path
+
+
+def write_section(name: str, body: str, doc: str | Path) -> Path:
     """Replace the section `name` of `doc` (append it, or create the page, when missing).
 
     ValueError when the page holds the section's markers other than once each, in order: a

@@ -1,9 +1,11 @@
 """Serving benchmark: stream requests at any OpenAI-compatible server, report what
 `vllm bench serve` reports (throughput, TTFT, TPOT, ITL, E2E latency, goodput).
 
-    python scripts/bench_serving.py --base-url http://127.0.0.1:8000 --tokenizer MODEL_DIR \\
+    pdserve bench serve --base-url http://127.0.0.1:8000 --tokenizer MODEL_DIR \\
         --dataset random --num-prompts 64 --input-len 512 --output-len 128 \\
         --request-rate 2 --goodput ttft:2000 tpot:200 --result-file result.json
+
+(`python scripts/bench_serving.py ...` is the same, as the docs cite it.)
 
 Requests arrive as a Poisson process at `--request-rate` (inf: all at once), at most
 `--max-concurrency` in flight. Lengths are drawn uniformly from
@@ -24,7 +26,7 @@ server's own `usage` counts, not the ones asked for; the result says how many di
 Every request streams (SSE). TTFT: request sent until the first chunk carrying text. ITL:
 gaps between text chunks (a server may put several tokens in one chunk, or hold back a token
 that ends inside a UTF-8 character). TPOT: (E2E - TTFT) / (output tokens - 1). The core,
-`run_benchmark(config, requests) -> dict`, is what scripts/bench_compare.py calls.
+`run_benchmark(config, requests) -> dict`, is what `pdserve bench compare` calls.
 """
 
 from __future__ import annotations
@@ -42,6 +44,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import httpx
+
+from pdserve.common.node.cli import parser
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -706,34 +710,86 @@ def parse_goodput(items: Sequence[str] | None) -> dict[str, float]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="pdserve bench serve",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-        description=__doc__.split("\n\n")[0],
+    p = parser("pdserve bench serve", __doc__.split("\n\n")[0])
+    server = p.add_argument_group("server")
+    server.add_argument(
+        "--base-url", default="http://127.0.0.1:8000", help="the OpenAI-compatible server"
     )
-    p.add_argument("--base-url", default="http://127.0.0.1:8000")
-    p.add_argument("--tokenizer", required=True, help="tokenizer directory (the model's)")
-    p.add_argument("--model", default=None, help="model name to send (default: /v1/models)")
-    p.add_argument("--dataset", default="random", choices=["random", "multiturn"])
-    p.add_argument("--num-prompts", type=int, default=32, help="random: requests")
-    p.add_argument("--input-len", type=int, default=256)
-    p.add_argument("--output-len", type=int, default=64)
-    p.add_argument("--range-ratio", type=float, default=0.0)
-    p.add_argument("--num-conversations", type=int, default=8, help="multiturn")
-    p.add_argument("--turns", type=int, default=3, help="multiturn: turns per conversation")
-    p.add_argument("--system-prompt-len", type=int, default=256, help="multiturn: shared")
-    p.add_argument("--request-rate", type=float, default=math.inf)
-    p.add_argument("--max-concurrency", type=int, default=None)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--goodput", nargs="*", default=None, help="SLOs, e.g. ttft:500 tpot:50")
-    p.add_argument("--percentiles", default="50,90,99")
-    p.add_argument("--request-timeout", type=float, default=600.0)
-    p.add_argument("--num-warmups", type=int, default=1)
-    p.add_argument("--api-key", default=None)
-    p.add_argument("--result-file", default=None, help="write the result as JSON here")
-    p.add_argument("--disable-tqdm", action="store_true")
-    p.add_argument("--quick", action="store_true", help="a few short requests (for tests)")
+    server.add_argument("--api-key", default=None, help="sent as a Bearer token")
+    server.add_argument(
+        "--model", default=None, help="model name to send (default: the first of /v1/models)"
+    )
+    server.add_argument(
+        "--tokenizer",
+        required=True,
+        metavar="DIR",
+        help="tokenizer directory (the model's): builds prompts and counts their tokens",
+    )
+    data = p.add_argument_group("dataset")
+    data.add_argument(
+        "--dataset",
+        default="random",
+        choices=["random", "multiturn"],
+        help="random: /v1/completions; multiturn: /v1/chat/completions conversations",
+    )
+    data.add_argument("--num-prompts", type=int, default=32, help="random: requests")
+    data.add_argument("--input-len", type=int, default=256, help="tokens per prompt, on average")
+    data.add_argument("--output-len", type=int, default=64, help="tokens per output, on average")
+    data.add_argument(
+        "--range-ratio",
+        type=float,
+        default=0.0,
+        help="lengths uniform in len * [1 - r, 1 + r]",
+    )
+    data.add_argument("--num-conversations", type=int, default=8, help="multiturn: conversations")
+    data.add_argument("--turns", type=int, default=3, help="multiturn: turns per conversation")
+    data.add_argument(
+        "--system-prompt-len",
+        type=int,
+        default=256,
+        help="multiturn: tokens of the system prompt all conversations share",
+    )
+    data.add_argument("--seed", type=int, default=0, help="seed of lengths, prompts, arrivals")
+    data.add_argument(
+        "--quick", action="store_true", help="a few short requests, no warm-up (for tests)"
+    )
+    load = p.add_argument_group("load")
+    load.add_argument(
+        "--request-rate",
+        type=float,
+        default=math.inf,
+        help="requests per second, Poisson arrivals (inf: all at once)",
+    )
+    load.add_argument(
+        "--max-concurrency",
+        type=int,
+        default=None,
+        help="requests in flight at most (default: no limit)",
+    )
+    load.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
+    load.add_argument(
+        "--request-timeout", type=float, default=600.0, help="seconds one request may take"
+    )
+    load.add_argument(
+        "--num-warmups", type=int, default=1, help="untimed requests sent before the run"
+    )
+    metrics = p.add_argument_group("metrics")
+    metrics.add_argument(
+        "--goodput",
+        nargs="*",
+        default=None,
+        metavar="NAME:MS",
+        help=f"SLOs in milliseconds, NAME in {','.join(SLO_METRICS)}, e.g. ttft:500 tpot:50 "
+        "(default: no goodput)",
+    )
+    metrics.add_argument(
+        "--percentiles", default="50,90,99", help="percentiles reported, a comma list"
+    )
+    out = p.add_argument_group("output")
+    out.add_argument(
+        "--result-file", default=None, metavar="FILE", help="write the result as JSON here"
+    )
+    out.add_argument("--disable-tqdm", action="store_true", help="no progress bar")
     return p
 
 

@@ -1,5 +1,6 @@
-"""scripts/bench_compare.py --quick: both pdserve systems measured, results, plots and the
-markdown section written into the given directory (nothing under docs/)."""
+"""pdserve bench compare --quick (scripts/bench_compare.py): both pdserve systems measured,
+results, plots and the markdown section written into the given directory (nothing under
+docs/)."""
 
 from __future__ import annotations
 

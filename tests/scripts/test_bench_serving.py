@@ -1,5 +1,6 @@
-"""scripts/bench_serving.py: metrics logic on made-up results, request probing against a stand-in
-for transformers serve, and the CLI and core against a real colocated pdserve cluster."""
+"""pdserve bench serve (scripts/bench_serving.py): metrics logic on made-up results, request
+probing against a stand-in for transformers serve, and the CLI and core against a real
+colocated pdserve cluster."""
 
 from __future__ import annotations
 

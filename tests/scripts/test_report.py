@@ -1,4 +1,6 @@
-"""scripts/_report.py: each benchmark rewrites only its own section of the page."""
+"""pdserve.bench.report: each benchmark rewrites only its own section of the page, outputs go
+to the docs folder it is given (never site-packages), and the shared helpers; `pdserve bench`
+lists and runs the benchmarks."""
 
 from __future__ import annotations
 
@@ -106,3 +108,81 @@ def test_pdserve_bench_lists_and_runs_the_benchmarks() -> None:
         [sys.executable, "-m", "pdserve", "bench", "nope"], capture_output=True, text=True
     )
     assert bad.returncode != 0 and "unknown benchmark 'nope'" in bad.stderr
+
+
+def test_outputs_go_to_docs_by_default_and_elsewhere_keep_their_own_page(tmp_path: Path) -> None:
+    docs = tmp_path / "docs"
+    assert _report.outputs(None, docs) == _report.Outputs(docs / "bench", docs / "benchmarks.md")
+    # --out naming DOCS/bench itself is still the docs page
+    same = _report.outputs(docs / "x" / ".." / "bench", docs)
+    assert same.page == docs / "benchmarks.md"
+    trial = _report.outputs(tmp_path / "trial", docs)
+    assert trial == _report.Outputs(tmp_path / "trial", tmp_path / "trial" / "benchmarks.md")
+    assert _report.outputs(None, docs).link(docs / "bench" / "offline.png") == "bench/offline.png"
+    assert trial.link(tmp_path / "trial" / "offline.png") == "offline.png"
+
+
+def test_default_docs_dir_is_the_checkout_else_the_current_directory(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    checkout = Path(__file__).resolve().parents[2]
+    assert _report.checkout_root() == checkout  # the tests run from a checkout
+    assert _report.default_docs_dir() == checkout / "docs"
+    monkeypatch.setattr(_report, "checkout_root", lambda: None)  # as an installed wheel
+    monkeypatch.chdir(tmp_path)
+    assert _report.default_docs_dir() == tmp_path / "docs"
+
+
+def test_quick_runs_must_name_their_out(tmp_path: Path) -> None:
+    from pdserve.bench import offline
+
+    with pytest.raises(SystemExit) as exc:
+        offline.parse_args(["--quick"])
+    assert exc.value.code == 2
+    args = offline.parse_args(["--quick", "--out", str(tmp_path), "--docs-dir", "d"])
+    assert args.outputs == _report.Outputs(tmp_path, tmp_path / "benchmarks.md")
+    assert args.cache_dir == tmp_path / "models"
+    args = offline.parse_args(["--docs-dir", str(tmp_path)])
+    assert args.outputs == _report.Outputs(tmp_path / "bench", tmp_path / "benchmarks.md")
+
+
+def test_save_json_writes_inf_and_nan_as_strings(tmp_path: Path) -> None:
+    path = _report.save_json(tmp_path / "r.json", {"x": [float("inf"), float("nan"), 1.0]})
+    assert json.loads(path.read_text(), parse_constant=pytest.fail) == {"x": ["inf", "nan", 1.0]}
+
+
+def test_environ_sets_unsets_and_restores(monkeypatch: pytest.MonkeyPatch) -> None:
+    import os
+
+    monkeypatch.setenv("PDSERVE_T_KEEP", "old")
+    monkeypatch.delenv("PDSERVE_T_NEW", raising=False)
+    with _report.environ({"PDSERVE_T_KEEP": None, "PDSERVE_T_NEW": "1"}):
+        assert "PDSERVE_T_KEEP" not in os.environ and os.environ["PDSERVE_T_NEW"] == "1"
+    assert os.environ["PDSERVE_T_KEEP"] == "old" and "PDSERVE_T_NEW" not in os.environ
+
+
+def test_best_time_warms_up_then_keeps_the_fastest_call() -> None:
+    calls = []
+    best = _report.best_time(lambda: calls.append(1), "cpu", repeats=4)
+    assert len(calls) == 5 and 0 <= best < 1
+
+
+def test_a_cached_model_of_the_same_spec_is_reused(tmp_path: Path) -> None:
+    out = tmp_path / "m"
+    out.mkdir()
+    (out / _report.MODEL_STAMP).write_text(json.dumps({"layers": 3}))
+    assert _report.cached_model(tmp_path, "m", {"layers": 3}) == out  # nothing built
+
+
+def test_every_benchmark_groups_its_flags(capsys: pytest.CaptureFixture[str]) -> None:
+    import importlib
+
+    from pdserve.bench import BENCHMARKS, main
+
+    for name, (module, _) in BENCHMARKS.items():
+        with pytest.raises(SystemExit) as exc:
+            main([name, "--help"])
+        text = capsys.readouterr().out
+        assert exc.value.code == 0 and text.startswith(f"usage: pdserve bench {name}"), name
+        assert "\noutput:\n" in text, name
+        assert importlib.import_module(f"pdserve.bench.{module}").__doc__, name
