@@ -21,6 +21,16 @@ import urllib.request
 from dataclasses import dataclass, field
 
 
+def exit_status(returncode: int) -> str:
+    """A child's exit in words: `exit code 1`, `killed by SIGKILL`."""
+    if returncode < 0:
+        try:
+            return f"killed by {signal.Signals(-returncode).name}"
+        except ValueError:
+            return f"killed by signal {-returncode}"
+    return f"exit code {returncode}"
+
+
 def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as s:
         s.bind((host, 0))
@@ -33,7 +43,9 @@ class LocalCluster:
     /health and stops everything on exit.
 
     Child output goes to `log_dir/<name>.log` when log_dir is set, to this process's own
-    stdout/stderr when inherit_output is set, else nowhere.
+    stdout/stderr when inherit_output is set, else nowhere. With own_process_group the children
+    do not get the terminal's Ctrl-C: only `stop()` signals them (one SIGTERM: a node drains;
+    a second one would stop it at once), as a supervisor wants.
     """
 
     model: str
@@ -50,6 +62,8 @@ class LocalCluster:
     log_dir: str | None = None
     host: str = "127.0.0.1"
     inherit_output: bool = False
+    own_process_group: bool = False
+    api_key: str | None = None  # the router's (given to it by environment, not in `ps`)
     procs: dict[str, subprocess.Popen] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -105,8 +119,14 @@ class LocalCluster:
         elif self.inherit_output:
             out = None
         env = dict(os.environ, PYTHONUNBUFFERED="1")
+        env.pop("PDSERVE_API_KEY", None)
+        if name == "router" and self.api_key:
+            env["PDSERVE_API_KEY"] = self.api_key
         args = [sys.executable, "-m", "pdserve", *self.children()[name]]
-        proc = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT, env=env)
+        group = 0 if self.own_process_group else None
+        proc = subprocess.Popen(
+            args, stdout=out, stderr=subprocess.STDOUT, env=env, process_group=group
+        )
         if out not in (None, subprocess.DEVNULL):
             out.close()  # the child holds its own descriptor
         self.procs[name] = proc
@@ -121,22 +141,32 @@ class LocalCluster:
     def wait_ready(self, timeout: float) -> None:
         """Until /health says 200 and every node has registered; RuntimeError otherwise."""
         deadline = time.monotonic() + timeout
-        want = len(self.node_names)
         while time.monotonic() < deadline:
-            dead = [n for n, p in self.procs.items() if p.poll() is not None]
-            if dead:
-                raise RuntimeError(f"processes exited during start: {dead}")
-            try:
-                if self.get("/health") is not None and len(self.integrity()) == want:
-                    return
-            except (urllib.error.URLError, ConnectionError, TimeoutError):
-                pass
+            if self.ready():
+                return
             time.sleep(0.2)
         raise RuntimeError(f"cluster not ready after {timeout}s")
 
-    def get(self, path: str, timeout: float = 10.0) -> dict | None:
+    def ready(self) -> bool:
+        """One look: the router answers /health and every node has registered.
+        RuntimeError when a child has exited (it says which, how, and where its log is)."""
+        dead = {n: p.returncode for n, p in self.procs.items() if p.poll() is not None}
+        if dead:
+            raise RuntimeError(f"exited during start: {self._describe(dead)}")
         try:
-            with urllib.request.urlopen(self.url + path, timeout=timeout) as resp:
+            return self.get("/health") is not None and len(self.integrity()) == len(self.node_names)
+        except (urllib.error.URLError, ConnectionError, TimeoutError):
+            return False
+
+    def _describe(self, dead: dict[str, int]) -> str:
+        where = f" (logs in {self.log_dir})" if self.log_dir else ""
+        return ", ".join(f"{n} ({exit_status(rc)})" for n, rc in dead.items()) + where
+
+    def get(self, path: str, timeout: float = 10.0) -> dict | None:
+        auth = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+        try:
+            request = urllib.request.Request(self.url + path, headers=auth)
+            with urllib.request.urlopen(request, timeout=timeout) as resp:
                 return json.loads(resp.read() or b"null")
         except urllib.error.HTTPError:
             return None
@@ -146,9 +176,7 @@ class LocalCluster:
 
     def stop(self, timeout: float = 15.0) -> None:
         """SIGTERM every child (nodes drain), wait up to timeout, then kill what is left."""
-        for p in self.procs.values():
-            if p.poll() is None:
-                p.send_signal(signal.SIGTERM)
+        self.terminate()
         deadline = time.monotonic() + timeout
         for p in self.procs.values():
             try:
@@ -156,6 +184,12 @@ class LocalCluster:
             except subprocess.TimeoutExpired:
                 p.kill()
                 p.wait(5)
+
+    def terminate(self) -> None:
+        """SIGTERM every running child (a second one stops a draining node at once)."""
+        for p in self.procs.values():
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
 
     def __enter__(self) -> LocalCluster:
         try:

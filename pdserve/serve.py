@@ -1,16 +1,22 @@
 """`pdserve serve MODEL`: the whole deployment on this host, in the foreground, supervised.
 
 A router plus N prefill and M decode nodes (or N colocated nodes) run as child processes
-(`pdserve.local_cluster.LocalCluster`). The supervisor restarts a child that exits, after an
-exponential backoff and up to a restart limit, logging each exit with its status; the router
-serves from the surviving nodes meanwhile, and nodes register again with a restarted router by
-themselves. SIGINT/SIGTERM stop restarts and drain every child.
+(`pdserve.local_cluster.LocalCluster`, in their own process group: only the supervisor signals
+them). The supervisor restarts a child that exits, after an exponential backoff and up to a
+restart limit, logging each change of state with the exit status; the router serves from the
+surviving nodes meanwhile, and the nodes register again with a restarted router by themselves
+(a restarted node keeps its `--node-id`, so the router knows it for a restart). SIGINT, SIGTERM
+or SIGHUP stop restarts and drain every child; a second signal stops them at once.
+
+The bookkeeping (`Backoff`, `Child`) is pure; `Supervisor.poll()` is one round over the
+children with an injectable clock, so both are tested without processes.
 """
 
 from __future__ import annotations
 
 import argparse
 import logging
+import os
 import shlex
 import signal
 import subprocess
@@ -27,15 +33,21 @@ from pdserve.common.node.cli import (
     parser,
     resolve_model,
 )
-from pdserve.local_cluster import LocalCluster
+from pdserve.local_cluster import LocalCluster, exit_status
+
+__all__ = ["Backoff", "Child", "Supervisor", "build_parser", "exit_status", "main"]
 
 log = logging.getLogger("pdserve.serve")
+
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+STOP_GRACE_S = 15.0  # beyond the nodes' drain timeout, before what is left gets SIGKILL
 
 
 @dataclass(frozen=True, slots=True)
 class Backoff:
-    """Delay before restart number n (1-based) of a child that keeps failing: initial, doubled
-    each time, capped at maximum. A child that stayed up reset_after seconds starts over."""
+    """Delay before the n-th restart in a row (1-based) of a child that keeps failing:
+    initial, doubled each time, capped at maximum. An exit after the child stayed up
+    reset_after seconds does not count as failing: the series starts over."""
 
     initial: float = 1.0
     maximum: float = 30.0
@@ -43,7 +55,9 @@ class Backoff:
 
     def __post_init__(self) -> None:
         if not 0 < self.initial <= self.maximum:
-            raise ValueError("backoff needs 0 < initial <= maximum")
+            raise ValueError(f"backoff needs 0 < initial <= maximum, got {self}")
+        if not self.reset_after > 0:
+            raise ValueError(f"backoff reset_after must be > 0 seconds, got {self.reset_after}")
 
     def delay(self, failures: int) -> float:
         return min(self.maximum, self.initial * 2 ** max(0, failures - 1))
@@ -55,17 +69,18 @@ class Child:
 
     name: str
     started_at: float = 0.0
-    failures: int = 0  # consecutive quick exits (reset when it stayed up)
-    restarts: int = 0  # restarts so far
+    failures: int = 0  # exits in a row, each within backoff.reset_after of its start
+    restarts: int = 0  # restarts so far (the metric)
     restart_at: float | None = None  # when to start it again (None: running or given up)
     given_up: bool = False
 
     def exited(self, now: float, backoff: Backoff, max_restarts: int) -> float | None:
-        """Record an exit; the delay before the restart, or None when the limit is reached."""
+        """Record an exit; the delay before the restart, or None once the child failed more
+        than max_restarts times in a row (it is then left down)."""
         if now - self.started_at >= backoff.reset_after:
             self.failures = 0
         self.failures += 1
-        if self.restarts >= max_restarts:
+        if self.failures > max_restarts:
             self.given_up = True
             self.restart_at = None
             return None
@@ -79,15 +94,6 @@ class Child:
         self.restarts += restart
 
 
-def exit_status(returncode: int) -> str:
-    if returncode < 0:
-        try:
-            return f"killed by {signal.Signals(-returncode).name}"
-        except ValueError:
-            return f"killed by signal {-returncode}"
-    return f"exit code {returncode}"
-
-
 class Supervisor:
     """Keeps a LocalCluster's children running; `poll()` is one round (called by `run`)."""
 
@@ -99,44 +105,67 @@ class Supervisor:
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         if max_restarts < 0:
-            raise ValueError("max_restarts must be >= 0")
+            raise ValueError(f"max_restarts must be >= 0, got {max_restarts}")
         self.cluster = cluster
         self.max_restarts = max_restarts
         self.backoff = backoff
         self.clock = clock
         self.children = {name: Child(name) for name in cluster.children()}
         self.failed: str | None = None  # why the whole deployment must stop
+        self.stopping = False  # set first thing on shutdown: no restarts from then on
         self._metrics: _Metrics | None = None
 
-    def start(self, timeout: float) -> None:
+    def start(self, timeout: float, stop: threading.Event) -> bool:
+        """Start every child and wait until the cluster is ready: True; False when stop was
+        set first. RuntimeError when a child exits during start or on timeout (a child that
+        cannot start is a setup error, not a crash to retry)."""
         now = self.clock()
-        for child in self.children.values():
+        for name, child in self.children.items():
+            proc = self.cluster.spawn(name)
             child.started(now, restart=False)
-        self.cluster.start(timeout)
+            log.info("%s started (pid %d)", name, proc.pid)
         self._publish()
+        deadline = time.monotonic() + timeout
+        while not self.cluster.ready():
+            if stop.wait(0.2):
+                return False
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"not ready after {timeout:.0f} s")
+        return True
 
     def poll(self) -> None:
+        """One round: note exits, restart children whose backoff has passed."""
+        if self.stopping:
+            return
         now = self.clock()
         for name, child in self.children.items():
             proc = self.cluster.procs.get(name)
             if child.restart_at is not None:
                 if now >= child.restart_at:
-                    log.info("restarting %s (restart %d)", name, child.restarts + 1)
-                    self.cluster.spawn(name)
-                    child.started(now, restart=True)
+                    self._restart(child, now)
             elif not child.given_up and proc is not None and proc.poll() is not None:
-                self._on_exit(child, proc.returncode, now)
+                self._on_exit(child, exit_status(proc.returncode), now)
         self._publish()
 
-    def _on_exit(self, child: Child, returncode: int, now: float) -> None:
-        status = exit_status(returncode)
+    def _restart(self, child: Child, now: float) -> None:
+        try:
+            proc = self.cluster.spawn(child.name)
+        except OSError as exc:  # fork failed (memory, process limit): count it as an exit
+            self._on_exit(child, f"could not start: {exc}", now)
+            return
+        child.started(now, restart=True)
+        log.info("%s restarted (pid %d, restart %d)", child.name, proc.pid, child.restarts)
+
+    def _on_exit(self, child: Child, status: str, now: float) -> None:
         delay = child.exited(now, self.backoff, self.max_restarts)
         if delay is not None:
             log.warning("%s exited (%s); restarting in %.1f s", child.name, status, delay)
             return
-        log.error("%s exited (%s) after %d restarts: left down", child.name, status, child.restarts)
+        log.error(
+            "%s exited (%s), %d times in a row: left down", child.name, status, child.failures
+        )
         if child.name == "router":
-            self.failed = f"the router exited {child.restarts + 1} times"
+            self.failed = f"the router exited {child.failures} times in a row ({status})"
 
     def up(self, name: str) -> bool:
         proc = self.cluster.procs.get(name)
@@ -148,7 +177,15 @@ class Supervisor:
             self.poll()
 
     def stop(self, timeout: float) -> None:
+        """SIGTERM every child (nodes drain), wait up to timeout, SIGKILL what is left."""
+        self.stopping = True
+        log.info("stopping: SIGTERM to every child, up to %.0f s to drain", timeout)
         self.cluster.stop(timeout)
+        for name, proc in self.cluster.procs.items():
+            if proc.returncode is not None:  # uvicorn ends by re-raising the SIGTERM it handled
+                rc = proc.returncode
+                status = "on SIGTERM" if rc == -signal.SIGTERM else exit_status(rc)
+                log.info("%s stopped (%s)", name, status)
         self._publish()
 
     def serve_metrics(self, port: int, host: str) -> int:
@@ -159,7 +196,7 @@ class Supervisor:
     def _publish(self) -> None:
         if self._metrics is not None:
             for name, child in self.children.items():
-                self._metrics.set(name, self.up(name), child.restarts)
+                self._metrics.set(name, self.up(name), child.given_up, child.restarts)
 
 
 class _Metrics:
@@ -175,6 +212,12 @@ class _Metrics:
             ["child"],
             registry=self.registry,
         )
+        self.given_up = Gauge(
+            "pdserve_supervisor_child_given_up",
+            "1 once the child passed its restart limit and is left down",
+            ["child"],
+            registry=self.registry,
+        )
         self.restarts = Counter(
             "pdserve_supervisor_child_restarts",
             "restarts of the child",
@@ -185,17 +228,20 @@ class _Metrics:
         self.server, _ = start_http_server(port, addr=host, registry=self.registry)
         self.port = self.server.server_port
 
-    def set(self, name: str, up: bool, restarts: int) -> None:
+    def set(self, name: str, up: bool, given_up: bool, restarts: int) -> None:
         self.up.labels(child=name).set(1.0 if up else 0.0)
-        counter = self.restarts.labels(child=name)
-        counter.inc(restarts - self._seen.get(name, 0))
+        self.given_up.labels(child=name).set(1.0 if given_up else 0.0)
+        self.restarts.labels(child=name).inc(restarts - self._seen.get(name, 0))
         self._seen[name] = restarts
 
 
-def _forwarded(args: argparse.Namespace, group: argparse._ArgumentGroup) -> list[str]:
-    """The engine flags given on this command line, spelled again for the nodes."""
+def _engine_flags(args: argparse.Namespace) -> list[str]:
+    """The engine flags given on this command line (not at their defaults), spelled again for
+    the nodes; the flags are those `add_engine_args` defines, so the list never drifts."""
+    engine = argparse.ArgumentParser(add_help=False)
+    add_engine_args(engine)
     out = []
-    for action in group._group_actions:
+    for action in engine._actions:
         value = getattr(args, action.dest)
         if value == action.default:
             continue
@@ -204,18 +250,33 @@ def _forwarded(args: argparse.Namespace, group: argparse._ArgumentGroup) -> list
     return out
 
 
+def _policies() -> list[str]:
+    from pdserve.router.cluster.policies import POLICIES
+
+    return sorted(POLICIES)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = parser(
         "pdserve serve",
         "Serve MODEL on this host: a router (OpenAI-compatible HTTP API) plus prefill and decode\n"
-        "nodes as supervised child processes. Ctrl-C (or SIGTERM) drains and stops them all.",
+        "nodes as supervised child processes: a child that exits is restarted (the router too).\n"
+        "Ctrl-C (or SIGTERM) drains and stops them all; a second Ctrl-C stops them at once.",
     )
     add_model_arg(p)
     topo = p.add_argument_group("deployment")
-    topo.add_argument("--num-prefill", type=int, default=None, help="prefill nodes (default: 1)")
-    topo.add_argument("--num-decode", type=int, default=None, help="decode nodes (default: 1)")
     topo.add_argument(
-        "--colocated", type=int, default=0, help="colocated nodes instead of prefill/decode"
+        "--num-prefill", type=int, default=None, metavar="N", help="prefill nodes (default: 1)"
+    )
+    topo.add_argument(
+        "--num-decode", type=int, default=None, metavar="M", help="decode nodes (default: 1)"
+    )
+    topo.add_argument(
+        "--colocated",
+        type=int,
+        default=0,
+        metavar="N",
+        help="N colocated nodes (prefill and decode in one engine) instead of P/D nodes",
     )
     topo.add_argument(
         "--kv-connector", default="zmq", choices=KV_CONNECTORS, help="how KV pages travel P -> D"
@@ -223,32 +284,78 @@ def build_parser() -> argparse.ArgumentParser:
     api = p.add_argument_group("HTTP API")
     api.add_argument("--host", default="127.0.0.1", help="address the API listens on")
     api.add_argument("--port", type=int, default=8000, help="HTTP port")
-    api.add_argument("--control-port", type=int, default=8100, help="port nodes register on")
-    api.add_argument("--api-key", default=None, help="Bearer key every route but /health needs")
+    api.add_argument(
+        "--api-key",
+        default=os.environ.get("PDSERVE_API_KEY"),
+        help="Bearer key every route but /health requires (default: env PDSERVE_API_KEY, "
+        "else none)",
+    )
     api.add_argument(
         "--served-model-name", default=None, help="the model's name in the API (default: MODEL)"
     )
+    api.add_argument(
+        "--policy", default="least_loaded", choices=_policies(), help="how the router picks nodes"
+    )
+    cluster = p.add_argument_group("cluster")
+    cluster.add_argument(
+        "--control-port", type=int, default=8100, help="port nodes register on (127.0.0.1)"
+    )
+    cluster.add_argument(
+        "--drain-timeout",
+        type=float,
+        default=30.0,
+        help=f"on stop, nodes finish held requests for up to this long (s); whatever still "
+        f"runs {STOP_GRACE_S:.0f} s later is killed",
+    )
+    cluster.add_argument(
+        "--curve-dir",
+        default=None,
+        help="CurveZMQ keys (`pdserve keygen DIR`) for every link (default: no encryption)",
+    )
     sup = p.add_argument_group("supervisor")
     sup.add_argument(
-        "--max-restarts", type=int, default=10, help="restarts per child before it is left down"
+        "--max-restarts",
+        type=int,
+        default=10,
+        help="restarts of a child that exits again and again (each within --restart-reset s "
+        "of its start) before it is left down; for the router, everything stops",
     )
     sup.add_argument(
-        "--restart-backoff",
+        "--restart-backoff", type=float, default=1.0, help="seconds before a first restart"
+    )
+    sup.add_argument(
+        "--restart-backoff-max",
         type=float,
-        default=1.0,
-        help="seconds before a first restart; doubled per quick exit, up to 30",
+        default=30.0,
+        help="seconds: the backoff doubles per exit in a row up to this",
+    )
+    sup.add_argument(
+        "--restart-reset",
+        type=float,
+        default=60.0,
+        help="seconds a child must stay up for its backoff and restart count to start over",
     )
     sup.add_argument(
         "--supervisor-metrics-port",
         type=int,
         default=None,
-        help="serve the children's state as Prometheus metrics on this port (0: a free one)",
+        help="serve each child's state as Prometheus metrics on --host:PORT (0: a free port; "
+        "default: off)",
     )
     sup.add_argument("--log-dir", default=None, help="one log file per child (default: stdout)")
-    sup.add_argument("--start-timeout", type=float, default=300.0, help="seconds to be ready")
+    sup.add_argument(
+        "--start-timeout", type=float, default=300.0, help="seconds for every child to be ready"
+    )
     extra = p.add_argument_group("more flags for the children")
-    extra.add_argument("--router-flags", default="", help="extra router flags, one string")
-    extra.add_argument("--node-flags", default="", help="extra flags for every node, one string")
+    extra.add_argument(
+        "--router-flags",
+        default="",
+        help='extra `pdserve router` flags, one quoted string, e.g. "--heartbeat-timeout 2" '
+        "(default: none)",
+    )
+    extra.add_argument(
+        "--node-flags", default="", help="extra flags for every node, one string (default: none)"
+    )
     add_engine_args(p)
     return p
 
@@ -257,17 +364,17 @@ def cluster_from_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> L
     resolve_model(p, args)
     if args.colocated and (args.num_prefill or args.num_decode):
         p.error("--colocated N replaces --num-prefill/--num-decode: give one or the other")
+    if args.colocated < 0:
+        p.error("--colocated must be >= 0")
     num_p = 0 if args.colocated else (1 if args.num_prefill is None else args.num_prefill)
     num_d = 0 if args.colocated else (1 if args.num_decode is None else args.num_decode)
     if not args.colocated and (num_p < 1 or num_d < 1):
         p.error("a P/D deployment needs at least one prefill and one decode node")
-    engine = []
-    for group in p._action_groups:
-        if group.title in ("model", "KV cache", "scheduler"):
-            engine += _forwarded(args, group)
-    router = shlex.split(args.router_flags)
-    if args.api_key:
-        router += ["--api-key", args.api_key]
+    nodes = _engine_flags(args) + ["--drain-timeout", str(args.drain_timeout)]
+    router = ["--policy", args.policy]
+    if args.curve_dir:
+        nodes += ["--curve-dir", args.curve_dir]
+        router += ["--curve-dir", args.curve_dir]
     if args.served_model_name:
         router += ["--served-model-name", args.served_model_name]
     if args.max_model_len:
@@ -280,37 +387,62 @@ def cluster_from_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> L
         kv_connector=args.kv_connector,
         port=args.port,
         control_port=args.control_port,
-        engine_args=engine + shlex.split(args.node_flags),
-        router_args=router,
+        engine_args=nodes + shlex.split(args.node_flags),
+        router_args=router + shlex.split(args.router_flags),
         log_dir=args.log_dir,
         host=args.host,
         inherit_output=args.log_dir is None,
+        own_process_group=True,
+        api_key=args.api_key,
     )
+
+
+def supervisor_from_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> Supervisor:
+    try:
+        backoff = Backoff(args.restart_backoff, args.restart_backoff_max, args.restart_reset)
+        return Supervisor(cluster_from_args(p, args), args.max_restarts, backoff)
+    except ValueError as exc:
+        p.error(str(exc))
+
+
+def _on_stop_signals(sup: Supervisor, stop: threading.Event) -> None:
+    """First signal: leave the supervising loop (main then drains). Next ones: SIGTERM the
+    children again, which stops a draining node at once."""
+
+    def handle(signum: int, _frame: object) -> None:
+        name = signal.Signals(signum).name
+        if not stop.is_set():
+            log.info("%s: draining every child (again to stop at once)", name)
+            sup.stopping = True
+            stop.set()
+        else:
+            log.warning("%s again: stopping every child at once", name)
+            sup.cluster.terminate()
+
+    for sig in STOP_SIGNALS:
+        signal.signal(sig, handle)
 
 
 def main(argv: list[str] | None = None) -> None:
     p = build_parser()
     args = p.parse_args(argv)
-    cluster = cluster_from_args(p, args)
+    sup = supervisor_from_args(p, args)
     logging.basicConfig(level="INFO", format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    sup = Supervisor(cluster, args.max_restarts, Backoff(initial=args.restart_backoff))
     stop = threading.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: stop.set())
+    _on_stop_signals(sup, stop)
     try:
         if args.supervisor_metrics_port is not None:
             port = sup.serve_metrics(args.supervisor_metrics_port, args.host)
             log.info("supervisor metrics at http://%s:%d/metrics", args.host, port)
-        sup.start(args.start_timeout)
-        nodes = ", ".join(cluster.node_names)
-        log.info("pdserve ready at %s (router, %s); Ctrl-C to stop", cluster.url, nodes)
-        print(f"pdserve ready at {cluster.url}", flush=True)
-        sup.run(stop)
-    except (RuntimeError, subprocess.SubprocessError) as exc:
+        if sup.start(args.start_timeout, stop):
+            nodes = ", ".join(sup.cluster.node_names)
+            log.info("pdserve ready at %s (router, %s); Ctrl-C to stop", sup.cluster.url, nodes)
+            print(f"pdserve ready at {sup.cluster.url}", flush=True)
+            sup.run(stop)
+    except (RuntimeError, OSError, subprocess.SubprocessError) as exc:
         log.error("%s", exc)
         sup.failed = str(exc)
     finally:
-        log.info("stopping every child")
-        sup.stop(timeout=30.0)
+        sup.stop(args.drain_timeout + STOP_GRACE_S)
     if sup.failed:
         sys.exit(f"pdserve serve: {sup.failed}")

@@ -53,7 +53,12 @@ def venv(wheel: Path, tmp_path_factory) -> Path:
         ).stdout.strip()
     )
     (site / "zz_outer_deps.pth").write_text(sysconfig.get_path("purelib") + "\n")
+    before = {p.name for p in site.iterdir()}
     _run([str(py), "-m", "pip", "install", "-q", "--no-deps", "--no-index", str(wheel)], cwd=root)
+    added = {p.name for p in site.iterdir()} - before
+    dist_info = {name for name in added if name.endswith(".dist-info")}
+    assert added - dist_info == {"pdserve"}, sorted(added)  # what the install really wrote
+    assert len(dist_info) == 1 and next(iter(dist_info)).startswith("pdserve-"), sorted(added)
     return root
 
 
