@@ -54,11 +54,16 @@ class Deployment:
             "m",
             "--num-blocks",  # an engine flag every node gets (and less memory than the default)
             "256",
+            "--policy",
+            "round_robin",
             "--router-flags",
-            "--policy round_robin --heartbeat-timeout 2",
+            "--heartbeat-timeout 2",
         ]
         self.log = (log_dir / "serve.out").open("wb")
-        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT)
+        # One compute thread per child: four processes share two cores in CI, and a restarted
+        # node must not starve behind the survivors' thread pools.
+        env = dict(os.environ, OMP_NUM_THREADS="1")
+        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env=env)
         self.http = httpx.Client(base_url=f"http://127.0.0.1:{self.port}", timeout=120)
 
     def pids(self, role_flag: str) -> list[int]:
