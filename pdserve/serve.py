@@ -21,7 +21,6 @@ import shlex
 import signal
 import subprocess
 import sys
-import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -35,12 +34,33 @@ from pdserve.common.node.cli import (
 )
 from pdserve.local_cluster import LocalCluster, exit_status
 
-__all__ = ["Backoff", "Child", "Supervisor", "build_parser", "exit_status", "main"]
+__all__ = ["Backoff", "Child", "StopFlag", "Supervisor", "build_parser", "exit_status", "main"]
 
 log = logging.getLogger("pdserve.serve")
 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 STOP_GRACE_S = 15.0  # beyond the nodes' drain timeout, before what is left gets SIGKILL
+
+
+class StopFlag:
+    """Set by a signal handler, polled by the supervising loop. Not a `threading.Event`: its
+    `set()` takes the lock that an `Event.wait()` interrupted by the signal may hold in the same
+    (main) thread, and then waits for it forever."""
+
+    def __init__(self) -> None:
+        self._set = False
+
+    def set(self) -> None:
+        self._set = True
+
+    def is_set(self) -> bool:
+        return self._set
+
+    def wait(self, seconds: float) -> bool:
+        """Sleep unless set (a signal ends the sleep late by at most `seconds`); is it set?"""
+        if not self._set:
+            time.sleep(seconds)
+        return self._set
 
 
 @dataclass(frozen=True, slots=True)
@@ -115,7 +135,7 @@ class Supervisor:
         self.stopping = False  # set first thing on shutdown: no restarts from then on
         self._metrics: _Metrics | None = None
 
-    def start(self, timeout: float, stop: threading.Event) -> bool:
+    def start(self, timeout: float, stop: StopFlag) -> bool:
         """Start every child and wait until the cluster is ready: True; False when stop was
         set first. RuntimeError when a child exits during start or on timeout (a child that
         cannot start is a setup error, not a crash to retry)."""
@@ -171,7 +191,7 @@ class Supervisor:
         proc = self.cluster.procs.get(name)
         return proc is not None and proc.poll() is None
 
-    def run(self, stop: threading.Event, interval: float = 0.2) -> None:
+    def run(self, stop: StopFlag, interval: float = 0.2) -> None:
         """Supervise until stop is set or the router cannot be kept up."""
         while not stop.wait(interval) and self.failed is None:
             self.poll()
@@ -405,7 +425,7 @@ def supervisor_from_args(p: argparse.ArgumentParser, args: argparse.Namespace) -
         p.error(str(exc))
 
 
-def _on_stop_signals(sup: Supervisor, stop: threading.Event) -> None:
+def _on_stop_signals(sup: Supervisor, stop: StopFlag) -> None:
     """First signal: leave the supervising loop (main then drains). Next ones: SIGTERM the
     children again, which stops a draining node at once."""
 
@@ -428,7 +448,7 @@ def main(argv: list[str] | None = None) -> None:
     args = p.parse_args(argv)
     sup = supervisor_from_args(p, args)
     logging.basicConfig(level="INFO", format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    stop = threading.Event()
+    stop = StopFlag()
     _on_stop_signals(sup, stop)
     try:
         if args.supervisor_metrics_port is not None:

@@ -4,12 +4,19 @@
 from __future__ import annotations
 
 import signal
-import threading
 
 import pytest
 
 from pdserve.local_cluster import LocalCluster
-from pdserve.serve import Backoff, Child, Supervisor, build_parser, cluster_from_args, exit_status
+from pdserve.serve import (
+    Backoff,
+    Child,
+    StopFlag,
+    Supervisor,
+    build_parser,
+    cluster_from_args,
+    exit_status,
+)
 
 
 def test_backoff_doubles_up_to_its_maximum() -> None:
@@ -145,7 +152,7 @@ def test_no_restart_once_stopping() -> None:
 def test_start_gives_up_waiting_when_told_to_stop() -> None:
     sup, cluster, _ = _supervisor(max_restarts=3)
     cluster.ready = lambda: False  # type: ignore[method-assign]
-    stop = threading.Event()
+    stop = StopFlag()
     stop.set()
     assert sup.start(timeout=60.0, stop=stop) is False
     assert sorted(cluster.spawned) == sorted(cluster.children())
@@ -186,3 +193,17 @@ def test_serve_topologies() -> None:
     for bad in (["M", "--colocated", "1", "--num-prefill", "1"], ["M", "--num-decode", "0"], []):
         with pytest.raises(SystemExit):
             _cluster(bad)
+
+
+def test_a_stop_signal_ends_the_supervising_wait() -> None:
+    """The handler runs inside the main thread's wait and only flips a flag (no lock: see
+    StopFlag); the wait then reports it."""
+    stop = StopFlag()
+    previous = signal.signal(signal.SIGALRM, lambda *_: stop.set())
+    try:
+        assert stop.wait(0.01) is False
+        signal.setitimer(signal.ITIMER_REAL, 0.02)
+        assert stop.wait(0.2) is True and stop.is_set()
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
