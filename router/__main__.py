@@ -33,8 +33,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     api.add_argument("--port", type=int, default=8000, help="HTTP port")
     api.add_argument(
         "--api-key",
-        default=os.environ.get("PDSERVE_API_KEY"),
-        help="Bearer key every route but /health requires (env PDSERVE_API_KEY)",
+        default=None,
+        help="Bearer key every route but /health requires (default: env PDSERVE_API_KEY)",
     )
     api.add_argument(
         "--max-model-len",
@@ -83,6 +83,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add_curve_arg(p, "only nodes holding them join")
     args = p.parse_args(argv)
     resolve_model(p, args)
+    # From the environment, so that --help never prints it and `ps` never shows it.
+    args.api_key = args.api_key or os.environ.get("PDSERVE_API_KEY")
     return args
 
 
