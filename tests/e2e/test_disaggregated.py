@@ -147,7 +147,7 @@ def test_layout_mismatch_is_refused_with_a_clear_error(model_dir):
 def test_openai_client_and_demo_against_1p1d(model_dir, capsys):
     from openai import OpenAI
 
-    from pdserve.demo import run_demo
+    from pdserve.demo import COMPLETIONS, QUESTIONS, run_demo
 
     with LocalCluster(model_dir, 1, 1, engine_args=ENGINE) as c:
         client = OpenAI(base_url=c.url + "/v1", api_key="unused", timeout=60)
@@ -180,7 +180,8 @@ def test_openai_client_and_demo_against_1p1d(model_dir, capsys):
         assert text == chat.choices[0].message.content
         assert_clean(c)
     results = run_demo(model_dir, max_tokens=6, kv_connector="zmq", log_dir=None)
-    assert len(results) == 6 and all(r["tokens"] >= 1 for r in results)
+    asked = len(QUESTIONS) + len(COMPLETIONS)  # the demo's chat questions and completions
+    assert len(results) == asked and all(r["tokens"] >= 1 for r in results)
     assert "block pools clean on every node" in capsys.readouterr().out
 
 
