@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import time
 
+from pdserve.common.model.checkpoint import Checkpoint
 from pdserve.common.node.cli import KV_CONNECTORS, parser
 from pdserve.local_cluster import LocalCluster
 
@@ -73,6 +74,9 @@ def run_demo(
         print("fetching SmolLM2-135M-Instruct (once; cached under ~/.cache/pdserve) ...")
         model = str(smollm2())
     print(f"model: {model}")
+    # A GGUF's config and tokenizer are converted once into the cache; done here, not by the
+    # router and both nodes at the same time.
+    Checkpoint.resolve(model).hf_dir()
     with LocalCluster(model, 1, 1, kv_connector=kv_connector, log_dir=log_dir) as cluster:
         print(f"router at {cluster.url}: 1 prefill + 1 decode node ({kv_connector} KV)")
         client = OpenAI(base_url=cluster.url + "/v1", api_key="demo", timeout=120)

