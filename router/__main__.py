@@ -12,6 +12,7 @@ import uvicorn
 
 from pdserve.common.model.checkpoint import Checkpoint
 from pdserve.common.node.cli import add_curve_arg, add_model_arg, parser, resolve_model
+from pdserve.common.process import freeze_startup_heap
 from pdserve.router.app import RouterLimits, create_app
 from pdserve.router.cluster import POLICIES, ClusterBackend
 
@@ -124,6 +125,7 @@ async def serve(args: argparse.Namespace) -> None:
         return await backend.integrity()
 
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level="warning")
+    freeze_startup_heap()
     try:
         await uvicorn.Server(config).serve()
     finally:

@@ -13,6 +13,7 @@ from pdserve.common.node.cli import (
     parser,
     resolve_model,
 )
+from pdserve.common.process import freeze_startup_heap
 
 if TYPE_CHECKING:
     from pdserve.common.node.loop import EngineNode
@@ -36,6 +37,7 @@ def run_node(
         p.error(str(exc))
     setup_logging()
     server = node_cls(*engine_configs(args), node)
+    freeze_startup_heap()
     for sig in (signal.SIGINT, signal.SIGTERM):  # drain; a second signal stops at once
         signal.signal(sig, lambda *_: server.drain())
     logging.getLogger(node_cls.__module__).info("%s %s serving", server.role, server.node_id)

@@ -89,20 +89,23 @@ class ClusterBackend(Backend):
         self.streams: dict[str, Stream] = {}  # by the client-facing request id
         self.by_wire: dict[str, Stream] = {}  # by the id of the current attempt
         self.num_failovers = 0
-        self._watcher: asyncio.Task | None = None
+        self._tasks: list[asyncio.Task] = []
         self._nonce = itertools.count(1)
 
     # -- lifecycle -------------------------------------------------------------------------
 
     async def start(self) -> None:
         await self.control.start()
-        self._watcher = asyncio.create_task(self._watch_loop())
+        self._tasks = [
+            asyncio.create_task(self._watch_loop()),
+            asyncio.create_task(self.registry.lag.run()),
+        ]
 
     async def close(self) -> None:
-        if self._watcher is not None:
-            self._watcher.cancel()
+        for task in self._tasks:
+            task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
-                await self._watcher
+                await task
         await self.control.close()
 
     # -- registry --------------------------------------------------------------------------

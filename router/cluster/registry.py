@@ -3,6 +3,7 @@ cache), and which of them are alive and take new requests."""
 
 from __future__ import annotations
 
+import asyncio
 import time
 from dataclasses import dataclass, field
 
@@ -91,14 +92,50 @@ class NodeInfo:
             self.recent_prefixes[h] = now + ttl
 
 
+class LoopLag:
+    """How long the router's own event loop has lately been unable to run its tasks (a long
+    garbage collection, a burst of work): heartbeats that arrived meanwhile wait unread in
+    the socket, so a node is not late by that much.
+
+    A ticker task runs every `tick` seconds; a tick that comes late by more than `tick` is a
+    stall, remembered for `window` seconds after it ended. A stall still going on (the ticker
+    has not run for a while) counts too, so a task judging nodes right after the loop wakes
+    sees it before the ticker does."""
+
+    def __init__(self, window: float, tick: float = 0.05) -> None:
+        self.window = window
+        self.tick = tick
+        self._last: float | None = None  # the ticker's last run; None until it runs
+        self._stalls: list[tuple[float, float]] = []  # (when it ended, how long it was)
+
+    def ticked(self, now: float) -> None:
+        late = now - (self._last if self._last is not None else now) - self.tick
+        self._last = now
+        if late > self.tick:
+            self._stalls.append((now, late))
+        self._stalls = [(t, d) for t, d in self._stalls if t > now - self.window]
+
+    def recent(self, now: float) -> float:
+        """The longest stall in the window, the one going on included (seconds)."""
+        ongoing = now - self._last - self.tick if self._last is not None else 0.0
+        return max([0.0, ongoing, *(d for t, d in self._stalls if t > now - self.window)])
+
+    async def run(self) -> None:
+        self._last = time.monotonic()
+        while True:
+            await asyncio.sleep(self.tick)
+            self.ticked(time.monotonic())
+
+
 class NodeRegistry:
     """Nodes by id, as they registered; a node is alive while it is heard from within
-    heartbeat_timeout."""
+    heartbeat_timeout, not counting the time the router's loop itself stood still (`lag`)."""
 
     def __init__(self, heartbeat_timeout: float, default_max_model_len: int) -> None:
         self.heartbeat_timeout = heartbeat_timeout
         self.default_max_model_len = default_max_model_len
         self.nodes: dict[str, NodeInfo] = {}
+        self.lag = LoopLag(window=heartbeat_timeout)
 
     def get(self, node_id: str) -> NodeInfo | None:
         return self.nodes.get(node_id)
@@ -120,8 +157,10 @@ class NodeRegistry:
         )
 
     def alive(self, roles: tuple[str, ...]) -> list[NodeInfo]:
-        """Nodes of these roles heard from within the heartbeat timeout."""
-        cutoff = time.monotonic() - self.heartbeat_timeout
+        """Nodes of these roles heard from within the heartbeat timeout (plus the router's
+        own recent stall)."""
+        now = time.monotonic()
+        cutoff = now - self.heartbeat_timeout - self.lag.recent(now)
         return [n for n in self.nodes.values() if n.role in roles and n.last_seen >= cutoff]
 
     def routable(self, roles: tuple[str, ...], exclude: set[str] = frozenset()) -> list[NodeInfo]:
