@@ -98,7 +98,7 @@ def limits_of(args: argparse.Namespace) -> RouterLimits:
 
 
 def max_model_len_of(model_dir: str, override: int | None) -> int:
-    limit = Checkpoint.resolve(model_dir).hf_config().max_position_embeddings
+    limit = Checkpoint.resolve(model_dir).config_dict().get("max_position_embeddings", 2048)
     return min(limit, override) if override else limit
 
 

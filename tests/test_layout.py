@@ -70,3 +70,43 @@ def test_the_router_never_loads_torch() -> None:
         [sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120
     )
     assert out.returncode == 0, out.stderr
+
+
+def test_a_running_router_has_not_loaded_torch(tiny_model_dir) -> None:
+    """Not only its imports: the router up and serving (tokenizer and model limits loaded)
+    has no torch library mapped. Torch is half a gigabyte of memory and hundreds of thousands
+    of objects that every garbage collection of the router's loop would walk."""
+    import signal
+    import time
+    import urllib.error
+    import urllib.request
+
+    from pdserve.local_cluster import free_port
+
+    port, control = free_port(), free_port()
+    cmd = [sys.executable, "-m", "pdserve", "router", "--model", str(tiny_model_dir("llama"))]
+    cmd += ["--port", str(port), "--control-port", str(control)]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        status = None
+        while status != 503:  # up, with no node to serve from
+            assert proc.poll() is None, proc.stderr.read() if proc.stderr else ""
+            assert time.monotonic() < deadline, "the router never answered /health"
+            time.sleep(0.3)
+            try:
+                urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5)
+            except urllib.error.HTTPError as exc:
+                status = exc.code
+            except OSError:
+                pass
+        with open(f"/proc/{proc.pid}/maps") as f:
+            libs = {line.split()[-1] for line in f if "libtorch" in line}
+        assert not libs, f"the running router mapped {sorted(libs)}"
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(5)

@@ -8,6 +8,7 @@ here imports torch: the router resolves checkpoints too.
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import shutil
 import tempfile
@@ -98,10 +99,36 @@ class Checkpoint:
 
         return GenerationConfig.from_pretrained(self.hf_dir(), local_files_only=True)
 
+    def config_dict(self) -> dict[str, Any]:
+        """config.json as it is written (no transformers, hence no torch)."""
+        with open(self.hf_dir() / "config.json", encoding="utf-8") as f:
+            return json.load(f)
+
     def tokenizer(self) -> Any:
+        """The checkpoint's tokenizer. When its tokenizer_config names the generic fast class
+        (Llama 3's checkpoints, every GGUF conversion) that class loads it directly: the
+        AutoTokenizer path imports transformers' config module, which imports torch, and the
+        router, which only tokenizes, has no use for torch's half a gigabyte."""
+        hf_dir = self.hf_dir()
+        if (hf_dir / "tokenizer.json").is_file() and _tokenizer_class(hf_dir) in _GENERIC_FAST:
+            from transformers import PreTrainedTokenizerFast
+
+            return PreTrainedTokenizerFast.from_pretrained(hf_dir, local_files_only=True)
         from transformers import AutoTokenizer
 
-        return AutoTokenizer.from_pretrained(self.hf_dir(), local_files_only=True)
+        return AutoTokenizer.from_pretrained(hf_dir, local_files_only=True)
+
+
+# What transformers 4 and 5 call the tokenizer backed by tokenizer.json alone.
+_GENERIC_FAST = ("PreTrainedTokenizerFast", "TokenizersBackend")
+
+
+def _tokenizer_class(hf_dir: Path) -> str | None:
+    try:
+        with open(hf_dir / "tokenizer_config.json", encoding="utf-8") as f:
+            return json.load(f).get("tokenizer_class")
+    except (OSError, ValueError):
+        return None
 
 
 def _has_hf_weights(directory: Path) -> bool:
