@@ -33,7 +33,7 @@ from pydantic import (
     model_validator,
 )
 
-from pdserve.common.engine.sampling_params import SamplingParams
+from pdserve.common.engine.sampling_params import SamplingParams, StructuredOutputsParams
 
 MAX_N = 16  # choices per prompt: each one is a backend request holding its own KV blocks
 MAX_PROMPTS = 64  # prompts in one completions request
@@ -42,6 +42,8 @@ MAX_LOGPROBS = 20
 MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 256  # the stop-string matcher's work per token grows with the longest one
 MAX_STOP_TOKEN_IDS = 256
+MAX_CHOICE_STRINGS = 256  # structured_outputs.choice alternatives
+MAX_GRAMMAR_CHARS = 64 * 1024  # a regex, an EBNF grammar or a JSON schema's text
 _INT32_MAX = 2**31 - 1
 _INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
 
@@ -122,6 +124,46 @@ class StreamOptions(_Request):
     continuous_usage_stats: Neutral(False) = None
 
 
+GrammarText = Annotated[str, Field(min_length=1, max_length=MAX_GRAMMAR_CHARS)]
+Choices = Annotated[list[Text], Field(min_length=1, max_length=MAX_CHOICE_STRINGS)]
+JsonSchema = dict[str, Any] | GrammarText  # a schema object, or its JSON text
+
+
+class JsonSchemaFormat(_Request):
+    """OpenAI response_format.json_schema: a named schema the output must follow."""
+
+    model_config = ConfigDict(extra="forbid", strict=True, populate_by_name=True)
+    name: str = Field(min_length=1, max_length=64)
+    description: str | None = None
+    schema_: dict[str, Any] = Field(alias="schema")
+    strict: bool | None = None  # the schema is always enforced here
+
+
+class ResponseFormat(_Request):
+    """OpenAI response_format: plain text, any JSON object, or JSON following a schema."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_with_its_type(self) -> ResponseFormat:
+        if (self.type == "json_schema") != (self.json_schema is not None):
+            raise ValueError('json_schema is required with type "json_schema", and only then')
+        return self
+
+
+class StructuredOutputsRequest(_Request):
+    """vLLM's structured_outputs: exactly one constraint."""
+
+    json_: JsonSchema | None = Field(None, alias="json")
+    json_object: bool | None = None
+    regex: GrammarText | None = None
+    choice: Choices | None = None
+    grammar: GrammarText | None = None
+
+    model_config = ConfigDict(extra="forbid", strict=True, populate_by_name=True)
+
+
 class BaseGenerationRequest(_Request):
     """Fields shared by /v1/completions and /v1/chat/completions."""
 
@@ -152,6 +194,14 @@ class BaseGenerationRequest(_Request):
     prompt_logprobs: Neutral() = None
     truncate_prompt_tokens: Neutral() = None
     priority: Neutral(0) = None
+    # Structured outputs: OpenAI's response_format, vLLM's structured_outputs, and vLLM's
+    # older guided_* fields; at most one constraint in all (see structured_outputs_params).
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsRequest | None = None
+    guided_json: JsonSchema | None = None
+    guided_regex: GrammarText | None = None
+    guided_choice: Choices | None = None
+    guided_grammar: GrammarText | None = None
 
     @model_validator(mode="after")
     def _stream_options_need_stream(self) -> BaseGenerationRequest:
@@ -179,9 +229,37 @@ class BaseGenerationRequest(_Request):
     def logprobs_count(self) -> int | None:
         """Top alternatives per token to return (0: only the chosen one), None for no logprobs."""
 
+    def structured_outputs_params(self) -> StructuredOutputsParams | None:
+        """The one output constraint the request sets, wherever it sets it; ValueError naming
+        the fields when it sets several (or a structured_outputs with several in it)."""
+        found: dict[str, dict[str, Any]] = {}
+        fmt = self.response_format
+        if fmt is not None and fmt.type == "json_object":
+            found["response_format"] = {"json_object": True}
+        elif fmt is not None and fmt.json_schema is not None:
+            found["response_format"] = {"json": fmt.json_schema.schema_}
+        if self.structured_outputs is not None:
+            given = self.structured_outputs.model_dump(exclude_none=True, exclude_defaults=True)
+            found["structured_outputs"] = {k.rstrip("_"): v for k, v in given.items()}
+        for name in ("json", "regex", "choice", "grammar"):
+            value = getattr(self, f"guided_{name}")
+            if value is not None:
+                found[f"guided_{name}"] = {name: value}
+        if len(found) > 1:
+            raise ValueError(
+                f"structured_outputs takes one output constraint, not {' and '.join(found)}"
+            )
+        if not found:
+            return None
+        (fields,) = found.values()
+        if fields.get("json_object") is False:
+            fields.pop("json_object")
+        return StructuredOutputsParams(**fields)
+
     def sampling_params(self, max_tokens: int, seed: int | None) -> SamplingParams:
         """SamplingParams for one choice; raises ValueError for inconsistent values."""
         return SamplingParams(
+            structured_outputs=self.structured_outputs_params(),
             max_tokens=max_tokens,
             min_tokens=self.min_tokens,
             temperature=1.0 if self.temperature is None else self.temperature,
@@ -279,7 +357,6 @@ class ChatCompletionRequest(BaseGenerationRequest):
     parallel_tool_calls: bool | None = None  # no tools, so no effect
     functions: Neutral([]) = None
     function_call: Neutral("none", "auto") = None
-    response_format: Neutral({"type": "text"}) = None
     modalities: Neutral(["text"]) = None
     store: Neutral(False) = None
     metadata: dict[str, str] | None = None  # stored with the completion by OpenAI: no effect

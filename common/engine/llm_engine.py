@@ -11,6 +11,8 @@ from pdserve.common.engine.model_runner import ModelRunner
 from pdserve.common.engine.request import Request
 from pdserve.common.engine.sampling_params import SamplingParams
 from pdserve.common.engine.scheduler import RequestUpdate, Scheduler, SchedulerOutput
+from pdserve.common.engine.structured import StructuredOutputs
+from pdserve.common.model.checkpoint import Checkpoint
 
 # Given a step's batch, a callback `f(layer)` for its forward, or None (see LLMEngine.step).
 LayerHook = Callable[[SchedulerOutput], Callable[[int], None] | None]
@@ -20,12 +22,14 @@ class LLMEngine:
     """Scheduler + KV cache manager + model runner, in one process."""
 
     def __init__(self, model: ModelConfig, cache: CacheConfig, scheduler: SchedulerConfig) -> None:
+        self.model_config = model
         self.runner = ModelRunner(model, cache)
         self.kv = KVCacheManager(
             self.runner.num_blocks, cache.block_size, cache.enable_prefix_caching
         )
         self.max_model_len = self._max_model_len(scheduler)
         self.scheduler = Scheduler(scheduler, self.kv, self.max_model_len)
+        self._structured: StructuredOutputs | None = None  # made on the first constraint
 
     def _max_model_len(self, scheduler: SchedulerConfig) -> int:
         capacity = self.kv.capacity_tokens()
@@ -73,7 +77,11 @@ class LLMEngine:
         vocab = self.runner.arch.vocab_size
         if any(not 0 <= t < vocab for t in [*prompt_token_ids, *output_token_ids]):
             raise ValueError(f"prompt token ids must be in [0, {vocab})")
+        grammar = None
+        if sampling.structured_outputs is not None:
+            grammar = self.structured.grammar(sampling.structured_outputs, output_token_ids)
         return Request(
+            grammar=grammar,
             output_token_ids=list(output_token_ids),
             request_id=request_id,
             prompt_token_ids=list(prompt_token_ids),
@@ -82,6 +90,15 @@ class LLMEngine:
             arrival=time.monotonic(),
             priority=priority,
         )
+
+    @property
+    def structured(self) -> StructuredOutputs:
+        """The grammar compiler for this model's tokenizer, made when first needed."""
+        if self._structured is None:
+            tokenizer = Checkpoint.resolve(self.model_config.model_dir).tokenizer()
+            arch = self.runner.arch
+            self._structured = StructuredOutputs(tokenizer, arch.vocab_size, arch.eos_token_ids)
+        return self._structured
 
     def abort(self, request_id: str) -> None:
         self.scheduler.abort(request_id)

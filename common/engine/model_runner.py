@@ -4,6 +4,7 @@ sampling."""
 from __future__ import annotations
 
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
@@ -11,10 +12,12 @@ import torch
 from pdserve.common.engine.config import CacheConfig, ModelConfig
 from pdserve.common.engine.sampler import Sampler, SamplingRow, make_generator, skip_draws
 from pdserve.common.engine.scheduler import SampledToken, ScheduledSeq, SchedulerOutput
+from pdserve.common.engine.structured import allowed_from_bitmask, fill_bitmask
 from pdserve.common.model.attention import AttentionMetadata
 from pdserve.common.model.config import ModelArchConfig
 from pdserve.common.model.weights import load_model
 
+_MASK_TIMEOUT_S = 60.0  # filling a step's grammar masks takes milliseconds; never wait forever
 _TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
@@ -51,6 +54,7 @@ class ModelRunner:
         ]
         self.sampler = Sampler(seed=model_config.seed, device=self.device)
         self.generators: dict[str, torch.Generator] = {}
+        self._mask_worker: ThreadPoolExecutor | None = None  # started by the first grammar
 
     def _pool_size(self, cache: CacheConfig) -> int:
         if cache.num_blocks is not None:
@@ -75,6 +79,7 @@ class ModelRunner:
         `on_layer(i)` is called once layer i has written this step's K/V (see the model)."""
         self.forget(output.finished_ids)
         inputs = self.prepare(output.seqs)
+        masks = self._fill_masks(inputs.sampled_seqs)  # on a worker, while the forward runs
         hidden = self.model(
             inputs.input_ids, inputs.positions, inputs.attn, self.kv_caches, on_layer
         )
@@ -82,11 +87,28 @@ class ModelRunner:
             return {}
         logits = self.model.compute_logits(hidden[inputs.logit_indices])
         rows = [self._sampling_row(seq) for seq in inputs.sampled_seqs]
-        result = self.sampler(logits, rows)
+        allowed = None
+        if masks is not None:
+            indices, bitmask = masks[0], masks[1].result(timeout=_MASK_TIMEOUT_S)
+            allowed = indices, allowed_from_bitmask(bitmask, logits.shape[-1]).to(self.device)
+        result = self.sampler(logits, rows, allowed)
         return {
             seq.request_id: SampledToken(seq.request_id, tok, lp)
             for seq, tok, lp in zip(inputs.sampled_seqs, result.token_ids, result.logprobs)
         }
+
+    def _fill_masks(
+        self, seqs: tuple[ScheduledSeq, ...]
+    ) -> tuple[list[int], Future[torch.Tensor]] | None:
+        """Start filling the grammar bitmask of every sampled row that has a grammar: the
+        rows, and the bitmask to come (None when no row is constrained)."""
+        indices = [i for i, seq in enumerate(seqs) if seq.grammar is not None]
+        if not indices:
+            return None
+        if self._mask_worker is None:
+            self._mask_worker = ThreadPoolExecutor(1, thread_name_prefix="grammar-mask")
+        grammars = [seqs[i].grammar for i in indices]
+        return indices, self._mask_worker.submit(fill_bitmask, grammars, self.arch.vocab_size)
 
     def forget(self, request_ids: tuple[str, ...]) -> None:
         """Drop per-request state (seeded generators) of requests that ended."""

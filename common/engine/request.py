@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import Any
 
 from pdserve.common.engine.sampling_params import SamplingParams
 
@@ -55,6 +56,9 @@ class Request:
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache at first admission
     num_preemptions: int = 0
     stop_reason: int | None = None  # the stop token id that ended it, if any
+    # For a request with structured_outputs, its Grammar (structured.py), which has accepted
+    # every output token; None otherwise.
+    grammar: Any = None
     all_token_ids: list[int] = field(init=False)
 
     def __post_init__(self) -> None:

@@ -65,11 +65,18 @@ class Sampler:
         else:
             self.generator.manual_seed(seed)
 
-    def __call__(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> SamplerOutput:
+    def __call__(
+        self,
+        logits: torch.Tensor,
+        rows: Sequence[SamplingRow],
+        grammar_mask: tuple[list[int], torch.Tensor] | None = None,
+    ) -> SamplerOutput:
+        """`grammar_mask`, for rows under a grammar: their indices and a [K, V] bool mask of the
+        tokens each may take (the rest are banned before any sampling mode runs)."""
         assert logits.dim() == 2, f"logits must be [B, V], got {tuple(logits.shape)}"
         assert logits.shape[0] == len(rows), f"{logits.shape[0]} logit rows, {len(rows)} rows"
         raw = logits.float()
-        allowed = _ban(raw, rows)
+        allowed = _mask(_ban(raw, rows), raw, grammar_mask)
         token_ids = allowed.argmax(dim=-1)
         sampled = [i for i, row in enumerate(rows) if not row.params.greedy]
         if sampled:
@@ -119,6 +126,18 @@ def _ban(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
     banned = logits.clone()
     banned[row_idx, col_idx] = float("-inf")
     return banned
+
+
+def _mask(
+    logits: torch.Tensor, raw: torch.Tensor, grammar_mask: tuple[list[int], torch.Tensor] | None
+) -> torch.Tensor:
+    """logits with every token a grammar forbids at -inf (a copy: raw stays intact)."""
+    if grammar_mask is None:
+        return logits
+    indices, mask = grammar_mask
+    out = logits.clone() if logits is raw else logits
+    out[indices] = out[indices].masked_fill(~mask, float("-inf"))
+    return out
 
 
 def _top_k_on(params: SamplingParams) -> bool:

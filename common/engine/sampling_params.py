@@ -2,9 +2,81 @@
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
+from typing import Any
 
 _GREEDY_EPS = 1e-5
+_CONSTRAINTS = ("json", "json_object", "regex", "choice", "grammar")
+
+
+@dataclass(frozen=True, slots=True)
+class StructuredOutputsParams:
+    """One constraint on the output, as vLLM's `structured_outputs` (exactly one is set):
+
+    - json: a JSON schema (a dict, or its JSON text); the output is one JSON value of it
+    - json_object: any JSON object
+    - regex: the output matches the regular expression
+    - choice: the output is one of these strings
+    - grammar: the output derives from this EBNF grammar (GBNF: `root ::= ...`)
+
+    The schema is kept as JSON text, in the order given (properties are generated in the
+    schema's order), so that the value travels on the wire and keys a cache of compiled
+    grammars. Nothing is compiled here: nodes compile with xgrammar and answer a grammar that
+    does not compile as a bad request.
+    """
+
+    json: str | None = None
+    json_object: bool = False
+    regex: str | None = None
+    choice: tuple[str, ...] | None = None
+    grammar: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.json is not None and not isinstance(self.json, str):
+            object.__setattr__(self, "json", _schema_text(self.json))
+        elif isinstance(self.json, str):
+            _schema_text(_parse_schema(self.json))
+        if self.choice is not None:
+            choice = tuple(self.choice)
+            _check(bool(choice), "structured_outputs.choice", "must list at least one string")
+            _check(
+                all(isinstance(c, str) and c for c in choice),
+                "structured_outputs.choice",
+                "must hold non-empty strings",
+            )
+            object.__setattr__(self, "choice", choice)
+        for name in ("regex", "grammar"):
+            value = getattr(self, name)
+            _check(value is None or (isinstance(value, str) and value != ""), name, "is empty")
+        given = [n for n in _CONSTRAINTS if getattr(self, n) not in (None, False)]
+        _check(
+            len(given) == 1,
+            "structured_outputs",
+            f"must set exactly one of {', '.join(_CONSTRAINTS)} (got {', '.join(given) or 'none'})",
+        )
+
+    @property
+    def kind(self) -> str:
+        return next(n for n in _CONSTRAINTS if getattr(self, n) not in (None, False))
+
+    @property
+    def key(self) -> tuple[str, Any]:
+        """What a compiled grammar is cached under (with the tokenizer's identity)."""
+        return self.kind, getattr(self, self.kind)
+
+
+def _parse_schema(text: str) -> Any:
+    try:
+        return json.loads(text)
+    except ValueError as exc:
+        raise ValueError(f"structured_outputs.json is not valid JSON: {exc}") from None
+
+
+def _schema_text(schema: Any) -> str:
+    if not isinstance(schema, dict | bool):
+        raise ValueError("structured_outputs.json must be a JSON schema (an object)")
+    return json.dumps(schema, separators=(",", ":"), ensure_ascii=False)
 
 
 @dataclass(frozen=True, slots=True)
@@ -26,9 +98,13 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = field(default_factory=tuple)
     ignore_eos: bool = False
     logprobs: int | None = None
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
+        if isinstance(self.structured_outputs, dict):  # as it travels on the wire
+            so = StructuredOutputsParams(**self.structured_outputs)
+            object.__setattr__(self, "structured_outputs", so)
         _check(self.max_tokens >= 1, "max_tokens", "must be at least 1")
         _check(self.min_tokens >= 0, "min_tokens", "must be non-negative")
         _check(self.min_tokens <= self.max_tokens, "min_tokens", "must not exceed max_tokens")

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
+from typing import Any
 
 from pdserve.common.engine.config import SchedulerConfig
 from pdserve.common.engine.kv_cache_manager import KVCacheManager
@@ -29,6 +30,7 @@ class ScheduledSeq:
     sampling: SamplingParams
     banned_token_ids: tuple[int, ...] = ()
     num_output_tokens: int = 0  # tokens sampled before this step (here or on another node)
+    grammar: Any = None  # the request's Grammar: sample only what it allows
 
 
 @dataclass(frozen=True, slots=True)
@@ -211,6 +213,7 @@ class Scheduler:
                 sampling=request.sampling,
                 banned_token_ids=self._banned(request),
                 num_output_tokens=request.num_output_tokens,
+                grammar=request.grammar,
             )
         )
 
@@ -260,6 +263,8 @@ class Scheduler:
     def _accept(self, request: Request, token: SampledToken) -> RequestUpdate:
         request.append_output(token.token_id, token.logprobs)
         reason = self._stop_reason(request, token.token_id)
+        if request.grammar is not None and reason is None:
+            reason = _follow_grammar(request, token.token_id)
         if reason is not None:
             self._finish(request, reason)
         lps = (token.logprobs,) if token.logprobs is not None else ()
@@ -298,6 +303,15 @@ class Scheduler:
         request.finish_reason = reason
         del self.requests[request.request_id]
         self._finished_ids.append(request.request_id)
+
+
+def _follow_grammar(request: Request, token_id: int) -> FinishReason | None:
+    """Advance the request's grammar by its new token: STOP once the grammar is complete (a
+    structured output ends there, ignore_eos or not); ERROR if the grammar refuses the token,
+    which the mask prevents unless the mask left nothing to choose."""
+    if not request.grammar.accept(token_id):
+        return FinishReason.ERROR
+    return FinishReason.STOP if request.grammar.terminated else None
 
 
 def _priority_key(request: Request) -> tuple[int, float]:

@@ -24,6 +24,9 @@ def sampling_from_wire(d: dict) -> SamplingParams:
 def sampling_to_wire(p: SamplingParams) -> dict:
     d = dataclasses.asdict(p)
     d["stop_token_ids"] = list(p.stop_token_ids)
+    so = d.get("structured_outputs")
+    if so is not None:  # only the constraint that is set: the rest are defaults
+        d["structured_outputs"] = {k: v for k, v in so.items() if v not in (None, False)}
     return d
 
 

@@ -7,7 +7,15 @@ import asyncio
 import time
 
 from pdserve.common.wire.codecs import sampling_to_wire
-from pdserve.common.wire.messages import Abort, Failure, Prefill, RenewTransfer, Reserved, ReserveKV
+from pdserve.common.wire.messages import (
+    Abort,
+    Error,
+    Failure,
+    Prefill,
+    RenewTransfer,
+    Reserved,
+    ReserveKV,
+)
 from pdserve.router.backend import TokenEvent
 from pdserve.router.cluster.control import ControlServer
 from pdserve.router.cluster.policies import Policy
@@ -67,6 +75,8 @@ class Routing:
         if not (decodes and self.registry.routable(("prefill",), exclude)):
             return TokenEvent.failed(Failure.UNAVAILABLE, "no prefill/decode node available")
         reserved = await self._reserve(stream, decodes)
+        if isinstance(reserved, Error):  # the request itself is bad: no other node takes it
+            return TokenEvent.failed(reserved.kind, reserved.message)
         if reserved is None:
             return TokenEvent.failed(
                 Failure.UNAVAILABLE, "no decode node has room for this request"
@@ -99,9 +109,10 @@ class Routing:
         )
         return None
 
-    async def _reserve(self, stream: Stream, decodes: list[NodeInfo]) -> Reserved | None:
+    async def _reserve(self, stream: Stream, decodes: list[NodeInfo]) -> Reserved | Error | None:
         """Blocks on a decode node; when every one is full, ask again (they free blocks as
-        requests finish) for up to reserve_wait seconds."""
+        requests finish) for up to reserve_wait seconds. A node's refusal of the request as
+        invalid (a grammar that does not compile) ends the search: the Error."""
         request = stream.request
         sampling, outputs = self._wire(stream)
         deadline = time.monotonic() + self.reserve_wait
@@ -112,6 +123,8 @@ class Routing:
                 if isinstance(reply, Reserved):
                     stream.decode_node = node.node_id
                     node.inflight += 1
+                    return reply
+                if isinstance(reply, Error) and reply.kind is Failure.BAD_REQUEST:
                     return reply
                 if reply is None:  # no answer in time: make sure it holds nothing for us
                     await self.control.send(

@@ -801,3 +801,49 @@ def test_no_request_state_outlives_its_request(tokenizer: Any) -> None:
     gauge = "pdserve_router_requests_in_flight 0.0"
     with TestClient(app) as client:
         assert gauge in client.get("/metrics").text.splitlines()
+
+
+SCHEMA = {"type": "object", "properties": {"b": {"type": "integer"}, "a": {"type": "string"}}}
+
+
+@pytest.mark.parametrize(
+    "route, fields, want",
+    [
+        (
+            "/v1/chat/completions",
+            {
+                "response_format": {
+                    "type": "json_schema",
+                    "json_schema": {"name": "x", "schema": SCHEMA},
+                }
+            },
+            ("json", json.dumps(SCHEMA, separators=(",", ":"))),  # property order kept
+        ),
+        ("/v1/completions", {"response_format": {"type": "json_object"}}, ("json_object", True)),
+        ("/v1/chat/completions", {"response_format": {"type": "text"}}, None),
+        ("/v1/completions", {"structured_outputs": {"regex": "[ab]+"}}, ("regex", "[ab]+")),
+        ("/v1/completions", {"structured_outputs": {"choice": ["x", "y"]}}, ("choice", ("x", "y"))),
+        (
+            "/v1/completions",
+            {"structured_outputs": {"json": SCHEMA}},
+            ("json", json.dumps(SCHEMA, separators=(",", ":"))),
+        ),
+        ("/v1/completions", {"guided_grammar": 'root ::= "a"'}, ("grammar", 'root ::= "a"')),
+        ("/v1/completions", {"guided_json": json.dumps(SCHEMA)}, ("json", json.dumps(SCHEMA))),
+        ("/v1/chat/completions", {"guided_choice": ["yes"]}, ("choice", ("yes",))),
+        ("/v1/completions", {"guided_regex": "a{2}"}, ("regex", "a{2}")),
+    ],
+)
+def test_output_constraints_reach_the_backend_as_one(
+    make_client: Callable[..., TestClient], tokenizer: Any, route: str, fields: dict, want
+) -> None:
+    backend = make_backend(tokenizer)
+    body = {"max_tokens": 2, **fields}
+    if route == "/v1/completions":
+        body["prompt"] = "Hi"
+    else:
+        body["messages"] = [{"role": "user", "content": "Hi"}]
+    response = make_client(backend).post(route, json=body)
+    assert response.status_code == 200, response.text
+    so = backend.requests[0].sampling.structured_outputs
+    assert (so.key if so is not None else None) == want
