@@ -215,7 +215,7 @@ class Handlers:
         gen = Generation(self._backend, choices, request, self.metrics, started, self.admission)
         if body.stream:
             return await streaming_response(
-                stream_events(gen, dialect, prompts, body.include_usage)
+                stream_events(gen, dialect, prompts, body.include_usage, body.continuous_usage)
             )
         collected = await _collect(gen)
         if collected is None:

@@ -118,10 +118,11 @@ class _Response(BaseModel):
 
 
 class StreamOptions(_Request):
-    """OpenAI stream_options: include_usage adds a final chunk with the usage."""
+    """OpenAI stream_options: include_usage adds a final chunk with the usage; vLLM's
+    continuous_usage_stats (with include_usage) puts the usage so far on every chunk too."""
 
     include_usage: bool | None = False
-    continuous_usage_stats: Neutral(False) = None
+    continuous_usage_stats: bool | None = False
 
 
 GrammarText = Annotated[str, Field(min_length=1, max_length=MAX_GRAMMAR_CHARS)]
@@ -212,6 +213,11 @@ class BaseGenerationRequest(_Request):
     @property
     def include_usage(self) -> bool:
         return self.stream_options is not None and bool(self.stream_options.include_usage)
+
+    @property
+    def continuous_usage(self) -> bool:
+        """Usage on every chunk (vLLM's rule: only together with include_usage)."""
+        return self.include_usage and bool(self.stream_options.continuous_usage_stats)
 
     def stop_strings(self) -> tuple[str, ...]:
         """The stop strings; empty ones are dropped, since they would match at once."""

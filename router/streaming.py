@@ -61,9 +61,15 @@ async def _prepend(first: str, rest: AsyncIterator[str]) -> AsyncIterator[str]:
 
 
 async def stream_events(
-    gen: Generation, dialect: Dialect, prompts: list[list[int]], include_usage: bool
+    gen: Generation,
+    dialect: Dialect,
+    prompts: list[list[int]],
+    include_usage: bool,
+    continuous_usage: bool = False,
 ) -> AsyncGenerator[str, None]:
     """SSE lines: opening chunks, a chunk per delta, usage if asked, then [DONE].
+    `continuous_usage` puts the usage so far on every chunk after the opening ones (vLLM's
+    continuous_usage_stats; GuideLLM asks for it).
 
     Nothing is yielded before the first delta: if that one is an error (no node could take
     the request, or it failed before any token), APIError is raised instead, so the client
@@ -82,7 +88,10 @@ async def stream_events(
                 for chunk in dialect.opening(len(gen.choices)):
                     yield _sse(chunk, exclude)
             if delta.text or delta.logprobs or delta.finish_reason or dialect.wants(delta):
-                yield _sse(dialect.chunk(delta), exclude)
+                chunk = dialect.chunk(delta)
+                if continuous_usage:
+                    chunk.usage = usage_info(prompts, gen.choices)
+                yield _sse(chunk, exclude)
             if delta.finish_reason == "error":
                 yield _sse(failure_error(delta.error, delta.failure, first=False).body())
     if gen.disconnected:

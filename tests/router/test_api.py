@@ -323,6 +323,38 @@ def test_include_usage_adds_a_final_usage_chunk(
         assert last["usage"]["total_tokens"] == last["usage"]["prompt_tokens"] + 4
 
 
+def test_continuous_usage_stats_put_the_usage_so_far_on_every_chunk(
+    make_client: Callable[..., TestClient], tokenizer: Any
+) -> None:
+    """GuideLLM's streamed requests, field for field: usage grows chunk by chunk; without
+    include_usage, continuous_usage_stats adds nothing (vLLM's rule)."""
+    client = make_client(make_backend(tokenizer))
+    guidellm = {
+        "max_completion_tokens": 5,
+        "max_tokens": 5,
+        "stop": None,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True, "continuous_usage_stats": True},
+    }
+    for path, body in (
+        ("/v1/completions", {"prompt": "Hello", **guidellm}),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}], **guidellm}),
+    ):
+        if path == "/v1/completions":
+            body.pop("max_completion_tokens")
+        response = client.post(path, json=body)
+        assert response.status_code == 200, response.text
+        *chunks, last = sse_payloads(response.text)
+        counted = [p["usage"]["completion_tokens"] for p in chunks if p["usage"] is not None]
+        assert counted == sorted(counted) and counted[-1] == 5, counted
+        assert all(p["usage"]["prompt_tokens"] > 0 for p in chunks if p["usage"] is not None)
+        assert last["usage"]["completion_tokens"] == 5
+        options = {"include_usage": False, "continuous_usage_stats": True}
+        plain = client.post(path, json={**body, "stream_options": options})
+        assert all(p.get("usage") is None for p in sse_payloads(plain.text))
+
+
 # ---------------------------------------------------------------- stop strings
 
 
