@@ -16,7 +16,6 @@ import threading
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-import numpy as np
 import torch
 
 from pdserve.common.engine.sampling_params import StructuredOutputsParams
@@ -88,11 +87,12 @@ class StructuredOutputs:
         refuse such output. Our JSON is one line (no whitespace tokens needed), so a token
         with a control byte can never be right."""
         if self._ban is None:
-            words = np.full((self.vocab_size + 31) // 32, 0xFFFFFFFF, dtype=np.uint32)
+            words = [0xFFFFFFFF] * ((self.vocab_size + 31) // 32)
             for token, text in enumerate(self._info.decoded_vocab):
                 if any(b < 0x20 for b in bytes(text)):
-                    words[token // 32] &= ~np.uint32(1 << (token % 32))
-            self._ban = torch.from_numpy(words.view(np.int32))
+                    words[token // 32] &= ~(1 << (token % 32))
+            signed = [w - (1 << 32) if w >= 1 << 31 else w for w in words]  # as int32 holds them
+            self._ban = torch.tensor(signed, dtype=torch.int32)
         return self._ban
 
 
