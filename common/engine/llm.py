@@ -24,6 +24,9 @@ class RequestOutput:
     logprobs: list[TokenLogprobs] | None
     num_cached_tokens: int
     num_preemptions: int
+    # With SamplingParams.prompt_logprobs: one per prompt token, None for the first (nothing
+    # precedes it), as in vLLM.
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
 
 
 class LLM:
@@ -111,6 +114,9 @@ class LLM:
             else None,
             num_cached_tokens=request.num_cached_tokens,
             num_preemptions=request.num_preemptions,
+            prompt_logprobs=[None, *request.prompt_logprobs]
+            if request.sampling.prompt_logprobs is not None
+            else None,
         )
 
 

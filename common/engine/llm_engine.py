@@ -115,8 +115,8 @@ class LLMEngine:
         if output.empty:
             self.runner.forget(output.finished_ids)
             return []
-        sampled = self.runner.execute(output, on_layer(output) if on_layer else None)
-        return self.scheduler.update(output, sampled)
+        sampled, prompt_lps = self.runner.execute(output, on_layer(output) if on_layer else None)
+        return self.scheduler.update(output, sampled, prompt_lps)
 
     def check_integrity(self) -> None:
         self.kv.check_integrity()

@@ -10,13 +10,21 @@ from dataclasses import dataclass
 import torch
 
 from pdserve.common.engine.config import CacheConfig, ModelConfig
-from pdserve.common.engine.sampler import Sampler, SamplingRow, make_generator, skip_draws
+from pdserve.common.engine.request import TokenLogprobs
+from pdserve.common.engine.sampler import (
+    Sampler,
+    SamplingRow,
+    make_generator,
+    score_tokens,
+    skip_draws,
+)
 from pdserve.common.engine.scheduler import SampledToken, ScheduledSeq, SchedulerOutput
 from pdserve.common.engine.structured import allowed_from_bitmask, fill_bitmask
 from pdserve.common.model.attention import AttentionMetadata
 from pdserve.common.model.config import ModelArchConfig
 from pdserve.common.model.weights import load_model
 
+_PROMPT_LOGITS_ROWS = 256  # prompt positions scored at once: bounds the [rows, vocab] logits
 _MASK_TIMEOUT_S = 60.0  # filling a step's grammar masks takes milliseconds; never wait forever
 _TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -73,8 +81,9 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(
         self, output: SchedulerOutput, on_layer: Callable[[int], None] | None = None
-    ) -> dict[str, SampledToken]:
-        """Run the scheduled step and return the sampled token of each completed sequence.
+    ) -> tuple[dict[str, SampledToken], dict[str, list[TokenLogprobs]]]:
+        """Run the scheduled step: the sampled token of each completed sequence, and the
+        prompt logprobs of the positions this step computed, for requests that asked.
 
         `on_layer(i)` is called once layer i has written this step's K/V (see the model)."""
         self.forget(output.finished_ids)
@@ -83,8 +92,9 @@ class ModelRunner:
         hidden = self.model(
             inputs.input_ids, inputs.positions, inputs.attn, self.kv_caches, on_layer
         )
+        prompt_lps = self._score_prompts(hidden, output.seqs)
         if not inputs.sampled_seqs:
-            return {}
+            return {}, prompt_lps
         logits = self.model.compute_logits(hidden[inputs.logit_indices])
         rows = [self._sampling_row(seq) for seq in inputs.sampled_seqs]
         allowed = None
@@ -92,10 +102,30 @@ class ModelRunner:
             indices, bitmask = masks[0], masks[1].result(timeout=_MASK_TIMEOUT_S)
             allowed = indices, allowed_from_bitmask(bitmask, logits.shape[-1]).to(self.device)
         result = self.sampler(logits, rows, allowed)
-        return {
+        sampled = {
             seq.request_id: SampledToken(seq.request_id, tok, lp)
             for seq, tok, lp in zip(inputs.sampled_seqs, result.token_ids, result.logprobs)
         }
+        return sampled, prompt_lps
+
+    def _score_prompts(
+        self, hidden: torch.Tensor, seqs: tuple[ScheduledSeq, ...]
+    ) -> dict[str, list[TokenLogprobs]]:
+        """Logprobs of the prompt tokens that follow this step's positions, a bounded slice of
+        positions at a time (never the logits of a whole prompt at once)."""
+        out: dict[str, list[TokenLogprobs]] = {}
+        offset = 0
+        for seq in seqs:
+            if seq.prompt_targets:
+                row = offset + seq.prompt_target_pos - seq.start_pos
+                lps = out[seq.request_id] = []
+                targets = seq.prompt_targets
+                for lo in range(0, len(targets), _PROMPT_LOGITS_ROWS):
+                    part = targets[lo : lo + _PROMPT_LOGITS_ROWS]
+                    logits = self.model.compute_logits(hidden[row + lo : row + lo + len(part)])
+                    lps += score_tokens(logits, part, seq.prompt_logprobs)
+            offset += len(seq.token_ids)
+        return out
 
     def _fill_masks(
         self, seqs: tuple[ScheduledSeq, ...]

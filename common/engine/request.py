@@ -32,6 +32,7 @@ class TokenLogprobs:
     token_id: int
     logprob: float
     top: tuple[tuple[int, float], ...] = ()
+    rank: int = 0  # of token_id in its distribution (1: the most likely); 0 when not computed
 
 
 @dataclass(slots=True, eq=False)
@@ -50,6 +51,9 @@ class Request:
     priority: int = 0
     output_token_ids: list[int] = field(default_factory=list)
     output_logprobs: list[TokenLogprobs] = field(default_factory=list)
+    # Of prompt tokens 1, 2, ... (the first has none), as its prefill computes them.
+    prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)
+    prompt_logprobs_sent: bool = False  # they go out once, with the first update
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: FinishReason | None = None
     num_computed_tokens: int = 0

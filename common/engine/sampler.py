@@ -188,3 +188,19 @@ def _logprobs(
         top = tuple(zip(top_ids[j][:n], top_lp[j][:n], strict=True))
         out[i] = TokenLogprobs(token_id=chosen[i], logprob=chosen_lp[j], top=top)
     return out
+
+
+def score_tokens(logits: torch.Tensor, token_ids: Sequence[int], top_n: int) -> list[TokenLogprobs]:
+    """Row i's log-softmax at token_ids[i], its rank (1: the most likely), and the top_n
+    alternatives: how a prompt's tokens are scored (the raw distribution, as for outputs)."""
+    logprobs = logits.float().log_softmax(dim=-1)
+    index = torch.tensor(list(token_ids), device=logits.device)[:, None]
+    chosen = logprobs.gather(-1, index)
+    ranks = ((logprobs > chosen).sum(dim=-1) + 1).tolist()
+    chosen_lp = chosen.squeeze(-1).tolist()
+    top_lp, top_ids = logprobs.topk(top_n, dim=-1) if top_n else (logprobs[:, :0],) * 2
+    out = []
+    for i, token in enumerate(token_ids):
+        top = tuple(zip(top_ids[i].tolist(), top_lp[i].tolist(), strict=True))
+        out.append(TokenLogprobs(int(token), chosen_lp[i], top, ranks[i]))
+    return out

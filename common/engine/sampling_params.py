@@ -98,6 +98,10 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = field(default_factory=tuple)
     ignore_eos: bool = False
     logprobs: int | None = None
+    # The logprob of every prompt token after the first and the top N at its position (0:
+    # only the prompt's own token); computed while the prompt is prefilled, so a request
+    # that asks skips the prefix cache.
+    prompt_logprobs: int | None = None
     structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
@@ -105,7 +109,12 @@ class SamplingParams:
         if isinstance(self.structured_outputs, dict):  # as it travels on the wire
             so = StructuredOutputsParams(**self.structured_outputs)
             object.__setattr__(self, "structured_outputs", so)
-        _check(self.max_tokens >= 1, "max_tokens", "must be at least 1")
+        _check(
+            self.max_tokens >= 1 or (self.max_tokens == 0 and self.prompt_logprobs is not None),
+            "max_tokens",
+            "must be at least 1 (0 only with prompt_logprobs: the prompt is scored, nothing "
+            "generated)",
+        )
         _check(self.min_tokens >= 0, "min_tokens", "must be non-negative")
         _check(self.min_tokens <= self.max_tokens, "min_tokens", "must not exceed max_tokens")
         _check(self.temperature >= 0.0, "temperature", "must be non-negative")
@@ -113,6 +122,11 @@ class SamplingParams:
         _check(0.0 < self.top_p <= 1.0, "top_p", "must be in (0, 1]")
         _check(0.0 <= self.min_p <= 1.0, "min_p", "must be in [0, 1]")
         _check(self.logprobs is None or 0 <= self.logprobs <= 20, "logprobs", "must be 0..20")
+        _check(
+            self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= 20,
+            "prompt_logprobs",
+            "must be 0..20",
+        )
 
     @property
     def greedy(self) -> bool:

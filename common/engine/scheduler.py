@@ -31,6 +31,11 @@ class ScheduledSeq:
     banned_token_ids: tuple[int, ...] = ()
     num_output_tokens: int = 0  # tokens sampled before this step (here or on another node)
     grammar: Any = None  # the request's Grammar: sample only what it allows
+    # For a request with prompt_logprobs: the prompt tokens that follow this step's positions
+    # (their logprobs come from this step's logits), and the top N to return with each.
+    prompt_targets: tuple[int, ...] = ()
+    prompt_target_pos: int = 0  # the position whose logits score prompt_targets[0]
+    prompt_logprobs: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,6 +65,7 @@ class RequestUpdate:
     new_logprobs: tuple[TokenLogprobs, ...]
     finish_reason: FinishReason | None
     cached_tokens: int = 0  # prompt tokens served from the prefix cache (first update only)
+    prompt_logprobs: tuple[TokenLogprobs, ...] = ()  # first update only, when asked for
 
 
 @dataclass(slots=True)
@@ -186,6 +192,8 @@ class Scheduler:
         while self.waiting and budget.tokens > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting[0]
             hits, n_cached = self.kv.get_computed_blocks(request)
+            if request.sampling.prompt_logprobs is not None:  # every position is computed
+                hits, n_cached = type(hits)(), 0
             n = self._chunk(request, budget, n_cached)
             missing = request.num_tokens - n_cached
             if not self.config.enable_chunked_prefill and n < missing:
@@ -203,6 +211,12 @@ class Scheduler:
     def _emit(self, request: Request, n: int, budget: _StepBudget) -> None:
         start = request.num_computed_tokens
         budget.tokens -= n
+        targets: tuple[int, ...] = ()
+        if request.sampling.prompt_logprobs is not None:
+            # Position p's logits score prompt token p + 1; only positions not scored yet.
+            first = max(start, len(request.prompt_logprobs))
+            end = min(start + n, request.num_prompt_tokens - 1)
+            targets = tuple(request.prompt_token_ids[first + 1 : end + 1])
         budget.seqs.append(
             ScheduledSeq(
                 request_id=request.request_id,
@@ -214,6 +228,9 @@ class Scheduler:
                 banned_token_ids=self._banned(request),
                 num_output_tokens=request.num_output_tokens,
                 grammar=request.grammar,
+                prompt_targets=targets,
+                prompt_target_pos=max(start, len(request.prompt_logprobs)),
+                prompt_logprobs=request.sampling.prompt_logprobs or 0,
             )
         )
 
@@ -246,21 +263,36 @@ class Scheduler:
     # -- after the forward -----------------------------------------------------------------
 
     def update(
-        self, output: SchedulerOutput, sampled: dict[str, SampledToken]
+        self,
+        output: SchedulerOutput,
+        sampled: dict[str, SampledToken],
+        prompt_logprobs: dict[str, list[TokenLogprobs]] | None = None,
     ) -> list[RequestUpdate]:
-        """Advance progress by what ran, append sampled tokens, apply stop checks."""
+        """Advance progress by what ran, append sampled tokens (and the prompt logprobs the
+        step computed), apply stop checks."""
         updates = []
         for seq in output.seqs:
             request = self.requests.get(seq.request_id)
             if request is None or request.is_finished:
                 continue  # aborted while its step ran
             request.num_computed_tokens += len(seq.token_ids)
+            if prompt_logprobs and seq.request_id in prompt_logprobs:
+                request.prompt_logprobs.extend(prompt_logprobs[seq.request_id])
             token = sampled.get(seq.request_id)
             if token is not None:
                 updates.append(self._accept(request, token))
         return updates
 
     def _accept(self, request: Request, token: SampledToken) -> RequestUpdate:
+        first = not request.prompt_logprobs_sent
+        request.prompt_logprobs_sent = True
+        prompt_lps = tuple(request.prompt_logprobs) if first else ()
+        if request.sampling.max_tokens == 0:  # the prompt was only to be scored
+            self._finish(request, FinishReason.LENGTH)
+            cached = request.num_cached_tokens
+            return RequestUpdate(
+                request.request_id, (), (), FinishReason.LENGTH, cached, prompt_lps
+            )
         request.append_output(token.token_id, token.logprobs)
         reason = self._stop_reason(request, token.token_id)
         if request.grammar is not None and reason is None:
@@ -269,7 +301,7 @@ class Scheduler:
             self._finish(request, reason)
         lps = (token.logprobs,) if token.logprobs is not None else ()
         cached = request.num_cached_tokens if request.num_output_tokens == 1 else 0
-        return RequestUpdate(request.request_id, (token.token_id,), lps, reason, cached)
+        return RequestUpdate(request.request_id, (token.token_id,), lps, reason, cached, prompt_lps)
 
     def release(self, request_id: str) -> None:
         """A prefill node hands a request off after its first token: drop it, keep its
