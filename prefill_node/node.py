@@ -54,6 +54,9 @@ class PrefillNode(EngineNode):
 
     def on_prefill(self, msg: Prefill) -> None:
         if not msg.xfer_id:
+            if msg.sampling.get("max_tokens") == 0:  # scoring a prompt: no KV goes anywhere
+                self.add_request(msg)
+                return
             raise ValueError("a prefill node needs a destination (xfer_id and blocks)")
         try:  # handshake once per decode node; a layout mismatch raises here
             self.kv_port.sender(msg.dest_kv_endpoint)

@@ -40,6 +40,8 @@ class TokenEvent:
     cached_tokens: int = 0
     error: str | None = None
     failure: Failure | None = None  # with finish_reason "error": what kind of failure
+    # Of prompt tokens 1, 2, ... (with ranks), on the first event, when the request asked.
+    prompt_logprobs: tuple[TokenLogprobs, ...] = ()
 
     @classmethod
     def failed(cls, failure: Failure, error: str) -> TokenEvent:

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 from pydantic import BaseModel
 
 from pdserve.common.engine.request import TokenLogprobs
-from pdserve.router.generation import Choice, ChoiceDelta
+from pdserve.router.generation import Choice, ChoiceDelta, PromptPart
 from pdserve.router.openai_protocol import (
     ChatChoice,
     ChatCompletionChunk,
@@ -27,6 +27,8 @@ from pdserve.router.openai_protocol import (
     CompletionLogprobs,
     CompletionResponse,
     DeltaMessage,
+    PromptLogprob,
+    PromptLogprobs,
     PromptTokensDetails,
     UsageInfo,
 )
@@ -98,8 +100,10 @@ class Collected:
     logprobs: list[TokenLogprobs] = field(default_factory=list)
     finish_reason: str | None = None
     token_ids: list[int] = field(default_factory=list)
+    prompt: PromptPart | None = None
 
     def add(self, delta: ChoiceDelta) -> None:
+        self.prompt = delta.prompt or self.prompt
         self.text.append(delta.text)
         self.token_ids.extend(delta.token_ids)
         self.logprobs.extend(delta.logprobs)
@@ -111,8 +115,15 @@ class Dialect(ABC):
 
     prefix: str
 
-    def __init__(self, model: str, tokens: TokenStrings, want_logprobs: bool) -> None:
+    def __init__(
+        self,
+        model: str,
+        tokens: TokenStrings,
+        want_logprobs: bool,
+        want_prompt_logprobs: bool = False,
+    ) -> None:
         self.id = f"{self.prefix}-{uuid.uuid4().hex}"
+        self._want_prompt_logprobs = want_prompt_logprobs
         self.created = int(time.time())
         self.model = model
         self._tokens = tokens
@@ -135,45 +146,84 @@ class Dialect(ABC):
     @abstractmethod
     def response(self, choices: list[Collected], usage: UsageInfo) -> BaseModel: ...
 
+    def _prompt_logprobs(self, prompt: PromptPart | None) -> PromptLogprobs | None:
+        """vLLM's prompt_logprobs: null for the first token, then the token's own entry and
+        the top N at each position."""
+        if prompt is None or prompt.logprobs is None:
+            return None
+        out: PromptLogprobs = [None]
+        for lp in prompt.logprobs:
+            entry = {
+                str(t): PromptLogprob(logprob=_logprob(v), decoded_token=self._tokens.text(t))
+                for t, v in lp.top
+            }
+            rank = lp.rank or None
+            entry[str(lp.token_id)] = PromptLogprob(
+                logprob=_logprob(lp.logprob),
+                rank=rank,
+                decoded_token=self._tokens.text(lp.token_id),
+            )
+            for rank_in_top, (t, _) in enumerate(lp.top, start=1):
+                if t != lp.token_id:
+                    entry[str(t)].rank = rank_in_top
+            out.append(entry)
+        return out
+
 
 class CompletionDialect(Dialect):
     prefix = "cmpl"
 
     def __init__(
-        self, model: str, tokens: TokenStrings, want_logprobs: bool, want_ids: bool = False
+        self,
+        model: str,
+        tokens: TokenStrings,
+        logprobs: int | None,
+        want_ids: bool = False,
+        want_prompt_logprobs: bool = False,
     ) -> None:
-        super().__init__(model, tokens, want_logprobs)
+        super().__init__(model, tokens, logprobs is not None, want_prompt_logprobs)
+        self._top_n = logprobs or 0
         self._want_ids = want_ids
         self._offsets: dict[int, int] = {}  # text_offset reached by each streamed choice
 
     def wants(self, delta: ChoiceDelta) -> bool:
-        return self._want_ids and bool(delta.token_ids)
+        return (self._want_ids and bool(delta.token_ids)) or delta.prompt is not None
 
     def chunk(self, delta: ChoiceDelta) -> BaseModel:
-        logprobs = self._logprobs(delta.index, delta.logprobs)
-        choice = CompletionChoice(
-            index=delta.index,
-            text=delta.text,
-            logprobs=logprobs,
-            finish_reason=delta.finish_reason,
-            token_ids=list(delta.token_ids) if self._want_ids else None,
+        choice = self._choice(
+            delta.index, delta.prompt, delta.text, delta.logprobs, delta.token_ids
         )
+        choice.finish_reason = delta.finish_reason
         return self._wrap([choice])
+
+    def _choice(
+        self,
+        index: int,
+        prompt: PromptPart | None,
+        text: str,
+        lps: list[TokenLogprobs] | tuple[TokenLogprobs, ...],
+        token_ids: list[int] | tuple[int, ...],
+    ) -> CompletionChoice:
+        """One choice's text, logprobs and ids; the prompt's first when it is echoed."""
+        echoed = prompt is not None and prompt.text is not None
+        logprobs = self._logprobs(index, lps, prompt if echoed else None)
+        return CompletionChoice(
+            index=index,
+            text=(prompt.text if echoed else "") + text,
+            logprobs=logprobs,
+            token_ids=list(token_ids) if self._want_ids else None,
+            prompt_logprobs=self._prompt_logprobs(prompt) if self._want_prompt_logprobs else None,
+        )
 
     def usage_chunk(self, usage: UsageInfo) -> BaseModel:
         return self._wrap([], usage)
 
     def response(self, choices: list[Collected], usage: UsageInfo) -> BaseModel:
-        out = [
-            CompletionChoice(
-                index=c.index,
-                text="".join(c.text),
-                logprobs=self._logprobs(c.index, c.logprobs),
-                finish_reason=c.finish_reason,
-                token_ids=c.token_ids if self._want_ids else None,
-            )
-            for c in choices
-        ]
+        out = []
+        for c in choices:
+            choice = self._choice(c.index, c.prompt, "".join(c.text), c.logprobs, c.token_ids)
+            choice.finish_reason = c.finish_reason
+            out.append(choice)
         return self._wrap(out, usage)
 
     def _wrap(self, choices: list[CompletionChoice], usage: UsageInfo | None = None) -> BaseModel:
@@ -182,12 +232,28 @@ class CompletionDialect(Dialect):
         )
 
     def _logprobs(
-        self, index: int, lps: list[TokenLogprobs] | tuple[TokenLogprobs, ...]
+        self,
+        index: int,
+        lps: list[TokenLogprobs] | tuple[TokenLogprobs, ...],
+        echoed: PromptPart | None = None,
     ) -> CompletionLogprobs | None:
         if not self._want_logprobs:
             return None
         offset = self._offsets.get(index, 0)
         out = CompletionLogprobs(tokens=[], token_logprobs=[], top_logprobs=[], text_offset=[])
+        if echoed is not None and echoed.token_ids:
+            # The prompt's tokens first: the first has no logprob (nothing precedes it).
+            first = self._tokens.text(echoed.token_ids[0])
+            out.tokens.append(first)
+            out.token_logprobs.append(None)
+            out.top_logprobs.append(None)
+            out.text_offset.append(offset)
+            offset += len(first)
+            prompt_lps = [
+                TokenLogprobs(lp.token_id, lp.logprob, lp.top[: self._top_n])
+                for lp in echoed.logprobs or ()
+            ]
+            lps = [*prompt_lps, *lps]
         for lp in lps:
             text = self._tokens.text(lp.token_id)
             out.tokens.append(text)
@@ -229,8 +295,14 @@ class ChatDialect(Dialect):
             )
             for c in choices
         ]
+        prompt = choices[0].prompt if choices and self._want_prompt_logprobs else None
         return ChatCompletionResponse(
-            id=self.id, created=self.created, model=self.model, choices=out, usage=usage
+            id=self.id,
+            created=self.created,
+            model=self.model,
+            choices=out,
+            usage=usage,
+            prompt_logprobs=self._prompt_logprobs(prompt),
         )
 
     def _wrap(self, choices: list[ChatStreamChoice], usage: UsageInfo | None = None) -> BaseModel:

@@ -76,6 +76,16 @@ class StopStringMatcher:
 
 
 @dataclass(frozen=True, slots=True)
+class PromptPart:
+    """The prompt as a choice's first delta returns it: its text when echoed, its token ids,
+    and its tokens' logprobs (of tokens 1, 2, ...) when they were asked for."""
+
+    text: str | None
+    token_ids: tuple[int, ...]
+    logprobs: tuple[TokenLogprobs, ...] | None
+
+
+@dataclass(frozen=True, slots=True)
 class ChoiceDelta:
     """What one backend event means for one choice: new text, logprobs, maybe its end."""
 
@@ -86,6 +96,7 @@ class ChoiceDelta:
     error: str | None = None
     token_ids: tuple[int, ...] = ()
     failure: Failure | None = None
+    prompt: PromptPart | None = None  # on the first delta, with echo or prompt logprobs
 
 
 class Choice:
@@ -98,8 +109,11 @@ class Choice:
         request: GenerateRequest,
         detokenizer: IncrementalDetokenizer,
         stops: StopStringMatcher,
+        echo: str | None = None,
     ) -> None:
+        """`echo`: the prompt's text, to return before the completion."""
         self.index = index
+        self._echo = echo
         self.prompt_index = prompt_index
         self.request = request
         self._detok = detokenizer
@@ -111,9 +125,11 @@ class Choice:
         self._seen_event = False
 
     def on_event(self, event: TokenEvent) -> ChoiceDelta:
+        prompt = None
         if not self._seen_event:  # the backend reports cached_tokens on the first event
             self._seen_event = True
             self.cached_tokens = event.cached_tokens
+            prompt = self._prompt_part(event)
         self.num_tokens += len(event.token_ids)
         self.backend_done = event.finish_reason is not None
         # Like vLLM, stop strings only count once min_tokens have been generated.
@@ -126,8 +142,24 @@ class Choice:
             finish = "stop" if hit else finish
         self.finish_reason = finish
         return ChoiceDelta(
-            self.index, text, event.logprobs, finish, event.error, event.token_ids, event.failure
+            self.index,
+            text,
+            event.logprobs,
+            finish,
+            event.error,
+            event.token_ids,
+            event.failure,
+            prompt,
         )
+
+    def _prompt_part(self, event: TokenEvent) -> PromptPart | None:
+        asked = self.request.sampling.prompt_logprobs is not None
+        if self._echo is None and not asked:
+            return None
+        if event.finish_reason == "error":
+            return None  # nothing was computed: the error says why
+        lps = event.prompt_logprobs if asked else None
+        return PromptPart(self._echo, self.request.prompt_token_ids, lps)
 
     def fail(self, message: str) -> ChoiceDelta:
         self.finish_reason = "error"

@@ -92,9 +92,21 @@ class Handlers:
         self._check_model(body.model)
         prompts = await self._completion_prompts(body.prompt, body.add_special_tokens)
         dialect = CompletionDialect(
-            self._model, self._tokens, body.logprobs is not None, body.return_token_ids
+            self._model,
+            self._tokens,
+            body.logprobs,
+            body.return_token_ids,
+            want_prompt_logprobs=body.prompt_logprobs is not None,
         )
-        return await self._generate(request, body, prompts, dialect, started, "prompt")
+        echoes = None
+        if body.echo:  # the prompt as the client wrote it; token prompts decoded
+            if isinstance(body.prompt, str):
+                echoes = [body.prompt]
+            elif isinstance(body.prompt[0], str):
+                echoes = list(body.prompt)
+            else:
+                echoes = [self._tokenizer.decode(ids) for ids in prompts]
+        return await self._generate(request, body, prompts, dialect, started, "prompt", echoes)
 
     async def chat_completions(self, request: Request) -> Response:
         started = time.monotonic()
@@ -104,7 +116,12 @@ class Handlers:
         messages = [m.template_dict() for m in body.messages]
         prompt = await self.tokenization.chat(messages, body.add_generation_prompt)
         self.tokenization.check_ids(prompt, "messages")
-        dialect = ChatDialect(self._model, self._tokens, body.logprobs_count() is not None)
+        dialect = ChatDialect(
+            self._model,
+            self._tokens,
+            body.logprobs_count() is not None,
+            want_prompt_logprobs=body.prompt_logprobs is not None,
+        )
         return await self._generate(request, body, [prompt], dialect, started, "messages")
 
     async def models(self) -> ModelList:
@@ -176,10 +193,18 @@ class Handlers:
         return requested
 
     def _make_choices(
-        self, rid: str, prompts: list[list[int]], body: BaseGenerationRequest, prompt_param: str
+        self,
+        rid: str,
+        prompts: list[list[int]],
+        body: BaseGenerationRequest,
+        prompt_param: str,
+        echoes: list[str] | None = None,
     ) -> list[Choice]:
+        """One Choice per prompt and n; `echoes`: each prompt's text, returned before its
+        completion (completions' echo)."""
         stops = body.stop_strings()
         self.tokenization.check_vocab(body.stop_token_ids or (), "stop_token_ids")
+
         single = len(prompts) * body.n == 1
         choices = []
         for p, ids in enumerate(prompts):
@@ -196,7 +221,8 @@ class Handlers:
                     raise APIError(400, str(exc), str(exc).split()[0]) from None
                 request = GenerateRequest(rid if single else f"{rid}-{index}", tuple(ids), sampling)
                 detok = IncrementalDetokenizer(self._tokenizer, ids, body.skip_special_tokens)
-                choices.append(Choice(index, p, request, detok, StopStringMatcher(stops)))
+                echo = echoes[p] if echoes else None
+                choices.append(Choice(index, p, request, detok, StopStringMatcher(stops), echo))
         return choices
 
     async def _generate(
@@ -207,8 +233,9 @@ class Handlers:
         dialect: Dialect,
         started: float,
         prompt_param: str,
+        echoes: list[str] | None = None,
     ) -> Response:
-        choices = self._make_choices(dialect.id, prompts, body, prompt_param)
+        choices = self._make_choices(dialect.id, prompts, body, prompt_param, echoes)
         if not self._backend.ready():
             raise APIError(503, "no prefill/decode route is available; retry later")
         self.metrics.prompt_tokens.inc(sum(len(p) for p in prompts))

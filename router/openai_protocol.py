@@ -169,7 +169,7 @@ class BaseGenerationRequest(_Request):
     """Fields shared by /v1/completions and /v1/chat/completions."""
 
     model: str | None = None  # None: the served model, as vLLM allows
-    max_tokens: int | None = Field(None, ge=1)
+    max_tokens: int | None = Field(None, ge=0)  # 0: score the prompt (with echo/prompt_logprobs)
     min_tokens: int = Field(0, ge=0)
     temperature: float | None = Field(None, ge=0.0)
     top_p: float | None = Field(None, gt=0.0, le=1.0)
@@ -192,7 +192,8 @@ class BaseGenerationRequest(_Request):
     logit_bias: Neutral({}) = None
     include_stop_str_in_output: Neutral(False) = None
     spaces_between_special_tokens: Neutral(True) = None
-    prompt_logprobs: Neutral() = None
+    # vLLM's: the logprob of every prompt token and the top N at its position.
+    prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     truncate_prompt_tokens: Neutral() = None
     priority: Neutral(0) = None
     # Structured outputs: OpenAI's response_format, vLLM's structured_outputs, and vLLM's
@@ -262,9 +263,16 @@ class BaseGenerationRequest(_Request):
             fields.pop("json_object")
         return StructuredOutputsParams(**fields)
 
+    def prompt_logprobs_count(self) -> int | None:
+        """Top alternatives per prompt token to compute (None: no prompt logprobs)."""
+        return self.prompt_logprobs
+
     def sampling_params(self, max_tokens: int, seed: int | None) -> SamplingParams:
         """SamplingParams for one choice; raises ValueError for inconsistent values."""
+        if max_tokens == 0 and self.prompt_logprobs_count() is None:
+            raise ValueError("max_tokens 0 only scores a prompt: it needs echo or prompt_logprobs")
         return SamplingParams(
+            prompt_logprobs=self.prompt_logprobs_count(),
             structured_outputs=self.structured_outputs_params(),
             max_tokens=max_tokens,
             min_tokens=self.min_tokens,
@@ -285,7 +293,7 @@ class CompletionRequest(BaseGenerationRequest):
     prompt: Prompt
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     add_special_tokens: bool = True  # vLLM's extension: BOS and the like around the prompt
-    echo: Neutral(False) = None
+    echo: bool | None = False  # the prompt before the completion (and its logprobs)
     suffix: Neutral("") = None
     best_of: int | None = None
 
@@ -304,6 +312,14 @@ class CompletionRequest(BaseGenerationRequest):
 
     def logprobs_count(self) -> int | None:
         return self.logprobs
+
+    def prompt_logprobs_count(self) -> int | None:
+        # echo with logprobs scores the prompt too: the larger of the two asks.
+        asks = [self.prompt_logprobs, self.logprobs if self.echo else None]
+        if self.echo and self.requested_max_tokens() == 0:
+            asks.append(0)  # echo of a prompt alone: it must still be computed
+        given = [n for n in asks if n is not None]
+        return max(given) if given else None
 
 
 class ContentPart(_Request):
@@ -446,10 +462,25 @@ class UsageInfo(_Response):
 
 
 class CompletionLogprobs(_Response):
+    """OpenAI's; with echo the prompt's entries come first, the first token's null."""
+
     tokens: list[str]
-    token_logprobs: list[float]
-    top_logprobs: list[dict[str, float]]
+    token_logprobs: list[float | None]
+    top_logprobs: list[dict[str, float] | None]
     text_offset: list[int]
+
+
+class PromptLogprob(_Response):
+    """vLLM's entry of prompt_logprobs: one token's logprob, rank and text."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str
+
+
+# Per prompt token: null for the first, else {token id: its entry} for the prompt's token and
+# the top N at that position.
+PromptLogprobs = list[dict[str, PromptLogprob] | None]
 
 
 class CompletionChoice(_Response):
@@ -458,6 +489,7 @@ class CompletionChoice(_Response):
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
     token_ids: list[int] | None = Field(None, exclude_if=lambda v: v is None)
+    prompt_logprobs: PromptLogprobs | None = Field(None, exclude_if=lambda v: v is None)
 
 
 class CompletionResponse(_Response):
@@ -504,6 +536,8 @@ class ChatCompletionResponse(_Response):
     model: str
     choices: list[ChatChoice]
     usage: UsageInfo
+    # vLLM's, with prompt_logprobs (one prompt for all choices)
+    prompt_logprobs: PromptLogprobs | None = Field(None, exclude_if=lambda v: v is None)
 
 
 class DeltaMessage(_Response):

@@ -26,7 +26,11 @@ from pdserve.common.engine.config import CacheConfig, ModelConfig, SchedulerConf
 from pdserve.common.engine.llm_engine import LLMEngine
 from pdserve.common.engine.scheduler import RequestUpdate
 from pdserve.common.node.config import NodeConfig
-from pdserve.common.wire.codecs import logprobs_to_wire, sampling_from_wire
+from pdserve.common.wire.codecs import (
+    logprobs_to_wire,
+    ranked_logprobs_to_wire,
+    sampling_from_wire,
+)
 from pdserve.common.wire.control import ControlClient
 from pdserve.common.wire.messages import (
     ALIVE_SUFFIX,
@@ -184,6 +188,7 @@ class EngineNode:
                 logprobs=logprobs_to_wire(update.new_logprobs),
                 finish_reason=reason,
                 cached_tokens=update.cached_tokens,
+                prompt_logprobs=ranked_logprobs_to_wire(update.prompt_logprobs),
             )
         )
 

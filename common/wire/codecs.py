@@ -36,3 +36,14 @@ def logprobs_to_wire(lps: tuple[TokenLogprobs, ...]) -> tuple:
 
 def logprobs_from_wire(wire: tuple) -> tuple[TokenLogprobs, ...]:
     return tuple(TokenLogprobs(t, lp, tuple(tuple(x) for x in top)) for t, lp, top in wire)
+
+
+def ranked_logprobs_to_wire(lps: tuple[TokenLogprobs, ...]) -> tuple:
+    """Prompt logprobs: as logprobs_to_wire, with each token's rank."""
+    return tuple((lp.token_id, lp.logprob, tuple(lp.top), lp.rank) for lp in lps)
+
+
+def ranked_logprobs_from_wire(wire: tuple) -> tuple[TokenLogprobs, ...]:
+    return tuple(
+        TokenLogprobs(t, lp, tuple(tuple(x) for x in top), rank) for t, lp, top, rank in wire
+    )

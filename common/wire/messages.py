@@ -375,3 +375,6 @@ class Tokens(Message):
     logprobs: tuple[tuple[int, float, tuple[tuple[int, float], ...]], ...] = ()
     finish_reason: str = ""  # "" while running
     cached_tokens: int = 0
+    # Of prompt tokens 1, 2, ...: (token_id, logprob, top, rank); first message only, when the
+    # request asked for prompt logprobs.
+    prompt_logprobs: tuple[tuple[int, float, tuple[tuple[int, float], ...], int], ...] = ()

@@ -17,7 +17,7 @@ import math
 import time
 from collections.abc import AsyncIterator
 
-from pdserve.common.wire.codecs import logprobs_from_wire
+from pdserve.common.wire.codecs import logprobs_from_wire, ranked_logprobs_from_wire
 from pdserve.common.wire.messages import (
     ALIVE_SUFFIX,
     Abort,
@@ -231,6 +231,7 @@ class ClusterBackend(Backend):
             logprobs=logprobs_from_wire(msg.logprobs),
             finish_reason=msg.finish_reason or None,
             cached_tokens=msg.cached_tokens,
+            prompt_logprobs=ranked_logprobs_from_wire(msg.prompt_logprobs),
         )
         if stream.decode_node == sender and not stream.got_first:
             stream.early.append(event)  # the decode node outran the prefill node's message

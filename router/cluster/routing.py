@@ -58,6 +58,8 @@ class Routing:
         request = stream.request
         sampling, outputs = self._wire(stream)
         exclude = stream.lost
+        if request.sampling.max_tokens == 0:
+            return await self._score(stream)
         colocated = self.policy(self.registry.routable(("both",), exclude), request)
         decodes = self.policy(self.registry.routable(("decode",), exclude), request)
         if colocated and not (decodes and self.registry.routable(("prefill",), exclude)):
@@ -82,6 +84,23 @@ class Routing:
                 Failure.UNAVAILABLE, "no decode node has room for this request"
             )
         return await self.send_prefill(stream, reserved)
+
+    async def _score(self, stream: Stream) -> TokenEvent | None:
+        """A request that only scores its prompt (max_tokens 0) needs a prefill and nothing
+        else: a prefill or colocated node computes it and answers; no KV moves."""
+        request = stream.request
+        nodes = self.policy(self.registry.routable(("prefill", "both"), stream.lost), request)
+        if not nodes:
+            return TokenEvent.failed(Failure.UNAVAILABLE, "no prefill node available")
+        node = nodes[0]
+        stream.prefill_node = node.node_id
+        node.inflight += 1
+        node.routed(request, time.monotonic(), prefixes=self.hash_prompts)
+        sampling, _ = self._wire(stream)
+        await self.control.send(
+            node.node_id, Prefill(stream.wire_id, request.prompt_token_ids, sampling)
+        )
+        return None
 
     async def send_prefill(self, stream: Stream, reserved: Reserved) -> TokenEvent | None:
         request = stream.request

@@ -543,7 +543,7 @@ CHAT = {"messages": [{"role": "user", "content": "Hello"}], "max_tokens": 4}
         ("/v1/completions", {**COMPLETION, "stop_token_ids": [-1]}, "stop_token_ids"),
         ("/v1/completions", {**COMPLETION, "presence_penalty": 0.5}, "unsupported"),
         ("/v1/completions", {**COMPLETION, "frequency_penalty": -1}, "unsupported"),
-        ("/v1/completions", {**COMPLETION, "echo": True}, "unsupported"),
+        ("/v1/completions", {**COMPLETION, "max_tokens": 0}, "needs echo or prompt_logprobs"),
         ("/v1/completions", {**COMPLETION, "min_tokens": 9}, "min_tokens"),
         ("/v1/completions", {**COMPLETION, "stream_options": {"include_usage": True}}, "stream"),
         ("/v1/completions", {**COMPLETION, "seed": "x"}, "seed"),
