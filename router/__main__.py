@@ -15,6 +15,7 @@ from pdserve.common.node.cli import add_curve_arg, add_model_arg, parser, resolv
 from pdserve.common.process import freeze_startup_heap
 from pdserve.router.app import RouterLimits, create_app
 from pdserve.router.cluster import POLICIES, ClusterBackend
+from pdserve.router.tools import PARSERS
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -42,6 +43,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         type=int,
         default=None,
         help="prompt + output tokens per request (default: the model's own limit)",
+    )
+    api.add_argument(
+        "--tool-call-parser",
+        default="hermes",
+        choices=PARSERS,
+        help="how replies are read as tool calls: hermes (<tool_call> blocks: Qwen2.5, Qwen3, "
+        "SmolLM2 with the default tool prompt) or llama3_json (Llama 3.1+)",
     )
     cluster = p.add_argument_group("cluster")
     cluster.add_argument("--control-host", default=None, help="default: --host")
@@ -117,7 +125,14 @@ async def serve(args: argparse.Namespace) -> None:
     )
     await backend.start()
     name = args.served_model_name or args.model  # vLLM's rule: MODEL as the user typed it
-    app = create_app(backend, tokenizer, name, api_key=args.api_key, limits=limits)
+    app = create_app(
+        backend,
+        tokenizer,
+        name,
+        api_key=args.api_key,
+        limits=limits,
+        tool_call_parser=args.tool_call_parser,
+    )
 
     @app.get("/internal/integrity")  # behind the API key like every route but /health
     async def integrity() -> dict:

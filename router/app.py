@@ -103,12 +103,13 @@ def create_app(
     model_name: str,
     api_key: str | None = None,
     limits: RouterLimits | None = None,
+    tool_call_parser: str = "hermes",
 ) -> FastAPI:
     """The router's FastAPI app: OpenAI-compatible routes plus /health, /metrics, /tokenize,
     /detokenize and /openapi.json. With api_key every path but /health wants
     `Authorization: Bearer <key>`. Every error, whatever its cause, has vLLM's envelope."""
     limits = limits or RouterLimits()
-    handlers = Handlers(backend, tokenizer, model_name, limits)
+    handlers = Handlers(backend, tokenizer, model_name, limits, tool_call_parser)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:

@@ -27,11 +27,15 @@ from pdserve.router.openai_protocol import (
     CompletionLogprobs,
     CompletionResponse,
     DeltaMessage,
+    FunctionCall,
     PromptLogprob,
     PromptLogprobs,
     PromptTokensDetails,
+    ToolCallDelta,
+    ToolCallResponse,
     UsageInfo,
 )
+from pdserve.router.tools import ToolCall, ToolMode
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -134,7 +138,7 @@ class Dialect(ABC):
         return []
 
     @abstractmethod
-    def chunk(self, delta: ChoiceDelta) -> BaseModel: ...
+    def chunk(self, delta: ChoiceDelta) -> BaseModel | None: ...  # None: nothing to send yet
 
     @abstractmethod
     def usage_chunk(self, usage: UsageInfo) -> BaseModel: ...
@@ -266,14 +270,43 @@ class CompletionDialect(Dialect):
 
 
 class ChatDialect(Dialect):
+    """Chat completions. With tools, each choice's text is held until it ends, then read by
+    the tool parser: tool calls come whole in one delta (OpenAI's stream shape, index, id,
+    name and arguments at once), content that is not a call comes as content."""
+
     prefix = "chatcmpl"
+
+    def __init__(
+        self,
+        model: str,
+        tokens: TokenStrings,
+        want_logprobs: bool,
+        want_prompt_logprobs: bool = False,
+        tools: ToolMode | None = None,
+    ) -> None:
+        super().__init__(model, tokens, want_logprobs, want_prompt_logprobs)
+        self._tools = tools
+        self._held: dict[int, list[str]] = {}  # text of each choice, with tools
+
+    def _message(
+        self, text: str, finish: str | None
+    ) -> tuple[str | None, list[ToolCall], str | None]:
+        """Content, tool calls and finish reason of a whole reply."""
+        if self._tools is None or finish not in ("stop", "length"):
+            return text, [], finish
+        if finish == "length" and self._tools.choice == "auto":
+            return text, [], finish  # cut off: whatever it held is incomplete
+        content, calls = self._tools.parse(text) if finish == "stop" else (text, [])
+        return content, calls, "tool_calls" if calls else finish
 
     def opening(self, num_choices: int) -> list[BaseModel]:
         # OpenAI's first delta of each choice names the role, before any content.
         role = DeltaMessage(role="assistant", content="")
         return [self._wrap([ChatStreamChoice(index=i, delta=role)]) for i in range(num_choices)]
 
-    def chunk(self, delta: ChoiceDelta) -> BaseModel:
+    def chunk(self, delta: ChoiceDelta) -> BaseModel | None:
+        if self._tools is not None:
+            return self._tool_chunk(delta)
         choice = ChatStreamChoice(
             index=delta.index,
             delta=DeltaMessage(content=delta.text or None),
@@ -282,19 +315,44 @@ class ChatDialect(Dialect):
         )
         return self._wrap([choice])
 
+    def _tool_chunk(self, delta: ChoiceDelta) -> BaseModel | None:
+        """Held until the choice ends (None: nothing to send yet)."""
+        held = self._held.setdefault(delta.index, [])
+        held.append(delta.text)
+        if delta.finish_reason is None:
+            return None
+        content, calls, finish = self._message("".join(held), delta.finish_reason)
+        del self._held[delta.index]
+        tool_deltas = [
+            ToolCallDelta(
+                index=i, id=c.id, function=FunctionCall(name=c.name, arguments=c.arguments)
+            )
+            for i, c in enumerate(calls)
+        ]
+        message = DeltaMessage(content=content or None, tool_calls=tool_deltas or None)
+        choice = ChatStreamChoice(index=delta.index, delta=message, finish_reason=finish)
+        return self._wrap([choice])
+
     def usage_chunk(self, usage: UsageInfo) -> BaseModel:
         return self._wrap([], usage)
 
     def response(self, choices: list[Collected], usage: UsageInfo) -> BaseModel:
-        out = [
-            ChatChoice(
-                index=c.index,
-                message=ChatResponseMessage(content="".join(c.text)),
-                logprobs=self._logprobs(c.logprobs),
-                finish_reason=c.finish_reason,
+        out = []
+        for c in choices:
+            content, calls, finish = self._message("".join(c.text), c.finish_reason)
+            tool_calls = [
+                ToolCallResponse(id=t.id, function=FunctionCall(name=t.name, arguments=t.arguments))
+                for t in calls
+            ]
+            message = ChatResponseMessage(content=content, tool_calls=tool_calls)
+            out.append(
+                ChatChoice(
+                    index=c.index,
+                    message=message,
+                    logprobs=self._logprobs(c.logprobs),
+                    finish_reason=finish,
+                )
             )
-            for c in choices
-        ]
         prompt = choices[0].prompt if choices and self._want_prompt_logprobs else None
         return ChatCompletionResponse(
             id=self.id,

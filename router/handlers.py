@@ -10,6 +10,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
+from pdserve.common.engine.sampling_params import StructuredOutputsParams
 from pdserve.router.admission import Admission, RouterLimits
 from pdserve.router.backend import Backend, GenerateRequest
 from pdserve.router.detokenizer import IncrementalDetokenizer
@@ -37,6 +38,7 @@ from pdserve.router.openai_protocol import (
 )
 from pdserve.router.streaming import stream_events, streaming_response
 from pdserve.router.tokenization import Tokenization
+from pdserve.router.tools import ToolMode, messages_for_default
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -76,8 +78,10 @@ class Handlers:
         tokenizer: PreTrainedTokenizerBase,
         model: str,
         limits: RouterLimits,
+        tool_call_parser: str = "hermes",
     ) -> None:
         self._backend = backend
+        self._tool_call_parser = tool_call_parser
         self._tokenizer = tokenizer
         self._model = model
         self.tokenization = Tokenization(tokenizer)
@@ -113,16 +117,34 @@ class Handlers:
         self.admission.check_room()
         body = await parse_body(request, ChatCompletionRequest)
         self._check_model(body.model)
-        messages = [m.template_dict() for m in body.messages]
-        prompt = await self.tokenization.chat(messages, body.add_generation_prompt)
+        try:
+            tools = body.tool_mode(self._tool_call_parser)
+        except ValueError as exc:
+            raise APIError(400, str(exc), "tool_choice" if body.tools else "tools") from None
+        prompt = await self._chat_prompt(body, tools)
         self.tokenization.check_ids(prompt, "messages")
         dialect = ChatDialect(
             self._model,
             self._tokens,
             body.logprobs_count() is not None,
             want_prompt_logprobs=body.prompt_logprobs is not None,
+            tools=tools,
         )
-        return await self._generate(request, body, [prompt], dialect, started, "messages")
+        forced = tools.constraint() if tools is not None else None
+        return await self._generate(
+            request, body, [prompt], dialect, started, "messages", forced=forced
+        )
+
+    async def _chat_prompt(self, body: ChatCompletionRequest, tools: ToolMode | None) -> list[int]:
+        """The chat's prompt ids: tools through the template when it renders them, else the
+        default tool prompt (see tools.py); earlier calls and tool results either way."""
+        messages = [m.template_dict() for m in body.messages]
+        if await self.tokenization.renders_tools():
+            listed = [f.as_tool() for f in tools.functions] if tools is not None else None
+            return await self.tokenization.chat(messages, body.add_generation_prompt, listed)
+        if tools is not None or any(m.tool_calls or m.role == "tool" for m in body.messages):
+            messages = messages_for_default(messages, tools.functions if tools else ())
+        return await self.tokenization.chat(messages, body.add_generation_prompt)
 
     async def models(self) -> ModelList:
         card = ModelCard(id=self._model, max_model_len=self._backend.max_model_len)
@@ -199,6 +221,7 @@ class Handlers:
         body: BaseGenerationRequest,
         prompt_param: str,
         echoes: list[str] | None = None,
+        forced: StructuredOutputsParams | None = None,
     ) -> list[Choice]:
         """One Choice per prompt and n; `echoes`: each prompt's text, returned before its
         completion (completions' echo)."""
@@ -215,7 +238,7 @@ class Handlers:
                 index = p * body.n + i
                 seed = None if body.seed is None else _wrap_int64(body.seed + i)
                 try:
-                    sampling = body.sampling_params(max_tokens, seed)
+                    sampling = body.sampling_params(max_tokens, seed, forced)
                 except ValueError as exc:
                     # SamplingParams' messages start with the offending field's name.
                     raise APIError(400, str(exc), str(exc).split()[0]) from None
@@ -234,8 +257,9 @@ class Handlers:
         started: float,
         prompt_param: str,
         echoes: list[str] | None = None,
+        forced: StructuredOutputsParams | None = None,
     ) -> Response:
-        choices = self._make_choices(dialect.id, prompts, body, prompt_param, echoes)
+        choices = self._make_choices(dialect.id, prompts, body, prompt_param, echoes, forced)
         if not self._backend.ready():
             raise APIError(503, "no prefill/decode route is available; retry later")
         self.metrics.prompt_tokens.inc(sum(len(p) for p in prompts))

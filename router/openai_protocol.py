@@ -34,6 +34,7 @@ from pydantic import (
 )
 
 from pdserve.common.engine.sampling_params import SamplingParams, StructuredOutputsParams
+from pdserve.router.tools import Function, ToolMode
 
 MAX_N = 16  # choices per prompt: each one is a backend request holding its own KV blocks
 MAX_PROMPTS = 64  # prompts in one completions request
@@ -267,13 +268,24 @@ class BaseGenerationRequest(_Request):
         """Top alternatives per prompt token to compute (None: no prompt logprobs)."""
         return self.prompt_logprobs
 
-    def sampling_params(self, max_tokens: int, seed: int | None) -> SamplingParams:
-        """SamplingParams for one choice; raises ValueError for inconsistent values."""
+    def sampling_params(
+        self,
+        max_tokens: int,
+        seed: int | None,
+        forced: StructuredOutputsParams | None = None,
+    ) -> SamplingParams:
+        """SamplingParams for one choice; raises ValueError for inconsistent values.
+        `forced`: the constraint of a forced tool call (never with another constraint)."""
+        constraint = self.structured_outputs_params()
+        if forced is not None:
+            if constraint is not None:
+                raise ValueError("structured_outputs cannot be combined with a forced tool_choice")
+            constraint = forced
         if max_tokens == 0 and self.prompt_logprobs_count() is None:
             raise ValueError("max_tokens 0 only scores a prompt: it needs echo or prompt_logprobs")
         return SamplingParams(
             prompt_logprobs=self.prompt_logprobs_count(),
-            structured_outputs=self.structured_outputs_params(),
+            structured_outputs=constraint,
             max_tokens=max_tokens,
             min_tokens=self.min_tokens,
             temperature=1.0 if self.temperature is None else self.temperature,
@@ -329,6 +341,43 @@ class ContentPart(_Request):
     text: str
 
 
+FunctionName = Annotated[str, Field(pattern=r"^[A-Za-z0-9_.-]{1,64}$")]
+
+
+class FunctionParam(_Request):
+    name: FunctionName
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema of the arguments object
+    strict: bool | None = None  # forced calls always follow the schema here
+
+
+class ToolParam(_Request):
+    type: Literal["function"]
+    function: FunctionParam
+
+
+class FunctionName_(_Request):
+    name: FunctionName
+
+
+class NamedToolChoice(_Request):
+    type: Literal["function"]
+    function: FunctionName_
+
+
+class CalledFunction(_Request):
+    name: str
+    arguments: str  # JSON text
+
+
+class ToolCallParam(_Request):
+    """A tool call of an earlier assistant message, as clients send it back."""
+
+    id: str
+    type: Literal["function"]
+    function: CalledFunction
+
+
 class ChatMessage(_Request):
     """One chat message; a list of text parts is joined into one string."""
 
@@ -345,11 +394,11 @@ class ChatMessage(_Request):
         | None
     ) = None
     name: str | None = None
-    # Fields of an earlier response that clients send back; no tools, so only empty ones.
+    tool_calls: list[ToolCallParam] | None = None  # an assistant's earlier calls
+    tool_call_id: str | None = None  # a tool message: the call it answers
+    # Fields of an earlier response that clients send back: only empty ones.
     refusal: Neutral("") = None
-    tool_calls: Neutral([]) = None
     function_call: Neutral() = None
-    tool_call_id: Neutral() = None
     audio: Neutral() = None
     annotations: Neutral([]) = None
     reasoning_content: Neutral("") = None
@@ -359,10 +408,29 @@ class ChatMessage(_Request):
         content = self.content
         if isinstance(content, list):
             content = "".join(part.text for part in content)
-        message = {"role": self.role, "content": content or ""}
+        message: dict[str, Any] = {"role": self.role, "content": content or ""}
         if self.name is not None:
             message["name"] = self.name
+        if self.tool_call_id is not None:
+            message["tool_call_id"] = self.tool_call_id
+        if self.tool_calls:
+            # Templates take arguments as a mapping (they write it with tojson).
+            message["tool_calls"] = [
+                {
+                    "id": c.id,
+                    "type": "function",
+                    "function": {"name": c.function.name, "arguments": _arguments(c.function)},
+                }
+                for c in self.tool_calls
+            ]
         return message
+
+
+def _arguments(fn: CalledFunction) -> Any:
+    try:
+        return json.loads(fn.arguments)
+    except ValueError:
+        return fn.arguments
 
 
 class ChatCompletionRequest(BaseGenerationRequest):
@@ -373,10 +441,10 @@ class ChatCompletionRequest(BaseGenerationRequest):
     logprobs: bool | None = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     add_generation_prompt: bool = True  # vLLM's extension
+    tools: list[ToolParam] | None = Field(None, max_length=128)
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None  # the model may call several: no effect here
     # OpenAI fields this server cannot honour: neutral values only (see the module docstring).
-    tools: Neutral([]) = None
-    tool_choice: Neutral("none", "auto") = None
-    parallel_tool_calls: bool | None = None  # no tools, so no effect
     functions: Neutral([]) = None
     function_call: Neutral("none", "auto") = None
     modalities: Neutral(["text"]) = None
@@ -408,6 +476,32 @@ class ChatCompletionRequest(BaseGenerationRequest):
 
     def logprobs_count(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None
+
+    def tool_mode(self, parser: str) -> ToolMode | None:
+        """What to do with tools (None: no tools, or tool_choice "none"); ValueError when
+        tool_choice names a function that is not in tools, or names repeat."""
+        choice = self.tool_choice
+        if not self.tools:
+            if choice not in (None, "none", "auto"):
+                raise ValueError("tool_choice needs tools: no tools were given")
+            return None
+        if choice == "none":
+            return None
+        functions = tuple(
+            Function(t.function.name, t.function.description, t.function.parameters)
+            for t in self.tools
+        )
+        names = [f.name for f in functions]
+        if len(set(names)) != len(names):
+            raise ValueError("tools: function names must be unique")
+        if isinstance(choice, NamedToolChoice):
+            if choice.function.name not in names:
+                raise ValueError(
+                    f"tool_choice names the function {choice.function.name!r}, "
+                    f"which is not in tools ({', '.join(names)})"
+                )
+            return ToolMode(functions, "function", parser, choice.function.name)
+        return ToolMode(functions, choice or "auto", parser)
 
 
 class TokenizeRequest(_Request):
@@ -517,9 +611,30 @@ class ChatLogprobs(_Response):
     content: list[ChatTokenLogprob] | None = None
 
 
+class FunctionCall(_Response):
+    name: str
+    arguments: str  # JSON text
+
+
+class ToolCallResponse(_Response):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class ToolCallDelta(_Response):
+    """A streamed tool call: here always whole, in one delta (index, id, name, arguments)."""
+
+    index: int
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatResponseMessage(_Response):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
+    tool_calls: list[ToolCallResponse] = Field(default_factory=list)
 
 
 class ChatChoice(_Response):
@@ -545,6 +660,7 @@ class DeltaMessage(_Response):
 
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[ToolCallDelta] | None = None
 
     @model_serializer(mode="wrap")
     def _drop_none(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:

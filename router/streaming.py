@@ -89,6 +89,8 @@ async def stream_events(
                     yield _sse(chunk, exclude)
             if delta.text or delta.logprobs or delta.finish_reason or dialect.wants(delta):
                 chunk = dialect.chunk(delta)
+                if chunk is None:  # held back (a chat reply with tools until it ends)
+                    continue
                 if continuous_usage:
                     chunk.usage = usage_info(prompts, gen.choices)
                 yield _sse(chunk, exclude)

@@ -22,6 +22,7 @@ class Tokenization:
         self._tokenizer = tokenizer
         self._executor: ThreadPoolExecutor | None = None  # made on first use, so the app
         self.vocab_size = len(tokenizer)  # serves again after a lifespan's shutdown
+        self._renders_tools: bool | None = None
 
     async def run(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         if self._executor is None:
@@ -33,18 +34,40 @@ class Tokenization:
         encode = self._tokenizer.encode
         return list(await self.run(encode, text, add_special_tokens=add_special_tokens))
 
-    async def chat(self, messages: list[dict[str, str]], add_generation_prompt: bool) -> list[int]:
+    async def chat(
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool,
+        tools: list[dict[str, Any]] | None = None,
+    ) -> list[int]:
         try:
             ids = await self.run(
                 self._tokenizer.apply_chat_template,
                 messages,
                 add_generation_prompt=add_generation_prompt,
                 tokenize=True,
+                tools=tools,
             )
         except Exception as exc:  # template errors (roles, no template) are the client's to fix
             raise APIError(400, f"cannot apply the chat template: {exc}", "messages") from None
         # transformers 5 returns a BatchEncoding, earlier versions a list.
         return list(ids["input_ids"] if isinstance(ids, Mapping) else ids)
+
+    async def renders_tools(self) -> bool:
+        """Whether the chat template writes `tools` into the prompt (checked once: a template
+        that ignores them renders the same text with or without)."""
+        if self._renders_tools is None:
+            probe = [{"role": "user", "content": "hi"}]
+            tool = {"type": "function", "function": {"name": "probe", "parameters": {}}}
+
+            def render(tools: list | None) -> str:
+                return self._tokenizer.apply_chat_template(probe, tokenize=False, tools=tools)
+
+            try:
+                self._renders_tools = await self.run(render, [tool]) != await self.run(render, None)
+            except Exception:  # a template that fails on tools does not render them
+                self._renders_tools = False
+        return self._renders_tools
 
     def check_ids(self, ids: list[int], param: str) -> None:
         if not ids:

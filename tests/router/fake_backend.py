@@ -69,7 +69,9 @@ class FakeBackend(Backend):
         eos_at: int | None = None,
         error_after: int | None = None,
         outputs: dict[tuple[int, ...], list[int]] | None = None,
+        scripted_all: list[int] | None = None,
     ) -> None:
+        """`scripted_all`: what every prompt not in outputs is answered with."""
         self.max_model_len = max_model_len
         self.vocab_size = vocab_size
         self.eos_token_id = eos_token_id
@@ -80,6 +82,7 @@ class FakeBackend(Backend):
         self.eos_at = eos_at
         self.error_after = error_after
         self.outputs = dict(outputs or {})
+        self.scripted_all = scripted_all
         self.is_ready = True
         self.gauges: dict[str, float] = {}
         self.requests: list[GenerateRequest] = []
@@ -164,7 +167,7 @@ class FakeBackend(Backend):
 
     def _tokens(self, request: GenerateRequest) -> Callable[[int], int]:
         # Past a script's end comes EOS, then filler for requests that ignore EOS.
-        scripted = self.outputs.get(tuple(request.prompt_token_ids))
+        scripted = self.outputs.get(tuple(request.prompt_token_ids), self.scripted_all)
         if scripted is not None:
 
             def scripted_token(step: int) -> int:

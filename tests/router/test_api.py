@@ -554,7 +554,7 @@ CHAT = {"messages": [{"role": "user", "content": "Hello"}], "max_tokens": 4}
         ("/v1/chat/completions", {**CHAT, "logprobs": True, "top_logprobs": 30}, "top_logprobs"),
         ("/v1/chat/completions", {**CHAT, "max_completion_tokens": -3}, "max_completion"),
         ("/v1/chat/completions", {**CHAT, "presence_penalty": 1}, "unsupported"),
-        ("/v1/chat/completions", {**CHAT, "tools": [{"type": "function"}]}, "unsupported"),
+        ("/v1/chat/completions", {**CHAT, "tools": [{"type": "function"}]}, "tools.0.function"),
     ],
 )
 def test_bad_requests_get_400_with_the_envelope(

@@ -85,6 +85,13 @@ C, CC = "/v1/completions", "/v1/chat/completions"
 MESSAGE = {"role": "user", "content": "Hello"}
 LONG_TEXT = " ".join(["cat"] * 60)  # more than MAX_MODEL_LEN tokens
 
+TOOL = {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}
+
+
+def NAMED(name: str) -> dict:  # noqa: N802 (reads as the value it builds)
+    return {"type": "function", "function": {"name": name}}
+
+
 GENERATION_CASES = [
     # wrong types
     case(C, {**COMPLETION, "max_tokens": "10"}, 400, "max_tokens", "max_tokens", "str-int"),
@@ -168,8 +175,19 @@ GENERATION_CASES = [
     case(C, {**COMPLETION, "suffix": "x"}, 400, "unsupported", "suffix"),
     case(C, {**COMPLETION, "best_of": 3}, 400, "best_of"),
     case(C, {**COMPLETION, "repetition_penalty": 1.2}, 400, "only 1 or null"),
-    case(CC, {**CHAT, "tools": [{"type": "function"}]}, 400, "unsupported", "tools"),
-    case(CC, {**CHAT, "tool_choice": "required"}, 400, "unsupported", "tool_choice"),
+    case(CC, {**CHAT, "tools": [{"type": "function"}]}, 400, "tools.0.function", "tools"),
+    case(CC, {**CHAT, "tool_choice": "required"}, 400, "tool_choice needs tools", "tools"),
+    case(CC, {**CHAT, "tools": [TOOL], "tool_choice": NAMED("nope")}, 400, "'nope'", "tool_choice"),
+    case(CC, {**CHAT, "tools": [TOOL, TOOL]}, 400, "must be unique", "tool_choice"),
+    case(
+        CC, {**CHAT, "tools": [{**TOOL, "function": {"name": "a b"}}]}, 400, "tools.0.function.name"
+    ),
+    case(
+        CC,
+        {**CHAT, "tools": [{"type": "function", "function": {"name": "f", "parameters": 3}}]},
+        400,
+        "tools.0.function.parameters",
+    ),
     case(CC, {**CHAT, "response_format": {"type": "xml"}}, 400, "response_format.type"),
     case(CC, {**CHAT, "response_format": {"type": "json_schema"}}, 400, "json_schema is required"),
     case(
@@ -185,7 +203,7 @@ GENERATION_CASES = [
     case(C, {**COMPLETION, "guided_json": "{not json"}, 400, "not valid JSON"),
     case(C, {**COMPLETION, "guided_json": "[1]"}, 400, "must be a JSON schema"),
     case(CC, {**CHAT, "store": True}, 400, "unsupported", "store"),
-    case(CC, {**CHAT, "messages": [{**MESSAGE, "tool_calls": [{"id": "1"}]}]}, 400, "tool_calls"),
+    case(CC, {**CHAT, "messages": [{**MESSAGE, "tool_calls": [{"id": "1"}]}]}, 400, "tool_calls.0"),
     # unknown model
     case(C, {**COMPLETION, "model": "gpt-9"}, 404, "gpt-9", "model", "unknown-model"),
     case(CC, {**CHAT, "model": "gpt-9"}, 404, "`gpt-9` does not exist", "model"),
