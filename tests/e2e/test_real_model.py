@@ -196,10 +196,60 @@ def test_structured_outputs_on_smollm2_through_one_prefill_one_decode(smollm2_gg
             "Is the sky blue? Answer yes or no.", extra_body={"guided_choice": ["yes", "no"]}
         )
         assert answer in ("yes", "no"), answer
+        tool_round_trip(client, model)
         for node, info in cluster.integrity().items():
             report = info["report"]
             assert report["ok"] and not report["live_requests"], node
             assert report["free_blocks"] == report["num_blocks"], node
+
+
+WEATHER_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Current weather in a city",
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "city": {"type": "string", "maxLength": 40},
+                "unit": {"enum": ["celsius", "fahrenheit"]},
+            },
+            "required": ["city", "unit"],
+            "additionalProperties": False,
+        },
+    },
+}
+
+
+def tool_round_trip(client, model: str) -> None:
+    """tool_choice "required": a call whose arguments follow the function's schema; the
+    tool's result sent back in a tool message: a final answer in words."""
+    messages = [{"role": "user", "content": "What is the weather in Paris?"}]
+    reply = client.chat.completions.create(
+        model=model,
+        messages=messages,
+        tools=[WEATHER_TOOL],
+        tool_choice="required",
+        max_tokens=100,
+        temperature=0,
+    )
+    choice = reply.choices[0]
+    assert choice.finish_reason == "tool_calls", choice
+    (call,) = choice.message.tool_calls
+    assert call.function.name == "get_weather"
+    args = json.loads(call.function.arguments)
+    assert set(args) == {"city", "unit"} and args["unit"] in ("celsius", "fahrenheit")
+    assert isinstance(args["city"], str) and args["city"]
+    messages += [
+        {"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
+        {"role": "tool", "tool_call_id": call.id, "content": "18 degrees celsius, sunny"},
+    ]
+    final = client.chat.completions.create(
+        model=model, messages=messages, tools=[WEATHER_TOOL], max_tokens=60, temperature=0
+    )
+    answer = final.choices[0]
+    assert answer.finish_reason in ("stop", "length") and not answer.message.tool_calls
+    assert answer.message.content and answer.message.content.strip(), answer
 
 
 def test_the_demo_prints_real_answers(smollm2_gguf: Path) -> None:
