@@ -136,6 +136,8 @@ def _mask(
         return logits
     indices, mask = grammar_mask
     out = logits.clone() if logits is raw else logits
+    if len(indices) == out.shape[0]:  # every row constrained: in place, no gather/scatter
+        return out.masked_fill_(~mask, float("-inf"))
     out[indices] = out[indices].masked_fill(~mask, float("-inf"))
     return out
 

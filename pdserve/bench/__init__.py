@@ -8,6 +8,7 @@
 | compare | colocated, 1P1D and `transformers serve`, side by side |
 | kernels | the Triton kernels against their torch references |
 | reliability | the fault-injection scenarios, figures for docs/reliability.md |
+| structured | the structured-output mask's cost per decode step, with and without a grammar |
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ BENCHMARKS = {
     "compare": ("compare", "colocated, 1P1D and transformers serve, side by side"),
     "kernels": ("kernels", "Triton kernels against their torch references"),
     "reliability": ("reliability", "fault-injection scenarios (docs/reliability.md)"),
+    "structured": ("structured", "a grammar's cost per decode step, with and without"),
 }
 
 

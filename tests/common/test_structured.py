@@ -167,7 +167,11 @@ def test_bitmask_rows_unpack_to_token_flags():
     assert torch.equal(got, want)  # token 63 (row 1) is beyond the vocabulary
 
 
-def test_the_mask_is_filled_off_the_main_thread(llm, monkeypatch):
+@pytest.mark.parametrize("overlap", [True, False])
+def test_the_mask_is_filled_beside_the_forward_when_asked(llm, monkeypatch, overlap):
+    """On an accelerator the mask fills on a worker while the forward runs; on the CPU
+    (overlap off, the default there) before it, on the loop's thread."""
+    monkeypatch.setattr(llm.engine.runner, "overlap_masks", overlap)
     threads = []
 
     def recording(grammars, vocab_size):
@@ -177,4 +181,5 @@ def test_the_mask_is_filled_off_the_main_thread(llm, monkeypatch):
     monkeypatch.setattr(model_runner, "fill_bitmask", recording)
     params = SamplingParams(max_tokens=3, temperature=0.0, structured_outputs=CONSTRAINTS["regex"])
     llm.generate(["x"], params)
-    assert threads and all(t.startswith("grammar-mask") for t in threads)
+    assert threads and all(t.startswith("grammar-mask") == overlap for t in threads)
+    assert llm.engine.runner.overlap_masks is overlap
