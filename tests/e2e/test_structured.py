@@ -116,8 +116,14 @@ SHAPES = {"colocated": (0, 0, 1), "1P1D": (1, 1, 0), "2P2D": (2, 2, 0)}
 
 @pytest.mark.parametrize("shape", list(SHAPES))
 def test_every_mode_gives_the_engine_s_output(model_dir, reference, shape):
+    """Each case equals the engine; bad input leaves nothing held; in 2P2D (one cluster start
+    for both, ~10 s each here) a stream also survives the kill of its decode node."""
     p, d, c = SHAPES[shape]
-    with LocalCluster(model_dir, p, d, num_colocated=c, engine_args=ENGINE) as cluster:
+    engine = [*ENGINE, "--heartbeat-interval", "0.2"]
+    router = ["--heartbeat-timeout", "1.5", "--lease-interval", "0.3"]
+    with LocalCluster(
+        model_dir, p, d, num_colocated=c, engine_args=engine, router_args=router
+    ) as cluster:
         for name, (fields, _) in CASES.items():
             choice = complete(cluster.url, fields)
             want_ids, want_text, want_finish = reference[name]
@@ -125,6 +131,8 @@ def test_every_mode_gives_the_engine_s_output(model_dir, reference, shape):
             assert (choice["text"], choice["finish_reason"]) == (want_text, want_finish), name
             check_valid(name, choice["text"], choice["finish_reason"])
         bad_input_leaves_nothing_held(cluster)
+        if shape == "2P2D":
+            resumed_after_its_decode_node_died(cluster, reference)
 
 
 def bad_input_leaves_nothing_held(cluster: LocalCluster) -> None:
@@ -150,40 +158,37 @@ def bad_input_leaves_nothing_held(cluster: LocalCluster) -> None:
         assert report["free_blocks"] == report["num_blocks"], f"{node} holds blocks"
 
 
-def test_a_stream_resumed_after_its_decode_node_died_ends_the_same(model_dir, reference):
-    """2P2D: the decode node streaming a JSON-schema answer is killed after a few tokens; the
-    router resumes the request on the other decode node, which rebuilds the grammar matcher
-    from the tokens already streamed. The text is the one without the fault, and valid."""
+def resumed_after_its_decode_node_died(cluster: LocalCluster, reference) -> None:
+    """The decode node streaming a JSON-schema answer is killed after a few tokens; the router
+    resumes the request on the other decode node, which rebuilds the grammar matcher from the
+    tokens already streamed. The text is the one without the fault, and valid."""
     name = "response_format json_schema"
     fields, _ = CASES[name]
     want_ids, want_text, _ = reference[name]
     assert len(want_ids) > 8, "the case must stream long enough to be cut"
-    engine = [*ENGINE, "--heartbeat-interval", "0.2"]
-    router = ["--heartbeat-timeout", "1.5", "--lease-interval", "0.3"]
-    with LocalCluster(model_dir, 2, 2, engine_args=engine, router_args=router) as cluster:
-        body = {"prompt": PROMPT, "max_tokens": MAX_TOKENS, "temperature": 0, **fields}
-        body |= {"stream": True, "return_token_ids": True, "ignore_eos": False}
-        got: list[int] = []
-        text = ""
-        killed = threading.Event()
-        with httpx.stream("POST", cluster.url + "/v1/completions", json=body, timeout=120) as r:
-            assert r.status_code == 200
-            for line in r.iter_lines():
-                if not line.startswith("data: ") or line == "data: [DONE]":
-                    continue
-                chunk = json.loads(line[6:])
-                assert "error" not in chunk, chunk
-                for c in chunk["choices"]:
-                    got += c.get("token_ids") or []
-                    text += c.get("text") or ""
-                if len(got) >= 4 and not killed.is_set():
-                    victim = decode_node_of(cluster)
-                    cluster.procs[victim].kill()
-                    killed.set()
-        assert killed.is_set()
-        assert got == want_ids
-        assert text == want_text
-        check_valid(name, text, "stop")
+    body = {"prompt": PROMPT, "max_tokens": MAX_TOKENS, "temperature": 0, **fields}
+    body |= {"stream": True, "return_token_ids": True, "ignore_eos": False}
+    got: list[int] = []
+    text = ""
+    killed = threading.Event()
+    with httpx.stream("POST", cluster.url + "/v1/completions", json=body, timeout=120) as r:
+        assert r.status_code == 200
+        for line in r.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            assert "error" not in chunk, chunk
+            for c in chunk["choices"]:
+                got += c.get("token_ids") or []
+                text += c.get("text") or ""
+            if len(got) >= 4 and not killed.is_set():
+                victim = decode_node_of(cluster)
+                cluster.procs[victim].kill()
+                killed.set()
+    assert killed.is_set()
+    assert got == want_ids
+    assert text == want_text
+    check_valid(name, text, "stop")
 
 
 def decode_node_of(cluster: LocalCluster) -> str:
