@@ -28,6 +28,7 @@ from pdserve.router.openai_protocol import (
     CompletionResponse,
     DeltaMessage,
     FunctionCall,
+    FunctionCallDelta,
     PromptLogprob,
     PromptLogprobs,
     PromptTokensDetails,
@@ -35,7 +36,7 @@ from pdserve.router.openai_protocol import (
     ToolCallResponse,
     UsageInfo,
 )
-from pdserve.router.tools import ToolCall, ToolMode
+from pdserve.router.tools import CallPiece, ToolCall, ToolMode, ToolStream
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -270,9 +271,9 @@ class CompletionDialect(Dialect):
 
 
 class ChatDialect(Dialect):
-    """Chat completions. With tools, each choice's text is held until it ends, then read by
-    the tool parser: tool calls come whole in one delta (OpenAI's stream shape, index, id,
-    name and arguments at once), content that is not a call comes as content."""
+    """Chat completions. With tools, each choice's text goes through a `ToolStream`: content
+    streams as content, tool calls as OpenAI's tool-call deltas (index, id and name first,
+    then argument fragments), as soon as the parser knows them."""
 
     prefix = "chatcmpl"
 
@@ -286,18 +287,17 @@ class ChatDialect(Dialect):
     ) -> None:
         super().__init__(model, tokens, want_logprobs, want_prompt_logprobs)
         self._tools = tools
-        self._held: dict[int, list[str]] = {}  # text of each choice, with tools
+        self._streams: dict[int, ToolStream] = {}  # each choice's parser, with tools
+        self._called: set[int] = set()  # choices that streamed a tool call
 
     def _message(
         self, text: str, finish: str | None
     ) -> tuple[str | None, list[ToolCall], str | None]:
         """Content, tool calls and finish reason of a whole reply."""
-        if self._tools is None or finish not in ("stop", "length"):
+        if self._tools is None:
             return text, [], finish
-        if finish == "length" and self._tools.choice == "auto":
-            return text, [], finish  # cut off: whatever it held is incomplete
-        content, calls = self._tools.parse(text) if finish == "stop" else (text, [])
-        return content, calls, "tool_calls" if calls else finish
+        content, calls = self._tools.parse(text, finish or "stop")
+        return content, calls, _tool_finish(finish, bool(calls))
 
     def opening(self, num_choices: int) -> list[BaseModel]:
         # OpenAI's first delta of each choice names the role, before any content.
@@ -316,20 +316,32 @@ class ChatDialect(Dialect):
         return self._wrap([choice])
 
     def _tool_chunk(self, delta: ChoiceDelta) -> BaseModel | None:
-        """Held until the choice ends (None: nothing to send yet)."""
-        held = self._held.setdefault(delta.index, [])
-        held.append(delta.text)
-        if delta.finish_reason is None:
-            return None
-        content, calls, finish = self._message("".join(held), delta.finish_reason)
-        del self._held[delta.index]
-        tool_deltas = [
+        """What the choice's parser lets out of this delta (None: nothing to send yet)."""
+        assert self._tools is not None
+        stream = self._streams.setdefault(delta.index, ToolStream(self._tools))
+        pieces = stream.feed(delta.text)
+        finish = delta.finish_reason
+        if finish is not None:
+            pieces += stream.finish(finish)
+            del self._streams[delta.index]
+        content = "".join(p for p in pieces if isinstance(p, str))
+        calls = [
             ToolCallDelta(
-                index=i, id=c.id, function=FunctionCall(name=c.name, arguments=c.arguments)
+                index=p.index,
+                id=p.id,
+                type="function" if p.id else None,
+                function=FunctionCallDelta(name=p.name, arguments=p.arguments),
             )
-            for i, c in enumerate(calls)
+            for p in pieces
+            if isinstance(p, CallPiece)
         ]
-        message = DeltaMessage(content=content or None, tool_calls=tool_deltas or None)
+        if calls:
+            self._called.add(delta.index)
+        if not content and not calls and finish is None:
+            return None
+        if finish is not None:
+            finish = _tool_finish(finish, delta.index in self._called)
+        message = DeltaMessage(content=content or None, tool_calls=calls or None)
         choice = ChatStreamChoice(index=delta.index, delta=message, finish_reason=finish)
         return self._wrap([choice])
 
@@ -385,6 +397,11 @@ class ChatDialect(Dialect):
     def _top(self, token_id: int, logprob: float) -> ChatTopLogprob:
         text, raw = self._tokens.get(token_id)
         return ChatTopLogprob(token=text, logprob=_logprob(logprob), bytes=raw)
+
+
+def _tool_finish(finish: str | None, called: bool) -> str | None:
+    """OpenAI's "tool_calls" for a reply that stopped after calling; others keep theirs."""
+    return "tool_calls" if called and finish == "stop" else finish
 
 
 def usage_info(prompts: list[list[int]], choices: list[Choice]) -> UsageInfo:

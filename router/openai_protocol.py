@@ -622,13 +622,27 @@ class ToolCallResponse(_Response):
     function: FunctionCall
 
 
-class ToolCallDelta(_Response):
-    """A streamed tool call: here always whole, in one delta (index, id, name, arguments)."""
+class _Sparse(_Response):
+    """Streamed pieces leave out what they do not carry, as OpenAI's do."""
+
+    @model_serializer(mode="wrap")
+    def _drop_none(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        return {k: v for k, v in handler(self).items() if v is not None}
+
+
+class FunctionCallDelta(_Sparse):
+    name: str | None = None
+    arguments: str
+
+
+class ToolCallDelta(_Sparse):
+    """A piece of a streamed tool call: a call's first piece has its id, type and name, and
+    every piece a fragment of its arguments (clients join them by index)."""
 
     index: int
-    id: str
-    type: Literal["function"] = "function"
-    function: FunctionCall
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: FunctionCallDelta
 
 
 class ChatResponseMessage(_Response):

@@ -7,6 +7,11 @@
 - Parsing: two formats in common use. `hermes`: `<tool_call>` blocks (Qwen2.5, Qwen3, Hermes,
   and the default above). `llama3_json`: the whole reply is one JSON object with `name` and
   `parameters` (Llama 3.1+). Output that does not parse is plain content, never an error.
+- Streaming: `ToolStream` reads the reply as it comes. Content streams live (only a possible
+  start of a call is held back); a Hermes call goes out as soon as its block closes; a forced
+  function's arguments stream fragment by fragment; a Llama 3 JSON reply and a `required` call
+  are read when the reply ends. A whole reply is parsed by the same machine, so streamed and
+  non-streamed replies agree.
 - Forcing: `tool_choice: "required"` or a named function constrains the output with
   structured outputs, so the arguments always parse and follow the function's schema:
   required -> one JSON object {"name": one of the functions, "arguments": its parameters};
@@ -86,23 +91,149 @@ class ToolMode:
             return StructuredOutputsParams(json=schema)
         return None
 
-    def parse(self, text: str) -> tuple[str | None, list[ToolCall]]:
-        """The reply's content (None when nothing but calls) and its tool calls."""
-        if self.choice == "function":  # the whole output is the forced function's arguments
-            return None, [ToolCall(new_call_id(), self.forced or "", _compact(text))]
-        if self.choice == "required":
-            calls = _object_call(text, "arguments")
-            return (None, calls) if calls else (text, [])
-        if self.parser == "llama3_json":
-            return parse_llama3_json(text)
-        return parse_hermes(text)
+    def parse(self, text: str, finish: str = "stop") -> tuple[str | None, list[ToolCall]]:
+        """A whole reply's content (None when empty) and its tool calls."""
+        stream = ToolStream(self)
+        pieces = [*stream.feed(text), *stream.finish(finish)]
+        content = "".join(p for p in pieces if isinstance(p, str))
+        calls: dict[int, list[CallPiece]] = {}
+        for p in pieces:
+            if isinstance(p, CallPiece):
+                calls.setdefault(p.index, []).append(p)
+        whole = [
+            ToolCall(ps[0].id or "", ps[0].name or "", "".join(p.arguments for p in ps))
+            for ps in calls.values()
+        ]
+        return content or None, whole
 
 
-def _compact(text: str) -> str:
-    try:
-        return json.dumps(json.loads(text), ensure_ascii=False)
-    except ValueError:
-        return text
+@dataclass(frozen=True, slots=True)
+class CallPiece:
+    """A piece of a streamed tool call: the first piece of a call carries its id and name,
+    every piece a fragment of its arguments (OpenAI's tool-call delta)."""
+
+    index: int
+    id: str | None
+    name: str | None
+    arguments: str
+
+
+_OPEN, _CLOSE, _PYTHON_TAG = "<tool_call>", "</tool_call>", "<|python_tag|>"
+
+
+class ToolStream:
+    """One choice's reply read as it streams: `feed` each new text, `finish` at the end;
+    each returns what can go out now, content text (str) and CallPieces, in order."""
+
+    def __init__(self, mode: ToolMode) -> None:
+        self.mode = mode
+        self.calls = 0  # calls sent so far
+        self._pending = ""  # text read but not yet sent
+        self._in_call = False  # hermes: inside a <tool_call> block
+        self._space = ""  # hermes: whitespace held (dropped if a call follows it)
+        self._whole = mode.choice == "required"  # read only at the end
+        self._json: bool | None = None  # llama3_json: the reply is a JSON call (None: unsure)
+
+    def feed(self, text: str) -> list[str | CallPiece]:
+        if self.mode.choice == "function":
+            return self._arguments(text)
+        self._pending += text
+        if self._whole:
+            return []
+        if self.mode.parser == "llama3_json":
+            return self._llama3()
+        return self._hermes()
+
+    def finish(self, finish: str | None) -> list[str | CallPiece]:
+        """What the reply's end releases: held text as content; a Llama 3 or `required`
+        reply read whole when it stopped (a cut-off one stays content)."""
+        text, self._pending = self._pending, ""
+        if self.mode.choice == "function":
+            return []
+        if self._whole or self._json:
+            calls = []
+            if finish == "stop":
+                if self._whole:
+                    calls = _object_call(text, "arguments")
+                else:
+                    calls = parse_llama3_json(text)[1]
+            if calls:
+                return [self._piece(c.name, c.arguments) for c in calls]
+            return [text] if text else []
+        if self._in_call:
+            text = _OPEN + text  # an unclosed block is content
+        held = "" if self.calls else self._space
+        self._space = ""
+        return [held + text] if held + text else []
+
+    def _piece(self, name: str, arguments: str) -> CallPiece:
+        self.calls += 1
+        return CallPiece(self.calls - 1, new_call_id(), name, arguments)
+
+    def _arguments(self, text: str) -> list[str | CallPiece]:
+        """A forced function: the whole reply is its arguments, streamed as they come."""
+        if self.calls == 0:
+            return [self._piece(self.mode.forced or "", text)]
+        return [CallPiece(0, None, None, text)] if text else []
+
+    def _llama3(self) -> list[str | CallPiece]:
+        """Content streams once the reply is known not to be a JSON call."""
+        if self._json is None:
+            head = self._pending.lstrip()
+            if head.startswith(_PYTHON_TAG):
+                head = head.removeprefix(_PYTHON_TAG).lstrip()
+            elif _PYTHON_TAG.startswith(head):
+                return []  # nothing yet, or maybe the tag's start
+            if not head:
+                return []
+            self._json = head.startswith("{")
+        if self._json:
+            return []
+        text, self._pending = self._pending, ""
+        return [text]
+
+    def _hermes(self) -> list[str | CallPiece]:
+        out: list[str | CallPiece] = []
+        while True:
+            if self._in_call:
+                end = self._pending.find(_CLOSE)
+                if end < 0:
+                    return [p for p in out if p]
+                block, self._pending = self._pending[:end], self._pending[end + len(_CLOSE) :]
+                self._in_call = False
+                calls = _object_call(block.strip(), "arguments", "parameters")
+                if calls:
+                    out += [self._piece(c.name, c.arguments) for c in calls]
+                else:  # malformed: the block stays content, as written
+                    out.append(self._content(_OPEN + block + _CLOSE))
+                continue
+            start = self._pending.find(_OPEN)
+            if start >= 0:
+                out.append(self._content(self._pending[:start], before_call=True))
+                self._pending = self._pending[start + len(_OPEN) :]
+                self._in_call = True
+                continue
+            keep = _partial_suffix(self._pending, _OPEN)
+            cut = len(self._pending) - keep
+            out.append(self._content(self._pending[:cut]))
+            self._pending = self._pending[cut:]
+            return [p for p in out if p]
+
+    def _content(self, text: str, before_call: bool = False) -> str:
+        """Text that is content, less its trailing whitespace: that is held, to go out with
+        the next text, or be dropped when a call follows (the newline before a call)."""
+        text = self._space + text
+        body = text.rstrip()
+        self._space = "" if before_call else text[len(body) :]
+        return body
+
+
+def _partial_suffix(text: str, tag: str) -> int:
+    """Length of the longest end of `text` that begins `tag` (held: a call may start)."""
+    for n in range(min(len(tag) - 1, len(text)), 0, -1):
+        if tag.startswith(text[-n:]):
+            return n
+    return 0
 
 
 def _object_call(text: str, *arg_keys: str) -> list[ToolCall]:
@@ -121,19 +252,9 @@ def _object_call(text: str, *arg_keys: str) -> list[ToolCall]:
 
 
 def parse_hermes(text: str) -> tuple[str | None, list[ToolCall]]:
-    """`<tool_call>{"name": ..., "arguments": {...}}</tool_call>` blocks; if any block is
-    malformed the whole reply stays plain content."""
-    blocks = _HERMES_CALL.findall(text)
-    if not blocks:
-        return text, []
-    calls = []
-    for block in blocks:
-        found = _object_call(block, "arguments", "parameters")
-        if not found:
-            return text, []
-        calls += found
-    content = _HERMES_CALL.sub("", text).strip()
-    return content or None, calls
+    """`<tool_call>{"name": ..., "arguments": {...}}</tool_call>` blocks; a malformed or
+    unclosed block stays in the content as written."""
+    return ToolMode((), "auto", "hermes").parse(text)
 
 
 def parse_llama3_json(text: str) -> tuple[str | None, list[ToolCall]]:

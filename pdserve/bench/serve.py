@@ -18,6 +18,12 @@ same requests. Datasets:
   turn carrying the whole history before it, so turns share prefixes; a conversation's next
   turn is sent only once its previous one has finished.
 
+Structured outputs: `--structured-output json|json_object|regex|choice` constrains a share of
+the requests (`--structured-output-ratio`, drawn with `--seed`) with vLLM's
+`structured_outputs` field (OpenAI's `response_format` for json_object). Constrained and free
+requests run side by side in one run and are reported apart (`by_tag`: "structured", "free"),
+with how many constrained outputs the constraint accepts (a cut-off JSON counts as invalid).
+
 Before timing, one probe finds what the server accepts, in this order: token-id prompts,
 `ignore_eos` (pdserve, vLLM), transformers serve's `generation_config` with EOS switched off;
 so output lengths hold wherever the server can be told to. Input and output lengths are the
@@ -36,10 +42,11 @@ import asyncio
 import json
 import math
 import random
+import re
 import sys
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -56,6 +63,32 @@ SLO_METRICS = ("ttft", "tpot", "e2el")
 EOS_MODES = ("ignore_eos", "generation_config", "none")
 PROBE_ATTEMPTS = 3
 
+# --structured-output kinds: the request fields each adds. The schema's strings and list are
+# bounded, so a conforming object ends well within 100 tokens of a small model's vocabulary.
+BENCH_SCHEMA: dict[str, Any] = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 24},
+        "age": {"type": "integer", "minimum": 0, "maximum": 120},
+        "role": {"enum": ["admin", "user", "guest"]},
+        "tags": {
+            "type": "array",
+            "items": {"type": "string", "maxLength": 12},
+            "maxItems": 3,
+        },
+    },
+    "required": ["name", "age", "role", "tags"],
+    "additionalProperties": False,
+}
+BENCH_REGEX = r"[A-Z][a-z]{2,8}-[0-9]{3}"
+BENCH_CHOICES = ("positive", "negative", "neutral")
+STRUCTURED_FIELDS: dict[str, dict[str, Any]] = {
+    "json": {"structured_outputs": {"json": BENCH_SCHEMA}},
+    "json_object": {"response_format": {"type": "json_object"}},
+    "regex": {"structured_outputs": {"regex": BENCH_REGEX}},
+    "choice": {"structured_outputs": {"choice": list(BENCH_CHOICES)}},
+}
+
 
 # ---------------------------------------------------------------- types
 
@@ -70,6 +103,7 @@ class BenchRequest:
     output_len: int
     conversation: int | None = None  # turns of one conversation run in order
     tag: str = ""  # groups requests for their own metrics (e.g. "short" and "long")
+    structured: str | None = None  # a STRUCTURED_FIELDS kind constraining the output
 
 
 @dataclass(frozen=True, slots=True)
@@ -126,6 +160,8 @@ class RequestResult:
     expected_prompt_len: int = 0
     expected_output_len: int = 0
     has_usage: bool = False  # lengths are the server's usage counts (else our own)
+    structured: str | None = None
+    text: str = ""  # the output, kept for constrained requests only
 
     @property
     def tpot(self) -> float | None:
@@ -211,7 +247,7 @@ def as_text(pool: TokenPool, requests: Sequence[BenchRequest]) -> list[BenchRequ
             rng = random.Random(r.prompt_len * 7919 + sum(r.prompt[:8]))
             text = pool.fit_text(r.prompt, r.prompt_len, rng)
             n = len(pool.encode(text))
-            r = BenchRequest(text, None, n, r.output_len, r.conversation, r.tag)
+            r = replace(r, prompt=text, prompt_len=n)
         out.append(r)
     return out
 
@@ -258,6 +294,46 @@ def _chat_len(pool: TokenPool, messages: list[dict[str, str]]) -> int:
     return sum(len(pool.encode(m["content"])) for m in messages)
 
 
+def with_structured(
+    requests: Sequence[BenchRequest], kind: str, ratio: float = 1.0, seed: int = 0
+) -> list[BenchRequest]:
+    """The requests with a share `ratio` (drawn with `seed`) constrained by `kind` and tagged
+    "structured", the others tagged "free"."""
+    if kind not in STRUCTURED_FIELDS:
+        raise ValueError(f"unknown structured output {kind!r}; use {sorted(STRUCTURED_FIELDS)}")
+    if not 0.0 <= ratio <= 1.0:
+        raise ValueError("structured output ratio must be within [0, 1]")
+    rng = random.Random(seed + 1)
+    out = []
+    for r in requests:
+        on = rng.random() < ratio
+        out.append(replace(r, structured=kind if on else None, tag="structured" if on else "free"))
+    return out
+
+
+def structured_valid(kind: str, text: str) -> bool:
+    """Whether an output is what the constraint asks for (the whole text)."""
+    if kind == "regex":
+        return re.fullmatch(BENCH_REGEX, text) is not None
+    if kind == "choice":
+        return text in BENCH_CHOICES
+    try:
+        value = json.loads(text)
+    except ValueError:
+        return False
+    if kind == "json_object":
+        return isinstance(value, dict)
+    return (
+        isinstance(value, dict)
+        and set(value) == set(BENCH_SCHEMA["required"])
+        and isinstance(value["name"], str)
+        and isinstance(value["age"], int)
+        and value["role"] in BENCH_SCHEMA["properties"]["role"]["enum"]
+        and isinstance(value["tags"], list)
+        and len(value["tags"]) <= 3
+    )
+
+
 def poisson_arrivals(n: int, rate: float, seed: int) -> list[float]:
     """Send times (s from start) of n requests arriving as a Poisson process."""
     if math.isinf(rate):
@@ -284,6 +360,8 @@ def request_body(
         body["prompt"] = req.prompt
     if caps.model is not None:
         body["model"] = caps.model
+    if req.structured is not None:
+        body.update(STRUCTURED_FIELDS[req.structured])
     if stream:
         body.update(stream=True, stream_options={"include_usage": True})
     if caps.eos_mode == "ignore_eos":
@@ -331,6 +409,7 @@ def _empty_result(req: BenchRequest) -> RequestResult:
         conversation=req.conversation,
         expected_prompt_len=req.prompt_len,
         expected_output_len=req.output_len,
+        structured=req.structured,
     )
 
 
@@ -349,7 +428,9 @@ async def _read_stream(resp: httpx.Response, res: RequestResult) -> None:
             res.error = f"stream error: {json.dumps(chunk['error'])[:300]}"
             return
         now = time.perf_counter()
-        if _chunk_text(chunk):
+        if text := _chunk_text(chunk):
+            if res.structured is not None:
+                res.text += text
             if chunks == 0:
                 res.ttft = now - res.start
             else:
@@ -382,9 +463,14 @@ def _finish(res: RequestResult, usage: dict | None, chunks: int, done: bool) -> 
 
 
 async def probe_server(
-    client: httpx.AsyncClient, pool: TokenPool, model: str | None, chat: bool
+    client: httpx.AsyncClient,
+    pool: TokenPool,
+    model: str | None,
+    chat: bool,
+    structured: frozenset[str] = frozenset(),
 ) -> ServerCaps:
-    """Find what the server accepts with tiny non-streaming requests (which also warm it up)."""
+    """Find what the server accepts with tiny non-streaming requests (which also warm it up);
+    RuntimeError when it refuses a structured-output kind the run needs."""
     model = model or await _served_model(client)
     rng = random.Random(12345)
     ids = pool.token_ids(rng, 8)
@@ -397,7 +483,12 @@ async def probe_server(
             prompt = as_text(pool, [prompt])[0]
     for mode in EOS_MODES:
         if await _accepted(client, prompt, ServerCaps(token_ids, mode, model)):
-            return ServerCaps(token_ids, mode, model)
+            caps = ServerCaps(token_ids, mode, model)
+            for kind in sorted(structured):
+                if not await _accepted(client, replace(prompt, structured=kind), caps):
+                    fields = ", ".join(STRUCTURED_FIELDS[kind])
+                    raise RuntimeError(f"the server at {client.base_url} refuses {fields}")
+            return caps
     raise RuntimeError(f"the server at {client.base_url} answered no probe request")
 
 
@@ -531,7 +622,8 @@ async def run_benchmark_async(
         raise ValueError("one arrival time per request")
     async with make_client(config) as client:
         chat = requests[0].messages is not None
-        caps = await probe_server(client, pool, config.model, chat)
+        kinds = frozenset(r.structured for r in requests if r.structured is not None)
+        caps = await probe_server(client, pool, config.model, chat, kinds)
         if not caps.token_ids:
             requests = as_text(pool, requests)
         await _warmup(client, pool, caps, config.num_warmups)
@@ -627,6 +719,10 @@ def _metrics(
         "total_token_throughput": (n_in + n_out) / duration,
         "request_goodput": len(good) / duration if config.goodput else None,
     }
+    constrained = [r for r in ok if r.structured is not None]
+    if constrained:
+        valid = sum(structured_valid(r.structured, r.text) for r in constrained)
+        out.update(structured_valid=valid, structured_invalid=len(constrained) - valid)
     pcts = config.percentiles
     out.update(distribution("ttft", [r.ttft for r in ok], pcts))
     out.update(distribution("tpot", [t for r in ok if (t := r.tpot) is not None], pcts))
@@ -648,6 +744,8 @@ def _per_request(r: RequestResult) -> dict[str, Any]:
         "e2e_s": r.e2e,
         "itl_s": [round(x, 6) for x in r.itl],
         "error": r.error,
+        "structured": r.structured,
+        "text": r.text if r.structured is not None else None,
     }
 
 
@@ -686,6 +784,9 @@ def format_report(result: dict[str, Any], title: str = "Serving Benchmark Result
             if key.endswith(f"_{name}_ms") and not key.startswith("std"):
                 stat = key.split("_")[0].capitalize()
                 row(f"{stat} {name.upper()} (ms):", value)
+    if "structured_valid" in result:
+        row("Structured outputs valid:", result["structured_valid"])
+        row("Structured outputs invalid:", result["structured_invalid"])
     if result["input_len_mismatches"] or result["output_len_mismatches"]:
         lines.append(
             f"note: {result['input_len_mismatches']} prompts and {result['output_len_mismatches']}"
@@ -748,6 +849,18 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         default=256,
         help="multiturn: tokens of the system prompt all conversations share",
+    )
+    data.add_argument(
+        "--structured-output",
+        default=None,
+        choices=sorted(STRUCTURED_FIELDS),
+        help="constrain requests with this structured output (default: none)",
+    )
+    data.add_argument(
+        "--structured-output-ratio",
+        type=float,
+        default=1.0,
+        help="share of the requests constrained; the rest run free in the same run",
     )
     data.add_argument("--seed", type=int, default=0, help="seed of lengths, prompts, arrivals")
     data.add_argument(
@@ -814,6 +927,18 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
 
 
 def dataset_from_args(args: argparse.Namespace, pool: TokenPool) -> list[BenchRequest]:
+    requests = _dataset(args, pool)
+    if args.structured_output is None:
+        return requests
+    try:
+        return with_structured(
+            requests, args.structured_output, args.structured_output_ratio, args.seed
+        )
+    except ValueError as exc:
+        raise SystemExit(f"error: {exc}") from None
+
+
+def _dataset(args: argparse.Namespace, pool: TokenPool) -> list[BenchRequest]:
     if args.dataset == "multiturn":
         return multiturn_requests(
             pool,

@@ -9,11 +9,15 @@ from typing import Any
 
 import pytest
 from fastapi.testclient import TestClient
+from openai.lib.streaming.chat import ChatCompletionStreamState
+from openai.types.chat import ChatCompletionChunk
 
 from pdserve.router.app import create_app
 from pdserve.router.tools import (
     Function,
+    CallPiece,
     ToolMode,
+    ToolStream,
     messages_for_default,
     parse_hermes,
     parse_llama3_json,
@@ -49,11 +53,83 @@ def test_hermes_calls_and_the_content_around_them():
         '<tool_call>{"arguments": {}}</tool_call>',  # no name
         '<tool_call>{"name": "f", "arguments": "x"}</tool_call>',  # arguments not an object
         '<tool_call>{"name": "f", "arguments": {}}',  # never closed
-        '<tool_call>{"name": "f", "arguments": {}}</tool_call><tool_call>[1]</tool_call>',
+        "<tool_",  # the start of a tag, then the end
     ],
 )
 def test_malformed_hermes_output_is_plain_content(text):
     assert parse_hermes(text) == (text, [])
+
+
+def test_a_malformed_block_stays_content_beside_good_calls():
+    good = '<tool_call>{"name": "f", "arguments": {}}</tool_call>'
+    content, calls = parse_hermes(f"{good}\n<tool_call>[1]</tool_call>")
+    assert content == "<tool_call>[1]</tool_call>" and [c.name for c in calls] == ["f"]
+
+
+def _streamed(mode: ToolMode, text: str, sizes: list[int], finish: str = "stop"):
+    """The reply fed in pieces of the given sizes (cycled): joined content, whole calls."""
+    stream, pieces, i, k = ToolStream(mode), [], 0, 0
+    while i < len(text):
+        n = sizes[k % len(sizes)]
+        pieces += stream.feed(text[i : i + n])
+        i, k = i + n, k + 1
+    pieces += stream.finish(finish)
+    content = "".join(p for p in pieces if isinstance(p, str))
+    calls: dict[int, list[CallPiece]] = {}
+    for p in pieces:
+        if isinstance(p, CallPiece):
+            calls.setdefault(p.index, []).append(p)
+    for ps in calls.values():  # id and name come once, in a call's first piece
+        assert ps[0].id and ps[0].name is not None
+        assert all(q.id is None and q.name is None for q in ps[1:])
+    whole = [(ps[0].name, "".join(q.arguments for q in ps)) for ps in calls.values()]
+    return content or None, whole
+
+
+REPLIES = [
+    "Plain answer, no call.  \n",
+    'Let me look.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n'
+    '</tool_call>\n<tool_call>{"name": "get_time", "arguments": {}}</tool_call>\n',
+    'a < b and <tool b> <tool_call>{"name": "x", "arguments": {"q": "<tool_call>"}}</tool_call>',
+    "<tool_call>{broken}</tool_call> then text <tool_call>",
+    '{"name": "get_weather", "parameters": {"city": "Oslo"}}',
+    '<|python_tag|>{"name": "a", "parameters": {}}; {"name": "b", "parameters": {"x": 1}}',
+    "  <|python_tag|> Prose after the tag.",
+    "<|pyt",
+]
+MODES = [
+    ToolMode((WEATHER, TIME), "auto", "hermes"),
+    ToolMode((WEATHER, TIME), "auto", "llama3_json"),
+    ToolMode((WEATHER, TIME), "required"),
+    ToolMode((WEATHER, TIME), "function", forced="get_weather"),
+]
+
+
+@pytest.mark.parametrize("mode", MODES, ids=lambda m: f"{m.choice}-{m.parser}")
+@pytest.mark.parametrize("finish", ["stop", "length"])
+def test_streamed_replies_read_as_the_whole_reply_does(mode, finish):
+    """However the text is cut into deltas, the stream's content and calls are the whole
+    reply's (the non-streaming response is the same machine fed once)."""
+    for text in [*REPLIES, '{"name": "get_time", "arguments": {}}', '{"city": "Rome"}']:
+        content, calls = mode.parse(text, finish)
+        whole = (content, [(c.name, c.arguments) for c in calls])
+        for sizes in ([1], [2, 5], [3, 1, 7], [len(text)]):
+            assert _streamed(mode, text, sizes, finish) == whole, (text, sizes)
+
+
+def test_content_streams_before_the_reply_ends():
+    stream = ToolStream(MODES[0])
+    assert stream.feed("The weather ") == ["The weather"]  # trailing space held
+    assert stream.feed("is <tool") == [" is"]  # "<tool" may open a call: held
+    assert stream.feed("bar> fine.") == [" <toolbar> fine."]
+    out = stream.feed('<tool_call>{"name": "get_time", "arguments": {}}</tool_call>')
+    assert [p.name for p in out] == ["get_time"]
+    forced = ToolStream(MODES[3])
+    first, second = forced.feed('{"ci'), forced.feed('ty": "Rome"}')
+    assert first[0].name == "get_weather" and first[0].arguments == '{"ci'
+    assert second == [CallPiece(0, None, None, 'ty": "Rome"}')]
+    llama = ToolStream(MODES[1])
+    assert llama.feed(" ") == [] and llama.feed("Four.") == [" Four."]
 
 
 def test_llama3_json_calls():
@@ -127,16 +203,20 @@ def chat(client: TestClient, stream: bool, **extra: Any) -> tuple[dict, str | No
     if not stream:
         choice = resp.json()["choices"][0]
         return choice["message"], choice["finish_reason"]
-    message: dict[str, Any] = {"content": "", "tool_calls": []}
-    finish = None
+    # Gathered as the openai SDK gathers a stream (tool-call pieces joined by index).
+    state = ChatCompletionStreamState()
     for line in resp.text.splitlines():
         if line.startswith("data: ") and line != "data: [DONE]":
-            for c in json.loads(line[6:])["choices"]:
-                message["content"] += c["delta"].get("content") or ""
-                message["tool_calls"] += c["delta"].get("tool_calls") or []
-                finish = c["finish_reason"] or finish
-    message["content"] = message["content"] or None
-    return message, finish
+            chunk = json.loads(line[6:])
+            for c in chunk["choices"]:
+                for call in c["delta"].get("tool_calls") or []:
+                    assert None not in call.values() and None not in call["function"].values()
+            state.handle_chunk(ChatCompletionChunk.model_validate(chunk))
+    choice = state.get_final_completion().choices[0]
+    message = choice.message.model_dump()
+    message["tool_calls"] = message["tool_calls"] or []
+    message["content"] = message["content"] or None  # the opening delta's "" is no content
+    return message, choice.finish_reason
 
 
 @pytest.mark.parametrize("stream", [False, True])
@@ -169,6 +249,9 @@ def test_required_and_named_choices_reach_the_backend_as_constraints():
     so = backend.requests[-1].sampling.structured_outputs
     assert json.loads(so.json) == WEATHER.parameters
     assert finish == "tool_calls" and message["tool_calls"][0]["function"]["name"] == "get_weather"
+    streamed, finish = chat(client, True, tools=TOOLS, tool_choice=named)  # arguments in pieces
+    assert finish == "tool_calls" and streamed["content"] is None
+    assert json.loads(streamed["tool_calls"][0]["function"]["arguments"]) == {"city": "Paris"}
     chat(client, False, tools=TOOLS, tool_choice="required")
     assert "anyOf" not in json.loads(backend.requests[-1].sampling.structured_outputs.json)
     resp = client.post(

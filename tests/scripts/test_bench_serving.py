@@ -84,6 +84,30 @@ def test_bad_cli_values_are_refused():
         bs.BenchConfig("http://x", goodput={"itl": 5.0})
 
 
+def test_structured_requests_are_drawn_and_checked():
+    reqs = [bs.BenchRequest([1, 2], None, 2, 4) for _ in range(200)]
+    mixed = bs.with_structured(reqs, "choice", 0.25, seed=4)
+    assert mixed == bs.with_structured(reqs, "choice", 0.25, seed=4)
+    on = [r for r in mixed if r.structured == "choice"]
+    assert 30 <= len(on) <= 70 and all(r.tag == "structured" for r in on)
+    assert all(r.tag == "free" and r.structured is None for r in mixed if r not in on)
+    assert all(r.structured == "json" for r in bs.with_structured(reqs[:5], "json"))
+    with pytest.raises(ValueError, match="unknown structured"):
+        bs.with_structured(reqs, "yaml")
+    with pytest.raises(ValueError, match="ratio"):
+        bs.with_structured(reqs, "json", 1.5)
+    person = {"name": "Ada", "age": 36, "role": "admin", "tags": ["x"]}
+    assert bs.structured_valid("json", json.dumps(person))
+    assert not bs.structured_valid("json", json.dumps(person)[:-1])  # cut off
+    assert not bs.structured_valid("json", json.dumps({**person, "role": "root"}))
+    assert bs.structured_valid("json_object", '{"a": [1]}')
+    assert not bs.structured_valid("json_object", "[1]")
+    assert bs.structured_valid("regex", "Abc-123") and not bs.structured_valid("regex", "abc-1")
+    assert bs.structured_valid("choice", "neutral") and not bs.structured_valid("choice", "no")
+    body = bs.request_body(on[0], bs.ServerCaps(True, "ignore_eos", None), 0.0)
+    assert body["structured_outputs"] == {"choice": list(bs.BENCH_CHOICES)}
+
+
 @pytest.fixture(scope="module")
 def pool(tiny_model_dir) -> bs.TokenPool:
     return bs.load_pool(str(tiny_model_dir("llama")))
@@ -262,3 +286,30 @@ def test_multiturn_core_against_colocated_pdserve(cluster, pool):
     for first, second in by_conv.values():  # a turn waits for the previous one to finish
         assert second["start_s"] >= first["start_s"] + first["e2e_s"]
         assert second["prompt_tokens"] > first["prompt_tokens"]
+
+
+def test_structured_mode_against_colocated_pdserve(cluster, tmp_path):
+    """Half the requests constrained, half free, in one run; every constrained output is
+    what its constraint asks for (the tiny random model's text, masked)."""
+    c, model = cluster
+    path = tmp_path / "structured.json"
+    argv = [
+        *("--base-url", c.url, "--tokenizer", str(model), "--num-prompts", "8"),
+        *("--input-len", "24", "--output-len", "24", "--structured-output", "regex"),
+        *("--structured-output-ratio", "0.5", "--seed", "3", "--num-warmups", "0"),
+        *("--result-file", str(path), "--disable-tqdm"),
+    ]
+    bs.main(argv)
+    out = json.loads(path.read_text())
+    assert out["completed"] == 8 and out["failed"] == 0, out["errors"]
+    tags = out["by_tag"]
+    assert set(tags) == {"structured", "free"}
+    n = tags["structured"]["completed"]
+    assert 0 < n < 8 and tags["free"]["completed"] == 8 - n
+    assert out["structured_valid"] == n and out["structured_invalid"] == 0
+    for r in out["requests"]:
+        if r["structured"]:
+            assert bs.structured_valid("regex", r["text"]), r["text"]
+            assert r["output_tokens"] < 24  # the grammar ended it, ignore_eos or not
+        else:
+            assert r["text"] is None and r["output_tokens"] == 24
