@@ -139,12 +139,17 @@ class Handlers:
         """The chat's prompt ids: tools through the template when it renders them, else the
         default tool prompt (see tools.py); earlier calls and tool results either way."""
         messages = [m.template_dict() for m in body.messages]
+        extra = dict(body.chat_template_kwargs or {})
+        if body.documents is not None:
+            extra["documents"] = body.documents
+        listed = None
         if await self.tokenization.renders_tools():
             listed = [f.as_tool() for f in tools.functions] if tools is not None else None
-            return await self.tokenization.chat(messages, body.add_generation_prompt, listed)
-        if tools is not None or any(m.tool_calls or m.role == "tool" for m in body.messages):
+        elif tools is not None or any(m.tool_calls or m.role == "tool" for m in body.messages):
             messages = messages_for_default(messages, tools.functions if tools else ())
-        return await self.tokenization.chat(messages, body.add_generation_prompt)
+        return await self.tokenization.chat(
+            messages, body.add_generation_prompt, listed, extra, body.continue_final_message
+        )
 
     async def models(self) -> ModelList:
         card = ModelCard(id=self._model, max_model_len=self._backend.max_model_len)
@@ -259,7 +264,10 @@ class Handlers:
         echoes: list[str] | None = None,
         forced: StructuredOutputsParams | None = None,
     ) -> Response:
-        choices = self._make_choices(dialect.id, prompts, body, prompt_param, echoes, forced)
+        rid = dialect.id  # unique, whatever the client calls its request
+        if body.request_id is not None:
+            dialect.id = f"{dialect.prefix}-{body.request_id}"
+        choices = self._make_choices(rid, prompts, body, prompt_param, echoes, forced)
         if not self._backend.ready():
             raise APIError(503, "no prefill/decode route is available; retry later")
         self.metrics.prompt_tokens.inc(sum(len(p) for p in prompts))

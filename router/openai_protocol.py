@@ -81,6 +81,7 @@ def _shape(value: Any, empty: str) -> str | None:
 
 
 TokenId = Annotated[int, Field(ge=0)]
+RequestId = Annotated[str, Field(pattern=r"^[A-Za-z0-9_.:-]{1,128}$")]
 TokenIds = Annotated[list[TokenId], Field(min_length=1)]
 Text = Annotated[str, Field(min_length=1)]
 Prompt = Annotated[
@@ -197,6 +198,19 @@ class BaseGenerationRequest(_Request):
     prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     truncate_prompt_tokens: Neutral() = None
     priority: Neutral(0) = None
+    use_beam_search: Neutral(False) = None
+    length_penalty: Neutral(1) = None
+    allowed_token_ids: Neutral() = None
+    bad_words: Neutral([]) = None
+    logits_processors: Neutral([]) = None
+    return_tokens_as_token_ids: Neutral(False) = None
+    cache_salt: Neutral() = None
+    kv_transfer_params: Neutral() = None  # vLLM's P/D proxy fields: pdserve routes its own
+    vllm_xargs: Neutral({}) = None
+    mm_processor_kwargs: Neutral({}) = None
+    # vLLM's: the response id is "<cmpl|chatcmpl>-<request_id>" (internal ids stay unique).
+    request_id: RequestId | None = None
+    best_of: int | None = None  # only equal to n: one sample per choice here
     # Structured outputs: OpenAI's response_format, vLLM's structured_outputs, and vLLM's
     # older guided_* fields; at most one constraint in all (see structured_outputs_params).
     response_format: ResponseFormat | None = None
@@ -205,11 +219,16 @@ class BaseGenerationRequest(_Request):
     guided_regex: GrammarText | None = None
     guided_choice: Choices | None = None
     guided_grammar: GrammarText | None = None
+    guided_decoding_backend: Neutral("xgrammar", "auto") = None  # xgrammar is the one here
+    guided_whitespace_pattern: Neutral() = None
+    structural_tag: Neutral() = None
 
     @model_validator(mode="after")
     def _stream_options_need_stream(self) -> BaseGenerationRequest:
         if self.stream_options is not None and not self.stream:
             raise ValueError("stream_options is only allowed when stream is true")
+        if self.best_of is not None and self.best_of != self.n:
+            raise ValueError("best_of is unsupported: it must be omitted or equal n")
         return self
 
     @property
@@ -307,12 +326,10 @@ class CompletionRequest(BaseGenerationRequest):
     add_special_tokens: bool = True  # vLLM's extension: BOS and the like around the prompt
     echo: bool | None = False  # the prompt before the completion (and its logprobs)
     suffix: Neutral("") = None
-    best_of: int | None = None
+    prompt_embeds: Neutral() = None
 
     @model_validator(mode="after")
     def _bounded_choices(self) -> CompletionRequest:
-        if self.best_of is not None and self.best_of != self.n:
-            raise ValueError("best_of is unsupported: it must be omitted or equal n")
         single = isinstance(self.prompt, str) or isinstance(self.prompt[0], int)
         prompts = 1 if single else len(self.prompt)
         if prompts * self.n > MAX_CHOICES:
@@ -356,13 +373,13 @@ class ToolParam(_Request):
     function: FunctionParam
 
 
-class FunctionName_(_Request):
+class FunctionRef(_Request):
     name: FunctionName
 
 
 class NamedToolChoice(_Request):
     type: Literal["function"]
-    function: FunctionName_
+    function: FunctionRef
 
 
 class CalledFunction(_Request):
@@ -457,14 +474,24 @@ class ChatCompletionRequest(BaseGenerationRequest):
     web_search_options: Neutral() = None
     echo: Neutral(False) = None
     add_special_tokens: Neutral(False) = None
-    continue_final_message: Neutral(False) = None
-    chat_template: Neutral() = None
-    chat_template_kwargs: Neutral({}) = None
+    # vLLM's: the last (assistant) message stays open and the model continues it.
+    continue_final_message: bool = False
+    chat_template: Neutral() = None  # a client's own Jinja template is not run here
+    # vLLM's: variables for the chat template (e.g. Qwen3's enable_thinking), and documents
+    # for templates that render them (RAG).
+    chat_template_kwargs: dict[str, Any] | None = None
+    documents: list[dict[str, str]] | None = Field(None, max_length=64)
+    include_reasoning: bool = True  # no reasoning parser here: the text is content either way
 
     @model_validator(mode="after")
     def _top_logprobs_need_logprobs(self) -> ChatCompletionRequest:
-        if self.top_logprobs is not None and not self.logprobs:
+        if self.top_logprobs and not self.logprobs:  # 0 is vLLM's default: sent as such
             raise ValueError("top_logprobs requires logprobs to be true")
+        if self.continue_final_message and self.add_generation_prompt:
+            raise ValueError(
+                "continue_final_message and add_generation_prompt cannot both be true "
+                "(set add_generation_prompt to false)"
+            )
         return self
 
     def requested_max_tokens(self) -> int | None:

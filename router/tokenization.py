@@ -14,6 +14,28 @@ if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
 
+# apply_chat_template's own arguments: a client's template variables may not set them.
+_RENDER_ARGS = frozenset(
+    {
+        "conversation",
+        "messages",
+        "tools",
+        "add_generation_prompt",
+        "continue_final_message",
+        "tokenize",
+        "padding",
+        "truncation",
+        "max_length",
+        "return_tensors",
+        "return_dict",
+        "return_assistant_tokens_mask",
+        "tokenizer_kwargs",
+        "chat_template",
+        "processor_kwargs",
+    }
+)
+
+
 class Tokenization:
     """Runs the tokenizer on one worker thread: long prompts would otherwise stall every
     stream on the event loop, and one thread keeps the tokenizer free of concurrent use."""
@@ -39,7 +61,20 @@ class Tokenization:
         messages: list[dict[str, Any]],
         add_generation_prompt: bool,
         tools: list[dict[str, Any]] | None = None,
+        template_kwargs: dict[str, Any] | None = None,
+        continue_final: bool = False,
     ) -> list[int]:
+        """The messages through the chat template; `template_kwargs` (vLLM's
+        chat_template_kwargs, documents) become template variables, never the renderer's own
+        arguments."""
+        template_kwargs = template_kwargs or {}
+        taken = sorted(set(template_kwargs) & _RENDER_ARGS)
+        if taken:
+            raise APIError(
+                400,
+                f"chat_template_kwargs cannot set {', '.join(taken)}: they are the renderer's",
+                "chat_template_kwargs",
+            )
         try:
             ids = await self.run(
                 self._tokenizer.apply_chat_template,
@@ -47,6 +82,8 @@ class Tokenization:
                 add_generation_prompt=add_generation_prompt,
                 tokenize=True,
                 tools=tools,
+                continue_final_message=continue_final,
+                **template_kwargs,
             )
         except Exception as exc:  # template errors (roles, no template) are the client's to fix
             raise APIError(400, f"cannot apply the chat template: {exc}", "messages") from None
