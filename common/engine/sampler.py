@@ -179,26 +179,23 @@ def _logprobs(
     out: list[TokenLogprobs | None] = [None] * len(rows)
     if not wanted:
         return out
-    logprobs = raw[wanted].log_softmax(dim=-1)
-    index = torch.tensor([chosen[i] for i in wanted], device=raw.device)
-    chosen_lp = logprobs.gather(-1, index[:, None]).squeeze(-1).tolist()
     top_n = max(rows[i].params.logprobs or 0 for i in wanted)
-    top_lp, top_ids = logprobs.topk(top_n, dim=-1)  # sorted descending
-    top_lp, top_ids = top_lp.tolist(), top_ids.tolist()
-    for j, i in enumerate(wanted):
+    scored = score_tokens(raw[wanted], [chosen[i] for i in wanted], top_n, ranked=False)
+    for i, lp in zip(wanted, scored, strict=True):
         n = rows[i].params.logprobs or 0
-        top = tuple(zip(top_ids[j][:n], top_lp[j][:n], strict=True))
-        out[i] = TokenLogprobs(token_id=chosen[i], logprob=chosen_lp[j], top=top)
+        out[i] = TokenLogprobs(lp.token_id, lp.logprob, lp.top[:n])
     return out
 
 
-def score_tokens(logits: torch.Tensor, token_ids: Sequence[int], top_n: int) -> list[TokenLogprobs]:
-    """Row i's log-softmax at token_ids[i], its rank (1: the most likely), and the top_n
-    alternatives: how a prompt's tokens are scored (the raw distribution, as for outputs)."""
+def score_tokens(
+    logits: torch.Tensor, token_ids: Sequence[int], top_n: int, ranked: bool = True
+) -> list[TokenLogprobs]:
+    """Row i's log-softmax at token_ids[i], its rank (1: the most likely; 0 unless `ranked`),
+    and the top_n alternatives: how prompt tokens and sampled tokens are scored alike."""
     logprobs = logits.float().log_softmax(dim=-1)
     index = torch.tensor(list(token_ids), device=logits.device)[:, None]
     chosen = logprobs.gather(-1, index)
-    ranks = ((logprobs > chosen).sum(dim=-1) + 1).tolist()
+    ranks = ((logprobs > chosen).sum(dim=-1) + 1).tolist() if ranked else [0] * len(token_ids)
     chosen_lp = chosen.squeeze(-1).tolist()
     top_lp, top_ids = logprobs.topk(top_n, dim=-1) if top_n else (logprobs[:, :0],) * 2
     out = []

@@ -12,7 +12,6 @@ once per node. The mask of a step is filled on a worker thread while the model's
 from __future__ import annotations
 
 import json
-import threading
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -39,15 +38,13 @@ class StructuredOutputs:
         )
         self._compiler = xgr.GrammarCompiler(self._info, max_threads=1)
         self._ban: torch.Tensor | None = None
-        self._lock = threading.Lock()  # compiles come from the node's loop only; be safe
 
     def compile(self, params: StructuredOutputsParams) -> xgrammar.CompiledGrammar:
         """The compiled grammar (cached); ValueError naming the constraint when it does not
         compile."""
         kind, value = params.key
         try:
-            with self._lock:
-                return self._compile(kind, value)
+            return self._compile(kind, value)  # xgrammar's compiler caches and locks itself
         except (RuntimeError, ValueError, TypeError) as exc:
             raise ValueError(f"structured_outputs.{kind} does not compile: {exc}") from None
 

@@ -230,6 +230,19 @@ def tool_round_trip(client, model: str) -> None:
     args = json.loads(call.function.arguments)
     assert set(args) == {"city", "unit"} and args["unit"] in ("celsius", "fahrenheit")
     assert isinstance(args["city"], str) and args["city"]
+    # A named function streams its arguments in pieces; the SDK joins them into the same
+    # call as the non-streamed reply's.
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    ask = dict(model=model, messages=messages, tools=[WEATHER_TOOL], tool_choice=named)
+    ask.update(max_tokens=100, temperature=0)
+    whole = client.chat.completions.create(**ask).choices[0]
+    with client.chat.completions.stream(**ask) as stream:
+        pieces = sum(1 for e in stream if e.type == "tool_calls.function.arguments.delta")
+        streamed = stream.get_final_completion().choices[0]
+    assert pieces > 1 and streamed.finish_reason == whole.finish_reason == "tool_calls"
+    (got,), (want,) = streamed.message.tool_calls, whole.message.tool_calls
+    assert (got.function.name, got.function.arguments) == ("get_weather", want.function.arguments)
+    json.loads(got.function.arguments)
     messages += [
         {"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
         {"role": "tool", "tool_call_id": call.id, "content": "18 degrees celsius, sunny"},
