@@ -37,7 +37,9 @@ class DecodeNode(EngineNode):
     ) -> None:
         super().__init__(model, cache, scheduler, node)
         self.kv_port = KVPort.of_engine(self.engine, model.model_dir, node.kv_connector, self.curve)
-        self.receiver = self.kv_port.listen(self.engine.runner.kv_caches, node.host, node.kv_port)
+        self.receiver = self.kv_port.listen(
+            self.engine.runner.kv_caches, node.host, node.kv_port, node.kv_fence_timeout
+        )
         self.xfer_to_rid: dict[str, str] = {}
         self.rid_to_xfer: dict[str, str] = {}
 
@@ -87,6 +89,8 @@ class DecodeNode(EngineNode):
         self.expect(request_id, self.engine.kv.block_ids(request_id))
 
     def poll_io(self) -> None:
+        for xfer_id in self.receiver.released():  # no remote write can reach them now
+            self.engine.kv.release_held(xfer_id)
         for result in self.receiver.poll(0):
             rid = self.xfer_to_rid.pop(result.xfer_id, None)
             if rid is None:
@@ -104,8 +108,12 @@ class DecodeNode(EngineNode):
             self.control.send(Admitted(rid))
 
     def abort(self, request_id: str) -> None:
-        super().abort(request_id)
         xfer_id = self.rid_to_xfer.pop(request_id, None)
+        if xfer_id is not None and self.receiver.fences:
+            # Remote writes of the transfer may still land: its blocks stay held until the
+            # receiver says no sender can write them any more (`released`).
+            self.engine.kv.hold(request_id, xfer_id)
+        super().abort(request_id)
         if xfer_id is not None:
             self.xfer_to_rid.pop(xfer_id, None)
             self.receiver.cancel(xfer_id)

@@ -97,6 +97,16 @@ class KVSender(abc.ABC):
         """Release sockets and buffers without waiting; call `flush` first to be sure that
         queued pages went out. Idempotent."""
 
+    def abandon(self, xfer_id: str) -> None:
+        """The prefill node dropped a transfer midway. Connectors that copy pages out before
+        `send_layer` returns have nothing to do; one whose transport reads the source blocks
+        later (nixl) waits for that here, so the caller may free the blocks afterwards."""
+        return None
+
+    def poll(self) -> None:
+        """Take the receiver's messages now (called from the prefill node's loop)."""
+        return None
+
 
 class KVReceiver(abc.ABC):
     """Decode side: owns a listening endpoint and writes arriving pages into reserved blocks.
@@ -105,9 +115,18 @@ class KVReceiver(abc.ABC):
     work (handshakes, writes, completions) on the calling thread.
     """
 
+    # True when remote writes may still land in a cancelled transfer's blocks until
+    # `released` names it (nixl); others drop late pages themselves and never fence.
+    fences: bool = False
+
     def __init__(self, layout: KVLayout, kv_caches: list[torch.Tensor]) -> None:
         self.layout = layout
         self.kv_caches = kv_caches
+
+    def released(self) -> list[str]:
+        """Cancelled transfers whose blocks the decode node may free now (fencing
+        connectors; the others' blocks are free at `cancel`)."""
+        return []
 
     @property
     @abc.abstractmethod
@@ -150,7 +169,18 @@ _CONNECTORS: dict[str, tuple[str, str, str]] = {
     "zmq": ("pdserve.kv_transfer.zmq_connector", "ZmqSender", "ZmqReceiver"),
     "nccl": ("pdserve.kv_transfer.nccl_connector", "NcclSender", "NcclReceiver"),
     "shm": ("pdserve.kv_transfer.shm_connector", "ShmSender", "ShmReceiver"),
+    "nixl": ("pdserve.kv_transfer.nixl_connector", "NixlSender", "NixlReceiver"),
 }
+
+
+def check_available(name: str) -> None:
+    """Fail early (at a node's start) when connector `name` needs a library that is not
+    installed: ValueError for an unknown name, TransferError naming the extra to install."""
+    _load(name, 0)
+    if name == "nixl":
+        from pdserve.kv_transfer.nixl_connector import load_nixl
+
+        load_nixl()
 
 
 def connector_names() -> tuple[str, ...]:
@@ -167,7 +197,7 @@ def _load(name: str, which: int) -> type:
 def create_sender(
     name: str, layout: KVLayout, curve: CurveKeys | None = None, **opts: Any
 ) -> KVSender:
-    """A not yet connected sender of connector `name` (`zmq`, `nccl`, `shm`); with `curve`
+    """A not yet connected sender of connector `name` (`zmq`, `nccl`, `shm`, `nixl`); with `curve`
     (the cluster's keys) it authenticates to the receiver and encrypts its side channel."""
     return _load(name, 0)(layout, curve=curve, **opts)
 

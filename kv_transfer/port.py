@@ -7,7 +7,13 @@ from typing import TYPE_CHECKING
 import torch
 
 from pdserve.common.wire.security import CurveKeys
-from pdserve.kv_transfer.base import KVReceiver, KVSender, create_receiver, create_sender
+from pdserve.kv_transfer.base import (
+    KVReceiver,
+    KVSender,
+    check_available,
+    create_receiver,
+    create_sender,
+)
 from pdserve.kv_transfer.layout import KVLayout, node_layout
 
 if TYPE_CHECKING:
@@ -29,6 +35,7 @@ class KVPort:
         curve: CurveKeys | None = None,
         connect_timeout: float = 10.0,
     ) -> None:
+        check_available(connector)
         self.connector = connector
         self.layout = layout
         self.digest = layout.digest()
@@ -54,11 +61,15 @@ class KVPort:
         """Where senders connect ("" on a node that binds no receiver)."""
         return self.receiver.endpoint if self.receiver is not None else ""
 
-    def listen(self, kv_caches: list[torch.Tensor], host: str, port: int) -> KVReceiver:
-        """Bind the receiver that writes arriving pages into `kv_caches` (`port=0`: any free)."""
+    def listen(
+        self, kv_caches: list[torch.Tensor], host: str, port: int, fence_timeout: float = 30.0
+    ) -> KVReceiver:
+        """Bind the receiver that writes arriving pages into `kv_caches` (`port=0`: any free);
+        `fence_timeout` is nixl's (see nixl_connector)."""
         assert self.receiver is None, "a KV port binds one receiver"
+        opts = {"fence_timeout": fence_timeout} if self.connector == "nixl" else {}
         self.receiver = create_receiver(
-            self.connector, self.layout, kv_caches, host=host, port=port, curve=self.curve
+            self.connector, self.layout, kv_caches, host=host, port=port, curve=self.curve, **opts
         )
         return self.receiver
 
@@ -71,6 +82,11 @@ class KVPort:
             sender.connect(endpoint, self.connect_timeout)
             self.senders[endpoint] = sender
         return sender
+
+    def poll(self) -> None:
+        """Let every sender take its receiver's messages (a prefill node's loop calls it)."""
+        for sender in self.senders.values():
+            sender.poll()
 
     def drop(self, endpoint: str) -> None:
         """Close the sender to `endpoint` (its connection broke); the next `sender` reconnects."""

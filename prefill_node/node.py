@@ -147,9 +147,18 @@ class PrefillNode(EngineNode):
                 Error(rid, f"KV transfer to the decode node failed: {error}", Failure.KV_FAILED)
             )
 
+    def poll_io(self) -> None:
+        self.kv_port.poll()  # decode nodes' notices (nixl: cancels to answer)
+
     def abort(self, request_id: str) -> None:
+        dest = self.dests.pop(request_id, None)
+        sender = self.kv_port.senders.get(dest.dest_kv_endpoint) if dest is not None else None
+        if sender is not None:
+            try:  # a transport still reading our blocks (nixl) finishes before they are freed
+                sender.abandon(dest.xfer_id)
+            except SEND_ERRORS as exc:
+                log.warning("abandoning KV transfer %s failed: %s", dest.xfer_id, exc)
         super().abort(request_id)
-        self.dests.pop(request_id, None)
         self.next_block.pop(request_id, None)
 
     def close(self) -> None:

@@ -47,6 +47,9 @@ class KVCacheManager:
         self.req_blocks: dict[str, list[KVCacheBlock]] = {}
         self.req_hashes: dict[str, list[BlockHash]] = {}
         self.req_num_cached: dict[str, int] = {}  # leading blocks already indexed
+        # Blocks a finished request left that remote writes may still reach (a cancelled
+        # nixl transfer): owned by the key until `release_held`.
+        self.held: dict[str, list[KVCacheBlock]] = {}
         self.stats = PrefixCacheStats()
 
     @property
@@ -145,14 +148,25 @@ class KVCacheManager:
         self.req_num_cached.pop(request.request_id, None)
         self.pool.free_blocks(reversed(blocks))
 
+    def hold(self, request_id: str, key: str) -> None:
+        """Keep the request's blocks out of the free pool under `key` when it is freed."""
+        blocks = self.req_blocks.pop(request_id, None)
+        if blocks:
+            self.held[key] = blocks
+
+    def release_held(self, key: str) -> None:
+        """Free blocks kept by `hold`; idempotent."""
+        self.pool.free_blocks(reversed(self.held.pop(key, [])))
+
     def reset_prefix_cache(self) -> bool:
         return self.pool.reset_prefix_cache()
 
     def check_integrity(self) -> None:
-        """Pool invariants, plus: reference counts equal the number of owning requests."""
+        """Pool invariants, plus: reference counts equal the number of owning requests (and
+        holds)."""
         self.pool.check_integrity()
         refs: dict[int, int] = {}
-        for blocks in self.req_blocks.values():
+        for blocks in [*self.req_blocks.values(), *self.held.values()]:
             for b in blocks:
                 refs[b.block_id] = refs.get(b.block_id, 0) + 1
         for block in self.pool.blocks[1:]:

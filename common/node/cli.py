@@ -137,6 +137,14 @@ def add_node_args(p: argparse.ArgumentParser) -> None:
     net.add_argument(
         "--kv-connector", default="zmq", choices=KV_CONNECTORS, help="how KV pages travel P -> D"
     )
+    net.add_argument(
+        "--kv-fence-timeout",
+        type=float,
+        default=30.0,
+        metavar="S",
+        help="nixl, decode node: how long a cancelled transfer's blocks wait for prefill nodes "
+        "that do not confirm they stopped writing (then they are freed and those nodes dropped)",
+    )
     add_reliability_args(p)
     add_curve_arg(p, "authenticate and encrypt every link")
 
@@ -173,4 +181,5 @@ def node_config(args: argparse.Namespace) -> NodeConfig:
         kv_connector=args.kv_connector,
         host=args.host,
         kv_port=args.kv_port,
+        kv_fence_timeout=args.kv_fence_timeout,
     )

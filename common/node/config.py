@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 # The connectors `kv_transfer.create_sender` / `create_receiver` know (a test keeps them equal).
-KV_CONNECTORS = ("zmq", "nccl", "shm")
+KV_CONNECTORS = ("zmq", "nccl", "shm", "nixl")
 
 
 @dataclass(frozen=True, slots=True)
@@ -30,6 +30,8 @@ class NodeConfig:
     host: str = "127.0.0.1"  # where a decode node binds its KV receiver
     kv_port: int = 0  # 0: a free port
     connect_timeout: float = 10.0  # s for a KV handshake with a decode node
+    # nixl: s a cancelled transfer's blocks wait for prefill nodes that do not answer
+    kv_fence_timeout: float = 30.0
 
     def __post_init__(self) -> None:
         host, _, port = self.router_addr.rpartition(":")
@@ -37,7 +39,13 @@ class NodeConfig:
             raise ValueError(f"router address must be HOST:PORT, got {self.router_addr!r}")
         if self.node_id is not None and not self.node_id.strip():
             raise ValueError("node id must not be empty")
-        for name in ("heartbeat_interval", "lease_timeout", "stall_timeout", "connect_timeout"):
+        for name in (
+            "heartbeat_interval",
+            "lease_timeout",
+            "stall_timeout",
+            "connect_timeout",
+            "kv_fence_timeout",
+        ):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0 seconds, got {getattr(self, name)}")
         if not self.drain_timeout >= 0:

@@ -191,12 +191,17 @@ def wait_clean(cluster: LocalCluster, timeout: float = 30.0) -> dict:
         time.sleep(0.5)
 
 
-def cluster_for(model_dir: str, router_extra: tuple[str, ...] = (), **kwargs) -> LocalCluster:
+def cluster_for(
+    model_dir: str,
+    router_extra: tuple[str, ...] = (),
+    node_extra: tuple[str, ...] = (),
+    **kwargs,
+) -> LocalCluster:
     return LocalCluster(
         model_dir,
         kwargs.pop("num_prefill", 2),
         kwargs.pop("num_decode", 2),
-        engine_args=[*ENGINE, *NODE_ARGS],
+        engine_args=[*ENGINE, *NODE_ARGS, *node_extra],
         router_args=[*ROUTER_ARGS, *router_extra],
         **kwargs,
     )

@@ -78,9 +78,14 @@ from pdserve.kv_transfer import KVLayout, KVReceiver, create_receiver, create_se
 from pdserve.kv_transfer.wire import FRAME_BYTES, as_bytes, blocks_per_frame, page_checksum
 from pdserve.local_cluster import free_port
 
-CONNECTORS = ("zmq", "nccl", "shm")
-GOALS = {"zmq": 0.9, "nccl": 0.9, "shm": 0.7}
-RAW_NAMES = {"zmq": "pyzmq PUSH/PULL", "nccl": "torch.distributed isend/irecv", "shm": "copy_"}
+CONNECTORS = ("zmq", "nccl", "shm", "nixl")
+GOALS = {"zmq": 0.9, "nccl": 0.9, "shm": 0.7, "nixl": 0.9}
+RAW_NAMES = {
+    "zmq": "pyzmq PUSH/PULL",
+    "nccl": "torch.distributed isend/irecv",
+    "shm": "copy_",
+    "nixl": "NIXL WRITE",
+}
 DEFAULT_TOKENS = (128, 512, 2048, 4096, 8192, 32768)
 QUICK_TOKENS = (128, 512)
 SHM_STAGING_BYTES = 32 << 20  # the shm connector's default ring, passed explicitly
@@ -171,6 +176,14 @@ def skip_reason(point: Point, max_bytes: int, device: str) -> str:
         return f"KV bytes {point.nbytes / 2**30:.2f} GiB > --max-bytes {max_bytes / 2**30:.2f} GiB"
     if point.connector == "nccl" and device == "cuda" and torch.cuda.device_count() < 2:
         return "NCCL cannot pair two ranks on one GPU; needs two devices"
+    if point.connector == "nixl":
+        from pdserve.kv_transfer import TransferError
+        from pdserve.kv_transfer.nixl_connector import load_nixl
+
+        try:
+            load_nixl()
+        except TransferError:
+            return "nixl extra not installed: pip install 'pdserve[nixl]'"
     return ""
 
 
@@ -196,6 +209,7 @@ class Sender:
         self.sender: Any = None
         self.push: zmq.Socket | None = None
         self.host_bytes: list[torch.Tensor] = []
+        self.nixl_target: tuple[str, list[Any], int] | None = None  # name, pages, blocks
 
     def point(self, layout: dict[str, Any], src: list[int], dst: list[int]) -> dict[str, Any]:
         self.caches, self.host_bytes = [], []  # free the last point's tensors first
@@ -240,7 +254,28 @@ class Sender:
             init_raw_group(rank=0, store_port=store_port, device=self.device)
         return {}
 
+    def raw_nixl(self, target: dict[str, Any]) -> dict[str, Any]:
+        """The receiver's caches as the raw NIXL baseline's target (one per point)."""
+        from pdserve.kv_transfer.nixl_connector import _Agent, remote_pages
+
+        if self.nixl_target is not None:
+            _Agent.get().drop_remote(self.nixl_target[0])
+        name, pages = remote_pages({**target, "agent": bytes.fromhex(target["agent"])})
+        self.nixl_target = (name, pages, int(target["num_blocks"]))
+        return {}
+
     def raw(self, frames: list[list[int]]) -> dict[str, Any]:
+        if self.connector == "nixl":  # the connector's WRITEs, bare: same descriptors
+            from pdserve.kv_transfer.nixl_connector import wait_handles, write_pages
+
+            assert self.nixl_target is not None
+            _, pages, blocks = self.nixl_target
+            layers = sorted({f[0] for f in frames})
+            cpu0, t0 = time.process_time(), time.monotonic()
+            handles = write_pages(self.caches, pages, blocks, layers, self.src, self.dst)
+            wait_handles(handles, OP_TIMEOUT_S)
+            t_done = time.monotonic()
+            return {"t0": t0, "t_done": t_done, "cpu": time.process_time() - cpu0}
         sources = self.host_bytes or [as_bytes(c) for c in self.caches]
         views = [sources[layer][start : start + n] for layer, start, n in frames]
         cpu0, t0 = time.process_time(), time.monotonic()
@@ -467,6 +502,10 @@ class Bench:
         if self.connector == "shm":
             return memcpy_frames(frames, landing, self.device)
         cpu0 = time.process_time()
+        if self.connector == "nixl":  # the sender knows when its WRITEs are DONE (flushed)
+            self.child.start("raw", frames=frames)
+            reply = self.child.wait()
+            return Run(reply["t_done"] - reply["t0"], time.process_time() - cpu0 + reply["cpu"])
         if self.connector == "nccl":
             import torch.distributed as dist
 
@@ -505,6 +544,12 @@ class Bench:
             self.child.call(
                 "connect", self.pump, layout=point.layout.to_dict(), endpoint=self.receiver.endpoint
             )
+            if point.connector == "nixl":
+                from pdserve.kv_transfer.nixl_connector import describe_caches
+
+                target = describe_caches(caches)
+                target["agent"] = target["agent"].hex()  # the child's commands are JSON
+                self.child.call("raw_nixl", target=target)
             landing = [as_bytes(c) for c in caches]
             if point.connector == "shm":  # memcpy source: a second copy of the bytes
                 landing = [torch.ones_like(b) for b in landing] + landing
@@ -773,6 +818,7 @@ EXTRA_PASSES = {
     "zmq": ("gather_pages out=", "page_checksum", "page_checksum", "scatter_pages"),
     "nccl": ("gather_pages out=", "page_checksum", "page_checksum", "scatter_pages"),
     "shm": ("page_checksum", "page_checksum", "scatter_pages"),
+    "nixl": ("page_checksum", "page_checksum"),  # in place, over runs of blocks: no gather
 }
 
 

@@ -94,9 +94,22 @@ def assert_clean(cluster: LocalCluster) -> None:
         assert report["free_blocks"] == report["num_blocks"], f"{node} leaked blocks"
 
 
+def _nixl(num_p: int, num_d: int):
+    """A nixl case, run where the nixl extra is installed (CI installs it)."""
+    from pdserve.kv_transfer import TransferError
+    from pdserve.kv_transfer.nixl_connector import load_nixl
+
+    try:
+        load_nixl()
+        marks = ()
+    except TransferError:
+        marks = pytest.mark.skip(reason="nixl extra not installed: pip install 'pdserve[nixl]'")
+    return pytest.param("nixl", num_p, num_d, marks=marks, id=f"nixl-{num_p}-{num_d}")
+
+
 @pytest.mark.parametrize(
     "connector,num_p,num_d",
-    [("zmq", 1, 1), ("nccl", 1, 1), ("shm", 1, 1), ("zmq", 2, 2)],
+    [("zmq", 1, 1), ("nccl", 1, 1), ("shm", 1, 1), ("zmq", 2, 2), _nixl(1, 1), _nixl(2, 2)],
 )
 def test_disaggregated_greedy_equals_colocated(
     model_dir, reference, seeded_reference, connector, num_p, num_d

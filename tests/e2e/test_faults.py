@@ -140,3 +140,54 @@ def test_sigterm_drains_a_decode_node(model_dir, load):
         run = fh.run_scenario("SIGTERM decode", c, prompts, wants, term, 1.0)
         assert c.procs["decode0"].wait(timeout=30) == 0
         check(run, c, min_ok=len(prompts))
+
+
+# -- the nixl connector: the scenarios that touch a KV transfer, run where the extra is
+# installed (CI installs it). A cancelled transfer's blocks stay fenced on the decode node
+# until the prefill nodes confirm they stopped writing; a dead one never does, so the fence
+# times out (3 s here) before the blocks come back.
+
+
+def _nixl_installed() -> bool:
+    from pdserve.kv_transfer import TransferError
+    from pdserve.kv_transfer.nixl_connector import load_nixl
+
+    try:
+        load_nixl()
+    except TransferError:
+        return False
+    return True
+
+
+needs_nixl = pytest.mark.skipif(
+    not _nixl_installed(), reason="nixl extra not installed: pip install 'pdserve[nixl]'"
+)
+NIXL = {"kv_connector": "nixl", "node_extra": ("--kv-fence-timeout", "3")}
+
+
+@needs_nixl
+def test_nixl_kill_a_prefill_node_mid_transfer_then_a_decode_node(model_dir, load):
+    prompts, wants = load
+
+    def kill_both(cluster) -> None:
+        kill("prefill0")(cluster)  # its WRITEs into the decode nodes stop mid-transfer
+        time.sleep(1.2)
+        kill("decode0")(cluster)
+
+    with fh.cluster_for(model_dir, **NIXL) as c:
+        name = "nixl: kill -9 prefill, then decode"
+        run = fh.run_scenario(name, c, prompts, wants, kill_both, 0.8)
+        check(run, c, min_ok=len(prompts))
+        assert run.failovers > 0
+        assert set(c.integrity()) == {"prefill1", "decode1"}
+
+
+@needs_nixl
+def test_nixl_dropped_and_corrupted_writes(model_dir, load, monkeypatch):
+    prompts, wants = load
+    monkeypatch.setenv("PDSERVE_FAULT_KV", "drop=0.03,corrupt=0.03,seed=4")
+    with fh.cluster_for(model_dir, num_prefill=1, num_decode=1, **NIXL) as c:
+        run = fh.run_scenario("nixl: dropped and corrupted WRITEs", c, prompts, wants)
+        # A damaged transfer fails its checksum on the decode node and is retried.
+        check(run, c, min_ok=len(prompts) * 9 // 10)
+        assert run.failovers > 0

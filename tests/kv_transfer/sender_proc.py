@@ -31,12 +31,15 @@ class Child:
         endpoint: str,
         timeout: float = 10.0,
         corrupt: str = "",
+        opts: dict[str, Any] | None = None,
     ) -> None:
         # The fault hook is read once, when the sender is built.
         if corrupt:
             os.environ[FAULT_ENV] = corrupt
         try:
-            sender = create_sender(connector, KVLayout.from_dict(layout), send_timeout=10.0)
+            sender = create_sender(
+                connector, KVLayout.from_dict(layout), send_timeout=10.0, **(opts or {})
+            )
         finally:
             os.environ.pop(FAULT_ENV, None)
         sender.connect(endpoint, timeout)
@@ -53,6 +56,9 @@ class Child:
 
     def flush(self, sender: str) -> None:
         self.senders[sender].flush(10.0)
+
+    def poll(self, sender: str) -> None:
+        self.senders[sender].poll()
 
     def close(self, sender: str) -> None:
         self.senders.pop(sender).close()

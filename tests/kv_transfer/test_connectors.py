@@ -1,4 +1,9 @@
-"""Every connector across real processes: the sender lives in a child, the receiver here."""
+"""Every connector across real processes: the sender lives in a child, the receiver here.
+
+nixl runs when its extra is installed (CI installs it). Its sender writes into the receiver's
+memory itself, so where the others count refused frames at the receiver, nixl's sender
+refuses to write (blocks outside the announced reservation, a cancelled transfer) and the
+receiver fences a cancelled transfer's blocks until the sender settled."""
 
 from __future__ import annotations
 
@@ -10,7 +15,8 @@ from typing import Any
 import pytest
 import torch
 
-from pdserve.kv_transfer import KVLayout, KVReceiver, create_receiver
+from pdserve.kv_transfer import KVLayout, KVReceiver, TransferError, create_receiver
+from pdserve.kv_transfer.nixl_connector import load_nixl
 from tests.kv_transfer.helpers import Pump, SenderProcess, make_caches
 
 LAYOUT = KVLayout("tiny-llama", "float32", num_layers=3, num_kv_heads=2, head_dim=8, block_size=4)
@@ -18,9 +24,26 @@ SRC_BLOCKS, DST_BLOCKS = 20, 24
 SENDER_SEED = 1234
 # A small shm ring (3 pages) forces frames to be split, the ring to wrap and credits to flow.
 RECEIVER_OPTS: dict[str, dict[str, Any]] = {"shm": {"staging_bytes": 3 * LAYOUT.page_bytes}}
+SENDER_OPTS: dict[str, dict[str, Any]] = {"nixl": {"announce_timeout": 1.0}}
 
 
-@pytest.fixture(scope="module", params=["zmq", "nccl", "shm"])
+def _nixl_installed() -> bool:
+    try:
+        load_nixl()
+    except TransferError:
+        return False
+    return True
+
+
+NIXL = pytest.param(
+    "nixl",
+    marks=pytest.mark.skipif(
+        not _nixl_installed(), reason="nixl extra not installed: pip install 'pdserve[nixl]'"
+    ),
+)
+
+
+@pytest.fixture(scope="module", params=["zmq", "nccl", "shm", NIXL])
 def connector(request: pytest.FixtureRequest) -> str:
     return request.param
 
@@ -65,6 +88,7 @@ class Setup:
             layout=layout.to_dict(),
             endpoint=self.receiver.endpoint,
             timeout=5.0,
+            opts=SENDER_OPTS.get(self.connector, {}),
             **extra,
         )
 
@@ -182,8 +206,10 @@ def test_unexpected_xfer_is_refused_and_counted(setup: Setup) -> None:
     setup.send("ghost", src, dst)
     setup.done("ghost")
     setup.pump.until(lambda: setup.receiver.counters.get("done_unknown_xfer") == 1)
+    # nixl's sender writes nothing the receiver did not announce: no frames to refuse.
+    frames = 0 if setup.connector == "nixl" else LAYOUT.num_layers * setup.frames(4)
     assert setup.receiver.counters == {
-        "frame_unknown_xfer": LAYOUT.num_layers * setup.frames(4),
+        **({"frame_unknown_xfer": frames} if frames else {}),
         "done_unknown_xfer": 1,
     }
     assert not setup.pump.results
@@ -196,9 +222,13 @@ def test_blocks_outside_the_reservation_are_refused(setup: Setup) -> None:
     setup.send("y", src, dst)
     setup.done("y")
     (result,) = setup.pump.wait_results("y")
-    assert not result.ok and "refused blocks" in result.error
-    # A frame with one block outside is refused whole, blocks inside the reservation included.
-    assert setup.receiver.counters == {"block_outside_reservation": LAYOUT.num_layers}
+    if setup.connector == "nixl":  # the sender refuses to write them, and says so
+        assert not result.ok and "outside the reservation" in result.error
+        assert setup.receiver.counters == {}
+    else:
+        assert not result.ok and "refused blocks" in result.error
+        # A frame with one block outside is refused whole, blocks inside included.
+        assert setup.receiver.counters == {"block_outside_reservation": LAYOUT.num_layers}
     setup.check_blocks({})
 
 
@@ -231,6 +261,18 @@ def test_cancel_drops_late_frames(setup: Setup) -> None:
 
     setup.pump.until(first_layer_landed, what="layer 0")
     setup.receiver.cancel("c")
+    if setup.connector == "nixl":
+        # The blocks stay fenced until the sender takes the cancel and settles; it then
+        # writes nothing more of the transfer, and sends no done.
+        released: list[str] = []
+        setup.pump.once()
+        assert setup.receiver.released() == []
+        setup.send("c", src, dst, list(range(1, LAYOUT.num_layers)))
+        setup.done("c")
+        setup.pump.until(lambda: released.extend(setup.receiver.released()) or released)
+        assert released == ["c"] and setup.receiver.counters == {}
+        setup.check_blocks(written, layers=[0])
+        return
     setup.send("c", src, dst, list(range(1, LAYOUT.num_layers)))
     setup.done("c")
     setup.pump.until(lambda: setup.receiver.counters.get("done_cancelled_xfer") == 1)
@@ -240,3 +282,32 @@ def test_cancel_drops_late_frames(setup: Setup) -> None:
     }
     assert "c" not in setup.pump.results
     setup.check_blocks(written, layers=[0])
+
+
+@pytest.mark.parametrize("connector", [NIXL])
+def test_nixl_fence_lifts_after_a_silent_sender_times_out(connector: str) -> None:
+    """A sender that never answers a cancel: its blocks are released after fence_timeout,
+    the sender is dropped (it must handshake again), and when it wakes it still writes
+    nothing of the cancelled transfer (it reads the cancel before any WRITE)."""
+    RECEIVER_OPTS["nixl"] = {"fence_timeout": 0.5}
+    child = SenderProcess()
+    try:
+        s = Setup(connector, child, LAYOUT)
+    except BaseException:
+        child.close()
+        raise
+    finally:
+        RECEIVER_OPTS.pop("nixl")
+    try:
+        src, dst = blocks(7, 4)
+        s.receiver.expect("f", dst)
+        s.child.ok(s.pump, op="poll", sender="s")  # the announcement reached the sender
+        s.receiver.cancel("f")
+        released: list[str] = []
+        s.pump.until(lambda: released.extend(s.receiver.released()) or released)
+        assert released == ["f"] and s.receiver.counters == {"fence_timeout": 1}
+        s.send("f", src, dst)  # late: the sender reads the cancel first
+        s.check_blocks({})
+    finally:
+        s.close()
+        child.close()
