@@ -139,6 +139,13 @@ class _Agent:
 
     def __init__(self) -> None:
         api = load_nixl()
+        bindings = importlib.import_module(api.__name__.rpartition(".")[0] + "._bindings")
+        # NIXL's bindings raise these (plain Exceptions) where a transport fails.
+        self.errors: tuple[type[Exception], ...] = tuple(
+            getattr(bindings, n)
+            for n in dir(bindings)
+            if n.startswith("nixl") and n.endswith("Error")
+        )
         config = api.nixl_agent_config(backends=["UCX"])
         self.name = f"pdserve-{os.getpid()}-{uuid.uuid4().hex[:12]}"
         self.agent = api.nixl_agent(self.name, config)
@@ -268,31 +275,53 @@ def write_pages(
     handles = []
     for layer in layers:
         cache = caches[layer]
-        handle = agent.agent.make_prepped_xfer(
-            "WRITE",
-            agent.local_pages(cache),
-            _page_indices(src, cache.shape[1]),
-            remote[layer],
-            _page_indices(dst, remote_blocks),
-        )
-        if agent.agent.transfer(handle) == "ERR":
+        try:
+            handle = agent.agent.make_prepped_xfer(
+                "WRITE",
+                agent.local_pages(cache),
+                _page_indices(src, cache.shape[1]),
+                remote[layer],
+                _page_indices(dst, remote_blocks),
+            )
+            state = agent.agent.transfer(handle)
+        except agent.errors as exc:
+            raise TransferError(f"NIXL WRITE failed: {exc!r}") from None
+        if state == "ERR":
+            _release(handle)
             raise TransferError("NIXL WRITE failed to post")
         handles.append(handle)
     return handles
 
 
+def _release(handle: Any) -> None:
+    """Release a transfer handle (aborting it if still in flight); errors of a dead peer's
+    handle are no news."""
+    try:
+        handle.release()
+    except Exception:  # noqa: BLE001 - NIXL raises plain Exceptions
+        pass
+
+
+def _state(handle: Any) -> str:
+    """A handle's state; a transport error reads as "ERR"."""
+    agent = _Agent.get()
+    try:
+        return agent.agent.check_xfer_state(handle)
+    except agent.errors:
+        return "ERR"
+
+
 def wait_handles(handles: Sequence[Any], timeout: float) -> None:
     """Until every handle is DONE (TransferError on ERR, TransferTimeout past `timeout`)."""
-    agent = _Agent.get().agent
     deadline = time.monotonic() + timeout
     for handle in handles:
-        state = agent.check_xfer_state(handle)
+        state = _state(handle)
         while state == "PROC":
             if time.monotonic() >= deadline:
                 raise TransferTimeout("NIXL WRITE not done in time")
             time.sleep(_POLL_S)
-            state = agent.check_xfer_state(handle)
-        handle.release()
+            state = _state(handle)
+        _release(handle)
         if state != "DONE":
             raise TransferError(f"NIXL WRITE failed ({state})")
 
@@ -410,8 +439,8 @@ class NixlSender(ChannelSender):
                 raise ValueError(f"pages of {2 * int(extra['half_bytes'])} bytes")
             self._remote, pages = remote_pages(extra)
             self._remote_pages = dict(enumerate(pages))
-        except (KeyError, TypeError, ValueError, RuntimeError) as exc:
-            raise TransferError(f"bad nixl welcome from {self._endpoint}: {exc}") from None
+        except (KeyError, TypeError, ValueError, RuntimeError, *self._agent.errors) as exc:
+            raise TransferError(f"bad nixl welcome from {self._endpoint}: {exc!r}") from None
 
     # -- messages from the receiver
 
@@ -478,17 +507,20 @@ class NixlSender(ChannelSender):
         # A page sent again (a last block that a later chunk completed) must not race its
         # earlier WRITE: this layer's earlier WRITEs of the transfer finish first.
         self._wait(out, time.monotonic() + self._send_timeout, layer)
-        handle = self._agent.agent.make_prepped_xfer(
-            "WRITE",
-            self._agent.local_pages(layer_cache),
-            _page_indices(src_block_ids, layer_cache.shape[1]),
-            self._remote_pages[layer],
-            _page_indices(dst_block_ids, self._remote_blocks),
-        )
         restore = self._fault_corrupt(xfer_id, layer_cache, src_block_ids[0])
-        if self._agent.agent.transfer(handle) == "ERR":
-            handle.release()
-            raise TransferError(f"NIXL WRITE to {self._endpoint} failed to post")
+        try:
+            (handle,) = write_pages(
+                self._caches,
+                self._remote_pages,
+                self._remote_blocks,
+                [layer],
+                src_block_ids,
+                dst_block_ids,
+            )
+        except TransferError as exc:
+            if restore is not None:
+                restore()
+            raise TransferError(f"NIXL WRITE to {self._endpoint}: {exc}") from None
         out.handles.append((layer, handle))
         if restore is not None:  # test hook: the page goes out damaged, stays clean here
             self._wait(out, time.monotonic() + self._send_timeout, layer)
@@ -568,15 +600,15 @@ class NixlSender(ChannelSender):
             if layer is not None and lay != layer:
                 keep.append((lay, handle))
                 continue
-            state = self._agent.agent.check_xfer_state(handle)
+            state = _state(handle)
             while state == "PROC":
                 if time.monotonic() >= deadline:
                     raise TransferTimeout(f"NIXL WRITE to {self._endpoint} not done in time")
                 time.sleep(_POLL_S)
-                state = self._agent.agent.check_xfer_state(handle)
+                state = _state(handle)
             if state != "DONE":
                 out.problems.append(f"layer {lay}: NIXL WRITE failed ({state})")
-            handle.release()
+            _release(handle)
         out.handles = keep
 
     def _settle(self, out: _Outbound) -> None:
@@ -585,7 +617,7 @@ class NixlSender(ChannelSender):
             self._wait(out, time.monotonic() + self._send_timeout)
         finally:
             for _, handle in out.handles:  # timed out: release aborts the rest
-                handle.release()
+                _release(handle)
             out.handles.clear()
 
     def _planned_drop(self) -> bool:

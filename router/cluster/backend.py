@@ -220,6 +220,12 @@ class ClusterBackend(Backend):
             # request (from the tokens already streamed) while failovers remain.
             self._fail_over(stream, set(), f"{sender}: {msg.message}")
             return
+        if msg.kind is Failure.KV_FAILED and sender == stream.prefill_node:
+            # The prefill node could not reach the decode node (nixl and nccl see a dead
+            # peer at once): retry without that decode node, before the heartbeats tell.
+            lost = {stream.decode_node} if stream.decode_node else set()
+            self._fail_over(stream, lost, f"{sender}: {msg.message}")
+            return
         stream.queue.put_nowait(TokenEvent.failed(msg.kind, msg.message))
 
     def _on_tokens(self, sender: str, msg: Tokens) -> None:
