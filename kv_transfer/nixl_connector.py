@@ -72,10 +72,11 @@ log = logging.getLogger(__name__)
 INSTALL_HINT = "pip install 'pdserve[nixl]'"
 # Python packages that ship NIXL's bindings, in order of preference (nixl-cu12 on PyPI).
 _NIXL_MODULES = ("nixl_cu12._api", "nixl._api")
-# The checksum of a transfer's reserved pages (see `pages_checksum`).
-NIXL_CHECKSUM = "pdserve-nixl-pages/1"
+# The checksum of a transfer's pages (see `pages_digest`).
+NIXL_CHECKSUM = "pdserve-nixl-pages/2"
 _POLL_S = 0.0005
 _MASK64 = (1 << 64) - 1
+_NOTIF_GRACE_S = 1.0  # how long a finished transfer waits for its last WRITEs' notifications
 
 
 # -- side-channel messages --------------------------------------------------------------------
@@ -262,12 +263,13 @@ def remote_pages(target: dict[str, Any]) -> tuple[str, list[Any]]:
 
 
 def write_pages(
-    caches: Sequence[torch.Tensor],
-    remote: Sequence[Any],
+    caches: Any,
+    remote: Any,
     remote_blocks: int,
     layers: Sequence[int],
     src: Sequence[int],
     dst: Sequence[int],
+    notif: bytes = b"",
 ) -> list[Any]:
     """Post one WRITE per layer of pages `src` of `caches` into pages `dst` of `remote`;
     returns the handles (the raw baseline of `pdserve bench kv-transfer` times exactly this)."""
@@ -282,6 +284,7 @@ def write_pages(
                 _page_indices(src, cache.shape[1]),
                 remote[layer],
                 _page_indices(dst, remote_blocks),
+                notif_msg=notif,
             )
             state = agent.agent.transfer(handle)
         except agent.errors as exc:
@@ -329,58 +332,79 @@ def wait_handles(handles: Sequence[Any], timeout: float) -> None:
 # -- checksums ------------------------------------------------------------------------------------
 
 
-def pages_checksum(caches: Sequence[torch.Tensor], pages: Sequence[tuple[int, int, int]]) -> int:
-    """Checksum of whole pages in a fixed order, computed without gathering them.
-
-    `pages` lists (layer, position, block): the page at `block` of `layer`'s cache stands at
-    `position` in the checksum's order (both ends use the rank of the destination block).
-    Each K or V half is read as int64 words; per (layer, half) the checksum sums all words,
-    each half's word sum times its position + 1, and each column's sum times its column
-    number + 1, mod 2**64 (as `page_checksum` does with rows); slices of consecutive blocks
-    are summed in place, so a run of contiguous blocks costs one read and no copy.
-    """
-    sums: list[int] = []
-    by_layer: dict[int, list[tuple[int, int]]] = {}
-    for layer, pos, block in pages:
-        by_layer.setdefault(layer, []).append((pos, block))
-    for layer in sorted(by_layer):
-        cache = caches[layer]
-        entries = sorted(by_layer[layer])
-        for half in (0, 1):
-            words = _words(cache[half])  # [num_blocks, W]
-            plain = torch.zeros((), dtype=torch.int64, device=words.device)
-            by_pos = torch.zeros_like(plain)
-            cols = torch.zeros(words.shape[1], dtype=torch.int64, device=words.device)
-            for start, n in _runs(entries):
-                pos0, block0 = entries[start]
-                rows = words[block0 : block0 + n]
-                row_sums = rows.sum(1)
-                weight = torch.arange(pos0 + 1, pos0 + n + 1, device=words.device)
-                plain += row_sums.sum()
-                by_pos += (row_sums * weight).sum()
-                cols += rows.sum(0)
-            col_weight = torch.arange(1, cols.numel() + 1, device=cols.device)
-            sums += [int(plain), int(by_pos), int((cols * col_weight).sum())]
-    packed = msgpack.packb([*sorted(by_layer), *(s & _MASK64 for s in sums)])
-    return int.from_bytes(hashlib.blake2b(packed, digest_size=8).digest(), "little")
+_GATHER_BYTES = 64 << 20  # scattered pages are summed through gathers of at most this
 
 
-def _words(half: torch.Tensor) -> torch.Tensor:
-    """A [num_blocks, ...] cache half as [num_blocks, W] int64 words (a copy only when a
-    block's bytes are not a whole number of words)."""
-    raw = half.reshape(half.shape[0], -1).view(torch.uint8)
-    if raw.shape[1] % 8:
+def page_sums(cache: torch.Tensor, blocks: Sequence[int]) -> torch.Tensor:
+    """[len(blocks), 2] int64: the word sums (mod 2**64) of each block's K and V half in a
+    [2, num_blocks, ...] layer cache. Runs of contiguous blocks are summed in place; blocks
+    scattered across the cache are gathered in bounded chunks first. No sync (CUDA)."""
+    if not blocks:
+        return torch.zeros(0, 2, dtype=torch.int64, device=cache.device)
+    words = _words(cache)  # [2, num_blocks, W]
+    order = sorted(range(len(blocks)), key=blocks.__getitem__)
+    ids = [blocks[i] for i in order]
+    runs = _runs(ids)
+    if len(runs) * 8 <= len(ids):  # mostly contiguous
+        sums = torch.cat([words[:, b0 : b0 + n].sum(-1) for b0, n in runs], dim=1)
+    else:
+        index = torch.tensor(ids, device=cache.device)
+        step = max(1, _GATHER_BYTES // (words.shape[2] * 16))
+        sums = torch.cat(
+            [words[:, index[i : i + step]].sum(-1) for i in range(0, len(ids), step)], dim=1
+        )
+    back = torch.empty_like(sums)
+    back[:, order] = sums  # the caller's order
+    return back.t()
+
+
+def pages_digest(sums: dict[int, dict[int, tuple[int, int]]]) -> int:
+    """The transfer checksum (`pdserve-nixl-pages/2`) of per-page sums, layer -> destination
+    block -> (K sum, V sum): per layer and half, the plain sum and the sum weighted by each
+    page's rank (1, 2, ...) among the layer's destination blocks, mod 2**64, hashed. A
+    changed byte changes a plain sum (as in `page_checksum`); a page written to the wrong
+    block or missing changes a weighted one or the count."""
+    words: list[int] = []
+    for layer in sorted(sums):
+        pages = sums[layer]
+        k_plain = v_plain = k_ranked = v_ranked = 0
+        for rank, block in enumerate(sorted(pages), start=1):
+            k, v = pages[block]
+            k_plain, v_plain = k_plain + k, v_plain + v
+            k_ranked, v_ranked = k_ranked + rank * k, v_ranked + rank * v
+        words += [layer, len(pages), *(x & _MASK64 for x in (k_plain, v_plain, k_ranked, v_ranked))]
+    return int.from_bytes(hashlib.blake2b(msgpack.packb(words), digest_size=8).digest(), "little")
+
+
+def collect_sums(
+    parts: Sequence[tuple[int, Sequence[int], torch.Tensor]],
+) -> dict[int, dict[int, tuple[int, int]]]:
+    """(layer, destination blocks, page_sums) in the order they were written -> the sums of
+    each page's last write."""
+    out: dict[int, dict[int, tuple[int, int]]] = {}
+    for layer, dsts, part in parts:
+        pages = out.setdefault(layer, {})
+        for dst, (k, v) in zip(dsts, part.tolist(), strict=True):
+            pages[dst] = (k & _MASK64, v & _MASK64)
+    return out
+
+
+def _words(cache: torch.Tensor) -> torch.Tensor:
+    """A [2, num_blocks, ...] layer cache as [2, num_blocks, W] int64 words (a copy only when
+    a block's bytes are not a whole number of words)."""
+    raw = cache.reshape(2, cache.shape[1], -1).view(torch.uint8)
+    if raw.shape[2] % 8:
         return raw.to(torch.int64)
     return raw.view(torch.int64)
 
 
-def _runs(entries: Sequence[tuple[int, int]]) -> list[tuple[int, int]]:
-    """(start, length) of runs where positions and blocks both step by one."""
+def _runs(ids: Sequence[int]) -> list[tuple[int, int]]:
+    """(first block, length) of each run of consecutive ids in a sorted list."""
     runs: list[tuple[int, int]] = []
     start = 0
-    for i in range(1, len(entries) + 1):
-        if i == len(entries) or entries[i] != (entries[i - 1][0] + 1, entries[i - 1][1] + 1):
-            runs.append((start, i - start))
+    for i in range(1, len(ids) + 1):
+        if i == len(ids) or ids[i] != ids[i - 1] + 1:
+            runs.append((ids[start], i - start))
             start = i
     return runs
 
@@ -393,7 +417,9 @@ class _Outbound:
     """One transfer on the sender: WRITEs in flight, pages written, what went wrong."""
 
     handles: list[tuple[int, Any]] = field(default_factory=list)  # (layer, xfer handle)
-    written: dict[int, dict[int, int]] = field(default_factory=dict)  # layer -> dst -> src
+    # (layer, destination blocks, page_sums of their source pages), in the order written
+    sums: list[tuple[int, list[int], torch.Tensor]] = field(default_factory=list)
+    writes: int = 0  # WRITEs posted (each notifies the receiver when its data is in)
     problems: list[str] = field(default_factory=list)
     unannounced: bool = False  # waited for the receiver's announcement in vain
 
@@ -501,9 +527,10 @@ class NixlSender(ChannelSender):
         if outside:
             self._book_refusal(out, layer, outside)
             return
-        out.written.setdefault(layer, {}).update(zip(dst_block_ids, src_block_ids))
         if self._plan is not None and self._planned_drop():
-            return  # booked, never written: the receiver's checksum catches it
+            # Booked, never written: the receiver's checksum catches it.
+            out.sums.append((layer, dst_block_ids, page_sums(layer_cache, src_block_ids)))
+            return
         # A page sent again (a last block that a later chunk completed) must not race its
         # earlier WRITE: this layer's earlier WRITEs of the transfer finish first.
         self._wait(out, time.monotonic() + self._send_timeout, layer)
@@ -516,15 +543,19 @@ class NixlSender(ChannelSender):
                 [layer],
                 src_block_ids,
                 dst_block_ids,
+                notif=msgpack.packb([xfer_id, layer, dst_block_ids]),
             )
         except TransferError as exc:
             if restore is not None:
                 restore()
             raise TransferError(f"NIXL WRITE to {self._endpoint}: {exc}") from None
         out.handles.append((layer, handle))
+        out.writes += 1
         if restore is not None:  # test hook: the page goes out damaged, stays clean here
             self._wait(out, time.monotonic() + self._send_timeout, layer)
             restore()
+        # The pages' sums, read while the WRITE runs (the receiver sums what lands).
+        out.sums.append((layer, dst_block_ids, page_sums(layer_cache, src_block_ids)))
 
     def send_done(self, xfer_id: str, meta: dict[str, Any]) -> None:
         self._require_connected()
@@ -536,15 +567,11 @@ class NixlSender(ChannelSender):
         done_meta = dict(meta)
         if out.problems:
             done_meta["kv_error"] = "; ".join(out.problems)
-        blocks = sorted({dst for written in out.written.values() for dst in written})
-        done_meta["kv_blocks"] = blocks
-        per_layer = tuple(len(out.written.get(i, {})) for i in range(self.layout.num_layers))
-        pages = [
-            (layer, rank, written[dst])
-            for layer, written in out.written.items()
-            for rank, dst in enumerate(sorted(written))
-        ]
-        checksum = pages_checksum(self._caches, pages) if pages else 0
+        sums = collect_sums(out.sums)
+        done_meta["kv_blocks"] = sorted({dst for pages in sums.values() for dst in pages})
+        done_meta["kv_writes"] = out.writes
+        per_layer = tuple(len(sums.get(i, {})) for i in range(self.layout.num_layers))
+        checksum = pages_digest(sums) if sums else 0
         self._send(KVDone(xfer_id, done_meta, checksum, per_layer, NIXL_CHECKSUM))
 
     def abandon(self, xfer_id: str) -> None:
@@ -676,8 +703,11 @@ class NixlReceiver(ChannelReceiver):
         self._reserved: dict[str, tuple[int, ...]] = {}  # live transfers, blocks in order
         self._fences: dict[str, _Fence] = {}
         self._fenced_blocks: dict[str, frozenset[int]] = {}
-        self._waiting_done: dict[str, KVDone] = {}  # done, but blocks still fenced
+        self._waiting_done: dict[str, tuple[KVDone, float]] = {}  # done, with its deadline
         self._released: list[str] = []
+        # Per live transfer: page sums of each WRITE whose data is in (its notification came),
+        # in arrival order, read while later layers still travel.
+        self._landed: dict[str, list[tuple[int, list[int], torch.Tensor]]] = {}
 
     # -- public API
 
@@ -690,6 +720,7 @@ class NixlReceiver(ChannelReceiver):
         blocks = self._reserved.pop(xfer_id, None)
         self._book.cancel(xfer_id)
         self._waiting_done.pop(xfer_id, None)
+        self._landed.pop(xfer_id, None)
         if blocks is None:
             return
         peers = set(self._peers)
@@ -761,7 +792,9 @@ class NixlReceiver(ChannelReceiver):
         if done.xfer_id not in self._reserved:
             self._book.on_done(done)  # not live: counted as late or unknown, nothing else
             return
-        self._waiting_done[done.xfer_id] = done
+        # Notifications of the last WRITEs may still be on their way (the bytes are in: the
+        # sender saw every WRITE done); wait for them briefly, else sum the pages here.
+        self._waiting_done[done.xfer_id] = (done, time.monotonic() + _NOTIF_GRACE_S)
         self._progress()
 
     def _progress(self) -> None:
@@ -775,21 +808,65 @@ class NixlReceiver(ChannelReceiver):
                 self._book.counters["fence_timeout"] += 1
                 log.warning("nixl: senders did not settle transfer %s in time", xfer_id)
                 self._lift(xfer_id)
+        self._take_notifications()
         fenced = frozenset().union(*self._fenced_blocks.values()) if self._fences else frozenset()
-        for xfer_id, done in list(self._waiting_done.items()):
+        for xfer_id, (done, deadline) in list(self._waiting_done.items()):
             if fenced and fenced & set(self._reserved[xfer_id]):
                 continue  # an older transfer into these blocks may still write: wait
+            landed = self._landed.get(xfer_id, [])
+            writes = done.meta.get("kv_writes")
+            if isinstance(writes, int) and len(landed) < writes and now < deadline:
+                continue
             del self._waiting_done[xfer_id]
             blocks = self._reserved.pop(xfer_id)
+            self._landed.pop(xfer_id, None)
+            if not isinstance(writes, int) or len(landed) != writes:
+                landed = []  # not every WRITE was seen landing: sum every page here
             self._book.cancel(xfer_id)  # finished: later messages for it are refused
-            self._completed.append(self._check(done, blocks))
+            self._completed.append(self._check(done, blocks, landed))
+
+    def _take_notifications(self) -> None:
+        """Sum the pages of every WRITE whose data arrived (NIXL notifies after the data)."""
+        try:
+            notifs = self._agent.agent.get_new_notifs()
+        except self._agent.errors:
+            return
+        for messages in notifs.values():
+            for raw in messages:
+                try:
+                    xfer_id, layer, dsts = msgpack.unpackb(raw)
+                except (ValueError, TypeError, msgpack.ExtraData):
+                    self._book.counters["bad_notification"] += 1
+                    continue
+                parts = self._landed.get(xfer_id) if xfer_id in self._reserved else None
+                valid = (
+                    isinstance(layer, int)
+                    and 0 <= layer < self.layout.num_layers
+                    and isinstance(dsts, list)
+                    and set(dsts) <= set(self._reserved.get(xfer_id, ()))
+                )
+                if xfer_id not in self._reserved:
+                    self._book.counters["late_notification"] += 1  # finished or cancelled
+                    continue
+                if not valid:
+                    self._book.counters["bad_notification"] += 1
+                    continue
+                if parts is None:
+                    parts = self._landed[xfer_id] = []
+                parts.append((layer, dsts, page_sums(self.kv_caches[layer], dsts)))
 
     def _busy(self) -> bool:
-        return bool(self._fences or self._waiting_done)
+        return bool(self._fences or self._waiting_done or self._reserved)
 
-    def _check(self, done: KVDone, reserved: tuple[int, ...]) -> TransferResult:
+    def _check(
+        self,
+        done: KVDone,
+        reserved: tuple[int, ...],
+        landed: Sequence[tuple[int, Sequence[int], torch.Tensor]],
+    ) -> TransferResult:
         """The transfer's result: ok only if the sender wrote each of its pages into the
-        reservation and the pages here checksum as the sender's did."""
+        reservation and the pages here sum as the sender's did (pages not summed on
+        arrival are summed now)."""
         meta = {k: v for k, v in done.meta.items() if not k.startswith("kv_")}
         error = done.meta.get("kv_error", "")
         blocks = done.meta.get("kv_blocks")
@@ -803,12 +880,19 @@ class NixlReceiver(ChannelReceiver):
                     error = f"layer {layer}: {n} pages written of {len(blocks)}"
                     break
         if not error:
-            pages = [
-                (layer, rank, block)
-                for layer in range(self.layout.num_layers)
-                for rank, block in enumerate(sorted(blocks))
-            ]
-            if pages_checksum(self.kv_caches, pages) != done.checksum:
+            sums = collect_sums(landed)
+            for layer in range(self.layout.num_layers):
+                pages = sums.setdefault(layer, {})
+                missing = [b for b in blocks if b not in pages]
+                if missing:
+                    sums[layer].update(
+                        collect_sums([(layer, missing, page_sums(self.kv_caches[layer], missing))])[
+                            layer
+                        ]
+                    )
+                for extra in set(pages) - set(blocks):
+                    del pages[extra]
+            if pages_digest(sums) != done.checksum:
                 error = "checksum of the written pages does not match the sender's"
         return TransferResult(done.xfer_id, meta, not error, error)
 

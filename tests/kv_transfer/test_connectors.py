@@ -270,7 +270,8 @@ def test_cancel_drops_late_frames(setup: Setup) -> None:
         setup.send("c", src, dst, list(range(1, LAYOUT.num_layers)))
         setup.done("c")
         setup.pump.until(lambda: released.extend(setup.receiver.released()) or released)
-        assert released == ["c"] and setup.receiver.counters == {}
+        # (layer 0's notification may come after the cancel: counted as late, no more)
+        assert released == ["c"] and set(setup.receiver.counters) <= {"late_notification"}
         setup.check_blocks(written, layers=[0])
         return
     setup.send("c", src, dst, list(range(1, LAYOUT.num_layers)))

@@ -1,7 +1,7 @@
-"""The nixl connector's page checksum: both ends compute it over their own blocks in place
-(runs of contiguous blocks, no gather) and must agree exactly when the pages are equal,
-wherever each end keeps them; any changed byte or swapped page changes it. Pure torch: runs
-without NIXL installed."""
+"""The nixl connector's page checksum: each end sums its own blocks in place (runs of
+contiguous blocks; scattered ones through bounded gathers), and the two must agree exactly
+when the pages are equal, wherever each end keeps them; a changed byte, a page in the wrong
+block or a missing page changes it. Pure torch: runs without NIXL installed."""
 
 from __future__ import annotations
 
@@ -10,53 +10,64 @@ import random
 import torch
 
 from pdserve.kv_transfer import KVLayout
-from pdserve.kv_transfer.nixl_connector import _runs, pages_checksum
+from pdserve.kv_transfer import nixl_connector as nx
 from tests.kv_transfer.helpers import make_caches
 
 LAYOUT = KVLayout("tiny-llama", "float32", num_layers=3, num_kv_heads=2, head_dim=8, block_size=4)
 
 
-def _placed(n_pages: int, num_blocks: int, seed: int) -> tuple[list[torch.Tensor], list[int]]:
-    """Caches holding the same n_pages pages (per layer) at random blocks of their own."""
-    source = make_caches(LAYOUT, n_pages, seed=7)
+def _digest(caches: list[torch.Tensor], blocks: list[int], dsts: list[int]) -> int:
+    """The checksum of pages `blocks` of `caches`, as written to destination blocks `dsts`."""
+    parts = [(layer, dsts, nx.page_sums(c, blocks)) for layer, c in enumerate(caches)]
+    return nx.pages_digest(nx.collect_sums(parts))
+
+
+def _placed(n: int, num_blocks: int, seed: int) -> tuple[list[torch.Tensor], list[int]]:
+    """Caches holding the same n pages (per layer) at random blocks of their own."""
+    source = make_caches(LAYOUT, n, seed=7)
     caches = make_caches(LAYOUT, num_blocks, seed=seed)  # other blocks: unrelated bytes
-    blocks = random.Random(seed).sample(range(num_blocks), n_pages)
+    blocks = random.Random(seed).sample(range(num_blocks), n)
     for layer, cache in enumerate(caches):
         cache[:, blocks] = source[layer]
     return caches, blocks
 
 
-def _pages(blocks: list[int]) -> list[tuple[int, int, int]]:
-    return [(layer, rank, b) for layer in range(LAYOUT.num_layers) for rank, b in enumerate(blocks)]
-
-
 def test_equal_pages_checksum_equal_wherever_they_sit() -> None:
-    a, blocks_a = _placed(9, 20, seed=1)
-    b, blocks_b = _placed(9, 31, seed=2)
-    contiguous = make_caches(LAYOUT, 12, seed=3)
+    dsts = random.Random(0).sample(range(100), 40)
+    a, blocks_a = _placed(40, 60, seed=1)  # scattered: summed through gathers
+    b, blocks_b = _placed(40, 90, seed=2)
+    contiguous = make_caches(LAYOUT, 50, seed=3)  # one run: summed in place
     for layer, cache in enumerate(contiguous):
-        cache[:, 2:11] = a[layer][:, blocks_a]
-    want = pages_checksum(a, _pages(blocks_a))
-    assert pages_checksum(b, _pages(blocks_b)) == want
-    assert pages_checksum(contiguous, _pages(list(range(2, 11)))) == want
-    # a dict of layers (the sender's) is read the same way
-    assert pages_checksum(dict(enumerate(b)), _pages(blocks_b)) == want
+        cache[:, 5:45] = a[layer][:, blocks_a]
+    want = _digest(a, blocks_a, dsts)
+    assert _digest(b, blocks_b, dsts) == want
+    assert _digest(contiguous, list(range(5, 45)), dsts) == want
+    sums = nx.page_sums(contiguous[0], list(range(5, 45)))
+    assert torch.equal(sums, nx.page_sums(a[0], blocks_a))  # in place == gathered
+    assert sums.shape == (40, 2) and sums.dtype == torch.int64
 
 
-def test_a_changed_byte_or_swapped_pages_change_it() -> None:
+def test_a_changed_byte_a_misplaced_or_missing_page_change_it() -> None:
     caches, blocks = _placed(6, 10, seed=4)
-    want = pages_checksum(caches, _pages(blocks))
-    swapped = blocks[:]
-    swapped[1], swapped[2] = swapped[2], swapped[1]
-    assert pages_checksum(caches, _pages(swapped)) != want
+    dsts = [3, 9, 4, 1, 7, 2]
+    want = _digest(caches, blocks, dsts)
+    swapped = [dsts[0], dsts[2], dsts[1], *dsts[3:]]
+    assert _digest(caches, blocks, swapped) != want
+    assert _digest(caches, blocks[:5], dsts[:5]) != want
     raw = caches[2][1, blocks[5]].view(-1).view(torch.uint8)
     raw[7] ^= 1
-    assert pages_checksum(caches, _pages(blocks)) != want
+    assert _digest(caches, blocks, dsts) != want
     raw[7] ^= 1
-    assert pages_checksum(caches, _pages(blocks)) == want
+    assert _digest(caches, blocks, dsts) == want
 
 
-def test_runs_split_where_positions_or_blocks_stop_stepping() -> None:
-    entries = [(0, 5), (1, 6), (2, 7), (3, 2), (4, 3), (5, 9)]
-    assert _runs(entries) == [(0, 3), (3, 2), (5, 1)]
-    assert _runs([]) == []
+def test_the_last_write_of_a_page_counts() -> None:
+    caches, blocks = _placed(4, 8, seed=5)
+    stale = torch.full((4, 2), 12345, dtype=torch.int64)
+    parts = [(0, [1, 2, 3, 4], stale), (0, [1, 2, 3, 4], nx.page_sums(caches[0], blocks))]
+    assert nx.collect_sums(parts) == nx.collect_sums(parts[1:])
+
+
+def test_runs_of_consecutive_ids() -> None:
+    assert nx._runs([2, 3, 4, 7, 9, 10]) == [(2, 3), (7, 1), (9, 2)]
+    assert nx._runs([]) == []

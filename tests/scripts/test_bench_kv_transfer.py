@@ -101,8 +101,9 @@ def test_plot_and_section_land_in_out_not_docs(quick) -> None:
     assert report["command"] in section and "--quick" in report["command"]
     for connector in CONNECTORS:
         assert f"- {connector}: " in section  # the goal line, met or missed
-    assert "Skipped points" in section and section.count("| tiny |") == 6
-    assert "- tiny 32k (zmq, nccl, shm): KV bytes" in section
+    assert "Skipped points" in section and section.count("| tiny |") == 2 * len(CONNECTORS)
+    names = ", ".join(c for c in ("zmq", "nccl", "shm", "nixl") if c in CONNECTORS)
+    assert f"- tiny 32k ({names}): KV bytes" in section
     assert "Serial pass model" in section
     for connector in CONNECTORS:
         assert f"{connector} " in section.split("Serial pass model")[1].split("\n")[0]
@@ -119,6 +120,8 @@ def test_pass_model_adds_the_extra_passes_to_the_raw_time() -> None:
     model = pass_model(report)
     assert model["zmq"] == model["nccl"] == pytest.approx((0.5, 0.3))
     assert model["shm"] == pytest.approx((1 / 1.75, 0.3))
+    if "nixl" in CONNECTORS:  # the two checksums, nothing else
+        assert model["nixl"] == pytest.approx((1 / 1.5, 0.3))
     assert pass_model({"summary": report["summary"]}) == {}  # run with --no-stages
 
 
