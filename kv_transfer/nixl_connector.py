@@ -29,8 +29,10 @@ one that could land where it should not):
   source block is never reused while a WRITE still reads it. A block sent again (a partly
   filled last block that the next chunk completed) waits for its earlier WRITE first, so
   two WRITEs of one page never race.
-- Fail closed: the done message carries the page count and a checksum of the final source
-  pages; the receiver checksums exactly the reserved pages before it admits the request.
+- Fail closed: the sender sums each layer's pages after posting its WRITE; each WRITE carries
+  a NIXL notification, delivered after its data, on which the receiver sums the same pages
+  as they land. The done message carries the pages written and the sender's checksum; the
+  receiver admits the request only if its checksum of exactly those pages is the same.
 
 Without the `nixl` extra installed, choosing this connector raises an error naming
 `pip install 'pdserve[nixl]'`.

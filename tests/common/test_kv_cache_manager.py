@@ -123,3 +123,20 @@ def test_free_releases_tail_first(kv):
     kv.free(a)
     order = [b.block_id for b in kv.pool.free_queue]
     assert order[-3:] == ids[::-1]
+
+
+def test_held_blocks_stay_out_of_the_pool_until_released(kv):
+    """A decode node holds a cancelled nixl transfer's blocks (remote writes may still land)
+    past the request's end; they count as owned, and free only on release."""
+    r = req("a", list(range(10)))
+    ids = run_prefill(kv, r)
+    kv.hold("a", "xfer-1")
+    kv.free(r)  # the request ends: its blocks stay held
+    assert kv.num_free_blocks == 7 and [b.block_id for b in kv.held["xfer-1"]] == ids
+    kv.check_integrity()
+    other = req("b", list(range(100, 128)))  # 7 blocks: exactly what is free
+    assert set(run_prefill(kv, other)).isdisjoint(ids)
+    kv.free(other)
+    kv.release_held("xfer-1")
+    kv.release_held("xfer-1")  # idempotent
+    assert kv.num_free_blocks == 10 and not kv.held

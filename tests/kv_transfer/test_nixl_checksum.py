@@ -71,3 +71,16 @@ def test_the_last_write_of_a_page_counts() -> None:
 def test_runs_of_consecutive_ids() -> None:
     assert nx._runs([2, 3, 4, 7, 9, 10]) == [(2, 3), (7, 1), (9, 2)]
     assert nx._runs([]) == []
+
+
+def test_nixl_without_the_extra_names_the_install(monkeypatch) -> None:
+    """Choosing nixl where NIXL is not installed fails when the node starts (its KV port is
+    made), with the command that installs it."""
+    import pytest
+
+    from pdserve.kv_transfer import KVPort, TransferError
+
+    monkeypatch.setattr(nx, "_NIXL_MODULES", ("no_such_nixl_module._api",))
+    with pytest.raises(TransferError, match=r"pip install 'pdserve\[nixl\]'"):
+        KVPort("nixl", LAYOUT)
+    KVPort("zmq", LAYOUT)  # the others need nothing more
