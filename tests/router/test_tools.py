@@ -14,8 +14,8 @@ from openai.types.chat import ChatCompletionChunk
 
 from pdserve.router.app import create_app
 from pdserve.router.tools import (
-    Function,
     CallPiece,
+    Function,
     ToolMode,
     ToolStream,
     messages_for_default,
