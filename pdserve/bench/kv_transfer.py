@@ -732,7 +732,12 @@ column-weighted sum per run of blocks after the last layer, on both ends one aft
 0.22 x raw, tail 1 s; per-page word sums (one reduction, the column pass dropped: a DMA
 moves whole descriptors, so a page's words cannot swap) summed per layer as it lands: 0.75,
 tail 25 ms. Moving the sender's sums to a worker thread changed nothing (0.72) and was
-dropped. What is left is memory traffic: here UCX moves the bytes with a shared-memory copy
+dropped. NIXL's own progress thread spins without a pause and took one of the two cores
+from everything else: without it (the receiver reads notifications every half millisecond
+on a thread of its own, which is what moves UCX's large WRITEs; a sender progresses in its
+own calls) nixl went from 1.2 to 2.3 GB/s and its raw baseline from 1.8 to 3.4 GB/s, at a
+ratio of 0.67 to 0.71 (runs vary), and TTFT through a 1P1D cluster fell from 0.3 s to zmq's
+0.1 s. What is left is memory traffic: here UCX moves the bytes with a shared-memory copy
 (its CMA/shm transports; the raw WRITE is that copy), and the two checksums read every byte
 twice more on the same two cores and memory, so on this machine the goal of 0.9 is not met.
 Over RDMA or NVLink the link, not the memory, is the bottleneck, and the sums (in HBM on
