@@ -736,10 +736,10 @@ dropped. NIXL's own progress thread spins without a pause and took one of the tw
 from everything else: without it (the receiver reads notifications every half millisecond
 on a thread of its own, which is what moves UCX's large WRITEs; a sender progresses in its
 own calls) nixl went from 1.2 to 2.3 GB/s and its raw baseline from 1.8 to 3.4 GB/s, at a
-ratio of 0.67 to 0.71 (runs vary), and TTFT through a 1P1D cluster fell from 0.3 s to zmq's
-0.1 s. What is left is memory traffic: here UCX moves the bytes with a shared-memory copy
-(its CMA/shm transports; the raw WRITE is that copy), and the two checksums read every byte
-twice more on the same two cores and memory, so on this machine the goal of 0.9 is not met.
+ratio of 0.67 to 0.71 (runs vary). What is left is memory traffic: here UCX moves the bytes
+with a shared-memory copy (its CMA/shm transports; the raw WRITE is that copy), and the two
+checksums read every byte twice more on the same two cores and memory, so on this machine
+the goal of 0.9 is not met.
 Over RDMA or NVLink the link, not the memory, is the bottleneck, and the sums (in HBM on
 CUDA) weigh little; that run needs a GPU machine."""
 
