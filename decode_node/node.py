@@ -36,7 +36,13 @@ class DecodeNode(EngineNode):
         self, model: ModelConfig, cache: CacheConfig, scheduler: SchedulerConfig, node: NodeConfig
     ) -> None:
         super().__init__(model, cache, scheduler, node)
-        self.kv_port = KVPort.of_engine(self.engine, model.model_dir, node.kv_connector, self.curve)
+        self.kv_port = KVPort.of_engine(
+            self.engine,
+            model.model_dir,
+            node.kv_connector,
+            self.curve,
+            advertise_host=self.advertise_host,
+        )
         self.receiver = self.kv_port.listen(
             self.engine.runner.kv_caches, node.host, node.kv_port, node.kv_fence_timeout
         )
@@ -51,7 +57,7 @@ class DecodeNode(EngineNode):
         }
 
     def refuse(self, request_id: str, kind: Failure, why: str) -> None:
-        self.control.send(Busy(request_id, why))  # the router tries another decode node
+        self.reply(Busy(request_id, why))  # the router tries another decode node
 
     def reserve(self, msg: ReserveKV) -> None:
         sampling = sampling_from_wire(msg.sampling)
@@ -63,7 +69,7 @@ class DecodeNode(EngineNode):
         )
         block_ids = self.engine.scheduler.reserve(request)
         if block_ids is None:
-            self.control.send(Busy(msg.request_id, "no free blocks"))
+            self.reply(Busy(msg.request_id, "no free blocks"))
             return
         self.take_lease(msg.request_id)
         self.expect(msg.request_id, block_ids)
@@ -74,7 +80,8 @@ class DecodeNode(EngineNode):
         self.receiver.expect(xfer_id, block_ids)
         self.xfer_to_rid[xfer_id] = request_id
         self.rid_to_xfer[request_id] = xfer_id
-        self.control.send(Reserved(request_id, xfer_id, tuple(block_ids), self.receiver.endpoint))
+        reserved = Reserved(request_id, xfer_id, tuple(block_ids), self.receiver.endpoint)
+        self.tell(request_id, reserved)
 
     def renew_transfer(self, msg: RenewTransfer) -> None:
         """The prefill node feeding a reservation died: same blocks, a new transfer id; frames
@@ -82,7 +89,7 @@ class DecodeNode(EngineNode):
         request_id = msg.request_id
         old = self.rid_to_xfer.pop(request_id, None)
         if old is None:  # not reserved here (any more): nothing to renew
-            self.control.send(Error(request_id, "no reservation to renew", Failure.NO_RESERVATION))
+            self.reply(Error(request_id, "no reservation to renew", Failure.NO_RESERVATION))
             return
         self.xfer_to_rid.pop(old, None)
         self.receiver.cancel(old)
@@ -98,14 +105,13 @@ class DecodeNode(EngineNode):
             self.rid_to_xfer.pop(rid, None)
             if not result.ok:  # fail closed: never decode from corrupt or partial KV
                 self.engine.abort(rid)
-                self.control.send(
-                    Error(rid, f"KV transfer failed: {result.error}", Failure.KV_FAILED)
-                )
+                why = f"KV transfer failed: {result.error}"
+                self.tell(rid, Error(rid, why, Failure.KV_FAILED))
                 continue
             first = SampledToken(rid, int(result.meta["first_token"]))
             # The prefill node already streamed the first token (and any finish) to the router.
             self.engine.scheduler.admit_remote(rid, first)
-            self.control.send(Admitted(rid))
+            self.tell(rid, Admitted(rid))
 
     def abort(self, request_id: str) -> None:
         xfer_id = self.rid_to_xfer.pop(request_id, None)

@@ -133,6 +133,11 @@ class KVReceiver(abc.ABC):
     def endpoint(self) -> str:
         """Address to give to senders' `connect`."""
 
+    def advertise(self, host: str) -> None:
+        """Give senders `host` in `endpoint` (and in the connector's own addresses) instead of
+        the bind address, which may be a wildcard such as 0.0.0.0."""
+        raise NotImplementedError(f"{type(self).__name__} cannot advertise an address")
+
     @abc.abstractmethod
     def expect(self, xfer_id: str, block_ids: list[int]) -> None:
         """Register a transfer into `block_ids` (the blocks reserved for it).

@@ -18,6 +18,7 @@ from typing import Any, ClassVar
 import torch
 import zmq
 
+from pdserve.common.process import host_id
 from pdserve.common.wire.messages import MAX_MESSAGE_BYTES, Message, ProtocolError, decode, encode
 from pdserve.common.wire.security import CurveKeys, admit_cluster_keys
 from pdserve.kernels import ops
@@ -97,7 +98,10 @@ class ChannelSender(KVSender):
         self._sock, self._endpoint = sock, endpoint
         try:
             layout = self.layout
-            self._send(KVHello(self.sender_id, self.CONNECTOR, layout.digest(), layout.to_dict()))
+            hello = KVHello(
+                self.sender_id, self.CONNECTOR, layout.digest(), layout.to_dict(), host_id()
+            )
+            self._send(hello)
             reply = self._wait_for((KVWelcome, KVRefused), time.monotonic() + timeout, "handshake")
             if isinstance(reply, KVRefused):
                 error = LayoutMismatchError if reply.code == "layout" else TransferError
@@ -295,6 +299,7 @@ class ChannelReceiver(KVReceiver):
         for i, cache in enumerate(kv_caches):
             check_cache(layout, cache, f"receiver layer {i} cache")
         self.host = host
+        self.advertise_host = host  # how peers reach this host (`advertise`)
         self.num_blocks = kv_caches[0].shape[1]
         self._book = ReceiveBook(layout.num_layers)
         self._peers: dict[bytes, Peer] = {}
@@ -314,6 +319,13 @@ class ChannelReceiver(KVReceiver):
     @property
     def endpoint(self) -> str:
         return self._endpoint
+
+    def advertise(self, host: str) -> None:
+        """Peers reach this receiver at `host` (it may be bound to a wildcard address)."""
+        if self._endpoint.startswith("tcp://"):
+            port = self._endpoint.rpartition(":")[2]
+            self._endpoint = f"tcp://{f'[{host}]' if ':' in host else host}:{port}"
+        self.advertise_host = host
 
     @property
     def counters(self) -> Mapping[str, int]:
@@ -412,6 +424,10 @@ class ChannelReceiver(KVReceiver):
             return KVRefused(
                 "layout", theirs.describe_mismatch(self.layout, ("sender", "receiver"))
             )
+        return self._refuse_peer(hello)
+
+    def _refuse_peer(self, hello: KVHello) -> KVRefused | None:
+        """A connector's own reason to refuse a sender (None: take it)."""
         return None
 
     def _on_page(self, peer: Peer, page: KVPage, frames: list[zmq.Frame]) -> None:

@@ -136,7 +136,7 @@ class NcclReceiver(ChannelReceiver):
     def _accept_peer(self, peer: Peer) -> dict[str, Any]:
         peer.state = _Pair(uuid.uuid4().hex)
         return welcome_extra(
-            store_host=self.host,
+            store_host=self.advertise_host,
             store_port=self._listener.getsockname()[1],
             pair=peer.state.name,
             backend=self._backend,
@@ -146,7 +146,7 @@ class NcclReceiver(ChannelReceiver):
     def _after_welcome(self, peer: Peer) -> None:
         state = peer.state
         state.group = pair_group(
-            self._store, state.name, 1, self._backend, self.host, self._timeout
+            self._store, state.name, 1, self._backend, self.advertise_host, self._timeout
         )
 
     def _on_page_data(self, peer: Peer, page: KVPage, frames: list[Any], admitted: bool) -> None:

@@ -6,6 +6,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from pdserve.common.process import host_id
 from pdserve.common.wire.security import CurveKeys
 from pdserve.kv_transfer.base import (
     KVReceiver,
@@ -34,8 +35,11 @@ class KVPort:
         layout: KVLayout,
         curve: CurveKeys | None = None,
         connect_timeout: float = 10.0,
+        advertise_host: str = "127.0.0.1",
     ) -> None:
         check_available(connector)
+        self.advertise_host = advertise_host  # how other hosts reach this node's sockets
+        self.host_id = host_id()
         self.connector = connector
         self.layout = layout
         self.digest = layout.digest()
@@ -52,9 +56,11 @@ class KVPort:
         connector: str,
         curve: CurveKeys | None = None,
         connect_timeout: float = 10.0,
+        advertise_host: str = "127.0.0.1",
     ) -> KVPort:
         """The port of a running engine's KV cache."""
-        return cls(connector, node_layout(engine, model_dir), curve, connect_timeout)
+        layout = node_layout(engine, model_dir)
+        return cls(connector, layout, curve, connect_timeout, advertise_host)
 
     @property
     def endpoint(self) -> str:
@@ -71,6 +77,7 @@ class KVPort:
         self.receiver = create_receiver(
             self.connector, self.layout, kv_caches, host=host, port=port, curve=self.curve, **opts
         )
+        self.receiver.advertise(self.advertise_host)
         return self.receiver
 
     def sender(self, endpoint: str) -> KVSender:
@@ -78,7 +85,9 @@ class KVPort:
         raises what `KVSender.connect` raises (a layout mismatch included)."""
         sender = self.senders.get(endpoint)
         if sender is None:
-            sender = create_sender(self.connector, self.layout, curve=self.curve)
+            # nccl's gloo pair listens on this node's own address, which the peer dials.
+            opts = {"bind_host": self.advertise_host} if self.connector == "nccl" else {}
+            sender = create_sender(self.connector, self.layout, curve=self.curve, **opts)
             sender.connect(endpoint, self.connect_timeout)
             self.senders[endpoint] = sender
         return sender

@@ -28,6 +28,7 @@ from typing import Any, ClassVar
 
 import torch
 
+from pdserve.common.process import host_id
 from pdserve.common.wire.messages import Message
 from pdserve.common.wire.security import CurveKeys
 from pdserve.kv_transfer.base import TransferError
@@ -36,7 +37,9 @@ from pdserve.kv_transfer.layout import KVLayout
 from pdserve.kv_transfer.wire import (
     FRAME_BYTES,
     KVCredit,
+    KVHello,
     KVPage,
+    KVRefused,
     blocks_per_frame,
     check_welcome,
     dtype_name,
@@ -133,6 +136,15 @@ class ShmReceiver(ChannelReceiver):
             raise ValueError(f"staging_bytes {staging_bytes} below one page ({layout.page_bytes})")
         self._device = kv_caches[0].device
         self._shm_dir = shm_dir or _default_shm_dir()
+
+    def _refuse_peer(self, hello: KVHello) -> KVRefused | None:
+        if hello.host_id != host_id():
+            return KVRefused(
+                "host",
+                "shm moves KV through shared memory on one host, and this prefill node runs on "
+                "another (its host id differs): use --kv-connector zmq, nccl or nixl across hosts",
+            )
+        return None
 
     def _accept_peer(self, peer: Peer) -> dict[str, Any]:
         if self._device.type == "cuda":

@@ -39,6 +39,7 @@ class KVHello(Message):
     connector: str
     digest: str
     layout: dict[str, Any]
+    host_id: str = ""  # the sender's host (`pdserve.common.process.host_id`)
 
 
 @message

@@ -132,29 +132,34 @@ class LocalCluster:
         self.procs[name] = proc
         return proc
 
-    def start(self, timeout: float = 120.0) -> LocalCluster:
+    def start(self, timeout: float = 120.0, routable: bool = True) -> LocalCluster:
+        """Start every child; wait until they registered (and, with routable, until the
+        router has a route for requests: /health)."""
         for name in self.children():
             self.spawn(name)
-        self.wait_ready(timeout)
+        self.wait_ready(timeout, routable)
         return self
 
-    def wait_ready(self, timeout: float) -> None:
-        """Until /health says 200 and every node has registered; RuntimeError otherwise."""
+    def wait_ready(self, timeout: float, routable: bool = True) -> None:
+        """Until /health says 200 (with routable) and every node has registered; RuntimeError
+        otherwise."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            if self.ready():
+            if self.ready(routable):
                 return
             time.sleep(0.2)
         raise RuntimeError(f"cluster not ready after {timeout}s")
 
-    def ready(self) -> bool:
-        """One look: the router answers /health and every node has registered.
-        RuntimeError when a child has exited (it says which, how, and where its log is)."""
+    def ready(self, routable: bool = True) -> bool:
+        """One look: the router answers /health (with routable: /live otherwise) and every
+        node has registered. RuntimeError when a child has exited (it says which, how, and
+        where its log is)."""
         dead = {n: p.returncode for n, p in self.procs.items() if p.poll() is not None}
         if dead:
             raise RuntimeError(f"exited during start: {self._describe(dead)}")
         try:
-            return self.get("/health") is not None and len(self.integrity()) == len(self.node_names)
+            up = self.get("/health" if routable else "/live") is not None
+            return up and len(self.integrity()) == len(self.node_names)
         except (urllib.error.URLError, ConnectionError, TimeoutError):
             return False
 

@@ -44,7 +44,12 @@ class PrefillNode(EngineNode):
     ) -> None:
         super().__init__(model, cache, scheduler, node)
         self.kv_port = KVPort.of_engine(
-            self.engine, model.model_dir, node.kv_connector, self.curve, node.connect_timeout
+            self.engine,
+            model.model_dir,
+            node.kv_connector,
+            self.curve,
+            node.connect_timeout,
+            self.advertise_host,
         )
         self.dests: dict[str, Prefill] = {}  # request id -> where its KV goes
         self.next_block: dict[str, int] = {}  # request id -> first block not yet fully sent
@@ -61,9 +66,7 @@ class PrefillNode(EngineNode):
         try:  # handshake once per decode node; a layout mismatch raises here
             self.kv_port.sender(msg.dest_kv_endpoint)
         except SEND_ERRORS as exc:  # the decode node is unreachable: fail this request only
-            self.control.send(
-                Error(msg.request_id, f"KV connection failed: {exc}", Failure.KV_FAILED)
-            )
+            self.reply(Error(msg.request_id, f"KV connection failed: {exc}", Failure.KV_FAILED))
             return
         self.add_request(msg)
         self.dests[msg.request_id] = msg
@@ -132,9 +135,8 @@ class PrefillNode(EngineNode):
             self.kv_port.senders[dest.dest_kv_endpoint].send_done(dest.xfer_id, meta)
         except SEND_ERRORS as exc:
             failed[dest.dest_kv_endpoint] = str(exc)
-            self.control.send(
-                Error(update.request_id, f"KV transfer failed: {exc}", Failure.KV_FAILED)
-            )
+            why = f"KV transfer failed: {exc}"
+            self.tell(update.request_id, Error(update.request_id, why, Failure.KV_FAILED))
 
     def drop_destination(self, endpoint: str, error: str) -> None:
         """A connection to a decode node broke: fail every request bound there (the router
@@ -143,9 +145,8 @@ class PrefillNode(EngineNode):
         self.kv_port.drop(endpoint)
         for rid in [rid for rid, d in self.dests.items() if d.dest_kv_endpoint == endpoint]:
             self.abort(rid)
-            self.control.send(
-                Error(rid, f"KV transfer to the decode node failed: {error}", Failure.KV_FAILED)
-            )
+            why = f"KV transfer to the decode node failed: {error}"
+            self.tell(rid, Error(rid, why, Failure.KV_FAILED))
 
     def poll_io(self) -> None:
         self.kv_port.poll()  # decode nodes' notices (nixl: cancels to answer)

@@ -105,8 +105,9 @@ def create_app(
     limits: RouterLimits | None = None,
     tool_call_parser: str = "hermes",
 ) -> FastAPI:
-    """The router's FastAPI app: OpenAI-compatible routes plus /health, /metrics, /tokenize,
-    /detokenize and /openapi.json. With api_key every path but /health wants
+    """The router's FastAPI app: OpenAI-compatible routes plus /health (a route to nodes
+    exists: readiness), /live (the process serves: liveness), /metrics, /tokenize,
+    /detokenize and /openapi.json. With api_key every path but /health and /live wants
     `Authorization: Bearer <key>`. Every error, whatever its cause, has vLLM's envelope."""
     limits = limits or RouterLimits()
     handlers = Handlers(backend, tokenizer, model_name, limits, tool_call_parser)
@@ -134,6 +135,7 @@ def create_app(
     )(handlers.chat_completions)
     app.get("/v1/models", response_model=ModelList)(handlers.models)
     app.get("/health", responses=_responses(None, 503))(handlers.health)
+    app.get("/live")(handlers.live)
     app.get("/metrics", response_class=PlainTextResponse)(handlers.prometheus)
     app.post("/tokenize", response_model=TokenizeResponse, responses=_responses(None, 400, 404))(
         handlers.tokenize

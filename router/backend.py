@@ -76,6 +76,10 @@ class Backend(ABC):
     def ready(self) -> bool:
         """Whether requests can be served now (at least one usable route), for /health."""
 
+    def unready_reason(self) -> str:
+        """Why no request can be served now (for the 503 a client gets)."""
+        return "no prefill/decode route is available"
+
     def stats(self) -> dict[str, float]:
         """Gauges exported on /metrics as pdserve_backend_<name>, read at scrape time."""
         return {}

@@ -157,8 +157,12 @@ class Handlers:
 
     async def health(self) -> Response:
         if not self._backend.ready():
-            return APIError(503, "no prefill/decode route is available").response()
+            return APIError(503, self._backend.unready_reason()).response()
         return JSONResponse({"status": "ok"})
+
+    async def live(self) -> dict:
+        """The router's event loop answers (whether or not any node is there)."""
+        return {"status": "ok"}
 
     async def prometheus(self) -> Response:
         return Response(self.metrics.exposition(), media_type=CONTENT_TYPE_LATEST)
@@ -269,7 +273,7 @@ class Handlers:
             dialect.id = f"{dialect.prefix}-{body.request_id}"
         choices = self._make_choices(rid, prompts, body, prompt_param, echoes, forced)
         if not self._backend.ready():
-            raise APIError(503, "no prefill/decode route is available; retry later")
+            raise APIError(503, f"{self._backend.unready_reason()}; retry later")
         self.metrics.prompt_tokens.inc(sum(len(p) for p in prompts))
         gen = Generation(self._backend, choices, request, self.metrics, started, self.admission)
         if body.stream:

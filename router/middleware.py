@@ -15,12 +15,13 @@ ROUTES = (
     "/v1/chat/completions",
     "/v1/models",
     "/health",
+    "/live",
     "/metrics",
     "/tokenize",
     "/detokenize",
     "/openapi.json",
 )
-OPEN_ROUTES = ("/health",)  # every other path, unknown ones included, wants the API key
+OPEN_ROUTES = ("/health", "/live")  # every other path, unknown ones included, wants the API key
 
 
 async def _send_error(error: APIError, scope: Scope, receive: Receive, send: Send) -> None:

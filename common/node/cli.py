@@ -131,8 +131,22 @@ def add_node_args(p: argparse.ArgumentParser) -> None:
     add_model_arg(p)
     add_engine_args(p)
     net = p.add_argument_group("network")
-    net.add_argument("--router", required=True, help="HOST:CONTROL_PORT of the router")
-    net.add_argument("--host", default="127.0.0.1", help="address to bind KV sockets on")
+    net.add_argument(
+        "--router",
+        required=True,
+        action="append",
+        metavar="HOST:PORT",
+        help="control address of a router; repeat it for several routers (the node registers "
+        "with each and answers each one's requests)",
+    )
+    net.add_argument("--host", default="127.0.0.1", help="address to bind KV and health sockets on")
+    net.add_argument(
+        "--advertise-host",
+        default=None,
+        help="the address other hosts reach this node's KV sockets at (default: --host; when "
+        "--host is a wildcard such as 0.0.0.0, the address of the interface that reaches the "
+        "first router). Routers check it at registration",
+    )
     net.add_argument("--kv-port", type=int, default=0, help="KV receiver port (0: a free one)")
     net.add_argument(
         "--kv-connector", default="zmq", choices=KV_CONNECTORS, help="how KV pages travel P -> D"
@@ -144,6 +158,12 @@ def add_node_args(p: argparse.ArgumentParser) -> None:
         metavar="S",
         help="nixl, decode node: how long a cancelled transfer's blocks wait for prefill nodes "
         "that do not confirm they stopped writing (then they are freed and those nodes dropped)",
+    )
+    net.add_argument(
+        "--health-port",
+        type=int,
+        default=0,
+        help="HTTP port of /live, /ready and /metrics for probes and autoscalers (0: none)",
     )
     add_reliability_args(p)
     add_curve_arg(p, "authenticate and encrypt every link")
@@ -170,7 +190,7 @@ def engine_configs(args: argparse.Namespace) -> tuple[ModelConfig, CacheConfig, 
 def node_config(args: argparse.Namespace) -> NodeConfig:
     """The node settings of parsed `add_node_args` flags (ValueError on a bad value)."""
     return NodeConfig(
-        router_addr=args.router,
+        router_addrs=tuple(args.router),
         node_id=args.node_id,
         heartbeat_interval=args.heartbeat_interval,
         lease_timeout=args.lease_timeout,
@@ -180,6 +200,8 @@ def node_config(args: argparse.Namespace) -> NodeConfig:
         curve_dir=args.curve_dir,
         kv_connector=args.kv_connector,
         host=args.host,
+        advertise_host=args.advertise_host,
         kv_port=args.kv_port,
+        health_port=args.health_port,
         kv_fence_timeout=args.kv_fence_timeout,
     )

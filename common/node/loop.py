@@ -25,13 +25,15 @@ from pdserve.common.engine.block_pool import PrefixEvents
 from pdserve.common.engine.config import CacheConfig, ModelConfig, SchedulerConfig
 from pdserve.common.engine.llm_engine import LLMEngine
 from pdserve.common.engine.scheduler import RequestUpdate
-from pdserve.common.node.config import NodeConfig
+from pdserve.common.node.config import NodeConfig, is_wildcard
+from pdserve.common.node.health import HealthServer
+from pdserve.common.process import route_source
 from pdserve.common.wire.codecs import (
     logprobs_to_wire,
     ranked_logprobs_to_wire,
     sampling_from_wire,
 )
-from pdserve.common.wire.control import ControlClient
+from pdserve.common.wire.control import RouterLinks
 from pdserve.common.wire.messages import (
     ALIVE_SUFFIX,
     Abort,
@@ -44,6 +46,7 @@ from pdserve.common.wire.messages import (
     Lease,
     Message,
     Prefill,
+    Registered,
     RegisterNode,
     Reregister,
     ReserveKV,
@@ -60,6 +63,17 @@ log = logging.getLogger(__name__)
 
 # A handler takes the message type it is filed under in the table.
 Handler = Callable[[Any], None]
+
+
+def advertise_host(node: NodeConfig) -> str:
+    """The address other hosts reach this node's sockets at: --advertise-host; else --host,
+    unless it is a wildcard; then the local address of the route to the first router."""
+    if node.advertise_host:
+        return node.advertise_host
+    if not is_wildcard(node.host):
+        return node.host
+    host, _, port = node.router_addrs[0].rpartition(":")
+    return route_source(host.strip("[]"), int(port))
 
 
 class EngineNode:
@@ -81,8 +95,14 @@ class EngineNode:
         self.node_id = node.node_id or f"{self.role}-{uuid.uuid4().hex[:8]}"
         self.incarnation = uuid.uuid4().hex
         self.curve = load_keys(node.curve_dir)
+        self.advertise_host = advertise_host(node)
         self.ctx = zmq.Context()
-        self.control = ControlClient(self.ctx, node.router_addr, self.node_id, self.curve)
+        # One link per router; a request is answered on the link it came in on (`owner`).
+        self.control = RouterLinks(self.ctx, node.router_addrs, self.node_id, self.curve)
+        self.owner: dict[str, int] = {}  # request id -> link of the router that sent it
+        self._link = 0  # link of the message being handled
+        self.accepted: set[int] = set()  # links whose router accepted our registration
+        self.fatal: str | None = None  # why the node stopped on its own (exit non-zero)
         self._next_heartbeat = 0.0
         self._prefix_seq = 0
         # Every request this node holds has a lease the router renews (Lease messages); one
@@ -96,6 +116,10 @@ class EngineNode:
             self.engine.kv.pool.prefix_events = PrefixEvents()
         self.stop_event = threading.Event()
         self._handlers = self.handlers()
+        self.health: HealthServer | None = None
+        if node.health_port:  # bound now: a port in use fails the start, not a probe later
+            labels = {"role": self.role, "node_id": self.node_id}
+            self.health = HealthServer(node.host, node.health_port, self.live, self.ready, labels)
 
     # -- the role's contract -----------------------------------------------------------------
 
@@ -106,6 +130,7 @@ class EngineNode:
             Abort: self.on_abort,
             Lease: self.renew_leases,
             Reregister: self.reregister,
+            Registered: self.on_registered,
             CheckIntegrity: self.report_integrity,
             SyncPrefixes: self.resync_prefixes,
         }
@@ -119,7 +144,7 @@ class EngineNode:
 
     def refuse(self, request_id: str, kind: Failure, why: str) -> None:
         """Turn a new request away (draining, full): the router's failover reads `kind`."""
-        self.control.send(Error(request_id, why, kind))
+        self.reply(Error(request_id, why, kind))
 
     # -- handlers every role shares ------------------------------------------------------------
 
@@ -159,18 +184,33 @@ class EngineNode:
         self.abort(msg.request_id)
 
     def renew_leases(self, msg: Lease) -> None:
+        """A router renews the requests it sent (a router's leases are its own: requests of a
+        router that died expire here)."""
         expiry = time.monotonic() + self.config.lease_timeout
         for rid in msg.request_ids:
-            if rid in self.leases:
+            if rid in self.leases and self.owner.get(rid) == self._link:
                 self.leases[rid] = expiry
 
     def reregister(self, _: Reregister) -> None:
-        """The router restarted: announce ourselves again."""
-        self.register()
+        """A router restarted: announce ourselves to it again."""
+        self.accepted.discard(self._link)
+        self.register(self._link)
         self.heartbeat_now()
 
+    def on_registered(self, msg: Registered) -> None:
+        """A router's answer to our registration; a refusal (a KV address it cannot reach)
+        is a configuration error: stop, naming it."""
+        addr = self.control.addrs[self._link]
+        if msg.accepted:
+            self.accepted.add(self._link)
+            log.info("registered with the router at %s", addr)
+            return
+        self.fatal = f"the router at {addr} refused this node: {msg.reason}"
+        log.error("%s", self.fatal)
+        self.stop_event.set()
+
     def report_integrity(self, msg: CheckIntegrity) -> None:
-        self.control.send(self.integrity_report(msg.nonce))
+        self.reply(self.integrity_report(msg.nonce))
 
     def resync_prefixes(self, _: SyncPrefixes) -> None:
         if self.engine.kv.pool.prefix_events is not None:
@@ -179,9 +219,22 @@ class EngineNode:
 
     # -- shared ----------------------------------------------------------------------------
 
+    def reply(self, msg: Message) -> None:
+        """Answer the router whose message is being handled."""
+        self.control.send(self._link, msg)
+
+    def tell(self, request_id: str, msg: Message) -> None:
+        """Send a message about a request to the router that sent the request."""
+        link = self.owner.get(request_id)
+        if link is None:  # not ours (any more): every router ignores an id it does not know
+            self.control.broadcast(msg)
+        else:
+            self.control.send(link, msg)
+
     def send_update(self, update: RequestUpdate) -> None:
         reason = update.finish_reason.value if update.finish_reason else ""
-        self.control.send(
+        self.tell(
+            update.request_id,
             Tokens(
                 request_id=update.request_id,
                 token_ids=update.new_token_ids,
@@ -189,27 +242,34 @@ class EngineNode:
                 finish_reason=reason,
                 cached_tokens=update.cached_tokens,
                 prompt_logprobs=ranked_logprobs_to_wire(update.prompt_logprobs),
-            )
+            ),
         )
 
     def take_lease(self, request_id: str) -> None:
+        """The request is held here for the router that sent it, which renews its lease."""
         self.leases[request_id] = time.monotonic() + self.config.lease_timeout
+        self.owner[request_id] = self._link
 
-    def register(self) -> None:
+    def register(self, link: int | None = None) -> None:
+        """Announce this node to one router (`link`), or to every router."""
         port = self.kv_port
-        self.control.send(
-            RegisterNode(
-                node_id=self.node_id,
-                role=self.role,
-                kv_endpoint=port.endpoint if port else "",
-                kv_connector=port.connector if port else "",
-                layout_digest=port.digest if port else "",
-                num_blocks=self.engine.runner.num_blocks,
-                block_size=self.block_size,
-                max_model_len=self.engine.max_model_len,
-                incarnation=self.incarnation,
-            )
+        msg = RegisterNode(
+            node_id=self.node_id,
+            role=self.role,
+            kv_endpoint=port.endpoint if port else "",
+            kv_connector=port.connector if port else "",
+            layout_digest=port.digest if port else "",
+            num_blocks=self.engine.runner.num_blocks,
+            block_size=self.block_size,
+            max_model_len=self.engine.max_model_len,
+            incarnation=self.incarnation,
+            host_id=port.host_id if port else "",
+            kv_layout=port.layout.to_dict() if port else {},
         )
+        if link is None:
+            self.control.broadcast(msg)
+        else:
+            self.control.send(link, msg)
 
     def heartbeat(self) -> None:
         now = time.monotonic()
@@ -218,6 +278,8 @@ class EngineNode:
         self._next_heartbeat = now + self.config.heartbeat_interval
         sched = self.engine.scheduler
         queued = sum(r.num_tokens - r.num_computed_tokens for r in sched.waiting)
+        if self.health is not None:
+            self.publish_gauges(queued)
         prefixes = {}
         pool = self.engine.kv.pool
         if pool.prefix_events is not None:
@@ -229,7 +291,7 @@ class EngineNode:
                 prefix_stored=stored,
                 prefix_removed=removed,
             )
-        self.control.send(
+        self.control.broadcast(
             Heartbeat(
                 node_id=self.node_id,
                 free_blocks=self.engine.kv.num_free_blocks,
@@ -241,8 +303,23 @@ class EngineNode:
             )
         )
 
-    def handle(self, msg: Message) -> None:
-        """Run this role's handler for `msg`; bad input fails only its request."""
+    def publish_gauges(self, queued_tokens: int) -> None:
+        """Refresh what the health endpoint's /metrics reports."""
+        sched, kv = self.engine.scheduler, self.engine.kv
+        total = max(1, kv.pool.num_blocks - 1)
+        self.health.gauges = {
+            "pdserve_node_queued_prefill_tokens": queued_tokens,
+            "pdserve_node_kv_cache_usage": 1.0 - kv.num_free_blocks / total,
+            "pdserve_node_free_kv_blocks": kv.num_free_blocks,
+            "pdserve_node_running_requests": len(sched.running),
+            "pdserve_node_waiting_requests": len(sched.waiting),
+            "pdserve_node_draining": float(self.drain_deadline is not None),
+        }
+
+    def handle(self, msg: Message, link: int = 0) -> None:
+        """Run this role's handler for `msg`, which came on `link`; bad input fails only its
+        request."""
+        self._link = link
         rid = getattr(msg, "request_id", "")
         try:
             handler = self._handlers.get(type(msg))
@@ -252,7 +329,7 @@ class EngineNode:
         except ValueError as exc:  # bad input for one request: fail it, keep serving
             log.warning("request %s refused: %s", rid, exc)
             if rid:
-                self.control.send(Error(rid, str(exc), Failure.BAD_REQUEST))
+                self.reply(Error(rid, str(exc), Failure.BAD_REQUEST))
 
     def abort(self, request_id: str) -> None:
         """Free everything the request holds here; idempotent."""
@@ -268,17 +345,18 @@ class EngineNode:
         live = self.engine.scheduler.requests
         if any(expiry < now for expiry in self.leases.values()):
             # Renewals may be waiting in the socket after a long step: take them first.
-            for msg in self.control.recv(0):
-                self.handle(msg)
+            for link, msg in self.control.recv(0):
+                self.handle(msg, link)
         for rid, expiry in list(self.leases.items()):
             if rid not in live:
                 del self.leases[rid]
             elif expiry < now:
                 log.warning("lease of request %s expired: freeing it", rid)
                 self.abort(rid)
-                self.control.send(
-                    Error(rid, "lease expired: the router stopped renewing", Failure.LEASE_EXPIRED)
-                )
+                why = "lease expired: the router stopped renewing"
+                self.tell(rid, Error(rid, why, Failure.LEASE_EXPIRED))
+        for rid in [r for r in self.owner if r not in live and r not in self.leases]:
+            del self.owner[rid]
 
     def drain(self) -> None:
         """Stop taking requests; finish (or, past drain_timeout, fail) what is held; exit.
@@ -296,9 +374,8 @@ class EngineNode:
             return False
         for rid in list(self.engine.scheduler.requests):
             self.abort(rid)
-            self.control.send(
-                Error(rid, "node shut down before the request finished", Failure.DRAINING)
-            )
+            why = "node shut down before the request finished"
+            self.tell(rid, Error(rid, why, Failure.DRAINING))
         return True
 
     def integrity_report(self, nonce: int) -> IntegrityReport:
@@ -319,33 +396,49 @@ class EngineNode:
         )
 
     def _prove_alive(self) -> None:
-        """Liveness thread: tell the router this node lives every heartbeat interval, as long
+        """Liveness thread: tell every router this node lives every heartbeat interval, as long
         as the loop moved within stall_timeout (a wedged loop goes silent, and fails over)."""
-        sock = self.ctx.socket(zmq.DEALER)
-        sock.setsockopt(zmq.IDENTITY, (self.node_id + ALIVE_SUFFIX).encode())
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.setsockopt(zmq.SNDHWM, 4)
-        if self.curve is not None:
-            self.curve.connect(sock)
-        sock.connect(f"tcp://{self.control.router_addr}")
+        socks = []
+        for addr in self.control.addrs:
+            sock = self.ctx.socket(zmq.DEALER)
+            sock.setsockopt(zmq.IDENTITY, (self.node_id + ALIVE_SUFFIX).encode())
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.setsockopt(zmq.SNDHWM, 4)
+            if self.curve is not None:
+                self.curve.connect(sock)
+            sock.connect(f"tcp://{addr}")
+            socks.append(sock)
         frame = encode(Alive(self.node_id))
         try:
             while not self.stop_event.wait(self.config.heartbeat_interval):
-                if time.monotonic() - self._last_progress < self.config.stall_timeout:
-                    with contextlib.suppress(zmq.Again):
-                        sock.send(frame, flags=zmq.NOBLOCK)
+                if self.live():
+                    for sock in socks:
+                        with contextlib.suppress(zmq.Again):
+                            sock.send(frame, flags=zmq.NOBLOCK)
         finally:
-            sock.close(linger=0)
+            for sock in socks:
+                sock.close(linger=0)
+
+    def live(self) -> bool:
+        """The loop made progress within stall_timeout."""
+        return time.monotonic() - self._last_progress < self.config.stall_timeout
+
+    def ready(self) -> bool:
+        """A router accepted this node and it takes new requests."""
+        return bool(self.accepted) and self.drain_deadline is None
 
     def run(self) -> None:
         """Serve until stop_event is set, or until drained after drain()."""
         self.register()
         self._liveness.start()
+        if self.health is not None:
+            self.heartbeat_now()  # gauges before the first probe
+            self.health.start()
         while not self.stop_event.is_set():
             self._last_progress = time.monotonic()
             busy = self.engine.has_unfinished
-            for msg in self.control.recv(0 if busy else 5):
-                self.handle(msg)
+            for link, msg in self.control.recv(0 if busy else 5):
+                self.handle(msg, link)
             self.poll_io()
             if self.engine.has_unfinished:
                 self.step()
@@ -363,6 +456,8 @@ class EngineNode:
         self.heartbeat()
 
     def close(self) -> None:
+        if self.health is not None:
+            self.health.close()
         self.control.close()
         self.ctx.term()
 

@@ -1,4 +1,6 @@
-"""A node's control link to the router: one ZMQ DEALER socket carrying protocol messages."""
+"""A node's control links to its routers: one ZMQ DEALER socket per router, carrying protocol
+messages. Routers share no state: a node registers with each, reports its load to each, and
+answers a request on the link it came in on."""
 
 from __future__ import annotations
 
@@ -55,3 +57,49 @@ class ControlClient:
 
     def close(self) -> None:
         self.sock.close(linger=0)
+
+
+class RouterLinks:
+    """One ControlClient per router address; links are numbered in the order given."""
+
+    def __init__(
+        self,
+        ctx: zmq.Context,
+        router_addrs: tuple[str, ...],
+        node_id: str,
+        curve: CurveKeys | None = None,
+    ) -> None:
+        self.links = [ControlClient(ctx, addr, node_id, curve) for addr in router_addrs]
+        self._poller = zmq.Poller()
+        for link in self.links:
+            self._poller.register(link.sock, zmq.POLLIN)
+
+    def __len__(self) -> int:
+        return len(self.links)
+
+    @property
+    def addrs(self) -> list[str]:
+        return [link.router_addr for link in self.links]
+
+    @property
+    def num_malformed(self) -> int:
+        return sum(link.num_malformed for link in self.links)
+
+    def send(self, link: int, msg: Message) -> None:
+        self.links[link].send(msg)
+
+    def broadcast(self, msg: Message) -> None:
+        for link in self.links:
+            link.send(msg)
+
+    def recv(self, timeout_ms: int) -> list[tuple[int, Message]]:
+        """Every message that arrives on any link within timeout_ms, with its link number."""
+        if len(self.links) == 1:
+            return [(0, msg) for msg in self.links[0].recv(timeout_ms)]
+        if not self._poller.poll(timeout_ms):
+            return []
+        return [(i, msg) for i, link in enumerate(self.links) for msg in link.recv(0)]
+
+    def close(self) -> None:
+        for link in self.links:
+            link.close()

@@ -229,6 +229,23 @@ class RegisterNode(Message):
     # Random per process start: the same node id with a new incarnation is a restarted node,
     # which holds none of the requests the router had sent to the old one.
     incarnation: str = ""
+    # Which host the node runs on (boot id and network namespace): shm moves KV only between
+    # nodes of one host.
+    host_id: str = ""
+    # The KV cache layout (`KVLayout.to_dict`) behind layout_digest: the router names what
+    # differs when a prefill node cannot send KV to a decode node.
+    kv_layout: dict[str, Any] = field(default_factory=dict)
+
+
+@message
+@dataclass(frozen=True, slots=True)
+class Registered(Message):
+    """Router -> node: the answer to RegisterNode. A refusal names what is wrong (a KV endpoint
+    the router cannot reach: a wrong --advertise-host); the node stops with that error."""
+
+    TYPE: ClassVar[str] = "registered"
+    accepted: bool = True
+    reason: str = ""
 
 
 @message

@@ -31,6 +31,7 @@ from pdserve.common.wire.messages import (
     IntegrityReport,
     Lease,
     Message,
+    Registered,
     RegisterNode,
     Reregister,
     Reserved,
@@ -46,6 +47,27 @@ from pdserve.router.cluster.routing import Routing
 from pdserve.router.cluster.streams import Failover, Stream
 
 log = logging.getLogger(__name__)
+
+
+async def probe_endpoint(endpoint: str, timeout: float) -> str | None:
+    """Why peers cannot reach a node's KV endpoint from here (None: a TCP connection opens)."""
+    scheme, _, address = endpoint.partition("://")
+    if scheme != "tcp":
+        return None  # ipc:// and the like: one host, nothing to route
+    host, _, port = address.rpartition(":")
+    host = host.strip("[]")
+    hint = "start the node with --advertise-host set to an address other hosts reach"
+    if host in ("0.0.0.0", "::", "*", ""):
+        return f"its KV endpoint {endpoint} names no address peers can dial: {hint}"
+    try:
+        _, writer = await asyncio.wait_for(asyncio.open_connection(host, int(port)), timeout)
+    except (OSError, ValueError, asyncio.TimeoutError) as exc:
+        why = str(exc) or type(exc).__name__
+        return f"its KV endpoint {endpoint} is not reachable from the router ({why}): {hint}"
+    writer.close()
+    with contextlib.suppress(OSError):
+        await writer.wait_closed()
+    return None
 
 
 class ClusterBackend(Backend):
@@ -65,6 +87,7 @@ class ClusterBackend(Backend):
         max_failovers: int = 3,
         reserve_wait: float = 10.0,
         curve_dir: str | None = None,
+        probe_timeout: float = 3.0,
     ) -> None:
         if policy not in POLICIES:
             raise ValueError(f"unknown policy {policy!r}; choose from {sorted(POLICIES)}")
@@ -89,6 +112,8 @@ class ClusterBackend(Backend):
         self.streams: dict[str, Stream] = {}  # by the client-facing request id
         self.by_wire: dict[str, Stream] = {}  # by the id of the current attempt
         self.num_failovers = 0
+        self.probe_timeout = probe_timeout
+        self._probing: set[str] = set()  # nodes whose KV endpoint is being checked
         self._tasks: list[asyncio.Task] = []
         self._nonce = itertools.count(1)
 
@@ -140,6 +165,9 @@ class ClusterBackend(Backend):
     def ready(self) -> bool:
         return self.registry.ready()
 
+    def unready_reason(self) -> str:
+        return self.registry.no_route_reason()
+
     def stats(self) -> dict[str, float]:
         return {
             **self.registry.stats(),
@@ -168,7 +196,7 @@ class ClusterBackend(Backend):
             return
         node = self.registry.get(sender)
         if node is None:  # a node this router does not know (it restarted): ask it in
-            if isinstance(msg, Heartbeat):
+            if isinstance(msg, Heartbeat) and sender not in self._probing:
                 self.control.spawn(self.control.send(sender, Reregister()))
             return
         node.last_seen = now  # any message proves it is alive (a stalled node comes back)
@@ -189,8 +217,34 @@ class ClusterBackend(Backend):
             self._on_error(sender, msg)
 
     def _register(self, sender: str, msg: RegisterNode, now: float) -> None:
+        """Check a node's KV endpoint first (a decode node), then take it in and say so."""
+        if sender in self._probing:
+            return  # its first registration is being checked
+        known = self.registry.get(sender)
+        if msg.kv_endpoint and (known is None or known.incarnation != msg.incarnation):
+            self._probing.add(sender)
+            self.control.spawn(self._probe_then_register(sender, msg))
+            return
+        self._take(sender, msg, now)
+
+    async def _probe_then_register(self, sender: str, msg: RegisterNode) -> None:
+        """A decode node is only taken in once its advertised KV endpoint answers here: a
+        wrong --advertise-host fails the node at registration, naming the address, instead of
+        every prefill later hanging on it."""
+        try:
+            why = await probe_endpoint(msg.kv_endpoint, self.probe_timeout)
+        finally:
+            self._probing.discard(sender)
+        if why is not None:
+            log.error("node %s refused: %s", sender, why)
+            await self.control.send(sender, Registered(accepted=False, reason=why))
+            return
+        self._take(sender, msg, time.monotonic())
+
+    def _take(self, sender: str, msg: RegisterNode, now: float) -> None:
         """Add a node, or take it again; a new incarnation under a known id is a restarted
         process that holds nothing the old one held: fail those requests over now."""
+        self.control.spawn(self.control.send(sender, Registered()))
         old = self.registry.get(sender)
         if old is not None and old.incarnation != msg.incarnation:
             log.warning("node %s restarted: failing over what it held", sender)
@@ -203,6 +257,9 @@ class ClusterBackend(Backend):
             return
         log.info("node %s registered (%s, %s KV)", sender, msg.role, msg.kv_connector or "no")
         self.registry.add(sender, msg, now)
+        why = self.registry.unpairable(sender)
+        if why:
+            log.warning("node %s can exchange KV with no node of the other role: %s", sender, why)
 
     def _on_error(self, sender: str, msg: Error) -> None:
         if self.control.resolve(f"{sender}/{msg.request_id}", msg):

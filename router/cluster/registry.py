@@ -40,6 +40,8 @@ class NodeInfo:
     recent_tokens: int = 0
     draining: bool = False  # shutting down: takes no new requests
     incarnation: str = ""  # the node process's random start id (a restart changes it)
+    host_id: str = ""  # the host it runs on (shm connects only nodes of one host)
+    kv_layout: dict = field(default_factory=dict)  # KVLayout.to_dict() of its KV cache
 
     def load(self) -> tuple[int, int]:
         return (self.inflight + self.num_waiting, -self.free_blocks)
@@ -90,6 +92,25 @@ class NodeInfo:
         self.recent_tokens += len(prompt) - self.cached_blocks(hashes, now) * self.block_size
         for h in hashes:
             self.recent_prefixes[h] = now + ttl
+
+
+def kv_mismatch(prefill: NodeInfo, decode: NodeInfo) -> str | None:
+    """Why `prefill` cannot send KV to `decode` (None: it can): both ends must run the same
+    connector on the same cache layout, and shm's ends must share a host."""
+    if prefill.kv_connector != decode.kv_connector:
+        return f"connectors differ ({prefill.kv_connector} -> {decode.kv_connector})"
+    if prefill.layout_digest != decode.layout_digest:
+        # Compared as sent (importing kv_transfer would bring torch into the router).
+        p, d = prefill.kv_layout, decode.kv_layout
+        diffs = [
+            f"{k}: prefill {p.get(k)!r} != decode {d.get(k)!r}"
+            for k in sorted(set(p) | set(d))
+            if p.get(k) != d.get(k)
+        ]
+        return "KV layout mismatch: " + ("; ".join(diffs) or "the digests differ")
+    if prefill.kv_connector == "shm" and prefill.host_id != decode.host_id:
+        return "shm needs both on one host, and they run on different hosts"
+    return None
 
 
 class LoopLag:
@@ -154,6 +175,8 @@ class NodeRegistry:
             free_blocks=msg.num_blocks,
             block_size=msg.block_size,
             incarnation=msg.incarnation,
+            host_id=msg.host_id,
+            kv_layout=dict(msg.kv_layout),
         )
 
     def alive(self, roles: tuple[str, ...]) -> list[NodeInfo]:
@@ -167,6 +190,30 @@ class NodeRegistry:
         """Live nodes that take new requests (not draining, not excluded)."""
         return [n for n in self.alive(roles) if not n.draining and n.node_id not in exclude]
 
+    def no_route_reason(self, exclude: set[str] = frozenset()) -> str:
+        """Why prefill and decode nodes (less `exclude`) make no route, for a client's error."""
+        prefills = self.routable(("prefill",), exclude)
+        decodes = self.routable(("decode",), exclude)
+        if not (prefills and decodes):
+            return "no prefill/decode route is available"
+        p, d = prefills[0], decodes[0]
+        return (
+            f"no prefill node can send KV to a decode node (e.g. {p.node_id} -> {d.node_id}: "
+            f"{kv_mismatch(p, d)})"
+        )
+
+    def unpairable(self, node_id: str) -> str | None:
+        """Why a prefill or decode node can send KV to (or take KV from) none of the live
+        nodes of the other role, when there are some (None: it can, or none are there)."""
+        node = self.nodes[node_id]
+        other = {"prefill": "decode", "decode": "prefill"}.get(node.role)
+        peers = self.routable((other,)) if other else []
+        if not peers:
+            return None
+        pairs = [(node, peer) if node.role == "prefill" else (peer, node) for peer in peers]
+        reasons = [kv_mismatch(p, d) for p, d in pairs]
+        return None if None in reasons else reasons[0]
+
     @property
     def max_model_len(self) -> int:
         """The tightest limit among live nodes (every node must be able to hold a request)."""
@@ -174,10 +221,12 @@ class NodeRegistry:
         return min([self.default_max_model_len, *lens])
 
     def ready(self) -> bool:
-        """Whether some route takes requests: a colocated node, or a prefill and a decode node."""
+        """Whether some route takes requests: a colocated node, or a prefill node that can send
+        KV to a decode node."""
         if self.routable(("both",)):
             return True
-        return bool(self.routable(("prefill",)) and self.routable(("decode",)))
+        prefills = self.routable(("prefill",))
+        return any(kv_mismatch(p, d) is None for d in self.routable(("decode",)) for p in prefills)
 
     def stats(self) -> dict[str, float]:
         """Live nodes of each role."""

@@ -19,7 +19,7 @@ from pdserve.common.wire.messages import (
 from pdserve.router.backend import TokenEvent
 from pdserve.router.cluster.control import ControlServer
 from pdserve.router.cluster.policies import Policy
-from pdserve.router.cluster.registry import NodeInfo, NodeRegistry
+from pdserve.router.cluster.registry import NodeInfo, NodeRegistry, kv_mismatch
 from pdserve.router.cluster.streams import Stream
 
 
@@ -41,6 +41,15 @@ class Routing:
         self.hash_prompts = hash_prompts  # only the prefix_aware policy reads recent_prefixes
         self.reserve_wait = reserve_wait
 
+    def _pairable_decodes(self, exclude: set[str]) -> list[NodeInfo]:
+        """Decode nodes that some routable prefill node can send KV to."""
+        prefills = self.registry.routable(("prefill",), exclude)
+        return [
+            d
+            for d in self.registry.routable(("decode",), exclude)
+            if any(kv_mismatch(p, d) is None for p in prefills)
+        ]
+
     async def renew_transfer(self, stream: Stream) -> Reserved | None:
         """The decode node keeps its reservation for a new prefill node (its old one died):
         the reservation under a new transfer id, or None when it cannot."""
@@ -61,8 +70,8 @@ class Routing:
         if request.sampling.max_tokens == 0:
             return await self._score(stream)
         colocated = self.policy(self.registry.routable(("both",), exclude), request)
-        decodes = self.policy(self.registry.routable(("decode",), exclude), request)
-        if colocated and not (decodes and self.registry.routable(("prefill",), exclude)):
+        decodes = self.policy(self._pairable_decodes(exclude), request)
+        if colocated and not decodes:
             node = colocated[0]
             stream.prefill_node = node.node_id
             node.inflight += 1
@@ -74,8 +83,8 @@ class Routing:
                 ),
             )
             return None
-        if not (decodes and self.registry.routable(("prefill",), exclude)):
-            return TokenEvent.failed(Failure.UNAVAILABLE, "no prefill/decode node available")
+        if not decodes:
+            return TokenEvent.failed(Failure.UNAVAILABLE, self.registry.no_route_reason(exclude))
         reserved = await self._reserve(stream, decodes)
         if isinstance(reserved, Error):  # the request itself is bad: no other node takes it
             return TokenEvent.failed(reserved.kind, reserved.message)
@@ -107,7 +116,13 @@ class Routing:
         sampling, outputs = self._wire(stream)
         # Picked after the reservation's round trip, so the choice sees requests routed
         # meanwhile (the policy's load and prefix view include them).
-        prefills = self.policy(self.registry.routable(("prefill",), stream.lost), request)
+        decode = self.registry.get(stream.decode_node)
+        prefills = [
+            p
+            for p in self.registry.routable(("prefill",), stream.lost)
+            if decode is None or kv_mismatch(p, decode) is None
+        ]
+        prefills = self.policy(prefills, request)
         if not prefills:
             return TokenEvent.failed(Failure.UNAVAILABLE, "no prefill node available")
         prefill = prefills[0]
@@ -152,4 +167,4 @@ class Routing:
             if time.monotonic() >= deadline:
                 return None
             await asyncio.sleep(0.2)
-            decodes = self.policy(self.registry.routable(("decode",), stream.lost), request)
+            decodes = self.policy(self._pairable_decodes(stream.lost), request)

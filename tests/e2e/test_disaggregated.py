@@ -139,22 +139,29 @@ def test_colocated_node_through_router(model_dir, reference):
 
 
 def test_layout_mismatch_is_refused_with_a_clear_error(model_dir):
-    with LocalCluster(
+    """Nodes whose KV layouts differ make no route: the router is not ready, and a request
+    gets a 503 naming what differs (before any KV moves)."""
+    import httpx
+
+    c = LocalCluster(
         model_dir,
         1,
         1,
         engine_args=["--max-model-len", "1100"],
         prefill_args=["--block-size", "32"],
         decode_args=["--block-size", "16"],
-    ) as c:
-        import httpx
-
+    )
+    try:
+        c.start(routable=False)
+        assert httpx.get(c.url + "/health", timeout=10).status_code == 503
         resp = httpx.post(
             c.url + "/v1/completions", json={"prompt": [1, 2, 3], "max_tokens": 2}, timeout=60
         )
-        assert resp.status_code >= 400
-        assert "block_size" in resp.text, resp.text
+        assert resp.status_code == 503
+        assert "block_size: prefill 32 != decode 16" in resp.text, resp.text
         assert_clean(c)
+    finally:
+        c.stop()
 
 
 def test_openai_client_and_demo_against_1p1d(model_dir, capsys):

@@ -70,7 +70,7 @@ def nodes(tiny_model_dir) -> Iterator[tuple[FakeRouter, PrefillNode, DecodeNode]
     cache = CacheConfig(block_size=BLOCK, num_blocks=64)
     sched = SchedulerConfig(max_num_batched_tokens=40, max_num_seqs=8)
     router = FakeRouter()
-    node = NodeConfig(router_addr=router.addr)
+    node = NodeConfig(router_addrs=(router.addr,))
     prefill = PrefillNode(model, cache, sched, node)
     decode_ = DecodeNode(model, cache, sched, node)
     yield router, prefill, decode_

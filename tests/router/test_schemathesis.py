@@ -41,6 +41,7 @@ OPERATIONS = [
     ("POST", "/v1/chat/completions"),
     ("GET", "/v1/models"),
     ("GET", "/health"),
+    ("GET", "/live"),
     ("GET", "/metrics"),
     ("POST", "/tokenize"),
     ("POST", "/detokenize"),

@@ -19,10 +19,11 @@ def test_flags_become_one_node_config() -> None:
     args = p.parse_args(
         "m --router 10.0.0.1:8100 --node-id d0 --heartbeat-interval 0.25 --lease-timeout 3 "
         "--max-queued-requests 7 --drain-timeout 0 --stall-timeout 9 --curve-dir keys "
-        "--kv-connector shm --host 0.0.0.0 --kv-port 9100".split()
+        "--kv-connector shm --host 0.0.0.0 --kv-port 9100 --router 10.0.0.2:8100 "
+        "--advertise-host 10.0.0.7 --health-port 8200".split()
     )
     assert node_config(args) == NodeConfig(
-        router_addr="10.0.0.1:8100",
+        router_addrs=("10.0.0.1:8100", "10.0.0.2:8100"),
         node_id="d0",
         heartbeat_interval=0.25,
         lease_timeout=3.0,
@@ -32,12 +33,14 @@ def test_flags_become_one_node_config() -> None:
         curve_dir="keys",
         kv_connector="shm",
         host="0.0.0.0",
+        advertise_host="10.0.0.7",
         kv_port=9100,
+        health_port=8200,
     )
 
 
 def test_defaults_are_valid_and_the_config_is_frozen() -> None:
-    config = NodeConfig("127.0.0.1:8100")
+    config = NodeConfig(("127.0.0.1:8100",))
     with pytest.raises(dataclasses.FrozenInstanceError):
         config.lease_timeout = 1.0  # type: ignore[misc]
     assert not hasattr(config, "__dict__")  # slotted
@@ -46,10 +49,15 @@ def test_defaults_are_valid_and_the_config_is_frozen() -> None:
 @pytest.mark.parametrize(
     "bad",
     [
-        {"router_addr": "localhost"},
-        {"router_addr": ":8100"},
-        {"router_addr": "h:0"},
-        {"router_addr": "h:70000"},
+        {"router_addrs": ()},
+        {"router_addrs": ("localhost",)},
+        {"router_addrs": (":8100",)},
+        {"router_addrs": ("h:0",)},
+        {"router_addrs": ("h:1", "h:70000")},
+        {"router_addrs": ("h:1", "h:1")},
+        {"advertise_host": "0.0.0.0"},
+        {"advertise_host": ""},
+        {"health_port": 70000},
         {"node_id": " "},
         {"heartbeat_interval": 0.0},
         {"lease_timeout": -1.0},
@@ -65,7 +73,7 @@ def test_defaults_are_valid_and_the_config_is_frozen() -> None:
 )
 def test_bad_values_are_refused(bad: dict) -> None:
     with pytest.raises(ValueError):
-        NodeConfig(**{"router_addr": "127.0.0.1:8100", **bad})
+        NodeConfig(**{"router_addrs": ("127.0.0.1:8100",), **bad})
 
 
 def test_a_bad_flag_value_is_a_usage_error(capsys) -> None:

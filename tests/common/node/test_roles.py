@@ -22,6 +22,7 @@ from pdserve.common.wire.messages import (
     Lease,
     Message,
     Prefill,
+    Registered,
     RenewTransfer,
     Reregister,
     ReserveKV,
@@ -31,7 +32,7 @@ from pdserve.common.wire.messages import (
 from pdserve.decode_node.node import DecodeNode
 from pdserve.prefill_node.node import PrefillNode
 
-SHARED = {Abort, Lease, Reregister, CheckIntegrity, SyncPrefixes}
+SHARED = {Abort, Lease, Reregister, Registered, CheckIntegrity, SyncPrefixes}
 SAMPLING = sampling_to_wire(SamplingParams(max_tokens=2))
 
 
