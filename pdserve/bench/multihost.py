@@ -1,0 +1,262 @@
+"""pdserve's roles on separate hosts (network namespaces, `pdserve.bench.hosts`), and the
+benchmark of TTFT under added latency on the KV link.
+
+`HostCluster` starts `pdserve router|prefill|decode` processes inside hosts, the way an
+operator would on separate machines: routers bind their host's address, nodes bind 0.0.0.0
+and advertise the address of their interface (`--advertise-host` defaults to the route to the
+first router), and every node registers with every router given. The multi-host tests use it.
+
+`pdserve bench multihost` (needs root, like the hosts): a router, a prefill and a decode host;
+the decode node advertises a relay host where a `DelayProxy` forwards the KV link with a fixed
+one-way delay (the kernel here has no netem: `tc netem` is used where it exists), and
+sequential streaming requests measure TTFT at each delay against the direct link of the same
+run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+
+import httpx
+
+from pdserve.bench.hosts import Hosts, netem_reason, skip_reason
+
+ROUTER_PORT = 8000
+CONTROL_PORT = 8100
+KV_PORT = 8300
+
+
+@dataclass
+class HostCluster:
+    """Router and node processes in hosts. Each child is known by a name; its output goes to
+    `log_dir/<name>.log`. `close()` stops them all (Hosts.close kills what is left)."""
+
+    hosts: Hosts
+    model: str
+    log_dir: str
+    engine_args: list[str] = field(default_factory=list)
+    procs: dict[str, subprocess.Popen] = field(default_factory=dict)
+    where: dict[str, str] = field(default_factory=dict)  # child name -> host
+    started: list[str] = field(default_factory=list)  # node ids, in order
+
+    def control_addr(self, router_host: str) -> str:
+        return f"{self.hosts.addr(router_host)}:{CONTROL_PORT}"
+
+    def url(self, router_host: str) -> str:
+        return f"http://{self.hosts.addr(router_host)}:{ROUTER_PORT}"
+
+    def spawn(self, name: str, host: str, args: list[str]) -> subprocess.Popen:
+        """Run `python -m pdserve ARGS` in `host` as child `name`."""
+        os.makedirs(self.log_dir, exist_ok=True)
+        with open(os.path.join(self.log_dir, f"{name}.log"), "ab") as out:
+            env = dict(os.environ, PYTHONUNBUFFERED="1")
+            env.pop("PDSERVE_API_KEY", None)
+            proc = self.hosts.popen(
+                host,
+                [sys.executable, "-m", "pdserve", *args],
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                env=env,
+            )
+        self.procs[name], self.where[name] = proc, host
+        return proc
+
+    def router(self, host: str, extra: tuple[str, ...] = ()) -> str:
+        """A router on `host` (its address, the usual ports); returns its URL."""
+        addr = self.hosts.addr(host)
+        self.spawn(
+            f"router@{host}",
+            host,
+            ["router", self.model, "--host", addr, "--port", str(ROUTER_PORT)]
+            + ["--control-port", str(CONTROL_PORT), *extra],
+        )
+        return self.url(host)
+
+    def node(
+        self,
+        role: str,
+        host: str,
+        routers: list[str],
+        connector: str = "zmq",
+        extra: tuple[str, ...] = (),
+    ) -> str:
+        """A prefill, decode or colocated ("both") node on `host`, bound to 0.0.0.0,
+        registered with the routers on `routers` (hosts); returns its node id."""
+        node_id = f"{role}@{host}"
+        n = sum(1 for name in self.started if name.split("~")[0] == node_id)
+        node_id += f"~{n + 1}" if n else ""  # a new node: the router forgets the old later
+        self.started.append(node_id)
+        args = ["prefill"] if role == "prefill" else ["decode"]
+        if role == "both":
+            args += ["--role", "both"]
+        args += [self.model, "--node-id", node_id, "--host", "0.0.0.0"]
+        args += ["--kv-connector", connector, *self.engine_args]
+        if role == "decode":
+            args += ["--kv-port", str(KV_PORT)]
+        for r in routers:
+            args += ["--router", self.control_addr(r)]
+        self.spawn(node_id, host, [*args, *extra])
+        return node_id
+
+    def integrity(self, router_host: str) -> dict:
+        resp = httpx.get(self.url(router_host) + "/internal/integrity", timeout=30)
+        resp.raise_for_status()
+        return resp.json()
+
+    def wait_ready(
+        self, router_host: str, node_ids: list[str], timeout: float = 120.0, routable=True
+    ) -> None:
+        """Until the router answers (/health with routable, /live otherwise) and knows every
+        node in node_ids; RuntimeError naming a child that exited meanwhile."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            dead = {n: p.returncode for n, p in self.procs.items() if p.poll() is not None}
+            if dead:
+                raise RuntimeError(f"exited: {dead} (logs in {self.log_dir})")
+            try:
+                path = "/health" if routable else "/live"
+                up = httpx.get(self.url(router_host) + path, timeout=5).status_code == 200
+                if up and set(node_ids) <= set(self.integrity(router_host)):
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.3)
+        raise RuntimeError(f"router on {router_host} not ready after {timeout}s")
+
+    def stop(self, name: str, timeout: float = 15.0) -> int:
+        """SIGTERM one child (a node drains) and wait; SIGKILL when it does not end."""
+        proc = self.procs.pop(name)
+        self.where.pop(name, None)
+        if proc.poll() is None:
+            proc.terminate()
+            try:
+                return proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+        return proc.wait(5)
+
+    def close(self) -> None:
+        for name in list(self.procs):
+            self.stop(name)
+
+    def log(self, name: str) -> str:
+        with open(os.path.join(self.log_dir, f"{name}.log"), errors="replace") as f:
+            return f.read()
+
+
+# -- the benchmark ---------------------------------------------------------------------------
+
+
+def _ttft(url: str, prompt: list[int], max_tokens: int) -> float:
+    """Seconds from sending a streaming request to its first token."""
+    body = {"prompt": prompt, "max_tokens": max_tokens, "stream": True, "ignore_eos": True}
+    start = time.perf_counter()
+    with httpx.stream("POST", url + "/v1/completions", json=body, timeout=120) as resp:
+        resp.raise_for_status()
+        for line in resp.iter_lines():
+            if line.startswith("data: ") and '"text"' in line:
+                return time.perf_counter() - start
+    raise RuntimeError("the stream ended without a token")
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        prog="pdserve bench multihost",
+        description="TTFT through 1P1D on separate hosts with added one-way delay on the KV "
+        "link (needs root).",
+    )
+    p.add_argument("--model", default=None, help="default: the real SmolLM2 (pdserve.models)")
+    p.add_argument("--delays-ms", default="0,1,5,20", help="one-way KV-link delays (ms)")
+    p.add_argument("--prompt-tokens", type=int, default=512)
+    p.add_argument("--requests", type=int, default=12, help="sequential requests per delay")
+    p.add_argument("--max-tokens", type=int, default=4)
+    p.add_argument("--out", default="docs/bench/multihost_kv_latency.json")
+    p.add_argument("--log-dir", default="/tmp/pdserve-bench-multihost")
+    p.add_argument("--quick", action="store_true", help="tiny model, few requests")
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    why = skip_reason()
+    if why:
+        print(f"pdserve bench multihost: cannot build hosts here: {why}", file=sys.stderr)
+        return 2
+    if args.quick:
+        from pdserve.tiny_model import make_tiny_model
+
+        model = str(make_tiny_model("llama", os.path.join(args.log_dir, "tiny"), max_position=2048))
+        args.requests, args.delays_ms = 3, "0,5"
+    else:
+        from pdserve.models import smollm2
+
+        model = args.model or str(smollm2())
+    delays = [float(d) for d in args.delays_ms.split(",")]
+    vocab = 512 if args.quick else 49152
+    prompts = [
+        [(i * 7919 + k * 104729) % (vocab - 10) + 5 for k in range(args.prompt_tokens)]
+        for i in range(args.requests + 2)
+    ]
+    rows = []
+    with Hosts(["router", "prefill", "decode", "relay"]) as hosts:
+        cluster = HostCluster(hosts, model, args.log_dir, ["--max-model-len", "2048"])
+        try:
+            url = cluster.router("router")
+            p = cluster.node("prefill", "prefill", ["router"])
+            for delay in [None, *delays]:  # None: the direct link, no relay
+                extra: tuple[str, ...] = ()
+                proxy = None
+                if delay is not None:
+                    proxy = hosts.start_proxy("relay", KV_PORT, "decode", KV_PORT, delay / 1000)
+                    extra = ("--advertise-host", hosts.addr("relay"))
+                d = cluster.node("decode", "decode", ["router"], extra=extra)
+                cluster.wait_ready("router", [p, d])
+                for prompt in prompts[:2]:  # warm-up (also fills nothing: prompts differ)
+                    _ttft(url, prompt[: args.prompt_tokens // 2], args.max_tokens)
+                ttfts = [_ttft(url, pr, args.max_tokens) for pr in prompts[2:]]
+                cluster.stop(d)
+                counters = proxy.close() if proxy is not None else {}
+                rows.append(
+                    {
+                        "kv_link": "direct" if delay is None else f"relay +{delay:g} ms",
+                        "one_way_delay_ms": delay,
+                        "ttft_median_s": statistics.median(ttfts),
+                        "ttft_p90_s": sorted(ttfts)[int(0.9 * (len(ttfts) - 1))],
+                        "ttfts_s": ttfts,
+                        "relay_bytes": counters,
+                    }
+                )
+                print(json.dumps(rows[-1]), flush=True)
+        finally:
+            cluster.close()
+    base = rows[0]["ttft_median_s"]
+    for row in rows:
+        row["ttft_vs_direct"] = row["ttft_median_s"] / base
+    result = {
+        "command": " ".join(["pdserve bench multihost", *(argv or sys.argv[1:])]),
+        "machine": {"cpus": os.cpu_count(), "platform": platform.platform()},
+        "model": model,
+        "prompt_tokens": args.prompt_tokens,
+        "requests_per_row": args.requests,
+        "netem": netem_reason() or "available",
+        "rows": rows,
+    }
+    if not args.quick:
+        os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
+        with open(args.out, "w") as f:
+            json.dump(result, f, indent=1)
+    print(f"{'KV link':<16} {'TTFT median':>12} {'p90':>8} {'vs direct':>10}")
+    for row in rows:
+        print(
+            f"{row['kv_link']:<16} {row['ttft_median_s'] * 1000:>10.1f}ms "
+            f"{row['ttft_p90_s'] * 1000:>6.1f}ms {row['ttft_vs_direct']:>9.2f}x"
+        )
+    return 0
