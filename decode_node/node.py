@@ -80,7 +80,9 @@ class DecodeNode(EngineNode):
         self.receiver.expect(xfer_id, block_ids)
         self.xfer_to_rid[xfer_id] = request_id
         self.rid_to_xfer[request_id] = xfer_id
-        reserved = Reserved(request_id, xfer_id, tuple(block_ids), self.receiver.endpoint)
+        reserved = Reserved(
+            request_id, xfer_id, tuple(block_ids), self.receiver.endpoint, self.incarnation
+        )
         self.tell(request_id, reserved)
 
     def renew_transfer(self, msg: RenewTransfer) -> None:

@@ -46,6 +46,7 @@ class KVPort:
         self.curve = curve
         self.connect_timeout = connect_timeout
         self.senders: dict[str, KVSender] = {}  # receiver endpoint -> connected sender
+        self._instances: dict[str, str] = {}  # receiver endpoint -> the process behind it
         self.receiver: KVReceiver | None = None
 
     @classmethod
@@ -80,9 +81,16 @@ class KVPort:
         self.receiver.advertise(self.advertise_host)
         return self.receiver
 
-    def sender(self, endpoint: str) -> KVSender:
+    def sender(self, endpoint: str, instance: str = "") -> KVSender:
         """The connected sender to the receiver at `endpoint`. The first call handshakes and
-        raises what `KVSender.connect` raises (a layout mismatch included)."""
+        raises what `KVSender.connect` raises (a layout mismatch included). `instance` names
+        the receiving process: when another one now listens at the same address (a restart on
+        a fixed port), the old connection is dropped and a new one handshakes; the transport
+        would otherwise reconnect silently to a receiver that never heard our hello."""
+        if instance and self._instances.get(endpoint, instance) != instance:
+            self.drop(endpoint)
+        if instance:
+            self._instances[endpoint] = instance
         sender = self.senders.get(endpoint)
         if sender is None:
             # nccl's gloo pair listens on this node's own address, which the peer dials.

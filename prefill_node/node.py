@@ -64,7 +64,7 @@ class PrefillNode(EngineNode):
                 return
             raise ValueError("a prefill node needs a destination (xfer_id and blocks)")
         try:  # handshake once per decode node; a layout mismatch raises here
-            self.kv_port.sender(msg.dest_kv_endpoint)
+            self.kv_port.sender(msg.dest_kv_endpoint, msg.dest_kv_instance)
         except SEND_ERRORS as exc:  # the decode node is unreachable: fail this request only
             self.reply(Error(msg.request_id, f"KV connection failed: {exc}", Failure.KV_FAILED))
             return

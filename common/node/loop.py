@@ -73,7 +73,13 @@ def advertise_host(node: NodeConfig) -> str:
     if not is_wildcard(node.host):
         return node.host
     host, _, port = node.router_addrs[0].rpartition(":")
-    return route_source(host.strip("[]"), int(port))
+    try:
+        return route_source(host.strip("[]"), int(port))
+    except OSError as exc:  # the router's name does not resolve (yet), no route to it
+        raise RuntimeError(
+            f"cannot tell which address of this host the router at {node.router_addrs[0]} "
+            f"reaches ({exc}): give --advertise-host"
+        ) from None
 
 
 class EngineNode:

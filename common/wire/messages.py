@@ -17,7 +17,7 @@ from typing import Any, ClassVar
 
 import msgpack
 
-PROTOCOL_VERSION = 2  # 2: typed failure kinds, incarnations, Reregister
+PROTOCOL_VERSION = 3  # 2: typed failure kinds, incarnations, Reregister; 3: Registered, host ids
 MAX_MESSAGE_BYTES = 32 * 1024 * 1024  # a 1M-token prompt of int64 ids fits with room to spare
 
 
@@ -335,6 +335,10 @@ class Reserved(Message):
     xfer_id: str
     block_ids: tuple[int, ...]
     kv_endpoint: str
+    # The decode process's incarnation: a prefill node connected to kv_endpoint before holds
+    # a connection to another process if this differs (a restart on the same address and
+    # port) and must handshake again.
+    kv_instance: str = ""
 
 
 @message
@@ -359,6 +363,7 @@ class Prefill(Message):
     xfer_id: str = ""  # empty for a colocated ("both") node: it decodes itself
     dest_block_ids: tuple[int, ...] = ()
     dest_kv_endpoint: str = ""
+    dest_kv_instance: str = ""  # Reserved.kv_instance
     output_token_ids: tuple[int, ...] = ()  # a resumed request: tokens already streamed
 
 

@@ -9,6 +9,8 @@
 | kernels | the Triton kernels against their torch references |
 | reliability | the fault-injection scenarios, figures for docs/reliability.md |
 | structured | the structured-output mask's cost per decode step, with and without a grammar |
+| router | one router's ceiling (requests/s, tokens/s) with nodes that answer at once, and two |
+| multihost | TTFT through 1P1D on separate hosts with added KV-link latency (needs root) |
 """
 
 from __future__ import annotations
@@ -25,6 +27,8 @@ BENCHMARKS = {
     "kernels": ("kernels", "Triton kernels against their torch references"),
     "reliability": ("reliability", "fault-injection scenarios (docs/reliability.md)"),
     "structured": ("structured", "a grammar's cost per decode step, with and without"),
+    "router": ("router", "one router's ceiling with instant nodes, against two routers"),
+    "multihost": ("multihost", "TTFT across hosts with added KV-link latency (root)"),
 }
 
 

@@ -19,6 +19,7 @@ import argparse
 import json
 import os
 import platform
+import signal
 import statistics
 import subprocess
 import sys
@@ -28,6 +29,15 @@ from dataclasses import dataclass, field
 import httpx
 
 from pdserve.bench.hosts import Hosts, netem_reason, skip_reason
+from pdserve.bench.report import (
+    add_output_flags,
+    command_line,
+    markdown_table,
+    outputs_from_args,
+    save_json,
+    write_section,
+)
+from pdserve.common.node.cli import parser
 
 ROUTER_PORT = 8000
 CONTROL_PORT = 8100
@@ -155,37 +165,44 @@ class HostCluster:
 # -- the benchmark ---------------------------------------------------------------------------
 
 
-def _ttft(url: str, prompt: list[int], max_tokens: int) -> float:
-    """Seconds from sending a streaming request to its first token."""
+def _first_tokens(url: str, prompt: list[int], max_tokens: int) -> tuple[float, float]:
+    """Seconds from sending a streaming request to its first token (the prefill node's) and
+    to its second (the decode node's first: it needs the KV to have arrived)."""
     body = {"prompt": prompt, "max_tokens": max_tokens, "stream": True, "ignore_eos": True}
+    body["stream_options"] = {"include_usage": False}
+    times: list[float] = []
     start = time.perf_counter()
     with httpx.stream("POST", url + "/v1/completions", json=body, timeout=120) as resp:
         resp.raise_for_status()
         for line in resp.iter_lines():
-            if line.startswith("data: ") and '"text"' in line:
-                return time.perf_counter() - start
-    raise RuntimeError("the stream ended without a token")
+            if line.startswith("data: {") and '"text"' in line:
+                times.append(time.perf_counter() - start)
+                if len(times) == 2:
+                    return times[0], times[1]
+    raise RuntimeError(f"the stream ended after {len(times)} tokens")
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(
-        prog="pdserve bench multihost",
-        description="TTFT through 1P1D on separate hosts with added one-way delay on the KV "
-        "link (needs root).",
-    )
-    p.add_argument("--model", default=None, help="default: the real SmolLM2 (pdserve.models)")
-    p.add_argument("--delays-ms", default="0,1,5,20", help="one-way KV-link delays (ms)")
-    p.add_argument("--prompt-tokens", type=int, default=512)
-    p.add_argument("--requests", type=int, default=12, help="sequential requests per delay")
-    p.add_argument("--max-tokens", type=int, default=4)
-    p.add_argument("--out", default="docs/bench/multihost_kv_latency.json")
-    p.add_argument("--log-dir", default="/tmp/pdserve-bench-multihost")
-    p.add_argument("--quick", action="store_true", help="tiny model, few requests")
-    return p.parse_args(argv)
+    p = parser("pdserve bench multihost", __doc__.split("\n\n")[0])
+    run = p.add_argument_group("run")
+    run.add_argument("--model", default=None, help="default: the real SmolLM2 (pdserve.models)")
+    run.add_argument("--delays-ms", default="0,1,5,20", help="one-way KV-link delays (ms)")
+    run.add_argument("--prompt-tokens", type=int, default=512, help="tokens per prompt")
+    run.add_argument("--requests", type=int, default=12, help="sequential requests per row")
+    run.add_argument("--max-tokens", type=int, default=4, help="output tokens per request")
+    run.add_argument("--log-dir", default="/tmp/pdserve-bench-multihost", help="child logs")
+    run.add_argument("--quick", action="store_true", help="tiny model, few requests")
+    add_output_flags(p, "multihost_kv_latency.json")
+    args = p.parse_args(argv)
+    args.outputs = outputs_from_args(p, args)
+    return args
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
     args = parse_args(argv)
+    # SIGTERM unwinds like an exception, so the hosts and their processes are removed.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     why = skip_reason()
     if why:
         print(f"pdserve bench multihost: cannot build hosts here: {why}", file=sys.stderr)
@@ -219,9 +236,10 @@ def main(argv: list[str] | None = None) -> int:
                     extra = ("--advertise-host", hosts.addr("relay"))
                 d = cluster.node("decode", "decode", ["router"], extra=extra)
                 cluster.wait_ready("router", [p, d])
-                for prompt in prompts[:2]:  # warm-up (also fills nothing: prompts differ)
-                    _ttft(url, prompt[: args.prompt_tokens // 2], args.max_tokens)
-                ttfts = [_ttft(url, pr, args.max_tokens) for pr in prompts[2:]]
+                for prompt in prompts[:2]:  # warm-up
+                    _first_tokens(url, prompt[: args.prompt_tokens // 2], args.max_tokens)
+                firsts = [_first_tokens(url, pr, args.max_tokens) for pr in prompts[2:]]
+                ttfts, seconds = [f for f, _ in firsts], [s for _, s in firsts]
                 cluster.stop(d)
                 counters = proxy.close() if proxy is not None else {}
                 rows.append(
@@ -231,6 +249,8 @@ def main(argv: list[str] | None = None) -> int:
                         "ttft_median_s": statistics.median(ttfts),
                         "ttft_p90_s": sorted(ttfts)[int(0.9 * (len(ttfts) - 1))],
                         "ttfts_s": ttfts,
+                        "second_token_median_s": statistics.median(seconds),
+                        "second_tokens_s": seconds,
                         "relay_bytes": counters,
                     }
                 )
@@ -238,10 +258,12 @@ def main(argv: list[str] | None = None) -> int:
         finally:
             cluster.close()
     base = rows[0]["ttft_median_s"]
+    base2 = rows[0]["second_token_median_s"]
     for row in rows:
         row["ttft_vs_direct"] = row["ttft_median_s"] / base
+        row["second_token_vs_direct"] = row["second_token_median_s"] / base2
     result = {
-        "command": " ".join(["pdserve bench multihost", *(argv or sys.argv[1:])]),
+        "command": command_line("bench_multihost.py", argv),
         "machine": {"cpus": os.cpu_count(), "platform": platform.platform()},
         "model": model,
         "prompt_tokens": args.prompt_tokens,
@@ -249,14 +271,48 @@ def main(argv: list[str] | None = None) -> int:
         "netem": netem_reason() or "available",
         "rows": rows,
     }
-    if not args.quick:
-        os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
-        with open(args.out, "w") as f:
-            json.dump(result, f, indent=1)
-    print(f"{'KV link':<16} {'TTFT median':>12} {'p90':>8} {'vs direct':>10}")
-    for row in rows:
-        print(
-            f"{row['kv_link']:<16} {row['ttft_median_s'] * 1000:>10.1f}ms "
-            f"{row['ttft_p90_s'] * 1000:>6.1f}ms {row['ttft_vs_direct']:>9.2f}x"
-        )
+    out = args.outputs
+    out.folder.mkdir(parents=True, exist_ok=True)
+    save_json(out.folder / "multihost_kv_latency.json", result)
+    write_section("multihost", section(result), out.page)
+    print(markdown_table(*_table(rows)))
+    print(f"wrote {out.folder / 'multihost_kv_latency.json'} and the section of {out.page}")
     return 0
+
+
+def _table(rows: list[dict]) -> tuple[list[str], list[list]]:
+    header = ["KV link", "TTFT median ms", "TTFT p90 ms", "TTFT vs direct"]
+    header += ["2nd token median ms", "2nd token vs direct", "relayed MB (P to D)"]
+    body = [
+        [
+            r["kv_link"],
+            f"{r['ttft_median_s'] * 1000:.1f}",
+            f"{r['ttft_p90_s'] * 1000:.1f}",
+            f"{r['ttft_vs_direct']:.2f}x",
+            f"{r['second_token_median_s'] * 1000:.1f}",
+            f"{r['second_token_vs_direct']:.2f}x",
+            f"{r['relay_bytes'].get('up', 0) / 1e6:.1f}" if r["relay_bytes"] else "-",
+        ]
+        for r in rows
+    ]
+    return header, body
+
+
+def section(result: dict) -> str:
+    rows = result["rows"]
+    return f"""## TTFT across hosts with added KV-link latency (`pdserve bench multihost`)
+
+A router, a prefill and a decode host (network namespaces on one bridge, `pdserve.bench.hosts`),
+{result["model"].rsplit("/", 1)[-1]}, zmq connector, {result["prompt_tokens"]}-token prompts,
+{result["requests_per_row"]} sequential streaming requests per row. TTFT is the request sent
+to its first token, which the prefill node streams as soon as it has it; the second token is
+the decode node's first, which waits for the KV to arrive. The decode node advertises a
+relay host whose userspace proxy forwards the KV link with a fixed one-way delay per
+direction; the first row is the direct link of the same run. (This kernel has no netem:
+`{result["netem"]}`; the relay's forwarding also costs a copy, so its `+0 ms` row is the
+baseline for the delay alone.)
+
+    {result["command"]}
+
+{markdown_table(*_table(rows))}
+"""

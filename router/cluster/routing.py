@@ -138,6 +138,7 @@ class Routing:
                 xfer_id=reserved.xfer_id,
                 dest_block_ids=reserved.block_ids,
                 dest_kv_endpoint=reserved.kv_endpoint,
+                dest_kv_instance=reserved.kv_instance,
                 output_token_ids=outputs,
             ),
         )

@@ -7,12 +7,15 @@ every node's block pool must be clean afterwards.
 
 from __future__ import annotations
 
+import contextlib
 import random
 import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
+from pdserve.bench.hosts import Hosts, skip_reason
+from pdserve.bench.multihost import HostCluster
 from pdserve.common.engine.llm import LLM, SamplingParams
 from pdserve.local_cluster import LocalCluster
 from pdserve.tiny_model import make_tiny_model
@@ -84,8 +87,12 @@ def run_concurrently(cluster: LocalCluster, prompts) -> list[dict]:
 
 
 def assert_clean(cluster: LocalCluster) -> None:
-    reports = cluster.integrity()
-    assert len(reports) == len(cluster.procs) - 1, reports  # every node answered
+    assert_reports_clean(cluster.integrity(), len(cluster.procs) - 1)
+
+
+def assert_reports_clean(reports: dict, num_nodes: int) -> None:
+    """Every node answered the integrity check holding nothing, every block free."""
+    assert len(reports) == num_nodes, reports
     for node, info in reports.items():
         report = info["report"]
         assert report is not None, f"{node} did not answer the integrity check"
@@ -107,28 +114,54 @@ def _nixl(num_p: int, num_d: int):
     return pytest.param("nixl", num_p, num_d, marks=marks, id=f"nixl-{num_p}-{num_d}")
 
 
+@contextlib.contextmanager
+def deployment(model_dir: str, connector: str, num_p: int, num_d: int, logs: str):
+    """The cluster a case runs on: one prefill and one decode node on two hosts (network
+    namespaces, `pdserve.bench.hosts`) where this machine can build them and the connector
+    crosses hosts; on loopback otherwise. Yields the router's URL and a check that every
+    node's pool is clean."""
+    if num_p == num_d == 1 and connector != "shm" and skip_reason() is None:
+        with Hosts(["router", "prefill", "decode"]) as hosts:
+            c = HostCluster(hosts, model_dir, logs, ENGINE)
+            try:
+                url = c.router("router")
+                nodes = [
+                    c.node(role, role, ["router"], connector) for role in ("prefill", "decode")
+                ]
+                c.wait_ready("router", nodes)
+                yield url, lambda: assert_reports_clean(c.integrity("router"), 2)
+            finally:
+                c.close()
+        return
+    with LocalCluster(model_dir, num_p, num_d, kv_connector=connector, engine_args=ENGINE) as c:
+        yield c.url, lambda: assert_clean(c)
+
+
 @pytest.mark.parametrize(
     "connector,num_p,num_d",
     [("zmq", 1, 1), ("nccl", 1, 1), ("shm", 1, 1), ("zmq", 2, 2), _nixl(1, 1), _nixl(2, 2)],
 )
 def test_disaggregated_greedy_equals_colocated(
-    model_dir, reference, seeded_reference, connector, num_p, num_d
+    model_dir, reference, seeded_reference, connector, num_p, num_d, tmp_path
 ):
-    with LocalCluster(model_dir, num_p, num_d, kv_connector=connector, engine_args=ENGINE) as c:
-        results = run_concurrently(c, PROMPTS)
+    """1P1D runs across two hosts (zmq, nccl, nixl; shm needs one host), the rest on
+    loopback: see `deployment`."""
+    with deployment(model_dir, connector, num_p, num_d, str(tmp_path)) as (url, check_clean):
+        with ThreadPoolExecutor(max_workers=len(PROMPTS)) as pool:
+            results = list(pool.map(lambda p: complete(url, p), PROMPTS))
         got = [r["choices"][0]["token_ids"] for r in results]
         for i, (g, want) in enumerate(zip(got, reference)):
             assert g == want, f"prompt {i} (len {len(PROMPTS[i])}) via {connector}"
         # A seeded request samples its first token on P and the rest on D: one random stream.
         for i, want in enumerate(seeded_reference):
-            seeded = complete(c.url, PROMPTS[i], seed=i, **SEEDED)
+            seeded = complete(url, PROMPTS[i], seed=i, **SEEDED)
             assert seeded["choices"][0]["token_ids"] == want, f"seeded prompt {i}"
         cached = [r["usage"]["prompt_tokens_details"]["cached_tokens"] for r in results]
-        again = complete(c.url, PROMPTS[1])  # the 1000-token prompt, now cached on P
+        again = complete(url, PROMPTS[1])  # the 1000-token prompt, now cached on P
         assert again["choices"][0]["token_ids"] == reference[1]
         assert again["usage"]["prompt_tokens_details"]["cached_tokens"] >= 992 or num_p > 1
         assert sum(cached) > 0 or num_p > 1
-        assert_clean(c)
+        check_clean()
 
 
 def test_colocated_node_through_router(model_dir, reference):

@@ -227,3 +227,64 @@ def test_fault_plan_frames_fail_the_transfer_never_pass_as_whole(
         assert result.ok is ok, result.error
     finally:
         sender.close()
+
+
+def test_shm_refuses_a_sender_from_another_host(raw: zmq.Socket) -> None:
+    """shm's staging file is shared memory of one host: a sender whose host id differs (another
+    machine, another network namespace) is refused in the handshake, saying why."""
+    from pdserve.common.process import host_id
+    from pdserve.kv_transfer.wire import KVRefused
+
+    recv = create_receiver("shm", LAYOUT, make_caches(LAYOUT, 8, seed=0))
+    try:
+        raw.connect(recv.endpoint)
+        for host, kind in (("elsewhere", KVRefused), (host_id(), KVWelcome)):
+            raw.send(encode(KVHello("raw", "shm", LAYOUT.digest(), LAYOUT.to_dict(), host)))
+            Pump(recv).until(lambda: raw.poll(0) != 0, timeout=5.0, what="an answer")
+            reply = decode(raw.recv())
+            assert isinstance(reply, kind), reply
+        refused = recv.counters.get("refused_host")
+        assert refused == 1, recv.counters
+    finally:
+        recv.close()
+
+
+def test_a_receiver_on_a_wildcard_advertises_a_reachable_address() -> None:
+    recv = create_receiver("zmq", LAYOUT, make_caches(LAYOUT, 8, seed=0), host="0.0.0.0")
+    try:
+        port = recv.endpoint.rpartition(":")[2]
+        assert recv.endpoint == f"tcp://0.0.0.0:{port}"
+        recv.advertise("127.0.0.1")
+        assert recv.endpoint == f"tcp://127.0.0.1:{port}"
+        sender = create_sender("zmq", LAYOUT)
+        try:
+            connect_while_polling(sender, recv)  # the advertised address works
+        finally:
+            sender.close()
+    finally:
+        recv.close()
+
+
+def test_a_receiver_restarted_at_the_same_address_gets_a_new_handshake() -> None:
+    """A decode node restarted on a fixed port listens where the old one did; the transport
+    would reconnect the old sender silently, to a receiver that never heard its hello. The
+    port compares the receiving process (Reserved.kv_instance) and handshakes again."""
+    from pdserve.kv_transfer import KVPort
+
+    recv = create_receiver("zmq", LAYOUT, make_caches(LAYOUT, 8, seed=0))
+    port = KVPort("zmq", LAYOUT)
+    stop = threading.Event()
+    thread = threading.Thread(target=lambda: [recv.poll(0.01) for _ in iter(stop.is_set, True)])
+    thread.start()
+    try:
+        first = port.sender(recv.endpoint, "incarnation-1")
+        assert port.sender(recv.endpoint, "incarnation-1") is first  # the same process
+        again = port.sender(recv.endpoint, "incarnation-2")  # another process there now
+        assert again is not first and port.senders == {recv.endpoint: again}
+        assert first._sock is None  # the old connection is closed, not reused
+        assert port.sender(recv.endpoint) is again  # no instance given: whatever is there
+    finally:
+        stop.set()
+        thread.join(timeout=5.0)
+        port.close()
+        recv.close()
