@@ -17,7 +17,7 @@ from fastapi import Request
 from pdserve.common.engine.request import TokenLogprobs
 from pdserve.common.wire.messages import Failure
 from pdserve.router.admission import Admission, Ticket
-from pdserve.router.backend import Backend, GenerateRequest, TokenEvent
+from pdserve.router.backend import Backend, GenerateRequest, TokenEvent, get_within
 from pdserve.router.detokenizer import IncrementalDetokenizer
 from pdserve.router.metrics import RouterMetrics
 
@@ -246,7 +246,7 @@ class Generation:
         """The next delta, or None once the client has disconnected."""
         while True:
             try:
-                return await asyncio.wait_for(self._queue.get(), DISCONNECT_POLL_S)
+                return await get_within(self._queue, DISCONNECT_POLL_S)
             except asyncio.TimeoutError:
                 if await self._http.is_disconnected():
                     return None

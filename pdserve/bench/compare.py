@@ -58,6 +58,7 @@ from pdserve.bench.report import (
     pyplot,
     save_figure,
     save_json,
+    sigterm_raises,
     write_section,
 )
 from pdserve.bench.serve import (
@@ -800,20 +801,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
-@contextmanager
-def _sigterm_raises() -> Iterator[None]:
-    """SIGTERM unwinds the with-blocks (which stop every child) instead of killing us."""
-
-    def handler(signum: int, _frame: Any) -> None:
-        raise SystemExit(128 + signum)
-
-    previous = signal.signal(signal.SIGTERM, handler)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, previous)
-
-
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
     if args.from_json is not None:
@@ -821,7 +808,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         publish(report, args.outputs)
         return report
     sizes = QUICK_SIZES if args.quick else Sizes()
-    with _sigterm_raises(), tempfile.TemporaryDirectory(prefix="bench-compare-logs-") as tmp:
+    with sigterm_raises(), tempfile.TemporaryDirectory(prefix="bench-compare-logs-") as tmp:
         args.log_dir = args.log_dir or Path(tmp)
         args.log_dir.mkdir(parents=True, exist_ok=True)
         args.router_args = router_args(args.heartbeat_timeout)

@@ -17,6 +17,7 @@ import os
 import platform
 import shlex
 import shutil
+import signal
 import tempfile
 import time
 from collections.abc import Callable, Iterator
@@ -281,3 +282,18 @@ def markdown_table(header: list[str], rows: list[list[Any]]) -> str:
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     lines += ["| " + " | ".join(cell(v) for v in row) + " |" for row in rows]
     return "\n".join(lines)
+
+
+@contextmanager
+def sigterm_raises() -> Iterator[None]:
+    """SIGTERM unwinds the with-blocks (which stop every child a benchmark started) instead
+    of killing the process."""
+
+    def handler(signum: int, _frame: Any) -> None:
+        raise SystemExit(128 + signum)
+
+    previous = signal.signal(signal.SIGTERM, handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)

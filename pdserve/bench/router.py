@@ -52,7 +52,7 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -67,6 +67,7 @@ from pdserve.bench.report import (
     pyplot,
     save_figure,
     save_json,
+    sigterm_raises,
     write_section,
 )
 from pdserve.common.node.cli import parser
@@ -1307,20 +1308,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
-@contextlib.contextmanager
-def _sigterm_raises() -> Iterator[None]:
-    """SIGTERM unwinds (stopping every child) instead of killing us."""
-
-    def handler(signum: int, _frame: Any) -> None:
-        raise SystemExit(128 + signum)
-
-    previous = signal.signal(signal.SIGTERM, handler)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, previous)
-
-
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
     if args.child == "fakes":
@@ -1337,7 +1324,7 @@ def main(argv: list[str] | None = None) -> int:
     config = json.loads((model / "config.json").read_text())
     rows: list[dict[str, Any]] = []
     cost: dict[str, Any] | None = None
-    with _sigterm_raises(), tempfile.TemporaryDirectory(prefix="bench-router-") as tmp:
+    with sigterm_raises(), tempfile.TemporaryDirectory(prefix="bench-router-") as tmp:
         cluster = Cluster(model, args, Path(tmp))
         try:
             t0 = time.monotonic()

@@ -17,6 +17,7 @@ import math
 import time
 from collections.abc import AsyncIterator
 
+from pdserve.common.node.config import is_wildcard
 from pdserve.common.wire.codecs import logprobs_from_wire, ranked_logprobs_from_wire
 from pdserve.common.wire.messages import (
     ALIVE_SUFFIX,
@@ -39,7 +40,7 @@ from pdserve.common.wire.messages import (
     Tokens,
 )
 from pdserve.common.wire.security import load_keys
-from pdserve.router.backend import Backend, GenerateRequest, TokenEvent
+from pdserve.router.backend import Backend, GenerateRequest, TokenEvent, get_within
 from pdserve.router.cluster.control import ControlServer
 from pdserve.router.cluster.policies import POLICIES
 from pdserve.router.cluster.registry import NODE_ROLES, NodeInfo, NodeRegistry
@@ -57,7 +58,7 @@ async def probe_endpoint(endpoint: str, timeout: float) -> str | None:
     host, _, port = address.rpartition(":")
     host = host.strip("[]")
     hint = "start the node with --advertise-host set to an address other hosts reach"
-    if host in ("0.0.0.0", "::", "*", ""):
+    if is_wildcard(host):
         return f"its KV endpoint {endpoint} names no address peers can dial: {hint}"
     try:
         _, writer = await asyncio.wait_for(asyncio.open_connection(host, int(port)), timeout)
@@ -377,7 +378,7 @@ class ClusterBackend(Backend):
                 return
             while True:
                 try:
-                    item = await asyncio.wait_for(stream.queue.get(), self.token_timeout)
+                    item = await get_within(stream.queue, self.token_timeout)
                 except asyncio.TimeoutError:
                     yield TokenEvent.failed(Failure.TIMEOUT, "timed out waiting for tokens")
                     await self.abort(rid)
