@@ -56,7 +56,8 @@ class KVWelcome(Message):
 @message
 @dataclass(frozen=True, slots=True)
 class KVRefused(Message):
-    """Receiver -> sender: handshake refused. `code` is `layout`, `connector` or `malformed`."""
+    """Receiver -> sender: handshake refused. `code` is `layout`, `connector`, `host`
+    (shm: the sender runs on another host) or `malformed`."""
 
     TYPE: ClassVar[str] = "kvx.refused"
     code: str
