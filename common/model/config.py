@@ -7,7 +7,12 @@ transformers 4.x and 5.x.
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
+import json
+import os
 from dataclasses import dataclass
+from importlib import metadata
 from pathlib import Path
 from typing import Any
 
@@ -134,11 +139,57 @@ class ModelArchConfig:
     @classmethod
     def from_dir(cls, model: str | Path) -> ModelArchConfig:
         """Read a checkpoint's config: config.json (and generation_config.json when present)
-        of a directory, or a GGUF file's metadata."""
-        from pdserve.common.model.checkpoint import Checkpoint
+        of a directory, or a GGUF file's metadata.
+
+        transformers reads them (its AutoConfig fills defaults and normalizes rope settings),
+        but importing its config classes costs a node about 3 s of CPU at every start (they
+        pull in torch._dynamo and torch.distributed). So the result is kept as JSON in the
+        cache, keyed by both files' bytes, transformers' version and these fields: a node
+        started again on the same checkpoint reads it back without transformers."""
+        from pdserve.common.model.checkpoint import Checkpoint, cache_dir
 
         checkpoint = Checkpoint.resolve(model)
-        return cls.from_hf(checkpoint.hf_config(), checkpoint.generation_config())
+        hf_dir = checkpoint.hf_dir()
+        path = cache_dir() / "arch" / f"{_config_key(hf_dir)}.json"
+        try:
+            return cls._from_json(json.loads(path.read_text()))
+        except (OSError, ValueError, TypeError, KeyError):
+            pass  # not cached yet (or unreadable): read it through transformers
+        arch = cls.from_hf(checkpoint.hf_config(), checkpoint.generation_config())
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_suffix(f".{os.getpid()}.tmp")
+            tmp.write_text(json.dumps(dataclasses.asdict(arch)))
+            os.replace(tmp, path)  # atomic: processes starting together may all write it
+        except OSError:
+            pass  # a read-only cache only costs the next start the same time again
+        return arch
+
+    @classmethod
+    def _from_json(cls, d: dict[str, Any]) -> ModelArchConfig:
+        """The inverse of `dataclasses.asdict` through JSON (lists back into tuples)."""
+        d = dict(d)
+        d["sliding_layers"] = tuple(d["sliding_layers"])
+        d["eos_token_ids"] = tuple(d["eos_token_ids"])
+        d["rope_scaling"] = tuple(
+            (k, tuple(v) if isinstance(v, list) else v) for k, v in d["rope_scaling"]
+        )
+        return cls(**d)
+
+
+def _config_key(hf_dir: Path) -> str:
+    """What a cached ModelArchConfig depends on: the config files' bytes, transformers'
+    version (its defaults and rope normalization) and the dataclass's fields."""
+    h = hashlib.sha256()
+    for name in ("config.json", "generation_config.json"):
+        f = hf_dir / name
+        h.update(name.encode() + (f.read_bytes() if f.is_file() else b"-"))
+    try:
+        h.update(metadata.version("transformers").encode())
+    except metadata.PackageNotFoundError:
+        h.update(b"-")
+    h.update(" ".join(f.name for f in dataclasses.fields(ModelArchConfig)).encode())
+    return h.hexdigest()[:32]
 
 
 def _architecture(hf_config: Any) -> str:
