@@ -74,16 +74,9 @@ class RouterLinks:
         for link in self.links:
             self._poller.register(link.sock, zmq.POLLIN)
 
-    def __len__(self) -> int:
-        return len(self.links)
-
     @property
     def addrs(self) -> list[str]:
         return [link.router_addr for link in self.links]
-
-    @property
-    def num_malformed(self) -> int:
-        return sum(link.num_malformed for link in self.links)
 
     def send(self, link: int, msg: Message) -> None:
         self.links[link].send(msg)

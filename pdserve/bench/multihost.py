@@ -54,7 +54,6 @@ class HostCluster:
     log_dir: str
     engine_args: list[str] = field(default_factory=list)
     procs: dict[str, subprocess.Popen] = field(default_factory=dict)
-    where: dict[str, str] = field(default_factory=dict)  # child name -> host
     started: list[str] = field(default_factory=list)  # node ids, in order
 
     def control_addr(self, router_host: str) -> str:
@@ -76,7 +75,7 @@ class HostCluster:
                 stderr=subprocess.STDOUT,
                 env=env,
             )
-        self.procs[name], self.where[name] = proc, host
+        self.procs[name] = proc
         return proc
 
     def router(self, host: str, extra: tuple[str, ...] = ()) -> str:
@@ -144,7 +143,6 @@ class HostCluster:
     def stop(self, name: str, timeout: float = 15.0) -> int:
         """SIGTERM one child (a node drains) and wait; SIGKILL when it does not end."""
         proc = self.procs.pop(name)
-        self.where.pop(name, None)
         if proc.poll() is None:
             proc.terminate()
             try:
