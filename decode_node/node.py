@@ -16,6 +16,7 @@ from pdserve.common.wire.messages import (
     Error,
     Failure,
     Message,
+    Prefill,
     RenewTransfer,
     Reserved,
     ReserveKV,
@@ -26,10 +27,12 @@ log = logging.getLogger(__name__)
 
 
 class DecodeNode(EngineNode):
-    """Admission by reservation: ReserveKV holds the prompt's blocks now or answers Busy;
-    the prefill node writes into them; KVDone (the transfer's end) admits the request."""
+    """Admission by reservation: ReserveKV holds the prompt's blocks now (sharing those its
+    prefix cache holds) or answers Busy; the prefill node writes into the rest; KVDone (the
+    transfer's end) admits the request. A Prefill without destination runs here whole."""
 
     role = "decode"
+    reports_prefixes = True  # the router sends a conversation's next turn where it is cached
     kv_port: KVPort
 
     def __init__(
@@ -53,11 +56,23 @@ class DecodeNode(EngineNode):
         return {
             **super().handlers(),
             ReserveKV: self.admitting(self.reserve),
+            Prefill: self.admitting(self.prefill_locally),
             RenewTransfer: self.renew_transfer,
         }
 
-    def refuse(self, request_id: str, kind: Failure, why: str) -> None:
-        self.reply(Busy(request_id, why))  # the router tries another decode node
+    def prefill_locally(self, msg: Prefill) -> None:
+        """The router placed this prompt's prefill here (it holds most of it, or a prefill
+        node would cost more): run the request here from its first token, in chunks that
+        leave every running request its token each step."""
+        if msg.xfer_id:
+            raise ValueError("a decode node prefills only for itself (no KV destination)")
+        self.add_request(msg)
+
+    def refuse(self, msg: Prefill | ReserveKV, kind: Failure, why: str) -> None:
+        if isinstance(msg, ReserveKV):  # the router awaits the answer: it tries another node
+            self.reply(Busy(msg.request_id, why))
+        else:  # a stream waits on it: fail it over
+            super().refuse(msg, kind, why)
 
     def reserve(self, msg: ReserveKV) -> None:
         sampling = sampling_from_wire(msg.sampling)
@@ -67,21 +82,29 @@ class DecodeNode(EngineNode):
             sampling,
             output_token_ids=msg.output_token_ids,
         )
-        block_ids = self.engine.scheduler.reserve(request)
-        if block_ids is None:
+        if self.engine.scheduler.reserve(request) is None:
             self.reply(Busy(msg.request_id, "no free blocks"))
             return
         self.take_lease(msg.request_id)
-        self.expect(msg.request_id, block_ids)
+        self.expect(msg.request_id)
 
-    def expect(self, request_id: str, block_ids: list[int]) -> None:
-        """Open a transfer into the reserved blocks and tell the router where to send."""
+    def expect(self, request_id: str) -> None:
+        """Open a transfer into the request's reserved blocks and tell the router where to
+        send. Blocks this node's prefix cache supplied are shared: the transfer may not write
+        them (the receiver refuses frames outside the blocks it expects)."""
+        block_ids = self.engine.kv.block_ids(request_id)
+        cached = self.engine.scheduler.requests[request_id].num_cached_tokens
         xfer_id = uuid.uuid4().hex  # made here, never taken from a client
-        self.receiver.expect(xfer_id, block_ids)
+        self.receiver.expect(xfer_id, block_ids[cached // self.block_size :])
         self.xfer_to_rid[xfer_id] = request_id
         self.rid_to_xfer[request_id] = xfer_id
         reserved = Reserved(
-            request_id, xfer_id, tuple(block_ids), self.receiver.endpoint, self.incarnation
+            request_id,
+            xfer_id,
+            tuple(block_ids),
+            self.receiver.endpoint,
+            self.incarnation,
+            cached_tokens=cached,
         )
         self.tell(request_id, reserved)
 
@@ -95,7 +118,12 @@ class DecodeNode(EngineNode):
             return
         self.xfer_to_rid.pop(old, None)
         self.receiver.cancel(old)
-        self.expect(request_id, self.engine.kv.block_ids(request_id))
+        self.expect(request_id)
+
+    def publish_gauges(self, queued_tokens: int) -> None:
+        super().publish_gauges(queued_tokens)
+        received = self.receiver.pages_received * self.kv_port.layout.page_bytes
+        self.health.gauges["pdserve_node_kv_received_bytes"] = received
 
     def poll_io(self) -> None:
         for xfer_id in self.receiver.released():  # no remote write can reach them now

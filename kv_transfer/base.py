@@ -161,6 +161,11 @@ class KVReceiver(abc.ABC):
     def counters(self) -> Mapping[str, int]:
         """Refused or dropped frames and messages by reason (e.g. `unknown_xfer`)."""
 
+    @property
+    @abc.abstractmethod
+    def pages_received(self) -> int:
+        """Pages (one block of one layer) written into the cache so far."""
+
     @abc.abstractmethod
     def close(self) -> None:
         """Unbind and release buffers; idempotent."""

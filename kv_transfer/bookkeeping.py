@@ -69,6 +69,7 @@ class ReceiveBook:
         self._live: dict[str, _Inbound] = {}
         self._gone: OrderedDict[str, str] = OrderedDict()  # xfer id -> "cancelled" | "finished"
         self.counters: Counter[str] = Counter()
+        self.pages_received = 0  # pages (one block of one layer) written, for metrics
 
     def expect(self, xfer_id: str, block_ids: list[int]) -> None:
         if xfer_id in self._live:
@@ -106,6 +107,7 @@ class ReceiveBook:
             return False
         inbound.inflight -= 1
         inbound.pages_per_layer[page.layer] += len(page.dst_block_ids)
+        self.pages_received += len(page.dst_block_ids)
         inbound.digests.append(frame_digest(page.layer, page.dst_block_ids, checksum))
         return True
 

@@ -331,6 +331,10 @@ class ChannelReceiver(KVReceiver):
     def counters(self) -> Mapping[str, int]:
         return dict(self._book.counters)
 
+    @property
+    def pages_received(self) -> int:
+        return self._book.pages_received
+
     def expect(self, xfer_id: str, block_ids: list[int]) -> None:
         bad = [b for b in block_ids if not 0 <= b < self.num_blocks]
         if bad or len(set(block_ids)) != len(block_ids):

@@ -901,6 +901,7 @@ class NixlReceiver(ChannelReceiver):
             if parts is None:
                 parts = self._landed[xfer_id] = []
             parts.append((layer, dsts, page_sums(self.kv_caches[layer], dsts)))
+            self._book.pages_received += len(dsts)
 
     def _busy(self) -> bool:
         return bool(self._fences or self._waiting_done or self._reserved)

@@ -70,7 +70,8 @@ class PrefillNode(EngineNode):
             return
         self.add_request(msg)
         self.dests[msg.request_id] = msg
-        self.next_block[msg.request_id] = 0
+        # The decode node holds the leading blocks already (its prefix cache): skip them.
+        self.next_block[msg.request_id] = msg.dest_cached_tokens // self.block_size
 
     def step(self) -> None:
         failed: dict[str, str] = {}  # decode node endpoint -> why sending to it failed
@@ -110,7 +111,8 @@ class PrefillNode(EngineNode):
     def plan_kv(self, output: SchedulerOutput) -> list[Shipment]:
         """Which blocks of this step go where: every block not yet sent up to what the step
         writes. The first chunk also sends the prefix-cache hits it did not compute; a partly
-        filled last block is sent again once the next chunk completes it."""
+        filled last block is sent again once the next chunk completes it. Blocks the decode node
+        already holds (Prefill.dest_cached_tokens) are never sent."""
         bs = self.block_size
         shipments = []
         for seq in output.seqs:
@@ -119,6 +121,8 @@ class PrefillNode(EngineNode):
                 continue
             end = seq.start_pos + len(seq.token_ids)
             first, last = self.next_block[seq.request_id], -(-end // bs)
+            if first >= last:
+                continue  # this chunk wrote only blocks the decode node has cached
             self.next_block[seq.request_id] = end // bs
             src, dst = list(seq.block_ids[first:last]), list(dest.dest_block_ids[first:last])
             shipments.append(Shipment(dest.dest_kv_endpoint, dest.xfer_id, src, dst))

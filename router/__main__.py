@@ -15,6 +15,7 @@ from pdserve.common.node.cli import add_curve_arg, add_model_arg, parser, resolv
 from pdserve.common.process import freeze_startup_heap
 from pdserve.router.app import RouterLimits, create_app
 from pdserve.router.cluster import POLICIES, ClusterBackend
+from pdserve.router.cluster.placement import PLACEMENTS, PlacementConfig
 from pdserve.router.tools import PARSERS
 
 
@@ -56,6 +57,23 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     cluster.add_argument("--control-port", type=int, default=8100, help="port nodes register on")
     cluster.add_argument(
         "--policy", default="least_loaded", choices=sorted(POLICIES), help="how nodes are picked"
+    )
+    cluster.add_argument(
+        "--prefill-placement",
+        default=os.environ.get("PDSERVE_PREFILL_PLACEMENT", "auto"),
+        choices=PLACEMENTS,
+        help="where prompts are prefilled when decode nodes exist: auto (per request, by a cost "
+        "model from the nodes' measured rates, or by --local-prefill-threshold), remote (always "
+        "on a prefill node) or local (always on the decode node). Default: auto, or "
+        "$PDSERVE_PREFILL_PLACEMENT",
+    )
+    cluster.add_argument(
+        "--local-prefill-threshold",
+        type=int,
+        default=None,
+        metavar="TOKENS",
+        help="with auto placement: prefill on the decode node when it lacks at most this many "
+        "prompt tokens, else remotely (replaces the cost model)",
     )
     cluster.add_argument(
         "--heartbeat-timeout",
@@ -112,6 +130,7 @@ def max_model_len_of(model_dir: str, override: int | None) -> int:
 
 async def serve(args: argparse.Namespace) -> None:
     limits = limits_of(args)  # a bad flag fails here, before anything is started
+    placement = PlacementConfig(args.prefill_placement, args.local_prefill_threshold)
 
     tokenizer = Checkpoint.resolve(args.model).tokenizer()
     backend = ClusterBackend(
@@ -122,6 +141,7 @@ async def serve(args: argparse.Namespace) -> None:
         heartbeat_timeout=args.heartbeat_timeout,
         lease_interval=args.lease_interval,
         curve_dir=args.curve_dir,
+        placement=placement,
     )
     await backend.start()
     name = args.served_model_name or args.model  # vLLM's rule: MODEL as the user typed it

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -9,6 +10,11 @@ from typing import Any
 import pytest
 
 from pdserve.tiny_model import make_tiny_model
+
+# Routers the tests start prefill every prompt on a prefill node, as the P/D tests expect (the
+# cost model would place some on decode nodes, depending on rates measured while tests run).
+# The placement's own tests pass --prefill-placement explicitly.
+os.environ.setdefault("PDSERVE_PREFILL_PLACEMENT", "remote")
 
 
 @pytest.fixture(scope="session")

@@ -18,6 +18,25 @@ from pdserve.common.model.checkpoint import Checkpoint
 LayerHook = Callable[[SchedulerOutput], Callable[[int], None] | None]
 
 
+class PrefillRate:
+    """Prompt tokens per second of recent steps that prefilled (a moving average): nodes
+    report it so the router can weigh prefilling on a prefill node against the decode node.
+    Steps with few prompt tokens are left out: their time is mostly fixed cost."""
+
+    def __init__(self, min_tokens: int = 32, weight: float = 0.2) -> None:
+        self.min_tokens = min_tokens
+        self.weight = weight
+        self.tokens_per_s = 0.0  # 0: nothing measured yet
+
+    def observe(self, output: SchedulerOutput, seconds: float) -> None:
+        tokens = sum(len(seq.token_ids) for seq in output.seqs if len(seq.token_ids) > 1)
+        if tokens < self.min_tokens or seconds <= 0:
+            return
+        rate = tokens / seconds
+        old = self.tokens_per_s
+        self.tokens_per_s = rate if not old else (1 - self.weight) * old + self.weight * rate
+
+
 class LLMEngine:
     """Scheduler + KV cache manager + model runner, in one process."""
 
@@ -30,6 +49,7 @@ class LLMEngine:
         self.max_model_len = self._max_model_len(scheduler)
         self.scheduler = Scheduler(scheduler, self.kv, self.max_model_len)
         self._structured: StructuredOutputs | None = None  # made on the first constraint
+        self.prefill_rate = PrefillRate()
 
     def _max_model_len(self, scheduler: SchedulerConfig) -> int:
         capacity = self.kv.capacity_tokens()
@@ -115,7 +135,9 @@ class LLMEngine:
         if output.empty:
             self.runner.forget(output.finished_ids)
             return []
+        start = time.perf_counter()
         sampled, prompt_lps = self.runner.execute(output, on_layer(output) if on_layer else None)
+        self.prefill_rate.observe(output, time.perf_counter() - start)
         return self.scheduler.update(output, sampled, prompt_lps)
 
     def check_integrity(self) -> None:

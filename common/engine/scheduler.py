@@ -72,6 +72,9 @@ class RequestUpdate:
 class _StepBudget:
     tokens: int
     seqs: list[ScheduledSeq] = field(default_factory=list)
+    # Running requests that decode (one token) and have not had their token yet: a prompt
+    # chunk leaves room for them, so a long prefill never holds decodes back a whole step.
+    decodes: int = 0
 
 
 class Scheduler:
@@ -119,15 +122,20 @@ class Scheduler:
     def reserve(self, request: Request) -> list[int] | None:
         """Hold blocks for the whole prompt until its KV arrives; None when there is no room.
 
-        The blocks stay out of the prefix index until admit_remote: until then they hold
-        no valid KV.
+        The prompt's leading blocks that this node's prefix cache holds (an earlier turn of
+        the conversation, prompt and answer alike) are shared, as local prefix hits are:
+        `request.num_cached_tokens` says how many tokens need no transfer. The new blocks
+        stay out of the prefix index until admit_remote: until then they hold no valid KV.
         """
         self._validate(request)
         if len(self.running) + len(self.reserved) >= self.config.max_num_seqs:
             return None
-        if self.kv.allocate_slots(request, request.num_tokens, cache=False) is None:
+        hits, n_cached = self.kv.get_computed_blocks(request)
+        missing = request.num_tokens - n_cached
+        if self.kv.allocate_slots(request, missing, hits, cache=False) is None:
             self.kv.free(request)
             return None
+        request.num_cached_tokens = n_cached
         self.requests[request.request_id] = request
         self.reserved[request.request_id] = request
         return self.kv.block_ids(request.request_id)
@@ -163,15 +171,19 @@ class Scheduler:
         n = request.num_tokens - first
         if self.config.long_prefill_token_threshold:
             n = min(n, self.config.long_prefill_token_threshold)
-        return min(n, budget.tokens)
+        room = budget.tokens if n == 1 else budget.tokens - budget.decodes
+        return min(n, room)
 
     def _schedule_running(self, budget: _StepBudget) -> bool:
         """Give running requests their tokens, preempting the lowest priority on shortage."""
         preempted_any = False
+        budget.decodes = sum(1 for r in self.running if r.num_tokens - r.num_computed_tokens == 1)
         i = 0
         while i < len(self.running) and budget.tokens > 0:
             request = self.running[i]
             n = self._chunk(request, budget, request.num_computed_tokens)
+            if request.num_tokens - request.num_computed_tokens == 1:
+                budget.decodes -= 1
             if n <= 0:
                 i += 1
                 continue

@@ -35,6 +35,8 @@ NODE_METRICS: dict[str, str] = {
     "pdserve_node_running_requests": "requests in the running batch",
     "pdserve_node_waiting_requests": "requests queued, not yet running",
     "pdserve_node_draining": "1 while shutting down (SIGTERM), else 0",
+    "pdserve_node_prefill_tokens_per_second": "prompt tokens/s of recent prefill steps",
+    "pdserve_node_kv_received_bytes": "KV page bytes received from prefill nodes (decode role)",
 }
 
 

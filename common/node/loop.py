@@ -148,9 +148,9 @@ class EngineNode:
         for update in self.engine.step():
             self.send_update(update)
 
-    def refuse(self, request_id: str, kind: Failure, why: str) -> None:
+    def refuse(self, msg: Prefill | ReserveKV, kind: Failure, why: str) -> None:
         """Turn a new request away (draining, full): the router's failover reads `kind`."""
-        self.reply(Error(request_id, why, kind))
+        self.reply(Error(msg.request_id, why, kind))
 
     # -- handlers every role shares ------------------------------------------------------------
 
@@ -163,7 +163,7 @@ class EngineNode:
             if why is None:
                 take(msg)
             else:
-                self.refuse(msg.request_id, *why)
+                self.refuse(msg, *why)
 
         return admit
 
@@ -305,6 +305,7 @@ class EngineNode:
                 num_waiting=len(sched.waiting),
                 queued_tokens=queued,
                 draining=self.drain_deadline is not None,
+                prefill_rate=self.engine.prefill_rate.tokens_per_s,
                 **prefixes,
             )
         )
@@ -320,6 +321,7 @@ class EngineNode:
             "pdserve_node_running_requests": len(sched.running),
             "pdserve_node_waiting_requests": len(sched.waiting),
             "pdserve_node_draining": float(self.drain_deadline is not None),
+            "pdserve_node_prefill_tokens_per_second": self.engine.prefill_rate.tokens_per_s,
         }
 
     def handle(self, msg: Message, link: int = 0) -> None:

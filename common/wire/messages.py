@@ -17,7 +17,8 @@ from typing import Any, ClassVar
 
 import msgpack
 
-PROTOCOL_VERSION = 3  # 2: typed failure kinds, incarnations, Reregister; 3: Registered, host ids
+PROTOCOL_VERSION = 4  # 2: typed failure kinds, incarnations, Reregister; 3: Registered,
+# host ids; 4: the decode side's cached tokens in Reserved/Prefill, measured rates
 MAX_MESSAGE_BYTES = 32 * 1024 * 1024  # a 1M-token prompt of int64 ids fits with room to spare
 
 
@@ -275,6 +276,7 @@ class Heartbeat(Message):
     prefix_stored: tuple[bytes, ...] = ()
     prefix_removed: tuple[bytes, ...] = ()
     draining: bool = False  # shutting down: finishing what it holds, taking nothing new
+    prefill_rate: float = 0.0  # prompt tokens/s of its recent prefill steps (0: none yet)
 
 
 @message
@@ -339,6 +341,9 @@ class Reserved(Message):
     # a connection to another process if this differs (a restart on the same address and
     # port) and must handshake again.
     kv_instance: str = ""
+    # Leading prompt tokens whose KV the decode node already holds (its prefix cache): the
+    # prefill node sends only the blocks from cached_tokens // block_size on.
+    cached_tokens: int = 0
 
 
 @message
@@ -364,6 +369,7 @@ class Prefill(Message):
     dest_block_ids: tuple[int, ...] = ()
     dest_kv_endpoint: str = ""
     dest_kv_instance: str = ""  # Reserved.kv_instance
+    dest_cached_tokens: int = 0  # Reserved.cached_tokens: the blocks below need no transfer
     output_token_ids: tuple[int, ...] = ()  # a resumed request: tokens already streamed
 
 

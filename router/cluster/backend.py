@@ -17,6 +17,7 @@ import math
 import time
 from collections.abc import AsyncIterator
 
+from pdserve.common.engine.block_pool import hash_token_blocks
 from pdserve.common.node.config import is_wildcard
 from pdserve.common.wire.codecs import logprobs_from_wire, ranked_logprobs_from_wire
 from pdserve.common.wire.messages import (
@@ -42,6 +43,7 @@ from pdserve.common.wire.messages import (
 from pdserve.common.wire.security import load_keys
 from pdserve.router.backend import Backend, GenerateRequest, TokenEvent, get_within
 from pdserve.router.cluster.control import ControlServer
+from pdserve.router.cluster.placement import PlacementConfig
 from pdserve.router.cluster.policies import POLICIES
 from pdserve.router.cluster.registry import NODE_ROLES, NodeInfo, NodeRegistry
 from pdserve.router.cluster.routing import Routing
@@ -89,6 +91,7 @@ class ClusterBackend(Backend):
         reserve_wait: float = 10.0,
         curve_dir: str | None = None,
         probe_timeout: float = 3.0,
+        placement: PlacementConfig | None = None,
     ) -> None:
         if policy not in POLICIES:
             raise ValueError(f"unknown policy {policy!r}; choose from {sorted(POLICIES)}")
@@ -109,6 +112,7 @@ class ClusterBackend(Backend):
             POLICIES[policy](),
             hash_prompts=policy == "prefix_aware",
             reserve_wait=reserve_wait,
+            placement=placement,
         )
         self.streams: dict[str, Stream] = {}  # by the client-facing request id
         self.by_wire: dict[str, Stream] = {}  # by the id of the current attempt
@@ -175,6 +179,10 @@ class ClusterBackend(Backend):
             "requests_in_flight": len(self.streams),
             "malformed_messages": self.control.num_malformed,
             "failovers": self.num_failovers,
+            "prefills_local": self.routing.num_local,
+            "prefills_remote": self.routing.num_remote,
+            "kv_tokens_reused_on_decode": self.routing.kv_tokens_reused,
+            "kv_tokens_sent": self.routing.kv_tokens_sent,
         }
 
     # -- messages --------------------------------------------------------------------------
@@ -214,6 +222,8 @@ class ClusterBackend(Backend):
             stream = self.by_wire.get(msg.request_id)
             if stream is not None and stream.decode_node == sender:
                 stream.admitted = True
+                if stream.first_at:  # the hand-off's time, for the placement's cost model
+                    node.observe_handoff(now - stream.first_at)
         elif isinstance(msg, Error):
             self._on_error(sender, msg)
 
@@ -300,6 +310,8 @@ class ClusterBackend(Backend):
         if stream.decode_node == sender and not stream.got_first:
             stream.early.append(event)  # the decode node outran the prefill node's message
             return
+        if not stream.got_first and sender == stream.prefill_node and stream.decode_node:
+            stream.first_at = time.monotonic()
         stream.got_first = True
         stream.queue.put_nowait(event)
         for e in stream.early:
@@ -398,7 +410,18 @@ class ClusterBackend(Backend):
         finally:
             if not finished or stream.failed:  # free whatever the nodes still hold
                 await self._abort_nodes(stream, "stream ended")
+            else:
+                self._expect_conversation(stream)
             self._release(rid)
+
+    def _expect_conversation(self, stream: Stream) -> None:
+        """The node that decoded a finished request holds its prompt and answer: the next
+        turn of the conversation finds them there before its heartbeat tells."""
+        holder = self.registry.get(stream.decode_node or stream.prefill_node)
+        if holder is None or holder.role not in ("decode", "both"):
+            return
+        tokens = [*stream.request.prompt_token_ids, *stream.generated][:-1]  # last: no KV
+        holder.expect_cached(hash_token_blocks(tokens, holder.block_size), time.monotonic())
 
     async def _recover(self, stream: Stream, failover: Failover) -> TokenEvent | None:
         """Carry the request on without the lost nodes; an error message when it cannot."""

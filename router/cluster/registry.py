@@ -4,6 +4,7 @@ cache), and which of them are alive and take new requests."""
 from __future__ import annotations
 
 import asyncio
+import math
 import time
 from dataclasses import dataclass, field
 
@@ -42,6 +43,10 @@ class NodeInfo:
     incarnation: str = ""  # the node process's random start id (a restart changes it)
     host_id: str = ""  # the host it runs on (shm connects only nodes of one host)
     kv_layout: dict = field(default_factory=dict)  # KVLayout.to_dict() of its KV cache
+    prefill_rate: float = 0.0  # prompt tokens/s the node measured (0: none measured yet)
+    # A decode node: seconds from the prefill node's first token to Admitted (the hand-off
+    # of the last pages), as this router observed it lately.
+    handoff_s: float = 0.0
 
     def load(self) -> tuple[int, int]:
         return (self.inflight + self.num_waiting, -self.free_blocks)
@@ -53,6 +58,8 @@ class NodeInfo:
         self.num_waiting, self.queued_tokens = msg.num_waiting, msg.queued_tokens
         self.recent_tokens = 0  # now counted in queued_tokens
         self.draining = msg.draining
+        if 0 < msg.prefill_rate < math.inf:
+            self.prefill_rate = msg.prefill_rate
         self.recent_prefixes = {h: t for h, t in self.recent_prefixes.items() if t > now}
         if not msg.prefix_seq:
             return True  # this node does not report its prefix cache
@@ -90,8 +97,19 @@ class NodeInfo:
         hashes = hash_token_blocks(prompt, self.block_size)
         # Queued work is what it must compute: the prompt less the leading blocks it holds.
         self.recent_tokens += len(prompt) - self.cached_blocks(hashes, now) * self.block_size
+        self.expect_cached(hashes, now, ttl)
+
+    def expect_cached(self, hashes: list[bytes], now: float, ttl: float = 5.0) -> None:
+        """Blocks the node will hold soon (before its heartbeat says so)."""
         for h in hashes:
             self.recent_prefixes[h] = now + ttl
+
+    def observe_handoff(self, seconds: float, weight: float = 0.2) -> None:
+        """A hand-off to this decode node took `seconds` (moving average)."""
+        seconds = max(0.0, seconds)
+        self.handoff_s = (
+            seconds if not self.handoff_s else ((1 - weight) * self.handoff_s + weight * seconds)
+        )
 
 
 def kv_mismatch(prefill: NodeInfo, decode: NodeInfo) -> str | None:

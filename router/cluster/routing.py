@@ -1,5 +1,7 @@
-"""Routing: puts a request on nodes, a colocated one, or a decode node's reservation then a
-prefill node that fills it, each picked by the routing policy."""
+"""Routing: puts a request on nodes: a colocated one; or a decode node that prefills it
+itself; or a decode node's reservation then a prefill node that fills it. Nodes are picked
+by the routing policy (decode nodes that hold the conversation first); local or remote
+prefill by the placement (router/cluster/placement.py)."""
 
 from __future__ import annotations
 
@@ -18,6 +20,7 @@ from pdserve.common.wire.messages import (
 )
 from pdserve.router.backend import TokenEvent
 from pdserve.router.cluster.control import ControlServer
+from pdserve.router.cluster.placement import PlacementConfig, estimate, missing_tokens
 from pdserve.router.cluster.policies import Policy
 from pdserve.router.cluster.registry import NodeInfo, NodeRegistry, kv_mismatch
 from pdserve.router.cluster.streams import Stream
@@ -34,12 +37,18 @@ class Routing:
         policy: Policy,
         hash_prompts: bool,
         reserve_wait: float,
+        placement: PlacementConfig | None = None,
     ) -> None:
         self.registry = registry
         self.control = control
         self.policy = policy
         self.hash_prompts = hash_prompts  # only the prefix_aware policy reads recent_prefixes
         self.reserve_wait = reserve_wait
+        self.placement = placement or PlacementConfig()
+        self.num_local = 0  # prefills placed on the decode node
+        self.num_remote = 0  # prefills placed on a prefill node
+        self.kv_tokens_reused = 0  # remote prefills' tokens the decode node had cached
+        self.kv_tokens_sent = 0  # and those whose KV the prefill node was asked to send
 
     def _pairable_decodes(self, exclude: set[str]) -> list[NodeInfo]:
         """Decode nodes that some routable prefill node can send KV to."""
@@ -65,24 +74,24 @@ class Routing:
         """Send the request on its way (resuming after stream.generated); an error message
         if nothing can take it."""
         request = stream.request
-        sampling, outputs = self._wire(stream)
         exclude = stream.lost
         if request.sampling.max_tokens == 0:
             return await self._score(stream)
         colocated = self.policy(self.registry.routable(("both",), exclude), request)
-        decodes = self.policy(self._pairable_decodes(exclude), request)
+        decodes = self._decode_order(stream)
         if colocated and not decodes:
-            node = colocated[0]
-            stream.prefill_node = node.node_id
-            node.inflight += 1
-            node.routed(request, time.monotonic(), prefixes=self.hash_prompts)
-            await self.control.send(
-                node.node_id,
-                Prefill(
-                    stream.wire_id, request.prompt_token_ids, sampling, output_token_ids=outputs
-                ),
-            )
+            await self._run_on(stream, colocated[0])
             return None
+        if not decodes:
+            return TokenEvent.failed(Failure.UNAVAILABLE, self.registry.no_route_reason(exclude))
+        prefill = self._pick_prefill(stream, decodes[0])
+        choice = estimate(self.placement, decodes[0], prefill, self._tokens(stream))
+        if choice.local:
+            self.num_local += 1
+            await self._run_on(stream, decodes[0])
+            return None
+        self.num_remote += 1
+        decodes = [d for d in decodes if self._pick_prefill(stream, d) is not None]
         if not decodes:
             return TokenEvent.failed(Failure.UNAVAILABLE, self.registry.no_route_reason(exclude))
         reserved = await self._reserve(stream, decodes)
@@ -93,6 +102,50 @@ class Routing:
                 Failure.UNAVAILABLE, "no decode node has room for this request"
             )
         return await self.send_prefill(stream, reserved)
+
+    def _tokens(self, stream: Stream) -> list[int]:
+        """What the node computes for the request: its prompt and the tokens streamed."""
+        return [*stream.request.prompt_token_ids, *stream.generated]
+
+    def _decode_order(self, stream: Stream) -> list[NodeInfo]:
+        """Decode nodes for the request, best first: the policy's order, except that a node
+        holding at least half of the request's tokens (it answered the conversation's earlier
+        turns) comes first. Only nodes a prefill node can fill, unless placement is forced
+        local (then decode nodes serve alone)."""
+        if self.placement.mode == "local":
+            nodes = self.registry.routable(("decode",), stream.lost)
+        else:
+            nodes = self._pairable_decodes(stream.lost)
+        nodes = self.policy(nodes, stream.request)
+        tokens, now = self._tokens(stream), time.monotonic()
+
+        def held(node: NodeInfo) -> int:
+            cached = len(tokens) - missing_tokens(node, tokens, now)
+            return cached if 2 * cached >= len(tokens) else 0
+
+        return sorted(nodes, key=lambda n: -held(n))  # stable: the policy breaks ties
+
+    def _pick_prefill(self, stream: Stream, decode: NodeInfo | None) -> NodeInfo | None:
+        """The prefill node the policy prefers among those that can fill `decode`."""
+        prefills = [
+            p
+            for p in self.registry.routable(("prefill",), stream.lost)
+            if decode is None or kv_mismatch(p, decode) is None
+        ]
+        prefills = self.policy(prefills, stream.request)
+        return prefills[0] if prefills else None
+
+    async def _run_on(self, stream: Stream, node: NodeInfo) -> None:
+        """The whole request on one node, prefill and decode: a colocated node, or a decode
+        node prefilling locally."""
+        stream.prefill_node = node.node_id
+        node.inflight += 1
+        node.routed(stream.request, time.monotonic(), prefixes=True)
+        sampling, outputs = self._wire(stream)
+        prompt = stream.request.prompt_token_ids
+        await self.control.send(
+            node.node_id, Prefill(stream.wire_id, prompt, sampling, output_token_ids=outputs)
+        )
 
     async def _score(self, stream: Stream) -> TokenEvent | None:
         """A request that only scores its prompt (max_tokens 0) needs a prefill and nothing
@@ -116,19 +169,14 @@ class Routing:
         sampling, outputs = self._wire(stream)
         # Picked after the reservation's round trip, so the choice sees requests routed
         # meanwhile (the policy's load and prefix view include them).
-        decode = self.registry.get(stream.decode_node)
-        prefills = [
-            p
-            for p in self.registry.routable(("prefill",), stream.lost)
-            if decode is None or kv_mismatch(p, decode) is None
-        ]
-        prefills = self.policy(prefills, request)
-        if not prefills:
+        prefill = self._pick_prefill(stream, self.registry.get(stream.decode_node))
+        if prefill is None:
             return TokenEvent.failed(Failure.UNAVAILABLE, "no prefill node available")
-        prefill = prefills[0]
         stream.prefill_node = prefill.node_id
         prefill.inflight += 1
         prefill.routed(request, time.monotonic(), prefixes=self.hash_prompts)
+        self.kv_tokens_reused += reserved.cached_tokens
+        self.kv_tokens_sent += len(self._tokens(stream)) - reserved.cached_tokens
         await self.control.send(
             prefill.node_id,
             Prefill(
@@ -139,6 +187,7 @@ class Routing:
                 dest_block_ids=reserved.block_ids,
                 dest_kv_endpoint=reserved.kv_endpoint,
                 dest_kv_instance=reserved.kv_instance,
+                dest_cached_tokens=reserved.cached_tokens,
                 output_token_ids=outputs,
             ),
         )

@@ -40,6 +40,7 @@ class Stream:
     failovers: int = 0
     attempt: int = 0  # bumped when the request starts over on other nodes
     lost: set[str] = field(default_factory=set)  # nodes this request left behind
+    first_at: float = 0.0  # when the prefill node's first token came (monotonic; 0: not yet)
 
     @property
     def wire_id(self) -> str:

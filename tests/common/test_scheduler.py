@@ -294,3 +294,67 @@ def test_release_keeps_prefix_cached_for_the_next_request():
     assert q.num_cached_tokens == 8
     h.run()
     h.done()
+
+
+def test_reserve_shares_what_an_earlier_turn_left_on_the_decode_node():
+    """Turn 2 of a conversation reserves on the node that decoded turn 1: the prompt and the
+    answer of turn 1 (whose KV only this node computed) are shared, not received again."""
+    h = Harness(num_blocks=16)  # block size 4
+    turn1 = Request("t1", list(range(10)), SamplingParams(max_tokens=6), (EOS,))
+    h.s.reserve(turn1)
+    h.s.admit_remote("t1", SampledToken("t1", 42))
+    h.run()  # decodes 5 more tokens here: 16 tokens, 15 with KV (the last was never fed)
+    h.done()
+    history = turn1.all_token_ids
+    turn2 = Request("t2", history + [7, 8, 9], SamplingParams(max_tokens=2), (EOS,))
+    blocks = h.s.reserve(turn2)
+    assert turn2.num_cached_tokens == 12  # 3 full blocks with KV; the 4th lacks token 15's
+    cached = [h.kv.pool.get_cached_block(x).block_id for x in h.kv._hashes(turn2)[:3]]
+    assert blocks[:3] == cached and len(blocks) == 5
+    assert all(h.kv.pool.blocks[b].ref_cnt == 1 for b in blocks)
+    h.kv.check_integrity()
+    # A second conversation sharing turn 1 shares the same blocks (ref-counted).
+    other = Request("o", history + [1], SamplingParams(max_tokens=1), (EOS,))
+    assert h.s.reserve(other)[:3] == cached
+    assert all(h.kv.pool.blocks[b].ref_cnt == 2 for b in cached)
+    h.kv.check_integrity()
+    h.s.abort("o")
+    h.s.admit_remote("t2", SampledToken("t2", 50))
+    h.run()
+    h.done()
+
+
+def test_reserve_when_full_releases_its_cache_hits():
+    h = Harness(num_blocks=8)  # 7 usable blocks of 4
+    h.add("a", range(12), max_tokens=1)
+    h.run()  # 3 cached blocks, all evictable
+    big = Request("b", list(range(12)) + list(range(100, 112)), SamplingParams(), (EOS,))
+    h.add("hold", range(200, 208), max_tokens=50)
+    h.step()  # holds 2 blocks (evicts 2 of a's) while it runs
+    assert h.s.reserve(big) is None  # 3 hits + 3 new needed, 2 others free: nothing held
+    h.kv.check_integrity()
+    h.s.abort("hold")
+    h.done()
+
+
+def test_a_long_prefill_leaves_running_decodes_their_token_each_step():
+    """A prompt admitted before the decodes (a decode node prefilling locally) takes only
+    what the budget leaves after one token for every decoding request."""
+    h = Harness(max_num_batched_tokens=16)
+    h.add("d1", range(3), max_tokens=30)
+    h.add("d2", range(20, 23), max_tokens=30)
+    h.step()
+    long = h.add("long", range(40, 140), max_tokens=1)
+    for _ in range(4):
+        out = h.step()
+        sizes = {s.request_id: len(s.token_ids) for s in out.seqs}
+        assert sizes["d1"] == sizes["d2"] == 1, sizes
+        assert sizes.get("long", 0) <= 14 and out.num_batched_tokens <= 16
+    # Put the long prompt first in the running list: it still leaves the decodes theirs.
+    h.s.running.sort(key=lambda r: r.request_id != "long")
+    out = h.step()
+    sizes = {s.request_id: len(s.token_ids) for s in out.seqs}
+    assert sizes["long"] == 14 and sizes["d1"] == sizes["d2"] == 1, sizes
+    h.run()
+    assert long.num_output_tokens == 1
+    h.done()

@@ -168,6 +168,7 @@ def test_layer_by_layer_transfer_is_bit_exact(
         assert result.meta == {"first_token": 42, "n_tokens": 27}
         s.check_blocks(dict(zip(dst, src)))
         assert not s.receiver.counters
+        assert s.receiver.pages_received == 7 * LAYOUT.num_layers
     finally:
         s.close()
 

@@ -98,6 +98,7 @@ def start(router, prefill, decode_, rid: str, prompt: list[int]) -> Reserved:
                 reserved.xfer_id,
                 reserved.block_ids,
                 reserved.kv_endpoint,
+                dest_cached_tokens=reserved.cached_tokens,
             )
         )
     finally:
@@ -189,5 +190,47 @@ def test_heartbeats_report_prefix_cache_changes_and_a_snapshot_on_request(nodes)
     snapshot = router.recv(Heartbeat, "")
     assert snapshot.prefix_seq == 3 and snapshot.prefix_reset
     assert set(snapshot.prefix_stored) == set(delta.prefix_stored)
-    decode_.heartbeat()
-    assert router.recv(Heartbeat, "").prefix_seq == 0  # decode nodes do not report prefixes
+    decode_.heartbeat()  # decode nodes report theirs too (a conversation's next turn)
+    report = router.recv(Heartbeat, "")
+    assert report.node_id == decode_.node_id and report.prefix_seq == 1 and report.prefix_reset
+
+
+def run_to_end(router, prefill, decode_, rid: str) -> list[int]:
+    """Step both nodes until the request finished on the decode node; its tokens."""
+    while rid in prefill.dests:
+        prefill.step()
+    got = list(router.recv(Tokens, rid).token_ids)
+    deadline = time.monotonic() + 30
+    while len(got) < SAMPLING.max_tokens:
+        assert time.monotonic() < deadline
+        decode_.poll_io()
+        if decode_.engine.has_unfinished:
+            decode_.step()
+        got += [t for m in router.drain() if isinstance(m, Tokens) for t in m.token_ids]
+    return got
+
+
+def test_a_second_turn_ships_only_the_blocks_the_decode_node_lacks(nodes, tiny_model_dir):
+    """The decode node holds turn 1's prompt and answer: turn 2's reservation shares them and
+    the prefill node sends pages of the later blocks only; the answer is the engine's."""
+    router, prefill, decode_ = nodes
+    llm = LLM(str(tiny_model_dir("llama")), block_size=BLOCK)
+    turn1 = list(range(3, 60))
+    first = start(router, prefill, decode_, "t1", turn1)
+    assert first.cached_tokens == 0
+    answer = run_to_end(router, prefill, decode_, "t1")
+    turn2 = turn1 + answer + list(range(200, 230))  # 92 tokens; 61 of turn 1 hold KV on D
+    sent: list[int] = []
+    reserved = start(router, prefill, decode_, "t2", turn2)
+    assert reserved.cached_tokens == 48  # 3 full blocks; the 4th has tokens of turn 2
+    sender = next(iter(prefill.kv_port.senders.values()))
+    send_layer = sender.send_layer
+    sender.send_layer = lambda xfer, layer, src, dst, cache: (
+        sent.extend(dst),
+        send_layer(xfer, layer, src, dst, cache),
+    )[1]
+    got = run_to_end(router, prefill, decode_, "t2")
+    assert got == llm.generate([turn2], SAMPLING)[0].token_ids
+    assert set(sent) == set(reserved.block_ids[3:])  # never a shared block
+    decode_.engine.check_integrity()
+    prefill.engine.check_integrity()

@@ -80,7 +80,7 @@ def build(tiny_model_dir, router) -> Iterator:
     [
         (ColocatedNode, {Prefill}),
         (PrefillNode, {Prefill}),
-        (DecodeNode, {ReserveKV, RenewTransfer}),
+        (DecodeNode, {ReserveKV, RenewTransfer, Prefill}),
     ],
 )
 def test_each_role_takes_the_shared_messages_and_its_own(build, cls, own) -> None:
@@ -88,11 +88,21 @@ def test_each_role_takes_the_shared_messages_and_its_own(build, cls, own) -> Non
 
 
 def test_a_message_of_another_role_fails_only_its_request(build, router) -> None:
-    node = build(DecodeNode)
-    node.handle(Prefill("r", (1, 2, 3), SAMPLING))
+    node = build(PrefillNode)
+    node.handle(ReserveKV("r", (1, 2, 3), SAMPLING))
     error = router.recv(Error)
     assert (error.request_id, error.kind) == ("r", Failure.BAD_REQUEST)
-    assert "decode node does not take prefill" in error.message
+    assert "prefill node does not take reserve_kv" in error.message
+
+
+def test_a_decode_node_prefills_only_for_itself(build, router) -> None:
+    node = build(DecodeNode)
+    node.handle(Prefill("r", (1, 2, 3), SAMPLING, xfer_id="x", dest_block_ids=(1,)))
+    error = router.recv(Error)
+    assert (error.request_id, error.kind) == ("r", Failure.BAD_REQUEST)
+    assert "prefills only for itself" in error.message
+    node.handle(Prefill("local", (1, 2, 3), SAMPLING))  # placed here by the router: runs here
+    assert list(node.engine.scheduler.requests) == ["local"]
 
 
 def test_a_full_colocated_node_refuses_with_an_error_kind(build, router) -> None:
@@ -109,4 +119,7 @@ def test_a_draining_decode_node_answers_busy(build, router) -> None:
     node.drain()
     node.handle(ReserveKV("r", (1, 2, 3), SAMPLING))
     assert router.recv(Busy).request_id == "r"
+    node.handle(Prefill("p", (1, 2, 3), SAMPLING))  # a stream waits on it: an error kind
+    error = router.recv(Error)
+    assert (error.request_id, error.kind) == ("p", Failure.DRAINING)
     assert not node.engine.scheduler.requests

@@ -1,0 +1,108 @@
+"""Where a prompt is prefilled: on a prefill node that ships the KV (remote), or on the decode
+node itself (local, "conditional disaggregation").
+
+Remote prefill keeps long prompts off the decode node, whose running requests would wait for
+them; it costs the prefill node's queue, the prompt tokens the prefill node lacks, and the
+hand-off (the pages the decode node lacks, mostly sent while later layers compute). Local
+prefill costs only the tokens the decode node lacks: a follow-up turn of a conversation the
+decode node answered is mostly cached there, the answer included, which no prefill node has.
+
+The cost model compares the two in seconds, from rates the nodes measure (prefill tokens/s,
+in heartbeats) and the hand-off time the router observes (first token from the prefill node
+to the decode node's Admitted). Local prefill is charged once for the request and once more
+for every request running on the decode node (at least one), since each of their next tokens
+waits for it: an idle cluster still prefills a new conversation's first turn remotely, and a
+follow-up turn, whose tokens the decode node mostly holds, locally.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+from pdserve.common.engine.block_pool import hash_token_blocks
+from pdserve.router.cluster.registry import NodeInfo
+
+PLACEMENTS = ("auto", "remote", "local")
+
+
+@dataclass(frozen=True, slots=True)
+class PlacementConfig:
+    """How the router places prefills: `auto` by the cost model, or by `threshold` when it is
+    set (local when the decode node lacks at most that many prompt tokens); `remote` and
+    `local` force one way."""
+
+    mode: str = "auto"
+    threshold: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.mode not in PLACEMENTS:
+            raise ValueError(f"prefill placement must be one of {PLACEMENTS}, got {self.mode!r}")
+        if self.threshold is not None and self.threshold < 0:
+            raise ValueError("the local prefill threshold must be >= 0 tokens")
+
+
+@dataclass(frozen=True, slots=True)
+class Estimate:
+    """Both ways of prefilling one prompt, in seconds, and the choice."""
+
+    local: bool
+    local_s: float
+    remote_s: float
+    missing_decode: int  # prompt tokens the decode node lacks (computes, or receives)
+    missing_prefill: int  # prompt tokens the prefill node lacks (computes)
+    why: str
+
+
+def missing_tokens(node: NodeInfo, prompt: list[int] | tuple[int, ...], now: float) -> int:
+    """Prompt tokens `node` would have to compute (or receive): those past its cached prefix."""
+    hashes = hash_token_blocks(prompt, node.block_size)
+    return len(prompt) - node.cached_blocks(hashes, now) * node.block_size
+
+
+def _rate(node: NodeInfo | None, fallback: NodeInfo | None) -> float:
+    """A node's measured prefill tokens/s; the other node's when it has measured none (same
+    model: the best guess), else 1.0 (then both sides compare in tokens)."""
+    for n in (node, fallback):
+        if n is not None and n.prefill_rate > 0:
+            return n.prefill_rate
+    return 1.0
+
+
+def estimate(
+    config: PlacementConfig,
+    decode: NodeInfo,
+    prefill: NodeInfo | None,
+    prompt: list[int] | tuple[int, ...],
+    now: float | None = None,
+) -> Estimate:
+    """Local or remote prefill of `prompt` for a request that decodes on `decode`; `prefill`
+    is the prefill node remote prefill would use (None: there is none, so local)."""
+    now = time.monotonic() if now is None else now
+    miss_d = missing_tokens(decode, prompt, now)
+    miss_p = missing_tokens(prefill, prompt, now) if prefill is not None else len(prompt)
+    rate_d, rate_p = _rate(decode, prefill), _rate(prefill, decode)
+    queued_d = decode.queued_tokens + decode.recent_tokens
+    # Each request decoding there waits for the prefill; at least one is assumed (a decode
+    # node of a P/D cluster is there to decode, and the next arrival would wait too).
+    local_s = queued_d / rate_d + miss_d / rate_d * (1 + max(1, decode.inflight))
+    remote_s = float("inf")
+    if prefill is not None:
+        queued_p = prefill.queued_tokens + prefill.recent_tokens
+        remote_s = (queued_p + miss_p) / rate_p + decode.handoff_s
+    local, why = _choose(config, miss_d, local_s, remote_s, prefill is not None)
+    return Estimate(local, local_s, remote_s, miss_d, miss_p, why)
+
+
+def _choose(
+    config: PlacementConfig, miss_d: int, local_s: float, remote_s: float, has_prefill: bool
+) -> tuple[bool, str]:
+    if config.mode != "auto":
+        return config.mode == "local", f"forced {config.mode}"
+    if not has_prefill:
+        return True, "no prefill node can send KV to this decode node"
+    if config.threshold is not None:
+        local = miss_d <= config.threshold
+        sign = "<=" if local else ">"
+        return local, f"{miss_d} tokens missing on the decode node {sign} {config.threshold}"
+    return local_s <= remote_s, f"cost local {local_s:.4f}s vs remote {remote_s:.4f}s"

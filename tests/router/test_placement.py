@@ -1,0 +1,202 @@
+"""Prefill placement: the cost model's choice between the decode node and a prefill node, the
+threshold and the forced modes, and how the router orders decode nodes for a conversation."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+
+import pytest
+
+from pdserve.common.engine.block_pool import hash_token_blocks
+from pdserve.common.engine.sampling_params import SamplingParams
+from pdserve.common.wire.messages import Heartbeat, Prefill, Reserved, ReserveKV
+from pdserve.router.backend import GenerateRequest
+from pdserve.router.cluster.placement import PlacementConfig, estimate, missing_tokens
+from pdserve.router.cluster.policies import POLICIES
+from pdserve.router.cluster.registry import NodeInfo, NodeRegistry
+from pdserve.router.cluster.routing import Routing
+from pdserve.router.cluster.streams import Stream
+
+BS = 16
+NOW = 1000.0
+HISTORY = list(range(1, 601))  # an earlier turn's prompt and answer: 600 tokens
+PROMPT = HISTORY + list(range(700, 740))  # the next turn: 40 new tokens
+
+
+def node(name: str, role: str, rate: float = 0.0, holds: list[int] | None = None) -> NodeInfo:
+    info = NodeInfo(name, role, "", "zmq", "", 256, 4096, NOW, free_blocks=256, block_size=BS)
+    info.prefill_rate = rate
+    if holds:
+        info.prefixes = set(hash_token_blocks(holds, BS))
+    return info
+
+
+AUTO = PlacementConfig()
+
+
+def test_missing_tokens_counts_past_the_cached_prefix():
+    d = node("d", "decode", holds=HISTORY)
+    assert missing_tokens(d, PROMPT, NOW) == len(PROMPT) - 592  # 37 full blocks of 16
+    assert missing_tokens(node("e", "decode"), PROMPT, NOW) == len(PROMPT)
+
+
+def test_a_follow_up_turn_is_prefilled_where_the_conversation_is():
+    d, p = node("d", "decode", 1000.0, holds=HISTORY), node("p", "prefill", 1000.0)
+    est = estimate(AUTO, d, p, PROMPT, NOW)
+    assert est.local and est.missing_decode == 48 and est.missing_prefill == 640
+    # 48 tokens charged twice (the request, one decode assumed waiting) vs 640 on P
+    assert est.local_s == pytest.approx(2 * 48 / 1000) and est.remote_s == pytest.approx(0.64)
+
+
+def test_a_new_conversation_goes_to_the_prefill_node_even_when_all_is_idle():
+    d, p = node("d", "decode", 1000.0), node("p", "prefill", 1000.0)
+    est = estimate(AUTO, d, p, PROMPT, NOW)
+    assert not est.local and est.local_s == pytest.approx(2 * est.remote_s)
+
+
+def test_decodes_waiting_on_the_decode_node_push_prefill_away():
+    d, p = node("d", "decode", 1000.0, holds=HISTORY), node("p", "prefill", 1000.0)
+    d.inflight = 20  # each of 20 running requests would wait for 48 tokens: 21 * 48 > 640
+    assert not estimate(AUTO, d, p, PROMPT, NOW).local
+    d.inflight = 10  # 11 * 48 = 528 < 640
+    assert estimate(AUTO, d, p, PROMPT, NOW).local
+
+
+def test_queues_rates_and_the_hand_off_enter_the_cost():
+    d, p = node("d", "decode", 1000.0), node("p", "prefill", 1000.0)
+    short = list(range(1, 41))
+    assert not estimate(AUTO, d, p, short, NOW).local  # 80 vs 40 token-times
+    d.handoff_s = 0.05  # the hand-off costs 50 ms: 40 tokens at 1000/s are cheaper here
+    assert estimate(AUTO, d, p, short, NOW).local
+    d.handoff_s = 0.0
+    p.queued_tokens = 100  # the prefill node has work queued
+    assert estimate(AUTO, d, p, short, NOW).local
+    p.queued_tokens, p.prefill_rate = 0, 100.0  # a slow prefill node
+    assert estimate(AUTO, d, p, short, NOW).local
+    d.queued_tokens = 1000  # the decode node's own queue
+    assert not estimate(AUTO, d, p, short, NOW).local
+
+
+def test_an_unmeasured_rate_borrows_the_other_nodes():
+    d, p = node("d", "decode"), node("p", "prefill", 2000.0)
+    est = estimate(AUTO, d, p, PROMPT, NOW)
+    assert est.remote_s == pytest.approx(len(PROMPT) / 2000)
+    assert est.local_s == pytest.approx(2 * len(PROMPT) / 2000)
+    both = estimate(AUTO, node("d", "decode"), node("p", "prefill"), PROMPT, NOW)
+    assert both.remote_s == len(PROMPT)  # nothing measured: compared in tokens
+
+
+def test_threshold_replaces_the_cost_model_and_forced_modes_win():
+    d, p = node("d", "decode", 1000.0, holds=HISTORY), node("p", "prefill", 1000.0)
+    assert estimate(PlacementConfig(threshold=48), d, p, PROMPT, NOW).local
+    assert not estimate(PlacementConfig(threshold=47), d, p, PROMPT, NOW).local
+    assert not estimate(PlacementConfig("remote"), d, p, PROMPT, NOW).local
+    assert not estimate(PlacementConfig("remote"), d, None, PROMPT, NOW).local
+    fresh = node("e", "decode", 1000.0)
+    assert estimate(PlacementConfig("local"), fresh, p, PROMPT, NOW).local
+    assert estimate(AUTO, fresh, None, PROMPT, NOW).local  # no prefill node: local
+
+
+@pytest.mark.parametrize(
+    ("mode", "threshold"), [("sometimes", None), ("auto", -1)], ids=["mode", "threshold"]
+)
+def test_bad_placement_settings_are_refused(mode, threshold):
+    with pytest.raises(ValueError):
+        PlacementConfig(mode, threshold)
+
+
+def test_rates_from_heartbeats_ignore_nonsense():
+    d = node("d", "decode")
+    for rate, expected in [(1500.0, 1500.0), (0.0, 1500.0), (math.inf, 1500.0), (math.nan, 1500.0)]:
+        d.apply_heartbeat(Heartbeat("d", 10, 0, 0, 0, prefill_rate=rate), NOW)
+        assert d.prefill_rate == expected
+
+
+def test_handoff_is_a_moving_average():
+    d = node("d", "decode")
+    d.observe_handoff(0.1)
+    d.observe_handoff(0.2)
+    assert d.handoff_s == pytest.approx(0.8 * 0.1 + 0.2 * 0.2)
+    d.observe_handoff(-1.0)  # Admitted raced ahead of the first token: counts as 0
+    assert d.handoff_s < 0.12
+
+
+# -- the router: which node, which message -----------------------------------------------------
+
+
+class FakeControl:
+    """Records what the router sends; a decode node answers ReserveKV with a reservation
+    that reports what it holds."""
+
+    def __init__(self, registry: NodeRegistry) -> None:
+        self.registry = registry
+        self.sent: list[tuple[str, object]] = []
+
+    async def send(self, node_id: str, msg: object) -> bool:
+        self.sent.append((node_id, msg))
+        return True
+
+    async def ask(self, node_id: str, key: str, msg: object) -> object:
+        self.sent.append((node_id, msg))
+        assert isinstance(msg, ReserveKV)
+        holder = self.registry.get(node_id)
+        cached = len(msg.prompt_token_ids) - missing_tokens(holder, msg.prompt_token_ids, NOW)
+        blocks = tuple(range(1, -(-len(msg.prompt_token_ids) // BS) + 1))
+        return Reserved(msg.request_id, "x", blocks, "tcp://d:1", "i", cached_tokens=cached)
+
+
+def cluster(placement: PlacementConfig) -> tuple[Routing, FakeControl]:
+    registry = NodeRegistry(heartbeat_timeout=1e9, default_max_model_len=4096)
+    registry.nodes = {
+        "p0": node("p0", "prefill", 1000.0),
+        "d0": node("d0", "decode", 1000.0),
+        "d1": node("d1", "decode", 1000.0, holds=HISTORY),
+    }
+    for info in registry.nodes.values():
+        info.last_seen = float("inf")
+    control = FakeControl(registry)
+    routing = Routing(registry, control, POLICIES["least_loaded"](), True, 1.0, placement)
+    return routing, control
+
+
+def route(routing: Routing, prompt: list[int]) -> Stream:
+    stream = Stream(GenerateRequest("r", tuple(prompt), SamplingParams(max_tokens=4)))
+    assert asyncio.run(routing.route(stream)) is None
+    return stream
+
+
+def test_the_router_prefills_a_follow_up_turn_on_the_decode_node_holding_it():
+    routing, control = cluster(AUTO)
+    routing.registry.nodes["d1"].inflight = 1  # d0 is less loaded: only the cache picks d1
+    stream = route(routing, PROMPT)
+    assert stream.prefill_node == "d1" and stream.decode_node == ""
+    ((target, msg),) = control.sent
+    assert target == "d1" and isinstance(msg, Prefill) and not msg.xfer_id
+    assert routing.num_local == 1 and routing.num_remote == 0
+
+
+def test_forced_remote_sends_only_the_blocks_the_decode_node_lacks():
+    routing, control = cluster(PlacementConfig("remote"))
+    stream = route(routing, PROMPT)
+    assert (stream.decode_node, stream.prefill_node) == ("d1", "p0")
+    (_, reserve), (target, prefill) = control.sent
+    assert isinstance(reserve, ReserveKV) and target == "p0"
+    assert prefill.dest_cached_tokens == 592 and prefill.xfer_id == "x"
+    assert (routing.kv_tokens_reused, routing.kv_tokens_sent) == (592, 48)
+
+
+def test_a_new_conversation_goes_by_the_policy_and_remote():
+    routing, control = cluster(AUTO)
+    routing.registry.nodes["d0"].inflight = 1
+    stream = route(routing, list(range(900, 1300)))  # nothing of it is cached anywhere
+    assert (stream.decode_node, stream.prefill_node) == ("d1", "p0")  # d1: less loaded
+    assert routing.num_remote == 1
+
+
+def test_a_shared_system_prompt_alone_does_not_pull_to_one_decode_node():
+    """Less than half of the prompt cached on a node is no conversation of its own."""
+    routing, _ = cluster(AUTO)
+    routing.registry.nodes["d1"].inflight = 1
+    stream = route(routing, HISTORY[:200] + list(range(2000, 2300)))
+    assert stream.decode_node == "d0"
