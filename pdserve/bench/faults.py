@@ -33,7 +33,15 @@ ENGINE = ["--block-size", "16", "--max-num-batched-tokens", "128", "--max-model-
 # holds all 100 requests, so the survivor of two can take over every stream.
 NODE_ARGS = ["--heartbeat-interval", "0.2", "--lease-timeout", "6", "--max-num-seqs", "128"]
 NODE_ARGS += ["--drain-timeout", "15"]  # what a draining node still holds then fails over
-ROUTER_ARGS = ["--heartbeat-timeout", "1.5", "--lease-interval", "0.3"]
+# Remote prefill always: the faults are on the KV path.
+ROUTER_ARGS = [
+    "--heartbeat-timeout",
+    "1.5",
+    "--lease-interval",
+    "0.3",
+    "--prefill-placement",
+    "remote",
+]
 
 
 def make_prompts(vocab: int, n: int = NUM_REQUESTS, seed: int = 0) -> list[list[int]]:

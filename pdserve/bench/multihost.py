@@ -222,7 +222,7 @@ def main(argv: list[str] | None = None) -> int:
     with sigterm_raises(), Hosts(["router", "prefill", "decode", "relay"]) as hosts:
         cluster = HostCluster(hosts, model, args.log_dir, ["--max-model-len", "2048"])
         try:
-            url = cluster.router("router")
+            url = cluster.router("router", ("--prefill-placement", "remote"))  # the KV link
             p = cluster.node("prefill", "prefill", ["router"])
             for delay in [None, *delays]:  # None: the direct link, no relay
                 extra: tuple[str, ...] = ()
