@@ -72,25 +72,29 @@ def _rate(node: NodeInfo | None, fallback: NodeInfo | None) -> float:
 def estimate(
     config: PlacementConfig,
     decode: NodeInfo,
-    prefill: NodeInfo | None,
+    prefills: list[NodeInfo],
     prompt: list[int] | tuple[int, ...],
     now: float | None = None,
 ) -> Estimate:
-    """Local or remote prefill of `prompt` for a request that decodes on `decode`; `prefill`
-    is the prefill node remote prefill would use (None: there is none, so local)."""
+    """Local or remote prefill of `prompt` for a request that decodes on `decode`; remote
+    counts the cheapest of `prefills`, the prefill nodes that can fill `decode` (none:
+    local)."""
     now = time.monotonic() if now is None else now
     miss_d = missing_tokens(decode, prompt, now)
-    miss_p = missing_tokens(prefill, prompt, now) if prefill is not None else len(prompt)
-    rate_d, rate_p = _rate(decode, prefill), _rate(prefill, decode)
+    fallback = prefills[0] if prefills else None
+    rate_d = _rate(decode, fallback)
     queued_d = decode.queued_tokens + decode.recent_tokens
     # Each request decoding there waits for the prefill; at least one is assumed (a decode
     # node of a P/D cluster is there to decode, and the next arrival would wait too).
     local_s = queued_d / rate_d + miss_d / rate_d * (1 + max(1, decode.inflight))
-    remote_s = float("inf")
-    if prefill is not None:
-        queued_p = prefill.queued_tokens + prefill.recent_tokens
-        remote_s = (queued_p + miss_p) / rate_p + decode.handoff_s
-    local, why = _choose(config, miss_d, local_s, remote_s, prefill is not None)
+    remote_s, miss_p = float("inf"), len(prompt)
+    for prefill in prefills:
+        miss = missing_tokens(prefill, prompt, now)
+        queued = prefill.queued_tokens + prefill.recent_tokens
+        cost = (queued + miss) / _rate(prefill, decode) + decode.handoff_s
+        if cost < remote_s:
+            remote_s, miss_p = cost, miss
+    local, why = _choose(config, miss_d, local_s, remote_s, bool(prefills))
     return Estimate(local, local_s, remote_s, miss_d, miss_p, why)
 
 

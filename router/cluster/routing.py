@@ -84,16 +84,13 @@ class Routing:
             return None
         if not decodes:
             return TokenEvent.failed(Failure.UNAVAILABLE, self.registry.no_route_reason(exclude))
-        prefill = self._pick_prefill(stream, decodes[0])
-        choice = estimate(self.placement, decodes[0], prefill, self._tokens(stream))
+        prefills = self._prefills_for(stream, decodes[0])
+        choice = estimate(self.placement, decodes[0], prefills, self._tokens(stream))
         if choice.local:
             self.num_local += 1
             await self._run_on(stream, decodes[0])
             return None
         self.num_remote += 1
-        decodes = [d for d in decodes if self._pick_prefill(stream, d) is not None]
-        if not decodes:
-            return TokenEvent.failed(Failure.UNAVAILABLE, self.registry.no_route_reason(exclude))
         reserved = await self._reserve(stream, decodes)
         if isinstance(reserved, Error):  # the request itself is bad: no other node takes it
             return TokenEvent.failed(reserved.kind, reserved.message)
@@ -125,15 +122,14 @@ class Routing:
 
         return sorted(nodes, key=lambda n: -held(n))  # stable: the policy breaks ties
 
-    def _pick_prefill(self, stream: Stream, decode: NodeInfo | None) -> NodeInfo | None:
-        """The prefill node the policy prefers among those that can fill `decode`."""
-        prefills = [
+    def _prefills_for(self, stream: Stream, decode: NodeInfo | None) -> list[NodeInfo]:
+        """Prefill nodes that can fill `decode`, unordered (asking the policy moves a
+        round robin's turn: it is asked once per request, in send_prefill)."""
+        return [
             p
             for p in self.registry.routable(("prefill",), stream.lost)
             if decode is None or kv_mismatch(p, decode) is None
         ]
-        prefills = self.policy(prefills, stream.request)
-        return prefills[0] if prefills else None
 
     async def _run_on(self, stream: Stream, node: NodeInfo) -> None:
         """The whole request on one node, prefill and decode: a colocated node, or a decode
@@ -169,9 +165,12 @@ class Routing:
         sampling, outputs = self._wire(stream)
         # Picked after the reservation's round trip, so the choice sees requests routed
         # meanwhile (the policy's load and prefix view include them).
-        prefill = self._pick_prefill(stream, self.registry.get(stream.decode_node))
-        if prefill is None:
+        prefills = self.policy(
+            self._prefills_for(stream, self.registry.get(stream.decode_node)), request
+        )
+        if not prefills:
             return TokenEvent.failed(Failure.UNAVAILABLE, "no prefill node available")
+        prefill = prefills[0]
         stream.prefill_node = prefill.node_id
         prefill.inflight += 1
         prefill.routed(request, time.monotonic(), prefixes=self.hash_prompts)

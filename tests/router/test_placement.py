@@ -43,7 +43,7 @@ def test_missing_tokens_counts_past_the_cached_prefix():
 
 def test_a_follow_up_turn_is_prefilled_where_the_conversation_is():
     d, p = node("d", "decode", 1000.0, holds=HISTORY), node("p", "prefill", 1000.0)
-    est = estimate(AUTO, d, p, PROMPT, NOW)
+    est = estimate(AUTO, d, [p], PROMPT, NOW)
     assert est.local and est.missing_decode == 48 and est.missing_prefill == 640
     # 48 tokens charged twice (the request, one decode assumed waiting) vs 640 on P
     assert est.local_s == pytest.approx(2 * 48 / 1000) and est.remote_s == pytest.approx(0.64)
@@ -51,51 +51,60 @@ def test_a_follow_up_turn_is_prefilled_where_the_conversation_is():
 
 def test_a_new_conversation_goes_to_the_prefill_node_even_when_all_is_idle():
     d, p = node("d", "decode", 1000.0), node("p", "prefill", 1000.0)
-    est = estimate(AUTO, d, p, PROMPT, NOW)
+    est = estimate(AUTO, d, [p], PROMPT, NOW)
     assert not est.local and est.local_s == pytest.approx(2 * est.remote_s)
 
 
 def test_decodes_waiting_on_the_decode_node_push_prefill_away():
     d, p = node("d", "decode", 1000.0, holds=HISTORY), node("p", "prefill", 1000.0)
     d.inflight = 20  # each of 20 running requests would wait for 48 tokens: 21 * 48 > 640
-    assert not estimate(AUTO, d, p, PROMPT, NOW).local
+    assert not estimate(AUTO, d, [p], PROMPT, NOW).local
     d.inflight = 10  # 11 * 48 = 528 < 640
-    assert estimate(AUTO, d, p, PROMPT, NOW).local
+    assert estimate(AUTO, d, [p], PROMPT, NOW).local
 
 
 def test_queues_rates_and_the_hand_off_enter_the_cost():
     d, p = node("d", "decode", 1000.0), node("p", "prefill", 1000.0)
     short = list(range(1, 41))
-    assert not estimate(AUTO, d, p, short, NOW).local  # 80 vs 40 token-times
+    assert not estimate(AUTO, d, [p], short, NOW).local  # 80 vs 40 token-times
     d.handoff_s = 0.05  # the hand-off costs 50 ms: 40 tokens at 1000/s are cheaper here
-    assert estimate(AUTO, d, p, short, NOW).local
+    assert estimate(AUTO, d, [p], short, NOW).local
     d.handoff_s = 0.0
     p.queued_tokens = 100  # the prefill node has work queued
-    assert estimate(AUTO, d, p, short, NOW).local
+    assert estimate(AUTO, d, [p], short, NOW).local
     p.queued_tokens, p.prefill_rate = 0, 100.0  # a slow prefill node
-    assert estimate(AUTO, d, p, short, NOW).local
+    assert estimate(AUTO, d, [p], short, NOW).local
     d.queued_tokens = 1000  # the decode node's own queue
-    assert not estimate(AUTO, d, p, short, NOW).local
+    assert not estimate(AUTO, d, [p], short, NOW).local
 
 
 def test_an_unmeasured_rate_borrows_the_other_nodes():
     d, p = node("d", "decode"), node("p", "prefill", 2000.0)
-    est = estimate(AUTO, d, p, PROMPT, NOW)
+    est = estimate(AUTO, d, [p], PROMPT, NOW)
     assert est.remote_s == pytest.approx(len(PROMPT) / 2000)
     assert est.local_s == pytest.approx(2 * len(PROMPT) / 2000)
-    both = estimate(AUTO, node("d", "decode"), node("p", "prefill"), PROMPT, NOW)
+    both = estimate(AUTO, node("d", "decode"), [node("p", "prefill")], PROMPT, NOW)
     assert both.remote_s == len(PROMPT)  # nothing measured: compared in tokens
+
+
+def test_remote_counts_the_cheapest_prefill_node():
+    d = node("d", "decode", 1000.0, holds=HISTORY)
+    busy, warm = node("busy", "prefill", 1000.0), node("warm", "prefill", 1000.0, holds=HISTORY)
+    busy.queued_tokens = 5000
+    est = estimate(AUTO, d, [busy, warm], PROMPT, NOW)
+    assert est.missing_prefill == 48 and est.remote_s == pytest.approx(0.048)
+    assert not est.local  # warm holds as much as the decode node: 48 < 2 * 48
 
 
 def test_threshold_replaces_the_cost_model_and_forced_modes_win():
     d, p = node("d", "decode", 1000.0, holds=HISTORY), node("p", "prefill", 1000.0)
-    assert estimate(PlacementConfig(threshold=48), d, p, PROMPT, NOW).local
-    assert not estimate(PlacementConfig(threshold=47), d, p, PROMPT, NOW).local
-    assert not estimate(PlacementConfig("remote"), d, p, PROMPT, NOW).local
-    assert not estimate(PlacementConfig("remote"), d, None, PROMPT, NOW).local
+    assert estimate(PlacementConfig(threshold=48), d, [p], PROMPT, NOW).local
+    assert not estimate(PlacementConfig(threshold=47), d, [p], PROMPT, NOW).local
+    assert not estimate(PlacementConfig("remote"), d, [p], PROMPT, NOW).local
+    assert not estimate(PlacementConfig("remote"), d, [], PROMPT, NOW).local
     fresh = node("e", "decode", 1000.0)
-    assert estimate(PlacementConfig("local"), fresh, p, PROMPT, NOW).local
-    assert estimate(AUTO, fresh, None, PROMPT, NOW).local  # no prefill node: local
+    assert estimate(PlacementConfig("local"), fresh, [p], PROMPT, NOW).local
+    assert estimate(AUTO, fresh, [], PROMPT, NOW).local  # no prefill node: local
 
 
 @pytest.mark.parametrize(
@@ -200,3 +209,14 @@ def test_a_shared_system_prompt_alone_does_not_pull_to_one_decode_node():
     routing.registry.nodes["d1"].inflight = 1
     stream = route(routing, HISTORY[:200] + list(range(2000, 2300)))
     assert stream.decode_node == "d0"
+
+
+def test_round_robin_turns_once_per_request():
+    """Placement looks at every prefill node without asking the policy: a round robin over
+    two prefill nodes alternates."""
+    routing, control = cluster(PlacementConfig("remote"))
+    routing.registry.nodes["p1"] = node("p1", "prefill", 1000.0)
+    routing.registry.nodes["p1"].last_seen = float("inf")
+    routing.policy = POLICIES["round_robin"]()
+    targets = [route(routing, list(range(900, 1000))).prefill_node for _ in range(4)]
+    assert targets == ["p0", "p1", "p0", "p1"]
