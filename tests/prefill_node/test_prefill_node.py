@@ -107,6 +107,24 @@ def start(router, prefill, decode_, rid: str, prompt: list[int]) -> Reserved:
     return reserved
 
 
+def finish_on_decode(router, decode_, rid: str) -> list[int]:
+    """The first token (from the prefill node), then step the decode node to the end."""
+    got = list(router.recv(Tokens, rid).token_ids)
+    deadline = time.monotonic() + 30
+    while len(got) < SAMPLING.max_tokens:
+        assert time.monotonic() < deadline
+        decode_.poll_io()
+        if decode_.engine.has_unfinished:
+            decode_.step()
+        got += [
+            t
+            for m in router.drain()
+            if isinstance(m, Tokens) and m.request_id == rid
+            for t in m.token_ids
+        ]
+    return got
+
+
 def test_pages_of_a_layer_leave_before_the_next_layer_computes(nodes, tiny_model_dir):
     router, prefill, decode_ = nodes
     prompt = list(range(3, 90))  # 87 tokens: 3 chunks of at most 40
@@ -130,17 +148,7 @@ def test_pages_of_a_layer_leave_before_the_next_layer_computes(nodes, tiny_model
     assert events == per_step * steps  # interleaved: send i happens before compute i + 1
 
     # The decode node admits it and finishes it with the colocated engine's tokens.
-    first = router.recv(Tokens, "r1")
-    got = list(first.token_ids)
-    deadline = time.monotonic() + 30
-    while len(got) < SAMPLING.max_tokens:
-        assert time.monotonic() < deadline
-        decode_.poll_io()
-        if decode_.engine.has_unfinished:
-            decode_.step()
-        for msg in router.drain():
-            if isinstance(msg, Tokens) and msg.request_id == "r1":
-                got += list(msg.token_ids)
+    got = finish_on_decode(router, decode_, "r1")
     want = LLM(str(tiny_model_dir("llama")), block_size=BLOCK).generate([prompt], SAMPLING)
     assert got == want[0].token_ids
     prefill.engine.check_integrity()
@@ -199,15 +207,7 @@ def run_to_end(router, prefill, decode_, rid: str) -> list[int]:
     """Step both nodes until the request finished on the decode node; its tokens."""
     while rid in prefill.dests:
         prefill.step()
-    got = list(router.recv(Tokens, rid).token_ids)
-    deadline = time.monotonic() + 30
-    while len(got) < SAMPLING.max_tokens:
-        assert time.monotonic() < deadline
-        decode_.poll_io()
-        if decode_.engine.has_unfinished:
-            decode_.step()
-        got += [t for m in router.drain() if isinstance(m, Tokens) for t in m.token_ids]
-    return got
+    return finish_on_decode(router, decode_, rid)
 
 
 def test_a_second_turn_ships_only_the_blocks_the_decode_node_lacks(nodes, tiny_model_dir):
