@@ -312,6 +312,7 @@ class ClusterBackend(Backend):
             return
         if not stream.got_first and sender == stream.prefill_node and stream.decode_node:
             stream.first_at = time.monotonic()
+        self._prefilled_locally(stream)
         stream.got_first = True
         stream.queue.put_nowait(event)
         for e in stream.early:
@@ -366,7 +367,18 @@ class ClusterBackend(Backend):
         stream.lost |= lost
         stream.queue.put_nowait(Failover(kind, tuple(lost), tuple(detached), why))
 
+    def _prefilled_locally(self, stream: Stream) -> None:
+        """A request prefilled on its decode node is past its prefill (its first token came,
+        or it left the node): it counts as one of the node's decoding requests no more."""
+        if stream.local_prefill:
+            stream.local_prefill = False
+            node = self.registry.get(stream.prefill_node)
+            if node is not None:
+                node.local_prefills = max(0, node.local_prefills - 1)
+
     def _detach(self, stream: Stream, node_ids: set[str]) -> None:
+        if stream.prefill_node in node_ids:
+            self._prefilled_locally(stream)
         for node_id in node_ids:
             node = self.registry.get(node_id)
             if node is not None:

@@ -10,9 +10,9 @@ decode node answered is mostly cached there, the answer included, which no prefi
 The cost model compares the two in seconds, from rates the nodes measure (prefill tokens/s,
 in heartbeats) and the hand-off time the router observes (first token from the prefill node
 to the decode node's Admitted). Local prefill is charged once for the request and once more
-for every request running on the decode node (at least one), since each of their next tokens
-waits for it: an idle cluster still prefills a new conversation's first turn remotely, and a
-follow-up turn, whose tokens the decode node mostly holds, locally.
+for every request decoding on the decode node, since each of their next tokens waits for it:
+a busy decode node sends long prompts to prefill nodes, and a follow-up turn, whose tokens
+the decode node mostly holds, stays there unless many requests decode there.
 """
 
 from __future__ import annotations
@@ -84,9 +84,10 @@ def estimate(
     fallback = prefills[0] if prefills else None
     rate_d = _rate(decode, fallback)
     queued_d = decode.queued_tokens + decode.recent_tokens
-    # Each request decoding there waits for the prefill; at least one is assumed (a decode
-    # node of a P/D cluster is there to decode, and the next arrival would wait too).
-    local_s = queued_d / rate_d + miss_d / rate_d * (1 + max(1, decode.inflight))
+    # Each request decoding there waits for the prefill (those waiting for their own local
+    # prefill are in the queue already).
+    decoding = max(0, decode.inflight - decode.local_prefills)
+    local_s = queued_d / rate_d + miss_d / rate_d * (1 + decoding)
     remote_s, miss_p = float("inf"), len(prompt)
     for prefill in prefills:
         miss = missing_tokens(prefill, prompt, now)
@@ -109,4 +110,5 @@ def _choose(
         local = miss_d <= config.threshold
         sign = "<=" if local else ">"
         return local, f"{miss_d} tokens missing on the decode node {sign} {config.threshold}"
-    return local_s <= remote_s, f"cost local {local_s:.4f}s vs remote {remote_s:.4f}s"
+    # A tie goes remote: what the decode node does not compute, its next arrivals never wait on.
+    return local_s < remote_s, f"cost local {local_s:.4f}s vs remote {remote_s:.4f}s"

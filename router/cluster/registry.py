@@ -47,6 +47,7 @@ class NodeInfo:
     # A decode node: seconds from the prefill node's first token to Admitted (the hand-off
     # of the last pages), as this router observed it lately.
     handoff_s: float = 0.0
+    local_prefills: int = 0  # a decode node: requests placed there still before their 1st token
 
     def load(self) -> tuple[int, int]:
         return (self.inflight + self.num_waiting, -self.free_blocks)

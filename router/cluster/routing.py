@@ -137,6 +137,9 @@ class Routing:
         stream.prefill_node = node.node_id
         node.inflight += 1
         node.routed(stream.request, time.monotonic(), prefixes=True)
+        if node.role == "decode":  # counted apart from its decoding requests until it is one
+            stream.local_prefill = True
+            node.local_prefills += 1
         sampling, outputs = self._wire(stream)
         prompt = stream.request.prompt_token_ids
         await self.control.send(

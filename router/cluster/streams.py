@@ -41,6 +41,7 @@ class Stream:
     attempt: int = 0  # bumped when the request starts over on other nodes
     lost: set[str] = field(default_factory=set)  # nodes this request left behind
     first_at: float = 0.0  # when the prefill node's first token came (monotonic; 0: not yet)
+    local_prefill: bool = False  # prefilled on its decode node, first token not yet seen
 
     @property
     def wire_id(self) -> str:

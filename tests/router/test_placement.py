@@ -45,14 +45,21 @@ def test_a_follow_up_turn_is_prefilled_where_the_conversation_is():
     d, p = node("d", "decode", 1000.0, holds=HISTORY), node("p", "prefill", 1000.0)
     est = estimate(AUTO, d, [p], PROMPT, NOW)
     assert est.local and est.missing_decode == 48 and est.missing_prefill == 640
-    # 48 tokens charged twice (the request, one decode assumed waiting) vs 640 on P
-    assert est.local_s == pytest.approx(2 * 48 / 1000) and est.remote_s == pytest.approx(0.64)
+    assert est.local_s == pytest.approx(48 / 1000) and est.remote_s == pytest.approx(0.64)
 
 
-def test_a_new_conversation_goes_to_the_prefill_node_even_when_all_is_idle():
+def test_a_new_conversation_goes_remote_when_the_decode_node_decodes():
     d, p = node("d", "decode", 1000.0), node("p", "prefill", 1000.0)
     est = estimate(AUTO, d, [p], PROMPT, NOW)
-    assert not est.local and est.local_s == pytest.approx(2 * est.remote_s)
+    assert not est.local and est.local_s == est.remote_s  # idle, no hand-off seen: a tie
+    d.handoff_s = 0.01  # idle, and a hand-off costs: the decode node prefills it
+    assert estimate(AUTO, d, [p], PROMPT, NOW).local
+    d.inflight = 1  # one request decodes there and would wait 640 tokens' time
+    assert not estimate(AUTO, d, [p], PROMPT, NOW).local
+    d.local_prefills = 1  # ... unless that one is itself waiting for a local prefill
+    d.queued_tokens = 10
+    est = estimate(AUTO, d, [p], PROMPT, NOW)
+    assert est.local_s == pytest.approx((10 + 640) / 1000) and not est.local
 
 
 def test_decodes_waiting_on_the_decode_node_push_prefill_away():
@@ -66,7 +73,7 @@ def test_decodes_waiting_on_the_decode_node_push_prefill_away():
 def test_queues_rates_and_the_hand_off_enter_the_cost():
     d, p = node("d", "decode", 1000.0), node("p", "prefill", 1000.0)
     short = list(range(1, 41))
-    assert not estimate(AUTO, d, [p], short, NOW).local  # 80 vs 40 token-times
+    assert not estimate(AUTO, d, [p], short, NOW).local  # 40 vs 40 token-times: a tie
     d.handoff_s = 0.05  # the hand-off costs 50 ms: 40 tokens at 1000/s are cheaper here
     assert estimate(AUTO, d, [p], short, NOW).local
     d.handoff_s = 0.0
@@ -82,7 +89,7 @@ def test_an_unmeasured_rate_borrows_the_other_nodes():
     d, p = node("d", "decode"), node("p", "prefill", 2000.0)
     est = estimate(AUTO, d, [p], PROMPT, NOW)
     assert est.remote_s == pytest.approx(len(PROMPT) / 2000)
-    assert est.local_s == pytest.approx(2 * len(PROMPT) / 2000)
+    assert est.local_s == pytest.approx(len(PROMPT) / 2000)
     both = estimate(AUTO, node("d", "decode"), [node("p", "prefill")], PROMPT, NOW)
     assert both.remote_s == len(PROMPT)  # nothing measured: compared in tokens
 
@@ -93,7 +100,7 @@ def test_remote_counts_the_cheapest_prefill_node():
     busy.queued_tokens = 5000
     est = estimate(AUTO, d, [busy, warm], PROMPT, NOW)
     assert est.missing_prefill == 48 and est.remote_s == pytest.approx(0.048)
-    assert not est.local  # warm holds as much as the decode node: 48 < 2 * 48
+    assert not est.local  # warm holds as much as the decode node: a tie
 
 
 def test_threshold_replaces_the_cost_model_and_forced_modes_win():
@@ -220,3 +227,25 @@ def test_round_robin_turns_once_per_request():
     routing.policy = POLICIES["round_robin"]()
     targets = [route(routing, list(range(900, 1000))).prefill_node for _ in range(4)]
     assert targets == ["p0", "p1", "p0", "p1"]
+
+
+def test_a_local_prefill_counts_as_decoding_once_its_first_token_came_or_it_left():
+    from pdserve.common.wire.messages import Tokens
+    from pdserve.router.cluster.backend import ClusterBackend
+
+    backend = ClusterBackend(control_port=0)
+    backend.routing.control = FakeControl(backend.registry)
+    d = backend.registry.nodes["d1"] = node("d1", "decode", 1000.0)
+    d.last_seen = float("inf")
+    for rid in ("a", "b"):
+        stream = Stream(GenerateRequest(rid, (1, 2, 3), SamplingParams(max_tokens=4)))
+        backend.streams[rid] = backend.by_wire[rid] = stream
+        asyncio.run(backend.routing._run_on(stream, d))
+    assert (d.inflight, d.local_prefills) == (2, 2)
+    backend._on_tokens("d1", Tokens("a", (5,)))
+    assert (d.inflight, d.local_prefills) == (2, 1)
+    backend._on_tokens("d1", Tokens("a", (6,)))  # later tokens change nothing
+    assert d.local_prefills == 1
+    backend._release("b")  # left before its first token (aborted, failed over)
+    backend._release("a")
+    assert (d.inflight, d.local_prefills) == (0, 0)
