@@ -21,20 +21,31 @@ LayerHook = Callable[[SchedulerOutput], Callable[[int], None] | None]
 class PrefillRate:
     """Prompt tokens per second of recent steps that prefilled (a moving average): nodes
     report it so the router can weigh prefilling on a prefill node against the decode node.
-    Steps with few prompt tokens are left out: their time is mostly fixed cost."""
+    Steps with few prompt tokens are left out: their time is mostly fixed cost. A step that
+    also decoded counts its prompt tokens against its time less that of a decode-only step
+    (also a moving average), so a decode node prefilling between decodes is not measured
+    slower than it prefills."""
 
     def __init__(self, min_tokens: int = 32, weight: float = 0.2) -> None:
         self.min_tokens = min_tokens
         self.weight = weight
         self.tokens_per_s = 0.0  # 0: nothing measured yet
+        self.decode_step_s = 0.0  # a step with decodes only (0: none seen yet)
 
     def observe(self, output: SchedulerOutput, seconds: float) -> None:
         tokens = sum(len(seq.token_ids) for seq in output.seqs if len(seq.token_ids) > 1)
-        if tokens < self.min_tokens or seconds <= 0:
+        decodes = len(output.seqs) - sum(1 for seq in output.seqs if len(seq.token_ids) > 1)
+        if seconds <= 0:
             return
-        rate = tokens / seconds
-        old = self.tokens_per_s
-        self.tokens_per_s = rate if not old else (1 - self.weight) * old + self.weight * rate
+        if not tokens:
+            self.decode_step_s = self._average(self.decode_step_s, seconds)
+        elif tokens >= self.min_tokens:
+            prefill_s = seconds - (self.decode_step_s if decodes else 0.0)
+            rate = tokens / max(prefill_s, seconds / 2)
+            self.tokens_per_s = self._average(self.tokens_per_s, rate)
+
+    def _average(self, old: float, new: float) -> float:
+        return new if not old else (1 - self.weight) * old + self.weight * new
 
 
 class LLMEngine:
