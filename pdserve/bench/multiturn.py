@@ -1,0 +1,990 @@
+"""Multi-turn chat: the KV that moves per turn and TTFT, colocated against three 1P1D setups.
+
+    pdserve bench multiturn                      # SmolLM2: docs/bench/multiturn.* + the page
+    pdserve bench multiturn --quick --out DIR    # tiny random model, 2 conversations x 2 turns
+    python scripts/bench_multiturn.py ...        # the same, as the docs cite it
+
+C conversations (`--conversations`) run side by side, turn by turn: every conversation's turn t
+is sent at once, the next turn starts when all have answered, so each turn's KV bytes and
+router counters are read between turns. Each turn goes through `/v1/chat/completions`,
+streamed, and its messages hold the earlier turns' user messages and the assistant's answers
+as text, as real clients send them: the router's chat template re-tokenizes them. Whether
+that keeps the reuse measurable is measured too: every later turn's prompt could reuse, at
+most, the full blocks of the previous prompt and answer the decode node holds (the answer's
+last token is never computed); `reusable_tokens` counts those, and the router's
+`kv_tokens_reused_on_decode` what was reused. Answers are greedy and fixed-length:
+`min_tokens` = `max_tokens` keeps EOS out of an answer (with `ignore_eos` alone an answer may
+hold an end-of-turn token that its text, hence the next turn, loses). User messages are
+random plain-text tokens of seeded lengths: a long first message (a pasted document), shorter
+ones after.
+
+Systems, each a fresh cluster on this machine, the same conversations:
+
+- `colocated`: one node, role both (prefix caching on, as every node has by default);
+- `remote-nocache`: 1P1D, `--prefill-placement remote`, decode node `--no-prefix-caching`:
+  the always-remote P/D of before, every turn's whole KV moves;
+- `remote`: 1P1D, `--prefill-placement remote`, the decode node's prefix cache on: only the
+  blocks it lacks move;
+- `conditional`: 1P1D, `--prefill-placement auto`: the router's cost model prefills a
+  follow-up turn on the decode node holding the conversation when that is cheaper;
+- `threshold`: 1P1D, `--prefill-placement auto --local-prefill-threshold 128`: on the decode
+  node whenever it lacks at most 128 of the prompt's tokens (Dynamo's kind of rule).
+
+Per system and turn: KV bytes written into decode nodes' caches (the sum of their
+`pdserve_node_kv_received_bytes` gauges' deltas; colocated: 0), mean and median TTFT, output
+tokens/s, and the router's local/remote prefill counts and KV tokens reused or sent. Every
+answer of a P/D system is compared with colocated's for the same conversation and turn.
+Goals (met or missed, ratios from the same run): after turn 1, KV bytes per turn of
+`conditional` and `threshold` <= 10% of `remote-nocache`'s and their mean TTFT <= colocated's,
+per turn after the first and overall (`remote`'s share is shown for reference).
+
+Arguments this benchmark does not know go to every node as engine flags. Every server process
+runs with `--threads` torch threads (default 1, as `pdserve bench compare`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import os
+import random
+import sys
+import tempfile
+import time
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from pdserve.bench.compare import _goal, engine_flag, git_state, goals_table
+from pdserve.bench.report import (
+    Outputs,
+    add_output_flags,
+    cached_model,
+    command_line,
+    environ,
+    machine,
+    markdown_table,
+    outputs_from_args,
+    pyplot,
+    save_figure,
+    save_json,
+    sigterm_raises,
+    write_section,
+)
+from pdserve.bench.serve import (
+    BenchConfig,
+    BenchRequest,
+    ServerCaps,
+    TokenPool,
+    distribution,
+    load_pool,
+    make_client,
+    request_body,
+    sample_len,
+)
+from pdserve.common.node.cli import parser
+from pdserve.local_cluster import LocalCluster, free_port
+
+SECTION = "multiturn"
+SYSTEMS = ("colocated", "remote-nocache", "remote", "conditional", "threshold")
+THRESHOLD = 128  # tokens the decode node may lack and still prefill (the `threshold` system)
+REFERENCE = "colocated"  # whose answers the others' must equal
+DEFAULT_BLOCK_SIZE = 16  # the engine's --block-size default (pdserve.common.node.cli)
+KV_GOAL = 0.1  # KV bytes per later turn, against remote-nocache's
+SETTLE_S = 1.5  # after a turn: nodes publish their gauges every heartbeat (0.5 s)
+CAPS = ServerCaps(token_ids=False, eos_mode="ignore_eos", model=None)
+
+
+@dataclass(frozen=True, slots=True)
+class System:
+    """One cluster shape: (prefill, decode, colocated) nodes, the router's placement and
+    whether decode nodes keep a prefix cache."""
+
+    name: str
+    shape: tuple[int, int, int]
+    placement: str
+    decode_cache: bool = True
+    what: str = ""
+    router_args: tuple[str, ...] = ()
+
+
+SYSTEM_SPECS = {
+    s.name: s
+    for s in (
+        System("colocated", (0, 0, 1), "remote", what="one node, role both"),
+        System(
+            "remote-nocache",
+            (1, 1, 0),
+            "remote",
+            decode_cache=False,
+            what="1P1D, `--prefill-placement remote`, decode node `--no-prefix-caching`",
+        ),
+        System("remote", (1, 1, 0), "remote", what="1P1D, `--prefill-placement remote`"),
+        System("conditional", (1, 1, 0), "auto", what="1P1D, `--prefill-placement auto`"),
+        System(
+            "threshold",
+            (1, 1, 0),
+            "auto",
+            what=f"1P1D, `--prefill-placement auto --local-prefill-threshold {THRESHOLD}`",
+            router_args=("--local-prefill-threshold", str(THRESHOLD)),
+        ),
+    )
+}
+
+
+@dataclass(frozen=True, slots=True)
+class Workload:
+    """The conversations: lengths in tokens, drawn with `seed`."""
+
+    conversations: int = 4
+    turns: int = 6
+    first_len: int = 256  # each conversation's first user message
+    message_len: int = 48  # later user messages, on average
+    range_ratio: float = 0.5  # later messages' lengths uniform in message_len * [1 -+ r]
+    answer_len: int = 48  # every answer, exactly
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if min(self.conversations, self.turns, self.first_len, self.answer_len) < 1:
+            raise ValueError("conversations, turns, first and answer lengths must be >= 1")
+
+
+QUICK_WORKLOAD = Workload(conversations=2, turns=2, first_len=48, message_len=16, answer_len=8)
+
+
+def user_messages(pool: TokenPool, w: Workload) -> list[list[str]]:
+    """[conversation][turn] -> the user's message: the same for every system."""
+    rng = random.Random(w.seed)
+    out = []
+    for _ in range(w.conversations):
+        lengths = [w.first_len] + [
+            sample_len(rng, w.message_len, w.range_ratio) for _ in range(w.turns - 1)
+        ]
+        out.append([pool.text(rng, n) for n in lengths])
+    return out
+
+
+# ---------------------------------------------------------------- one streamed turn
+
+
+@dataclass(slots=True)
+class Reply:
+    """One turn of one conversation as the client saw it; times in seconds."""
+
+    conversation: int
+    text: str = ""
+    ttft: float = math.nan
+    e2e: float = math.nan
+    prompt_tokens: int = 0
+    output_tokens: int = 0
+    cached_tokens: int = 0
+    error: str = ""
+
+    @property
+    def ok(self) -> bool:
+        return not self.error
+
+
+def chat_body(messages: list[dict[str, str]], answer_len: int) -> dict[str, Any]:
+    """Greedy, streamed with usage, exactly answer_len tokens and no EOS among them."""
+    body = request_body(BenchRequest(None, messages, 0, answer_len), CAPS, 0.0)
+    body["min_tokens"] = answer_len
+    return body
+
+
+async def stream_chat(client: httpx.AsyncClient, conversation: int, body: dict) -> Reply:
+    """Send one chat request and read its stream: text, TTFT, usage. Errors come back in
+    the reply. (`serve.stream_request` keeps the text of constrained requests only.)"""
+    reply = Reply(conversation)
+    start = time.perf_counter()
+    try:
+        async with client.stream("POST", "/v1/chat/completions", json=body) as resp:
+            if resp.status_code != 200:
+                reply.error = f"HTTP {resp.status_code}: {(await resp.aread()).decode()[:300]}"
+                return reply
+            async for line in resp.aiter_lines():
+                if _read_chunk(line, reply, start):
+                    break
+    except (httpx.HTTPError, json.JSONDecodeError) as exc:
+        reply.error = f"{type(exc).__name__}: {exc}"
+    reply.e2e = time.perf_counter() - start
+    if not reply.error and not reply.text:
+        reply.error = "no text came back"
+    return reply
+
+
+def _read_chunk(line: str, reply: Reply, start: float) -> bool:
+    """Take one SSE line into the reply; True at the end of the stream."""
+    if not line.startswith("data:"):
+        return False
+    data = line[5:].strip()
+    if data == "[DONE]":
+        return True
+    chunk = json.loads(data)
+    if "error" in chunk:
+        reply.error = f"stream error: {json.dumps(chunk['error'])[:300]}"
+        return True
+    for choice in chunk.get("choices") or []:
+        text = (choice.get("delta") or {}).get("content") or ""
+        if text and not reply.text:
+            reply.ttft = time.perf_counter() - start
+        reply.text += text
+    usage = chunk.get("usage")
+    if usage:
+        reply.prompt_tokens = usage["prompt_tokens"]
+        reply.output_tokens = usage["completion_tokens"]
+        reply.cached_tokens = (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
+    return False
+
+
+# ---------------------------------------------------------------- counters between turns
+
+
+def scrape(text: str, prefix: str) -> dict[str, float]:
+    """Prometheus text -> {name without prefix: value summed over label sets}."""
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        if line.startswith(prefix):
+            series, _, value = line.rpartition(" ")
+            name = series.split("{", 1)[0][len(prefix) :]
+            out[name] = out.get(name, 0.0) + float(value)
+    return out
+
+
+ROUTER_COUNTERS = (
+    "prefills_local",
+    "prefills_remote",
+    "kv_tokens_reused_on_decode",
+    "kv_tokens_sent",
+)
+
+
+@dataclass(frozen=True, slots=True)
+class Counters:
+    """The router's placement counters and the KV bytes decode nodes received, at one time."""
+
+    router: dict[str, float]
+    kv_bytes: float
+
+    def since(self, before: Counters) -> dict[str, float]:
+        out = {k: self.router.get(k, 0.0) - before.router.get(k, 0.0) for k in ROUTER_COUNTERS}
+        out["kv_bytes"] = self.kv_bytes - before.kv_bytes
+        return out
+
+
+async def read_counters(client: httpx.AsyncClient, health_urls: Sequence[str]) -> Counters:
+    resp = await client.get("/metrics")
+    resp.raise_for_status()
+    router = scrape(resp.text, "pdserve_backend_")
+    kv = 0.0
+    for url in health_urls:
+        node = await client.get(f"{url}/metrics")
+        node.raise_for_status()
+        kv += scrape(node.text, "pdserve_node_").get("kv_received_bytes", 0.0)
+    return Counters(router, kv)
+
+
+# ---------------------------------------------------------------- one system
+
+
+@dataclass(slots=True)
+class Conversations:
+    """Every conversation's messages so far, in one system."""
+
+    users: list[list[str]]
+    history: list[list[dict[str, str]]] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.history = [[] for _ in self.users]
+
+    def turn(self, t: int) -> list[list[dict[str, str]]]:
+        """Each conversation's messages for turn t (its new user message appended)."""
+        for c, history in enumerate(self.history):
+            history.append({"role": "user", "content": self.users[c][t]})
+        return [list(h) for h in self.history]
+
+    def answered(self, replies: Sequence[Reply]) -> None:
+        for reply in replies:
+            self.history[reply.conversation].append({"role": "assistant", "content": reply.text})
+
+
+async def warm_up(client: httpx.AsyncClient, pool: TokenPool) -> None:
+    """One short untimed chat of a message of its own: the first request of a fresh cluster
+    pays one-time costs, and nodes measure their prefill rates (the cost model's input)."""
+    messages = [{"role": "user", "content": pool.text(random.Random(999), 24)}]
+    reply = await stream_chat(client, -1, chat_body(messages, 4))
+    if not reply.ok:
+        raise RuntimeError(f"warm-up request failed: {reply.error}")
+
+
+async def run_turns(
+    url: str, health_urls: list[str], pool: TokenPool, w: Workload, timeout: float
+) -> list[dict[str, Any]]:
+    """Every turn of every conversation against one running system: per-turn records. A
+    turn with a failed reply ends the run (the conversation cannot go on)."""
+    convs = Conversations(user_messages(pool, w))
+    turns: list[dict[str, Any]] = []
+    async with make_client(BenchConfig(base_url=url, request_timeout=timeout)) as client:
+        await warm_up(client, pool)
+        await asyncio.sleep(SETTLE_S)
+        before = await read_counters(client, health_urls)
+        for t in range(w.turns):
+            load = os.getloadavg()[0]
+            bodies = [chat_body(m, w.answer_len) for m in convs.turn(t)]
+            start = time.perf_counter()
+            replies = await asyncio.gather(
+                *(stream_chat(client, c, body) for c, body in enumerate(bodies))
+            )
+            duration = time.perf_counter() - start
+            await asyncio.sleep(SETTLE_S)
+            after = await read_counters(client, health_urls)
+            turns.append(turn_record(t, replies, duration, after.since(before), load))
+            print_turn(turns[-1])
+            if not all(r.ok for r in replies):
+                break
+            convs.answered(replies)
+            before = after
+    return turns
+
+
+def turn_record(
+    t: int, replies: Sequence[Reply], duration: float, delta: dict[str, float], load: float
+) -> dict[str, Any]:
+    ok = [r for r in replies if r.ok]
+    out_tokens = sum(r.output_tokens for r in ok)
+    ttft = distribution("ttft", [r.ttft for r in ok], (90.0,))
+    return {
+        "turn": t + 1,
+        "completed": len(ok),
+        "failed": len(replies) - len(ok),
+        "errors": sorted({r.error for r in replies if not r.ok}),
+        "duration_s": duration,
+        "prompt_tokens": sum(r.prompt_tokens for r in ok),
+        "output_tokens": out_tokens,
+        "cached_prompt_tokens": sum(r.cached_tokens for r in ok),
+        "output_tokens_per_s": out_tokens / duration if duration > 0 else math.nan,
+        "mean_ttft_ms": ttft["mean_ttft_ms"],
+        "median_ttft_ms": ttft["median_ttft_ms"],
+        "p90_ttft_ms": ttft["p90_ttft_ms"],
+        **{k: int(v) for k, v in delta.items()},
+        "load_avg_1m": load,
+        "replies": [asdict(r) for r in replies],
+    }
+
+
+def print_turn(turn: dict[str, Any]) -> None:
+    print(
+        f"   turn {turn['turn']}: {turn['completed']} ok, {turn['failed']} failed, "
+        f"KV {turn['kv_bytes'] / 1e6:.2f} MB, local/remote "
+        f"{turn['prefills_local']}/{turn['prefills_remote']}, TTFT mean "
+        f"{turn['mean_ttft_ms']:.0f} ms, {turn['output_tokens_per_s']:.1f} out tok/s",
+        flush=True,
+    )
+
+
+@contextmanager
+def start_system(
+    spec: System, model: str, args: argparse.Namespace
+) -> Iterator[tuple[str, list[str]]]:
+    """The system's cluster, every server process at args.threads torch threads; yields the
+    router's URL and the decode nodes' health URLs."""
+    prefill, decode, colocated = spec.shape
+    ports = [free_port() for _ in range(decode)]
+    decode_args = [] if spec.decode_cache else ["--no-prefix-caching"]
+    if ports:  # one decode node per cluster here: LocalCluster gives all the same flags
+        assert decode == 1, "a health port per decode node"
+        decode_args += ["--health-port", str(ports[0])]
+    cluster = LocalCluster(
+        model,
+        prefill,
+        decode,
+        num_colocated=colocated,
+        kv_connector="zmq",
+        engine_args=args.engine_args,
+        decode_args=decode_args,
+        router_args=["--prefill-placement", spec.placement, *spec.router_args],
+        log_dir=str(args.log_dir / spec.name),
+    )
+    threads = {"OMP_NUM_THREADS": str(args.threads), "MKL_NUM_THREADS": str(args.threads)}
+    with environ(threads if args.threads else {}), cluster:
+        yield cluster.url, [f"http://127.0.0.1:{p}" for p in ports]
+
+
+def measure_system(
+    spec: System, model: str, pool: TokenPool, args: argparse.Namespace, notes: list[str]
+) -> dict[str, Any]:
+    """Start the system, run the conversations, stop it; a system that cannot start or
+    answer is noted and keeps the turns it finished."""
+    print(f"== {spec.name}: starting", flush=True)
+    started = time.monotonic()
+    turns: list[dict[str, Any]] = []
+    try:
+        with start_system(spec, model, args) as (url, health):
+            startup = time.monotonic() - started
+            print(f"== {spec.name}: ready at {url} in {startup:.0f}s", flush=True)
+            turns = asyncio.run(run_turns(url, health, pool, args.workload, args.request_timeout))
+    except (RuntimeError, OSError, httpx.HTTPError) as exc:
+        notes.append(f"{spec.name} stopped: {exc}")
+        print(f"!! {spec.name}: {exc}", file=sys.stderr, flush=True)
+    failed = [t["turn"] for t in turns if t["failed"]]
+    if failed:
+        notes.append(f"{spec.name}: turn {failed[0]} had failed replies: {turns[-1]['errors']}")
+    return {"turns": turns, "overall": overall(turns)}
+
+
+def overall(turns: list[dict[str, Any]]) -> dict[str, Any]:
+    """All turns, and the turns after the first, of one system."""
+
+    def ttfts(ts: list[dict]) -> list[float]:
+        return [r["ttft"] for t in ts for r in t["replies"] if not r["error"]]
+
+    later = turns[1:]
+    duration = sum(t["duration_s"] for t in turns)
+    return {
+        "mean_ttft_ms": distribution("ttft", ttfts(turns), ())["mean_ttft_ms"],
+        "mean_ttft_ms_after_turn_1": distribution("ttft", ttfts(later), ())["mean_ttft_ms"],
+        "kv_bytes": sum(t["kv_bytes"] for t in turns),
+        "kv_bytes_after_turn_1": sum(t["kv_bytes"] for t in later),
+        "output_tokens_per_s": sum(t["output_tokens"] for t in turns) / duration
+        if duration > 0
+        else math.nan,
+        "prefills_local": sum(t["prefills_local"] for t in turns),
+        "prefills_remote": sum(t["prefills_remote"] for t in turns),
+    }
+
+
+# ---------------------------------------------------------------- what the run says
+
+
+def reusable_tokens(turns: list[dict[str, Any]], block_size: int) -> list[int]:
+    """Per turn, the prompt tokens a decode node could hold from the turn before: the full
+    blocks of each conversation's previous prompt and answer (its last token never computed).
+    0 for the first turn."""
+    out = [0]
+    for prev, cur in zip(turns, turns[1:]):
+        held = {
+            r["conversation"]: (r["prompt_tokens"] + r["output_tokens"] - 1) // block_size
+            for r in prev["replies"]
+        }
+        out.append(block_size * sum(held.get(r["conversation"], 0) for r in cur["replies"]))
+    return out
+
+
+def compare_answers(results: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Each P/D system's answers against the reference's, conversation by conversation and
+    turn by turn (the same text, as both answered the same messages greedily)."""
+    ref = results.get(REFERENCE)
+    if ref is None:
+        return {}
+
+    def texts(res: dict) -> dict[tuple[int, int], str]:
+        return {
+            (r["conversation"], t["turn"]): r["text"]
+            for t in res["turns"]
+            for r in t["replies"]
+            if not r["error"]
+        }
+
+    want = texts(ref)
+    out = {}
+    for system, res in results.items():
+        if system == REFERENCE:
+            continue
+        got = texts(res)
+        both = sorted(set(want) & set(got))
+        bad = [k for k in both if got[k] != want[k]]
+        out[system] = {"compared": len(both), "mismatches": len(bad), "where": bad}
+    return out
+
+
+def _turn_value(results: dict, system: str, turn: int, key: str) -> float | None:
+    turns = results.get(system, {}).get("turns", [])
+    if turn > len(turns) or turns[turn - 1]["failed"]:
+        return None
+    return turns[turn - 1][key]
+
+
+def _worst_turn(results: dict, system: str, base: str, key: str, turns: int) -> int:
+    """The later turn where system's key is largest against base's (a turn not measured wins,
+    so its goal reads "not measured")."""
+
+    def ratio(t: int) -> float:
+        v, b = _turn_value(results, system, t, key), _turn_value(results, base, t, key)
+        return math.inf if v is None or not b else v / b
+
+    return max(range(2, turns + 1), key=ratio, default=1)
+
+
+# (system, baseline, per-turn key, the same over turns 2+ in "overall", target ratio, what)
+GOALS = (
+    ("conditional", "remote-nocache", "kv_bytes", "kv_bytes_after_turn_1", KV_GOAL, "KV bytes"),
+    ("conditional", "colocated", "mean_ttft_ms", "mean_ttft_ms_after_turn_1", 1.0, "mean TTFT"),
+    ("threshold", "remote-nocache", "kv_bytes", "kv_bytes_after_turn_1", KV_GOAL, "KV bytes"),
+    ("threshold", "colocated", "mean_ttft_ms", "mean_ttft_ms_after_turn_1", 1.0, "mean TTFT"),
+)
+
+
+def evaluate_goals(results: dict[str, dict], turns: int) -> list[dict[str, Any]]:
+    """The summary goals, each met / missed / not measured with its ratio: over turns 2+,
+    in their worst turn, and (TTFT) over all turns."""
+
+    def total(system: str, key: str) -> float | None:
+        res = results.get(system)
+        return res["overall"][key] if res and len(res["turns"]) == turns else None
+
+    goals = []
+    for system, base, key, later, target, what in GOALS:
+        than = f"<= {target:.0%} of {base}'s" if target < 1 else f"<= {base}'s"
+        goals.append(
+            _goal(f"{system}: {what} of turns 2+ {than}",
+                  total(system, later), total(base, later), "<=", target)
+        )  # fmt: skip
+        w = _worst_turn(results, system, base, key, turns)
+        goals.append(
+            _goal(f"{system}: {what} {than} in every turn after the first (worst: turn {w})",
+                  _turn_value(results, system, w, key), _turn_value(results, base, w, key),
+                  "<=", target)
+        )  # fmt: skip
+    goals.append(
+        _goal("conditional: mean TTFT of all turns <= colocated's",
+              total("conditional", "mean_ttft_ms"), total("colocated", "mean_ttft_ms"), "<=", 1.0)
+    )  # fmt: skip
+    return goals
+
+
+# ---------------------------------------------------------------- the page and the plot
+
+
+def plot_turns(results: dict[str, dict], out: Path) -> Path:
+    """Per turn: KV MB moved, mean TTFT and output tokens/s, one line per system."""
+    plt = pyplot()
+    panels = [
+        ("kv_bytes", 1e-6, "KV moved into decode caches (MB)"),
+        ("mean_ttft_ms", 1.0, "mean TTFT (ms)"),
+        ("output_tokens_per_s", 1.0, "output tokens/s"),
+    ]
+    fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 3.8))
+    for ax, (key, scale, title) in zip(axes, panels):
+        for system, res in results.items():
+            xs = [t["turn"] for t in res["turns"]]
+            ax.plot(xs, [t[key] * scale for t in res["turns"]], marker="o", label=system)
+        ax.set(title=title, xlabel="turn")
+        ax.set_ylim(bottom=0)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    return save_figure(fig, out / "multiturn.png")
+
+
+def turn_table(results: dict[str, dict]) -> str:
+    header = [
+        "turn",
+        "system",
+        "ok/sent",
+        "KV MB",
+        "local/remote",
+        "prompt tokens",
+        "cached",
+        "reused on D",
+        "sent",
+        "TTFT mean ms",
+        "TTFT med ms",
+        "out tok/s",
+    ]
+    rows = []
+    turns = max((len(r["turns"]) for r in results.values()), default=0)
+    for i in range(turns):
+        for system, res in results.items():
+            if i < len(res["turns"]):
+                rows.append(_turn_row(system, res["turns"][i]))
+    return markdown_table(header, rows)
+
+
+def _turn_row(system: str, t: dict[str, Any]) -> list[Any]:
+    return [
+        t["turn"],
+        system,
+        f"{t['completed']}/{t['completed'] + t['failed']}",
+        f"{t['kv_bytes'] / 1e6:.2f}",
+        f"{t['prefills_local']}/{t['prefills_remote']}",
+        t["prompt_tokens"],
+        t["cached_prompt_tokens"],
+        t["kv_tokens_reused_on_decode"],
+        t["kv_tokens_sent"],
+        t["mean_ttft_ms"],
+        t["median_ttft_ms"],
+        t["output_tokens_per_s"],
+    ]
+
+
+def ratio_table(results: dict[str, dict], turns: int) -> str:
+    """Per later turn, the goals' ratios and whether each is met."""
+
+    def cell(system: str, base: str, key: str, t: int, target: float) -> str:
+        g = _goal("", _turn_value(results, system, t, key), _turn_value(results, base, t, key),
+                  "<=", target)  # fmt: skip
+        return "—" if g["ratio"] is None else f"{g['ratio']:.3f} ({g['status']})"
+
+    rows = [
+        [
+            t,
+            cell("conditional", "remote-nocache", "kv_bytes", t, KV_GOAL),
+            cell("remote", "remote-nocache", "kv_bytes", t, KV_GOAL).split(" ")[0],
+            cell("conditional", "colocated", "mean_ttft_ms", t, 1.0),
+            cell("threshold", "remote-nocache", "kv_bytes", t, KV_GOAL),
+            cell("threshold", "colocated", "mean_ttft_ms", t, 1.0),
+        ]
+        for t in range(2, turns + 1)
+    ]
+    header = [
+        "turn",
+        "KV conditional / remote-nocache (goal <= 0.1)",
+        "KV remote / remote-nocache (no goal: for reference)",
+        "mean TTFT conditional / colocated (goal <= 1)",
+        "KV threshold / remote-nocache (goal <= 0.1)",
+        "mean TTFT threshold / colocated (goal <= 1)",
+    ]
+    return markdown_table(header, rows)
+
+
+def overall_table(results: dict[str, dict]) -> str:
+    header = [
+        "system",
+        "KV MB, all turns",
+        "KV MB, turns 2+",
+        "local/remote prefills",
+        "TTFT mean ms, all",
+        "TTFT mean ms, turns 2+",
+        "out tok/s",
+    ]
+    rows = [
+        [
+            system,
+            f"{o['kv_bytes'] / 1e6:.2f}",
+            f"{o['kv_bytes_after_turn_1'] / 1e6:.2f}",
+            f"{o['prefills_local']}/{o['prefills_remote']}",
+            o["mean_ttft_ms"],
+            o["mean_ttft_ms_after_turn_1"],
+            o["output_tokens_per_s"],
+        ]
+        for system, res in results.items()
+        for o in [res["overall"]]
+    ]
+    return markdown_table(header, rows)
+
+
+def reading_lines(results: dict[str, dict]) -> list[str]:
+    """What the later turns say, from this run's numbers (systems not run are left out)."""
+
+    def later(system: str, key: str) -> int:
+        return sum(t[key] for t in results[system]["turns"][1:])
+
+    systems = [s for s in SYSTEMS if len(results.get(s, {}).get("turns", [])) > 1]
+    if not systems:
+        return []
+    computed = ", ".join(
+        f"{s} {later(s, 'prompt_tokens') - later(s, 'cached_prompt_tokens')}" for s in systems
+    )
+    lines = [
+        "Reading the later turns (2+):",
+        "",
+        f"- Prompt tokens computed (not found in the computing node's prefix cache): {computed}."
+        " A prefill node lacks every previous answer (only the decode node that generated it"
+        " holds its KV), so a remote prefill computes the answer again; a local one on the"
+        " decode node, or colocated, computes only the new message and the template's tokens.",
+    ]
+    if "remote" in systems:
+        remotes = max(1, later("remote", "prefills_remote"))
+        lines.append(
+            f"- `remote` sent {later('remote', 'kv_tokens_sent') / remotes:.0f} prompt tokens'"
+            f" KV per follow-up, of {later('remote', 'prompt_tokens') / remotes:.0f}: the new"
+            " message, the template's tokens around it and the last, partial block of the"
+            " previous answer, so its share of remote-nocache's bytes falls as the context grows."
+        )
+    if "conditional" in systems:
+        lines.append(
+            f"- `conditional`'s cost model prefilled {later('conditional', 'prefills_local')}"
+            f" follow-ups on the decode node and {later('conditional', 'prefills_remote')} on the"
+            " prefill node: it charges a local prefill once more for every request decoding on"
+            " the decode node (at least one), a remote one the prefill node's queue, the tokens"
+            " it lacks (the answer among them) and the hand-off."
+        )
+    lines += [
+        "- TTFT: 1P1D's prefill node, decode node, router and client share this machine's"
+        " cores; TTFT differences of tens of percent between runs minutes apart are within this"
+        " machine's noise (see the compare section).",
+        "",
+    ]
+    return lines
+
+
+def answers_lines(answers: dict[str, dict[str, Any]]) -> list[str]:
+    if not answers:
+        return [f"Answers not compared ({REFERENCE} was not run)."]
+    lines = [f"Answers equal to {REFERENCE}'s, same conversation and turn (greedy, text):", ""]
+    for system in (s for s in SYSTEMS if s in answers):
+        a = answers[system]
+        where = ", ".join(f"conversation {c} turn {t}" for c, t in a["where"][:4])
+        lines.append(
+            f"- {system}: {a['compared'] - a['mismatches']} of {a['compared']} equal, "
+            f"{a['mismatches']} mismatches" + (f" ({where})" if where else "")
+        )
+    return lines
+
+
+def reuse_lines(results: dict[str, dict], block_size: int) -> list[str]:
+    """What chat re-tokenization left of the reuse: against the tokens the previous prompt
+    and answer could hold, what colocated's prefix cache served and what `remote`'s decode
+    node reused."""
+    found = []
+    for system, key in (("colocated", "cached_prompt_tokens"),
+                        ("remote", "kv_tokens_reused_on_decode")):  # fmt: skip
+        turns = results.get(system, {}).get("turns", [])[1:]
+        could = sum(reusable_tokens(results[system]["turns"], block_size)[1:]) if turns else 0
+        if could:
+            got = sum(t[key] for t in turns)
+            found.append(f"`{system}` {got} of {could} ({got / could:.0%})")
+    if not found:
+        return []
+    return [
+        "Chat re-tokenization keeps the reuse: of the prompt tokens of turns 2+ that the full"
+        " blocks of each previous prompt and answer could cover, the cache served "
+        + " and ".join(found)
+        + " (`cached`: the computing node's prefix-cache hits, from the replies' usage;"
+        " `reused on D`: the tokens a remote prefill did not send, per turn below).",
+        "",
+    ]
+
+
+def render_section(report: dict[str, Any], to: Outputs, plot: Path | None) -> str:
+    w, results, m = Workload(**report["workload"]), report["results"], report["machine"]
+    systems = [f"- `{s}`: {SYSTEM_SPECS[s].what}" for s in results]
+    loads = [t["load_avg_1m"] for r in results.values() for t in r["turns"]]
+    load = f"{min(loads):.1f} to {max(loads):.1f}" if loads else "not measured"
+    lines = [
+        "## Multi-turn chat: decode-side prefix cache and conditional disaggregation"
+        " (`pdserve bench multiturn`)",
+        "",
+        f"```bash\n{report['command']}\n```",
+        "",
+        f"Measured {report['date']} at pdserve {report['git']}, on {m['cpu']} with"
+        f" {m['cpu_count']} CPU cores, torch {m['torch']}; every server process at"
+        f" `OMP_NUM_THREADS={report['threads']}` (as in the compare section: the cores are"
+        f" shared by all processes). Model: {report['model_desc']}, float32."
+        f" Engine flags: {_flags(report['engine_args'])}; block size {report['block_size']}; zmq"
+        f" connector. The 1-minute load average at the turns' starts went from {load}.",
+        "",
+        f"Workload: {w.conversations} conversations side by side, {w.turns} turns each, through"
+        " `/v1/chat/completions` (streamed); a turn is sent for all conversations at once and"
+        " the next starts when all have answered. The first user message has"
+        f" {w.first_len} tokens, later ones {w.message_len} ± {w.range_ratio:.0%} (random plain"
+        f" tokens, seed {w.seed}); every answer is {w.answer_len} tokens, greedy"
+        " (`min_tokens` = `max_tokens`: no EOS inside an answer). Each turn's messages carry the"
+        " earlier answers as text, re-tokenized by the chat template, as real clients send"
+        " them. Systems, each a fresh cluster:",
+        "",
+        *systems,
+        "",
+        "KV MB: bytes of KV pages written into decode nodes' caches in the turn (the deltas of"
+        " `pdserve_node_kv_received_bytes`); local/remote: the router's prefills on the decode"
+        " node / on the prefill node; cached: prompt tokens the computing node (the prefill node"
+        " for a remote prefill) found in its prefix cache, from the replies' usage; reused on D:"
+        " prompt tokens the decode node already held when a remote prefill reserved its blocks"
+        " (`pdserve_backend_kv_tokens_reused_on_decode`); sent: those the prefill node was asked"
+        " to send.",
+        "",
+        "### Goals",
+        "",
+        goals_table(report["goals"]),
+        "",
+        "Per turn, ratios from the same run:",
+        "",
+        ratio_table(results, w.turns),
+        "",
+        *reuse_lines(results, report["block_size"]),
+        *reading_lines(results),
+        *answers_lines(report["answers"]),
+        "",
+        "### Results",
+        "",
+        overall_table(results),
+        "",
+        turn_table(results),
+        "",
+    ]
+    if plot is not None:
+        lines += [f"![multiturn]({to.link(plot)})", ""]
+    lines.append(f"Raw results, every reply included: `{to.link(Path(report['json']))}`.")
+    notes = report.get("notes") or []
+    if notes:
+        lines += ["", "### Notes", "", *[f"- {n}" for n in notes]]
+    return "\n".join(lines)
+
+
+def _flags(args: list[str]) -> str:
+    return f"`{' '.join(args)}`" if args else "none"
+
+
+def publish(report: dict[str, Any], to: Outputs) -> None:
+    """The plot into to.folder and the section into to.page, from a report (fresh, or read
+    back from JSON)."""
+    results = {s: report["results"][s] for s in SYSTEMS if s in report["results"]}
+    goals = evaluate_goals(results, report["workload"]["turns"])  # the goals as defined now
+    report = {**report, "results": results, "goals": goals}
+    to.folder.mkdir(parents=True, exist_ok=True)
+    plot = plot_turns(results, to.folder) if results else None
+    write_section(SECTION, render_section(report, to, plot), to.page)
+    print(goals_table(report["goals"]))
+    print("\n".join(answers_lines(report["answers"])))
+    print(f"wrote {to.folder} and the `{SECTION}` section of {to.page}")
+
+
+# ---------------------------------------------------------------- main
+
+
+def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, Outputs]:
+    p = parser("pdserve bench multiturn", __doc__.split("\n\n")[0])
+    p.epilog = "Flags not listed here go to every node as engine flags (`pdserve serve --help`)."
+    run = p.add_argument_group("run")
+    run.add_argument(
+        "--systems",
+        default=",".join(SYSTEMS),
+        metavar="NAME,...",
+        help=f"a comma list from {', '.join(SYSTEMS)} (default: all; colocated runs first)",
+    )
+    run.add_argument(
+        "--quick",
+        action="store_true",
+        help="tiny random model, 2 conversations x 2 short turns (needs --out)",
+    )
+    d = Workload()
+    run.add_argument("--conversations", type=int, default=None, help=f"default {d.conversations}")
+    run.add_argument("--turns", type=int, default=None, help=f"per conversation, default {d.turns}")
+    run.add_argument(
+        "--first-len", type=int, default=None, help=f"first message tokens, default {d.first_len}"
+    )
+    run.add_argument(
+        "--message-len",
+        type=int,
+        default=None,
+        help=f"later messages' mean tokens (±{d.range_ratio:.0%}%), default {d.message_len}",
+    )
+    run.add_argument(
+        "--answer-len", type=int, default=None, help=f"tokens per answer, default {d.answer_len}"
+    )
+    run.add_argument("--seed", type=int, default=0, help="seed of the messages")
+    run.add_argument(
+        "--request-timeout", type=float, default=600.0, help="seconds one request may take"
+    )
+    model = p.add_argument_group("model and servers")
+    model.add_argument(
+        "--model",
+        default=None,
+        metavar="PATH",
+        help="a checkpoint directory or .gguf file (default: SmolLM2-135M-Instruct; quick: "
+        "the tests' tiny random Llama)",
+    )
+    model.add_argument(
+        "--cache-dir",
+        type=Path,
+        default=Path.home() / ".cache" / "pdserve-bench",
+        metavar="DIR",
+        help="where the quick run's tiny model is built",
+    )
+    model.add_argument(
+        "--threads", type=int, default=1, help="torch threads of every server (0: torch's own)"
+    )
+    model.add_argument(
+        "--log-dir",
+        type=Path,
+        default=None,
+        metavar="DIR",
+        help="server logs (default: a temporary folder, removed at the end)",
+    )
+    out = add_output_flags(p, "multiturn.json and multiturn.png")
+    out.add_argument(
+        "--from-json",
+        type=Path,
+        default=None,
+        metavar="FILE",
+        help="measure nothing: redraw the plot and section of this multiturn.json",
+    )
+    args, engine_args = p.parse_known_args(argv)
+    args.engine_args = engine_args
+    args.systems = [s for s in args.systems.split(",") if s]
+    unknown = set(args.systems) - set(SYSTEMS)
+    if unknown:
+        p.error(f"unknown systems {sorted(unknown)}; choose from {', '.join(SYSTEMS)}")
+    args.systems = [s for s in SYSTEMS if s in args.systems]  # the reference first
+    base = QUICK_WORKLOAD if args.quick else d
+    given = {
+        k: getattr(args, k)
+        for k in ("conversations", "turns", "first_len", "message_len", "answer_len")
+        if getattr(args, k) is not None
+    }
+    try:
+        args.workload = Workload(**{**asdict(base), **given, "seed": args.seed})
+    except ValueError as exc:
+        p.error(str(exc))
+    return args, outputs_from_args(p, args)
+
+
+def resolve_model(args: argparse.Namespace) -> tuple[str, str]:
+    """MODEL as the nodes take it, and its description."""
+    if args.model:
+        return args.model, Path(args.model).name
+    if args.quick:
+        return str(cached_model(args.cache_dir, "tiny-llama", {})), "the tests' tiny random Llama"
+    from pdserve.models import smollm2
+
+    return str(smollm2()), "SmolLM2-135M-Instruct (Q4_1 GGUF, dequantized)"
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    args, to = parse_args(argv)
+    if args.from_json is not None:
+        report = json.loads(args.from_json.read_text())
+        publish(report, to)
+        return report
+    from pdserve.common.model.checkpoint import Checkpoint
+
+    model, desc = resolve_model(args)
+    # A GGUF's config and tokenizer are converted once here, not by every node at once.
+    pool = load_pool(str(Checkpoint.resolve(model).hf_dir()))
+    results: dict[str, dict] = {}
+    notes: list[str] = []
+    with sigterm_raises(), tempfile.TemporaryDirectory(prefix="bench-multiturn-") as tmp:
+        args.log_dir = args.log_dir or Path(tmp)
+        for name in args.systems:
+            results[name] = measure_system(SYSTEM_SPECS[name], model, pool, args, notes)
+    report = {
+        "command": command_line("bench_multiturn.py", sys.argv[1:] if argv is None else argv),
+        "date": time.strftime("%Y-%m-%d %H:%M"),
+        "machine": machine(),
+        "git": git_state(),
+        "model": model,
+        "model_desc": desc,
+        "engine_args": args.engine_args,
+        "block_size": engine_flag(args.engine_args, "--block-size", DEFAULT_BLOCK_SIZE),
+        "threads": args.threads,
+        "quick": args.quick,
+        "workload": asdict(args.workload),
+        "systems": args.systems,
+        "results": results,
+        "answers": compare_answers(results),
+        "goals": evaluate_goals(results, args.workload.turns),
+        "notes": notes,
+        "json": str(to.folder / "multiturn.json"),
+    }
+    save_json(to.folder / "multiturn.json", report)
+    publish(report, to)
+    return report
+
+
+if __name__ == "__main__":
+    main()
