@@ -266,6 +266,8 @@ def _engine_flags(args: argparse.Namespace) -> list[str]:
         if value == action.default:
             continue
         flag = action.option_strings[-1]
+        if isinstance(action, argparse.BooleanOptionalAction):  # --flag / --no-flag
+            flag = action.option_strings[0 if value else 1]
         out += [flag] if action.nargs == 0 else [flag, str(value)]
     return out
 

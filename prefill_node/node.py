@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import zmq
 
@@ -42,6 +42,8 @@ class PrefillNode(EngineNode):
     def __init__(
         self, model: ModelConfig, cache: CacheConfig, scheduler: SchedulerConfig, node: NodeConfig
     ) -> None:
+        if model.enforce_eager is None:  # it runs prompts only: compiled decode steps never run
+            model = replace(model, enforce_eager=True)
         super().__init__(model, cache, scheduler, node)
         self.kv_port = KVPort.of_engine(
             self.engine,

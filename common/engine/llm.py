@@ -49,9 +49,10 @@ class LLM:
         seed: int = 0,
         kv_cache_bytes: int = 256 * 1024**2,
         skip_tokenizer_init: bool = False,
+        enforce_eager: bool | None = None,
     ) -> None:
         self.engine = LLMEngine(
-            ModelConfig(model, dtype=dtype, device=device, seed=seed),
+            ModelConfig(model, dtype=dtype, device=device, seed=seed, enforce_eager=enforce_eager),
             CacheConfig(
                 block_size=block_size,
                 num_blocks=num_blocks,

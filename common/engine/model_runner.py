@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
+from pdserve.common.engine.compiled_decode import CompiledDecode
 from pdserve.common.engine.config import CacheConfig, ModelConfig
 from pdserve.common.engine.request import TokenLogprobs
 from pdserve.common.engine.sampler import (
@@ -47,9 +48,14 @@ def kv_block_bytes(arch: ModelArchConfig, block_size: int, dtype: torch.dtype) -
 
 
 class ModelRunner:
-    """Loads the model, owns the paged KV cache and runs one scheduled step at a time."""
+    """Loads the model, owns the paged KV cache and runs one scheduled step at a time.
 
-    def __init__(self, model_config: ModelConfig, cache_config: CacheConfig) -> None:
+    With model_config.compile_decode, decode steps of up to max_num_seqs sequences run through
+    the compiled model (every bucket compiled here, at start); other steps run eager."""
+
+    def __init__(
+        self, model_config: ModelConfig, cache_config: CacheConfig, max_num_seqs: int = 64
+    ) -> None:
         self.device = torch.device(model_config.device)
         self.dtype = _TORCH_DTYPES[model_config.dtype]
         self.block_size = cache_config.block_size
@@ -68,6 +74,10 @@ class ModelRunner:
         # with them: there the mask (1.6 ms for 32 rows of SmolLM2) is filled before the
         # forward. `pdserve bench structured` measures both ways.
         self.overlap_masks = self.device.type != "cpu"
+        self.compiled: CompiledDecode | None = None
+        if model_config.compile_decode:
+            self.compiled = CompiledDecode(self.model, max_num_seqs)
+            self.compiled.warm_up(self.kv_caches)
 
     def _pool_size(self, cache: CacheConfig) -> int:
         if cache.num_blocks is not None:
@@ -94,13 +104,9 @@ class ModelRunner:
         self.forget(output.finished_ids)
         inputs = self.prepare(output.seqs)
         masks = self._fill_masks(inputs.sampled_seqs)  # overlapped with the forward (see init)
-        hidden = self.model(
-            inputs.input_ids, inputs.positions, inputs.attn, self.kv_caches, on_layer
-        )
-        prompt_lps = self._score_prompts(hidden, output.seqs)
-        if not inputs.sampled_seqs:
+        logits, prompt_lps = self._forward(inputs, output.seqs, on_layer)
+        if logits is None:
             return {}, prompt_lps
-        logits = self.model.compute_logits(hidden[inputs.logit_indices])
         rows = [self._sampling_row(seq) for seq in inputs.sampled_seqs]
         allowed = None
         if masks is not None:
@@ -112,6 +118,38 @@ class ModelRunner:
             for seq, tok, lp in zip(inputs.sampled_seqs, result.token_ids, result.logprobs)
         }
         return sampled, prompt_lps
+
+    def _forward(
+        self,
+        inputs: ForwardInputs,
+        seqs: tuple[ScheduledSeq, ...],
+        on_layer: Callable[[int], None] | None,
+    ) -> tuple[torch.Tensor | None, dict[str, list[TokenLogprobs]]]:
+        """Logits [S, vocab] of the sampled rows (None when none is sampled), and the prompt
+        logprobs this step computed."""
+        if self._compiled_step(seqs, on_layer):
+            args = (inputs.input_ids, inputs.positions, inputs.attn, self.kv_caches)
+            logits = self.compiled.logits(*args)
+            return (logits[inputs.logit_indices] if inputs.sampled_seqs else None), {}
+        hidden = self.model(
+            inputs.input_ids, inputs.positions, inputs.attn, self.kv_caches, on_layer
+        )
+        prompt_lps = self._score_prompts(hidden, seqs)
+        if not inputs.sampled_seqs:
+            return None, prompt_lps
+        return self.model.compute_logits(hidden[inputs.logit_indices]), prompt_lps
+
+    def _compiled_step(
+        self, seqs: tuple[ScheduledSeq, ...], on_layer: Callable[[int], None] | None
+    ) -> bool:
+        """A pure decode step the compiled model takes: one token per sequence, a bucket that
+        holds them, no prompt logprobs and no per-layer hook (a prefill node's KV sends)."""
+        return (
+            self.compiled is not None
+            and on_layer is None
+            and self.compiled.bucket(len(seqs)) is not None
+            and all(len(seq.token_ids) == 1 and not seq.prompt_targets for seq in seqs)
+        )
 
     def _score_prompts(
         self, hidden: torch.Tensor, seqs: tuple[ScheduledSeq, ...]

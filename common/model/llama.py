@@ -15,9 +15,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pdserve.common.model.attention import AttentionMetadata
+from pdserve.common.model.attention import AttentionMetadata, paged_attention
 from pdserve.common.model.config import ModelArchConfig
-from pdserve.kernels import ops
 
 
 class RMSNorm(nn.Module):
@@ -145,18 +144,7 @@ class Attention(nn.Module):
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        k_cache, v_cache = kv_cache[0], kv_cache[1]
-        ops.store_kv(k, v, k_cache, v_cache, attn.slot_mapping)
-        out = ops.paged_attention(
-            q,
-            k_cache,
-            v_cache,
-            attn.block_tables,
-            attn.query_start_loc,
-            attn.seq_lens,
-            self.scale,
-            self.sliding_window,
-        )
+        out = paged_attention(q, k, v, kv_cache, attn, self.scale, self.sliding_window)
         return self.o_proj(out.reshape(t, self.num_heads * self.head_dim))
 
 

@@ -59,6 +59,14 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     )
     model.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
     model.add_argument("--seed", type=int, default=0, help="seed of the sampling generator")
+    model.add_argument(
+        "--enforce-eager",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="run every step eagerly; --no-enforce-eager compiles decode steps on CPU too "
+        "(default: decode steps compiled on CUDA, eager on CPU, where compiling each batch "
+        "bucket of a 30-layer model takes about a minute at start)",
+    )
     cache = p.add_argument_group("KV cache")
     cache.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
     cache.add_argument(
@@ -171,7 +179,13 @@ def add_node_args(p: argparse.ArgumentParser) -> None:
 
 def engine_configs(args: argparse.Namespace) -> tuple[ModelConfig, CacheConfig, SchedulerConfig]:
     return (
-        ModelConfig(args.model, dtype=args.dtype, device=args.device, seed=args.seed),
+        ModelConfig(
+            args.model,
+            dtype=args.dtype,
+            device=args.device,
+            seed=args.seed,
+            enforce_eager=args.enforce_eager,
+        ),
         CacheConfig(
             block_size=args.block_size,
             num_blocks=args.num_blocks,

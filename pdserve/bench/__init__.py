@@ -11,6 +11,7 @@
 | structured | the structured-output mask's cost per decode step, with and without a grammar |
 | router | one router's ceiling (requests/s, tokens/s) with nodes that answer at once, and two |
 | multihost | TTFT through 1P1D on separate hosts with added KV-link latency (needs root) |
+| compile | compiled decode steps against eager ones and the weight-bandwidth floor |
 | multiturn | multi-turn chat: KV moved per turn and TTFT, colocated against three 1P1D setups |
 """
 
@@ -30,6 +31,7 @@ BENCHMARKS = {
     "structured": ("structured", "a grammar's cost per decode step, with and without"),
     "router": ("router", "one router's ceiling with instant nodes, against two routers"),
     "multihost": ("multihost", "TTFT across hosts with added KV-link latency (root)"),
+    "compile": ("compile", "compiled decode steps against eager and the bandwidth floor"),
     "multiturn": ("multiturn", "multi-turn chat: KV moved per turn, TTFT, P/D vs colocated"),
 }
 

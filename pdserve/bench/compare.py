@@ -21,6 +21,11 @@ Goals (each reported met or missed): pdserve colocated >= 2x transformers serve 
 at saturation; in the mixed run, 1P1D p99 ITL of the short requests <= 1/3 of colocated's; in
 the latency run, mean TTFT(1P1D) <= 1.1x TTFT(colocated).
 
+Last, unless `--no-profile`, the saturation run at rate inf goes once more through pdserve's
+engine alone, in this process (`pdserve.bench.engine_profile`): timed, then under
+torch.profiler, so the section says how much of the engine's time is matrix multiplies, the
+part no serving path can remove, against what a 2x lead over transformers serve would allow.
+
 Each model writes its own section and files: `compare` (compare.json, compare_*.png) for the
 random model, `compare-smollm2` for SmolLM2 (`--section` names another). 1P1D's router gets
 `--prefill-placement remote`: every prompt is prefilled on the prefill node, as this comparison
@@ -52,10 +57,13 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from pdserve.bench.engine_profile import profile_engine
 from pdserve.bench.report import (
     BENCH_MODEL_SIZES,
     MODEL_STAMP,
     Outputs,
+    add_from_json_flag,
+    add_log_dir_flag,
     add_output_flags,
     cached_model,
     checkout_root,
@@ -722,6 +730,50 @@ def _numbers_reading(report: dict[str, Any]) -> list[str]:
     ]
 
 
+def _profile_lines(report: dict[str, Any]) -> list[str]:
+    """The engine-alone probe against the saturation goal (none when it was not run)."""
+    found = report.get("profile")
+    if not found:
+        return []
+    sat = f"saturation/rate={math.inf:g}"
+    colo, tf = "pdserve-colocated", "transformers-serve"
+    served = {s: _stat(report["results"], s, sat, "duration_s") for s in (colo, tf)}
+    matmul, half = found["matmul_s"], served[tf] / 2
+    if math.isnan(half):
+        verdict = "transformers serve was not measured in this run"
+    elif matmul > half:
+        verdict = (
+            f"A 2x lead over transformers serve means serving the run in {half:.1f} s, less than"
+            " the matmuls alone took here: it would need a serving path that costs nothing"
+            " beside them and matmuls faster than MKL's at these shapes, on this CPU in float32"
+        )
+    else:
+        verdict = (
+            f"A 2x lead over transformers serve means serving the run in {half:.1f} s: the"
+            f" matmuls leave {half - matmul:.1f} s for everything else, which took"
+            f" {found['cpu_s'] - matmul:.1f} CPU s under the profiler"
+        )
+    cpu = found["cpu_s"]
+    rows = [[op["op"], f"{op['s']:.2f}", f"{op['s'] / cpu:.0%}"] for op in found["top_ops"]]
+    return [
+        "### Where the engine's time goes (`engine_profile`)",
+        "",
+        f"The saturation run at rate inf ({found['requests']} requests,"
+        f" {found['prompt_tokens']} prompt and {found['output_tokens']} output tokens) through"
+        f" pdserve's engine alone, in the benchmark's process with {found['threads']} thread(s),"
+        f" the nodes' engine flags and no server around it: {found['engine_s']:.1f} s"
+        f" ({found['engine_tokens_per_s']:.1f} output tokens/s), against {served[colo]:.1f} s"
+        f" served colocated and {served[tf]:.1f} s for transformers serve. Under torch.profiler"
+        f" the run took {found['cpu_s']:.1f} CPU s: matrix multiplies {found['matmul_s']:.1f} s"
+        f" ({found['matmul_share']:.0%}; the linears and the LM head, the same FLOPs in any"
+        f" float32 server of this model), attention {found['attention_s']:.1f} s, the rest"
+        f" {found['other_s']:.1f} s. {verdict}.",
+        "",
+        markdown_table(["op (self time)", "CPU s", "share"], rows),
+        "",
+    ]
+
+
 def goals_table(goals: list[dict[str, Any]]) -> str:
     rows = [
         [g["goal"], _num(g["value"]), _num(g["baseline"]), _num(g["ratio"]), g["status"]]
@@ -790,6 +842,7 @@ def render_section(report: dict[str, Any], to: Outputs, plots: list[Path]) -> st
         goals_table(report["goals"]),
         "",
         *_reading(report),
+        *_profile_lines(report),
         "### Results",
         "",
         scenario_tables(report["results"], run_keys(sizes_from_dict(report["sizes"]))),
@@ -833,6 +886,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--request-timeout", type=float, default=600.0, help="seconds one request may take"
     )
     run.add_argument("--disable-tqdm", action="store_true", help="no progress bars")
+    run.add_argument(
+        "--no-profile",
+        action="store_true",
+        help="skip the closing probe: the saturation run through pdserve's engine alone, "
+        "timed and under torch.profiler (where its time goes)",
+    )
     model = p.add_argument_group("model")
     model.add_argument(
         "--model",
@@ -868,13 +927,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="pdserve router's node heartbeat timeout, seconds, where it has the flag "
         "(0: the router's own)",
     )
-    servers.add_argument(
-        "--log-dir",
-        type=Path,
-        default=None,
-        metavar="DIR",
-        help="server logs (default: a temporary folder, removed at the end)",
-    )
+    add_log_dir_flag(servers)
     out = add_output_flags(p, "SECTION.json and the plots SECTION_*.png")
     out.add_argument(
         "--section",
@@ -891,13 +944,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="the Markdown page of the section (default: DOCS/benchmarks.md, or "
         "OUT/benchmarks.md with another --out)",
     )
-    out.add_argument(
-        "--from-json",
-        type=Path,
-        default=None,
-        metavar="FILE",
-        help="measure nothing: redraw the plots and section of this JSON (its own section)",
-    )
+    add_from_json_flag(out, "the plots and section of this JSON (its own section)")
     args, engine_args = p.parse_known_args(argv)
     args.engine_args = engine_args
     if args.smollm2 and args.model is not None:
@@ -934,7 +981,25 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         results, notes = {}, []
         for system in args.systems:
             results[system] = measure_system(system, args, model, runs, pool, notes)
-    return write_report(args, argv, model, sizes, results, notes)
+        profile = None if args.no_profile else profile_saturation(model, runs, args)
+    return write_report(args, argv, model, sizes, results, notes, profile)
+
+
+def profile_saturation(
+    model: Path, runs: list[Run], args: argparse.Namespace
+) -> dict[str, Any] | None:
+    """The all-at-once saturation run through the engine alone (pdserve.bench.engine_profile)."""
+    run = next((r for r in runs if r.scenario == "saturation" and r.request_rate == math.inf), None)
+    if run is None:
+        return None
+    print("== engine alone: the saturation run (rate inf), timed and profiled", flush=True)
+    found = profile_engine(str(model), args.engine_args, run.requests, args.threads)
+    print(
+        f"   {found['engine_s']:.1f} s, {found['engine_tokens_per_s']:.1f} out tok/s; matmuls"
+        f" {found['matmul_s']:.1f} of {found['cpu_s']:.1f} CPU s under the profiler",
+        flush=True,
+    )
+    return found
 
 
 def write_report(
@@ -944,6 +1009,7 @@ def write_report(
     sizes: Sizes,
     results: dict[str, dict],
     notes: list[str],
+    profile: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """compare.json, the plots and the markdown section of a finished measurement."""
     config = json.loads((model / "config.json").read_text())
@@ -966,6 +1032,7 @@ def write_report(
         "systems": args.systems,
         "results": results,
         "goals": evaluate_goals(results, sizes),
+        "profile": profile,
         "notes": notes,
         "json": str(args.outputs.folder / f"{args.section}.json"),
     }

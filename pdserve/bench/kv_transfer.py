@@ -67,11 +67,10 @@ from pdserve.bench.report import (
     machine,
     markdown_table,
     outputs_from_args,
+    publish,
     pyplot,
     save_figure,
-    save_json,
     sync,
-    write_section,
 )
 from pdserve.common.node.cli import parser
 from pdserve.kernels import ops
@@ -1127,11 +1126,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     report = run(args, argv)
     for s in report["skipped"]:
         print(f"skipped {s['connector']} {s['layout']} {fmt_tokens(s['tokens'])}: {s['reason']}")
-    to = args.outputs
-    data = save_json(to.folder / "kv_transfer.json", report)
-    figure = plot(report, to.folder / "kv_transfer.png")
-    page = write_section("kv_transfer", section(report, to.link(figure)), to.page)
-    print(f"wrote {data}, {figure}, {page}")
+    publish("kv_transfer", report, args.outputs, plot, section)
     return 0
 
 

@@ -64,6 +64,8 @@ import httpx
 from pdserve.bench.compare import _goal, engine_flag, git_state, goals_table
 from pdserve.bench.report import (
     Outputs,
+    add_from_json_flag,
+    add_log_dir_flag,
     add_output_flags,
     cached_model,
     command_line,
@@ -710,9 +712,14 @@ def reading_lines(results: dict[str, dict]) -> list[str]:
         lines.append(
             f"- `conditional`'s cost model prefilled {later('conditional', 'prefills_local')}"
             f" follow-ups on the decode node and {later('conditional', 'prefills_remote')} on the"
-            " prefill node: it charges a local prefill once more for every request decoding on"
-            " the decode node (at least one), a remote one the prefill node's queue, the tokens"
-            " it lacks (the answer among them) and the hand-off."
+            " prefill node. A turn's follow-ups arrive together: each one placed on the decode"
+            " node adds its tokens to that node's queue, which the next one's local estimate"
+            " counts, while a remote prefill costs the prefill node's queue, the tokens it lacks"
+            " (the previous answer among them) and the hand-off; once the decode node's queue"
+            " costs more, the rest of the burst goes to the idle prefill node. Each of those"
+            " ships the pages the decode node lacks, so a turn's KV is that share of"
+            " remote's. `threshold` (local when the decode node lacks at most 128 tokens, as"
+            " Dynamo's conditional disaggregation decides) keeps every follow-up local."
         )
     lines += [
         "- TTFT: 1P1D's prefill node, decode node, router and client share this machine's"
@@ -899,21 +906,9 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, Outputs]:
     model.add_argument(
         "--threads", type=int, default=1, help="torch threads of every server (0: torch's own)"
     )
-    model.add_argument(
-        "--log-dir",
-        type=Path,
-        default=None,
-        metavar="DIR",
-        help="server logs (default: a temporary folder, removed at the end)",
-    )
+    add_log_dir_flag(model)
     out = add_output_flags(p, "multiturn.json and multiturn.png")
-    out.add_argument(
-        "--from-json",
-        type=Path,
-        default=None,
-        metavar="FILE",
-        help="measure nothing: redraw the plot and section of this multiturn.json",
-    )
+    add_from_json_flag(out, "the plot and section of this multiturn.json")
     args, engine_args = p.parse_known_args(argv)
     args.engine_args = engine_args
     args.systems = [s for s in args.systems.split(",") if s]

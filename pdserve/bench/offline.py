@@ -45,6 +45,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -60,11 +61,10 @@ from pdserve.bench.report import (
     machine,
     markdown_table,
     outputs_from_args,
+    publish,
     pyplot,
     save_figure,
-    save_json,
     sync,
-    write_section,
 )
 from pdserve.common.engine.llm import LLM, SamplingParams
 from pdserve.common.node.cli import parser
@@ -97,7 +97,13 @@ def make_prompts(batch: int, length: int, vocab: int, seed: int) -> list[list[in
 class Pdserve:
     """LLM with its engine steps timed (an instance attribute wraps `engine.step`)."""
 
-    def __init__(self, path: Path, args: argparse.Namespace, max_batch: int) -> None:
+    def __init__(
+        self,
+        path: Path,
+        args: argparse.Namespace,
+        max_batch: int,
+        enforce_eager: bool | None = None,
+    ) -> None:
         tokens = max_batch * (args.prompt_len + args.max_tokens)
         self.llm = LLM(
             str(path),
@@ -108,6 +114,7 @@ class Pdserve:
             dtype=args.dtype,
             kv_cache_bytes=max(256 << 20, 2 * tokens * kv_bytes_per_token(self_arch(path))),
             skip_tokenizer_init=True,
+            enforce_eager=enforce_eager,
         )
         self.steps: list[float] = []
         engine = self.llm.engine
@@ -455,29 +462,43 @@ def plot(report: dict[str, Any], path: Path) -> Path:
 # -- CLI ----------------------------------------------------------------------------------------
 
 
-def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    p = parser("pdserve bench offline", __doc__.split("\n\n")[0])
+@dataclass(frozen=True, slots=True)
+class Sweep:
+    """The defaults of a batch-size sweep's flags, full run and --quick."""
+
+    quick_help: str
+    batch_sizes: tuple[str, str]  # comma lists
+    prompt_len: tuple[int, int]
+    max_tokens: tuple[int, int]
+    min_tokens: int
+    batch_means: str = "sequences per generate call"
+
+
+def add_sweep_args(p: argparse.ArgumentParser, sweep: Sweep) -> argparse._ArgumentGroup:
+    """The group "run": --quick, --batch-sizes, --prompt-len, --max-tokens, --repeats."""
     run = p.add_argument_group("run")
-    run.add_argument(
-        "--quick",
-        action="store_true",
-        help="tiny model, batch 1 and 2, 16-token prompts, 8 new tokens, 1 repeat: seconds "
-        "(needs --out)",
-    )
+    run.add_argument("--quick", action="store_true", help=f"{sweep.quick_help} (needs --out)")
+    full, quick = sweep.batch_sizes
     run.add_argument(
         "--batch-sizes",
         default=None,
         metavar="B,B,...",
-        help="sequences per generate call, a comma list (default: 1,4,16; quick: 1,2)",
+        help=f"{sweep.batch_means}, a comma list (default: {full}; quick: {quick})",
     )
+    full, quick = sweep.prompt_len
     run.add_argument(
-        "--prompt-len", type=int, default=None, help="tokens per prompt (default: 128; quick: 16)"
+        "--prompt-len",
+        type=int,
+        default=None,
+        help=f"tokens per prompt (default: {full}; quick: {quick})",
     )
+    full, quick = sweep.max_tokens
     run.add_argument(
         "--max-tokens",
         type=int,
         default=None,
-        help="new tokens per sequence, at least 2 (default: 64; quick: 8)",
+        help=f"new tokens per sequence, at least {sweep.min_tokens} (default: {full}; "
+        f"quick: {quick})",
     )
     run.add_argument(
         "--repeats",
@@ -485,6 +506,49 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         default=None,
         help="timed runs per batch size, the median reported (default: 3; quick: 1)",
     )
+    return run
+
+
+def add_device_args(p: argparse.ArgumentParser, threads: int, threads_help: str) -> None:
+    """The group "device": --device, --dtype, --threads, --copy-mib."""
+    device = p.add_argument_group("device")
+    device.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
+    device.add_argument(
+        "--dtype", choices=sorted(DTYPES), default="float32", help="weights and activations"
+    )
+    device.add_argument("--threads", type=int, default=threads, help=threads_help)
+    device.add_argument(
+        "--copy-mib",
+        type=int,
+        default=None,
+        help="size of the copy-bandwidth probe, MiB (default: 512; quick: 64)",
+    )
+
+
+def resolve_sweep(p: argparse.ArgumentParser, args: argparse.Namespace, sweep: Sweep) -> None:
+    """Fill the sweep's and the copy probe's defaults (full or quick) and check them."""
+    q = int(args.quick)
+    args.batch_sizes = [int(b) for b in (args.batch_sizes or sweep.batch_sizes[q]).split(",")]
+    args.prompt_len = args.prompt_len or sweep.prompt_len[q]
+    args.max_tokens = args.max_tokens or sweep.max_tokens[q]
+    args.repeats = args.repeats or (1 if q else 3)
+    args.copy_mib = args.copy_mib or (64 if q else 512)
+    if min(args.batch_sizes) < 1 or args.prompt_len < 1 or args.max_tokens < sweep.min_tokens:
+        p.error(f"batch sizes and --prompt-len must be >= 1, --max-tokens >= {sweep.min_tokens}")
+
+
+SWEEP = Sweep(
+    quick_help="tiny model, batch 1 and 2, 16-token prompts, 8 new tokens, 1 repeat: seconds",
+    batch_sizes=("1,4,16", "1,2"),
+    prompt_len=(128, 16),
+    max_tokens=(64, 8),
+    min_tokens=2,
+)
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    p = parser("pdserve bench offline", __doc__.split("\n\n")[0])
+    add_sweep_args(p, SWEEP)
     model = p.add_argument_group("model")
     model.add_argument(
         "--model",
@@ -498,37 +562,18 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         metavar="DIR",
         help=f"where the built model is kept (default: {DEFAULT_CACHE}; quick: OUT/models)",
     )
-    device = p.add_argument_group("device")
-    device.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
-    device.add_argument(
-        "--dtype", choices=sorted(DTYPES), default="float32", help="weights and activations"
-    )
-    device.add_argument(
-        "--threads",
-        type=int,
-        default=1,
-        help="torch threads for both engines and the floors; 1 is steadier on a shared "
+    add_device_args(
+        p,
+        threads=1,
+        threads_help="torch threads for both engines and the floors; 1 is steadier on a shared "
         "machine, 0 keeps torch's own",
-    )
-    device.add_argument(
-        "--copy-mib",
-        type=int,
-        default=None,
-        help="size of the copy-bandwidth probe, MiB (default: 512; quick: 64)",
     )
     add_output_flags(p, "offline.json and offline.png")
     args = p.parse_args(argv)
     args.outputs = outputs_from_args(p, args)
     quick = args.quick
     args.cache_dir = args.cache_dir or (args.outputs.folder / "models" if quick else DEFAULT_CACHE)
-    sizes = args.batch_sizes or ("1,2" if quick else "1,4,16")
-    args.batch_sizes = [int(b) for b in sizes.split(",")]
-    args.prompt_len = args.prompt_len or (16 if quick else 128)
-    args.max_tokens = args.max_tokens or (8 if quick else 64)
-    args.repeats = args.repeats or (1 if quick else 3)
-    args.copy_mib = args.copy_mib or (64 if quick else 512)
-    if min(args.batch_sizes) < 1 or args.prompt_len < 1 or args.max_tokens < 2:
-        p.error("batch sizes and --prompt-len must be >= 1, --max-tokens >= 2")
+    resolve_sweep(p, args, SWEEP)
     return args
 
 
@@ -586,11 +631,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.threads > 0:
         torch.set_num_threads(args.threads)
     report = run(args, argv)
-    to = args.outputs
-    data = save_json(to.folder / "offline.json", report)
-    figure = plot(report, to.folder / "offline.png")
-    page = write_section("offline", section(report, to.link(figure)), to.page)
-    print(f"wrote {data}, {figure}, {page}")
+    publish("offline", report, args.outputs, plot, section)
     return 0
 
 

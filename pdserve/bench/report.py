@@ -109,6 +109,28 @@ def add_docs_dir_flag(group: argparse._ArgumentGroup, holds: str) -> None:
     )
 
 
+def add_from_json_flag(group: argparse._ArgumentGroup, what: str) -> None:
+    """--from-json FILE: measure nothing, rewrite `what` (the plots and section) of a saved run."""
+    group.add_argument(
+        "--from-json",
+        type=Path,
+        default=None,
+        metavar="FILE",
+        help=f"measure nothing: redraw {what}",
+    )
+
+
+def add_log_dir_flag(group: argparse._ArgumentGroup) -> None:
+    """--log-dir DIR for the servers a benchmark starts."""
+    group.add_argument(
+        "--log-dir",
+        type=Path,
+        default=None,
+        metavar="DIR",
+        help="server logs (default: a temporary folder, removed at the end)",
+    )
+
+
 def outputs_from_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> Outputs:
     """The run's Outputs; a --quick run must name its own --out (it never writes into docs)."""
     if getattr(args, "quick", False) and args.out is None:
@@ -271,6 +293,25 @@ def write_section(name: str, body: str, doc: str | Path) -> Path:
     doc.parent.mkdir(parents=True, exist_ok=True)
     doc.write_text(text)
     return doc
+
+
+def publish(
+    name: str,
+    report: dict[str, Any],
+    to: Outputs,
+    plot: Callable[[dict[str, Any], Path], Path],
+    section: Callable[[dict[str, Any], str], str],
+    stem: str | None = None,
+) -> tuple[Path, Path, Path]:
+    """Write one run: STEM.json, its figure STEM.png (`plot(report, path)`) and the page's
+    section `name` (`section(report, the figure's link)`); STEM defaults to `name`. Prints
+    and returns the three paths."""
+    stem = stem or name
+    data = save_json(to.folder / f"{stem}.json", report)
+    figure = plot(report, to.folder / f"{stem}.png")
+    page = write_section(name, section(report, to.link(figure)), to.page)
+    print(f"wrote {data}, {figure}, {page}")
+    return data, figure, page
 
 
 def markdown_table(header: list[str], rows: list[list[Any]]) -> str:

@@ -57,8 +57,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from pdserve.bench import report as report_io
 from pdserve.bench.report import (
     Outputs,
+    add_from_json_flag,
     add_output_flags,
     cached_model,
     command_line,
@@ -66,9 +68,7 @@ from pdserve.bench.report import (
     outputs_from_args,
     pyplot,
     save_figure,
-    save_json,
     sigterm_raises,
-    write_section,
 )
 from pdserve.common.node.cli import parser
 
@@ -1276,13 +1276,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="where the tiny model is kept",
     )
     out = add_output_flags(p, "router_ceiling.json and router_ceiling.png")
-    out.add_argument(
-        "--from-json",
-        type=Path,
-        default=None,
-        metavar="FILE",
-        help="measure nothing: rewrite the plot and section of this router_ceiling.json",
-    )
+    add_from_json_flag(out, "the plot and section of this router_ceiling.json")
     args = p.parse_args(argv)
     if args.child:
         return args
@@ -1385,11 +1379,8 @@ def main(argv: list[str] | None = None) -> int:
 
 def publish(report: dict[str, Any], to: Outputs) -> int:
     """router_ceiling.json, its plot and the page's section."""
-    data = save_json(to.folder / "router_ceiling.json", report)
-    figure = plot(report, to.folder / "router_ceiling.png")
-    page = write_section("router", section(report, to.link(figure)), to.page)
     print(reading(report))
-    print(f"wrote {data}, {figure}, {page}")
+    report_io.publish("router", report, to, plot, section, stem="router_ceiling")
     return 0
 
 

@@ -125,6 +125,15 @@ def finish_on_decode(router, decode_, rid: str) -> list[int]:
     return got
 
 
+def test_a_prefill_node_stays_eager_unless_asked(nodes) -> None:
+    """It runs prompts only, so it never builds the compiled decode graphs (on CUDA they
+    would compile at start for nothing); the decode node keeps the device's default."""
+    _, prefill, decode_ = nodes
+    assert prefill.engine.model_config.enforce_eager is True
+    assert decode_.engine.model_config.enforce_eager is None
+    assert prefill.engine.runner.compiled is None
+
+
 def test_pages_of_a_layer_leave_before_the_next_layer_computes(nodes, tiny_model_dir):
     router, prefill, decode_ = nodes
     prompt = list(range(3, 90))  # 87 tokens: 3 chunks of at most 40

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from pdserve.bench import compare as bc
 
 SYSTEMS = ["pdserve-colocated", "pdserve-1p1d"]
@@ -18,6 +20,26 @@ def test_goal_status_follows_the_ratio():
     assert bc.batch_tokens(["--max-num-batched-tokens", "96"]) == 96
     assert bc.batch_tokens(["--max-num-batched-tokens=64", "--num-blocks", "9"]) == 64
     assert bc.batch_tokens([]) == 512
+
+
+def test_profile_reading_says_whether_the_matmuls_leave_room_for_2x():
+    def lines(matmul: float, tf_s: float) -> str:
+        found = {"requests": 2, "prompt_tokens": 9, "output_tokens": 8, "engine_s": 1.0}
+        found |= {"engine_tokens_per_s": 8.0, "cpu_s": 12.0, "matmul_s": matmul}
+        found |= {"attention_s": 1.0, "other_s": 11.0 - matmul, "matmul_share": matmul / 12}
+        found |= {"top_ops": [{"op": "aten::mm", "s": matmul}], "threads": 1}
+        sat = "saturation/rate=inf"
+        results = {
+            "pdserve-colocated": {sat: {"duration_s": 10.0}},
+            "transformers-serve": {sat: {"duration_s": tf_s}},
+        }
+        return "\n".join(bc._profile_lines({"profile": found, "results": results}))
+
+    # 2x means 7 s, less than the 8 s of matmuls.
+    assert "less than the matmuls alone took" in lines(matmul=8.0, tf_s=14.0)
+    text = lines(matmul=5.0, tf_s=14.0)
+    assert "leave 2.0 s for everything else, which took 7.0 CPU s" in text
+    assert bc._profile_lines({"profile": None, "results": {}}) == []
 
 
 def test_quick_run_writes_results_plots_and_section(tmp_path):
@@ -53,6 +75,18 @@ def test_quick_run_writes_results_plots_and_section(tmp_path):
     assert all(system in doc for system in SYSTEMS)
     assert "![compare_ttft](compare_ttft.png)" in doc
     assert "CPU cores" in doc
+
+    # The closing probe: the saturation run (rate inf) through the engine alone, profiled.
+    found = data["profile"]
+    sat = next(r for r in runs if r.scenario == "saturation" and r.request_rate == float("inf"))
+    assert found["requests"] == len(sat.requests)
+    assert found["output_tokens"] == sum(r.output_len for r in sat.requests)
+    assert found["engine_s"] > 0 and 0 < found["matmul_s"] <= found["cpu_s"]
+    assert found["matmul_s"] + found["attention_s"] + found["other_s"] == pytest.approx(
+        found["cpu_s"]
+    )
+    assert "### Where the engine's time goes" in doc
+    assert "transformers serve was not measured in this run" in doc
 
     # Redrawn from the JSON alone (nothing measured): the same section.
     again = tmp_path / "again"

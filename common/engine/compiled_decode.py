@@ -1,0 +1,186 @@
+"""Decode steps through torch.compile (inductor): one graph per batch-size bucket.
+
+A decode step (every sequence brings one new token) is the step a server runs most, and in
+eager mode it pays Python and dispatch costs for each of a few hundred small operations. Here
+the whole step up to the logits (embedding, every layer's norms, projections, rope and MLP,
+the final norm, the LM head) is one inductor graph. The paged attention with its KV store
+stays out of it as one opaque custom op per layer (`pdserve::paged_attention`), and the
+graph marks the sizes of the attention metadata unknown: block tables and sequence lengths
+change every step and never make it recompile. The batch is padded up to its bucket (1, 2,
+4, ... up to max_num_seqs), so each bucket compiles once; padded rows store no K/V and their
+logits are dropped. Prefill and mixed steps, and steps with a per-layer hook, run eager.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from pdserve.common.model import attention
+from pdserve.common.model.attention import AttentionMetadata
+from pdserve.common.model.llama import LlamaFamilyForCausalLM
+
+log = logging.getLogger(__name__)
+
+# Up to this many rows a CPU linear is compiled as a reduction that reads each weight row once
+# for all rows: 1.4x MKL's GEMV bandwidth at 1 row, 1.8x at 2, 1.2x at 4; MKL wins from 8.
+REDUCTION_ROWS = 4
+MAX_GRAPHS = 64  # decode graphs one process may hold (buckets x engines)
+
+
+def decode_buckets(max_num_seqs: int) -> tuple[int, ...]:
+    """Batch sizes that get a graph: the powers of two below max_num_seqs, and max_num_seqs."""
+    assert max_num_seqs >= 1, "max_num_seqs must be >= 1"
+    sizes = [1 << i for i in range(max_num_seqs.bit_length()) if 1 << i < max_num_seqs]
+    return (*sizes, max_num_seqs)
+
+
+class CompiledDecode:
+    """The model's pure decode steps, compiled once per batch bucket.
+
+    `logits` takes a decode step's inputs (B sequences, one token each, B <= the largest
+    bucket) and returns float32 logits of its first B rows. `num_compiles` counts the graphs
+    inductor built: one per bucket used, unless something forces a recompile.
+    """
+
+    def __init__(self, model: LlamaFamilyForCausalLM, max_num_seqs: int) -> None:
+        self.model = model
+        self.buckets = decode_buckets(max_num_seqs)
+        self.num_compiles = 0
+        self.compile_seconds: float | None = None  # of the warm-up, once done
+        self._step = torch.compile(
+            self._forward, backend=self._backend, dynamic=False, fullgraph=True
+        )
+
+    def _forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        attn: AttentionMetadata,
+        kv_caches: list[torch.Tensor],
+    ) -> torch.Tensor:
+        return self.model.compute_logits(self.model(input_ids, positions, attn, kv_caches))
+
+    def _backend(self, gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Callable:
+        from torch._inductor.compile_fx import compile_fx
+
+        self.num_compiles += 1
+        n = _few_row_linears(gm)
+        log.debug("decode graph %d: %d linears as reductions", self.num_compiles, n)
+        return compile_fx(
+            gm, example_inputs, config_patches={"post_grad_custom_post_pass": _code_version()}
+        )
+
+    def bucket(self, batch: int) -> int | None:
+        """The smallest bucket that holds `batch` sequences; None when none does."""
+        return next((b for b in self.buckets if b >= batch), None)
+
+    def logits(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        attn: AttentionMetadata,
+        kv_caches: list[torch.Tensor],
+    ) -> torch.Tensor:
+        """Logits [B, vocab] of a decode step of B = len(input_ids) sequences."""
+        batch = input_ids.shape[0]
+        size = self.bucket(batch)
+        assert size is not None, f"{batch} rows exceed the largest bucket {self.buckets[-1]}"
+        if size > batch:
+            # Padded rows: token 0 at position 0; the attention op neither stores nor reads
+            # for rows past the slot mapping, so they never reach the real rows.
+            input_ids = torch.nn.functional.pad(input_ids, (0, size - batch))
+            positions = torch.nn.functional.pad(positions, (0, size - batch))
+        _mark_unbacked(attn)
+        return self._step(input_ids, positions, attn, kv_caches)[:batch]
+
+    def warm_up(self, kv_caches: list[torch.Tensor]) -> float:
+        """Compile every bucket now, a dummy step each that writes only slot 0 of the null
+        block; the seconds it took, also logged."""
+        start = time.perf_counter()
+        device = kv_caches[0].device
+        # Dynamo keeps up to recompile_limit graphs per function (8 by default), and every
+        # bucket of every engine in this process is one.
+        with torch.inference_mode(), torch._dynamo.config.patch(recompile_limit=MAX_GRAPHS):
+            for size in self.buckets:
+                ids = torch.zeros(size, dtype=torch.int64, device=device)
+                self.logits(ids, torch.zeros_like(ids), _null_metadata(device), kv_caches)
+        self.compile_seconds = time.perf_counter() - start
+        log.info("compiled decode buckets %s in %.1f s", list(self.buckets), self.compile_seconds)
+        return self.compile_seconds
+
+
+@functools.cache
+def _code_version() -> Any:
+    """A post-grad pass that changes nothing; its uuid, a hash of this file and of the
+    attention op's (with its fake), goes into the key of inductor's on-disk caches, so a graph
+    compiled against an older op or rewrite is never loaded. Made on first use: importing
+    torch._inductor costs a node ~2 s at start (and upsets Triton's interpreter)."""
+    from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
+
+    class CodeVersion(CustomGraphPass):
+        def __call__(self, graph: torch.fx.Graph) -> None:
+            pass
+
+        def uuid(self) -> bytes:
+            return get_hash_for_files((__file__, attention.__file__))
+
+    return CodeVersion()
+
+
+def _rows_linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """F.linear of few rows x [M, K] as a reduction laid out [N, M]: inductor's loop reads each
+    weight row once for all M rows, at about the bandwidth of a plain sum."""
+    out = (weight[:, None, :] * x[None, :, :]).sum(-1).t()
+    return out if bias is None else out + bias
+
+
+def _few_row_linears(gm: torch.fx.GraphModule) -> int:
+    """Point the graph's CPU linears of at most REDUCTION_ROWS rows at _rows_linear; how many.
+
+    A rewrite of the traced graph rather than a decomposition handed to inductor: the compile
+    caches key on the graph, so no cached graph is one compiled without this choice."""
+    count = 0
+    for node in gm.graph.nodes:
+        if node.op != "call_function" or node.target is not torch._C._nn.linear:
+            continue
+        x = node.args[0].meta.get("example_value")
+        if (
+            x is not None
+            and x.device.type == "cpu"
+            and x.dim() == 2
+            and x.shape[0] <= REDUCTION_ROWS
+        ):
+            node.target = _rows_linear
+            count += 1
+    gm.recompile()
+    return count
+
+
+def _null_metadata(device: torch.device) -> AttentionMetadata:
+    """One sequence of one token in slot 0 of block 0, the null block: the pool never hands it
+    out, and block tables only point at it past a sequence's end, where nothing is read."""
+    i32 = {"dtype": torch.int32, "device": device}
+    return AttentionMetadata(
+        slot_mapping=torch.zeros(1, dtype=torch.int64, device=device),
+        block_tables=torch.zeros(1, 1, **i32),
+        query_start_loc=torch.tensor([0, 1], **i32),
+        seq_lens=torch.ones(1, **i32),
+        max_query_len=1,
+        max_seq_len=1,
+    )
+
+
+def _mark_unbacked(attn: AttentionMetadata) -> None:
+    """Mark every size of the metadata unknown to the compiler: the graph only hands these
+    tensors to the attention op, so any batch composition runs the bucket's one graph."""
+    for t in attn.tensors():
+        for dim in range(t.dim()):
+            torch._dynamo.decorators.mark_unbacked(t, dim)

@@ -1,0 +1,64 @@
+"""scripts/bench_compile.py --quick, one batch size: the compiled engine gives the eager one's
+tokens, and the report has the shape docs/benchmarks.md is built from (no timing thresholds)."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+SCRIPT = REPO / "scripts" / "bench_compile.py"
+
+
+def positive(x: Any) -> bool:
+    return isinstance(x, (int, float)) and math.isfinite(x) and x > 0
+
+
+@pytest.fixture(scope="module")
+def quick(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, Any]]:
+    out = tmp_path_factory.mktemp("compile")
+    # One batch size: one bucket to compile, the slow part of the run. One thread: compiled
+    # kernels on cores that other tests keep busy can take seconds a step.
+    cmd = [sys.executable, str(SCRIPT), "--quick", "--out", str(out), "--batch-sizes", "1"]
+    cmd += ["--threads", "1"]
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return out, json.loads((out / "compile.json").read_text())
+
+
+def test_compiled_tokens_equal_eager_and_buckets_compile_once(quick) -> None:
+    _, report = quick
+    assert [r["batch"] for r in report["results"]] == [1]
+    assert report["buckets"] == [1] and report["graphs_compiled"] == 1
+    assert positive(report["compile_s"])
+    for r in report["results"]:
+        assert r["tokens_equal"], r["first_mismatch"]
+
+
+def test_ratios_and_floors_are_consistent(quick) -> None:
+    _, report = quick
+    assert positive(report["read_bytes_per_s"]) and positive(report["copy_bytes_per_s"])
+    for r in report["results"]:
+        assert positive(r["floor_s"])
+        for mode in ("eager", "compiled"):
+            side = r[mode]
+            assert positive(side["step_s"])
+            assert side["tokens_per_s"] == pytest.approx(r["batch"] / side["step_s"])
+            assert side["of_floor"] == pytest.approx(r["floor_s"] / side["step_s"])
+        assert r["speedup"] == pytest.approx(r["eager"]["step_s"] / r["compiled"]["step_s"])
+
+
+def test_writes_its_section_and_figure(quick) -> None:
+    out, report = quick
+    page = (out / "benchmarks.md").read_text()
+    assert page.count("<!-- BEGIN compile -->") == 1 and page.count("<!-- END compile -->") == 1
+    assert report["command"] in page and "![compiled decode](compile.png)" in page
+    assert (out / "compile.png").stat().st_size > 0
+    assert "- Goal: compiled batch-1 decode >= 1.5x eager: " in page  # met or missed, with x
+    assert set(report["inductor_cache"]) == {"hit", "miss"}

@@ -1,0 +1,183 @@
+"""Compiled decode steps (common/engine/compiled_decode.py): the logits and greedy tokens of eager
+mode and of HF, one graph per bucket whatever the batch's composition, the attention op's fake,
+and the switch that keeps a runner eager.
+
+One compiled engine serves the module (compiling its three buckets takes most of the time)."""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+from pdserve.common.engine.compiled_decode import decode_buckets
+from pdserve.common.engine.config import ModelConfig
+from pdserve.common.engine.llm import LLM
+from pdserve.common.engine.model_runner import ForwardInputs, ModelRunner
+from pdserve.common.engine.sampling_params import SamplingParams
+from pdserve.common.engine.scheduler import ScheduledSeq
+from pdserve.common.model.attention import AttentionMetadata
+from pdserve.common.node.cli import add_engine_args, engine_configs
+from pdserve.serve import _engine_flags, build_parser
+from tests.common.test_llm_equivalence import GREEDY, PROMPTS, VOCAB, assert_matches_hf
+
+MAX_SEQS = 4  # buckets 1, 2, 4: a batch of 3 runs padded to 4
+BLOCK_SIZE = 16
+# Qwen2: q/k/v biases (the few-row linear with a bias); one full and one sliding layer
+# (the attention op with and without a window in one graph).
+QWEN2_SLIDING = {"vocab": VOCAB, "sliding_window": 8, "max_window_layers": 1}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread() -> Iterator[None]:
+    """Compiled CPU kernels split their loops over the threads (OpenMP); on a machine where
+    other tests keep the cores busy that costs up to seconds a step. One thread keeps this
+    module's time steady (the kernels are generated for the thread count at compile time)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tiny_model_dir) -> str:
+    return str(tiny_model_dir("qwen2", **QWEN2_SLIDING))
+
+
+@pytest.fixture(scope="module")
+def compiled(model_dir: str) -> LLM:
+    return LLM(model_dir, max_num_seqs=MAX_SEQS, enforce_eager=False, skip_tokenizer_init=True)
+
+
+def test_buckets_are_powers_of_two_up_to_max_num_seqs() -> None:
+    assert decode_buckets(1) == (1,)
+    assert decode_buckets(4) == (1, 2, 4)
+    assert decode_buckets(6) == (1, 2, 4, 6)
+    assert decode_buckets(64) == (1, 2, 4, 8, 16, 32, 64)
+
+
+# -- numerics -------------------------------------------------------------------------------------
+
+
+def decode_batch(runner: ModelRunner, contexts: list[int], first_block: int) -> ForwardInputs:
+    """Prefill sequences of the given lengths (eager), and return their decode step: one new
+    token each. Each sequence gets its own blocks from first_block on."""
+    seqs, decodes = [], []
+    block = first_block
+    params = SamplingParams(max_tokens=1, temperature=0.0)
+    for i, n in enumerate(contexts):
+        blocks = tuple(range(block, block + n // BLOCK_SIZE + 1))
+        block += len(blocks)
+        tokens = tuple((7 * i + 3 * j) % VOCAB for j in range(n))
+        if n > 1:
+            seqs.append(ScheduledSeq(f"p{i}", tokens[:-1], 0, blocks, False, params))
+        decodes.append(ScheduledSeq(f"d{i}", tokens[-1:], n - 1, blocks, True, params))
+    prefill = runner.prepare(tuple(seqs))
+    runner.model(prefill.input_ids, prefill.positions, prefill.attn, runner.kv_caches)
+    return runner.prepare(tuple(decodes))
+
+
+@torch.inference_mode()
+def test_compiled_logits_equal_eager_for_any_batch_composition(compiled: LLM) -> None:
+    runner = compiled.engine.runner
+    assert runner.compiled is not None and runner.compiled.num_compiles == 3  # the warm-up
+    # Batch sizes that fit a bucket and ones padded up to it; contexts from one block to
+    # several, so block tables and sequence lengths change shape between steps.
+    for contexts in ([5], [40, 3], [17, 70, 2], [33, 1, 90, 16], [120, 64, 9]):
+        inputs = decode_batch(runner, contexts, first_block=1)
+        args = (inputs.input_ids, inputs.positions, inputs.attn, runner.kv_caches)
+        eager = runner.model.compute_logits(runner.model(*args))
+        got = runner.compiled.logits(*args)
+        assert got.shape == eager.shape
+        torch.testing.assert_close(got, eager, rtol=1e-5, atol=1e-5)
+        assert torch.equal(got.argmax(-1), eager.argmax(-1))
+    assert runner.compiled.num_compiles == 3, "a batch composition made a bucket recompile"
+
+
+def test_greedy_tokens_equal_hf_with_compiled_decode(
+    compiled: LLM, model_dir: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    compiled_batches: list[int] = []
+    runner = compiled.engine.runner
+    inner = runner.compiled.logits
+
+    def counted(input_ids: torch.Tensor, *args: object) -> torch.Tensor:
+        compiled_batches.append(input_ids.shape[0])
+        return inner(input_ids, *args)
+
+    monkeypatch.setattr(runner.compiled, "logits", counted)
+    outs = compiled.generate(PROMPTS, GREEDY)
+    assert_matches_hf(model_dir, outs)
+    assert {3, 4} <= set(compiled_batches), compiled_batches  # 3: padded to bucket 4
+    assert runner.compiled.num_compiles == 3
+    compiled.engine.check_integrity()
+
+
+# -- the switch -----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("enforce_eager", [True, None])
+def test_cpu_runs_eager_unless_asked(model_dir: str, enforce_eager: bool | None) -> None:
+    # Imported here: torch._dynamo imported while tests are collected would load Triton before
+    # tests/kernels sets TRITON_INTERPRET.
+    from torch._dynamo.utils import counters
+
+    llm = LLM(model_dir, enforce_eager=enforce_eager, skip_tokenizer_init=True)
+    assert llm.engine.runner.compiled is None
+    graphs = counters["stats"]["unique_graphs"]
+    (out,) = llm.generate([PROMPTS[2]], SamplingParams(max_tokens=4, temperature=0.0))
+    assert len(out.token_ids) == 4
+    assert counters["stats"]["unique_graphs"] == graphs, "an eager engine compiled a graph"
+
+
+def test_enforce_eager_defaults_by_device() -> None:
+    assert not ModelConfig("m").compile_decode
+    assert ModelConfig("m", device="cuda").compile_decode
+    assert ModelConfig("m", enforce_eager=False).compile_decode
+    assert not ModelConfig("m", device="cuda:1", enforce_eager=True).compile_decode
+    with pytest.raises(ValueError, match="enforce_eager"):
+        ModelConfig("m", enforce_eager=1)
+
+
+@pytest.mark.parametrize(
+    "flags,expected", [([], None), (["--enforce-eager"], True), (["--no-enforce-eager"], False)]
+)
+def test_cli_flag_reaches_model_config_and_serve_passes_it_on(
+    flags: list[str], expected: bool | None
+) -> None:
+    p = argparse.ArgumentParser()
+    add_engine_args(p)
+    args = p.parse_args(flags)
+    args.model = "m"
+    assert engine_configs(args)[0].enforce_eager is expected
+    serve_args = build_parser().parse_args(["m", *flags])
+    assert [f for f in _engine_flags(serve_args) if "eager" in f] == flags
+
+
+# -- the attention op -----------------------------------------------------------------------------
+
+
+def test_attention_op_fake_and_schema() -> None:
+    """opcheck: the fake gives the real output's shape, dtype and strides (also for a
+    non-contiguous query and for padded rows), and the schema declares the cache write."""
+    torch.manual_seed(0)
+    heads, kv_heads, dim, blocks = 4, 2, 16, 6
+    kv_cache = torch.zeros(2, blocks, BLOCK_SIZE, kv_heads, dim)
+    attn = AttentionMetadata(
+        slot_mapping=torch.tensor([17, 40]),
+        block_tables=torch.tensor([[1, 0], [2, 3]], dtype=torch.int32),
+        query_start_loc=torch.tensor([0, 1, 2], dtype=torch.int32),
+        seq_lens=torch.tensor([2, 9], dtype=torch.int32),
+        max_query_len=1,
+        max_seq_len=9,
+    )
+    for rows in (2, 4):  # 4: two padding rows
+        query = torch.randn(heads, rows, dim).transpose(0, 1)  # not contiguous
+        key, value = torch.randn(2, rows, kv_heads, dim).unbind(0)
+        args = (query, key, value, kv_cache, *attn.tensors(), dim**-0.5, None)
+        torch.library.opcheck(torch.ops.pdserve.paged_attention.default, args)
+        out = torch.ops.pdserve.paged_attention.default(*args)
+        assert out.is_contiguous() and torch.equal(out[2:], torch.zeros_like(out[2:]))
+    assert torch.equal(kv_cache[0].flatten(0, 1)[17], key[0])  # the op wrote the cache
