@@ -168,9 +168,14 @@ class ClusterBackend(Backend):
         return out
 
     def ready(self) -> bool:
+        # Forced local prefill needs no prefill node: a decode node runs requests whole.
+        if self.routing.placement.mode == "local" and self.registry.routable(("decode",)):
+            return True
         return self.registry.ready()
 
     def unready_reason(self) -> str:
+        if self.routing.placement.mode == "local":
+            return "no decode node is available (prefill placement is local)"
         return self.registry.no_route_reason()
 
     def stats(self) -> dict[str, float]:

@@ -88,9 +88,11 @@ def reused_on_decode(conversations) -> int:
 @pytest.mark.parametrize("placement", ["remote", "local"])
 def test_1p1d_turns_reuse_the_decode_nodes_kv(model_dir, conversations, placement):
     """Remote: the prefill node sends only blocks the decode node lacks (exactly the turns'
-    new blocks). Local (forced): the decode node prefills everything itself, nothing moves."""
+    new blocks). Local (forced): the decode node prefills everything itself, nothing moves;
+    it needs no prefill node at all (the cluster is one decode node behind the router)."""
     router = ["--prefill-placement", placement]
-    with LocalCluster(model_dir, 1, 1, engine_args=ENGINE, router_args=router) as c:
+    prefills = 1 if placement == "remote" else 0
+    with LocalCluster(model_dir, prefills, 1, engine_args=ENGINE, router_args=router) as c:
         run_turns(c, conversations, range(TURNS))
         m = metrics(c)
         n = len(conversations) * TURNS

@@ -249,3 +249,19 @@ def test_a_local_prefill_counts_as_decoding_once_its_first_token_came_or_it_left
     backend._release("b")  # left before its first token (aborted, failed over)
     backend._release("a")
     assert (d.inflight, d.local_prefills) == (0, 0)
+
+
+@pytest.mark.parametrize("mode", ["local", "auto"])
+def test_forced_local_placement_is_ready_with_decode_nodes_alone(mode: str) -> None:
+    """With --prefill-placement local a decode node runs requests whole: /health says ready
+    without any prefill node. Other modes still need a prefill node that can fill one."""
+    from pdserve.router.cluster.backend import ClusterBackend
+
+    backend = ClusterBackend(control_port=0, placement=PlacementConfig(mode))
+    assert not backend.ready()
+    assert "decode" in backend.unready_reason()
+    d = backend.registry.nodes["d1"] = node("d1", "decode", 1000.0)
+    d.last_seen = float("inf")
+    assert backend.ready() is (mode == "local")
+    d.draining = True  # a draining decode node takes nothing new
+    assert not backend.ready()
