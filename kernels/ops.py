@@ -39,6 +39,14 @@ def paged_attention(
     query, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale, sliding_window=None
 ) -> torch.Tensor:
     """Causal varlen attention over paged K/V (prefill chunks and decode in one call)."""
+    if _use_triton(query) and query.shape[0] == seq_lens.shape[0]:
+        # One token per sequence (a decode step): the kernel that splits keys across programs.
+        # A step the scheduler made never has a sequence without tokens, so T == B means that.
+        from pdserve.kernels.paged_decode import paged_decode_triton
+
+        return paged_decode_triton(
+            query, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale, sliding_window
+        )
     if _use_triton(query):
         from pdserve.kernels.paged_attention import paged_attention_triton
 

@@ -22,8 +22,56 @@ from pdserve.kernels._checks import (
     check_rows,
 )
 
-# Keys per inner-loop step; tiles may straddle pages because each key looks up its own block.
-_BLOCK_N = 32
+# Keys per inner-loop step (tiles may straddle pages: each key looks up its own block), the
+# fewest rows of a prefill tile, and warps per program; the defaults were tuned on an H100
+# (docs/gpu.md) and the launcher takes others for tuning.
+BLOCK_N = 32
+PREFILL_ROWS = 64
+NUM_WARPS = 4
+_LONG_PREFILL = 4096  # tokens in a step from which prefill tiles get 128 rows
+
+
+@triton.jit
+def attend_keys(
+    q,
+    m_i,
+    l_i,
+    acc,
+    k_cache_ptr,
+    v_cache_ptr,
+    block_table,
+    keys,
+    key_valid,
+    visible,
+    block_size,
+    stride_kv_block,
+    stride_kv_offset,
+    kv_head_offset,
+    dims,
+    dim_valid,
+    qk_scale,
+):
+    """One tile of keys into a tile of query rows' running softmax: (m_i, l_i, acc) updated.
+
+    Each key looks up its own block, so tiles may straddle pages; `visible` [rows, keys] says
+    which query row sees which key. Shared with `paged_decode`'s kernel."""
+    # Padding entries of the block table are never read: masked keys load block 0.
+    block = tl.load(block_table + keys // block_size, mask=key_valid, other=0).to(tl.int64)
+    kv_offs = block * stride_kv_block + (keys % block_size) * stride_kv_offset + kv_head_offset
+    kv_mask = key_valid[:, None] & dim_valid[None, :]
+    k = tl.load(k_cache_ptr + kv_offs[:, None] + dims[None, :], mask=kv_mask, other=0.0)
+    # ieee: fp32 caches must not silently drop to tf32; fp16/bf16 operands ignore it.
+    s = tl.dot(q, tl.trans(k), input_precision="ieee") * qk_scale
+    s = tl.where(visible, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    # A row that has seen no key yet keeps m = -inf; shifting by 0 makes exp2 give 0, not NaN.
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    p = tl.exp2(s - m_safe[:, None])
+    alpha = tl.exp2(m_i - m_safe)
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    v = tl.load(v_cache_ptr + kv_offs[:, None] + dims[None, :], mask=kv_mask, other=0.0)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
+    return m_new, l_i, acc
 
 
 @triton.jit
@@ -99,30 +147,18 @@ def _paged_attention_kernel(
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     block_table = block_tables_ptr + seq.to(tl.int64) * stride_bt
+    kv_head_offset = kv_head * stride_kv_head
     for start in range(kv_begin, kv_end, BLOCK_N):
         keys = start + tl.arange(0, BLOCK_N)
         key_valid = keys < kv_end
-        # Padding entries of the block table are never read: masked keys load block 0.
-        block = tl.load(block_table + keys // block_size, mask=key_valid, other=0).to(tl.int64)
-        kv_offs = block * stride_kv_block + (keys % block_size) * stride_kv_offset
-        kv_offs += kv_head * stride_kv_head
-        kv_mask = key_valid[:, None] & dim_valid[None, :]
-        k = tl.load(k_cache_ptr + kv_offs[:, None] + dims[None, :], mask=kv_mask, other=0.0)
-        # ieee: fp32 caches must not silently drop to tf32; fp16/bf16 operands ignore it.
-        s = tl.dot(q, tl.trans(k), input_precision="ieee") * qk_scale
         visible = key_valid[None, :] & (keys[None, :] <= q_pos[:, None])
         if SLIDING_WINDOW > 0:
             visible &= keys[None, :] > q_pos[:, None] - SLIDING_WINDOW
-        s = tl.where(visible, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        # A row that has seen no key yet keeps m = -inf; shifting by 0 makes exp2 give 0, not NaN.
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.exp2(s - m_safe[:, None])
-        alpha = tl.exp2(m_i - m_safe)
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        v = tl.load(v_cache_ptr + kv_offs[:, None] + dims[None, :], mask=kv_mask, other=0.0)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
-        m_i = m_new
+        m_i, l_i, acc = attend_keys(
+            q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, block_table, keys, key_valid, visible,
+            block_size, stride_kv_block, stride_kv_offset, kv_head_offset, dims, dim_valid,
+            qk_scale,
+        )  # fmt: skip
 
     # Every valid row sees at least its own key; the guard only keeps padded rows finite.
     out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
@@ -181,11 +217,30 @@ def _check_batch(
         raise ValueError(f"sliding_window must be None or >= 1; got {sliding_window}")
 
 
-def _tile_sizes(num_tokens: int, num_seqs: int, queries_per_kv: int) -> tuple[int, int]:
+def check_attention_inputs(
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    sliding_window: int | None,
+) -> None:
+    """ValueError naming what is wrong with a paged-attention call's arguments."""
+    _check_layout(query, k_cache, v_cache)
+    _check_batch(block_tables, query_start_loc, seq_lens, sliding_window)
+    check_one_device(query, k_cache, v_cache, block_tables, query_start_loc, seq_lens)
+
+
+def _tile_sizes(
+    num_tokens: int, num_seqs: int, queries_per_kv: int, prefill_rows: int | None
+) -> tuple[int, int]:
     """(BLOCK_M rows, BLOCK_Q query tokens per program), chosen from shapes alone (no sync)."""
     # tl.dot needs >= 16 rows. A decode-only batch has one token per sequence, so more rows
     # would be masked waste; prefill chunks get taller tiles to reuse each K/V load more.
-    min_rows = 16 if num_tokens == num_seqs else 64
+    if prefill_rows is None:  # long prompts: 128 rows ran 8k tokens 9% faster (docs/gpu.md)
+        prefill_rows = 128 if num_tokens >= _LONG_PREFILL else PREFILL_ROWS
+    min_rows = 16 if num_tokens == num_seqs else prefill_rows
     block_m = max(min_rows, triton.next_power_of_2(queries_per_kv))
     return block_m, block_m // queries_per_kv
 
@@ -199,23 +254,27 @@ def paged_attention_triton(
     seq_lens: torch.Tensor,
     scale: float,
     sliding_window: int | None = None,
+    block_n: int = BLOCK_N,
+    prefill_rows: int | None = None,
+    num_warps: int = NUM_WARPS,
 ) -> torch.Tensor:
     """Causal varlen attention of new tokens [T, Hq, D] over paged K/V; returns [T, Hq, D].
 
     Same semantics as `paged_attention_ref`: query i of a sequence with q_len new tokens sits at
     position seq_len - q_len + i and sees keys up to it (the last `sliding_window` of them when
     given). Softmax in float32; the output has query's dtype. No device-to-host sync.
+    `block_n`, `prefill_rows` (None: by the step's size) and `num_warps` are the tuning knobs.
     """
-    _check_layout(query, k_cache, v_cache)
-    _check_batch(block_tables, query_start_loc, seq_lens, sliding_window)
-    check_one_device(query, k_cache, v_cache, block_tables, query_start_loc, seq_lens)
+    check_attention_inputs(
+        query, k_cache, v_cache, block_tables, query_start_loc, seq_lens, sliding_window
+    )
     out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
     num_tokens, num_heads, head_dim = query.shape
     num_seqs, num_kv_heads = seq_lens.shape[0], k_cache.shape[2]
     if num_tokens == 0 or num_seqs == 0:
         return out
     queries_per_kv = num_heads // num_kv_heads
-    block_m, block_q = _tile_sizes(num_tokens, num_seqs, queries_per_kv)
+    block_m, block_q = _tile_sizes(num_tokens, num_seqs, queries_per_kv, prefill_rows)
     grid = (num_tokens // block_q + num_seqs, num_kv_heads)
     _paged_attention_kernel[grid](
         query,
@@ -241,7 +300,8 @@ def paged_attention_triton(
         BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
         BLOCK_M=block_m,
         BLOCK_Q=block_q,
-        BLOCK_N=_BLOCK_N,
+        BLOCK_N=block_n,
         SLIDING_WINDOW=sliding_window or 0,
+        num_warps=num_warps,
     )
     return out

@@ -274,3 +274,12 @@ def check_pages_out(out: torch.Tensor, layer_cache: torch.Tensor, block_ids: tor
         )
     if not out.is_contiguous() or out.device != layer_cache.device:
         raise ValueError(f"out must be contiguous and on {layer_cache.device}")
+
+
+def combine_splits_ref(part_out: torch.Tensor, part_lse: torch.Tensor, out: torch.Tensor) -> None:
+    """out[t, h] = partial outputs [T, H, S, BLOCK_D] weighted by exp2 of their log-sum-exps
+    [T, H, S] (base 2) over the sum of those; written into out [T, H, D]."""
+    top = part_lse.amax(-1, keepdim=True)
+    weight = torch.exp2(part_lse - top.clamp_min(-1e30))
+    total = weight.sum(-1, keepdim=True).clamp_min(1e-30)
+    out.copy_((part_out[..., : out.shape[-1]] * (weight / total)[..., None]).sum(-2))

@@ -74,7 +74,7 @@ log = logging.getLogger(__name__)
 
 INSTALL_HINT = "pip install 'pdserve[nixl]'"
 # Python packages that ship NIXL's bindings, in order of preference (nixl-cu12 on PyPI).
-_NIXL_MODULES = ("nixl_cu12._api", "nixl._api")
+_NIXL_MODULES = ("nixl_cu12._api", "nixl_cu13._api", "nixl._api")
 # The checksum of a transfer's pages (see `pages_digest`).
 NIXL_CHECKSUM = "pdserve-nixl-pages/2"
 _POLL_S = 0.0005

@@ -9,6 +9,10 @@ graph marks the sizes of the attention metadata unknown: block tables and sequen
 change every step and never make it recompile. The batch is padded up to its bucket (1, 2,
 4, ... up to max_num_seqs), so each bucket compiles once; padded rows store no K/V and their
 logits are dropped. Prefill and mixed steps, and steps with a per-layer hook, run eager.
+
+On CUDA each bucket's compiled step is then captured as a CUDA graph over static inputs (the
+block tables as wide as max_model_len allows), so a decode step is a few copies and one graph
+launch instead of a few hundred kernel launches from Python (see `DecodeGraphs`).
 """
 
 from __future__ import annotations
@@ -48,11 +52,19 @@ class CompiledDecode:
     inductor built: one per bucket used, unless something forces a recompile.
     """
 
-    def __init__(self, model: LlamaFamilyForCausalLM, max_num_seqs: int) -> None:
+    def __init__(
+        self,
+        model: LlamaFamilyForCausalLM,
+        max_num_seqs: int,
+        max_blocks_per_seq: int | None = None,
+        buckets: tuple[int, ...] | None = None,
+    ) -> None:
         self.model = model
-        self.buckets = decode_buckets(max_num_seqs)
+        self.buckets = decode_buckets(max_num_seqs) if buckets is None else tuple(sorted(buckets))
         self.num_compiles = 0
         self.compile_seconds: float | None = None  # of the warm-up, once done
+        self.max_blocks_per_seq = max_blocks_per_seq  # the graphs' block-table width
+        self.graphs: DecodeGraphs | None = None  # captured by warm_up on CUDA
         self._step = torch.compile(
             self._forward, backend=self._backend, dynamic=False, fullgraph=True
         )
@@ -91,6 +103,8 @@ class CompiledDecode:
         batch = input_ids.shape[0]
         size = self.bucket(batch)
         assert size is not None, f"{batch} rows exceed the largest bucket {self.buckets[-1]}"
+        if self.graphs is not None and self.graphs.fits(attn):
+            return self.graphs.replay(input_ids, positions, attn, size)
         if size > batch:
             # Padded rows: token 0 at position 0; the attention op neither stores nor reads
             # for rows past the slot mapping, so they never reach the real rows.
@@ -110,9 +124,101 @@ class CompiledDecode:
             for size in self.buckets:
                 ids = torch.zeros(size, dtype=torch.int64, device=device)
                 self.logits(ids, torch.zeros_like(ids), _null_metadata(device), kv_caches)
+            if device.type == "cuda" and self.max_blocks_per_seq is not None:
+                self.graphs = DecodeGraphs(
+                    self._step, self.buckets, self.max_blocks_per_seq, kv_caches
+                )
         self.compile_seconds = time.perf_counter() - start
-        log.info("compiled decode buckets %s in %.1f s", list(self.buckets), self.compile_seconds)
+        log.info(
+            "compiled decode buckets %s in %.1f s%s",
+            list(self.buckets),
+            self.compile_seconds,
+            " (CUDA graphs captured)" if self.graphs is not None else "",
+        )
         return self.compile_seconds
+
+
+class DecodeGraphs:
+    """One CUDA graph per bucket of the compiled decode step, over one set of static inputs.
+
+    The graphs share a memory pool (captured largest first, as each reuses the pool) and the
+    static buffers: a step copies its B rows in, pads the rest of its bucket (token 0, slot -1:
+    no store, a sequence with no query token and length 0: no attention) and replays. Block
+    tables are `max_blocks` wide, enough for max_model_len, so any context fits one graph; the
+    attention kernels size their work from the lengths on the device, never from that width.
+    The logits returned are a view of the graph's output, valid until the next replay.
+    """
+
+    def __init__(
+        self,
+        step: Callable[..., torch.Tensor],
+        buckets: tuple[int, ...],
+        max_blocks: int,
+        kv_caches: list[torch.Tensor],
+    ) -> None:
+        device, rows = kv_caches[0].device, buckets[-1]
+        i64, i32 = (
+            {"dtype": torch.int64, "device": device},
+            {"dtype": torch.int32, "device": device},
+        )
+        self.input_ids = torch.zeros(rows, **i64)
+        self.positions = torch.zeros(rows, **i64)
+        self.slot_mapping = torch.full((rows,), -1, **i64)
+        self.block_tables = torch.zeros(rows, max_blocks, **i32)
+        self.query_start_loc = torch.zeros(rows + 1, **i32)
+        self.seq_lens = torch.zeros(rows, **i32)
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.outputs: dict[int, torch.Tensor] = {}
+        pool = torch.cuda.graph_pool_handle()
+        for size in sorted(buckets, reverse=True):
+            meta = self._metadata(size)
+            _mark_unbacked(meta)  # the graph the warm-up compiled, not a new one
+            args = (self.input_ids[:size], self.positions[:size], meta, kv_caches)
+            step(*args)  # all rows padding: stores and attends nothing
+            torch.cuda.synchronize(device)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                self.outputs[size] = step(*args)
+            self.graphs[size] = graph
+        torch.cuda.synchronize(device)
+
+    def _metadata(self, size: int) -> AttentionMetadata:
+        return AttentionMetadata(
+            slot_mapping=self.slot_mapping[:size],
+            block_tables=self.block_tables[:size],
+            query_start_loc=self.query_start_loc[: size + 1],
+            seq_lens=self.seq_lens[:size],
+            max_query_len=1,
+            max_seq_len=self.block_tables.shape[1],
+        )
+
+    def fits(self, attn: AttentionMetadata) -> bool:
+        """Whether this step's block tables fit the static ones (they do up to max_model_len)."""
+        return attn.block_tables.shape[1] <= self.block_tables.shape[1]
+
+    def replay(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        attn: AttentionMetadata,
+        size: int,
+    ) -> torch.Tensor:
+        """Logits [B, vocab] of B = len(input_ids) sequences through the graph of `size` rows."""
+        batch, width = input_ids.shape[0], attn.block_tables.shape[1]
+        self.input_ids[:batch].copy_(input_ids)
+        self.positions[:batch].copy_(positions)
+        self.slot_mapping[:batch].copy_(attn.slot_mapping)
+        self.block_tables[:batch, :width].copy_(attn.block_tables)
+        self.query_start_loc[: batch + 1].copy_(attn.query_start_loc)
+        self.seq_lens[:batch].copy_(attn.seq_lens)
+        if size > batch:
+            self.input_ids[batch:size].zero_()
+            self.positions[batch:size].zero_()
+            self.slot_mapping[batch:size].fill_(-1)
+            self.query_start_loc[batch + 1 : size + 1].fill_(batch)
+            self.seq_lens[batch:size].zero_()
+        self.graphs[size].replay()
+        return self.outputs[size][:batch]
 
 
 @functools.cache

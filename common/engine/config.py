@@ -17,8 +17,12 @@ class ModelConfig:
     """Where the weights are and how to run them.
 
     enforce_eager: True runs every step eagerly; False compiles decode steps (torch.compile,
-    one graph per batch bucket, built at start); None picks by device: compiled on CUDA, eager
-    on CPU, where a bucket of a 30-layer model takes about a minute to compile.
+    one graph per batch bucket, built at start, and on CUDA captured as CUDA graphs); None picks
+    by device: compiled on CUDA, eager on CPU, where a bucket of a 30-layer model takes about a
+    minute to compile.
+    load_format: "auto" reads the checkpoint's weights; "dummy" (vLLM's name) makes random
+    ones from config.json alone, on the device, seeded by `seed` (benchmarks of model shapes
+    whose weights are not at hand).
     """
 
     model_dir: str
@@ -26,6 +30,7 @@ class ModelConfig:
     device: str = "cpu"
     seed: int = 0
     enforce_eager: bool | None = None
+    load_format: str = "auto"
 
     def __post_init__(self) -> None:
         _require(self.dtype in _DTYPES, f"dtype must be one of {_DTYPES}, got {self.dtype!r}")
@@ -36,6 +41,10 @@ class ModelConfig:
         _require(
             self.enforce_eager is None or isinstance(self.enforce_eager, bool),
             f"enforce_eager must be a bool or None, got {self.enforce_eager!r}",
+        )
+        _require(
+            self.load_format in ("auto", "dummy"),
+            f"load_format must be 'auto' or 'dummy', got {self.load_format!r}",
         )
 
     @property

@@ -50,14 +50,24 @@ class LLM:
         kv_cache_bytes: int = 256 * 1024**2,
         skip_tokenizer_init: bool = False,
         enforce_eager: bool | None = None,
+        load_format: str = "auto",
+        gpu_memory_utilization: float = 0.85,
     ) -> None:
         self.engine = LLMEngine(
-            ModelConfig(model, dtype=dtype, device=device, seed=seed, enforce_eager=enforce_eager),
+            ModelConfig(
+                model,
+                dtype=dtype,
+                device=device,
+                seed=seed,
+                enforce_eager=enforce_eager,
+                load_format=load_format,
+            ),
             CacheConfig(
                 block_size=block_size,
                 num_blocks=num_blocks,
                 enable_prefix_caching=enable_prefix_caching,
                 kv_cache_bytes=kv_cache_bytes,
+                gpu_memory_utilization=gpu_memory_utilization,
             ),
             SchedulerConfig(
                 max_num_batched_tokens=max_num_batched_tokens,

@@ -53,7 +53,7 @@ class LLMEngine:
 
     def __init__(self, model: ModelConfig, cache: CacheConfig, scheduler: SchedulerConfig) -> None:
         self.model_config = model
-        self.runner = ModelRunner(model, cache, scheduler.max_num_seqs)
+        self.runner = ModelRunner(model, cache, scheduler.max_num_seqs, scheduler.max_model_len)
         self.kv = KVCacheManager(
             self.runner.num_blocks, cache.block_size, cache.enable_prefix_caching
         )

@@ -54,12 +54,21 @@ class ModelRunner:
     the compiled model (every bucket compiled here, at start); other steps run eager."""
 
     def __init__(
-        self, model_config: ModelConfig, cache_config: CacheConfig, max_num_seqs: int = 64
+        self,
+        model_config: ModelConfig,
+        cache_config: CacheConfig,
+        max_num_seqs: int = 64,
+        max_model_len: int | None = None,
     ) -> None:
         self.device = torch.device(model_config.device)
         self.dtype = _TORCH_DTYPES[model_config.dtype]
         self.block_size = cache_config.block_size
-        self.model, self.arch = load_model(model_config.model_dir, self.dtype, self.device)
+        dummy_seed = model_config.seed if model_config.load_format == "dummy" else None
+        self.model, self.arch = load_model(
+            model_config.model_dir, self.dtype, self.device, dummy_seed
+        )
+        if self.device.type == "cuda":
+            self.model.fuse_projections()  # wide GEMVs: decode steps read weights faster
         self.num_blocks = self._pool_size(cache_config)
         shape = (2, self.num_blocks, self.block_size, self.arch.num_kv_heads, self.arch.head_dim)
         self.kv_caches = [
@@ -76,7 +85,11 @@ class ModelRunner:
         self.overlap_masks = self.device.type != "cpu"
         self.compiled: CompiledDecode | None = None
         if model_config.compile_decode:
-            self.compiled = CompiledDecode(self.model, max_num_seqs)
+            longest = min(self.arch.max_position_embeddings, self.num_blocks * self.block_size)
+            if max_model_len is not None:
+                longest = min(longest, max_model_len)
+            width = -(-longest // self.block_size)
+            self.compiled = CompiledDecode(self.model, max_num_seqs, width)
             self.compiled.warm_up(self.kv_caches)
 
     def _pool_size(self, cache: CacheConfig) -> int:
@@ -225,19 +238,29 @@ class ModelRunner:
                 logit_indices.append(starts[-1] - 1)
         width = max(len(seq.block_ids) for seq in seqs)
         tables = [list(seq.block_ids) + [0] * (width - len(seq.block_ids)) for seq in seqs]
-        dev = self.device
+        longs = self._to_device([input_ids, positions, slots, logit_indices], torch.int64)
+        ints = self._to_device([starts, seq_lens, [b for row in tables for b in row]], torch.int32)
         attn = AttentionMetadata(
-            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
-            block_tables=torch.tensor(tables, dtype=torch.int32, device=dev),
-            query_start_loc=torch.tensor(starts, dtype=torch.int32, device=dev),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
+            slot_mapping=longs[2],
+            block_tables=ints[2].view(len(seqs), width),
+            query_start_loc=ints[0],
+            seq_lens=ints[1],
             max_query_len=max(len(s.token_ids) for s in seqs),
             max_seq_len=max(seq_lens),
         )
         return ForwardInputs(
-            input_ids=torch.tensor(input_ids, dtype=torch.int64, device=dev),
-            positions=torch.tensor(positions, dtype=torch.int64, device=dev),
+            input_ids=longs[0],
+            positions=longs[1],
             attn=attn,
-            logit_indices=torch.tensor(logit_indices, dtype=torch.int64, device=dev),
+            logit_indices=longs[3],
             sampled_seqs=tuple(seq for seq in seqs if seq.sample),
         )
+
+    def _to_device(self, lists: list[list[int]], dtype: torch.dtype) -> list[torch.Tensor]:
+        """Host lists as device tensors of one dtype: one host buffer and, on an accelerator,
+        one copy from pinned memory that does not wait for the device (torch's caching host
+        allocator keeps the buffer alive until the copy is done)."""
+        if self.device.type == "cpu":
+            return [torch.tensor(part, dtype=dtype) for part in lists]
+        flat = torch.tensor([x for part in lists for x in part], dtype=dtype).pin_memory()
+        return list(flat.to(self.device, non_blocking=True).split([len(p) for p in lists]))

@@ -26,30 +26,51 @@ _MAX_NAMES_IN_ERROR = 10
 
 
 def load_model(
-    model_dir: str | Path, dtype: torch.dtype, device: torch.device | str
+    model_dir: str | Path,
+    dtype: torch.dtype,
+    device: torch.device | str,
+    dummy_seed: int | None = None,
 ) -> tuple[LlamaFamilyForCausalLM, ModelArchConfig]:
     """Build the model described by model_dir/config.json and load its weights.
 
     Reads *.safetensors (one file, or shards listed in model.safetensors.index.json); only when
     there are none, pytorch_model.bin (or its shards) through torch.load(weights_only=True).
+    With `dummy_seed`, reads no weights: random ones are made on `device` from that seed.
     Returns the model in eval mode with gradients off, on `device`, in `dtype`.
     """
-    checkpoint = Checkpoint.resolve(model_dir)
     config = ModelArchConfig.from_dir(model_dir)
     with torch.device("meta"):
         model = LlamaFamilyForCausalLM(config)
     expected = {name: p.shape for name, p in model.named_parameters()}
-    state = {}
-    for name, tensor in _iter_checkpoint(checkpoint, config, expected):
-        if _ignored(name, config):
-            continue
-        state[name] = tensor.to(device=device, dtype=dtype)
+    if dummy_seed is not None:
+        state = _random_state(expected, dtype, torch.device(device), dummy_seed)
+    else:
+        state = {}
+        for name, tensor in _iter_checkpoint(Checkpoint.resolve(model_dir), config, expected):
+            if _ignored(name, config):
+                continue
+            state[name] = tensor.to(device=device, dtype=dtype)
     _check_names(expected, state, model_dir)
     model.load_state_dict(state, strict=True, assign=True)
     # Buffers (rope inv_freq) stay float32: HF computes rope in float32 whatever the dtype.
     model.to(device)
     model.requires_grad_(False)
     return model.eval(), config
+
+
+def _random_state(
+    shapes: dict[str, torch.Size], dtype: torch.dtype, device: torch.device, seed: int
+) -> dict[str, torch.Tensor]:
+    """Weights of the given shapes: norms 1, everything else N(0, 0.02) as HF initialises."""
+    gen = torch.Generator(device).manual_seed(seed)
+    state = {}
+    for name, shape in shapes.items():
+        if name.endswith("norm.weight"):
+            state[name] = torch.ones(shape, dtype=dtype, device=device)
+        else:
+            t = torch.empty(shape, dtype=dtype, device=device)
+            state[name] = t.normal_(0.0, 0.02, generator=gen)
+    return state
 
 
 def checkpoint_files(model_dir: Path) -> list[Path]:

@@ -13,6 +13,7 @@
 | multihost | TTFT through 1P1D on separate hosts with added KV-link latency (needs root) |
 | compile | compiled decode steps against eager ones and the weight-bandwidth floor |
 | multiturn | multi-turn chat: KV moved per turn and TTFT, colocated against three 1P1D setups |
+| gpu | one CUDA GPU: decode, prefill and attention against the measured floor, HF, KV transfer |
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ BENCHMARKS = {
     "multihost": ("multihost", "TTFT across hosts with added KV-link latency (root)"),
     "compile": ("compile", "compiled decode steps against eager and the bandwidth floor"),
     "multiturn": ("multiturn", "multi-turn chat: KV moved per turn, TTFT, P/D vs colocated"),
+    "gpu": ("gpu", "one CUDA GPU against its floor, HF generate, KV transfer (docs/gpu.md)"),
 }
 
 

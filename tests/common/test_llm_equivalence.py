@@ -1,4 +1,7 @@
-"""The offline engine against HF transformers `generate` (float32, CPU): token for token."""
+"""The offline engine against HF transformers `generate` (float32, CPU): token for token.
+
+The engine runs on PDSERVE_TEST_DEVICE (CPU by default; on CUDA its Triton kernels, compiled
+decode steps and CUDA graphs), HF on the CPU in float32 either way."""
 
 from __future__ import annotations
 
@@ -9,6 +12,7 @@ import torch
 
 from pdserve.common.engine.llm import LLM, SamplingParams
 from pdserve.tiny_model import make_tiny_model
+from tests.devices import engine_kwargs, require_device
 
 ARCHS = ("llama", "qwen2", "qwen3", "mistral")
 MAX_TOKENS = 10
@@ -70,8 +74,14 @@ def hf_greedy(model_dir: str) -> tuple[list[list[int]], list[list[float]]]:
 GREEDY = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True, logprobs=0)
 
 
-def run_engine(model_dir: str, **engine_kwargs) -> tuple[LLM, list]:
-    llm = LLM(model_dir, **engine_kwargs)
+def make_llm(model_dir: str, **kwargs) -> LLM:
+    """An engine on the test device (see `tests.devices.engine_kwargs`)."""
+    require_device()
+    return LLM(model_dir, **{**engine_kwargs(), **kwargs})
+
+
+def run_engine(model_dir: str, **kwargs) -> tuple[LLM, list]:
+    llm = make_llm(model_dir, **kwargs)
     outs = llm.generate(PROMPTS, GREEDY)
     llm.engine.check_integrity()
     assert llm.engine.kv.num_free_blocks == llm.engine.kv.pool.num_blocks - 1, "leaked blocks"
@@ -151,7 +161,7 @@ def test_logprobs_match_hf(model_dirs, arch):
 
 
 def test_top_logprobs_are_sorted_and_include_greedy_choice(model_dirs):
-    llm = LLM(model_dirs["llama"])
+    llm = make_llm(model_dirs["llama"])
     (out,) = llm.generate([PROMPTS[4]], SamplingParams(max_tokens=4, temperature=0, logprobs=3))
     for lp in out.logprobs:
         assert len(lp.top) == 3
@@ -160,7 +170,7 @@ def test_top_logprobs_are_sorted_and_include_greedy_choice(model_dirs):
 
 
 def test_seeded_sampling_is_reproducible_whatever_the_batch(model_dirs):
-    llm = LLM(model_dirs["mistral"], block_size=16, max_num_batched_tokens=64)
+    llm = make_llm(model_dirs["mistral"], block_size=16, max_num_batched_tokens=64)
     seeded = SamplingParams(max_tokens=12, temperature=0.9, top_p=0.95, seed=1234, ignore_eos=True)
     (alone,) = llm.generate([PROMPTS[5]], seeded)
     noise = SamplingParams(max_tokens=20, temperature=1.0, ignore_eos=True)
@@ -175,7 +185,7 @@ def test_seeded_sampling_is_reproducible_whatever_the_batch(model_dirs):
 
 
 def test_text_prompts_and_detokenized_output(model_dirs):
-    llm = LLM(model_dirs["llama"])
+    llm = make_llm(model_dirs["llama"])
     (out,) = llm.generate("the quick brown fox", SamplingParams(max_tokens=5, temperature=0))
     tok = llm.tokenizer
     assert out.prompt_token_ids == tok.encode("the quick brown fox")
@@ -184,7 +194,7 @@ def test_text_prompts_and_detokenized_output(model_dirs):
 
 
 def test_bad_input_is_rejected_without_breaking_the_engine(model_dirs):
-    llm = LLM(model_dirs["llama"], max_model_len=64)
+    llm = make_llm(model_dirs["llama"], max_model_len=64)
     with pytest.raises(ValueError, match="at most 64"):
         llm.generate([list(range(65))], GREEDY)
     with pytest.raises(ValueError, match="token ids"):

@@ -108,8 +108,10 @@ def _assert_close(ours: torch.Tensor, theirs: torch.Tensor) -> None:
     assert torch.equal(ours.argmax(-1), theirs.argmax(-1))
 
 
-def _check_against_hf(model_dir: Path) -> None:
+def _check_against_hf(model_dir: Path, fused: bool = False) -> None:
     model, config = load_model(model_dir, torch.float32, "cpu")
+    if fused:
+        model.fuse_projections()
     seq = PagedSequence(config, PROMPT_LEN, seed=1)
     expected = _hf_logits(model_dir, seq.token_ids)
     _assert_close(_step(model, [seq], [(0, PROMPT_LEN)]), expected)
@@ -131,6 +133,19 @@ def test_matches_hf(tiny_model_dir: Callable[..., Path], arch: str) -> None:
 def test_variant_matches_hf(tiny_model_dir: Callable[..., Path], variant: str) -> None:
     arch, overrides = VARIANTS[variant]
     _check_against_hf(tiny_model_dir(arch, **overrides))
+
+
+@pytest.mark.parametrize("variant", ["llama-bias-gqa1", "qwen3-wide-head", "qwen2-sliding"])
+def test_fused_projections_match_hf(tiny_model_dir: Callable[..., Path], variant: str) -> None:
+    """q/k/v and gate/up joined (as the runner does on GPUs): same logits, biases included."""
+    arch, overrides = VARIANTS[variant]
+    _check_against_hf(tiny_model_dir(arch, **overrides), fused=True)
+    model, _ = load_model(tiny_model_dir(arch, **overrides), torch.float32, "cpu")
+    model.fuse_projections()
+    names = {name for name, _ in model.named_parameters()}
+    assert "model.layers.0.self_attn.qkv_proj.weight" in names
+    assert "model.layers.0.mlp.gate_up_proj.weight" in names
+    assert not any(n.endswith(("q_proj.weight", "gate_proj.weight")) for n in names)
 
 
 def test_mixed_batch_chunk_and_decode(tiny_model_dir: Callable[..., Path]) -> None:
@@ -277,3 +292,27 @@ def test_load_casts_to_dtype(tiny_model_dir: Callable[..., Path]) -> None:
     assert not any(p.requires_grad for p in model.parameters())
     # Rope frequencies stay float32, as in HF, whatever the weights' dtype.
     assert model.model.rotary_emb.inv_freq.dtype == torch.float32
+
+
+def test_dummy_load_format_needs_only_config_json(
+    tiny_model_dir: Callable[..., Path], tmp_path: Path
+) -> None:
+    """vLLM's load_format="dummy": random weights from config.json alone, the same for the same
+    seed (every node of a benchmark deployment holds the same model), and it serves."""
+    from pdserve.common.engine.llm import LLM, SamplingParams
+
+    shutil.copy(tiny_model_dir("qwen2") / "config.json", tmp_path / "config.json")
+    first, second, other = (
+        LLM(str(tmp_path), load_format="dummy", skip_tokenizer_init=True, seed=s) for s in (3, 3, 4)
+    )
+    state = lambda llm: llm.engine.runner.model.state_dict()  # noqa: E731
+    a, b, c = state(first), state(second), state(other)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert not torch.equal(
+        a["model.layers.0.mlp.up_proj.weight"], c["model.layers.0.mlp.up_proj.weight"]
+    )
+    assert torch.equal(a["model.norm.weight"], torch.ones_like(a["model.norm.weight"]))
+    (out,) = first.generate([[1, 2, 3]], SamplingParams(max_tokens=4, temperature=0.0))
+    assert len(out.token_ids) == 4
+    with pytest.raises(ValueError, match="load_format"):
+        LLM(str(tmp_path), load_format="npz")

@@ -19,10 +19,12 @@ from pdserve.bench.multihost import HostCluster
 from pdserve.common.engine.llm import LLM, SamplingParams
 from pdserve.local_cluster import LocalCluster
 from pdserve.tiny_model import make_tiny_model
+from tests.devices import ON_CUDA, engine_flags, engine_kwargs
 
 VOCAB = 512
 MAX_TOKENS = 8
 ENGINE = ["--block-size", "16", "--max-num-batched-tokens", "96", "--max-model-len", "1100"]
+ENGINE += engine_flags()  # PDSERVE_TEST_DEVICE=cuda: every node on the GPU
 
 
 def make_prompts(n: int = 32, seed: int = 0) -> list[list[int]]:
@@ -46,7 +48,7 @@ def model_dir(tmp_path_factory) -> str:
 
 @pytest.fixture(scope="module")
 def reference(model_dir) -> list[list[int]]:
-    llm = LLM(model_dir, block_size=16)
+    llm = LLM(model_dir, block_size=16, **engine_kwargs())
     params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
     return [o.token_ids for o in llm.generate(PROMPTS, params)]
 
@@ -56,7 +58,8 @@ SEEDED = {"temperature": 1.0, "top_p": 0.9, "top_k": 50}  # sampled, seeded per 
 
 @pytest.fixture(scope="module")
 def seeded_reference(model_dir) -> list[list[int]]:
-    llm = LLM(model_dir, block_size=16)
+    # On the nodes' device: a seeded stream on CUDA is not the CPU's.
+    llm = LLM(model_dir, block_size=16, **engine_kwargs())
     return [
         llm.generate([p], SamplingParams(max_tokens=MAX_TOKENS, seed=i, ignore_eos=True, **SEEDED))[
             0
@@ -101,6 +104,17 @@ def assert_reports_clean(reports: dict, num_nodes: int) -> None:
         assert report["free_blocks"] == report["num_blocks"], f"{node} leaked blocks"
 
 
+def _nccl():
+    """NCCL puts no two ranks of one communicator on one GPU: a CUDA run needs two."""
+    marks = ()
+    if ON_CUDA:
+        import torch
+
+        if torch.cuda.device_count() < 2:
+            marks = pytest.mark.skip(reason="NCCL cannot pair two ranks on one GPU")
+    return pytest.param("nccl", 1, 1, marks=marks, id="nccl-1-1")
+
+
 def _nixl(num_p: int, num_d: int):
     """A nixl case, run where the nixl extra is installed (CI installs it)."""
     from pdserve.kv_transfer import TransferError
@@ -120,7 +134,8 @@ def deployment(model_dir: str, connector: str, num_p: int, num_d: int, logs: str
     namespaces, `pdserve.bench.hosts`) where this machine can build them and the connector
     crosses hosts; on loopback otherwise. Yields the router's URL and a check that every
     node's pool is clean."""
-    if num_p == num_d == 1 and connector != "shm" and skip_reason() is None:
+    # Network namespaces on a CPU machine only: one GPU's nodes run on one host (loopback).
+    if num_p == num_d == 1 and connector != "shm" and not ON_CUDA and skip_reason() is None:
         with Hosts(["router", "prefill", "decode"]) as hosts:
             c = HostCluster(hosts, model_dir, logs, ENGINE)
             try:
@@ -139,7 +154,7 @@ def deployment(model_dir: str, connector: str, num_p: int, num_d: int, logs: str
 
 @pytest.mark.parametrize(
     "connector,num_p,num_d",
-    [("zmq", 1, 1), ("nccl", 1, 1), ("shm", 1, 1), ("zmq", 2, 2), _nixl(1, 1), _nixl(2, 2)],
+    [("zmq", 1, 1), _nccl(), ("shm", 1, 1), ("zmq", 2, 2), _nixl(1, 1), _nixl(2, 2)],
 )
 def test_disaggregated_greedy_equals_colocated(
     model_dir, reference, seeded_reference, connector, num_p, num_d, tmp_path

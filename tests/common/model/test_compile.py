@@ -22,6 +22,7 @@ from pdserve.common.model.attention import AttentionMetadata
 from pdserve.common.node.cli import add_engine_args, engine_configs
 from pdserve.serve import _engine_flags, build_parser
 from tests.common.test_llm_equivalence import GREEDY, PROMPTS, VOCAB, assert_matches_hf
+from tests.devices import ON_CUDA, engine_kwargs, require_device
 
 MAX_SEQS = 4  # buckets 1, 2, 4: a batch of 3 runs padded to 4
 BLOCK_SIZE = 16
@@ -48,7 +49,10 @@ def model_dir(tiny_model_dir) -> str:
 
 @pytest.fixture(scope="module")
 def compiled(model_dir: str) -> LLM:
-    return LLM(model_dir, max_num_seqs=MAX_SEQS, enforce_eager=False, skip_tokenizer_init=True)
+    """On PDSERVE_TEST_DEVICE; on CUDA its buckets are also captured as CUDA graphs."""
+    require_device()
+    kwargs = {**engine_kwargs(), "max_num_seqs": MAX_SEQS}
+    return LLM(model_dir, enforce_eager=False, skip_tokenizer_init=True, **kwargs)
 
 
 def test_buckets_are_powers_of_two_up_to_max_num_seqs() -> None:
@@ -83,6 +87,7 @@ def decode_batch(runner: ModelRunner, contexts: list[int], first_block: int) -> 
 def test_compiled_logits_equal_eager_for_any_batch_composition(compiled: LLM) -> None:
     runner = compiled.engine.runner
     assert runner.compiled is not None and runner.compiled.num_compiles == 3  # the warm-up
+    assert (runner.compiled.graphs is not None) == ON_CUDA
     # Batch sizes that fit a bucket and ones padded up to it; contexts from one block to
     # several, so block tables and sequence lengths change shape between steps.
     for contexts in ([5], [40, 3], [17, 70, 2], [33, 1, 90, 16], [120, 64, 9]):
