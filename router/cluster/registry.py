@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from pdserve.common.engine.block_pool import hash_token_blocks
@@ -140,11 +141,16 @@ class LoopLag:
     A ticker task runs every `tick` seconds; a tick that comes late by more than `tick` is a
     stall, remembered for `window` seconds after it ended. A stall still going on (the ticker
     has not run for a while) counts too, so a task judging nodes right after the loop wakes
-    sees it before the ticker does."""
+    sees it before the ticker does.
 
-    def __init__(self, window: float, tick: float = 0.05) -> None:
+    The ticker reads the time from `clock` (seconds; a test passes a fake one)."""
+
+    def __init__(
+        self, window: float, tick: float = 0.05, clock: Callable[[], float] = time.monotonic
+    ) -> None:
         self.window = window
         self.tick = tick
+        self.clock = clock
         self._last: float | None = None  # the ticker's last run; None until it runs
         self._stalls: list[tuple[float, float]] = []  # (when it ended, how long it was)
 
@@ -161,21 +167,30 @@ class LoopLag:
         return max([0.0, ongoing, *(d for t, d in self._stalls if t > now - self.window)])
 
     async def run(self) -> None:
-        self._last = time.monotonic()
+        self._last = self.clock()
         while True:
             await asyncio.sleep(self.tick)
-            self.ticked(time.monotonic())
+            self.ticked(self.clock())
 
 
 class NodeRegistry:
     """Nodes by id, as they registered; a node is alive while it is heard from within
-    heartbeat_timeout, not counting the time the router's loop itself stood still (`lag`)."""
+    heartbeat_timeout, not counting the time the router's loop itself stood still (`lag`).
 
-    def __init__(self, heartbeat_timeout: float, default_max_model_len: int) -> None:
+    The timeout is judged by `clock` (seconds, the time base of the `now` given to add(); a
+    test passes a fake one), which the loop-lag ticker reads too."""
+
+    def __init__(
+        self,
+        heartbeat_timeout: float,
+        default_max_model_len: int,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.heartbeat_timeout = heartbeat_timeout
         self.default_max_model_len = default_max_model_len
         self.nodes: dict[str, NodeInfo] = {}
-        self.lag = LoopLag(window=heartbeat_timeout)
+        self.clock = clock
+        self.lag = LoopLag(window=heartbeat_timeout, clock=clock)
 
     def get(self, node_id: str) -> NodeInfo | None:
         return self.nodes.get(node_id)
@@ -201,7 +216,7 @@ class NodeRegistry:
     def alive(self, roles: tuple[str, ...]) -> list[NodeInfo]:
         """Nodes of these roles heard from within the heartbeat timeout (plus the router's
         own recent stall)."""
-        now = time.monotonic()
+        now = self.clock()
         cutoff = now - self.heartbeat_timeout - self.lag.recent(now)
         return [n for n in self.nodes.values() if n.role in roles and n.last_seen >= cutoff]
 

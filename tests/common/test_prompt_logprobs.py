@@ -9,7 +9,7 @@ import random
 import pytest
 import torch
 
-from pdserve.common.engine.llm import LLM
+from pdserve.common.engine.llm import LLM, RequestOutput
 from pdserve.common.engine.sampling_params import SamplingParams
 
 TOL = 1e-4
@@ -79,3 +79,27 @@ def test_max_tokens_zero_scores_the_prompt_and_generates_nothing(model_dir):
     assert not llm.engine.scheduler.requests
     with pytest.raises(ValueError, match="max_tokens"):
         SamplingParams(max_tokens=0)
+
+
+def test_a_prompt_preempted_mid_prefill_keeps_its_logprobs_whole(model_dir: str) -> None:
+    """A pool too small for both requests: the older one decodes on, so the prompt asking for
+    logprobs is preempted while it is prefilled (max_tokens 1: it never gets further) and
+    recomputed from scratch. Its prompt logprobs still come once per position, in order,
+    equal to those of a run without preemption."""
+    long, short = prompts()[2], prompts()[1][:4]
+    params = [
+        SamplingParams(max_tokens=12, ignore_eos=True),
+        SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=2),
+    ]
+
+    def run(num_blocks: int | None) -> RequestOutput:
+        llm = LLM(model_dir, block_size=4, num_blocks=num_blocks, max_num_batched_tokens=16)
+        return llm.generate([short, long], params)[1]
+
+    want, got = run(None), run(17)  # 17 blocks of 4: the long prompt alone just fits
+    assert want.num_preemptions == 0 and got.num_preemptions > 0
+    assert len(got.prompt_logprobs) == len(long) and got.prompt_logprobs[0] is None
+    assert [lp.token_id for lp in got.prompt_logprobs[1:]] == long[1:]
+    for p, (a, b) in enumerate(zip(got.prompt_logprobs[1:], want.prompt_logprobs[1:]), start=1):
+        assert abs(a.logprob - b.logprob) < TOL and a.rank == b.rank, p
+        assert [t for t, _ in a.top] == [t for t, _ in b.top], p

@@ -1,4 +1,5 @@
-"""Sampler: greedy, bans, truncation, seeded reproducibility, distribution, logprobs."""
+"""Sampler: greedy, bans (and the step min_tokens lifts them), grammar masks in a mixed batch,
+truncation, seeded reproducibility, distribution, logprobs."""
 
 from __future__ import annotations
 
@@ -7,8 +8,12 @@ import math
 import pytest
 import torch
 
+from pdserve.common.engine.config import SchedulerConfig
+from pdserve.common.engine.kv_cache_manager import KVCacheManager
+from pdserve.common.engine.request import FinishReason, Request
 from pdserve.common.engine.sampler import Sampler, SamplingRow, make_generator, skip_draws
 from pdserve.common.engine.sampling_params import SamplingParams
+from pdserve.common.engine.scheduler import SampledToken, Scheduler
 
 VOCAB = 64
 
@@ -60,6 +65,70 @@ def test_bans_do_not_touch_caller_logits() -> None:
     assert torch.equal(logits, before)
 
 
+EOS, STOP, FILLER = 3, 7, 12
+
+
+@pytest.mark.parametrize("favourite", [EOS, STOP], ids=["eos", "stop_id"])
+@pytest.mark.parametrize("min_tokens", [0, 1, 3])
+def test_eos_and_stop_ids_are_banned_until_exactly_min_tokens(
+    min_tokens: int, favourite: int
+) -> None:
+    """The scheduler's bans, applied by the sampler, step by step: a model that always wants
+    to stop (on EOS or on a stop id, the other one next best) says FILLER while fewer than
+    min_tokens tokens are out, and stops at the very step whose count reaches min_tokens."""
+    scheduler = Scheduler(SchedulerConfig(), KVCacheManager(16, 4), max_model_len=64)
+    params = SamplingParams(
+        max_tokens=8, min_tokens=min_tokens, temperature=0.0, stop_token_ids=(STOP,)
+    )
+    request = Request("r", [1, 2], params, eos_token_ids=(EOS,))
+    scheduler.add_request(request)
+    logits = torch.zeros(1, VOCAB)
+    # Both stop kinds beat FILLER: a ban that misses either lets it through.
+    logits[0, [favourite, EOS + STOP - favourite, FILLER]] = torch.tensor([3.0, 2.0, 1.0])
+    sampler = Sampler(seed=0)
+    while scheduler.has_unfinished:
+        out = scheduler.schedule()
+        seqs = [seq for seq in out.seqs if seq.sample]
+        rows = [SamplingRow(seq.sampling, None, seq.banned_token_ids) for seq in seqs]
+        chosen = sampler(logits.expand(len(rows), -1), rows).token_ids
+        sampled = {s.request_id: SampledToken(s.request_id, t) for s, t in zip(seqs, chosen)}
+        scheduler.update(out, sampled)
+    assert request.output_token_ids == [FILLER] * min_tokens + [favourite]
+    assert request.finish_reason is FinishReason.STOP
+
+
+def test_mixed_batch_keeps_each_constrained_rows_mask() -> None:
+    """Only some rows under a grammar (the mask names rows 0, 2 and 4 of five): each takes
+    only its own allowed tokens, greedy, sampled or truncated, all of them reachable, and the
+    free rows draw what they draw alone."""
+    logits = _logits(5, seed=8)
+    logits[:, 0] = 20.0  # every row's favourite and no grammar's: a lost mask picks it
+    allowed = {0: [5, 9], 2: [9, 20, 33], 4: [40, 41]}  # distinct sets: a swap shows too
+    logits[0, [5, 9]] = torch.tensor([0.5, 1.0])  # greedy under its mask: 9
+    logits[2, [9, 20, 33]] = 0.0  # evenly likely, so a few draws reach each
+    logits[4, [40, 41]] = 0.0
+    mask = torch.zeros(len(allowed), VOCAB, dtype=torch.bool)
+    for k, tokens in enumerate(allowed.values()):
+        mask[k, tokens] = True
+
+    def rows() -> list[SamplingRow]:  # fresh generators: each run starts from its seeds
+        greedy, free_greedy = _row(temperature=0.0), _row(temperature=0.0)
+        return [greedy, free_greedy, _row(seed=1), _row(seed=2), _row(seed=3, top_k=2)]
+
+    sampler, batch, steps = Sampler(seed=0), rows(), 40
+    drawn: list[list[int]] = [[] for _ in batch]
+    for _ in range(steps):
+        out = sampler(logits, batch, (list(allowed), mask))
+        for i, token in enumerate(out.token_ids):
+            drawn[i].append(token)
+    assert drawn[0] == [9] * steps
+    for i in (2, 4):
+        assert set(drawn[i]) == set(allowed[i]), (i, drawn[i])
+    assert drawn[1] == [0] * steps
+    free = rows()[3]
+    assert drawn[3] == [sampler(logits[3:4], [free]).token_ids[0] for _ in range(steps)]
+
+
 @pytest.mark.parametrize(
     "truncation", [{"top_k": 1}, {"top_p": 1e-6}, {"min_p": 1.0}], ids=["top_k", "top_p", "min_p"]
 )
@@ -93,6 +162,21 @@ def test_sampled_tokens_stay_inside_top_p_nucleus() -> None:
     for seed in range(300):
         (token,) = Sampler(seed=0)(logits, [_row(seed=seed, top_p=top_p)]).token_ids
         assert token in allowed
+
+
+@pytest.mark.parametrize("top_p, size", [(0.5, 1), (0.6, 2), (0.75, 2), (0.8, 3)])
+def test_top_p_keeps_the_whole_nucleus_and_nothing_past_it(top_p: float, size: int) -> None:
+    """Many draws reach every token of the smallest head whose mass reaches top_p, and none
+    past it: the token whose mass crosses top_p stays (0.6, 0.8), and a head whose mass is
+    top_p exactly is the whole nucleus (0.5, 0.75: these masses add up exactly in float)."""
+    probs = torch.tensor([0.0625, 0.5, 0.125, 0.0625, 0.25])
+    ranked = [1, 4, 2]  # then 0 and 3, tied: no boundary falls between them
+    logits = probs.log()[None, :]
+    assert logits[0].softmax(dim=-1).tolist() == probs.tolist()  # exact: boundaries need it
+    draws = 2000  # the rarest kept token (1/7 of size 3) shows up all but surely
+    rows = [_row(top_p=top_p)] * draws  # unseeded: one draw from the sampler's generator
+    drawn = Sampler(seed=0)(logits.expand(draws, -1), rows).token_ids
+    assert set(drawn) == set(ranked[:size])
 
 
 def test_seeded_rows_do_not_depend_on_the_batch() -> None:

@@ -358,3 +358,24 @@ def test_a_long_prefill_leaves_running_decodes_their_token_each_step():
     h.run()
     assert long.num_output_tokens == 1
     h.done()
+
+
+@pytest.mark.parametrize("left", [1, 0])
+def test_waiting_prompt_takes_the_last_token_of_budget(left: int) -> None:
+    """With chunked prefill a waiting prompt starts with whatever budget is left, even a
+    single token; with none left it waits for the next step."""
+    h = Harness(max_num_batched_tokens=8)
+    h.add("a", range(8 - left), max_tokens=1)
+    b = h.add("b", range(100, 105), max_tokens=1)
+    out = h.step()
+    sizes = [(s.request_id, len(s.token_ids)) for s in out.seqs]
+    assert out.num_batched_tokens == 8
+    if left:
+        assert sizes == [("a", 7), ("b", 1)] and not out.seqs[1].sample
+        assert b.status is RequestStatus.RUNNING and b.num_computed_tokens == 1
+    else:
+        assert sizes == [("a", 8)]
+        assert b.status is RequestStatus.WAITING and b.num_computed_tokens == 0
+    h.run()
+    assert b.num_output_tokens == 1
+    h.done()

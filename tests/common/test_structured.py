@@ -96,6 +96,25 @@ def test_every_constraint_holds_in_every_sampling_mode(llm, mode):
     assert finished >= 6, "most outputs must end inside max_tokens to be checked"
 
 
+def test_a_batch_mixing_constrained_and_free_requests_keeps_every_mask(llm):
+    """Constrained and free requests sampled in the same steps: the mask covers only some rows
+    of the batch (bitmask rows to their requests' logits rows). Each constrained output follows
+    its own constraint, and the free ones are what they are alone."""
+    prompts = ["Answer:", "Say something:", "Describe it:", "Once upon a time"]
+    params = [
+        SamplingParams(max_tokens=40, structured_outputs=CONSTRAINTS["regex"], **MODES["greedy"]),
+        SamplingParams(max_tokens=12, **MODES["greedy"]),
+        SamplingParams(max_tokens=40, structured_outputs=CONSTRAINTS["grammar"], **MODES["top_p"]),
+        SamplingParams(max_tokens=12, **MODES["temperature"]),
+    ]
+    outs = llm.generate(prompts, params)
+    for out, kind in ((outs[0], "regex"), (outs[2], "grammar")):
+        assert out.finish_reason == "stop" and valid(kind, out.text), (kind, out.text)
+    for i in (1, 3):
+        (alone,) = llm.generate([prompts[i]], params[i])
+        assert outs[i].token_ids == alone.token_ids, i
+
+
 def test_a_grammar_rebuilt_from_generated_tokens_goes_on_the_same(llm):
     """A decode node gets the prefill node's first token (or a resumed request its streamed
     ones) and rebuilds the matcher from them: the rest equals the uninterrupted output."""

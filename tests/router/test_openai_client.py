@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import asyncio
 import socket
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any
 
 import httpx
@@ -14,11 +15,13 @@ import pytest
 import uvicorn
 
 from pdserve.router.app import create_app
+from pdserve.router.backend import GenerateRequest, TokenEvent
 from tests.router.fake_backend import FakeBackend, tiny_tokenizer
 
 MODEL = "tiny-llama"
 API_KEY = "test-key"
 TIMEOUT_S = 10.0
+HOLD_S = 30.0  # the longest a test holds the backend's later tokens back (real seconds)
 
 
 class _ServerThread:
@@ -140,15 +143,37 @@ def test_errors_arrive_as_openai_exceptions(client: openai.OpenAI, server: _Serv
 
 
 def test_first_token_is_sent_before_the_rest_exists(
-    client: openai.OpenAI, backend: FakeBackend
+    client: openai.OpenAI, backend: FakeBackend, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    backend.token_delay = 1.5  # the second token comes long after the first
-    started = time.monotonic()
-    stream = client.completions.create(model=MODEL, prompt="Hello", max_tokens=2, stream=True)
-    first = next(c for c in stream if c.choices and c.choices[0].text)
-    assert time.monotonic() - started < 1.0, "the first token waited for the second"
-    assert first.choices[0].finish_reason is None
-    stream.close()
+    """The backend makes the second token only once the client has the first (or after
+    HOLD_S, so that a router that waits for the rest fails here rather than hanging)."""
+    release = threading.Event()  # the client has the first token: the backend may go on
+    rest_made = threading.Event()  # the backend went on past its first token
+    generate = backend.generate
+
+    async def first_then_held(request: GenerateRequest) -> AsyncIterator[TokenEvent]:
+        events = generate(request)
+        try:
+            yield await anext(events)
+            await asyncio.to_thread(release.wait, HOLD_S)
+            rest_made.set()
+            async for event in events:
+                yield event
+        finally:
+            await events.aclose()
+
+    monkeypatch.setattr(backend, "generate", first_then_held)
+    try:
+        stream = client.with_options(timeout=2 * HOLD_S).completions.create(
+            model=MODEL, prompt="Hello", max_tokens=2, stream=True
+        )
+        first = next(c for c in stream if c.choices and c.choices[0].text)
+        assert not rest_made.is_set(), "the first token waited for the second"
+        assert first.choices[0].finish_reason is None
+        release.set()
+        stream.close()
+    finally:
+        release.set()  # a failed test leaves no backend request waiting
 
 
 def test_closing_a_stream_aborts_the_request(client: openai.OpenAI, backend: FakeBackend):

@@ -6,12 +6,35 @@ from __future__ import annotations
 import asyncio
 import gc
 import time
+from collections.abc import Callable
 
 from pdserve.common.process import freeze_startup_heap
 from pdserve.common.wire.messages import RegisterNode
 from pdserve.router.cluster.registry import LoopLag, NodeRegistry
 
 TIMEOUT = 1.0
+WAIT_S = 30.0  # how long a test waits for its event loop to do something (real seconds)
+
+
+class FakeClock:
+    """The registry's clock, moved by the test: its time passes only in advance()."""
+
+    def __init__(self, now: float = 1000.0) -> None:
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now
+
+    def advance(self, seconds: float) -> None:
+        self.now += seconds
+
+
+async def until(condition: Callable[[], bool], what: str) -> None:
+    """Let the event loop run until condition() holds (failing after WAIT_S real seconds)."""
+    deadline = time.monotonic() + WAIT_S
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        await asyncio.sleep(0.01)
 
 
 def register(reg: NodeRegistry, node_id: str, seen: float) -> None:
@@ -29,10 +52,10 @@ def register(reg: NodeRegistry, node_id: str, seen: float) -> None:
 
 
 def test_a_node_silent_past_the_timeout_is_dead_without_a_ticker():
-    reg = NodeRegistry(TIMEOUT, 128)
-    now = time.monotonic()
-    register(reg, "fresh", now)
-    register(reg, "silent", now - TIMEOUT - 0.5)
+    clock = FakeClock()
+    reg = NodeRegistry(TIMEOUT, 128, clock=clock)
+    register(reg, "fresh", clock())
+    register(reg, "silent", clock() - TIMEOUT - 0.5)
     assert [n.node_id for n in reg.alive(("decode",))] == ["fresh"]
 
 
@@ -48,23 +71,27 @@ def test_a_stall_of_the_loop_is_not_held_against_the_nodes():
     assert lag.recent(t0 + 2.0 + 39 * 0.05) < 0.05  # forgotten after the window
 
 
-def test_registry_after_a_real_stall_of_its_loop():
-    """A heartbeat read just before a 1.5 s stall: right after it the node is still alive
-    (its later heartbeats are waiting to be read); a node silent for longer than the stall
-    plus the timeout is dead."""
+def test_registry_after_a_stall_of_its_loop():
+    """A heartbeat read just before a 1.5 s stall of the router's loop (its clock moves on
+    while no task runs, as in a long garbage collection): right after the stall, and once the
+    ticker has run again, the node is still alive (its later heartbeats are waiting to be
+    read); a node silent for longer than the stall plus the timeout is dead."""
 
     async def scenario() -> tuple[list[str], list[str]]:
-        reg = NodeRegistry(TIMEOUT, 128)
+        clock = FakeClock()
+        reg = NodeRegistry(TIMEOUT, 128, clock=clock)
         ticker = asyncio.create_task(reg.lag.run())
-        await asyncio.sleep(0.2)
-        now = time.monotonic()
-        register(reg, "live", now)
-        register(reg, "dead", now - TIMEOUT - 2.0)
-        time.sleep(1.5)  # the event loop stands still (as in a long garbage collection)
-        during = [n.node_id for n in reg.alive(("decode",))]
-        await asyncio.sleep(0.1)  # the ticker has run again: the stall is remembered
-        after = [n.node_id for n in reg.alive(("decode",))]
-        ticker.cancel()
+        try:
+            await until(lambda: reg.lag._last is not None, "the ticker to start")
+            register(reg, "live", clock())
+            register(reg, "dead", clock() - TIMEOUT - 2.0)
+            clock.advance(1.5)  # the event loop stands still: no await until it is over
+            during = [n.node_id for n in reg.alive(("decode",))]
+            woke = clock()
+            await until(lambda: reg.lag._last == woke, "the ticker to run after the stall")
+            after = [n.node_id for n in reg.alive(("decode",))]  # the stall is remembered
+        finally:
+            ticker.cancel()
         return during, after
 
     during, after = asyncio.run(scenario())

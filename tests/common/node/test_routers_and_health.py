@@ -13,6 +13,7 @@ import zmq
 
 from pdserve.common.engine.config import CacheConfig, ModelConfig, SchedulerConfig
 from pdserve.common.engine.sampling_params import SamplingParams
+from pdserve.common.node import loop
 from pdserve.common.node.config import NodeConfig
 from pdserve.common.node.health import LIVE_PATH, METRICS_PATH, NODE_METRICS, READY_PATH
 from pdserve.common.node.loop import EngineNode, advertise_host
@@ -32,6 +33,32 @@ from pdserve.decode_node.node import DecodeNode
 from pdserve.local_cluster import free_port
 
 SAMPLING = sampling_to_wire(SamplingParams(max_tokens=2))
+WAIT_S = 30.0  # how long a test waits for the node to handle what was sent (real seconds)
+
+
+class FakeClock:
+    """Stands in for the time module in the node's loop: monotonic() is a time the test moves
+    (advance()), so leases and stalls time out only when the test says so."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def monotonic(self) -> float:
+        return self.now
+
+    def advance(self, seconds: float) -> None:
+        self.now += seconds
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(time, name)  # anything else is the real time module's
+
+
+@pytest.fixture()
+def clock(monkeypatch: pytest.MonkeyPatch) -> FakeClock:
+    """The node loop's clock, faked for the test (ask for it before the node)."""
+    fake = FakeClock()
+    monkeypatch.setattr(loop, "time", fake)
+    return fake
 
 
 class Router:
@@ -76,7 +103,7 @@ def decode_node(tiny_model_dir, routers) -> Iterator[DecodeNode]:
     node.close()
 
 
-def turn(node: EngineNode, routers: list[Router], until, timeout: float = 5.0) -> None:
+def turn(node: EngineNode, routers: list[Router], until, timeout: float = WAIT_S) -> None:
     """Run the node's message handling (and lease expiry) until `until()` holds."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -104,7 +131,7 @@ def test_a_node_registers_with_every_router_and_answers_each_on_its_own_link(dec
     assert decode_node.owner == {"from-a": 0, "from-b": 1}
 
 
-def test_leases_are_per_router(decode_node, routers):
+def test_leases_are_per_router(clock, decode_node, routers):
     """Router A renewing B's request does not keep it: when B stops renewing (it died), its
     request is freed while A's lives on."""
     a, b = routers
@@ -113,11 +140,15 @@ def test_leases_are_per_router(decode_node, routers):
     a.send(ReserveKV("ra", (1, 2, 3), SAMPLING))
     b.send(ReserveKV("rb", (4, 5, 6), SAMPLING))
     turn(decode_node, routers, lambda: a.of(Reserved) and b.of(Reserved))
-    deadline = time.monotonic() + 1.5  # three lease timeouts
-    while time.monotonic() < deadline:
+    lease_timeout = decode_node.config.lease_timeout
+
+    def renewed_now() -> bool:
+        return decode_node.leases.get("ra") == clock.monotonic() + lease_timeout
+
+    for _ in range(4):  # past three lease timeouts, A renewing within each
+        clock.advance(0.8 * lease_timeout)
         a.send(Lease(("ra", "rb")))  # A names B's request too: it must not count
-        turn(decode_node, routers, lambda: True)
-        time.sleep(0.05)
+        turn(decode_node, routers, renewed_now)  # until the node has taken A's renewal
     live = decode_node.engine.scheduler.requests
     assert "ra" in live and "rb" not in live
     decode_node.engine.abort("ra")
@@ -146,7 +177,7 @@ def test_the_advertised_address() -> None:
     assert advertise_host(config(host="0.0.0.0")) == "127.0.0.1"
 
 
-def test_the_health_endpoint(tiny_model_dir, routers):
+def test_the_health_endpoint(clock, tiny_model_dir, routers):
     model = ModelConfig(str(tiny_model_dir("llama")))
     port = free_port()
     config = NodeConfig((routers[0].addr,), node_id="d1", health_port=port, stall_timeout=0.5)
@@ -166,7 +197,7 @@ def test_the_health_endpoint(tiny_model_dir, routers):
         assert 'pdserve_node_free_kv_blocks{node_id="d1",role="decode"} 15.0' in metrics
         node.drain()
         assert httpx.get(url + READY_PATH).status_code == 503  # draining: out of rotation
-        time.sleep(0.6)  # the loop made no progress for stall_timeout
+        clock.advance(0.6)  # the loop made no progress for stall_timeout
         assert httpx.get(url + LIVE_PATH).status_code == 503
         assert httpx.get(url + "/nope").status_code == 404
     finally:
