@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import hashlib
 import importlib
+import importlib.util
 import logging
 import os
 import threading
@@ -119,13 +120,23 @@ class KVSettled(Message):
 # -- the process's agent ------------------------------------------------------------------------
 
 
+def nixl_installed() -> bool:
+    """Whether a package that ships NIXL's bindings is installed, whether it imports or not."""
+    return any(importlib.util.find_spec(name.partition(".")[0]) for name in _NIXL_MODULES)
+
+
 def load_nixl() -> Any:
-    """NIXL's Python API module; TransferError naming the extra when it is not installed."""
+    """NIXL's Python API module. TransferError naming the extra when it is not installed, and
+    naming the import error when it is installed but does not load (a broken install must not
+    pass for a missing one)."""
     for name in _NIXL_MODULES:
+        package = name.partition(".")[0]
+        if importlib.util.find_spec(package) is None:
+            continue
         try:
             api = importlib.import_module(name)
-        except ImportError:
-            continue
+        except ImportError as e:
+            raise TransferError(f"NIXL ({package}) is installed but does not load: {e}") from e
         # NIXL's Python logger prints INFO lines to stdout; a node's stdout is not a log.
         nixl_log = logging.getLogger("nixl")
         for handler in list(nixl_log.handlers):

@@ -4,7 +4,7 @@ happened to each request, and how long recovery took, into docs/reliability.md.
     pdserve bench reliability [--out docs/reliability.md] [--requests 100]
     python scripts/reliability_report.py ...      # the same, as the docs cite it
 
-The scenarios run on pdserve.bench.faults, the harness the tests assert with.
+The scenarios run on pdserve.testbed.faults, the harness the tests assert with.
 """
 
 from __future__ import annotations
@@ -16,7 +16,6 @@ import tempfile
 import time
 from pathlib import Path
 
-from pdserve.bench import faults as fh
 from pdserve.bench.report import (
     add_docs_dir_flag,
     default_docs_dir,
@@ -26,6 +25,7 @@ from pdserve.bench.report import (
     write_section,
 )
 from pdserve.common.node.cli import parser
+from pdserve.testbed import faults as fh
 from pdserve.tiny_model import make_tiny_model
 
 

@@ -14,12 +14,13 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from pdserve.bench.hosts import Hosts, skip_reason
-from pdserve.bench.multihost import HostCluster
 from pdserve.common.engine.llm import LLM, SamplingParams
 from pdserve.local_cluster import LocalCluster
+from pdserve.testbed.cluster import HostCluster
+from pdserve.testbed.hosts import Hosts, skip_reason
 from pdserve.tiny_model import make_tiny_model
 from tests.devices import ON_CUDA, engine_flags, engine_kwargs
+from tests.kv_transfer.helpers import needs_nixl
 
 VOCAB = 512
 MAX_TOKENS = 8
@@ -117,21 +118,13 @@ def _nccl():
 
 def _nixl(num_p: int, num_d: int):
     """A nixl case, run where the nixl extra is installed (CI installs it)."""
-    from pdserve.kv_transfer import TransferError
-    from pdserve.kv_transfer.nixl_connector import load_nixl
-
-    try:
-        load_nixl()
-        marks = ()
-    except TransferError:
-        marks = pytest.mark.skip(reason="nixl extra not installed: pip install 'pdserve[nixl]'")
-    return pytest.param("nixl", num_p, num_d, marks=marks, id=f"nixl-{num_p}-{num_d}")
+    return pytest.param("nixl", num_p, num_d, marks=needs_nixl, id=f"nixl-{num_p}-{num_d}")
 
 
 @contextlib.contextmanager
 def deployment(model_dir: str, connector: str, num_p: int, num_d: int, logs: str):
     """The cluster a case runs on: one prefill and one decode node on two hosts (network
-    namespaces, `pdserve.bench.hosts`) where this machine can build them and the connector
+    namespaces, `pdserve.testbed.hosts`) where this machine can build them and the connector
     crosses hosts; on loopback otherwise. Yields the router's URL and a check that every
     node's pool is clean."""
     # Network namespaces on a CPU machine only: one GPU's nodes run on one host (loopback).

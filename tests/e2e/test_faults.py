@@ -14,8 +14,9 @@ import time
 
 import pytest
 
-from pdserve.bench import faults as fh
+from pdserve.testbed import faults as fh
 from pdserve.tiny_model import make_tiny_model
+from tests.kv_transfer.helpers import needs_nixl
 
 VOCAB = 512
 
@@ -145,20 +146,6 @@ def test_sigterm_drains_a_decode_node(model_dir, load):
 # times out (3 s here) before the blocks come back.
 
 
-def _nixl_installed() -> bool:
-    from pdserve.kv_transfer import TransferError
-    from pdserve.kv_transfer.nixl_connector import load_nixl
-
-    try:
-        load_nixl()
-    except TransferError:
-        return False
-    return True
-
-
-needs_nixl = pytest.mark.skipif(
-    not _nixl_installed(), reason="nixl extra not installed: pip install 'pdserve[nixl]'"
-)
 NIXL = {"kv_connector": "nixl", "node_extra": ("--kv-fence-timeout", "3")}
 
 

@@ -15,9 +15,8 @@ from typing import Any
 import pytest
 import torch
 
-from pdserve.kv_transfer import KVLayout, KVReceiver, TransferError, create_receiver
-from pdserve.kv_transfer.nixl_connector import load_nixl
-from tests.kv_transfer.helpers import Pump, SenderProcess, make_caches
+from pdserve.kv_transfer import KVLayout, KVReceiver, create_receiver
+from tests.kv_transfer.helpers import Pump, SenderProcess, make_caches, needs_nixl
 
 LAYOUT = KVLayout("tiny-llama", "float32", num_layers=3, num_kv_heads=2, head_dim=8, block_size=4)
 SRC_BLOCKS, DST_BLOCKS = 20, 24
@@ -27,20 +26,7 @@ RECEIVER_OPTS: dict[str, dict[str, Any]] = {"shm": {"staging_bytes": 3 * LAYOUT.
 SENDER_OPTS: dict[str, dict[str, Any]] = {"nixl": {"announce_timeout": 1.0}}
 
 
-def _nixl_installed() -> bool:
-    try:
-        load_nixl()
-    except TransferError:
-        return False
-    return True
-
-
-NIXL = pytest.param(
-    "nixl",
-    marks=pytest.mark.skipif(
-        not _nixl_installed(), reason="nixl extra not installed: pip install 'pdserve[nixl]'"
-    ),
-)
+NIXL = pytest.param("nixl", marks=needs_nixl)
 
 
 @pytest.fixture(scope="module", params=["zmq", "nccl", "shm", NIXL])

@@ -288,3 +288,24 @@ def test_a_receiver_restarted_at_the_same_address_gets_a_new_handshake() -> None
         thread.join(timeout=5.0)
         port.close()
         recv.close()
+
+
+def test_an_installed_nixl_that_does_not_load_is_named_not_taken_for_absent(
+    tmp_path, monkeypatch
+) -> None:
+    """A broken NIXL install must fail loudly (tests that need nixl then fail, not skip)."""
+    import sys
+
+    from pdserve.kv_transfer.nixl_connector import load_nixl, nixl_installed
+
+    package = tmp_path / "nixl_cu12"
+    package.mkdir()
+    (package / "__init__.py").write_text(
+        "raise ImportError('libucp.so.0: cannot open shared object')"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    for name in [m for m in sys.modules if m.startswith("nixl_cu12")]:
+        monkeypatch.delitem(sys.modules, name)
+    assert nixl_installed()
+    with pytest.raises(TransferError, match=r"nixl_cu12\) is installed but does not load.*libucp"):
+        load_nixl()

@@ -1,4 +1,4 @@
-"""pdserve across hosts: every role in its own network namespace (`pdserve.bench.hosts`), as
+"""pdserve across hosts: every role in its own network namespace (`pdserve.testbed.hosts`), as
 `pdserve router|prefill|decode` processes talking over a bridge, against the colocated engine.
 
 Nodes bind 0.0.0.0 and advertise the address of their own interface (the default of
@@ -19,9 +19,9 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 
-from pdserve.bench.hosts import Hosts, netem_reason, skip_reason
-from pdserve.bench.multihost import KV_PORT, HostCluster
 from pdserve.common.engine.llm import LLM, SamplingParams
+from pdserve.testbed.cluster import KV_PORT, HostCluster
+from pdserve.testbed.hosts import Hosts, netem_reason, skip_reason
 from pdserve.tiny_model import make_tiny_model
 
 pytestmark = pytest.mark.skipif(skip_reason() is not None, reason=f"no hosts: {skip_reason()}")

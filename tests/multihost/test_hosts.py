@@ -1,4 +1,4 @@
-"""pdserve.bench.hosts: hosts as network namespaces, their links, teardown, and DelayProxy.
+"""pdserve.testbed.hosts: hosts as network namespaces, their links, teardown, and DelayProxy.
 
 Needs root and iproute2; every test that builds hosts skips with `skip_reason()` elsewhere.
 Timings are lower bounds only (a slow machine never fails a test).
@@ -17,8 +17,8 @@ import time
 
 import pytest
 
-from pdserve.bench import hosts as hosts_mod
-from pdserve.bench.hosts import DelayProxy, Hosts, HostsError, netem_reason, skip_reason
+from pdserve.testbed import hosts as hosts_mod
+from pdserve.testbed.hosts import DelayProxy, Hosts, HostsError, netem_reason, skip_reason
 
 # argv: BIND PORT. Echoes each connection until EOF, then half-closes it.
 ECHO = r"""
@@ -254,7 +254,7 @@ def test_delay_proxy_adds_the_delay_and_keeps_bytes(hosts: Hosts) -> None:
         got, _ = roundtrip("127.0.0.1", proxy.port, payload, timeout=30)
         assert got == payload
     assert proxy.counters() == {"up": 2 + len(payload), "down": 2 + len(payload), "connections": 2}
-    # Inside host b, as its own process (python -m pdserve.bench.hosts proxy ...).
+    # Inside host b, as its own process (python -m pdserve.testbed.hosts proxy ...).
     remote = hosts.start_proxy("b", 7100, "a", 7004, delay)
     assert (remote.addr, remote.port) == (hosts.addr("b"), 7100)
     got, seconds = roundtrip(remote.addr, remote.port, b"hi")

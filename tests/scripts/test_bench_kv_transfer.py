@@ -12,23 +12,14 @@ from typing import Any
 
 import pytest
 
+from pdserve.kv_transfer.nixl_connector import nixl_installed
+
 REPO = Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "scripts" / "bench_kv_transfer.py"
 
 
-def _nixl_installed() -> bool:
-    from pdserve.kv_transfer import TransferError
-    from pdserve.kv_transfer.nixl_connector import load_nixl
-
-    try:
-        load_nixl()
-    except TransferError:
-        return False
-    return True
-
-
 # nixl runs where its extra is installed (CI installs it); elsewhere it is skipped, and said so.
-CONNECTORS = {"zmq", "nccl", "shm"} | ({"nixl"} if _nixl_installed() else set())
+CONNECTORS = {"zmq", "nccl", "shm"} | ({"nixl"} if nixl_installed() else set())
 
 
 def positive(x: Any) -> bool:

@@ -15,7 +15,7 @@ namespace and interface it made, then checks that none is left.
 
 Where netem is missing, `DelayProxy` adds latency in userspace: a TCP forwarder that delivers
 each chunk `delay_s` after it arrived, per direction. Inside a host it runs as
-`python -m pdserve.bench.hosts proxy LISTEN_HOST:PORT TARGET_HOST:PORT --delay-ms N`
+`python -m pdserve.testbed.hosts proxy LISTEN_HOST:PORT TARGET_HOST:PORT --delay-ms N`
 (`hosts.start_proxy(...)` starts it and waits until it listens).
 
 Needs root and iproute2; `skip_reason()` says why hosts cannot be built where they cannot.
@@ -231,7 +231,7 @@ def _bits_per_s(rate: float | str) -> int:
 
 @dataclass
 class ProxyProcess:
-    """A `python -m pdserve.bench.hosts proxy ...` running in a host (`Hosts.start_proxy`)."""
+    """A `python -m pdserve.testbed.hosts proxy ...` running in a host (`Hosts.start_proxy`)."""
 
     proc: subprocess.Popen
     addr: str  # where it listens
@@ -440,7 +440,7 @@ class Hosts:
         target_addr may be a host name of these Hosts. `.close()` on the result stops it and
         returns its byte counters; `Hosts.close()` kills it in any case.
         """
-        argv = [sys.executable, "-m", "pdserve.bench.hosts", "proxy"]
+        argv = [sys.executable, "-m", "pdserve.testbed.hosts", "proxy"]
         argv += [f"{listen_addr}:{listen_port}", f"{self._resolve(target_addr)}:{target_port}"]
         argv += ["--delay-ms", repr(delay_s * 1000.0)]
         proc = self.popen(name, argv, stdout=subprocess.PIPE)
@@ -844,7 +844,7 @@ def _hostport(text: str) -> tuple[str, int]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m pdserve.bench.hosts", description="network-namespace hosts: helpers"
+        prog="python -m pdserve.testbed.hosts", description="network-namespace hosts: helpers"
     )
     sub = parser.add_subparsers(dest="cmd", required=True)
     proxy = sub.add_parser("proxy", help="a TCP forwarder that adds a delay each way")
