@@ -6,6 +6,7 @@ it can see the order of the prefill node's compute and sends and break its sende
 
 from __future__ import annotations
 
+import re
 import threading
 import time
 from collections.abc import Iterator
@@ -16,6 +17,7 @@ import zmq
 from pdserve.common.engine.block_pool import hash_token_blocks
 from pdserve.common.engine.config import CacheConfig, ModelConfig, SchedulerConfig
 from pdserve.common.engine.llm import LLM, SamplingParams
+from pdserve.common.engine.sampling_params import StructuredOutputsParams
 from pdserve.common.node.config import NodeConfig
 from pdserve.common.wire.codecs import sampling_to_wire
 from pdserve.common.wire.messages import (
@@ -79,9 +81,11 @@ def nodes(tiny_model_dir) -> Iterator[tuple[FakeRouter, PrefillNode, DecodeNode]
     router.sock.close()
 
 
-def start(router, prefill, decode_, rid: str, prompt: list[int]) -> Reserved:
+def start(
+    router, prefill, decode_, rid: str, prompt: list[int], params: SamplingParams = SAMPLING
+) -> Reserved:
     """ReserveKV on D, then Prefill on P (handshaking while D's receiver is polled)."""
-    sampling = sampling_to_wire(SAMPLING)
+    sampling = sampling_to_wire(params)
     decode_.handle(ReserveKV(rid, tuple(prompt), sampling))
     reserved = router.recv(Reserved, rid)
     stop = threading.Event()
@@ -108,20 +112,20 @@ def start(router, prefill, decode_, rid: str, prompt: list[int]) -> Reserved:
 
 
 def finish_on_decode(router, decode_, rid: str) -> list[int]:
-    """The first token (from the prefill node), then step the decode node to the end."""
-    got = list(router.recv(Tokens, rid).token_ids)
+    """The first token (from the prefill node), then step the decode node until the request
+    finishes there (a Tokens message with a finish reason)."""
+    first = router.recv(Tokens, rid)
+    got, finished = list(first.token_ids), bool(first.finish_reason)
     deadline = time.monotonic() + 30
-    while len(got) < SAMPLING.max_tokens:
+    while not finished:
         assert time.monotonic() < deadline
         decode_.poll_io()
         if decode_.engine.has_unfinished:
             decode_.step()
-        got += [
-            t
-            for m in router.drain()
-            if isinstance(m, Tokens) and m.request_id == rid
-            for t in m.token_ids
-        ]
+        for m in router.drain():
+            if isinstance(m, Tokens) and m.request_id == rid:
+                got += m.token_ids
+                finished = bool(m.finish_reason)
     return got
 
 
@@ -243,3 +247,44 @@ def test_a_second_turn_ships_only_the_blocks_the_decode_node_lacks(nodes, tiny_m
     assert set(sent) == set(reserved.block_ids[3:])  # never a shared block
     decode_.engine.check_integrity()
     prefill.engine.check_integrity()
+
+
+REGEX = r"(cat|dog)-[0-9]{2,3}"
+CHOICES = ("alpha beta", "gamma delta epsilon")
+# Each constraint is several tokens long under the tiny model's greedy draw, and the prefill
+# node's first token leaves the grammar mid-way: a decode node that lost the grammar, or did
+# not advance it past that token, writes text outside it (and unlike the colocated engine).
+HANDED_OFF = {
+    "regex": (StructuredOutputsParams(regex=REGEX), lambda text: re.fullmatch(REGEX, text)),
+    "choice": (StructuredOutputsParams(choice=CHOICES), lambda text: text in CHOICES),
+}
+
+
+@pytest.mark.parametrize("kind", list(HANDED_OFF))
+def test_the_decode_node_keeps_a_handed_off_requests_grammar(nodes, tiny_model_dir, kind):
+    """The prefill node samples the first token under the request's grammar; the decode node
+    goes on under the same grammar, advanced past that token: every token it adds is one the
+    grammar allows, the text follows the constraint, and all equal the colocated engine's."""
+    router, prefill, decode_ = nodes
+    constraint, follows = HANDED_OFF[kind]
+    params = SamplingParams(max_tokens=32, temperature=0.0, structured_outputs=constraint)
+    prompt = list(range(3, 40))
+    llm = LLM(str(tiny_model_dir("llama")), block_size=BLOCK)
+    (want,) = llm.generate([prompt], params)
+    assert want.finish_reason == "stop" and follows(want.text), want.text
+    assert len(want.token_ids) > 3  # the decode node writes most of it
+
+    start(router, prefill, decode_, kind, prompt, params)
+    while kind in prefill.dests:
+        prefill.step()
+    got = finish_on_decode(router, decode_, kind)
+
+    # Token by token: a fresh matcher takes every one (ValueError names the first it refuses).
+    grammar = llm.engine.structured.grammar(constraint, got)
+    assert grammar.terminated
+    text = llm.tokenizer.decode(got, skip_special_tokens=True)
+    assert follows(text), text
+    assert got == want.token_ids
+    assert not decode_.engine.has_unfinished
+    prefill.engine.check_integrity()
+    decode_.engine.check_integrity()
