@@ -7,7 +7,6 @@ connector subclasses only implement that part, through the hooks at the bottom o
 
 from __future__ import annotations
 
-import random
 import time
 import uuid
 from collections import deque
@@ -33,16 +32,15 @@ from pdserve.kv_transfer.base import (
 from pdserve.kv_transfer.bookkeeping import ReceiveBook, SendBook
 from pdserve.kv_transfer.layout import KVLayout
 from pdserve.kv_transfer.wire import (
-    FaultPlan,
     KVDone,
     KVHello,
     KVPage,
     KVRefused,
     KVWelcome,
+    SendFaults,
     blocks_per_frame,
     check_cache,
     corrupt_first_byte,
-    fault_targets,
     page_checksum,
     resolve,
     wait_event,
@@ -79,9 +77,7 @@ class ChannelSender(KVSender):
         self._seq = 0
         self._book = SendBook(layout.num_layers)
         self._deferred: deque[tuple[Any, Callable[[], None]]] = deque()
-        self._faults = fault_targets()
-        self._plan = FaultPlan.from_env()
-        self._fault_rng = random.Random(self._plan.seed if self._plan else 0)
+        self.faults: SendFaults | None = None  # tests only: see wire.SendFaults
 
     # -- public API
 
@@ -131,7 +127,8 @@ class ChannelSender(KVSender):
             pages = ops.gather_pages(layer_cache, src, out=out)
             page = KVPage(xfer_id, layer, dst, self.layout.dtype, tuple(pages.shape), self._seq)
             self._seq += 1
-            if self._plan is not None and self._injected_drop(page):
+            if self.faults is not None and self.faults.drop(xfer_id):
+                self._book.record(page, 0)  # booked, never sent: the receiver's count fails
                 continue
             self._ship(page, pages)
 
@@ -158,22 +155,10 @@ class ChannelSender(KVSender):
 
     def _seal(self, page: KVPage, wire: torch.Tensor) -> None:
         """Book the checksum of the bytes exactly as they will cross the transport; then, only
-        under the test fault hooks, damage them."""
+        under a test's faults, damage them."""
         self._book.record(page, page_checksum(wire))
-        if self._faults is not None and ({"*", page.xfer_id} & self._faults):
+        if self.faults is not None and self.faults.corrupt(page.xfer_id):
             corrupt_first_byte(wire)
-        elif self._plan is not None and self._fault_rng.random() < self._plan.corrupt:
-            corrupt_first_byte(wire)
-
-    def _injected_drop(self, page: KVPage) -> bool:
-        """Fault plan only: maybe delay this frame; maybe drop it (booked, never sent)."""
-        assert self._plan is not None
-        if self._fault_rng.random() < self._plan.delay:
-            time.sleep(self._plan.delay_s)
-        if self._fault_rng.random() < self._plan.drop:
-            self._book.record(page, 0)
-            return True
-        return False
 
     def _send(self, msg: Message, *frames: Any) -> zmq.MessageTracker | None:
         """Send a header (plus raw frames, zero copy); TransferTimeout if the queue stays full."""

@@ -561,7 +561,7 @@ class NixlSender(ChannelSender):
         if outside:
             out.problems.append(f"layer {layer}: blocks {outside[:8]} are outside the reservation")
             return
-        if self._plan is not None and self._planned_drop():
+        if self.faults is not None and self.faults.drop(xfer_id):
             # Booked, never written: the receiver's checksum catches it.
             out.sums.append((layer, dst_block_ids, page_sums(layer_cache, src_block_ids)))
             return
@@ -673,20 +673,10 @@ class NixlSender(ChannelSender):
                 _release(handle)
             out.handles.clear()
 
-    def _planned_drop(self) -> bool:
-        """Fault plan only: maybe delay this layer's WRITE; maybe drop it."""
-        assert self._plan is not None
-        if self._fault_rng.random() < self._plan.delay:
-            time.sleep(self._plan.delay_s)
-        return self._fault_rng.random() < self._plan.drop
-
     def _fault_corrupt(self, xfer_id: str, cache: torch.Tensor, block: int) -> Any:
-        """Test fault hooks only: damage a source page for the WRITE to carry; returns how to
-        undo it once the WRITE is done (the checksum reads the clean page)."""
-        hit = self._faults is not None and bool({"*", xfer_id} & self._faults)
-        if not hit and self._plan is not None:
-            hit = self._fault_rng.random() < self._plan.corrupt
-        if not hit:
+        """Under a test's faults only: damage a source page for the WRITE to carry; returns how
+        to undo it once the WRITE is done (the checksum reads the clean page)."""
+        if self.faults is None or not self.faults.corrupt(xfer_id):
             return None
         page = cache[0, block]
         corrupt_first_byte(page)

@@ -11,11 +11,10 @@ from __future__ import annotations
 import functools
 import hashlib
 import math
-import os
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Protocol
 
 import msgpack
 import torch
@@ -26,7 +25,6 @@ from pdserve.kv_transfer.base import TransferError, TransferTimeout
 from pdserve.kv_transfer.layout import KVLayout
 
 _MASK64 = (1 << 64) - 1
-FAULT_ENV = "PDSERVE_FAULT_CORRUPT_KV"
 
 
 @message
@@ -288,44 +286,17 @@ def wait_event(event: Any, deadline: float, what: str) -> None:
         time.sleep(0.0002)
 
 
-def fault_targets() -> frozenset[str] | None:
-    """Test-only fault hook: xfer ids whose pages a sender corrupts after checksumming them.
+class SendFaults(Protocol):
+    """Faults a test installs on a sender (`sender.faults`; `pdserve.testbed.kvfaults` for
+    node processes). Production senders have none and read nothing from the environment."""
 
-    `PDSERVE_FAULT_CORRUPT_KV=1` corrupts every transfer, `=a,b` only xfer ids a and b. Read
-    once when a sender is built; None (the normal case) when unset.
-    """
-    value = os.environ.get(FAULT_ENV, "")
-    if not value:
-        return None
-    return frozenset({"*"} if value == "1" else value.split(","))
+    def drop(self, xfer_id: str) -> bool:
+        """Whether to book this frame (a nixl layer WRITE) and never send it; may delay first."""
+        ...
 
-
-FAULT_PLAN_ENV = "PDSERVE_FAULT_KV"
-
-
-@dataclass(frozen=True, slots=True)
-class FaultPlan:
-    """Test-only fault hook for fault-injection runs: each frame a sender ships is dropped,
-    corrupted or delayed with the given probabilities, from a seeded stream.
-
-    `PDSERVE_FAULT_KV="drop=0.02,corrupt=0.02,delay=0.1,delay_s=0.05,seed=1"`. A dropped frame
-    is booked (counted in the done message) but never sent; a corrupted one is damaged after
-    its checksum was taken; a delayed one waits `delay_s` first. None when unset.
-    """
-
-    drop: float = 0.0
-    corrupt: float = 0.0
-    delay: float = 0.0
-    delay_s: float = 0.05
-    seed: int = 0
-
-    @classmethod
-    def from_env(cls) -> FaultPlan | None:
-        value = os.environ.get(FAULT_PLAN_ENV, "")
-        if not value:
-            return None
-        fields = dict(item.split("=", 1) for item in value.split(","))
-        return cls(**{k: (int if k == "seed" else float)(v) for k, v in fields.items()})
+    def corrupt(self, xfer_id: str) -> bool:
+        """Whether to damage this frame after its checksum was taken."""
+        ...
 
 
 def corrupt_first_byte(t: torch.Tensor) -> None:

@@ -26,6 +26,7 @@ from pdserve.bench.report import (
 )
 from pdserve.common.node.cli import parser
 from pdserve.testbed import faults as fh
+from pdserve.testbed import kvfaults
 from pdserve.tiny_model import make_tiny_model
 
 
@@ -106,7 +107,7 @@ def measure(
     name, cluster_kw, run_kw = scenario
     cluster_kw = dict(cluster_kw)
     fault_kv = cluster_kw.pop("env", "") or None
-    with environ({"PDSERVE_FAULT_KV": fault_kv}), fh.cluster_for(model, **cluster_kw) as cluster:
+    with environ(kvfaults.child_env(fault_kv)), fh.cluster_for(model, **cluster_kw) as cluster:
         run = fh.run_scenario(name, cluster, prompts, wants, **run_kw)
         reports = fh.wait_clean(cluster)
     leaked = sum(

@@ -15,6 +15,7 @@ import time
 import pytest
 
 from pdserve.testbed import faults as fh
+from pdserve.testbed import kvfaults
 from pdserve.tiny_model import make_tiny_model
 from tests.kv_transfer.helpers import needs_nixl
 
@@ -87,12 +88,17 @@ def test_stall_a_node_then_let_it_go(model_dir, load):
         assert "decode1" in c.integrity()  # back in the rotation once it answers again
 
 
+def set_child_env(monkeypatch: pytest.MonkeyPatch, plan: str) -> None:
+    for key, value in kvfaults.child_env(plan).items():
+        monkeypatch.setenv(key, value)
+
+
 def test_dropped_corrupted_and_delayed_kv_frames(model_dir, load, monkeypatch):
     """Every KV frame may be dropped, corrupted or delayed, in one run (each kind's detection
     is also tested on its own per connector: tests/kv_transfer/test_connectors.py)."""
     prompts, wants = load
     plan = "drop=0.02,corrupt=0.02,delay=0.1,delay_s=0.02,seed=1"
-    monkeypatch.setenv("PDSERVE_FAULT_KV", plan)  # inherited by the node processes
+    set_child_env(monkeypatch, plan)  # the node processes' senders get the plan
     with fh.cluster_for(model_dir, num_prefill=1, num_decode=1) as c:
         run = fh.run_scenario(f"KV frames: {plan}", c, prompts, wants)
         # Damaged transfers are retried (a few times at most); none is decoded from.
@@ -169,7 +175,7 @@ def test_nixl_kill_a_prefill_node_mid_transfer_then_a_decode_node(model_dir, loa
 @needs_nixl
 def test_nixl_dropped_and_corrupted_writes(model_dir, load, monkeypatch):
     prompts, wants = load
-    monkeypatch.setenv("PDSERVE_FAULT_KV", "drop=0.03,corrupt=0.03,seed=4")
+    set_child_env(monkeypatch, "drop=0.03,corrupt=0.03,seed=4")
     with fh.cluster_for(model_dir, num_prefill=1, num_decode=1, **NIXL) as c:
         run = fh.run_scenario("nixl: dropped and corrupted WRITEs", c, prompts, wants)
         # A damaged transfer fails its checksum on the decode node and is retried.

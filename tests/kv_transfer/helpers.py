@@ -68,7 +68,6 @@ class SenderProcess:
 
     def __init__(self) -> None:
         env = {**os.environ, "PYTHONPATH": str(REPO)}
-        env.pop("PDSERVE_FAULT_CORRUPT_KV", None)
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "tests.kv_transfer.sender_proc"],
             cwd=REPO,

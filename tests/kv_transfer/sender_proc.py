@@ -6,12 +6,11 @@ One reply line per command: {"ok": true, ...} or {"ok": false, "error": type, "m
 from __future__ import annotations
 
 import json
-import os
 import sys
 from typing import Any
 
 from pdserve.kv_transfer import KVLayout, KVSender, create_sender
-from pdserve.kv_transfer.wire import FAULT_ENV
+from pdserve.testbed.kvfaults import FaultPlan, PlannedFaults
 from tests.kv_transfer.helpers import make_caches
 
 
@@ -33,15 +32,11 @@ class Child:
         corrupt: str = "",
         opts: dict[str, Any] | None = None,
     ) -> None:
-        # The fault hook is read once, when the sender is built.
-        if corrupt:
-            os.environ[FAULT_ENV] = corrupt
-        try:
-            sender = create_sender(
-                connector, KVLayout.from_dict(layout), send_timeout=10.0, **(opts or {})
-            )
-        finally:
-            os.environ.pop(FAULT_ENV, None)
+        sender = create_sender(
+            connector, KVLayout.from_dict(layout), send_timeout=10.0, **(opts or {})
+        )
+        if corrupt:  # these transfer ids ("*": all) are corrupted after their checksum
+            sender.faults = PlannedFaults(FaultPlan(targets=frozenset(corrupt.split(","))))
         sender.connect(endpoint, timeout)
         self.senders[name] = sender
 

@@ -22,6 +22,7 @@ from pdserve.kv_transfer import (
     create_sender,
 )
 from pdserve.kv_transfer.wire import CHECKSUM_SCHEME, KVDone, KVHello, KVPage, KVWelcome
+from pdserve.testbed.kvfaults import FaultPlan, PlannedFaults
 from tests.kv_transfer.helpers import Pump, make_caches
 
 LAYOUT = KVLayout("tiny", "float32", num_layers=2, num_kv_heads=1, head_dim=4, block_size=2)
@@ -180,13 +181,13 @@ def test_receiver_of_another_checksum_scheme_is_refused(connector: str) -> None:
         router.close()
 
 
-def test_shm_frames_dropped_unsent_give_their_ring_slot_back(monkeypatch) -> None:
+def test_shm_frames_dropped_unsent_give_their_ring_slot_back() -> None:
     """Frames are gathered straight into the ring; a frame the fault plan drops must free its
     slot, or with a ring of one frame the next one would wait for credits that never come."""
-    monkeypatch.setenv("PDSERVE_FAULT_KV", "drop=1")
     ring = 4 * LAYOUT.page_bytes  # 256 bytes: the smallest aligned ring, one frame of 4 pages
     receiver = create_receiver("shm", LAYOUT, make_caches(LAYOUT, 8, seed=0), staging_bytes=ring)
     sender = create_sender("shm", LAYOUT, send_timeout=2.0)
+    sender.faults = PlannedFaults(FaultPlan.parse("drop=1"))
     try:
         connect_while_polling(sender, receiver)
         receiver.expect("x", [1, 2, 3, 4])
@@ -209,13 +210,11 @@ def test_unknown_connector_name() -> None:
 @pytest.mark.parametrize(
     "plan,ok", [("drop=1", False), ("corrupt=1", False), ("delay=1,delay_s=0.01", True)]
 )
-def test_fault_plan_frames_fail_the_transfer_never_pass_as_whole(
-    receiver, monkeypatch, plan, ok
-) -> None:
+def test_fault_plan_frames_fail_the_transfer_never_pass_as_whole(receiver, plan, ok) -> None:
     """A dropped frame is still counted in the done message and a corrupted one fails the
     checksum: the receiver reports the transfer failed instead of admitting partial KV."""
-    monkeypatch.setenv("PDSERVE_FAULT_KV", plan)
     sender = create_sender("zmq", LAYOUT)
+    sender.faults = PlannedFaults(FaultPlan.parse(plan))
     connect_while_polling(sender, receiver)
     try:
         receiver.expect("x", [1, 2, 3])

@@ -11,14 +11,12 @@ from pdserve.kv_transfer.bookkeeping import ReceiveBook, SendBook
 from pdserve.kv_transfer.wire import (
     CHECKSUM_ROW_WORDS,
     CHECKSUM_SCHEME,
-    FAULT_ENV,
     FRAME_BYTES,
     FramePool,
     KVDone,
     KVPage,
     as_bytes,
     blocks_per_frame,
-    fault_targets,
     page_checksum,
     resolve,
 )
@@ -136,15 +134,6 @@ def test_page_header_decoding_is_strict() -> None:
     body = encode(page).replace(b"dtype", b"dtypf")
     with pytest.raises(ProtocolError):
         decode(body)
-
-
-def test_fault_targets(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.delenv(FAULT_ENV, raising=False)
-    assert fault_targets() is None
-    monkeypatch.setenv(FAULT_ENV, "1")
-    assert fault_targets() == {"*"}
-    monkeypatch.setenv(FAULT_ENV, "a,b")
-    assert fault_targets() == {"a", "b"}
 
 
 def _page(xfer: str, layer: int, blocks: tuple[int, ...]) -> KVPage:
