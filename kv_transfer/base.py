@@ -173,13 +173,14 @@ class KVReceiver(abc.ABC):
 
 # -- registry -----------------------------------------------------------------------------------
 
-# name -> (module, sender class, receiver class); modules import lazily so that asking for `zmq`
+# name -> (sender, receiver) as "module:Class"; modules import lazily so that asking for `zmq`
 # never pulls in torch.distributed.
-_CONNECTORS: dict[str, tuple[str, str, str]] = {
-    "zmq": ("pdserve.kv_transfer.zmq_connector", "ZmqSender", "ZmqReceiver"),
-    "nccl": ("pdserve.kv_transfer.nccl_connector", "NcclSender", "NcclReceiver"),
-    "shm": ("pdserve.kv_transfer.shm_connector", "ShmSender", "ShmReceiver"),
-    "nixl": ("pdserve.kv_transfer.nixl_connector", "NixlSender", "NixlReceiver"),
+_KV = "pdserve.kv_transfer."
+_CONNECTORS: dict[str, tuple[str, str]] = {
+    "zmq": (_KV + "zmq_connector:ZmqSender", _KV + "zmq_connector:ZmqReceiver"),
+    "nccl": (_KV + "nccl_connector:NcclSender", _KV + "nccl_connector:NcclReceiver"),
+    "shm": (_KV + "shm_connector:ShmSender", _KV + "shm_connector:ShmReceiver"),
+    "nixl": (_KV + "nixl_connector:NixlSender", _KV + "nixl_receiver:NixlReceiver"),
 }
 
 
@@ -188,7 +189,7 @@ def check_available(name: str) -> None:
     installed: ValueError for an unknown name, TransferError naming the extra to install."""
     _load(name, 0)
     if name == "nixl":
-        from pdserve.kv_transfer.nixl_connector import load_nixl
+        from pdserve.kv_transfer.nixl_agent import load_nixl
 
         load_nixl()
 
@@ -200,8 +201,8 @@ def connector_names() -> tuple[str, ...]:
 def _load(name: str, which: int) -> type:
     if name not in _CONNECTORS:
         raise ValueError(f"unknown KV connector {name!r}; choose one of {connector_names()}")
-    module, *classes = _CONNECTORS[name]
-    return getattr(importlib.import_module(module), classes[which])
+    module, _, cls = _CONNECTORS[name][which].partition(":")
+    return getattr(importlib.import_module(module), cls)
 
 
 def create_sender(

@@ -72,7 +72,7 @@ class KVPort:
         self, kv_caches: list[torch.Tensor], host: str, port: int, fence_timeout: float = 30.0
     ) -> KVReceiver:
         """Bind the receiver that writes arriving pages into `kv_caches` (`port=0`: any free);
-        `fence_timeout` is nixl's (see nixl_connector)."""
+        `fence_timeout` is nixl's (see nixl_receiver)."""
         assert self.receiver is None, "a KV port binds one receiver"
         opts = {"fence_timeout": fence_timeout} if self.connector == "nixl" else {}
         self.receiver = create_receiver(

@@ -178,7 +178,7 @@ def skip_reason(point: Point, max_bytes: int, device: str) -> str:
         return "NCCL cannot pair two ranks on one GPU; needs two devices"
     if point.connector == "nixl":
         from pdserve.kv_transfer import TransferError
-        from pdserve.kv_transfer.nixl_connector import load_nixl
+        from pdserve.kv_transfer.nixl_agent import load_nixl
 
         try:
             load_nixl()
@@ -256,17 +256,17 @@ class Sender:
 
     def raw_nixl(self, target: dict[str, Any]) -> dict[str, Any]:
         """The receiver's caches as the raw NIXL baseline's target (one per point)."""
-        from pdserve.kv_transfer.nixl_connector import _Agent, remote_pages
+        from pdserve.kv_transfer.nixl_agent import Agent, remote_pages
 
         if self.nixl_target is not None:
-            _Agent.get().drop_remote(self.nixl_target[0])
+            Agent.get().drop_remote(self.nixl_target[0])
         name, pages = remote_pages({**target, "agent": bytes.fromhex(target["agent"])})
         self.nixl_target = (name, pages, int(target["num_blocks"]))
         return {}
 
     def raw(self, frames: list[list[int]]) -> dict[str, Any]:
         if self.connector == "nixl":  # the connector's WRITEs, bare: same descriptors
-            from pdserve.kv_transfer.nixl_connector import wait_handles, write_pages
+            from pdserve.kv_transfer.nixl_agent import wait_handles, write_pages
 
             assert self.nixl_target is not None
             _, pages, blocks = self.nixl_target
@@ -554,7 +554,7 @@ class Bench:
                 "connect", self.pump, layout=point.layout.to_dict(), endpoint=self.receiver.endpoint
             )
             if point.connector == "nixl":
-                from pdserve.kv_transfer.nixl_connector import describe_caches
+                from pdserve.kv_transfer.nixl_agent import describe_caches
 
                 target = describe_caches(caches)
                 target["agent"] = target["agent"].hex()  # the child's commands are JSON
@@ -722,7 +722,7 @@ NIXL_NOTE = """\
 **nixl** writes each layer's pages from the sender's cache blocks straight into the
 receiver's reserved blocks (one NIXL WRITE per layer, runs of contiguous blocks merged into
 one descriptor): no gather, staging or scatter, so the passes it adds to its raw transport are
-the two checksums, one on each end (`kv_transfer/nixl_connector.py`). The sender sums each
+the two checksums, one on each end (`kv_transfer/nixl_wire.py`). The sender sums each
 layer's pages right after posting its WRITE; each WRITE carries a NIXL notification, which
 arrives after its data, and the receiver sums that layer's pages while later layers still
 travel, so little is left for the tail. Measured steps at llama3-8b 2k (`--connectors nixl

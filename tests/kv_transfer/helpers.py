@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from pdserve.kv_transfer import KVLayout, KVReceiver, TransferResult
-from pdserve.kv_transfer.nixl_connector import nixl_installed
+from pdserve.kv_transfer.nixl_agent import nixl_installed
 
 # A nixl test skips only where no NIXL package is installed; an installed one that fails to
 # load fails the test (load_nixl names the import error).

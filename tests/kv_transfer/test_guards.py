@@ -295,7 +295,7 @@ def test_an_installed_nixl_that_does_not_load_is_named_not_taken_for_absent(
     """A broken NIXL install must fail loudly (tests that need nixl then fail, not skip)."""
     import sys
 
-    from pdserve.kv_transfer.nixl_connector import load_nixl, nixl_installed
+    from pdserve.kv_transfer.nixl_agent import load_nixl, nixl_installed
 
     package = tmp_path / "nixl_cu12"
     package.mkdir()

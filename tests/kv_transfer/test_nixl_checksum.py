@@ -10,7 +10,7 @@ import random
 import torch
 
 from pdserve.kv_transfer import KVLayout
-from pdserve.kv_transfer import nixl_connector as nx
+from pdserve.kv_transfer import nixl_wire as nx
 from tests.kv_transfer.helpers import make_caches
 
 LAYOUT = KVLayout("tiny-llama", "float32", num_layers=3, num_kv_heads=2, head_dim=8, block_size=4)
@@ -78,9 +78,9 @@ def test_nixl_without_the_extra_names_the_install(monkeypatch) -> None:
     made), with the command that installs it."""
     import pytest
 
-    from pdserve.kv_transfer import KVPort, TransferError
+    from pdserve.kv_transfer import KVPort, TransferError, nixl_agent
 
-    monkeypatch.setattr(nx, "_NIXL_MODULES", ("no_such_nixl_module._api",))
+    monkeypatch.setattr(nixl_agent, "_NIXL_MODULES", ("no_such_nixl_module._api",))
     with pytest.raises(TransferError, match=r"pip install 'pdserve\[nixl\]'"):
         KVPort("nixl", LAYOUT)
     KVPort("zmq", LAYOUT)  # the others need nothing more

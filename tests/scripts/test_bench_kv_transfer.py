@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from pdserve.kv_transfer.nixl_connector import nixl_installed
+from pdserve.kv_transfer.nixl_agent import nixl_installed
 
 REPO = Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "scripts" / "bench_kv_transfer.py"

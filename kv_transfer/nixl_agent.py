@@ -1,0 +1,267 @@
+"""The process's NIXL agent (`Agent`, one per process: registers the KV caches once), NIXL's
+import, and WRITEs of pages described from both sides (see `nixl_connector`)."""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import logging
+import os
+import threading
+import time
+import uuid
+from collections.abc import Sequence
+from typing import Any, ClassVar
+
+import torch
+
+from pdserve.kv_transfer.base import TransferError, TransferTimeout
+
+log = logging.getLogger(__name__)
+
+INSTALL_HINT = "pip install 'pdserve[nixl]'"
+# Python packages that ship NIXL's bindings, in order of preference (nixl-cu12 on PyPI).
+_NIXL_MODULES = ("nixl_cu12._api", "nixl_cu13._api", "nixl._api")
+POLL_S = 0.0005  # how often a wait on WRITE handles looks again
+
+
+# -- the process's agent ------------------------------------------------------------------------
+
+
+def nixl_installed() -> bool:
+    """Whether a package that ships NIXL's bindings is installed, whether it imports or not."""
+    return any(importlib.util.find_spec(name.partition(".")[0]) for name in _NIXL_MODULES)
+
+
+def load_nixl() -> Any:
+    """NIXL's Python API module. TransferError naming the extra when it is not installed, and
+    naming the import error when it is installed but does not load (a broken install must not
+    pass for a missing one)."""
+    for name in _NIXL_MODULES:
+        package = name.partition(".")[0]
+        if importlib.util.find_spec(package) is None:
+            continue
+        try:
+            api = importlib.import_module(name)
+        except ImportError as e:
+            raise TransferError(f"NIXL ({package}) is installed but does not load: {e}") from e
+        # NIXL's Python logger prints INFO lines to stdout; a node's stdout is not a log.
+        nixl_log = logging.getLogger("nixl")
+        for handler in list(nixl_log.handlers):
+            nixl_log.removeHandler(handler)
+        nixl_log.propagate = True
+        nixl_log.setLevel(logging.WARNING)
+        return api
+    raise TransferError(f"the nixl KV connector needs NIXL, which is not installed: {INSTALL_HINT}")
+
+
+class Agent:
+    """This process's NIXL agent and the cache tensors it registered (once each)."""
+
+    _instance: ClassVar[Agent | None] = None
+    _lock: ClassVar[threading.Lock] = threading.Lock()
+
+    def __init__(self) -> None:
+        api = load_nixl()
+        bindings = importlib.import_module(api.__name__.rpartition(".")[0] + "._bindings")
+        # NIXL's bindings raise these (plain Exceptions) where a transport fails.
+        self.errors: tuple[type[Exception], ...] = tuple(
+            getattr(bindings, n)
+            for n in dir(bindings)
+            if n.startswith("nixl") and n.endswith("Error")
+        )
+        # No NIXL progress thread: it spins (NIXL gives it no delay) and took a core from the
+        # forward (KV transfer throughput nearly doubled without it). A sender progresses in its
+        # own calls; a receiver runs `Progress`, a thread that reads notifications every
+        # half millisecond (hence the locking mode).
+        config = api.nixl_agent_config(
+            enable_prog_thread=False,
+            backends=["UCX"],
+            sync_mode=api.nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT,
+        )
+        self.name = f"pdserve-{os.getpid()}-{uuid.uuid4().hex[:12]}"
+        self.agent = api.nixl_agent(self.name, config)
+        self._registered: dict[tuple[int, int], Any] = {}  # (address, bytes) -> reg descs
+        self._local_lists: dict[tuple[int, int, int], Any] = {}  # prepped local page lists
+        self._remotes: dict[str, int] = {}  # remote agent name -> senders using it
+
+    @classmethod
+    def get(cls) -> Agent:
+        with cls._lock:
+            if cls._instance is None:
+                cls._instance = cls()
+            return cls._instance
+
+    def register(self, caches: Sequence[torch.Tensor]) -> None:
+        for cache in caches:
+            key = (cache.data_ptr(), cache.numel() * cache.element_size())
+            if key not in self._registered:
+                self._registered[key] = self.agent.register_memory([cache])
+
+    def deregister(self, caches: Sequence[torch.Tensor]) -> None:
+        for cache in caches:
+            key = (cache.data_ptr(), cache.numel() * cache.element_size())
+            descs = self._registered.pop(key, None)
+            if descs is not None:
+                self.agent.deregister_memory(descs)
+        self._local_lists = {
+            k: v for k, v in self._local_lists.items() if all(k[0] != c.data_ptr() for c in caches)
+        }
+
+    def metadata(self) -> bytes:
+        return bytes(self.agent.get_agent_metadata())
+
+    def add_remote(self, metadata: bytes) -> str:
+        name = self.agent.add_remote_agent(metadata)
+        name = name.decode() if isinstance(name, bytes) else str(name)
+        self._remotes[name] = self._remotes.get(name, 0) + 1
+        return name
+
+    def drop_remote(self, name: str) -> None:
+        left = self._remotes.get(name, 0) - 1
+        if left > 0:
+            self._remotes[name] = left
+            return
+        self._remotes.pop(name, None)
+        try:
+            self.agent.remove_remote_agent(name)
+        except Exception:  # already gone with the peer; nothing to release
+            pass
+
+    def local_pages(self, cache: torch.Tensor) -> Any:
+        """The prepped list of a local layer cache's pages: index kv * num_blocks + block."""
+        key = (cache.data_ptr(), cache.shape[1], cache.element_size())
+        pages = self._local_lists.get(key)
+        if pages is None:
+            self.register([cache])
+            pages = self.prep(
+                "NIXL_INIT_AGENT", cache.data_ptr(), cache.shape[1], _half_bytes(cache), cache
+            )
+            self._local_lists[key] = pages
+        return pages
+
+    def prep(self, agent: str, base: int, num_blocks: int, half: int, like: Any) -> Any:
+        """Prep the 2 * num_blocks half-pages (K then V) of a layer cache at `base`."""
+        import numpy as np
+
+        device, mem = _mem_of(like)
+        starts = base + np.arange(2 * num_blocks, dtype=np.uint64) * np.uint64(half)
+        descs = np.stack([starts, np.full_like(starts, half), np.full_like(starts, device)], axis=1)
+        return self.agent.prep_xfer_dlist(agent, descs, mem)
+
+
+def _half_bytes(cache: torch.Tensor) -> int:
+    """Bytes of one block's K (or V) half in a [2, num_blocks, bs, H, D] layer cache."""
+    return cache[0, 0].numel() * cache.element_size()
+
+
+def _mem_of(like: Any) -> tuple[int, str]:
+    """(device id, NIXL memory type) of a tensor, or of a welcome's layer entry."""
+    if isinstance(like, torch.Tensor):
+        return (like.device.index or 0, "VRAM") if like.is_cuda else (0, "DRAM")
+    return int(like["device"]), str(like["mem"])
+
+
+def _page_indices(blocks: Sequence[int], num_blocks: int) -> list[int]:
+    """Indices into a prepped layer list of the K and V halves of `blocks`."""
+    return [*blocks, *(num_blocks + b for b in blocks)]
+
+
+def describe_caches(caches: Sequence[torch.Tensor]) -> dict[str, Any]:
+    """What a peer needs to write into these (registered) layer caches: this process's agent
+    metadata and, per layer, the base address, device and memory type."""
+    agent = Agent.get()
+    agent.register(caches)
+    layers = []
+    for cache in caches:
+        device, mem = _mem_of(cache)
+        layers.append({"base": cache.data_ptr(), "device": device, "mem": mem})
+    return {
+        "agent": agent.metadata(),
+        "layers": layers,
+        "num_blocks": caches[0].shape[1],
+        "half_bytes": _half_bytes(caches[0]),
+    }
+
+
+def remote_pages(target: dict[str, Any]) -> tuple[str, list[Any]]:
+    """The remote agent's name and a prepped page list per layer of `describe_caches`'s
+    answer (loads the agent; `Agent.drop_remote` unloads it)."""
+    agent = Agent.get()
+    name = agent.add_remote(bytes(target["agent"]))
+    half, n = int(target["half_bytes"]), int(target["num_blocks"])
+    return name, [agent.prep(name, int(e["base"]), n, half, e) for e in target["layers"]]
+
+
+def write_pages(
+    caches: Any,
+    remote: Any,
+    remote_blocks: int,
+    layers: Sequence[int],
+    src: Sequence[int],
+    dst: Sequence[int],
+    notif: bytes = b"",
+) -> list[Any]:
+    """Post one WRITE per layer of pages `src` of `caches` into pages `dst` of `remote`;
+    returns the handles (the raw baseline of `pdserve bench kv-transfer` times exactly this)."""
+    agent = Agent.get()
+    handles = []
+    for layer in layers:
+        cache = caches[layer]
+        try:
+            handle = agent.agent.make_prepped_xfer(
+                "WRITE",
+                agent.local_pages(cache),
+                _page_indices(src, cache.shape[1]),
+                remote[layer],
+                _page_indices(dst, remote_blocks),
+                notif_msg=notif,
+            )
+            state = agent.agent.transfer(handle)
+        except agent.errors as exc:
+            raise TransferError(f"NIXL WRITE failed: {exc!r}") from None
+        if state == "ERR":
+            release_handle(handle)
+            raise TransferError("NIXL WRITE failed to post")
+        handles.append(handle)
+    return handles
+
+
+def release_handle(handle: Any) -> None:
+    """Release a transfer handle (aborting it if still in flight); errors of a dead peer's
+    handle are no news."""
+    try:
+        handle.release()
+    except Exception:  # noqa: BLE001 - NIXL raises plain Exceptions
+        pass
+
+
+def _state(handle: Any) -> str:
+    """A handle's state; a transport error reads as "ERR"."""
+    agent = Agent.get()
+    try:
+        return agent.agent.check_xfer_state(handle)
+    except agent.errors:
+        return "ERR"
+
+
+def finish_handle(handle: Any, deadline: float, what: str) -> str:
+    """Wait for a handle to leave the in-flight state, release it, return "DONE" or "ERR"
+    (TransferTimeout past `deadline`, the handle kept for the caller to abort)."""
+    state = _state(handle)
+    while state == "PROC":
+        if time.monotonic() >= deadline:
+            raise TransferTimeout(f"{what} not done in time")
+        time.sleep(POLL_S)
+        state = _state(handle)
+    release_handle(handle)
+    return state
+
+
+def wait_handles(handles: Sequence[Any], timeout: float) -> None:
+    """Until every handle is DONE (TransferError on ERR, TransferTimeout past `timeout`)."""
+    deadline = time.monotonic() + timeout
+    for handle in handles:
+        state = finish_handle(handle, deadline, "NIXL WRITE")
+        if state != "DONE":
+            raise TransferError(f"NIXL WRITE failed ({state})")

@@ -1,0 +1,323 @@
+"""The decode side of the nixl connector: announces reservations, fences cancelled ones, and
+admits a transfer when its pages' checksum matches the sender's (see `nixl_connector`)."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import msgpack
+import torch
+import zmq
+
+from pdserve.common.wire.messages import Message, ProtocolError, decode
+from pdserve.common.wire.security import CurveKeys
+from pdserve.kv_transfer.base import TransferResult
+from pdserve.kv_transfer.channel import ChannelReceiver, Peer
+from pdserve.kv_transfer.layout import KVLayout
+from pdserve.kv_transfer.nixl_agent import Agent, describe_caches
+from pdserve.kv_transfer.nixl_wire import (
+    NIXL_CHECKSUM,
+    KVCancel,
+    KVExpect,
+    KVSettled,
+    collect_sums,
+    page_sums,
+    pages_digest,
+)
+from pdserve.kv_transfer.wire import (
+    KVDone,
+    KVHello,
+    KVRefused,
+    welcome_extra,
+)
+
+log = logging.getLogger(__name__)
+
+_NOTIF_GRACE_S = 1.0  # how long a finished transfer waits for its last WRITEs' notifications
+
+
+class _Progress:
+    """A receiver's progress: UCX moves a large WRITE only while the target's worker is
+    progressed, which reading notifications does. A daemon thread does it every half
+    millisecond while a transfer is live (every 5 ms when idle), whatever the decode loop is
+    busy with, and keeps what it read."""
+
+    def __init__(self, agent: Agent) -> None:
+        self._agent = agent
+        self.busy = False  # a transfer may be writing: read every half ms, else every 5 ms
+        self._got: deque[bytes] = deque()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="nixl-progress", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(0.0005 if self.busy else 0.005):
+            try:
+                notifs = self._agent.agent.get_new_notifs()
+            except self._agent.errors:
+                continue
+            for messages in notifs.values():
+                self._got.extend(messages)
+
+    def take(self) -> list[bytes]:
+        out = []
+        while self._got:
+            out.append(self._got.popleft())
+        return out
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=2.0)
+
+
+# -- receiver -------------------------------------------------------------------------------------
+
+
+@dataclass
+class _Fence:
+    """A cancelled transfer's blocks: writes may still land until every sender settled."""
+
+    waiting: set[bytes]  # peers that have not answered
+    deadline: float
+
+
+class NixlReceiver(ChannelReceiver):
+    """Decode side: registers the cache with this process's agent, announces reservations,
+    fences cancelled ones, and checks each finished transfer's pages before admitting it.
+    Option `fence_timeout` (s): how long a cancelled transfer's blocks wait for senders that
+    do not answer."""
+
+    CONNECTOR: ClassVar[str] = "nixl"
+    fences: ClassVar[bool] = True
+
+    def __init__(
+        self,
+        layout: KVLayout,
+        kv_caches: list[torch.Tensor],
+        host: str = "127.0.0.1",
+        port: int = 0,
+        curve: CurveKeys | None = None,
+        fence_timeout: float = 30.0,
+    ) -> None:
+        super().__init__(layout, kv_caches, host, port, curve=curve)
+        self._agent = Agent.get()
+        self._agent.register(kv_caches)
+        self._fence_timeout = fence_timeout
+        self._reserved: dict[str, tuple[int, ...]] = {}  # live transfers, blocks in order
+        self._fences: dict[str, _Fence] = {}
+        self._fenced_blocks: dict[str, frozenset[int]] = {}
+        self._waiting_done: dict[str, tuple[KVDone, float]] = {}  # done, with its deadline
+        self._released: list[str] = []
+        # Per live transfer: page sums of each WRITE whose data is in (its notification came),
+        # in arrival order, read while later layers still travel.
+        self._landed: dict[str, list[tuple[int, list[int], torch.Tensor]]] = {}
+        self._progress_thread = _Progress(self._agent)
+
+    # -- public API
+
+    def expect(self, xfer_id: str, block_ids: list[int]) -> None:
+        super().expect(xfer_id, block_ids)
+        self._reserved[xfer_id] = tuple(block_ids)
+        self._progress_thread.busy = True
+        self._broadcast(KVExpect(xfer_id, tuple(block_ids)))
+
+    def cancel(self, xfer_id: str) -> None:
+        blocks = self._reserved.pop(xfer_id, None)
+        self._book.cancel(xfer_id)
+        self._waiting_done.pop(xfer_id, None)
+        self._landed.pop(xfer_id, None)
+        if blocks is None:
+            return
+        peers = set(self._peers)
+        if not peers:
+            self._released.append(xfer_id)
+            return
+        self._fences[xfer_id] = _Fence(peers, time.monotonic() + self._fence_timeout)
+        self._fenced_blocks[xfer_id] = frozenset(blocks)
+        self._broadcast(KVCancel(xfer_id))
+
+    def released(self) -> list[str]:
+        """Cancelled transfers whose blocks no write can reach any more, since the last call:
+        the decode node may free them now."""
+        out, self._released = self._released, []
+        return out
+
+    # -- handshake
+
+    def _accept_peer(self, peer: Peer) -> dict[str, Any]:
+        return welcome_extra(**describe_caches(self.kv_caches), pages=NIXL_CHECKSUM)
+
+    def _after_welcome(self, peer: Peer) -> None:
+        for xfer_id, blocks in self._reserved.items():  # reservations made before it came
+            self._reply(peer.identity, KVExpect(xfer_id, blocks))
+
+    # -- messages
+
+    def _handle(self, frames: list[zmq.Frame]) -> None:
+        identity = frames[0].bytes
+        msg = None
+        if len(frames) == 2 and identity in self._peers:
+            try:
+                msg = decode(frames[1].bytes)
+            except ProtocolError:
+                msg = None
+        elif len(frames) == 2:
+            try:
+                if isinstance(decode(frames[1].bytes), KVHello):
+                    super()._handle(frames)
+                    return
+            except ProtocolError:
+                pass
+        if isinstance(msg, KVSettled):
+            self._settled(msg.xfer_id, identity)
+        elif isinstance(msg, KVDone):
+            self._settled(msg.xfer_id, identity, done=True)
+            self._on_done(msg)
+        else:
+            if len(frames) == 2 and identity not in self._peers:
+                # A sender dropped after a fence timeout (or never welcomed): tell it to
+                # handshake again rather than let it wait for announcements.
+                self._reply(identity, KVRefused("handshake", "not connected: handshake again"))
+            super()._handle(frames)
+
+    def _settled(self, xfer_id: str, identity: bytes, done: bool = False) -> None:
+        fence = self._fences.get(xfer_id)
+        if fence is None:
+            return
+        fence.waiting.discard(identity)
+        if done or not fence.waiting:  # the writer finished, or every sender answered
+            self._lift(xfer_id)
+
+    def _lift(self, xfer_id: str) -> None:
+        del self._fences[xfer_id]
+        del self._fenced_blocks[xfer_id]
+        self._released.append(xfer_id)
+
+    def _on_done(self, done: KVDone) -> None:
+        if done.xfer_id not in self._reserved:
+            self._book.on_done(done)  # not live: counted as late or unknown, nothing else
+            return
+        # Notifications of the last WRITEs may still be on their way (the bytes are in: the
+        # sender saw every WRITE done); wait for them briefly, else sum the pages here.
+        self._waiting_done[done.xfer_id] = (done, time.monotonic() + _NOTIF_GRACE_S)
+        self._progress()
+
+    def _progress(self) -> None:
+        now = time.monotonic()
+        for xfer_id, fence in list(self._fences.items()):
+            if now >= fence.deadline:  # senders silent that long must handshake again
+                for identity in fence.waiting:
+                    peer = self._peers.pop(identity, None)
+                    if peer is not None:
+                        self._drop_peer(peer)
+                self._book.counters["fence_timeout"] += 1
+                log.warning("nixl: senders did not settle transfer %s in time", xfer_id)
+                self._lift(xfer_id)
+        self._take_notifications()
+        fenced = frozenset().union(*self._fenced_blocks.values()) if self._fences else frozenset()
+        for xfer_id, (done, deadline) in list(self._waiting_done.items()):
+            if fenced and fenced & set(self._reserved[xfer_id]):
+                continue  # an older transfer into these blocks may still write: wait
+            landed = self._landed.get(xfer_id, [])
+            writes = done.meta.get("kv_writes")
+            if isinstance(writes, int) and len(landed) < writes and now < deadline:
+                continue
+            del self._waiting_done[xfer_id]
+            blocks = self._reserved.pop(xfer_id)
+            self._landed.pop(xfer_id, None)
+            if not isinstance(writes, int) or len(landed) != writes:
+                landed = []  # not every WRITE was seen landing: sum every page here
+            self._book.cancel(xfer_id)  # finished: later messages for it are refused
+            self._completed.append(self._check(done, blocks, landed))
+        self._progress_thread.busy = self._busy()
+
+    def _take_notifications(self) -> None:
+        """Sum the pages of every WRITE whose data arrived (NIXL notifies after the data)."""
+        for raw in self._progress_thread.take():
+            try:
+                xfer_id, layer, dsts = msgpack.unpackb(raw)
+            except (ValueError, TypeError, msgpack.ExtraData):
+                self._book.counters["bad_notification"] += 1
+                continue
+            parts = self._landed.get(xfer_id) if xfer_id in self._reserved else None
+            valid = (
+                isinstance(layer, int)
+                and 0 <= layer < self.layout.num_layers
+                and isinstance(dsts, list)
+                and set(dsts) <= set(self._reserved.get(xfer_id, ()))
+            )
+            if xfer_id not in self._reserved:
+                self._book.counters["late_notification"] += 1  # finished or cancelled
+                continue
+            if not valid:
+                self._book.counters["bad_notification"] += 1
+                continue
+            if parts is None:
+                parts = self._landed[xfer_id] = []
+            parts.append((layer, dsts, page_sums(self.kv_caches[layer], dsts)))
+            self._book.pages_received += len(dsts)
+
+    def _busy(self) -> bool:
+        return bool(self._fences or self._waiting_done or self._reserved)
+
+    def _check(
+        self,
+        done: KVDone,
+        reserved: tuple[int, ...],
+        landed: Sequence[tuple[int, Sequence[int], torch.Tensor]],
+    ) -> TransferResult:
+        """The transfer's result: ok only if the sender wrote each of its pages into the
+        reservation and the pages here sum as the sender's did (pages not summed on
+        arrival are summed now)."""
+        meta = {k: v for k, v in done.meta.items() if not k.startswith("kv_")}
+        error = done.meta.get("kv_error", "")
+        blocks = done.meta.get("kv_blocks")
+        if not error and done.checksum_scheme != NIXL_CHECKSUM:
+            error = f"pages checked with {done.checksum_scheme!r}, not {NIXL_CHECKSUM!r}"
+        if not error and (not isinstance(blocks, list) or not set(blocks) <= set(reserved)):
+            error = "the sender wrote blocks outside the reservation"
+        if not error:
+            for layer, n in enumerate(done.pages_per_layer):
+                if n != len(blocks):
+                    error = f"layer {layer}: {n} pages written of {len(blocks)}"
+                    break
+        if not error:
+            sums = collect_sums(landed)
+            for layer in range(self.layout.num_layers):
+                pages = sums.setdefault(layer, {})
+                missing = [b for b in blocks if b not in pages]
+                if missing:
+                    sums[layer].update(
+                        collect_sums([(layer, missing, page_sums(self.kv_caches[layer], missing))])[
+                            layer
+                        ]
+                    )
+                for extra in set(pages) - set(blocks):
+                    del pages[extra]
+            if pages_digest(sums) != done.checksum:
+                error = "checksum of the written pages does not match the sender's"
+        return TransferResult(done.xfer_id, meta, not error, error)
+
+    def _broadcast(self, msg: Message) -> None:
+        for identity in self._peers:
+            self._reply(identity, msg)
+
+    def _on_page_data(self, peer: Peer, page: Any, frames: list[Any], admitted: bool) -> None:
+        # Pages never come through the side channel here.
+        self._book.counters["unexpected_message"] += 1
+
+    def close(self) -> None:
+        self._progress_thread.stop()
+        self._released.extend(self._fences)
+        self._fences.clear()
+        self._fenced_blocks.clear()
+        super().close()
+        if self.kv_caches:
+            self._agent.deregister(self.kv_caches)
+            self.kv_caches = []

@@ -1,0 +1,132 @@
+"""What the nixl connector's two ends say beside NIXL's WRITEs: the side-channel messages that
+announce, cancel and settle transfers, and the checksum of the pages written (see
+`nixl_connector`)."""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import ClassVar
+
+import msgpack
+import torch
+
+from pdserve.common.wire.messages import Message, message
+
+# The checksum of a transfer's pages (see `pages_digest`).
+NIXL_CHECKSUM = "pdserve-nixl-pages/2"
+_MASK64 = (1 << 64) - 1
+
+
+# -- side-channel messages --------------------------------------------------------------------
+
+
+@message
+@dataclass(frozen=True, slots=True)
+class KVExpect(Message):
+    """Receiver -> every sender: the blocks reserved for a transfer, the only ones a sender
+    may write for it."""
+
+    TYPE: ClassVar[str] = "kvx.expect"
+    xfer_id: str
+    block_ids: tuple[int, ...]
+
+
+@message
+@dataclass(frozen=True, slots=True)
+class KVCancel(Message):
+    """Receiver -> every sender: never write this transfer again; answer KVSettled."""
+
+    TYPE: ClassVar[str] = "kvx.cancel"
+    xfer_id: str
+
+
+@message
+@dataclass(frozen=True, slots=True)
+class KVSettled(Message):
+    """Sender -> receiver: nothing of this transfer is in flight from here, and nothing more
+    will be written."""
+
+    TYPE: ClassVar[str] = "kvx.settled"
+    xfer_id: str
+
+
+# -- checksums ------------------------------------------------------------------------------------
+
+
+_GATHER_BYTES = 64 << 20  # scattered pages are summed through gathers of at most this
+
+
+def page_sums(cache: torch.Tensor, blocks: Sequence[int]) -> torch.Tensor:
+    """[len(blocks), 2] int64: the word sums (mod 2**64) of each block's K and V half in a
+    [2, num_blocks, ...] layer cache. Runs of contiguous blocks are summed in place; blocks
+    scattered across the cache are gathered in bounded chunks first. No sync (CUDA)."""
+    if not blocks:
+        return torch.zeros(0, 2, dtype=torch.int64, device=cache.device)
+    words = _words(cache)  # [2, num_blocks, W]
+    order = sorted(range(len(blocks)), key=blocks.__getitem__)
+    ids = [blocks[i] for i in order]
+    runs = _runs(ids)
+    if len(runs) * 8 <= len(ids):  # mostly contiguous
+        sums = torch.cat([words[:, b0 : b0 + n].sum(-1) for b0, n in runs], dim=1)
+    else:
+        index = torch.tensor(ids, device=cache.device)
+        step = max(1, _GATHER_BYTES // (words.shape[2] * 16))
+        sums = torch.cat(
+            [words[:, index[i : i + step]].sum(-1) for i in range(0, len(ids), step)], dim=1
+        )
+    back = torch.empty_like(sums)
+    back[:, order] = sums  # the caller's order
+    return back.t()
+
+
+def pages_digest(sums: dict[int, dict[int, tuple[int, int]]]) -> int:
+    """The transfer checksum (`pdserve-nixl-pages/2`) of per-page sums, layer -> destination
+    block -> (K sum, V sum): per layer and half, the plain sum and the sum weighted by each
+    page's rank (1, 2, ...) among the layer's destination blocks, mod 2**64, hashed. A
+    changed byte changes a plain sum (as in `page_checksum`); a page written to the wrong
+    block or missing changes a weighted one or the count."""
+    words: list[int] = []
+    for layer in sorted(sums):
+        pages = sums[layer]
+        k_plain = v_plain = k_ranked = v_ranked = 0
+        for rank, block in enumerate(sorted(pages), start=1):
+            k, v = pages[block]
+            k_plain, v_plain = k_plain + k, v_plain + v
+            k_ranked, v_ranked = k_ranked + rank * k, v_ranked + rank * v
+        words += [layer, len(pages), *(x & _MASK64 for x in (k_plain, v_plain, k_ranked, v_ranked))]
+    return int.from_bytes(hashlib.blake2b(msgpack.packb(words), digest_size=8).digest(), "little")
+
+
+def collect_sums(
+    parts: Sequence[tuple[int, Sequence[int], torch.Tensor]],
+) -> dict[int, dict[int, tuple[int, int]]]:
+    """(layer, destination blocks, page_sums) in the order they were written -> the sums of
+    each page's last write."""
+    out: dict[int, dict[int, tuple[int, int]]] = {}
+    for layer, dsts, part in parts:
+        pages = out.setdefault(layer, {})
+        for dst, (k, v) in zip(dsts, part.tolist(), strict=True):
+            pages[dst] = (k & _MASK64, v & _MASK64)
+    return out
+
+
+def _words(cache: torch.Tensor) -> torch.Tensor:
+    """A [2, num_blocks, ...] layer cache as [2, num_blocks, W] int64 words (a copy only when
+    a block's bytes are not a whole number of words)."""
+    raw = cache.reshape(2, cache.shape[1], -1).view(torch.uint8)
+    if raw.shape[2] % 8:
+        return raw.to(torch.int64)
+    return raw.view(torch.int64)
+
+
+def _runs(ids: Sequence[int]) -> list[tuple[int, int]]:
+    """(first block, length) of each run of consecutive ids in a sorted list."""
+    runs: list[tuple[int, int]] = []
+    start = 0
+    for i in range(1, len(ids) + 1):
+        if i == len(ids) or ids[i] != ids[i - 1] + 1:
+            runs.append((ids[start], i - start))
+            start = i
+    return runs
