@@ -21,6 +21,7 @@ import pytest
 
 from pdserve.common.engine.llm import LLM, SamplingParams
 from pdserve.testbed.cluster import KV_PORT, HostCluster
+from pdserve.testbed.faults import router_failovers
 from pdserve.testbed.hosts import Hosts, netem_reason, skip_reason
 from pdserve.tiny_model import make_tiny_model
 
@@ -101,6 +102,16 @@ def run_all(url: str, prompts: list[list[int]]) -> list[list[int]]:
         return list(pool.map(lambda p: complete(url, p), prompts))
 
 
+def wait_holding(cluster: HostCluster, router: str, node_id: str, timeout: float = 60) -> None:
+    """Until node_id reports a live request to the integrity check."""
+    deadline = time.monotonic() + timeout
+    while not ((cluster.integrity(router).get(node_id) or {}).get("report") or {}).get(
+        "live_requests"
+    ):
+        assert time.monotonic() < deadline, f"{node_id} held no request within {timeout}s"
+        time.sleep(0.05)
+
+
 def wait_clean(cluster: HostCluster, router: str, node_ids: list[str], timeout: float = 30):
     """Until every node in node_ids answers the integrity check holding nothing."""
     deadline = time.monotonic() + timeout
@@ -179,7 +190,7 @@ def test_cutting_a_decode_hosts_link_under_load_with_a_slow_relay_left(
         prompts = PROMPTS + PROMPTS[:8]
         with ThreadPoolExecutor(len(prompts)) as pool:
             futures = [pool.submit(complete, cluster.url("r1"), pr, 90) for pr in prompts]
-            time.sleep(1.0)
+            wait_holding(cluster, "r1", d1)  # cut while d1 decodes: those requests must move
             hosts.link_down("d1", side="switch")
             try:
                 got = [f.result(timeout=120) for f in futures]
@@ -188,6 +199,7 @@ def test_cutting_a_decode_hosts_link_under_load_with_a_slow_relay_left(
                 hosts.link_up("d1", side="switch")
         assert got == reference + reference[:8]
         assert after == reference[:4]
+        assert router_failovers(cluster.url("r1")) > 0, "no request left the cut-off host"
         wait_clean(cluster, "r1", [p, d1, d2], timeout=40)
         assert run_all(cluster.url("r1"), PROMPTS[:6]) == reference[:6]
     finally:
