@@ -177,7 +177,9 @@ class LocalCluster:
             return None
 
     def integrity(self) -> dict:
-        return self.get("/internal/integrity") or {}
+        # Longer than the router's reply timeout (10 s): a node that exited unnoticed answers
+        # nothing, and the router reports it without a report instead of failing the call.
+        return self.get("/internal/integrity", timeout=30.0) or {}
 
     def stop(self, timeout: float = 15.0) -> None:
         """SIGTERM every child (nodes drain), wait up to timeout, then kill what is left."""
