@@ -115,14 +115,16 @@ def _num_sms(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def num_splits(num_seqs: int, num_kv_heads: int, max_keys: int, device: torch.device) -> int:
+def num_splits(
+    num_seqs: int, num_kv_heads: int, max_keys: int, device: torch.device, block_n: int = BLOCK_N
+) -> int:
     """Splits per (sequence, kv head): enough programs for two waves over the multiprocessors,
     no more than the widest context could use. Shapes only: no sync."""
     if device.type != "cuda":
         return 1
     programs = num_seqs * num_kv_heads
     wanted = triton.cdiv(2 * _num_sms(device), programs)
-    return max(1, min(wanted, MAX_SPLITS, triton.cdiv(max_keys, BLOCK_N)))
+    return max(1, min(wanted, MAX_SPLITS, triton.cdiv(max_keys, block_n)))
 
 
 def paged_decode_triton(
@@ -160,7 +162,7 @@ def paged_decode_triton(
         return out
     max_keys = block_tables.shape[1] * block_size
     if splits is None:
-        splits = num_splits(num_seqs, num_kv_heads, max_keys, query.device)
+        splits = num_splits(num_seqs, num_kv_heads, max_keys, query.device, block_n)
     block_d = max(16, triton.next_power_of_2(head_dim))
     part_out = part_lse = out  # unused placeholders when there is one split
     if splits > 1:
