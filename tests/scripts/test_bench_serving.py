@@ -14,6 +14,7 @@ import pytest
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from pdserve.bench import load as ld
 from pdserve.bench import serve as bs
 from pdserve.local_cluster import LocalCluster, free_port
 
@@ -38,32 +39,32 @@ SUMMARY_KEYS = (
 
 def test_percentile_interpolates_like_numpy():
     xs = [4.0, 1.0, 3.0, 2.0]
-    assert bs.percentile(xs, 0) == 1.0
-    assert bs.percentile(xs, 100) == 4.0
-    assert bs.percentile(xs, 50) == 2.5
-    assert bs.percentile(xs, 99) == pytest.approx(3.97)
-    assert math.isnan(bs.percentile([], 50))
+    assert ld.percentile(xs, 0) == 1.0
+    assert ld.percentile(xs, 100) == 4.0
+    assert ld.percentile(xs, 50) == 2.5
+    assert ld.percentile(xs, 99) == pytest.approx(3.97)
+    assert math.isnan(ld.percentile([], 50))
 
 
 def test_poisson_arrivals_are_seeded_and_inf_sends_all_at_once():
-    assert bs.poisson_arrivals(3, math.inf, 0) == [0.0, 0.0, 0.0]
-    a = bs.poisson_arrivals(2000, 5.0, 7)
-    assert a == bs.poisson_arrivals(2000, 5.0, 7)
-    assert a != bs.poisson_arrivals(2000, 5.0, 8)
+    assert ld.poisson_arrivals(3, math.inf, 0) == [0.0, 0.0, 0.0]
+    a = ld.poisson_arrivals(2000, 5.0, 7)
+    assert a == ld.poisson_arrivals(2000, 5.0, 7)
+    assert a != ld.poisson_arrivals(2000, 5.0, 8)
     assert a == sorted(a) and a[0] == 0.0
     assert a[-1] / (len(a) - 1) == pytest.approx(1 / 5.0, rel=0.1)  # mean gap 1/rate
 
 
 def test_goodput_counts_requests_within_every_slo():
-    def result(ttft: float, e2e: float, out: int) -> bs.RequestResult:
-        return bs.RequestResult(
+    def result(ttft: float, e2e: float, out: int) -> ld.RequestResult:
+        return ld.RequestResult(
             success=True, prompt_tokens=10, output_tokens=out, ttft=ttft, e2e=e2e, itl=[0.01]
         )
 
     results = [result(0.1, 1.1, 11), result(0.5, 1.5, 11), result(0.1, 3.1, 11)]
-    results.append(bs.RequestResult(error="HTTP 503"))
-    config = bs.BenchConfig("http://x", goodput={"ttft": 200.0, "tpot": 150.0})
-    out = bs.summarize(results, duration=2.0, config=config)
+    results.append(ld.RequestResult(error="HTTP 503"))
+    config = ld.BenchConfig("http://x", goodput={"ttft": 200.0, "tpot": 150.0})
+    out = ld.summarize(results, duration=2.0, config=config)
     # TPOTs are 0.1, 0.1 and 0.3 s: only the first request meets both SLOs.
     assert out["completed"] == 3 and out["failed"] == 1
     assert out["errors"] == ["HTTP 503"]
@@ -71,7 +72,7 @@ def test_goodput_counts_requests_within_every_slo():
     assert out["request_throughput"] == pytest.approx(1.5)
     assert out["output_throughput"] == pytest.approx(33 / 2)
     assert out["mean_tpot_ms"] == pytest.approx(500 / 3)
-    assert bs.summarize(results, 2.0, bs.BenchConfig("http://x"))["request_goodput"] is None
+    assert ld.summarize(results, 2.0, ld.BenchConfig("http://x"))["request_goodput"] is None
 
 
 def test_bad_cli_values_are_refused():
@@ -79,38 +80,38 @@ def test_bad_cli_values_are_refused():
     with pytest.raises(ValueError, match="bad --goodput"):
         bs.parse_goodput(["latency:5"])
     with pytest.raises(ValueError, match="request_rate"):
-        bs.BenchConfig("http://x", request_rate=0)
+        ld.BenchConfig("http://x", request_rate=0)
     with pytest.raises(ValueError, match="goodput"):
-        bs.BenchConfig("http://x", goodput={"itl": 5.0})
+        ld.BenchConfig("http://x", goodput={"itl": 5.0})
 
 
 def test_structured_requests_are_drawn_and_checked():
-    reqs = [bs.BenchRequest([1, 2], None, 2, 4) for _ in range(200)]
-    mixed = bs.with_structured(reqs, "choice", 0.25, seed=4)
-    assert mixed == bs.with_structured(reqs, "choice", 0.25, seed=4)
+    reqs = [ld.BenchRequest([1, 2], None, 2, 4) for _ in range(200)]
+    mixed = ld.with_structured(reqs, "choice", 0.25, seed=4)
+    assert mixed == ld.with_structured(reqs, "choice", 0.25, seed=4)
     on = [r for r in mixed if r.structured == "choice"]
     assert 30 <= len(on) <= 70 and all(r.tag == "structured" for r in on)
     assert all(r.tag == "free" and r.structured is None for r in mixed if r not in on)
-    assert all(r.structured == "json" for r in bs.with_structured(reqs[:5], "json"))
+    assert all(r.structured == "json" for r in ld.with_structured(reqs[:5], "json"))
     with pytest.raises(ValueError, match="unknown structured"):
-        bs.with_structured(reqs, "yaml")
+        ld.with_structured(reqs, "yaml")
     with pytest.raises(ValueError, match="ratio"):
-        bs.with_structured(reqs, "json", 1.5)
+        ld.with_structured(reqs, "json", 1.5)
     person = {"name": "Ada", "age": 36, "role": "admin", "tags": ["x"]}
-    assert bs.structured_valid("json", json.dumps(person))
-    assert not bs.structured_valid("json", json.dumps(person)[:-1])  # cut off
-    assert not bs.structured_valid("json", json.dumps({**person, "role": "root"}))
-    assert bs.structured_valid("json_object", '{"a": [1]}')
-    assert not bs.structured_valid("json_object", "[1]")
-    assert bs.structured_valid("regex", "Abc-123") and not bs.structured_valid("regex", "abc-1")
-    assert bs.structured_valid("choice", "neutral") and not bs.structured_valid("choice", "no")
-    body = bs.request_body(on[0], bs.ServerCaps(True, "ignore_eos", None), 0.0)
-    assert body["structured_outputs"] == {"choice": list(bs.BENCH_CHOICES)}
+    assert ld.structured_valid("json", json.dumps(person))
+    assert not ld.structured_valid("json", json.dumps(person)[:-1])  # cut off
+    assert not ld.structured_valid("json", json.dumps({**person, "role": "root"}))
+    assert ld.structured_valid("json_object", '{"a": [1]}')
+    assert not ld.structured_valid("json_object", "[1]")
+    assert ld.structured_valid("regex", "Abc-123") and not ld.structured_valid("regex", "abc-1")
+    assert ld.structured_valid("choice", "neutral") and not ld.structured_valid("choice", "no")
+    body = ld.request_body(on[0], ld.ServerCaps(True, "ignore_eos", None), 0.0)
+    assert body["structured_outputs"] == {"choice": list(ld.BENCH_CHOICES)}
 
 
 @pytest.fixture(scope="module")
-def pool(tiny_model_dir) -> bs.TokenPool:
-    return bs.load_pool(str(tiny_model_dir("llama")))
+def pool(tiny_model_dir) -> ld.TokenPool:
+    return ld.load_pool(str(tiny_model_dir("llama")))
 
 
 def test_text_prompts_keep_their_token_count(pool):
@@ -119,24 +120,30 @@ def test_text_prompts_keep_their_token_count(pool):
     rng = random.Random(0)
     for n in (1, 7, 64, 200):
         assert len(pool.encode(pool.text(rng, n))) == n
-    reqs = bs.random_requests(pool, 5, 40, 8, range_ratio=0.5, seed=3)
-    assert reqs == bs.random_requests(pool, 5, 40, 8, range_ratio=0.5, seed=3)
+    reqs = ld.random_requests(pool, 5, 40, 8, range_ratio=0.5, seed=3)
+    assert reqs == ld.random_requests(pool, 5, 40, 8, range_ratio=0.5, seed=3)
     assert all(20 <= r.prompt_len <= 60 and len(r.prompt) == r.prompt_len for r in reqs)
-    texts = bs.as_text(pool, reqs)
+    texts = ld.as_text(pool, reqs)
     assert all(isinstance(t.prompt, str) for t in texts)
     assert [t.prompt_len for t in texts] == [r.prompt_len for r in reqs]
     assert [len(pool.encode(t.prompt)) for t in texts] == [r.prompt_len for r in reqs]
 
 
-def test_multiturn_turns_extend_their_history(pool):
-    reqs = bs.multiturn_requests(pool, 2, 3, 20, 10, system_len=30, seed=1)
-    assert [r.conversation for r in reqs] == [0, 1, 0, 1, 0, 1]
-    first, later = reqs[0].messages, reqs[4].messages
-    assert later[: len(first)] == first  # the next turns carry the earlier ones
-    roles = ["system", "user", "assistant", "user", "assistant", "user"]
-    assert [m["role"] for m in later] == roles
-    assert reqs[0].messages[0] == reqs[1].messages[0]  # one system prompt for all
-    assert reqs[4].prompt_len > reqs[2].prompt_len > reqs[0].prompt_len
+def test_chat_turns_carry_the_conversation_so_far(pool):
+    w = ld.ChatWorkload(2, 3, 20, 10, answer_len=4, system_len=30, exact=False, seed=1)
+    turns = ld.chat_turns(pool, w)
+    assert turns == ld.chat_turns(pool, w)
+    assert [[r.conversation for r in t] for t in turns] == [[0, 1]] * 3
+    first, later = turns[0][0], turns[2][0]
+    assert [m["role"] for m in first.messages] == ["system", "user"]
+    assert turns[0][0].messages[0] == turns[0][1].messages[0]  # one system prompt for all
+    assert [m["role"] for m in later.messages] == ["user"]
+    caps = ld.ServerCaps(False, "ignore_eos", None)
+    history = [*first.messages, {"role": "assistant", "content": "an answer"}]
+    body = ld.request_body(later, caps, 0.0, history)
+    assert body["messages"] == [*history, *later.messages]  # the next turns carry the earlier
+    assert "min_tokens" not in body
+    assert ld.request_body(turns[1][1], caps, 0.0)["stream_options"] == {"include_usage": True}
 
 
 # ---------------------------------------------------------------- probing, text-only server
@@ -199,8 +206,8 @@ def text_only_server() -> Iterator[tuple[str, object]]:
 
 def test_text_only_server_gets_text_prompts_and_generation_config(pool, text_only_server):
     url, app = text_only_server
-    reqs = bs.random_requests(pool, 4, 12, 5, seed=2)
-    out = bs.run_benchmark(bs.BenchConfig(url, disable_tqdm=True), reqs, pool)
+    reqs = ld.random_requests(pool, 4, 12, 5, seed=2)
+    out = ld.run_benchmark(ld.BenchConfig(url, disable_tqdm=True), reqs, pool)
     assert out["server"] == {"token_ids": False, "eos_mode": "generation_config", "model": None}
     assert out["completed"] == 4 and out["failed"] == 0
     assert out["total_output_tokens"] == 20
@@ -273,9 +280,10 @@ def test_quick_mode_against_colocated_pdserve(cluster, tmp_path):
 
 def test_multiturn_core_against_colocated_pdserve(cluster, pool):
     c, _ = cluster
-    reqs = bs.multiturn_requests(pool, 2, 2, 24, 4, system_len=40, seed=5)
-    config = bs.BenchConfig(c.url, disable_tqdm=True, goodput={"e2el": 1e-3})
-    out = bs.run_benchmark(config, reqs, pool)
+    w = ld.ChatWorkload(2, 2, 24, 24, answer_len=4, system_len=40, exact=False, seed=5)
+    reqs = [r for turn in ld.chat_turns(pool, w) for r in turn]
+    config = ld.BenchConfig(c.url, disable_tqdm=True, goodput={"e2el": 1e-3})
+    out = ld.run_benchmark(config, reqs, pool)
     _check_summary(out, 4)
     assert out["request_goodput"] == 0  # nothing ends within a microsecond
     assert out["output_len_mismatches"] == 0
@@ -285,7 +293,9 @@ def test_multiturn_core_against_colocated_pdserve(cluster, pool):
         by_conv.setdefault(r["conversation"], []).append(r)
     for first, second in by_conv.values():  # a turn waits for the previous one to finish
         assert second["start_s"] >= first["start_s"] + first["e2e_s"]
-        assert second["prompt_tokens"] > first["prompt_tokens"]
+        # The second turn's prompt holds the first's prompt and its real answer.
+        assert second["prompt_tokens"] > first["prompt_tokens"] + first["output_tokens"]
+        assert first["text"]
 
 
 def test_structured_mode_against_colocated_pdserve(cluster, tmp_path):
@@ -309,7 +319,7 @@ def test_structured_mode_against_colocated_pdserve(cluster, tmp_path):
     assert out["structured_valid"] == n and out["structured_invalid"] == 0
     for r in out["requests"]:
         if r["structured"]:
-            assert bs.structured_valid("regex", r["text"]), r["text"]
+            assert ld.structured_valid("regex", r["text"]), r["text"]
             assert r["output_tokens"] < 24  # the grammar ended it, ignore_eos or not
         else:
             assert r["text"] is None and r["output_tokens"] == 24
