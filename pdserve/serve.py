@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
 import shlex
 import signal
 import subprocess
@@ -29,10 +28,12 @@ from pdserve.common.node.cli import (
     KV_CONNECTORS,
     add_engine_args,
     add_model_arg,
+    option_flags,
     parser,
     resolve_model,
 )
 from pdserve.local_cluster import LocalCluster, exit_status
+from pdserve.router.config import add_router_args, router_config
 
 __all__ = ["Backoff", "Child", "StopFlag", "Supervisor", "build_parser", "exit_status", "main"]
 
@@ -272,10 +273,12 @@ def _engine_flags(args: argparse.Namespace) -> list[str]:
     return out
 
 
-def _policies() -> list[str]:
-    from pdserve.router.cluster.policies import POLICIES
-
-    return sorted(POLICIES)
+# The router flags `pdserve serve` leaves out: --control-host, since its nodes reach the router
+# on 127.0.0.1 (LocalCluster binds control there), and --max-model-len, which is the engine flag
+# of that name here, for the router and every node alike.
+SERVE_OMITS = frozenset({"control_host", "max_model_len"})
+# Router settings LocalCluster spells itself (the API key by environment, never in `ps`).
+CLUSTER_SETS = frozenset({"host", "port", "control_host", "control_port", "api_key"})
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -303,37 +306,14 @@ def build_parser() -> argparse.ArgumentParser:
     topo.add_argument(
         "--kv-connector", default="zmq", choices=KV_CONNECTORS, help="how KV pages travel P -> D"
     )
-    api = p.add_argument_group("HTTP API")
-    api.add_argument("--host", default="127.0.0.1", help="address the API listens on")
-    api.add_argument("--port", type=int, default=8000, help="HTTP port")
-    api.add_argument(
-        "--api-key",
-        default=os.environ.get("PDSERVE_API_KEY"),
-        help="Bearer key every route but /health requires (default: env PDSERVE_API_KEY, "
-        "else none)",
-    )
-    api.add_argument(
-        "--served-model-name", default=None, help="the model's name in the API (default: MODEL)"
-    )
-    api.add_argument(
-        "--policy", default="least_loaded", choices=_policies(), help="how the router picks nodes"
-    )
-    cluster = p.add_argument_group("cluster")
-    cluster.add_argument(
-        "--control-port", type=int, default=8100, help="port nodes register on (127.0.0.1)"
-    )
-    cluster.add_argument(
+    topo.add_argument(
         "--drain-timeout",
         type=float,
         default=30.0,
         help=f"on stop, nodes finish held requests for up to this long (s); whatever still "
         f"runs {STOP_GRACE_S:.0f} s later is killed",
     )
-    cluster.add_argument(
-        "--curve-dir",
-        default=None,
-        help="CurveZMQ keys (`pdserve keygen DIR`) for every link (default: no encryption)",
-    )
+    add_router_args(p, omit=SERVE_OMITS)
     sup = p.add_argument_group("supervisor")
     sup.add_argument(
         "--max-restarts",
@@ -383,6 +363,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def cluster_from_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> LocalCluster:
+    """The deployment of parsed `build_parser` flags (ValueError on a bad router flag)."""
     resolve_model(p, args)
     if args.colocated and (args.num_prefill or args.num_decode):
         p.error("--colocated N replaces --num-prefill/--num-decode: give one or the other")
@@ -392,30 +373,25 @@ def cluster_from_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> L
     num_d = 0 if args.colocated else (1 if args.num_decode is None else args.num_decode)
     if not args.colocated and (num_p < 1 or num_d < 1):
         p.error("a P/D deployment needs at least one prefill and one decode node")
+    router = router_config(args)
     nodes = _engine_flags(args) + ["--drain-timeout", str(args.drain_timeout)]
-    router = ["--policy", args.policy]
-    if args.curve_dir:
-        nodes += ["--curve-dir", args.curve_dir]
-        router += ["--curve-dir", args.curve_dir]
-    if args.served_model_name:
-        router += ["--served-model-name", args.served_model_name]
-    if args.max_model_len:
-        router += ["--max-model-len", str(args.max_model_len)]
+    if router.curve_dir:
+        nodes += ["--curve-dir", router.curve_dir]
     return LocalCluster(
         args.model,
         num_prefill=num_p,
         num_decode=num_d,
         num_colocated=args.colocated,
         kv_connector=args.kv_connector,
-        port=args.port,
-        control_port=args.control_port,
+        port=router.port,
+        control_port=router.control_port,
         engine_args=nodes + shlex.split(args.node_flags),
-        router_args=router + shlex.split(args.router_flags),
+        router_args=option_flags(router, CLUSTER_SETS) + shlex.split(args.router_flags),
         log_dir=args.log_dir,
-        host=args.host,
+        host=router.host,
         inherit_output=args.log_dir is None,
         own_process_group=True,
-        api_key=args.api_key,
+        api_key=router.api_key,
     )
 
 

@@ -1,9 +1,16 @@
 """Command-line flags shared by every node (and by `pdserve serve`), turned into configs in one
-place. Flags come in named groups; every help line states its default and unit."""
+place. Flags come in named groups; every help line states its default and unit.
+
+A config dataclass may declare its flags on its fields (`option`): `add_options` adds them to a
+parser and `options_of` builds the config back from the parsed flags, so a field's name, default
+and help text live in one place (the router's `RouterConfig` does)."""
 
 from __future__ import annotations
 
 import argparse
+import os
+from dataclasses import Field, field, fields
+from typing import Any, TypeVar
 
 from pdserve.common.engine.config import CacheConfig, ModelConfig, SchedulerConfig
 from pdserve.common.node.config import KV_CONNECTORS, NodeConfig
@@ -27,6 +34,65 @@ def parser(prog: str, description: str) -> argparse.ArgumentParser:
     return argparse.ArgumentParser(
         prog=prog, description=description, formatter_class=HelpFormatter
     )
+
+
+Config = TypeVar("Config")
+
+
+def option(default: Any, group: str, text: str, **flag: Any) -> Any:
+    """A dataclass field that is also the flag --field-name in the help group `group`. flag
+    goes to argparse (choices, metavar; type when the default is None), except env: a variable
+    read when the flag is not given (then the help text names the default itself)."""
+    return field(default=default, metadata={"group": group, "help": text, **flag})
+
+
+def _options(cls: type) -> list[Field]:
+    return [f for f in fields(cls) if "group" in f.metadata]
+
+
+def flag_of(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def add_options(p: argparse.ArgumentParser, cls: type, omit: frozenset[str] = frozenset()) -> None:
+    """Add the flags of cls's `option` fields, but those named in omit, in their groups."""
+    groups: dict[str, argparse._ArgumentGroup] = {}
+    for f in _options(cls):
+        if f.name in omit:
+            continue
+        flag = dict(f.metadata)
+        title, text, env = flag.pop("group"), flag.pop("help"), flag.pop("env", None)
+        if title not in groups:
+            groups[title] = p.add_argument_group(title)
+        kind = flag.pop("type", type(f.default))
+        default = None if env else f.default  # None: "not given", so the variable may apply
+        groups[title].add_argument(flag_of(f.name), default=default, type=kind, help=text, **flag)
+
+
+def options_of(cls: type[Config], args: argparse.Namespace, **given: Any) -> Config:
+    """cls from parsed `add_options` flags and the fields in given (ValueError on a bad
+    value). A flag the parser lacks (omitted) leaves its field at the default; one the parser
+    has under the same name from elsewhere (an engine flag) is taken."""
+    values = {}
+    for f in _options(cls):
+        if not hasattr(args, f.name):
+            continue
+        value = getattr(args, f.name)
+        if value is None and "env" in f.metadata:
+            value = os.environ.get(f.metadata["env"]) or f.default
+        values[f.name] = value
+    return cls(**values, **given)
+
+
+def option_flags(config: Any, omit: frozenset[str] = frozenset()) -> list[str]:
+    """The flags that give a command the `option` fields of config not at their defaults
+    (those in omit aside): how a supervisor spells a config again for its child."""
+    out = []
+    for f in _options(type(config)):
+        value = getattr(config, f.name)
+        if f.name not in omit and value != f.default:
+            out += [flag_of(f.name), str(value)]
+    return out
 
 
 def add_model_arg(p: argparse.ArgumentParser) -> None:

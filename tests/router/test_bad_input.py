@@ -14,7 +14,7 @@ import pytest
 from fastapi import FastAPI
 from fastapi.testclient import TestClient
 
-from pdserve.router.__main__ import limits_of, parse_args
+from pdserve.router.__main__ import parse_args
 from pdserve.router.app import RouterLimits, create_app
 from pdserve.router.errors import RETRY_AFTER_S
 from pdserve.router.openai_protocol import (
@@ -541,9 +541,8 @@ def test_a_stream_that_fails_before_its_first_token_gets_a_500_status(
 
 def test_router_limits_come_from_the_command_line() -> None:
     flags = ["--max-request-bytes", "10", "--max-queued-requests", "3", "--max-queued-tokens", "7"]
-    args = parse_args(["--model", "m", *flags])
-    assert limits_of(args) == RouterLimits(10, 3, 7)
-    assert limits_of(parse_args(["--model", "m"])) == RouterLimits()
+    assert parse_args(["--model", "m", *flags]).limits == RouterLimits(10, 3, 7)
+    assert parse_args(["--model", "m"]).limits == RouterLimits()
 
 
 def test_router_limits_are_validated() -> None:

@@ -1,0 +1,138 @@
+"""The router's settings: `RouterConfig` is the one place its flags are named, defaulted and
+explained; `python -m pdserve.router` and `pdserve serve` both add them with `add_router_args`
+and read them back with `router_config`."""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass
+
+from pdserve.common.node.cli import add_options, option, options_of
+from pdserve.router.admission import RouterLimits
+from pdserve.router.cluster.placement import PLACEMENTS, PlacementConfig
+from pdserve.router.cluster.policies import POLICIES
+from pdserve.router.tools import PARSERS
+
+API, CLUSTER, LIMITS, SECURITY = "HTTP API", "cluster", "limits and admission", "security"
+_LIMITS = RouterLimits()  # the admission bounds' defaults are RouterLimits' own
+
+
+@dataclass(frozen=True, slots=True)
+class RouterConfig:
+    """Every setting of one router process. Each field but model is the flag of its name
+    (--served-model-name for served_model_name); its default and help text are here only."""
+
+    model: str  # MODEL or --model, the flags every role shares (`add_model_arg`)
+    served_model_name: str | None = option(
+        None, API, "the model's name in the API (default: MODEL as given)", type=str
+    )
+    host: str = option(
+        "127.0.0.1", API, "address to bind HTTP (and, without --control-host, control) on"
+    )
+    port: int = option(8000, API, "HTTP port")
+    api_key: str | None = option(
+        None,
+        API,
+        "Bearer key every route but /health requires (default: env PDSERVE_API_KEY, else none)",
+        env="PDSERVE_API_KEY",  # from the environment: `ps` never shows it, --help never prints it
+        type=str,
+    )
+    max_model_len: int | None = option(
+        None, API, "prompt + output tokens per request (default: the model's own limit)", type=int
+    )
+    tool_call_parser: str = option(
+        "hermes",
+        API,
+        "how replies are read as tool calls: hermes (<tool_call> blocks: Qwen2.5, Qwen3, "
+        "SmolLM2 with the default tool prompt) or llama3_json (Llama 3.1+)",
+        choices=PARSERS,
+    )
+    control_host: str | None = option(None, CLUSTER, "default: --host", type=str)
+    control_port: int = option(8100, CLUSTER, "port nodes register on")
+    policy: str = option("least_loaded", CLUSTER, "how nodes are picked", choices=sorted(POLICIES))
+    prefill_placement: str = option(
+        PlacementConfig().mode,
+        CLUSTER,
+        "where prompts are prefilled when decode nodes exist: auto (per request, by a cost "
+        "model from the nodes' measured rates, or by --local-prefill-threshold), remote (always "
+        "on a prefill node) or local (always on the decode node). Default: auto, or "
+        "$PDSERVE_PREFILL_PLACEMENT",
+        env="PDSERVE_PREFILL_PLACEMENT",
+        choices=PLACEMENTS,
+    )
+    local_prefill_threshold: int | None = option(
+        None,
+        CLUSTER,
+        "with auto placement: prefill on the decode node when it lacks at most this many "
+        "prompt tokens, else remotely (replaces the cost model)",
+        type=int,
+        metavar="TOKENS",
+    )
+    heartbeat_timeout: float = option(
+        5.0, CLUSTER, "a node silent this long (s) leaves the rotation; its requests fail over"
+    )
+    lease_interval: float = option(
+        1.0, CLUSTER, "how often (s) the router renews the leases of the requests nodes hold"
+    )
+    max_request_bytes: int = option(
+        _LIMITS.max_request_bytes, LIMITS, "larger request bodies get 413 (bytes)"
+    )
+    max_queued_requests: int = option(
+        _LIMITS.max_queued_requests,
+        LIMITS,
+        "backend requests (choices) in flight beyond which new requests get 503",
+    )
+    max_queued_tokens: int = option(
+        _LIMITS.max_queued_tokens,
+        LIMITS,
+        "prompt tokens in flight beyond which new requests get 503",
+    )
+    curve_dir: str | None = option(
+        None,
+        SECURITY,
+        "CurveZMQ keys (`pdserve keygen DIR`): only nodes holding them join (default: no "
+        "encryption)",
+        type=str,
+    )
+
+    def __post_init__(self) -> None:
+        if not self.model:
+            raise ValueError("a router needs a MODEL")
+        self.limits, self.placement  # noqa: B018 (each validates its own fields)
+        if self.policy not in POLICIES:
+            raise ValueError(f"unknown policy {self.policy!r}; choose from {sorted(POLICIES)}")
+        if self.tool_call_parser not in PARSERS:
+            why = f"tool call parser must be one of {PARSERS}, got {self.tool_call_parser!r}"
+            raise ValueError(why)
+        for name in ("port", "control_port"):
+            if not 0 <= getattr(self, name) < 65536:
+                raise ValueError(f"{name} must be in [0, 65536), got {getattr(self, name)}")
+        for name in ("heartbeat_timeout", "lease_interval"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be > 0 seconds, got {getattr(self, name)}")
+        if self.max_model_len is not None and self.max_model_len < 1:
+            raise ValueError(f"max_model_len must be >= 1 token, got {self.max_model_len}")
+
+    @property
+    def limits(self) -> RouterLimits:
+        bounds = (self.max_request_bytes, self.max_queued_requests, self.max_queued_tokens)
+        return RouterLimits(*bounds)
+
+    @property
+    def placement(self) -> PlacementConfig:
+        return PlacementConfig(self.prefill_placement, self.local_prefill_threshold)
+
+    @property
+    def served_name(self) -> str:
+        """The model's name in the API: vLLM's rule, MODEL as the user typed it by default."""
+        return self.served_model_name or self.model
+
+
+def add_router_args(p: argparse.ArgumentParser, omit: frozenset[str] = frozenset()) -> None:
+    """The router's flags (but the fields in omit); MODEL is `add_model_arg`'s."""
+    add_options(p, RouterConfig, omit)
+
+
+def router_config(args: argparse.Namespace) -> RouterConfig:
+    """The RouterConfig of parsed `add_router_args` flags (ValueError on a bad value)."""
+    return options_of(RouterConfig, args, model=args.model)
