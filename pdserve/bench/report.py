@@ -1,11 +1,5 @@
-"""What every benchmark shares: where its outputs go, the command it records, timing on a
-device, the cached benchmark model, results as JSON, figures, and its own section of a
-Markdown page.
-
-Each benchmark owns one named section of `docs/benchmarks.md`, fenced by HTML comments, and
-rewrites only that section; prose outside the fences is kept as written. Outputs go to the
-docs folder named by `--docs-dir` (default: the checkout pdserve is imported from, else
-./docs), never into site-packages.
+"""What every benchmark shares: where its outputs go, timing, the benchmark model, and its
+report: JSON, figures, tables, goals met or missed, and its own fenced section of a page.
 """
 
 from __future__ import annotations
@@ -18,9 +12,10 @@ import platform
 import shlex
 import shutil
 import signal
+import statistics
 import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -165,6 +160,23 @@ def best_time(fn: Callable[[], object], device: str, repeats: int = 3) -> float:
         sync(device)
         best = min(best, time.perf_counter() - t0)
     return best
+
+
+def cuda_ms(fn: Callable[[], Any], iters: int = 20, warmup: int = 3) -> float:
+    """Median milliseconds of fn() between CUDA events, after warm-up runs."""
+    import torch
+
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(iters):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
 
 
 # -- the benchmark model and the machine ----------------------------------------------------------
@@ -312,6 +324,72 @@ def publish(
     page = write_section(name, section(report, to.link(figure)), to.page)
     print(f"wrote {data}, {figure}, {page}")
     return data, figure, page
+
+
+def record_run(
+    benchmark: str, script: str, argv: Sequence[str], measure: Callable[[], dict[str, Any]]
+) -> dict[str, Any]:
+    """measure()'s fields after what every run records: its name, the command that repeats it,
+    the machine, and the load average at start and end (other work on a shared machine)."""
+    load = os.getloadavg()[0]
+    fields = measure()
+    return {
+        "benchmark": benchmark,
+        "command": command_line(script, list(argv)),
+        "machine": machine(),
+        "load_avg": [load, os.getloadavg()[0]],
+        **fields,
+    }
+
+
+def measure_or_load(
+    args: argparse.Namespace,
+    benchmark: str,
+    script: str,
+    argv: Sequence[str],
+    measure: Callable[[], dict[str, Any]],
+) -> dict[str, Any]:
+    """The run's report: read back from --from-json FILE (to redraw its figure and section),
+    else measured now."""
+    if getattr(args, "from_json", None):
+        return json.loads(args.from_json.read_text())
+    return record_run(benchmark, script, argv, measure)
+
+
+def run_header(report: dict[str, Any], threads: str = "torch threads") -> list[str]:
+    """A section's first lines: the command that repeats the run, and where and how it ran."""
+    dtype = f", {report['dtype']}" if "dtype" in report else ""
+    start, end = report["load_avg"]
+    return [
+        f"Command: `{report['command']}`  ",
+        f"Machine: {describe_machine(report['machine'], threads)}; device `{report['device']}`"
+        f"{dtype}; median of {report['repeats']} repeats; load average {start:.1f} at start, "
+        f"{end:.1f} at end.  ",
+    ]
+
+
+def goal(name: str, value: float | None, base: float | None, op: str, target: float) -> dict:
+    """One goal of a run: value / base against target (op ">=" or "<="); "not measured" when
+    either side is missing."""
+    if value is None or base is None or base <= 0:
+        return {
+            "goal": name,
+            "value": value,
+            "baseline": base,
+            "ratio": None,
+            "status": "not measured",
+        }
+    ratio = value / base
+    met = ratio >= target if op == ">=" else ratio <= target
+    status = "met" if met else "missed"
+    return {"goal": name, "value": value, "baseline": base, "ratio": ratio, "status": status}
+
+
+def goals_table(goals: list[dict[str, Any]]) -> str:
+    """The goals of a run as a table: goal, value, baseline, ratio, met or missed."""
+    keys = ("goal", "value", "baseline", "ratio", "status")
+    rows = [["—" if g[k] is None else g[k] for k in keys] for g in goals]
+    return markdown_table(list(keys), rows)
 
 
 def markdown_table(header: list[str], rows: list[list[Any]]) -> str:
