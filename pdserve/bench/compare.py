@@ -1,40 +1,9 @@
-"""pdserve colocated, pdserve 1P1D and `transformers serve --continuous-batching`, side by side.
+"""`pdserve bench compare`: pdserve colocated, pdserve 1P1D and `transformers serve
+--continuous-batching`, side by side on the same requests (latency, saturation and mixed
+scenarios), then the saturation run through the engine alone, profiled. What the scenarios
+are, the goals and the reading of the figures are in docs/benchmarks.md.
 
-    pdserve bench compare                       # docs/bench/compare.* + docs/benchmarks.md
-    pdserve bench compare --quick --out DIR     # tiny model, a handful of requests
-    pdserve bench compare --smollm2             # SmolLM2: docs/bench/compare-smollm2.* + section
-    python scripts/bench_compare.py ...         # the same, as the docs cite it
-
-One command: builds (or reuses, under `--cache-dir`) a 12-layer, 768-wide Llama with random
-weights and the locally trained tokenizer (or, with `--smollm2`, SmolLM2-135M-Instruct as float32
-safetensors made once from the GGUF pdserve fetches, so both servers load the same weights),
-then starts each system in turn on this machine and runs the same three scenarios against it
-with `pdserve bench serve`'s core (pdserve.bench.serve):
-
-- **latency**: 1k-token prompts one at a time (max concurrency 1): TTFT without queueing.
-- **saturation**: short prompts at a few Poisson request rates and all at once (inf):
-  output tokens/s against request rate.
-- **mixed**: short requests decoding while long prompts arrive (prefill-decode
-  interference); the p99 ITL of the short requests is the figure.
-
-Goals (each reported met or missed): pdserve colocated >= 2x transformers serve output tokens/s
-at saturation; in the mixed run, 1P1D p99 ITL of the short requests <= 1/3 of colocated's; in
-the latency run, mean TTFT(1P1D) <= 1.1x TTFT(colocated).
-
-Last, unless `--no-profile`, the saturation run at rate inf goes once more through pdserve's
-engine alone, in this process (`pdserve.bench.engine_profile`): timed, then under
-torch.profiler, so the section says how much of the engine's time is matrix multiplies, the
-part no serving path can remove, against what a 2x lead over transformers serve would allow.
-
-Each model writes its own section and files: `compare` (compare.json, compare_*.png) for the
-random model, `compare-smollm2` for SmolLM2 (`--section` names another). 1P1D's router gets
-`--prefill-placement remote`: every prompt is prefilled on the prefill node, as this comparison
-means (the default, auto, may prefill some on the decode node).
-
-Arguments this benchmark does not know go to every pdserve node as engine flags (e.g.
-`--max-num-batched-tokens 256 --num-blocks 2048`); `--max-num-batched-tokens` also sets
-transformers serve's `--cb-max-batch-tokens`, so both schedule the same token budget per step.
-Every child process is stopped on exit, error or SIGTERM.
+Arguments this benchmark does not know go to every pdserve node as engine flags.
 """
 
 from __future__ import annotations
@@ -45,12 +14,10 @@ import math
 import os
 import shlex
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
@@ -58,6 +25,14 @@ from pathlib import Path
 from typing import Any
 
 from pdserve.bench.engine_profile import profile_engine
+from pdserve.bench.load import (
+    BenchConfig,
+    BenchRequest,
+    TokenPool,
+    load_pool,
+    random_requests,
+    run_benchmark,
+)
 from pdserve.bench.report import (
     BENCH_MODEL_SIZES,
     MODEL_STAMP,
@@ -68,7 +43,8 @@ from pdserve.bench.report import (
     cached_model,
     checkout_root,
     command_line,
-    environ,
+    goal,
+    goals_table,
     machine,
     markdown_table,
     outputs,
@@ -78,16 +54,8 @@ from pdserve.bench.report import (
     sigterm_raises,
     write_section,
 )
-from pdserve.bench.serve import (
-    BenchConfig,
-    BenchRequest,
-    TokenPool,
-    load_pool,
-    random_requests,
-    run_benchmark,
-)
+from pdserve.bench.systems import pdserve_cluster, transformers_serve
 from pdserve.common.node.cli import parser
-from pdserve.local_cluster import LocalCluster, free_port
 
 SYSTEMS = ("pdserve-colocated", "pdserve-1p1d", "transformers-serve")
 QUICK_SYSTEMS = SYSTEMS[:2]
@@ -253,105 +221,26 @@ def _write_float32(gguf: Path, into: Path) -> None:
 # ---------------------------------------------------------------- the systems
 
 
-def _wait_http(url: str, proc: subprocess.Popen, timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"server exited with {proc.returncode} during start")
-        try:
-            with urllib.request.urlopen(url, timeout=5) as resp:
-                if resp.status == 200:
-                    return
-        except OSError:
-            pass
-        time.sleep(0.5)
-    raise RuntimeError(f"{url} not ready after {timeout}s")
-
-
-@contextmanager
-def transformers_serve(
-    model: Path, batch_tokens: int, log_dir: Path, timeout: float
-) -> Iterator[str]:
-    """`transformers serve --continuous-batching` on a free port, offline; yields its URL and
-    stops its whole process group on exit."""
-    port = free_port()
-    hub_cache = log_dir / "hf-hub-cache"  # empty: /v1/models lists nothing instead of a 500
-    hub_cache.mkdir(parents=True, exist_ok=True)
-    env = dict(
-        os.environ,
-        HF_HUB_OFFLINE="1",
-        TRANSFORMERS_OFFLINE="1",
-        HF_HUB_CACHE=str(hub_cache),
-        PYTHONUNBUFFERED="1",
-    )
-    cmd = [
-        sys.executable,
-        "-m",
-        "transformers.cli.transformers",
-        "serve",
-        "--continuous-batching",
-        "--device",
-        "cpu",
-        "--dtype",
-        "float32",
-        "--cb-max-batch-tokens",
-        str(batch_tokens),
-        "--host",
-        "127.0.0.1",
-        "--port",
-        str(port),
-        str(model),
-    ]
-    with open(log_dir / "transformers-serve.log", "wb") as log:
-        proc = subprocess.Popen(
-            cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
-        )
-        try:
-            _wait_http(f"http://127.0.0.1:{port}/health", proc, timeout)
-            yield f"http://127.0.0.1:{port}"
-        finally:
-            _stop_group(proc)
-
-
-def _stop_group(proc: subprocess.Popen, timeout: float = 15.0) -> None:
-    if proc.poll() is not None:
-        return
-    os.killpg(proc.pid, signal.SIGTERM)
-    try:
-        proc.wait(timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait(5)
-
-
-@contextmanager
-def pdserve(model: Path, system: str, args: argparse.Namespace) -> Iterator[str]:
-    """A LocalCluster for `system` (colocated, or 1P1D over zmq); yields its URL."""
-    shape = {"pdserve-colocated": (0, 0, 1), "pdserve-1p1d": (1, 1, 0)}[system]
-    placement = REMOTE_PREFILL if system == "pdserve-1p1d" else []
-    cluster = LocalCluster(
-        str(model),
-        *shape,
-        kv_connector="zmq",
-        engine_args=args.engine_args,
-        router_args=[*args.router_args, *placement],
-        log_dir=str(args.log_dir / system),
-    )
-    with cluster:
-        yield cluster.url
-
-
 @contextmanager
 def start_system(system: str, args: argparse.Namespace, model: Path) -> Iterator[str]:
-    """Start one system with every server process capped at args.threads torch threads."""
-    env = {"OMP_NUM_THREADS": str(args.threads), "MKL_NUM_THREADS": str(args.threads)}
-    with environ(env if args.threads else {}):
-        if system == "transformers-serve":
-            server = transformers_serve(model, batch_tokens(args.engine_args), args.log_dir, 600.0)
-        else:
-            server = pdserve(model, system, args)
-        with server as url:
+    """Start one system with every server process at args.threads torch threads; yields
+    its URL."""
+    if system == "transformers-serve":
+        tokens = batch_tokens(args.engine_args)
+        with transformers_serve(model, tokens, args.log_dir, args.threads) as url:
             yield url
+        return
+    shape = {"pdserve-colocated": (0, 0, 1), "pdserve-1p1d": (1, 1, 0)}[system]
+    placement = REMOTE_PREFILL if system == "pdserve-1p1d" else []
+    with pdserve_cluster(
+        model,
+        shape,
+        args.log_dir / system,
+        threads=args.threads,
+        engine_args=args.engine_args,
+        router_args=[*args.router_args, *placement],
+    ) as cluster:
+        yield cluster.url
 
 
 def router_args(heartbeat_timeout: float) -> list[str]:
@@ -467,24 +356,7 @@ def evaluate_goals(results: dict[str, dict], sizes: Sizes) -> list[dict[str, Any
          metric(pd, "latency/concurrency=1", "mean_ttft_ms"),
          metric(colo, "latency/concurrency=1", "mean_ttft_ms"), "<=", 1.1),
     ]  # fmt: skip
-    return [_goal(*spec) for spec in specs]
-
-
-def _goal(
-    name: str, value: float | None, base: float | None, op: str, target: float
-) -> dict[str, Any]:
-    if value is None or base is None or base <= 0:
-        return {
-            "goal": name,
-            "value": value,
-            "baseline": base,
-            "ratio": None,
-            "status": "not measured",
-        }
-    ratio = value / base
-    met = ratio >= target if op == ">=" else ratio <= target
-    status = "met" if met else "missed"
-    return {"goal": name, "value": value, "baseline": base, "ratio": ratio, "status": status}
+    return [goal(*spec) for spec in specs]
 
 
 # ---------------------------------------------------------------- plots
@@ -615,234 +487,111 @@ def _flags(args: list[str]) -> str:
     return f"`{shlex.join(args)}`" if args else "none"
 
 
-def _budget_note(budget: int) -> list[str]:
-    if budget >= DEFAULT_BATCH_TOKENS:
-        return []
-    return [
-        f"The token budget per step was lowered to {budget} from pdserve's default"
-        f" {DEFAULT_BATCH_TOKENS}: up to pdserve 7776d06 nodes sent heartbeats only between"
-        " engine steps, and on these cores a 512-token step of this model outlasted the"
-        " router's 5 s heartbeat timeout, so healthy nodes were dropped and their requests"
-        " failed with 503 (pdserve d240e90 sends them from a liveness thread).",
-        "",
-    ]
-
-
 def _load_range(results: dict[str, dict]) -> str:
     loads = [x for runs in results.values() for r in runs.values() for x in r["load_avg_1m"]]
-    return f"{min(loads):.1f} to {max(loads):.1f}" if loads else "(not measured)"
+    return f"{min(loads):.1f} to {max(loads):.1f}" if loads else "not measured"
 
 
-def _threads_note(threads: int) -> str:
-    if not threads:
-        return ""
-    note = f" Every server process runs with `OMP_NUM_THREADS={threads}` (`--threads`)."
-    if threads == 1:
-        note += (
-            " On these oversubscribed cores two torch threads per process ran about 4x slower"
-            " than one (128-token prefill of the random 12-layer model 9.0 s against 2.5 s, a"
-            " decode step of 8 sequences 4.6 s against 1.0 s, measured offline at load average"
-            " ~9). So colocated"
-            " pdserve and transformers serve compute on one core each, while 1P1D's two nodes"
-            " can use both."
-        )
-    return note
+def setup_table(report: dict[str, Any]) -> str:
+    """Where and how the run was made, one row each."""
+    m = report["machine"]
+    placement = " (1P1D adds `--prefill-placement remote`)" if report.get("remote_prefill") else ""
+    rows = [
+        ["measured", f"{report['date']} at pdserve {report['git']}"],
+        ["machine", f"{m['cpu']}, {m['cpu_count']} CPU cores, torch {m['torch']}, float32"],
+        ["model", report["model_desc"]],
+        ["pdserve engine flags", _flags(report["engine_args"])],
+        ["token budget per step (transformers serve: `--cb-max-batch-tokens`)",
+         report["batch_tokens"]],
+        ["pdserve router flags", _flags(report["router_args"]) + placement],
+        ["torch threads per server process (`--threads`)", report["threads"]],
+        ["1-minute load average around the runs", _load_range(report["results"])],
+    ]  # fmt: skip
+    return markdown_table(["run", ""], rows)
 
 
-def _stat(results: dict, system: str, key: str, name: str, tag: str | None = None) -> float:
-    res = results.get(system, {}).get(key)
-    if res is None:
-        return math.nan
-    return (res["by_tag"][tag] if tag else res)[name]
+def sizes_table(s: Sizes) -> str:
+    """The scenarios' requests; every system gets the same ones (fixed seed)."""
+    rates = ", ".join(f"{r:g}" for r in s.sat_rates)
+    longs = ", ".join(f"{t:g}" for t in s.mixed_long_at)
+    rows = [
+        ["latency", s.latency_n, s.latency_input, s.latency_output, "one at a time"],
+        ["saturation", s.sat_n, f"~{s.sat_input} (±25%)", f"~{s.sat_output}",
+         f"Poisson at {rates} req/s"],
+        ["mixed: short", s.mixed_short_n, s.mixed_short_input, s.mixed_short_output,
+         "all at once"],
+        ["mixed: long", len(s.mixed_long_at), s.mixed_long_input, s.mixed_long_output,
+         f"at {longs} s"],
+    ]  # fmt: skip
+    return markdown_table(["scenario", "requests", "prompt tokens", "output tokens", "sent"], rows)
 
 
-def _ratio(a: float, b: float) -> float:
-    return a / b if b and math.isfinite(b) else math.nan
-
-
-def _reading(report: dict[str, Any]) -> list[str]:
-    """What the numbers say about the goals, from this run's values (nan where not run). The
-    prose cites probes of the random model; another model's section gets the numbers only."""
-    if report.get("section", SECTION) != SECTION:
-        return _numbers_reading(report)
-    results, budget = report["results"], report["batch_tokens"]
-    long_len = sizes_from_dict(report["sizes"]).mixed_long_input
-    colo, pd, tf = "pdserve-colocated", "pdserve-1p1d", "transformers-serve"
-    lat, mixed = "latency/concurrency=1", "mixed/short+long"
-    itl = {s: _stat(results, s, lat, "median_itl_ms") for s in (colo, pd, tf)}
-    ttft = {s: _stat(results, s, lat, "mean_ttft_ms") for s in (colo, pd)}
-    sat = f"saturation/rate={math.inf:g}"
-    tput = {s: _stat(results, s, sat, "output_throughput") for s in (colo, tf)}
-    short = {
-        (s, q): _stat(results, s, mixed, f"{q}_itl_ms", "short")
-        for s in (colo, pd)
-        for q in ("median", "p99")
+def profile_budget(found: dict[str, Any], results: dict[str, dict]) -> dict[str, float | None]:
+    """What a 2x lead over transformers serve at saturation (rate inf) leaves beside the
+    matmuls: half its serving time, less the engine's matmul seconds (None: not measured)."""
+    tf = results.get("transformers-serve", {}).get(f"saturation/rate={math.inf:g}")
+    half = tf["duration_s"] / 2 if tf else None
+    matmul = found["matmul_s"]
+    return {
+        "half_tf_s": half,
+        "room_s": None if half is None else half - matmul,
+        "other_cpu_s": found["cpu_s"] - matmul,
     }
-    return [
-        "Reading the goals:",
-        "",
-        f"- *Throughput.* At saturation pdserve colocated made {tput[colo]:.1f} output tokens/s"
-        f" against {tput[tf]:.1f} for transformers serve ({_ratio(tput[colo], tput[tf]):.2f}x;"
-        " the goal is 2x). On a single stream, median ITL was"
-        f" {itl[colo]:.0f} ms against {itl[tf]:.0f} ms in the latency run. A probe of the"
-        " colocated node (its engine's steps timed inside the serving process, same requests)"
-        " found 0.2 ms between steps and a decode step at this 1k context of about 40 ms, the"
-        " same as the offline engine's (33 to 40 ms over runs minutes apart on this shared"
-        " machine): a single stream's ITL is the engine step, not the serving path, and"
-        " differences of this size between systems measured minutes apart are within that"
-        " drift. Why not 2x: each"
-        " server computes on one core, in float32, and both spend most of a step in the same"
-        " matmuls (about 80% of pdserve's batch-16 decode step is `aten::mm`, and HF's"
-        " `generate` runs the same shapes: see the offline section, where pdserve's engine is"
-        " at 0.9-1.0x HF's). What separates the two at saturation is the time around the"
-        " matmuls (scheduling, batching prefill chunks with decodes, the paged attention);"
-        " a 2x lead would need transformers serve to spend more than half its"
-        " time outside them, which on this CPU it does not. The goal is a GPU one, where a"
-        " step's fixed costs weigh far more; no GPU was available to measure it.",
-        f"- *Mixed run.* With a {budget}-token budget colocated pdserve interleaves each"
-        f" {long_len}-token prompt with the running decodes as {math.ceil(long_len / budget)}"
-        " chunks, so a short request stalls for one chunk at a time, not for the whole prompt,"
-        " and the smaller the budget the shorter each stall. 1P1D takes those"
-        " chunks off the decode node, but the decode node shares the two cores with the"
-        " prefill node and the router: the short requests' median ITL was"
-        f" {short[(pd, 'median')]:.0f} ms in 1P1D against {short[(colo, 'median')]:.0f} ms"
-        f" colocated, p99 {short[(pd, 'p99')]:.0f} against {short[(colo, 'p99')]:.0f} ms."
-        " On separate devices the decode node's steps would not slow down while P computes.",
-        "- *Latency.* The 1k-token prompt's KV goes layer by layer over zmq on loopback while"
-        f" P computes: mean TTFT {ttft[pd]:.0f} ms in 1P1D against {ttft[colo]:.0f} ms"
-        f" colocated ({_ratio(ttft[pd], ttft[colo]):.2f}x; with few prompts and this load,"
-        " differences of a few percent are noise).",
-        "",
-    ]
 
 
-def _numbers_reading(report: dict[str, Any]) -> list[str]:
-    results, colo, tf = report["results"], "pdserve-colocated", "transformers-serve"
-    sat = f"saturation/rate={math.inf:g}"
-    tput = {s: _stat(results, s, sat, "output_throughput") for s in (colo, tf)}
-    itl = {s: _stat(results, s, "latency/concurrency=1", "median_itl_ms") for s in (colo, tf)}
-    return [
-        f"Reading the goals: at saturation pdserve colocated made {tput[colo]:.1f} output"
-        f" tokens/s against {tput[tf]:.1f} for transformers serve"
-        f" ({_ratio(tput[colo], tput[tf]):.2f}x; the goal is 2x); on a single stream the median"
-        f" ITL was {itl[colo]:.0f} ms against {itl[tf]:.0f} ms (latency run).",
-        "",
-    ]
-
-
-def _profile_lines(report: dict[str, Any]) -> list[str]:
-    """The engine-alone probe against the saturation goal (none when it was not run)."""
+def profile_table(report: dict[str, Any]) -> list[str]:
+    """The engine-alone probe of the saturation run (nothing when it was not run)."""
     found = report.get("profile")
     if not found:
         return []
-    sat = f"saturation/rate={math.inf:g}"
-    colo, tf = "pdserve-colocated", "transformers-serve"
-    served = {s: _stat(report["results"], s, sat, "duration_s") for s in (colo, tf)}
-    matmul, half = found["matmul_s"], served[tf] / 2
-    if math.isnan(half):
-        verdict = "transformers serve was not measured in this run"
-    elif matmul > half:
-        verdict = (
-            f"A 2x lead over transformers serve means serving the run in {half:.1f} s, less than"
-            " the matmuls alone took here: it would need a serving path that costs nothing"
-            " beside them and matmuls faster than MKL's at these shapes, on this CPU in float32"
-        )
-    else:
-        verdict = (
-            f"A 2x lead over transformers serve means serving the run in {half:.1f} s: the"
-            f" matmuls leave {half - matmul:.1f} s for everything else, which took"
-            f" {found['cpu_s'] - matmul:.1f} CPU s under the profiler"
-        )
+    sat = report["results"].get("pdserve-colocated", {}).get(f"saturation/rate={math.inf:g}")
+    budget = profile_budget(found, report["results"])
+
+    def s(x: float | None) -> str:
+        return "not measured" if x is None else f"{x:.1f}"
+
+    rows = [
+        ["requests, prompt / output tokens",
+         f"{found['requests']}, {found['prompt_tokens']} / {found['output_tokens']}"],
+        ["engine alone, s (output tokens/s)",
+         f"{found['engine_s']:.1f} ({found['engine_tokens_per_s']:.1f})"],
+        ["served colocated, s", s(sat["duration_s"] if sat else None)],
+        ["half of transformers serve's time (a 2x lead), s", s(budget["half_tf_s"])],
+        ["CPU s under torch.profiler", s(found["cpu_s"])],
+        ["matmuls (linears, LM head), CPU s",
+         f"{found['matmul_s']:.1f} ({found['matmul_share']:.0%})"],
+        ["attention, CPU s", s(found["attention_s"])],
+        ["everything else, CPU s", s(budget["other_cpu_s"])],
+        ["a 2x lead's time left beside the matmuls, s", s(budget["room_s"])],
+    ]  # fmt: skip
     cpu = found["cpu_s"]
-    rows = [[op["op"], f"{op['s']:.2f}", f"{op['s'] / cpu:.0%}"] for op in found["top_ops"]]
+    ops = [[op["op"], f"{op['s']:.2f}", f"{op['s'] / cpu:.0%}"] for op in found["top_ops"]]
     return [
         "### Where the engine's time goes (`engine_profile`)",
         "",
-        f"The saturation run at rate inf ({found['requests']} requests,"
-        f" {found['prompt_tokens']} prompt and {found['output_tokens']} output tokens) through"
-        f" pdserve's engine alone, in the benchmark's process with {found['threads']} thread(s),"
-        f" the nodes' engine flags and no server around it: {found['engine_s']:.1f} s"
-        f" ({found['engine_tokens_per_s']:.1f} output tokens/s), against {served[colo]:.1f} s"
-        f" served colocated and {served[tf]:.1f} s for transformers serve. Under torch.profiler"
-        f" the run took {found['cpu_s']:.1f} CPU s: matrix multiplies {found['matmul_s']:.1f} s"
-        f" ({found['matmul_share']:.0%}; the linears and the LM head, the same FLOPs in any"
-        f" float32 server of this model), attention {found['attention_s']:.1f} s, the rest"
-        f" {found['other_s']:.1f} s. {verdict}.",
+        markdown_table(["saturation run (rate inf), engine alone", ""], rows),
         "",
-        markdown_table(["op (self time)", "CPU s", "share"], rows),
+        markdown_table(["op (self time)", "CPU s", "share"], ops),
         "",
     ]
-
-
-def goals_table(goals: list[dict[str, Any]]) -> str:
-    rows = [
-        [g["goal"], _num(g["value"]), _num(g["baseline"]), _num(g["ratio"]), g["status"]]
-        for g in goals
-    ]
-    return markdown_table(["goal", "value", "baseline", "ratio", "status"], rows)
-
-
-def _num(x: float | None) -> str:
-    return "—" if x is None else f"{x:.3g}"
 
 
 def render_section(report: dict[str, Any], to: Outputs, plots: list[Path]) -> str:
-    m, s = report["machine"], sizes_from_dict(report["sizes"])
     on = f" on {report['model_name']}" if report.get("model_name") else ""
-    placement = (
-        " (1P1D's router adds `--prefill-placement remote`)" if report.get("remote_prefill") else ""
-    )
     lines = [
         f"## pdserve against transformers serve{on} (`scripts/bench_compare.py`)",
         "",
-        "Command:",
-        "",
         f"```bash\n{report['command']}\n```",
         "",
-        f"Measured {report['date']} at pdserve {report['git']}, on {m['cpu']} with"
-        f" {m['cpu_count']} CPU cores, torch {m['torch']}, float32. Model:"
-        f" {report['model_desc']}. pdserve engine flags: {_flags(report['engine_args'])}"
-        f" (token budget per step {report['batch_tokens']}); transformers serve gets the same"
-        " budget as `--cb-max-batch-tokens`. 1P1D uses the zmq connector."
-        f" pdserve router flags: {_flags(report['router_args'])}{placement}.",
+        setup_table(report),
         "",
-        f"**This machine has {m['cpu_count']} CPU cores, shared with other work** (the 1-minute"
-        f" load average around the runs went from {_load_range(report['results'])}; per run in"
-        " the JSON as `load_avg_1m`). Every system runs all of its processes on them. In 1P1D"
-        " the prefill node, the decode node and the router share the same cores, so P and D"
-        " take CPU time from each other instead of running side by side on their own devices"
-        " as disaggregation intends; that hurts 1P1D, most of all in the mixed run, whose point"
-        " is that decode should not wait for prefill." + _threads_note(report["threads"]),
-        "",
-        *_budget_note(report["batch_tokens"]),
-        "Scenarios (every system gets the same requests, fixed seed; lengths are the servers'"
-        " own `usage` counts):",
-        "",
-        f"- **latency**: {s.latency_n} prompts of {s.latency_input} tokens, {s.latency_output}"
-        " output tokens, one at a time (max concurrency 1), so TTFT has no queueing in it.",
-        f"- **saturation**: {s.sat_n} prompts of ~{s.sat_input} tokens (±25%), ~{s.sat_output}"
-        f" output tokens, Poisson arrivals at {', '.join(f'{r:g}' for r in s.sat_rates)} req/s"
-        " (inf: all at once).",
-        f"- **mixed**: {s.mixed_short_n} short requests ({s.mixed_short_input} prompt /"
-        f" {s.mixed_short_output} output tokens) start together; long prompts of"
-        f" {s.mixed_long_input} tokens ({s.mixed_long_output} output tokens) arrive at"
-        f" {', '.join(f'{t:g}' for t in s.mixed_long_at)} s. ITL of the short requests shows"
-        " how much a prefill stalls running decodes.",
-        "",
-        "Outputs ignore EOS where the server lets a client say so (`ignore_eos` for pdserve;"
-        " transformers serve takes a `generation_config` with `eos_token_id: -1`), so output"
-        " lengths hold on both. pdserve gets token-id prompts; transformers serve only takes text"
-        " prompts, built from the same tokens with the same tokenizer. ITL is per streamed chunk."
-        " transformers serve runs offline (`HF_HUB_OFFLINE=1`) on the local model directory;"
-        " it is given an empty `HF_HUB_CACHE`, as its `/v1/models` answers 500 when that"
-        " directory is missing.",
+        sizes_table(sizes_from_dict(report["sizes"])),
         "",
         "### Goals",
         "",
         goals_table(report["goals"]),
         "",
-        *_reading(report),
-        *_profile_lines(report),
+        *profile_table(report),
         "### Results",
         "",
         scenario_tables(report["results"], run_keys(sizes_from_dict(report["sizes"]))),
