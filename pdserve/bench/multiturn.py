@@ -1,45 +1,9 @@
-"""Multi-turn chat: the KV that moves per turn and TTFT, colocated against three 1P1D setups.
+"""`pdserve bench multiturn`: multi-turn chat, colocated against three 1P1D setups, on the
+same conversations: the KV that moves into decode nodes per turn, TTFT, and the router's
+placement counters read between turns. The systems, the goals and the reading of the figures
+are in docs/benchmarks.md.
 
-    pdserve bench multiturn                      # SmolLM2: docs/bench/multiturn.* + the page
-    pdserve bench multiturn --quick --out DIR    # tiny random model, 2 conversations x 2 turns
-    python scripts/bench_multiturn.py ...        # the same, as the docs cite it
-
-C conversations (`--conversations`) run side by side, turn by turn: every conversation's turn t
-is sent at once, the next turn starts when all have answered, so each turn's KV bytes and
-router counters are read between turns. Each turn goes through `/v1/chat/completions`,
-streamed, and its messages hold the earlier turns' user messages and the assistant's answers
-as text, as real clients send them: the router's chat template re-tokenizes them. Whether
-that keeps the reuse measurable is measured too: every later turn's prompt could reuse, at
-most, the full blocks of the previous prompt and answer the decode node holds (the answer's
-last token is never computed); `reusable_tokens` counts those, and the router's
-`kv_tokens_reused_on_decode` what was reused. Answers are greedy and fixed-length:
-`min_tokens` = `max_tokens` keeps EOS out of an answer (with `ignore_eos` alone an answer may
-hold an end-of-turn token that its text, hence the next turn, loses). User messages are
-random plain-text tokens of seeded lengths: a long first message (a pasted document), shorter
-ones after.
-
-Systems, each a fresh cluster on this machine, the same conversations:
-
-- `colocated`: one node, role both (prefix caching on, as every node has by default);
-- `remote-nocache`: 1P1D, `--prefill-placement remote`, decode node `--no-prefix-caching`:
-  the always-remote P/D of before, every turn's whole KV moves;
-- `remote`: 1P1D, `--prefill-placement remote`, the decode node's prefix cache on: only the
-  blocks it lacks move;
-- `conditional`: 1P1D, `--prefill-placement auto`: the router's cost model prefills a
-  follow-up turn on the decode node holding the conversation when that is cheaper;
-- `threshold`: 1P1D, `--prefill-placement auto --local-prefill-threshold 128`: on the decode
-  node whenever it lacks at most 128 of the prompt's tokens (Dynamo's kind of rule).
-
-Per system and turn: KV bytes written into decode nodes' caches (the sum of their
-`pdserve_node_kv_received_bytes` gauges' deltas; colocated: 0), mean and median TTFT, output
-tokens/s, and the router's local/remote prefill counts and KV tokens reused or sent. Every
-answer of a P/D system is compared with colocated's for the same conversation and turn.
-Goals (met or missed, ratios from the same run): after turn 1, KV bytes per turn of
-`conditional` and `threshold` <= 10% of `remote-nocache`'s and their mean TTFT <= colocated's,
-per turn after the first and overall (`remote`'s share is shown for reference).
-
-Arguments this benchmark does not know go to every node as engine flags. Every server process
-runs with `--threads` torch threads (default 1, as `pdserve bench compare`).
+Arguments this benchmark does not know go to every node as engine flags.
 """
 
 from __future__ import annotations
@@ -49,19 +13,30 @@ import asyncio
 import json
 import math
 import os
-import random
 import sys
 import tempfile
 import time
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
-from dataclasses import asdict, dataclass, field
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 import httpx
 
-from pdserve.bench.compare import _goal, engine_flag, git_state, goals_table
+from pdserve.bench.compare import engine_flag, git_state
+from pdserve.bench.load import (
+    ChatWorkload,
+    RequestResult,
+    Sender,
+    ServerCaps,
+    TokenPool,
+    chat_turns,
+    distribution,
+    load_pool,
+    make_client,
+    per_request,
+    warm_up,
+)
 from pdserve.bench.report import (
     Outputs,
     add_from_json_flag,
@@ -69,7 +44,8 @@ from pdserve.bench.report import (
     add_output_flags,
     cached_model,
     command_line,
-    environ,
+    goal,
+    goals_table,
     machine,
     markdown_table,
     outputs_from_args,
@@ -79,19 +55,9 @@ from pdserve.bench.report import (
     sigterm_raises,
     write_section,
 )
-from pdserve.bench.serve import (
-    BenchConfig,
-    BenchRequest,
-    ServerCaps,
-    TokenPool,
-    distribution,
-    load_pool,
-    make_client,
-    request_body,
-    sample_len,
-)
+from pdserve.bench.systems import pdserve_cluster
 from pdserve.common.node.cli import parser
-from pdserve.local_cluster import LocalCluster, free_port
+from pdserve.local_cluster import free_port
 
 SECTION = "multiturn"
 SYSTEMS = ("colocated", "remote-nocache", "remote", "conditional", "threshold")
@@ -138,111 +104,7 @@ SYSTEM_SPECS = {
         ),
     )
 }
-
-
-@dataclass(frozen=True, slots=True)
-class Workload:
-    """The conversations: lengths in tokens, drawn with `seed`."""
-
-    conversations: int = 4
-    turns: int = 6
-    first_len: int = 256  # each conversation's first user message
-    message_len: int = 48  # later user messages, on average
-    range_ratio: float = 0.5  # later messages' lengths uniform in message_len * [1 -+ r]
-    answer_len: int = 48  # every answer, exactly
-    seed: int = 0
-
-    def __post_init__(self) -> None:
-        if min(self.conversations, self.turns, self.first_len, self.answer_len) < 1:
-            raise ValueError("conversations, turns, first and answer lengths must be >= 1")
-
-
-QUICK_WORKLOAD = Workload(conversations=2, turns=2, first_len=48, message_len=16, answer_len=8)
-
-
-def user_messages(pool: TokenPool, w: Workload) -> list[list[str]]:
-    """[conversation][turn] -> the user's message: the same for every system."""
-    rng = random.Random(w.seed)
-    out = []
-    for _ in range(w.conversations):
-        lengths = [w.first_len] + [
-            sample_len(rng, w.message_len, w.range_ratio) for _ in range(w.turns - 1)
-        ]
-        out.append([pool.text(rng, n) for n in lengths])
-    return out
-
-
-# ---------------------------------------------------------------- one streamed turn
-
-
-@dataclass(slots=True)
-class Reply:
-    """One turn of one conversation as the client saw it; times in seconds."""
-
-    conversation: int
-    text: str = ""
-    ttft: float = math.nan
-    e2e: float = math.nan
-    prompt_tokens: int = 0
-    output_tokens: int = 0
-    cached_tokens: int = 0
-    error: str = ""
-
-    @property
-    def ok(self) -> bool:
-        return not self.error
-
-
-def chat_body(messages: list[dict[str, str]], answer_len: int) -> dict[str, Any]:
-    """Greedy, streamed with usage, exactly answer_len tokens and no EOS among them."""
-    body = request_body(BenchRequest(None, messages, 0, answer_len), CAPS, 0.0)
-    body["min_tokens"] = answer_len
-    return body
-
-
-async def stream_chat(client: httpx.AsyncClient, conversation: int, body: dict) -> Reply:
-    """Send one chat request and read its stream: text, TTFT, usage. Errors come back in
-    the reply. (`serve.stream_request` keeps the text of constrained requests only.)"""
-    reply = Reply(conversation)
-    start = time.perf_counter()
-    try:
-        async with client.stream("POST", "/v1/chat/completions", json=body) as resp:
-            if resp.status_code != 200:
-                reply.error = f"HTTP {resp.status_code}: {(await resp.aread()).decode()[:300]}"
-                return reply
-            async for line in resp.aiter_lines():
-                if _read_chunk(line, reply, start):
-                    break
-    except (httpx.HTTPError, json.JSONDecodeError) as exc:
-        reply.error = f"{type(exc).__name__}: {exc}"
-    reply.e2e = time.perf_counter() - start
-    if not reply.error and not reply.text:
-        reply.error = "no text came back"
-    return reply
-
-
-def _read_chunk(line: str, reply: Reply, start: float) -> bool:
-    """Take one SSE line into the reply; True at the end of the stream."""
-    if not line.startswith("data:"):
-        return False
-    data = line[5:].strip()
-    if data == "[DONE]":
-        return True
-    chunk = json.loads(data)
-    if "error" in chunk:
-        reply.error = f"stream error: {json.dumps(chunk['error'])[:300]}"
-        return True
-    for choice in chunk.get("choices") or []:
-        text = (choice.get("delta") or {}).get("content") or ""
-        if text and not reply.text:
-            reply.ttft = time.perf_counter() - start
-        reply.text += text
-    usage = chunk.get("usage")
-    if usage:
-        reply.prompt_tokens = usage["prompt_tokens"]
-        reply.output_tokens = usage["completion_tokens"]
-        reply.cached_tokens = (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
-    return False
+QUICK_WORKLOAD = ChatWorkload(conversations=2, turns=2, first_len=48, message_len=16, answer_len=8)
 
 
 # ---------------------------------------------------------------- counters between turns
@@ -295,77 +157,45 @@ async def read_counters(client: httpx.AsyncClient, health_urls: Sequence[str]) -
 # ---------------------------------------------------------------- one system
 
 
-@dataclass(slots=True)
-class Conversations:
-    """Every conversation's messages so far, in one system."""
-
-    users: list[list[str]]
-    history: list[list[dict[str, str]]] = field(default_factory=list)
-
-    def __post_init__(self) -> None:
-        self.history = [[] for _ in self.users]
-
-    def turn(self, t: int) -> list[list[dict[str, str]]]:
-        """Each conversation's messages for turn t (its new user message appended)."""
-        for c, history in enumerate(self.history):
-            history.append({"role": "user", "content": self.users[c][t]})
-        return [list(h) for h in self.history]
-
-    def answered(self, replies: Sequence[Reply]) -> None:
-        for reply in replies:
-            self.history[reply.conversation].append({"role": "assistant", "content": reply.text})
-
-
-async def warm_up(client: httpx.AsyncClient, pool: TokenPool) -> None:
-    """One short untimed chat of a message of its own: the first request of a fresh cluster
-    pays one-time costs, and nodes measure their prefill rates (the cost model's input)."""
-    messages = [{"role": "user", "content": pool.text(random.Random(999), 24)}]
-    reply = await stream_chat(client, -1, chat_body(messages, 4))
-    if not reply.ok:
-        raise RuntimeError(f"warm-up request failed: {reply.error}")
-
-
 async def run_turns(
-    url: str, health_urls: list[str], pool: TokenPool, w: Workload, timeout: float
+    url: str, health_urls: list[str], pool: TokenPool, w: ChatWorkload, timeout: float
 ) -> list[dict[str, Any]]:
     """Every turn of every conversation against one running system: per-turn records. A
     turn with a failed reply ends the run (the conversation cannot go on)."""
-    convs = Conversations(user_messages(pool, w))
     turns: list[dict[str, Any]] = []
-    async with make_client(BenchConfig(base_url=url, request_timeout=timeout)) as client:
-        await warm_up(client, pool)
+    async with make_client(url) as client:
+        sender = Sender(client, url, CAPS, timeout_s=timeout)
+        # The first request of a fresh cluster pays one-time costs, and nodes measure their
+        # prefill rates (the cost model's input).
+        await warm_up(sender, pool, 1, chat=True)
         await asyncio.sleep(SETTLE_S)
         before = await read_counters(client, health_urls)
-        for t in range(w.turns):
+        for t, requests in enumerate(chat_turns(pool, w)):
             load = os.getloadavg()[0]
-            bodies = [chat_body(m, w.answer_len) for m in convs.turn(t)]
             start = time.perf_counter()
-            replies = await asyncio.gather(
-                *(stream_chat(client, c, body) for c, body in enumerate(bodies))
-            )
+            replies = await asyncio.gather(*(sender.send(r) for r in requests))
             duration = time.perf_counter() - start
             await asyncio.sleep(SETTLE_S)
             after = await read_counters(client, health_urls)
             turns.append(turn_record(t, replies, duration, after.since(before), load))
             print_turn(turns[-1])
-            if not all(r.ok for r in replies):
+            if not all(r.success for r in replies):
                 break
-            convs.answered(replies)
             before = after
     return turns
 
 
 def turn_record(
-    t: int, replies: Sequence[Reply], duration: float, delta: dict[str, float], load: float
+    t: int, replies: Sequence[RequestResult], duration: float, delta: dict[str, float], load: float
 ) -> dict[str, Any]:
-    ok = [r for r in replies if r.ok]
+    ok = [r for r in replies if r.success]
     out_tokens = sum(r.output_tokens for r in ok)
     ttft = distribution("ttft", [r.ttft for r in ok], (90.0,))
     return {
         "turn": t + 1,
         "completed": len(ok),
         "failed": len(replies) - len(ok),
-        "errors": sorted({r.error for r in replies if not r.ok}),
+        "errors": sorted({r.error for r in replies if not r.success}),
         "duration_s": duration,
         "prompt_tokens": sum(r.prompt_tokens for r in ok),
         "output_tokens": out_tokens,
@@ -376,7 +206,7 @@ def turn_record(
         "p90_ttft_ms": ttft["p90_ttft_ms"],
         **{k: int(v) for k, v in delta.items()},
         "load_avg_1m": load,
-        "replies": [asdict(r) for r in replies],
+        "replies": [per_request(r) for r in replies],
     }
 
 
@@ -390,34 +220,6 @@ def print_turn(turn: dict[str, Any]) -> None:
     )
 
 
-@contextmanager
-def start_system(
-    spec: System, model: str, args: argparse.Namespace
-) -> Iterator[tuple[str, list[str]]]:
-    """The system's cluster, every server process at args.threads torch threads; yields the
-    router's URL and the decode nodes' health URLs."""
-    prefill, decode, colocated = spec.shape
-    ports = [free_port() for _ in range(decode)]
-    decode_args = [] if spec.decode_cache else ["--no-prefix-caching"]
-    if ports:  # one decode node per cluster here: LocalCluster gives all the same flags
-        assert decode == 1, "a health port per decode node"
-        decode_args += ["--health-port", str(ports[0])]
-    cluster = LocalCluster(
-        model,
-        prefill,
-        decode,
-        num_colocated=colocated,
-        kv_connector="zmq",
-        engine_args=args.engine_args,
-        decode_args=decode_args,
-        router_args=["--prefill-placement", spec.placement, *spec.router_args],
-        log_dir=str(args.log_dir / spec.name),
-    )
-    threads = {"OMP_NUM_THREADS": str(args.threads), "MKL_NUM_THREADS": str(args.threads)}
-    with environ(threads if args.threads else {}), cluster:
-        yield cluster.url, [f"http://127.0.0.1:{p}" for p in ports]
-
-
 def measure_system(
     spec: System, model: str, pool: TokenPool, args: argparse.Namespace, notes: list[str]
 ) -> dict[str, Any]:
@@ -426,11 +228,27 @@ def measure_system(
     print(f"== {spec.name}: starting", flush=True)
     started = time.monotonic()
     turns: list[dict[str, Any]] = []
+    port = free_port()  # the decode node's health port: its KV gauges (one decode node here)
+    decode_args = ["--health-port", str(port)] + (
+        [] if spec.decode_cache else ["--no-prefix-caching"]
+    )
+    health = [f"http://127.0.0.1:{port}"] if spec.shape[1] else []
+    router_args = ["--prefill-placement", spec.placement, *spec.router_args]
     try:
-        with start_system(spec, model, args) as (url, health):
+        with pdserve_cluster(
+            model,
+            spec.shape,
+            args.log_dir / spec.name,
+            threads=args.threads,
+            engine_args=args.engine_args,
+            router_args=router_args,
+            decode_args=decode_args,
+        ) as cluster:
             startup = time.monotonic() - started
-            print(f"== {spec.name}: ready at {url} in {startup:.0f}s", flush=True)
-            turns = asyncio.run(run_turns(url, health, pool, args.workload, args.request_timeout))
+            print(f"== {spec.name}: ready at {cluster.url} in {startup:.0f}s", flush=True)
+            turns = asyncio.run(
+                run_turns(cluster.url, health, pool, args.workload, args.request_timeout)
+            )
     except (RuntimeError, OSError, httpx.HTTPError) as exc:
         notes.append(f"{spec.name} stopped: {exc}")
         print(f"!! {spec.name}: {exc}", file=sys.stderr, flush=True)
@@ -444,7 +262,7 @@ def overall(turns: list[dict[str, Any]]) -> dict[str, Any]:
     """All turns, and the turns after the first, of one system."""
 
     def ttfts(ts: list[dict]) -> list[float]:
-        return [r["ttft"] for t in ts for r in t["replies"] if not r["error"]]
+        return [r["ttft_s"] for t in ts for r in t["replies"] if not r["error"]]
 
     later = turns[1:]
     duration = sum(t["duration_s"] for t in turns)
@@ -544,17 +362,17 @@ def evaluate_goals(results: dict[str, dict], turns: int) -> list[dict[str, Any]]
     for system, base, key, later, target, what in GOALS:
         than = f"<= {target:.0%} of {base}'s" if target < 1 else f"<= {base}'s"
         goals.append(
-            _goal(f"{system}: {what} of turns 2+ {than}",
+            goal(f"{system}: {what} of turns 2+ {than}",
                   total(system, later), total(base, later), "<=", target)
         )  # fmt: skip
         w = _worst_turn(results, system, base, key, turns)
         goals.append(
-            _goal(f"{system}: {what} {than} in every turn after the first (worst: turn {w})",
+            goal(f"{system}: {what} {than} in every turn after the first (worst: turn {w})",
                   _turn_value(results, system, w, key), _turn_value(results, base, w, key),
                   "<=", target)
         )  # fmt: skip
     goals.append(
-        _goal("conditional: mean TTFT of all turns <= colocated's",
+        goal("conditional: mean TTFT of all turns <= colocated's",
               total("conditional", "mean_ttft_ms"), total("colocated", "mean_ttft_ms"), "<=", 1.0)
     )  # fmt: skip
     return goals
@@ -628,7 +446,7 @@ def ratio_table(results: dict[str, dict], turns: int) -> str:
     """Per later turn, the goals' ratios and whether each is met."""
 
     def cell(system: str, base: str, key: str, t: int, target: float) -> str:
-        g = _goal("", _turn_value(results, system, t, key), _turn_value(results, base, t, key),
+        g = goal("", _turn_value(results, system, t, key), _turn_value(results, base, t, key),
                   "<=", target)  # fmt: skip
         return "—" if g["ratio"] is None else f"{g['ratio']:.3f} ({g['status']})"
 
@@ -680,142 +498,77 @@ def overall_table(results: dict[str, dict]) -> str:
     return markdown_table(header, rows)
 
 
-def reading_lines(results: dict[str, dict]) -> list[str]:
-    """What the later turns say, from this run's numbers (systems not run are left out)."""
-
-    def later(system: str, key: str) -> int:
-        return sum(t[key] for t in results[system]["turns"][1:])
-
-    systems = [s for s in SYSTEMS if len(results.get(s, {}).get("turns", [])) > 1]
-    if not systems:
-        return []
-    computed = ", ".join(
-        f"{s} {later(s, 'prompt_tokens') - later(s, 'cached_prompt_tokens')}" for s in systems
-    )
-    lines = [
-        "Reading the later turns (2+):",
-        "",
-        f"- Prompt tokens computed (not found in the computing node's prefix cache): {computed}."
-        " A prefill node lacks every previous answer (only the decode node that generated it"
-        " holds its KV), so a remote prefill computes the answer again; a local one on the"
-        " decode node, or colocated, computes only the new message and the template's tokens.",
-    ]
-    if "remote" in systems:
-        remotes = max(1, later("remote", "prefills_remote"))
-        lines.append(
-            f"- `remote` sent {later('remote', 'kv_tokens_sent') / remotes:.0f} prompt tokens'"
-            f" KV per follow-up, of {later('remote', 'prompt_tokens') / remotes:.0f}: the new"
-            " message, the template's tokens around it and the last, partial block of the"
-            " previous answer, so its share of remote-nocache's bytes falls as the context grows."
-        )
-    if "conditional" in systems:
-        lines.append(
-            f"- `conditional`'s cost model prefilled {later('conditional', 'prefills_local')}"
-            f" follow-ups on the decode node and {later('conditional', 'prefills_remote')} on the"
-            " prefill node. A turn's follow-ups arrive together: each one placed on the decode"
-            " node adds its tokens to that node's queue, which the next one's local estimate"
-            " counts, while a remote prefill costs the prefill node's queue, the tokens it lacks"
-            " (the previous answer among them) and the hand-off; once the decode node's queue"
-            " costs more, the rest of the burst goes to the idle prefill node. Each of those"
-            " ships the pages the decode node lacks, so a turn's KV is that share of"
-            " remote's. `threshold` (local when the decode node lacks at most 128 tokens, as"
-            " Dynamo's conditional disaggregation decides) keeps every follow-up local."
-        )
-    lines += [
-        "- TTFT: 1P1D's prefill node, decode node, router and client share this machine's"
-        " cores; TTFT differences of tens of percent between runs minutes apart are within this"
-        " machine's noise (see the compare section).",
-        "",
-    ]
-    return lines
+def answers_table(answers: dict[str, dict[str, Any]]) -> str:
+    """Each P/D system's answers against the reference's, same conversation and turn."""
+    rows = [
+        [s, a["compared"], a["compared"] - a["mismatches"], a["mismatches"],
+         ", ".join(f"conversation {c} turn {t}" for c, t in a["where"][:4]) or "—"]
+        for s in SYSTEMS
+        if (a := answers.get(s))
+    ]  # fmt: skip
+    header = ["system", "answers compared", f"equal to {REFERENCE}'s", "mismatches", "where"]
+    return markdown_table(header, rows)
 
 
-def answers_lines(answers: dict[str, dict[str, Any]]) -> list[str]:
-    if not answers:
-        return [f"Answers not compared ({REFERENCE} was not run)."]
-    lines = [f"Answers equal to {REFERENCE}'s, same conversation and turn (greedy, text):", ""]
-    for system in (s for s in SYSTEMS if s in answers):
-        a = answers[system]
-        where = ", ".join(f"conversation {c} turn {t}" for c, t in a["where"][:4])
-        lines.append(
-            f"- {system}: {a['compared'] - a['mismatches']} of {a['compared']} equal, "
-            f"{a['mismatches']} mismatches" + (f" ({where})" if where else "")
-        )
-    return lines
-
-
-def reuse_lines(results: dict[str, dict], block_size: int) -> list[str]:
-    """What chat re-tokenization left of the reuse: against the tokens the previous prompt
-    and answer could hold, what colocated's prefix cache served and what `remote`'s decode
-    node reused."""
-    found = []
+def reuse_table(results: dict[str, dict], block_size: int) -> str:
+    """What chat re-tokenization left of the reuse in turns 2+: the tokens the full blocks of
+    each previous prompt and answer could cover, against what colocated's prefix cache served
+    and what `remote`'s decode node reused."""
+    rows = []
     for system, key in (("colocated", "cached_prompt_tokens"),
                         ("remote", "kv_tokens_reused_on_decode")):  # fmt: skip
-        turns = results.get(system, {}).get("turns", [])[1:]
-        could = sum(reusable_tokens(results[system]["turns"], block_size)[1:]) if turns else 0
+        turns = results.get(system, {}).get("turns", [])
+        could = sum(reusable_tokens(turns, block_size)[1:]) if len(turns) > 1 else 0
         if could:
-            got = sum(t[key] for t in turns)
-            found.append(f"`{system}` {got} of {could} ({got / could:.0%})")
-    if not found:
-        return []
-    return [
-        "Chat re-tokenization keeps the reuse: of the prompt tokens of turns 2+ that the full"
-        " blocks of each previous prompt and answer could cover, the cache served "
-        + " and ".join(found)
-        + " (`cached`: the computing node's prefix-cache hits, from the replies' usage;"
-        " `reused on D`: the tokens a remote prefill did not send, per turn below).",
-        "",
-    ]
+            got = sum(t[key] for t in turns[1:])
+            rows.append([system, key, could, got, f"{got / could:.0%}"])
+    header = ["system", "counted as", "reusable tokens, turns 2+", "reused", "share"]
+    return markdown_table(header, rows)
+
+
+def setup_table(report: dict[str, Any]) -> str:
+    """Where and how the run was made, and the workload, one row each."""
+    m, w = report["machine"], report["workload"]
+    loads = [t["load_avg_1m"] for r in report["results"].values() for t in r["turns"]]
+    rows = [
+        ["measured", f"{report['date']} at pdserve {report['git']}"],
+        ["machine", f"{m['cpu']}, {m['cpu_count']} CPU cores, torch {m['torch']}, float32"],
+        ["model", report["model_desc"]],
+        ["engine flags", _flags(report["engine_args"])],
+        ["block size, KV connector", f"{report['block_size']}, zmq"],
+        ["torch threads per server process", report["threads"]],
+        ["1-minute load average at the turns' starts",
+         f"{min(loads):.1f} to {max(loads):.1f}" if loads else "not measured"],
+        ["conversations x turns", f"{w['conversations']} x {w['turns']}"],
+        ["first user message, tokens", w["first_len"]],
+        ["later user messages, tokens", f"{w['message_len']} ± {w['range_ratio']:.0%}"],
+        ["answer, tokens (greedy, `min_tokens` = `max_tokens`)", w["answer_len"]],
+        ["seed", w["seed"]],
+    ]  # fmt: skip
+    return markdown_table(["run", ""], rows)
 
 
 def render_section(report: dict[str, Any], to: Outputs, plot: Path | None) -> str:
-    w, results, m = Workload(**report["workload"]), report["results"], report["machine"]
-    systems = [f"- `{s}`: {SYSTEM_SPECS[s].what}" for s in results]
-    loads = [t["load_avg_1m"] for r in results.values() for t in r["turns"]]
-    load = f"{min(loads):.1f} to {max(loads):.1f}" if loads else "not measured"
+    results = report["results"]
     lines = [
         "## Multi-turn chat: decode-side prefix cache and conditional disaggregation"
         " (`pdserve bench multiturn`)",
         "",
         f"```bash\n{report['command']}\n```",
         "",
-        f"Measured {report['date']} at pdserve {report['git']}, on {m['cpu']} with"
-        f" {m['cpu_count']} CPU cores, torch {m['torch']}; every server process at"
-        f" `OMP_NUM_THREADS={report['threads']}` (as in the compare section: the cores are"
-        f" shared by all processes). Model: {report['model_desc']}, float32."
-        f" Engine flags: {_flags(report['engine_args'])}; block size {report['block_size']}; zmq"
-        f" connector. The 1-minute load average at the turns' starts went from {load}.",
+        setup_table(report),
         "",
-        f"Workload: {w.conversations} conversations side by side, {w.turns} turns each, through"
-        " `/v1/chat/completions` (streamed); a turn is sent for all conversations at once and"
-        " the next starts when all have answered. The first user message has"
-        f" {w.first_len} tokens, later ones {w.message_len} ± {w.range_ratio:.0%} (random plain"
-        f" tokens, seed {w.seed}); every answer is {w.answer_len} tokens, greedy"
-        " (`min_tokens` = `max_tokens`: no EOS inside an answer). Each turn's messages carry the"
-        " earlier answers as text, re-tokenized by the chat template, as real clients send"
-        " them. Systems, each a fresh cluster:",
-        "",
-        *systems,
-        "",
-        "KV MB: bytes of KV pages written into decode nodes' caches in the turn (the deltas of"
-        " `pdserve_node_kv_received_bytes`); local/remote: the router's prefills on the decode"
-        " node / on the prefill node; cached: prompt tokens the computing node (the prefill node"
-        " for a remote prefill) found in its prefix cache, from the replies' usage; reused on D:"
-        " prompt tokens the decode node already held when a remote prefill reserved its blocks"
-        " (`pdserve_backend_kv_tokens_reused_on_decode`); sent: those the prefill node was asked"
-        " to send.",
+        *[f"- `{s}`: {SYSTEM_SPECS[s].what}" for s in results],
         "",
         "### Goals",
         "",
         goals_table(report["goals"]),
         "",
-        "Per turn, ratios from the same run:",
+        ratio_table(results, report["workload"]["turns"]),
         "",
-        ratio_table(results, w.turns),
+        reuse_table(results, report["block_size"]),
         "",
-        *reuse_lines(results, report["block_size"]),
-        *reading_lines(results),
-        *answers_lines(report["answers"]),
+        answers_table(report["answers"]),
         "",
         "### Results",
         "",
@@ -847,7 +600,7 @@ def publish(report: dict[str, Any], to: Outputs) -> None:
     plot = plot_turns(results, to.folder) if results else None
     write_section(SECTION, render_section(report, to, plot), to.page)
     print(goals_table(report["goals"]))
-    print("\n".join(answers_lines(report["answers"])))
+    print(answers_table(report["answers"]))
     print(f"wrote {to.folder} and the `{SECTION}` section of {to.page}")
 
 
@@ -869,7 +622,7 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, Outputs]:
         action="store_true",
         help="tiny random model, 2 conversations x 2 short turns (needs --out)",
     )
-    d = Workload()
+    d = ChatWorkload()
     run.add_argument("--conversations", type=int, default=None, help=f"default {d.conversations}")
     run.add_argument("--turns", type=int, default=None, help=f"per conversation, default {d.turns}")
     run.add_argument(
@@ -923,7 +676,7 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, Outputs]:
         if getattr(args, k) is not None
     }
     try:
-        args.workload = Workload(**{**asdict(base), **given, "seed": args.seed})
+        args.workload = ChatWorkload(**{**asdict(base), **given, "seed": args.seed})
     except ValueError as exc:
         p.error(str(exc))
     return args, outputs_from_args(p, args)
