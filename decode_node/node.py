@@ -9,7 +9,6 @@ from pdserve.common.engine.config import CacheConfig, ModelConfig, SchedulerConf
 from pdserve.common.engine.scheduler import SampledToken
 from pdserve.common.node.config import NodeConfig
 from pdserve.common.node.loop import EngineNode, Handler
-from pdserve.common.wire.codecs import sampling_from_wire
 from pdserve.common.wire.messages import (
     Admitted,
     Busy,
@@ -75,11 +74,10 @@ class DecodeNode(EngineNode):
             super().refuse(msg, kind, why)
 
     def reserve(self, msg: ReserveKV) -> None:
-        sampling = sampling_from_wire(msg.sampling)
         request = self.engine.new_request(
             msg.request_id,
             list(msg.prompt_token_ids),
-            sampling,
+            msg.sampling,
             output_token_ids=msg.output_token_ids,
         )
         if self.engine.scheduler.reserve(request) is None:
@@ -138,7 +136,7 @@ class DecodeNode(EngineNode):
                 why = f"KV transfer failed: {result.error}"
                 self.tell(rid, Error(rid, why, Failure.KV_FAILED))
                 continue
-            first = SampledToken(rid, int(result.meta["first_token"]))
+            first = SampledToken(rid, result.first.token_id, result.first.logprobs)
             # The prefill node already streamed the first token (and any finish) to the router.
             self.engine.scheduler.admit_remote(rid, first)
             self.tell(rid, Admitted(rid))

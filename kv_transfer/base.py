@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from pdserve.common.engine.request import FirstToken
 from pdserve.common.wire.security import CurveKeys
 from pdserve.kv_transfer.layout import KVLayout
 
@@ -39,11 +40,11 @@ class TransferResult:
     """One finished transfer as the decode node sees it.
 
     `ok` is False when pages are missing, refused or fail the sender's checksum; `error` then
-    says why. `meta` is the sender's `send_done` meta (first token, n_tokens, ...).
+    says why. `first` is the prefill node's first token, from the sender's `send_done`.
     """
 
     xfer_id: str
-    meta: dict[str, Any]
+    first: FirstToken
     ok: bool
     error: str = ""
 
@@ -82,8 +83,8 @@ class KVSender(abc.ABC):
         """
 
     @abc.abstractmethod
-    def send_done(self, xfer_id: str, meta: dict[str, Any]) -> None:
-        """End a transfer. `meta` is small msgpack-able info (first token, n_tokens); the
+    def send_done(self, xfer_id: str, first: FirstToken) -> None:
+        """End a transfer, handing the decode node the request's first token; the
         connector adds a checksum of every page it sent and a page count per layer, so the
         receiver can tell a complete transfer from a damaged one."""
 

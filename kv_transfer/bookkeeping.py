@@ -9,10 +9,10 @@ from __future__ import annotations
 
 from collections import Counter, OrderedDict
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 
+from pdserve.common.engine.request import FirstToken
 from pdserve.kv_transfer.base import TransferResult
 from pdserve.kv_transfer.wire import CHECKSUM_SCHEME, KVDone, KVPage, combine, frame_digest, resolve
 
@@ -39,11 +39,11 @@ class SendBook:
         out.pages_per_layer[page.layer] += len(page.dst_block_ids)
         out.frames.append((page.layer, page.dst_block_ids, checksum))
 
-    def close(self, xfer_id: str, meta: dict[str, Any]) -> KVDone:
+    def close(self, xfer_id: str, first: FirstToken) -> KVDone:
         """The done message for `xfer_id`; a transfer with no frames is legal (all cached)."""
         out = self._open.pop(xfer_id, None) or _Outbound([0] * self._num_layers)
         digest = combine(frame_digest(lay, ids, resolve(ck)) for lay, ids, ck in out.frames)
-        return KVDone(xfer_id, dict(meta), digest, tuple(out.pages_per_layer), CHECKSUM_SCHEME)
+        return KVDone(xfer_id, first, digest, tuple(out.pages_per_layer), CHECKSUM_SCHEME)
 
 
 @dataclass
@@ -150,7 +150,7 @@ class ReceiveBook:
                 problems.append(f"layer {layer}: received {got} pages, sender sent {sent}")
         if not problems and combine(inbound.digests) != done.checksum:
             problems.append("checksum of received pages does not match the sender's")
-        return TransferResult(xfer_id, dict(done.meta), not problems, "; ".join(problems))
+        return TransferResult(xfer_id, done.first, not problems, "; ".join(problems))
 
     def _lookup(self, xfer_id: str, what: str) -> _Inbound | None:
         inbound = self._live.get(xfer_id)

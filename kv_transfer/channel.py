@@ -17,6 +17,7 @@ from typing import Any, ClassVar
 import torch
 import zmq
 
+from pdserve.common.engine.request import FirstToken
 from pdserve.common.process import host_id
 from pdserve.common.wire.messages import MAX_MESSAGE_BYTES, Message, ProtocolError, decode, encode
 from pdserve.common.wire.security import CurveKeys, admit_cluster_keys
@@ -132,11 +133,11 @@ class ChannelSender(KVSender):
                 continue
             self._ship(page, pages)
 
-    def send_done(self, xfer_id: str, meta: dict[str, Any]) -> None:
+    def send_done(self, xfer_id: str, first: FirstToken) -> None:
         self._require_connected()
         # Every frame of the transfer must be on the wire (and booked) before its done.
         self._pump(block=True, deadline=time.monotonic() + self._send_timeout)
-        self._send(self._book.close(xfer_id, meta))
+        self._send(self._book.close(xfer_id, first))
 
     def flush(self, timeout: float = 10.0) -> None:
         self._require_connected()

@@ -48,6 +48,7 @@ from typing import Any, ClassVar
 import msgpack
 import torch
 
+from pdserve.common.engine.request import FirstToken
 from pdserve.common.wire.messages import Message, ProtocolError, decode
 from pdserve.common.wire.security import CurveKeys
 from pdserve.kv_transfer.base import TransferError
@@ -233,7 +234,7 @@ class NixlSender(ChannelSender):
         # The pages' sums, read while the WRITE runs (the receiver sums what lands).
         out.sums.append((layer, dst_block_ids, page_sums(layer_cache, src_block_ids)))
 
-    def send_done(self, xfer_id: str, meta: dict[str, Any]) -> None:
+    def send_done(self, xfer_id: str, first: FirstToken) -> None:
         self._require_connected()
         self.poll()
         if xfer_id in self._cancelled:
@@ -241,15 +242,19 @@ class NixlSender(ChannelSender):
         out = self._out.pop(xfer_id, None) or _Outbound()
         self._expected.pop(xfer_id, None)
         self._settle(out)
-        done_meta = dict(meta)
-        if out.problems:
-            done_meta["kv_error"] = "; ".join(out.problems)
         sums = collect_sums(out.sums)
-        done_meta["kv_blocks"] = sorted({dst for pages in sums.values() for dst in pages})
-        done_meta["kv_writes"] = out.writes
         per_layer = tuple(len(sums.get(i, {})) for i in range(self.layout.num_layers))
-        checksum = pages_digest(sums) if sums else 0
-        self._send(KVDone(xfer_id, done_meta, checksum, per_layer, NIXL_CHECKSUM))
+        done = KVDone(
+            xfer_id,
+            first,
+            pages_digest(sums) if sums else 0,
+            per_layer,
+            NIXL_CHECKSUM,
+            sender_error="; ".join(out.problems),
+            written_blocks=tuple(sorted({dst for pages in sums.values() for dst in pages})),
+            writes=out.writes,
+        )
+        self._send(done)
 
     def abandon(self, xfer_id: str) -> None:
         """The prefill node dropped the transfer: its WRITEs finish, the receiver hears."""

@@ -225,13 +225,13 @@ class NixlReceiver(ChannelReceiver):
             if fenced and fenced & set(self._reserved[xfer_id]):
                 continue  # an older transfer into these blocks may still write: wait
             landed = self._landed.get(xfer_id, [])
-            writes = done.meta.get("kv_writes")
-            if isinstance(writes, int) and len(landed) < writes and now < deadline:
+            writes = done.writes
+            if len(landed) < writes and now < deadline:
                 continue
             del self._waiting_done[xfer_id]
             blocks = self._reserved.pop(xfer_id)
             self._landed.pop(xfer_id, None)
-            if not isinstance(writes, int) or len(landed) != writes:
+            if len(landed) != writes:
                 landed = []  # not every WRITE was seen landing: sum every page here
             self._book.cancel(xfer_id)  # finished: later messages for it are refused
             self._completed.append(self._check(done, blocks, landed))
@@ -275,12 +275,10 @@ class NixlReceiver(ChannelReceiver):
         """The transfer's result: ok only if the sender wrote each of its pages into the
         reservation and the pages here sum as the sender's did (pages not summed on
         arrival are summed now)."""
-        meta = {k: v for k, v in done.meta.items() if not k.startswith("kv_")}
-        error = done.meta.get("kv_error", "")
-        blocks = done.meta.get("kv_blocks")
+        error, blocks = done.sender_error, done.written_blocks
         if not error and done.checksum_scheme != NIXL_CHECKSUM:
             error = f"pages checked with {done.checksum_scheme!r}, not {NIXL_CHECKSUM!r}"
-        if not error and (not isinstance(blocks, list) or not set(blocks) <= set(reserved)):
+        if not error and not set(blocks) <= set(reserved):
             error = "the sender wrote blocks outside the reservation"
         if not error:
             for layer, n in enumerate(done.pages_per_layer):
@@ -302,7 +300,7 @@ class NixlReceiver(ChannelReceiver):
                     del pages[extra]
             if pages_digest(sums) != done.checksum:
                 error = "checksum of the written pages does not match the sender's"
-        return TransferResult(done.xfer_id, meta, not error, error)
+        return TransferResult(done.xfer_id, done.first, not error, error)
 
     def _broadcast(self, msg: Message) -> None:
         for identity in self._peers:

@@ -20,6 +20,7 @@ import msgpack
 import torch
 import torch.nn.functional as F
 
+from pdserve.common.engine.request import FirstToken
 from pdserve.common.wire.messages import Message, message
 from pdserve.kv_transfer.base import TransferError, TransferTimeout
 from pdserve.kv_transfer.layout import KVLayout
@@ -83,18 +84,25 @@ class KVPage(Message):
 @message
 @dataclass(frozen=True, slots=True)
 class KVDone(Message):
-    """Sender -> receiver: end of a transfer, with what the receiver must have seen.
+    """Sender -> receiver: end of a transfer, with what the receiver must have seen, and the
+    request's first token, which the decode node goes on from.
 
-    `checksum_scheme` names the page checksum `checksum` was built from; a done without it
-    comes from a sender older than the field, which used crc32.
+    `checksum_scheme` names the page checksum `checksum` was built from (another scheme than
+    the receiver's fails the transfer). A nixl sender also says what it saw itself, since the
+    pages never pass the receiver's code: `sender_error` (WRITEs that failed), `written_blocks`
+    (the destination blocks its WRITEs covered) and `writes` (how many WRITEs should land;
+    -1 from connectors that send frames).
     """
 
     TYPE: ClassVar[str] = "kvx.done"
     xfer_id: str
-    meta: dict[str, Any]
+    first: FirstToken
     checksum: int
     pages_per_layer: tuple[int, ...]
-    checksum_scheme: str = "crc32"
+    checksum_scheme: str
+    sender_error: str = ""
+    written_blocks: tuple[int, ...] = ()
+    writes: int = -1
 
 
 @message

@@ -9,6 +9,7 @@ from dataclasses import dataclass, replace
 import zmq
 
 from pdserve.common.engine.config import CacheConfig, ModelConfig, SchedulerConfig
+from pdserve.common.engine.request import FirstToken
 from pdserve.common.engine.scheduler import RequestUpdate, SchedulerOutput
 from pdserve.common.node.config import NodeConfig
 from pdserve.common.node.loop import EngineNode, Handler
@@ -61,7 +62,7 @@ class PrefillNode(EngineNode):
 
     def on_prefill(self, msg: Prefill) -> None:
         if not msg.xfer_id:
-            if msg.sampling.get("max_tokens") == 0:  # scoring a prompt: no KV goes anywhere
+            if msg.sampling.max_tokens == 0:  # scoring a prompt: no KV goes anywhere
                 self.add_request(msg)
                 return
             raise ValueError("a prefill node needs a destination (xfer_id and blocks)")
@@ -135,10 +136,11 @@ class PrefillNode(EngineNode):
         self.next_block.pop(update.request_id, None)
         if dest is None:
             return
-        meta = {"first_token": update.new_token_ids[0], "n_tokens": len(dest.prompt_token_ids)}
+        lps = update.new_logprobs
+        first = FirstToken(update.new_token_ids[0], lps[0] if lps else None)
         self.engine.scheduler.release(update.request_id)
         try:
-            self.kv_port.senders[dest.dest_kv_endpoint].send_done(dest.xfer_id, meta)
+            self.kv_port.senders[dest.dest_kv_endpoint].send_done(dest.xfer_id, first)
         except SEND_ERRORS as exc:
             failed[dest.dest_kv_endpoint] = str(exc)
             why = f"KV transfer failed: {exc}"

@@ -12,9 +12,8 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
-from pdserve.common.engine.request import TokenLogprobs
 from pdserve.common.engine.sampling_params import SamplingParams
-from pdserve.common.wire.messages import Failure
+from pdserve.common.wire.messages import Error, Tokens
 
 
 @dataclass(frozen=True, slots=True)
@@ -26,31 +25,6 @@ class GenerateRequest:
     sampling: SamplingParams
 
 
-@dataclass(frozen=True, slots=True)
-class TokenEvent:
-    """One or more new tokens of one request.
-
-    logprobs holds one entry per token when the request asked for logprobs, else nothing.
-    The last event of a request carries finish_reason ("stop", "length", "abort" or "error");
-    with "error", error says what went wrong. cached_tokens (prompt tokens served from the
-    prefix cache) is meaningful on the first event only.
-    """
-
-    token_ids: tuple[int, ...]
-    logprobs: tuple[TokenLogprobs, ...] = ()
-    finish_reason: str | None = None
-    cached_tokens: int = 0
-    error: str | None = None
-    failure: Failure | None = None  # with finish_reason "error": what kind of failure
-    # Of prompt tokens 1, 2, ... (with ranks), on the first event, when the request asked.
-    prompt_logprobs: tuple[TokenLogprobs, ...] = ()
-
-    @classmethod
-    def failed(cls, failure: Failure, error: str) -> TokenEvent:
-        """The last event of a request that failed."""
-        return cls((), finish_reason="error", error=error, failure=failure)
-
-
 class Backend(ABC):
     """The serving cluster as the HTTP layer sees it.
 
@@ -60,12 +34,13 @@ class Backend(ABC):
     max_model_len: int
 
     @abstractmethod
-    def generate(self, request: GenerateRequest) -> AsyncIterator[TokenEvent]:
-        """Submits request and yields its token events as they arrive.
+    def generate(self, request: GenerateRequest) -> AsyncIterator[Tokens | Error]:
+        """Submits request and yields its events as they arrive: the nodes' own Tokens
+        messages (cached_tokens and prompt_logprobs on the first), as decoded off the wire.
 
-        An async generator: it ends right after the event that carries a finish_reason. A
-        failure is reported as an event with finish_reason "error", not as an exception, so
-        the client still gets an answer. A caller that stops listening early calls abort()
+        An async generator: it ends right after a Tokens that carries a finish_reason, or an
+        Error. A failure is reported as an Error event, not as an exception, so the client
+        still gets an answer. A caller that stops listening early calls abort()
         and closes the generator; the generator may free the request on close as well, since
         abort is idempotent.
         """

@@ -1,7 +1,7 @@
 """One HTTP request's generation: its choices (n per prompt), each one backend request,
-run concurrently; their token events become text deltas (incremental detokenization, stop
-strings). Whatever ends a request early aborts its unfinished backend requests and releases
-its admission."""
+run concurrently; the nodes' Tokens and Error messages become text deltas (incremental
+detokenization, stop strings). Whatever ends a request early aborts its unfinished backend
+requests and releases its admission."""
 
 from __future__ import annotations
 
@@ -15,9 +15,9 @@ import anyio
 from fastapi import Request
 
 from pdserve.common.engine.request import TokenLogprobs
-from pdserve.common.wire.messages import Failure
+from pdserve.common.wire.messages import Error, Failure, Tokens
 from pdserve.router.admission import Admission, Ticket
-from pdserve.router.backend import Backend, GenerateRequest, TokenEvent, get_within
+from pdserve.router.backend import Backend, GenerateRequest, get_within
 from pdserve.router.detokenizer import IncrementalDetokenizer
 from pdserve.router.metrics import RouterMetrics
 
@@ -124,35 +124,43 @@ class Choice:
         self.backend_done = False  # the backend ended this request; no abort needed
         self._seen_event = False
 
-    def on_event(self, event: TokenEvent) -> ChoiceDelta:
+    def on_event(self, event: Tokens | Error) -> ChoiceDelta:
+        """What one backend event means for this choice: an Error ends it with finish_reason
+        "error" (text held back for a possible stop string goes out with it)."""
+        first = not self._seen_event
+        self._seen_event = True
+        if isinstance(event, Error):
+            text, finish = self._advance((), "error")
+            return ChoiceDelta(
+                self.index, text, finish_reason=finish, error=event.message, failure=event.kind
+            )
         prompt = None
-        if not self._seen_event:  # the backend reports cached_tokens on the first event
-            self._seen_event = True
+        if first:  # the nodes report cached tokens and prompt logprobs on the first message
             self.cached_tokens = event.cached_tokens
             prompt = self._prompt_part(event)
-        self.num_tokens += len(event.token_ids)
-        self.backend_done = event.finish_reason is not None
+        text, finish = self._advance(event.token_ids, event.finish_reason or None)
+        return ChoiceDelta(
+            self.index, text, event.logprobs, finish, token_ids=event.token_ids, prompt=prompt
+        )
+
+    def _advance(self, token_ids: tuple[int, ...], finish: str | None) -> tuple[str, str | None]:
+        """Detokenize new tokens and look for stop strings: the text safe to emit and how the
+        choice ends (a stop string overrides the backend's reason)."""
+        self.num_tokens += len(token_ids)
+        self.backend_done = finish is not None
         # Like vLLM, stop strings only count once min_tokens have been generated.
         search = self.num_tokens >= self.request.sampling.min_tokens
-        text, hit = self._stops.push(self._detok.push(list(event.token_ids)), search)
-        finish = "stop" if hit else event.finish_reason
-        if not hit and finish is not None:
+        text, hit = self._stops.push(self._detok.push(list(token_ids)), search)
+        if hit:
+            finish = "stop"
+        elif finish is not None:
             tail, hit = self._stops.push(self._detok.flush(), search)
             text += tail if hit else tail + self._stops.flush()
             finish = "stop" if hit else finish
         self.finish_reason = finish
-        return ChoiceDelta(
-            self.index,
-            text,
-            event.logprobs,
-            finish,
-            event.error,
-            event.token_ids,
-            event.failure,
-            prompt,
-        )
+        return text, finish
 
-    def _prompt_part(self, event: TokenEvent) -> PromptPart | None:
+    def _prompt_part(self, event: Tokens) -> PromptPart | None:
         asked = self.request.sampling.prompt_logprobs is not None
         if self._echo is None and not asked:
             return None
@@ -166,7 +174,7 @@ class Choice:
         return ChoiceDelta(self.index, finish_reason="error", error=message)
 
 
-async def aclose(events: AsyncIterator[TokenEvent]) -> None:
+async def aclose(events: AsyncIterator[Tokens | Error]) -> None:
     close = getattr(events, "aclose", None)
     if close is not None:
         await close()
@@ -264,7 +272,8 @@ class Generation:
         events = self._backend.generate(choice.request)
         try:
             async for event in events:
-                self._on_tokens(len(event.token_ids))
+                if isinstance(event, Tokens):
+                    self._on_tokens(len(event.token_ids))
                 delta = choice.on_event(event)
                 if delta.finish_reason is not None and not choice.backend_done:
                     await self._abort(choice)  # a stop string ended it before the backend did

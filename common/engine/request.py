@@ -35,6 +35,15 @@ class TokenLogprobs:
     rank: int = 0  # of token_id in its distribution (1: the most likely); 0 when not computed
 
 
+@dataclass(frozen=True, slots=True)
+class FirstToken:
+    """The token a prefill node sampled at the prompt's end, handed to the decode node with the
+    prompt's KV (the transfer's done message): the decode node goes on from it."""
+
+    token_id: int
+    logprobs: TokenLogprobs | None = None  # when the request asked for logprobs
+
+
 @dataclass(slots=True, eq=False)
 class Request:
     """Mutable engine-side state of one sequence. Only the scheduler mutates progress fields.

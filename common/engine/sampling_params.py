@@ -1,4 +1,9 @@
-"""Per-request sampling and stopping parameters, validated where the user hands them in."""
+"""Per-request sampling and stopping parameters, validated where the user hands them in.
+
+These dataclasses are also the wire form: a message field typed SamplingParams travels as a
+map, checked field by field and then by __post_init__ (common/wire/messages.py), so a node
+receives the same validated value the router built.
+"""
 
 from __future__ import annotations
 
@@ -106,9 +111,6 @@ class SamplingParams:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
-        if isinstance(self.structured_outputs, dict):  # as it travels on the wire
-            so = StructuredOutputsParams(**self.structured_outputs)
-            object.__setattr__(self, "structured_outputs", so)
         _check(
             self.max_tokens >= 1 or (self.max_tokens == 0 and self.prompt_logprobs is not None),
             "max_tokens",

@@ -28,11 +28,6 @@ from pdserve.common.engine.scheduler import RequestUpdate
 from pdserve.common.node.config import NodeConfig, is_wildcard
 from pdserve.common.node.health import HealthServer
 from pdserve.common.process import route_source
-from pdserve.common.wire.codecs import (
-    logprobs_to_wire,
-    ranked_logprobs_to_wire,
-    sampling_from_wire,
-)
 from pdserve.common.wire.control import RouterLinks
 from pdserve.common.wire.messages import (
     ALIVE_SUFFIX,
@@ -181,7 +176,7 @@ class EngineNode:
         self.engine.add_request(
             msg.request_id,
             list(msg.prompt_token_ids),
-            sampling_from_wire(msg.sampling),
+            msg.sampling,
             output_token_ids=msg.output_token_ids,
         )
         self.take_lease(msg.request_id)
@@ -244,10 +239,10 @@ class EngineNode:
             Tokens(
                 request_id=update.request_id,
                 token_ids=update.new_token_ids,
-                logprobs=logprobs_to_wire(update.new_logprobs),
+                logprobs=update.new_logprobs,
                 finish_reason=reason,
                 cached_tokens=update.cached_tokens,
-                prompt_logprobs=ranked_logprobs_to_wire(update.prompt_logprobs),
+                prompt_logprobs=update.prompt_logprobs,
             ),
         )
 

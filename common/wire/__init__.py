@@ -1,4 +1,5 @@
-"""What crosses sockets: messages and their codecs, the control link, and CurveZMQ security.
+"""What crosses sockets: typed messages, the control link, and CurveZMQ security.
 
-Nothing here imports torch or the engine: the router loads this package, never the model.
+Nothing here imports torch: the router loads this package, never the model. Of the engine it
+takes only the plain value types that travel in messages (SamplingParams, TokenLogprobs).
 """

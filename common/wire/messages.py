@@ -2,8 +2,10 @@
 
 Decoding is bounded and strict: a frame larger than MAX_MESSAGE_BYTES, a map with an unknown
 `type`, another protocol version, a missing or unknown field, or a field of the wrong type is
-refused with ProtocolError. Callers count and drop such frames; nothing on the wire can crash
-a node. There is no pickle anywhere.
+refused with ProtocolError. A field typed as a dataclass (sampling parameters, logprobs, the
+first token) travels as a map of its fields and is checked the same way, field by field, and
+then by the dataclass's own validation. Callers count and drop such frames; nothing on the
+wire can crash a node. There is no pickle anywhere.
 """
 
 from __future__ import annotations
@@ -17,13 +19,23 @@ from typing import Any, ClassVar
 
 import msgpack
 
-PROTOCOL_VERSION = 4  # 2: typed failure kinds, incarnations, Reregister; 3: Registered,
-# host ids; 4: the decode side's cached tokens in Reserved/Prefill, measured rates
+from pdserve.common.engine.request import TokenLogprobs
+from pdserve.common.engine.sampling_params import SamplingParams
+
+PROTOCOL_VERSION = 5  # 2: typed failure kinds, incarnations, Reregister; 3: Registered,
+# host ids; 4: the decode side's cached tokens in Reserved/Prefill, measured rates; 5: typed
+# sampling parameters and logprobs (maps checked field by field), KVDone's typed first token
 MAX_MESSAGE_BYTES = 32 * 1024 * 1024  # a 1M-token prompt of int64 ids fits with room to spare
 
 
 class ProtocolError(ValueError):
-    """A frame that is not a valid message of this protocol version."""
+    """A frame that is not a valid message of this protocol version. `request_id` names the
+    request of a refused frame that said which one it was about ("" otherwise): the receiver
+    can fail that request at once instead of letting it time out."""
+
+    def __init__(self, message: str, request_id: str = "") -> None:
+        super().__init__(message)
+        self.request_id = request_id
 
 
 _REGISTRY: dict[str, type[Message]] = {}
@@ -47,7 +59,15 @@ def encode(msg: Message) -> bytes:
     body = {f.name: getattr(msg, f.name) for f in dataclasses.fields(msg)}
     body["type"] = msg.TYPE
     body["version"] = PROTOCOL_VERSION
-    return msgpack.packb(body, use_bin_type=True)
+    return msgpack.packb(body, use_bin_type=True, default=_as_map)
+
+
+def _as_map(value: Any) -> dict[str, Any]:
+    """msgpack's hook for what it cannot pack itself: a nested dataclass as a map of its
+    fields (only called for such values, so plain messages pay nothing)."""
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return {f.name: getattr(value, f.name) for f in dataclasses.fields(value)}
+    raise TypeError(f"{type(value).__name__} cannot go on the wire")
 
 
 def decode(frame: bytes) -> Message:
@@ -65,26 +85,32 @@ def decode(frame: bytes) -> Message:
         raise ProtocolError("unknown message type")
     if body.pop("version", None) != PROTOCOL_VERSION:
         raise ProtocolError(f"{cls.TYPE}: protocol version must be {PROTOCOL_VERSION}")
-    return _build(cls, body)
+    try:
+        return _build(cls, body, cls.TYPE)
+    except ProtocolError as exc:
+        rid = body.get("request_id")
+        raise ProtocolError(str(exc), rid if isinstance(rid, str) else "") from None
 
 
-def _build(cls: type[Message], body: dict[str, Any]) -> Message:
+def _build(cls: type, body: dict[str, Any], where: str) -> Any:
+    """A message, or a dataclass nested in one, from its map: every field known, every field
+    without a default present, each of its type, then the class's own checks."""
     hints = _hints(cls)
-    names = {f.name for f in dataclasses.fields(cls)}
-    unknown = set(body) - names
+    fields = dataclasses.fields(cls)
+    unknown = set(body) - {f.name for f in fields}
     if unknown:
-        raise ProtocolError(f"{cls.TYPE}: unknown fields {sorted(unknown)[:5]}")
+        raise ProtocolError(f"{where}: unknown fields {sorted(unknown)[:5]}")
     kwargs = {}
-    for f in dataclasses.fields(cls):
+    for f in fields:
         if f.name not in body:
             if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
-                raise ProtocolError(f"{cls.TYPE}: missing field {f.name!r}")
+                raise ProtocolError(f"{where}: missing field {f.name!r}")
             continue
-        kwargs[f.name] = _check(body[f.name], hints[f.name], f"{cls.TYPE}.{f.name}")
+        kwargs[f.name] = _check(body[f.name], hints[f.name], f"{where}.{f.name}")
     try:
         return cls(**kwargs)
     except (TypeError, ValueError) as exc:
-        raise ProtocolError(f"{cls.TYPE}: {exc}") from None
+        raise ProtocolError(f"{where}: {exc}") from None
 
 
 _HINT_CACHE: dict[type, dict[str, Any]] = {}
@@ -125,6 +151,8 @@ def _check(value: Any, hint: Any, where: str) -> Any:
         return {_check(k, args[0], where): _check(v, args[1], where) for k, v in value.items()}
     if hint is Any:
         return value
+    if isinstance(hint, type) and dataclasses.is_dataclass(hint):
+        return _build(hint, value, where) if isinstance(value, dict) else _fail(where, hint)
     if isinstance(hint, type) and issubclass(hint, enum.Enum):
         try:
             return hint(value)
@@ -323,7 +351,7 @@ class ReserveKV(Message):
     TYPE: ClassVar[str] = "reserve_kv"
     request_id: str
     prompt_token_ids: tuple[int, ...]
-    sampling: dict[str, Any]
+    sampling: SamplingParams
     output_token_ids: tuple[int, ...] = ()  # a resumed request: tokens already streamed
 
 
@@ -364,7 +392,7 @@ class Prefill(Message):
     TYPE: ClassVar[str] = "prefill"
     request_id: str
     prompt_token_ids: tuple[int, ...]
-    sampling: dict[str, Any]
+    sampling: SamplingParams
     xfer_id: str = ""  # empty for a colocated ("both") node: it decodes itself
     dest_block_ids: tuple[int, ...] = ()
     dest_kv_endpoint: str = ""
@@ -400,9 +428,9 @@ class Tokens(Message):
     TYPE: ClassVar[str] = "tokens"
     request_id: str
     token_ids: tuple[int, ...]
-    logprobs: tuple[tuple[int, float, tuple[tuple[int, float], ...]], ...] = ()
+    logprobs: tuple[TokenLogprobs, ...] = ()  # one per token, when the request asked
     finish_reason: str = ""  # "" while running
     cached_tokens: int = 0
-    # Of prompt tokens 1, 2, ...: (token_id, logprob, top, rank); first message only, when the
-    # request asked for prompt logprobs.
-    prompt_logprobs: tuple[tuple[int, float, tuple[tuple[int, float], ...], int], ...] = ()
+    # Of prompt tokens 1, 2, ... (with ranks); first message only, when the request asked for
+    # prompt logprobs.
+    prompt_logprobs: tuple[TokenLogprobs, ...] = ()

@@ -19,7 +19,6 @@ from collections.abc import AsyncIterator
 
 from pdserve.common.engine.block_pool import hash_token_blocks
 from pdserve.common.node.config import is_wildcard
-from pdserve.common.wire.codecs import logprobs_from_wire, ranked_logprobs_from_wire
 from pdserve.common.wire.messages import (
     ALIVE_SUFFIX,
     Abort,
@@ -41,7 +40,7 @@ from pdserve.common.wire.messages import (
     Tokens,
 )
 from pdserve.common.wire.security import load_keys
-from pdserve.router.backend import Backend, GenerateRequest, TokenEvent, get_within
+from pdserve.router.backend import Backend, GenerateRequest, get_within
 from pdserve.router.cluster.control import ControlServer
 from pdserve.router.cluster.placement import PlacementConfig
 from pdserve.router.cluster.policies import POLICIES
@@ -301,27 +300,20 @@ class ClusterBackend(Backend):
             lost = {stream.decode_node} if stream.decode_node else set()
             self._fail_over(stream, lost, f"{sender}: {msg.message}")
             return
-        stream.queue.put_nowait(TokenEvent.failed(msg.kind, msg.message))
+        stream.queue.put_nowait(msg)
 
     def _on_tokens(self, sender: str, msg: Tokens) -> None:
         stream = self.by_wire.get(msg.request_id)
         if stream is None or sender not in stream.nodes():
             return  # finished, aborted, or moved to other nodes: the sender is stale
-        event = TokenEvent(
-            token_ids=msg.token_ids,
-            logprobs=logprobs_from_wire(msg.logprobs),
-            finish_reason=msg.finish_reason or None,
-            cached_tokens=msg.cached_tokens,
-            prompt_logprobs=ranked_logprobs_from_wire(msg.prompt_logprobs),
-        )
         if stream.decode_node == sender and not stream.got_first:
-            stream.early.append(event)  # the decode node outran the prefill node's message
+            stream.early.append(msg)  # the decode node outran the prefill node's message
             return
         if not stream.got_first and sender == stream.prefill_node and stream.decode_node:
             stream.first_at = time.monotonic()
         self._prefilled_locally(stream)
         stream.got_first = True
-        stream.queue.put_nowait(event)
+        stream.queue.put_nowait(msg)
         for e in stream.early:
             stream.queue.put_nowait(e)
         stream.early.clear()
@@ -398,7 +390,7 @@ class ClusterBackend(Backend):
 
     # -- requests --------------------------------------------------------------------------
 
-    async def generate(self, request: GenerateRequest) -> AsyncIterator[TokenEvent]:
+    async def generate(self, request: GenerateRequest) -> AsyncIterator[Tokens | Error]:
         rid = request.request_id
         stream = self.streams[rid] = self.by_wire[rid] = Stream(request)
         finished = False
@@ -411,7 +403,7 @@ class ClusterBackend(Backend):
                 try:
                     item = await get_within(stream.queue, self.token_timeout)
                 except asyncio.TimeoutError:
-                    yield TokenEvent.failed(Failure.TIMEOUT, "timed out waiting for tokens")
+                    yield Error(rid, "timed out waiting for tokens", Failure.TIMEOUT)
                     await self.abort(rid)
                     return
                 if isinstance(item, Failover):
@@ -419,10 +411,12 @@ class ClusterBackend(Backend):
                     if failure is None:
                         continue
                     item = failure
-                if item.finish_reason is not None:
-                    finished = True
+                if isinstance(item, Error):
+                    finished = stream.failed = True
+                else:
+                    stream.generated.extend(item.token_ids)
+                    finished = bool(item.finish_reason)
                     stream.failed = item.finish_reason in ("error", "abort")
-                stream.generated.extend(item.token_ids)
                 yield item
                 if finished:
                     return
@@ -442,7 +436,7 @@ class ClusterBackend(Backend):
         tokens = [*stream.request.prompt_token_ids, *stream.generated][:-1]  # last: no KV
         holder.expect_cached(hash_token_blocks(tokens, holder.block_size), time.monotonic())
 
-    async def _recover(self, stream: Stream, failover: Failover) -> TokenEvent | None:
+    async def _recover(self, stream: Stream, failover: Failover) -> Error | None:
         """Carry the request on without the lost nodes; an error message when it cannot."""
         rid = stream.wire_id
         log.warning("request %s: %s; failing over (%s)", rid, failover.why, failover.kind)
@@ -452,7 +446,7 @@ class ClusterBackend(Backend):
         self.num_failovers += 1
         if stream.failovers > self.max_failovers:
             why = f"gave up after {self.max_failovers} failovers: {failover.why}"
-            return TokenEvent.failed(Failure.UNAVAILABLE, why)
+            return Error(rid, why, Failure.UNAVAILABLE)
         if failover.kind == "prefill":
             reserved = await self.routing.renew_transfer(stream)
             if reserved is not None:
@@ -478,7 +472,7 @@ class ClusterBackend(Backend):
         if stream is None:
             return
         await self._abort_nodes(stream, "client")
-        stream.queue.put_nowait(TokenEvent((), finish_reason="abort"))
+        stream.queue.put_nowait(Tokens(stream.wire_id, (), finish_reason="abort"))
 
     async def _abort_nodes(self, stream: Stream, why: str) -> None:
         for node_id in stream.nodes():

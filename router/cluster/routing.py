@@ -8,7 +8,7 @@ from __future__ import annotations
 import asyncio
 import time
 
-from pdserve.common.wire.codecs import sampling_to_wire
+from pdserve.common.engine.sampling_params import SamplingParams
 from pdserve.common.wire.messages import (
     Abort,
     Error,
@@ -18,7 +18,6 @@ from pdserve.common.wire.messages import (
     Reserved,
     ReserveKV,
 )
-from pdserve.router.backend import TokenEvent
 from pdserve.router.cluster.control import ControlServer
 from pdserve.router.cluster.placement import PlacementConfig, estimate, missing_tokens
 from pdserve.router.cluster.policies import Policy
@@ -66,11 +65,11 @@ class Routing:
         reply = await self.control.ask(stream.decode_node, rid, RenewTransfer(rid))
         return reply if isinstance(reply, Reserved) else None
 
-    def _wire(self, stream: Stream) -> tuple[dict, tuple[int, ...]]:
+    def _wire(self, stream: Stream) -> tuple[SamplingParams, tuple[int, ...]]:
         """The request's sampling and already streamed tokens, as nodes take them."""
-        return sampling_to_wire(stream.request.sampling), tuple(stream.generated)
+        return stream.request.sampling, tuple(stream.generated)
 
-    async def route(self, stream: Stream) -> TokenEvent | None:
+    async def route(self, stream: Stream) -> Error | None:
         """Send the request on its way (resuming after stream.generated); an error message
         if nothing can take it."""
         request = stream.request
@@ -83,7 +82,8 @@ class Routing:
             await self._run_on(stream, colocated[0])
             return None
         if not decodes:
-            return TokenEvent.failed(Failure.UNAVAILABLE, self.registry.no_route_reason(exclude))
+            why = self.registry.no_route_reason(exclude)
+            return Error(stream.wire_id, why, Failure.UNAVAILABLE)
         prefills = self._prefills_for(stream, decodes[0])
         choice = estimate(self.placement, decodes[0], prefills, self._tokens(stream))
         if choice.local:
@@ -93,11 +93,10 @@ class Routing:
         self.num_remote += 1
         reserved = await self._reserve(stream, decodes)
         if isinstance(reserved, Error):  # the request itself is bad: no other node takes it
-            return TokenEvent.failed(reserved.kind, reserved.message)
+            return reserved
         if reserved is None:
-            return TokenEvent.failed(
-                Failure.UNAVAILABLE, "no decode node has room for this request"
-            )
+            why = "no decode node has room for this request"
+            return Error(stream.wire_id, why, Failure.UNAVAILABLE)
         return await self.send_prefill(stream, reserved)
 
     def _tokens(self, stream: Stream) -> list[int]:
@@ -146,13 +145,13 @@ class Routing:
             node.node_id, Prefill(stream.wire_id, prompt, sampling, output_token_ids=outputs)
         )
 
-    async def _score(self, stream: Stream) -> TokenEvent | None:
+    async def _score(self, stream: Stream) -> Error | None:
         """A request that only scores its prompt (max_tokens 0) needs a prefill and nothing
         else: a prefill or colocated node computes it and answers; no KV moves."""
         request = stream.request
         nodes = self.policy(self.registry.routable(("prefill", "both"), stream.lost), request)
         if not nodes:
-            return TokenEvent.failed(Failure.UNAVAILABLE, "no prefill node available")
+            return Error(stream.wire_id, "no prefill node available", Failure.UNAVAILABLE)
         node = nodes[0]
         stream.prefill_node = node.node_id
         node.inflight += 1
@@ -163,7 +162,7 @@ class Routing:
         )
         return None
 
-    async def send_prefill(self, stream: Stream, reserved: Reserved) -> TokenEvent | None:
+    async def send_prefill(self, stream: Stream, reserved: Reserved) -> Error | None:
         request = stream.request
         sampling, outputs = self._wire(stream)
         # Picked after the reservation's round trip, so the choice sees requests routed
@@ -172,7 +171,7 @@ class Routing:
             self._prefills_for(stream, self.registry.get(stream.decode_node)), request
         )
         if not prefills:
-            return TokenEvent.failed(Failure.UNAVAILABLE, "no prefill node available")
+            return Error(stream.wire_id, "no prefill node available", Failure.UNAVAILABLE)
         prefill = prefills[0]
         stream.prefill_node = prefill.node_id
         prefill.inflight += 1

@@ -6,7 +6,8 @@ from __future__ import annotations
 import asyncio
 from dataclasses import dataclass, field
 
-from pdserve.router.backend import GenerateRequest, TokenEvent
+from pdserve.common.wire.messages import Error, Tokens
+from pdserve.router.backend import GenerateRequest
 
 
 @dataclass(frozen=True, slots=True)
@@ -26,16 +27,17 @@ class Failover:
 
 @dataclass(slots=True)
 class Stream:
-    """Router-side state of one request in flight."""
+    """Router-side state of one request in flight. Its queue holds the nodes' messages as
+    decoded (the HTTP layer consumes them as they are), and failover notes."""
 
     request: GenerateRequest
-    queue: asyncio.Queue[TokenEvent | Failover] = field(default_factory=asyncio.Queue)
+    queue: asyncio.Queue[Tokens | Error | Failover] = field(default_factory=asyncio.Queue)
     prefill_node: str = ""
     decode_node: str = ""
     got_first: bool = False
     admitted: bool = False  # the decode node has the whole KV: the prefill node is done
     failed: bool = False  # ended by an error or abort: the other node may still hold blocks
-    early: list[TokenEvent] = field(default_factory=list)  # decode tokens that beat the first
+    early: list[Tokens] = field(default_factory=list)  # decode tokens that beat the first
     generated: list[int] = field(default_factory=list)  # tokens handed to the client
     failovers: int = 0
     attempt: int = 0  # bumped when the request starts over on other nodes

@@ -8,6 +8,7 @@ import time
 import pytest
 import zmq
 
+from pdserve.common.engine.request import FirstToken
 from pdserve.common.wire.control import ControlClient
 from pdserve.common.wire.messages import RegisterNode, encode
 from pdserve.common.wire.security import CurveKeys, keygen
@@ -79,7 +80,7 @@ def test_kv_receiver_refuses_a_sender_without_the_keys(keys):
         cache = make_caches(LAYOUT, 8, seed=1)
         for layer in range(LAYOUT.num_layers):
             member.send_layer("x", layer, [3, 4], [1, 2], cache[layer])
-        member.send_done("x", {"first_token": 0})
+        member.send_done("x", FirstToken(0))
         (result,) = Pump(receiver).wait_results("x")
         assert result.ok, result.error
         member.close()

@@ -9,6 +9,7 @@ import json
 import sys
 from typing import Any
 
+from pdserve.common.engine.request import FirstToken, TokenLogprobs
 from pdserve.kv_transfer import KVLayout, KVSender, create_sender
 from pdserve.testbed.kvfaults import FaultPlan, PlannedFaults
 from tests.kv_transfer.helpers import make_caches
@@ -46,8 +47,10 @@ class Child:
         for layer in layers:
             self.senders[sender].send_layer(xfer, layer, src, dst, self.caches[cache][layer])
 
-    def done(self, sender: str, xfer: str, meta: dict[str, Any]) -> None:
-        self.senders[sender].send_done(xfer, meta)
+    def done(self, sender: str, xfer: str, token: int, logprob: float | None) -> None:
+        """End a transfer with first token `token` (and its logprob, the only one of its top)."""
+        lps = None if logprob is None else TokenLogprobs(token, logprob, ((token, logprob),), 1)
+        self.senders[sender].send_done(xfer, FirstToken(token, lps))
 
     def flush(self, sender: str) -> None:
         self.senders[sender].flush(10.0)

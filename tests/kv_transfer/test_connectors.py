@@ -15,6 +15,7 @@ from typing import Any
 import pytest
 import torch
 
+from pdserve.common.engine.request import FirstToken, TokenLogprobs
 from pdserve.kv_transfer import KVLayout, KVReceiver, create_receiver
 from tests.kv_transfer.helpers import Pump, SenderProcess, make_caches, needs_nixl
 
@@ -98,8 +99,10 @@ class Setup:
             dst=dst,
         )
 
-    def done(self, xfer: str, sender: str = "s", **meta: Any) -> None:
-        self.child.ok(self.pump, op="done", sender=sender, xfer=xfer, meta=meta)
+    def done(
+        self, xfer: str, sender: str = "s", token: int = 0, logprob: float | None = None
+    ) -> None:
+        self.child.ok(self.pump, op="done", sender=sender, xfer=xfer, token=token, logprob=logprob)
         self.child.ok(self.pump, op="flush", sender=sender)
 
     def check_blocks(self, written: dict[int, int], layers: list[int] | None = None) -> None:
@@ -148,10 +151,10 @@ def test_layer_by_layer_transfer_is_bit_exact(
         src, dst = blocks(1, 7)
         s.receiver.expect("x1", dst)
         s.send("x1", src, dst)
-        s.done("x1", first_token=42, n_tokens=27)
+        s.done("x1", token=42, logprob=-0.5)
         (result,) = s.pump.wait_results("x1")
         assert result.ok, result.error
-        assert result.meta == {"first_token": 42, "n_tokens": 27}
+        assert result.first == FirstToken(42, TokenLogprobs(42, -0.5, ((42, -0.5),), 1))
         s.check_blocks(dict(zip(dst, src)))
         assert not s.receiver.counters
         assert s.receiver.pages_received == 7 * LAYOUT.num_layers
@@ -168,11 +171,11 @@ def test_two_transfers_interleaved(setup: Setup) -> None:
     for layer in range(LAYOUT.num_layers):
         setup.send("a", src_a, dst_a, [layer])
         setup.send("b", src_b, dst_b, [layer])
-    setup.done("b", n=2)
-    setup.done("a", n=1)
+    setup.done("b", token=2)
+    setup.done("a", token=1)
     a, b = setup.pump.wait_results("a", "b")
     assert a.ok and b.ok, (a.error, b.error)
-    assert (a.meta, b.meta) == ({"n": 1}, {"n": 2})
+    assert (a.first, b.first) == (FirstToken(1), FirstToken(2))
     setup.check_blocks({**dict(zip(dst_a, src_a)), **dict(zip(dst_b, src_b))})
 
 

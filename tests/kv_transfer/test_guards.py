@@ -11,6 +11,7 @@ import pytest
 import torch
 import zmq
 
+from pdserve.common.engine.request import FirstToken
 from pdserve.common.wire.messages import decode, encode
 from pdserve.kv_transfer import (
     KVLayout,
@@ -87,7 +88,7 @@ def test_frame_of_wrong_byte_length_is_not_written(receiver, raw) -> None:
     receiver.expect("x", [1, 3])
     header = KVPage("x", 0, (1, 3), "float32", (2, 2, 2, 1, 4), seq=0)
     raw.send_multipart([encode(header), b"\0" * 120])  # 128 bytes expected
-    raw.send(encode(KVDone("x", {}, 0, (2, 0))))
+    raw.send(encode(KVDone("x", FirstToken(0), 0, (2, 0), CHECKSUM_SCHEME)))
     (result,) = Pump(receiver).wait_results("x", timeout=5.0)
     assert not result.ok and "expected one of 128" in result.error
     assert receiver.counters == {"bad_frame": 1}
@@ -98,7 +99,7 @@ def test_header_that_contradicts_the_layout_drops_the_sender(receiver, raw) -> N
     handshake(raw, receiver)
     receiver.expect("x", [1])
     raw.send_multipart([encode(KVPage("x", 0, (1,), "float16", (2, 1, 2, 1, 4), 0)), b"\0" * 32])
-    raw.send(encode(KVDone("x", {}, 0, (0, 0))))
+    raw.send(encode(KVDone("x", FirstToken(0), 0, (0, 0), CHECKSUM_SCHEME)))
     Pump(receiver).until(lambda: receiver.counters.get("no_handshake") == 1, timeout=5.0)
     assert receiver.counters == {"bad_header": 1, "no_handshake": 1}
 
@@ -147,7 +148,7 @@ def test_zmq_over_ipc(tmp_path) -> None:
         receiver.expect("x", [6, 2])
         for layer in range(LAYOUT.num_layers):
             sender.send_layer("x", layer, [3, 0], [6, 2], sent[layer])
-        sender.send_done("x", {"n": 1})
+        sender.send_done("x", FirstToken(1))
         (result,) = Pump(receiver).wait_results("x", timeout=5.0)
         assert result.ok, result.error
         assert all(torch.equal(c[:, [6, 2]], s[:, [3, 0]]) for c, s in zip(caches, sent))
@@ -194,7 +195,7 @@ def test_shm_frames_dropped_unsent_give_their_ring_slot_back() -> None:
         cache = make_caches(LAYOUT, 8, seed=1)
         for layer in range(LAYOUT.num_layers):
             sender.send_layer("x", layer, [4, 5, 6, 7], [1, 2, 3, 4], cache[layer])
-        sender.send_done("x", {})
+        sender.send_done("x", FirstToken(0))
         (result,) = Pump(receiver).wait_results("x", timeout=5.0)
         assert not result.ok and "received 0 pages, sender sent 4" in result.error
     finally:
@@ -221,7 +222,7 @@ def test_fault_plan_frames_fail_the_transfer_never_pass_as_whole(receiver, plan,
         cache = make_caches(LAYOUT, 8, seed=1)
         for layer in range(LAYOUT.num_layers):
             sender.send_layer("x", layer, [4, 5, 6], [1, 2, 3], cache[layer])
-        sender.send_done("x", {"first_token": 1})
+        sender.send_done("x", FirstToken(1))
         (result,) = Pump(receiver).wait_results("x")
         assert result.ok is ok, result.error
     finally:

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import msgpack
 import pytest
 import torch
 
+from pdserve.common.engine.request import FirstToken, TokenLogprobs
 from pdserve.common.wire.messages import ProtocolError, decode, encode
 from pdserve.kv_transfer.bookkeeping import ReceiveBook, SendBook
 from pdserve.kv_transfer.wire import (
@@ -148,9 +151,9 @@ def test_books_agree_regardless_of_arrival_order() -> None:
     got.expect("t", [1, 2])
     for page, checksum in reversed(frames):
         assert got.admit(page) and got.land(page, checksum)
-    got.on_done(sent.close("t", {"first_token": 3}))
+    got.on_done(sent.close("t", FirstToken(3)))
     (result,) = got.finished()
-    assert result.ok and result.meta == {"first_token": 3}
+    assert result.ok and result.first == FirstToken(3)
 
 
 def test_missing_and_damaged_pages_fail_the_transfer() -> None:
@@ -159,7 +162,7 @@ def test_missing_and_damaged_pages_fail_the_transfer() -> None:
         sent.record(_page("t", 0, blocks), 5)
     got.expect("t", [1, 2])
     assert got.admit(_page("t", 0, (1,))) and got.land(_page("t", 0, (1,)), 6)
-    got.on_done(sent.close("t", {}))
+    got.on_done(sent.close("t", FirstToken(0)))
     (result,) = got.finished()
     assert not result.ok and "received 1 pages, sender sent 2" in result.error
 
@@ -169,7 +172,7 @@ def test_done_waits_for_frames_in_flight_and_cancel_makes_them_late() -> None:
     got.expect("t", [4])
     page = _page("t", 0, (4,))
     assert got.admit(page)
-    got.on_done(SendBook(1).close("t", {}))
+    got.on_done(SendBook(1).close("t", FirstToken(0)))
     assert got.finished() == []  # the admitted frame has not landed yet
     got.cancel("t")
     assert not got.land(page, 1)
@@ -180,15 +183,38 @@ def test_done_waits_for_frames_in_flight_and_cancel_makes_them_late() -> None:
 def test_done_from_another_checksum_scheme_fails_the_transfer_clearly() -> None:
     sent, got = SendBook(1), ReceiveBook(1)
     sent.record(_page("t", 0, (1,)), 7)
-    done = sent.close("t", {})
+    done = sent.close("t", FirstToken(0))
     assert done.checksum_scheme == CHECKSUM_SCHEME
     got.expect("t", [1])
     assert got.admit(_page("t", 0, (1,))) and got.land(_page("t", 0, (1,)), 7)
-    # An older sender's done has no scheme field: it decodes as crc32 and is refused by name.
-    body = msgpack.unpackb(encode(done))
-    del body["checksum_scheme"]
-    legacy = decode(msgpack.packb(body))
-    assert isinstance(legacy, KVDone) and legacy.checksum_scheme == "crc32"
-    got.on_done(legacy)
+    got.on_done(replace(done, checksum_scheme="crc32"))
     (result,) = got.finished()
     assert not result.ok and "'crc32'" in result.error and CHECKSUM_SCHEME in result.error
+
+
+FIRST = FirstToken(7, TokenLogprobs(7, -0.25, ((7, -0.25), (3, -1.5)), 1))
+
+
+def test_done_round_trips_its_typed_first_token_and_nixl_fields() -> None:
+    done = KVDone("t", FIRST, 5, (2, 2), "s", "write failed", (4, 9), 2)
+    assert decode(encode(done)) == done
+    plain = KVDone("t", FirstToken(7), 5, (1,), CHECKSUM_SCHEME)
+    assert decode(encode(plain)) == plain and plain.writes == -1
+
+
+@pytest.mark.parametrize(
+    "change, why",
+    [
+        (lambda b: b.pop("first"), "kvx.done: missing field 'first'"),
+        (lambda b: b.pop("checksum_scheme"), "kvx.done: missing field 'checksum_scheme'"),
+        (lambda b: b["first"].pop("token_id"), "kvx.done.first: missing field 'token_id'"),
+        (lambda b: b["first"].update(token_id="7"), "kvx.done.first.token_id: expected int"),
+        (lambda b: b["first"]["logprobs"].update(top=[[7]]), "kvx.done.first.logprobs.top"),
+        (lambda b: b["first"].update(meta={}), r"kvx.done.first: unknown fields \['meta'\]"),
+    ],
+)
+def test_done_without_a_whole_first_token_is_refused(change, why) -> None:
+    body = msgpack.unpackb(encode(KVDone("t", FIRST, 5, (1,), CHECKSUM_SCHEME)))
+    change(body)
+    with pytest.raises(ProtocolError, match=why):
+        decode(msgpack.packb(body))

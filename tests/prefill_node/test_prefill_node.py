@@ -19,7 +19,6 @@ from pdserve.common.engine.config import CacheConfig, ModelConfig, SchedulerConf
 from pdserve.common.engine.llm import LLM, SamplingParams
 from pdserve.common.engine.sampling_params import StructuredOutputsParams
 from pdserve.common.node.config import NodeConfig
-from pdserve.common.wire.codecs import sampling_to_wire
 from pdserve.common.wire.messages import (
     Error,
     Failure,
@@ -85,8 +84,7 @@ def start(
     router, prefill, decode_, rid: str, prompt: list[int], params: SamplingParams = SAMPLING
 ) -> Reserved:
     """ReserveKV on D, then Prefill on P (handshaking while D's receiver is polled)."""
-    sampling = sampling_to_wire(params)
-    decode_.handle(ReserveKV(rid, tuple(prompt), sampling))
+    decode_.handle(ReserveKV(rid, tuple(prompt), params))
     reserved = router.recv(Reserved, rid)
     stop = threading.Event()
     pump = threading.Thread(
@@ -98,7 +96,7 @@ def start(
             Prefill(
                 rid,
                 tuple(prompt),
-                sampling,
+                params,
                 reserved.xfer_id,
                 reserved.block_ids,
                 reserved.kv_endpoint,
@@ -194,24 +192,23 @@ def test_a_broken_kv_connection_fails_only_its_requests(nodes):
 
 def test_heartbeats_report_prefix_cache_changes_and_a_snapshot_on_request(nodes):
     router, prefill, decode_ = nodes
-    prefill.heartbeat()
+    prefill.membership.heartbeat()
     first = router.recv(Heartbeat, "")
     assert first.prefix_seq == 1 and first.prefix_reset and first.prefix_stored == ()
     prompt = list(range(3, 60))  # 3 full blocks of 16 get cached
     start(router, prefill, decode_, "r", prompt)
     while "r" in prefill.dests:
         prefill.step()
-    prefill._next_heartbeat = 0.0
-    prefill.heartbeat()
+    prefill.membership.heartbeat_now()
     delta = router.recv(Heartbeat, "")
     assert delta.prefix_seq == 2 and not delta.prefix_reset
     assert delta.prefix_stored == tuple(hash_token_blocks(prompt, BLOCK))
     prefill.handle(SyncPrefixes())
-    prefill.heartbeat()
+    prefill.membership.heartbeat()
     snapshot = router.recv(Heartbeat, "")
     assert snapshot.prefix_seq == 3 and snapshot.prefix_reset
     assert set(snapshot.prefix_stored) == set(delta.prefix_stored)
-    decode_.heartbeat()  # decode nodes report theirs too (a conversation's next turn)
+    decode_.membership.heartbeat()  # decode nodes report theirs too (a conversation's next turn)
     report = router.recv(Heartbeat, "")
     assert report.node_id == decode_.node_id and report.prefix_seq == 1 and report.prefix_reset
 

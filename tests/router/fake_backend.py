@@ -14,8 +14,8 @@ from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from typing import Any
 
 from pdserve.common.engine.request import TokenLogprobs
-from pdserve.common.wire.messages import Failure
-from pdserve.router.backend import Backend, GenerateRequest, TokenEvent
+from pdserve.common.wire.messages import Error, Failure, Tokens
+from pdserve.router.backend import Backend, GenerateRequest
 
 FIRST_ORDINARY_ID = 5  # ids 0..4 are the tiny tokenizer's special tokens
 
@@ -98,7 +98,7 @@ class FakeBackend(Backend):
 
     # ------------------------------------------------------------ Backend
 
-    async def generate(self, request: GenerateRequest) -> AsyncIterator[TokenEvent]:
+    async def generate(self, request: GenerateRequest) -> AsyncIterator[Tokens | Error]:
         self.requests.append(request)
         self.live += 1
         events = self._events(request)
@@ -109,12 +109,13 @@ class FakeBackend(Backend):
             await events.aclose()
             self.live -= 1
 
-    async def _events(self, request: GenerateRequest) -> AsyncGenerator[TokenEvent, None]:
+    async def _events(self, request: GenerateRequest) -> AsyncGenerator[Tokens | Error, None]:
+        rid = request.request_id
         if self.unavailable is not None:
-            yield TokenEvent.failed(Failure.UNAVAILABLE, self.unavailable)
+            yield Error(rid, self.unavailable, Failure.UNAVAILABLE)
             return
         if self.crash is not None:
-            yield TokenEvent.failed(Failure.INTERNAL, self.crash)
+            yield Error(rid, self.crash, Failure.INTERNAL)
             return
         if self.gate is not None:
             await self.gate.wait()
@@ -126,17 +127,20 @@ class FakeBackend(Backend):
             batch, finish = self._next_batch(request, stream, produced)
             produced += len(batch)
             if self.error_after is not None and produced >= self.error_after:
-                yield TokenEvent(tuple(batch), finish_reason="error", error="injected failure")
+                if batch:
+                    yield Tokens(rid, tuple(batch))
+                yield Error(rid, "injected failure", Failure.INTERNAL)
                 return
-            if request.request_id in self.aborted:
-                yield TokenEvent((), finish_reason="abort")
+            if rid in self.aborted:
+                yield Tokens(rid, (), finish_reason="abort")
                 return
             cached = min(self.cached_tokens, len(request.prompt_token_ids) - 1) if first else 0
             logprobs = tuple(self._logprobs(t, request.sampling.logprobs) for t in batch)
-            yield TokenEvent(
+            yield Tokens(
+                rid,
                 tuple(batch),
                 logprobs if request.sampling.logprobs is not None else (),
-                finish,
+                finish or "",
                 cached_tokens=cached,
             )
             first = False

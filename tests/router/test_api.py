@@ -18,8 +18,9 @@ import pytest
 from fastapi import FastAPI
 from fastapi.testclient import TestClient
 
+from pdserve.common.wire.messages import Error, Failure, Tokens
 from pdserve.router.app import RouterLimits, create_app
-from pdserve.router.backend import GenerateRequest, TokenEvent
+from pdserve.router.backend import GenerateRequest
 from pdserve.router.generation import Generation, StopStringMatcher
 from tests.router.fake_backend import FakeBackend, assert_error, tiny_tokenizer
 
@@ -616,7 +617,7 @@ def test_backend_error_event(make_client: Callable[..., TestClient], tokenizer: 
 class _RaisingBackend(FakeBackend):
     async def generate(self, request: GenerateRequest):  # type: ignore[override]
         self.requests.append(request)
-        yield TokenEvent((7,))
+        yield Tokens(request.request_id, (7,))
         raise ConnectionError("node went away")
 
 
@@ -639,7 +640,7 @@ def test_error_of_one_choice_aborts_the_others(
     async def first_fails(request: GenerateRequest):  # type: ignore[no-untyped-def]
         if request.request_id.endswith("-0"):
             backend.requests.append(request)
-            yield TokenEvent((), finish_reason="error", error="boom")
+            yield Error(request.request_id, "boom", Failure.INTERNAL)
             return
         async for event in original(request):
             yield event

@@ -14,8 +14,9 @@ import openai
 import pytest
 import uvicorn
 
+from pdserve.common.wire.messages import Error, Tokens
 from pdserve.router.app import create_app
-from pdserve.router.backend import GenerateRequest, TokenEvent
+from pdserve.router.backend import GenerateRequest
 from tests.router.fake_backend import FakeBackend, tiny_tokenizer
 
 MODEL = "tiny-llama"
@@ -151,7 +152,7 @@ def test_first_token_is_sent_before_the_rest_exists(
     rest_made = threading.Event()  # the backend went on past its first token
     generate = backend.generate
 
-    async def first_then_held(request: GenerateRequest) -> AsyncIterator[TokenEvent]:
+    async def first_then_held(request: GenerateRequest) -> AsyncIterator[Tokens | Error]:
         events = generate(request)
         try:
             yield await anext(events)

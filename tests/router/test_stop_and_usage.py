@@ -11,8 +11,9 @@ from typing import Any
 import pytest
 from fastapi.testclient import TestClient
 
+from pdserve.common.wire.messages import Error, Tokens
 from pdserve.router.app import create_app
-from pdserve.router.backend import GenerateRequest, TokenEvent
+from pdserve.router.backend import GenerateRequest
 from pdserve.router.generation import StopStringMatcher
 from tests.router.fake_backend import FakeBackend, tiny_tokenizer
 
@@ -62,7 +63,7 @@ class PerChoiceCache(FakeBackend):
     """A FakeBackend whose first event of each request reports CACHED[its choice index]
     (a response with several choices names its requests <id>-<index>)."""
 
-    async def generate(self, request: GenerateRequest) -> AsyncIterator[TokenEvent]:
+    async def generate(self, request: GenerateRequest) -> AsyncIterator[Tokens | Error]:
         cached = CACHED[int(request.request_id.rsplit("-", 1)[1])]
         events = super().generate(request)
         try:

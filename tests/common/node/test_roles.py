@@ -12,7 +12,6 @@ from pdserve.common.engine.config import CacheConfig, ModelConfig, SchedulerConf
 from pdserve.common.engine.sampling_params import SamplingParams
 from pdserve.common.node.config import NodeConfig
 from pdserve.common.node.loop import ColocatedNode, EngineNode
-from pdserve.common.wire.codecs import sampling_to_wire
 from pdserve.common.wire.messages import (
     Abort,
     Busy,
@@ -33,7 +32,7 @@ from pdserve.decode_node.node import DecodeNode
 from pdserve.prefill_node.node import PrefillNode
 
 SHARED = {Abort, Lease, Reregister, Registered, CheckIntegrity, SyncPrefixes}
-SAMPLING = sampling_to_wire(SamplingParams(max_tokens=2))
+SAMPLING = SamplingParams(max_tokens=2)
 
 
 class Router:

@@ -13,11 +13,10 @@ import zmq
 
 from pdserve.common.engine.config import CacheConfig, ModelConfig, SchedulerConfig
 from pdserve.common.engine.sampling_params import SamplingParams
-from pdserve.common.node import loop
+from pdserve.common.node import loop, membership
 from pdserve.common.node.config import NodeConfig
 from pdserve.common.node.health import LIVE_PATH, METRICS_PATH, NODE_METRICS, READY_PATH
 from pdserve.common.node.loop import EngineNode, advertise_host
-from pdserve.common.wire.codecs import sampling_to_wire
 from pdserve.common.wire.messages import (
     Heartbeat,
     Lease,
@@ -32,7 +31,7 @@ from pdserve.common.wire.messages import (
 from pdserve.decode_node.node import DecodeNode
 from pdserve.local_cluster import free_port
 
-SAMPLING = sampling_to_wire(SamplingParams(max_tokens=2))
+SAMPLING = SamplingParams(max_tokens=2)
 WAIT_S = 30.0  # how long a test waits for the node to handle what was sent (real seconds)
 
 
@@ -55,9 +54,11 @@ class FakeClock:
 
 @pytest.fixture()
 def clock(monkeypatch: pytest.MonkeyPatch) -> FakeClock:
-    """The node loop's clock, faked for the test (ask for it before the node)."""
+    """The node's clock (its loop's and its membership's), faked for the test (ask for it
+    before the node)."""
     fake = FakeClock()
     monkeypatch.setattr(loop, "time", fake)
+    monkeypatch.setattr(membership, "time", fake)
     return fake
 
 
@@ -107,9 +108,9 @@ def turn(node: EngineNode, routers: list[Router], until, timeout: float = WAIT_S
     """Run the node's message handling (and lease expiry) until `until()` holds."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        for link, msg in node.control.recv(20):
+        for link, msg in node.membership.control.recv(20):
             node.handle(msg, link)
-        node.expire_leases()
+        node.membership.expire_leases()
         for r in routers:
             r.pump()
         if until():
@@ -119,8 +120,8 @@ def turn(node: EngineNode, routers: list[Router], until, timeout: float = WAIT_S
 
 def test_a_node_registers_with_every_router_and_answers_each_on_its_own_link(decode_node, routers):
     a, b = routers
-    decode_node.register()
-    decode_node.heartbeat_now()
+    decode_node.membership.register()
+    decode_node.membership.heartbeat_now()
     turn(decode_node, routers, lambda: a.of(Heartbeat) and b.of(Heartbeat))
     assert len(a.of(RegisterNode)) == len(b.of(RegisterNode)) == 1
     b.send(ReserveKV("from-b", (1, 2, 3), SAMPLING))
@@ -128,14 +129,14 @@ def test_a_node_registers_with_every_router_and_answers_each_on_its_own_link(dec
     turn(decode_node, routers, lambda: a.of(Reserved) and b.of(Reserved))
     assert [m.request_id for m in a.of(Reserved)] == ["from-a"]
     assert [m.request_id for m in b.of(Reserved)] == ["from-b"]
-    assert decode_node.owner == {"from-a": 0, "from-b": 1}
+    assert decode_node.membership.owner == {"from-a": 0, "from-b": 1}
 
 
 def test_leases_are_per_router(clock, decode_node, routers):
     """Router A renewing B's request does not keep it: when B stops renewing (it died), its
     request is freed while A's lives on."""
     a, b = routers
-    decode_node.register()
+    decode_node.membership.register()
     turn(decode_node, routers, lambda: a.of(RegisterNode) and b.of(RegisterNode))
     a.send(ReserveKV("ra", (1, 2, 3), SAMPLING))
     b.send(ReserveKV("rb", (4, 5, 6), SAMPLING))
@@ -143,7 +144,7 @@ def test_leases_are_per_router(clock, decode_node, routers):
     lease_timeout = decode_node.config.lease_timeout
 
     def renewed_now() -> bool:
-        return decode_node.leases.get("ra") == clock.monotonic() + lease_timeout
+        return decode_node.membership.leases.get("ra") == clock.monotonic() + lease_timeout
 
     for _ in range(4):  # past three lease timeouts, A renewing within each
         clock.advance(0.8 * lease_timeout)
@@ -157,10 +158,10 @@ def test_leases_are_per_router(clock, decode_node, routers):
 
 def test_a_refused_registration_stops_the_node_naming_the_router(decode_node, routers):
     a, b = routers
-    decode_node.register()
+    decode_node.membership.register()
     turn(decode_node, routers, lambda: a.of(RegisterNode) and b.of(RegisterNode))
     a.send(Registered())
-    turn(decode_node, routers, lambda: decode_node.accepted == {0})
+    turn(decode_node, routers, lambda: decode_node.membership.accepted == {0})
     assert decode_node.ready()
     b.send(Registered(accepted=False, reason="its KV endpoint tcp://10.9.9.9:1 is unreachable"))
     turn(decode_node, routers, decode_node.stop_event.is_set)
@@ -186,10 +187,10 @@ def test_the_health_endpoint(clock, tiny_model_dir, routers):
     node.health.start()  # as run() does
     url = f"http://127.0.0.1:{node.health.port}"
     try:
-        node.heartbeat_now()
+        node.membership.heartbeat_now()
         assert httpx.get(url + LIVE_PATH).status_code == 200
         assert httpx.get(url + READY_PATH).status_code == 503  # no router accepted it yet
-        node.accepted.add(0)
+        node.membership.accepted.add(0)
         assert httpx.get(url + READY_PATH).status_code == 200
         metrics = httpx.get(url + METRICS_PATH).text
         for name in NODE_METRICS:
