@@ -1,39 +1,16 @@
-"""Router ceiling: how much one router can proxy, and the gain from a second.
+"""`pdserve bench router`: how much one router can proxy, and what a second one adds.
 
-    pdserve bench router                        # docs/bench + docs/benchmarks.md
-    pdserve bench router --quick --out DIR      # seconds; what the tests run
-    python scripts/bench_router.py ...          # the same, as the docs cite it
+Fake colocated nodes (one child process) answer every request at once, so nothing but the
+router limits the cluster; client processes keep N streaming requests in flight through one
+or two routers for a window, and each row records what completed, the CPU every process used
+and every reply checked against the text the fake nodes sent. Method and reading:
+docs/benchmarks.md.
 
-Nodes that answer at once take the model out of the measurement, so what limits the cluster
-is the router itself. One process holds `--nodes` fake colocated nodes; each speaks the node
-side of the control protocol (docs/protocol.md) to every router over a DEALER socket whose
-identity is its node id: `register_node`, a `heartbeat` every 0.5 s, and for every `prefill`
-`max_tokens` token ids in `tokens` messages (`--tokens-per-message` ids each: 1 streams like
-a real decode node), the last with finish_reason "length", to the router that sent it. The
-ids are words of the tokenizer, cycled, so the text a client gets back is known exactly.
-
-Two real routers (`python -m pdserve.router MODEL`, on free ports) run throughout; every fake
-node registers with both, as a real node given `--router` twice does. Routers share no state,
-so a second one is only a second address for the client to spread requests over. For each
-CPU plan (`--pins`), each concurrency N and 1 then 2 routers, client processes keep N
-streaming `/v1/completions` requests in flight (keep-alive connections spread round-robin
-over the active routers), warm up, then count for `--duration` seconds: requests and output
-tokens completed per second, TTFT and latency percentiles, errors, and every reply checked
-against the text the fake nodes sent (`corrupt` counts the ones that differ).
-
-CPU plans: `split` pins the routers to the last cores and the load (client and fake nodes) to
-the rest, a core per router where the host has enough, so a router never waits for the
-client; with fewer than 3 cores both routers share one core. `shared` pins nothing. Each row
-records the plan and the CPU each process used in the window (from /proc), so a row can be
-read as router CPU per request, whoever ran out of CPU first. Each row is the best of
-`--repeats` tries, taken in whole passes so that a burst of other work on the host hits one
-try of a row, and each try first waits (up to `--quiet-wait` s) for the host to go idle. After
-the rows, `--cost-split` runs one router with each request's tokens streamed and with all of
-them in one message: its fixed CPU per request, and what each streamed token adds.
-
-The client is an asyncio Protocol (HTTP/1.1 keep-alive; chunked SSE parsed by hand as bytes
-arrive, one json.loads per chunk, no coroutine step per chunk): several times cheaper per token
-than the router, so the router runs out of CPU first wherever it has as much as the client.
+The client reads responses with an asyncio Protocol (`SSEConnection`), not httpx: it parses
+HTTP/1.1 chunks as bytes arrive, with no coroutine step per chunk, so it costs several times
+less per token than the router it loads and the router runs out of CPU first (with httpx the
+client, not the router, would set the ceiling on this machine). Each SSE event still goes
+through `load.take_event`, the one SSE reader.
 """
 
 from __future__ import annotations
@@ -42,6 +19,7 @@ import argparse
 import asyncio
 import contextlib
 import json
+import math
 import os
 import platform
 import secrets
@@ -50,14 +28,20 @@ import subprocess
 import sys
 import tempfile
 import time
-import urllib.error
-import urllib.request
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 from pdserve.bench import report as report_io
+from pdserve.bench.load import (
+    RequestResult,
+    closed_loop,
+    finish,
+    http_error,
+    percentile,
+    take_event,
+)
 from pdserve.bench.report import (
     Outputs,
     add_from_json_flag,
@@ -70,16 +54,16 @@ from pdserve.bench.report import (
     save_figure,
     sigterm_raises,
 )
+from pdserve.bench.systems import RoutersOverFakes, routers_over_fakes
 from pdserve.common.node.cli import parser
 
 HOST = "127.0.0.1"
-MODEL_NAME = "router-bench"
+MODEL_NAME = "router-bench"  # the routers' --served-model-name (systems.routers_over_fakes)
 MODEL_SPEC: dict[str, Any] = {}  # make_tiny_model's defaults: only its tokenizer matters here
 PINS = ("split", "shared")
 ROUTERS = (1, 2)
 HEARTBEAT_S = 0.5
 REQUEST_TIMEOUT_S = 30.0
-START_TIMEOUT_S = 90.0
 CHILD_START_S = 0.5  # the client processes start (~0.3 s) before their warm-up counts
 DRAIN_TIMEOUT_S = 60.0
 QUIET_CORES = 0.25  # busy CPU of a host taken as idle (our idle routers use ~0.01)
@@ -204,7 +188,11 @@ def run_fake_nodes(spec: dict[str, Any]) -> int:
         send(sock, m.encode(msg))
 
     def answer(sock: zmq.Socket, msg: m.Prefill) -> None:
-        n = int(msg.sampling.get("max_tokens") or 16)
+        sampling = msg.sampling  # a typed SamplingParams, or a dict before the wire was typed
+        n = int(
+            (sampling.get("max_tokens") if isinstance(sampling, dict) else sampling.max_tokens)
+            or 16
+        )
         ids = [token_ids[i % len(token_ids)] for i in range(n)]
         step = per_message  # a signal may change it meanwhile
         counts["prefills"] += 1
@@ -256,63 +244,123 @@ def run_fake_nodes(spec: dict[str, Any]) -> int:
     for sock in owners:
         sock.close(linger=0)
     ctx.term()
-    print(json.dumps(counts), flush=True)
+    Path(spec["counts_file"]).write_text(json.dumps(counts))
     return 0
 
 
 # -- the load (client child processes) ------------------------------------------------------------
 
 
-class ClientStats:
-    """What one client process saw: requests that ended inside the window, and failures."""
+class SSEConnection(asyncio.Protocol):
+    """One kept-alive HTTP/1.1 connection; a response (chunked SSE, or a body of known length)
+    is parsed as its bytes arrive, in data_received, each SSE event by `take_event`."""
 
-    def __init__(self, window: tuple[float, float]) -> None:
-        self.window = window
-        self.requests = 0
-        self.tokens = 0
-        self.chunks = 0
-        self.corrupt = 0
-        self.errors = 0
-        self.error_samples: list[str] = []
-        self.ttft: list[float] = []
-        self.latency: list[float] = []
-        self.total = 0  # every request answered, the warm-up and drain included
+    def __init__(self) -> None:
+        self.transport: asyncio.Transport | None = None
+        self.closed = False
+        self.keep_alive = True
+        self._buf = bytearray()
+        self._sse = b""
+        self._body = b""
+        self._res = RequestResult()
+        self._waiter: asyncio.Future[RequestResult] | None = None
+        self._state = "idle"
+        self._need = 0
 
-    def in_window(self, t: float) -> bool:
-        return self.window[0] <= t < self.window[1]
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]
 
-    def error(self, t: float, why: str) -> None:
-        if not self.in_window(t):
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.closed = True
+        if self._waiter is not None and not self._waiter.done():
+            self._waiter.set_exception(ConnectionError(f"connection lost: {exc!r}"))
+
+    def request(self, data: bytes) -> asyncio.Future[RequestResult]:
+        assert self.transport is not None and self._state == "idle"
+        self._waiter = asyncio.get_running_loop().create_future()
+        self._res, self._sse, self._body = RequestResult(start=time.perf_counter()), b"", b""
+        self._state = "head"
+        self.transport.write(data)
+        return self._waiter
+
+    def close(self) -> None:
+        if self.transport is not None:
+            self.transport.close()
+
+    def data_received(self, data: bytes) -> None:
+        self._buf += data
+        try:
+            while self._step():
+                pass
+        except (ValueError, KeyError, TypeError) as exc:  # garbage: fail the request
+            self._state = "idle"
+            if self._waiter is not None and not self._waiter.done():
+                self._waiter.set_exception(ValueError(f"bad response: {exc!r}"))
+            self.close()
+
+    def _step(self) -> bool:
+        """Parse what the buffer holds of the current state; False when it needs more bytes."""
+        buf, state = self._buf, self._state
+        if state == "head":
+            return self._head()
+        if state in ("size", "trailer"):
+            cut = buf.find(b"\r\n")
+            if cut < 0:
+                return False
+            line = bytes(buf[:cut])
+            del buf[: cut + 2]
+            if state == "trailer":
+                return self._finish()
+            size = int(line.split(b";", 1)[0], 16)
+            self._need, self._state = size + 2, ("data" if size else "trailer")
+            return True
+        if state in ("data", "body"):
+            if len(buf) < self._need:
+                return False
+            end = self._need - 2 if state == "data" else self._need
+            self._piece(bytes(buf[:end]))
+            del buf[: self._need]
+            self._state = "size"
+            return True if state == "data" else self._finish()
+        buf.clear()  # idle: bytes nobody asked for
+        return False
+
+    def _head(self) -> bool:
+        cut = self._buf.find(b"\r\n\r\n")
+        if cut < 0:
+            return False
+        head = bytes(self._buf[: cut + 4]).lower()
+        del self._buf[: cut + 4]
+        self._res.status = int(head[9:12])
+        self.keep_alive = b"connection: close" not in head
+        if b"transfer-encoding: chunked" in head:
+            self._state = "size"
+            return True
+        at = head.find(b"content-length:")
+        if at < 0:
+            raise ValueError("neither chunked nor Content-Length")
+        self._need, self._state = int(head[at + 15 : head.index(b"\r\n", at)]), "body"
+        return True
+
+    def _piece(self, data: bytes) -> None:
+        if self._res.status != 200:
+            self._body += data
             return
-        self.errors += 1
-        if len(self.error_samples) < 5:
-            self.error_samples.append(why[:300])
+        self._sse += data
+        while (cut := self._sse.find(b"\n\n")) >= 0:
+            event, self._sse = self._sse[:cut], self._sse[cut + 2 :]
+            if event.startswith(b"data: "):
+                take_event(self._res, event[6:], time.perf_counter(), keep_text=True)
 
-    def as_dict(self) -> dict[str, Any]:
-        return {
-            "requests": self.requests,
-            "tokens": self.tokens,
-            "chunks": self.chunks,
-            "corrupt": self.corrupt,
-            "errors": self.errors,
-            "error_samples": self.error_samples,
-            "ttft": self.ttft,
-            "latency": self.latency,
-            "total": self.total,
-        }
-
-
-@dataclass(slots=True)
-class Reply:
-    status: int = 0
-    text: str = ""
-    finish_reason: str | None = None
-    tokens: int | None = None
-    chunks: int = 0
-    t_first: float | None = None
-    keep_alive: bool = True
-    done: bool = False  # [DONE] seen
-    error: str = ""
+    def _finish(self) -> bool:
+        res = self._res
+        if res.status != 200:
+            res.error = http_error(res.status, self._body)
+        finish(res, time.perf_counter())
+        self._state = "idle"
+        if self._waiter is not None and not self._waiter.done():
+            self._waiter.set_result(res)
+        return False
 
 
 def http_request(port: int, body: dict[str, Any]) -> bytes:
@@ -324,139 +372,41 @@ def http_request(port: int, body: dict[str, Any]) -> bytes:
     return head.encode() + data
 
 
-class SSEConnection(asyncio.Protocol):
-    """One kept-alive HTTP/1.1 connection; a response (chunked SSE, or a body of known length)
-    is parsed as its bytes arrive, in data_received: no coroutine step per chunk, so the
-    client costs far less per token than the router it loads."""
+def completion(port: int, prompt: str, max_tokens: int) -> bytes:
+    body = {"model": MODEL_NAME, "prompt": prompt, "max_tokens": max_tokens, "stream": True}
+    return http_request(port, {**body, "stream_options": {"include_usage": True}})
 
-    def __init__(self) -> None:
-        self.transport: asyncio.Transport | None = None
-        self.closed = False
-        self._buf = bytearray()
-        self._sse = b""
-        self._parts: list[str] = []
-        self._reply = Reply()
-        self._waiter: asyncio.Future[Reply] | None = None
-        self._state = "idle"
-        self._need = 0
-        self._body = b""
 
-    def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self.transport = transport  # type: ignore[assignment]
+class Connections:
+    """A client's keep-alive connections, one per worker, each to its router's port."""
 
-    def connection_lost(self, exc: Exception | None) -> None:
-        self.closed = True
-        if self._waiter is not None and not self._waiter.done():
-            self._waiter.set_exception(ConnectionError(f"connection lost: {exc!r}"))
+    def __init__(self, ports: Sequence[int], max_tokens: int) -> None:
+        self.ports = list(ports)
+        self.bodies = {p: [completion(p, t, max_tokens) for t in PROMPTS] for p in set(ports)}
+        self.conns: dict[int, SSEConnection] = {}
 
-    def request(self, data: bytes) -> asyncio.Future[Reply]:
-        assert self.transport is not None and self._state == "idle"
-        self._waiter = asyncio.get_running_loop().create_future()
-        self._reply, self._parts, self._sse, self._body = Reply(), [], b"", b""
-        self._state = "head"
-        self.transport.write(data)
-        return self._waiter
-
-    def data_received(self, data: bytes) -> None:
-        self._buf += data
+    async def send(self, worker: int, i: int) -> RequestResult:
+        """Request i on the worker's connection (opened again after a failure)."""
+        port = self.ports[worker]
         try:
-            self._parse()
-        except (ValueError, KeyError, TypeError) as exc:  # garbage: fail the request
-            self._state = "idle"
-            if self._waiter is not None and not self._waiter.done():
-                self._waiter.set_exception(ValueError(f"bad response: {exc!r}"))
-            if self.transport is not None:
-                self.transport.close()
+            conn = self.conns.get(worker)
+            if conn is None or conn.closed:
+                conn = self.conns[worker] = await _open(port)
+            request = conn.request(self.bodies[port][i % len(PROMPTS)])
+            res = await asyncio.wait_for(request, REQUEST_TIMEOUT_S)
+        except (OSError, ValueError, asyncio.TimeoutError) as exc:
+            self.close(worker)
+            await asyncio.sleep(0.01)
+            return RequestResult(error=f"{type(exc).__name__}: {exc}")
+        if not conn.keep_alive:
+            self.close(worker)
+        return res
 
-    def _parse(self) -> None:
-        buf = self._buf
-        while True:
-            state = self._state
-            if state == "head":
-                cut = buf.find(b"\r\n\r\n")
-                if cut < 0:
-                    return
-                head = bytes(buf[: cut + 4]).lower()
-                del buf[: cut + 4]
-                self._reply.status = int(head[9:12])
-                self._reply.keep_alive = b"connection: close" not in head
-                if b"transfer-encoding: chunked" in head:
-                    self._state = "size"
-                else:
-                    at = head.find(b"content-length:")
-                    if at < 0:
-                        raise ValueError("neither chunked nor Content-Length")
-                    self._need = int(head[at + 15 : head.index(b"\r\n", at)])
-                    self._state = "body"
-            elif state == "size":
-                cut = buf.find(b"\r\n")
-                if cut < 0:
-                    return
-                size = int(bytes(buf[:cut]).split(b";", 1)[0], 16)
-                del buf[: cut + 2]
-                self._need, self._state = size + 2, ("data" if size else "trailer")
-            elif state == "data":
-                if len(buf) < self._need:
-                    return
-                self._piece(bytes(buf[: self._need - 2]))
-                del buf[: self._need]
-                self._state = "size"
-            elif state == "trailer":
-                cut = buf.find(b"\r\n")
-                if cut < 0:
-                    return
-                del buf[: cut + 2]
-                self._finish()
-            elif state == "body":
-                if len(buf) < self._need:
-                    return
-                self._piece(bytes(buf[: self._need]))
-                del buf[: self._need]
-                self._finish()
-            else:  # idle: bytes nobody asked for
-                buf.clear()
-                return
-
-    def _piece(self, data: bytes) -> None:
-        reply = self._reply
-        if reply.status != 200:
-            self._body += data
-            return
-        self._sse += data
-        while (cut := self._sse.find(b"\n\n")) >= 0:
-            event, self._sse = self._sse[:cut], self._sse[cut + 2 :]
-            if not event.startswith(b"data: "):
-                continue
-            payload = event[6:]
-            if payload == b"[DONE]":
-                reply.done = True
-                continue
-            obj = json.loads(payload)
-            if "error" in obj:
-                reply.error = json.dumps(obj["error"])[:300]
-                continue
-            reply.chunks += 1
-            for choice in obj.get("choices") or ():
-                if choice.get("text"):
-                    if reply.t_first is None:
-                        reply.t_first = time.monotonic()
-                    self._parts.append(choice["text"])
-                if choice.get("finish_reason"):
-                    reply.finish_reason = choice["finish_reason"]
-            usage = obj.get("usage")
-            if usage:
-                reply.tokens = usage.get("completion_tokens")
-
-    def _finish(self) -> None:
-        reply = self._reply
-        reply.text = "".join(self._parts)
-        if reply.status != 200:
-            reply.error = f"HTTP {reply.status}: {self._body[:300].decode(errors='replace')}"
-        elif not reply.done and not reply.error:
-            reply.error = "stream ended without [DONE]"
-        self._state = "idle"
-        if self._waiter is not None and not self._waiter.done():
-            self._waiter.set_result(reply)
+    def close(self, worker: int | None = None) -> None:
+        for w in [worker] if worker is not None else list(self.conns):
+            conn = self.conns.pop(w, None)  # type: ignore[arg-type]
+            if conn is not None:
+                conn.close()
 
 
 async def _open(port: int) -> SSEConnection:
@@ -467,86 +417,59 @@ async def _open(port: int) -> SSEConnection:
     return conn
 
 
-async def _connection(
-    port: int, requests: list[bytes], spec: dict[str, Any], stats: ClientStats
-) -> None:
-    """One keep-alive connection sending requests back to back until the window ends."""
-    expected, max_tokens = spec["expected_text"], spec["max_tokens"]
-    conn: SSEConnection | None = None
-    i = 0
-    try:
-        while time.monotonic() < stats.window[1]:
-            t0 = time.monotonic()
-            if conn is None or conn.closed:
-                try:
-                    conn = await _open(port)
-                except (OSError, asyncio.TimeoutError) as exc:
-                    stats.error(t0, f"connect: {exc!r}")
-                    await asyncio.sleep(0.05)
-                    continue
-            request = requests[i % len(requests)]
-            i += 1
-            try:
-                reply = await asyncio.wait_for(conn.request(request), REQUEST_TIMEOUT_S)
-            except (OSError, ValueError, asyncio.TimeoutError) as exc:
-                stats.error(time.monotonic(), f"{type(exc).__name__}: {exc}")
-                if conn.transport is not None:
-                    conn.transport.close()
-                conn = None
-                await asyncio.sleep(0.01)
-                continue
-            t1 = time.monotonic()
-            stats.total += 1
-            if not reply.keep_alive and conn.transport is not None:
-                conn.transport.close()
-                conn = None
-            if reply.error:
-                stats.error(t1, reply.error)
-                continue
-            if not stats.in_window(t1):
-                continue
-            intact = (
-                reply.text == expected
-                and reply.tokens == max_tokens
-                and reply.finish_reason == "length"
-            )
-            if not intact:
-                stats.corrupt += 1
-                if len(stats.error_samples) < 5:
-                    stats.error_samples.append(
-                        f"corrupt: {reply.text[:80]!r} ({reply.tokens} tokens, "
-                        f"{reply.finish_reason})"
-                    )
-            stats.requests += 1
-            stats.tokens += reply.tokens or 0
-            stats.chunks += reply.chunks
-            stats.latency.append(t1 - t0)
-            if reply.t_first is not None:
-                stats.ttft.append(reply.t_first - t0)
-    finally:
-        if conn is not None and conn.transport is not None:
-            conn.transport.close()
+@dataclass
+class ClientStats:
+    """What one client process saw of the requests that ended inside its window."""
+
+    window: tuple[float, float]
+    expected: str
+    max_tokens: int
+    requests: int = 0
+    tokens: int = 0
+    chunks: int = 0
+    corrupt: int = 0
+    errors: int = 0
+    error_samples: list[str] = field(default_factory=list)
+    ttft: list[float] = field(default_factory=list)
+    latency: list[float] = field(default_factory=list)
+
+    def take(self, res: RequestResult, now: float) -> None:
+        if not self.window[0] <= now < self.window[1]:
+            return
+        if res.error:
+            self.errors += 1
+            self._sample(res.error)
+            return
+        if (res.text, res.output_tokens, res.finish_reason) != (
+            self.expected, self.max_tokens, "length"
+        ):  # fmt: skip
+            self.corrupt += 1
+            self._sample(f"corrupt: {res.text[:80]!r} ({res.output_tokens}, {res.finish_reason})")
+        self.requests += 1
+        self.tokens += res.output_tokens
+        self.chunks += res.chunks
+        self.latency.append(res.e2e)
+        if math.isfinite(res.ttft):
+            self.ttft.append(res.ttft)
+
+    def _sample(self, why: str) -> None:
+        if len(self.error_samples) < 5:
+            self.error_samples.append(why[:300])
 
 
 async def _client(spec: dict[str, Any]) -> ClientStats:
-    stats = ClientStats((spec["window_start"], spec["window_end"]))
-    bodies = {
-        port: [
-            http_request(
-                port,
-                {
-                    "model": MODEL_NAME,
-                    "prompt": prompt,
-                    "max_tokens": spec["max_tokens"],
-                    "stream": True,
-                    "stream_options": {"include_usage": True},
-                },
-            )
-            for prompt in PROMPTS
-        ]
-        for port in set(spec["ports"])
-    }
-    await asyncio.gather(*(_connection(p, bodies[p], spec, stats) for p in spec["ports"]))
+    window = (spec["window_start"], spec["window_end"])
+    stats = ClientStats(window, spec["expected_text"], spec["max_tokens"])
+    conns = Connections(spec["ports"], spec["max_tokens"])
+    try:
+        await closed_loop(
+            conns.send,
+            concurrency=len(conns.ports),
+            duration_s=window[1] - time.monotonic(),
+            on_result=lambda _, res: stats.take(res, time.monotonic()),
+        )
+    finally:
+        conns.close()
     return stats
 
 
@@ -554,7 +477,9 @@ def run_client(spec: dict[str, Any]) -> int:
     """A client child: its connections (one port each) until the window ends, then drain;
     prints what it saw as JSON."""
     stats = asyncio.run(_client(spec))
-    print(json.dumps(stats.as_dict()), flush=True)
+    fields = ("requests", "tokens", "chunks", "corrupt", "errors", "error_samples")
+    out = {k: getattr(stats, k) for k in (*fields, "ttft", "latency")}
+    print(json.dumps(out), flush=True)
     return 0
 
 
@@ -621,91 +546,24 @@ def pin_plan(plan: str, routers: int, cpus: Sequence[int]) -> dict[str, list[int
     }
 
 
-class Cluster:
-    """Two routers and one fake-node process, started once; stopped on exit."""
+def fakes_command(
+    token_ids: list[int], args: argparse.Namespace, max_model_len: int, counts: Path
+) -> Any:
+    """The fake nodes' command line for the routers' control addresses."""
 
-    def __init__(self, model: Path, args: argparse.Namespace, log_dir: Path) -> None:
-        from pdserve.local_cluster import free_port
-
-        self.args = args
-        self.log_dir = log_dir
-        self.ports = [free_port() for _ in ROUTERS]
-        self.control_ports = [free_port() for _ in ROUTERS]
-        self.routers: list[subprocess.Popen] = []
-        self.fakes: subprocess.Popen | None = None
-        self.fake_counts: dict[str, Any] = {}
-        self.model = model
-
-    def _log(self, name: str) -> Any:
-        return open(self.log_dir / f"{name}.log", "wb")
-
-    def start(self, token_ids: list[int], max_model_len: int) -> None:
-        for i, (port, control) in enumerate(zip(self.ports, self.control_ports)):
-            cmd = [sys.executable, "-m", "pdserve.router", str(self.model)]
-            cmd += ["--served-model-name", MODEL_NAME, "--host", HOST, "--port", str(port)]
-            cmd += ["--control-port", str(control), *self.args.router_arg]
-            with self._log(f"router{i}") as log:
-                self.routers.append(
-                    subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, text=True)
-                )
+    def cmd(routers: list[str]) -> list[str]:
         spec = {
-            "routers": [f"{HOST}:{c}" for c in self.control_ports],
-            "nodes": self.args.nodes,
+            "routers": routers,
+            "nodes": args.nodes,
             "token_ids": token_ids,
-            "tokens_per_message": self.args.tokens_per_message,
+            "tokens_per_message": args.tokens_per_message,
             "num_blocks": 65536,
             "max_model_len": max_model_len,
+            "counts_file": str(counts),
         }
-        with self._log("fakes") as log:
-            self.fakes = subprocess.Popen(
-                [*child_cmd("fakes"), json.dumps(spec)],
-                stdout=subprocess.PIPE,
-                stderr=log,
-                text=True,
-            )
-        deadline = time.monotonic() + START_TIMEOUT_S
-        for i, port in enumerate(self.ports):
-            self._wait_ready(i, port, deadline)
+        return [*child_cmd("fakes"), json.dumps(spec)]
 
-    def _wait_ready(self, i: int, port: int, deadline: float) -> None:
-        """Until the router's /metrics counts every fake node (a node registered, alive)."""
-        want = f"pdserve_backend_nodes_colocated {float(self.args.nodes)}"
-        while time.monotonic() < deadline:
-            if self.routers[i].poll() is not None:
-                raise RuntimeError(f"router{i} exited:\n{self.log_tail(f'router{i}')}")
-            if self.fakes is not None and self.fakes.poll() is not None:
-                raise RuntimeError(f"the fake nodes exited:\n{self.log_tail('fakes')}")
-            try:
-                url = f"http://{HOST}:{port}/metrics"
-                with urllib.request.urlopen(url, timeout=2) as resp:
-                    if want in resp.read().decode():
-                        return
-            except (OSError, urllib.error.URLError):
-                pass
-            time.sleep(0.2)
-        raise RuntimeError(
-            f"router{i} not ready in {START_TIMEOUT_S} s:\n{self.log_tail(f'router{i}')}\n"
-            f"fake nodes:\n{self.log_tail('fakes')}"
-        )
-
-    def log_tail(self, name: str, n: int = 3000) -> str:
-        path = self.log_dir / f"{name}.log"
-        return path.read_text(errors="replace")[-n:] if path.exists() else ""
-
-    def stop(self) -> None:
-        procs = [p for p in [*self.routers, self.fakes] if p is not None]
-        for p in procs:
-            if p.poll() is None:
-                p.terminate()
-        for p in procs:
-            try:
-                out, _ = p.communicate(timeout=10)
-            except subprocess.TimeoutExpired:
-                p.kill()
-                out, _ = p.communicate(timeout=10)
-            if p is self.fakes and out:
-                with contextlib.suppress(ValueError):
-                    self.fake_counts = json.loads(out.strip().splitlines()[-1])
+    return cmd
 
 
 def child_cmd(kind: str) -> list[str]:
@@ -715,68 +573,32 @@ def child_cmd(kind: str) -> list[str]:
 # -- one row --------------------------------------------------------------------------------------
 
 
-def percentiles(xs: list[float], scale: float = 1000.0) -> dict[str, float]:
-    if not xs:
-        return {"p50": float("nan"), "p90": float("nan"), "p99": float("nan")}
-    s = sorted(xs)
-    out = {}
-    for q in (50, 90, 99):
-        pos = (len(s) - 1) * q / 100
-        lo = int(pos)
-        hi = min(lo + 1, len(s) - 1)
-        out[f"p{q}"] = (s[lo] + (s[hi] - s[lo]) * (pos - lo)) * scale
-    return out
+def percentiles(xs: list[float]) -> dict[str, float]:
+    """p50, p90 and p99 of seconds, in milliseconds."""
+    return {f"p{q}": percentile(xs, q) * 1000 for q in (50, 90, 99)}
 
 
-def measure(
-    cluster: Cluster,
-    plan: str,
-    routers: int,
-    concurrency: int,
-    sizes: Sizes,
-    args: argparse.Namespace,
-    expected_text: str,
-) -> dict[str, Any]:
-    """N requests in flight over `routers` routers under CPU plan `plan`, for one window."""
-    cpus = sorted(os.sched_getaffinity(0))
-    cores = pin_plan(plan, routers, cpus)
-    for i, proc in enumerate(cluster.routers):
-        pin(proc.pid, cores[f"router{i}"])
-    assert cluster.fakes is not None
-    pin(cluster.fakes.pid, cores["load"])
-    ports = [cluster.ports[j % routers] for j in range(concurrency)]
-    procs = max(1, min(args.client_procs, concurrency))
-    start = time.monotonic() + CHILD_START_S + sizes.warmup_s
-    window = (start, start + sizes.duration_s)
+def start_clients(
+    ports: list[int], procs: int, spec: dict[str, Any], cores: list[int]
+) -> list[subprocess.Popen]:
+    """`procs` client children sharing the connections (one per entry of ports)."""
     clients = []
     for c in range(procs):
-        spec = {
-            "ports": ports[c::procs],
-            "max_tokens": sizes.max_tokens,
-            "expected_text": expected_text,
-            "window_start": window[0],
-            "window_end": window[1],
-        }
+        mine = json.dumps({**spec, "ports": ports[c::procs]})
         clients.append(
             subprocess.Popen(
-                [*child_cmd("client"), json.dumps(spec)],
+                [*child_cmd("client"), mine],
                 stdout=subprocess.PIPE,
                 stderr=subprocess.PIPE,
                 text=True,
             )
         )
-        pin(clients[-1].pid, cores["load"])
-    watched = {f"router{i}": p.pid for i, p in enumerate(cluster.routers[:routers])}
-    watched["fakes"] = cluster.fakes.pid
-    watched.update({f"client{c}": p.pid for c, p in enumerate(clients)})
-    time.sleep(max(0.0, window[0] - time.monotonic()))
-    cpu0 = {k: cpu_seconds(pid) for k, pid in watched.items()}
-    busy0, total0 = machine_busy()
-    t0 = time.monotonic()
-    time.sleep(max(0.0, window[1] - time.monotonic()))
-    cpu1 = {k: cpu_seconds(pid) for k, pid in watched.items()}
-    busy1, total1 = machine_busy()
-    span = time.monotonic() - t0
+        pin(clients[-1].pid, cores)
+    return clients
+
+
+def client_results(clients: list[subprocess.Popen]) -> list[dict[str, Any]]:
+    """What each client child printed, once it has drained."""
     results = []
     for c, proc in enumerate(clients):
         try:
@@ -787,63 +609,112 @@ def measure(
         if proc.returncode != 0 or not out.strip():
             raise RuntimeError(f"client{c} failed ({proc.returncode}):\n{err[-3000:]}")
         results.append(json.loads(out.strip().splitlines()[-1]))
+    return results
+
+
+def cores_used(watched: dict[str, int], window: tuple[float, float]) -> dict[str, float]:
+    """CPU cores each watched process used over the window (sleeps until it ends); "machine"
+    is the whole host's busy CPU."""
+    time.sleep(max(0.0, window[0] - time.monotonic()))
+    cpu0 = {k: cpu_seconds(pid) for k, pid in watched.items()}
+    busy0, total0 = machine_busy()
+    t0 = time.monotonic()
+    time.sleep(max(0.0, window[1] - time.monotonic()))
+    cpu1 = {k: cpu_seconds(pid) for k, pid in watched.items()}
+    busy1, total1 = machine_busy()
+    span = time.monotonic() - t0
     used = {k: (cpu1[k] - cpu0[k]) / span for k in watched}
-    everything = (busy1 - busy0) / max(1e-9, total1 - total0) * (os.cpu_count() or 1)
-    merged: dict[str, Any] = {
-        k: sum(r[k] for r in results) for k in ("requests", "tokens", "chunks", "corrupt")
-    }
-    merged["errors"] = sum(r["errors"] for r in results)
-    router_cpu = sum(used[f"router{i}"] for i in range(routers)) * span
+    used["machine"] = (busy1 - busy0) / max(1e-9, total1 - total0) * (os.cpu_count() or 1)
+    return used
+
+
+def measure(
+    rig: RoutersOverFakes,
+    plan: str,
+    routers: int,
+    concurrency: int,
+    sizes: Sizes,
+    args: argparse.Namespace,
+    expected_text: str,
+) -> dict[str, Any]:
+    """N requests in flight over `routers` routers under CPU plan `plan`, for one window."""
+    cores = pin_plan(plan, routers, sorted(os.sched_getaffinity(0)))
+    for i, proc in enumerate(rig.routers):
+        pin(proc.pid, cores[f"router{i}"])
+    pin(rig.procs["fakes"].pid, cores["load"])
+    start = time.monotonic() + CHILD_START_S + sizes.warmup_s
+    spec = {"max_tokens": sizes.max_tokens, "expected_text": expected_text}
+    spec |= {"window_start": start, "window_end": start + sizes.duration_s}
+    procs = max(1, min(args.client_procs, concurrency))
+    ports = [rig.ports[j % routers] for j in range(concurrency)]
+    clients = start_clients(ports, procs, spec, cores["load"])
+    watched = {f"router{i}": p.pid for i, p in enumerate(rig.routers[:routers])}
+    watched |= {"fakes": rig.procs["fakes"].pid}
+    watched |= {f"client{c}": p.pid for c, p in enumerate(clients)}
+    used = cores_used(watched, (spec["window_start"], spec["window_end"]))
+    row = row_of(client_results(clients), used, sizes, routers, procs)
+    cpus = {k: v for k, v in cores.items() if k != "router1" or routers > 1}
+    return {"pin": plan, "routers": routers, "concurrency": concurrency, **row, "cpus": cpus}
+
+
+def row_of(
+    results: list[dict[str, Any]],
+    used: dict[str, float],
+    sizes: Sizes,
+    routers: int,
+    procs: int,
+) -> dict[str, Any]:
+    """One row from the clients' counts and the cores each process used."""
+    total = {k: sum(r[k] for r in results) for k in ("requests", "tokens", "chunks")}
     duration = sizes.duration_s
+    router_cores = [used[f"router{i}"] for i in range(routers)]
+    router_cpu = sum(router_cores) * duration
+    machine = used.pop("machine")
     return {
-        "pin": plan,
-        "routers": routers,
-        "concurrency": concurrency,
         "client_procs": procs,
         "duration_s": duration,
-        "requests": merged["requests"],
-        "requests_per_s": merged["requests"] / duration,
-        "output_tokens": merged["tokens"],
-        "tokens_per_s": merged["tokens"] / duration,
-        "chunks": merged["chunks"],
-        "corrupt": merged["corrupt"],
-        "errors": merged["errors"],
+        "requests": total["requests"],
+        "requests_per_s": total["requests"] / duration,
+        "output_tokens": total["tokens"],
+        "tokens_per_s": total["tokens"] / duration,
+        "chunks": total["chunks"],
+        "corrupt": sum(r["corrupt"] for r in results),
+        "errors": sum(r["errors"] for r in results),
         "error_samples": [s for r in results for s in r["error_samples"]][:5],
         "ttft_ms": percentiles([x for r in results for x in r["ttft"]]),
         "latency_ms": percentiles([x for r in results for x in r["latency"]]),
         "cpu_cores_used": {
-            "routers": [used[f"router{i}"] for i in range(routers)],
+            "routers": router_cores,
             "fakes": used["fakes"],
             "clients": sum(used[f"client{c}"] for c in range(procs)),
-            "machine": everything,
+            "machine": machine,
             # whatever else ran on the host meanwhile (this process, other work)
-            "other": max(0.0, everything - sum(used.values())),
+            "other": max(0.0, machine - sum(used.values())),
         },
-        "router_cpu_ms_per_request": 1000 * router_cpu / max(1, merged["requests"]),
-        "router_cpu_us_per_token": 1e6 * router_cpu / max(1, merged["tokens"]),
-        "cpus": {k: v for k, v in cores.items() if k != "router1" or routers > 1},
+        "router_cpu_ms_per_request": 1000 * router_cpu / max(1, total["requests"]),
+        "router_cpu_us_per_token": 1e6 * router_cpu / max(1, total["tokens"]),
     }
 
 
 def cost_split(
-    cluster: Cluster, n: int, sizes: Sizes, args: argparse.Namespace, expected: str
+    rig: RoutersOverFakes, n: int, sizes: Sizes, args: argparse.Namespace, expected: str
 ) -> dict[str, Any]:
     """One router (`split`) at n in flight, its requests' tokens streamed as usual against
     all of them in one `tokens` message (the fake nodes switch on SIGUSR1, back on SIGUSR2):
     the router's fixed CPU per request, and what each further streamed token adds."""
-    assert cluster.fakes is not None
+    fakes = rig.procs["fakes"].pid
     tries: dict[str, list[dict[str, Any]]] = {"streamed": [], "one_message": []}
     for _ in range(sizes.repeats):
         for mode, rows in tries.items():
             if args.quiet_wait:
                 wait_quiet(args.quiet_wait)
             if mode == "one_message":
-                os.kill(cluster.fakes.pid, signal.SIGUSR1)
+                os.kill(fakes, signal.SIGUSR1)
             try:
-                rows.append(measure(cluster, "split", 1, n, sizes, args, expected))
+                rows.append(measure(rig, "split", 1, n, sizes, args, expected))
             finally:
                 if mode == "one_message":
-                    os.kill(cluster.fakes.pid, signal.SIGUSR2)
+                    os.kill(fakes, signal.SIGUSR2)
             print(f"[cost, {mode}] {_row_line(rows[-1])}", flush=True)
     streamed = min(r["router_cpu_ms_per_request"] for r in tries["streamed"])
     one = min(r["router_cpu_ms_per_request"] for r in tries["one_message"])
@@ -879,29 +750,21 @@ def word_tokens(model: Path, k: int = 4) -> tuple[list[int], Any]:
 def probe(port: int, max_tokens: int) -> dict[str, Any]:
     """One streamed request through a router, read whole: the text it returned."""
 
-    async def once() -> Reply:
-        conn = await _open(port)
+    async def once() -> RequestResult:
+        conns = Connections([port], max_tokens)
         try:
-            body = {
-                "model": MODEL_NAME,
-                "prompt": PROMPTS[0],
-                "max_tokens": max_tokens,
-                "stream": True,
-                "stream_options": {"include_usage": True},
-            }
-            return await asyncio.wait_for(conn.request(http_request(port, body)), REQUEST_TIMEOUT_S)
+            return await conns.send(0, 0)
         finally:
-            if conn.transport is not None:
-                conn.transport.close()
+            conns.close()
 
-    reply = asyncio.run(once())
+    res = asyncio.run(once())
     return {
-        "status": reply.status,
-        "text": reply.text,
-        "completion_tokens": reply.tokens,
-        "finish_reason": reply.finish_reason,
-        "chunks": reply.chunks,
-        "error": reply.error,
+        "status": res.status,
+        "text": res.text,
+        "completion_tokens": res.output_tokens,
+        "finish_reason": res.finish_reason,
+        "chunks": res.chunks,
+        "error": res.error,
     }
 
 
@@ -984,200 +847,97 @@ def _row_line(row: dict[str, Any]) -> str:
     )
 
 
-def _span(xs: list[float], fmt: str = "{:.2f}") -> str:
-    lo, hi = min(xs), max(xs)
-    return (
-        fmt.format(lo) if fmt.format(lo) == fmt.format(hi) else f"{fmt.format(lo)}-{fmt.format(hi)}"
-    )
+ROW_HEADER = [
+    "CPU plan",
+    "routers",
+    "in flight",
+    "req/s",
+    "tokens/s",
+    "TTFT p50 ms",
+    "TTFT p99 ms",
+    "latency p50 ms",
+    "latency p99 ms",
+    "router cores",
+    "client+fakes cores",
+    "other cores",
+    "router ms/req",
+    "errors",
+    "corrupt",
+]
 
 
-def _median(xs: list[float]) -> float:
-    s = sorted(xs)
-    return (s[(len(s) - 1) // 2] + s[len(s) // 2]) / 2
-
-
-def reading(report: dict[str, Any]) -> str:
-    """What the numbers say, in words computed from them."""
-    rows = report["rows"]
-    ones = [r for r in rows if r["routers"] == 1 and r["requests"]]
-    if not ones:
-        return ""
-    cores = len(report["machine"]["cpus_allowed"])
-    tokens = report["sizes"]["max_tokens"]
-    best = max(ones, key=lambda r: r["requests_per_s"])
-    per_req = [r["router_cpu_ms_per_request"] for r in ones]
-    typical = _median(per_req)
-    lines = [
-        f"- **One router peaked at {best['requests_per_s']:.0f} requests/s, "
-        f"{best['tokens_per_s']:,.0f} output tokens/s** (`{best['pin']}`, "
-        f"{best['concurrency']} in flight, {sum(best['cpu_cores_used']['routers']):.2f} "
-        f"cores). Over all 1-router rows it spent {_span(per_req)} ms of CPU per request of "
-        f"{tokens} tokens (median {typical:.2f}): one router on a core of its own proxies "
-        f"about {1000 / typical:.0f} requests/s, {1000 * tokens / typical:,.0f} tokens/s, of "
-        "this shape, however many nodes stand behind it."
+def _table_row(r: dict[str, Any]) -> list[Any]:
+    cpu = r["cpu_cores_used"]
+    return [
+        r["pin"],
+        r["routers"],
+        r["concurrency"],
+        r["requests_per_s"],
+        r["tokens_per_s"],
+        r["ttft_ms"]["p50"],
+        r["ttft_ms"]["p99"],
+        r["latency_ms"]["p50"],
+        r["latency_ms"]["p99"],
+        " + ".join(f"{u:.2f}" for u in cpu["routers"]),
+        cpu["clients"] + cpu["fakes"],
+        cpu["other"],
+        r["router_cpu_ms_per_request"],
+        r["errors"],
+        r["corrupt"],
     ]
-    cost = report.get("cost_split")
-    if cost:
-        share = 1 - cost["one_message_ms_per_request"] / cost["streamed_ms_per_request"]
-        lines.append(
-            f"- **Streamed tokens are {share:.0%} of that cost.** At {cost['concurrency']} in "
-            f"flight one router spent {cost['streamed_ms_per_request']:.2f} ms per request "
-            f"with the {tokens} tokens streamed one per `tokens` message, and "
-            f"{cost['one_message_ms_per_request']:.2f} ms with all of them in one message "
-            f"(one SSE chunk): {cost['one_message_ms_per_request']:.2f} ms per request, plus "
-            f"{cost['per_streamed_token_us']:.0f} µs per further streamed token (a message "
-            "in, a chunk out)."
-        )
-    for plan in report["sizes"]["pins"]:
-        rs = [x for x in report["ratios"] if x["pin"] == plan]
-        if not rs:
-            continue
-        twos = [r for r in rows if r["pin"] == plan and r["routers"] == 2]
-        used = max(sum(r["cpu_cores_used"]["routers"]) for r in twos)
-        cpu = _span([x["router_cpu_ms_per_request"] for x in rs])
-        ratio = _span([x["requests_per_s"] for x in rs])
-        where = (
-            "both routers on one core, the client and the fake nodes on the other"
-            if plan == "split" and cores < 3
-            else "a core per router"
-            if plan == "split"
-            else "nothing pinned"
-        )
-        lines.append(
-            f"- `{plan}` ({where}): **2 routers / 1 router = {ratio}x requests/s** over "
-            f"{', '.join(str(x['concurrency']) for x in rs)} in flight, the two routers "
-            f"using up to {used:.2f} cores together; router CPU per request {cpu}x."
-        )
-    if cores < 3:
-        lines.append(
-            f"- This host has {cores} cores, so no plan gives each router a core of its own "
-            "while the client and the fake nodes have one. `split` therefore shows what "
-            "spreading one core over two router processes costs, not the gain of a second "
-            "core; `shared` shows the gain this host can give: a second router takes what the "
-            "client and the fake nodes leave of the second core."
-        )
-    split_ones = sorted((r for r in ones if r["pin"] == "split"), key=lambda r: r["concurrency"])
-    if len(split_ones) > 1:
-        lines.append(
-            "- One router's CPU per request by requests in flight (`split`): "
-            + ", ".join(
-                f"{r['concurrency']}: {r['router_cpu_ms_per_request']:.2f} ms" for r in split_ones
-            )
-            + "."
-        )
-    spreads = [
-        max(t) / min(t) - 1
-        for r in rows
-        if len(t := r.get("tries_requests_per_s", [])) > 1 and min(t) > 0
+
+
+def setup_table(report: dict[str, Any]) -> str:
+    """Where and how the run was made, one row each."""
+    m, s = report["machine"], report["sizes"]
+    plans = []
+    for plan in s["pins"]:
+        for routers in ROUTERS:
+            cores = pin_plan(plan, routers, m["cpus_allowed"])
+            where = ", ".join(f"{n} on {cores[n]}" for n in ["router0", "router1"][:routers])
+            plans.append(f"`{plan}`, {routers}: {where}, client+fakes on {cores['load']}")
+    rows = [
+        ["measured", report["date"]],
+        ["machine", f"{m['processor']} x{m['cpu_count']} ({m['platform']})"],
+        ["Python, uvloop, httptools", f"{m['python']}, {m['uvloop']}, {m['httptools']}"],
+        ["fake colocated nodes", report["nodes"]],
+        ["tokens per request, per `tokens` message",
+         f"{s['max_tokens']}, {report['tokens_per_message']}"],
+        ["window, warm-up (s)", f"{s['duration_s']:g}, {s['warmup_s']:g}"],
+        ["tries per row (best kept), quiet wait (s)",
+         f"{s.get('repeats', 1)}, {report.get('quiet_wait_s') or 0:g}"],
+        ["CPU plans (routers: cores)", "; ".join(plans)],
+    ]  # fmt: skip
+    return markdown_table(["run", ""], rows)
+
+
+def cost_table(cost: dict[str, Any] | None) -> list[str]:
+    """One router's CPU per request with tokens streamed and all in one message."""
+    if not cost:
+        return []
+    rows = [
+        ["requests in flight", cost["concurrency"]],
+        ["router ms per request, tokens streamed", cost["streamed_ms_per_request"]],
+        ["router ms per request, all tokens in one message", cost["one_message_ms_per_request"]],
+        ["router µs per further streamed token", cost["per_streamed_token_us"]],
     ]
-    if spreads:
-        lines.append(
-            f"- Tries of one row differ by {_median(spreads):.0%} in requests/s (median; up to "
-            f"{max(spreads):.0%}), on a host whose other work stayed under "
-            f"{max(r['cpu_cores_used'].get('other', 0.0) for r in rows):.2f} cores: read "
-            "smaller differences between rows as noise."
-        )
-    lines.append(
-        "- Routers share no state and every node registers with each, so on a host with a "
-        "core per router (and cores for the clients) N routers should proxy about N times "
-        f"one, N x {1000 / typical:.0f} requests/s of {tokens} tokens"
-        + (
-            f". A router's limit is streamed tokens, about {1000 * tokens / typical:,.0f} "
-            "tokens/s per core here: nodes that together stream more than that need another "
-            "router on a core of its own, or a cheaper per-token path in the router."
-            if cost and cost["one_message_ms_per_request"] < cost["streamed_ms_per_request"] / 2
-            else "."
-        )
-    )
-    return "\n".join(lines)
+    return [markdown_table(["cost split (`split`, 1 router)", ""], rows), ""]
 
 
 def section(report: dict[str, Any], figure: str | None) -> str:
-    m = report["machine"]
-    header = [
-        "CPU plan",
-        "routers",
-        "in flight",
-        "req/s",
-        "tokens/s",
-        "TTFT p50 ms",
-        "TTFT p99 ms",
-        "latency p50 ms",
-        "latency p99 ms",
-        "router cores",
-        "client+fakes cores",
-        "other cores",
-        "router ms/req",
-        "errors",
-        "corrupt",
-    ]
-    rows = [
-        [
-            r["pin"],
-            r["routers"],
-            r["concurrency"],
-            r["requests_per_s"],
-            r["tokens_per_s"],
-            r["ttft_ms"]["p50"],
-            r["ttft_ms"]["p99"],
-            r["latency_ms"]["p50"],
-            r["latency_ms"]["p99"],
-            " + ".join(f"{u:.2f}" for u in r["cpu_cores_used"]["routers"]),
-            r["cpu_cores_used"]["clients"] + r["cpu_cores_used"]["fakes"],
-            r["cpu_cores_used"]["other"],
-            r["router_cpu_ms_per_request"],
-            r["errors"],
-            r["corrupt"],
-        ]
-        for r in report["rows"]
-    ]
-    plans = []
-    for plan in report["sizes"]["pins"]:
-        for routers in ROUTERS:
-            cores = pin_plan(plan, routers, m["cpus_allowed"])
-            names = ["router0"] + (["router1"] if routers > 1 else [])
-            where = ", ".join(f"{n} on {cores[n]}" for n in names)
-            plans.append(f"`{plan}`, {routers} router(s): {where}, client+fakes on {cores['load']}")
-    s = report["sizes"]
     text = [
         "## Router ceiling: one router against two (`pdserve bench router`)",
         "",
-        "How much one router can proxy, and what a second one adds. "
-        f"{report['nodes']} fake colocated nodes answer every request at once "
-        f"({s['max_tokens']} tokens, {report['tokens_per_message']} per `tokens` message, as "
-        "a decode node streams them), so nothing but the router limits the cluster; every "
-        "node registers with both routers, and the client spreads its keep-alive connections "
-        "round-robin over the routers in use. Each row keeps N streaming "
-        "`/v1/completions` requests in flight for "
-        f"{s['duration_s']:g} s after {s['warmup_s']:g} s of warm-up"
-        + (
-            f", and is the best of {s['repeats']} tries taken in whole passes (other work on "
-            "the host only slows a try down)"
-            if s.get("repeats", 1) > 1
-            else ""
-        )
-        + (
-            f"; before each try the run waits (up to {report['quiet_wait_s']:g} s) for the "
-            "host to go idle"
-            if report.get("quiet_wait_s")
-            else ""
-        )
-        + "; every reply is checked against the text the fake nodes sent (`corrupt`). Cores "
-        "used are CPU seconds per second in the window, from /proc; `other` is the rest of "
-        "the host's busy CPU.",
-        "",
         f"    {report['command']}",
         "",
-        f"Measured {report['date']} on {m['processor']} x{m['cpu_count']} "
-        f"({m['platform']}, Python {m['python']}; uvloop: {m['uvloop']}, httptools: "
-        f"{m['httptools']}). CPU plans: " + "; ".join(plans) + ".",
+        setup_table(report),
         "",
-        markdown_table(header, rows),
+        markdown_table(ROW_HEADER, [_table_row(r) for r in report["rows"]]),
         "",
-        reading(report),
+        *cost_table(report.get("cost_split")),
     ]
     if figure:
-        text += ["", f"![requests/s and router CPU per request]({figure})"]
+        text += [f"![requests/s and router CPU per request]({figure})"]
     return "\n".join(text) + "\n"
 
 
@@ -1205,9 +965,6 @@ def plot(report: dict[str, Any], path: Path) -> Path:
         ax.grid(alpha=0.3)
     left.legend(fontsize=8)
     return save_figure(fig, path)
-
-
-# -- the command ----------------------------------------------------------------------------------
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -1302,8 +1059,52 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
+def measure_rows(
+    rig: RoutersOverFakes, sizes: Sizes, args: argparse.Namespace, expected: str
+) -> list[dict[str, Any]]:
+    """Every row, each the best of its tries; tries are taken in whole passes, so a burst of
+    other work on the host hits one try of a row, not all of them."""
+    tries: dict[tuple[str, int, int], list[dict[str, Any]]] = {}
+    for rep in range(sizes.repeats):
+        for plan in sizes.pins:
+            for n in sizes.concurrency:
+                for routers in ROUTERS:
+                    waited = wait_quiet(args.quiet_wait) if args.quiet_wait else 0.0
+                    row = measure(rig, plan, routers, n, sizes, args, expected)
+                    row["quiet_wait_s"] = waited
+                    tries.setdefault((plan, n, routers), []).append(row)
+                    print(f"[{rep + 1}/{sizes.repeats}] {_row_line(row)}", flush=True)
+    return [best_try(t) for t in tries.values()]
+
+
+def run(args: argparse.Namespace, model: Path, token_ids: list[int], expected: str) -> dict:
+    """The routers and fake nodes up, probed, measured, stopped: the report's measurements."""
+    sizes: Sizes = args.sizes
+    config = json.loads((model / "config.json").read_text())
+    max_len = int(config.get("max_position_embeddings", 2048))
+    with sigterm_raises(), tempfile.TemporaryDirectory(prefix="bench-router-") as tmp:
+        counts = Path(tmp) / "fake_counts.json"
+        fakes = fakes_command(token_ids, args, max_len, counts)
+        with routers_over_fakes(
+            model, len(ROUTERS), fakes, args.nodes, Path(tmp), args.router_arg
+        ) as rig:
+            probes = [probe(port, sizes.max_tokens) for port in rig.ports]
+            for i, pr in enumerate(probes):
+                if pr["error"] or pr["text"] != expected:
+                    raise RuntimeError(f"router{i} probe: {pr} != {expected!r}")
+            rows = measure_rows(rig, sizes, args, expected)
+            cost = None
+            ones = [r for r in rows if r["routers"] == 1 and r["pin"] == "split"]
+            if args.cost_split and ones:
+                n = max(ones, key=lambda r: r["requests_per_s"])["concurrency"]
+                cost = cost_split(rig, n, sizes, args, expected)
+        fake_counts = json.loads(counts.read_text()) if counts.exists() else {}
+    return {"probes": probes, "fake_nodes": fake_counts, "rows": rows, "cost_split": cost}
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = parse_args(sys.argv[1:] if argv is None else argv)
+    argv = sys.argv[1:] if argv is None else argv
+    args = parse_args(argv)
     if args.child == "fakes":
         return run_fake_nodes(json.loads(args.spec))
     if args.child == "client":
@@ -1315,51 +1116,13 @@ def main(argv: list[str] | None = None) -> int:
     token_ids, tok = word_tokens(model)
     cycle = [token_ids[i % len(token_ids)] for i in range(sizes.max_tokens)]
     expected = tok.decode(cycle, skip_special_tokens=True)
-    config = json.loads((model / "config.json").read_text())
-    rows: list[dict[str, Any]] = []
-    cost: dict[str, Any] | None = None
-    with sigterm_raises(), tempfile.TemporaryDirectory(prefix="bench-router-") as tmp:
-        cluster = Cluster(model, args, Path(tmp))
-        try:
-            t0 = time.monotonic()
-            cluster.start(token_ids, int(config.get("max_position_embeddings", 2048)))
-            print(f"2 routers and {args.nodes} fake nodes ready in {time.monotonic() - t0:.1f} s")
-            probes = [probe(port, sizes.max_tokens) for port in cluster.ports]
-            for i, pr in enumerate(probes):
-                if pr["error"] or pr["text"] != expected:
-                    raise RuntimeError(f"router{i} probe: {pr} != {expected!r}")
-            tries: dict[tuple[str, int, int], list[dict[str, Any]]] = {}
-            for rep in range(sizes.repeats):  # whole passes, so a burst of other work on
-                for plan in sizes.pins:  # the host hits one try of a row, not all of them
-                    for n in sizes.concurrency:
-                        for routers in ROUTERS:
-                            waited = wait_quiet(args.quiet_wait) if args.quiet_wait else 0.0
-                            row = measure(cluster, plan, routers, n, sizes, args, expected)
-                            row["quiet_wait_s"] = waited
-                            tries.setdefault((plan, n, routers), []).append(row)
-                            print(f"[{rep + 1}/{sizes.repeats}] {_row_line(row)}", flush=True)
-            rows = [best_try(t) for t in tries.values()]
-            if args.cost_split:
-                ones = [r for r in rows if r["routers"] == 1 and r["pin"] == "split"]
-                if ones:
-                    n = max(ones, key=lambda r: r["requests_per_s"])["concurrency"]
-                    cost = cost_split(cluster, n, sizes, args, expected)
-        finally:
-            cluster.stop()
-    argv_list = sys.argv[1:] if argv is None else argv
+    measured = run(args, model, token_ids, expected)
     report = {
-        "command": command_line("bench_router.py", list(argv_list)),
+        "command": command_line("bench_router.py", list(argv)),
         "date": time.strftime("%Y-%m-%d %H:%M"),
         "machine": machine_info(),
         "quick": args.quick,
-        "sizes": {
-            "concurrency": list(sizes.concurrency),
-            "max_tokens": sizes.max_tokens,
-            "warmup_s": sizes.warmup_s,
-            "duration_s": sizes.duration_s,
-            "pins": list(sizes.pins),
-            "repeats": sizes.repeats,
-        },
+        "sizes": asdict(sizes),
         "nodes": args.nodes,
         "tokens_per_message": args.tokens_per_message,
         "client_procs": args.client_procs,
@@ -1367,19 +1130,15 @@ def main(argv: list[str] | None = None) -> int:
         "router_args": args.router_arg,
         "token_ids": token_ids,
         "expected_text": expected,
-        "probes": probes,
-        "fake_nodes": cluster.fake_counts,
-        "rows": rows,
-        "ratios": ratios(rows),
-        "cost_split": cost,
-        "ceilings": ceilings(rows),
-    }
+        **measured,
+        "ratios": ratios(measured["rows"]),
+        "ceilings": ceilings(measured["rows"]),
+    }  # fmt: skip
     return publish(report, args.outputs)
 
 
 def publish(report: dict[str, Any], to: Outputs) -> int:
     """router_ceiling.json, its plot and the page's section."""
-    print(reading(report))
     report_io.publish("router", report, to, plot, section, stem="router_ceiling")
     return 0
 

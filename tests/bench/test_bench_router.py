@@ -12,7 +12,8 @@ from typing import Any
 
 import pytest
 
-from pdserve.bench.router import Reply, SSEConnection, pin_plan
+from pdserve.bench.load import RequestResult
+from pdserve.bench.router import SSEConnection, pin_plan
 
 REPO = Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "scripts" / "bench_router.py"
@@ -95,11 +96,11 @@ def test_report_has_machine_command_ratios_and_page(run) -> None:
     assert (out / "router_ceiling.png").stat().st_size > 0
 
 
-def _feed(response: bytes, step: int) -> Reply:
+def _feed(response: bytes, step: int) -> RequestResult:
     """A response given to the client's parser `step` bytes at a time."""
     import asyncio
 
-    async def go() -> Reply:
+    async def go() -> RequestResult:
         conn = SSEConnection()
 
         class Transport:
@@ -136,13 +137,15 @@ def test_client_parses_sse_split_anywhere(step: int) -> None:
         b"data: [DONE]\n\n",
     )
     reply = _feed(response, step)
-    assert (reply.status, reply.text, reply.tokens, reply.finish_reason) == (
+    assert (reply.status, reply.text, reply.output_tokens, reply.finish_reason) == (
         200,
         " a b",
         2,
         "length",
     )
-    assert reply.done and not reply.error and reply.chunks == 3
+    # Two chunks carried text (the usage chunk none): one gap between them.
+    assert reply.done and reply.success and not reply.error and reply.chunks == 2
+    assert len(reply.itl) == 1 and 0 <= reply.ttft <= reply.e2e
 
 
 def test_client_reports_http_errors() -> None:
@@ -153,6 +156,7 @@ def test_client_reports_http_errors() -> None:
     )
     reply = _feed(response, 5)
     assert reply.status == 503 and reply.error.startswith("HTTP 503") and "busy" in reply.error
+    assert not reply.success
 
 
 def test_pin_plans() -> None:
