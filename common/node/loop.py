@@ -2,7 +2,9 @@
 
 A node's loop reads like an engine step with I/O around it:
 
-    handle control messages -> role I/O (KV arrivals) -> engine step -> heartbeat
+    handle control messages -> role I/O (KV arrivals) -> engine step -> leases, heartbeat
+
+Registration, heartbeats and leases are the node's `Membership` (membership.py).
 
 Role differences live in small subclasses (prefill_node, decode_node, ColocatedNode here):
 each adds its entries to the handler table (message type -> bound method) and overrides a few
@@ -11,7 +13,6 @@ hooks; there is no `if role == ...` in the loop.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import threading
 import time
@@ -19,35 +20,24 @@ import uuid
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, ClassVar
 
-import zmq
-
 from pdserve.common.engine.block_pool import PrefixEvents
 from pdserve.common.engine.config import CacheConfig, ModelConfig, SchedulerConfig
 from pdserve.common.engine.llm_engine import LLMEngine
 from pdserve.common.engine.scheduler import RequestUpdate
 from pdserve.common.node.config import NodeConfig, is_wildcard
 from pdserve.common.node.health import HealthServer
+from pdserve.common.node.membership import Membership
 from pdserve.common.process import route_source
-from pdserve.common.wire.control import RouterLinks
 from pdserve.common.wire.messages import (
-    ALIVE_SUFFIX,
     Abort,
-    Alive,
     CheckIntegrity,
     Error,
     Failure,
-    Heartbeat,
     IntegrityReport,
-    Lease,
     Message,
     Prefill,
-    Registered,
-    RegisterNode,
-    Reregister,
     ReserveKV,
-    SyncPrefixes,
     Tokens,
-    encode,
 )
 from pdserve.common.wire.security import load_keys
 
@@ -78,8 +68,9 @@ def advertise_host(node: NodeConfig) -> str:
 
 
 class EngineNode:
-    """Base of every role: control link, engine, leases, the loop, and the handlers every role
-    shares. A role sets `role`, adds its handlers in `handlers()`, and overrides hooks."""
+    """Base of every role: the engine, the loop, drain and health, and the handlers every role
+    shares; its routers (links, registration, heartbeats, leases) are `membership`'s. A role
+    sets `role`, adds its handlers in `handlers()`, and overrides hooks."""
 
     role: ClassVar[str] = ""
     reports_prefixes: ClassVar[bool] = False  # heartbeats carry prefix-cache changes
@@ -97,25 +88,13 @@ class EngineNode:
         self.incarnation = uuid.uuid4().hex
         self.curve = load_keys(node.curve_dir)
         self.advertise_host = advertise_host(node)
-        self.ctx = zmq.Context()
-        # One link per router; a request is answered on the link it came in on (`owner`).
-        self.control = RouterLinks(self.ctx, node.router_addrs, self.node_id, self.curve)
-        self.owner: dict[str, int] = {}  # request id -> link of the router that sent it
-        self._link = 0  # link of the message being handled
-        self.accepted: set[int] = set()  # links whose router accepted our registration
         self.fatal: str | None = None  # why the node stopped on its own (exit non-zero)
-        self._next_heartbeat = 0.0
-        self._prefix_seq = 0
-        # Every request this node holds has a lease the router renews (Lease messages); one
-        # left unrenewed for lease_timeout is freed and failed.
-        self.leases: dict[str, float] = {}  # request id -> expiry (monotonic)
-        self._next_lease_check = 0.0
         self.drain_deadline: float | None = None  # set once draining (SIGTERM)
         self._last_progress = time.monotonic()
-        self._liveness = threading.Thread(target=self._prove_alive, daemon=True)
+        self.stop_event = threading.Event()
+        self.membership = Membership(self, self.curve)
         if self.reports_prefixes:  # nodes a prefix-aware router picks by cache
             self.engine.kv.pool.prefix_events = PrefixEvents()
-        self.stop_event = threading.Event()
         self._handlers = self.handlers()
         self.health: HealthServer | None = None
         if node.health_port:  # bound now: a port in use fails the start, not a probe later
@@ -129,11 +108,8 @@ class EngineNode:
         message that brings it new requests through `admitting`). Any other type is refused."""
         return {
             Abort: self.on_abort,
-            Lease: self.renew_leases,
-            Reregister: self.reregister,
-            Registered: self.on_registered,
             CheckIntegrity: self.report_integrity,
-            SyncPrefixes: self.resync_prefixes,
+            **self.membership.handlers(),
         }
 
     def poll_io(self) -> None:
@@ -184,53 +160,18 @@ class EngineNode:
     def on_abort(self, msg: Abort) -> None:
         self.abort(msg.request_id)
 
-    def renew_leases(self, msg: Lease) -> None:
-        """A router renews the requests it sent (a router's leases are its own: requests of a
-        router that died expire here)."""
-        expiry = time.monotonic() + self.config.lease_timeout
-        for rid in msg.request_ids:
-            if rid in self.leases and self.owner.get(rid) == self._link:
-                self.leases[rid] = expiry
-
-    def reregister(self, _: Reregister) -> None:
-        """A router restarted: announce ourselves to it again."""
-        self.accepted.discard(self._link)
-        self.register(self._link)
-        self.heartbeat_now()
-
-    def on_registered(self, msg: Registered) -> None:
-        """A router's answer to our registration; a refusal (a KV address it cannot reach)
-        is a configuration error: stop, naming it."""
-        addr = self.control.addrs[self._link]
-        if msg.accepted:
-            self.accepted.add(self._link)
-            log.info("registered with the router at %s", addr)
-            return
-        self.fatal = f"the router at {addr} refused this node: {msg.reason}"
-        log.error("%s", self.fatal)
-        self.stop_event.set()
-
     def report_integrity(self, msg: CheckIntegrity) -> None:
         self.reply(self.integrity_report(msg.nonce))
-
-    def resync_prefixes(self, _: SyncPrefixes) -> None:
-        if self.engine.kv.pool.prefix_events is not None:
-            self.engine.kv.pool.prefix_events.resync()
-            self._next_heartbeat = 0.0  # send the snapshot now
 
     # -- shared ----------------------------------------------------------------------------
 
     def reply(self, msg: Message) -> None:
         """Answer the router whose message is being handled."""
-        self.control.send(self._link, msg)
+        self.membership.reply(msg)
 
     def tell(self, request_id: str, msg: Message) -> None:
         """Send a message about a request to the router that sent the request."""
-        link = self.owner.get(request_id)
-        if link is None:  # not ours (any more): every router ignores an id it does not know
-            self.control.broadcast(msg)
-        else:
-            self.control.send(link, msg)
+        self.membership.tell(request_id, msg)
 
     def send_update(self, update: RequestUpdate) -> None:
         reason = update.finish_reason.value if update.finish_reason else ""
@@ -248,62 +189,7 @@ class EngineNode:
 
     def take_lease(self, request_id: str) -> None:
         """The request is held here for the router that sent it, which renews its lease."""
-        self.leases[request_id] = time.monotonic() + self.config.lease_timeout
-        self.owner[request_id] = self._link
-
-    def register(self, link: int | None = None) -> None:
-        """Announce this node to one router (`link`), or to every router."""
-        port = self.kv_port
-        msg = RegisterNode(
-            node_id=self.node_id,
-            role=self.role,
-            kv_endpoint=port.endpoint if port else "",
-            kv_connector=port.connector if port else "",
-            layout_digest=port.digest if port else "",
-            num_blocks=self.engine.runner.num_blocks,
-            block_size=self.block_size,
-            max_model_len=self.engine.max_model_len,
-            incarnation=self.incarnation,
-            host_id=port.host_id if port else "",
-            kv_layout=port.layout.to_dict() if port else {},
-        )
-        if link is None:
-            self.control.broadcast(msg)
-        else:
-            self.control.send(link, msg)
-
-    def heartbeat(self) -> None:
-        now = time.monotonic()
-        if now < self._next_heartbeat:
-            return
-        self._next_heartbeat = now + self.config.heartbeat_interval
-        sched = self.engine.scheduler
-        queued = sum(r.num_tokens - r.num_computed_tokens for r in sched.waiting)
-        if self.health is not None:
-            self.publish_gauges(queued)
-        prefixes = {}
-        pool = self.engine.kv.pool
-        if pool.prefix_events is not None:
-            reset, stored, removed = pool.prefix_events.drain(pool.cached)
-            self._prefix_seq += 1
-            prefixes = dict(
-                prefix_seq=self._prefix_seq,
-                prefix_reset=reset,
-                prefix_stored=stored,
-                prefix_removed=removed,
-            )
-        self.control.broadcast(
-            Heartbeat(
-                node_id=self.node_id,
-                free_blocks=self.engine.kv.num_free_blocks,
-                num_running=len(sched.running),
-                num_waiting=len(sched.waiting),
-                queued_tokens=queued,
-                draining=self.drain_deadline is not None,
-                prefill_rate=self.engine.prefill_rate.tokens_per_s,
-                **prefixes,
-            )
-        )
+        self.membership.take_lease(request_id)
 
     def publish_gauges(self, queued_tokens: int) -> None:
         """Refresh what the health endpoint's /metrics reports."""
@@ -322,7 +208,7 @@ class EngineNode:
     def handle(self, msg: Message, link: int = 0) -> None:
         """Run this role's handler for `msg`, which came on `link`; bad input fails only its
         request."""
-        self._link = link
+        self.membership.link = link
         rid = getattr(msg, "request_id", "")
         try:
             handler = self._handlers.get(type(msg))
@@ -337,29 +223,13 @@ class EngineNode:
     def abort(self, request_id: str) -> None:
         """Free everything the request holds here; idempotent."""
         self.engine.abort(request_id)
-        self.leases.pop(request_id, None)
+        self.membership.drop_lease(request_id)
 
-    def expire_leases(self) -> None:
-        """Fail and free requests whose lease ran out; forget leases of ended requests."""
-        now = time.monotonic()
-        if now < self._next_lease_check:
-            return
-        self._next_lease_check = now + min(0.5, self.config.lease_timeout / 4)
-        live = self.engine.scheduler.requests
-        if any(expiry < now for expiry in self.leases.values()):
-            # Renewals may be waiting in the socket after a long step: take them first.
-            for link, msg in self.control.recv(0):
-                self.handle(msg, link)
-        for rid, expiry in list(self.leases.items()):
-            if rid not in live:
-                del self.leases[rid]
-            elif expiry < now:
-                log.warning("lease of request %s expired: freeing it", rid)
-                self.abort(rid)
-                why = "lease expired: the router stopped renewing"
-                self.tell(rid, Error(rid, why, Failure.LEASE_EXPIRED))
-        for rid in [r for r in self.owner if r not in live and r not in self.leases]:
-            del self.owner[rid]
+    def fail(self, why: str) -> None:
+        """Stop on our own for a reason the process exits non-zero with."""
+        self.fatal = why
+        log.error("%s", why)
+        self.stop_event.set()
 
     def drain(self) -> None:
         """Stop taking requests; finish (or, past drain_timeout, fail) what is held; exit.
@@ -368,7 +238,7 @@ class EngineNode:
             self.stop_event.set()
             return
         self.drain_deadline = time.monotonic() + self.config.drain_timeout
-        self._next_heartbeat = 0.0  # tell the router now
+        self.membership.report_soon()  # tell the routers now
 
     def _drained(self) -> bool:
         if not self.engine.scheduler.requests:
@@ -398,71 +268,41 @@ class EngineNode:
             live_requests=tuple(self.engine.scheduler.requests),
         )
 
-    def _prove_alive(self) -> None:
-        """Liveness thread: tell every router this node lives every heartbeat interval, as long
-        as the loop moved within stall_timeout (a wedged loop goes silent, and fails over)."""
-        socks = []
-        for addr in self.control.addrs:
-            sock = self.ctx.socket(zmq.DEALER)
-            sock.setsockopt(zmq.IDENTITY, (self.node_id + ALIVE_SUFFIX).encode())
-            sock.setsockopt(zmq.LINGER, 0)
-            sock.setsockopt(zmq.SNDHWM, 4)
-            if self.curve is not None:
-                self.curve.connect(sock)
-            sock.connect(f"tcp://{addr}")
-            socks.append(sock)
-        frame = encode(Alive(self.node_id))
-        try:
-            while not self.stop_event.wait(self.config.heartbeat_interval):
-                if self.live():
-                    for sock in socks:
-                        with contextlib.suppress(zmq.Again):
-                            sock.send(frame, flags=zmq.NOBLOCK)
-        finally:
-            for sock in socks:
-                sock.close(linger=0)
-
     def live(self) -> bool:
         """The loop made progress within stall_timeout."""
         return time.monotonic() - self._last_progress < self.config.stall_timeout
 
     def ready(self) -> bool:
         """A router accepted this node and it takes new requests."""
-        return bool(self.accepted) and self.drain_deadline is None
+        return bool(self.membership.accepted) and self.drain_deadline is None
 
     def run(self) -> None:
         """Serve until stop_event is set, or until drained after drain()."""
-        self.register()
-        self._liveness.start()
+        members = self.membership
+        members.start()
         if self.health is not None:
-            self.heartbeat_now()  # gauges before the first probe
+            members.heartbeat_now()  # gauges before the first probe
             self.health.start()
         while not self.stop_event.is_set():
             self._last_progress = time.monotonic()
             busy = self.engine.has_unfinished
-            for link, msg in self.control.recv(0 if busy else 5):
+            for link, msg in members.control.recv(0 if busy else 5):
                 self.handle(msg, link)
             self.poll_io()
             if self.engine.has_unfinished:
                 self.step()
-            self.expire_leases()
-            self.heartbeat()
+            members.expire_leases()
+            members.heartbeat()
             if self.drain_deadline is not None and self._drained():
-                self.heartbeat_now()
+                members.heartbeat_now()
                 break
         self.stop_event.set()
-        self._liveness.join(timeout=5.0)
         self.close()
-
-    def heartbeat_now(self) -> None:
-        self._next_heartbeat = 0.0
-        self.heartbeat()
 
     def close(self) -> None:
         if self.health is not None:
             self.health.close()
-        self.control.close()
-        self.ctx.term()
+        self.membership.close()
 
 
 class ColocatedNode(EngineNode):
