@@ -45,13 +45,15 @@ class LocalCluster:
     Child output goes to `log_dir/<name>.log` when log_dir is set, to this process's own
     stdout/stderr when inherit_output is set, else nowhere. With own_process_group the children
     do not get the terminal's Ctrl-C: only `stop()` signals them (one SIGTERM: a node drains;
-    a second one would stop it at once), as a supervisor wants.
+    a second one would stop it at once), as a supervisor wants. With num_routers > 1 every
+    node registers with each router; routers after the first ("router1", ...) take free ports.
     """
 
     model: str
     num_prefill: int = 1
     num_decode: int = 1
     num_colocated: int = 0
+    num_routers: int = 1
     kv_connector: str = "zmq"
     port: int = 0
     control_port: int = 0
@@ -65,10 +67,15 @@ class LocalCluster:
     own_process_group: bool = False
     api_key: str | None = None  # the router's (given to it by environment, not in `ps`)
     procs: dict[str, subprocess.Popen] = field(default_factory=dict)
+    more_routers: list[tuple[int, int]] = field(default_factory=list)  # (port, control port)
 
     def __post_init__(self) -> None:
+        if self.num_routers < 1:
+            raise ValueError(f"a deployment needs at least one router, got {self.num_routers}")
         self.port = self.port or free_port()
         self.control_port = self.control_port or free_port()
+        more = self.num_routers - 1 - len(self.more_routers)
+        self.more_routers += [(free_port(), free_port()) for _ in range(more)]
 
     @property
     def url(self) -> str:
@@ -76,30 +83,26 @@ class LocalCluster:
         return f"http://{host}:{self.port}"
 
     @property
+    def urls(self) -> list[str]:
+        """Every router's URL, the first one's first."""
+        host = self.url.rsplit(":", 1)[0]
+        return [self.url, *(f"{host}:{port}" for port, _ in self.more_routers)]
+
+    @property
     def node_names(self) -> list[str]:
-        return [n for n in self.children() if n != "router"]
+        return [n for n in self.children() if not n.startswith("router")]
 
     def children(self) -> dict[str, list[str]]:
         """Every child by name: the arguments after `python -m pdserve`."""
-        router_addr = f"127.0.0.1:{self.control_port}"
-        node = ["--model", self.model, "--router", router_addr, *self.engine_args]
+        routers = [(self.port, self.control_port), *self.more_routers]
+        node = ["--model", self.model]
+        for _, control in routers:
+            node += ["--router", f"127.0.0.1:{control}"]
+        node += self.engine_args
         kv = ["--kv-connector", self.kv_connector]
-        out = {
-            "router": [
-                "router",
-                "--model",
-                self.model,
-                "--host",
-                self.host,
-                "--port",
-                str(self.port),
-                "--control-host",
-                "127.0.0.1",
-                "--control-port",
-                str(self.control_port),
-                *self.router_args,
-            ]
-        }
+        out = {}
+        for i, (port, control) in enumerate(routers):
+            out[f"router{i or ''}"] = self._router(port, control)
         for i in range(self.num_prefill):
             out[f"prefill{i}"] = ["prefill", *node, "--node-id", f"prefill{i}", *kv]
             out[f"prefill{i}"] += self.prefill_args
@@ -109,6 +112,11 @@ class LocalCluster:
         for i in range(self.num_colocated):
             out[f"both{i}"] = ["decode", "--role", "both", *node, "--node-id", f"both{i}"]
         return out
+
+    def _router(self, port: int, control_port: int) -> list[str]:
+        out = ["router", "--model", self.model, "--host", self.host, "--port", str(port)]
+        out += ["--control-host", "127.0.0.1", "--control-port", str(control_port)]
+        return out + self.router_args
 
     def spawn(self, name: str) -> subprocess.Popen:
         """Start child `name` (again): a restart appends to its log."""

@@ -304,6 +304,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="N colocated nodes (prefill and decode in one engine) instead of P/D nodes",
     )
     topo.add_argument(
+        "--num-routers",
+        type=int,
+        default=1,
+        metavar="R",
+        help="routers, every node registered with each; the first on --port, the others on "
+        "free ports (named router1, ...; default: 1)",
+    )
+    topo.add_argument(
         "--kv-connector", default="zmq", choices=KV_CONNECTORS, help="how KV pages travel P -> D"
     )
     topo.add_argument(
@@ -373,6 +381,8 @@ def cluster_from_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> L
     num_d = 0 if args.colocated else (1 if args.num_decode is None else args.num_decode)
     if not args.colocated and (num_p < 1 or num_d < 1):
         p.error("a P/D deployment needs at least one prefill and one decode node")
+    if args.num_routers < 1:
+        p.error("--num-routers must be >= 1")
     router = router_config(args)
     nodes = _engine_flags(args) + ["--drain-timeout", str(args.drain_timeout)]
     if router.curve_dir:
@@ -382,6 +392,7 @@ def cluster_from_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> L
         num_prefill=num_p,
         num_decode=num_d,
         num_colocated=args.colocated,
+        num_routers=args.num_routers,
         kv_connector=args.kv_connector,
         port=router.port,
         control_port=router.control_port,
@@ -434,8 +445,9 @@ def main(argv: list[str] | None = None) -> None:
             log.info("supervisor metrics at http://%s:%d/metrics", args.host, port)
         if sup.start(args.start_timeout, stop):
             nodes = ", ".join(sup.cluster.node_names)
-            log.info("pdserve ready at %s (router, %s); Ctrl-C to stop", sup.cluster.url, nodes)
-            print(f"pdserve ready at {sup.cluster.url}", flush=True)
+            urls = " ".join(sup.cluster.urls)
+            log.info("pdserve ready at %s (routers, %s); Ctrl-C to stop", urls, nodes)
+            print(f"pdserve ready at {urls}", flush=True)
             sup.run(stop)
     except (RuntimeError, OSError, subprocess.SubprocessError) as exc:
         log.error("%s", exc)
