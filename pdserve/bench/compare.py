@@ -611,12 +611,7 @@ def render_section(report: dict[str, Any], to: Outputs, plots: list[Path]) -> st
 # ---------------------------------------------------------------- main
 
 
-def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = parser("pdserve bench compare", __doc__.split("\n\n")[0])
-    p.epilog = (
-        "Flags not listed here go to every pdserve node as engine flags (`pdserve serve\n"
-        "--help` lists them), e.g. --max-num-batched-tokens 256 --num-blocks 2048."
-    )
+def _run_flags(p: argparse.ArgumentParser) -> None:
     run = p.add_argument_group("run")
     run.add_argument(
         "--systems",
@@ -641,6 +636,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="skip the closing probe: the saturation run through pdserve's engine alone, "
         "timed and under torch.profiler (where its time goes)",
     )
+
+
+def _model_flags(p: argparse.ArgumentParser) -> None:
     model = p.add_argument_group("model")
     model.add_argument(
         "--model",
@@ -677,6 +675,16 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "(0: the router's own)",
     )
     add_log_dir_flag(servers)
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = parser("pdserve bench compare", __doc__.split("\n\n")[0])
+    p.epilog = (
+        "Flags not listed here go to every pdserve node as engine flags (`pdserve serve\n"
+        "--help` lists them), e.g. --max-num-batched-tokens 256 --num-blocks 2048."
+    )
+    _run_flags(p)
+    _model_flags(p)
     out = add_output_flags(p, "SECTION.json and the plots SECTION_*.png")
     out.add_argument(
         "--section",

@@ -11,15 +11,14 @@ run.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import os
 import platform
 import statistics
 import sys
-import time
 
-import httpx
-
+from pdserve.bench.load import RequestResult, make_client, stream_one
 from pdserve.bench.report import (
     add_output_flags,
     command_line,
@@ -38,17 +37,15 @@ def _first_tokens(url: str, prompt: list[int], max_tokens: int) -> tuple[float, 
     """Seconds from sending a streaming request to its first token (the prefill node's) and
     to its second (the decode node's first: it needs the KV to have arrived)."""
     body = {"prompt": prompt, "max_tokens": max_tokens, "stream": True, "ignore_eos": True}
-    body["stream_options"] = {"include_usage": False}
-    times: list[float] = []
-    start = time.perf_counter()
-    with httpx.stream("POST", url + "/v1/completions", json=body, timeout=120) as resp:
-        resp.raise_for_status()
-        for line in resp.iter_lines():
-            if line.startswith("data: {") and '"text"' in line:
-                times.append(time.perf_counter() - start)
-                if len(times) == 2:
-                    return times[0], times[1]
-    raise RuntimeError(f"the stream ended after {len(times)} tokens")
+
+    async def once() -> RequestResult:
+        async with make_client() as client:
+            return await stream_one(client, url, body, keep_text=False, timeout_s=120.0)
+
+    res = asyncio.run(once())
+    if res.error or not res.itl:
+        raise RuntimeError(f"no second token: {res.error or f'{res.chunks} chunk(s)'}")
+    return res.ttft, res.ttft + res.itl[0]
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -65,6 +62,55 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args = p.parse_args(argv)
     args.outputs = outputs_from_args(p, args)
     return args
+
+
+def measure_rows(
+    hosts: Hosts,
+    model: str,
+    prompts: list[list[int]],
+    delays: list[float],
+    args: argparse.Namespace,
+) -> list[dict]:
+    """The direct KV link, then each delay through the relay: one row each."""
+    cluster = HostCluster(hosts, model, args.log_dir, ["--max-model-len", "2048"])
+    rows = []
+    try:
+        url = cluster.router("router", ("--prefill-placement", "remote"))  # the KV link
+        p = cluster.node("prefill", "prefill", ["router"])
+        for delay in [None, *delays]:  # None: the direct link, no relay
+            extra: tuple[str, ...] = ()
+            proxy = None
+            if delay is not None:
+                proxy = hosts.start_proxy("relay", KV_PORT, "decode", KV_PORT, delay / 1000)
+                extra = ("--advertise-host", hosts.addr("relay"))
+            d = cluster.node("decode", "decode", ["router"], extra=extra)
+            cluster.wait_ready("router", [p, d])
+            for prompt in prompts[:2]:  # warm-up
+                _first_tokens(url, prompt[: args.prompt_tokens // 2], args.max_tokens)
+            firsts = [_first_tokens(url, pr, args.max_tokens) for pr in prompts[2:]]
+            cluster.stop(d)
+            rows.append(_row(delay, firsts, proxy.close() if proxy is not None else {}))
+            print(json.dumps(rows[-1]), flush=True)
+    finally:
+        cluster.close()
+    return rows
+
+
+def _row(delay: float | None, firsts: list[tuple[float, float]], relayed: dict) -> dict:
+    ttfts, seconds = [f for f, _ in firsts], [s for _, s in firsts]
+    return {
+        "kv_link": "direct" if delay is None else f"relay +{delay:g} ms",
+        "one_way_delay_ms": delay,
+        "ttft_median_s": statistics.median(ttfts),
+        "ttft_p90_s": sorted(ttfts)[int(0.9 * (len(ttfts) - 1))],
+        "ttfts_s": ttfts,
+        "second_token_median_s": statistics.median(seconds),
+        # Per request: the decode node's start after the prefill node's token, the part of
+        # the wait the KV link's delay lands on.
+        "handoff_gap_median_s": statistics.median(b - a for a, b in zip(ttfts, seconds)),
+        "second_tokens_s": seconds,
+        "relay_bytes": relayed,
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -89,46 +135,8 @@ def main(argv: list[str] | None = None) -> int:
         [(i * 7919 + k * 104729) % (vocab - 10) + 5 for k in range(args.prompt_tokens)]
         for i in range(args.requests + 2)
     ]
-    rows = []
     with sigterm_raises(), Hosts(["router", "prefill", "decode", "relay"]) as hosts:
-        cluster = HostCluster(hosts, model, args.log_dir, ["--max-model-len", "2048"])
-        try:
-            url = cluster.router("router", ("--prefill-placement", "remote"))  # the KV link
-            p = cluster.node("prefill", "prefill", ["router"])
-            for delay in [None, *delays]:  # None: the direct link, no relay
-                extra: tuple[str, ...] = ()
-                proxy = None
-                if delay is not None:
-                    proxy = hosts.start_proxy("relay", KV_PORT, "decode", KV_PORT, delay / 1000)
-                    extra = ("--advertise-host", hosts.addr("relay"))
-                d = cluster.node("decode", "decode", ["router"], extra=extra)
-                cluster.wait_ready("router", [p, d])
-                for prompt in prompts[:2]:  # warm-up
-                    _first_tokens(url, prompt[: args.prompt_tokens // 2], args.max_tokens)
-                firsts = [_first_tokens(url, pr, args.max_tokens) for pr in prompts[2:]]
-                ttfts, seconds = [f for f, _ in firsts], [s for _, s in firsts]
-                cluster.stop(d)
-                counters = proxy.close() if proxy is not None else {}
-                rows.append(
-                    {
-                        "kv_link": "direct" if delay is None else f"relay +{delay:g} ms",
-                        "one_way_delay_ms": delay,
-                        "ttft_median_s": statistics.median(ttfts),
-                        "ttft_p90_s": sorted(ttfts)[int(0.9 * (len(ttfts) - 1))],
-                        "ttfts_s": ttfts,
-                        "second_token_median_s": statistics.median(seconds),
-                        # Per request: the decode node's start after the prefill node's token,
-                        # the part of the wait the KV link's delay lands on.
-                        "handoff_gap_median_s": statistics.median(
-                            b - a for a, b in zip(ttfts, seconds)
-                        ),
-                        "second_tokens_s": seconds,
-                        "relay_bytes": counters,
-                    }
-                )
-                print(json.dumps(rows[-1]), flush=True)
-        finally:
-            cluster.close()
+        rows = measure_rows(hosts, model, prompts, delays, args)
     base = rows[0]["ttft_median_s"]
     base2 = rows[0]["second_token_median_s"]
     for row in rows:
@@ -171,21 +179,17 @@ def _table(rows: list[dict]) -> tuple[list[str], list[list]]:
 
 
 def section(result: dict) -> str:
-    rows = result["rows"]
-    return f"""## TTFT across hosts with added KV-link latency (`pdserve bench multihost`)
-
-A router, a prefill and a decode host (network namespaces on one bridge, `pdserve.testbed.hosts`),
-{result["model"].rsplit("/", 1)[-1]}, zmq connector, {result["prompt_tokens"]}-token prompts,
-{result["requests_per_row"]} sequential streaming requests per row. TTFT is the request sent
-to its first token, which the prefill node streams as soon as it has it; the second token is
-the decode node's first, which waits for the KV to arrive (the gap between the two, median
-per request, is where the link's delay lands). The decode node advertises a
-relay host whose userspace proxy forwards the KV link with a fixed one-way delay per
-direction; the first row is the direct link of the same run. (This kernel has no netem:
-`{result["netem"]}`; the relay's forwarding also costs a copy, so its `+0 ms` row is the
-baseline for the delay alone.)
-
-    {result["command"]}
-
-{markdown_table(*_table(rows))}
-"""
+    setup = [
+        ["model", result["model"].rsplit("/", 1)[-1]],
+        ["prompt tokens, sequential streaming requests per row",
+         f"{result['prompt_tokens']}, {result['requests_per_row']}"],
+        ["netem", result["netem"]],
+    ]  # fmt: skip
+    return "\n\n".join(
+        [
+            "## TTFT across hosts with added KV-link latency (`pdserve bench multihost`)",
+            f"    {result['command']}",
+            markdown_table(["run", ""], setup),
+            markdown_table(*_table(result["rows"])),
+        ]
+    )

@@ -607,9 +607,7 @@ def publish(report: dict[str, Any], to: Outputs) -> None:
 # ---------------------------------------------------------------- main
 
 
-def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, Outputs]:
-    p = parser("pdserve bench multiturn", __doc__.split("\n\n")[0])
-    p.epilog = "Flags not listed here go to every node as engine flags (`pdserve serve --help`)."
+def _run_flags(p: argparse.ArgumentParser) -> None:
     run = p.add_argument_group("run")
     run.add_argument(
         "--systems",
@@ -641,6 +639,12 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, Outputs]:
     run.add_argument(
         "--request-timeout", type=float, default=600.0, help="seconds one request may take"
     )
+
+
+def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, Outputs]:
+    p = parser("pdserve bench multiturn", __doc__.split("\n\n")[0])
+    p.epilog = "Flags not listed here go to every node as engine flags (`pdserve serve --help`)."
+    _run_flags(p)
     model = p.add_argument_group("model and servers")
     model.add_argument(
         "--model",
@@ -669,7 +673,7 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, Outputs]:
     if unknown:
         p.error(f"unknown systems {sorted(unknown)}; choose from {', '.join(SYSTEMS)}")
     args.systems = [s for s in SYSTEMS if s in args.systems]  # the reference first
-    base = QUICK_WORKLOAD if args.quick else d
+    base = QUICK_WORKLOAD if args.quick else ChatWorkload()
     given = {
         k: getattr(args, k)
         for k in ("conversations", "turns", "first_len", "message_len", "answer_len")

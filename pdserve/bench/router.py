@@ -92,159 +92,165 @@ QUICK = Sizes((4, 16), 16, 0.5, 2.0, ("split",), 1)
 # -- the fake nodes (a child process) -------------------------------------------------------------
 
 
-def _tokens_frame_fast(version: int) -> Any:
+def tokens_packer() -> Any:
     """A packer of `tokens` frames byte-identical to messages.encode(Tokens(...)), about five
-    times cheaper (checked against encode before use), so the load side stays light."""
+    times cheaper, so the load side stays light; the protocol's own encoder when the message
+    has grown a field (checked against encode)."""
     import msgpack
-
-    packer = msgpack.Packer(use_bin_type=True)
-
-    def pack(request_id: str, token_ids: list[int], finish_reason: str) -> bytes:
-        return packer.pack(
-            {
-                "request_id": request_id,
-                "token_ids": token_ids,
-                "logprobs": (),
-                "finish_reason": finish_reason,
-                "cached_tokens": 0,
-                "prompt_logprobs": (),
-                "type": "tokens",
-                "version": version,
-            }
-        )
-
-    return pack
-
-
-def run_fake_nodes(spec: dict[str, Any]) -> int:
-    """Fake colocated nodes answering every prefill at once, until SIGTERM; prints counts."""
-    import zmq
 
     from pdserve.common.wire import messages as m
 
-    fast = _tokens_frame_fast(m.PROTOCOL_VERSION)
-    sample = m.Tokens("r-1", (5, 6), finish_reason="length")
-    if fast("r-1", [5, 6], "length") == m.encode(sample):
-        pack = fast
-    else:  # the message grew a field: fall back to the protocol's own encoder
+    packer = msgpack.Packer(use_bin_type=True)
+    fields = {"logprobs": (), "cached_tokens": 0, "prompt_logprobs": (), "type": "tokens"}
 
-        def pack(request_id: str, token_ids: list[int], finish_reason: str) -> bytes:
-            return m.encode(m.Tokens(request_id, tuple(token_ids), finish_reason=finish_reason))
+    def fast(request_id: str, token_ids: list[int], finish_reason: str) -> bytes:
+        return packer.pack(
+            {"request_id": request_id, "token_ids": token_ids, "finish_reason": finish_reason,
+             **fields, "version": m.PROTOCOL_VERSION}
+        )  # fmt: skip
 
-    token_ids: list[int] = spec["token_ids"]
-    streamed = max(1, int(spec["tokens_per_message"]))
-    per_message = streamed
-    num_blocks, max_len = int(spec["num_blocks"]), int(spec["max_model_len"])
-    stop = False
+    def exact(request_id: str, token_ids: list[int], finish_reason: str) -> bytes:
+        return m.encode(m.Tokens(request_id, tuple(token_ids), finish_reason=finish_reason))
 
-    def on_signal(signum: int, _frame: Any) -> None:
-        nonlocal stop, per_message
-        if signum == signal.SIGUSR1:  # all of a request's tokens in one message
-            per_message = 1 << 30
-        elif signum == signal.SIGUSR2:  # back to streaming
-            per_message = streamed
+    same = fast("r-1", [5, 6], "length") == exact("r-1", [5, 6], "length")
+    return fast if same else exact
+
+
+class FakeNodes:
+    """Fake colocated nodes answering every prefill at once, each on a DEALER per router
+    (identity: its node id), with a heartbeat every HEARTBEAT_S. SIGUSR1 sends a request's
+    tokens in one message, SIGUSR2 back to `tokens_per_message`; SIGTERM stops."""
+
+    def __init__(self, spec: dict[str, Any]) -> None:
+        import zmq
+
+        self.spec = spec
+        self.pack = tokens_packer()
+        self.streamed = self.per_message = max(1, int(spec["tokens_per_message"]))
+        self.stop = False
+        kinds = ("prefills", "tokens", "messages", "skipped", "send_timeouts", "refused")
+        self.counts = dict.fromkeys(kinds, 0)
+        self.ctx = zmq.Context()
+        self.poller = zmq.Poller()
+        self.owners: dict[Any, tuple[str, str]] = {}  # socket -> (node id, incarnation)
+        for i in range(int(spec["nodes"])):
+            for addr in spec["routers"]:
+                self._connect(f"fake-{i}", secrets.token_hex(8), addr)
+
+    def _connect(self, node_id: str, incarnation: str, addr: str) -> None:
+        import zmq
+
+        sock = self.ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.IDENTITY, node_id.encode())
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.SNDHWM, 100_000)
+        sock.setsockopt(zmq.RCVHWM, 100_000)
+        sock.setsockopt(zmq.SNDTIMEO, 5000)  # a router that stops reading: drop, go on
+        sock.connect(f"tcp://{addr}")
+        self.poller.register(sock, zmq.POLLIN)
+        self.owners[sock] = (node_id, incarnation)
+
+    def on_signal(self, signum: int, _frame: Any) -> None:
+        if signum == signal.SIGUSR1:
+            self.per_message = 1 << 30
+        elif signum == signal.SIGUSR2:
+            self.per_message = self.streamed
         else:
-            stop = True
+            self.stop = True
 
-    for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGUSR2):
-        signal.signal(signum, on_signal)
-    ctx = zmq.Context()
-    poller = zmq.Poller()
-    owners: dict[zmq.Socket, tuple[str, str]] = {}  # socket -> (node id, incarnation)
-    kinds = ("prefills", "tokens", "messages", "skipped", "send_timeouts", "refused")
-    counts = dict.fromkeys(kinds, 0)
-    for i in range(int(spec["nodes"])):
-        node_id, incarnation = f"fake-{i}", secrets.token_hex(8)
-        for addr in spec["routers"]:
-            sock = ctx.socket(zmq.DEALER)
-            sock.setsockopt(zmq.IDENTITY, node_id.encode())
-            sock.setsockopt(zmq.LINGER, 0)
-            sock.setsockopt(zmq.SNDHWM, 100_000)
-            sock.setsockopt(zmq.RCVHWM, 100_000)
-            sock.setsockopt(zmq.SNDTIMEO, 5000)  # a router that stops reading: drop, go on
-            sock.connect(f"tcp://{addr}")
-            poller.register(sock, zmq.POLLIN)
-            owners[sock] = (node_id, incarnation)
+    def send(self, sock: Any, frame: bytes) -> None:
+        import zmq
 
-    def send(sock: zmq.Socket, frame: bytes) -> None:
         try:
             sock.send(frame)
         except zmq.Again:
-            counts["send_timeouts"] += 1
+            self.counts["send_timeouts"] += 1
 
-    def register(sock: zmq.Socket) -> None:
-        node_id, incarnation = owners[sock]
+    def register(self, sock: Any) -> None:
+        from pdserve.common.wire import messages as m
+
+        node_id, incarnation = self.owners[sock]
+        blocks, max_len = int(self.spec["num_blocks"]), int(self.spec["max_model_len"])
         msg = m.RegisterNode(
-            node_id=node_id,
-            role="both",
-            kv_endpoint="",
-            kv_connector="",
-            layout_digest="",
-            num_blocks=num_blocks,
-            block_size=16,
-            max_model_len=max_len,
-            incarnation=incarnation,
-        )
-        send(sock, m.encode(msg))
+            node_id=node_id, role="both", kv_endpoint="", kv_connector="", layout_digest="",
+            num_blocks=blocks, block_size=16, max_model_len=max_len, incarnation=incarnation,
+        )  # fmt: skip
+        self.send(sock, m.encode(msg))
 
-    def answer(sock: zmq.Socket, msg: m.Prefill) -> None:
+    def answer(self, sock: Any, msg: Any) -> None:
+        """max_tokens of the word ids, cycled, `per_message` to a `tokens` message."""
         sampling = msg.sampling  # a typed SamplingParams, or a dict before the wire was typed
-        n = int(
-            (sampling.get("max_tokens") if isinstance(sampling, dict) else sampling.max_tokens)
-            or 16
-        )
-        ids = [token_ids[i % len(token_ids)] for i in range(n)]
-        step = per_message  # a signal may change it meanwhile
-        counts["prefills"] += 1
-        counts["tokens"] += n
-        for start in range(0, n, step):
-            last = start + step >= n
-            send(sock, pack(msg.request_id, ids[start : start + step], "length" * last))
-            counts["messages"] += 1
+        n = sampling.get("max_tokens") if isinstance(sampling, dict) else sampling.max_tokens
+        words: list[int] = self.spec["token_ids"]
+        ids = [words[i % len(words)] for i in range(int(n or 16))]
+        step = self.per_message  # a signal may change it meanwhile
+        self.counts["prefills"] += 1
+        self.counts["tokens"] += len(ids)
+        for start in range(0, len(ids), step):
+            last = start + step >= len(ids)
+            self.send(sock, self.pack(msg.request_id, ids[start : start + step], "length" * last))
+            self.counts["messages"] += 1
 
-    for sock in owners:
-        register(sock)
-    next_beat = time.monotonic()
-    while not stop:
-        now = time.monotonic()
-        if now >= next_beat:
-            for sock, (node_id, _) in owners.items():
-                beat = m.Heartbeat(node_id, num_blocks, 0, 0, 0)
-                send(sock, m.encode(beat))
-            next_beat = now + HEARTBEAT_S
+    def handle(self, sock: Any, frame: bytes) -> None:
+        from pdserve.common.wire import messages as m
+
         try:
-            ready = dict(poller.poll(timeout=int(HEARTBEAT_S * 1000 / 2)))
-        except zmq.ZMQError:  # interrupted by the signal
-            continue
-        for sock in ready:
-            for _ in range(1000):  # then let the other sockets and the heartbeat have a turn
-                try:
-                    frame = sock.recv(flags=zmq.NOBLOCK)
-                except zmq.Again:
-                    break
-                try:
-                    msg = m.decode(frame)
-                except m.ProtocolError:  # a type added later (an acknowledgement, say)
-                    counts["skipped"] += 1
-                    continue
-                if isinstance(msg, m.Prefill):
-                    answer(sock, msg)
-                elif isinstance(msg, m.CheckIntegrity):
-                    report = m.IntegrityReport(
-                        msg.nonce, True, num_blocks=num_blocks, free_blocks=num_blocks
+            msg = m.decode(frame)
+        except m.ProtocolError:  # a type added later (an acknowledgement, say)
+            self.counts["skipped"] += 1
+            return
+        if isinstance(msg, m.Prefill):
+            self.answer(sock, msg)
+        elif isinstance(msg, m.CheckIntegrity):
+            blocks = int(self.spec["num_blocks"])
+            report = m.IntegrityReport(msg.nonce, True, num_blocks=blocks, free_blocks=blocks)
+            self.send(sock, m.encode(report))
+        elif isinstance(msg, m.Reregister):
+            self.register(sock)
+        elif type(msg).__name__ == "Registered" and not getattr(msg, "accepted", True):
+            self.counts["refused"] += 1  # the router turned the node away: say why
+            why = getattr(msg, "reason", "")
+            print(f"{self.owners[sock][0]} refused: {why}", file=sys.stderr, flush=True)
+        # lease, abort, sync_prefixes, anything else: nothing to do
+
+    def run(self) -> dict[str, int]:
+        """Until SIGTERM: heartbeats, and every frame each socket has waiting."""
+        import zmq
+
+        from pdserve.common.wire import messages as m
+
+        for sock in self.owners:
+            self.register(sock)
+        next_beat = time.monotonic()
+        while not self.stop:
+            if time.monotonic() >= next_beat:
+                for sock, (node_id, _) in self.owners.items():
+                    self.send(
+                        sock, m.encode(m.Heartbeat(node_id, self.spec["num_blocks"], 0, 0, 0))
                     )
-                    send(sock, m.encode(report))
-                elif isinstance(msg, m.Reregister):
-                    register(sock)
-                elif type(msg).__name__ == "Registered" and not getattr(msg, "accepted", True):
-                    counts["refused"] += 1  # the router turned the node away: say why
-                    reason = getattr(msg, "reason", "")
-                    print(f"{owners[sock][0]} refused: {reason}", file=sys.stderr, flush=True)
-                # lease, abort, sync_prefixes, anything else: nothing to do
-    for sock in owners:
-        sock.close(linger=0)
-    ctx.term()
-    Path(spec["counts_file"]).write_text(json.dumps(counts))
+                next_beat = time.monotonic() + HEARTBEAT_S
+            try:
+                ready = dict(self.poller.poll(timeout=int(HEARTBEAT_S * 1000 / 2)))
+            except zmq.ZMQError:  # interrupted by the signal
+                continue
+            for sock in ready:
+                for _ in range(1000):  # then let the other sockets and the heartbeat have a turn
+                    try:
+                        self.handle(sock, sock.recv(flags=zmq.NOBLOCK))
+                    except zmq.Again:
+                        break
+        for sock in self.owners:
+            sock.close(linger=0)
+        self.ctx.term()
+        return self.counts
+
+
+def run_fake_nodes(spec: dict[str, Any]) -> int:
+    """The fake nodes until SIGTERM; their counts go to spec["counts_file"]."""
+    nodes = FakeNodes(spec)
+    for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGUSR2):
+        signal.signal(signum, nodes.on_signal)
+    Path(spec["counts_file"]).write_text(json.dumps(nodes.run()))
     return 0
 
 
@@ -967,10 +973,7 @@ def plot(report: dict[str, Any], path: Path) -> Path:
     return save_figure(fig, path)
 
 
-def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = parser("pdserve bench router", __doc__.split("\n\n")[0])
-    p.add_argument("--child", choices=("fakes", "client"), help=argparse.SUPPRESS)
-    p.add_argument("spec", nargs="?", help=argparse.SUPPRESS)
+def _run_flags(p: argparse.ArgumentParser) -> None:
     run = p.add_argument_group("run")
     run.add_argument(
         "--quick", action="store_true", help="seconds: 2 concurrencies, short windows, `split` only"
@@ -1022,6 +1025,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="after the rows, one router's CPU per request with its tokens streamed against "
         "all in one message: fixed and per-token cost (default: on; quick: off)",
     )
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = parser("pdserve bench router", __doc__.split("\n\n")[0])
+    p.add_argument("--child", choices=("fakes", "client"), help=argparse.SUPPRESS)
+    p.add_argument("spec", nargs="?", help=argparse.SUPPRESS)
+    _run_flags(p)
     model = p.add_argument_group("model")
     model.add_argument(
         "--model", type=Path, default=None, help="HF directory for the tokenizer (default: tiny)"

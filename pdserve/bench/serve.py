@@ -87,11 +87,7 @@ def parse_goodput(items: Sequence[str] | None) -> dict[str, float]:
     return slos
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = parser(
-        "pdserve bench serve",
-        "Stream requests at an OpenAI-compatible server: TTFT, ITL, throughput.",
-    )
+def _server_flags(p: argparse.ArgumentParser) -> None:
     server = p.add_argument_group("server")
     server.add_argument(
         "--base-url", default="http://127.0.0.1:8000", help="the OpenAI-compatible server"
@@ -106,6 +102,9 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="DIR",
         help="tokenizer directory (the model's): builds prompts and counts their tokens",
     )
+
+
+def _dataset_flags(p: argparse.ArgumentParser) -> None:
     data = p.add_argument_group("dataset")
     data.add_argument(
         "--dataset",
@@ -146,6 +145,9 @@ def build_parser() -> argparse.ArgumentParser:
     data.add_argument(
         "--quick", action="store_true", help="a few short requests, no warm-up (for tests)"
     )
+
+
+def _load_flags(p: argparse.ArgumentParser) -> None:
     load = p.add_argument_group("load")
     load.add_argument(
         "--request-rate",
@@ -183,6 +185,16 @@ def build_parser() -> argparse.ArgumentParser:
         "--result-file", default=None, metavar="FILE", help="write the result as JSON here"
     )
     out.add_argument("--disable-tqdm", action="store_true", help="no progress bar")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = parser(
+        "pdserve bench serve",
+        "Stream requests at an OpenAI-compatible server: TTFT, ITL, throughput.",
+    )
+    _server_flags(p)
+    _dataset_flags(p)
+    _load_flags(p)
     return p
 
 
