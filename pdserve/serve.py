@@ -25,13 +25,14 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from pdserve.common.node.cli import (
-    KV_CONNECTORS,
     add_engine_args,
     add_model_arg,
+    default_of,
     option_flags,
     parser,
     resolve_model,
 )
+from pdserve.common.node.config import KV_CONNECTORS, NodeConfig
 from pdserve.local_cluster import LocalCluster, exit_status
 from pdserve.router.config import add_router_args, router_config
 
@@ -312,12 +313,15 @@ def build_parser() -> argparse.ArgumentParser:
         "free ports (named router1, ...; default: 1)",
     )
     topo.add_argument(
-        "--kv-connector", default="zmq", choices=KV_CONNECTORS, help="how KV pages travel P -> D"
+        "--kv-connector",
+        default=default_of(NodeConfig, "kv_connector"),
+        choices=KV_CONNECTORS,
+        help="how KV pages travel P -> D",
     )
     topo.add_argument(
         "--drain-timeout",
         type=float,
-        default=30.0,
+        default=default_of(NodeConfig, "drain_timeout"),
         help=f"on stop, nodes finish held requests for up to this long (s); whatever still "
         f"runs {STOP_GRACE_S:.0f} s later is killed",
     )

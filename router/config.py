@@ -7,7 +7,8 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass
 
-from pdserve.common.node.cli import add_options, option, options_of
+from pdserve.common.node.cli import add_options, options_of
+from pdserve.common.node.config import option
 from pdserve.router.admission import RouterLimits
 from pdserve.router.cluster.placement import PLACEMENTS, PlacementConfig
 from pdserve.router.cluster.policies import POLICIES

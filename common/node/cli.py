@@ -1,19 +1,21 @@
 """Command-line flags shared by every node (and by `pdserve serve`), turned into configs in one
 place. Flags come in named groups; every help line states its default and unit.
 
-A config dataclass may declare its flags on its fields (`option`): `add_options` adds them to a
-parser and `options_of` builds the config back from the parsed flags, so a field's name, default
-and help text live in one place (the router's `RouterConfig` does)."""
+A config dataclass declares its flags on its fields (`config.option`): `add_options` adds them to
+a parser and `options_of` builds the config back from the parsed flags, so a field's name,
+default and help text live in one place (`NodeConfig`, the router's `RouterConfig`)."""
 
 from __future__ import annotations
 
 import argparse
 import os
-from dataclasses import Field, field, fields
+from dataclasses import MISSING, Field, fields
 from typing import Any, TypeVar
 
 from pdserve.common.engine.config import CacheConfig, ModelConfig, SchedulerConfig
-from pdserve.common.node.config import KV_CONNECTORS, NodeConfig
+
+# KV_CONNECTORS: for the demo, which offers the nodes' choice of connector too.
+from pdserve.common.node.config import KV_CONNECTORS, NodeConfig  # noqa: F401
 
 
 class HelpFormatter(argparse.RawDescriptionHelpFormatter):
@@ -39,13 +41,6 @@ def parser(prog: str, description: str) -> argparse.ArgumentParser:
 Config = TypeVar("Config")
 
 
-def option(default: Any, group: str, text: str, **flag: Any) -> Any:
-    """A dataclass field that is also the flag --field-name in the help group `group`. flag
-    goes to argparse (choices, metavar; type when the default is None), except env: a variable
-    read when the flag is not given (then the help text names the default itself)."""
-    return field(default=default, metadata={"group": group, "help": text, **flag})
-
-
 def _options(cls: type) -> list[Field]:
     return [f for f in fields(cls) if "group" in f.metadata]
 
@@ -62,11 +57,14 @@ def add_options(p: argparse.ArgumentParser, cls: type, omit: frozenset[str] = fr
             continue
         flag = dict(f.metadata)
         title, text, env = flag.pop("group"), flag.pop("help"), flag.pop("env", None)
+        name = flag.pop("flag", flag_of(f.name))
         if title not in groups:
             groups[title] = p.add_argument_group(title)
         kind = flag.pop("type", type(f.default))
-        default = None if env else f.default  # None: "not given", so the variable may apply
-        groups[title].add_argument(flag_of(f.name), default=default, type=kind, help=text, **flag)
+        # None: not given (so the variable may apply), or a required flag's "none yet".
+        default = None if env or f.default is MISSING else f.default
+        group = groups[title]
+        group.add_argument(name, dest=f.name, default=default, type=kind, help=text, **flag)
 
 
 def options_of(cls: type[Config], args: argparse.Namespace, **given: Any) -> Config:
@@ -91,8 +89,14 @@ def option_flags(config: Any, omit: frozenset[str] = frozenset()) -> list[str]:
     for f in _options(type(config)):
         value = getattr(config, f.name)
         if f.name not in omit and value != f.default:
-            out += [flag_of(f.name), str(value)]
+            out += [f.metadata.get("flag", flag_of(f.name)), str(value)]
     return out
+
+
+def default_of(cls: type, name: str) -> Any:
+    """The default of cls's field name: for a flag that spells a config field again (a
+    supervisor's, handed on to its children)."""
+    return next(f.default for f in fields(cls) if f.name == name)
 
 
 def add_model_arg(p: argparse.ArgumentParser) -> None:
@@ -161,86 +165,11 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     )
 
 
-def add_reliability_args(p: argparse.ArgumentParser) -> None:
-    """Node flags of the cluster protocol: ids, heartbeats, leases, queue bound, drain."""
-    g = p.add_argument_group("cluster and reliability")
-    g.add_argument("--node-id", default=None, help="id in the router (default: role-random)")
-    g.add_argument("--heartbeat-interval", type=float, default=0.5, help="seconds between reports")
-    g.add_argument(
-        "--lease-timeout",
-        type=float,
-        default=10.0,
-        help="free and fail a request the router has not renewed for this long (s)",
-    )
-    g.add_argument(
-        "--max-queued-requests",
-        type=int,
-        default=1024,
-        help="requests held at once (queued, running, reserved); beyond: refused with 503",
-    )
-    g.add_argument(
-        "--drain-timeout",
-        type=float,
-        default=30.0,
-        help="on SIGTERM, finish held requests for up to this long (s), then fail the rest",
-    )
-    g.add_argument(
-        "--stall-timeout",
-        type=float,
-        default=60.0,
-        help="stop proving liveness when the node loop made no progress for this long (s)",
-    )
-
-
-def add_curve_arg(p: argparse.ArgumentParser, who: str) -> None:
-    g = p.add_argument_group("security")
-    g.add_argument(
-        "--curve-dir",
-        default=None,
-        help=f"CurveZMQ keys (`pdserve keygen DIR`): {who} (default: no encryption)",
-    )
-
-
 def add_node_args(p: argparse.ArgumentParser) -> None:
+    """Every node's flags: MODEL, the engine's, and NodeConfig's."""
     add_model_arg(p)
     add_engine_args(p)
-    net = p.add_argument_group("network")
-    net.add_argument(
-        "--router",
-        required=True,
-        action="append",
-        metavar="HOST:PORT",
-        help="control address of a router; repeat it for several routers (the node registers "
-        "with each and answers each one's requests)",
-    )
-    net.add_argument("--host", default="127.0.0.1", help="address to bind KV and health sockets on")
-    net.add_argument(
-        "--advertise-host",
-        default=None,
-        help="the address other hosts reach this node's KV sockets at (default: --host; when "
-        "--host is a wildcard such as 0.0.0.0, the address of the interface that reaches the "
-        "first router). Routers check it at registration",
-    )
-    net.add_argument("--kv-port", type=int, default=0, help="KV receiver port (0: a free one)")
-    net.add_argument(
-        "--kv-connector", default="zmq", choices=KV_CONNECTORS, help="how KV pages travel P -> D"
-    )
-    net.add_argument(
-        "--kv-fence-timeout",
-        type=float,
-        default=30.0,
-        metavar="S",
-        help="nixl, decode node: how long a cancelled transfer's blocks wait for prefill nodes "
-        "that do not confirm they stopped writing (then they are freed and those nodes dropped)",
-    )
-    net.add_argument(
-        "--health-port",
-        type=int,
-        default=0,
-        help="HTTP port of /live, /ready and /metrics for probes and autoscalers (0: none)",
-    )
-    add_reliability_args(p)
-    add_curve_arg(p, "authenticate and encrypt every link")
+    add_options(p, NodeConfig)
 
 
 def engine_configs(args: argparse.Namespace) -> tuple[ModelConfig, CacheConfig, SchedulerConfig]:
@@ -269,19 +198,4 @@ def engine_configs(args: argparse.Namespace) -> tuple[ModelConfig, CacheConfig, 
 
 def node_config(args: argparse.Namespace) -> NodeConfig:
     """The node settings of parsed `add_node_args` flags (ValueError on a bad value)."""
-    return NodeConfig(
-        router_addrs=tuple(args.router),
-        node_id=args.node_id,
-        heartbeat_interval=args.heartbeat_interval,
-        lease_timeout=args.lease_timeout,
-        max_queued_requests=args.max_queued_requests,
-        drain_timeout=args.drain_timeout,
-        stall_timeout=args.stall_timeout,
-        curve_dir=args.curve_dir,
-        kv_connector=args.kv_connector,
-        host=args.host,
-        advertise_host=args.advertise_host,
-        kv_port=args.kv_port,
-        health_port=args.health_port,
-        kv_fence_timeout=args.kv_fence_timeout,
-    )
+    return options_of(NodeConfig, args)

@@ -5,35 +5,96 @@ Pure Python (no torch): the CLI module that builds it is imported by the router 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import MISSING, dataclass, field
+from typing import Any
 
 # The connectors `kv_transfer.create_sender` / `create_receiver` know (a test keeps them equal).
 KV_CONNECTORS = ("zmq", "nccl", "shm", "nixl")
+NETWORK, RELIABILITY, SECURITY = "network", "cluster and reliability", "security"
+
+
+def option(default: Any, group: str, text: str, **flag: Any) -> Any:
+    """A config field that is also a command-line flag (`cli.add_options`): --field-name
+    unless flag names another, in the help group `group`. flag goes to argparse (choices,
+    metavar, action; type when the default is None), except env: a variable read when the flag
+    is not given (the help text then names the default itself). default MISSING: required."""
+    return field(default=default, metadata={"group": group, "help": text, **flag})
 
 
 @dataclass(frozen=True, slots=True)
 class NodeConfig:
-    """Every setting of one node beyond model, cache and scheduler, for every role.
+    """Every setting of one node beyond model, cache and scheduler, for every role; each but
+    connect_timeout is the flag of its name (--router for router_addrs).
 
     A colocated node ignores the KV fields; only a decode node binds `host:kv_port`.
     """
 
-    router_addrs: tuple[str, ...]  # HOST:PORT of each router's control socket
-    node_id: str | None = None  # None: the role plus a random suffix
-    heartbeat_interval: float = 0.5  # s between load reports (and liveness proofs)
-    lease_timeout: float = 10.0  # s a request the router stopped renewing is kept
-    max_queued_requests: int = 1024  # requests held at once; beyond that, refused
-    drain_timeout: float = 30.0  # s to finish held requests after SIGTERM
-    stall_timeout: float = 60.0  # s without loop progress before liveness proofs stop
-    curve_dir: str | None = None  # CurveZMQ keys for every link (None: plain)
-    kv_connector: str = "zmq"
-    host: str = "127.0.0.1"  # where a decode node binds its KV receiver (and health server)
-    advertise_host: str | None = None  # how other hosts reach it (None: from host, see cli)
-    kv_port: int = 0  # 0: a free port
-    health_port: int = 0  # HTTP /live, /ready, /metrics (0: none)
-    connect_timeout: float = 10.0  # s for a KV handshake with a decode node
-    # nixl: s a cancelled transfer's blocks wait for prefill nodes that do not answer
-    kv_fence_timeout: float = 30.0
+    router_addrs: tuple[str, ...] = option(
+        MISSING,
+        NETWORK,
+        "control address of a router; repeat it for several routers (the node registers "
+        "with each and answers each one's requests)",
+        flag="--router",
+        action="append",
+        required=True,
+        metavar="HOST:PORT",
+        type=str,
+    )
+    node_id: str | None = option(
+        None, RELIABILITY, "id in the router (default: role-random)", type=str
+    )
+    heartbeat_interval: float = option(0.5, RELIABILITY, "seconds between reports")
+    lease_timeout: float = option(
+        10.0,
+        RELIABILITY,
+        "free and fail a request the router has not renewed for this long (s)",
+    )
+    max_queued_requests: int = option(
+        1024,
+        RELIABILITY,
+        "requests held at once (queued, running, reserved); beyond: refused with 503",
+    )
+    drain_timeout: float = option(
+        30.0,
+        RELIABILITY,
+        "on SIGTERM, finish held requests for up to this long (s), then fail the rest",
+    )
+    stall_timeout: float = option(
+        60.0,
+        RELIABILITY,
+        "stop proving liveness when the node loop made no progress for this long (s)",
+    )
+    curve_dir: str | None = option(
+        None,
+        SECURITY,
+        "CurveZMQ keys (`pdserve keygen DIR`): authenticate and encrypt every link "
+        "(default: no encryption)",
+        type=str,
+    )
+    kv_connector: str = option("zmq", NETWORK, "how KV pages travel P -> D", choices=KV_CONNECTORS)
+    host: str = option("127.0.0.1", NETWORK, "address to bind KV and health sockets on")
+    advertise_host: str | None = option(
+        None,
+        NETWORK,
+        "the address other hosts reach this node's KV sockets at (default: --host; when "
+        "--host is a wildcard such as 0.0.0.0, the address of the interface that reaches the "
+        "first router). Routers check it at registration",
+        type=str,
+    )
+    kv_port: int = option(0, NETWORK, "KV receiver port (0: a free one)")
+    health_port: int = option(
+        0,
+        NETWORK,
+        "HTTP port of /live, /ready and /metrics for probes and autoscalers (0: none)",
+    )
+    connect_timeout: float = 10.0  # s for a KV handshake with a decode node (no flag)
+    kv_fence_timeout: float = option(
+        30.0,
+        NETWORK,
+        "nixl, decode node: how long a cancelled transfer's blocks wait for prefill nodes "
+        "that do not confirm they stopped writing (then they are freed and those nodes dropped)",
+        metavar="S",
+    )
 
     def __post_init__(self) -> None:
         if isinstance(self.router_addrs, str):  # one router, given as its address

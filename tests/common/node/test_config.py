@@ -6,7 +6,7 @@ import dataclasses
 
 import pytest
 
-from pdserve.common.node.cli import add_node_args, node_config, parser
+from pdserve.common.node.cli import add_node_args, flag_of, node_config, parser
 from pdserve.common.node.config import KV_CONNECTORS, NodeConfig
 from pdserve.common.node.launch import run_node
 from pdserve.common.node.loop import ColocatedNode
@@ -36,6 +36,45 @@ def test_flags_become_one_node_config() -> None:
         advertise_host="10.0.0.7",
         kv_port=9100,
         health_port=8200,
+    )
+
+
+def test_every_node_flag_defaults_to_its_field_and_sets_it() -> None:
+    """NodeConfig's fields are the node's flags: parsed with none given, each keeps the
+    dataclass's default; given, each sets its own field and no other."""
+    p = parser("test", "")
+    add_node_args(p)
+    base = NodeConfig(("h:1",))
+    assert node_config(p.parse_args(["m", "--router", "h:1"])) == base
+    values = {
+        "node_id": "n",
+        "heartbeat_interval": 0.25,
+        "lease_timeout": 3.0,
+        "max_queued_requests": 7,
+        "drain_timeout": 0.0,
+        "stall_timeout": 9.0,
+        "curve_dir": "keys",
+        "kv_connector": "shm",
+        "host": "0.0.0.0",
+        "advertise_host": "10.0.0.7",
+        "kv_port": 9100,
+        "health_port": 8200,
+        "kv_fence_timeout": 2.0,
+    }
+    flagged = {f.name for f in dataclasses.fields(NodeConfig) if f.metadata}
+    assert flagged == set(values) | {"router_addrs"}  # connect_timeout alone has no flag
+    for name, value in values.items():
+        args = p.parse_args(["m", "--router", "h:1", flag_of(name), str(value)])
+        assert node_config(args) == dataclasses.replace(base, **{name: value}), name
+
+
+def test_serve_spells_the_node_defaults_it_repeats_from_node_config() -> None:
+    from pdserve.serve import build_parser
+
+    args = build_parser().parse_args(["m"])
+    assert (args.kv_connector, args.drain_timeout) == (
+        NodeConfig(("h:1",)).kv_connector,
+        NodeConfig(("h:1",)).drain_timeout,
     )
 
 
