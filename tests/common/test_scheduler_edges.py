@@ -120,19 +120,16 @@ class FakeGrammar:
 
 
 @pytest.mark.parametrize(
-    ("grammar", "reasons"),
-    [
-        (FakeGrammar({TOKEN}, 2), [None, FinishReason.STOP]),
-        (FakeGrammar(set(), 5), [FinishReason.ERROR]),
-    ],
+    ("ok", "done_after", "reasons"),
+    [({TOKEN}, 2, [None, FinishReason.STOP]), (set(), 5, [FinishReason.ERROR])],
 )
 def test_the_grammar_ends_a_request(
-    grammar: FakeGrammar, reasons: list[FinishReason | None]
+    ok: set[int], done_after: int, reasons: list[FinishReason | None]
 ) -> None:
     """STOP once the grammar is complete (ignore_eos or not), ERROR on a token it refuses."""
     e = Engine()
     r = e.add("a", [1, 2], ignore_eos=True)
-    r.grammar = grammar
+    r.grammar = grammar = FakeGrammar(ok, done_after)
     out, updates = e.step()
     assert out.seqs[0].grammar is grammar
     got = [updates["a"].finish_reason]
