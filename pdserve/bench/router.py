@@ -179,8 +179,7 @@ class FakeNodes:
 
     def answer(self, sock: Any, msg: Any) -> None:
         """max_tokens of the word ids, cycled, `per_message` to a `tokens` message."""
-        sampling = msg.sampling  # a typed SamplingParams, or a dict before the wire was typed
-        n = sampling.get("max_tokens") if isinstance(sampling, dict) else sampling.max_tokens
+        n = msg.sampling.max_tokens
         words: list[int] = self.spec["token_ids"]
         ids = [words[i % len(words)] for i in range(int(n or 16))]
         step = self.per_message  # a signal may change it meanwhile
