@@ -8,6 +8,7 @@
 | compare | colocated, 1P1D and `transformers serve`, side by side |
 | kernels | the Triton kernels against their torch references |
 | reliability | the fault-injection scenarios, figures for docs/reliability.md |
+| chaos | steady load on `pdserve serve` (2P2D, 2 routers) while random children are killed |
 | structured | the structured-output mask's cost per decode step, with and without a grammar |
 | router | one router's ceiling (requests/s, tokens/s) with nodes that answer at once, and two |
 | multihost | TTFT through 1P1D on separate hosts with added KV-link latency (needs root) |
@@ -29,6 +30,7 @@ BENCHMARKS = {
     "compare": ("compare", "colocated, 1P1D and transformers serve, side by side"),
     "kernels": ("kernels", "Triton kernels against their torch references"),
     "reliability": ("reliability", "fault-injection scenarios (docs/reliability.md)"),
+    "chaos": ("chaos", "2P2D, 2 routers under load while children are killed or stopped"),
     "structured": ("structured", "a grammar's cost per decode step, with and without"),
     "router": ("router", "one router's ceiling with instant nodes, against two routers"),
     "multihost": ("multihost", "TTFT across hosts with added KV-link latency (root)"),
