@@ -1,40 +1,7 @@
 """KV transfer: each connector against its raw transport, sender and receiver in two processes.
+Definitions: docs/benchmarks.md.
 
-    pdserve bench kv-transfer                       # docs/bench + docs/benchmarks.md
-    pdserve bench kv-transfer --quick --out DIR     # seconds; what the tests run
-    python scripts/bench_kv_transfer.py ...         # the same, as the docs cite it
-
-For every connector (`zmq`, `nccl`, `shm`), layout (`tiny`: the geometry of
-pdserve.tiny_model's default model; `llama3-8b`: 32 layers, 8 KV heads, head_dim 128; block
-size 16; float32 on CPU, bfloat16 on CUDA) and prompt length N, the receiver lives in this
-process with a cache of exactly the N tokens' blocks, and a child process (this module with
-`--child`) holds the sender's cache. Source and destination block ids are random
-permutations, as a real block table's would be. Both processes read the same clock
-(CLOCK_MONOTONIC), so a start taken in the child and an end taken here measure one span.
-
-What is timed (median of `--repeats`, after one untimed warm-up; GB = 1e9 bytes):
-
-- **whole**: `send_layer` for every layer back to back, then `send_done`; from just before the
-  first `send_layer` (child) until this process's `poll` returns the `TransferResult`.
-  GB/s = all layers' KV bytes / that time.
-- **layer**: one layer's pages as a transfer of its own (`send_layer` + `send_done`), timed
-  the same way: the latency of one layer of a layer-by-layer pipelined send.
-- **send_layer_ms**: how long one `send_layer` call blocks the sender (what a prefill forward
-  pays per layer before it can go on), median over the layers of the whole runs.
-- **tail_ms**: from the return of the last `send_layer` to the result: the part of a
-  layer-wise pipelined transfer that no compute can hide.
-- **raw**: the same bytes in the same frame sizes over the bare transport, interleaved with
-  the connector's repeats: plain pyzmq PUSH/PULL (`zmq`), plain torch.distributed
-  isend/irecv (`nccl`: gloo on CPU, NCCL on CUDA) into the receiver's cache, one `copy_` per
-  frame (`shm`). The headline is connector GB/s / raw GB/s (the `ratio`), against the goals
-  zmq >= 0.9, nccl >= 0.9, shm >= 0.7.
-
-Points whose KV bytes exceed `--max-bytes` are skipped and listed with the reason; at peak
-each process may hold up to about four times a point's KV bytes (its cache, frames in flight
-in both the connector and the transport, the raw baseline's buffers). `stages` times, in this
-process, the passes a connector adds over its transport (gather, checksum, scatter) on one layer
-of the largest point, so a missed goal can be read against them. CPU seconds of both
-processes are recorded next to wall time: on a shared machine they move less.
+    pdserve bench kv-transfer [--quick --out DIR]      # = python scripts/bench_kv_transfer.py
 """
 
 from __future__ import annotations
@@ -60,18 +27,21 @@ import torch
 import zmq
 
 from pdserve.bench.report import (
+    add_from_json_flag,
     add_output_flags,
     best_time,
-    command_line,
-    describe_machine,
-    machine,
+    goal,
+    goals_table,
     markdown_table,
+    measure_or_load,
     outputs_from_args,
     publish,
     pyplot,
+    run_header,
     save_figure,
     sync,
 )
+from pdserve.common.engine.request import FirstToken
 from pdserve.common.node.cli import parser
 from pdserve.kernels import ops
 from pdserve.kv_transfer import KVLayout, KVReceiver, create_receiver, create_sender
@@ -86,6 +56,7 @@ RAW_NAMES = {
     "shm": "copy_",
     "nixl": "NIXL WRITE",
 }
+LAYOUTS = ("tiny", "llama3-8b")
 DEFAULT_TOKENS = (128, 512, 2048, 4096, 8192, 32768)
 QUICK_TOKENS = (128, 512)
 SHM_STAGING_BYTES = 32 << 20  # the shm connector's default ring, passed explicitly
@@ -143,31 +114,20 @@ class Point:
 
 
 def plan(
-    connectors: Sequence[str],
-    layouts: dict[str, KVLayout],
-    tokens: Sequence[int],
-    max_bytes: int,
-    device: str,
+    args: argparse.Namespace, layouts: dict[str, KVLayout]
 ) -> tuple[list[Point], list[dict[str, Any]]]:
     """The points to run and, for the others, why not."""
     points, skipped = [], []
-    for connector in connectors:
+    for connector in args.connectors:
         for name, layout in layouts.items():
-            for n in tokens:
+            for n in args.tokens:
                 point = Point(connector, name, layout, n)
-                reason = skip_reason(point, max_bytes, device)
-                if reason:
-                    skipped.append(
-                        {
-                            "connector": connector,
-                            "layout": name,
-                            "tokens": n,
-                            "bytes": point.nbytes,
-                            "reason": reason,
-                        }
-                    )
-                else:
+                reason = skip_reason(point, args.max_bytes, args.device)
+                if not reason:
                     points.append(point)
+                    continue
+                skip = {"connector": connector, "layout": name, "tokens": n}
+                skipped.append({**skip, "bytes": point.nbytes, "reason": reason})
     return points, skipped
 
 
@@ -198,7 +158,8 @@ def child_device(device: str) -> str:
 
 
 class Sender:
-    """The child's state: caches of the current point, a connector sender, a raw transport."""
+    """The child's state: caches of the current point, a connector sender, a raw transport.
+    Each method is a command from the parent; what it returns goes back as the reply."""
 
     def __init__(self, connector: str, device: str) -> None:
         self.connector = connector
@@ -211,26 +172,26 @@ class Sender:
         self.host_bytes: list[torch.Tensor] = []
         self.nixl_target: tuple[str, list[Any], int] | None = None  # name, pages, blocks
 
-    def point(self, layout: dict[str, Any], src: list[int], dst: list[int]) -> dict[str, Any]:
+    def point(
+        self, layout: dict[str, Any], src: list[int], dst: list[int], endpoint: str, target: dict
+    ) -> None:
+        """A new point: its caches, a sender connected to the receiver at `endpoint`, and for
+        nixl the receiver's caches (`target`) as the raw baseline's destination."""
         self.caches, self.host_bytes = [], []  # free the last point's tensors first
         kv = KVLayout.from_dict(layout)
         gen = torch.Generator().manual_seed(SEED)
-        shape = kv.page_shape(len(src))
-        self.caches = [
-            torch.rand(shape, generator=gen).to(getattr(torch, kv.dtype)).to(self.device)
-            for _ in range(kv.num_layers)
-        ]
+        shape, dtype = kv.page_shape(len(src)), getattr(torch, kv.dtype)
+        layers = range(kv.num_layers)
+        self.caches = [torch.rand(shape, generator=gen).to(dtype).to(self.device) for _ in layers]
         if self.connector == "zmq" and self.device != "cpu":
             self.host_bytes = [as_bytes(c.cpu()) for c in self.caches]
         self.src, self.dst = src, dst
-        return {}
-
-    def connect(self, layout: dict[str, Any], endpoint: str) -> dict[str, Any]:
         if self.sender is not None:
             self.sender.close()
-        self.sender = create_sender(self.connector, KVLayout.from_dict(layout))
+        self.sender = create_sender(self.connector, kv)
         self.sender.connect(endpoint, timeout=60.0)
-        return {}
+        if target:
+            self._nixl_target(target)
 
     def send(self, xfer: str, layers: list[int]) -> dict[str, Any]:
         calls = []
@@ -240,42 +201,30 @@ class Sender:
             self.sender.send_layer(xfer, layer, self.src, self.dst, self.caches[layer])
             calls.append(time.monotonic() - start)
         t_layers = time.monotonic()
-        self.sender.send_done(xfer, {"n_tokens": len(self.src)})
+        self.sender.send_done(xfer, FirstToken(token_id=0))
         self.sender.flush(OP_TIMEOUT_S)
         cpu = time.process_time() - cpu0
         return {"t0": t0, "t_layers": t_layers, "calls": calls, "cpu": cpu}
 
-    def raw_setup(self, endpoint: str = "", store_port: int = 0) -> dict[str, Any]:
+    def raw_setup(self, endpoint: str = "", store_port: int = 0) -> None:
         if self.connector == "zmq":
             self.push = zmq.Context.instance().socket(zmq.PUSH)
             self.push.setsockopt(zmq.LINGER, 0)
             self.push.connect(endpoint)
         elif self.connector == "nccl":
             init_raw_group(rank=0, store_port=store_port, device=self.device)
-        return {}
 
-    def raw_nixl(self, target: dict[str, Any]) -> dict[str, Any]:
-        """The receiver's caches as the raw NIXL baseline's target (one per point)."""
+    def _nixl_target(self, target: dict[str, Any]) -> None:
         from pdserve.kv_transfer.nixl_agent import Agent, remote_pages
 
         if self.nixl_target is not None:
             Agent.get().drop_remote(self.nixl_target[0])
         name, pages = remote_pages({**target, "agent": bytes.fromhex(target["agent"])})
         self.nixl_target = (name, pages, int(target["num_blocks"]))
-        return {}
 
     def raw(self, frames: list[list[int]]) -> dict[str, Any]:
-        if self.connector == "nixl":  # the connector's WRITEs, bare: same descriptors
-            from pdserve.kv_transfer.nixl_agent import wait_handles, write_pages
-
-            assert self.nixl_target is not None
-            _, pages, blocks = self.nixl_target
-            layers = sorted({f[0] for f in frames})
-            cpu0, t0 = time.process_time(), time.monotonic()
-            handles = write_pages(self.caches, pages, blocks, layers, self.src, self.dst)
-            wait_handles(handles, OP_TIMEOUT_S)
-            t_done = time.monotonic()
-            return {"t0": t0, "t_done": t_done, "cpu": time.process_time() - cpu0}
+        if self.connector == "nixl":
+            return self._raw_nixl(sorted({f[0] for f in frames}))
         sources = self.host_bytes or [as_bytes(c) for c in self.caches]
         views = [sources[layer][start : start + n] for layer, start, n in frames]
         cpu0, t0 = time.process_time(), time.monotonic()
@@ -292,14 +241,25 @@ class Sender:
                 work.wait()
         return {"t0": t0, "cpu": time.process_time() - cpu0}
 
-    def close(self) -> dict[str, Any]:
+    def _raw_nixl(self, layers: list[int]) -> dict[str, Any]:
+        """The connector's WRITEs, bare: the same descriptors, timed until they are done."""
+        from pdserve.kv_transfer.nixl_agent import wait_handles, write_pages
+
+        assert self.nixl_target is not None
+        _, pages, blocks = self.nixl_target
+        cpu0, t0 = time.process_time(), time.monotonic()
+        handles = write_pages(self.caches, pages, blocks, layers, self.src, self.dst)
+        wait_handles(handles, OP_TIMEOUT_S)
+        t_done = time.monotonic()
+        return {"t0": t0, "t_done": t_done, "cpu": time.process_time() - cpu0}
+
+    def close(self) -> None:
         if self.sender is not None:
             self.sender.close()
         if self.push is not None:
             self.push.close(linger=0)
         if self.connector == "nccl":
             close_raw_group()
-        return {}
 
 
 def init_raw_group(rank: int, store_port: int, device: str) -> None:
@@ -332,7 +292,7 @@ def child_main(connector: str, device: str) -> None:
         cmd = json.loads(line)
         op = cmd.pop("op")
         try:
-            reply = {"ok": True, **getattr(state, op)(**cmd)}
+            reply = {"ok": True, **(getattr(state, op)(**cmd) or {})}
         except Exception as exc:
             reply = {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
         replies.write(json.dumps(reply) + "\n")
@@ -344,18 +304,10 @@ class Child:
     """The sender process seen from here; `wait` keeps `idle` (the receiver's poll) running."""
 
     def __init__(self, connector: str, device: str) -> None:
+        threads = str(torch.get_num_threads())
         self.proc = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "pdserve.bench.kv_transfer",
-                "--child",
-                connector,
-                "--device",
-                device,
-                "--threads",
-                str(torch.get_num_threads()),
-            ],
+            [sys.executable, "-m", "pdserve.bench.kv_transfer", "--child", connector]
+            + ["--device", device, "--threads", threads],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             text=True,
@@ -373,20 +325,29 @@ class Child:
         self.proc.stdin.write(json.dumps({"op": op, **args}) + "\n")
         self.proc.stdin.flush()
 
+    def poll(self) -> dict[str, Any] | None:
+        """The next reply if one came; RuntimeError for an error reply or a dead child."""
+        try:
+            reply = self._replies.get_nowait()
+        except queue.Empty:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"sender child died (exit {self.proc.returncode})") from None
+            return None
+        if not reply["ok"]:
+            raise RuntimeError(f"sender child: {reply['error']}")
+        return reply
+
     def wait(self, idle: Callable[[], None] | None = None) -> dict[str, Any]:
+        """The reply to the last command, running `idle` (or sleeping) until it comes."""
         deadline = time.monotonic() + OP_TIMEOUT_S
-        while True:
-            try:
-                reply = self._replies.get(timeout=0 if idle else 0.01)
-                if not reply["ok"]:
-                    raise RuntimeError(f"sender child: {reply['error']}")
-                return reply
-            except queue.Empty:
-                pass
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"sender child died or hung (exit {self.proc.returncode})")
+        while (reply := self.poll()) is None:
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"sender child did not answer in {OP_TIMEOUT_S} s")
             if idle:
                 idle()
+            else:
+                time.sleep(0.01)
+        return reply
 
     def call(self, op: str, idle: Callable[[], None] | None = None, **args: Any) -> dict:
         self.start(op, **args)
@@ -481,13 +442,14 @@ class Bench:
         self.receiver.expect(xfer, dst)
         cpu0 = time.process_time()
         self.child.start("send", xfer=xfer, layers=layers)
-        deadline = time.monotonic() + OP_TIMEOUT_S
+        deadline, reply = time.monotonic() + OP_TIMEOUT_S, None
         while xfer not in self.results:
             assert time.monotonic() < deadline, f"transfer {xfer} did not finish"
             self.pump()
+            reply = reply or self.child.poll()  # the sender's failure ends the wait
         sync(self.device)
         t_end, cpu = time.monotonic(), time.process_time() - cpu0
-        reply = self.child.wait(self.pump)
+        reply = reply or self.child.wait(self.pump)
         result = self.results.pop(xfer)
         return {
             "run": Run(t_end - reply["t0"], cpu + reply["cpu"]),
@@ -537,28 +499,30 @@ class Bench:
         gen = torch.Generator().manual_seed(point.tokens)
         src = torch.randperm(point.n_blocks, generator=gen).tolist()
         dst = torch.randperm(point.n_blocks, generator=gen).tolist()
-        caches = [
-            torch.zeros(
-                point.layout.page_shape(point.n_blocks),
-                dtype=dtype_of(point.layout),
-                device=self.device,
-            )
-            for _ in range(point.layout.num_layers)
-        ]
+        shape, dtype = point.layout.page_shape(point.n_blocks), getattr(torch, point.layout.dtype)
+        layers = range(point.layout.num_layers)
+        caches = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in layers]
         opts = {"staging_bytes": SHM_STAGING_BYTES} if point.connector == "shm" else {}
         self.receiver = create_receiver(point.connector, point.layout, caches, **opts)
         self.receiver_layers = point.layout.num_layers
         try:
-            self.child.call("point", layout=point.layout.to_dict(), src=src, dst=dst)
-            self.child.call(
-                "connect", self.pump, layout=point.layout.to_dict(), endpoint=self.receiver.endpoint
-            )
+            target = {}
             if point.connector == "nixl":
                 from pdserve.kv_transfer.nixl_agent import describe_caches
 
                 target = describe_caches(caches)
                 target["agent"] = target["agent"].hex()  # the child's commands are JSON
-                self.child.call("raw_nixl", target=target)
+            endpoint = self.receiver.endpoint
+            layout = point.layout.to_dict()
+            self.child.call(
+                "point",
+                self.pump,
+                layout=layout,
+                src=src,
+                dst=dst,
+                endpoint=endpoint,
+                target=target,
+            )
             landing = [as_bytes(c) for c in caches]
             if point.connector == "shm":  # memcpy source: a second copy of the bytes
                 landing = [torch.ones_like(b) for b in landing] + landing
@@ -625,13 +589,6 @@ def memcpy_frames(frames: list[tuple[int, int, int]], bufs: list[torch.Tensor], 
     return Run(time.monotonic() - t0, time.process_time() - cpu0)
 
 
-def dtype_of(layout: KVLayout) -> torch.dtype:
-    return getattr(torch, layout.dtype)
-
-
-# -- per-pass costs -----------------------------------------------------------------------------
-
-
 def stage_costs(point: Point, device: str) -> dict[str, float]:
     """GB/s of each pass a connector adds over its transport, on one layer of `point`.
 
@@ -640,10 +597,9 @@ def stage_costs(point: Point, device: str) -> dict[str, float]:
     `index_copy_ rows` the scatter's `index_copy_` on a [2 * blocks, block] view.
     """
     layout, n = point.layout, point.n_blocks
-    cache = torch.rand(layout.page_shape(n)).to(dtype_of(layout)).to(device)
+    cache = torch.rand(layout.page_shape(n)).to(getattr(torch, layout.dtype)).to(device)
     ids = torch.randperm(n, device=device)
     pages = ops.gather_pages(cache, ids)
-    nbytes = point.layer_bytes
     fns: dict[str, Callable[[], object]] = {
         "gather_pages": lambda: ops.gather_pages(cache, ids),
         "gather_pages out=": lambda: ops.gather_pages(cache, ids, out=pages),
@@ -656,91 +612,14 @@ def stage_costs(point: Point, device: str) -> dict[str, float]:
     fns["index_copy_ rows"] = lambda: rows.index_copy_(0, row_ids, block_rows)
     if device == "cpu":
         fns["crc32"] = lambda: zlib.crc32(as_bytes(pages).numpy())
-    return {name: nbytes / best_time(fn, device) / 1e9 for name, fn in fns.items()}
+    return {name: point.layer_bytes / best_time(fn, device) / 1e9 for name, fn in fns.items()}
 
 
 # -- report -------------------------------------------------------------------------------------
 
-# What changed and what profiling found (perf and cProfile of both processes, llama3-8b
-# layout, 2k tokens, this 2-core machine); kept here so the doc section states it next to the
-# numbers that show it.
-WHY_MISSED = """\
-What changed: before it, this section showed at llama3-8b 2k zmq 0.31, nccl 0.24, shm 0.10
-x raw (0.51, 0.54, 0.73 GB/s). Same-session steps, each measured with
-`python scripts/bench_kv_transfer.py --layouts llama3-8b --tokens 2k --repeats 3 --out DIR`
-(ratio, CPU s/GB): before, zmq 0.24 / 1.63, nccl 0.19 / 1.81, shm 0.11 / 0.94;
 
-- **checksum** (`kv_transfer/wire.py: page_checksum`): crc32 is replaced by
-  `pdserve-rowcol64/1`, int64 sums of the frame's rows and columns weighted by position (any
-  changed byte changes the plain sum; moved words change a weighted one), exact integer
-  arithmetic, so CPU and CUDA ends compute the same value. Receivers name it in their welcome
-  and senders in their done message, so ends of different versions are refused (sender:
-  TransferError at connect; receiver: the transfer fails naming both schemes). It ran at two
-  to three times crc32's speed (single-pass line above): zmq 0.32 / 1.17, nccl 0.23 / 1.67,
-  shm 0.15 / 0.73.
-- **frames of at most 8 MiB** (`FRAME_BYTES`, whole pages): no more fresh mappings per
-  frame, and frames pipeline; **shm gathers straight into its ring slot** (one pass fewer):
-  zmq 0.42, nccl 0.35, shm 0.24.
-- **reused buffers**: the zmq sender gathers into four buffers, each lent until zmq's tracker
-  says the frame left (a fresh one when all are out, so a slow receiver never blocks it); the
-  gloo sender keeps at most four sends in flight (was 64 fresh gathers) in reused buffers,
-  and the gloo receiver receives into reused buffers (this step also widened the checksum's
-  rows to 1000 words, which sums faster): zmq 0.53, nccl 0.45, shm 0.23.
-
-Why the goals are still missed: on two shared cores the transfer is CPU bound, so the ratio
-follows the raw transport's CPU per GB over the connector's (the CPU s/GB column), and
-each connector still makes four passes over the bytes that the raw transport does not: the
-sender's gather and checksum, the receiver's checksum and scatter. The serial pass model above
-is the ratio if those passes ran one after another; the measured ratio sits above it by as
-much as the two processes' passes overlap on the two cores, and the two together bracket
-where the time goes (in an earlier run, with faster single-pass rates, the model gave zmq
-0.46 against 0.45 measured). Reaching 0.9 x raw pyzmq would leave under a tenth of the raw
-transport's time for all four passes, less than half of one pass at this machine's memory
-speed: on CPU the goals need passes removed, not made faster (sending pages straight from
-the cache when a layer's blocks are contiguous, receiving into reserved blocks, a checksum
-fused into the copy), and verifying every page is a pass pdserve keeps. On a GPU the same
-passes run in HBM at terabytes per second against a link of tens of GB/s, so they weigh
-little there.
-
-- **scatter** (`kernels/reference.py: scatter_pages_ref`, `index_copy_`) is the largest
-  single cost on every receiver (perf: about a quarter of the shm samples, a tenth of zmq's).
-  On a `[2 * num_blocks, block]` view of the cache (`index_copy_ rows` above) it was faster
-  in one trial and not in this run: no change made.
-- **shm** is compared with one `copy_`; gather + two checksums + scatter cannot reach 0.7 of
-  it on CPU while the receiver verifies every page (perf: its checksum, reading the ring the
-  other process wrote, costs more than the sender's).
-- **small pages** (tiny layout, 4 KiB pages: up to 2048 block ids per frame): per-id Python
-  work dominated, the strict header decoder (`common/protocol.py: _check`) checking every
-  block id with a recursive call, the largest cost in the receiver's cProfile. Lists of plain
-  ints or strings now pass with one type test per element (2048 ids: about 0.13 ms).
-- **CUDA** paths (the checksum on device, gathers into a CUDA ring, NCCL frames of 8 MiB) were
-  not measured: no GPU here.
-"""
-
-
-NIXL_NOTE = """\
-**nixl** writes each layer's pages from the sender's cache blocks straight into the
-receiver's reserved blocks (one NIXL WRITE per layer, runs of contiguous blocks merged into
-one descriptor): no gather, staging or scatter, so the passes it adds to its raw transport are
-the two checksums, one on each end (`kv_transfer/nixl_wire.py`). The sender sums each
-layer's pages right after posting its WRITE; each WRITE carries a NIXL notification, which
-arrives after its data, and the receiver sums that layer's pages while later layers still
-travel, so little is left for the tail. Measured steps at llama3-8b 2k (`--connectors nixl
---layouts llama3-8b --tokens 2k`): the first version checksummed every page with a row- and
-column-weighted sum per run of blocks after the last layer, on both ends one after the other:
-0.22 x raw, tail 1 s; per-page word sums (one reduction, the column pass dropped: a DMA
-moves whole descriptors, so a page's words cannot swap) summed per layer as it lands: 0.75,
-tail 25 ms. Moving the sender's sums to a worker thread changed nothing (0.72) and was
-dropped. NIXL's own progress thread spins without a pause and took one of the two cores
-from everything else: without it (the receiver reads notifications every half millisecond
-on a thread of its own, which is what moves UCX's large WRITEs; a sender progresses in its
-own calls) nixl went from 1.2 to 2.3 GB/s and its raw baseline from 1.8 to 3.4 GB/s, at a
-ratio of 0.67 to 0.71 (runs vary). What is left is memory traffic: here UCX moves the bytes
-with a shared-memory copy (its CMA/shm transports; the raw WRITE is that copy), and the two
-checksums read every byte twice more on the same two cores and memory, so on this machine
-the goal of 0.9 is not met.
-Over RDMA or NVLink the link, not the memory, is the bottleneck, and the sums (in HBM on
-CUDA) weigh little; that run needs a GPU machine."""
+def fmt_tokens(n: int) -> str:
+    return f"{n // 1024}k" if n >= 1024 and n % 1024 == 0 else str(n)
 
 
 def summarize(results: list[dict[str, Any]]) -> dict[str, Any]:
@@ -766,97 +645,13 @@ def summarize(results: list[dict[str, Any]]) -> dict[str, Any]:
     return out
 
 
-def fmt_tokens(n: int) -> str:
-    return f"{n // 1024}k" if n >= 1024 and n % 1024 == 0 else str(n)
-
-
-def section(report: dict[str, Any], figure: str) -> str:
-    """The benchmarks.md section; `figure` is the plot's path as the page links it."""
-    header = [
-        "layout",
-        "tokens",
-        "MiB",
-        "connector",
-        "whole ms",
-        "GB/s",
-        "raw GB/s",
-        "ratio",
-        "CPU s/GB (raw)",
-        "layer ms",
-        "layer ratio",
-        "send_layer ms",
-        "tail ms",
-    ]
-    rows = [
-        [
-            r["layout"],
-            fmt_tokens(r["tokens"]),
-            r["bytes"] / 2**20,
-            r["connector"],
-            r["whole"]["ms"],
-            r["whole"]["gb_s"],
-            r["whole"]["raw_gb_s"],
-            r["whole"]["ratio"],
-            f"{r['whole']['cpu_s_per_gb']:.2f} ({r['whole']['raw_cpu_s_per_gb']:.2f})",
-            r["layer"]["ms"],
-            r["layer"]["ratio"],
-            r["send_layer_ms"],
-            r["tail_ms"],
-        ]
-        for r in sorted(report["results"], key=lambda r: (r["layout"], r["tokens"], r["connector"]))
-    ]
-    lines = [
-        "## KV transfer: connectors against their raw transport",
-        "",
-        f"Command: `{report['command']}`  ",
-        f"Machine: {describe_machine(report['machine'], 'torch threads per process')}; "
-        f"device `{report['device']}`; "
-        f"median of {report['repeats']} repeats; load average {report['load_avg'][0]:.1f} "
-        f"at start, {report['load_avg'][1]:.1f} at end (other work shared the cores).",
-        "",
-        "**whole** = every layer's `send_layer`, then `send_done`, from the sender's first call "
-        "until the receiver's `poll` returns the result; **layer** = one layer sent as a "
-        "transfer of its own; **ratio** = connector GB/s / raw GB/s for the same bytes in the "
-        f"same frame sizes (raw: zmq = {RAW_NAMES['zmq']}, nccl = {RAW_NAMES['nccl']}, shm = "
-        f"{RAW_NAMES['shm']} per frame, nixl = {RAW_NAMES['nixl']} of the same descriptors, "
-        "one per layer, timed until the sender sees them done); **CPU s/GB** = CPU seconds "
-        "of both processes per GB "
-        "moved, which other load on the machine disturbs less than wall time; **send_layer ms** "
-        "= how long one call blocks the sender; **tail ms** = from the last `send_layer` "
-        "return to the result. GB = 1e9 bytes. Definitions in `pdserve/bench/kv_transfer.py`.",
-        "",
-        markdown_table(header, rows),
-        "",
-        f"![KV transfer GB/s]({figure})",
-        "",
-        *goal_lines(report),
-    ]
-    if report["skipped"]:
-        lines += ["", "Skipped points:", "", *skipped_lines(report["skipped"])]
-    if report.get("stages"):
-        stages = ", ".join(f"{k} {v:.2f}" for k, v in report["stages"]["gb_s"].items())
-        lines += [
-            "",
-            f"Single-pass GB/s on one layer of {report['stages']['point']} (one "
-            f"thread, this process): {stages}.",
-        ]
-    model = pass_model_line(report)
-    if model:
-        lines += ["", model]
-    if any(s["ratio_at_largest"] < s["goal"] for s in report["summary"].values()):
-        lines += ["", WHY_MISSED]
-    if "nixl" in report["summary"]:
-        lines += ["", NIXL_NOTE]
-    return "\n".join(lines)
-
-
 # The passes over the bytes each connector makes beyond its raw transport (shm's raw copy is
-# its gather into the ring).
+# its gather into the ring; nixl writes in place, over runs of blocks: no gather or scatter).
 EXTRA_PASSES = {
     "zmq": ("gather_pages out=", "page_checksum", "page_checksum", "scatter_pages"),
     "nccl": ("gather_pages out=", "page_checksum", "page_checksum", "scatter_pages"),
     "shm": ("page_checksum", "page_checksum", "scatter_pages"),
-    "nixl": ("page_checksum", "page_checksum"),  # in place, over runs of blocks: no gather
+    "nixl": ("page_checksum", "page_checksum"),
 }
 
 
@@ -876,45 +671,63 @@ def pass_model(report: dict[str, Any]) -> dict[str, tuple[float, float]]:
     return out
 
 
-def pass_model_line(report: dict[str, Any]) -> str:
-    model = pass_model(report)
-    if not model:
-        return ""
-    parts = ", ".join(f"{c} {pred:.2f} (measured {got:.2f})" for c, (pred, got) in model.items())
-    return (
-        "Serial pass model at the largest point, from this run's single-pass rates (a floor: "
-        "it lets no pass overlap another): ratio = "
-        "raw s/GB / (raw s/GB + s/GB of the connector's extra passes: gather, checksum on "
-        f"each end, scatter; shm's gather is its copy): {parts}."
-    )
+def connector_tables(report: dict[str, Any]) -> list[str]:
+    """The goals at each connector's largest point, then each connector across its points."""
+    summary, model = report["summary"], pass_model(report)
+    goals = [
+        goal(
+            f"{c} >= {s['goal']} x raw {RAW_NAMES[c]} GB/s ({s['largest']})",
+            s["gb_s_at_largest"],
+            s["raw_gb_s_at_largest"],
+            ">=",
+            s["goal"],
+        )
+        for c, s in summary.items()
+    ]
+    header = ["connector", "points meeting its goal", "median ratio"]
+    header += ["serial pass model at the largest point (measured)"]
+    rows = [
+        [c, f"{s['points_meeting_goal']} of {s['points']}", s["median_ratio"]]
+        + [f"{model[c][0]:.2f} ({model[c][1]:.2f})" if c in model else "—"]
+        for c, s in summary.items()
+    ]
+    return [goals_table(goals), "", markdown_table(header, rows)]
 
 
-def skipped_lines(skipped: list[dict[str, Any]]) -> list[str]:
-    """One line per skipped (layout, tokens, reason), naming the connectors it applies to."""
+def section(report: dict[str, Any], figure: str) -> str:
+    """The benchmarks.md section; `figure` is the plot's path as the page links it."""
+    header = ["layout", "tokens", "MiB", "connector", "whole ms", "GB/s", "raw GB/s", "ratio"]
+    header += ["CPU s/GB (raw)", "layer ms", "layer ratio", "send_layer ms", "tail ms"]
+    rows = [
+        [r["layout"], fmt_tokens(r["tokens"]), r["bytes"] / 2**20, r["connector"]]
+        + [r["whole"][k] for k in ("ms", "gb_s", "raw_gb_s", "ratio")]
+        + [f"{r['whole']['cpu_s_per_gb']:.2f} ({r['whole']['raw_cpu_s_per_gb']:.2f})"]
+        + [r["layer"]["ms"], r["layer"]["ratio"], r["send_layer_ms"], r["tail_ms"]]
+        for r in sorted(report["results"], key=lambda r: (r["layout"], r["tokens"], r["connector"]))
+    ]
+    lines = ["## KV transfer: connectors against their raw transport", ""]
+    lines += [*run_header(report, "torch threads per process"), ""]
+    lines += [markdown_table(header, rows), "", f"![KV transfer GB/s]({figure})", ""]
+    lines += connector_tables(report)
+    if report["skipped"]:
+        lines += ["", "Skipped points:", "", skipped_table(report["skipped"])]
+    if report.get("stages"):
+        stages = report["stages"]
+        lines += ["", f"Single-pass GB/s on one layer of {stages['point']} (one thread):", ""]
+        lines += [markdown_table(list(stages["gb_s"]), [list(stages["gb_s"].values())])]
+    return "\n".join(lines)
+
+
+def skipped_table(skipped: list[dict[str, Any]]) -> str:
+    """One row per skipped (layout, tokens, reason), naming the connectors it applies to."""
     groups: dict[tuple[str, int, str], list[str]] = {}
     for s in skipped:
         groups.setdefault((s["layout"], s["tokens"], s["reason"]), []).append(s["connector"])
-    return [
-        f"- {layout} {fmt_tokens(tokens)} ({', '.join(connectors)}): {reason}"
+    rows = [
+        [layout, fmt_tokens(tokens), ", ".join(connectors), reason]
         for (layout, tokens, reason), connectors in groups.items()
     ]
-
-
-def goal_lines(report: dict[str, Any]) -> list[str]:
-    lines = [
-        "Goals (whole transfer): zmq >= 0.9 x raw pyzmq, nccl >= 0.9 x raw "
-        "torch.distributed, shm >= 0.7 x memcpy.",
-        "",
-    ]
-    for connector, s in report["summary"].items():
-        verdict = "meets" if s["ratio_at_largest"] >= s["goal"] else "**misses**"
-        lines.append(
-            f"- {connector}: {verdict} its goal at the largest point ({s['largest']}): "
-            f"{s['ratio_at_largest']:.2f} x raw ({s['gb_s_at_largest']:.2f} vs "
-            f"{s['raw_gb_s_at_largest']:.2f} GB/s); {s['points_meeting_goal']} of "
-            f"{s['points']} points meet {s['goal']}."
-        )
-    return lines
+    return markdown_table(["layout", "tokens", "connectors", "reason"], rows)
 
 
 def plot(report: dict[str, Any], path: Path) -> Path:
@@ -922,29 +735,23 @@ def plot(report: dict[str, Any], path: Path) -> Path:
     layouts = sorted({r["layout"] for r in report["results"]})
     fig, axes = plt.subplots(1, len(layouts), figsize=(6 * len(layouts), 4.2), squeeze=False)
     for ax, name in zip(axes[0], layouts):
+        mine = sorted(
+            (r for r in report["results"] if r["layout"] == name), key=lambda r: r["tokens"]
+        )
         for i, connector in enumerate(CONNECTORS):
-            rows = sorted(
-                (
-                    r
-                    for r in report["results"]
-                    if r["layout"] == name and r["connector"] == connector
-                ),
-                key=lambda r: r["tokens"],
-            )
-            if not rows:
-                continue
+            rows = [r for r in mine if r["connector"] == connector]
             x = [r["tokens"] for r in rows]
-            color = f"C{i}"
-            ax.plot(x, [r["whole"]["gb_s"] for r in rows], "o-", color=color, label=connector)
-            ax.plot(
-                x,
-                [r["whole"]["raw_gb_s"] for r in rows],
-                "s--",
-                color=color,
-                label=f"raw {RAW_NAMES[connector]}",
-                alpha=0.7,
-            )
-        ticks = sorted({r["tokens"] for r in report["results"] if r["layout"] == name})
+            if rows:
+                ax.plot(x, [r["whole"]["gb_s"] for r in rows], "o-", color=f"C{i}", label=connector)
+                ax.plot(
+                    x,
+                    [r["whole"]["raw_gb_s"] for r in rows],
+                    "s--",
+                    color=f"C{i}",
+                    label=f"raw {RAW_NAMES[connector]}",
+                    alpha=0.7,
+                )
+        ticks = sorted({r["tokens"] for r in mine})
         ax.set_xscale("log", base=2)
         ax.set_xticks(ticks, [fmt_tokens(t) for t in ticks])
         ax.set_xlabel("prompt tokens")
@@ -978,7 +785,7 @@ def parse_tokens(text: str) -> list[int]:
     return out
 
 
-def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+def make_parser() -> argparse.ArgumentParser:
     p = parser("pdserve bench kv-transfer", __doc__.split("\n\n")[0])
     run = p.add_argument_group("run")
     run.add_argument(
@@ -1003,8 +810,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         type=parse_tokens,
         default=None,
         metavar="N,N,...",
-        help="prompt lengths in tokens, a comma list, k = 1024 (default: 128,512,2k,4k,8k,32k; "
-        "quick: 128,512)",
+        help="prompt lengths in tokens, a comma list, k = 1024 (default: "
+        "128,512,2k,4k,8k,32k; quick: 128,512)",
     )
     run.add_argument(
         "--repeats",
@@ -1017,8 +824,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         type=parse_size,
         default=parse_size("512M"),
         metavar="SIZE",
-        help="skip points whose KV bytes (one side) exceed this, binary units: 512M, 2G "
-        "(default: 512M)",
+        help="skip points whose KV bytes (one side) exceed this, binary units: "
+        "512M, 2G (default: 512M)",
     )
     run.add_argument(
         "--no-stages", action="store_true", help="skip the per-pass timings (gather, checksum)"
@@ -1031,17 +838,24 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         default=1,
         help="torch threads per process on CPU (1: two processes on two cores)",
     )
-    add_output_flags(p, "kv_transfer.json and kv_transfer.png")
+    output = add_output_flags(p, "kv_transfer.json and kv_transfer.png")
+    add_from_json_flag(output, "the figure and section of a saved kv_transfer.json")
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)
+    return p
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    p = make_parser()
     args = p.parse_args(argv)
     if args.child:
         return args
     args.outputs = outputs_from_args(p, args)
-    connectors = [c.strip() for c in args.connectors.split(",") if c.strip()]
-    if not connectors or set(connectors) - set(CONNECTORS):
+    args.connectors = [c.strip() for c in args.connectors.split(",") if c.strip()]
+    if not args.connectors or set(args.connectors) - set(CONNECTORS):
         p.error(f"--connectors must name some of {CONNECTORS}")
-    args.connectors = connectors
-    args.layouts = (args.layouts or ("tiny" if args.quick else "tiny,llama3-8b")).split(",")
+    args.layouts = (args.layouts or ("tiny" if args.quick else ",".join(LAYOUTS))).split(",")
+    if set(args.layouts) - set(LAYOUTS):
+        p.error(f"--layouts must name some of {LAYOUTS}")
     args.tokens = args.tokens or list(QUICK_TOKENS if args.quick else DEFAULT_TOKENS)
     args.repeats = args.repeats or (2 if args.quick else 5)
     if args.device == "cuda" and not torch.cuda.is_available():
@@ -1049,35 +863,22 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def run(args: argparse.Namespace, argv: Sequence[str]) -> dict[str, Any]:
-    all_layouts = make_layouts(args.device)
-    unknown = set(args.layouts) - set(all_layouts)
-    if unknown:
-        raise ValueError(f"unknown layouts {sorted(unknown)}; choose from {sorted(all_layouts)}")
-    layouts = {name: all_layouts[name] for name in args.layouts}
-    points, skipped = plan(args.connectors, layouts, args.tokens, args.max_bytes, args.device)
-    load_start = os.getloadavg()[0]
+def measure(args: argparse.Namespace) -> dict[str, Any]:
+    layouts = {n: lay for n, lay in make_layouts(args.device).items() if n in args.layouts}
+    points, skipped = plan(args, layouts)
     results = []
     for connector in args.connectors:
         mine = [p for p in points if p.connector == connector]
-        if mine:
-            results += run_connector(connector, mine, args.repeats, args.device)
+        results += run_connector(connector, mine, args.repeats, args.device) if mine else []
+    per_token = {n: lay.page_bytes * lay.num_layers // lay.block_size for n, lay in layouts.items()}
     report = {
-        "benchmark": "kv_transfer",
-        "command": command_line("bench_kv_transfer.py", list(argv)),
-        "machine": machine(),
         "device": args.device,
         "repeats": args.repeats,
         "max_bytes": args.max_bytes,
         "goals": GOALS,
         "raw": RAW_NAMES,
-        "load_avg": [load_start, os.getloadavg()[0]],
         "layouts": {
-            n: {
-                **lay.to_dict(),
-                "bytes_per_token": lay.page_bytes * lay.num_layers // lay.block_size,
-            }
-            for n, lay in layouts.items()
+            n: {**lay.to_dict(), "bytes_per_token": per_token[n]} for n, lay in layouts.items()
         },
         "results": results,
         "skipped": skipped,
@@ -1098,9 +899,8 @@ def run_connector(connector: str, points: list[Point], repeats: int, device: str
     try:
         results = []
         for point in points:
-            row = bench.run_point(point, repeats)
-            print(progress_line(row), flush=True)
-            results.append(row)
+            results.append(bench.run_point(point, repeats))
+            print(progress_line(results[-1]), flush=True)
         return results
     finally:
         bench.close()
@@ -1123,7 +923,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.child:
         child_main(args.child, args.device)
         return 0
-    report = run(args, argv)
+    script = "bench_kv_transfer.py"
+    report = measure_or_load(args, "kv_transfer", script, argv, lambda: measure(args))
     for s in report["skipped"]:
         print(f"skipped {s['connector']} {s['layout']} {fmt_tokens(s['tokens'])}: {s['reason']}")
     publish("kv_transfer", report, args.outputs, plot, section)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -90,14 +91,20 @@ def test_plot_and_section_land_in_out_not_docs(quick) -> None:
     page = (out / "benchmarks.md").read_text()
     section = page.split("<!-- BEGIN kv_transfer -->")[1].split("<!-- END kv_transfer -->")[0]
     assert report["command"] in section and "--quick" in report["command"]
-    for connector in CONNECTORS:
-        assert f"- {connector}: " in section  # the goal line, met or missed
-    assert "Skipped points" in section and section.count("| tiny |") == 2 * len(CONNECTORS)
+    rows = section.splitlines()
+    for connector in CONNECTORS:  # the goal at its largest point, met or missed as measured
+        s = report["summary"][connector]
+        status = "met" if s["ratio_at_largest"] >= s["goal"] else "missed"
+        goal = [row for row in rows if row.startswith(f"| {connector} >= {s['goal']} x raw ")]
+        assert len(goal) == 1 and goal[0].endswith(f"| {status} |"), goal
+    for tokens in (128, 512):
+        assert section.count(f"| tiny | {tokens} |") == len(CONNECTORS)
     names = ", ".join(c for c in ("zmq", "nccl", "shm", "nixl") if c in CONNECTORS)
-    assert f"- tiny 32k ({names}): KV bytes" in section
-    assert "Serial pass model" in section
-    for connector in CONNECTORS:
-        assert f"{connector} " in section.split("Serial pass model")[1].split("\n")[0]
+    assert "Skipped points" in section and f"| tiny | 32k | {names} | KV bytes" in section
+    assert "serial pass model" in section
+    for connector in CONNECTORS:  # predicted (measured) ratio of the serial pass model
+        row = rf"^\| {connector} \| \d of 2 \| [^|]+ \| \d+\.\d\d \(\d+\.\d\d\) \|$"
+        assert re.search(row, section, re.MULTILINE), connector
 
 
 def test_pass_model_adds_the_extra_passes_to_the_raw_time() -> None:
