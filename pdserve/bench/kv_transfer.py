@@ -673,7 +673,8 @@ def pass_model(report: dict[str, Any]) -> dict[str, tuple[float, float]]:
 
 def connector_tables(report: dict[str, Any]) -> list[str]:
     """The goals at each connector's largest point, then each connector across its points."""
-    summary, model = report["summary"], pass_model(report)
+    model = pass_model(report)
+    summary = {c: report["summary"][c] for c in CONNECTORS if c in report["summary"]}
     goals = [
         goal(
             f"{c} >= {s['goal']} x raw {RAW_NAMES[c]} GB/s ({s['largest']})",
