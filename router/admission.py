@@ -2,32 +2,10 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
+from pdserve.router.config import RouterLimits
 from pdserve.router.errors import RETRY_AFTER_S, APIError
 
-
-@dataclass(frozen=True, slots=True)
-class RouterLimits:
-    """Bounds that keep the router's memory and the cluster's queues finite.
-
-    max_request_bytes bounds one request body. max_queued_requests bounds the backend
-    requests (choices) admitted and not yet finished, and max_queued_tokens their prompt
-    tokens; the router does not know how many of them the nodes run at once, so the bounds
-    count running and waiting ones alike. Beyond either bound a request gets 503 with
-    Retry-After at once, without reaching the backend. A request larger than the token
-    bound alone is still admitted when nothing else is in flight, so every valid request can
-    eventually be served.
-    """
-
-    max_request_bytes: int = 16 * 1024**2
-    max_queued_requests: int = 1024
-    max_queued_tokens: int = 1024**2
-
-    def __post_init__(self) -> None:
-        for name in ("max_request_bytes", "max_queued_requests", "max_queued_tokens"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
+__all__ = ["Admission", "RouterLimits", "Ticket"]
 
 
 class Admission:

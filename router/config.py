@@ -9,12 +9,37 @@ from dataclasses import dataclass
 
 from pdserve.common.node.cli import add_options, options_of
 from pdserve.common.node.config import option
-from pdserve.router.admission import RouterLimits
 from pdserve.router.cluster.placement import PLACEMENTS, PlacementConfig
 from pdserve.router.cluster.policies import POLICIES
 from pdserve.router.tools import PARSERS
 
 API, CLUSTER, LIMITS, SECURITY = "HTTP API", "cluster", "limits and admission", "security"
+
+
+@dataclass(frozen=True, slots=True)
+class RouterLimits:
+    """Bounds that keep the router's memory and the cluster's queues finite (`Admission`
+    enforces them; here, not there, so that reading flags imports no web framework).
+
+    max_request_bytes bounds one request body. max_queued_requests bounds the backend
+    requests (choices) admitted and not yet finished, and max_queued_tokens their prompt
+    tokens; the router does not know how many of them the nodes run at once, so the bounds
+    count running and waiting ones alike. Beyond either bound a request gets 503 with
+    Retry-After at once, without reaching the backend. A request larger than the token
+    bound alone is still admitted when nothing else is in flight, so every valid request can
+    eventually be served.
+    """
+
+    max_request_bytes: int = 16 * 1024**2
+    max_queued_requests: int = 1024
+    max_queued_tokens: int = 1024**2
+
+    def __post_init__(self) -> None:
+        for name in ("max_request_bytes", "max_queued_requests", "max_queued_tokens"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
+
+
 _LIMITS = RouterLimits()  # the admission bounds' defaults are RouterLimits' own
 
 

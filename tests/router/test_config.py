@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import argparse
 import re
+import subprocess
+import sys
 from dataclasses import fields, replace
 
 import pytest
@@ -125,3 +127,15 @@ def test_a_bad_value_fails_the_config_itself() -> None:
     for bad in ({"policy": "nope"}, {"tool_call_parser": "nope"}, {"model": ""}):
         with pytest.raises(ValueError):
             RouterConfig(**{"model": "m", **bad})
+
+
+def test_reading_the_router_flags_imports_no_web_framework() -> None:
+    """`pdserve serve` reads the router's flags without loading FastAPI (its router child
+    does): RouterConfig and RouterLimits live apart from the app."""
+    code = (
+        "import sys, pdserve.serve, pdserve.router.config\n"
+        "bad = sorted(m for m in sys.modules if m.split('.')[0] in ('fastapi', 'pydantic'))\n"
+        "assert not bad, bad\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
