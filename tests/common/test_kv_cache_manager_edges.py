@@ -126,3 +126,20 @@ def test_integrity_checks_the_first_usable_block_too() -> None:
     kv.req_blocks["a"].append(kv.pool.blocks[1])  # owned twice, referenced once
     with pytest.raises(AssertionError, match="ref_cnt != 2 owners"):
         kv.check_integrity()
+
+
+def test_each_block_is_offered_to_the_index_once_when_it_fills() -> None:
+    """A private copy (its twin was indexed first) stays private: a later step of its request
+    does not offer it again, even once the twin has been evicted."""
+    kv = KVCacheManager(num_blocks=4, block_size=BS)  # 3 usable blocks
+    a = req("a", [1, 2, 3, 4])
+    prefill(kv, a)
+    (h0,) = hash_token_blocks([1, 2, 3, 4], BS)
+    b = req("b", [1, 2, 3, 4, 5])
+    assert kv.allocate_slots(b, 5) is not None  # no hits passed: b's first block is a copy
+    b.num_computed_tokens = 5
+    kv.free(a)
+    prefill(kv, req("c", [7, 7, 7, 7]))  # takes a's block: the twin is evicted
+    assert kv.pool.get_cached_block(h0) is None
+    decode(kv, b, 6)
+    assert kv.pool.get_cached_block(h0) is None
