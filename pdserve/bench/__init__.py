@@ -1,21 +1,5 @@
-"""`pdserve bench NAME ...`: the benchmarks, each measured against a baseline of the same run.
-
-| name | measures |
-|---|---|
-| serve | a running server under load: TTFT, ITL, throughput (any OpenAI-compatible URL) |
-| kv-transfer | each KV connector against its raw transport |
-| offline | `LLM` against HF `generate`, and both against the hardware floor |
-| compare | colocated, 1P1D and `transformers serve`, side by side |
-| kernels | the Triton kernels against their torch references |
-| reliability | the fault-injection scenarios, figures for docs/reliability.md |
-| chaos | steady load on `pdserve serve` (2P2D, 2 routers) while random children are killed |
-| structured | the structured-output mask's cost per decode step, with and without a grammar |
-| router | one router's ceiling (requests/s, tokens/s) with nodes that answer at once, and two |
-| multihost | TTFT through 1P1D on separate hosts with added KV-link latency (needs root) |
-| compile | compiled decode steps against eager ones and the weight-bandwidth floor |
-| multiturn | multi-turn chat: KV moved per turn and TTFT, colocated against three 1P1D setups |
-| gpu | one CUDA GPU: decode, prefill and attention against the measured floor, HF, KV transfer |
-"""
+"""`pdserve bench NAME ...`: the benchmarks, each measured against a baseline of the same run
+(`pdserve bench --help` lists them)."""
 
 from __future__ import annotations
 

@@ -1,14 +1,6 @@
-"""Where a serving benchmark's engine time goes: the same requests through the engine alone.
-
-`bench compare` ends with this probe. The saturation run's requests (all at once, as at rate
-inf) go through an `LLMEngine` built from the nodes' own engine flags, in this process with the
-servers' thread count and nothing around it (no HTTP, router or detokenizer): once timed, once
-under torch.profiler. The profile splits the engine's CPU time into matrix multiplies (the
-linears and LM head: the same FLOPs any server of this model in float32 computes), attention
-and the rest. A server that is N times faster than another must finish the run in 1/N of the
-other's time; when the matmuls alone take longer than that, N is out of reach on this hardware
-whatever the serving path does.
-"""
+"""Where a serving benchmark's engine time goes: `bench compare`'s saturation requests through
+the engine alone, in this process (no HTTP, router or detokenizer), timed, then under
+torch.profiler, its CPU time split into matmuls, attention and the rest."""
 
 from __future__ import annotations
 

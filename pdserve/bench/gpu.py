@@ -1,17 +1,13 @@
-"""pdserve on one CUDA GPU against the hardware floor and HF transformers (docs/gpu.md).
+"""pdserve on one CUDA GPU against the measured floor, HF transformers and KV transfer; what
+each part measures: docs/gpu.md.
 
-A Llama-3-8B-shaped model with random bf16 weights made on the device (`load_format="dummy"`):
-decode steps at several batch sizes against the bytes they must read over the device's copy
-bandwidth, prefill against the matmul rate, the decode attention kernel's GB/s, the engine's
-decode throughput against HF `generate`, and KV transfer per connector between two processes.
-Both ceilings are measured in the same run. Writes gpu.json under --out; prints tables.
+    pdserve bench gpu --out DIR      # = python scripts/bench_gpu.py: DIR/gpu.json, tables
 """
 
 from __future__ import annotations
 
 import gc
 import json
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -22,7 +18,7 @@ from typing import Any
 
 import torch
 
-from pdserve.bench.report import markdown_table
+from pdserve.bench.report import cuda_ms, markdown_table
 from pdserve.common.node.cli import parser
 
 LLAMA3_8B = {
@@ -44,21 +40,6 @@ LLAMA3_8B = {
     "eos_token_id": 128001,
 }
 BLOCK_SIZE = 16
-
-
-def cuda_ms(fn: Callable[[], Any], iters: int = 20, warmup: int = 3) -> float:
-    """Median milliseconds of fn() between CUDA events, after warm-up runs."""
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
 
 
 def graph_ms(fn: Callable[[], Any], calls: int = 20) -> float:
@@ -316,11 +297,15 @@ def bench_hf(model_dir: Path, batch: int, prompt: int, new: int) -> float:
     return batch * new / seconds
 
 
+def kv_transfer_argv(out: Path) -> list[str]:
+    """The flags of the KV part's `pdserve bench kv-transfer`: the 8B layout on the device."""
+    return ["--device", "cuda", "--layouts", "llama3-8b", "--tokens", "2k,8k",
+            "--max-bytes", "2G", "--repeats", "3", "--out", str(out / "kv")]  # fmt: skip
+
+
 def bench_kv_transfer(out: Path) -> dict[str, Any]:
     """`pdserve bench kv-transfer` on the device, 8B layout: each connector vs its transport."""
-    cmd = [sys.executable, "-m", "pdserve.bench.kv_transfer", "--device", "cuda",
-           "--layouts", "llama3-8b", "--tokens", "2k,8k", "--max-bytes", "2G",
-           "--repeats", "3", "--out", str(out / "kv")]  # fmt: skip
+    cmd = [sys.executable, "-m", "pdserve.bench.kv_transfer", *kv_transfer_argv(out)]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=160)
     print(done.stdout[-3000:], done.stderr[-3000:], flush=True)
     path = out / "kv" / "kv_transfer.json"
@@ -328,6 +313,7 @@ def bench_kv_transfer(out: Path) -> dict[str, Any]:
 
 
 def table(rows: list[dict[str, Any]]) -> str:
+    """Rows of differing keys as one table: every key a column, in first-seen order."""
     keys = list(dict.fromkeys(k for r in rows for k in r))
     return markdown_table(keys, [[r.get(k, "") for k in keys] for r in rows])
 

@@ -1,10 +1,7 @@
-"""Achieved memory bandwidth of each Triton kernel on one CUDA device, written as JSON.
+"""Achieved memory bandwidth of each Triton kernel on one CUDA device (all three are memory
+bound: bytes a perfect kernel moves / time), as JSON; without CUDA, nothing to time: exit 0.
 
-    pdserve bench kernels --out bench.json
-    python scripts/bench_kernels.py --out bench.json     # the same, as the docs cite it
-
-All three kernels are memory bound, so GB/s (bytes a perfect kernel must move / time) is the
-figure to compare against the device's peak. Without CUDA there is nothing to time: exit 0.
+    pdserve bench kernels --out bench.json      # = python scripts/bench_kernels.py
 """
 
 from __future__ import annotations
