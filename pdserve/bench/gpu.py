@@ -6,6 +6,7 @@ each part measures: docs/gpu.md.
 
 from __future__ import annotations
 
+import argparse
 import gc
 import json
 import subprocess
@@ -297,6 +298,11 @@ def bench_hf(model_dir: Path, batch: int, prompt: int, new: int) -> float:
     return batch * new / seconds
 
 
+def bench_hf_part(report: dict[str, Any], model_dir: Path, _context: int) -> None:
+    report["hf_tokens_s"] = {b: bench_hf(model_dir, b, 128, 128) for b in (1, 32)}
+    print("hf", report["hf_tokens_s"], flush=True)
+
+
 def kv_transfer_argv(out: Path) -> list[str]:
     """The flags of the KV part's `pdserve bench kv-transfer`: the 8B layout on the device."""
     return ["--device", "cuda", "--layouts", "llama3-8b", "--tokens", "2k,8k",
@@ -318,7 +324,7 @@ def table(rows: list[dict[str, Any]]) -> str:
     return markdown_table(keys, [[r.get(k, "") for k in keys] for r in rows])
 
 
-def main(argv: list[str] | None = None) -> int:
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = parser("pdserve bench gpu", __doc__.split("\n\n")[0])
     run = p.add_argument_group("run")
     run.add_argument(
@@ -330,7 +336,27 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument_group("output").add_argument(
         "--out", type=Path, required=True, help="folder for gpu.json (and kv/ of the KV part)"
     )
-    args = p.parse_args(argv)
+    return p.parse_args(argv)
+
+
+def bench_model(report: dict[str, Any], model_dir: Path, context: int) -> None:
+    """The engine on the random 8B: start-up, decode and prefill steps, generate throughput."""
+    ceil = report["ceilings"]
+    start = time.perf_counter()
+    llm = make_llm(model_dir, max_num_seqs=128)
+    report["engine_start_s"] = time.perf_counter() - start
+    report["compile_s"] = llm.engine.runner.compiled.compile_seconds
+    report["decode"] = bench_decode(llm, ceil["copy_gb_s"], context)
+    print(f"\n## decode\n{table(report['decode'])}", flush=True)
+    report["prefill"] = bench_prefill(llm, ceil["matmul_tflops"])
+    print(f"\n## prefill\n{table(report['prefill'])}", flush=True)
+    report["engine_tokens_s"] = {b: bench_engine(llm, b, 128, 128) for b in (1, 32)}
+    print("engine", report["engine_tokens_s"], flush=True)
+    del llm
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
     if not torch.cuda.is_available():
         sys.exit("pdserve bench gpu: needs a CUDA device")
     parts = set(args.parts.split(","))
@@ -351,30 +377,12 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = Path(tmp)
         (model_dir / "config.json").write_text(json.dumps(LLAMA3_8B))
-        shape = {"batch": 32, "prompt": 128, "new": 128}
-        if "hf" in parts:
-            report["hf_tokens_s"] = {b: bench_hf(model_dir, b, 128, 128) for b in (1, 32)}
-            print("hf", report["hf_tokens_s"], flush=True)
-            gc.collect()
-            torch.cuda.empty_cache()
-            save()
-        if "model" in parts:
-            start = time.perf_counter()
-            llm = make_llm(model_dir, max_num_seqs=128)
-            report["engine_start_s"] = time.perf_counter() - start
-            report["compile_s"] = llm.engine.runner.compiled.compile_seconds
-            report["decode"] = bench_decode(llm, ceil["copy_gb_s"], args.context)
-            print(f"\n## decode\n{table(report['decode'])}", flush=True)
-            report["prefill"] = bench_prefill(llm, ceil["matmul_tflops"])
-            print(f"\n## prefill\n{table(report['prefill'])}", flush=True)
-            report["engine_tokens_s"] = {
-                b: bench_engine(llm, b, shape["prompt"], shape["new"]) for b in (1, 32)
-            }
-            print("engine", report["engine_tokens_s"], flush=True)
-            save()
-            del llm
-            gc.collect()
-            torch.cuda.empty_cache()
+        for part, run in (("hf", bench_hf_part), ("model", bench_model)):
+            if part in parts:
+                run(report, model_dir, args.context)
+                gc.collect()
+                torch.cuda.empty_cache()
+                save()
     if "kv" in parts:
         report["kv_transfer"] = bench_kv_transfer(args.out)
         save()
