@@ -38,10 +38,9 @@ class DecodeNode(EngineNode):
         self, model: ModelConfig, cache: CacheConfig, scheduler: SchedulerConfig, node: NodeConfig
     ) -> None:
         super().__init__(model, cache, scheduler, node)
-        self.kv_port = KVPort.of_engine(
-            self.engine,
-            model.model_dir,
+        self.kv_port = KVPort(
             node.kv_connector,
+            self.engine.kv_layout(),
             self.curve,
             advertise_host=self.advertise_host,
         )

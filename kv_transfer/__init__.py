@@ -4,6 +4,7 @@ Pick a connector by name (`zmq`, `nccl`, `shm`) with `create_sender` / `create_r
 holds its end of the data plane in a `KVPort`.
 """
 
+from pdserve.common.wire.kv_layout import KVLayout
 from pdserve.kv_transfer.base import (
     KVReceiver,
     KVSender,
@@ -15,7 +16,6 @@ from pdserve.kv_transfer.base import (
     create_receiver,
     create_sender,
 )
-from pdserve.kv_transfer.layout import KVLayout, node_layout
 from pdserve.kv_transfer.port import KVPort
 
 __all__ = [
@@ -30,5 +30,4 @@ __all__ = [
     "connector_names",
     "create_receiver",
     "create_sender",
-    "node_layout",
 ]

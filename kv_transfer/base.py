@@ -18,8 +18,8 @@ from typing import Any
 import torch
 
 from pdserve.common.engine.request import FirstToken
+from pdserve.common.wire.kv_layout import KVLayout
 from pdserve.common.wire.security import CurveKeys
-from pdserve.kv_transfer.layout import KVLayout
 
 
 class LayoutMismatchError(ValueError):

@@ -19,7 +19,8 @@ import zmq
 
 from pdserve.common.engine.request import FirstToken
 from pdserve.common.process import host_id
-from pdserve.common.wire.messages import MAX_MESSAGE_BYTES, Message, ProtocolError, decode, encode
+from pdserve.common.wire.kv_layout import KVLayout
+from pdserve.common.wire.messages import MAX_MESSAGE_BYTES, Message, ProtocolError, encode
 from pdserve.common.wire.security import CurveKeys, admit_cluster_keys
 from pdserve.kernels import ops
 from pdserve.kv_transfer.base import (
@@ -31,8 +32,8 @@ from pdserve.kv_transfer.base import (
     TransferTimeout,
 )
 from pdserve.kv_transfer.bookkeeping import ReceiveBook, SendBook
-from pdserve.kv_transfer.layout import KVLayout
 from pdserve.kv_transfer.wire import (
+    KV_PLANE,
     KVDone,
     KVHello,
     KVPage,
@@ -95,9 +96,7 @@ class ChannelSender(KVSender):
         self._sock, self._endpoint = sock, endpoint
         try:
             layout = self.layout
-            hello = KVHello(
-                self.sender_id, self.CONNECTOR, layout.digest(), layout.to_dict(), host_id()
-            )
+            hello = KVHello(self.sender_id, self.CONNECTOR, layout.digest(), layout, host_id())
             self._send(hello)
             reply = self._wait_for((KVWelcome, KVRefused), time.monotonic() + timeout, "handshake")
             if isinstance(reply, KVRefused):
@@ -197,7 +196,7 @@ class ChannelSender(KVSender):
             if remaining <= 0 or not self._sock.poll(_ms(remaining)):
                 raise TransferTimeout(f"{what}: no answer from {self._endpoint} in time")
             try:
-                msg = decode(self._sock.recv())
+                msg = KV_PLANE.decode(self._sock.recv())
             except ProtocolError:
                 continue  # a broken reply is as good as none; the deadline still holds
             if isinstance(msg, kinds):
@@ -365,7 +364,7 @@ class ChannelReceiver(KVReceiver):
     def _handle(self, frames: list[zmq.Frame]) -> None:
         identity = frames[0].bytes
         try:
-            msg = decode(frames[1].bytes) if len(frames) >= 2 else None
+            msg = KV_PLANE.decode(frames[1].bytes) if len(frames) >= 2 else None
         except ProtocolError:
             msg = None
         if msg is None:
@@ -404,10 +403,7 @@ class ChannelReceiver(KVReceiver):
             return KVRefused(
                 "connector", f"receiver is {self.CONNECTOR!r}, not {hello.connector!r}"
             )
-        try:
-            theirs = KVLayout.from_dict(hello.layout)
-        except (TypeError, ValueError) as exc:
-            return KVRefused("malformed", f"bad layout: {exc}")
+        theirs = hello.layout  # typed and validated by the decoder
         if theirs.digest() != hello.digest:
             return KVRefused("malformed", "layout digest does not match the layout sent")
         if hello.digest != self.layout.digest():

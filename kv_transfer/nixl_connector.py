@@ -49,11 +49,11 @@ import msgpack
 import torch
 
 from pdserve.common.engine.request import FirstToken
-from pdserve.common.wire.messages import Message, ProtocolError, decode
+from pdserve.common.wire.kv_layout import KVLayout
+from pdserve.common.wire.messages import Message, ProtocolError
 from pdserve.common.wire.security import CurveKeys
 from pdserve.kv_transfer.base import TransferError
 from pdserve.kv_transfer.channel import ChannelSender
-from pdserve.kv_transfer.layout import KVLayout
 from pdserve.kv_transfer.nixl_agent import (
     Agent,
     finish_handle,
@@ -71,6 +71,7 @@ from pdserve.kv_transfer.nixl_wire import (
     pages_digest,
 )
 from pdserve.kv_transfer.wire import (
+    KV_PLANE,
     KVDone,
     KVRefused,
     check_welcome,
@@ -161,7 +162,7 @@ class NixlSender(ChannelSender):
         sock = self._sock
         while sock is not None and sock.poll(0):
             try:
-                msg = decode(sock.recv())
+                msg = KV_PLANE.decode(sock.recv())
             except ProtocolError:
                 continue
             self._on_message(msg)

@@ -15,11 +15,11 @@ import msgpack
 import torch
 import zmq
 
-from pdserve.common.wire.messages import Message, ProtocolError, decode
+from pdserve.common.wire.kv_layout import KVLayout
+from pdserve.common.wire.messages import Message, ProtocolError
 from pdserve.common.wire.security import CurveKeys
 from pdserve.kv_transfer.base import TransferResult
 from pdserve.kv_transfer.channel import ChannelReceiver, Peer
-from pdserve.kv_transfer.layout import KVLayout
 from pdserve.kv_transfer.nixl_agent import Agent, describe_caches
 from pdserve.kv_transfer.nixl_wire import (
     NIXL_CHECKSUM,
@@ -31,6 +31,7 @@ from pdserve.kv_transfer.nixl_wire import (
     pages_digest,
 )
 from pdserve.kv_transfer.wire import (
+    KV_PLANE,
     KVDone,
     KVHello,
     KVRefused,
@@ -164,12 +165,12 @@ class NixlReceiver(ChannelReceiver):
         msg = None
         if len(frames) == 2 and identity in self._peers:
             try:
-                msg = decode(frames[1].bytes)
+                msg = KV_PLANE.decode(frames[1].bytes)
             except ProtocolError:
                 msg = None
         elif len(frames) == 2:
             try:
-                if isinstance(decode(frames[1].bytes), KVHello):
+                if isinstance(KV_PLANE.decode(frames[1].bytes), KVHello):
                     super()._handle(frames)
                     return
             except ProtocolError:

@@ -12,7 +12,8 @@ from typing import ClassVar
 import msgpack
 import torch
 
-from pdserve.common.wire.messages import Message, message
+from pdserve.common.wire.messages import Message
+from pdserve.kv_transfer.wire import kv_message
 
 # The checksum of a transfer's pages (see `pages_digest`).
 NIXL_CHECKSUM = "pdserve-nixl-pages/2"
@@ -22,7 +23,7 @@ _MASK64 = (1 << 64) - 1
 # -- side-channel messages --------------------------------------------------------------------
 
 
-@message
+@kv_message
 @dataclass(frozen=True, slots=True)
 class KVExpect(Message):
     """Receiver -> every sender: the blocks reserved for a transfer, the only ones a sender
@@ -33,7 +34,7 @@ class KVExpect(Message):
     block_ids: tuple[int, ...]
 
 
-@message
+@kv_message
 @dataclass(frozen=True, slots=True)
 class KVCancel(Message):
     """Receiver -> every sender: never write this transfer again; answer KVSettled."""
@@ -42,7 +43,7 @@ class KVCancel(Message):
     xfer_id: str
 
 
-@message
+@kv_message
 @dataclass(frozen=True, slots=True)
 class KVSettled(Message):
     """Sender -> receiver: nothing of this transfer is in flight from here, and nothing more

@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 
 from pdserve.common.process import host_id
+from pdserve.common.wire.kv_layout import KVLayout
 from pdserve.common.wire.security import CurveKeys
 from pdserve.kv_transfer.base import (
     KVReceiver,
@@ -15,10 +14,6 @@ from pdserve.kv_transfer.base import (
     create_receiver,
     create_sender,
 )
-from pdserve.kv_transfer.layout import KVLayout, node_layout
-
-if TYPE_CHECKING:
-    from pdserve.common.engine.llm_engine import LLMEngine
 
 
 class KVPort:
@@ -48,20 +43,6 @@ class KVPort:
         self.senders: dict[str, KVSender] = {}  # receiver endpoint -> connected sender
         self._instances: dict[str, str] = {}  # receiver endpoint -> the process behind it
         self.receiver: KVReceiver | None = None
-
-    @classmethod
-    def of_engine(
-        cls,
-        engine: LLMEngine,
-        model_dir: str,
-        connector: str,
-        curve: CurveKeys | None = None,
-        connect_timeout: float = 10.0,
-        advertise_host: str = "127.0.0.1",
-    ) -> KVPort:
-        """The port of a running engine's KV cache."""
-        layout = node_layout(engine, model_dir)
-        return cls(connector, layout, curve, connect_timeout, advertise_host)
 
     @property
     def endpoint(self) -> str:

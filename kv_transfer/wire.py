@@ -1,9 +1,10 @@
 """Data-plane messages, page checksums and byte views shared by every connector.
 
-Headers are messages of `common.protocol` (msgpack maps with `type` and `version`, strictly
-decoded, no pickle); their types start with `kvx.` so they never collide with control-plane
-messages. Page bytes never go through msgpack: they travel as raw frames, NCCL/gloo tensors or
-shared memory, and the header says what they are.
+Headers are messages of their own plane, `KV_PLANE` (msgpack maps with `type` and `version`,
+strictly decoded as control messages are, no pickle): a control message on a KV socket, or a KV
+message on a control socket, is an unknown type there. Page bytes never go through msgpack:
+they travel as raw frames, NCCL/gloo tensors or shared memory, and the header says what they
+are.
 """
 
 from __future__ import annotations
@@ -21,14 +22,17 @@ import torch
 import torch.nn.functional as F
 
 from pdserve.common.engine.request import FirstToken
-from pdserve.common.wire.messages import Message, message
+from pdserve.common.wire.kv_layout import KVLayout
+from pdserve.common.wire.messages import Message, Plane
 from pdserve.kv_transfer.base import TransferError, TransferTimeout
-from pdserve.kv_transfer.layout import KVLayout
 
 _MASK64 = (1 << 64) - 1
 
+KV_PLANE = Plane("KV data")  # the messages of every connector's sockets
+kv_message = KV_PLANE.register
 
-@message
+
+@kv_message
 @dataclass(frozen=True, slots=True)
 class KVHello(Message):
     """Sender -> receiver, first message on a connection."""
@@ -37,11 +41,11 @@ class KVHello(Message):
     sender_id: str
     connector: str
     digest: str
-    layout: dict[str, Any]
+    layout: KVLayout
     host_id: str = ""  # the sender's host (`pdserve.common.process.host_id`)
 
 
-@message
+@kv_message
 @dataclass(frozen=True, slots=True)
 class KVWelcome(Message):
     """Receiver -> sender: handshake accepted; `extra` is what the connector needs (a store
@@ -52,7 +56,7 @@ class KVWelcome(Message):
     extra: dict[str, Any] = field(default_factory=dict)
 
 
-@message
+@kv_message
 @dataclass(frozen=True, slots=True)
 class KVRefused(Message):
     """Receiver -> sender: handshake refused. `code` is `layout`, `connector`, `host`
@@ -63,7 +67,7 @@ class KVRefused(Message):
     reason: str
 
 
-@message
+@kv_message
 @dataclass(frozen=True, slots=True)
 class KVPage(Message):
     """Header of one frame of pages: `shape` = [2, len(dst_block_ids), block_size, heads, dim].
@@ -81,7 +85,7 @@ class KVPage(Message):
     offset: int = -1
 
 
-@message
+@kv_message
 @dataclass(frozen=True, slots=True)
 class KVDone(Message):
     """Sender -> receiver: end of a transfer, with what the receiver must have seen, and the
@@ -105,7 +109,7 @@ class KVDone(Message):
     writes: int = -1
 
 
-@message
+@kv_message
 @dataclass(frozen=True, slots=True)
 class KVCredit(Message):
     """Receiver -> shm sender: staging bytes up to `consumed` (absolute) may be reused."""

@@ -46,10 +46,9 @@ class PrefillNode(EngineNode):
         if model.enforce_eager is None:  # it runs prompts only: compiled decode steps never run
             model = replace(model, enforce_eager=True)
         super().__init__(model, cache, scheduler, node)
-        self.kv_port = KVPort.of_engine(
-            self.engine,
-            model.model_dir,
+        self.kv_port = KVPort(
             node.kv_connector,
+            self.engine.kv_layout(),
             self.curve,
             node.connect_timeout,
             self.advertise_host,

@@ -13,6 +13,8 @@ from pdserve.common.engine.sampling_params import SamplingParams
 from pdserve.common.engine.scheduler import RequestUpdate, Scheduler, SchedulerOutput
 from pdserve.common.engine.structured import StructuredOutputs
 from pdserve.common.model.checkpoint import Checkpoint
+from pdserve.common.model.weights import model_fingerprint
+from pdserve.common.wire.kv_layout import KVLayout
 
 # Given a step's batch, a callback `f(layer)` for its forward, or None (see LLMEngine.step).
 LayerHook = Callable[[SchedulerOutput], Callable[[int], None] | None]
@@ -130,6 +132,19 @@ class LLMEngine:
             arch = self.runner.arch
             self._structured = StructuredOutputs(tokenizer, arch.vocab_size, arch.eos_token_ids)
         return self._structured
+
+    def kv_layout(self) -> KVLayout:
+        """What one page of this engine's KV cache means, as the KV handshake and the
+        router's pairing compare it."""
+        arch = self.runner.arch
+        return KVLayout(
+            model_id=model_fingerprint(self.model_config.model_dir),
+            dtype=str(self.runner.dtype).removeprefix("torch."),
+            num_layers=arch.num_layers,
+            num_kv_heads=arch.num_kv_heads,
+            head_dim=arch.head_dim,
+            block_size=self.runner.block_size,
+        )
 
     def abort(self, request_id: str) -> None:
         self.scheduler.abort(request_id)

@@ -98,7 +98,7 @@ class Membership:
             max_model_len=node.engine.max_model_len,
             incarnation=node.incarnation,
             host_id=port.host_id if port else "",
-            kv_layout=port.layout.to_dict() if port else {},
+            kv_layout=port.layout if port else None,
         )
         if link is None:
             self.control.broadcast(msg)

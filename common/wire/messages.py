@@ -21,10 +21,12 @@ import msgpack
 
 from pdserve.common.engine.request import TokenLogprobs
 from pdserve.common.engine.sampling_params import SamplingParams
+from pdserve.common.wire.kv_layout import KVLayout
 
-PROTOCOL_VERSION = 5  # 2: typed failure kinds, incarnations, Reregister; 3: Registered,
+PROTOCOL_VERSION = 6  # 2: typed failure kinds, incarnations, Reregister; 3: Registered,
 # host ids; 4: the decode side's cached tokens in Reserved/Prefill, measured rates; 5: typed
-# sampling parameters and logprobs (maps checked field by field), KVDone's typed first token
+# sampling parameters and logprobs (maps checked field by field), KVDone's typed first token;
+# 6: KV layouts typed (RegisterNode, KVHello), the KV data plane decoded on its own
 MAX_MESSAGE_BYTES = 32 * 1024 * 1024  # a 1M-token prompt of int64 ids fits with room to spare
 
 
@@ -38,21 +40,53 @@ class ProtocolError(ValueError):
         self.request_id = request_id
 
 
-_REGISTRY: dict[str, type[Message]] = {}
-
-
 @dataclass(frozen=True, slots=True)
 class Message:
-    """Base of every control message; subclasses set TYPE and are registered by @message."""
+    """Base of every message; subclasses set TYPE and are registered with one plane."""
 
     TYPE: ClassVar[str] = ""
 
 
-def message(cls: type[Message]) -> type[Message]:
-    """Register a message class under its TYPE (once)."""
-    assert cls.TYPE and cls.TYPE not in _REGISTRY, f"bad or duplicate message type {cls.TYPE!r}"
-    _REGISTRY[cls.TYPE] = cls
-    return cls
+class Plane:
+    """The message types one kind of socket carries. The control plane (router <-> nodes) and
+    the KV data plane (prefill -> decode) are separate: a frame of one plane arriving on the
+    other's socket is refused as an unknown type."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.types: dict[str, type[Message]] = {}
+
+    def register(self, cls: type[Message]) -> type[Message]:
+        """Register a message class under its TYPE (once)."""
+        assert cls.TYPE and cls.TYPE not in self.types, f"bad or duplicate type {cls.TYPE!r}"
+        self.types[cls.TYPE] = cls
+        return cls
+
+    def decode(self, frame: bytes) -> Message:
+        """Parse and type-check one frame; ProtocolError on anything unexpected."""
+        if len(frame) > MAX_MESSAGE_BYTES:
+            raise ProtocolError(f"message of {len(frame)} bytes exceeds {MAX_MESSAGE_BYTES}")
+        try:
+            body = msgpack.unpackb(frame, raw=False, strict_map_key=True)
+        except Exception as exc:  # msgpack raises several unrelated types on garbage
+            raise ProtocolError(f"undecodable message: {type(exc).__name__}") from None
+        if not isinstance(body, dict):
+            raise ProtocolError("message is not a map")
+        cls = self.types.get(body.pop("type", None))  # type: ignore[arg-type]
+        if cls is None:
+            raise ProtocolError(f"unknown message type on the {self.name} plane")
+        if body.pop("version", None) != PROTOCOL_VERSION:
+            raise ProtocolError(f"{cls.TYPE}: protocol version must be {PROTOCOL_VERSION}")
+        try:
+            return _build(cls, body, cls.TYPE)
+        except ProtocolError as exc:
+            rid = body.get("request_id")
+            raise ProtocolError(str(exc), rid if isinstance(rid, str) else "") from None
+
+
+CONTROL = Plane("control")
+message = CONTROL.register  # the control messages below; the KV data plane has its own
+decode = CONTROL.decode
 
 
 def encode(msg: Message) -> bytes:
@@ -68,28 +102,6 @@ def _as_map(value: Any) -> dict[str, Any]:
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
         return {f.name: getattr(value, f.name) for f in dataclasses.fields(value)}
     raise TypeError(f"{type(value).__name__} cannot go on the wire")
-
-
-def decode(frame: bytes) -> Message:
-    """Parse and type-check one frame; ProtocolError on anything unexpected."""
-    if len(frame) > MAX_MESSAGE_BYTES:
-        raise ProtocolError(f"message of {len(frame)} bytes exceeds {MAX_MESSAGE_BYTES}")
-    try:
-        body = msgpack.unpackb(frame, raw=False, strict_map_key=True)
-    except Exception as exc:  # msgpack raises several unrelated types on garbage
-        raise ProtocolError(f"undecodable message: {type(exc).__name__}") from None
-    if not isinstance(body, dict):
-        raise ProtocolError("message is not a map")
-    cls = _REGISTRY.get(body.pop("type", None))  # type: ignore[arg-type]
-    if cls is None:
-        raise ProtocolError("unknown message type")
-    if body.pop("version", None) != PROTOCOL_VERSION:
-        raise ProtocolError(f"{cls.TYPE}: protocol version must be {PROTOCOL_VERSION}")
-    try:
-        return _build(cls, body, cls.TYPE)
-    except ProtocolError as exc:
-        rid = body.get("request_id")
-        raise ProtocolError(str(exc), rid if isinstance(rid, str) else "") from None
 
 
 def _build(cls: type, body: dict[str, Any], where: str) -> Any:
@@ -261,9 +273,9 @@ class RegisterNode(Message):
     # Which host the node runs on (boot id and network namespace): shm moves KV only between
     # nodes of one host.
     host_id: str = ""
-    # The KV cache layout (`KVLayout.to_dict`) behind layout_digest: the router names what
-    # differs when a prefill node cannot send KV to a decode node.
-    kv_layout: dict[str, Any] = field(default_factory=dict)
+    # The KV cache layout behind layout_digest (None on a node without KV connector): the
+    # router names what differs when a prefill node cannot send KV to a decode node.
+    kv_layout: KVLayout | None = None
 
 
 @message

@@ -10,6 +10,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from pdserve.common.engine.block_pool import hash_token_blocks
+from pdserve.common.wire.kv_layout import KVLayout
 from pdserve.common.wire.messages import Heartbeat, RegisterNode
 from pdserve.router.backend import GenerateRequest
 
@@ -43,7 +44,7 @@ class NodeInfo:
     draining: bool = False  # shutting down: takes no new requests
     incarnation: str = ""  # the node process's random start id (a restart changes it)
     host_id: str = ""  # the host it runs on (shm connects only nodes of one host)
-    kv_layout: dict = field(default_factory=dict)  # KVLayout.to_dict() of its KV cache
+    kv_layout: KVLayout | None = None  # of its KV cache (None: it moves no KV)
     prefill_rate: float = 0.0  # prompt tokens/s the node measured (0: none measured yet)
     # A decode node: seconds from the prefill node's first token to Admitted (the hand-off
     # of the last pages), as this router observed it lately.
@@ -120,14 +121,9 @@ def kv_mismatch(prefill: NodeInfo, decode: NodeInfo) -> str | None:
     if prefill.kv_connector != decode.kv_connector:
         return f"connectors differ ({prefill.kv_connector} -> {decode.kv_connector})"
     if prefill.layout_digest != decode.layout_digest:
-        # Compared as sent (importing kv_transfer would bring torch into the router).
         p, d = prefill.kv_layout, decode.kv_layout
-        diffs = [
-            f"{k}: prefill {p.get(k)!r} != decode {d.get(k)!r}"
-            for k in sorted(set(p) | set(d))
-            if p.get(k) != d.get(k)
-        ]
-        return "KV layout mismatch: " + ("; ".join(diffs) or "the digests differ")
+        differs = p.describe_mismatch(d, ("prefill", "decode")) if p and d else ""
+        return differs or "KV layout mismatch: the digests differ"
     if prefill.kv_connector == "shm" and prefill.host_id != decode.host_id:
         return "shm needs both on one host, and they run on different hosts"
     return None
@@ -210,7 +206,7 @@ class NodeRegistry:
             block_size=msg.block_size,
             incarnation=msg.incarnation,
             host_id=msg.host_id,
-            kv_layout=dict(msg.kv_layout),
+            kv_layout=msg.kv_layout,
         )
 
     def alive(self, roles: tuple[str, ...]) -> list[NodeInfo]:

@@ -12,7 +12,7 @@ import torch
 import zmq
 
 from pdserve.common.engine.request import FirstToken
-from pdserve.common.wire.messages import decode, encode
+from pdserve.common.wire.messages import encode
 from pdserve.kv_transfer import (
     KVLayout,
     KVReceiver,
@@ -22,7 +22,14 @@ from pdserve.kv_transfer import (
     create_receiver,
     create_sender,
 )
-from pdserve.kv_transfer.wire import CHECKSUM_SCHEME, KVDone, KVHello, KVPage, KVWelcome
+from pdserve.kv_transfer.wire import (
+    CHECKSUM_SCHEME,
+    KV_PLANE,
+    KVDone,
+    KVHello,
+    KVPage,
+    KVWelcome,
+)
 from pdserve.testbed.kvfaults import FaultPlan, PlannedFaults
 from tests.kv_transfer.helpers import Pump, make_caches
 
@@ -50,9 +57,9 @@ def raw() -> Iterator[zmq.Socket]:
 
 def handshake(sock: zmq.Socket, receiver: KVReceiver) -> None:
     sock.connect(receiver.endpoint)
-    sock.send(encode(KVHello("raw", "zmq", LAYOUT.digest(), LAYOUT.to_dict())))
+    sock.send(encode(KVHello("raw", "zmq", LAYOUT.digest(), LAYOUT)))
     Pump(receiver).until(lambda: sock.poll(0) != 0, timeout=5.0, what="welcome")
-    welcome = decode(sock.recv())
+    welcome = KV_PLANE.decode(sock.recv())
     assert isinstance(welcome, KVWelcome) and welcome.extra == {"checksum": CHECKSUM_SCHEME}
 
 
@@ -80,6 +87,17 @@ def test_frames_without_handshake_or_garbage_are_counted(receiver, raw) -> None:
     pump = Pump(receiver)
     pump.until(lambda: sum(receiver.counters.values()) == 2, timeout=5.0)
     assert receiver.counters == {"no_handshake": 1, "malformed": 1}
+
+
+def test_a_hello_with_a_malformed_layout_pairs_no_sender(receiver, raw) -> None:
+    raw.connect(receiver.endpoint)
+    body = {"model_id": "m", "dtype": "float32", "num_layers": 2}  # geometry missing
+    raw.send(encode(KVHello("raw", "zmq", LAYOUT.digest(), body)))  # type: ignore[arg-type]
+    page = KVPage("x", 0, (1,), "float32", (2, 1, 2, 1, 4), 0)
+    raw.send_multipart([encode(page), b"\0" * 64])  # so no peer was taken
+    Pump(receiver).until(lambda: sum(receiver.counters.values()) == 2, timeout=5.0)
+    assert receiver.counters == {"malformed": 1, "no_handshake": 1}
+    assert raw.poll(0) == 0  # nothing answered: a frame that is no message gets no reply
 
 
 def test_frame_of_wrong_byte_length_is_not_written(receiver, raw) -> None:
@@ -168,7 +186,7 @@ def test_receiver_of_another_checksum_scheme_is_refused(connector: str) -> None:
     def old_receiver() -> None:
         if router.poll(5000):
             identity, frame = router.recv_multipart()
-            router.send_multipart([identity, encode(KVWelcome(decode(frame).digest, {}))])
+            router.send_multipart([identity, encode(KVWelcome(KV_PLANE.decode(frame).digest, {}))])
 
     thread = threading.Thread(target=old_receiver)
     thread.start()
@@ -239,9 +257,9 @@ def test_shm_refuses_a_sender_from_another_host(raw: zmq.Socket) -> None:
     try:
         raw.connect(recv.endpoint)
         for host, kind in (("elsewhere", KVRefused), (host_id(), KVWelcome)):
-            raw.send(encode(KVHello("raw", "shm", LAYOUT.digest(), LAYOUT.to_dict(), host)))
+            raw.send(encode(KVHello("raw", "shm", LAYOUT.digest(), LAYOUT, host)))
             Pump(recv).until(lambda: raw.poll(0) != 0, timeout=5.0, what="an answer")
-            reply = decode(raw.recv())
+            reply = KV_PLANE.decode(raw.recv())
             assert isinstance(reply, kind), reply
         refused = recv.counters.get("refused_host")
         assert refused == 1, recv.counters

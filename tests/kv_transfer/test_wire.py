@@ -9,12 +9,13 @@ import pytest
 import torch
 
 from pdserve.common.engine.request import FirstToken, TokenLogprobs
-from pdserve.common.wire.messages import ProtocolError, decode, encode
+from pdserve.common.wire.messages import Abort, ProtocolError, decode, encode
 from pdserve.kv_transfer.bookkeeping import ReceiveBook, SendBook
 from pdserve.kv_transfer.wire import (
     CHECKSUM_ROW_WORDS,
     CHECKSUM_SCHEME,
     FRAME_BYTES,
+    KV_PLANE,
     FramePool,
     KVDone,
     KVPage,
@@ -133,10 +134,19 @@ def test_frame_pool_lends_each_buffer_once_and_takes_back_only_its_own() -> None
 
 def test_page_header_decoding_is_strict() -> None:
     page = KVPage("x", 1, (3, 5), "float32", (2, 2, 4, 2, 8), seq=9)
-    assert decode(encode(page)) == page
+    assert KV_PLANE.decode(encode(page)) == page
     body = encode(page).replace(b"dtype", b"dtypf")
     with pytest.raises(ProtocolError):
-        decode(body)
+        KV_PLANE.decode(body)
+
+
+def test_control_and_kv_messages_are_refused_on_each_others_sockets() -> None:
+    page = KVPage("x", 1, (3,), "float32", (2, 1, 4, 2, 8), seq=0)
+    with pytest.raises(ProtocolError, match="unknown message type on the control plane"):
+        decode(encode(page))
+    with pytest.raises(ProtocolError, match="unknown message type on the KV data plane"):
+        KV_PLANE.decode(encode(Abort("r1")))
+    assert decode(encode(Abort("r1"))) == Abort("r1")
 
 
 def _page(xfer: str, layer: int, blocks: tuple[int, ...]) -> KVPage:
@@ -197,9 +207,9 @@ FIRST = FirstToken(7, TokenLogprobs(7, -0.25, ((7, -0.25), (3, -1.5)), 1))
 
 def test_done_round_trips_its_typed_first_token_and_nixl_fields() -> None:
     done = KVDone("t", FIRST, 5, (2, 2), "s", "write failed", (4, 9), 2)
-    assert decode(encode(done)) == done
+    assert KV_PLANE.decode(encode(done)) == done
     plain = KVDone("t", FirstToken(7), 5, (1,), CHECKSUM_SCHEME)
-    assert decode(encode(plain)) == plain and plain.writes == -1
+    assert KV_PLANE.decode(encode(plain)) == plain and plain.writes == -1
 
 
 @pytest.mark.parametrize(
@@ -217,4 +227,4 @@ def test_done_without_a_whole_first_token_is_refused(change, why) -> None:
     body = msgpack.unpackb(encode(KVDone("t", FIRST, 5, (1,), CHECKSUM_SCHEME)))
     change(body)
     with pytest.raises(ProtocolError, match=why):
-        decode(msgpack.packb(body))
+        KV_PLANE.decode(msgpack.packb(body))

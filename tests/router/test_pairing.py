@@ -6,14 +6,16 @@ from __future__ import annotations
 import asyncio
 import socket
 import time
+from dataclasses import replace
 
 import pytest
 
+from pdserve.common.wire.kv_layout import KVLayout
 from pdserve.common.wire.messages import RegisterNode
 from pdserve.router.cluster.backend import probe_endpoint
 from pdserve.router.cluster.registry import NodeRegistry, kv_mismatch
 
-LAYOUT = {"model_id": "m", "dtype": "float32", "num_layers": 2, "block_size": 16}
+LAYOUT = KVLayout("m", "float32", num_layers=2, num_kv_heads=2, head_dim=8, block_size=16)
 
 
 def add(reg: NodeRegistry, node_id: str, role: str, **fields) -> None:
@@ -45,13 +47,15 @@ def test_matching_nodes_pair_and_the_router_is_ready():
     [
         ({"connector": "nccl"}, "connectors differ (zmq -> nccl)"),
         (
-            {"digest": "e", "layout": {**LAYOUT, "block_size": 32}},
+            {"digest": "e", "layout": replace(LAYOUT, block_size=32)},
             "KV layout mismatch: block_size: prefill 16 != decode 32",
         ),
-        (
-            {"digest": "e", "layout": {}},
-            "KV layout mismatch: block_size: prefill 16 != decode None",
+        (  # a layout that differs in several fields: each is named
+            {"digest": "e", "layout": replace(LAYOUT, dtype="bfloat16", num_layers=4)},
+            "KV layout mismatch: dtype: prefill 'float32' != decode 'bfloat16'; num_layers: "
+            "prefill 2 != decode 4",
         ),
+        ({"digest": "e", "layout": None}, "KV layout mismatch: the digests differ"),
     ],
 )
 def test_nodes_that_cannot_exchange_kv_make_no_route_and_the_reason_names_why(decode, why):

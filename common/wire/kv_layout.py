@@ -2,7 +2,9 @@
 
 A page written into a block of a cache with another dtype, head count or block size would be
 silently wrong tokens later, so the handshake compares a digest of this descriptor and refuses
-a mismatch. Pure Python: no torch import, so the router side can build and compare layouts.
+a mismatch. It travels in control messages (a node's registration) and data-plane ones (the
+KV handshake) as a typed map, and lives here, torch-free, so that the router compares layouts
+with this very class.
 """
 
 from __future__ import annotations
@@ -95,18 +97,3 @@ class KVLayout:
             if getattr(self, f.name) != getattr(other, f.name)
         ]
         return "KV layout mismatch: " + "; ".join(diffs) if diffs else ""
-
-
-def node_layout(engine: Any, model_dir: str) -> KVLayout:
-    """The layout of a running engine's KV cache (duck-typed: keeps this module torch-free)."""
-    from pdserve.common.model.weights import model_fingerprint
-
-    arch = engine.runner.arch
-    return KVLayout(
-        model_id=model_fingerprint(model_dir),
-        dtype=str(engine.runner.dtype).removeprefix("torch."),
-        num_layers=arch.num_layers,
-        num_kv_heads=arch.num_kv_heads,
-        head_dim=arch.head_dim,
-        block_size=engine.runner.block_size,
-    )
