@@ -20,8 +20,8 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
-from pdserve.common.engine.block_pool import hash_token_blocks
 from pdserve.router.cluster.registry import NodeInfo
+from pdserve.router.cluster.streams import BlockHashes
 
 PLACEMENTS = ("auto", "remote", "local")
 
@@ -54,10 +54,9 @@ class Estimate:
     why: str
 
 
-def missing_tokens(node: NodeInfo, prompt: list[int] | tuple[int, ...], now: float) -> int:
-    """Prompt tokens `node` would have to compute (or receive): those past its cached prefix."""
-    hashes = hash_token_blocks(prompt, node.block_size)
-    return len(prompt) - node.cached_blocks(hashes, now) * node.block_size
+def missing_tokens(node: NodeInfo, tokens: BlockHashes, now: float) -> int:
+    """Tokens `node` would have to compute (or receive): those past its cached prefix."""
+    return len(tokens) - node.cached_blocks(tokens.of(node.block_size), now) * node.block_size
 
 
 def _rate(node: NodeInfo | None, fallback: NodeInfo | None) -> float:
@@ -73,12 +72,12 @@ def estimate(
     config: PlacementConfig,
     decode: NodeInfo,
     prefills: list[NodeInfo],
-    prompt: list[int] | tuple[int, ...],
+    prompt: BlockHashes,
     now: float | None = None,
 ) -> Estimate:
-    """Local or remote prefill of `prompt` for a request that decodes on `decode`; remote
-    counts the cheapest of `prefills`, the prefill nodes that can fill `decode` (none:
-    local)."""
+    """Local or remote prefill of `prompt` (the request's tokens, as their block hashes) for a
+    request that decodes on `decode`; remote counts the cheapest of `prefills`, the prefill
+    nodes that can fill `decode` (none: local)."""
     now = time.monotonic() if now is None else now
     miss_d = missing_tokens(decode, prompt, now)
     fallback = prefills[0] if prefills else None

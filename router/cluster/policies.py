@@ -7,11 +7,12 @@ import itertools
 import time
 from collections.abc import Callable
 
-from pdserve.common.engine.block_pool import hash_token_blocks
-from pdserve.router.backend import GenerateRequest
+from pdserve.router.cluster.placement import missing_tokens
 from pdserve.router.cluster.registry import NodeInfo
+from pdserve.router.cluster.streams import BlockHashes
 
-Policy = Callable[[list[NodeInfo], GenerateRequest], list[NodeInfo]]
+# Orders candidate nodes for a request (given as its tokens' block hashes), best first.
+Policy = Callable[[list[NodeInfo], BlockHashes], list[NodeInfo]]
 
 
 class RoundRobin:
@@ -22,7 +23,7 @@ class RoundRobin:
     def __init__(self) -> None:
         self._turns: dict[str, itertools.count] = {}
 
-    def __call__(self, nodes: list[NodeInfo], _req: GenerateRequest) -> list[NodeInfo]:
+    def __call__(self, nodes: list[NodeInfo], _tokens: BlockHashes) -> list[NodeInfo]:
         if not nodes:
             return nodes
         turn = self._turns.setdefault(nodes[0].role, itertools.count())
@@ -31,24 +32,19 @@ class RoundRobin:
         return ordered[start:] + ordered[:start]
 
 
-def least_loaded(nodes: list[NodeInfo], _req: GenerateRequest) -> list[NodeInfo]:
+def least_loaded(nodes: list[NodeInfo], _tokens: BlockHashes) -> list[NodeInfo]:
     return sorted(nodes, key=NodeInfo.load)
 
 
-def prefix_aware(nodes: list[NodeInfo], req: GenerateRequest) -> list[NodeInfo]:
-    """Least prefill work first: tokens already queued there plus the prompt tokens it would
-    have to compute, i.e. not covered by the leading blocks it caches. A node holding the
+def prefix_aware(nodes: list[NodeInfo], tokens: BlockHashes) -> list[NodeInfo]:
+    """Least prefill work first: tokens already queued there plus the request's tokens it
+    would have to compute, i.e. not covered by the leading blocks it caches. A node holding the
     prompt's prefix wins unless its queue outweighs the saving; load breaks ties (decode
     nodes report no prefixes, so for them this is least_loaded)."""
     now = time.monotonic()
-    prompt = req.prompt_token_ids
-    hashes: dict[int, list[bytes]] = {}  # block size -> the prompt's block hashes
 
     def work(node: NodeInfo) -> int:
-        if node.block_size not in hashes:
-            hashes[node.block_size] = hash_token_blocks(prompt, node.block_size)
-        hit = node.cached_blocks(hashes[node.block_size], now) * node.block_size
-        return node.queued_tokens + node.recent_tokens + len(prompt) - hit
+        return node.queued_tokens + node.recent_tokens + missing_tokens(node, tokens, now)
 
     return sorted(nodes, key=lambda n: (work(n), n.load()))
 

@@ -9,10 +9,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from pdserve.common.engine.block_pool import hash_token_blocks
 from pdserve.common.wire.kv_layout import KVLayout
 from pdserve.common.wire.messages import Heartbeat, RegisterNode
-from pdserve.router.backend import GenerateRequest
 
 NODE_ROLES = ("prefill", "decode", "both")
 
@@ -33,7 +31,7 @@ class NodeInfo:
     num_running: int = 0
     num_waiting: int = 0
     queued_tokens: int = 0
-    inflight: int = 0  # requests the router has routed there and not seen finish
+    inflight: int = 0  # requests routed there and not ended (the RequestTable's count)
     block_size: int = 16
     # Prefix cache as the node reports it (block hash set) plus what the router has sent
     # there since (hash -> expiry time), and prompt tokens sent since its last heartbeat.
@@ -49,7 +47,7 @@ class NodeInfo:
     # A decode node: seconds from the prefill node's first token to Admitted (the hand-off
     # of the last pages), as this router observed it lately.
     handoff_s: float = 0.0
-    local_prefills: int = 0  # a decode node: requests placed there still before their 1st token
+    local_prefills: int = 0  # a decode node: local prefills before their first token (idem)
 
     def load(self) -> tuple[int, int]:
         return (self.inflight + self.num_waiting, -self.free_blocks)
@@ -88,18 +86,10 @@ class NodeInfo:
             n += 1
         return n
 
-    def routed(
-        self, request: GenerateRequest, now: float, ttl: float = 5.0, prefixes: bool = True
-    ) -> None:
-        """A prompt was sent here: count its tokens and (when the policy reads them) expect
-        its blocks to be cached soon."""
-        prompt = request.prompt_token_ids
-        if not prefixes:
-            self.recent_tokens += len(prompt)
-            return
-        hashes = hash_token_blocks(prompt, self.block_size)
-        # Queued work is what it must compute: the prompt less the leading blocks it holds.
-        self.recent_tokens += len(prompt) - self.cached_blocks(hashes, now) * self.block_size
+    def routed(self, num_tokens: int, hashes: list[bytes], now: float, ttl: float = 5.0) -> None:
+        """Tokens were sent here to compute (their leading block hashes given): those past the
+        blocks it holds count as queued work, and the blocks are expected cached soon."""
+        self.recent_tokens += num_tokens - self.cached_blocks(hashes, now) * self.block_size
         self.expect_cached(hashes, now, ttl)
 
     def expect_cached(self, hashes: list[bytes], now: float, ttl: float = 5.0) -> None:

@@ -1,11 +1,13 @@
 """Routing: puts a request on nodes: a colocated one; or a decode node that prefills it
-itself; or a decode node's reservation then a prefill node that fills it. Nodes are picked
-by the routing policy (decode nodes that hold the conversation first); local or remote
-prefill by the placement (router/cluster/placement.py)."""
+itself; or a decode node's reservation then a prefill node that fills it; and again,
+without the nodes it lost, after a failover. Nodes are picked by the routing policy (decode
+nodes that hold the conversation first); local or remote prefill by the placement
+(router/cluster/placement.py); what it picks is recorded in the RequestTable."""
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 
 from pdserve.common.engine.sampling_params import SamplingParams
@@ -22,28 +24,32 @@ from pdserve.router.cluster.control import ControlServer
 from pdserve.router.cluster.placement import PlacementConfig, estimate, missing_tokens
 from pdserve.router.cluster.policies import Policy
 from pdserve.router.cluster.registry import NodeInfo, NodeRegistry, kv_mismatch
-from pdserve.router.cluster.streams import Stream
+from pdserve.router.cluster.streams import Failover, RequestTable, Stream
+
+log = logging.getLogger(__name__)
 
 
 class Routing:
-    """Sends a request on its way; it records the nodes chosen in the request's Stream and
-    counts the request against them (inflight, routed prompt tokens)."""
+    """Sends a request on its way: the nodes it picks go into the RequestTable, the tokens
+    sent into each node's expected work and cache (routed)."""
 
     def __init__(
         self,
-        registry: NodeRegistry,
+        table: RequestTable,
         control: ControlServer,
         policy: Policy,
-        hash_prompts: bool,
         reserve_wait: float,
         placement: PlacementConfig | None = None,
+        max_failovers: int = 3,
     ) -> None:
-        self.registry = registry
+        self.table = table
+        self.registry: NodeRegistry = table.registry
         self.control = control
         self.policy = policy
-        self.hash_prompts = hash_prompts  # only the prefix_aware policy reads recent_prefixes
         self.reserve_wait = reserve_wait
         self.placement = placement or PlacementConfig()
+        self.max_failovers = max_failovers
+        self.num_failovers = 0
         self.num_local = 0  # prefills placed on the decode node
         self.num_remote = 0  # prefills placed on a prefill node
         self.kv_tokens_reused = 0  # remote prefills' tokens the decode node had cached
@@ -67,7 +73,12 @@ class Routing:
 
     def _wire(self, stream: Stream) -> tuple[SamplingParams, tuple[int, ...]]:
         """The request's sampling and already streamed tokens, as nodes take them."""
-        return stream.request.sampling, tuple(stream.generated)
+        return stream.request.sampling, stream.generated
+
+    def _routed(self, node: NodeInfo, stream: Stream) -> None:
+        """The request's tokens go to node to compute: its queued work and cache expect them."""
+        now, tokens = self.registry.clock(), stream.hashes
+        node.routed(len(tokens), tokens.of(node.block_size), now)
 
     async def route(self, stream: Stream) -> Error | None:
         """Send the request on its way (resuming after stream.generated); an error message
@@ -76,7 +87,7 @@ class Routing:
         exclude = stream.lost
         if request.sampling.max_tokens == 0:
             return await self._score(stream)
-        colocated = self.policy(self.registry.routable(("both",), exclude), request)
+        colocated = self.policy(self.registry.routable(("both",), exclude), stream.hashes)
         decodes = self._decode_order(stream)
         if colocated and not decodes:
             await self._run_on(stream, colocated[0])
@@ -85,7 +96,8 @@ class Routing:
             why = self.registry.no_route_reason(exclude)
             return Error(stream.wire_id, why, Failure.UNAVAILABLE)
         prefills = self._prefills_for(stream, decodes[0])
-        choice = estimate(self.placement, decodes[0], prefills, self._tokens(stream))
+        now = self.registry.clock()
+        choice = estimate(self.placement, decodes[0], prefills, stream.hashes, now)
         if choice.local:
             self.num_local += 1
             await self._run_on(stream, decodes[0])
@@ -99,10 +111,6 @@ class Routing:
             return Error(stream.wire_id, why, Failure.UNAVAILABLE)
         return await self.send_prefill(stream, reserved)
 
-    def _tokens(self, stream: Stream) -> list[int]:
-        """What the node computes for the request: its prompt and the tokens streamed."""
-        return [*stream.request.prompt_token_ids, *stream.generated]
-
     def _decode_order(self, stream: Stream) -> list[NodeInfo]:
         """Decode nodes for the request, best first: the policy's order, except that a node
         holding at least half of the request's tokens (it answered the conversation's earlier
@@ -112,8 +120,8 @@ class Routing:
             nodes = self.registry.routable(("decode",), stream.lost)
         else:
             nodes = self._pairable_decodes(stream.lost)
-        nodes = self.policy(nodes, stream.request)
-        tokens, now = self._tokens(stream), time.monotonic()
+        nodes = self.policy(nodes, stream.hashes)
+        tokens, now = stream.hashes, self.registry.clock()
 
         def held(node: NodeInfo) -> int:
             cached = len(tokens) - missing_tokens(node, tokens, now)
@@ -133,12 +141,9 @@ class Routing:
     async def _run_on(self, stream: Stream, node: NodeInfo) -> None:
         """The whole request on one node, prefill and decode: a colocated node, or a decode
         node prefilling locally."""
-        stream.prefill_node = node.node_id
-        node.inflight += 1
-        node.routed(stream.request, time.monotonic(), prefixes=True)
-        if node.role == "decode":  # counted apart from its decoding requests until it is one
-            stream.local_prefill = True
-            node.local_prefills += 1
+        # On a decode node: counted apart from its decoding requests until it is one.
+        self.table.place_prefill(stream, node.node_id, local=node.role == "decode")
+        self._routed(node, stream)
         sampling, outputs = self._wire(stream)
         prompt = stream.request.prompt_token_ids
         await self.control.send(
@@ -149,13 +154,12 @@ class Routing:
         """A request that only scores its prompt (max_tokens 0) needs a prefill and nothing
         else: a prefill or colocated node computes it and answers; no KV moves."""
         request = stream.request
-        nodes = self.policy(self.registry.routable(("prefill", "both"), stream.lost), request)
+        nodes = self.policy(self.registry.routable(("prefill", "both"), stream.lost), stream.hashes)
         if not nodes:
             return Error(stream.wire_id, "no prefill node available", Failure.UNAVAILABLE)
         node = nodes[0]
-        stream.prefill_node = node.node_id
-        node.inflight += 1
-        node.routed(request, time.monotonic(), prefixes=self.hash_prompts)
+        self.table.place_prefill(stream, node.node_id)
+        self._routed(node, stream)
         sampling, _ = self._wire(stream)
         await self.control.send(
             node.node_id, Prefill(stream.wire_id, request.prompt_token_ids, sampling)
@@ -168,16 +172,15 @@ class Routing:
         # Picked after the reservation's round trip, so the choice sees requests routed
         # meanwhile (the policy's load and prefix view include them).
         prefills = self.policy(
-            self._prefills_for(stream, self.registry.get(stream.decode_node)), request
+            self._prefills_for(stream, self.registry.get(stream.decode_node)), stream.hashes
         )
         if not prefills:
             return Error(stream.wire_id, "no prefill node available", Failure.UNAVAILABLE)
         prefill = prefills[0]
-        stream.prefill_node = prefill.node_id
-        prefill.inflight += 1
-        prefill.routed(request, time.monotonic(), prefixes=self.hash_prompts)
+        self.table.place_prefill(stream, prefill.node_id)
+        self._routed(prefill, stream)
         self.kv_tokens_reused += reserved.cached_tokens
-        self.kv_tokens_sent += len(self._tokens(stream)) - reserved.cached_tokens
+        self.kv_tokens_sent += len(stream.tokens) - reserved.cached_tokens
         await self.control.send(
             prefill.node_id,
             Prefill(
@@ -206,8 +209,7 @@ class Routing:
                 msg = ReserveKV(stream.wire_id, request.prompt_token_ids, sampling, outputs)
                 reply = await self.control.ask(node.node_id, stream.wire_id, msg)
                 if isinstance(reply, Reserved):
-                    stream.decode_node = node.node_id
-                    node.inflight += 1
+                    self.table.place_decode(stream, node.node_id)
                     return reply
                 if isinstance(reply, Error) and reply.kind is Failure.BAD_REQUEST:
                     return reply
@@ -218,4 +220,25 @@ class Routing:
             if time.monotonic() >= deadline:
                 return None
             await asyncio.sleep(0.2)
-            decodes = self.policy(self._pairable_decodes(stream.lost), request)
+            decodes = self.policy(self._pairable_decodes(stream.lost), stream.hashes)
+
+    async def recover(self, stream: Stream, failover: Failover) -> Error | None:
+        """Carry the request on without the nodes it lost (the table detached it from them
+        already); an error message when it cannot, or has failed over too often."""
+        rid = stream.wire_id
+        log.warning("request %s: %s; failing over (%s)", rid, failover.why, failover.kind)
+        for node_id in failover.detached:  # a lost one may only be stalled: it frees later
+            await self.control.send(node_id, Abort(rid, failover.why))
+        stream.failovers += 1
+        self.num_failovers += 1
+        if stream.failovers > self.max_failovers:
+            why = f"gave up after {self.max_failovers} failovers: {failover.why}"
+            return Error(rid, why, Failure.UNAVAILABLE)
+        if failover.kind == "prefill" and stream.decode_node:
+            reserved = await self.renew_transfer(stream)
+            if reserved is not None:
+                return await self.send_prefill(stream, reserved)
+        for node_id in stream.nodes():  # resume from scratch: drop the survivor's state too
+            await self.control.send(node_id, Abort(rid, "resuming"))
+        self.table.restart(stream)
+        return await self.route(stream)

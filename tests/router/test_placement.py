@@ -16,12 +16,13 @@ from pdserve.router.cluster.placement import PlacementConfig, estimate, missing_
 from pdserve.router.cluster.policies import POLICIES
 from pdserve.router.cluster.registry import NodeInfo, NodeRegistry
 from pdserve.router.cluster.routing import Routing
-from pdserve.router.cluster.streams import Stream
+from pdserve.router.cluster.streams import BlockHashes, RequestTable, Stream
 
 BS = 16
 NOW = 1000.0
 HISTORY = list(range(1, 601))  # an earlier turn's prompt and answer: 600 tokens
 PROMPT = HISTORY + list(range(700, 740))  # the next turn: 40 new tokens
+TOKENS = BlockHashes(PROMPT)
 
 
 def node(name: str, role: str, rate: float = 0.0, holds: list[int] | None = None) -> NodeInfo:
@@ -37,42 +38,42 @@ AUTO = PlacementConfig()
 
 def test_missing_tokens_counts_past_the_cached_prefix():
     d = node("d", "decode", holds=HISTORY)
-    assert missing_tokens(d, PROMPT, NOW) == len(PROMPT) - 592  # 37 full blocks of 16
-    assert missing_tokens(node("e", "decode"), PROMPT, NOW) == len(PROMPT)
+    assert missing_tokens(d, TOKENS, NOW) == len(PROMPT) - 592  # 37 full blocks of 16
+    assert missing_tokens(node("e", "decode"), TOKENS, NOW) == len(PROMPT)
 
 
 def test_a_follow_up_turn_is_prefilled_where_the_conversation_is():
     d, p = node("d", "decode", 1000.0, holds=HISTORY), node("p", "prefill", 1000.0)
-    est = estimate(AUTO, d, [p], PROMPT, NOW)
+    est = estimate(AUTO, d, [p], TOKENS, NOW)
     assert est.local and est.missing_decode == 48 and est.missing_prefill == 640
     assert est.local_s == pytest.approx(48 / 1000) and est.remote_s == pytest.approx(0.64)
 
 
 def test_a_new_conversation_goes_remote_when_the_decode_node_decodes():
     d, p = node("d", "decode", 1000.0), node("p", "prefill", 1000.0)
-    est = estimate(AUTO, d, [p], PROMPT, NOW)
+    est = estimate(AUTO, d, [p], TOKENS, NOW)
     assert not est.local and est.local_s == est.remote_s  # idle, no hand-off seen: a tie
     d.handoff_s = 0.01  # idle, and a hand-off costs: the decode node prefills it
-    assert estimate(AUTO, d, [p], PROMPT, NOW).local
+    assert estimate(AUTO, d, [p], TOKENS, NOW).local
     d.inflight = 1  # one request decodes there and would wait 640 tokens' time
-    assert not estimate(AUTO, d, [p], PROMPT, NOW).local
+    assert not estimate(AUTO, d, [p], TOKENS, NOW).local
     d.local_prefills = 1  # ... unless that one is itself waiting for a local prefill
     d.queued_tokens = 10
-    est = estimate(AUTO, d, [p], PROMPT, NOW)
+    est = estimate(AUTO, d, [p], TOKENS, NOW)
     assert est.local_s == pytest.approx((10 + 640) / 1000) and not est.local
 
 
 def test_decodes_waiting_on_the_decode_node_push_prefill_away():
     d, p = node("d", "decode", 1000.0, holds=HISTORY), node("p", "prefill", 1000.0)
     d.inflight = 20  # each of 20 running requests would wait for 48 tokens: 21 * 48 > 640
-    assert not estimate(AUTO, d, [p], PROMPT, NOW).local
+    assert not estimate(AUTO, d, [p], TOKENS, NOW).local
     d.inflight = 10  # 11 * 48 = 528 < 640
-    assert estimate(AUTO, d, [p], PROMPT, NOW).local
+    assert estimate(AUTO, d, [p], TOKENS, NOW).local
 
 
 def test_queues_rates_and_the_hand_off_enter_the_cost():
     d, p = node("d", "decode", 1000.0), node("p", "prefill", 1000.0)
-    short = list(range(1, 41))
+    short = BlockHashes(list(range(1, 41)))
     assert not estimate(AUTO, d, [p], short, NOW).local  # 40 vs 40 token-times: a tie
     d.handoff_s = 0.05  # the hand-off costs 50 ms: 40 tokens at 1000/s are cheaper here
     assert estimate(AUTO, d, [p], short, NOW).local
@@ -87,10 +88,10 @@ def test_queues_rates_and_the_hand_off_enter_the_cost():
 
 def test_an_unmeasured_rate_borrows_the_other_nodes():
     d, p = node("d", "decode"), node("p", "prefill", 2000.0)
-    est = estimate(AUTO, d, [p], PROMPT, NOW)
+    est = estimate(AUTO, d, [p], TOKENS, NOW)
     assert est.remote_s == pytest.approx(len(PROMPT) / 2000)
     assert est.local_s == pytest.approx(len(PROMPT) / 2000)
-    both = estimate(AUTO, node("d", "decode"), [node("p", "prefill")], PROMPT, NOW)
+    both = estimate(AUTO, node("d", "decode"), [node("p", "prefill")], TOKENS, NOW)
     assert both.remote_s == len(PROMPT)  # nothing measured: compared in tokens
 
 
@@ -98,20 +99,20 @@ def test_remote_counts_the_cheapest_prefill_node():
     d = node("d", "decode", 1000.0, holds=HISTORY)
     busy, warm = node("busy", "prefill", 1000.0), node("warm", "prefill", 1000.0, holds=HISTORY)
     busy.queued_tokens = 5000
-    est = estimate(AUTO, d, [busy, warm], PROMPT, NOW)
+    est = estimate(AUTO, d, [busy, warm], TOKENS, NOW)
     assert est.missing_prefill == 48 and est.remote_s == pytest.approx(0.048)
     assert not est.local  # warm holds as much as the decode node: a tie
 
 
 def test_threshold_replaces_the_cost_model_and_forced_modes_win():
     d, p = node("d", "decode", 1000.0, holds=HISTORY), node("p", "prefill", 1000.0)
-    assert estimate(PlacementConfig(threshold=48), d, [p], PROMPT, NOW).local
-    assert not estimate(PlacementConfig(threshold=47), d, [p], PROMPT, NOW).local
-    assert not estimate(PlacementConfig("remote"), d, [p], PROMPT, NOW).local
-    assert not estimate(PlacementConfig("remote"), d, [], PROMPT, NOW).local
+    assert estimate(PlacementConfig(threshold=48), d, [p], TOKENS, NOW).local
+    assert not estimate(PlacementConfig(threshold=47), d, [p], TOKENS, NOW).local
+    assert not estimate(PlacementConfig("remote"), d, [p], TOKENS, NOW).local
+    assert not estimate(PlacementConfig("remote"), d, [], TOKENS, NOW).local
     fresh = node("e", "decode", 1000.0)
-    assert estimate(PlacementConfig("local"), fresh, [p], PROMPT, NOW).local
-    assert estimate(AUTO, fresh, [], PROMPT, NOW).local  # no prefill node: local
+    assert estimate(PlacementConfig("local"), fresh, [p], TOKENS, NOW).local
+    assert estimate(AUTO, fresh, [], TOKENS, NOW).local  # no prefill node: local
 
 
 @pytest.mark.parametrize(
@@ -157,7 +158,8 @@ class FakeControl:
         self.sent.append((node_id, msg))
         assert isinstance(msg, ReserveKV)
         holder = self.registry.get(node_id)
-        cached = len(msg.prompt_token_ids) - missing_tokens(holder, msg.prompt_token_ids, NOW)
+        tokens = BlockHashes(list(msg.prompt_token_ids))
+        cached = len(tokens) - missing_tokens(holder, tokens, NOW)
         blocks = tuple(range(1, -(-len(msg.prompt_token_ids) // BS) + 1))
         return Reserved(msg.request_id, "x", blocks, "tcp://d:1", "i", cached_tokens=cached)
 
@@ -172,7 +174,7 @@ def cluster(placement: PlacementConfig) -> tuple[Routing, FakeControl]:
     for info in registry.nodes.values():
         info.last_seen = float("inf")
     control = FakeControl(registry)
-    routing = Routing(registry, control, POLICIES["least_loaded"](), True, 1.0, placement)
+    routing = Routing(RequestTable(registry), control, POLICIES["least_loaded"](), 1.0, placement)
     return routing, control
 
 
@@ -231,23 +233,23 @@ def test_round_robin_turns_once_per_request():
 
 def test_a_local_prefill_counts_as_decoding_once_its_first_token_came_or_it_left():
     from pdserve.common.wire.messages import Tokens
-    from pdserve.router.cluster.backend import ClusterBackend
 
-    backend = ClusterBackend(control_port=0)
-    backend.routing.control = FakeControl(backend.registry)
-    d = backend.registry.nodes["d1"] = node("d1", "decode", 1000.0)
+    registry = NodeRegistry(heartbeat_timeout=1e9, default_max_model_len=4096)
+    table = RequestTable(registry)
+    routing = Routing(table, FakeControl(registry), POLICIES["least_loaded"](), 1.0)
+    d = registry.nodes["d1"] = node("d1", "decode", 1000.0)
     d.last_seen = float("inf")
     for rid in ("a", "b"):
-        stream = Stream(GenerateRequest(rid, (1, 2, 3), SamplingParams(max_tokens=4)))
-        backend.streams[rid] = backend.by_wire[rid] = stream
-        asyncio.run(backend.routing._run_on(stream, d))
+        stream = table.open(GenerateRequest(rid, (1, 2, 3), SamplingParams(max_tokens=4)))
+        asyncio.run(routing._run_on(stream, d))
     assert (d.inflight, d.local_prefills) == (2, 2)
-    backend._on_tokens("d1", Tokens("a", (5,)))
+    table.deliver("d1", Tokens("a", (5,)), NOW)
     assert (d.inflight, d.local_prefills) == (2, 1)
-    backend._on_tokens("d1", Tokens("a", (6,)))  # later tokens change nothing
+    table.deliver("d1", Tokens("a", (6,)), NOW)  # later tokens change nothing
     assert d.local_prefills == 1
-    backend._release("b")  # left before its first token (aborted, failed over)
-    backend._release("a")
+    table.close("b")  # left before its first token (aborted, failed over)
+    assert (d.inflight, d.local_prefills) == (1, 0)
+    table.close("a")
     assert (d.inflight, d.local_prefills) == (0, 0)
 
 

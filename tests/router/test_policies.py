@@ -4,12 +4,11 @@ from __future__ import annotations
 
 import time
 
-from pdserve.common.engine.sampling_params import SamplingParams
-from pdserve.router.backend import GenerateRequest
 from pdserve.router.cluster.policies import POLICIES
 from pdserve.router.cluster.registry import NodeInfo
+from pdserve.router.cluster.streams import BlockHashes
 
-REQ = GenerateRequest("r", (1, 2), SamplingParams())
+REQ = BlockHashes([1, 2])
 
 
 def node(name: str, inflight: int = 0, free: int = 10, role: str = "decode") -> NodeInfo:
@@ -75,7 +74,7 @@ def test_heartbeats_keep_the_prefix_view_and_a_gap_clears_it():
 
 def test_prefix_aware_picks_the_node_holding_the_prefix_unless_its_queue_outweighs_it():
     policy = POLICIES["prefix_aware"]()
-    req = GenerateRequest("r", PROMPT, SamplingParams())
+    req = BlockHashes(list(PROMPT))
     holder, other = prefill("holder"), prefill("other")
     holder.prefixes = set(hash_token_blocks(PROMPT[:32], BS))  # 8 blocks = 32 tokens
     assert [n.node_id for n in policy([other, holder], req)] == ["holder", "other"]
@@ -88,13 +87,13 @@ def test_prefix_aware_picks_the_node_holding_the_prefix_unless_its_queue_outweig
 def test_prefix_aware_expects_what_it_just_routed_and_spreads_fresh_prompts():
     policy = POLICIES["prefix_aware"]()
     a, b = prefill("a"), prefill("b")
-    first = GenerateRequest("1", PROMPT, SamplingParams())
+    first = BlockHashes(list(PROMPT))
     chosen = policy([a, b], first)[0]
-    chosen.routed(first, time.monotonic())
-    fresh = GenerateRequest("3", tuple(range(500, 541)), SamplingParams())
+    chosen.routed(len(first), first.of(BS), time.monotonic())
+    fresh = BlockHashes(list(range(500, 541)))
     assert policy([a, b], fresh)[0] is not chosen  # the other one has less queued work
     chosen.apply_heartbeat(beat(1), time.monotonic())  # prompt computed, blocks not yet reported
-    follow_up = GenerateRequest("2", PROMPT[:36] + (7, 7, 7), SamplingParams())
+    follow_up = BlockHashes([*PROMPT[:36], 7, 7, 7])
     assert policy([a, b], follow_up)[0] is chosen  # it expects the blocks it just routed
     chosen.apply_heartbeat(beat(2), time.monotonic() + 60)  # they never came: expectation ends
     assert chosen.cached_blocks(hash_token_blocks(PROMPT, BS), time.monotonic()) == 0

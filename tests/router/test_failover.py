@@ -1,0 +1,361 @@
+"""Failover in process: the router's backend over fake nodes behind its control server (no
+subprocess, no socket, a fake clock). For each way a node fails a request (BUSY, DRAINING,
+KV_FAILED from either end, heartbeats lost, a lease expired, a restart), which node the
+request leaves and never goes back to, how often it is retried, and what the client sees:
+the tokens going on without a duplicate, or one clean error."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator, Callable
+
+from pdserve.common.engine.sampling_params import SamplingParams
+from pdserve.common.wire.messages import (
+    Abort,
+    Admitted,
+    Alive,
+    Error,
+    Failure,
+    Lease,
+    Message,
+    Prefill,
+    RegisterNode,
+    RenewTransfer,
+    Reserved,
+    ReserveKV,
+    Tokens,
+)
+from pdserve.router.backend import GenerateRequest
+from pdserve.router.cluster.backend import ClusterBackend
+from pdserve.router.cluster.placement import PlacementConfig
+from pdserve.router.generation import Choice, ChoiceDelta, StopStringMatcher
+from tests.router.test_registry import FakeClock
+
+BS = 4
+PROMPT = tuple(range(1, 10))
+TIMEOUT = 5.0  # the heartbeat timeout, in the fake clock's seconds
+STEPS = 10_000  # how many turns of the event loop a test waits for something at most
+
+
+async def until(condition: Callable[[], bool], what: str) -> None:
+    """Let the event loop run until condition() holds (failing after STEPS turns)."""
+    for _ in range(STEPS):
+        if condition():
+            return
+        await asyncio.sleep(0)
+    raise AssertionError(f"never happened: {what}")
+
+
+class FakeNodes:
+    """The nodes behind the backend's control server: whatever the router sends is recorded
+    (nothing leaves the process); a decode node answers ReserveKV and RenewTransfer with a
+    reservation at once, and every other message waits for the test to answer as a node would
+    (`tell`)."""
+
+    def __init__(self, backend: ClusterBackend) -> None:
+        self.backend = backend
+        self.sent: list[tuple[str, Message]] = []
+        backend.control.send = self.send  # type: ignore[method-assign]
+
+    async def send(self, node_id: str, msg: Message) -> None:
+        self.sent.append((node_id, msg))
+        if isinstance(msg, ReserveKV | RenewTransfer):
+            xfer = f"x{len(self.sent)}"
+            reply = Reserved(msg.request_id, xfer, (1, 2, 3), f"ipc:///kv/{node_id}", "i")
+            asyncio.get_running_loop().call_soon(self.tell, node_id, reply)
+
+    def tell(self, node_id: str, msg: Message) -> None:
+        self.backend.on_message(node_id, msg)
+
+    @staticmethod
+    def registration(node_id: str, role: str, incarnation: str = "1") -> RegisterNode:
+        return RegisterNode(
+            node_id=node_id,
+            role=role,
+            kv_endpoint=f"ipc:///kv/{node_id}" if role == "decode" else "",
+            kv_connector="zmq",
+            layout_digest="same",
+            num_blocks=64,
+            block_size=BS,
+            max_model_len=4096,
+            incarnation=incarnation,
+        )
+
+    def register(self, node_id: str, role: str) -> None:
+        msg = self.registration(node_id, role)
+        self.backend.registry.add(node_id, msg, self.backend.registry.clock())
+
+    def to(self, node_id: str, kind: type[Message]) -> list[Message]:
+        """What the router sent node_id, of one message type, in order."""
+        return [m for n, m in self.sent if n == node_id and isinstance(m, kind)]
+
+    def where(self, kind: type[Message], request_id: str) -> list[str]:
+        """The nodes sent a message of this type about request_id, in order."""
+        return [n for n, m in self.sent if isinstance(m, kind) and m.request_id == request_id]
+
+
+class Digits:
+    """A detokenizer that writes each token as <id>: a duplicated token shows in the text."""
+
+    def push(self, token_ids: list[int]) -> str:
+        return "".join(f"<{t}>" for t in token_ids)
+
+    def flush(self) -> str:
+        return ""
+
+
+class Client:
+    """One request read as the HTTP layer reads it: the backend's events through a Choice."""
+
+    def __init__(self, backend: ClusterBackend, rid: str = "r", max_tokens: int = 8) -> None:
+        request = GenerateRequest(rid, PROMPT, SamplingParams(max_tokens=max_tokens))
+        self.choice = Choice(0, 0, request, Digits(), StopStringMatcher(()))  # type: ignore[arg-type]
+        self.deltas: list[ChoiceDelta] = []
+        self.task = asyncio.create_task(self._read(backend.generate(request)))
+
+    async def _read(self, events: AsyncIterator[Tokens | Error]) -> None:
+        async for event in events:
+            self.deltas.append(self.choice.on_event(event))
+
+    async def done(self) -> ChoiceDelta:
+        """The last delta, once the backend's stream has ended."""
+        await until(self.task.done, "the request to end")
+        await self.task
+        return self.deltas[-1]
+
+    @property
+    def text(self) -> str:
+        return "".join(d.text for d in self.deltas)
+
+
+@contextlib.asynccontextmanager
+async def cluster(
+    *nodes: str, max_failovers: int = 3
+) -> AsyncIterator[tuple[ClusterBackend, FakeNodes, FakeClock]]:
+    """A backend (prefill on prefill nodes always) over nodes named p* (prefill) or d*
+    (decode), all alive at the fake clock's start."""
+    clock = FakeClock()
+    backend = ClusterBackend(
+        control_port=0,
+        heartbeat_timeout=TIMEOUT,
+        max_failovers=max_failovers,
+        placement=PlacementConfig("remote"),
+        clock=clock,
+    )
+    fake = FakeNodes(backend)
+    for node_id in nodes:
+        fake.register(node_id, "prefill" if node_id.startswith("p") else "decode")
+    try:
+        yield backend, fake, clock
+        assert len(backend.table) == 0, "a request is left in the table"
+        counts = {n.node_id: (n.inflight, n.local_prefills) for n in backend.nodes.values()}
+        assert set(counts.values()) == {(0, 0)}, f"in-flight counts left: {counts}"
+    finally:  # a failed test leaves its client waiting: stop it before the backend
+        others = asyncio.all_tasks() - {asyncio.current_task()}
+        for task in others:
+            task.cancel()
+        await asyncio.gather(*others, return_exceptions=True)
+        await backend.close()
+
+
+def run(scenario: Callable[[], object]) -> None:
+    asyncio.run(scenario())  # type: ignore[arg-type]
+
+
+# -- a node refuses: BUSY, DRAINING --------------------------------------------------------------
+
+
+def test_a_busy_prefill_node_is_left_and_the_decode_reservation_kept():
+    async def scenario() -> None:
+        async with cluster("p0", "p1", "d0", "d1") as (backend, nodes, _):
+            client = Client(backend)
+            await until(lambda: nodes.to("p0", Prefill), "the prefill on p0")
+            nodes.tell("p0", Error("r", "queue full", Failure.BUSY))
+            await until(lambda: nodes.to("p1", Prefill), "the prefill on p1")
+            assert nodes.where(ReserveKV, "r") == ["d0"]  # reserved once: the blocks are kept
+            assert nodes.where(RenewTransfer, "r") == ["d0"]
+            assert nodes.where(Abort, "r") == ["p0"]
+            assert backend.table.get("r").lost == {"p0"}
+            (renewed,) = nodes.to("p1", Prefill)
+            assert renewed.xfer_id != nodes.to("p0", Prefill)[0].xfer_id
+            nodes.tell("p0", Tokens("r", (99,)))  # p0 computed it anyway: too late, dropped
+            nodes.tell("d0", Tokens("r", (11,)))  # the decode node outruns p1's first token
+            nodes.tell("p1", Tokens("r", (10,)))
+            nodes.tell("d0", Tokens("r", (12,), finish_reason="length"))
+            last = await client.done()
+            assert (client.text, last.finish_reason) == ("<10><11><12>", "length")
+            assert backend.stats()["failovers"] == 1
+
+    run(scenario)
+
+
+def test_a_draining_decode_node_is_left_mid_stream_and_the_tokens_go_on():
+    async def scenario() -> None:
+        async with cluster("p0", "d0", "d1") as (backend, nodes, _):
+            client = Client(backend)
+            await until(lambda: nodes.to("p0", Prefill), "the prefill on p0")
+            nodes.tell("p0", Tokens("r", (10,)))
+            nodes.tell("d0", Admitted("r"))
+            nodes.tell("d0", Tokens("r", (11,)))
+            nodes.tell("d0", Error("r", "shutting down", Failure.DRAINING))
+            await until(lambda: nodes.where(ReserveKV, "r~1"), "the retry's reservation")
+            assert nodes.where(ReserveKV, "r~1") == ["d1"]  # not the node that just refused
+            assert nodes.to("d1", ReserveKV)[0].output_token_ids == (10, 11)  # resumed
+            assert sorted(nodes.where(Abort, "r")) == ["d0", "p0"]
+            await until(lambda: nodes.where(Prefill, "r~1"), "the retry's prefill")
+            nodes.tell("d0", Tokens("r", (12,)))  # the old attempt's late token: dropped
+            nodes.tell("p0", Tokens("r~1", (12,)))
+            nodes.tell("d1", Tokens("r~1", (13,), finish_reason="length"))
+            last = await client.done()
+            assert (client.text, last.finish_reason) == ("<10><11><12><13>", "length")
+            assert backend.stats()["failovers"] == 1
+
+    run(scenario)
+
+
+# -- the KV transfer fails -----------------------------------------------------------------------
+
+
+def test_kv_failed_from_the_prefill_node_leaves_a_decode_node_the_router_thinks_alive():
+    async def scenario() -> None:
+        async with cluster("p0", "d0", "d1") as (backend, nodes, _):
+            client = Client(backend)
+            await until(lambda: nodes.to("p0", Prefill), "the prefill on p0")
+            nodes.tell("p0", Error("r", "cannot reach d0", Failure.KV_FAILED))
+            await until(lambda: nodes.where(Prefill, "r~1"), "the retry's prefill")
+            assert [n.node_id for n in backend.registry.alive(("decode",))] == ["d0", "d1"]
+            assert nodes.where(ReserveKV, "r~1") == ["d1"]
+            assert backend.table.get("r").lost == {"d0"}
+            nodes.tell("p0", Tokens("r~1", (10,)))
+            nodes.tell("d1", Tokens("r~1", (11,), finish_reason="stop"))
+            last = await client.done()
+            assert (client.text, last.finish_reason) == ("<10><11>", "stop")
+
+    run(scenario)
+
+
+def test_kv_failed_from_the_decode_node_retries_anywhere_that_node_included():
+    async def scenario() -> None:
+        async with cluster("p0", "d0") as (backend, nodes, _):
+            client = Client(backend)
+            await until(lambda: nodes.to("p0", Prefill), "the prefill on p0")
+            nodes.tell("p0", Tokens("r", (10,)))
+            nodes.tell("d0", Error("r", "checksum mismatch", Failure.KV_FAILED))
+            await until(lambda: nodes.where(Prefill, "r~1"), "the retry's prefill")
+            assert nodes.where(ReserveKV, "r~1") == ["d0"]  # the only one, and not to blame
+            assert nodes.to("d0", ReserveKV)[1].output_token_ids == (10,)
+            assert backend.table.get("r").lost == set()
+            nodes.tell("p0", Tokens("r~1", (11,)))
+            nodes.tell("d0", Tokens("r~1", (12,), finish_reason="length"))
+            last = await client.done()
+            assert (client.text, last.finish_reason) == ("<10><11><12>", "length")
+
+    run(scenario)
+
+
+def test_a_request_failed_over_too_often_ends_with_one_clean_error():
+    async def scenario() -> None:
+        async with cluster("p0", "d0", max_failovers=2) as (backend, nodes, _):
+            client = Client(backend)
+            for attempt in ("r", "r~1", "r~2"):
+                await until(lambda a=attempt: nodes.where(Prefill, a), f"{attempt}'s prefill")
+                nodes.tell("d0", Error(attempt, "checksum mismatch", Failure.KV_FAILED))
+            last = await client.done()
+            assert nodes.where(ReserveKV, "r~3") == []  # two retries, no third
+            assert last.finish_reason == "error" and "gave up after 2 failovers" in last.error
+            assert [d.finish_reason for d in client.deltas] == ["error"]
+            assert backend.stats()["failovers"] == 3
+
+    run(scenario)
+
+
+# -- a node goes silent, restarts, or lets a lease expire -----------------------------------------
+
+
+def test_a_decode_node_silent_mid_stream_is_left_and_the_tokens_go_on():
+    async def scenario() -> None:
+        async with cluster("p0", "d0", "d1") as (backend, nodes, clock):
+            client = Client(backend)
+            await until(lambda: nodes.to("p0", Prefill), "the prefill on p0")
+            nodes.tell("p0", Tokens("r", (10,)))
+            nodes.tell("d0", Admitted("r"))
+            nodes.tell("d0", Tokens("r", (11,)))
+            await backend.watch()  # all alive: nothing moves, both nodes' leases renewed
+            assert (
+                nodes.to("d0", Lease)[-1].request_ids
+                == ("r",)
+                == nodes.to("p0", Lease)[-1].request_ids
+            )
+            clock.advance(TIMEOUT + 1)
+            for node_id in ("p0", "d1"):  # only d0 stopped proving it lives
+                nodes.tell(f"{node_id}#alive", Alive(node_id))
+            await backend.watch()
+            await until(lambda: nodes.where(Prefill, "r~1"), "the retry's prefill")
+            assert nodes.where(ReserveKV, "r~1") == ["d1"]
+            assert nodes.to("d1", ReserveKV)[0].output_token_ids == (10, 11)
+            await backend.watch()  # the new attempt's leases; none for the silent node
+            assert nodes.to("d1", Lease)[-1].request_ids == ("r~1",)
+            assert nodes.to("p0", Lease)[-1].request_ids == ("r~1",)
+            assert len(nodes.to("d0", Lease)) == 1
+            nodes.tell("p0", Tokens("r~1", (12,)))
+            nodes.tell("d1", Tokens("r~1", (13,), finish_reason="length"))
+            last = await client.done()
+            assert (client.text, last.finish_reason) == ("<10><11><12><13>", "length")
+
+    run(scenario)
+
+
+def test_a_prefill_node_silent_after_the_hand_off_moves_nothing():
+    async def scenario() -> None:
+        async with cluster("p0", "d0") as (backend, nodes, clock):
+            client = Client(backend)
+            await until(lambda: nodes.to("p0", Prefill), "the prefill on p0")
+            nodes.tell("p0", Tokens("r", (10,)))
+            nodes.tell("d0", Admitted("r"))  # d0 holds the whole KV: p0 is done with it
+            clock.advance(TIMEOUT + 1)
+            nodes.tell("d0#alive", Alive("d0"))
+            await backend.watch()
+            nodes.tell("d0", Tokens("r", (11,), finish_reason="length"))
+            last = await client.done()
+            assert (client.text, last.finish_reason) == ("<10><11>", "length")
+            assert nodes.where(ReserveKV, "r~1") == [] and backend.stats()["failovers"] == 0
+
+    run(scenario)
+
+
+def test_a_restarted_node_fails_its_requests_over_and_may_take_the_retry():
+    async def scenario() -> None:
+        async with cluster("p0", "d0") as (backend, nodes, _):
+            client = Client(backend)
+            await until(lambda: nodes.to("p0", Prefill), "the prefill on p0")
+            nodes.tell("p0", Tokens("r", (10,)))
+            restarted = nodes.registration("d0", "decode", incarnation="2")
+            nodes.tell("d0", restarted)  # its KV endpoint is probed, then it is taken again
+            await until(lambda: nodes.where(Prefill, "r~1"), "the retry's prefill")
+            assert nodes.where(ReserveKV, "r~1") == ["d0"]
+            nodes.tell("p0", Tokens("r~1", (11,)))
+            nodes.tell("d0", Tokens("r~1", (12,), finish_reason="length"))
+            last = await client.done()
+            assert (client.text, last.finish_reason) == ("<10><11><12>", "length")
+
+    run(scenario)
+
+
+def test_an_expired_lease_ends_the_request_with_one_clean_error_and_frees_the_other_node():
+    async def scenario() -> None:
+        async with cluster("p0", "d0") as (backend, nodes, _):
+            client = Client(backend)
+            await until(lambda: nodes.to("p0", Prefill), "the prefill on p0")
+            nodes.tell("p0", Tokens("r", (10,)))
+            why = "lease expired: the router stopped renewing"
+            nodes.tell("d0", Error("r", why, Failure.LEASE_EXPIRED))
+            last = await client.done()
+            assert (client.text, last.finish_reason, last.error) == ("<10>", "error", why)
+            assert last.failure is Failure.LEASE_EXPIRED
+            assert nodes.where(ReserveKV, "r~1") == []  # not retried
+            assert sorted(nodes.where(Abort, "r")) == ["d0", "p0"]  # nothing left held
+            await backend.watch()
+            assert nodes.to("d0", Lease)[-1].request_ids == ()
+
+    run(scenario)
