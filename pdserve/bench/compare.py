@@ -1,10 +1,6 @@
 """`pdserve bench compare`: pdserve colocated, pdserve 1P1D and `transformers serve
---continuous-batching`, side by side on the same requests (latency, saturation and mixed
-scenarios), then the saturation run through the engine alone, profiled. What the scenarios
-are, the goals and the reading of the figures are in docs/benchmarks.md.
-
-Arguments this benchmark does not know go to every pdserve node as engine flags.
-"""
+--continuous-batching`, side by side on the same requests, then the saturation run through the
+engine alone, profiled. Scenarios, goals and reading: docs/benchmarks.md."""
 
 from __future__ import annotations
 
@@ -12,9 +8,7 @@ import argparse
 import json
 import math
 import os
-import shlex
 import shutil
-import subprocess
 import sys
 import tempfile
 import time
@@ -35,22 +29,30 @@ from pdserve.bench.load import (
 )
 from pdserve.bench.report import (
     BENCH_MODEL_SIZES,
+    CACHE_DIR_FLAG,
     MODEL_STAMP,
+    SEED_FLAG,
+    THREADS_FLAG,
+    TIMEOUT_FLAG,
+    TQDM_FLAG,
     Outputs,
+    add_flags,
     add_from_json_flag,
     add_log_dir_flag,
     add_output_flags,
     cached_model,
-    checkout_root,
-    command_line,
+    flags_text,
+    git_state,
     goal,
     goals_table,
-    machine,
     markdown_table,
+    measure_or_load,
     outputs,
     pyplot,
+    records_table,
     save_figure,
     save_json,
+    setup_rows,
     sigterm_raises,
     write_section,
 )
@@ -129,14 +131,8 @@ def run_keys(sizes: Sizes) -> list[str]:
 def scenario_runs(pool: TokenPool, sizes: Sizes, seed: int) -> list[Run]:
     """Every run of the three scenarios; each has prompts of its own (no cross-run cache hits)."""
     s = sizes
-    runs = [
-        Run(
-            "latency",
-            "concurrency=1",
-            random_requests(pool, s.latency_n, s.latency_input, s.latency_output, 0, seed),
-            max_concurrency=1,
-        )
-    ]
+    latency = random_requests(pool, s.latency_n, s.latency_input, s.latency_output, 0, seed)
+    runs = [Run("latency", "concurrency=1", latency, max_concurrency=1)]
     for i, rate in enumerate(s.sat_rates):
         reqs = random_requests(pool, s.sat_n, s.sat_input, s.sat_output, 0.25, seed + 1 + i)
         runs.append(Run("saturation", f"rate={rate:g}", reqs, request_rate=rate))
@@ -165,11 +161,8 @@ def ensure_model(cache_dir: Path, quick: bool, smollm2: bool = False) -> Path:
 
 def smollm2_model(cache_dir: Path) -> Path:
     """SmolLM2-135M-Instruct as an HF directory of float32 safetensors, made once from the GGUF
-    pdserve serves (`pdserve.models.smollm2`, fetched once): transformers reads the GGUF
-    (dequantized, q/k rows back in HF order, as pdserve's GGUF loader does) and its weights are
-    saved, so transformers serve and pdserve load the same ones. Config, tokenizer and chat
-    template are pdserve's conversion of the GGUF's metadata (`Checkpoint.hf_dir`). Built aside
-    and renamed, like `cached_model`; a stamp names the GGUF it came from."""
+    pdserve serves, so transformers serve and pdserve load the same weights. Built aside and
+    renamed, like `cached_model`; a stamp names the GGUF it came from."""
     from pdserve.common.model.checkpoint import Checkpoint
     from pdserve.models import smollm2
 
@@ -195,30 +188,24 @@ def smollm2_model(cache_dir: Path) -> Path:
 
 
 def _write_float32(gguf: Path, into: Path) -> None:
-    """The GGUF's weights as transformers dequantizes them, into model.safetensors, and the
-    model class into config.json (transformers serve picks the class by `architectures`)."""
+    """The GGUF's weights as pdserve's loader reads them (dequantized, q/k rows in HF order),
+    into model.safetensors, and the model class into config.json (transformers serve picks
+    the class by `architectures`)."""
     import torch
     from safetensors.torch import save_file
-    from transformers import AutoModelForCausalLM
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
-    model = AutoModelForCausalLM.from_pretrained(
-        gguf.parent, gguf_file=gguf.name, dtype=torch.float32
-    )
-    # save_pretrained refuses a model loaded from a GGUF (transformers marks it quantized,
-    # though its tensors are float32 by now), so the state goes out as plain safetensors.
-    tied = model.config.tie_word_embeddings
-    state = {
-        k: v.contiguous()
-        for k, v in model.state_dict().items()
-        if not (tied and k == "lm_head.weight")
-    }
+    from pdserve.common.model.weights import load_model
+
+    model, _ = load_model(gguf, torch.float32, "cpu")
+    state = {name: p.contiguous() for name, p in model.named_parameters()}  # tied: embeddings
     save_file(state, into / "model.safetensors", metadata={"format": "pt"})
     config = json.loads((into / "config.json").read_text())
-    config.update(architectures=[type(model).__name__], dtype="float32")
-    (into / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    config.update(architectures=[MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[config["model_type"]]])
+    (into / "config.json").write_text(json.dumps({**config, "dtype": "float32"}, indent=2) + "\n")
 
 
-# ---------------------------------------------------------------- the systems
+# ---------------------------------------------------------------- the systems and the runs
 
 
 @contextmanager
@@ -238,24 +225,14 @@ def start_system(system: str, args: argparse.Namespace, model: Path) -> Iterator
         args.log_dir / system,
         threads=args.threads,
         engine_args=args.engine_args,
-        router_args=[*args.router_args, *placement],
+        router_args=[*router_args(args.heartbeat_timeout), *placement],
     ) as cluster:
         yield cluster.url
 
 
 def router_args(heartbeat_timeout: float) -> list[str]:
-    """`--heartbeat-timeout` for the router when this pdserve's router has that flag."""
-    if heartbeat_timeout <= 0:
-        return []
-    help_text = subprocess.run(
-        [sys.executable, "-m", "pdserve", "router", "--help"],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    ).stdout
-    if "--heartbeat-timeout" not in help_text:
-        return []
-    return ["--heartbeat-timeout", f"{heartbeat_timeout:g}"]
+    """The router's `--heartbeat-timeout` (0: the router's own)."""
+    return ["--heartbeat-timeout", f"{heartbeat_timeout:g}"] if heartbeat_timeout > 0 else []
 
 
 def batch_tokens(engine_args: Sequence[str]) -> int:
@@ -272,9 +249,6 @@ def engine_flag(engine_args: Sequence[str], flag: str, default: int) -> int:
         if arg == flag and i + 1 < len(args):
             return int(args[i + 1])
     return default
-
-
-# ---------------------------------------------------------------- measuring
 
 
 def measure_system(
@@ -324,11 +298,24 @@ def measure_run(url: str, run: Run, pool: TokenPool, args: argparse.Namespace) -
     return result
 
 
-# ---------------------------------------------------------------- goals
+def profile_saturation(
+    model: Path, runs: list[Run], args: argparse.Namespace
+) -> dict[str, Any] | None:
+    """The all-at-once saturation run through the engine alone (pdserve.bench.engine_profile)."""
+    run = next((r for r in runs if r.scenario == "saturation" and r.request_rate == math.inf), None)
+    if run is None:
+        return None
+    print("== engine alone: the saturation run (rate inf), timed and profiled", flush=True)
+    found = profile_engine(str(model), args.engine_args, run.requests, args.threads)
+    print(
+        f"   {found['engine_s']:.1f} s, {found['engine_tokens_per_s']:.1f} out tok/s; matmuls"
+        f" {found['matmul_s']:.1f} of {found['cpu_s']:.1f} CPU s under the profiler",
+        flush=True,
+    )
+    return found
 
 
-def _get(results: dict, system: str, key: str) -> dict | None:
-    return results.get(system, {}).get(key)
+# ---------------------------------------------------------------- goals and plots
 
 
 def _sat_key(sizes: Sizes) -> str:
@@ -341,7 +328,7 @@ def evaluate_goals(results: dict[str, dict], sizes: Sizes) -> list[dict[str, Any
     sat = _sat_key(sizes)
 
     def metric(system: str, key: str, name: str, tag: str | None = None) -> float | None:
-        res = _get(results, system, key)
+        res = results.get(system, {}).get(key)
         if res is None or res["completed"] == 0:
             return None
         return (res["by_tag"][tag] if tag else res)[name]
@@ -359,42 +346,25 @@ def evaluate_goals(results: dict[str, dict], sizes: Sizes) -> list[dict[str, Any
     return [goal(*spec) for spec in specs]
 
 
-# ---------------------------------------------------------------- plots
-
-
-def _cdf(ax: Any, values: list[float], label: str) -> None:
-    xs = sorted(values)
-    if xs:
-        ax.step(xs, [(i + 1) / len(xs) for i in range(len(xs))], where="post", label=label)
-
-
-def _requests_of(res: dict | None, tag: str | None = None) -> list[dict]:
-    if res is None:
-        return []
-    return [r for r in res["requests"] if r["success"] and (tag is None or r["tag"] == tag)]
-
-
-def plot_distributions(
-    results: dict[str, dict], sizes: Sizes, out: Path, metric: str, name: str = SECTION
-) -> Path:
+def plot_distributions(results: dict[str, dict], sizes: Sizes, metric: str, path: Path) -> Path:
     """CDFs of TTFT or ITL (ms) per system, one panel per scenario."""
     from matplotlib import ticker
 
-    plt = pyplot()
     panels = [
         ("latency/concurrency=1", None, "latency (1k prompts)"),
         (_sat_key(sizes), None, "saturation (rate inf)"),
         ("mixed/short+long", "short", "mixed: short requests"),
     ]
-    fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 3.6))
+    fig, axes = pyplot().subplots(1, len(panels), figsize=(5 * len(panels), 3.6))
     for ax, (key, tag, title) in zip(axes, panels):
         for system, by_key in results.items():
-            reqs = _requests_of(by_key.get(key), tag)
-            if metric == "ttft":
-                values = [r["ttft_s"] * 1000 for r in reqs]
-            else:
-                values = [x * 1000 for r in reqs for x in r["itl_s"]]
-            _cdf(ax, values, system)
+            reqs = (by_key.get(key) or {"requests": []})["requests"]
+            reqs = [r for r in reqs if r["success"] and tag in (None, r["tag"])]
+            per = [[r["ttft_s"]] if metric == "ttft" else r["itl_s"] for r in reqs]
+            xs = sorted(x * 1000 for values in per for x in values)
+            if xs:
+                ys = [(i + 1) / len(xs) for i in range(len(xs))]
+                ax.step(xs, ys, where="post", label=system)
         ax.set(title=title, xlabel=f"{metric.upper()} (ms)", ylabel="fraction of samples")
         ax.set_xscale("log")
         # Label 1-2-5 steps in plain numbers: few decades per panel, so powers of ten alone
@@ -405,107 +375,72 @@ def plot_distributions(
         ax.xaxis.set_major_formatter(plain)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
-    return save_figure(fig, out / f"{name}_{metric}.png")
+    return save_figure(fig, path)
 
 
-def plot_throughput(results: dict[str, dict], sizes: Sizes, out: Path, name: str = SECTION) -> Path:
+def plot_throughput(results: dict[str, dict], sizes: Sizes, path: Path) -> Path:
     """Output tokens/s against the offered request rate (inf drawn at the right end)."""
-    plt = pyplot()
     finite = [r for r in sizes.sat_rates if math.isfinite(r)]
     inf_x = 2 * max(finite) if finite else 1.0
     xs = [r if math.isfinite(r) else inf_x for r in sizes.sat_rates]
-    fig, ax = plt.subplots(figsize=(6, 4))
+    fig, ax = pyplot().subplots(figsize=(6, 4))
     for system, by_key in results.items():
-        ys = [
-            (by_key.get(f"saturation/rate={r:g}") or {}).get("output_throughput", math.nan)
-            for r in sizes.sat_rates
-        ]
-        ax.plot(xs, ys, marker="o", label=system)
-    ax.set_xticks(xs, [f"{r:g}" if math.isfinite(r) else "inf" for r in sizes.sat_rates])
+        runs = [by_key.get(f"saturation/rate={r:g}") or {} for r in sizes.sat_rates]
+        ax.plot(xs, [r.get("output_throughput", math.nan) for r in runs], "o-", label=system)
+    ax.set_xticks(xs, [f"{r:g}" for r in sizes.sat_rates])
     ax.set(xlabel="offered request rate (req/s)", ylabel="output tokens/s")
     ax.set_title(f"throughput, prompts ~{sizes.sat_input} tok, outputs ~{sizes.sat_output} tok")
     ax.grid(alpha=0.3)
     ax.legend()
-    return save_figure(fig, out / f"{name}_throughput.png")
+    return save_figure(fig, path)
 
 
 # ---------------------------------------------------------------- the report
 
-
-def _row(system: str, res: dict, tag: str | None = None) -> list[Any]:
-    m = res["by_tag"][tag] if tag else res
-    return [
-        system,
-        f"{m['completed']}/{m['completed'] + m['failed']}",
-        m["request_throughput"],
-        m["output_throughput"],
-        m["total_token_throughput"],
-        m["mean_ttft_ms"],
-        m["median_ttft_ms"],
-        m["p99_ttft_ms"],
-        m["mean_tpot_ms"],
-        m["median_itl_ms"],
-        m["p99_itl_ms"],
-        m["mean_e2el_ms"],
-        m["p99_e2el_ms"],
-    ]
-
-
-HEADER = [
-    "system",
-    "ok/sent",
-    "req/s",
-    "out tok/s",
-    "total tok/s",
-    "TTFT mean ms",
-    "TTFT med ms",
-    "TTFT p99 ms",
-    "TPOT mean ms",
-    "ITL med ms",
-    "ITL p99 ms",
-    "E2E mean ms",
-    "E2E p99 ms",
+COLUMNS = [
+    ("system", "system"),
+    ("ok/sent", lambda m: f"{m['completed']}/{m['completed'] + m['failed']}"),
+    ("req/s", "request_throughput"),
+    ("out tok/s", "output_throughput"),
+    ("total tok/s", "total_token_throughput"),
+    ("TTFT mean ms", "mean_ttft_ms"),
+    ("TTFT med ms", "median_ttft_ms"),
+    ("TTFT p99 ms", "p99_ttft_ms"),
+    ("TPOT mean ms", "mean_tpot_ms"),
+    ("ITL med ms", "median_itl_ms"),
+    ("ITL p99 ms", "p99_itl_ms"),
+    ("E2E mean ms", "mean_e2el_ms"),
+    ("E2E p99 ms", "p99_e2el_ms"),
 ]
 
 
 def scenario_tables(results: dict[str, dict], keys: list[str]) -> str:
+    """One table per run; the mixed run's short and long requests apart."""
     parts = []
     for key in keys:
-        rows = [_row(s, r[key]) for s, r in results.items() if key in r]
-        if key.startswith("mixed/"):
-            rows = [
-                _row(f"{s} ({tag})", r[key], tag)
-                for s, r in results.items()
-                if key in r
-                for tag in ("short", "long")
-            ]
-        parts.append(f"**{key}**\n\n{markdown_table(HEADER, rows)}")
+        tags = ("short", "long") if key.startswith("mixed/") else (None,)
+        rows = [
+            {**(r[key]["by_tag"][tag] if tag else r[key]), "system": f"{s} ({tag})" if tag else s}
+            for s, r in results.items()
+            if key in r
+            for tag in tags
+        ]
+        parts.append(f"**{key}**\n\n{records_table(COLUMNS, rows)}")
     return "\n\n".join(parts)
-
-
-def _flags(args: list[str]) -> str:
-    return f"`{shlex.join(args)}`" if args else "none"
-
-
-def _load_range(results: dict[str, dict]) -> str:
-    loads = [x for runs in results.values() for r in runs.values() for x in r["load_avg_1m"]]
-    return f"{min(loads):.1f} to {max(loads):.1f}" if loads else "not measured"
 
 
 def setup_table(report: dict[str, Any]) -> str:
     """Where and how the run was made, one row each."""
-    m = report["machine"]
-    placement = " (1P1D adds `--prefill-placement remote`)" if report.get("remote_prefill") else ""
+    runs = [r for by_key in report["results"].values() for r in by_key.values()]
+    loads = [x for r in runs for x in r["load_avg_1m"]]
     rows = [
-        ["measured", f"{report['date']} at pdserve {report['git']}"],
-        ["machine", f"{m['cpu']}, {m['cpu_count']} CPU cores, torch {m['torch']}, float32"],
-        ["model", report["model_desc"]],
-        ["pdserve engine flags", _flags(report["engine_args"])],
+        *setup_rows(report),
         ["token budget per step (transformers serve: `--cb-max-batch-tokens`)",
          report["batch_tokens"]],
-        ["pdserve router flags", _flags(report["router_args"]) + placement],
-        ["torch threads per server process (`--threads`)", report["threads"]],
-        ["1-minute load average around the runs", _load_range(report["results"])],
+        ["pdserve router flags",
+         f"{flags_text(report['router_args'])} (1P1D adds `--prefill-placement remote`)"],
+        ["1-minute load average around the runs",
+         f"{min(loads):.1f} to {max(loads):.1f}" if loads else "not measured"],
     ]  # fmt: skip
     return markdown_table(["run", ""], rows)
 
@@ -576,8 +511,9 @@ def profile_table(report: dict[str, Any]) -> list[str]:
     ]
 
 
-def render_section(report: dict[str, Any], to: Outputs, plots: list[Path]) -> str:
+def render_section(report: dict[str, Any], to: Outputs, plots: list[Path], data: Path) -> str:
     on = f" on {report['model_name']}" if report.get("model_name") else ""
+    sizes = sizes_from_dict(report["sizes"])
     lines = [
         f"## pdserve against transformers serve{on} (`scripts/bench_compare.py`)",
         "",
@@ -585,7 +521,7 @@ def render_section(report: dict[str, Any], to: Outputs, plots: list[Path]) -> st
         "",
         setup_table(report),
         "",
-        sizes_table(sizes_from_dict(report["sizes"])),
+        sizes_table(sizes),
         "",
         "### Goals",
         "",
@@ -594,256 +530,43 @@ def render_section(report: dict[str, Any], to: Outputs, plots: list[Path]) -> st
         *profile_table(report),
         "### Results",
         "",
-        scenario_tables(report["results"], run_keys(sizes_from_dict(report["sizes"]))),
+        scenario_tables(report["results"], run_keys(sizes)),
         "",
         "### Plots",
         "",
         *[f"![{p.stem}]({to.link(p)})" for p in plots],
         "",
-        f"Raw results, every request included: `{to.link(Path(report['json']))}`.",
+        f"Raw results, every request included: `{to.link(data)}`.",
     ]
-    notes = report.get("notes") or []
-    if notes:
-        lines += ["", "### Notes", "", *[f"- {n}" for n in notes]]
+    if report.get("notes"):
+        lines += ["", "### Notes", "", *[f"- {n}" for n in report["notes"]]]
     return "\n".join(lines)
 
 
-# ---------------------------------------------------------------- main
-
-
-def _run_flags(p: argparse.ArgumentParser) -> None:
-    run = p.add_argument_group("run")
-    run.add_argument(
-        "--systems",
-        default=None,
-        metavar="NAME,...",
-        help=f"a comma list from {','.join(SYSTEMS)} (default: all; quick: the pdserve ones)",
-    )
-    run.add_argument(
-        "--quick",
-        action="store_true",
-        help="tiny model, a handful of requests: minutes, not hours (default --out: a "
-        "temporary folder)",
-    )
-    run.add_argument("--seed", type=int, default=0, help="seed of the requests' prompts")
-    run.add_argument(
-        "--request-timeout", type=float, default=600.0, help="seconds one request may take"
-    )
-    run.add_argument("--disable-tqdm", action="store_true", help="no progress bars")
-    run.add_argument(
-        "--no-profile",
-        action="store_true",
-        help="skip the closing probe: the saturation run through pdserve's engine alone, "
-        "timed and under torch.profiler (where its time goes)",
-    )
-
-
-def _model_flags(p: argparse.ArgumentParser) -> None:
-    model = p.add_argument_group("model")
-    model.add_argument(
-        "--model",
-        type=Path,
-        default=None,
-        metavar="DIR",
-        help="an HF model directory (default: the random-weight benchmark Llama)",
-    )
-    model.add_argument(
-        "--smollm2",
-        action="store_true",
-        help="SmolLM2-135M-Instruct, as float32 safetensors made once under --cache-dir from "
-        "the GGUF pdserve fetches (section compare-smollm2)",
-    )
-    model.add_argument(
-        "--cache-dir",
-        type=Path,
-        default=Path.home() / ".cache" / "pdserve-bench",
-        metavar="DIR",
-        help="where the built (or converted) model is kept",
-    )
-    servers = p.add_argument_group("servers")
-    servers.add_argument(
-        "--threads",
-        type=int,
-        default=1,
-        help="torch threads of every server process (0: torch's own)",
-    )
-    servers.add_argument(
-        "--heartbeat-timeout",
-        type=float,
-        default=0.0,
-        help="pdserve router's node heartbeat timeout, seconds, where it has the flag "
-        "(0: the router's own)",
-    )
-    add_log_dir_flag(servers)
-
-
-def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = parser("pdserve bench compare", __doc__.split("\n\n")[0])
-    p.epilog = (
-        "Flags not listed here go to every pdserve node as engine flags (`pdserve serve\n"
-        "--help` lists them), e.g. --max-num-batched-tokens 256 --num-blocks 2048."
-    )
-    _run_flags(p)
-    _model_flags(p)
-    out = add_output_flags(p, "SECTION.json and the plots SECTION_*.png")
-    out.add_argument(
-        "--section",
-        default=None,
-        metavar="NAME",
-        help=f"the page's section, and the name of the JSON and plots (default: {SECTION}; "
-        f"with --smollm2: {SMOLLM2_SECTION})",
-    )
-    out.add_argument(
-        "--doc",
-        type=Path,
-        default=None,
-        metavar="FILE",
-        help="the Markdown page of the section (default: DOCS/benchmarks.md, or "
-        "OUT/benchmarks.md with another --out)",
-    )
-    add_from_json_flag(out, "the plots and section of this JSON (its own section)")
-    args, engine_args = p.parse_known_args(argv)
-    args.engine_args = engine_args
-    if args.smollm2 and args.model is not None:
-        p.error("--smollm2 and --model name two models: give one")
-    args.section = args.section or (SMOLLM2_SECTION if args.smollm2 else SECTION)
-    names = (
-        args.systems.split(",") if args.systems else list(QUICK_SYSTEMS if args.quick else SYSTEMS)
-    )
-    unknown = set(names) - set(SYSTEMS)
-    if unknown:
-        p.error(f"unknown systems {sorted(unknown)}; choose from {', '.join(SYSTEMS)}")
-    args.systems = names
-    if args.out is None and args.quick:
-        args.out = Path(tempfile.mkdtemp(prefix="bench-compare-"))
-    to = outputs(args.out, args.docs_dir)
-    args.outputs = Outputs(to.folder, args.doc or to.page)
-    return args
-
-
-def main(argv: list[str] | None = None) -> dict[str, Any]:
-    args = parse_args(argv)
-    if args.from_json is not None:
-        report = json.loads(args.from_json.read_text())
-        publish(report, args.outputs)
-        return report
-    sizes = QUICK_SIZES if args.quick else Sizes()
-    with sigterm_raises(), tempfile.TemporaryDirectory(prefix="bench-compare-logs-") as tmp:
-        args.log_dir = args.log_dir or Path(tmp)
-        args.log_dir.mkdir(parents=True, exist_ok=True)
-        args.router_args = router_args(args.heartbeat_timeout)
-        model = args.model or ensure_model(args.cache_dir, args.quick, args.smollm2)
-        pool = load_pool(str(model))
-        runs = scenario_runs(pool, sizes, args.seed)
-        results, notes = {}, []
-        for system in args.systems:
-            results[system] = measure_system(system, args, model, runs, pool, notes)
-        profile = None if args.no_profile else profile_saturation(model, runs, args)
-    return write_report(args, argv, model, sizes, results, notes, profile)
-
-
-def profile_saturation(
-    model: Path, runs: list[Run], args: argparse.Namespace
-) -> dict[str, Any] | None:
-    """The all-at-once saturation run through the engine alone (pdserve.bench.engine_profile)."""
-    run = next((r for r in runs if r.scenario == "saturation" and r.request_rate == math.inf), None)
-    if run is None:
-        return None
-    print("== engine alone: the saturation run (rate inf), timed and profiled", flush=True)
-    found = profile_engine(str(model), args.engine_args, run.requests, args.threads)
-    print(
-        f"   {found['engine_s']:.1f} s, {found['engine_tokens_per_s']:.1f} out tok/s; matmuls"
-        f" {found['matmul_s']:.1f} of {found['cpu_s']:.1f} CPU s under the profiler",
-        flush=True,
-    )
-    return found
-
-
-def write_report(
-    args: argparse.Namespace,
-    argv: list[str] | None,
-    model: Path,
-    sizes: Sizes,
-    results: dict[str, dict],
-    notes: list[str],
-    profile: dict[str, Any] | None = None,
-) -> dict[str, Any]:
-    """compare.json, the plots and the markdown section of a finished measurement."""
-    config = json.loads((model / "config.json").read_text())
-    report = {
-        "command": command_line("bench_compare.py", sys.argv[1:] if argv is None else argv),
-        "date": time.strftime("%Y-%m-%d %H:%M"),
-        "machine": machine(),
-        "model": str(model),
-        "model_desc": _model_desc(config, args),
-        "engine_args": args.engine_args,
-        "batch_tokens": batch_tokens(args.engine_args),
-        "threads": args.threads,
-        "router_args": args.router_args,
-        "remote_prefill": True,
-        "section": args.section,
-        "model_name": "SmolLM2-135M-Instruct" if args.smollm2 else None,
-        "quick": args.quick,
-        "git": git_state(),
-        "sizes": asdict(sizes),
-        "systems": args.systems,
-        "results": results,
-        "goals": evaluate_goals(results, sizes),
-        "profile": profile,
-        "notes": notes,
-        "json": str(args.outputs.folder / f"{args.section}.json"),
-    }
-    save_json(report["json"], report)
-    publish(report, args.outputs)
-    return report
-
-
 def publish(report: dict[str, Any], to: Outputs) -> None:
-    """Plots into to.folder and the section into to.page, from a report (fresh, or read back
-    from JSON)."""
+    """The JSON, the plots and the section of a report (fresh, or read back from JSON)."""
     sizes = sizes_from_dict(report["sizes"])
     # JSON comes back with sorted keys; tables and legends list systems in SYSTEMS order.
     results = {s: report["results"][s] for s in SYSTEMS if s in report["results"]}
     report = {**report, "results": results}
-    to.folder.mkdir(parents=True, exist_ok=True)
-    name = report.get("section", SECTION)
+    name = report["section"]
+    data = save_json(to.folder / f"{name}.json", report)
     plots = [
-        plot_distributions(results, sizes, to.folder, "ttft", name),
-        plot_distributions(results, sizes, to.folder, "itl", name),
-        plot_throughput(results, sizes, to.folder, name),
+        plot_distributions(results, sizes, "ttft", to.folder / f"{name}_ttft.png"),
+        plot_distributions(results, sizes, "itl", to.folder / f"{name}_itl.png"),
+        plot_throughput(results, sizes, to.folder / f"{name}_throughput.png"),
     ]
-    write_section(name, render_section(report, to, plots), to.page)
+    write_section(name, render_section(report, to, plots, data), to.page)
     print(goals_table(report["goals"]))
-    print(f"wrote the plots into {to.folder} and the `{name}` section of {to.page}")
+    print(f"wrote {data}, the plots and the `{name}` section of {to.page}")
 
 
 def sizes_from_dict(d: dict[str, Any]) -> Sizes:
     """Sizes from its JSON form, where inf is the string "inf"."""
-    return Sizes(
-        **{
-            k: tuple(float(x) for x in v) if isinstance(v, list | tuple) else v
-            for k, v in d.items()
-        }
-    )
+    return Sizes(**{k: tuple(map(float, v)) if isinstance(v, list) else v for k, v in d.items()})
 
 
-def git_state() -> str:
-    """HEAD and whether the tree had changes: what exactly was measured."""
-    root = checkout_root()
-    if root is None:
-        return "unknown (not run from a checkout)"
-    try:
-        run = lambda *a: subprocess.run(  # noqa: E731
-            ["git", *a], cwd=root, capture_output=True, text=True, timeout=10
-        ).stdout.strip()
-        dirty = " with uncommitted changes" if run("status", "--porcelain", "-uno") else ""
-        return run("rev-parse", "--short", "HEAD") + dirty
-    except (OSError, subprocess.SubprocessError):
-        return "unknown"
-
-
-def _model_desc(config: dict[str, Any], args: argparse.Namespace) -> str:
-    kind = "the tests' tiny Llama" if args.quick and args.model is None else "Llama"
+def model_desc(config: dict[str, Any], args: argparse.Namespace) -> str:
     shape = (
         f"{config['num_hidden_layers']} layers, hidden {config['hidden_size']}, "
         f"{config['num_attention_heads']} heads ({config['num_key_value_heads']} KV), "
@@ -856,7 +579,109 @@ def _model_desc(config: dict[str, Any], args: argparse.Namespace) -> str:
         )
     if args.model is not None:
         return f"{args.model.name} ({shape})"
+    kind = "the tests' tiny Llama" if args.quick else "Llama"
     return f"{kind}, {shape}, random weights, locally trained BPE tokenizer"
+
+
+# ---------------------------------------------------------------- main
+
+RUN_FLAGS = [
+    ("--systems", str, None, f"a comma list from {','.join(SYSTEMS)} (default: all; quick: "
+     "the pdserve ones)", {"metavar": "NAME,..."}),
+    ("--quick", bool, None, "tiny model, a handful of requests (default --out: a temp folder)"),
+    SEED_FLAG,
+    TIMEOUT_FLAG,
+    TQDM_FLAG,
+    ("--no-profile", bool, None, "skip the closing probe: the saturation run through the "
+     "engine alone, timed and under torch.profiler"),
+]  # fmt: skip
+MODEL_FLAGS = [
+    ("--model", Path, None, "an HF model directory (default: the random-weight benchmark "
+     "Llama)", {"metavar": "DIR"}),
+    ("--smollm2", bool, None, "SmolLM2-135M-Instruct, as float32 safetensors made once under "
+     "--cache-dir from the GGUF pdserve fetches (section compare-smollm2)"),
+    CACHE_DIR_FLAG,
+    THREADS_FLAG,
+    ("--heartbeat-timeout", float, 0.0, "pdserve router's node heartbeat timeout, seconds "
+     "(0: the router's own)"),
+]  # fmt: skip
+OUTPUT_FLAGS = [
+    ("--section", str, None, f"the page's section, and the name of the JSON and plots "
+     f"(default: {SECTION}; with --smollm2: {SMOLLM2_SECTION})", {"metavar": "NAME"}),
+    ("--doc", Path, None, "the Markdown page of the section (default: DOCS/benchmarks.md, or "
+     "OUT/benchmarks.md with another --out)", {"metavar": "FILE"}),
+]  # fmt: skip
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    p = parser("pdserve bench compare", __doc__.split("\n\n")[0])
+    p.epilog = (
+        "Flags not listed here go to every pdserve node as engine flags (`pdserve serve\n"
+        "--help` lists them), e.g. --max-num-batched-tokens 256 --num-blocks 2048."
+    )
+    add_flags(p.add_argument_group("run"), RUN_FLAGS)
+    servers = p.add_argument_group("model and servers")
+    add_flags(servers, MODEL_FLAGS)
+    add_log_dir_flag(servers)
+    out = add_output_flags(p, "SECTION.json and the plots SECTION_*.png")
+    add_flags(out, OUTPUT_FLAGS)
+    add_from_json_flag(out, "the plots and section of this JSON (its own section)")
+    args, args.engine_args = p.parse_known_args(argv)
+    if args.smollm2 and args.model is not None:
+        p.error("--smollm2 and --model name two models: give one")
+    args.section = args.section or (SMOLLM2_SECTION if args.smollm2 else SECTION)
+    default = QUICK_SYSTEMS if args.quick else SYSTEMS
+    args.systems = args.systems.split(",") if args.systems else list(default)
+    if unknown := set(args.systems) - set(SYSTEMS):
+        p.error(f"unknown systems {sorted(unknown)}; choose from {', '.join(SYSTEMS)}")
+    if args.out is None and args.quick:
+        args.out = Path(tempfile.mkdtemp(prefix="bench-compare-"))
+    to = outputs(args.out, args.docs_dir)
+    args.outputs = Outputs(to.folder, args.doc or to.page)
+    return args
+
+
+def measure(args: argparse.Namespace) -> dict[str, Any]:
+    """Every system on every run, then the engine alone: the report's measured fields."""
+    sizes = QUICK_SIZES if args.quick else Sizes()
+    with sigterm_raises(), tempfile.TemporaryDirectory(prefix="bench-compare-logs-") as tmp:
+        args.log_dir = args.log_dir or Path(tmp)
+        model = args.model or ensure_model(args.cache_dir, args.quick, args.smollm2)
+        pool = load_pool(str(model))
+        runs = scenario_runs(pool, sizes, args.seed)
+        results: dict[str, dict] = {}
+        notes: list[str] = []
+        for system in args.systems:
+            results[system] = measure_system(system, args, model, runs, pool, notes)
+        profile = None if args.no_profile else profile_saturation(model, runs, args)
+    config = json.loads((model / "config.json").read_text())
+    return {
+        "date": time.strftime("%Y-%m-%d %H:%M"),
+        "git": git_state(),
+        "model": str(model),
+        "model_desc": model_desc(config, args),
+        "model_name": "SmolLM2-135M-Instruct" if args.smollm2 else None,
+        "engine_args": args.engine_args,
+        "batch_tokens": batch_tokens(args.engine_args),
+        "threads": args.threads,
+        "router_args": router_args(args.heartbeat_timeout),
+        "section": args.section,
+        "quick": args.quick,
+        "sizes": asdict(sizes),
+        "systems": args.systems,
+        "results": results,
+        "goals": evaluate_goals(results, sizes),
+        "profile": profile,
+        "notes": notes,
+    }
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    args = parse_args(argv)
+    report = measure_or_load(args, "compare", "bench_compare.py", argv, lambda: measure(args))
+    publish(report, args.outputs)
+    return report
 
 
 if __name__ == "__main__":

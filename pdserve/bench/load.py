@@ -1,16 +1,6 @@
-"""The load generator every HTTP benchmark uses: workloads, one SSE reader, one result record,
-open-loop (Poisson rate, at most N in flight) and closed-loop (N in flight for a time) runs,
-and the metrics of a run.
-
-Stable API for other benchmarks (the chaos run builds on these two):
-
-- `RequestResult`: what one streamed request measured (TTFT, ITL, tokens, cached tokens,
-  finish reason, text when asked for, error).
-- `stream_one(client, base_url, body, *, keep_text, timeout_s) -> RequestResult`: one
-  streamed completion or chat completion; every failure comes back in the result.
-- `closed_loop(send, *, concurrency, duration_s, on_result)`: N requests in flight for a time,
-  each result handed to a callback.
-"""
+"""The load generator of the HTTP benchmarks: workloads, one SSE reader (`take_event`), one
+result record (`RequestResult`), one streamed request (`stream_one`), open-loop (`send_all`)
+and closed-loop (`closed_loop`) runs, and the metrics of a run."""
 
 from __future__ import annotations
 
@@ -633,14 +623,24 @@ class BenchConfig:
             raise ValueError(f"unknown goodput metrics {sorted(unknown)}; use {SLO_METRICS}")
 
 
-async def run_benchmark_async(
+def run_benchmark(
     config: BenchConfig,
     requests: Sequence[BenchRequest],
     pool: TokenPool,
     arrivals: Sequence[float] | None = None,
 ) -> dict[str, Any]:
     """Probe, warm up, send every request (Poisson arrivals unless `arrivals` gives the send
-    times) and summarize. Text prompts replace id prompts when the server takes no ids."""
+    times) and summarize (see `summarize`), on a fresh event loop. Text prompts replace id
+    prompts when the server takes no ids."""
+    return asyncio.run(_run_benchmark(config, requests, pool, arrivals))
+
+
+async def _run_benchmark(
+    config: BenchConfig,
+    requests: Sequence[BenchRequest],
+    pool: TokenPool,
+    arrivals: Sequence[float] | None,
+) -> dict[str, Any]:
     if not requests:
         raise ValueError("no requests to send")
     if arrivals is None:
@@ -660,16 +660,6 @@ async def run_benchmark_async(
             sender, requests, arrivals, config.max_concurrency, not config.disable_tqdm
         )
     return {**summarize(results, duration, config), "server": asdict(sender.caps)}
-
-
-def run_benchmark(
-    config: BenchConfig,
-    requests: Sequence[BenchRequest],
-    pool: TokenPool,
-    arrivals: Sequence[float] | None = None,
-) -> dict[str, Any]:
-    """`run_benchmark_async` on a fresh event loop: the result dict (see `summarize`)."""
-    return asyncio.run(run_benchmark_async(config, requests, pool, arrivals))
 
 
 # ---------------------------------------------------------------- metrics

@@ -1,12 +1,6 @@
-"""TTFT under added latency on the KV link, with pdserve's roles on separate hosts
-(`pdserve.testbed`).
-
-`pdserve bench multihost` (needs root, like the hosts): a router, a prefill and a decode host;
-the decode node advertises a relay host where a `DelayProxy` forwards the KV link with a fixed
-one-way delay (the kernel here has no netem: `tc netem` is used where it exists), and
-sequential streaming requests measure TTFT at each delay against the direct link of the same
-run.
-"""
+"""`pdserve bench multihost` (needs root, like the hosts of `pdserve.testbed`): TTFT through
+1P1D on separate hosts, the KV link direct and through a relay host that adds a fixed one-way
+delay (`DelayProxy`; `tc netem` where the kernel has it), sequential streaming requests."""
 
 from __future__ import annotations
 
@@ -17,13 +11,16 @@ import os
 import platform
 import statistics
 import sys
+from typing import Any
 
 from pdserve.bench.load import RequestResult, make_client, stream_one
 from pdserve.bench.report import (
+    add_flags,
     add_output_flags,
     command_line,
     markdown_table,
     outputs_from_args,
+    records_table,
     save_json,
     sigterm_raises,
     write_section,
@@ -48,16 +45,20 @@ def _first_tokens(url: str, prompt: list[int], max_tokens: int) -> tuple[float, 
     return res.ttft, res.ttft + res.itl[0]
 
 
+FLAGS = [
+    ("--model", str, None, "default: the real SmolLM2 (pdserve.models)"),
+    ("--delays-ms", str, "0,5,20,100", "one-way KV-link delays (ms)"),
+    ("--prompt-tokens", int, 512, "tokens per prompt"),
+    ("--requests", int, 12, "sequential requests per row"),
+    ("--max-tokens", int, 4, "output tokens per request"),
+    ("--log-dir", str, "/tmp/pdserve-bench-multihost", "child logs"),
+    ("--quick", bool, None, "tiny model, few requests"),
+]
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = parser("pdserve bench multihost", __doc__.split("\n\n")[0])
-    run = p.add_argument_group("run")
-    run.add_argument("--model", default=None, help="default: the real SmolLM2 (pdserve.models)")
-    run.add_argument("--delays-ms", default="0,5,20,100", help="one-way KV-link delays (ms)")
-    run.add_argument("--prompt-tokens", type=int, default=512, help="tokens per prompt")
-    run.add_argument("--requests", type=int, default=12, help="sequential requests per row")
-    run.add_argument("--max-tokens", type=int, default=4, help="output tokens per request")
-    run.add_argument("--log-dir", default="/tmp/pdserve-bench-multihost", help="child logs")
-    run.add_argument("--quick", action="store_true", help="tiny model, few requests")
+    add_flags(p.add_argument_group("run"), FLAGS)
     add_output_flags(p, "multihost_kv_latency.json")
     args = p.parse_args(argv)
     args.outputs = outputs_from_args(p, args)
@@ -155,27 +156,25 @@ def main(argv: list[str] | None = None) -> int:
     out.folder.mkdir(parents=True, exist_ok=True)
     save_json(out.folder / "multihost_kv_latency.json", result)
     write_section("multihost", section(result), out.page)
-    print(markdown_table(*_table(rows)))
+    print(records_table(COLUMNS, rows))
     print(f"wrote {out.folder / 'multihost_kv_latency.json'} and the section of {out.page}")
     return 0
 
 
-def _table(rows: list[dict]) -> tuple[list[str], list[list]]:
-    header = ["KV link", "TTFT median ms", "TTFT p90 ms", "TTFT vs direct"]
-    header += ["2nd token median ms", "1st to 2nd token ms", "relayed MB (P to D)"]
-    body = [
-        [
-            r["kv_link"],
-            f"{r['ttft_median_s'] * 1000:.1f}",
-            f"{r['ttft_p90_s'] * 1000:.1f}",
-            f"{r['ttft_vs_direct']:.2f}x",
-            f"{r['second_token_median_s'] * 1000:.1f}",
-            f"{r['handoff_gap_median_s'] * 1000:.1f}",
-            f"{r['relay_bytes'].get('up', 0) / 1e6:.1f}" if r["relay_bytes"] else "-",
-        ]
-        for r in rows
-    ]
-    return header, body
+def _ms(key: str) -> Any:
+    return lambda r: f"{r[key] * 1000:.1f}"
+
+
+COLUMNS = [
+    ("KV link", "kv_link"),
+    ("TTFT median ms", _ms("ttft_median_s")),
+    ("TTFT p90 ms", _ms("ttft_p90_s")),
+    ("TTFT vs direct", lambda r: f"{r['ttft_vs_direct']:.2f}x"),
+    ("2nd token median ms", _ms("second_token_median_s")),
+    ("1st to 2nd token ms", _ms("handoff_gap_median_s")),
+    ("relayed MB (P to D)", lambda r: f"{r['relay_bytes'].get('up', 0) / 1e6:.1f}"
+     if r["relay_bytes"] else "-"),
+]  # fmt: skip
 
 
 def section(result: dict) -> str:
@@ -190,6 +189,6 @@ def section(result: dict) -> str:
             "## TTFT across hosts with added KV-link latency (`pdserve bench multihost`)",
             f"    {result['command']}",
             markdown_table(["run", ""], setup),
-            markdown_table(*_table(result["rows"])),
+            records_table(COLUMNS, result["rows"]),
         ]
     )

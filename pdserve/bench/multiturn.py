@@ -1,16 +1,12 @@
 """`pdserve bench multiturn`: multi-turn chat, colocated against three 1P1D setups, on the
 same conversations: the KV that moves into decode nodes per turn, TTFT, and the router's
-placement counters read between turns. The systems, the goals and the reading of the figures
-are in docs/benchmarks.md.
-
-Arguments this benchmark does not know go to every node as engine flags.
-"""
+placement counters read between turns. Systems, goals and reading: docs/benchmarks.md."""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import json
+import functools
 import math
 import os
 import sys
@@ -23,7 +19,7 @@ from typing import Any
 
 import httpx
 
-from pdserve.bench.compare import engine_flag, git_state
+from pdserve.bench.compare import engine_flag
 from pdserve.bench.load import (
     ChatWorkload,
     RequestResult,
@@ -38,20 +34,27 @@ from pdserve.bench.load import (
     warm_up,
 )
 from pdserve.bench.report import (
+    CACHE_DIR_FLAG,
+    SEED_FLAG,
+    THREADS_FLAG,
+    TIMEOUT_FLAG,
     Outputs,
+    add_flags,
     add_from_json_flag,
     add_log_dir_flag,
     add_output_flags,
     cached_model,
-    command_line,
+    git_state,
     goal,
     goals_table,
-    machine,
     markdown_table,
+    measure_or_load,
     outputs_from_args,
     pyplot,
+    records_table,
     save_figure,
     save_json,
+    setup_rows,
     sigterm_raises,
     write_section,
 )
@@ -381,15 +384,14 @@ def evaluate_goals(results: dict[str, dict], turns: int) -> list[dict[str, Any]]
 # ---------------------------------------------------------------- the page and the plot
 
 
-def plot_turns(results: dict[str, dict], out: Path) -> Path:
+def plot_turns(results: dict[str, dict], path: Path) -> Path:
     """Per turn: KV MB moved, mean TTFT and output tokens/s, one line per system."""
-    plt = pyplot()
     panels = [
         ("kv_bytes", 1e-6, "KV moved into decode caches (MB)"),
         ("mean_ttft_ms", 1.0, "mean TTFT (ms)"),
         ("output_tokens_per_s", 1.0, "output tokens/s"),
     ]
-    fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 3.8))
+    fig, axes = pyplot().subplots(1, len(panels), figsize=(5 * len(panels), 3.8))
     for ax, (key, scale, title) in zip(axes, panels):
         for system, res in results.items():
             xs = [t["turn"] for t in res["turns"]]
@@ -398,116 +400,80 @@ def plot_turns(results: dict[str, dict], out: Path) -> Path:
         ax.set_ylim(bottom=0)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
-    return save_figure(fig, out / "multiturn.png")
+    return save_figure(fig, path)
 
 
-def turn_table(results: dict[str, dict]) -> str:
-    header = [
-        "turn",
-        "system",
-        "ok/sent",
-        "KV MB",
-        "local/remote",
-        "prompt tokens",
-        "cached",
-        "reused on D",
-        "sent",
-        "TTFT mean ms",
-        "TTFT med ms",
-        "out tok/s",
-    ]
-    rows = []
-    turns = max((len(r["turns"]) for r in results.values()), default=0)
-    for i in range(turns):
-        for system, res in results.items():
-            if i < len(res["turns"]):
-                rows.append(_turn_row(system, res["turns"][i]))
-    return markdown_table(header, rows)
+def _mb(key: str) -> Any:
+    return lambda r: f"{r[key] / 1e6:.2f}"
 
 
-def _turn_row(system: str, t: dict[str, Any]) -> list[Any]:
-    return [
-        t["turn"],
-        system,
-        f"{t['completed']}/{t['completed'] + t['failed']}",
-        f"{t['kv_bytes'] / 1e6:.2f}",
-        f"{t['prefills_local']}/{t['prefills_remote']}",
-        t["prompt_tokens"],
-        t["cached_prompt_tokens"],
-        t["kv_tokens_reused_on_decode"],
-        t["kv_tokens_sent"],
-        t["mean_ttft_ms"],
-        t["median_ttft_ms"],
-        t["output_tokens_per_s"],
-    ]
+def _placed(r: dict[str, Any]) -> str:
+    return f"{r['prefills_local']}/{r['prefills_remote']}"
+
+
+TURN_COLUMNS = [
+    ("turn", "turn"),
+    ("system", "system"),
+    ("ok/sent", lambda t: f"{t['completed']}/{t['completed'] + t['failed']}"),
+    ("KV MB", _mb("kv_bytes")),
+    ("local/remote", _placed),
+    ("prompt tokens", "prompt_tokens"),
+    ("cached", "cached_prompt_tokens"),
+    ("reused on D", "kv_tokens_reused_on_decode"),
+    ("sent", "kv_tokens_sent"),
+    ("TTFT mean ms", "mean_ttft_ms"),
+    ("TTFT med ms", "median_ttft_ms"),
+    ("out tok/s", "output_tokens_per_s"),
+]
+OVERALL_COLUMNS = [
+    ("system", "system"),
+    ("KV MB, all turns", _mb("kv_bytes")),
+    ("KV MB, turns 2+", _mb("kv_bytes_after_turn_1")),
+    ("local/remote prefills", _placed),
+    ("TTFT mean ms, all", "mean_ttft_ms"),
+    ("TTFT mean ms, turns 2+", "mean_ttft_ms_after_turn_1"),
+    ("out tok/s", "output_tokens_per_s"),
+]
+# (header, system, baseline, per-turn key, target ratio) of the ratio table, one column each
+RATIOS = [
+    ("KV conditional / remote-nocache (goal <= 0.1)",
+     "conditional", "remote-nocache", "kv_bytes", KV_GOAL),
+    ("KV remote / remote-nocache (no goal: for reference)",
+     "remote", "remote-nocache", "kv_bytes", None),
+    ("mean TTFT conditional / colocated (goal <= 1)",
+     "conditional", "colocated", "mean_ttft_ms", 1.0),
+    ("KV threshold / remote-nocache (goal <= 0.1)",
+     "threshold", "remote-nocache", "kv_bytes", KV_GOAL),
+    ("mean TTFT threshold / colocated (goal <= 1)",
+     "threshold", "colocated", "mean_ttft_ms", 1.0),
+]  # fmt: skip
 
 
 def ratio_table(results: dict[str, dict], turns: int) -> str:
     """Per later turn, the goals' ratios and whether each is met."""
 
-    def cell(system: str, base: str, key: str, t: int, target: float) -> str:
-        g = goal("", _turn_value(results, system, t, key), _turn_value(results, base, t, key),
-                  "<=", target)  # fmt: skip
-        return "—" if g["ratio"] is None else f"{g['ratio']:.3f} ({g['status']})"
+    def cell(t: int, system: str, base: str, key: str, target: float | None) -> str:
+        value, baseline = _turn_value(results, system, t, key), _turn_value(results, base, t, key)
+        g = goal("", value, baseline, "<=", target or 1.0)
+        if g["ratio"] is None:
+            return "—"
+        return f"{g['ratio']:.3f}" + (f" ({g['status']})" if target else "")
 
-    rows = [
-        [
-            t,
-            cell("conditional", "remote-nocache", "kv_bytes", t, KV_GOAL),
-            cell("remote", "remote-nocache", "kv_bytes", t, KV_GOAL).split(" ")[0],
-            cell("conditional", "colocated", "mean_ttft_ms", t, 1.0),
-            cell("threshold", "remote-nocache", "kv_bytes", t, KV_GOAL),
-            cell("threshold", "colocated", "mean_ttft_ms", t, 1.0),
-        ]
-        for t in range(2, turns + 1)
-    ]
-    header = [
-        "turn",
-        "KV conditional / remote-nocache (goal <= 0.1)",
-        "KV remote / remote-nocache (no goal: for reference)",
-        "mean TTFT conditional / colocated (goal <= 1)",
-        "KV threshold / remote-nocache (goal <= 0.1)",
-        "mean TTFT threshold / colocated (goal <= 1)",
-    ]
-    return markdown_table(header, rows)
-
-
-def overall_table(results: dict[str, dict]) -> str:
-    header = [
-        "system",
-        "KV MB, all turns",
-        "KV MB, turns 2+",
-        "local/remote prefills",
-        "TTFT mean ms, all",
-        "TTFT mean ms, turns 2+",
-        "out tok/s",
-    ]
-    rows = [
-        [
-            system,
-            f"{o['kv_bytes'] / 1e6:.2f}",
-            f"{o['kv_bytes_after_turn_1'] / 1e6:.2f}",
-            f"{o['prefills_local']}/{o['prefills_remote']}",
-            o["mean_ttft_ms"],
-            o["mean_ttft_ms_after_turn_1"],
-            o["output_tokens_per_s"],
-        ]
-        for system, res in results.items()
-        for o in [res["overall"]]
-    ]
-    return markdown_table(header, rows)
+    rows = [[t, *(cell(t, *spec[1:]) for spec in RATIOS)] for t in range(2, turns + 1)]
+    return markdown_table(["turn", *(spec[0] for spec in RATIOS)], rows)
 
 
 def answers_table(answers: dict[str, dict[str, Any]]) -> str:
     """Each P/D system's answers against the reference's, same conversation and turn."""
-    rows = [
-        [s, a["compared"], a["compared"] - a["mismatches"], a["mismatches"],
-         ", ".join(f"conversation {c} turn {t}" for c, t in a["where"][:4]) or "—"]
-        for s in SYSTEMS
-        if (a := answers.get(s))
+    columns = [
+        ("system", "system"),
+        ("answers compared", "compared"),
+        (f"equal to {REFERENCE}'s", lambda a: a["compared"] - a["mismatches"]),
+        ("mismatches", "mismatches"),
+        ("where", lambda a: ", ".join(f"conversation {c} turn {t}" for c, t in a["where"][:4])
+         or "—"),
     ]  # fmt: skip
-    header = ["system", "answers compared", f"equal to {REFERENCE}'s", "mismatches", "where"]
-    return markdown_table(header, rows)
+    return records_table(columns, [{**answers[s], "system": s} for s in SYSTEMS if s in answers])
 
 
 def reuse_table(results: dict[str, dict], block_size: int) -> str:
@@ -528,15 +494,11 @@ def reuse_table(results: dict[str, dict], block_size: int) -> str:
 
 def setup_table(report: dict[str, Any]) -> str:
     """Where and how the run was made, and the workload, one row each."""
-    m, w = report["machine"], report["workload"]
+    w = report["workload"]
     loads = [t["load_avg_1m"] for r in report["results"].values() for t in r["turns"]]
     rows = [
-        ["measured", f"{report['date']} at pdserve {report['git']}"],
-        ["machine", f"{m['cpu']}, {m['cpu_count']} CPU cores, torch {m['torch']}, float32"],
-        ["model", report["model_desc"]],
-        ["engine flags", _flags(report["engine_args"])],
+        *setup_rows(report),
         ["block size, KV connector", f"{report['block_size']}, zmq"],
-        ["torch threads per server process", report["threads"]],
         ["1-minute load average at the turns' starts",
          f"{min(loads):.1f} to {max(loads):.1f}" if loads else "not measured"],
         ["conversations x turns", f"{w['conversations']} x {w['turns']}"],
@@ -548,8 +510,15 @@ def setup_table(report: dict[str, Any]) -> str:
     return markdown_table(["run", ""], rows)
 
 
-def render_section(report: dict[str, Any], to: Outputs, plot: Path | None) -> str:
+def render_section(report: dict[str, Any], to: Outputs, plot: Path | None, data: Path) -> str:
     results = report["results"]
+    most = max((len(r["turns"]) for r in results.values()), default=0)
+    turns = [
+        {**r["turns"][i], "system": s}
+        for i in range(most)
+        for s, r in results.items()
+        if i < len(r["turns"])
+    ]
     lines = [
         "## Multi-turn chat: decode-side prefix cache and conditional disaggregation"
         " (`pdserve bench multiturn`)",
@@ -572,118 +541,79 @@ def render_section(report: dict[str, Any], to: Outputs, plot: Path | None) -> st
         "",
         "### Results",
         "",
-        overall_table(results),
+        records_table(OVERALL_COLUMNS, [{**r["overall"], "system": s} for s, r in results.items()]),
         "",
-        turn_table(results),
+        records_table(TURN_COLUMNS, turns),
         "",
     ]
     if plot is not None:
         lines += [f"![multiturn]({to.link(plot)})", ""]
-    lines.append(f"Raw results, every reply included: `{to.link(Path(report['json']))}`.")
-    notes = report.get("notes") or []
-    if notes:
-        lines += ["", "### Notes", "", *[f"- {n}" for n in notes]]
+    lines.append(f"Raw results, every reply included: `{to.link(data)}`.")
+    if report.get("notes"):
+        lines += ["", "### Notes", "", *[f"- {n}" for n in report["notes"]]]
     return "\n".join(lines)
 
 
-def _flags(args: list[str]) -> str:
-    return f"`{' '.join(args)}`" if args else "none"
-
-
 def publish(report: dict[str, Any], to: Outputs) -> None:
-    """The plot into to.folder and the section into to.page, from a report (fresh, or read
-    back from JSON)."""
+    """The JSON, the plot and the section of a report (fresh, or read back from JSON)."""
     results = {s: report["results"][s] for s in SYSTEMS if s in report["results"]}
     goals = evaluate_goals(results, report["workload"]["turns"])  # the goals as defined now
     report = {**report, "results": results, "goals": goals}
-    to.folder.mkdir(parents=True, exist_ok=True)
-    plot = plot_turns(results, to.folder) if results else None
-    write_section(SECTION, render_section(report, to, plot), to.page)
+    data = save_json(to.folder / "multiturn.json", report)
+    plot = plot_turns(results, to.folder / "multiturn.png") if results else None
+    write_section(SECTION, render_section(report, to, plot, data), to.page)
     print(goals_table(report["goals"]))
     print(answers_table(report["answers"]))
-    print(f"wrote {to.folder} and the `{SECTION}` section of {to.page}")
+    print(f"wrote {data} and the `{SECTION}` section of {to.page}")
 
 
 # ---------------------------------------------------------------- main
 
-
-def _run_flags(p: argparse.ArgumentParser) -> None:
-    run = p.add_argument_group("run")
-    run.add_argument(
-        "--systems",
-        default=",".join(SYSTEMS),
-        metavar="NAME,...",
-        help=f"a comma list from {', '.join(SYSTEMS)} (default: all; colocated runs first)",
-    )
-    run.add_argument(
-        "--quick",
-        action="store_true",
-        help="tiny random model, 2 conversations x 2 short turns (needs --out)",
-    )
-    d = ChatWorkload()
-    run.add_argument("--conversations", type=int, default=None, help=f"default {d.conversations}")
-    run.add_argument("--turns", type=int, default=None, help=f"per conversation, default {d.turns}")
-    run.add_argument(
-        "--first-len", type=int, default=None, help=f"first message tokens, default {d.first_len}"
-    )
-    run.add_argument(
-        "--message-len",
-        type=int,
-        default=None,
-        help=f"later messages' mean tokens (±{d.range_ratio:.0%}%), default {d.message_len}",
-    )
-    run.add_argument(
-        "--answer-len", type=int, default=None, help=f"tokens per answer, default {d.answer_len}"
-    )
-    run.add_argument("--seed", type=int, default=0, help="seed of the messages")
-    run.add_argument(
-        "--request-timeout", type=float, default=600.0, help="seconds one request may take"
-    )
+_W = ChatWorkload()
+RUN_FLAGS = [
+    ("--systems", str, ",".join(SYSTEMS), f"a comma list from {', '.join(SYSTEMS)} (colocated "
+     "runs first)", {"metavar": "NAME,..."}),
+    ("--quick", bool, None, "tiny random model, 2 conversations x 2 short turns (needs --out)"),
+    ("--conversations", int, None, f"default {_W.conversations}"),
+    ("--turns", int, None, f"per conversation, default {_W.turns}"),
+    ("--first-len", int, None, f"first message tokens, default {_W.first_len}"),
+    ("--message-len", int, None, f"later messages' mean tokens (±{_W.range_ratio:.0%}), "
+     f"default {_W.message_len}"),
+    ("--answer-len", int, None, f"tokens per answer, default {_W.answer_len}"),
+    SEED_FLAG,
+    TIMEOUT_FLAG,
+]  # fmt: skip
+MODEL_FLAGS = [
+    ("--model", str, None, "a checkpoint directory or .gguf file (default: SmolLM2-135M-"
+     "Instruct; quick: the tests' tiny random Llama)", {"metavar": "PATH"}),
+    CACHE_DIR_FLAG,
+    THREADS_FLAG,
+]  # fmt: skip
+WORKLOAD_FLAGS = ("conversations", "turns", "first_len", "message_len", "answer_len")
 
 
-def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, Outputs]:
+def parse_args(argv: list[str]) -> argparse.Namespace:
     p = parser("pdserve bench multiturn", __doc__.split("\n\n")[0])
     p.epilog = "Flags not listed here go to every node as engine flags (`pdserve serve --help`)."
-    _run_flags(p)
-    model = p.add_argument_group("model and servers")
-    model.add_argument(
-        "--model",
-        default=None,
-        metavar="PATH",
-        help="a checkpoint directory or .gguf file (default: SmolLM2-135M-Instruct; quick: "
-        "the tests' tiny random Llama)",
-    )
-    model.add_argument(
-        "--cache-dir",
-        type=Path,
-        default=Path.home() / ".cache" / "pdserve-bench",
-        metavar="DIR",
-        help="where the quick run's tiny model is built",
-    )
-    model.add_argument(
-        "--threads", type=int, default=1, help="torch threads of every server (0: torch's own)"
-    )
-    add_log_dir_flag(model)
+    add_flags(p.add_argument_group("run"), RUN_FLAGS)
+    servers = p.add_argument_group("model and servers")
+    add_flags(servers, MODEL_FLAGS)
+    add_log_dir_flag(servers)
     out = add_output_flags(p, "multiturn.json and multiturn.png")
     add_from_json_flag(out, "the plot and section of this multiturn.json")
-    args, engine_args = p.parse_known_args(argv)
-    args.engine_args = engine_args
-    args.systems = [s for s in args.systems.split(",") if s]
-    unknown = set(args.systems) - set(SYSTEMS)
-    if unknown:
+    args, args.engine_args = p.parse_known_args(argv)
+    names = [s for s in args.systems.split(",") if s]
+    if unknown := set(names) - set(SYSTEMS):
         p.error(f"unknown systems {sorted(unknown)}; choose from {', '.join(SYSTEMS)}")
-    args.systems = [s for s in SYSTEMS if s in args.systems]  # the reference first
+    args.systems = [s for s in SYSTEMS if s in names]  # the reference first
     base = QUICK_WORKLOAD if args.quick else ChatWorkload()
-    given = {
-        k: getattr(args, k)
-        for k in ("conversations", "turns", "first_len", "message_len", "answer_len")
-        if getattr(args, k) is not None
-    }
+    given = {k: getattr(args, k) for k in WORKLOAD_FLAGS if getattr(args, k) is not None}
     try:
         args.workload = ChatWorkload(**{**asdict(base), **given, "seed": args.seed})
     except ValueError as exc:
         p.error(str(exc))
-    return args, outputs_from_args(p, args)
+    args.outputs = outputs_from_args(p, args)
+    return args
 
 
 def resolve_model(args: argparse.Namespace) -> tuple[str, str]:
@@ -697,12 +627,8 @@ def resolve_model(args: argparse.Namespace) -> tuple[str, str]:
     return str(smollm2()), "SmolLM2-135M-Instruct (Q4_1 GGUF, dequantized)"
 
 
-def main(argv: list[str] | None = None) -> dict[str, Any]:
-    args, to = parse_args(argv)
-    if args.from_json is not None:
-        report = json.loads(args.from_json.read_text())
-        publish(report, to)
-        return report
+def measure(args: argparse.Namespace) -> dict[str, Any]:
+    """Every system through the conversations: the report's measured fields."""
     from pdserve.common.model.checkpoint import Checkpoint
 
     model, desc = resolve_model(args)
@@ -714,10 +640,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         args.log_dir = args.log_dir or Path(tmp)
         for name in args.systems:
             results[name] = measure_system(SYSTEM_SPECS[name], model, pool, args, notes)
-    report = {
-        "command": command_line("bench_multiturn.py", sys.argv[1:] if argv is None else argv),
+    return {
         "date": time.strftime("%Y-%m-%d %H:%M"),
-        "machine": machine(),
         "git": git_state(),
         "model": model,
         "model_desc": desc,
@@ -729,12 +653,16 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "systems": args.systems,
         "results": results,
         "answers": compare_answers(results),
-        "goals": evaluate_goals(results, args.workload.turns),
         "notes": notes,
-        "json": str(to.folder / "multiturn.json"),
     }
-    save_json(to.folder / "multiturn.json", report)
-    publish(report, to)
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    args = parse_args(argv)
+    measure_now = functools.partial(measure, args)
+    report = measure_or_load(args, "multiturn", "bench_multiturn.py", argv, measure_now)
+    publish(report, args.outputs)
     return report
 
 

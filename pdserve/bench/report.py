@@ -13,9 +13,10 @@ import shlex
 import shutil
 import signal
 import statistics
+import subprocess
 import tempfile
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -416,3 +417,69 @@ def sigterm_raises() -> Iterator[None]:
         yield
     finally:
         signal.signal(signal.SIGTERM, previous)
+
+
+# -- flags as rows, tables of records, the run's setup (the HTTP benchmarks share these) --------
+
+# A flag as a row: (flag, type, default, help) and optionally a dict of more add_argument
+# keywords; type bool makes a switch. The rows below are flags several benchmarks take.
+SEED_FLAG = ("--seed", int, 0, "seed of the requests (prompts, lengths, arrivals)")
+TIMEOUT_FLAG = ("--request-timeout", float, 600.0, "seconds one request may take")
+TQDM_FLAG = ("--disable-tqdm", bool, None, "no progress bar")
+THREADS_FLAG = ("--threads", int, 1, "torch threads of every server process (0: torch's own)")
+CACHE_DIR_FLAG = (
+    "--cache-dir",
+    Path,
+    Path.home() / ".cache" / "pdserve-bench",
+    "where built or converted models are kept",
+    {"metavar": "DIR"},
+)
+
+
+def add_flags(group: argparse._ArgumentGroup, rows: Sequence[tuple]) -> None:
+    """Add flags written as rows (see SEED_FLAG)."""
+    for flag, kind, default, text, *more in rows:
+        keywords = more[0] if more else {}
+        if kind is bool:
+            group.add_argument(flag, action="store_true", help=text, **keywords)
+        else:
+            group.add_argument(flag, type=kind, default=default, help=text, **keywords)
+
+
+def records_table(columns: Sequence[tuple[str, Any]], records: Iterable[Any]) -> str:
+    """One row per record, one column per (header, key or function of the record)."""
+    rows = [[f(r) if callable(f) else r[f] for _, f in columns] for r in records]
+    return markdown_table([header for header, _ in columns], rows)
+
+
+def flags_text(args: Sequence[str]) -> str:
+    return f"`{shlex.join(args)}`" if args else "none"
+
+
+def setup_rows(report: dict[str, Any]) -> list[list[Any]]:
+    """The rows a run's setup table starts with: when, where, what model, which flags."""
+    m = report["machine"]
+    return [
+        ["measured", f"{report['date']} at pdserve {report['git']}"],
+        ["machine", f"{m['cpu']}, {m['cpu_count']} CPU cores, torch {m['torch']}, float32"],
+        ["model", report["model_desc"]],
+        ["pdserve engine flags", flags_text(report["engine_args"])],
+        ["torch threads per server process (`--threads`)", report["threads"]],
+    ]
+
+
+def git_state() -> str:
+    """HEAD and whether the tree had changes: what exactly was measured."""
+    root = checkout_root()
+    if root is None:
+        return "unknown (not run from a checkout)"
+
+    def git(*args: str) -> str:
+        cmd = ["git", *args]
+        return subprocess.run(cmd, cwd=root, capture_output=True, text=True, timeout=10).stdout
+
+    try:
+        dirty = " with uncommitted changes" if git("status", "--porcelain", "-uno").strip() else ""
+        return git("rev-parse", "--short", "HEAD").strip() + dirty
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"

@@ -1,16 +1,9 @@
 """`pdserve bench router`: how much one router can proxy, and what a second one adds.
 
-Fake colocated nodes (one child process) answer every request at once, so nothing but the
-router limits the cluster; client processes keep N streaming requests in flight through one
-or two routers for a window, and each row records what completed, the CPU every process used
-and every reply checked against the text the fake nodes sent. Method and reading:
-docs/benchmarks.md.
-
-The client reads responses with an asyncio Protocol (`SSEConnection`), not httpx: it parses
-HTTP/1.1 chunks as bytes arrive, with no coroutine step per chunk, so it costs several times
-less per token than the router it loads and the router runs out of CPU first (with httpx the
-client, not the router, would set the ceiling on this machine). Each SSE event still goes
-through `load.take_event`, the one SSE reader.
+Fake nodes (`pdserve.testbed.fake_nodes`) answer at once, so only the routers limit the rig;
+client processes keep N streams in flight for a window. The client parses HTTP/1.1 bytes in an
+asyncio Protocol (`SSEConnection`) with no coroutine step per chunk: with httpx the client, not
+the router, would set the ceiling. Each SSE event still goes through `load.take_event`.
 """
 
 from __future__ import annotations
@@ -18,22 +11,21 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import functools
 import json
 import math
 import os
 import platform
-import secrets
 import signal
 import subprocess
 import sys
 import tempfile
 import time
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, astuple, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from pdserve.bench import report as report_io
 from pdserve.bench.load import (
     RequestResult,
     closed_loop,
@@ -43,14 +35,17 @@ from pdserve.bench.load import (
     take_event,
 )
 from pdserve.bench.report import (
-    Outputs,
+    CACHE_DIR_FLAG,
+    add_flags,
     add_from_json_flag,
     add_output_flags,
     cached_model,
-    command_line,
     markdown_table,
+    measure_or_load,
     outputs_from_args,
+    publish,
     pyplot,
+    records_table,
     save_figure,
     sigterm_raises,
 )
@@ -87,170 +82,6 @@ class Sizes:
 
 FULL = Sizes((8, 16, 32, 64, 128), 32, 1.0, 5.0, PINS, 2)
 QUICK = Sizes((4, 16), 16, 0.5, 2.0, ("split",), 1)
-
-
-# -- the fake nodes (a child process) -------------------------------------------------------------
-
-
-def tokens_packer() -> Any:
-    """A packer of `tokens` frames byte-identical to messages.encode(Tokens(...)), about five
-    times cheaper, so the load side stays light; the protocol's own encoder when the message
-    has grown a field (checked against encode)."""
-    import msgpack
-
-    from pdserve.common.wire import messages as m
-
-    packer = msgpack.Packer(use_bin_type=True)
-    fields = {"logprobs": (), "cached_tokens": 0, "prompt_logprobs": (), "type": "tokens"}
-
-    def fast(request_id: str, token_ids: list[int], finish_reason: str) -> bytes:
-        return packer.pack(
-            {"request_id": request_id, "token_ids": token_ids, "finish_reason": finish_reason,
-             **fields, "version": m.PROTOCOL_VERSION}
-        )  # fmt: skip
-
-    def exact(request_id: str, token_ids: list[int], finish_reason: str) -> bytes:
-        return m.encode(m.Tokens(request_id, tuple(token_ids), finish_reason=finish_reason))
-
-    same = fast("r-1", [5, 6], "length") == exact("r-1", [5, 6], "length")
-    return fast if same else exact
-
-
-class FakeNodes:
-    """Fake colocated nodes answering every prefill at once, each on a DEALER per router
-    (identity: its node id), with a heartbeat every HEARTBEAT_S. SIGUSR1 sends a request's
-    tokens in one message, SIGUSR2 back to `tokens_per_message`; SIGTERM stops."""
-
-    def __init__(self, spec: dict[str, Any]) -> None:
-        import zmq
-
-        self.spec = spec
-        self.pack = tokens_packer()
-        self.streamed = self.per_message = max(1, int(spec["tokens_per_message"]))
-        self.stop = False
-        kinds = ("prefills", "tokens", "messages", "skipped", "send_timeouts", "refused")
-        self.counts = dict.fromkeys(kinds, 0)
-        self.ctx = zmq.Context()
-        self.poller = zmq.Poller()
-        self.owners: dict[Any, tuple[str, str]] = {}  # socket -> (node id, incarnation)
-        for i in range(int(spec["nodes"])):
-            for addr in spec["routers"]:
-                self._connect(f"fake-{i}", secrets.token_hex(8), addr)
-
-    def _connect(self, node_id: str, incarnation: str, addr: str) -> None:
-        import zmq
-
-        sock = self.ctx.socket(zmq.DEALER)
-        sock.setsockopt(zmq.IDENTITY, node_id.encode())
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.setsockopt(zmq.SNDHWM, 100_000)
-        sock.setsockopt(zmq.RCVHWM, 100_000)
-        sock.setsockopt(zmq.SNDTIMEO, 5000)  # a router that stops reading: drop, go on
-        sock.connect(f"tcp://{addr}")
-        self.poller.register(sock, zmq.POLLIN)
-        self.owners[sock] = (node_id, incarnation)
-
-    def on_signal(self, signum: int, _frame: Any) -> None:
-        if signum == signal.SIGUSR1:
-            self.per_message = 1 << 30
-        elif signum == signal.SIGUSR2:
-            self.per_message = self.streamed
-        else:
-            self.stop = True
-
-    def send(self, sock: Any, frame: bytes) -> None:
-        import zmq
-
-        try:
-            sock.send(frame)
-        except zmq.Again:
-            self.counts["send_timeouts"] += 1
-
-    def register(self, sock: Any) -> None:
-        from pdserve.common.wire import messages as m
-
-        node_id, incarnation = self.owners[sock]
-        blocks, max_len = int(self.spec["num_blocks"]), int(self.spec["max_model_len"])
-        msg = m.RegisterNode(
-            node_id=node_id, role="both", kv_endpoint="", kv_connector="", layout_digest="",
-            num_blocks=blocks, block_size=16, max_model_len=max_len, incarnation=incarnation,
-        )  # fmt: skip
-        self.send(sock, m.encode(msg))
-
-    def answer(self, sock: Any, msg: Any) -> None:
-        """max_tokens of the word ids, cycled, `per_message` to a `tokens` message."""
-        n = msg.sampling.max_tokens
-        words: list[int] = self.spec["token_ids"]
-        ids = [words[i % len(words)] for i in range(int(n or 16))]
-        step = self.per_message  # a signal may change it meanwhile
-        self.counts["prefills"] += 1
-        self.counts["tokens"] += len(ids)
-        for start in range(0, len(ids), step):
-            last = start + step >= len(ids)
-            self.send(sock, self.pack(msg.request_id, ids[start : start + step], "length" * last))
-            self.counts["messages"] += 1
-
-    def handle(self, sock: Any, frame: bytes) -> None:
-        from pdserve.common.wire import messages as m
-
-        try:
-            msg = m.decode(frame)
-        except m.ProtocolError:  # a type added later (an acknowledgement, say)
-            self.counts["skipped"] += 1
-            return
-        if isinstance(msg, m.Prefill):
-            self.answer(sock, msg)
-        elif isinstance(msg, m.CheckIntegrity):
-            blocks = int(self.spec["num_blocks"])
-            report = m.IntegrityReport(msg.nonce, True, num_blocks=blocks, free_blocks=blocks)
-            self.send(sock, m.encode(report))
-        elif isinstance(msg, m.Reregister):
-            self.register(sock)
-        elif type(msg).__name__ == "Registered" and not getattr(msg, "accepted", True):
-            self.counts["refused"] += 1  # the router turned the node away: say why
-            why = getattr(msg, "reason", "")
-            print(f"{self.owners[sock][0]} refused: {why}", file=sys.stderr, flush=True)
-        # lease, abort, sync_prefixes, anything else: nothing to do
-
-    def run(self) -> dict[str, int]:
-        """Until SIGTERM: heartbeats, and every frame each socket has waiting."""
-        import zmq
-
-        from pdserve.common.wire import messages as m
-
-        for sock in self.owners:
-            self.register(sock)
-        next_beat = time.monotonic()
-        while not self.stop:
-            if time.monotonic() >= next_beat:
-                for sock, (node_id, _) in self.owners.items():
-                    self.send(
-                        sock, m.encode(m.Heartbeat(node_id, self.spec["num_blocks"], 0, 0, 0))
-                    )
-                next_beat = time.monotonic() + HEARTBEAT_S
-            try:
-                ready = dict(self.poller.poll(timeout=int(HEARTBEAT_S * 1000 / 2)))
-            except zmq.ZMQError:  # interrupted by the signal
-                continue
-            for sock in ready:
-                for _ in range(1000):  # then let the other sockets and the heartbeat have a turn
-                    try:
-                        self.handle(sock, sock.recv(flags=zmq.NOBLOCK))
-                    except zmq.Again:
-                        break
-        for sock in self.owners:
-            sock.close(linger=0)
-        self.ctx.term()
-        return self.counts
-
-
-def run_fake_nodes(spec: dict[str, Any]) -> int:
-    """The fake nodes until SIGTERM; their counts go to spec["counts_file"]."""
-    nodes = FakeNodes(spec)
-    for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGUSR2):
-        signal.signal(signum, nodes.on_signal)
-    Path(spec["counts_file"]).write_text(json.dumps(nodes.run()))
-    return 0
 
 
 # -- the load (client child processes) ------------------------------------------------------------
@@ -551,28 +382,8 @@ def pin_plan(plan: str, routers: int, cpus: Sequence[int]) -> dict[str, list[int
     }
 
 
-def fakes_command(
-    token_ids: list[int], args: argparse.Namespace, max_model_len: int, counts: Path
-) -> Any:
-    """The fake nodes' command line for the routers' control addresses."""
-
-    def cmd(routers: list[str]) -> list[str]:
-        spec = {
-            "routers": routers,
-            "nodes": args.nodes,
-            "token_ids": token_ids,
-            "tokens_per_message": args.tokens_per_message,
-            "num_blocks": 65536,
-            "max_model_len": max_model_len,
-            "counts_file": str(counts),
-        }
-        return [*child_cmd("fakes"), json.dumps(spec)]
-
-    return cmd
-
-
-def child_cmd(kind: str) -> list[str]:
-    return [sys.executable, "-m", "pdserve.bench.router", "--child", kind]
+def client_cmd() -> list[str]:
+    return [sys.executable, "-m", "pdserve.bench.router", "--client"]
 
 
 # -- one row --------------------------------------------------------------------------------------
@@ -592,7 +403,7 @@ def start_clients(
         mine = json.dumps({**spec, "ports": ports[c::procs]})
         clients.append(
             subprocess.Popen(
-                [*child_cmd("client"), mine],
+                [*client_cmd(), mine],
                 stdout=subprocess.PIPE,
                 stderr=subprocess.PIPE,
                 text=True,
@@ -777,11 +588,9 @@ def probe(port: int, max_tokens: int) -> dict[str, Any]:
 
 
 def machine_info() -> dict[str, Any]:
-    def has(module: str) -> bool:
-        import importlib.util
+    import importlib.util
 
-        return importlib.util.find_spec(module) is not None
-
+    has = importlib.util.find_spec
     return {
         "cpu_count": os.cpu_count(),
         "cpus_allowed": sorted(os.sched_getaffinity(0)),
@@ -790,45 +599,33 @@ def machine_info() -> dict[str, Any]:
         "python": platform.python_version(),
         # uvicorn runs the router on uvloop and httptools when they are installed
         # (uvicorn[standard]); else on asyncio's loop and h11, both pure Python.
-        "uvloop": has("uvloop"),
-        "httptools": has("httptools"),
+        "uvloop": has("uvloop") is not None,
+        "httptools": has("httptools") is not None,
     }
 
 
 def ratios(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """2 routers / 1 router, per CPU plan and concurrency."""
     by = {(r["pin"], r["concurrency"], r["routers"]): r for r in rows}
-    out = []
-    for (plan, n, routers), two in by.items():
-        one = by.get((plan, n, 1))
-        if routers != 2 or one is None:
-            continue
-        out.append(
-            {
-                "pin": plan,
-                "concurrency": n,
-                "requests_per_s": two["requests_per_s"] / max(1e-9, one["requests_per_s"]),
-                "tokens_per_s": two["tokens_per_s"] / max(1e-9, one["tokens_per_s"]),
-                "router_cpu_ms_per_request": two["router_cpu_ms_per_request"]
-                / max(1e-9, one["router_cpu_ms_per_request"]),
-            }
-        )
-    return out
+    keys = ("requests_per_s", "tokens_per_s", "router_cpu_ms_per_request")
+    return [
+        {"pin": plan, "concurrency": n, **{k: two[k] / max(1e-9, one[k]) for k in keys}}
+        for (plan, n, routers), two in by.items()
+        if routers == 2 and (one := by.get((plan, n, 1))) is not None
+    ]
 
 
 def ceilings(rows: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
     """The best row of each (plan, routers), keyed "plan/routers"."""
     best: dict[str, dict[str, Any]] = {}
-    for r in rows:
-        key = f"{r['pin']}/{r['routers']}"
-        if key not in best or r["requests_per_s"] > best[key]["requests_per_s"]:
-            best[key] = {
-                "requests_per_s": r["requests_per_s"],
-                "tokens_per_s": r["tokens_per_s"],
-                "concurrency": r["concurrency"],
-                "router_cores_used": sum(r["cpu_cores_used"]["routers"]),
-                "router_cpu_ms_per_request": r["router_cpu_ms_per_request"],
-            }
+    for r in sorted(rows, key=lambda r: r["requests_per_s"]):
+        best[f"{r['pin']}/{r['routers']}"] = {
+            "requests_per_s": r["requests_per_s"],
+            "tokens_per_s": r["tokens_per_s"],
+            "concurrency": r["concurrency"],
+            "router_cores_used": sum(r["cpu_cores_used"]["routers"]),
+            "router_cpu_ms_per_request": r["router_cpu_ms_per_request"],
+        }
     return best
 
 
@@ -840,56 +637,27 @@ def best_try(tries: list[dict[str, Any]]) -> dict[str, Any]:
     return best
 
 
-def _row_line(row: dict[str, Any]) -> str:
-    return (
-        f"{row['pin']:>6} routers={row['routers']} N={row['concurrency']:<4} "
-        f"{row['requests_per_s']:8.1f} req/s {row['tokens_per_s']:9.0f} tok/s "
-        f"ttft p50 {row['ttft_ms']['p50']:7.1f} ms  router cores "
-        f"{sum(row['cpu_cores_used']['routers']):.2f}  "
-        f"{row['router_cpu_ms_per_request']:.2f} ms/req  "
-        f"other {row['cpu_cores_used']['other']:.2f}  "
-        f"errors {row['errors']} corrupt {row['corrupt']}"
-    )
+def _cores(r: dict[str, Any], *who: str) -> float:
+    return sum(r["cpu_cores_used"][k] for k in who)
 
 
-ROW_HEADER = [
-    "CPU plan",
-    "routers",
-    "in flight",
-    "req/s",
-    "tokens/s",
-    "TTFT p50 ms",
-    "TTFT p99 ms",
-    "latency p50 ms",
-    "latency p99 ms",
-    "router cores",
-    "client+fakes cores",
-    "other cores",
-    "router ms/req",
-    "errors",
-    "corrupt",
+ROW_COLUMNS = [
+    ("CPU plan", "pin"),
+    ("routers", "routers"),
+    ("in flight", "concurrency"),
+    ("req/s", "requests_per_s"),
+    ("tokens/s", "tokens_per_s"),
+    ("TTFT p50 ms", lambda r: r["ttft_ms"]["p50"]),
+    ("TTFT p99 ms", lambda r: r["ttft_ms"]["p99"]),
+    ("latency p50 ms", lambda r: r["latency_ms"]["p50"]),
+    ("latency p99 ms", lambda r: r["latency_ms"]["p99"]),
+    ("router cores", lambda r: " + ".join(f"{u:.2f}" for u in r["cpu_cores_used"]["routers"])),
+    ("client+fakes cores", lambda r: _cores(r, "clients", "fakes")),
+    ("other cores", lambda r: _cores(r, "other")),
+    ("router ms/req", "router_cpu_ms_per_request"),
+    ("errors", "errors"),
+    ("corrupt", "corrupt"),
 ]
-
-
-def _table_row(r: dict[str, Any]) -> list[Any]:
-    cpu = r["cpu_cores_used"]
-    return [
-        r["pin"],
-        r["routers"],
-        r["concurrency"],
-        r["requests_per_s"],
-        r["tokens_per_s"],
-        r["ttft_ms"]["p50"],
-        r["ttft_ms"]["p99"],
-        r["latency_ms"]["p50"],
-        r["latency_ms"]["p99"],
-        " + ".join(f"{u:.2f}" for u in cpu["routers"]),
-        cpu["clients"] + cpu["fakes"],
-        cpu["other"],
-        r["router_cpu_ms_per_request"],
-        r["errors"],
-        r["corrupt"],
-    ]
 
 
 def setup_table(report: dict[str, Any]) -> str:
@@ -929,26 +697,25 @@ def cost_table(cost: dict[str, Any] | None) -> list[str]:
     return [markdown_table(["cost split (`split`, 1 router)", ""], rows), ""]
 
 
-def section(report: dict[str, Any], figure: str | None) -> str:
-    text = [
-        "## Router ceiling: one router against two (`pdserve bench router`)",
-        "",
-        f"    {report['command']}",
-        "",
-        setup_table(report),
-        "",
-        markdown_table(ROW_HEADER, [_table_row(r) for r in report["rows"]]),
-        "",
-        *cost_table(report.get("cost_split")),
-    ]
-    if figure:
-        text += [f"![requests/s and router CPU per request]({figure})"]
-    return "\n".join(text) + "\n"
+def section(report: dict[str, Any], figure: str) -> str:
+    return "\n".join(
+        [
+            "## Router ceiling: one router against two (`pdserve bench router`)",
+            "",
+            f"    {report['command']}",
+            "",
+            setup_table(report),
+            "",
+            records_table(ROW_COLUMNS, report["rows"]),
+            "",
+            *cost_table(report.get("cost_split")),
+            f"![requests/s and router CPU per request]({figure})",
+        ]
+    )
 
 
 def plot(report: dict[str, Any], path: Path) -> Path:
-    plt = pyplot()
-    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
+    fig, (left, right) = pyplot().subplots(1, 2, figsize=(10, 4))
     for plan in report["sizes"]["pins"]:
         for routers in ROUTERS:
             rows = [r for r in report["rows"] if r["pin"] == plan and r["routers"] == routers]
@@ -964,106 +731,63 @@ def plot(report: dict[str, Any], path: Path) -> Path:
         ax.set_xscale("log", base=2)
         ax.set_xticks(concurrency, [str(n) for n in concurrency])
         ax.minorticks_off()
-        ax.set_xlabel("requests in flight")
-        ax.set_title(title)
+        ax.set(xlabel="requests in flight", title=title)
         ax.set_ylim(bottom=0)
         ax.grid(alpha=0.3)
     left.legend(fontsize=8)
     return save_figure(fig, path)
 
 
-def _run_flags(p: argparse.ArgumentParser) -> None:
-    run = p.add_argument_group("run")
-    run.add_argument(
-        "--quick", action="store_true", help="seconds: 2 concurrencies, short windows, `split` only"
-    )
-    run.add_argument(
-        "--concurrency", default=None, help="requests in flight, comma-separated (8,16,32,64,128)"
-    )
-    run.add_argument("--max-tokens", type=int, default=None, help="output tokens per request")
-    run.add_argument("--warmup", type=float, default=None, help="seconds before each window")
-    run.add_argument("--duration", type=float, default=None, help="seconds each row counts")
-    run.add_argument(
-        "--repeats",
-        type=int,
-        default=None,
-        help="tries of every row, in whole passes; the report keeps each row's best (2; quick 1)",
-    )
-    run.add_argument(
-        "--pins", default=None, help=f"CPU plans, comma-separated, of {', '.join(PINS)}"
-    )
-    run.add_argument(
-        "--tokens-per-message",
-        type=int,
-        default=1,
-        help="token ids per `tokens` message (1: a decode node's streaming)",
-    )
-    run.add_argument("--nodes", type=int, default=2, help="fake colocated nodes")
-    run.add_argument(
-        "--client-procs", type=int, default=1, help="client processes sharing the connections"
-    )
-    run.add_argument(
-        "--router-arg",
-        action="append",
-        default=[],
-        metavar="ARG",
-        help="one more flag for both routers (repeat; e.g. --router-arg=--policy=round_robin)",
-    )
-    run.add_argument(
-        "--quiet-wait",
-        type=float,
-        default=None,
-        metavar="S",
-        help="before each try, wait up to S seconds for the host to be idle (other work on a "
-        "shared machine skews a try); 0: never (default 30; quick 0)",
-    )
-    run.add_argument(
-        "--cost-split",
-        action=argparse.BooleanOptionalAction,
-        default=None,
-        help="after the rows, one router's CPU per request with its tokens streamed against "
-        "all in one message: fixed and per-token cost (default: on; quick: off)",
-    )
+def _ints(text: str) -> tuple[int, ...]:
+    return tuple(int(x) for x in text.split(","))
+
+
+def _names(text: str) -> tuple[str, ...]:
+    if set(names := tuple(text.split(","))) - set(PINS):
+        raise argparse.ArgumentTypeError(f"choose from {', '.join(PINS)}")
+    return names
+
+
+RUN_FLAGS = [
+    ("--quick", bool, None, "seconds: 2 concurrencies, short windows, `split` only"),
+    ("--concurrency", _ints, None, "requests in flight, comma-separated (8,16,32,64,128)"),
+    ("--max-tokens", int, None, "output tokens per request"),
+    ("--warmup", float, None, "seconds before each window"),
+    ("--duration", float, None, "seconds each row counts"),
+    ("--repeats", int, None, "tries of every row, in whole passes; each row's best is kept "
+     "(2; quick 1)"),
+    ("--pins", _names, None, f"CPU plans, comma-separated, of {', '.join(PINS)}"),
+    ("--tokens-per-message", int, 1, "token ids per `tokens` message (1: a decode node's "
+     "streaming)"),
+    ("--nodes", int, 2, "fake colocated nodes"),
+    ("--client-procs", int, 1, "client processes sharing the connections"),
+    ("--router-arg", str, [], "one more flag for both routers (repeat; e.g. "
+     "--router-arg=--policy=round_robin)", {"action": "append", "metavar": "ARG"}),
+    ("--quiet-wait", float, None, "before each try, wait up to S seconds for the host to be "
+     "idle; 0: never (default 30; quick 0)", {"metavar": "S"}),
+    ("--cost-split", None, None, "after the rows, one router's CPU per request with its tokens "
+     "streamed against all in one message (default: on; quick: off)",
+     {"action": argparse.BooleanOptionalAction}),
+    ("--model", Path, None, "HF directory for the tokenizer (default: tiny)"),
+    CACHE_DIR_FLAG,
+    ("--client", bool, None, argparse.SUPPRESS),
+]  # fmt: skip
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = parser("pdserve bench router", __doc__.split("\n\n")[0])
-    p.add_argument("--child", choices=("fakes", "client"), help=argparse.SUPPRESS)
     p.add_argument("spec", nargs="?", help=argparse.SUPPRESS)
-    _run_flags(p)
-    model = p.add_argument_group("model")
-    model.add_argument(
-        "--model", type=Path, default=None, help="HF directory for the tokenizer (default: tiny)"
-    )
-    model.add_argument(
-        "--cache-dir",
-        type=Path,
-        default=Path(tempfile.gettempdir()) / "pdserve-bench-models",
-        help="where the tiny model is kept",
-    )
+    add_flags(p.add_argument_group("run"), RUN_FLAGS)
     out = add_output_flags(p, "router_ceiling.json and router_ceiling.png")
     add_from_json_flag(out, "the plot and section of this router_ceiling.json")
     args = p.parse_args(argv)
-    if args.child:
+    if args.client:
         return args
     base = QUICK if args.quick else FULL
-    pins = tuple(args.pins.split(",")) if args.pins else base.pins
-    if set(pins) - set(PINS):
-        p.error(f"--pins: choose from {', '.join(PINS)}")
-    args.sizes = Sizes(
-        tuple(int(x) for x in args.concurrency.split(","))
-        if args.concurrency
-        else base.concurrency,
-        args.max_tokens or base.max_tokens,
-        base.warmup_s if args.warmup is None else args.warmup,
-        args.duration or base.duration_s,
-        pins,
-        args.repeats or base.repeats,
-    )
-    if args.cost_split is None:
-        args.cost_split = not args.quick
-    if args.quiet_wait is None:
-        args.quiet_wait = 0.0 if args.quick else 30.0
+    given = (args.concurrency, args.max_tokens, args.warmup, args.duration, args.pins, args.repeats)
+    args.sizes = Sizes(*(b if g is None else g for g, b in zip(given, astuple(base))))
+    args.cost_split = not args.quick if args.cost_split is None else args.cost_split
+    args.quiet_wait = (0.0 if args.quick else 30.0) if args.quiet_wait is None else args.quiet_wait
     args.outputs = outputs_from_args(p, args)
     return args
 
@@ -1086,6 +810,17 @@ def measure_rows(
     return [best_try(t) for t in tries.values()]
 
 
+def _row_line(r: dict[str, Any]) -> str:
+    return (
+        f"{r['pin']:>6} routers={r['routers']} N={r['concurrency']:<4} "
+        f"{r['requests_per_s']:8.1f} req/s {r['tokens_per_s']:9.0f} tok/s "
+        f"ttft p50 {r['ttft_ms']['p50']:7.1f} ms  "
+        f"router cores {sum(r['cpu_cores_used']['routers']):.2f}  "
+        f"{r['router_cpu_ms_per_request']:.2f} ms/req  other {_cores(r, 'other'):.2f}  "
+        f"errors {r['errors']} corrupt {r['corrupt']}"
+    )
+
+
 def run(args: argparse.Namespace, model: Path, token_ids: list[int], expected: str) -> dict:
     """The routers and fake nodes up, probed, measured, stopped: the report's measurements."""
     sizes: Sizes = args.sizes
@@ -1093,10 +828,10 @@ def run(args: argparse.Namespace, model: Path, token_ids: list[int], expected: s
     max_len = int(config.get("max_position_embeddings", 2048))
     with sigterm_raises(), tempfile.TemporaryDirectory(prefix="bench-router-") as tmp:
         counts = Path(tmp) / "fake_counts.json"
-        fakes = fakes_command(token_ids, args, max_len, counts)
-        with routers_over_fakes(
-            model, len(ROUTERS), fakes, args.nodes, Path(tmp), args.router_arg
-        ) as rig:
+        fakes = {"nodes": args.nodes, "token_ids": token_ids, "num_blocks": 65536}
+        fakes |= {"tokens_per_message": args.tokens_per_message, "max_model_len": max_len}
+        fakes["counts_file"] = str(counts)
+        with routers_over_fakes(model, len(ROUTERS), fakes, Path(tmp), args.router_arg) as rig:
             probes = [probe(port, sizes.max_tokens) for port in rig.ports]
             for i, pr in enumerate(probes):
                 if pr["error"] or pr["text"] != expected:
@@ -1111,27 +846,18 @@ def run(args: argparse.Namespace, model: Path, token_ids: list[int], expected: s
     return {"probes": probes, "fake_nodes": fake_counts, "rows": rows, "cost_split": cost}
 
 
-def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    args = parse_args(argv)
-    if args.child == "fakes":
-        return run_fake_nodes(json.loads(args.spec))
-    if args.child == "client":
-        return run_client(json.loads(args.spec))
-    if args.from_json is not None:
-        return publish(json.loads(args.from_json.read_text()), args.outputs)
-    sizes: Sizes = args.sizes
+def measure_all(args: argparse.Namespace) -> dict[str, Any]:
+    """The whole run: the report's fields."""
     model = args.model or cached_model(args.cache_dir, "tiny-llama-router", MODEL_SPEC)
     token_ids, tok = word_tokens(model)
-    cycle = [token_ids[i % len(token_ids)] for i in range(sizes.max_tokens)]
+    cycle = [token_ids[i % len(token_ids)] for i in range(args.sizes.max_tokens)]
     expected = tok.decode(cycle, skip_special_tokens=True)
     measured = run(args, model, token_ids, expected)
-    report = {
-        "command": command_line("bench_router.py", list(argv)),
+    return {
         "date": time.strftime("%Y-%m-%d %H:%M"),
         "machine": machine_info(),
         "quick": args.quick,
-        "sizes": asdict(sizes),
+        "sizes": asdict(args.sizes),
         "nodes": args.nodes,
         "tokens_per_message": args.tokens_per_message,
         "client_procs": args.client_procs,
@@ -1142,13 +868,17 @@ def main(argv: list[str] | None = None) -> int:
         **measured,
         "ratios": ratios(measured["rows"]),
         "ceilings": ceilings(measured["rows"]),
-    }  # fmt: skip
-    return publish(report, args.outputs)
+    }
 
 
-def publish(report: dict[str, Any], to: Outputs) -> int:
-    """router_ceiling.json, its plot and the page's section."""
-    report_io.publish("router", report, to, plot, section, stem="router_ceiling")
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    args = parse_args(argv)
+    if args.client:
+        return run_client(json.loads(args.spec))
+    measure_now = functools.partial(measure_all, args)
+    report = measure_or_load(args, "router", "bench_router.py", argv, measure_now)
+    publish("router", report, args.outputs, plot, section, stem="router_ceiling")
     return 0
 
 

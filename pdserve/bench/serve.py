@@ -1,6 +1,5 @@
 """`pdserve bench serve`: stream requests at any OpenAI-compatible server and report what
-`vllm bench serve` reports (throughput, TTFT, TPOT, ITL, E2E latency, goodput); the load and
-its metrics are `pdserve.bench.load`'s, the flags are described in docs/benchmarks.md."""
+`vllm bench serve` reports (throughput, TTFT, TPOT, ITL, E2E latency, goodput)."""
 
 from __future__ import annotations
 
@@ -14,7 +13,7 @@ from pdserve.bench.load import (
     SLO_METRICS,
     STRUCTURED_FIELDS,
     BenchConfig,
-    BenchRequest,
+    BenchRequest,  # noqa: F401  (engine_profile imports it from here)
     ChatWorkload,
     TokenPool,
     chat_turns,
@@ -23,57 +22,98 @@ from pdserve.bench.load import (
     run_benchmark,
     with_structured,
 )
-from pdserve.bench.report import save_json
+from pdserve.bench.report import SEED_FLAG, TIMEOUT_FLAG, TQDM_FLAG, add_flags, save_json
 from pdserve.common.node.cli import parser
 
-# ---------------------------------------------------------------- text report
+SERVER_FLAGS = [
+    ("--base-url", str, "http://127.0.0.1:8000", "the OpenAI-compatible server"),
+    ("--api-key", str, None, "sent as a Bearer token"),
+    ("--model", str, None, "model name to send (default: the first of /v1/models)"),
+    ("--tokenizer", str, None, "the model's tokenizer", {"required": True, "metavar": "DIR"}),
+]
+DATASET_FLAGS = [
+    ("--dataset", str, "random", "random: completions; multiturn: chat conversations",
+     {"choices": ["random", "multiturn"]}),
+    ("--num-prompts", int, 32, "random: requests"),
+    ("--input-len", int, 256, "tokens per prompt, on average"),
+    ("--output-len", int, 64, "tokens per output, on average"),
+    ("--range-ratio", float, 0.0, "lengths uniform in len * [1 - r, 1 + r]"),
+    ("--num-conversations", int, 8, "multiturn: conversations"),
+    ("--turns", int, 3, "multiturn: turns per conversation"),
+    ("--system-prompt-len", int, 256, "multiturn: tokens of the shared system prompt"),
+    ("--structured-output", str, None, "constrain requests with this structured output",
+     {"choices": sorted(STRUCTURED_FIELDS)}),
+    ("--structured-output-ratio", float, 1.0, "share of the requests constrained"),
+    SEED_FLAG,
+    ("--quick", bool, None, "a few short requests, no warm-up (for tests)"),
+]  # fmt: skip
+LOAD_FLAGS = [
+    ("--request-rate", float, math.inf, "requests per second, Poisson (inf: all at once)"),
+    ("--max-concurrency", int, None, "requests in flight at most (default: no limit)"),
+    ("--temperature", float, 0.0, "0: greedy"),
+    TIMEOUT_FLAG,
+    ("--num-warmups", int, 1, "untimed requests sent before the run"),
+    ("--goodput", str, None, f"SLOs NAME:MS, NAME in {','.join(SLO_METRICS)}",
+     {"nargs": "*", "metavar": "NAME:MS"}),
+    ("--percentiles", str, "50,90,99", "percentiles reported, a comma list"),
+]  # fmt: skip
+OUTPUT_FLAGS = [
+    ("--result-file", str, None, "write the result as JSON here", {"metavar": "FILE"}),
+    TQDM_FLAG,
+]
+QUICK = {
+    "num_prompts": 6,
+    "input_len": 32,
+    "output_len": 6,
+    "num_conversations": 2,
+    "turns": 2,
+    "system_prompt_len": 32,
+    "num_warmups": 0,
+}
+DISTRIBUTIONS = {
+    "ttft": "Time to First Token",
+    "tpot": "Time per Output Token (excl. 1st token)",
+    "itl": "Inter-token Latency",
+    "e2el": "End-to-end Latency",
+}
+COUNTS = [
+    ("Successful requests:", "completed"),
+    ("Failed requests:", "failed"),
+    ("Request rate (req/s):", "request_rate"),
+    ("Max concurrency:", "max_concurrency"),
+    ("Benchmark duration (s):", "duration_s"),
+    ("Total input tokens:", "total_input_tokens"),
+    ("Total generated tokens:", "total_output_tokens"),
+    ("Request throughput (req/s):", "request_throughput"),
+    ("Request goodput (req/s):", "request_goodput"),
+    ("Output token throughput (tok/s):", "output_throughput"),
+    ("Total token throughput (tok/s):", "total_token_throughput"),
+    ("Structured outputs valid:", "structured_valid"),
+    ("Structured outputs invalid:", "structured_invalid"),
+]
 
 
 def format_report(result: dict[str, Any], title: str = "Serving Benchmark Result") -> str:
     """The result as the aligned text block a terminal shows."""
     width = 56
-    lines = [f" {title} ".center(width, "=")]
 
-    def row(label: str, value: Any) -> None:
+    def row(label: str, value: Any) -> str:
         text = f"{value:.2f}" if isinstance(value, float) else str(value)
-        lines.append(f"{label:<40}{text:>16}")
+        return f"{label:<40}{text:>16}"
 
-    row("Successful requests:", result["completed"])
-    row("Failed requests:", result["failed"])
-    row("Request rate (req/s):", result["request_rate"])
-    row("Max concurrency:", result["max_concurrency"])
-    row("Benchmark duration (s):", result["duration_s"])
-    row("Total input tokens:", result["total_input_tokens"])
-    row("Total generated tokens:", result["total_output_tokens"])
-    row("Request throughput (req/s):", result["request_throughput"])
-    if result.get("request_goodput") is not None:
-        row("Request goodput (req/s):", result["request_goodput"])
-    row("Output token throughput (tok/s):", result["output_throughput"])
-    row("Total token throughput (tok/s):", result["total_token_throughput"])
-    for name, label in (
-        ("ttft", "Time to First Token"),
-        ("tpot", "Time per Output Token (excl. 1st token)"),
-        ("itl", "Inter-token Latency"),
-        ("e2el", "End-to-end Latency"),
-    ):
+    lines = [f" {title} ".center(width, "=")]
+    lines += [row(label, result[k]) for label, k in COUNTS if result.get(k) is not None]
+    for name, label in DISTRIBUTIONS.items():
         lines.append(f" {label} ".center(width, "-"))
         for key, value in result.items():
             if key.endswith(f"_{name}_ms") and not key.startswith("std"):
-                stat = key.split("_")[0].capitalize()
-                row(f"{stat} {name.upper()} (ms):", value)
-    if "structured_valid" in result:
-        row("Structured outputs valid:", result["structured_valid"])
-        row("Structured outputs invalid:", result["structured_invalid"])
+                lines.append(row(f"{key.split('_')[0].capitalize()} {name.upper()} (ms):", value))
     if result["input_len_mismatches"] or result["output_len_mismatches"]:
         lines.append(
             f"note: {result['input_len_mismatches']} prompts and {result['output_len_mismatches']}"
             " outputs differ in length from what was asked (usage counts are reported)"
         )
-    lines.append("=" * width)
-    return "\n".join(lines)
-
-
-# ---------------------------------------------------------------- CLI
+    return "\n".join([*lines, "=" * width])
 
 
 def parse_goodput(items: Sequence[str] | None) -> dict[str, float]:
@@ -87,150 +127,33 @@ def parse_goodput(items: Sequence[str] | None) -> dict[str, float]:
     return slos
 
 
-def _server_flags(p: argparse.ArgumentParser) -> None:
-    server = p.add_argument_group("server")
-    server.add_argument(
-        "--base-url", default="http://127.0.0.1:8000", help="the OpenAI-compatible server"
-    )
-    server.add_argument("--api-key", default=None, help="sent as a Bearer token")
-    server.add_argument(
-        "--model", default=None, help="model name to send (default: the first of /v1/models)"
-    )
-    server.add_argument(
-        "--tokenizer",
-        required=True,
-        metavar="DIR",
-        help="tokenizer directory (the model's): builds prompts and counts their tokens",
-    )
-
-
-def _dataset_flags(p: argparse.ArgumentParser) -> None:
-    data = p.add_argument_group("dataset")
-    data.add_argument(
-        "--dataset",
-        default="random",
-        choices=["random", "multiturn"],
-        help="random: /v1/completions; multiturn: /v1/chat/completions conversations",
-    )
-    data.add_argument("--num-prompts", type=int, default=32, help="random: requests")
-    data.add_argument("--input-len", type=int, default=256, help="tokens per prompt, on average")
-    data.add_argument("--output-len", type=int, default=64, help="tokens per output, on average")
-    data.add_argument(
-        "--range-ratio",
-        type=float,
-        default=0.0,
-        help="lengths uniform in len * [1 - r, 1 + r]",
-    )
-    data.add_argument("--num-conversations", type=int, default=8, help="multiturn: conversations")
-    data.add_argument("--turns", type=int, default=3, help="multiturn: turns per conversation")
-    data.add_argument(
-        "--system-prompt-len",
-        type=int,
-        default=256,
-        help="multiturn: tokens of the system prompt all conversations share",
-    )
-    data.add_argument(
-        "--structured-output",
-        default=None,
-        choices=sorted(STRUCTURED_FIELDS),
-        help="constrain requests with this structured output (default: none)",
-    )
-    data.add_argument(
-        "--structured-output-ratio",
-        type=float,
-        default=1.0,
-        help="share of the requests constrained; the rest run free in the same run",
-    )
-    data.add_argument("--seed", type=int, default=0, help="seed of lengths, prompts, arrivals")
-    data.add_argument(
-        "--quick", action="store_true", help="a few short requests, no warm-up (for tests)"
-    )
-
-
-def _load_flags(p: argparse.ArgumentParser) -> None:
-    load = p.add_argument_group("load")
-    load.add_argument(
-        "--request-rate",
-        type=float,
-        default=math.inf,
-        help="requests per second, Poisson arrivals (inf: all at once)",
-    )
-    load.add_argument(
-        "--max-concurrency",
-        type=int,
-        default=None,
-        help="requests in flight at most (default: no limit)",
-    )
-    load.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
-    load.add_argument(
-        "--request-timeout", type=float, default=600.0, help="seconds one request may take"
-    )
-    load.add_argument(
-        "--num-warmups", type=int, default=1, help="untimed requests sent before the run"
-    )
-    metrics = p.add_argument_group("metrics")
-    metrics.add_argument(
-        "--goodput",
-        nargs="*",
-        default=None,
-        metavar="NAME:MS",
-        help=f"SLOs in milliseconds, NAME in {','.join(SLO_METRICS)}, e.g. ttft:500 tpot:50 "
-        "(default: no goodput)",
-    )
-    metrics.add_argument(
-        "--percentiles", default="50,90,99", help="percentiles reported, a comma list"
-    )
-    out = p.add_argument_group("output")
-    out.add_argument(
-        "--result-file", default=None, metavar="FILE", help="write the result as JSON here"
-    )
-    out.add_argument("--disable-tqdm", action="store_true", help="no progress bar")
-
-
 def build_parser() -> argparse.ArgumentParser:
-    p = parser(
-        "pdserve bench serve",
-        "Stream requests at an OpenAI-compatible server: TTFT, ITL, throughput.",
-    )
-    _server_flags(p)
-    _dataset_flags(p)
-    _load_flags(p)
+    p = parser("pdserve bench serve", "Stream requests at an OpenAI-compatible server.")
+    add_flags(p.add_argument_group("server"), SERVER_FLAGS)
+    add_flags(p.add_argument_group("dataset"), DATASET_FLAGS)
+    add_flags(p.add_argument_group("load and metrics"), LOAD_FLAGS)
+    add_flags(p.add_argument_group("output"), OUTPUT_FLAGS)
     return p
 
 
 def config_from_args(args: argparse.Namespace) -> BenchConfig:
-    try:
-        return BenchConfig(
-            base_url=args.base_url,
-            request_rate=args.request_rate,
-            max_concurrency=args.max_concurrency,
-            seed=args.seed,
-            temperature=args.temperature,
-            goodput=parse_goodput(args.goodput),
-            percentiles=tuple(float(q) for q in args.percentiles.split(",") if q),
-            request_timeout=args.request_timeout,
-            num_warmups=args.num_warmups,
-            api_key=args.api_key,
-            model=args.model,
-            disable_tqdm=args.disable_tqdm,
-        )
-    except ValueError as exc:
-        raise SystemExit(f"error: {exc}") from None
+    return BenchConfig(
+        base_url=args.base_url,
+        request_rate=args.request_rate,
+        max_concurrency=args.max_concurrency,
+        seed=args.seed,
+        temperature=args.temperature,
+        goodput=parse_goodput(args.goodput),
+        percentiles=tuple(float(q) for q in args.percentiles.split(",") if q),
+        request_timeout=args.request_timeout,
+        num_warmups=args.num_warmups,
+        api_key=args.api_key,
+        model=args.model,
+        disable_tqdm=args.disable_tqdm,
+    )
 
 
 def dataset_from_args(args: argparse.Namespace, pool: TokenPool) -> list[BenchRequest]:
-    requests = _dataset(args, pool)
-    if args.structured_output is None:
-        return requests
-    try:
-        return with_structured(
-            requests, args.structured_output, args.structured_output_ratio, args.seed
-        )
-    except ValueError as exc:
-        raise SystemExit(f"error: {exc}") from None
-
-
-def _dataset(args: argparse.Namespace, pool: TokenPool) -> list[BenchRequest]:
     if args.dataset == "multiturn":
         w = ChatWorkload(
             conversations=args.num_conversations,
@@ -244,30 +167,26 @@ def _dataset(args: argparse.Namespace, pool: TokenPool) -> list[BenchRequest]:
             exact=False,
             seed=args.seed,
         )
-        return [r for turn in chat_turns(pool, w) for r in turn]
-    return random_requests(
-        pool, args.num_prompts, args.input_len, args.output_len, args.range_ratio, args.seed
-    )
-
-
-QUICK = {
-    "num_prompts": 6,
-    "input_len": 32,
-    "output_len": 6,
-    "num_conversations": 2,
-    "turns": 2,
-    "system_prompt_len": 32,
-    "num_warmups": 0,
-}
+        requests = [r for turn in chat_turns(pool, w) for r in turn]
+    else:
+        n, lens = args.num_prompts, (args.input_len, args.output_len, args.range_ratio)
+        requests = random_requests(pool, n, *lens, args.seed)
+    if args.structured_output is None:
+        return requests
+    kind, ratio = args.structured_output, args.structured_output_ratio
+    return with_structured(requests, kind, ratio, args.seed)
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = build_parser().parse_args(argv)
     if args.quick:
         vars(args).update(QUICK)
-    config = config_from_args(args)
-    pool = load_pool(args.tokenizer)
-    requests = dataset_from_args(args, pool)
+    try:
+        config = config_from_args(args)
+        pool = load_pool(args.tokenizer)
+        requests = dataset_from_args(args, pool)
+    except ValueError as exc:
+        raise SystemExit(f"error: {exc}") from None
     result = run_benchmark(config, requests, pool)
     cli = sys.argv[1:] if argv is None else list(argv)
     result.update(dataset=args.dataset, tokenizer=args.tokenizer, argv=cli)

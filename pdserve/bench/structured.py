@@ -1,32 +1,28 @@
-"""What a grammar costs per decode step: the same batch decoded with and without a JSON-schema
-constraint, in one run, on the offline engine.
-
-For batch 1 and 32 it times decode steps (every request of the batch running, prefill done)
-with no constraint, with one whose mask is filled before the forward, and with one whose mask
-is filled on a worker thread while the forward runs; and the fill alone. The overhead is the
-difference in step time: filling (or waiting for the worker), unpacking the bitmask, masking
-the logits, advancing each matcher.
-
-    pdserve bench structured [--model M] [--batches 1 32] [--steps 24] [--repeats 5]
-"""
+"""`pdserve bench structured`: what a grammar costs per decode step. The same batch on the
+offline engine, decode steps timed with no constraint, with a JSON-schema mask filled before the
+forward, and with one filled on a worker thread beside it; and the fill alone."""
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import time
+from typing import Any
 
 from pdserve.bench.report import (
+    add_flags,
     add_output_flags,
     describe_machine,
     machine,
     outputs_from_args,
+    records_table,
     save_json,
     write_section,
 )
 from pdserve.common.engine import model_runner
 from pdserve.common.engine.llm import LLM
 from pdserve.common.engine.sampling_params import SamplingParams, StructuredOutputsParams
+from pdserve.common.node.cli import parser
+from pdserve.models import smollm2
 
 SCHEMA = {
     "type": "object",
@@ -128,61 +124,53 @@ def run(model: str, batches: list[int], steps: int, repeats: int = 3) -> list[di
     return rows
 
 
-def table(rows: list[dict]) -> str:
-    header = [
-        "batch",
-        "no grammar (ms)",
-        "mask filled first (ms)",
-        "overhead",
-        "mask on a worker beside the forward (ms)",
-        "overhead",
-        "fill alone (share of the step)",
-    ]
-    lines = ["| " + " | ".join(header) + " |", "|" + " ---: |" * len(header)]
-    for r in rows:
-        lines.append(
-            f"| {r['batch']} | {r['step_ms']:.1f} | {r['first_ms']:.1f} | "
-            f"{r['first_overhead_ms']:.1f} ms ({r['first_share']:.1%}) | {r['worker_ms']:.1f} | "
-            f"{r['worker_overhead_ms']:.1f} ms ({r['worker_share']:.1%}) | "
-            f"{r['fill_ms']:.2f} ms ({r['fill_ms'] / r['step_ms']:.1%}) |"
-        )
-    return "\n".join(lines)
+def _ms_and_share(mode: str) -> Any:
+    return lambda r: f"{r[f'{mode}_overhead_ms']:.1f} ms ({r[f'{mode}_share']:.1%})"
+
+
+COLUMNS = [
+    ("batch", "batch"),
+    ("no grammar (ms)", lambda r: f"{r['step_ms']:.1f}"),
+    ("mask filled first (ms)", lambda r: f"{r['first_ms']:.1f}"),
+    ("overhead", _ms_and_share("first")),
+    ("mask on a worker beside the forward (ms)", lambda r: f"{r['worker_ms']:.1f}"),
+    ("overhead", _ms_and_share("worker")),
+    ("fill alone (share of the step)",
+     lambda r: f"{r['fill_ms']:.2f} ms ({r['fill_ms'] / r['step_ms']:.1%})"),
+]  # fmt: skip
+FLAGS = [
+    ("--model", str, None, "checkpoint (default: SmolLM2-135M-Instruct)"),
+    ("--batches", int, [1, 32], "decode batch sizes", {"nargs": "+"}),
+    ("--steps", int, 24, "timed decode steps per batch"),
+    ("--repeats", int, 3, "alternated runs; the best counts"),
+]
+READING = (
+    "`pdserve bench structured --steps 24 --repeats 5` made it. Decode step times; overhead "
+    "against the step without a grammar (negative: within the machine's noise). On the CPU "
+    "the forward's threads hold every core and a worker beside them can only compete with "
+    "them, so CPU nodes fill the mask before the forward; on an accelerator they fill it on a "
+    "worker while the forward runs."
+)
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(
-        prog="pdserve bench structured",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    p.add_argument("--model", default=None, help="checkpoint (default: SmolLM2-135M-Instruct)")
-    p.add_argument("--batches", type=int, nargs="+", default=[1, 32], help="decode batch sizes")
-    p.add_argument("--steps", type=int, default=24, help="timed decode steps per batch")
-    p.add_argument("--repeats", type=int, default=3, help="alternated runs; the best counts")
+    p = parser("pdserve bench structured", __doc__.split("\n\n")[0])
+    add_flags(p.add_argument_group("run"), FLAGS)
     add_output_flags(p, "structured.json")
     args = p.parse_args(argv)
     to = outputs_from_args(p, args)
-    model = args.model
-    if model is None:
-        from pdserve.models import smollm2
-
-        model = str(smollm2())
-    rows = run(model, args.batches, args.steps, args.repeats)
-    text = table(rows)
+    rows = run(args.model or str(smollm2()), args.batches, args.steps, args.repeats)
+    text = records_table(COLUMNS, rows)
     print(text)
     save_json(to.folder / "structured.json", {"machine": machine(), "rows": rows})
-    body = (
-        "## Structured outputs: the grammar mask per decode step\n\n"
-        f"{describe_machine(machine())}. SmolLM2-135M-Instruct (float32), greedy, "
-        "a JSON schema with nested objects, an enum, bounded strings and a list; the best "
-        f"of {args.repeats} alternated runs of the median of {args.steps} decode steps, "
-        f"every column from the same run.\n\n{text}\n\n"
-        "`pdserve bench structured --steps 24 --repeats 5` made it. Decode step times; "
-        "overhead against the step without a grammar (negative: within the machine's "
-        "noise). On the CPU the forward's threads hold every core and a worker beside them "
-        "can only compete with them, so CPU nodes fill the mask before the forward; on an "
-        "accelerator they fill it on a worker while the forward runs."
+    setup = (
+        f"{describe_machine(machine())}. SmolLM2-135M-Instruct (float32), greedy, a JSON schema "
+        "with nested objects, an enum, bounded strings and a list; the best of "
+        f"{args.repeats} alternated runs of the median of {args.steps} decode steps, every "
+        "column from the same run."
     )
+    title = "## Structured outputs: the grammar mask per decode step"
+    body = "\n\n".join([title, setup, text, READING])
     print(f"wrote {write_section('structured', body, to.page)}")
 
 

@@ -16,9 +16,11 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from pdserve.bench.report import environ
 from pdserve.local_cluster import LocalCluster, free_port
+from pdserve.testbed import fake_nodes
 
 HOST = "127.0.0.1"
 
@@ -170,14 +172,14 @@ class RoutersOverFakes:
 def routers_over_fakes(
     model: Path,
     routers: int,
-    fakes_cmd: Callable[[list[str]], list[str]],
-    nodes: int,
+    fakes: dict[str, Any],
     log_dir: Path,
     router_args: Sequence[str] = (),
     timeout: float = 90.0,
 ) -> Iterator[RoutersOverFakes]:
     """`routers` routers serving `model`'s tokenizer as "router-bench", then the fake nodes
-    (`fakes_cmd(control addresses)`); yields once every router counts `nodes` live nodes."""
+    (`pdserve.testbed.fake_nodes`, spec `fakes` and the routers' control addresses); yields
+    once every router counts the fake nodes live."""
     rig = RoutersOverFakes([free_port() for _ in range(routers)],
                            [free_port() for _ in range(routers)])  # fmt: skip
     with ExitStack() as stack:
@@ -187,9 +189,10 @@ def routers_over_fakes(
             cmd += ["--control-port", str(control), *router_args]
             router = process_group(cmd, log_dir / f"router{i}.log")
             rig.procs[f"router{i}"] = stack.enter_context(router)
-        fakes = fakes_cmd([f"{HOST}:{c}" for c in rig.control_ports])
-        rig.procs["fakes"] = stack.enter_context(process_group(fakes, log_dir / "fakes.log"))
-        want = f"pdserve_backend_nodes_colocated {float(nodes)}"
+        spec = {**fakes, "routers": [f"{HOST}:{c}" for c in rig.control_ports]}
+        fakes_log = log_dir / "fakes.log"
+        rig.procs["fakes"] = stack.enter_context(process_group(fake_nodes.command(spec), fakes_log))
+        want = f"pdserve_backend_nodes_colocated {float(fakes['nodes'])}"
         deadline = time.monotonic() + timeout
         for port in rig.ports:
             url = f"http://{HOST}:{port}/metrics"
