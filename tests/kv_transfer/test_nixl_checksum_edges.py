@@ -12,7 +12,8 @@ from pdserve.kv_transfer import nixl_wire as nx
 
 def reference(cache: torch.Tensor, blocks: list[int]) -> list[list[int]]:
     """Each block's K and V half summed as int64 words (halves of whole words only)."""
-    return [[int(half.contiguous().view(torch.int64).sum()) for half in cache[:, b]] for b in blocks]
+    halves = [[cache[0, b], cache[1, b]] for b in blocks]
+    return [[int(h.contiguous().view(torch.int64).sum()) for h in pair] for pair in halves]
 
 
 def cache(num_blocks: int, per_block: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
