@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +17,7 @@ import torch
 
 from pdserve.bench.offline import (
     DTYPES,
+    Columns,
     Pdserve,
     Runs,
     Sweep,
@@ -37,8 +38,8 @@ from pdserve.bench.report import (
     best_time,
     goal,
     goals_table,
-    markdown_table,
     pyplot,
+    records_table,
     run_header,
     save_figure,
 )
@@ -79,16 +80,6 @@ def compile_row(batch: int, runs: Runs, floor: float) -> dict[str, Any]:
     return {**row, **compare_tokens(runs["compiled"][0]["tokens"], runs["eager"][0]["tokens"])}
 
 
-def progress_line(r: dict[str, Any]) -> str:
-    eager, compiled = r["eager"], r["compiled"]
-    return (
-        f"batch {r['batch']:3d}: eager {eager['step_s'] * 1e3:7.1f} ms, compiled "
-        f"{compiled['step_s'] * 1e3:7.1f} ms, speedup {r['speedup']:.2f}, of floor "
-        f"{eager['of_floor']:.0%} / {compiled['of_floor']:.0%}, equal "
-        f"{r['matching_sequences']}/{r['batch']}"
-    )
-
-
 def measure(args: argparse.Namespace) -> dict[str, Any]:
     from pdserve.models import smollm2
 
@@ -102,7 +93,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     bandwidth = read_bandwidth(eager.runner.model, args.device)
     copy_bw = copy_bandwidth(args.copy_mib << 20, DTYPES[args.dtype], args.device)
     row = lambda b, runs: compile_row(b, runs, floor_s(eager, b, args, bandwidth))  # noqa: E731
-    results = sweep_batches(args, pds, eager.runner.arch.vocab_size, row, progress_line)
+    results = sweep_batches(args, pds, eager.runner.arch.vocab_size, row, COLUMNS)
     return {
         **sweep_fields(args, path, eager),
         "buckets": list(compiled.buckets),
@@ -131,27 +122,38 @@ def goals(report: dict[str, Any]) -> list[dict[str, Any]]:
     ]
 
 
+def per_mode(header: str, value: Callable[[dict], Any]) -> Columns:
+    """The eager and the compiled column of one figure."""
+    return [(f"{mode} {header}", lambda r, m=mode: value(r[m])) for mode in MODES]
+
+
+COLUMNS: Columns = [
+    ("batch", "batch"),
+    *per_mode("ms", lambda side: side["step_s"] * 1e3),
+    *per_mode("tok/s", lambda side: side["tokens_per_s"]),
+    ("speedup", lambda r: f"{r['speedup']:.2f}x"),
+    ("floor ms", lambda r: r["floor_s"] * 1e3),
+    *per_mode("% of floor", lambda side: f"{side['of_floor']:.0%}"),
+    ("tokens equal", lambda r: f"{r['matching_sequences']}/{r['batch']}"),
+]
+SETUP: Columns = [
+    ("buckets", "buckets"),
+    ("compile s", "compile_s"),
+    ("graphs", "graphs_compiled"),
+    ("inductor cache hits", lambda r: r["inductor_cache"]["hit"]),
+    ("misses", lambda r: r["inductor_cache"]["miss"]),
+    ("read GB/s (weights' `sum()`)", lambda r: r["read_bytes_per_s"] / 1e9),
+    ("copy GB/s (read + write)", lambda r: r["copy_bytes_per_s"] / 1e9),
+]
+
+
 def section(report: dict[str, Any], figure: str) -> str:
     """The benchmarks.md section; `figure` is the plot's path as the page links it."""
-    header = ["batch", "eager ms", "compiled ms", "eager tok/s", "compiled tok/s", "speedup"]
-    header += ["floor ms", "eager % of floor", "compiled % of floor", "tokens equal"]
-    rows = [
-        [r["batch"], r["eager"]["step_s"] * 1e3, r["compiled"]["step_s"] * 1e3]
-        + [r["eager"]["tokens_per_s"], r["compiled"]["tokens_per_s"], f"{r['speedup']:.2f}x"]
-        + [r["floor_s"] * 1e3, f"{r['eager']['of_floor']:.0%}", f"{r['compiled']['of_floor']:.0%}"]
-        + [f"{r['matching_sequences']}/{r['batch']}"]
-        for r in report["results"]
-    ]
-    cache = report["inductor_cache"]
-    setup = [[report["buckets"], report["compile_s"], report["graphs_compiled"], cache["hit"]]]
-    setup[0] += [cache["miss"], report["read_bytes_per_s"] / 1e9, report["copy_bytes_per_s"] / 1e9]
-    setup_header = ["buckets", "compile s", "graphs", "inductor cache hits", "misses"]
-    setup_header += ["read GB/s (weights' `sum()`)", "copy GB/s (read + write)"]
     return "\n".join(
         ["## Compiled decode: `torch.compile` against eager", ""]
         + [*run_header(report), model_line(report), ""]
-        + [markdown_table(header, rows), "", f"![compiled decode]({figure})", ""]
-        + [markdown_table(setup_header, setup), "", goals_table(goals(report))]
+        + [records_table(COLUMNS, report["results"]), "", f"![compiled decode]({figure})", ""]
+        + [records_table(SETUP, [report]), "", goals_table(goals(report))]
     )
 
 

@@ -27,6 +27,7 @@ import torch
 import zmq
 
 from pdserve.bench.report import (
+    add_flags,
     add_from_json_flag,
     add_output_flags,
     best_time,
@@ -37,6 +38,8 @@ from pdserve.bench.report import (
     outputs_from_args,
     publish,
     pyplot,
+    record_line,
+    records_table,
     run_header,
     save_figure,
     sync,
@@ -695,20 +698,28 @@ def connector_tables(report: dict[str, Any]) -> list[str]:
     return [goals_table(goals), "", markdown_table(header, rows)]
 
 
+COLUMNS = [
+    ("layout", "layout"),
+    ("tokens", lambda r: fmt_tokens(r["tokens"])),
+    ("MiB", lambda r: r["bytes"] / 2**20),
+    ("connector", "connector"),
+    *[(header, lambda r, k=key: r["whole"][k]) for header, key in
+      (("whole ms", "ms"), ("GB/s", "gb_s"), ("raw GB/s", "raw_gb_s"), ("ratio", "ratio"))],
+    ("CPU s/GB (raw)", lambda r: f"{r['whole']['cpu_s_per_gb']:.2f} "
+     f"({r['whole']['raw_cpu_s_per_gb']:.2f})"),
+    ("layer ms", lambda r: r["layer"]["ms"]),
+    ("layer ratio", lambda r: r["layer"]["ratio"]),
+    ("send_layer ms", "send_layer_ms"),
+    ("tail ms", "tail_ms"),
+]  # fmt: skip
+
+
 def section(report: dict[str, Any], figure: str) -> str:
     """The benchmarks.md section; `figure` is the plot's path as the page links it."""
-    header = ["layout", "tokens", "MiB", "connector", "whole ms", "GB/s", "raw GB/s", "ratio"]
-    header += ["CPU s/GB (raw)", "layer ms", "layer ratio", "send_layer ms", "tail ms"]
-    rows = [
-        [r["layout"], fmt_tokens(r["tokens"]), r["bytes"] / 2**20, r["connector"]]
-        + [r["whole"][k] for k in ("ms", "gb_s", "raw_gb_s", "ratio")]
-        + [f"{r['whole']['cpu_s_per_gb']:.2f} ({r['whole']['raw_cpu_s_per_gb']:.2f})"]
-        + [r["layer"]["ms"], r["layer"]["ratio"], r["send_layer_ms"], r["tail_ms"]]
-        for r in sorted(report["results"], key=lambda r: (r["layout"], r["tokens"], r["connector"]))
-    ]
+    results = sorted(report["results"], key=lambda r: (r["layout"], r["tokens"], r["connector"]))
     lines = ["## KV transfer: connectors against their raw transport", ""]
     lines += [*run_header(report, "torch threads per process"), ""]
-    lines += [markdown_table(header, rows), "", f"![KV transfer GB/s]({figure})", ""]
+    lines += [records_table(COLUMNS, results), "", f"![KV transfer GB/s]({figure})", ""]
     lines += connector_tables(report)
     if report["skipped"]:
         lines += ["", "Skipped points:", "", skipped_table(report["skipped"])]
@@ -786,59 +797,29 @@ def parse_tokens(text: str) -> list[int]:
     return out
 
 
+RUN_FLAGS = [
+    ("--quick", bool, None, "tiny layout, 128 and 512 tokens, 2 repeats: seconds (needs --out)"),
+    ("--connectors", str, ",".join(CONNECTORS), "connectors to measure, a comma list"),
+    ("--layouts", str, None, "KV layouts, a comma list of tiny and llama3-8b (default: both; "
+     "quick: tiny)"),
+    ("--tokens", parse_tokens, None, "prompt lengths in tokens, a comma list, k = 1024 (default: "
+     "128,512,2k,4k,8k,32k; quick: 128,512)", {"metavar": "N,N,..."}),
+    ("--repeats", int, None, "timed transfers per point, the median reported (default: 5; "
+     "quick: 2)"),
+    ("--max-bytes", parse_size, parse_size("512M"), "skip points whose KV bytes (one side) "
+     "exceed this, binary units: 512M, 2G (default: 512M)", {"metavar": "SIZE"}),
+    ("--no-stages", bool, None, "skip the per-pass timings (gather, checksum)"),
+]  # fmt: skip
+DEVICE_FLAGS = [
+    ("--device", str, "cpu", "where the KV is", {"choices": ("cpu", "cuda")}),
+    ("--threads", int, 1, "torch threads per process on CPU (1: two processes on two cores)"),
+]
+
+
 def make_parser() -> argparse.ArgumentParser:
     p = parser("pdserve bench kv-transfer", __doc__.split("\n\n")[0])
-    run = p.add_argument_group("run")
-    run.add_argument(
-        "--quick",
-        action="store_true",
-        help="tiny layout, 128 and 512 tokens, 2 repeats: seconds (needs --out)",
-    )
-    run.add_argument(
-        "--connectors",
-        default=",".join(CONNECTORS),
-        metavar="NAME,...",
-        help="connectors to measure, a comma list",
-    )
-    run.add_argument(
-        "--layouts",
-        default=None,
-        metavar="NAME,...",
-        help="KV layouts, a comma list of tiny and llama3-8b (default: both; quick: tiny)",
-    )
-    run.add_argument(
-        "--tokens",
-        type=parse_tokens,
-        default=None,
-        metavar="N,N,...",
-        help="prompt lengths in tokens, a comma list, k = 1024 (default: "
-        "128,512,2k,4k,8k,32k; quick: 128,512)",
-    )
-    run.add_argument(
-        "--repeats",
-        type=int,
-        default=None,
-        help="timed transfers per point, the median reported (default: 5; quick: 2)",
-    )
-    run.add_argument(
-        "--max-bytes",
-        type=parse_size,
-        default=parse_size("512M"),
-        metavar="SIZE",
-        help="skip points whose KV bytes (one side) exceed this, binary units: "
-        "512M, 2G (default: 512M)",
-    )
-    run.add_argument(
-        "--no-stages", action="store_true", help="skip the per-pass timings (gather, checksum)"
-    )
-    device = p.add_argument_group("device")
-    device.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="where the KV is")
-    device.add_argument(
-        "--threads",
-        type=int,
-        default=1,
-        help="torch threads per process on CPU (1: two processes on two cores)",
-    )
+    add_flags(p.add_argument_group("run"), RUN_FLAGS)
+    add_flags(p.add_argument_group("device"), DEVICE_FLAGS)
     output = add_output_flags(p, "kv_transfer.json and kv_transfer.png")
     add_from_json_flag(output, "the figure and section of a saved kv_transfer.json")
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)
@@ -901,19 +882,10 @@ def run_connector(connector: str, points: list[Point], repeats: int, device: str
         results = []
         for point in points:
             results.append(bench.run_point(point, repeats))
-            print(progress_line(results[-1]), flush=True)
+            print(record_line([*COLUMNS[:8], ("intact", "ok")], results[-1]), flush=True)
         return results
     finally:
         bench.close()
-
-
-def progress_line(r: dict[str, Any]) -> str:
-    w = r["whole"]
-    return (
-        f"{r['connector']:5s} {r['layout']:10s} {fmt_tokens(r['tokens']):>5s} "
-        f"{r['bytes'] / 2**20:9.2f} MiB  {w['ms']:9.2f} ms {w['gb_s']:6.2f} GB/s  "
-        f"raw {w['raw_gb_s']:6.2f} GB/s  ratio {w['ratio']:.2f}  ok={r['ok']}"
-    )
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -21,17 +21,19 @@ import torch
 
 from pdserve.bench.report import (
     BENCH_MODEL_SIZES,
+    add_flags,
     add_from_json_flag,
     add_output_flags,
     best_time,
     cached_model,
     goal,
     goals_table,
-    markdown_table,
     measure_or_load,
     outputs_from_args,
     publish,
     pyplot,
+    record_line,
+    records_table,
     run_header,
     save_figure,
     sync,
@@ -43,6 +45,7 @@ DEFAULT_CACHE = Path(tempfile.gettempdir()) / "pdserve-bench-models"
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 Runs = dict[str, list[dict[str, Any]]]  # engine name -> its timed runs of one batch
+Columns = list[tuple[str, Any]]  # a table's (header, key or function of a result row)
 
 
 # -- the engine sweep: flags, model, engines, batches taken in turns ----------------------------
@@ -67,28 +70,25 @@ class Sweep:
 def sweep_parser(sweep: Sweep, doc: str) -> argparse.ArgumentParser:
     """The sweep's flags in the groups run, device and output."""
     p = parser(f"pdserve bench {sweep.name}", doc.split("\n\n")[0])
-    run = p.add_argument_group("run")
-    run.add_argument("--quick", action="store_true", help=f"{sweep.quick_help} (needs --out)")
     (b, qb), (pl, qpl), (mt, qmt) = sweep.batch_sizes, sweep.prompt_len, sweep.max_tokens
-    at_least = sweep.min_tokens
-    for flag, kind, text in (
-        ("--batch-sizes", str, f"{sweep.batch_means}, a comma list (default: {b}; quick: {qb})"),
-        ("--prompt-len", int, f"tokens per prompt (default: {pl}; quick: {qpl})"),
-        ("--max-tokens", int, f"new tokens each, >= {at_least} (default: {mt}; quick: {qmt})"),
-        ("--repeats", int, "timed runs per batch size, the median kept (default: 3; quick: 1)"),
-        ("--copy-mib", int, "size of the copy-bandwidth probe, MiB (default: 512; quick: 64)"),
-    ):
-        run.add_argument(flag, type=kind, default=None, help=text)
-    run.add_argument("--model", default=None, metavar="DIR", help=sweep.model_help)
-    device = p.add_argument_group("device")
-    device.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
-    device.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
-    device.add_argument(
-        "--threads",
-        type=int,
-        default=sweep.threads,
-        help="torch threads; 0 keeps torch's own (every core), 1 is steadier on a shared machine",
-    )
+    quick_or = lambda full, quick: f"(default: {full}; quick: {quick})"  # noqa: E731
+    run = [
+        ("--quick", bool, None, f"{sweep.quick_help} (needs --out)"),
+        ("--batch-sizes", str, None, f"{sweep.batch_means}, a comma list {quick_or(b, qb)}"),
+        ("--prompt-len", int, None, f"tokens per prompt {quick_or(pl, qpl)}"),
+        ("--max-tokens", int, None, f"new tokens each, >= {sweep.min_tokens} {quick_or(mt, qmt)}"),
+        ("--repeats", int, None, f"timed runs per batch size, the median kept {quick_or(3, 1)}"),
+        ("--copy-mib", int, None, f"MiB of the copy-bandwidth probe {quick_or(512, 64)}"),
+        ("--model", str, None, sweep.model_help, {"metavar": "DIR"}),
+    ]
+    threads = "torch threads; 0 keeps torch's own (every core), 1 is steadier on a shared machine"
+    device = [
+        ("--device", str, "cpu", "cpu or cuda[:N]"),
+        ("--dtype", str, "float32", "weights and activations", {"choices": sorted(DTYPES)}),
+        ("--threads", int, sweep.threads, threads),
+    ]
+    add_flags(p.add_argument_group("run"), run)
+    add_flags(p.add_argument_group("device"), device)
     output = add_output_flags(p, f"{sweep.name}.json and {sweep.name}.png")
     add_from_json_flag(output, "the figure and section of a saved NAME.json")
     return p
@@ -207,14 +207,15 @@ def sweep_batches(
     engines: dict[str, Callable],
     vocab: int,
     row: Callable[[int, Runs], dict[str, Any]],
-    progress: Callable[[dict[str, Any]], str],
+    columns: Columns,
 ) -> list[dict[str, Any]]:
-    """row(batch, runs) for each batch size, B random prompts the same for every engine."""
+    """row(batch, runs) for each batch size, B random prompts the same for every engine; each
+    row printed as it comes, in the section table's `columns`."""
     rows = []
     for batch in args.batch_sizes:
         prompts = make_prompts(batch, args.prompt_len, vocab, seed=batch)
         rows.append(row(batch, take_turns(engines, prompts, args.repeats)))
-        print(progress(rows[-1]), flush=True)
+        print(record_line(columns, rows[-1]), flush=True)
     return rows
 
 
@@ -425,15 +426,6 @@ def offline_row(
     }
 
 
-def progress_line(r: dict[str, Any]) -> str:
-    return (
-        f"batch {r['batch']:3d}: pdserve {r['pdserve']['tokens_per_s']:8.1f} tok/s, "
-        f"HF {r['hf']['tokens_per_s']:8.1f} tok/s, ratio {r['ratio']:.2f}, "
-        f"equal {r['matching_sequences']}/{r['batch']}, decode vs floor "
-        f"{r['decode_floor']['pdserve']:.2f}, prefill vs floor {r['prefill_floor']['pdserve']:.2f}"
-    )
-
-
 def measure(args: argparse.Namespace) -> dict[str, Any]:
     full = lambda: cached_model(  # noqa: E731
         Path(args.cache_dir),
@@ -445,7 +437,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     pd = Pdserve(path, args)
     engines = {"pdserve": pd, "hf": HF(path, args)}
     row = lambda batch, runs: offline_row(batch, runs, pd, args, copy_bw)  # noqa: E731
-    results = sweep_batches(args, engines, pd.runner.arch.vocab_size, row, progress_line)
+    results = sweep_batches(args, engines, pd.runner.arch.vocab_size, row, COLUMNS)
     fields = sweep_fields(args, path, pd)
     return {**fields, "floors": {"copy_bytes_per_s": copy_bw}, "results": results}
 
@@ -467,36 +459,27 @@ def goals(report: dict[str, Any]) -> list[dict[str, Any]]:
     return [goal("every sequence's tokens equal HF's", same, every, ">=", 1.0), *speed]
 
 
+def both(key: str, value: Callable[[dict, str], float], form: str = ".2f") -> tuple[str, Any]:
+    """A column of pdserve's value with HF's in brackets."""
+    return (f"{key} (HF)", lambda r: f"{value(r, 'pdserve'):{form}} ({value(r, 'hf'):{form}})")
+
+
+COLUMNS: Columns = [
+    ("batch", "batch"),
+    ("pdserve tok/s", lambda r: r["pdserve"]["tokens_per_s"]),
+    ("HF tok/s", lambda r: r["hf"]["tokens_per_s"]),
+    ("pdserve / HF", "ratio"),
+    ("tokens equal", lambda r: f"{r['matching_sequences']}/{r['batch']}"),
+    both("prefill s", lambda r, side: r[side]["prefill_s"], ".3g"),
+    both("prefill vs compute floor", lambda r, side: r["prefill_floor"][side]),
+    both("decode step ms", lambda r, side: r[side]["decode_step_s"] * 1e3, ".3g"),
+    both("decode vs bandwidth floor", lambda r, side: r["decode_floor"][side]),
+    both("decode vs roofline", lambda r, side: r["decode_floor"][f"{side}_roofline"]),
+]
+
+
 def section(report: dict[str, Any], figure: str) -> str:
     """The benchmarks.md section; `figure` is the plot's path as the page links it."""
-    header = [
-        "batch",
-        "pdserve tok/s",
-        "HF tok/s",
-        "pdserve / HF",
-        "tokens equal",
-        "prefill s (HF)",
-        "prefill vs compute floor (HF)",
-        "decode step ms (HF)",
-        "decode vs bandwidth floor (HF)",
-        "decode vs roofline (HF)",
-    ]
-    both = lambda a, b, f=".2f": f"{a:{f}} ({b:{f}})"  # noqa: E731
-    rows = [
-        [
-            r["batch"],
-            r["pdserve"]["tokens_per_s"],
-            r["hf"]["tokens_per_s"],
-            r["ratio"],
-            f"{r['matching_sequences']}/{r['batch']}",
-            both(r["pdserve"]["prefill_s"], r["hf"]["prefill_s"], ".3g"),
-            both(r["prefill_floor"]["pdserve"], r["prefill_floor"]["hf"]),
-            both(r["pdserve"]["decode_step_s"] * 1e3, r["hf"]["decode_step_s"] * 1e3, ".3g"),
-            both(r["decode_floor"]["pdserve"], r["decode_floor"]["hf"]),
-            both(r["decode_floor"]["pdserve_roofline"], r["decode_floor"]["hf_roofline"]),
-        ]
-        for r in report["results"]
-    ]
     copy_gb_s = report["floors"]["copy_bytes_per_s"] / 1e9
     return "\n".join(
         [
@@ -505,7 +488,7 @@ def section(report: dict[str, Any], figure: str) -> str:
             *run_header(report),
             model_line(report),
             "",
-            markdown_table(header, rows),
+            records_table(COLUMNS, report["results"]),
             "",
             f"![offline throughput]({figure})",
             "",

@@ -393,12 +393,14 @@ def goals_table(goals: list[dict[str, Any]]) -> str:
     return markdown_table(list(keys), rows)
 
 
-def markdown_table(header: list[str], rows: list[list[Any]]) -> str:
-    def cell(v: Any) -> str:
-        if isinstance(v, float):
-            return f"{v:.3g}" if abs(v) < 1000 else f"{v:,.0f}"
-        return str(v)
+def cell(v: Any) -> str:
+    """A value as a table shows it: floats to three digits, large ones with separators."""
+    if isinstance(v, float):
+        return f"{v:.3g}" if abs(v) < 1000 else f"{v:,.0f}"
+    return str(v)
 
+
+def markdown_table(header: list[str], rows: list[list[Any]]) -> str:
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     lines += ["| " + " | ".join(cell(v) for v in row) + " |" for row in rows]
     return "\n".join(lines)
@@ -448,8 +450,18 @@ def add_flags(group: argparse._ArgumentGroup, rows: Sequence[tuple]) -> None:
 
 def records_table(columns: Sequence[tuple[str, Any]], records: Iterable[Any]) -> str:
     """One row per record, one column per (header, key or function of the record)."""
-    rows = [[f(r) if callable(f) else r[f] for _, f in columns] for r in records]
+    rows = [record_cells(columns, r) for r in records]
     return markdown_table([header for header, _ in columns], rows)
+
+
+def record_cells(columns: Sequence[tuple[str, Any]], record: Any) -> list[Any]:
+    return [f(record) if callable(f) else record[f] for _, f in columns]
+
+
+def record_line(columns: Sequence[tuple[str, Any]], record: Any) -> str:
+    """One record as `header value, ...`: a run's progress, in its table's columns."""
+    cells = record_cells(columns, record)
+    return ", ".join(f"{header} {cell(v)}" for (header, _), v in zip(columns, cells))
 
 
 def flags_text(args: Sequence[str]) -> str:
