@@ -5,6 +5,7 @@ engine alone, profiled. Scenarios, goals and reading: docs/benchmarks.md."""
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
@@ -30,7 +31,6 @@ from pdserve.bench.load import (
 from pdserve.bench.report import (
     BENCH_MODEL_SIZES,
     CACHE_DIR_FLAG,
-    MODEL_STAMP,
     SEED_FLAG,
     THREADS_FLAG,
     TIMEOUT_FLAG,
@@ -162,28 +162,21 @@ def ensure_model(cache_dir: Path, quick: bool, smollm2: bool = False) -> Path:
 def smollm2_model(cache_dir: Path) -> Path:
     """SmolLM2-135M-Instruct as an HF directory of float32 safetensors, made once from the GGUF
     pdserve serves, so transformers serve and pdserve load the same weights. Built aside and
-    renamed, like `cached_model`; a stamp names the GGUF it came from."""
+    renamed, so a concurrent run never reads half a model; another GGUF gets its own folder."""
     from pdserve.common.model.checkpoint import Checkpoint
     from pdserve.models import smollm2
 
     gguf = smollm2()
-    out = cache_dir / SMOLLM2_DIR
-    spec = {"gguf": gguf.name, "bytes": gguf.stat().st_size, "dtype": "float32"}
-    stamp = out / MODEL_STAMP
-    if stamp.is_file() and json.loads(stamp.read_text()) == spec:
+    out = cache_dir / f"{SMOLLM2_DIR}-{gguf.stat().st_size}"
+    if (out / "model.safetensors").is_file():
         return out
     print(f"writing {gguf.name} as float32 safetensors into {out}", flush=True)
     cache_dir.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=cache_dir) as tmp:
-        built = Path(tmp) / "m"
-        shutil.copytree(Checkpoint.resolve(gguf).hf_dir(), built)
+        built = shutil.copytree(Checkpoint.resolve(gguf).hf_dir(), Path(tmp) / "m")
         _write_float32(gguf, built)
-        (built / MODEL_STAMP).write_text(json.dumps(spec))
-        shutil.rmtree(out, ignore_errors=True)  # made from another GGUF
-        try:
+        with contextlib.suppress(OSError):  # another run got there first
             os.rename(built, out)
-        except OSError:  # another run got there first
-            pass
     return out
 
 

@@ -21,6 +21,7 @@ import httpx
 
 from pdserve.bench.compare import engine_flag
 from pdserve.bench.load import (
+    BenchConfig,
     ChatWorkload,
     RequestResult,
     Sender,
@@ -30,6 +31,7 @@ from pdserve.bench.load import (
     distribution,
     load_pool,
     make_client,
+    metrics,
     per_request,
     warm_up,
 )
@@ -70,41 +72,37 @@ DEFAULT_BLOCK_SIZE = 16  # the engine's --block-size default (pdserve.common.nod
 KV_GOAL = 0.1  # KV bytes per later turn, against remote-nocache's
 SETTLE_S = 1.5  # after a turn: nodes publish their gauges every heartbeat (0.5 s)
 CAPS = ServerCaps(token_ids=False, eos_mode="ignore_eos", model=None)
+TURN_METRICS = ("completed", "failed", "errors", "duration_s", "cached_prompt_tokens")
+TURN_METRICS += ("mean_ttft_ms", "median_ttft_ms", "p90_ttft_ms")
 
 
 @dataclass(frozen=True, slots=True)
 class System:
-    """One cluster shape: (prefill, decode, colocated) nodes, the router's placement and
-    whether decode nodes keep a prefix cache."""
+    """One cluster shape: (prefill, decode, colocated) nodes, and flags of its router and of
+    its decode nodes."""
 
     name: str
     shape: tuple[int, int, int]
-    placement: str
-    decode_cache: bool = True
-    what: str = ""
     router_args: tuple[str, ...] = ()
+    decode_args: tuple[str, ...] = ()
+
+    @property
+    def what(self) -> str:
+        if not self.shape[0]:
+            return "one node, role both"
+        decode = f", decode node `{' '.join(self.decode_args)}`" if self.decode_args else ""
+        return f"1P1D, `{' '.join(self.router_args)}`{decode}"
 
 
+REMOTE, AUTO = ("--prefill-placement", "remote"), ("--prefill-placement", "auto")
 SYSTEM_SPECS = {
     s.name: s
     for s in (
-        System("colocated", (0, 0, 1), "remote", what="one node, role both"),
-        System(
-            "remote-nocache",
-            (1, 1, 0),
-            "remote",
-            decode_cache=False,
-            what="1P1D, `--prefill-placement remote`, decode node `--no-prefix-caching`",
-        ),
-        System("remote", (1, 1, 0), "remote", what="1P1D, `--prefill-placement remote`"),
-        System("conditional", (1, 1, 0), "auto", what="1P1D, `--prefill-placement auto`"),
-        System(
-            "threshold",
-            (1, 1, 0),
-            "auto",
-            what=f"1P1D, `--prefill-placement auto --local-prefill-threshold {THRESHOLD}`",
-            router_args=("--local-prefill-threshold", str(THRESHOLD)),
-        ),
+        System("colocated", (0, 0, 1), REMOTE),
+        System("remote-nocache", (1, 1, 0), REMOTE, ("--no-prefix-caching",)),
+        System("remote", (1, 1, 0), REMOTE),
+        System("conditional", (1, 1, 0), AUTO),
+        System("threshold", (1, 1, 0), (*AUTO, "--local-prefill-threshold", str(THRESHOLD))),
     )
 }
 QUICK_WORKLOAD = ChatWorkload(conversations=2, turns=2, first_len=48, message_len=16, answer_len=8)
@@ -191,22 +189,13 @@ async def run_turns(
 def turn_record(
     t: int, replies: Sequence[RequestResult], duration: float, delta: dict[str, float], load: float
 ) -> dict[str, Any]:
-    ok = [r for r in replies if r.success]
-    out_tokens = sum(r.output_tokens for r in ok)
-    ttft = distribution("ttft", [r.ttft for r in ok], (90.0,))
+    m = metrics(replies, duration, BenchConfig("", percentiles=(90.0,)))
     return {
         "turn": t + 1,
-        "completed": len(ok),
-        "failed": len(replies) - len(ok),
-        "errors": sorted({r.error for r in replies if not r.success}),
-        "duration_s": duration,
-        "prompt_tokens": sum(r.prompt_tokens for r in ok),
-        "output_tokens": out_tokens,
-        "cached_prompt_tokens": sum(r.cached_tokens for r in ok),
-        "output_tokens_per_s": out_tokens / duration if duration > 0 else math.nan,
-        "mean_ttft_ms": ttft["mean_ttft_ms"],
-        "median_ttft_ms": ttft["median_ttft_ms"],
-        "p90_ttft_ms": ttft["p90_ttft_ms"],
+        **{k: m[k] for k in TURN_METRICS},
+        "prompt_tokens": m["total_input_tokens"],
+        "output_tokens": m["total_output_tokens"],
+        "output_tokens_per_s": m["output_throughput"],
         **{k: int(v) for k, v in delta.items()},
         "load_avg_1m": load,
         "replies": [per_request(r) for r in replies],
@@ -232,11 +221,8 @@ def measure_system(
     started = time.monotonic()
     turns: list[dict[str, Any]] = []
     port = free_port()  # the decode node's health port: its KV gauges (one decode node here)
-    decode_args = ["--health-port", str(port)] + (
-        [] if spec.decode_cache else ["--no-prefix-caching"]
-    )
+    decode_args = ["--health-port", str(port), *spec.decode_args]
     health = [f"http://127.0.0.1:{port}"] if spec.shape[1] else []
-    router_args = ["--prefill-placement", spec.placement, *spec.router_args]
     try:
         with pdserve_cluster(
             model,
@@ -244,7 +230,7 @@ def measure_system(
             args.log_dir / spec.name,
             threads=args.threads,
             engine_args=args.engine_args,
-            router_args=router_args,
+            router_args=spec.router_args,
             decode_args=decode_args,
         ) as cluster:
             startup = time.monotonic() - started

@@ -57,7 +57,6 @@ MODEL_NAME = "router-bench"  # the routers' --served-model-name (systems.routers
 MODEL_SPEC: dict[str, Any] = {}  # make_tiny_model's defaults: only its tokenizer matters here
 PINS = ("split", "shared")
 ROUTERS = (1, 2)
-HEARTBEAT_S = 0.5
 REQUEST_TIMEOUT_S = 30.0
 CHILD_START_S = 0.5  # the client processes start (~0.3 s) before their warm-up counts
 DRAIN_TIMEOUT_S = 60.0
@@ -341,6 +340,11 @@ def machine_busy() -> tuple[float, float]:
     return (sum(ticks[:8]) - idle) / hz, sum(ticks[:8]) / hz
 
 
+def busy_cores(before: tuple[float, float], after: tuple[float, float]) -> float:
+    """Cores the whole machine kept busy between two `machine_busy` readings."""
+    return (after[0] - before[0]) / max(1e-9, after[1] - before[1]) * (os.cpu_count() or 1)
+
+
 def wait_quiet(limit_s: float, cores: float = QUIET_CORES, step_s: float = 0.5) -> float:
     """Wait, up to limit_s, until the host has been nearly idle (under `cores` busy) for two
     steps in a row: on a shared machine a try then starts without other work beside it.
@@ -351,8 +355,7 @@ def wait_quiet(limit_s: float, cores: float = QUIET_CORES, step_s: float = 0.5) 
     while quiet < 2 and time.monotonic() - t0 < limit_s:
         time.sleep(step_s)
         cur = machine_busy()
-        busy = (cur[0] - prev[0]) / max(1e-9, cur[1] - prev[1]) * (os.cpu_count() or 1)
-        quiet = quiet + 1 if busy < cores else 0
+        quiet = quiet + 1 if busy_cores(prev, cur) < cores else 0
         prev = cur
     return time.monotonic() - t0
 
@@ -433,14 +436,14 @@ def cores_used(watched: dict[str, int], window: tuple[float, float]) -> dict[str
     is the whole host's busy CPU."""
     time.sleep(max(0.0, window[0] - time.monotonic()))
     cpu0 = {k: cpu_seconds(pid) for k, pid in watched.items()}
-    busy0, total0 = machine_busy()
+    machine0 = machine_busy()
     t0 = time.monotonic()
     time.sleep(max(0.0, window[1] - time.monotonic()))
     cpu1 = {k: cpu_seconds(pid) for k, pid in watched.items()}
-    busy1, total1 = machine_busy()
+    machine1 = machine_busy()
     span = time.monotonic() - t0
     used = {k: (cpu1[k] - cpu0[k]) / span for k in watched}
-    used["machine"] = (busy1 - busy0) / max(1e-9, total1 - total0) * (os.cpu_count() or 1)
+    used["machine"] = busy_cores(machine0, machine1)
     return used
 
 
