@@ -688,6 +688,8 @@ def connector_tables(report: dict[str, Any]) -> list[str]:
         )
         for c, s in summary.items()
     ]
+    intact = sum(r["ok"] for r in report["results"])
+    goals.append(goal("every transfer intact", intact, len(report["results"]), ">=", 1.0))
     header = ["connector", "points meeting its goal", "median ratio"]
     header += ["serial pass model at the largest point (measured)"]
     rows = [

@@ -97,6 +97,8 @@ def test_plot_and_section_land_in_out_not_docs(quick) -> None:
         status = "met" if s["ratio_at_largest"] >= s["goal"] else "missed"
         goal = [row for row in rows if row.startswith(f"| {connector} >= {s['goal']} x raw ")]
         assert len(goal) == 1 and goal[0].endswith(f"| {status} |"), goal
+    n = len(report["results"])
+    assert f"| every transfer intact | {n} | {n} | 1 | met |" in section
     for tokens in (128, 512):
         assert section.count(f"| tiny | {tokens} |") == len(CONNECTORS)
     names = ", ".join(c for c in ("zmq", "nccl", "shm", "nixl") if c in CONNECTORS)
