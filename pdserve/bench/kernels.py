@@ -15,7 +15,7 @@ import torch
 from pdserve.common.node.cli import parser
 
 DTYPE = torch.bfloat16
-BLOCK_SIZE, NUM_KV_HEADS, NUM_HEADS, HEAD_DIM = 16, 8, 32, 128
+BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM = 16, 8, 128
 
 
 def time_ms(fn: Callable[[], object], iters: int = 50) -> float:
@@ -65,18 +65,12 @@ def bench_page_copy(num_pages: int) -> list[dict]:
 
 
 def bench_decode(batch: int, context: int) -> dict:
+    from pdserve.bench.gpu import attention_case
     from pdserve.kernels.paged_attention import paged_attention_triton
 
-    blocks_per_seq = -(-context // BLOCK_SIZE)
-    layer = layer_cache(batch * blocks_per_seq)
-    block_tables = torch.randperm(batch * blocks_per_seq, device="cuda", dtype=torch.int32)
-    block_tables = block_tables.view(batch, blocks_per_seq)
-    query = torch.randn(batch, NUM_HEADS, HEAD_DIM, dtype=DTYPE, device="cuda")
-    query_start_loc = torch.arange(batch + 1, dtype=torch.int32, device="cuda")
-    seq_lens = torch.full((batch,), context, dtype=torch.int32, device="cuda")
-    args = (query, layer[0], layer[1], block_tables, query_start_loc, seq_lens, HEAD_DIM**-0.5)
-    ms = time_ms(lambda: paged_attention_triton(*args))
-    kv_bytes = 2 * batch * context * NUM_KV_HEADS * HEAD_DIM * layer.element_size()
+    case = attention_case(batch, context, DTYPE)  # the 8B layout's heads, as here
+    kv_bytes = case.pop("kv_bytes")
+    ms = time_ms(lambda: paged_attention_triton(**case))
     return result("paged_attention_decode", kv_bytes, ms, batch=batch, context=context)
 
 

@@ -364,7 +364,7 @@ class Child:
         finally:
             if self.proc.poll() is None:
                 self.proc.kill()
-                self.proc.wait()
+                self.proc.wait(timeout=30)
 
 
 # -- receiver side: one point --------------------------------------------------------------------
