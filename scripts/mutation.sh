@@ -27,16 +27,21 @@ export OMP_NUM_THREADS=1 MKL_NUM_THREADS=1
 
 # The helper: reads the config, lays out a copy, writes mutmut's config, scores a run.
 read -r -d '' helper <<'PY' || true
-import fnmatch, glob, json, os, shutil, sys, tomllib
+import fnmatch, glob, json, os, shutil, sys
 from pathlib import Path
 
-config = tomllib.loads(Path(os.environ["MUTATION_CONFIG"]).read_text())
+try:
+    from tomllib import loads
+except ModuleNotFoundError:  # Python 3.10: mutmut depends on the toml package there
+    from toml import loads
+
+config = loads(Path(os.environ["MUTATION_CONFIG"]).read_text())
 modules, equivalent = config["modules"], config.get("equivalent", {})
 
 
 def package_path(source: str, pyproject: Path) -> str:
     """Where `source` lands in the installed layout (pdserve/common/..., as imported)."""
-    dirs = tomllib.loads(pyproject.read_text())["tool"]["setuptools"]["package-dir"]
+    dirs = loads(pyproject.read_text())["tool"]["setuptools"]["package-dir"]
     top, _, rest = source.partition("/")
     hits = [pkg for pkg, folder in dirs.items() if folder == top]
     return "/".join(hits[0].split(".")) + "/" + rest if hits else source
@@ -46,7 +51,7 @@ def layout(copy: Path) -> None:
     """Moves each folder that pyproject maps into the package (common -> pdserve/common), so
     the copy imports as installed: with the copy first on sys.path, no module resolves to the
     checkout that the venv's editable install points at."""
-    dirs = tomllib.loads((copy / "pyproject.toml").read_text())["tool"]["setuptools"]
+    dirs = loads((copy / "pyproject.toml").read_text())["tool"]["setuptools"]
     for pkg, folder in dirs["package-dir"].items():
         if pkg != folder:
             shutil.move(copy / folder, copy / pkg.replace(".", "/"))
