@@ -186,3 +186,40 @@ def test_every_benchmark_groups_its_flags(capsys: pytest.CaptureFixture[str]) ->
         assert exc.value.code == 0 and text.startswith(f"usage: pdserve bench {name}"), name
         assert "\noutput:\n" in text, name
         assert importlib.import_module(f"pdserve.bench.{module}").__doc__, name
+
+
+def test_goals_are_met_missed_or_not_measured_and_tabled() -> None:
+    goals = [
+        _report.goal("faster", 3.0, 2.0, ">=", 1.5),
+        _report.goal("smaller", 3.0, 2.0, "<=", 1.0),
+        _report.goal("unmeasured", None, 2.0, ">=", 1.0),
+    ]
+    assert [g["status"] for g in goals] == ["met", "missed", "not measured"]
+    assert goals[0]["ratio"] == 1.5 and goals[2]["ratio"] is None
+    assert _report.goals_table(goals).splitlines()[2:] == [
+        "| faster | 3 | 2 | 1.5 | met |",
+        "| smaller | 3 | 2 | 1.5 | missed |",
+        "| unmeasured | — | 2 | — | not measured |",
+    ]
+
+
+def test_a_records_progress_line_uses_its_tables_columns() -> None:
+    columns = [("batch", "batch"), ("tok/s", lambda r: r["n"] / r["s"])]
+    record = {"batch": 4, "n": 3000, "s": 2.0}
+    assert _report.record_line(columns, record) == "batch 4, tok/s 1,500"
+    assert _report.records_table(columns, [record]).splitlines()[-1] == "| 4 | 1,500 |"
+
+
+def test_a_run_records_its_command_and_machine_or_is_read_back(tmp_path: Path) -> None:
+    import argparse
+
+    run = _report.record_run("x", "bench_x.py", ["--quick"], lambda: {"device": "cpu"})
+    assert run["command"] == "python scripts/bench_x.py --quick" and run["device"] == "cpu"
+    assert run["benchmark"] == "x" and len(run["load_avg"]) == 2 and run["machine"]["torch"]
+    saved = _report.save_json(tmp_path / "x.json", {**run, "repeats": 3})
+    args = argparse.Namespace(from_json=saved)
+    again = _report.measure_or_load(args, "x", "bench_x.py", [], pytest.fail)  # measures nothing
+    assert again == json.loads(saved.read_text())
+    header = _report.run_header(again)
+    assert header[0] == "Command: `python scripts/bench_x.py --quick`  "
+    assert "device `cpu`; median of 3 repeats" in header[1]
