@@ -81,50 +81,29 @@ def outputs(out: Path | None, docs_dir: Path | None) -> Outputs:
 def add_output_flags(p: argparse.ArgumentParser, files: str) -> argparse._ArgumentGroup:
     """The group "output" with --out and --docs-dir; `files` names what --out receives."""
     group = p.add_argument_group("output")
-    group.add_argument(
-        "--out",
-        type=Path,
-        default=None,
-        metavar="DIR",
-        help=f"folder for {files} (default: DOCS/bench); any other folder also gets its own "
-        "benchmarks.md, and DOCS is left alone",
-    )
+    out = f"folder for {files} (default: DOCS/bench); any other folder also gets its own "
+    out += "benchmarks.md, and DOCS is left alone"
+    add_flags(group, [("--out", Path, None, out, {"metavar": "DIR"})])
     add_docs_dir_flag(group, "benchmarks.md and bench/")
     return group
 
 
 def add_docs_dir_flag(group: argparse._ArgumentGroup, holds: str) -> None:
     """--docs-dir DOCS; `holds` names what the benchmark writes there."""
-    group.add_argument(
-        "--docs-dir",
-        type=Path,
-        default=None,
-        metavar="DOCS",
-        help=f"docs folder for {holds} (default: docs/ of the checkout pdserve is imported "
-        "from, else ./docs)",
-    )
+    text = f"docs folder for {holds} (default: docs/ of the checkout pdserve is imported from, "
+    add_flags(group, [("--docs-dir", Path, None, text + "else ./docs)", {"metavar": "DOCS"})])
 
 
 def add_from_json_flag(group: argparse._ArgumentGroup, what: str) -> None:
     """--from-json FILE: measure nothing, rewrite `what` (the plots and section) of a saved run."""
-    group.add_argument(
-        "--from-json",
-        type=Path,
-        default=None,
-        metavar="FILE",
-        help=f"measure nothing: redraw {what}",
-    )
+    text = f"measure nothing: redraw {what}"
+    add_flags(group, [("--from-json", Path, None, text, {"metavar": "FILE"})])
 
 
 def add_log_dir_flag(group: argparse._ArgumentGroup) -> None:
     """--log-dir DIR for the servers a benchmark starts."""
-    group.add_argument(
-        "--log-dir",
-        type=Path,
-        default=None,
-        metavar="DIR",
-        help="server logs (default: a temporary folder, removed at the end)",
-    )
+    text = "server logs (default: a temporary folder, removed at the end)"
+    add_flags(group, [("--log-dir", Path, None, text, {"metavar": "DIR"})])
 
 
 def outputs_from_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> Outputs:
