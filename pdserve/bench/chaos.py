@@ -9,13 +9,14 @@ router by its --port (router0 on serve's --port, router1 on the other).
 
 Each answer is one of: correct (the in-process engine's greedy text for the same prompt and
 max_tokens), error (an HTTP error status, an error event or finish_reason "error"), dropped
-(the connection broke: the router it went through died), wrong (a complete answer with other
+(the connection broke or was refused: its router was down), wrong (a complete answer with other
 text: must be 0) or hung (no end within --request-timeout: must be 0). A fault's recovery time
-runs from its signal to the end of the first correct answer sent after it through the affected
-role: through the hit router for a router fault, through either router for a node fault (every
-prompt is prefilled on a prefill node, --prefill-placement remote, and decoded on a decode
-node). Leaked: once the load stopped and every node is back and quiet, the blocks each still
-holds for a request (free and cached blocks do not count) and the requests it still holds.
+runs from its signal to the end of the first correct answer through the affected role sent
+after it and after the last answer through that role that failed before the next fault: through
+the hit router for a router fault, through either router for a node fault (every prompt is
+prefilled on a prefill node, --prefill-placement remote, and decoded on a decode node).
+Leaked: once the load stopped and every node is back and quiet, the blocks each still holds
+for a request (free and cached blocks do not count) and the requests it still holds.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ import os
 import random
 import re
 import shlex
+import shutil
 import signal
 import subprocess
 import sys
@@ -104,6 +106,7 @@ def stage_source(src: Path, into: Path) -> Path:
     subpackages): src itself on the path would not do, since this checkout's editable install
     would still map `pdserve.common` and the others to its own folders."""
     package = into / "pdserve"
+    shutil.rmtree(package, ignore_errors=True)  # a reused --log-dir's
     package.mkdir(parents=True)
     for entry in (src / "pdserve").iterdir():
         (package / entry.name).symlink_to(entry.resolve())
@@ -119,6 +122,7 @@ def server_env(args: argparse.Namespace, log_dir: Path) -> tuple[dict[str, str],
     src = (args.server_src or report.checkout_root() or Path.cwd()).resolve()
     if args.server_src is not None:
         env["PYTHONPATH"] = str(stage_source(src, log_dir / "server-src"))
+        env["PYTHONSAFEPATH"] = "1"  # the working directory first would win (a checkout's)
     code = "import os, pdserve.router as r; print(os.path.realpath(r.__file__))"
     probe = subprocess.run(
         [sys.executable, "-c", code],
@@ -274,14 +278,14 @@ async def run_load(
 # ---------------------------------------------------------------- the report
 
 
-def recovery_s(fault: Fault, answers: list[Answer]) -> float | None:
-    """See the module docstring; None when no such answer came before the load stopped."""
+def recovery_s(fault: Fault, until: float, answers: list[Answer]) -> float | None:
+    """See the module docstring (`until`: the next fault, or the load's end); None when no
+    such answer came before the load stopped."""
     router = fault.target if fault.target.startswith("router") else None
-    ends = [
-        a.end
-        for a in answers
-        if a.outcome == "correct" and a.start >= fault.at and router in (None, a.router)
-    ]
+    mine = [a for a in answers if a.start >= fault.at and router in (None, a.router)]
+    failed = [a.start for a in mine if a.outcome != "correct" and a.start < until]
+    since = max(failed, default=fault.at)
+    ends = [a.end for a in mine if a.outcome == "correct" and a.start > since]
     return min(ends) - fault.at if ends else None
 
 
@@ -293,7 +297,11 @@ def zero(name: str, value: int) -> dict[str, Any]:
 
 def summarize(answers: list[Answer], faults: list[Fault], start: float, reports: dict) -> dict:
     counts = {o: sum(a.outcome == o for a in answers) for o in OUTCOMES}
-    rows = [{**asdict(f), "at": f.at - start, "recovery_s": recovery_s(f, answers)} for f in faults]
+    untils = [f.at for f in faults[1:]] + [max((a.end for a in answers), default=start)]
+    rows = [
+        {**asdict(f), "at": f.at - start, "recovery_s": recovery_s(f, until, answers)}
+        for f, until in zip(faults, untils)
+    ]
     hit = [f for f in faults if f.pid is not None]
     last = max((f.at for f in hit), default=start)
     nodes = [r["report"] for n, r in reports.items() if n in NODES and r["report"] is not None]
@@ -312,9 +320,10 @@ def summarize(answers: list[Answer], faults: list[Fault], start: float, reports:
         "correct_after_last_fault": sum(a.outcome == "correct" and a.start > last for a in answers),
         "faults": rows,
         "errors": sorted({a.error for a in answers if a.error})[:20],
-        "answers": [
-            [round(a.start - start, 2), round(a.end - start, 2), a.router, a.outcome]
+        "not_correct": [  # start and end s into the load, router, outcome, error
+            [round(a.start - start, 2), round(a.end - start, 2), a.router, a.outcome, a.error]
             for a in answers
+            if a.outcome != "correct"
         ],
         "integrity": reports,
         "goals": [
@@ -326,14 +335,14 @@ def summarize(answers: list[Answer], faults: list[Fault], start: float, reports:
 
 
 def recovery_rows(faults: list[dict]) -> list[list[Any]]:
-    """One row per (role, action) hit: faults, recovered, median / p90 / max seconds."""
+    """One row per (role, action) hit: faults, recovered, min / median / max seconds."""
     rows = []
     for role, action in itertools.product(("prefill", "decode", "router"), SIGNALS):
         hit = [
             f for f in faults if f["pid"] and f["target"].startswith(role) and f["action"] == action
         ]
         times = [f["recovery_s"] for f in hit if f["recovery_s"] is not None]
-        stats = [load.percentile(times, q) for q in (50, 90, 100)] if times else ["—"] * 3
+        stats = [load.percentile(times, q) for q in (0, 50, 100)] if times else ["—"] * 3
         rows += [[f"{action} {role}", len(hit), len(times), *stats]] if hit else []
     return rows
 
@@ -341,7 +350,7 @@ def recovery_rows(faults: list[dict]) -> list[list[Any]]:
 def section(run: dict) -> str:
     (start, end), server = run["load_avg"], run["server"]
     keys = ["sent", *OUTCOMES, "leaked_blocks", "leaked_requests", "availability"]
-    header = ["fault", "injected", "recovered", "median s", "p90 s", "max s"]
+    header = ["fault", "injected", "recovered", "min s", "median s", "max s"]
     where = f"Machine: {report.describe_machine(run['machine'])}; load average {start:.1f} at "
     where += f"start, {end:.1f} at end. Routers and nodes ran `{server['commit']}` "
     where += f"(`pdserve.router` from `{server['imports']}`)."
