@@ -339,23 +339,6 @@ def chat_turns(pool: TokenPool, w: ChatWorkload) -> list[list[BenchRequest]]:
     return out
 
 
-def with_structured(
-    requests: Sequence[BenchRequest], kind: str, ratio: float = 1.0, seed: int = 0
-) -> list[BenchRequest]:
-    """The requests with a share `ratio` (drawn with `seed`) constrained by `kind` and tagged
-    "structured", the others tagged "free"."""
-    if kind not in STRUCTURED_FIELDS:
-        raise ValueError(f"unknown structured output {kind!r}; use {sorted(STRUCTURED_FIELDS)}")
-    if not 0.0 <= ratio <= 1.0:
-        raise ValueError("structured output ratio must be within [0, 1]")
-    rng = random.Random(seed + 1)
-    out = []
-    for r in requests:
-        on = rng.random() < ratio
-        out.append(replace(r, structured=kind if on else None, tag="structured" if on else "free"))
-    return out
-
-
 def structured_valid(kind: str, text: str) -> bool:
     """Whether an output is what the constraint asks for (the whole text)."""
     if kind == "regex":

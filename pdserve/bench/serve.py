@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import argparse
 import math
+import random
 import sys
 from collections.abc import Sequence
+from dataclasses import replace
 from typing import Any
 
 from pdserve.bench.load import (
@@ -20,7 +22,6 @@ from pdserve.bench.load import (
     load_pool,
     random_requests,
     run_benchmark,
-    with_structured,
 )
 from pdserve.bench.report import SEED_FLAG, TIMEOUT_FLAG, TQDM_FLAG, add_flags, save_json
 from pdserve.common.node.cli import parser
@@ -114,6 +115,23 @@ def format_report(result: dict[str, Any], title: str = "Serving Benchmark Result
             " outputs differ in length from what was asked (usage counts are reported)"
         )
     return "\n".join([*lines, "=" * width])
+
+
+def with_structured(
+    requests: Sequence[BenchRequest], kind: str, ratio: float = 1.0, seed: int = 0
+) -> list[BenchRequest]:
+    """The requests with a share `ratio` (drawn with `seed`) constrained by `kind` and tagged
+    "structured", the others tagged "free"."""
+    if kind not in STRUCTURED_FIELDS:
+        raise ValueError(f"unknown structured output {kind!r}; use {sorted(STRUCTURED_FIELDS)}")
+    if not 0.0 <= ratio <= 1.0:
+        raise ValueError("structured output ratio must be within [0, 1]")
+    rng = random.Random(seed + 1)
+    out = []
+    for r in requests:
+        on = rng.random() < ratio
+        out.append(replace(r, structured=kind if on else None, tag="structured" if on else "free"))
+    return out
 
 
 def parse_goodput(items: Sequence[str] | None) -> dict[str, float]:

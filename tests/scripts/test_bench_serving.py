@@ -87,16 +87,16 @@ def test_bad_cli_values_are_refused():
 
 def test_structured_requests_are_drawn_and_checked():
     reqs = [ld.BenchRequest([1, 2], None, 2, 4) for _ in range(200)]
-    mixed = ld.with_structured(reqs, "choice", 0.25, seed=4)
-    assert mixed == ld.with_structured(reqs, "choice", 0.25, seed=4)
+    mixed = bs.with_structured(reqs, "choice", 0.25, seed=4)
+    assert mixed == bs.with_structured(reqs, "choice", 0.25, seed=4)
     on = [r for r in mixed if r.structured == "choice"]
     assert 30 <= len(on) <= 70 and all(r.tag == "structured" for r in on)
     assert all(r.tag == "free" and r.structured is None for r in mixed if r not in on)
-    assert all(r.structured == "json" for r in ld.with_structured(reqs[:5], "json"))
+    assert all(r.structured == "json" for r in bs.with_structured(reqs[:5], "json"))
     with pytest.raises(ValueError, match="unknown structured"):
-        ld.with_structured(reqs, "yaml")
+        bs.with_structured(reqs, "yaml")
     with pytest.raises(ValueError, match="ratio"):
-        ld.with_structured(reqs, "json", 1.5)
+        bs.with_structured(reqs, "json", 1.5)
     person = {"name": "Ada", "age": 36, "role": "admin", "tags": ["x"]}
     assert ld.structured_valid("json", json.dumps(person))
     assert not ld.structured_valid("json", json.dumps(person)[:-1])  # cut off
