@@ -65,6 +65,8 @@ FLAGS = [  # flag, type, default, help
     ("--request-timeout", float, 120.0, "an answer not ended after this long (s) is hung"),
     ("--serve-flags", str, "", "more `pdserve serve` flags, one string"),
     ("--server-src", Path, None, "a source tree (a git worktree) routers and nodes import from"),
+]
+OUTPUT_FLAGS = [
     ("--name", str, "chaos", "the page's section and the JSON's stem"),
     ("--out", Path, None, "folder for NAME.json and its own reliability.md (default: DOCS)"),
 ]
@@ -90,11 +92,12 @@ class Answer:
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = parser("pdserve bench chaos", __doc__.split("\n\n")[0])
-    run = p.add_argument_group("run and output")
-    for flag, kind, default, text in FLAGS:
-        run.add_argument(flag, type=kind, default=default, help=text)
-    report.add_docs_dir_flag(run, "reliability.md and bench/NAME.json")
-    report.add_log_dir_flag(run)
+    for name, flags in (("run", FLAGS), ("output", OUTPUT_FLAGS)):
+        group = p.add_argument_group(name)
+        for flag, kind, default, text in flags:
+            group.add_argument(flag, type=kind, default=default, help=text)
+    report.add_docs_dir_flag(group, "reliability.md and bench/NAME.json")
+    report.add_log_dir_flag(group)
     return p.parse_args(argv)
 
 
