@@ -94,8 +94,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = parser("pdserve bench chaos", __doc__.split("\n\n")[0])
     for name, flags in (("run", FLAGS), ("output", OUTPUT_FLAGS)):
         group = p.add_argument_group(name)
-        for flag, kind, default, text in flags:
-            group.add_argument(flag, type=kind, default=default, help=text)
+        report.add_flags(group, flags)
     report.add_docs_dir_flag(group, "reliability.md and bench/NAME.json")
     report.add_log_dir_flag(group)
     return p.parse_args(argv)
