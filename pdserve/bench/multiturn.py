@@ -563,7 +563,7 @@ RUN_FLAGS = [
     ("--conversations", int, None, f"default {_W.conversations}"),
     ("--turns", int, None, f"per conversation, default {_W.turns}"),
     ("--first-len", int, None, f"first message tokens, default {_W.first_len}"),
-    ("--message-len", int, None, f"later messages' mean tokens (±{_W.range_ratio:.0%}), "
+    ("--message-len", int, None, f"later messages' mean tokens (±{_W.range_ratio:.0%}%), "
      f"default {_W.message_len}"),
     ("--answer-len", int, None, f"tokens per answer, default {_W.answer_len}"),
     SEED_FLAG,
