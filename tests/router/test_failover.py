@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 
 from pdserve.common.engine.sampling_params import SamplingParams
 from pdserve.common.wire.messages import (
@@ -94,6 +94,27 @@ class FakeNodes:
         """The nodes sent a message of this type about request_id, in order."""
         return [n for n, m in self.sent if isinstance(m, kind) and m.request_id == request_id]
 
+    async def start(self) -> Client:
+        """A client's request, once the router sent its prefill."""
+        client = Client(self.backend)
+        await self.prefilling("r")
+        return client
+
+    async def prefilling(self, request_id: str) -> None:
+        """Wait until the router sent the prefill of this attempt of the request."""
+        await until(lambda: self.where(Prefill, request_id), f"the prefill of {request_id}")
+
+    def streamed(self) -> None:
+        """Request r streamed <10> from p0 and <11> from d0, which has the whole KV."""
+        self.tell("p0", Tokens("r", (10,)))
+        self.tell("d0", Admitted("r"))
+        self.tell("d0", Tokens("r", (11,)))
+
+    def answer(self, request_id: str, prefill: str, decode: str, first: int, *rest: int) -> None:
+        """The prefill node's first token, then the decode node's last ones."""
+        self.tell(prefill, Tokens(request_id, (first,)))
+        self.tell(decode, Tokens(request_id, rest, finish_reason="length"))
+
 
 class Digits:
     """A detokenizer that writes each token as <id>: a duplicated token shows in the text."""
@@ -123,6 +144,11 @@ class Client:
         await until(self.task.done, "the request to end")
         await self.task
         return self.deltas[-1]
+
+    async def seen(self) -> tuple[str, str | None]:
+        """What the client saw once the stream ended: its text and how it finished."""
+        last = await self.done()
+        return self.text, last.finish_reason
 
     @property
     def text(self) -> str:
@@ -159,203 +185,181 @@ async def cluster(
         await backend.close()
 
 
-def run(scenario: Callable[[], object]) -> None:
-    asyncio.run(scenario())  # type: ignore[arg-type]
+Body = Callable[[ClusterBackend, FakeNodes, FakeClock], Awaitable[None]]
+
+
+def scenario(*nodes: str, max_failovers: int = 3) -> Callable[[Body], Callable[[], None]]:
+    """The decorated coroutine becomes a test run over a fresh cluster of these nodes."""
+
+    def wrap(body: Body) -> Callable[[], None]:
+        async def main() -> None:
+            async with cluster(*nodes, max_failovers=max_failovers) as parts:
+                await body(*parts)
+
+        def test() -> None:
+            asyncio.run(main())
+
+        return test
+
+    return wrap
 
 
 # -- a node refuses: BUSY, DRAINING --------------------------------------------------------------
 
 
-def test_a_busy_prefill_node_is_left_and_the_decode_reservation_kept():
-    async def scenario() -> None:
-        async with cluster("p0", "p1", "d0", "d1") as (backend, nodes, _):
-            client = Client(backend)
-            await until(lambda: nodes.to("p0", Prefill), "the prefill on p0")
-            nodes.tell("p0", Error("r", "queue full", Failure.BUSY))
-            await until(lambda: nodes.to("p1", Prefill), "the prefill on p1")
-            assert nodes.where(ReserveKV, "r") == ["d0"]  # reserved once: the blocks are kept
-            assert nodes.where(RenewTransfer, "r") == ["d0"]
-            assert nodes.where(Abort, "r") == ["p0"]
-            assert backend.table.get("r").lost == {"p0"}
-            (renewed,) = nodes.to("p1", Prefill)
-            assert renewed.xfer_id != nodes.to("p0", Prefill)[0].xfer_id
-            nodes.tell("p0", Tokens("r", (99,)))  # p0 computed it anyway: too late, dropped
-            nodes.tell("d0", Tokens("r", (11,)))  # the decode node outruns p1's first token
-            nodes.tell("p1", Tokens("r", (10,)))
-            nodes.tell("d0", Tokens("r", (12,), finish_reason="length"))
-            last = await client.done()
-            assert (client.text, last.finish_reason) == ("<10><11><12>", "length")
-            assert backend.stats()["failovers"] == 1
-
-    run(scenario)
+@scenario("p0", "p1", "d0", "d1")
+async def test_a_busy_prefill_node_is_left_and_the_decode_reservation_kept(
+    backend: ClusterBackend, nodes: FakeNodes, _: FakeClock
+) -> None:
+    client = await nodes.start()
+    nodes.tell("p0", Error("r", "queue full", Failure.BUSY))
+    await until(lambda: nodes.to("p1", Prefill), "the prefill on p1")
+    assert nodes.where(ReserveKV, "r") == ["d0"]  # reserved once: the blocks are kept
+    assert nodes.where(RenewTransfer, "r") == ["d0"]
+    assert nodes.where(Abort, "r") == ["p0"]
+    assert backend.table.get("r").lost == {"p0"}
+    (renewed,) = nodes.to("p1", Prefill)
+    assert renewed.xfer_id != nodes.to("p0", Prefill)[0].xfer_id
+    nodes.tell("p0", Tokens("r", (99,)))  # p0 computed it anyway: too late, dropped
+    nodes.tell("d0", Tokens("r", (11,)))  # the decode node outruns p1's first token
+    nodes.tell("p1", Tokens("r", (10,)))
+    nodes.tell("d0", Tokens("r", (12,), finish_reason="length"))
+    assert await client.seen() == ("<10><11><12>", "length")
+    assert backend.stats()["failovers"] == 1
 
 
-def test_a_draining_decode_node_is_left_mid_stream_and_the_tokens_go_on():
-    async def scenario() -> None:
-        async with cluster("p0", "d0", "d1") as (backend, nodes, _):
-            client = Client(backend)
-            await until(lambda: nodes.to("p0", Prefill), "the prefill on p0")
-            nodes.tell("p0", Tokens("r", (10,)))
-            nodes.tell("d0", Admitted("r"))
-            nodes.tell("d0", Tokens("r", (11,)))
-            nodes.tell("d0", Error("r", "shutting down", Failure.DRAINING))
-            await until(lambda: nodes.where(ReserveKV, "r~1"), "the retry's reservation")
-            assert nodes.where(ReserveKV, "r~1") == ["d1"]  # not the node that just refused
-            assert nodes.to("d1", ReserveKV)[0].output_token_ids == (10, 11)  # resumed
-            assert sorted(nodes.where(Abort, "r")) == ["d0", "p0"]
-            await until(lambda: nodes.where(Prefill, "r~1"), "the retry's prefill")
-            nodes.tell("d0", Tokens("r", (12,)))  # the old attempt's late token: dropped
-            nodes.tell("p0", Tokens("r~1", (12,)))
-            nodes.tell("d1", Tokens("r~1", (13,), finish_reason="length"))
-            last = await client.done()
-            assert (client.text, last.finish_reason) == ("<10><11><12><13>", "length")
-            assert backend.stats()["failovers"] == 1
-
-    run(scenario)
+@scenario("p0", "d0", "d1")
+async def test_a_draining_decode_node_is_left_mid_stream_and_the_tokens_go_on(
+    backend: ClusterBackend, nodes: FakeNodes, _: FakeClock
+) -> None:
+    client = await nodes.start()
+    nodes.streamed()
+    nodes.tell("d0", Error("r", "shutting down", Failure.DRAINING))
+    await until(lambda: nodes.where(ReserveKV, "r~1"), "the retry's reservation")
+    assert nodes.where(ReserveKV, "r~1") == ["d1"]  # not the node that just refused
+    assert nodes.to("d1", ReserveKV)[0].output_token_ids == (10, 11)  # resumed
+    assert sorted(nodes.where(Abort, "r")) == ["d0", "p0"]
+    await nodes.prefilling("r~1")
+    nodes.tell("d0", Tokens("r", (12,)))  # the old attempt's late token: dropped
+    nodes.answer("r~1", "p0", "d1", 12, 13)
+    assert await client.seen() == ("<10><11><12><13>", "length")
+    assert backend.stats()["failovers"] == 1
 
 
 # -- the KV transfer fails -----------------------------------------------------------------------
 
 
-def test_kv_failed_from_the_prefill_node_leaves_a_decode_node_the_router_thinks_alive():
-    async def scenario() -> None:
-        async with cluster("p0", "d0", "d1") as (backend, nodes, _):
-            client = Client(backend)
-            await until(lambda: nodes.to("p0", Prefill), "the prefill on p0")
-            nodes.tell("p0", Error("r", "cannot reach d0", Failure.KV_FAILED))
-            await until(lambda: nodes.where(Prefill, "r~1"), "the retry's prefill")
-            assert [n.node_id for n in backend.registry.alive(("decode",))] == ["d0", "d1"]
-            assert nodes.where(ReserveKV, "r~1") == ["d1"]
-            assert backend.table.get("r").lost == {"d0"}
-            nodes.tell("p0", Tokens("r~1", (10,)))
-            nodes.tell("d1", Tokens("r~1", (11,), finish_reason="stop"))
-            last = await client.done()
-            assert (client.text, last.finish_reason) == ("<10><11>", "stop")
-
-    run(scenario)
+@scenario("p0", "d0", "d1")
+async def test_kv_failed_from_the_prefill_node_leaves_a_decode_node_the_router_thinks_alive(
+    backend: ClusterBackend, nodes: FakeNodes, _: FakeClock
+) -> None:
+    client = await nodes.start()
+    nodes.tell("p0", Error("r", "cannot reach d0", Failure.KV_FAILED))
+    await nodes.prefilling("r~1")
+    assert [n.node_id for n in backend.registry.alive(("decode",))] == ["d0", "d1"]
+    assert nodes.where(ReserveKV, "r~1") == ["d1"]
+    assert backend.table.get("r").lost == {"d0"}
+    nodes.answer("r~1", "p0", "d1", 10, 11)
+    assert await client.seen() == ("<10><11>", "length")
 
 
-def test_kv_failed_from_the_decode_node_retries_anywhere_that_node_included():
-    async def scenario() -> None:
-        async with cluster("p0", "d0") as (backend, nodes, _):
-            client = Client(backend)
-            await until(lambda: nodes.to("p0", Prefill), "the prefill on p0")
-            nodes.tell("p0", Tokens("r", (10,)))
-            nodes.tell("d0", Error("r", "checksum mismatch", Failure.KV_FAILED))
-            await until(lambda: nodes.where(Prefill, "r~1"), "the retry's prefill")
-            assert nodes.where(ReserveKV, "r~1") == ["d0"]  # the only one, and not to blame
-            assert nodes.to("d0", ReserveKV)[1].output_token_ids == (10,)
-            assert backend.table.get("r").lost == set()
-            nodes.tell("p0", Tokens("r~1", (11,)))
-            nodes.tell("d0", Tokens("r~1", (12,), finish_reason="length"))
-            last = await client.done()
-            assert (client.text, last.finish_reason) == ("<10><11><12>", "length")
-
-    run(scenario)
+@scenario("p0", "d0")
+async def test_kv_failed_from_the_decode_node_retries_anywhere_that_node_included(
+    backend: ClusterBackend, nodes: FakeNodes, _: FakeClock
+) -> None:
+    client = await nodes.start()
+    nodes.tell("p0", Tokens("r", (10,)))
+    nodes.tell("d0", Error("r", "checksum mismatch", Failure.KV_FAILED))
+    await nodes.prefilling("r~1")
+    assert nodes.where(ReserveKV, "r~1") == ["d0"]  # the only one, and not to blame
+    assert nodes.to("d0", ReserveKV)[1].output_token_ids == (10,)
+    assert backend.table.get("r").lost == set()
+    nodes.answer("r~1", "p0", "d0", 11, 12)
+    assert await client.seen() == ("<10><11><12>", "length")
 
 
-def test_a_request_failed_over_too_often_ends_with_one_clean_error():
-    async def scenario() -> None:
-        async with cluster("p0", "d0", max_failovers=2) as (backend, nodes, _):
-            client = Client(backend)
-            for attempt in ("r", "r~1", "r~2"):
-                await until(lambda a=attempt: nodes.where(Prefill, a), f"{attempt}'s prefill")
-                nodes.tell("d0", Error(attempt, "checksum mismatch", Failure.KV_FAILED))
-            last = await client.done()
-            assert nodes.where(ReserveKV, "r~3") == []  # two retries, no third
-            assert last.finish_reason == "error" and "gave up after 2 failovers" in last.error
-            assert [d.finish_reason for d in client.deltas] == ["error"]
-            assert backend.stats()["failovers"] == 3
-
-    run(scenario)
+@scenario("p0", "d0", max_failovers=2)
+async def test_a_request_failed_over_too_often_ends_with_one_clean_error(
+    backend: ClusterBackend, nodes: FakeNodes, _: FakeClock
+) -> None:
+    client = Client(backend)
+    for attempt in ("r", "r~1", "r~2"):
+        await nodes.prefilling(attempt)
+        nodes.tell("d0", Error(attempt, "checksum mismatch", Failure.KV_FAILED))
+    last = await client.done()
+    assert nodes.where(ReserveKV, "r~3") == []  # two retries, no third
+    assert last.finish_reason == "error" and "gave up after 2 failovers" in last.error
+    assert [d.finish_reason for d in client.deltas] == ["error"]
+    assert backend.stats()["failovers"] == 3
 
 
 # -- a node goes silent, restarts, or lets a lease expire -----------------------------------------
 
 
-def test_a_decode_node_silent_mid_stream_is_left_and_the_tokens_go_on():
-    async def scenario() -> None:
-        async with cluster("p0", "d0", "d1") as (backend, nodes, clock):
-            client = Client(backend)
-            await until(lambda: nodes.to("p0", Prefill), "the prefill on p0")
-            nodes.tell("p0", Tokens("r", (10,)))
-            nodes.tell("d0", Admitted("r"))
-            nodes.tell("d0", Tokens("r", (11,)))
-            await backend.watch()  # all alive: nothing moves, both nodes' leases renewed
-            assert (
-                nodes.to("d0", Lease)[-1].request_ids
-                == ("r",)
-                == nodes.to("p0", Lease)[-1].request_ids
-            )
-            clock.advance(TIMEOUT + 1)
-            for node_id in ("p0", "d1"):  # only d0 stopped proving it lives
-                nodes.tell(f"{node_id}#alive", Alive(node_id))
-            await backend.watch()
-            await until(lambda: nodes.where(Prefill, "r~1"), "the retry's prefill")
-            assert nodes.where(ReserveKV, "r~1") == ["d1"]
-            assert nodes.to("d1", ReserveKV)[0].output_token_ids == (10, 11)
-            await backend.watch()  # the new attempt's leases; none for the silent node
-            assert nodes.to("d1", Lease)[-1].request_ids == ("r~1",)
-            assert nodes.to("p0", Lease)[-1].request_ids == ("r~1",)
-            assert len(nodes.to("d0", Lease)) == 1
-            nodes.tell("p0", Tokens("r~1", (12,)))
-            nodes.tell("d1", Tokens("r~1", (13,), finish_reason="length"))
-            last = await client.done()
-            assert (client.text, last.finish_reason) == ("<10><11><12><13>", "length")
-
-    run(scenario)
+@scenario("p0", "d0", "d1")
+async def test_a_decode_node_silent_mid_stream_is_left_and_the_tokens_go_on(
+    backend: ClusterBackend, nodes: FakeNodes, clock: FakeClock
+) -> None:
+    client = await nodes.start()
+    nodes.streamed()
+    await backend.watch()  # all alive: nothing moves, both nodes' leases renewed
+    assert nodes.to("d0", Lease)[-1].request_ids == ("r",) == nodes.to("p0", Lease)[-1].request_ids
+    clock.advance(TIMEOUT + 1)
+    for node_id in ("p0", "d1"):  # only d0 stopped proving it lives
+        nodes.tell(f"{node_id}#alive", Alive(node_id))
+    await backend.watch()
+    await nodes.prefilling("r~1")
+    assert nodes.where(ReserveKV, "r~1") == ["d1"]
+    assert nodes.to("d1", ReserveKV)[0].output_token_ids == (10, 11)
+    await backend.watch()  # the new attempt's leases; none for the silent node
+    assert nodes.to("d1", Lease)[-1].request_ids == ("r~1",)
+    assert nodes.to("p0", Lease)[-1].request_ids == ("r~1",)
+    assert len(nodes.to("d0", Lease)) == 1
+    nodes.answer("r~1", "p0", "d1", 12, 13)
+    assert await client.seen() == ("<10><11><12><13>", "length")
 
 
-def test_a_prefill_node_silent_after_the_hand_off_moves_nothing():
-    async def scenario() -> None:
-        async with cluster("p0", "d0") as (backend, nodes, clock):
-            client = Client(backend)
-            await until(lambda: nodes.to("p0", Prefill), "the prefill on p0")
-            nodes.tell("p0", Tokens("r", (10,)))
-            nodes.tell("d0", Admitted("r"))  # d0 holds the whole KV: p0 is done with it
-            clock.advance(TIMEOUT + 1)
-            nodes.tell("d0#alive", Alive("d0"))
-            await backend.watch()
-            nodes.tell("d0", Tokens("r", (11,), finish_reason="length"))
-            last = await client.done()
-            assert (client.text, last.finish_reason) == ("<10><11>", "length")
-            assert nodes.where(ReserveKV, "r~1") == [] and backend.stats()["failovers"] == 0
-
-    run(scenario)
+@scenario("p0", "d0")
+async def test_a_prefill_node_silent_after_the_hand_off_moves_nothing(
+    backend: ClusterBackend, nodes: FakeNodes, clock: FakeClock
+) -> None:
+    client = await nodes.start()
+    nodes.tell("p0", Tokens("r", (10,)))
+    nodes.tell("d0", Admitted("r"))  # d0 holds the whole KV: p0 is done with it
+    clock.advance(TIMEOUT + 1)
+    nodes.tell("d0#alive", Alive("d0"))
+    await backend.watch()
+    nodes.tell("d0", Tokens("r", (11,), finish_reason="length"))
+    assert await client.seen() == ("<10><11>", "length")
+    assert nodes.where(ReserveKV, "r~1") == [] and backend.stats()["failovers"] == 0
 
 
-def test_a_restarted_node_fails_its_requests_over_and_may_take_the_retry():
-    async def scenario() -> None:
-        async with cluster("p0", "d0") as (backend, nodes, _):
-            client = Client(backend)
-            await until(lambda: nodes.to("p0", Prefill), "the prefill on p0")
-            nodes.tell("p0", Tokens("r", (10,)))
-            restarted = nodes.registration("d0", "decode", incarnation="2")
-            nodes.tell("d0", restarted)  # its KV endpoint is probed, then it is taken again
-            await until(lambda: nodes.where(Prefill, "r~1"), "the retry's prefill")
-            assert nodes.where(ReserveKV, "r~1") == ["d0"]
-            nodes.tell("p0", Tokens("r~1", (11,)))
-            nodes.tell("d0", Tokens("r~1", (12,), finish_reason="length"))
-            last = await client.done()
-            assert (client.text, last.finish_reason) == ("<10><11><12>", "length")
-
-    run(scenario)
+@scenario("p0", "d0")
+async def test_a_restarted_node_fails_its_requests_over_and_may_take_the_retry(
+    backend: ClusterBackend, nodes: FakeNodes, _: FakeClock
+) -> None:
+    client = await nodes.start()
+    nodes.tell("p0", Tokens("r", (10,)))
+    restarted = nodes.registration("d0", "decode", incarnation="2")
+    nodes.tell("d0", restarted)  # its KV endpoint is probed, then it is taken again
+    await nodes.prefilling("r~1")
+    assert nodes.where(ReserveKV, "r~1") == ["d0"]
+    nodes.answer("r~1", "p0", "d0", 11, 12)
+    assert await client.seen() == ("<10><11><12>", "length")
 
 
-def test_an_expired_lease_ends_the_request_with_one_clean_error_and_frees_the_other_node():
-    async def scenario() -> None:
-        async with cluster("p0", "d0") as (backend, nodes, _):
-            client = Client(backend)
-            await until(lambda: nodes.to("p0", Prefill), "the prefill on p0")
-            nodes.tell("p0", Tokens("r", (10,)))
-            why = "lease expired: the router stopped renewing"
-            nodes.tell("d0", Error("r", why, Failure.LEASE_EXPIRED))
-            last = await client.done()
-            assert (client.text, last.finish_reason, last.error) == ("<10>", "error", why)
-            assert last.failure is Failure.LEASE_EXPIRED
-            assert nodes.where(ReserveKV, "r~1") == []  # not retried
-            assert sorted(nodes.where(Abort, "r")) == ["d0", "p0"]  # nothing left held
-            await backend.watch()
-            assert nodes.to("d0", Lease)[-1].request_ids == ()
-
-    run(scenario)
+@scenario("p0", "d0")
+async def test_an_expired_lease_ends_the_request_with_one_clean_error_and_frees_the_other_node(
+    backend: ClusterBackend, nodes: FakeNodes, _: FakeClock
+) -> None:
+    client = await nodes.start()
+    nodes.tell("p0", Tokens("r", (10,)))
+    why = "lease expired: the router stopped renewing"
+    nodes.tell("d0", Error("r", why, Failure.LEASE_EXPIRED))
+    last = await client.done()
+    assert (client.text, last.finish_reason, last.error) == ("<10>", "error", why)
+    assert last.failure is Failure.LEASE_EXPIRED
+    assert nodes.where(ReserveKV, "r~1") == []  # not retried
+    assert sorted(nodes.where(Abort, "r")) == ["d0", "p0"]  # nothing left held
+    await backend.watch()
+    assert nodes.to("d0", Lease)[-1].request_ids == ()
