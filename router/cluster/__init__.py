@@ -6,9 +6,11 @@ prompt's blocks or answers Busy), Prefill to a prefill node with the reserved bl
 destination; the prefill node streams the first token here and hands the KV to the decode
 node, which streams the rest.
 
-Modules, from the bottom up: registry (NodeInfo, which nodes are alive), policies (orderings
-of candidate nodes), streams (one request's state), control (the ROUTER socket), routing
-(putting a request on nodes), backend (ClusterBackend: messages, failover, leases).
+Modules, from the bottom up: registry (NodeInfo, which nodes are alive), streams (one
+request's state and RequestTable, the owner of where every request runs), placement (local or
+remote prefill), policies (orderings of candidate nodes), control (the ROUTER socket),
+registration (nodes joining), routing (putting a request on nodes, again after a failover),
+backend (ClusterBackend: the wiring of messages, leases and streams).
 """
 
 from pdserve.router.cluster.backend import ClusterBackend

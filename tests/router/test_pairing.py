@@ -12,7 +12,7 @@ import pytest
 
 from pdserve.common.wire.kv_layout import KVLayout
 from pdserve.common.wire.messages import RegisterNode
-from pdserve.router.cluster.backend import probe_endpoint
+from pdserve.router.cluster.registration import probe_endpoint
 from pdserve.router.cluster.registry import NodeRegistry, kv_mismatch
 
 LAYOUT = KVLayout("m", "float32", num_layers=2, num_kv_heads=2, head_dim=8, block_size=16)
