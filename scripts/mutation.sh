@@ -5,6 +5,8 @@
 #
 #   scripts/mutation.sh                  every module of scripts/mutation.toml (about 30 min)
 #   scripts/mutation.sh sampler usage    only these
+#   scripts/mutation.sh --score sampler  score the last run's copy again (after editing the
+#                                        [equivalent] list), without running mutmut
 #
 # MUTATION_DIR (default /tmp/pdserve-mutation) holds one fresh copy per module, kept after the
 # run so that `cd $MUTATION_DIR/MODULE && mutmut show NAME` prints a mutant's diff.
@@ -111,6 +113,11 @@ elif cmd == "score":
     score(Path(arg[0]), arg[1])
 PY
 
+rescore=0
+if [ "${1:-}" = "--score" ]; then
+  rescore=1
+  shift
+fi
 wanted=("$@")
 if [ ${#wanted[@]} -eq 0 ]; then
   read -r -a wanted <<<"$(python -c "$helper" modules)"
@@ -129,9 +136,12 @@ report=()
 for name in "${wanted[@]}"; do
   copy=$work/$name
   echo "== $name ($(date +%H:%M:%S))"
-  fresh_copy "$copy"
-  read -r -a names <<<"$(cd "$copy" && python -c "$helper" setup "$copy" "$name")"
-  if ! (cd "$copy" && nice -n 10 mutmut run --max-children 2 "${names[@]}" >mutmut.log 2>&1); then
+  if [ "$rescore" = 0 ]; then
+    fresh_copy "$copy"
+    read -r -a names <<<"$(cd "$copy" && python -c "$helper" setup "$copy" "$name")"
+  fi
+  if [ "$rescore" = 0 ] \
+    && ! (cd "$copy" && nice -n 10 mutmut run --max-children 2 "${names[@]}" >mutmut.log 2>&1); then
     tail -n 30 "$copy/mutmut.log"
     report+=("$name: mutmut failed, see $copy/mutmut.log")
     status=1
