@@ -44,7 +44,8 @@ def test_blocks_that_are_not_whole_words_sum_each_byte() -> None:
 def test_scattered_blocks_sum_through_several_gathers(monkeypatch: pytest.MonkeyPatch) -> None:
     c = cache(40, 8)
     blocks = [37, 3, 15, 22, 8, 30, 1]
-    monkeypatch.setattr(nx, "_GATHER_BYTES", 2 * 32 * 2 * 8)  # two blocks per gather
+    # blocks of 4 words a half: a gather of 2 blocks reads 2 * 4 * 16 bytes (K and V, 8 each)
+    monkeypatch.setattr(nx, "_GATHER_BYTES", 2 * 4 * 16)
     assert nx.page_sums(c, blocks).tolist() == reference(c, blocks)
 
 
