@@ -12,9 +12,10 @@ max_tokens), error (an HTTP error status, an error event or finish_reason "error
 (the connection broke or was refused: its router was down), wrong (a complete answer with other
 text: must be 0) or hung (no end within --request-timeout: must be 0). A fault's recovery time
 runs from its signal to the end of the first correct answer through the affected role sent
-after it and after the last answer through that role that failed before the next fault: through
-the hit router for a router fault, through either router for a node fault (every prompt is
-prefilled on a prefill node, --prefill-placement remote, and decoded on a decode node).
+after it and after every answer through that role that was sent after it and failed before the
+next fault: through the hit router for a router fault, through either router for a node fault
+(every prompt is prefilled on a prefill node, --prefill-placement remote, and decoded on a
+decode node).
 Leaked: once the load stopped and every node is back and quiet, the blocks each still holds
 for a request (free and cached blocks do not count) and the requests it still holds.
 """
@@ -285,7 +286,7 @@ def recovery_s(fault: Fault, until: float, answers: list[Answer]) -> float | Non
     such answer came before the load stopped."""
     router = fault.target if fault.target.startswith("router") else None
     mine = [a for a in answers if a.start >= fault.at and router in (None, a.router)]
-    failed = [a.start for a in mine if a.outcome != "correct" and a.start < until]
+    failed = [a.start for a in mine if a.outcome != "correct" and a.end < until]
     since = max(failed, default=fault.at)
     ends = [a.end for a in mine if a.outcome == "correct" and a.start > since]
     return min(ends) - fault.at if ends else None
