@@ -130,6 +130,27 @@ def test_the_receiver_remembers_the_last_4096_ended_transfers() -> None:
     for i in range(4097):
         got.expect(f"x{i}", [1])
         got.cancel(f"x{i}")
-    for i in (0, 1, 4096):
+    got.admit(page("x0", 0, (1,)))  # the oldest is forgotten
+    assert got.counters == {"frame_unknown_xfer": 1}
+    for i in (1, 4096):
         got.admit(page(f"x{i}", 0, (1,)))
     assert got.counters == {"frame_unknown_xfer": 1, "frame_cancelled_xfer": 2}
+
+
+def test_a_frame_that_failed_fails_its_transfer_once_the_others_landed() -> None:
+    sent, got = SendBook(1), ReceiveBook(1)
+    got.expect("t", [1, 2])
+    assert got.is_live("t") and not got.is_live("u")
+    bad, good = page("t", 0, (1,)), page("t", 0, (2,))
+    for p in (bad, good):
+        sent.record(p, 5)
+        assert got.admit(p)
+    got.on_done(sent.close("t", FirstToken(0)))
+    got.fail(bad, "short read")
+    got.fail(page("u", 0, (1,)), "no such transfer")  # counted, nothing else to do
+    assert got.finished() == [] and got.counters == {"bad_frame": 2}
+    assert got.land(good, 5)
+    (result,) = got.finished()
+    assert not result.ok
+    assert result.error == "layer 0: short read; layer 0: received 1 pages, sender sent 2"
+    assert not got.is_live("t")
