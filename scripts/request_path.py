@@ -44,7 +44,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import subprocess
 import sys
 import tempfile
@@ -58,7 +57,6 @@ REPO = Path(__file__).resolve().parent.parent
 PROCESSES = ("router", "prefill0", "decode0")
 IDLE_WINDOWS = ("idle-before", "idle-after")
 NOT_SOURCE = ("tests/", "scripts/")
-PACKAGE_DIR = re.compile(r'^"(pdserve\.[\w.]+)" = "([\w/]+)"$', re.M)
 
 # Written into a temporary folder first on every child's PYTHONPATH: stdlib only, since it
 # runs before anything is imported.
@@ -337,26 +335,17 @@ def render_lines(counts: dict[str, int]) -> str:
 # ---------------------------------------------------------------- the traced run
 
 
-def stage_tree(src: Path, into: Path) -> Path:
-    """A PYTHONPATH folder holding `src` laid out as installed (pdserve/ with links to the
-    subpackages): src itself first on the path would not do, since this checkout's editable
-    install maps `pdserve.common` and the others to its own folders."""
-    package = into / "pdserve"
-    package.mkdir(parents=True)
-    for entry in (src / "pdserve").iterdir():
-        (package / entry.name).symlink_to(entry.resolve())
-    for name, folder in PACKAGE_DIR.findall((src / "pyproject.toml").read_text()):
-        (package / name.removeprefix("pdserve.")).symlink_to((src / folder).resolve())
-    return into
-
-
 def child_env(src: Path, work: Path) -> dict[str, str]:
-    """PYTHONPATH: the tracer, then (for another tree) that tree staged as installed."""
+    """PYTHONPATH: the tracer, then (for another tree) that tree staged as installed: src
+    itself on the path would not do, since this checkout's editable install maps
+    `pdserve.common` and the others to its own folders."""
     (work / "tracer").mkdir()
     (work / "tracer" / "sitecustomize.py").write_text(TRACER)
     path = [str(work / "tracer")]
     if src != REPO:
-        path.append(str(stage_tree(src, work / "src")))
+        from pdserve.bench.chaos import stage_source  # the chaos run stages trees the same way
+
+        path.append(str(stage_source(src, work / "src")))
     (work / "out").mkdir()
     return {
         "PYTHONPATH": os.pathsep.join(path),
