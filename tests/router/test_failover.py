@@ -6,9 +6,11 @@ the tokens going on without a duplicate, or one clean error."""
 
 from __future__ import annotations
 
+import ast
 import asyncio
 import contextlib
 from collections.abc import AsyncIterator, Awaitable, Callable
+from pathlib import Path
 
 from pdserve.common.engine.sampling_params import SamplingParams
 from pdserve.common.wire.messages import (
@@ -363,3 +365,22 @@ async def test_an_expired_lease_ends_the_request_with_one_clean_error_and_frees_
     assert sorted(nodes.where(Abort, "r")) == ["d0", "p0"]  # nothing left held
     await backend.watch()
     assert nodes.to("d0", Lease)[-1].request_ids == ()
+
+
+# -- one owner ----------------------------------------------------------------------------------
+
+PLACEMENT = {"prefill_node", "decode_node", "admitted", "local_prefill", "lost", "attempt"}
+COUNTS = {"inflight", "local_prefills"}
+
+
+def test_only_the_request_table_changes_placement_and_counts():
+    """No router module but streams.py assigns a stream's placement or a node's counts."""
+    root = Path(__file__).resolve().parents[2] / "router"
+    writers = set()
+    for path in root.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            targets = getattr(node, "targets", [getattr(node, "target", None)])
+            for target in targets:
+                if isinstance(target, ast.Attribute) and target.attr in PLACEMENT | COUNTS:
+                    writers.add(f"{path.relative_to(root)}:{target.attr}")
+    assert writers and {w.split(":")[0] for w in writers} == {"cluster/streams.py"}, writers
