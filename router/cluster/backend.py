@@ -238,6 +238,7 @@ class ClusterBackend(Backend):
         the leases of what every live node holds."""
         alive = [n.node_id for n in self.registry.alive(NODE_ROLES)]
         self.table.fail_dead(set(alive))
+        self.control.abandon(set(self.registry.nodes) - set(alive))
         for node_id, wire_ids in self.table.leases(alive).items():
             await self.control.send(node_id, Lease(wire_ids))
 

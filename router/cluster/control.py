@@ -33,7 +33,7 @@ class ControlServer:
         on_unreachable: Callable[[str], None],
     ) -> None:
         self.reply_timeout = reply_timeout
-        self.replies: dict[str, asyncio.Future[Message]] = {}
+        self.replies: dict[str, asyncio.Future[Message | None]] = {}
         self.num_malformed = 0
         self._addr = addr
         self._curve = curve
@@ -82,7 +82,7 @@ class ControlServer:
     async def ask(self, node_id: str, key: str, msg: Message) -> Message | None:
         """Send msg and wait for the reply that node sends under key (None on timeout)."""
         key = f"{node_id}/{key}"
-        fut: asyncio.Future[Message] = asyncio.get_running_loop().create_future()
+        fut: asyncio.Future[Message | None] = asyncio.get_running_loop().create_future()
         self.replies[key] = fut
         await self.send(node_id, msg)
         try:
@@ -91,6 +91,13 @@ class ControlServer:
             return None
         finally:
             self.replies.pop(key, None)
+
+    def abandon(self, node_ids: set[str]) -> None:
+        """Answer None now to every ask waiting on these nodes (they were taken for dead): a
+        request asking a killed node fails over at once, not after the reply timeout."""
+        for key, fut in list(self.replies.items()):
+            if key.split("/", 1)[0] in node_ids and not fut.done():
+                fut.set_result(None)
 
     def resolve(self, key: str, msg: Message) -> bool:
         """Hand msg to the ask waiting under key; False when none waits (a late reply)."""

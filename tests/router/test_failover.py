@@ -58,11 +58,12 @@ class FakeNodes:
     def __init__(self, backend: ClusterBackend) -> None:
         self.backend = backend
         self.sent: list[tuple[str, Message]] = []
+        self.silent: set[str] = set()  # nodes that answer nothing (killed)
         backend.control.send = self.send  # type: ignore[method-assign]
 
     async def send(self, node_id: str, msg: Message) -> None:
         self.sent.append((node_id, msg))
-        if isinstance(msg, ReserveKV | RenewTransfer):
+        if isinstance(msg, ReserveKV | RenewTransfer) and node_id not in self.silent:
             xfer = f"x{len(self.sent)}"
             reply = Reserved(msg.request_id, xfer, (1, 2, 3), f"ipc:///kv/{node_id}", "i")
             asyncio.get_running_loop().call_soon(self.tell, node_id, reply)
@@ -319,6 +320,27 @@ async def test_a_decode_node_silent_mid_stream_is_left_and_the_tokens_go_on(
     assert len(nodes.to("d0", Lease)) == 1
     nodes.answer("r~1", "p0", "d1", 12, 13)
     assert await client.seen() == ("<10><11><12><13>", "length")
+
+
+@scenario("p0", "d0", "d1")
+async def test_a_reservation_asked_of_a_node_that_died_moves_on_once_the_node_is_taken_for_dead(
+    backend: ClusterBackend, nodes: FakeNodes, clock: FakeClock
+) -> None:
+    nodes.silent = {"d0", "d1"}
+    client = Client(backend)
+    await until(lambda: nodes.where(ReserveKV, "r"), "the first reservation asked")
+    (dead,) = nodes.where(ReserveKV, "r")
+    other = ({"d0", "d1"} - {dead}).pop()
+    nodes.silent = {dead}
+    clock.advance(TIMEOUT + 1)
+    for node_id in ("p0", other):
+        nodes.tell(f"{node_id}#alive", Alive(node_id))
+    await backend.watch()  # the ask is answered now, not after the 10 s reply timeout
+    await nodes.prefilling("r")
+    assert nodes.where(ReserveKV, "r") == [dead, other]
+    assert nodes.where(Abort, "r") == [dead]
+    nodes.answer("r", "p0", other, 10, 11)
+    assert await client.seen() == ("<10><11>", "length")
 
 
 @scenario("p0", "d0")
