@@ -1,0 +1,300 @@
+"""Cluster backend edges that mutation testing showed no test pinned (scripts/mutation.sh):
+what the backend does with each kind of node message (liveness, heartbeats with a gap,
+unknown senders, replies, hand-offs), its readiness and stats, integrity reports, the
+token timeout, a client's abort and the conversation a finished request leaves cached. Over
+the fake nodes and fake clock of test_failover (no subprocess, no socket)."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+
+import pytest
+
+from pdserve.common.engine.sampling_params import SamplingParams
+from pdserve.common.wire.messages import (
+    Abort,
+    Admitted,
+    Alive,
+    CheckIntegrity,
+    Error,
+    Failure,
+    Heartbeat,
+    IntegrityReport,
+    Lease,
+    Prefill,
+    Reregister,
+    SyncPrefixes,
+    Tokens,
+)
+from pdserve.router.backend import GenerateRequest
+from pdserve.router.cluster.backend import ClusterBackend
+from pdserve.router.cluster.placement import PlacementConfig
+from pdserve.router.cluster.streams import BlockHashes
+from tests.router.test_failover import (
+    BS,
+    PROMPT,
+    FakeClock,
+    FakeNodes,
+    scenario,
+    until,
+)
+
+
+def heartbeat(node_id: str, seq: int = 0, free: int = 7) -> Heartbeat:
+    return Heartbeat(node_id, free, 1, 2, 3, prefix_seq=seq)
+
+
+def test_an_unknown_policy_is_refused_by_name() -> None:
+    with pytest.raises(ValueError, match="unknown policy 'nope'"):
+        ClusterBackend(control_port=0, policy="nope")
+
+
+@scenario("p0", "d0")
+async def test_liveness_comes_only_from_a_nodes_alive_socket(
+    backend: ClusterBackend, nodes: FakeNodes, clock: FakeClock
+) -> None:
+    clock.advance(50)
+    nodes.tell("d0", Alive("d0"))  # the right message from the wrong socket
+    assert backend.nodes["d0"].last_seen == 1000.0
+    nodes.tell("d9#alive", Alive("d9"))  # a node nobody knows: nothing happens
+    nodes.tell("d0#alive", Alive("d0"))
+    assert backend.nodes["d0"].last_seen == 1050.0
+    assert backend.nodes["p0"].last_seen == 1000.0
+    assert nodes.sent == []
+
+
+@scenario("p0", "d0")
+async def test_any_message_from_a_known_node_proves_it_lives(
+    backend: ClusterBackend, nodes: FakeNodes, clock: FakeClock
+) -> None:
+    clock.advance(50)
+    nodes.tell("p0", Tokens("nobody", (1,)))  # about no request: dropped, but p0 lives
+    assert backend.nodes["p0"].last_seen == 1050.0
+    nodes.tell("d0", heartbeat("d0"))
+    assert backend.nodes["d0"].last_seen == 1050.0
+    assert (backend.nodes["d0"].free_blocks, backend.nodes["d0"].num_waiting) == (7, 2)
+
+
+@scenario("p0", "d0")
+async def test_a_heartbeat_with_a_gap_in_its_prefix_changes_asks_for_a_snapshot(
+    backend: ClusterBackend, nodes: FakeNodes, _: FakeClock
+) -> None:
+    nodes.tell("p0", heartbeat("p0", seq=1))
+    nodes.tell("p0", heartbeat("p0", seq=2))
+    await until(lambda: True, "a turn")
+    assert nodes.to("p0", SyncPrefixes) == []
+    nodes.tell("p0", heartbeat("p0", seq=5))
+    await until(lambda: nodes.to("p0", SyncPrefixes), "the snapshot asked for")
+    assert len(nodes.to("p0", SyncPrefixes)) == 1
+
+
+@scenario("p0", "d0")
+async def test_an_unknown_node_heartbeating_is_asked_to_register_again(
+    backend: ClusterBackend, nodes: FakeNodes, _: FakeClock
+) -> None:
+    nodes.tell("d9", heartbeat("d9"))
+    await until(lambda: nodes.to("d9", Reregister), "the reregister")
+    nodes.tell("d9", Tokens("r", (1,)))  # not a heartbeat: nothing asked
+    await until(lambda: True, "a turn")
+    assert len(nodes.sent) == 1 and "d9" not in backend.nodes
+
+
+@scenario("p0")
+async def test_a_node_being_probed_is_not_asked_to_register_again(
+    backend: ClusterBackend, nodes: FakeNodes, _: FakeClock
+) -> None:
+    backend.registrar._probing.add("d9")
+    nodes.tell("d9", heartbeat("d9"))
+    for _ in range(20):
+        await until(lambda: True, "a turn")
+    assert nodes.sent == []
+
+
+@scenario("p0", "d0")
+async def test_an_unreachable_node_is_taken_for_dead_at_once(
+    backend: ClusterBackend, nodes: FakeNodes, _: FakeClock
+) -> None:
+    backend._unreachable("d0")
+    backend._unreachable("d9")  # unknown: nothing to do
+    assert backend.nodes["d0"].last_seen == -math.inf
+    assert [n.node_id for n in backend.registry.alive(("prefill", "decode"))] == ["p0"]
+    assert not backend.ready()
+
+
+@scenario("p0", "d0")
+async def test_integrity_reports_of_every_live_node(
+    backend: ClusterBackend, nodes: FakeNodes, _: FakeClock
+) -> None:
+    backend.nodes["d0"].last_seen = -math.inf  # dead: not asked
+    nodes.register("d1", "decode")
+    task = asyncio.create_task(backend.integrity())
+    await until(lambda: len(nodes.to("p0", CheckIntegrity)) == 1, "p0 asked")
+    await until(lambda: len(nodes.to("d1", CheckIntegrity)) == 1, "d1 asked")
+    assert nodes.to("d0", CheckIntegrity) == []
+    (ask_p,) = nodes.to("p0", CheckIntegrity)
+    (ask_d,) = nodes.to("d1", CheckIntegrity)
+    assert ask_p.nonce != ask_d.nonce and {ask_p.nonce, ask_d.nonce} == {1, 2}
+    report = IntegrityReport(ask_p.nonce, False, "leak", 64, 60, 3, ("a", "b"))
+    nodes.tell("p0", report)
+    nodes.tell("d1", Error(f"integrity-{ask_d.nonce}", "no", Failure.INTERNAL))  # not a report
+    await until(task.done, "the reports")
+    assert task.result() == {
+        "p0": {
+            "role": "prefill",
+            "report": {
+                "ok": False,
+                "detail": "leak",
+                "num_blocks": 64,
+                "free_blocks": 60,
+                "cached_blocks": 3,
+                "live_requests": ["a", "b"],
+            },
+        },
+        "d1": {"role": "decode", "report": None},
+    }
+
+
+@scenario("p0", "d0")
+async def test_stats_count_nodes_requests_and_routing(
+    backend: ClusterBackend, nodes: FakeNodes, _: FakeClock
+) -> None:
+    client = await nodes.start()
+    stats = backend.stats()
+    assert stats["nodes_prefill"] == 1 and stats["nodes_decode"] == 1
+    assert stats["requests_in_flight"] == 1 and stats["malformed_messages"] == 0
+    assert (stats["prefills_remote"], stats["prefills_local"], stats["failovers"]) == (1, 0, 0)
+    assert stats["kv_tokens_sent"] == len(PROMPT) and stats["kv_tokens_reused_on_decode"] == 0
+    nodes.answer("r", "p0", "d0", 10, 11)
+    assert await client.seen() == ("<10><11>", "length")
+    assert backend.stats()["requests_in_flight"] == 0
+
+
+def test_readiness_with_local_placement_needs_only_a_decode_node() -> None:
+    clock = FakeClock()
+    local = ClusterBackend(control_port=0, placement=PlacementConfig("local"), clock=clock)
+    fake = FakeNodes(local)
+    assert not local.ready()
+    assert local.unready_reason() == "no decode node is available (prefill placement is local)"
+    fake.register("d0", "decode")
+    assert local.ready()
+    remote = ClusterBackend(control_port=0, placement=PlacementConfig("remote"), clock=clock)
+    FakeNodes(remote).register("d0", "decode")
+    assert not remote.ready()
+    assert remote.unready_reason() == "no prefill/decode route is available"
+
+
+@scenario("p0", "d0")
+async def test_a_hand_off_time_is_observed_from_the_first_token_to_admitted(
+    backend: ClusterBackend, nodes: FakeNodes, clock: FakeClock
+) -> None:
+    client = await nodes.start()
+    nodes.tell("d0", Admitted("r"))  # before any first token: no time to observe
+    assert backend.nodes["d0"].handoff_s == 0.0
+    nodes.tell("p0", Tokens("r", (10,)))
+    clock.advance(0.5)
+    nodes.tell("p0", Admitted("r"))  # not the decode node: ignored
+    assert backend.nodes["d0"].handoff_s == 0.0 and backend.nodes["p0"].handoff_s == 0.0
+    nodes.tell("d0", Admitted("r"))
+    assert backend.nodes["d0"].handoff_s == 0.5
+    nodes.tell("d0", Tokens("r", (11,), finish_reason="length"))
+    assert await client.seen() == ("<10><11>", "length")
+
+
+@scenario("p0", "d0")
+async def test_an_error_of_a_node_the_request_left_is_stale(
+    backend: ClusterBackend, nodes: FakeNodes, _: FakeClock
+) -> None:
+    client = await nodes.start()
+    nodes.tell("p0", Tokens("r", (10,)))
+    nodes.tell("p0", Error("other", "who?", Failure.INTERNAL))  # no such request
+    nodes.tell("d0", Error("r~1", "late", Failure.INTERNAL))  # no such attempt
+    nodes.tell("d0", Tokens("r", (11,), finish_reason="length"))
+    assert await client.seen() == ("<10><11>", "length")
+
+
+@scenario("p0", "d0")
+async def test_an_internal_error_ends_the_request_and_frees_both_nodes(
+    backend: ClusterBackend, nodes: FakeNodes, _: FakeClock
+) -> None:
+    client = await nodes.start()
+    nodes.tell("p0", Tokens("r", (10,)))
+    nodes.tell("d0", Error("r", "boom", Failure.INTERNAL))
+    last = await client.done()
+    assert (last.finish_reason, last.error) == ("error", "boom")
+    assert sorted(nodes.where(Abort, "r")) == ["d0", "p0"]
+
+
+@scenario("p0", "d0")
+async def test_a_finished_request_leaves_nothing_to_abort_and_its_conversation_expected(
+    backend: ClusterBackend, nodes: FakeNodes, clock: FakeClock
+) -> None:
+    client = await nodes.start()
+    before = dict(backend.nodes["d0"].recent_prefixes)
+    clock.advance(1)
+    nodes.answer("r", "p0", "d0", 10, 11, 12, 13)
+    assert await client.seen() == ("<10><11><12><13>", "length")
+    assert nodes.where(Abort, "r") == []
+    tokens = [*PROMPT, 10, 11, 12, 13]  # 13 tokens: the last has no KV, so 3 full blocks
+    expected = BlockHashes(tokens).of(BS, len(tokens) - 1)
+    assert len(expected) == 3
+    after = backend.nodes["d0"].recent_prefixes
+    assert {h: after[h] for h in expected} == dict.fromkeys(expected, clock() + 5.0)
+    assert set(after) - set(before) == set(expected) - set(before)
+    assert backend.registry.get("p0").recent_prefixes.keys() <= set(expected)
+
+
+@scenario("p0", "d0")
+async def test_a_stream_ended_with_an_abort_frees_its_nodes(
+    backend: ClusterBackend, nodes: FakeNodes, _: FakeClock
+) -> None:
+    client = await nodes.start()
+    nodes.tell("p0", Tokens("r", (10,)))
+    await backend.abort("r")
+    await backend.abort("nobody")  # unknown: nothing sent
+    assert sorted(nodes.where(Abort, "r")) == ["d0", "p0"]
+    last = await client.done()
+    assert last.finish_reason == "abort"
+    # The stream's own end frees them once more: an abort is idempotent on a node.
+    assert sorted(nodes.where(Abort, "r")) == ["d0", "d0", "p0", "p0"]
+    assert [m.reason for m in nodes.to("d0", Abort)] == ["client", "stream ended"]
+
+
+@scenario("p0", "d0")
+async def test_no_token_within_the_token_timeout_ends_the_request(
+    backend: ClusterBackend, nodes: FakeNodes, _: FakeClock
+) -> None:
+    backend.token_timeout = 0.01  # nothing will ever come: the wait's end is the test
+    client = await nodes.start()
+    last = await client.done()
+    assert last.finish_reason == "error" and last.failure is Failure.TIMEOUT
+    assert last.error == "timed out waiting for tokens"
+    assert sorted(nodes.where(Abort, "r")) == ["d0", "d0", "p0", "p0"]
+
+
+@scenario("p0", "d0")
+async def test_leases_go_to_every_live_node_and_none_to_a_dead_one(
+    backend: ClusterBackend, nodes: FakeNodes, clock: FakeClock
+) -> None:
+    await backend.watch()
+    assert nodes.to("p0", Lease) == [Lease(())] and nodes.to("d0", Lease) == [Lease(())]
+    clock.advance(10)
+    nodes.tell("p0#alive", Alive("p0"))
+    await backend.watch()
+    assert len(nodes.to("p0", Lease)) == 2 and len(nodes.to("d0", Lease)) == 1
+
+
+@scenario("p0", "d0")
+async def test_a_prompt_only_request_is_prefilled_and_answered_there(
+    backend: ClusterBackend, nodes: FakeNodes, _: FakeClock
+) -> None:
+    request = GenerateRequest("s", PROMPT, SamplingParams(max_tokens=0, prompt_logprobs=1))
+    events = backend.generate(request)
+    first = asyncio.create_task(events.__anext__())
+    await until(lambda: nodes.to("p0", Prefill), "the prefill")
+    (prefill,) = nodes.to("p0", Prefill)
+    assert prefill.xfer_id == "" and nodes.to("d0", Prefill) == []
+    nodes.tell("p0", Tokens("s", (), finish_reason="length"))
+    await until(first.done, "the answer")
+    assert first.result().finish_reason == "length"
+    await events.aclose()
