@@ -65,11 +65,12 @@ def setup(copy: Path, name: str) -> None:
     tests = [t for pat in mod["tests"] for t in sorted(glob.glob(pat, root_dir=copy))]
     assert tests, f"{name}: no test file matches {mod['tests']}"
     path = package_path(mod["source"], copy / "pyproject.toml")
+    args = ["-p no:cacheprovider", *(f"--deselect={t}" for t in mod.get("deselect", []))]
     (copy / "setup.cfg").write_text(
         "[mutmut]\nsource_paths = pdserve\n"
         f"only_mutate = {path}\n"
         "pytest_add_cli_args_test_selection =\n" + "".join(f"    {t}\n" for t in tests)
-        + "pytest_add_cli_args = -p no:cacheprovider\n"
+        + "pytest_add_cli_args =\n" + "".join(f"    {a}\n" for a in args)
     )
     print(" ".join(mod.get("functions", [])))
 
