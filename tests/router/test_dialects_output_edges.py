@@ -18,6 +18,7 @@ from pdserve.router.dialects import ChatDialect, Collected, CompletionDialect, T
 from pdserve.router.generation import ChoiceDelta, PromptPart
 from pdserve.router.openai_protocol import PromptTokensDetails, UsageInfo
 from pdserve.router.tools import Function, ToolMode
+from tests.router.fake_backend import tiny_tokenizer
 
 TEXTS = {1: "Hi", 2: " there", 3: "a", 4: "bc", 5: " d", 6: "é"}
 USAGE = UsageInfo(
@@ -431,3 +432,51 @@ def test_chat_logprobs_only_when_asked(want: bool) -> None:
     d = ChatDialect("m", strings(), want)
     choice = dump(d.chunk(ChoiceDelta(0, "a", (lp(3, -0.1),))))["choices"][0]
     assert (choice["logprobs"] is not None) == want
+
+
+def test_a_required_call_cut_short_stays_content() -> None:
+    required = ToolMode((WEATHER,), "required")
+    d = ChatDialect("m", strings(), False, tools=required)
+    text = '{"name": "get_weather", "arguments": {}}'
+    cut = dump(d.response([Collected(0, [text], [], "length", [])], USAGE))["choices"][0]
+    assert cut["message"] == {"role": "assistant", "content": text, "tool_calls": []}
+    assert cut["finish_reason"] == "length"
+
+
+def test_a_streamed_required_call_is_read_at_its_end_by_its_finish() -> None:
+    required = ToolMode((WEATHER,), "required")
+    d = ChatDialect("m", strings(), False, tools=required)
+    text = '{"name": "get_weather", "arguments": {}}'
+    assert d.chunk(ChoiceDelta(0, text)) is None
+    end = dump(d.chunk(ChoiceDelta(0, "", finish_reason="stop")))["choices"][0]
+    assert end["delta"]["tool_calls"][0]["function"] == {"name": "get_weather", "arguments": "{}"}
+    assert end["finish_reason"] == "tool_calls"
+    cut = dump(d.chunk(ChoiceDelta(1, text, finish_reason="length")))["choices"][0]
+    assert cut["delta"] == {"content": text} and cut["finish_reason"] == "length"
+
+
+def test_content_on_both_sides_of_a_call_in_one_chunk_is_joined() -> None:
+    d = ChatDialect("m", strings(), False, tools=AUTO)
+    chunk = dump(d.chunk(ChoiceDelta(0, f"Look.{CALL} Done.", finish_reason="stop")))
+    choice = chunk["choices"][0]
+    assert choice["delta"]["content"] == "Look. Done."
+    assert len(choice["delta"]["tool_calls"]) == 1
+
+
+def test_every_chunk_and_response_carries_the_dialects_own_time() -> None:
+    cmpl, chat = CompletionDialect("m", strings(), None), ChatDialect("m", strings(), False)
+    cmpl.created = chat.created = 12345  # not now: a default timestamp would differ
+    assert dump(cmpl.chunk(ChoiceDelta(0, "a")))["created"] == 12345
+    assert dump(cmpl.usage_chunk(USAGE))["created"] == 12345
+    assert dump(cmpl.response([], USAGE))["created"] == 12345
+    assert dump(chat.chunk(ChoiceDelta(0, "a")))["created"] == 12345
+    assert dump(chat.opening(1)[0])["created"] == 12345
+    assert dump(chat.response([], USAGE))["created"] == 12345
+
+
+def test_special_tokens_are_shown_by_a_real_tokenizer() -> None:
+    tokenizer = tiny_tokenizer()
+    tokens = TokenStrings(tokenizer)
+    special = tokenizer.all_special_ids[0]
+    text = tokenizer.convert_ids_to_tokens(special)
+    assert tokens.get(special) == (text, list(text.encode()))
