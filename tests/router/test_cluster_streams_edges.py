@@ -259,3 +259,39 @@ def test_counts_of_nodes_the_registry_does_not_know_are_skipped() -> None:
     assert t.on_node("x9") == [stream] and counts(t) == {"d0": (0, 0)}
     t.close("r")
     assert t.on_node("x9") == []
+
+
+def test_a_request_placed_again_after_leaving_its_decode_node_is_not_yet_admitted() -> None:
+    t = table("p0", "d0")
+    stream = placed(t)
+    t.restart(stream)  # left d0 before any hand-off
+    t.place_decode(stream, "d0")
+    t.place_prefill(stream, "p0")
+    t.fail_dead({"d0"})  # p0 gone before the hand-off: the request depends on it
+    [note] = drain(stream)
+    assert (note.kind, note.lost) == ("prefill", ("p0",))
+
+
+def test_a_closed_request_leaves_no_wire_id_behind() -> None:
+    t = table("p0", "d0")
+    stream = placed(t)
+    t.restart(stream)
+    t.close("r")
+    assert t._by_wire == {} and t._streams == {}
+
+
+def test_each_failover_adds_to_the_nodes_a_request_never_goes_back_to() -> None:
+    t = table("p0", "p1", "d0")
+    stream = placed(t)
+    t.fail_over(stream, {"p0"}, "p0 busy")
+    t.place_prefill(stream, "p1")
+    t.fail_over(stream, {"d0"}, "d0 gone")
+    assert stream.lost == {"p0", "d0"}
+
+
+def test_a_restarted_prefill_node_before_the_first_token_keeps_the_decode_reservation() -> None:
+    t = table("p0", "d0")
+    stream = placed(t)
+    t.node_restarted("p0")
+    assert drain(stream) == [Failover("prefill", (), ("p0",), "p0 restarted")]
+    assert stream.nodes() == {"d0"} and stream.lost == set()
