@@ -7,9 +7,12 @@ the fake nodes and fake clock of test_failover (no subprocess, no socket)."""
 from __future__ import annotations
 
 import asyncio
+import logging
 import math
 
 import pytest
+import zmq
+import zmq.asyncio
 
 from pdserve.common.engine.sampling_params import SamplingParams
 from pdserve.common.wire.messages import (
@@ -23,10 +26,14 @@ from pdserve.common.wire.messages import (
     IntegrityReport,
     Lease,
     Prefill,
+    Registered,
     Reregister,
     SyncPrefixes,
     Tokens,
+    decode,
+    encode,
 )
+from pdserve.local_cluster import free_port
 from pdserve.router.backend import GenerateRequest
 from pdserve.router.cluster.backend import ClusterBackend
 from pdserve.router.cluster.placement import PlacementConfig
@@ -34,11 +41,18 @@ from pdserve.router.cluster.streams import BlockHashes
 from tests.router.test_failover import (
     BS,
     PROMPT,
+    Client,
     FakeClock,
     FakeNodes,
     scenario,
     until,
 )
+
+
+async def turns(n: int = 20) -> None:
+    """Let spawned sends run."""
+    for _ in range(n):
+        await asyncio.sleep(0)
 
 
 def heartbeat(node_id: str, seq: int = 0, free: int = 7) -> Heartbeat:
@@ -82,7 +96,7 @@ async def test_a_heartbeat_with_a_gap_in_its_prefix_changes_asks_for_a_snapshot(
 ) -> None:
     nodes.tell("p0", heartbeat("p0", seq=1))
     nodes.tell("p0", heartbeat("p0", seq=2))
-    await until(lambda: True, "a turn")
+    await turns()
     assert nodes.to("p0", SyncPrefixes) == []
     nodes.tell("p0", heartbeat("p0", seq=5))
     await until(lambda: nodes.to("p0", SyncPrefixes), "the snapshot asked for")
@@ -96,7 +110,7 @@ async def test_an_unknown_node_heartbeating_is_asked_to_register_again(
     nodes.tell("d9", heartbeat("d9"))
     await until(lambda: nodes.to("d9", Reregister), "the reregister")
     nodes.tell("d9", Tokens("r", (1,)))  # not a heartbeat: nothing asked
-    await until(lambda: True, "a turn")
+    await turns()
     assert len(nodes.sent) == 1 and "d9" not in backend.nodes
 
 
@@ -106,8 +120,7 @@ async def test_a_node_being_probed_is_not_asked_to_register_again(
 ) -> None:
     backend.registrar._probing.add("d9")
     nodes.tell("d9", heartbeat("d9"))
-    for _ in range(20):
-        await until(lambda: True, "a turn")
+    await turns()
     assert nodes.sent == []
 
 
@@ -260,16 +273,20 @@ async def test_a_stream_ended_with_an_abort_frees_its_nodes(
     assert [m.reason for m in nodes.to("d0", Abort)] == ["client", "stream ended"]
 
 
-@scenario("p0", "d0")
-async def test_no_token_within_the_token_timeout_ends_the_request(
-    backend: ClusterBackend, nodes: FakeNodes, _: FakeClock
-) -> None:
-    backend.token_timeout = 0.01  # nothing will ever come: the wait's end is the test
-    client = await nodes.start()
-    last = await client.done()
-    assert last.finish_reason == "error" and last.failure is Failure.TIMEOUT
-    assert last.error == "timed out waiting for tokens"
-    assert sorted(nodes.where(Abort, "r")) == ["d0", "d0", "p0", "p0"]
+def test_no_token_within_the_token_timeout_ends_the_request() -> None:
+    async def main() -> None:
+        # Nothing will ever come: the wait's end is the test, not its length.
+        backend = ClusterBackend(control_port=0, token_timeout=0.01, clock=FakeClock())
+        nodes = FakeNodes(backend)
+        nodes.register("p0", "prefill")
+        nodes.register("d0", "decode")
+        request = GenerateRequest("r", PROMPT, SamplingParams(max_tokens=8))
+        events = [e async for e in backend.generate(request)]
+        assert events == [Error("r", "timed out waiting for tokens", Failure.TIMEOUT)]
+        assert sorted(nodes.where(Abort, "r")) == ["d0", "d0", "p0", "p0"]
+        await backend.close()
+
+    asyncio.run(main())
 
 
 @scenario("p0", "d0")
@@ -298,3 +315,148 @@ async def test_a_prompt_only_request_is_prefilled_and_answered_there(
     await until(first.done, "the answer")
     assert first.result().finish_reason == "length"
     await events.aclose()
+
+
+def test_the_limits_a_router_runs_with_by_default() -> None:
+    backend = ClusterBackend(control_port=0, max_model_len=100, clock=FakeClock())
+    FakeNodes(backend).register("p0", "prefill")  # its 4096 is above the router's own
+    assert backend.max_model_len == 100
+    assert (backend.token_timeout, backend.control.reply_timeout) == (120.0, 10.0)
+    assert (backend.routing.reserve_wait, backend.routing.max_failovers) == (10.0, 3)
+    assert (backend.registrar.probe_timeout, backend.lease_interval) == (3.0, 1.0)
+
+
+@scenario("p0", "d0")
+async def test_a_heartbeat_drops_the_expected_prefixes_that_expired(
+    backend: ClusterBackend, nodes: FakeNodes, clock: FakeClock
+) -> None:
+    node = backend.nodes["p0"]
+    node.expect_cached([b"old"], clock(), ttl=1.0)
+    node.expect_cached([b"new"], clock(), ttl=10.0)
+    clock.advance(2)
+    nodes.tell("p0", heartbeat("p0"))
+    assert node.recent_prefixes == {b"new": 1010.0}
+
+
+@scenario("p0", "d0", max_failovers=0)
+async def test_a_failover_note_names_the_node_and_its_message(
+    backend: ClusterBackend, nodes: FakeNodes, _: FakeClock
+) -> None:
+    client = await nodes.start()
+    nodes.tell("p0", Error("r", "queue full", Failure.BUSY))
+    last = await client.done()
+    assert last.error == "gave up after 0 failovers: p0: queue full"
+
+
+@scenario("p0", "d0")
+async def test_the_events_of_a_request_carry_its_id(
+    backend: ClusterBackend, nodes: FakeNodes, _: FakeClock
+) -> None:
+    events = backend.generate(GenerateRequest("r", PROMPT, SamplingParams(max_tokens=8)))
+    first = asyncio.create_task(events.__anext__())
+    await nodes.prefilling("r")
+    nodes.tell("p0", Tokens("r", (10,)))
+    await until(first.done, "the first token")
+    assert first.result() == Tokens("r", (10,))
+    await backend.abort("r")
+    assert await events.__anext__() == Tokens("r", (), finish_reason="abort")
+    await events.aclose()
+
+
+@scenario("p0", "d0")
+async def test_a_node_ending_a_request_with_an_error_finish_is_freed(
+    backend: ClusterBackend, nodes: FakeNodes, _: FakeClock
+) -> None:
+    client = await nodes.start()
+    nodes.tell("p0", Tokens("r", (10,)))
+    nodes.tell("d0", Tokens("r", (), finish_reason="error"))
+    await client.done()
+    assert sorted(nodes.where(Abort, "r")) == ["d0", "p0"]
+    assert [m.reason for m in nodes.to("d0", Abort)] == ["stream ended"]
+
+
+@scenario("p0", "d0")
+async def test_a_prompt_scored_on_a_prefill_node_leaves_no_conversation_expected(
+    backend: ClusterBackend, nodes: FakeNodes, clock: FakeClock
+) -> None:
+    request = GenerateRequest("s", PROMPT, SamplingParams(max_tokens=0, prompt_logprobs=1))
+    events = backend.generate(request)
+    first = asyncio.create_task(events.__anext__())
+    await until(lambda: nodes.to("p0", Prefill), "the prefill")
+    routed = dict(backend.nodes["p0"].recent_prefixes)
+    clock.advance(1)
+    nodes.tell("p0", Tokens("s", (), finish_reason="length"))
+    await until(first.done, "the answer")
+    await events.aclose()
+    assert backend.nodes["p0"].recent_prefixes == routed
+
+
+@scenario("p0", "d0")
+async def test_the_last_token_of_a_finished_request_is_not_expected_cached(
+    backend: ClusterBackend, nodes: FakeNodes, clock: FakeClock
+) -> None:
+    client = await nodes.start()
+    clock.advance(1)
+    nodes.answer("r", "p0", "d0", 10, 11, 12)  # 12 tokens: the last block is not complete
+    assert await client.seen() == ("<10><11><12>", "length")
+    tokens = [*PROMPT, 10, 11, 12]
+    expected = BlockHashes(tokens).of(BS, len(tokens) - 1)
+    assert len(expected) == 2
+    third = BlockHashes(tokens).of(BS)[2]
+    assert third not in backend.nodes["d0"].recent_prefixes
+    assert all(backend.nodes["d0"].recent_prefixes[h] == clock() + 5.0 for h in expected)
+
+
+@scenario("p0")
+async def test_a_colocated_node_expects_the_conversation_it_answered(
+    backend: ClusterBackend, nodes: FakeNodes, clock: FakeClock
+) -> None:
+    backend.registry.add("b0", nodes.registration("b0", "both"), clock())
+    client = Client(backend)
+    await until(lambda: nodes.to("b0", Prefill), "the prefill")
+    clock.advance(1)
+    nodes.tell("b0", Tokens("r", (10, 11, 12, 13), finish_reason="length"))
+    assert await client.seen() == ("<10><11><12><13>", "length")
+    tokens = [*PROMPT, 10, 11, 12, 13]
+    expected = BlockHashes(tokens).of(BS, len(tokens) - 1)
+    assert all(backend.nodes["b0"].recent_prefixes[h] == clock() + 5.0 for h in expected)
+
+
+def test_a_started_backend_serves_its_control_socket_and_renews_leases(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    async def main() -> None:
+        port = free_port()
+        backend = ClusterBackend(control_port=port, lease_interval=0.01, clock=FakeClock())
+        await backend.start()
+        ctx = zmq.asyncio.Context()
+        sock = ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.IDENTITY, b"p0")
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(f"tcp://127.0.0.1:{port}")
+        try:
+            await sock.send(encode(FakeNodes.registration("p0", "prefill")))
+            got = [decode(await asyncio.wait_for(sock.recv(), 10.0)) for _ in range(2)]
+            assert got[0] == Registered() and isinstance(got[1], Lease)  # the watch loop runs
+            backend.registry.add("x9", FakeNodes.registration("x9", "prefill"), 1000.0)
+            await backend.control.send("x9", Lease(()))  # no such peer: taken for dead
+            assert backend.nodes["x9"].last_seen == -math.inf
+            failed = asyncio.Event()
+
+            async def broken() -> None:
+                failed.set()
+                raise RuntimeError("a bad round")
+
+            backend.watch = broken  # type: ignore[method-assign]
+            await asyncio.wait_for(failed.wait(), 10.0)
+            await asyncio.wait_for(failed.wait(), 10.0)
+            failed.clear()
+            await asyncio.wait_for(failed.wait(), 10.0)  # the loop goes on after a bad round
+        finally:
+            sock.close()
+            ctx.term()
+            await backend.close()
+
+    with caplog.at_level(logging.ERROR, logger="pdserve.router.cluster.backend"):
+        asyncio.run(main())
+    assert "lease/health round failed" in [r.getMessage() for r in caplog.records]
