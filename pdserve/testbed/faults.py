@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import random
+import re
 import threading
 import time
 from collections.abc import Callable
@@ -173,13 +174,17 @@ def run_scenario(
     return run
 
 
-def router_failovers(url: str) -> int:
-    """The router at `url`'s count of requests it moved to another node (its /metrics)."""
+def router_metrics(url: str) -> dict[str, float]:
+    """The backend gauges of the router at `url` (its /metrics), without the prefix:
+    `failovers`, `prefix_blocks_prefill`, ..."""
     resp = httpx.get(url + "/metrics", timeout=10)
-    for line in resp.text.splitlines():
-        if line.startswith("pdserve_backend_failovers"):
-            return int(float(line.split()[-1]))
-    return 0
+    found = re.findall(r"^pdserve_backend_(\w+) ([0-9.e+-]+)$", resp.text, re.M)
+    return {k: float(v) for k, v in found}
+
+
+def router_failovers(url: str) -> int:
+    """The router at `url`'s count of requests it moved to another node."""
+    return int(router_metrics(url).get("failovers", 0))
 
 
 def wait_clean(cluster: LocalCluster, timeout: float = 30.0) -> dict:

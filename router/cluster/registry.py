@@ -249,9 +249,11 @@ class NodeRegistry:
         return any(kv_mismatch(p, d) is None for d in self.routable(("decode",)) for p in prefills)
 
     def stats(self) -> dict[str, float]:
-        """Live nodes of each role."""
+        """Live nodes of each role, and the prefix-cache blocks live prefill nodes reported
+        holding (what prefix-aware placement reads)."""
         return {
             "nodes_prefill": len(self.alive(("prefill",))),
             "nodes_decode": len(self.alive(("decode",))),
             "nodes_colocated": len(self.alive(("both",))),
+            "prefix_blocks_prefill": sum(len(n.prefixes) for n in self.alive(("prefill",))),
         }

@@ -9,14 +9,15 @@ from __future__ import annotations
 
 import contextlib
 import random
-import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
+from pdserve.bench.systems import wait_until
 from pdserve.common.engine.llm import LLM, SamplingParams
 from pdserve.local_cluster import LocalCluster
 from pdserve.testbed.cluster import HostCluster
+from pdserve.testbed.faults import router_metrics
 from pdserve.testbed.hosts import Hosts, skip_reason
 from pdserve.tiny_model import make_tiny_model
 from tests.devices import ON_CUDA, engine_flags, engine_kwargs
@@ -256,7 +257,9 @@ def test_prefix_aware_routing_sends_a_prompt_to_the_node_holding_its_prefix(mode
     args = ["--policy", policy]
     with LocalCluster(model_dir, 2, 1, engine_args=ENGINE, router_args=args) as c:
         run_concurrently(c, [p + [1, 2, 3] for p in prefixes])
-        time.sleep(1.5)  # a few heartbeats: the nodes report what they cached
+        full_blocks = 4 * (203 // 16)  # the nodes' heartbeats report what they cached
+        reported = lambda: router_metrics(c.url)["prefix_blocks_prefill"] >= full_blocks  # noqa: E731
+        wait_until(reported, c.procs, 30.0, "the prefill nodes' prefix reports")
         cached = [
             complete(c.url, p + [4, 5])["usage"]["prompt_tokens_details"]["cached_tokens"]
             for p in prefixes

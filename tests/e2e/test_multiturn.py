@@ -7,15 +7,14 @@ the rest itself) and still equal the colocated engine token for token.
 from __future__ import annotations
 
 import random
-import re
 import time
-import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
 from pdserve.common.engine.llm import LLM, SamplingParams
 from pdserve.local_cluster import LocalCluster
+from pdserve.testbed.faults import router_metrics
 from pdserve.tiny_model import make_tiny_model
 from tests.e2e.test_disaggregated import assert_clean, complete
 
@@ -56,13 +55,6 @@ def conversations(model_dir) -> list[list[tuple[list[int], list[int]]]]:
     return out
 
 
-def metrics(cluster: LocalCluster) -> dict[str, float]:
-    with urllib.request.urlopen(cluster.url + "/metrics", timeout=10) as resp:
-        text = resp.read().decode()
-    found = re.findall(r"^pdserve_backend_(\w+) ([0-9.e+-]+)$", text, re.M)
-    return {k: float(v) for k, v in found}
-
-
 def run_turns(cluster: LocalCluster, conversations, turns: range) -> None:
     """Turn by turn, the conversations of a turn at once; each answer equals the engine's."""
     with ThreadPoolExecutor(len(conversations)) as pool:
@@ -94,7 +86,7 @@ def test_1p1d_turns_reuse_the_decode_nodes_kv(model_dir, conversations, placemen
     prefills = 1 if placement == "remote" else 0
     with LocalCluster(model_dir, prefills, 1, engine_args=ENGINE, router_args=router) as c:
         run_turns(c, conversations, range(TURNS))
-        m = metrics(c)
+        m = router_metrics(c.url)
         n = len(conversations) * TURNS
         if placement == "remote":
             assert (m["prefills_remote"], m["prefills_local"]) == (n, 0)
@@ -114,12 +106,12 @@ def test_2p2d_conditional_and_a_decode_node_lost_between_turns(model_dir, conver
     router = ["--prefill-placement", "auto", "--heartbeat-timeout", "2"]
     with LocalCluster(model_dir, 2, 2, engine_args=ENGINE, router_args=router) as c:
         run_turns(c, conversations, range(1))
-        m = metrics(c)
+        m = router_metrics(c.url)
         # Each prefill node takes a first turn; a third, arriving at once, may find both
         # prefill nodes' queues dearer than prefilling on an idle decode node.
         assert m["prefills_remote"] >= 2 and m["prefills_local"] <= len(conversations) - 2
         run_turns(c, conversations, range(1, 2))
-        m = metrics(c)
+        m = router_metrics(c.url)
         assert m["prefills_local"] + m["kv_tokens_reused_on_decode"] > 0  # D-side hits
         c.procs["decode0"].kill()
         c.procs["decode0"].wait(10)
