@@ -7,7 +7,10 @@ be renewed. Over test_failover's fake nodes and fake clock (no subprocess, no so
 from __future__ import annotations
 
 import asyncio
+import logging
 import math
+
+import pytest
 
 from pdserve.common.engine.sampling_params import SamplingParams
 from pdserve.common.wire.messages import (
@@ -32,6 +35,7 @@ from tests.router.test_failover import (
     Client,
     FakeClock,
     FakeNodes,
+    cluster,
     scenario,
     until,
 )
@@ -233,3 +237,318 @@ async def test_a_reservation_that_cannot_be_renewed_starts_over(
     nodes.answer("r~1", other, "d0", 10, 11)
     assert await client.seen() == ("<10><11>", "length")
     assert backend.stats()["failovers"] == 1
+
+
+# -- whole events, every field -----------------------------------------------------------------
+
+
+async def events_of(backend: ClusterBackend, request: GenerateRequest) -> list[object]:
+    return [e async for e in backend.generate(request)]
+
+
+def plain(rid: str = "r", **sampling: object) -> GenerateRequest:
+    return GenerateRequest(rid, PROMPT, SamplingParams(max_tokens=8, **sampling))  # type: ignore[arg-type]
+
+
+@scenario("p0")
+async def test_no_route_is_an_error_under_the_requests_id(
+    backend: ClusterBackend, nodes: FakeNodes, _: FakeClock
+) -> None:
+    why = "no prefill/decode route is available"
+    assert await events_of(backend, plain()) == [Error("r", why, Failure.UNAVAILABLE)]
+
+
+@scenario("p0", "d0")
+async def test_no_room_is_an_error_under_the_requests_id(
+    backend: ClusterBackend, nodes: FakeNodes, _: FakeClock
+) -> None:
+    backend.routing.reserve_wait = 0.0
+    nodes.silent = {"d0"}
+    task = asyncio.create_task(events_of(backend, plain()))
+    await until(lambda: nodes.where(ReserveKV, "r"), "the reservation asked")
+    (ask,) = nodes.to("d0", ReserveKV)
+    assert (ask.prompt_token_ids, ask.sampling, ask.output_token_ids) == (
+        PROMPT,
+        plain().sampling,
+        (),
+    )
+    nodes.tell("d0", Busy("r", "full"))
+    await until(task.done, "the answer")
+    why = "no decode node has room for this request"
+    assert task.result() == [Error("r", why, Failure.UNAVAILABLE)]
+
+
+@scenario("p0", "d0")
+async def test_no_prefill_node_left_is_an_error_under_the_requests_id(
+    backend: ClusterBackend, nodes: FakeNodes, _: FakeClock
+) -> None:
+    nodes.silent = {"d0"}
+    task = asyncio.create_task(events_of(backend, plain()))
+    await until(lambda: nodes.where(ReserveKV, "r"), "the reservation asked")
+    backend.nodes["p0"].last_seen = -math.inf
+    nodes.tell("d0", Reserved("r", "x", (1,), "ipc:///kv/d0"))
+    await until(task.done, "the answer")
+    assert task.result() == [Error("r", "no prefill node available", Failure.UNAVAILABLE)]
+
+
+@scenario("p0", "d0", max_failovers=0)
+async def test_giving_up_is_an_error_under_the_attempts_id(
+    backend: ClusterBackend, nodes: FakeNodes, _: FakeClock
+) -> None:
+    task = asyncio.create_task(events_of(backend, plain()))
+    await nodes.prefilling("r")
+    nodes.tell("p0", Error("r", "queue full", Failure.BUSY))
+    await until(task.done, "the answer")
+    why = "gave up after 0 failovers: p0: queue full"
+    assert task.result() == [Error("r", why, Failure.UNAVAILABLE)]
+    assert nodes.to("p0", Abort)[0] == Abort("r", "p0: queue full")
+
+
+@scenario("p0", "p1")
+async def test_a_scored_prompt_is_sent_whole_and_retried_elsewhere(
+    backend: ClusterBackend, nodes: FakeNodes, _: FakeClock
+) -> None:
+    backend.nodes["p1"].free_blocks = 1  # p0 first
+    request = GenerateRequest("s", PROMPT, SamplingParams(max_tokens=0, prompt_logprobs=1))
+    task = asyncio.create_task(events_of(backend, request))
+    await until(lambda: nodes.to("p0", Prefill), "the prefill on p0")
+    assert nodes.to("p0", Prefill) == [Prefill("s", PROMPT, request.sampling)]
+    nodes.tell("p0", Error("s", "queue full", Failure.BUSY))
+    await until(lambda: nodes.to("p1", Prefill), "the retry on p1")
+    assert nodes.to("p1", Prefill) == [Prefill("s~1", PROMPT, request.sampling)]
+    nodes.tell("p1", Tokens("s~1", (), finish_reason="length"))
+    await until(task.done, "the answer")
+    assert [m.reason for m in nodes.to("p0", Abort)] == ["p0: queue full"]
+
+
+@scenario("p0", "d0", "d1")
+async def test_a_resumed_request_tells_its_new_prefill_node_what_was_streamed(
+    backend: ClusterBackend, nodes: FakeNodes, _: FakeClock
+) -> None:
+    client = await nodes.start()
+    nodes.streamed()
+    nodes.tell("d0", Error("r", "shutting down", Failure.DRAINING))
+    await nodes.prefilling("r~1")
+    first, again = nodes.to("p0", Prefill)
+    assert (again.prompt_token_ids, again.sampling) == (PROMPT, first.sampling)
+    assert again.output_token_ids == (10, 11) and first.output_token_ids == ()
+    assert Abort("r", "resuming") not in nodes.to("d0", Abort)  # d0 left with the failover
+    nodes.answer("r~1", "p0", "d1", 12, 13)
+    assert await client.seen() == ("<10><11><12><13>", "length")
+
+
+@scenario("p0")
+async def test_a_colocated_node_refusing_is_not_asked_again(
+    backend: ClusterBackend, nodes: FakeNodes, _: FakeClock
+) -> None:
+    add(nodes, "b0", "both")
+    add(nodes, "b1", "both").free_blocks = 1  # b0 first
+    client = Client(backend)
+    await until(lambda: nodes.to("b0", Prefill), "the prefill on b0")
+    nodes.tell("b0", Tokens("r", (10,)))
+    nodes.tell("b0", Error("r", "shutting down", Failure.DRAINING))
+    await until(lambda: nodes.to("b1", Prefill), "the retry on b1")
+    assert nodes.to("b1", Prefill)[0].output_token_ids == (10,)
+    nodes.tell("b1", Tokens("r~1", (11,), finish_reason="length"))
+    assert await client.seen() == ("<10><11>", "length")
+
+
+def test_a_local_decode_node_refusing_is_not_asked_again() -> None:
+    async def main() -> None:
+        backend = ClusterBackend(
+            control_port=0, placement=PlacementConfig("local"), clock=FakeClock()
+        )
+        nodes = FakeNodes(backend)
+        nodes.register("d0", "decode")
+        nodes.register("d1", "decode")
+        backend.nodes["d1"].free_blocks = 1  # d0 first
+        client = Client(backend)
+        await until(lambda: nodes.to("d0", Prefill), "the prefill on d0")
+        nodes.tell("d0", Error("r", "shutting down", Failure.DRAINING))
+        await until(lambda: nodes.to("d1", Prefill), "the retry on d1")
+        nodes.tell("d1", Tokens("r~1", (10, 11), finish_reason="length"))
+        assert await client.seen() == ("<10><11>", "length")
+        await backend.close()
+
+    asyncio.run(main())
+
+
+@scenario("p0", "p1", "d0", "d1")
+async def test_a_lost_prefill_node_leaves_only_the_decode_nodes_others_can_fill(
+    backend: ClusterBackend, nodes: FakeNodes, _: FakeClock
+) -> None:
+    for node_id in ("p1", "d1"):  # another connector: p1 fills d1 only; both last in load
+        backend.nodes[node_id].kv_connector = "nccl"
+        backend.nodes[node_id].free_blocks = 1
+    client = await nodes.start()
+    assert nodes.where(Prefill, "r") == ["p0"] and nodes.where(ReserveKV, "r") == ["d0"]
+    nodes.tell("p0", Tokens("r", (10,)))
+    nodes.tell("p0", Error("r", "queue full", Failure.BUSY))  # after the first: resume
+    await nodes.prefilling("r~1")
+    assert nodes.where(ReserveKV, "r~1") == ["d1"] and nodes.where(Prefill, "r~1") == ["p1"]
+    nodes.answer("r~1", "p1", "d1", 11, 12)
+    assert await client.seen() == ("<10><11><12>", "length")
+
+
+@scenario("p0", "p1", "d0")
+async def test_the_prefill_node_picked_can_fill_the_reserved_decode_node(
+    backend: ClusterBackend, nodes: FakeNodes, _: FakeClock
+) -> None:
+    backend.nodes["p1"].kv_connector = "nccl"  # cannot fill d0, though the least loaded
+    backend.nodes["p0"].free_blocks = 1
+    client = await nodes.start()
+    assert nodes.where(Prefill, "r") == ["p0"]
+    nodes.answer("r", "p0", "d0", 10, 11)
+    assert await client.seen() == ("<10><11>", "length")
+
+
+@scenario("p0", "d0")
+async def test_routing_counts_add_up_over_requests(
+    backend: ClusterBackend, nodes: FakeNodes, _: FakeClock
+) -> None:
+    for rid in ("a", "b"):
+        client = Client(backend, rid)
+        await nodes.prefilling(rid)
+        nodes.answer(rid, "p0", "d0", 10, 11)
+        assert await client.seen() == ("<10><11>", "length")
+    stats = backend.stats()
+    assert (stats["prefills_remote"], stats["kv_tokens_sent"]) == (2, 2 * len(PROMPT))
+    nodes.silent = {"d0"}
+    client = Client(backend, "c")
+    await until(lambda: nodes.where(ReserveKV, "c"), "the reservation asked")
+    nodes.tell("d0", Reserved("c", "x", (1,), "ipc:///kv/d0", cached_tokens=BS))
+    nodes.tell("d0", Reserved("c", "x", (1,), "ipc:///kv/d0", cached_tokens=BS))  # late: none
+    await nodes.prefilling("c")
+    nodes.answer("c", "p0", "d0", 10, 11)
+    await client.seen()
+    stats = backend.stats()
+    assert (stats["kv_tokens_reused_on_decode"], stats["kv_tokens_sent"]) == (
+        BS,
+        3 * len(PROMPT) - BS,
+    )
+
+
+def test_local_prefills_are_counted_over_requests() -> None:
+    async def main() -> None:
+        backend = ClusterBackend(
+            control_port=0, placement=PlacementConfig("local"), clock=FakeClock()
+        )
+        nodes = FakeNodes(backend)
+        nodes.register("d0", "decode")
+        for rid in ("a", "b"):
+            client = Client(backend, rid)
+            await until(lambda rid=rid: nodes.where(Prefill, rid), "the prefill")
+            nodes.tell("d0", Tokens(rid, (10,), finish_reason="length"))
+            await client.seen()
+        assert backend.stats()["prefills_local"] == 2
+        await backend.close()
+
+    asyncio.run(main())
+
+
+@scenario("p0", "d0", "d1")
+async def test_a_decode_node_holding_exactly_half_comes_first(
+    backend: ClusterBackend, nodes: FakeNodes, clock: FakeClock
+) -> None:
+    prompt = tuple(range(1, 9))  # 8 tokens: 2 blocks
+    backend.nodes["d1"].free_blocks = 1  # least_loaded alone picks d0
+    backend.nodes["d1"].expect_cached(BlockHashes(list(prompt)).of(BS)[:1], clock(), ttl=100)
+    task = asyncio.create_task(
+        events_of(backend, GenerateRequest("h", prompt, SamplingParams(max_tokens=2)))
+    )
+    await nodes.prefilling("h")
+    assert nodes.where(ReserveKV, "h") == ["d1"]
+    nodes.answer("h", "p0", "d1", 10, 11)
+    await until(task.done, "the answer")
+
+
+def test_every_policy_routes_remote_local_colocated_and_scored_requests() -> None:
+    async def main() -> None:
+        clock = FakeClock()
+        backend = ClusterBackend(control_port=0, policy="prefix_aware", clock=clock)
+        nodes = FakeNodes(backend)
+        for node_id, role in (("p0", "prefill"), ("d0", "decode"), ("b0", "both")):
+            nodes.register(node_id, role)
+        client = Client(backend, "a")
+        await nodes.prefilling("a")
+        nodes.answer("a", "p0", "d0", 10, 11)
+        assert await client.seen() == ("<10><11>", "length")
+        scored = GenerateRequest("s", PROMPT, SamplingParams(max_tokens=0, prompt_logprobs=1))
+        task = asyncio.create_task(events_of(backend, scored))
+        await until(lambda: nodes.where(Prefill, "s"), "the scoring prefill")
+        (node,) = nodes.where(Prefill, "s")
+        nodes.tell(node, Tokens("s", (), finish_reason="length"))
+        await until(task.done, "the score")
+        await backend.close()
+
+    asyncio.run(main())
+
+
+def test_a_second_round_of_reservations_follows_the_policy_again() -> None:
+    async def main() -> None:
+        backend = ClusterBackend(
+            control_port=0,
+            policy="prefix_aware",
+            placement=PlacementConfig("remote"),
+            clock=FakeClock(),
+        )
+        nodes = FakeNodes(backend)
+        nodes.register("p0", "prefill")
+        nodes.register("d0", "decode")
+        nodes.silent = {"d0"}
+        client = Client(backend)
+        await until(lambda: nodes.where(ReserveKV, "r"), "the first ask")
+        nodes.tell("d0", Busy("r", "full"))
+        # The next round comes after the routing's pause (real time): polled for, generously.
+        for _ in range(1000):
+            if len(nodes.where(ReserveKV, "r")) == 2:
+                break
+            await asyncio.sleep(0.01)
+        assert nodes.where(ReserveKV, "r") == ["d0", "d0"]
+        nodes.tell("d0", Reserved("r", "x", (1,), "ipc:///kv/d0"))
+        await nodes.prefilling("r")
+        nodes.answer("r", "p0", "d0", 10, 11)
+        assert await client.seen() == ("<10><11>", "length")
+        await backend.close()
+
+    asyncio.run(main())
+
+
+def test_auto_placement_reads_the_routers_clock() -> None:
+    async def main() -> None:
+        clock = FakeClock()
+        backend = ClusterBackend(
+            control_port=0, placement=PlacementConfig("auto", threshold=1), clock=clock
+        )
+        nodes = FakeNodes(backend)
+        nodes.register("p0", "prefill")
+        nodes.register("d0", "decode")
+        # d0 is about to hold the prompt's 2 full blocks, by the router's (fake) clock: only 1
+        # token is missing there, within the threshold.
+        backend.nodes["d0"].expect_cached(BlockHashes(list(PROMPT)).of(BS), clock(), ttl=100)
+        client = Client(backend)
+        await until(lambda: nodes.where(Prefill, "r"), "the prefill")
+        assert nodes.where(Prefill, "r") == ["d0"] and nodes.where(ReserveKV, "r") == []
+        nodes.tell("d0", Tokens("r", (10, 11), finish_reason="length"))
+        assert await client.seen() == ("<10><11>", "length")
+        await backend.close()
+
+    asyncio.run(main())
+
+
+def test_a_failover_is_logged_with_its_reason_and_kind(caplog: pytest.LogCaptureFixture) -> None:
+    async def main() -> None:
+        async with cluster("p0", "p1", "d0") as (backend, nodes, _):
+            client = await nodes.start()
+            (first,) = nodes.where(Prefill, "r")
+            nodes.tell(first, Error("r", "queue full", Failure.BUSY))
+            other = ({"p0", "p1"} - {first}).pop()
+            await until(lambda: nodes.where(Prefill, "r")[1:], "the retry")
+            nodes.answer("r", other, "d0", 10, 11)
+            await client.seen()
+
+    with caplog.at_level(logging.WARNING, logger="pdserve.router.cluster.routing"):
+        asyncio.run(main())
+    logged = [r.getMessage() for r in caplog.records if r.name == "pdserve.router.cluster.routing"]
+    assert len(logged) == 1 and logged[0].startswith("request r: p")
+    assert logged[0].endswith(": queue full; failing over (prefill)")
