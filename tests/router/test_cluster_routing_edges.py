@@ -229,7 +229,7 @@ async def test_a_reservation_that_cannot_be_renewed_starts_over(
     await until(lambda: nodes.where(RenewTransfer, "r"), "the renewal asked")
     nodes.tell("d0", Error("r", "not held", Failure.NO_RESERVATION))
     await until(lambda: nodes.where(ReserveKV, "r~1"), "the new reservation")
-    assert [m.reason for m in nodes.to("d0", Abort)] == ["resuming"]
+    assert nodes.to("d0", Abort) == [Abort("r", "resuming")]
     other = ({"p0", "p1"} - {first}).pop()
     nodes.tell("d0", Reserved("r~1", "y", (1,), "ipc:///kv/d0"))
     await nodes.prefilling("r~1")
@@ -332,6 +332,7 @@ async def test_a_resumed_request_tells_its_new_prefill_node_what_was_streamed(
     first, again = nodes.to("p0", Prefill)
     assert (again.prompt_token_ids, again.sampling) == (PROMPT, first.sampling)
     assert again.output_token_ids == (10, 11) and first.output_token_ids == ()
+    assert first.sampling == SamplingParams(max_tokens=8)
     assert Abort("r", "resuming") not in nodes.to("d0", Abort)  # d0 left with the failover
     nodes.answer("r~1", "p0", "d1", 12, 13)
     assert await client.seen() == ("<10><11><12><13>", "length")
@@ -421,10 +422,16 @@ async def test_routing_counts_add_up_over_requests(
     await nodes.prefilling("c")
     nodes.answer("c", "p0", "d0", 10, 11)
     await client.seen()
+    client = Client(backend, "e")
+    await until(lambda: nodes.where(ReserveKV, "e"), "the reservation asked")
+    nodes.tell("d0", Reserved("e", "x", (1,), "ipc:///kv/d0", cached_tokens=2 * BS))
+    await nodes.prefilling("e")
+    nodes.answer("e", "p0", "d0", 10, 11)
+    await client.seen()
     stats = backend.stats()
     assert (stats["kv_tokens_reused_on_decode"], stats["kv_tokens_sent"]) == (
-        BS,
-        3 * len(PROMPT) - BS,
+        3 * BS,
+        4 * len(PROMPT) - 3 * BS,
     )
 
 
@@ -552,3 +559,16 @@ def test_a_failover_is_logged_with_its_reason_and_kind(caplog: pytest.LogCapture
     logged = [r.getMessage() for r in caplog.records if r.name == "pdserve.router.cluster.routing"]
     assert len(logged) == 1 and logged[0].startswith("request r: p")
     assert logged[0].endswith(": queue full; failing over (prefill)")
+
+
+@scenario()
+async def test_a_scored_prompt_may_run_on_a_colocated_node(
+    backend: ClusterBackend, nodes: FakeNodes, _: FakeClock
+) -> None:
+    add(nodes, "b0", "both")
+    request = GenerateRequest("s", PROMPT, SamplingParams(max_tokens=0, prompt_logprobs=1))
+    task = asyncio.create_task(events_of(backend, request))
+    await until(lambda: nodes.to("b0", Prefill), "the prefill on b0")
+    nodes.tell("b0", Tokens("s", (), finish_reason="length"))
+    await until(task.done, "the answer")
+    assert task.result() == [Tokens("s", (), finish_reason="length")]
