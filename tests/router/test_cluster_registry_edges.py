@@ -120,3 +120,11 @@ def test_shm_across_hosts_is_refused_in_so_many_words() -> None:
     p0, d0 = reg.nodes["p0"], reg.nodes["d0"]
     assert isinstance(p0, NodeInfo)
     assert kv_mismatch(p0, d0) == "shm needs both on one host, and they run on different hosts"
+
+
+def test_a_prefill_node_that_pairs_with_any_decode_node_is_pairable() -> None:
+    reg = registry("p0")
+    odd = replace(FakeNodes.registration("d1", "decode"), kv_connector="nccl")
+    reg.add("d1", odd, 1000.0)  # the first decode node cannot take p0's KV
+    reg.add("d0", FakeNodes.registration("d0", "decode"), 1000.0)
+    assert reg.unpairable("p0") is None
