@@ -1,10 +1,5 @@
-"""`pdserve bench router`: how much one router can proxy, and what a second one adds.
-
-Fake nodes (`pdserve.testbed.fake_nodes`) answer at once, so only the routers limit the rig;
-client processes keep N streams in flight for a window. The client parses HTTP/1.1 bytes in an
-asyncio Protocol (`SSEConnection`) with no coroutine step per chunk: with httpx the client, not
-the router, would set the ceiling. Each SSE event still goes through `load.take_event`.
-"""
+"""`pdserve bench router`: how much one router can proxy, and what a second one adds, with
+fake nodes that answer at once (`pdserve.testbed.fake_nodes`) behind the routers."""
 
 from __future__ import annotations
 
@@ -26,14 +21,7 @@ from dataclasses import asdict, astuple, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from pdserve.bench.load import (
-    RequestResult,
-    closed_loop,
-    finish,
-    http_error,
-    percentile,
-    take_event,
-)
+from pdserve.bench.load import RequestResult, closed_loop, make_client, percentile, stream_one
 from pdserve.bench.report import (
     CACHE_DIR_FLAG,
     add_flags,
@@ -58,7 +46,7 @@ MODEL_SPEC: dict[str, Any] = {}  # make_tiny_model's defaults: only its tokenize
 PINS = ("split", "shared")
 ROUTERS = (1, 2)
 REQUEST_TIMEOUT_S = 30.0
-CHILD_START_S = 0.5  # the client processes start (~0.3 s) before their warm-up counts
+CHILD_START_S = 1.0  # the client processes start (~0.6 s with httpx) before the warm-up
 DRAIN_TIMEOUT_S = 60.0
 QUIET_CORES = 0.25  # busy CPU of a host taken as idle (our idle routers use ~0.01)
 PROMPTS = (
@@ -86,170 +74,18 @@ QUICK = Sizes((4, 16), 16, 0.5, 2.0, ("split",), 1)
 # -- the load (client child processes) ------------------------------------------------------------
 
 
-class SSEConnection(asyncio.Protocol):
-    """One kept-alive HTTP/1.1 connection; a response (chunked SSE, or a body of known length)
-    is parsed as its bytes arrive, in data_received, each SSE event by `take_event`."""
-
-    def __init__(self) -> None:
-        self.transport: asyncio.Transport | None = None
-        self.closed = False
-        self.keep_alive = True
-        self._buf = bytearray()
-        self._sse = b""
-        self._body = b""
-        self._res = RequestResult()
-        self._waiter: asyncio.Future[RequestResult] | None = None
-        self._state = "idle"
-        self._need = 0
-
-    def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self.transport = transport  # type: ignore[assignment]
-
-    def connection_lost(self, exc: Exception | None) -> None:
-        self.closed = True
-        if self._waiter is not None and not self._waiter.done():
-            self._waiter.set_exception(ConnectionError(f"connection lost: {exc!r}"))
-
-    def request(self, data: bytes) -> asyncio.Future[RequestResult]:
-        assert self.transport is not None and self._state == "idle"
-        self._waiter = asyncio.get_running_loop().create_future()
-        self._res, self._sse, self._body = RequestResult(start=time.perf_counter()), b"", b""
-        self._state = "head"
-        self.transport.write(data)
-        return self._waiter
-
-    def close(self) -> None:
-        if self.transport is not None:
-            self.transport.close()
-
-    def data_received(self, data: bytes) -> None:
-        self._buf += data
-        try:
-            while self._step():
-                pass
-        except (ValueError, KeyError, TypeError) as exc:  # garbage: fail the request
-            self._state = "idle"
-            if self._waiter is not None and not self._waiter.done():
-                self._waiter.set_exception(ValueError(f"bad response: {exc!r}"))
-            self.close()
-
-    def _step(self) -> bool:
-        """Parse what the buffer holds of the current state; False when it needs more bytes."""
-        buf, state = self._buf, self._state
-        if state == "head":
-            return self._head()
-        if state in ("size", "trailer"):
-            cut = buf.find(b"\r\n")
-            if cut < 0:
-                return False
-            line = bytes(buf[:cut])
-            del buf[: cut + 2]
-            if state == "trailer":
-                return self._finish()
-            size = int(line.split(b";", 1)[0], 16)
-            self._need, self._state = size + 2, ("data" if size else "trailer")
-            return True
-        if state in ("data", "body"):
-            if len(buf) < self._need:
-                return False
-            end = self._need - 2 if state == "data" else self._need
-            self._piece(bytes(buf[:end]))
-            del buf[: self._need]
-            self._state = "size"
-            return True if state == "data" else self._finish()
-        buf.clear()  # idle: bytes nobody asked for
-        return False
-
-    def _head(self) -> bool:
-        cut = self._buf.find(b"\r\n\r\n")
-        if cut < 0:
-            return False
-        head = bytes(self._buf[: cut + 4]).lower()
-        del self._buf[: cut + 4]
-        self._res.status = int(head[9:12])
-        self.keep_alive = b"connection: close" not in head
-        if b"transfer-encoding: chunked" in head:
-            self._state = "size"
-            return True
-        at = head.find(b"content-length:")
-        if at < 0:
-            raise ValueError("neither chunked nor Content-Length")
-        self._need, self._state = int(head[at + 15 : head.index(b"\r\n", at)]), "body"
-        return True
-
-    def _piece(self, data: bytes) -> None:
-        if self._res.status != 200:
-            self._body += data
-            return
-        self._sse += data
-        while (cut := self._sse.find(b"\n\n")) >= 0:
-            event, self._sse = self._sse[:cut], self._sse[cut + 2 :]
-            if event.startswith(b"data: "):
-                take_event(self._res, event[6:], time.perf_counter(), keep_text=True)
-
-    def _finish(self) -> bool:
-        res = self._res
-        if res.status != 200:
-            res.error = http_error(res.status, self._body)
-        finish(res, time.perf_counter())
-        self._state = "idle"
-        if self._waiter is not None and not self._waiter.done():
-            self._waiter.set_result(res)
-        return False
-
-
-def http_request(port: int, body: dict[str, Any]) -> bytes:
-    data = json.dumps(body).encode()
-    head = (
-        f"POST /v1/completions HTTP/1.1\r\nHost: {HOST}:{port}\r\n"
-        f"Content-Type: application/json\r\nContent-Length: {len(data)}\r\n\r\n"
-    )
-    return head.encode() + data
-
-
-def completion(port: int, prompt: str, max_tokens: int) -> bytes:
+def completion(i: int, max_tokens: int) -> dict[str, Any]:
+    """The body of request i: one of PROMPTS, streamed, with usage."""
+    prompt = PROMPTS[i % len(PROMPTS)]
     body = {"model": MODEL_NAME, "prompt": prompt, "max_tokens": max_tokens, "stream": True}
-    return http_request(port, {**body, "stream_options": {"include_usage": True}})
+    return {**body, "stream_options": {"include_usage": True}}
 
 
-class Connections:
-    """A client's keep-alive connections, one per worker, each to its router's port."""
-
-    def __init__(self, ports: Sequence[int], max_tokens: int) -> None:
-        self.ports = list(ports)
-        self.bodies = {p: [completion(p, t, max_tokens) for t in PROMPTS] for p in set(ports)}
-        self.conns: dict[int, SSEConnection] = {}
-
-    async def send(self, worker: int, i: int) -> RequestResult:
-        """Request i on the worker's connection (opened again after a failure)."""
-        port = self.ports[worker]
-        try:
-            conn = self.conns.get(worker)
-            if conn is None or conn.closed:
-                conn = self.conns[worker] = await _open(port)
-            request = conn.request(self.bodies[port][i % len(PROMPTS)])
-            res = await asyncio.wait_for(request, REQUEST_TIMEOUT_S)
-        except (OSError, ValueError, asyncio.TimeoutError) as exc:
-            self.close(worker)
-            await asyncio.sleep(0.01)
-            return RequestResult(error=f"{type(exc).__name__}: {exc}")
-        if not conn.keep_alive:
-            self.close(worker)
-        return res
-
-    def close(self, worker: int | None = None) -> None:
-        for w in [worker] if worker is not None else list(self.conns):
-            conn = self.conns.pop(w, None)  # type: ignore[arg-type]
-            if conn is not None:
-                conn.close()
-
-
-async def _open(port: int) -> SSEConnection:
-    loop = asyncio.get_running_loop()
-    _, conn = await asyncio.wait_for(
-        loop.create_connection(SSEConnection, HOST, port), REQUEST_TIMEOUT_S
-    )
-    return conn
+async def send_one(port: int, i: int, max_tokens: int, client: Any) -> RequestResult:
+    """Request i through the router at `port` (load.py's client and SSE reader)."""
+    url = f"http://{HOST}:{port}"
+    body = completion(i, max_tokens)
+    return await stream_one(client, url, body, keep_text=True, timeout_s=REQUEST_TIMEOUT_S)
 
 
 @dataclass
@@ -293,23 +129,24 @@ class ClientStats:
 
 
 async def _client(spec: dict[str, Any]) -> ClientStats:
-    window = (spec["window_start"], spec["window_end"])
-    stats = ClientStats(window, spec["expected_text"], spec["max_tokens"])
-    conns = Connections(spec["ports"], spec["max_tokens"])
-    try:
+    window, ports, max_tokens = (
+        (spec["window_start"], spec["window_end"]),
+        spec["ports"],
+        spec["max_tokens"],
+    )
+    stats = ClientStats(window, spec["expected_text"], max_tokens)
+    async with make_client() as client:
         await closed_loop(
-            conns.send,
-            concurrency=len(conns.ports),
+            lambda worker, i: send_one(ports[worker], i, max_tokens, client),
+            concurrency=len(ports),
             duration_s=window[1] - time.monotonic(),
             on_result=lambda _, res: stats.take(res, time.monotonic()),
         )
-    finally:
-        conns.close()
     return stats
 
 
 def run_client(spec: dict[str, Any]) -> int:
-    """A client child: its connections (one port each) until the window ends, then drain;
+    """A client child: one worker per entry of its ports until the window ends, then drain;
     prints what it saw as JSON."""
     stats = asyncio.run(_client(spec))
     fields = ("requests", "tokens", "chunks", "corrupt", "errors", "error_samples")
@@ -570,21 +407,12 @@ def probe(port: int, max_tokens: int) -> dict[str, Any]:
     """One streamed request through a router, read whole: the text it returned."""
 
     async def once() -> RequestResult:
-        conns = Connections([port], max_tokens)
-        try:
-            return await conns.send(0, 0)
-        finally:
-            conns.close()
+        async with make_client() as client:
+            return await send_one(port, 0, max_tokens, client)
 
     res = asyncio.run(once())
-    return {
-        "status": res.status,
-        "text": res.text,
-        "completion_tokens": res.output_tokens,
-        "finish_reason": res.finish_reason,
-        "chunks": res.chunks,
-        "error": res.error,
-    }
+    keys = ("status", "text", "finish_reason", "chunks", "error")
+    return {"completion_tokens": res.output_tokens, **{k: getattr(res, k) for k in keys}}
 
 
 # -- the report -----------------------------------------------------------------------------------

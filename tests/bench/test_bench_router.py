@@ -12,8 +12,7 @@ from typing import Any
 
 import pytest
 
-from pdserve.bench.load import RequestResult
-from pdserve.bench.router import SSEConnection, pin_plan
+from pdserve.bench.router import completion, pin_plan
 
 REPO = Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "scripts" / "bench_router.py"
@@ -96,67 +95,11 @@ def test_report_has_machine_command_ratios_and_page(run) -> None:
     assert (out / "router_ceiling.png").stat().st_size > 0
 
 
-def _feed(response: bytes, step: int) -> RequestResult:
-    """A response given to the client's parser `step` bytes at a time."""
-    import asyncio
-
-    async def go() -> RequestResult:
-        conn = SSEConnection()
-
-        class Transport:
-            def write(self, data: bytes) -> None:
-                pass
-
-            def close(self) -> None:
-                pass
-
-        conn.connection_made(Transport())  # type: ignore[arg-type]
-        waiter = conn.request(b"")
-        for i in range(0, len(response), step):
-            conn.data_received(response[i : i + step])
-        return await asyncio.wait_for(waiter, 1)
-
-    return asyncio.run(go())
-
-
-def _chunked(*events: bytes) -> bytes:
-    head = b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"
-    body = b"".join(b"%x\r\n%s\r\n" % (len(e), e) for e in events)
-    return head + b"transfer-encoding: chunked\r\n\r\n" + body + b"0\r\n\r\n"
-
-
-@pytest.mark.parametrize("step", [1, 7, 10_000])
-def test_client_parses_sse_split_anywhere(step: int) -> None:
-    def chunk(payload: dict) -> bytes:
-        return b"data: " + json.dumps(payload).encode() + b"\n\n"
-
-    response = _chunked(
-        chunk({"choices": [{"text": " a", "finish_reason": None}]}),
-        chunk({"choices": [{"text": " b", "finish_reason": "length"}]}),
-        chunk({"choices": [], "usage": {"completion_tokens": 2}}),
-        b"data: [DONE]\n\n",
-    )
-    reply = _feed(response, step)
-    assert (reply.status, reply.text, reply.output_tokens, reply.finish_reason) == (
-        200,
-        " a b",
-        2,
-        "length",
-    )
-    # Two chunks carried text (the usage chunk none): one gap between them.
-    assert reply.done and reply.success and not reply.error and reply.chunks == 2
-    assert len(reply.itl) == 1 and 0 <= reply.ttft <= reply.e2e
-
-
-def test_client_reports_http_errors() -> None:
-    body = b'{"error": {"message": "busy"}}'
-    response = b"HTTP/1.1 503 Service Unavailable\r\ncontent-length: %d\r\n\r\n%s" % (
-        len(body),
-        body,
-    )
-    reply = _feed(response, 5)
-    assert reply.status == 503 and reply.error.startswith("HTTP 503") and "busy" in reply.error
-    assert not reply.success
+def test_requests_cycle_the_prompts_and_ask_for_usage() -> None:
+    first, fifth = completion(0, 7), completion(4, 7)
+    assert first == fifth and first["stream"] and first["max_tokens"] == 7
+    assert first["stream_options"] == {"include_usage": True}
+    assert completion(1, 7)["prompt"] != first["prompt"]
 
 
 def test_pin_plans() -> None:
