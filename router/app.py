@@ -25,8 +25,8 @@ from fastapi.openapi.utils import get_openapi
 from fastapi.responses import PlainTextResponse
 from pydantic import BaseModel
 
-from pdserve.router.admission import RouterLimits
 from pdserve.router.backend import Backend
+from pdserve.router.config import RouterLimits
 from pdserve.router.errors import ERROR_TYPES, install_error_handlers
 from pdserve.router.handlers import Handlers
 from pdserve.router.middleware import OPEN_ROUTES, ApiKeyGuard, BodyLimit, RequestCounter

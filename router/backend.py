@@ -6,11 +6,9 @@ it can be tested with an in-process fake and served over the ZMQ node registry w
 
 from __future__ import annotations
 
-import asyncio
 from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from typing import Any
 
 from pdserve.common.engine.sampling_params import SamplingParams
 from pdserve.common.wire.messages import Error, Tokens
@@ -61,12 +59,3 @@ class Backend(ABC):
         """Gauges exported on /metrics as pdserve_backend_<name>, read at scrape time."""
         return {}
 
-
-async def get_within(queue: asyncio.Queue, timeout: float) -> Any:
-    """`queue.get()` bounded by `timeout` (asyncio.TimeoutError past it). An item already
-    waiting is taken at once: no timer and no task per item, which a streamed token would
-    otherwise cost twice on its way through the router."""
-    try:
-        return queue.get_nowait()
-    except asyncio.QueueEmpty:
-        return await asyncio.wait_for(queue.get(), timeout)

@@ -9,8 +9,7 @@ from dataclasses import dataclass
 
 from pdserve.common.node.cli import add_options, options_of
 from pdserve.common.node.config import option
-from pdserve.router.cluster.placement import PLACEMENTS, PlacementConfig
-from pdserve.router.cluster.policies import POLICIES
+from pdserve.router.cluster.policies import PLACEMENTS, POLICIES, PlacementConfig
 from pdserve.router.tools import PARSERS
 
 API, CLUSTER, LIMITS, SECURITY = "HTTP API", "cluster", "limits and admission", "security"

@@ -7,8 +7,8 @@ destination; the prefill node streams the first token here and hands the KV to t
 node, which streams the rest.
 
 Modules, from the bottom up: registry (NodeInfo, which nodes are alive), streams (one
-request's state and RequestTable, the owner of where every request runs), placement (local or
-remote prefill), policies (orderings of candidate nodes), control (the ROUTER socket),
+request's state and RequestTable, the owner of where every request runs), policies (local or
+remote prefill, and orderings of candidate nodes), control (the ROUTER socket),
 registration (nodes joining), routing (putting a request on nodes, again after a failover),
 backend (ClusterBackend: the wiring of messages, leases and streams).
 """

@@ -35,14 +35,19 @@ from pdserve.common.wire.messages import (
     Tokens,
 )
 from pdserve.common.wire.security import load_keys
-from pdserve.router.backend import Backend, GenerateRequest, get_within
+from pdserve.router.backend import Backend, GenerateRequest
 from pdserve.router.cluster.control import ControlServer
-from pdserve.router.cluster.placement import PlacementConfig
-from pdserve.router.cluster.policies import POLICIES
+from pdserve.router.cluster.policies import POLICIES, PlacementConfig
 from pdserve.router.cluster.registration import Registrar
 from pdserve.router.cluster.registry import NODE_ROLES, NodeInfo, NodeRegistry
 from pdserve.router.cluster.routing import Routing
-from pdserve.router.cluster.streams import Failover, RequestTable, Stream, left_behind
+from pdserve.router.cluster.streams import (
+    Failover,
+    RequestTable,
+    Stream,
+    get_within,
+    left_behind,
+)
 
 log = logging.getLogger(__name__)
 

@@ -21,8 +21,7 @@ from pdserve.common.wire.messages import (
     ReserveKV,
 )
 from pdserve.router.cluster.control import ControlServer
-from pdserve.router.cluster.placement import PlacementConfig, estimate, missing_tokens
-from pdserve.router.cluster.policies import Policy
+from pdserve.router.cluster.policies import PlacementConfig, Policy, estimate, missing_tokens
 from pdserve.router.cluster.registry import NodeInfo, NodeRegistry, kv_mismatch
 from pdserve.router.cluster.streams import Failover, RequestTable, Stream
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from typing import Any
 
 from pdserve.common.engine.block_pool import BlockHash, hash_block_tokens
 from pdserve.common.wire.messages import Error, Failure, Tokens
@@ -35,6 +36,16 @@ class BlockHashes:
             block = self.tokens[start : start + block_size]
             chain.append(hash_block_tokens(chain[-1] if chain else None, block))
         return chain[: n // block_size]
+
+
+async def get_within(queue: asyncio.Queue, timeout: float) -> Any:
+    """`queue.get()` bounded by `timeout` (asyncio.TimeoutError past it). An item already
+    waiting is taken at once: no timer and no task per item, which a streamed token would
+    otherwise cost twice on its way through the router."""
+    try:
+        return queue.get_nowait()
+    except asyncio.QueueEmpty:
+        return await asyncio.wait_for(queue.get(), timeout)
 
 
 @dataclass(frozen=True, slots=True)

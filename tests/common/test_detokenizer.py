@@ -8,7 +8,7 @@ import pytest
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
-from pdserve.router.detokenizer import IncrementalDetokenizer
+from pdserve.router.generation import IncrementalDetokenizer
 
 WORDS = ["héllo", "wörld", "你好", "🙂", "the", "quick", "fox", "naïve", "señor", "ok", "!"]
 CORPUS = ["the quick brown fox jumps over the lazy dog"] * 20 + [" ".join(WORDS)]

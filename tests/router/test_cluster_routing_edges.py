@@ -26,7 +26,7 @@ from pdserve.common.wire.messages import (
 )
 from pdserve.router.backend import GenerateRequest
 from pdserve.router.cluster.backend import ClusterBackend
-from pdserve.router.cluster.placement import PlacementConfig
+from pdserve.router.cluster.policies import PlacementConfig
 from pdserve.router.cluster.registry import NodeInfo
 from pdserve.router.cluster.streams import BlockHashes
 from tests.router.test_failover import (

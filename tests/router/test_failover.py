@@ -30,7 +30,7 @@ from pdserve.common.wire.messages import (
 )
 from pdserve.router.backend import GenerateRequest
 from pdserve.router.cluster.backend import ClusterBackend
-from pdserve.router.cluster.placement import PlacementConfig
+from pdserve.router.cluster.policies import PlacementConfig
 from pdserve.router.generation import Choice, ChoiceDelta, StopStringMatcher
 from tests.router.test_registry import FakeClock
 

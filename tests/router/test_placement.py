@@ -12,8 +12,7 @@ from pdserve.common.engine.block_pool import hash_token_blocks
 from pdserve.common.engine.sampling_params import SamplingParams
 from pdserve.common.wire.messages import Heartbeat, Prefill, Reserved, ReserveKV
 from pdserve.router.backend import GenerateRequest
-from pdserve.router.cluster.placement import PlacementConfig, estimate, missing_tokens
-from pdserve.router.cluster.policies import POLICIES
+from pdserve.router.cluster.policies import POLICIES, PlacementConfig, estimate, missing_tokens
 from pdserve.router.cluster.registry import NodeInfo, NodeRegistry
 from pdserve.router.cluster.routing import Routing
 from pdserve.router.cluster.streams import BlockHashes, RequestTable, Stream
