@@ -105,3 +105,28 @@ class SchedulerConfig:
             or self.max_model_len <= self.max_num_batched_tokens,
             "without chunked prefill, max_num_batched_tokens must cover max_model_len",
         )
+
+
+@dataclass(frozen=True, slots=True)
+class ParallelConfig:
+    """How many processes hold one engine's model (tensor parallelism, vLLM's
+    `tensor_parallel_size`), and how they wait for each other.
+
+    threads_per_rank: torch's intra-op threads in each rank (None: the machine's threads shared
+    evenly). timeout_s bounds every collective between ranks and a worker's wait for the next
+    step (rank 0 sends a keep-alive while idle); start_timeout_s bounds the workers' start and
+    their model load.
+    """
+
+    tensor_parallel_size: int = 1
+    threads_per_rank: int | None = None
+    timeout_s: float = 60.0
+    start_timeout_s: float = 600.0
+
+    def __post_init__(self) -> None:
+        _require(self.tensor_parallel_size >= 1, "tensor_parallel_size must be >= 1")
+        _require(
+            self.threads_per_rank is None or self.threads_per_rank >= 1,
+            "threads_per_rank must be >= 1",
+        )
+        _require(self.timeout_s > 0 and self.start_timeout_s > 0, "timeouts must be positive")

@@ -6,7 +6,12 @@ import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from pdserve.common.engine.config import CacheConfig, ModelConfig, SchedulerConfig
+from pdserve.common.engine.config import (
+    CacheConfig,
+    ModelConfig,
+    ParallelConfig,
+    SchedulerConfig,
+)
 from pdserve.common.engine.llm_engine import LLMEngine
 from pdserve.common.engine.request import Request, TokenLogprobs
 from pdserve.common.engine.sampling_params import SamplingParams
@@ -52,6 +57,8 @@ class LLM:
         enforce_eager: bool | None = None,
         load_format: str = "auto",
         gpu_memory_utilization: float = 0.85,
+        tensor_parallel_size: int = 1,
+        threads_per_rank: int | None = None,
     ) -> None:
         self.engine = LLMEngine(
             ModelConfig(
@@ -77,9 +84,20 @@ class LLM:
                 enable_chunked_prefill=enable_chunked_prefill,
                 policy=policy,
             ),
+            ParallelConfig(tensor_parallel_size, threads_per_rank),
         )
         self.tokenizer = None if skip_tokenizer_init else _load_tokenizer(model)
         self._ids = itertools.count()
+
+    def close(self) -> None:
+        """Stop the tensor-parallel worker processes (they also exit when this one does)."""
+        self.engine.close()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self.close()
 
     def generate(
         self,

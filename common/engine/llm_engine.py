@@ -5,7 +5,12 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
-from pdserve.common.engine.config import CacheConfig, ModelConfig, SchedulerConfig
+from pdserve.common.engine.config import (
+    CacheConfig,
+    ModelConfig,
+    ParallelConfig,
+    SchedulerConfig,
+)
 from pdserve.common.engine.kv_cache_manager import KVCacheManager
 from pdserve.common.engine.model_runner import ModelRunner
 from pdserve.common.engine.request import Request
@@ -53,9 +58,17 @@ class PrefillRate:
 class LLMEngine:
     """Scheduler + KV cache manager + model runner, in one process."""
 
-    def __init__(self, model: ModelConfig, cache: CacheConfig, scheduler: SchedulerConfig) -> None:
+    def __init__(
+        self,
+        model: ModelConfig,
+        cache: CacheConfig,
+        scheduler: SchedulerConfig,
+        parallel: ParallelConfig | None = None,
+    ) -> None:
         self.model_config = model
-        self.runner = ModelRunner(model, cache, scheduler.max_num_seqs, scheduler.max_model_len)
+        self.runner = ModelRunner(
+            model, cache, scheduler.max_num_seqs, scheduler.max_model_len, parallel
+        )
         self.kv = KVCacheManager(
             self.runner.num_blocks, cache.block_size, cache.enable_prefix_caching
         )
@@ -168,3 +181,7 @@ class LLMEngine:
 
     def check_integrity(self) -> None:
         self.kv.check_integrity()
+
+    def close(self) -> None:
+        """Stop the engine's other tensor-parallel ranks (nothing to do at TP 1)."""
+        self.runner.close()

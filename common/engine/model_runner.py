@@ -3,6 +3,7 @@ sampling."""
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -10,7 +11,7 @@ from dataclasses import dataclass
 import torch
 
 from pdserve.common.engine.compiled_decode import CompiledDecode
-from pdserve.common.engine.config import CacheConfig, ModelConfig
+from pdserve.common.engine.config import CacheConfig, ModelConfig, ParallelConfig
 from pdserve.common.engine.request import TokenLogprobs
 from pdserve.common.engine.sampler import (
     Sampler,
@@ -21,8 +22,10 @@ from pdserve.common.engine.sampler import (
 )
 from pdserve.common.engine.scheduler import SampledToken, ScheduledSeq, SchedulerOutput
 from pdserve.common.engine.structured import allowed_from_bitmask, fill_bitmask
+from pdserve.common.engine.tensor_parallel import RankDriver
 from pdserve.common.model.attention import AttentionMetadata
 from pdserve.common.model.config import ModelArchConfig
+from pdserve.common.model.parallel import TPGroup, TPShard
 from pdserve.common.model.weights import load_model
 
 _PROMPT_LOGITS_ROWS = 256  # prompt positions scored at once: bounds the [rows, vocab] logits
@@ -41,9 +44,13 @@ class ForwardInputs:
     sampled_seqs: tuple[ScheduledSeq, ...]
 
 
-def kv_block_bytes(arch: ModelArchConfig, block_size: int, dtype: torch.dtype) -> int:
-    """Bytes one block occupies across all layers (K and V)."""
-    per_layer = 2 * block_size * arch.num_kv_heads * arch.head_dim
+def kv_block_bytes(
+    arch: ModelArchConfig, block_size: int, dtype: torch.dtype, num_kv_heads: int | None = None
+) -> int:
+    """Bytes one block occupies across all layers (K and V), with `num_kv_heads` heads (a
+    tensor-parallel rank's share; default all)."""
+    heads = arch.num_kv_heads if num_kv_heads is None else num_kv_heads
+    per_layer = 2 * block_size * heads * arch.head_dim
     return per_layer * arch.num_layers * torch.empty((), dtype=dtype).element_size()
 
 
@@ -51,7 +58,12 @@ class ModelRunner:
     """Loads the model, owns the paged KV cache and runs one scheduled step at a time.
 
     With model_config.compile_decode, decode steps of up to max_num_seqs sequences run through
-    the compiled model (every bucket compiled here, at start); other steps run eager."""
+    the compiled model (every bucket compiled here, at start); other steps run eager.
+
+    With `parallel.tensor_parallel_size` N > 1 this runner is rank 0 of N: it starts the
+    other ranks (`tensor_parallel.RankDriver`), holds its shard of the model and of every KV
+    block, and sends each step to them; sampling and per-request state live here alone. A
+    worker rank is built with its `tp` group and runs `follow` for each step it receives."""
 
     def __init__(
         self,
@@ -59,18 +71,50 @@ class ModelRunner:
         cache_config: CacheConfig,
         max_num_seqs: int = 64,
         max_model_len: int | None = None,
+        parallel: ParallelConfig | None = None,
+        tp: TPGroup | None = None,
     ) -> None:
         self.device = torch.device(model_config.device)
         self.dtype = _TORCH_DTYPES[model_config.dtype]
         self.block_size = cache_config.block_size
+        self.parallel = parallel = parallel or ParallelConfig()
+        self.driver: RankDriver | None = None
+        if tp is None and parallel.tensor_parallel_size > 1:
+            if model_config.compile_decode:
+                raise ValueError("compiled decode steps do not run tensor-parallel yet")
+            # Refuse a model that cannot split before starting any process.
+            TPShard(0, parallel.tensor_parallel_size).check(
+                ModelArchConfig.from_dir(model_config.model_dir)
+            )
+            self.driver = RankDriver(
+                model_config, cache_config, parallel, max_num_seqs, max_model_len
+            )
+            tp = self.driver.group
+        self.tp = tp
+        try:
+            self._build(model_config, cache_config, max_num_seqs, max_model_len)
+        except BaseException:
+            self.close()
+            raise
+        if self.driver is not None:
+            self.driver.start()
+
+    def _build(
+        self,
+        model_config: ModelConfig,
+        cache_config: CacheConfig,
+        max_num_seqs: int,
+        max_model_len: int | None,
+    ) -> None:
         dummy_seed = model_config.seed if model_config.load_format == "dummy" else None
         self.model, self.arch = load_model(
-            model_config.model_dir, self.dtype, self.device, dummy_seed
+            model_config.model_dir, self.dtype, self.device, dummy_seed, self.tp
         )
         if self.device.type == "cuda":
             self.model.fuse_projections()  # wide GEMVs: decode steps read weights faster
+        self.num_kv_heads = self.model.model.layers[0].self_attn.num_kv_heads
         self.num_blocks = self._pool_size(cache_config)
-        shape = (2, self.num_blocks, self.block_size, self.arch.num_kv_heads, self.arch.head_dim)
+        shape = (2, self.num_blocks, self.block_size, self.num_kv_heads, self.arch.head_dim)
         self.kv_caches = [
             torch.zeros(shape, dtype=self.dtype, device=self.device)
             for _ in range(self.arch.num_layers)
@@ -93,16 +137,32 @@ class ModelRunner:
             self.compiled.warm_up(self.kv_caches)
 
     def _pool_size(self, cache: CacheConfig) -> int:
+        """Blocks in the pool; under tensor parallelism the smallest any rank can hold (this
+        collective also waits for every rank's model to load)."""
         if cache.num_blocks is not None:
-            return cache.num_blocks
-        budget = cache.kv_cache_bytes
-        if self.device.type == "cuda":
-            free, _ = torch.cuda.mem_get_info(self.device)
-            budget = int(free * cache.gpu_memory_utilization)
-        n = budget // kv_block_bytes(self.arch, self.block_size, self.dtype)
+            n = cache.num_blocks
+        else:
+            budget = cache.kv_cache_bytes
+            if self.device.type == "cuda":
+                free, _ = torch.cuda.mem_get_info(self.device)
+                budget = int(free * cache.gpu_memory_utilization)
+            n = budget // kv_block_bytes(self.arch, self.block_size, self.dtype, self.num_kv_heads)
+        if self.tp is not None:
+            wait = self.parallel.start_timeout_s
+            n = int(self.tp.all_reduce_min(torch.tensor([n], dtype=torch.int64), wait)[0])
         if n < 2:
             raise ValueError("KV cache budget too small for even one block")
         return int(n)
+
+    def close(self) -> None:
+        """Stop the other ranks, if this runner drives any."""
+        if self.driver is not None:
+            self.driver.close()
+
+    @property
+    def is_driver(self) -> bool:
+        """Whether this runner samples (rank 0, or the only rank)."""
+        return self.tp is None or self.tp.rank == 0
 
     # -- one step --------------------------------------------------------------------------
 
@@ -115,9 +175,13 @@ class ModelRunner:
 
         `on_layer(i)` is called once layer i has written this step's K/V (see the model)."""
         self.forget(output.finished_ids)
+        compiled = self._compiled_step(output.seqs, on_layer)
         inputs = self.prepare(output.seqs)
-        masks = self._fill_masks(inputs.sampled_seqs)  # overlapped with the forward (see init)
-        logits, prompt_lps = self._forward(inputs, output.seqs, on_layer)
+        with self.tp.lock if self.tp is not None else contextlib.nullcontext():
+            if self.driver is not None:
+                self.driver.send_step(output.seqs, compiled)
+            masks = self._fill_masks(inputs.sampled_seqs)  # overlapped with the forward
+            logits, prompt_lps = self._forward(inputs, output.seqs, on_layer, compiled)
         if logits is None:
             return {}, prompt_lps
         rows = [self._sampling_row(seq) for seq in inputs.sampled_seqs]
@@ -132,15 +196,22 @@ class ModelRunner:
         }
         return sampled, prompt_lps
 
+    @torch.inference_mode()
+    def follow(self, seqs: tuple[ScheduledSeq, ...], compiled: bool) -> None:
+        """A worker rank's share of a step rank 0 sent: the same forward, joined by the
+        model's collectives; what it computes stays in this rank's KV cache."""
+        self._forward(self.prepare(seqs), seqs, None, compiled)
+
     def _forward(
         self,
         inputs: ForwardInputs,
         seqs: tuple[ScheduledSeq, ...],
         on_layer: Callable[[int], None] | None,
+        compiled: bool,
     ) -> tuple[torch.Tensor | None, dict[str, list[TokenLogprobs]]]:
         """Logits [S, vocab] of the sampled rows (None when none is sampled), and the prompt
         logprobs this step computed."""
-        if self._compiled_step(seqs, on_layer):
+        if compiled:
             args = (inputs.input_ids, inputs.positions, inputs.attn, self.kv_caches)
             logits = self.compiled.logits(*args)
             return (logits[inputs.logit_indices] if inputs.sampled_seqs else None), {}
@@ -179,7 +250,8 @@ class ModelRunner:
                 for lo in range(0, len(targets), _PROMPT_LOGITS_ROWS):
                     part = targets[lo : lo + _PROMPT_LOGITS_ROWS]
                     logits = self.model.compute_logits(hidden[row + lo : row + lo + len(part)])
-                    lps += score_tokens(logits, part, seq.prompt_logprobs)
+                    if self.is_driver:  # the other ranks only join the logits' gather
+                        lps += score_tokens(logits, part, seq.prompt_logprobs)
             offset += len(seq.token_ids)
         return out
 

@@ -19,6 +19,7 @@ from torch import nn
 
 from pdserve.common.model.attention import AttentionMetadata, paged_attention
 from pdserve.common.model.config import ModelArchConfig
+from pdserve.common.model.parallel import TPGroup, TPShard
 
 
 class RMSNorm(nn.Module):
@@ -114,16 +115,19 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 class Attention(nn.Module):
     """GQA self-attention that writes its K/V into the paged cache, then attends over it."""
 
-    def __init__(self, config: ModelArchConfig, layer: int) -> None:
+    def __init__(self, config: ModelArchConfig, layer: int, tp: TPGroup | None = None) -> None:
         super().__init__()
+        shard = tp.shard if tp is not None else TPShard()
         h, d = config.hidden_size, config.head_dim
-        self.num_heads, self.num_kv_heads, self.head_dim = config.num_heads, config.num_kv_heads, d
+        self.num_heads, self.head_dim = shard.num_heads(config), d
+        self.num_kv_heads = shard.num_kv_heads(config)
+        self.tp = tp
         self.scale = d**-0.5
         self.sliding_window = config.layer_sliding_window(layer)
-        self.q_proj = nn.Linear(h, config.num_heads * d, bias=config.qkv_bias)
-        self.k_proj = nn.Linear(h, config.num_kv_heads * d, bias=config.qkv_bias)
-        self.v_proj = nn.Linear(h, config.num_kv_heads * d, bias=config.qkv_bias)
-        self.o_proj = nn.Linear(config.num_heads * d, h, bias=config.o_bias)
+        self.q_proj = nn.Linear(h, self.num_heads * d, bias=config.qkv_bias)
+        self.k_proj = nn.Linear(h, self.num_kv_heads * d, bias=config.qkv_bias)
+        self.v_proj = nn.Linear(h, self.num_kv_heads * d, bias=config.qkv_bias)
+        self.o_proj = nn.Linear(self.num_heads * d, h, bias=config.o_bias)
         self.qkv_proj: nn.Linear | None = None  # set by fuse(): [q; k; v] in one matrix
         if config.qk_norm:
             # Qwen3 normalizes each head's q and k before rope.
@@ -153,7 +157,7 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         out = paged_attention(q, k, v, kv_cache, attn, self.scale, self.sliding_window)
-        return self.o_proj(out.reshape(t, self.num_heads * self.head_dim))
+        return _reduced(self.o_proj(out.reshape(t, self.num_heads * self.head_dim)), self.tp)
 
     def fuse(self) -> None:
         """Replace q/k/v_proj by one qkv_proj holding their rows in that order."""
@@ -164,9 +168,11 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     """SwiGLU feed-forward: down(silu(gate(x)) * up(x))."""
 
-    def __init__(self, config: ModelArchConfig) -> None:
+    def __init__(self, config: ModelArchConfig, tp: TPGroup | None = None) -> None:
         super().__init__()
-        h, i, bias = config.hidden_size, config.intermediate_size, config.mlp_bias
+        size = tp.size if tp is not None else 1
+        h, i, bias = config.hidden_size, config.intermediate_size // size, config.mlp_bias
+        self.tp = tp
         self.gate_proj = nn.Linear(h, i, bias=bias)
         self.up_proj = nn.Linear(h, i, bias=bias)
         self.down_proj = nn.Linear(i, h, bias=bias)
@@ -175,13 +181,40 @@ class MLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gate_up_proj is not None:
             gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-            return self.down_proj(F.silu(gate) * up)
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+            return _reduced(self.down_proj(F.silu(gate) * up), self.tp)
+        return _reduced(self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x)), self.tp)
 
     def fuse(self) -> None:
         """Replace gate/up_proj by one gate_up_proj holding their rows in that order."""
         self.gate_up_proj = _stacked(self.gate_proj, self.up_proj)
         del self.gate_proj, self.up_proj
+
+
+def _reduced(partial: torch.Tensor, tp: TPGroup | None) -> torch.Tensor:
+    """A row-parallel layer's output: the sum of every rank's partial product."""
+    return partial if tp is None else tp.all_reduce(partial)
+
+
+class VocabEmbedding(nn.Module):
+    """The token embedding; under tensor parallelism each rank holds a range of vocabulary
+    rows, looks up the tokens in it (zeros for the others) and the ranks sum their rows."""
+
+    def __init__(self, config: ModelArchConfig, tp: TPGroup | None = None) -> None:
+        super().__init__()
+        self.tp = tp
+        if tp is None:
+            self.first, rows = 0, config.vocab_size
+        else:
+            self.first, _, rows = tp.shard.vocab_rows(config.vocab_size)
+        self.weight = nn.Parameter(torch.empty(rows, config.hidden_size))
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.tp is None:
+            return F.embedding(input_ids, self.weight)
+        local = input_ids - self.first
+        outside = (local < 0) | (local >= self.weight.shape[0])
+        rows = F.embedding(local.masked_fill(outside, 0), self.weight)
+        return self.tp.all_reduce(rows.masked_fill(outside[:, None], 0.0))
 
 
 def _stacked(*linears: nn.Linear) -> nn.Linear:
@@ -200,10 +233,10 @@ def _stacked(*linears: nn.Linear) -> nn.Linear:
 class DecoderLayer(nn.Module):
     """Pre-norm attention block followed by a pre-norm MLP block, each with a residual."""
 
-    def __init__(self, config: ModelArchConfig, layer: int) -> None:
+    def __init__(self, config: ModelArchConfig, layer: int, tp: TPGroup | None = None) -> None:
         super().__init__()
-        self.self_attn = Attention(config, layer)
-        self.mlp = MLP(config)
+        self.self_attn = Attention(config, layer, tp)
+        self.mlp = MLP(config, tp)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -222,10 +255,10 @@ class DecoderLayer(nn.Module):
 class LlamaFamilyModel(nn.Module):
     """The decoder stack; its attribute names give HF's `model.*` parameter names."""
 
-    def __init__(self, config: ModelArchConfig) -> None:
+    def __init__(self, config: ModelArchConfig, tp: TPGroup | None = None) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_layers))
+        self.embed_tokens = VocabEmbedding(config, tp)
+        self.layers = nn.ModuleList(DecoderLayer(config, i, tp) for i in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rotary_emb = RotaryEmbedding(config)
 
@@ -259,14 +292,14 @@ class LlamaFamilyForCausalLM(nn.Module):
     what a tied checkpoint stores.
     """
 
-    def __init__(self, config: ModelArchConfig) -> None:
+    def __init__(self, config: ModelArchConfig, tp: TPGroup | None = None) -> None:
         super().__init__()
         self.config = config
-        self.model = LlamaFamilyModel(config)
+        self.tp = tp
+        self.model = LlamaFamilyModel(config, tp)
+        rows = config.vocab_size if tp is None else tp.shard.vocab_rows(config.vocab_size)[2]
         self.lm_head = (
-            None
-            if config.tie_word_embeddings
-            else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+            None if config.tie_word_embeddings else nn.Linear(config.hidden_size, rows, bias=False)
         )
 
     @torch.no_grad()
@@ -294,6 +327,10 @@ class LlamaFamilyForCausalLM(nn.Module):
 
     @torch.no_grad()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Logits [N, vocab_size] in float32 for the N rows the sampler needs."""
+        """Logits [N, vocab_size] in float32 for the N rows the sampler needs (on every rank:
+        under tensor parallelism each computes its vocabulary rows and they are gathered)."""
         weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden, weight).float()
+        logits = F.linear(hidden, weight)
+        if self.tp is not None:
+            logits = self.tp.gather_last_dim(logits)[:, : self.config.vocab_size]
+        return logits.float()

@@ -18,6 +18,7 @@ import torch
 from pdserve.common.model.checkpoint import Checkpoint
 from pdserve.common.model.config import ModelArchConfig
 from pdserve.common.model.llama import LlamaFamilyForCausalLM
+from pdserve.common.model.parallel import TPGroup
 
 # Checkpoint keys that hold no weights of ours: old Llama checkpoints saved rope buffers.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
@@ -30,26 +31,35 @@ def load_model(
     dtype: torch.dtype,
     device: torch.device | str,
     dummy_seed: int | None = None,
+    tp: TPGroup | None = None,
 ) -> tuple[LlamaFamilyForCausalLM, ModelArchConfig]:
     """Build the model described by model_dir/config.json and load its weights.
 
     Reads *.safetensors (one file, or shards listed in model.safetensors.index.json); only when
     there are none, pytorch_model.bin (or its shards) through torch.load(weights_only=True).
     With `dummy_seed`, reads no weights: random ones are made on `device` from that seed.
+    With `tp`, the model holds this rank's shard of every weight (see `parallel.TPShard`).
     Returns the model in eval mode with gradients off, on `device`, in `dtype`.
     """
     config = ModelArchConfig.from_dir(model_dir)
+    if tp is not None:
+        tp.shard.check(config)
     with torch.device("meta"):
-        model = LlamaFamilyForCausalLM(config)
+        model = LlamaFamilyForCausalLM(config, tp)
+        full = LlamaFamilyForCausalLM(config) if tp is not None else model
     expected = {name: p.shape for name, p in model.named_parameters()}
+    shapes = {name: p.shape for name, p in full.named_parameters()}
     if dummy_seed is not None:
-        state = _random_state(expected, dtype, torch.device(device), dummy_seed)
+        tensors = _random_state(shapes, dtype, torch.device(device), dummy_seed).items()
     else:
-        state = {}
-        for name, tensor in _iter_checkpoint(Checkpoint.resolve(model_dir), config, expected):
-            if _ignored(name, config):
-                continue
-            state[name] = tensor.to(device=device, dtype=dtype)
+        tensors = _iter_checkpoint(Checkpoint.resolve(model_dir), config, expected)
+    state = {}
+    for name, tensor in tensors:
+        if _ignored(name, config):
+            continue
+        if tp is not None and shapes.get(name) == tensor.shape:  # else named as misshapen
+            tensor = tp.shard.shard(name, tensor, config)
+        state[name] = tensor.to(device=device, dtype=dtype)
     _check_names(expected, state, model_dir)
     model.load_state_dict(state, strict=True, assign=True)
     # Buffers (rope inv_freq) stay float32: HF computes rope in float32 whatever the dtype.

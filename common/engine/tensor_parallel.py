@@ -1,0 +1,257 @@
+"""The ranks of a tensor-parallel engine: rank 0 is the engine itself (scheduler, KV cache
+manager, sampling, the node around them) and drives N - 1 worker processes, each holding its
+shard of the model and its share of the KV cache, that run every step's forward with it.
+
+Each step, rank 0 broadcasts what every rank needs to build the step's inputs (the scheduled
+sequences' tokens, positions and blocks, as msgpack) and all ranks run the forward, joined by
+the model's all-reduces. A worker waits for the next step at most `timeout_s`; rank 0 sends a
+keep-alive while idle, so an idle worker whose rank 0 is gone (or stopped) exits.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass
+
+import msgpack
+import torch
+import torch.distributed as dist
+
+from pdserve.common.engine.config import CacheConfig, ModelConfig, ParallelConfig
+from pdserve.common.engine.sampling_params import SamplingParams
+from pdserve.common.engine.scheduler import ScheduledSeq
+from pdserve.common.model.parallel import TPGroup, TPShard
+
+_STEP, _KEEPALIVE, _STOP = 1, 2, 3
+_HOST = "127.0.0.1"
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerSpec:
+    """What a worker process needs to join rank 0 and build its model runner (JSON on its
+    stdin)."""
+
+    rank: int
+    port: int
+    model: ModelConfig
+    cache: CacheConfig
+    parallel: ParallelConfig
+    max_num_seqs: int
+    max_model_len: int | None
+
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self))
+
+    @classmethod
+    def from_json(cls, text: str) -> WorkerSpec:
+        d = json.loads(text)
+        return cls(
+            rank=d["rank"],
+            port=d["port"],
+            model=ModelConfig(**d["model"]),
+            cache=CacheConfig(**d["cache"]),
+            parallel=ParallelConfig(**d["parallel"]),
+            max_num_seqs=d["max_num_seqs"],
+            max_model_len=d["max_model_len"],
+        )
+
+
+def threads_per_rank(parallel: ParallelConfig) -> int:
+    if parallel.threads_per_rank is not None:
+        return parallel.threads_per_rank
+    return max(1, (os.cpu_count() or 1) // parallel.tensor_parallel_size)
+
+
+def open_group(
+    shard: TPShard, port: int, parallel: ParallelConfig, device: str, store=None
+) -> TPGroup:
+    """Join the group's rendezvous at 127.0.0.1:`port` (rank 0 passes the store it serves)."""
+    start = datetime.timedelta(seconds=parallel.start_timeout_s)
+    if store is None:
+        store = dist.TCPStore(_HOST, port, shard.size, False, timeout=start)
+    timeout = datetime.timedelta(seconds=parallel.timeout_s)
+    if device.startswith("cuda"):
+        options = dist.ProcessGroupNCCL.Options()
+        options._timeout = timeout
+        backend = dist.ProcessGroupNCCL(store, shard.rank, shard.size, options)
+    else:
+        backend = dist.ProcessGroupGloo(store, shard.rank, shard.size, timeout)
+    return TPGroup(shard, backend)
+
+
+def encode_step(seqs: tuple[ScheduledSeq, ...], compiled: bool) -> bytes:
+    """The part of a scheduled step every rank needs for its forward."""
+    rows = [
+        [s.token_ids, s.start_pos, s.block_ids, s.sample, s.prompt_targets, s.prompt_target_pos]
+        for s in seqs
+    ]
+    return msgpack.packb([compiled, rows], use_bin_type=True)
+
+
+def decode_step(payload: bytes) -> tuple[tuple[ScheduledSeq, ...], bool]:
+    compiled, rows = msgpack.unpackb(payload, raw=False)
+    plain = SamplingParams()  # sampling happens on rank 0 only
+    seqs = tuple(
+        ScheduledSeq(
+            request_id="",
+            token_ids=tuple(tokens),
+            start_pos=start,
+            block_ids=tuple(blocks),
+            sample=sample,
+            sampling=plain,
+            prompt_targets=tuple(targets),
+            prompt_target_pos=target_pos,
+        )
+        for tokens, start, blocks, sample, targets, target_pos in rows
+    )
+    return seqs, bool(compiled)
+
+
+class StepChannel:
+    """Rank 0's commands to the workers over the group itself: a header (kind, bytes) and
+    the payload, each one broadcast."""
+
+    def __init__(self, group: TPGroup) -> None:
+        self.group = group
+
+    def send(self, kind: int, payload: bytes = b"") -> None:
+        self.group.broadcast(torch.tensor([kind, len(payload)], dtype=torch.int64))
+        if payload:
+            self.group.broadcast(torch.frombuffer(bytearray(payload), dtype=torch.uint8))
+
+    def recv(self) -> tuple[int, bytes]:
+        header = self.group.broadcast(torch.zeros(2, dtype=torch.int64))
+        kind, size = int(header[0]), int(header[1])
+        if not size:
+            return kind, b""
+        return kind, self.group.broadcast(torch.empty(size, dtype=torch.uint8)).numpy().tobytes()
+
+
+class RankDriver:
+    """Rank 0's side: starts the workers, sends each step, keeps idle workers alive, stops
+    them. A worker that dies makes rank 0's next collective raise (gloo sees the closed
+    connection at once), and the engine with it: the group fails as one."""
+
+    def __init__(
+        self,
+        model: ModelConfig,
+        cache: CacheConfig,
+        parallel: ParallelConfig,
+        max_num_seqs: int,
+        max_model_len: int | None,
+    ) -> None:
+        self.parallel = parallel
+        size = parallel.tensor_parallel_size
+        start = datetime.timedelta(seconds=parallel.start_timeout_s)
+        store = dist.TCPStore(_HOST, 0, size, True, timeout=start, wait_for_workers=False)
+        self.procs = [
+            _spawn(WorkerSpec(r, store.port, model, cache, parallel, max_num_seqs, max_model_len))
+            for r in range(1, size)
+        ]
+        try:
+            self.group = open_group(TPShard(0, size), store.port, parallel, model.device, store)
+        except Exception:
+            self._kill()
+            raise
+        self._store = store  # the rendezvous lives as long as the group
+        self.channel = StepChannel(self.group)
+        self._last_send = time.monotonic()
+        self._closed = threading.Event()
+
+    def start(self) -> None:
+        """Keep idle workers alive from now on (after the ranks' start-up collectives)."""
+        threading.Thread(target=self._keep_alive, daemon=True, name="tp-alive").start()
+
+    def send_step(self, seqs: tuple[ScheduledSeq, ...], compiled: bool) -> None:
+        """Call with `group.lock` held, through the step's last collective."""
+        self._checked(self.channel.send, _STEP, encode_step(seqs, compiled))
+
+    def _checked(self, send, *args) -> None:
+        try:
+            send(*args)
+            self._last_send = time.monotonic()
+        except RuntimeError as exc:
+            raise RuntimeError(f"tensor-parallel group broken: {self.exits()}: {exc}") from exc
+
+    def exits(self) -> str:
+        codes = [(r, p.poll()) for r, p in enumerate(self.procs, start=1)]
+        dead = [f"rank {r} exited with {c}" for r, c in codes if c is not None]
+        return "; ".join(dead) or "no worker exited"
+
+    def _keep_alive(self) -> None:
+        interval = self.parallel.timeout_s / 4
+        while not self._closed.wait(interval / 4):
+            if time.monotonic() - self._last_send < interval:
+                continue
+            with self.group.lock:
+                if self._closed.is_set():
+                    return
+                try:
+                    self._checked(self.channel.send, _KEEPALIVE)
+                except RuntimeError:
+                    return  # the next step raises it to the engine
+
+    def close(self) -> None:
+        """Stop the workers (a STOP, then a kill after the timeout)."""
+        if self._closed.is_set():
+            return
+        with self.group.lock:
+            self._closed.set()
+            try:
+                self.channel.send(_STOP)
+            except RuntimeError:
+                pass  # a worker is gone already: kill the rest below
+        deadline = time.monotonic() + self.parallel.timeout_s
+        for proc in self.procs:
+            try:
+                proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(timeout=10)
+
+    def _kill(self) -> None:
+        for proc in self.procs:
+            proc.kill()
+            proc.wait(timeout=10)
+
+
+def _spawn(spec: WorkerSpec) -> subprocess.Popen:
+    threads = str(threads_per_rank(spec.parallel))
+    env = {**os.environ, "OMP_NUM_THREADS": threads}
+    cmd = [sys.executable, "-m", "pdserve.common.engine.tensor_parallel"]
+    proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, env=env, text=True)
+    proc.stdin.write(spec.to_json())
+    proc.stdin.close()
+    return proc
+
+
+def worker_main() -> None:
+    """A worker rank: join the group, load this rank's shard, then follow rank 0's steps
+    until STOP or until the group breaks."""
+    from pdserve.common.engine.model_runner import ModelRunner
+
+    spec = WorkerSpec.from_json(sys.stdin.read())
+    torch.set_num_threads(threads_per_rank(spec.parallel))
+    shard = TPShard(spec.rank, spec.parallel.tensor_parallel_size)
+    group = open_group(shard, spec.port, spec.parallel, spec.model.device)
+    runner = ModelRunner(
+        spec.model, spec.cache, spec.max_num_seqs, spec.max_model_len, spec.parallel, group
+    )
+    channel = StepChannel(group)
+    while True:
+        kind, payload = channel.recv()
+        if kind == _STOP:
+            return
+        if kind == _STEP:
+            runner.follow(*decode_step(payload))
+
+
+if __name__ == "__main__":
+    worker_main()

@@ -1,0 +1,159 @@
+"""Tensor parallelism inside one node: which slice of every weight a rank holds, and the
+collectives a rank's forward calls.
+
+Query heads, KV heads and the MLP's intermediate columns split evenly across ranks (q/k/v and
+gate/up by output rows, o and down by input columns, followed by an all-reduce); the embedding
+and the LM head split by vocabulary rows. When there are more ranks than KV heads, each KV head
+is held by `size // num_kv_heads` consecutive ranks: rank r's query heads all read KV head
+`r // (size // num_kv_heads)`, so grouped-query attention needs no communication.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+
+import torch
+
+from pdserve.common.model.config import ModelArchConfig
+
+
+@dataclass(frozen=True, slots=True)
+class TPShard:
+    """Which of `size` ranks this process is."""
+
+    rank: int = 0
+    size: int = 1
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.rank < self.size:
+            raise ValueError(f"tensor-parallel rank {self.rank} is not in [0, {self.size})")
+
+    def check(self, arch: ModelArchConfig) -> None:
+        """ValueError naming both numbers when `arch` cannot split across `size` ranks."""
+        n, heads, kv = self.size, arch.num_heads, arch.num_kv_heads
+        if heads % n:
+            raise ValueError(f"{heads} attention heads do not split across {n} ranks")
+        if kv % n and n % kv:
+            raise ValueError(
+                f"{kv} KV heads do not split across {n} ranks (nor replicate: {n} is not a "
+                f"multiple of {kv})"
+            )
+        if arch.intermediate_size % n:
+            raise ValueError(
+                f"MLP intermediate size {arch.intermediate_size} does not split across {n} ranks"
+            )
+
+    def num_heads(self, arch: ModelArchConfig) -> int:
+        return arch.num_heads // self.size
+
+    def num_kv_heads(self, arch: ModelArchConfig) -> int:
+        """KV heads this rank holds: its share, or one replicated head."""
+        return max(1, arch.num_kv_heads // self.size)
+
+    def kv_heads(self, arch: ModelArchConfig) -> range:
+        """The global indices of the KV heads this rank holds."""
+        kv = arch.num_kv_heads
+        if self.size <= kv:
+            per = kv // self.size
+            return range(self.rank * per, (self.rank + 1) * per)
+        first = self.rank // (self.size // kv)
+        return range(first, first + 1)
+
+    def vocab_rows(self, vocab_size: int) -> tuple[int, int, int]:
+        """(first row, end row, rows per rank): rank r holds embedding and LM-head rows
+        [first, end), padded with zero rows to `rows per rank` so every rank's shard has one
+        shape (gathered logits are cut back to vocab_size)."""
+        per = -(-vocab_size // self.size)
+        first = min(self.rank * per, vocab_size)
+        return first, min(first + per, vocab_size), per
+
+    def shard(self, name: str, tensor: torch.Tensor, arch: ModelArchConfig) -> torch.Tensor:
+        """This rank's slice of the full checkpoint tensor `name` (a new tensor when sliced)."""
+        if self.size == 1:
+            return tensor
+        kind = _kind(name)
+        if kind in ("q", "gate_up"):
+            return _even(tensor, 0, self.rank, self.size)
+        if kind == "kv":
+            heads = self.kv_heads(arch)
+            d = arch.head_dim
+            return tensor[heads.start * d : heads.stop * d].clone()
+        if kind == "row" and name.endswith(".bias"):
+            return tensor if self.rank == 0 else torch.zeros_like(tensor)  # added once
+        if kind == "row":
+            return _even(tensor, 1, self.rank, self.size)
+        if kind == "vocab":
+            first, end, per = self.vocab_rows(arch.vocab_size)
+            out = tensor.new_zeros(per, *tensor.shape[1:])
+            out[: end - first] = tensor[first:end]
+            return out
+        return tensor  # norms: every rank holds them whole
+
+
+def _kind(name: str) -> str:
+    """How a parameter splits, from its HF name."""
+    module = name.rsplit(".", 2)[-2]
+    if module == "q_proj":
+        return "q"
+    if module in ("k_proj", "v_proj"):
+        return "kv"
+    if module in ("gate_proj", "up_proj"):
+        return "gate_up"
+    if module in ("o_proj", "down_proj"):
+        return "row"
+    if module in ("embed_tokens", "lm_head"):
+        return "vocab"
+    return "whole"
+
+
+def _even(tensor: torch.Tensor, dim: int, rank: int, size: int) -> torch.Tensor:
+    return tensor.chunk(size, dim)[rank].clone()
+
+
+class TPGroup:
+    """The ranks of one node, joined by a torch.distributed backend (gloo on CPU, NCCL on
+    CUDA) built with a timeout: every collective here fails after it instead of waiting.
+
+    `lock` serialises collectives issued from more than one thread of a rank (the driver's
+    step and its keep-alive): the ranks must see one sequence of collectives."""
+
+    def __init__(self, shard: TPShard, backend: torch.distributed.ProcessGroup) -> None:
+        self.shard = shard
+        self.backend = backend
+        self.lock = threading.RLock()
+
+    @property
+    def size(self) -> int:
+        return self.shard.size
+
+    @property
+    def rank(self) -> int:
+        return self.shard.rank
+
+    def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Sum `tensor` over the ranks, in place; returns it."""
+        self.backend.allreduce([tensor]).wait()
+        return tensor
+
+    def all_reduce_min(self, tensor: torch.Tensor, timeout_s: float) -> torch.Tensor:
+        """The smallest of every rank's `tensor`, in place, waiting at most `timeout_s` (for
+        the start-up agreement, when ranks may be far apart)."""
+        import datetime
+
+        opts = torch.distributed.AllreduceOptions()
+        opts.reduceOp = torch.distributed.ReduceOp.MIN
+        opts.timeout = datetime.timedelta(seconds=timeout_s)
+        self.backend.allreduce([tensor], opts).wait()
+        return tensor
+
+    def gather_last_dim(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Every rank's `tensor` joined along the last dimension, on every rank."""
+        parts = [torch.empty_like(tensor) for _ in range(self.size)]
+        self.backend.allgather([parts], [tensor.contiguous()]).wait()
+        return torch.cat(parts, dim=-1)
+
+    def broadcast(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Rank 0's `tensor` on every rank, in place."""
+        self.backend.broadcast(tensor, 0).wait()
+        return tensor

@@ -1,0 +1,114 @@
+"""A tensor-parallel engine (rank 0 here, its workers as processes on gloo): greedy output
+equal to HF transformers', sampling and prompt logprobs as at TP 1, and a group that fails as
+one when a rank dies."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from pdserve.common.engine.llm import LLM, SamplingParams
+from pdserve.tiny_model import make_tiny_model
+from tests.common.test_llm_equivalence import GREEDY, PROMPTS, VOCAB, hf_greedy
+
+# Each rank on one thread: two cores hold two ranks; four ranks share them.
+TP = {"skip_tokenizer_init": True, "threads_per_rank": 1}
+
+
+@pytest.fixture(scope="module")
+def model_dirs(tmp_path_factory) -> dict[str, str]:
+    root = tmp_path_factory.mktemp("tp")
+    return {
+        "llama": str(make_tiny_model("llama", root / "llama", vocab=VOCAB, kv_heads=4)),
+        # 2 KV heads on 4 ranks: each KV head replicated on two of them.
+        "qwen3": str(make_tiny_model("qwen3", root / "qwen3", vocab=VOCAB, kv_heads=2)),
+    }
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split()[2] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+@pytest.mark.parametrize(("arch", "size"), [("llama", 2), ("qwen3", 4)])
+def test_greedy_equals_hf_and_sampling_equals_tp1(model_dirs, arch: str, size: int) -> None:
+    model_dir = model_dirs[arch]
+    hf_tokens, _ = hf_greedy(model_dir)
+    seeded = SamplingParams(max_tokens=8, temperature=0.9, top_k=20, seed=7, logprobs=2)
+    scored = SamplingParams(max_tokens=2, temperature=0.0, prompt_logprobs=3)
+    short = PROMPTS[:4]
+    one = LLM(model_dir, skip_tokenizer_init=True)
+    with LLM(model_dir, tensor_parallel_size=size, **TP) as llm:
+        workers = [p.pid for p in llm.engine.runner.driver.procs]
+        assert [o.token_ids for o in llm.generate(PROMPTS, GREEDY)] == hf_tokens
+        for a, b in zip(one.generate(short, seeded), llm.generate(short, seeded), strict=True):
+            assert a.token_ids == b.token_ids
+            assert _same_tops(a.logprobs, b.logprobs)
+        for a, b in zip(one.generate(short, scored), llm.generate(short, scored), strict=True):
+            assert [p.token_id for p in a.prompt_logprobs[1:]] == [
+                p.token_id for p in b.prompt_logprobs[1:]
+            ]
+            for x, y in zip(a.prompt_logprobs[1:], b.prompt_logprobs[1:], strict=True):
+                assert x.logprob == pytest.approx(y.logprob, abs=1e-4)
+                assert [t for t, _ in x.top] == [t for t, _ in y.top]
+        llm.engine.check_integrity()
+    deadline = time.monotonic() + 30
+    while any(map(_alive, workers)) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not any(map(_alive, workers)), "a worker outlived close()"
+
+
+def _same_tops(a, b) -> bool:
+    return all(
+        [t for t, _ in x.top] == [t for t, _ in y.top]
+        and all(abs(p - q) < 1e-4 for (_, p), (_, q) in zip(x.top, y.top, strict=True))
+        for x, y in zip(a, b, strict=True)
+    )
+
+
+def test_a_dead_worker_fails_the_next_step_naming_it(model_dirs) -> None:
+    with LLM(model_dirs["llama"], tensor_parallel_size=2, **TP) as llm:
+        assert llm.generate([[1, 2, 3]], GREEDY)[0].token_ids
+        worker = llm.engine.runner.driver.procs[0]
+        os.kill(worker.pid, signal.SIGKILL)
+        worker.wait(timeout=10)
+        with pytest.raises(RuntimeError, match="rank 1 exited with -9"):
+            llm.generate([[1, 2, 3]], GREEDY)
+
+
+_RANK0 = """
+import sys, time
+from pdserve.common.engine.llm import LLM
+llm = LLM(sys.argv[1], skip_tokenizer_init=True, tensor_parallel_size=2, threads_per_rank=1)
+print(llm.engine.runner.driver.procs[0].pid, flush=True)
+time.sleep(120)
+"""
+
+
+def test_workers_exit_when_rank0_is_killed(model_dirs) -> None:
+    child = subprocess.Popen(
+        [sys.executable, "-c", _RANK0, model_dirs["llama"]], stdout=subprocess.PIPE, text=True
+    )
+    try:
+        worker = int(child.stdout.readline())
+        assert _alive(worker)
+    finally:
+        child.kill()
+        child.wait(timeout=10)
+    deadline = time.monotonic() + 30
+    while _alive(worker) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not _alive(worker), "a worker outlived its rank 0"
+
+
+def test_a_model_that_cannot_split_is_refused_before_any_process(model_dirs) -> None:
+    with pytest.raises(ValueError, match="4 attention heads do not split across 3 ranks"):
+        LLM(model_dirs["llama"], tensor_parallel_size=3, **TP)
