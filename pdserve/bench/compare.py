@@ -1,6 +1,6 @@
 """`pdserve bench compare`: pdserve colocated, pdserve 1P1D and `transformers serve
 --continuous-batching`, side by side on the same requests, then the saturation run through the
-engine alone, profiled. Scenarios, goals and reading: docs/benchmarks.md."""
+engine alone, profiled; also the frame `bench multiturn` runs its systems in."""
 
 from __future__ import annotations
 
@@ -13,11 +13,13 @@ import shutil
 import sys
 import tempfile
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
+
+import httpx
 
 from pdserve.bench.engine_profile import profile_engine
 from pdserve.bench.load import (
@@ -58,20 +60,170 @@ from pdserve.bench.report import (
 )
 from pdserve.bench.systems import pdserve_cluster, transformers_serve
 from pdserve.common.node.cli import parser
+from pdserve.local_cluster import free_port
 
-SYSTEMS = ("pdserve-colocated", "pdserve-1p1d", "transformers-serve")
-QUICK_SYSTEMS = SYSTEMS[:2]
 SECTION = "compare"
 SMOLLM2_SECTION = "compare-smollm2"
 SMOLLM2_DIR = "smollm2-135m-instruct-f32"  # under --cache-dir
-# The router flag of 1P1D: every prefill on the prefill node (colocated has no placement).
-REMOTE_PREFILL = ["--prefill-placement", "remote"]
+REMOTE = ("--prefill-placement", "remote")  # every prefill on a prefill node
 DEFAULT_BATCH_TOKENS = 512  # pdserve's --max-num-batched-tokens (pdserve.common.node.cli)
 
 # The benchmark model: the offline benchmark's geometry, random weights drawn with the
 # usual 0.02 initializer range (tiny_model's default is 0.1).
 BENCH_MODEL = {**BENCH_MODEL_SIZES, "initializer_range": 0.02}
 QUICK_MODEL: dict[str, Any] = {}  # the tests' tiny Llama as pdserve.tiny_model makes it
+
+
+# ---------------------------------------------------------------- the frame: systems, flags, runs
+
+
+@dataclass(frozen=True, slots=True)
+class System:
+    """One system compared: (prefill, decode, colocated) pdserve nodes with flags of its router
+    and of its decode nodes, or (shape None) `transformers serve`."""
+
+    name: str
+    shape: tuple[int, int, int] | None
+    router_args: tuple[str, ...] = ()
+    decode_args: tuple[str, ...] = ()
+
+    @property
+    def what(self) -> str:
+        if self.shape is None:
+            return "transformers serve --continuous-batching"
+        if not self.shape[0]:
+            return "one node, role both"
+        decode = f", decode node `{' '.join(self.decode_args)}`" if self.decode_args else ""
+        return f"1P1D, `{' '.join(self.router_args)}`{decode}"
+
+
+SYSTEMS = {
+    s.name: s
+    for s in (
+        System("pdserve-colocated", (0, 0, 1)),
+        System("pdserve-1p1d", (1, 1, 0), REMOTE),
+        System("transformers-serve", None),
+    )
+}
+QUICK_SYSTEMS = ("pdserve-colocated", "pdserve-1p1d")
+
+
+@contextmanager
+def start_system(spec: System, args: argparse.Namespace, model: Path | str) -> Iterator[tuple]:
+    """Start one system with every server process at args.threads torch threads; yields its
+    URL and the health URLs of its decode nodes (their KV gauges)."""
+    log_dir = args.log_dir / spec.name
+    if spec.shape is None:
+        tokens = batch_tokens(args.engine_args)
+        with transformers_serve(Path(model), tokens, log_dir, args.threads) as url:
+            yield url, []
+        return
+    port = free_port()  # the decode node's health port (one decode node here)
+    decode = ["--health-port", str(port), *spec.decode_args] if spec.shape[1] else []
+    router = [*heartbeat_args(getattr(args, "heartbeat_timeout", 0.0)), *spec.router_args]
+    with pdserve_cluster(
+        model, spec.shape, log_dir, threads=args.threads, engine_args=args.engine_args,
+        router_args=router, decode_args=decode,
+    ) as cluster:  # fmt: skip
+        yield cluster.url, [f"http://127.0.0.1:{port}"] if spec.shape[1] else []
+
+
+Measure = Callable[[str, list[str], dict[str, Any]], None]
+
+
+def measure_systems(
+    args: argparse.Namespace, systems: dict[str, System], model: Path | str, measure: Measure
+) -> tuple[dict[str, dict[str, Any]], list[str]]:
+    """Each system of args.systems started, measured by measure(url, health URLs, its record)
+    and stopped. A system that cannot start or go on keeps what it measured, and is noted."""
+    results: dict[str, dict[str, Any]] = {}
+    notes: list[str] = []
+    for name in args.systems:
+        results[name] = {}
+        print(f"== {name}: starting", flush=True)
+        started = time.monotonic()
+        try:
+            with start_system(systems[name], args, model) as (url, health):
+                print(f"== {name}: ready at {url} in {time.monotonic() - started:.0f}s")
+                measure(url, health, results[name])
+        except (RuntimeError, OSError, httpx.HTTPError) as exc:
+            notes.append(f"{name} stopped: {exc}")
+            print(f"!! {name}: {exc}", file=sys.stderr, flush=True)
+    return results, notes
+
+
+def scenario_parser(name: str, doc: str, run_flags: list, model_flags: list, files: str):
+    """The flags groups run, model and servers, output; flags not listed are engine flags."""
+    p = parser(f"pdserve bench {name}", doc.split("\n\n")[0])
+    p.epilog = "Flags not listed here go to every pdserve node as engine flags (`pdserve serve\n"
+    p.epilog += "--help` lists them), e.g. --max-num-batched-tokens 256 --num-blocks 2048."
+    add_flags(p.add_argument_group("run"), run_flags)
+    servers = p.add_argument_group("model and servers")
+    add_flags(servers, model_flags)
+    add_log_dir_flag(servers)
+    out = add_output_flags(p, files)
+    add_from_json_flag(out, f"the plots and section of a saved {name} JSON")
+    return p, out
+
+
+def parse_scenario(
+    p: argparse.ArgumentParser, argv: list[str], known: Sequence[str], quick: Sequence[str]
+) -> argparse.Namespace:
+    """The flags, engine flags apart, and --systems (default: all; --quick: `quick`) checked
+    and in the order of `known`."""
+    args, args.engine_args = p.parse_known_args(argv)
+    names = args.systems.split(",") if args.systems else list(quick if args.quick else known)
+    if unknown := set(names) - set(known):
+        p.error(f"unknown systems {sorted(unknown)}; choose from {', '.join(known)}")
+    args.systems = [s for s in known if s in names]
+    return args
+
+
+def scenario_fields(args: argparse.Namespace, model: Path | str, desc: str) -> dict[str, Any]:
+    """What every comparison records of its setup."""
+    return {
+        "date": time.strftime("%Y-%m-%d %H:%M"),
+        "git": git_state(),
+        "model": str(model),
+        "model_desc": desc,
+        "engine_args": args.engine_args,
+        "threads": args.threads,
+        "quick": args.quick,
+        "systems": args.systems,
+    }
+
+
+def loads_row(loads: list[float], when: str) -> list[str]:
+    text = f"{min(loads):.1f} to {max(loads):.1f}" if loads else "not measured"
+    return [f"1-minute load average {when}", text]
+
+
+def scenario_main(
+    argv: list[str] | None,
+    parse: Callable[[list[str]], argparse.Namespace],
+    benchmark: str,
+    measure: Callable[[argparse.Namespace], dict[str, Any]],
+    publish: Callable[[dict[str, Any], Outputs], None],
+) -> dict[str, Any]:
+    """Measure (or read back --from-json) and publish; scripts/bench_NAME.py repeats it."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    args = parse(argv)
+    script = f"bench_{benchmark}.py"
+    report = measure_or_load(args, benchmark, script, argv, lambda: measure(args))
+    publish(report, args.outputs)
+    return report
+
+
+def write_report(report: dict[str, Any], to: Outputs, name: str, section: str) -> Path:
+    """NAME.json and the page's section; prints the goals."""
+    data = save_json(to.folder / f"{name}.json", report)
+    write_section(name, section, to.page)
+    print(goals_table(report["goals"]))
+    print(f"wrote {data}, the plots and the `{name}` section of {to.page}")
+    return data
+
+
+# ---------------------------------------------------------------- the serving scenarios
 
 
 @dataclass(frozen=True, slots=True)
@@ -93,21 +245,7 @@ class Sizes:
     mixed_long_at: tuple[float, ...] = (3.0, 12.0)  # seconds after the short ones start
 
 
-QUICK_SIZES = Sizes(
-    latency_n=2,
-    latency_input=64,
-    latency_output=4,
-    sat_n=4,
-    sat_input=32,
-    sat_output=6,
-    sat_rates=(8.0, math.inf),
-    mixed_short_n=2,
-    mixed_short_input=16,
-    mixed_short_output=12,
-    mixed_long_input=256,
-    mixed_long_output=2,
-    mixed_long_at=(0.3,),
-)
+QUICK_SIZES = Sizes(2, 64, 4, 4, 32, 6, (8.0, math.inf), 2, 16, 12, 256, 2, (0.3,))
 
 
 @dataclass(frozen=True, slots=True)
@@ -145,9 +283,6 @@ def scenario_runs(pool: TokenPool, sizes: Sizes, seed: int) -> list[Run]:
     arrivals = [0.0] * len(short) + list(s.mixed_long_at)
     runs.append(Run("mixed", "short+long", short + long, arrivals=arrivals))
     return runs
-
-
-# ---------------------------------------------------------------- the model
 
 
 def ensure_model(cache_dir: Path, quick: bool, smollm2: bool = False) -> Path:
@@ -198,32 +333,7 @@ def _write_float32(gguf: Path, into: Path) -> None:
     (into / "config.json").write_text(json.dumps({**config, "dtype": "float32"}, indent=2) + "\n")
 
 
-# ---------------------------------------------------------------- the systems and the runs
-
-
-@contextmanager
-def start_system(system: str, args: argparse.Namespace, model: Path) -> Iterator[str]:
-    """Start one system with every server process at args.threads torch threads; yields
-    its URL."""
-    if system == "transformers-serve":
-        tokens = batch_tokens(args.engine_args)
-        with transformers_serve(model, tokens, args.log_dir, args.threads) as url:
-            yield url
-        return
-    shape = {"pdserve-colocated": (0, 0, 1), "pdserve-1p1d": (1, 1, 0)}[system]
-    placement = REMOTE_PREFILL if system == "pdserve-1p1d" else []
-    with pdserve_cluster(
-        model,
-        shape,
-        args.log_dir / system,
-        threads=args.threads,
-        engine_args=args.engine_args,
-        router_args=[*router_args(args.heartbeat_timeout), *placement],
-    ) as cluster:
-        yield cluster.url
-
-
-def router_args(heartbeat_timeout: float) -> list[str]:
+def heartbeat_args(heartbeat_timeout: float) -> list[str]:
     """The router's `--heartbeat-timeout` (0: the router's own)."""
     return ["--heartbeat-timeout", f"{heartbeat_timeout:g}"] if heartbeat_timeout > 0 else []
 
@@ -242,30 +352,6 @@ def engine_flag(engine_args: Sequence[str], flag: str, default: int) -> int:
         if arg == flag and i + 1 < len(args):
             return int(args[i + 1])
     return default
-
-
-def measure_system(
-    system: str,
-    args: argparse.Namespace,
-    model: Path,
-    runs: list[Run],
-    pool: TokenPool,
-    notes: list[str],
-) -> dict[str, dict[str, Any]]:
-    """Start `system`, run every scenario run against it, stop it: {run key: result}. A run
-    that cannot go on (the server refuses or dies) ends the system's runs, noted in notes."""
-    results: dict[str, dict[str, Any]] = {}
-    print(f"== {system}: starting", flush=True)
-    started = time.monotonic()
-    try:
-        with start_system(system, args, model) as url:
-            print(f"== {system}: ready at {url} in {time.monotonic() - started:.0f}s", flush=True)
-            for run in runs:
-                results[f"{run.scenario}/{run.label}"] = measure_run(url, run, pool, args)
-    except (RuntimeError, OSError) as exc:
-        notes.append(f"{system} stopped after {len(results)} of {len(runs)} runs: {exc}")
-        print(f"!! {system}: {exc}", file=sys.stderr, flush=True)
-    return results
 
 
 def measure_run(url: str, run: Run, pool: TokenPool, args: argparse.Namespace) -> dict[str, Any]:
@@ -425,15 +511,13 @@ def scenario_tables(results: dict[str, dict], keys: list[str]) -> str:
 def setup_table(report: dict[str, Any]) -> str:
     """Where and how the run was made, one row each."""
     runs = [r for by_key in report["results"].values() for r in by_key.values()]
-    loads = [x for r in runs for x in r["load_avg_1m"]]
     rows = [
         *setup_rows(report),
         ["token budget per step (transformers serve: `--cb-max-batch-tokens`)",
          report["batch_tokens"]],
         ["pdserve router flags",
          f"{flags_text(report['router_args'])} (1P1D adds `--prefill-placement remote`)"],
-        ["1-minute load average around the runs",
-         f"{min(loads):.1f} to {max(loads):.1f}" if loads else "not measured"],
+        loads_row([x for r in runs for x in r["load_avg_1m"]], "around the runs"),
     ]  # fmt: skip
     return markdown_table(["run", ""], rows)
 
@@ -504,9 +588,9 @@ def profile_table(report: dict[str, Any]) -> list[str]:
     ]
 
 
-def render_section(report: dict[str, Any], to: Outputs, plots: list[Path], data: Path) -> str:
+def render_section(report: dict[str, Any], to: Outputs, plots: list[Path]) -> str:
     on = f" on {report['model_name']}" if report.get("model_name") else ""
-    sizes = sizes_from_dict(report["sizes"])
+    sizes, name = sizes_from_dict(report["sizes"]), report["section"]
     lines = [
         f"## pdserve against transformers serve{on} (`scripts/bench_compare.py`)",
         "",
@@ -529,7 +613,7 @@ def render_section(report: dict[str, Any], to: Outputs, plots: list[Path], data:
         "",
         *[f"![{p.stem}]({to.link(p)})" for p in plots],
         "",
-        f"Raw results, every request included: `{to.link(data)}`.",
+        f"Raw results, every request included: `{to.link(to.folder / f'{name}.json')}`.",
     ]
     if report.get("notes"):
         lines += ["", "### Notes", "", *[f"- {n}" for n in report["notes"]]]
@@ -543,15 +627,13 @@ def publish(report: dict[str, Any], to: Outputs) -> None:
     results = {s: report["results"][s] for s in SYSTEMS if s in report["results"]}
     report = {**report, "results": results}
     name = report["section"]
-    data = save_json(to.folder / f"{name}.json", report)
+    to.folder.mkdir(parents=True, exist_ok=True)
     plots = [
         plot_distributions(results, sizes, "ttft", to.folder / f"{name}_ttft.png"),
         plot_distributions(results, sizes, "itl", to.folder / f"{name}_itl.png"),
         plot_throughput(results, sizes, to.folder / f"{name}_throughput.png"),
     ]
-    write_section(name, render_section(report, to, plots, data), to.page)
-    print(goals_table(report["goals"]))
-    print(f"wrote {data}, the plots and the `{name}` section of {to.page}")
+    write_report(report, to, name, render_section(report, to, plots))
 
 
 def sizes_from_dict(d: dict[str, Any]) -> Sizes:
@@ -607,26 +689,13 @@ OUTPUT_FLAGS = [
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
-    p = parser("pdserve bench compare", __doc__.split("\n\n")[0])
-    p.epilog = (
-        "Flags not listed here go to every pdserve node as engine flags (`pdserve serve\n"
-        "--help` lists them), e.g. --max-num-batched-tokens 256 --num-blocks 2048."
-    )
-    add_flags(p.add_argument_group("run"), RUN_FLAGS)
-    servers = p.add_argument_group("model and servers")
-    add_flags(servers, MODEL_FLAGS)
-    add_log_dir_flag(servers)
-    out = add_output_flags(p, "SECTION.json and the plots SECTION_*.png")
+    files = "SECTION.json and the plots SECTION_*.png"
+    p, out = scenario_parser("compare", __doc__, RUN_FLAGS, MODEL_FLAGS, files)
     add_flags(out, OUTPUT_FLAGS)
-    add_from_json_flag(out, "the plots and section of this JSON (its own section)")
-    args, args.engine_args = p.parse_known_args(argv)
+    args = parse_scenario(p, argv, list(SYSTEMS), QUICK_SYSTEMS)
     if args.smollm2 and args.model is not None:
         p.error("--smollm2 and --model name two models: give one")
     args.section = args.section or (SMOLLM2_SECTION if args.smollm2 else SECTION)
-    default = QUICK_SYSTEMS if args.quick else SYSTEMS
-    args.systems = args.systems.split(",") if args.systems else list(default)
-    if unknown := set(args.systems) - set(SYSTEMS):
-        p.error(f"unknown systems {sorted(unknown)}; choose from {', '.join(SYSTEMS)}")
     if args.out is None and args.quick:
         args.out = Path(tempfile.mkdtemp(prefix="bench-compare-"))
     to = outputs(args.out, args.docs_dir)
@@ -642,26 +711,21 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         model = args.model or ensure_model(args.cache_dir, args.quick, args.smollm2)
         pool = load_pool(str(model))
         runs = scenario_runs(pool, sizes, args.seed)
-        results: dict[str, dict] = {}
-        notes: list[str] = []
-        for system in args.systems:
-            results[system] = measure_system(system, args, model, runs, pool, notes)
+
+        def measure_one(url: str, _health: list[str], into: dict[str, Any]) -> None:
+            for run in runs:
+                into[f"{run.scenario}/{run.label}"] = measure_run(url, run, pool, args)
+
+        results, notes = measure_systems(args, SYSTEMS, model, measure_one)
         profile = None if args.no_profile else profile_saturation(model, runs, args)
     config = json.loads((model / "config.json").read_text())
     return {
-        "date": time.strftime("%Y-%m-%d %H:%M"),
-        "git": git_state(),
-        "model": str(model),
-        "model_desc": model_desc(config, args),
+        **scenario_fields(args, model, model_desc(config, args)),
         "model_name": "SmolLM2-135M-Instruct" if args.smollm2 else None,
-        "engine_args": args.engine_args,
         "batch_tokens": batch_tokens(args.engine_args),
-        "threads": args.threads,
-        "router_args": router_args(args.heartbeat_timeout),
+        "router_args": heartbeat_args(args.heartbeat_timeout),
         "section": args.section,
-        "quick": args.quick,
         "sizes": asdict(sizes),
-        "systems": args.systems,
         "results": results,
         "goals": evaluate_goals(results, sizes),
         "profile": profile,
@@ -670,11 +734,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-    argv = sys.argv[1:] if argv is None else list(argv)
-    args = parse_args(argv)
-    report = measure_or_load(args, "compare", "bench_compare.py", argv, lambda: measure(args))
-    publish(report, args.outputs)
-    return report
+    return scenario_main(argv, parse_args, "compare", measure, publish)
 
 
 if __name__ == "__main__":

@@ -1,15 +1,13 @@
 """`pdserve bench multiturn`: multi-turn chat, colocated against three 1P1D setups, on the
-same conversations: the KV that moves into decode nodes per turn, TTFT, and the router's
-placement counters read between turns. Systems, goals and reading: docs/benchmarks.md."""
+same conversations (a workload of `bench compare`'s frame): the KV that moves into decode
+nodes per turn, TTFT, and the router's placement counters read between turns."""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import functools
 import math
 import os
-import sys
 import tempfile
 import time
 from collections.abc import Sequence
@@ -19,7 +17,18 @@ from typing import Any
 
 import httpx
 
-from pdserve.bench.compare import engine_flag
+from pdserve.bench.compare import (
+    REMOTE,
+    System,
+    engine_flag,
+    loads_row,
+    measure_systems,
+    parse_scenario,
+    scenario_fields,
+    scenario_main,
+    scenario_parser,
+    write_report,
+)
 from pdserve.bench.load import (
     BenchConfig,
     ChatWorkload,
@@ -41,31 +50,19 @@ from pdserve.bench.report import (
     THREADS_FLAG,
     TIMEOUT_FLAG,
     Outputs,
-    add_flags,
-    add_from_json_flag,
-    add_log_dir_flag,
-    add_output_flags,
     cached_model,
-    git_state,
     goal,
     goals_table,
     markdown_table,
-    measure_or_load,
     outputs_from_args,
     pyplot,
     records_table,
     save_figure,
-    save_json,
     setup_rows,
     sigterm_raises,
-    write_section,
 )
-from pdserve.bench.systems import pdserve_cluster
-from pdserve.common.node.cli import parser
-from pdserve.local_cluster import free_port
 
 SECTION = "multiturn"
-SYSTEMS = ("colocated", "remote-nocache", "remote", "conditional", "threshold")
 THRESHOLD = 128  # tokens the decode node may lack and still prefill (the `threshold` system)
 REFERENCE = "colocated"  # whose answers the others' must equal
 DEFAULT_BLOCK_SIZE = 16  # the engine's --block-size default (pdserve.common.node.cli)
@@ -74,27 +71,7 @@ SETTLE_S = 1.5  # after a turn: nodes publish their gauges every heartbeat (0.5 
 CAPS = ServerCaps(token_ids=False, eos_mode="ignore_eos", model=None)
 TURN_METRICS = ("completed", "failed", "errors", "duration_s", "cached_prompt_tokens")
 TURN_METRICS += ("mean_ttft_ms", "median_ttft_ms", "p90_ttft_ms")
-
-
-@dataclass(frozen=True, slots=True)
-class System:
-    """One cluster shape: (prefill, decode, colocated) nodes, and flags of its router and of
-    its decode nodes."""
-
-    name: str
-    shape: tuple[int, int, int]
-    router_args: tuple[str, ...] = ()
-    decode_args: tuple[str, ...] = ()
-
-    @property
-    def what(self) -> str:
-        if not self.shape[0]:
-            return "one node, role both"
-        decode = f", decode node `{' '.join(self.decode_args)}`" if self.decode_args else ""
-        return f"1P1D, `{' '.join(self.router_args)}`{decode}"
-
-
-REMOTE, AUTO = ("--prefill-placement", "remote"), ("--prefill-placement", "auto")
+AUTO = ("--prefill-placement", "auto")
 SYSTEM_SPECS = {
     s.name: s
     for s in (
@@ -105,6 +82,7 @@ SYSTEM_SPECS = {
         System("threshold", (1, 1, 0), (*AUTO, "--local-prefill-threshold", str(THRESHOLD))),
     )
 }
+SYSTEMS = tuple(SYSTEM_SPECS)
 QUICK_WORKLOAD = ChatWorkload(conversations=2, turns=2, first_len=48, message_len=16, answer_len=8)
 
 
@@ -159,19 +137,18 @@ async def read_counters(client: httpx.AsyncClient, health_urls: Sequence[str]) -
 
 
 async def run_turns(
-    url: str, health_urls: list[str], pool: TokenPool, w: ChatWorkload, timeout: float
-) -> list[dict[str, Any]]:
-    """Every turn of every conversation against one running system: per-turn records. A
-    turn with a failed reply ends the run (the conversation cannot go on)."""
-    turns: list[dict[str, Any]] = []
+    url: str, health_urls: list[str], pool: TokenPool, args: argparse.Namespace, turns: list
+) -> None:
+    """Every turn of every conversation against one running system, a record per turn into
+    `turns`. A turn with a failed reply ends the run (the conversation cannot go on)."""
     async with make_client(url) as client:
-        sender = Sender(client, url, CAPS, timeout_s=timeout)
+        sender = Sender(client, url, CAPS, timeout_s=args.request_timeout)
         # The first request of a fresh cluster pays one-time costs, and nodes measure their
         # prefill rates (the cost model's input).
         await warm_up(sender, pool, 1, chat=True)
         await asyncio.sleep(SETTLE_S)
         before = await read_counters(client, health_urls)
-        for t, requests in enumerate(chat_turns(pool, w)):
+        for t, requests in enumerate(chat_turns(pool, args.workload)):
             load = os.getloadavg()[0]
             start = time.perf_counter()
             replies = await asyncio.gather(*(sender.send(r) for r in requests))
@@ -183,7 +160,6 @@ async def run_turns(
             if not all(r.success for r in replies):
                 break
             before = after
-    return turns
 
 
 def turn_record(
@@ -210,41 +186,6 @@ def print_turn(turn: dict[str, Any]) -> None:
         f"{turn['mean_ttft_ms']:.0f} ms, {turn['output_tokens_per_s']:.1f} out tok/s",
         flush=True,
     )
-
-
-def measure_system(
-    spec: System, model: str, pool: TokenPool, args: argparse.Namespace, notes: list[str]
-) -> dict[str, Any]:
-    """Start the system, run the conversations, stop it; a system that cannot start or
-    answer is noted and keeps the turns it finished."""
-    print(f"== {spec.name}: starting", flush=True)
-    started = time.monotonic()
-    turns: list[dict[str, Any]] = []
-    port = free_port()  # the decode node's health port: its KV gauges (one decode node here)
-    decode_args = ["--health-port", str(port), *spec.decode_args]
-    health = [f"http://127.0.0.1:{port}"] if spec.shape[1] else []
-    try:
-        with pdserve_cluster(
-            model,
-            spec.shape,
-            args.log_dir / spec.name,
-            threads=args.threads,
-            engine_args=args.engine_args,
-            router_args=spec.router_args,
-            decode_args=decode_args,
-        ) as cluster:
-            startup = time.monotonic() - started
-            print(f"== {spec.name}: ready at {cluster.url} in {startup:.0f}s", flush=True)
-            turns = asyncio.run(
-                run_turns(cluster.url, health, pool, args.workload, args.request_timeout)
-            )
-    except (RuntimeError, OSError, httpx.HTTPError) as exc:
-        notes.append(f"{spec.name} stopped: {exc}")
-        print(f"!! {spec.name}: {exc}", file=sys.stderr, flush=True)
-    failed = [t["turn"] for t in turns if t["failed"]]
-    if failed:
-        notes.append(f"{spec.name}: turn {failed[0]} had failed replies: {turns[-1]['errors']}")
-    return {"turns": turns, "overall": overall(turns)}
 
 
 def overall(turns: list[dict[str, Any]]) -> dict[str, Any]:
@@ -485,8 +426,7 @@ def setup_table(report: dict[str, Any]) -> str:
     rows = [
         *setup_rows(report),
         ["block size, KV connector", f"{report['block_size']}, zmq"],
-        ["1-minute load average at the turns' starts",
-         f"{min(loads):.1f} to {max(loads):.1f}" if loads else "not measured"],
+        loads_row(loads, "at the turns' starts"),
         ["conversations x turns", f"{w['conversations']} x {w['turns']}"],
         ["first user message, tokens", w["first_len"]],
         ["later user messages, tokens", f"{w['message_len']} ± {w['range_ratio']:.0%}"],
@@ -496,7 +436,7 @@ def setup_table(report: dict[str, Any]) -> str:
     return markdown_table(["run", ""], rows)
 
 
-def render_section(report: dict[str, Any], to: Outputs, plot: Path | None, data: Path) -> str:
+def render_section(report: dict[str, Any], to: Outputs, plot: Path | None) -> str:
     results = report["results"]
     most = max((len(r["turns"]) for r in results.values()), default=0)
     turns = [
@@ -534,7 +474,8 @@ def render_section(report: dict[str, Any], to: Outputs, plot: Path | None, data:
     ]
     if plot is not None:
         lines += [f"![multiturn]({to.link(plot)})", ""]
-    lines.append(f"Raw results, every reply included: `{to.link(data)}`.")
+    data = to.link(to.folder / f"{SECTION}.json")
+    lines.append(f"Raw results, every reply included: `{data}`.")
     if report.get("notes"):
         lines += ["", "### Notes", "", *[f"- {n}" for n in report["notes"]]]
     return "\n".join(lines)
@@ -545,19 +486,17 @@ def publish(report: dict[str, Any], to: Outputs) -> None:
     results = {s: report["results"][s] for s in SYSTEMS if s in report["results"]}
     goals = evaluate_goals(results, report["workload"]["turns"])  # the goals as defined now
     report = {**report, "results": results, "goals": goals}
-    data = save_json(to.folder / "multiturn.json", report)
+    to.folder.mkdir(parents=True, exist_ok=True)
     plot = plot_turns(results, to.folder / "multiturn.png") if results else None
-    write_section(SECTION, render_section(report, to, plot, data), to.page)
-    print(goals_table(report["goals"]))
+    write_report(report, to, SECTION, render_section(report, to, plot))
     print(answers_table(report["answers"]))
-    print(f"wrote {data} and the `{SECTION}` section of {to.page}")
 
 
 # ---------------------------------------------------------------- main
 
 _W = ChatWorkload()
 RUN_FLAGS = [
-    ("--systems", str, ",".join(SYSTEMS), f"a comma list from {', '.join(SYSTEMS)} (colocated "
+    ("--systems", str, None, f"a comma list from {', '.join(SYSTEMS)} (default: all; colocated "
      "runs first)", {"metavar": "NAME,..."}),
     ("--quick", bool, None, "tiny random model, 2 conversations x 2 short turns (needs --out)"),
     ("--conversations", int, None, f"default {_W.conversations}"),
@@ -579,19 +518,9 @@ WORKLOAD_FLAGS = ("conversations", "turns", "first_len", "message_len", "answer_
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
-    p = parser("pdserve bench multiturn", __doc__.split("\n\n")[0])
-    p.epilog = "Flags not listed here go to every node as engine flags (`pdserve serve --help`)."
-    add_flags(p.add_argument_group("run"), RUN_FLAGS)
-    servers = p.add_argument_group("model and servers")
-    add_flags(servers, MODEL_FLAGS)
-    add_log_dir_flag(servers)
-    out = add_output_flags(p, "multiturn.json and multiturn.png")
-    add_from_json_flag(out, "the plot and section of this multiturn.json")
-    args, args.engine_args = p.parse_known_args(argv)
-    names = [s for s in args.systems.split(",") if s]
-    if unknown := set(names) - set(SYSTEMS):
-        p.error(f"unknown systems {sorted(unknown)}; choose from {', '.join(SYSTEMS)}")
-    args.systems = [s for s in SYSTEMS if s in names]  # the reference first
+    files = "multiturn.json and multiturn.png"
+    p, _ = scenario_parser("multiturn", __doc__, RUN_FLAGS, MODEL_FLAGS, files)
+    args = parse_scenario(p, argv, SYSTEMS, SYSTEMS)
     base = QUICK_WORKLOAD if args.quick else ChatWorkload()
     given = {k: getattr(args, k) for k in WORKLOAD_FLAGS if getattr(args, k) is not None}
     try:
@@ -620,23 +549,23 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     model, desc = resolve_model(args)
     # A GGUF's config and tokenizer are converted once here, not by every node at once.
     pool = load_pool(str(Checkpoint.resolve(model).hf_dir()))
-    results: dict[str, dict] = {}
-    notes: list[str] = []
+
+    def measure_one(url: str, health: list[str], into: dict[str, Any]) -> None:
+        into["turns"] = []
+        asyncio.run(run_turns(url, health, pool, args, into["turns"]))
+
     with sigterm_raises(), tempfile.TemporaryDirectory(prefix="bench-multiturn-") as tmp:
         args.log_dir = args.log_dir or Path(tmp)
-        for name in args.systems:
-            results[name] = measure_system(SYSTEM_SPECS[name], model, pool, args, notes)
+        results, notes = measure_systems(args, SYSTEM_SPECS, model, measure_one)
+    for name, res in results.items():
+        turns = res.setdefault("turns", [])
+        res["overall"] = overall(turns)
+        if failed := [t["turn"] for t in turns if t["failed"]]:
+            notes.append(f"{name}: turn {failed[0]} had failed replies: {turns[-1]['errors']}")
     return {
-        "date": time.strftime("%Y-%m-%d %H:%M"),
-        "git": git_state(),
-        "model": model,
-        "model_desc": desc,
-        "engine_args": args.engine_args,
+        **scenario_fields(args, model, desc),
         "block_size": engine_flag(args.engine_args, "--block-size", DEFAULT_BLOCK_SIZE),
-        "threads": args.threads,
-        "quick": args.quick,
         "workload": asdict(args.workload),
-        "systems": args.systems,
         "results": results,
         "answers": compare_answers(results),
         "notes": notes,
@@ -644,12 +573,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-    argv = sys.argv[1:] if argv is None else list(argv)
-    args = parse_args(argv)
-    measure_now = functools.partial(measure, args)
-    report = measure_or_load(args, "multiturn", "bench_multiturn.py", argv, measure_now)
-    publish(report, args.outputs)
-    return report
+    return scenario_main(argv, parse_args, SECTION, measure, publish)
 
 
 if __name__ == "__main__":
