@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from pdserve.common.model.config import ModelArchConfig
+from pdserve.common.wire.tp_map import check_kv_split, rank_kv_heads
 
 
 @dataclass(frozen=True, slots=True)
@@ -31,14 +32,10 @@ class TPShard:
 
     def check(self, arch: ModelArchConfig) -> None:
         """ValueError naming both numbers when `arch` cannot split across `size` ranks."""
-        n, heads, kv = self.size, arch.num_heads, arch.num_kv_heads
+        n, heads = self.size, arch.num_heads
         if heads % n:
             raise ValueError(f"{heads} attention heads do not split across {n} ranks")
-        if kv % n and n % kv:
-            raise ValueError(
-                f"{kv} KV heads do not split across {n} ranks (nor replicate: {n} is not a "
-                f"multiple of {kv})"
-            )
+        check_kv_split(arch.num_kv_heads, n)
         if arch.intermediate_size % n:
             raise ValueError(
                 f"MLP intermediate size {arch.intermediate_size} does not split across {n} ranks"
@@ -53,12 +50,7 @@ class TPShard:
 
     def kv_heads(self, arch: ModelArchConfig) -> range:
         """The global indices of the KV heads this rank holds."""
-        kv = arch.num_kv_heads
-        if self.size <= kv:
-            per = kv // self.size
-            return range(self.rank * per, (self.rank + 1) * per)
-        first = self.rank // (self.size // kv)
-        return range(first, first + 1)
+        return rank_kv_heads(arch.num_kv_heads, self.size, self.rank)
 
     def vocab_rows(self, vocab_size: int) -> tuple[int, int, int]:
         """(first row, end row, rows per rank): rank r holds embedding and LM-head rows
