@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import logging
 import uuid
+from collections.abc import Iterator
 
 from pdserve.common.engine.config import CacheConfig, ModelConfig, SchedulerConfig
+from pdserve.common.engine.request import Request
 from pdserve.common.engine.scheduler import SampledToken
 from pdserve.common.node.config import NodeConfig
-from pdserve.common.node.loop import EngineNode, Handler
+from pdserve.common.node.loop import EngineNode, Handler, Told
 from pdserve.common.wire.messages import (
     Admitted,
     Busy,
@@ -58,34 +60,25 @@ class DecodeNode(EngineNode):
             RenewTransfer: self.renew_transfer,
         }
 
-    def prefill_locally(self, msg: Prefill) -> None:
+    def prefill_locally(self, msg: Prefill, request: Request) -> None:
         """The router placed this prompt's prefill here (it holds most of it, or a prefill
         node would cost more): run the request here from its first token, in chunks that
         leave every running request its token each step."""
         if msg.xfer_id:
             raise ValueError("a decode node prefills only for itself (no KV destination)")
-        self.add_request(msg)
+        self.engine.scheduler.add_request(request)
 
-    def refuse(self, msg: Prefill | ReserveKV, kind: Failure, why: str) -> None:
+    def refuse(self, msg: Prefill | ReserveKV, kind: Failure, why: str) -> Message:
         if isinstance(msg, ReserveKV):  # the router awaits the answer: it tries another node
-            self.reply(Busy(msg.request_id, why))
-        else:  # a stream waits on it: fail it over
-            super().refuse(msg, kind, why)
+            return Busy(msg.request_id, why)
+        return Error(msg.request_id, why, kind)  # a stream waits on it: fail it over
 
-    def reserve(self, msg: ReserveKV) -> None:
-        request = self.engine.new_request(
-            msg.request_id,
-            list(msg.prompt_token_ids),
-            msg.sampling,
-            output_token_ids=msg.output_token_ids,
-        )
+    def reserve(self, msg: ReserveKV, request: Request) -> Reserved | Busy:
         if self.engine.scheduler.reserve(request) is None:
-            self.reply(Busy(msg.request_id, "no free blocks"))
-            return
-        self.take_lease(msg.request_id)
-        self.expect(msg.request_id)
+            return Busy(msg.request_id, "no free blocks")
+        return self.expect(msg.request_id)
 
-    def expect(self, request_id: str) -> None:
+    def expect(self, request_id: str) -> Reserved:
         """Open a transfer into the request's reserved blocks and tell the router where to
         send. Blocks this node's prefix cache supplied are shared: the transfer may not write
         them (the receiver refuses frames outside the blocks it expects)."""
@@ -95,7 +88,7 @@ class DecodeNode(EngineNode):
         self.receiver.expect(xfer_id, block_ids[cached // self.block_size :])
         self.xfer_to_rid[xfer_id] = request_id
         self.rid_to_xfer[request_id] = xfer_id
-        reserved = Reserved(
+        return Reserved(
             request_id,
             xfer_id,
             tuple(block_ids),
@@ -103,26 +96,24 @@ class DecodeNode(EngineNode):
             self.incarnation,
             cached_tokens=cached,
         )
-        self.tell(request_id, reserved)
 
-    def renew_transfer(self, msg: RenewTransfer) -> None:
+    def renew_transfer(self, msg: RenewTransfer) -> Reserved | Error:
         """The prefill node feeding a reservation died: same blocks, a new transfer id; frames
         of the old one that still arrive are dropped."""
         request_id = msg.request_id
         old = self.rid_to_xfer.pop(request_id, None)
         if old is None:  # not reserved here (any more): nothing to renew
-            self.reply(Error(request_id, "no reservation to renew", Failure.NO_RESERVATION))
-            return
+            return Error(request_id, "no reservation to renew", Failure.NO_RESERVATION)
         self.xfer_to_rid.pop(old, None)
         self.receiver.cancel(old)
-        self.expect(request_id)
+        return self.expect(request_id)
 
     def publish_gauges(self, queued_tokens: int) -> None:
         super().publish_gauges(queued_tokens)
         received = self.receiver.pages_received * self.kv_port.layout.page_bytes
         self.health.gauges["pdserve_node_kv_received_bytes"] = received
 
-    def poll_io(self) -> None:
+    def io_messages(self) -> Iterator[Told]:
         for xfer_id in self.receiver.released():  # no remote write can reach them now
             self.engine.kv.release_held(xfer_id)
         for result in self.receiver.poll(0):
@@ -133,12 +124,12 @@ class DecodeNode(EngineNode):
             if not result.ok:  # fail closed: never decode from corrupt or partial KV
                 self.engine.abort(rid)
                 why = f"KV transfer failed: {result.error}"
-                self.tell(rid, Error(rid, why, Failure.KV_FAILED))
+                yield Error(rid, why, Failure.KV_FAILED)
                 continue
             first = SampledToken(rid, result.first.token_id, result.first.logprobs)
             # The prefill node already streamed the first token (and any finish) to the router.
             self.engine.scheduler.admit_remote(rid, first)
-            self.tell(rid, Admitted(rid))
+            yield Admitted(rid)
 
     def abort(self, request_id: str) -> None:
         xfer_id = self.rid_to_xfer.pop(request_id, None)

@@ -3,16 +3,16 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
 
 import zmq
 
 from pdserve.common.engine.config import CacheConfig, ModelConfig, SchedulerConfig
-from pdserve.common.engine.request import FirstToken
+from pdserve.common.engine.request import FirstToken, Request
 from pdserve.common.engine.scheduler import RequestUpdate, SchedulerOutput
 from pdserve.common.node.config import NodeConfig
-from pdserve.common.node.loop import EngineNode, Handler
+from pdserve.common.node.loop import EngineNode, Handler, Told
 from pdserve.common.wire.messages import Error, Failure, Message, Prefill
 from pdserve.kv_transfer import KVPort
 
@@ -59,32 +59,32 @@ class PrefillNode(EngineNode):
     def handlers(self) -> dict[type[Message], Handler]:
         return {**super().handlers(), Prefill: self.admitting(self.on_prefill)}
 
-    def on_prefill(self, msg: Prefill) -> None:
+    def on_prefill(self, msg: Prefill, request: Request) -> Error | None:
         if not msg.xfer_id:
             if msg.sampling.max_tokens == 0:  # scoring a prompt: no KV goes anywhere
-                self.add_request(msg)
-                return
+                self.engine.scheduler.add_request(request)
+                return None
             raise ValueError("a prefill node needs a destination (xfer_id and blocks)")
         try:  # handshake once per decode node; a layout mismatch raises here
             self.kv_port.sender(msg.dest_kv_endpoint, msg.dest_kv_instance)
         except SEND_ERRORS as exc:  # the decode node is unreachable: fail this request only
-            self.reply(Error(msg.request_id, f"KV connection failed: {exc}", Failure.KV_FAILED))
-            return
-        self.add_request(msg)
+            return Error(msg.request_id, f"KV connection failed: {exc}", Failure.KV_FAILED)
+        self.engine.scheduler.add_request(request)
         self.dests[msg.request_id] = msg
         # The decode node holds the leading blocks already (its prefix cache): skip them.
         self.next_block[msg.request_id] = msg.dest_cached_tokens // self.block_size
+        return None
 
-    def step(self) -> None:
+    def step_messages(self) -> Iterator[Told]:
         failed: dict[str, str] = {}  # decode node endpoint -> why sending to it failed
         for update in self.engine.step(on_layer=lambda output: self.ship_kv(output, failed)):
             dest = self.dests.get(update.request_id)
             if dest is not None and dest.dest_kv_endpoint in failed:
                 continue  # failed below, before any of its tokens reach the client
-            self.send_update(update)  # the first token goes to the client at once
-            self.hand_off(update, failed)
+            yield update.tokens()  # sent now: the first token reaches the client first
+            yield from self.hand_off(update, failed)
         for endpoint, error in failed.items():
-            self.drop_destination(endpoint, error)
+            yield from self.drop_destination(endpoint, error)
 
     def ship_kv(
         self, output: SchedulerOutput, failed: dict[str, str]
@@ -130,7 +130,9 @@ class PrefillNode(EngineNode):
             shipments.append(Shipment(dest.dest_kv_endpoint, dest.xfer_id, src, dst))
         return shipments
 
-    def hand_off(self, update: RequestUpdate, failed: dict[str, str]) -> None:
+    def hand_off(self, update: RequestUpdate, failed: dict[str, str]) -> Iterator[Error]:
+        """The request's KV is all sent: send the transfer's done message with the first
+        token, and release the request here (the decode node goes on from that token)."""
         dest = self.dests.pop(update.request_id, None)
         self.next_block.pop(update.request_id, None)
         if dest is None:
@@ -143,9 +145,9 @@ class PrefillNode(EngineNode):
         except SEND_ERRORS as exc:
             failed[dest.dest_kv_endpoint] = str(exc)
             why = f"KV transfer failed: {exc}"
-            self.tell(update.request_id, Error(update.request_id, why, Failure.KV_FAILED))
+            yield Error(update.request_id, why, Failure.KV_FAILED)
 
-    def drop_destination(self, endpoint: str, error: str) -> None:
+    def drop_destination(self, endpoint: str, error: str) -> Iterator[Error]:
         """A connection to a decode node broke: fail every request bound there (the router
         then aborts their reservations) and reconnect on the next request."""
         log.warning("KV connection to %s failed: %s", endpoint, error)
@@ -153,10 +155,11 @@ class PrefillNode(EngineNode):
         for rid in [rid for rid, d in self.dests.items() if d.dest_kv_endpoint == endpoint]:
             self.abort(rid)
             why = f"KV transfer to the decode node failed: {error}"
-            self.tell(rid, Error(rid, why, Failure.KV_FAILED))
+            yield Error(rid, why, Failure.KV_FAILED)
 
-    def poll_io(self) -> None:
+    def io_messages(self) -> Iterator[Told]:
         self.kv_port.poll()  # decode nodes' notices (nixl: cancels to answer)
+        return iter(())
 
     def abort(self, request_id: str) -> None:
         dest = self.dests.pop(request_id, None)

@@ -16,6 +16,7 @@ from pdserve.common.engine.config import SchedulerConfig
 from pdserve.common.engine.kv_cache_manager import KVCacheManager
 from pdserve.common.engine.request import FinishReason, Request, RequestStatus, TokenLogprobs
 from pdserve.common.engine.sampling_params import SamplingParams
+from pdserve.common.wire.messages import Tokens
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,6 +67,17 @@ class RequestUpdate:
     finish_reason: FinishReason | None
     cached_tokens: int = 0  # prompt tokens served from the prefix cache (first update only)
     prompt_logprobs: tuple[TokenLogprobs, ...] = ()  # first update only, when asked for
+
+    def tokens(self) -> Tokens:
+        """This update as a node sends it to the router that owns the request."""
+        return Tokens(
+            request_id=self.request_id,
+            token_ids=self.new_token_ids,
+            logprobs=self.new_logprobs,
+            finish_reason=self.finish_reason.value if self.finish_reason else "",
+            cached_tokens=self.cached_tokens,
+            prompt_logprobs=self.prompt_logprobs,
+        )
 
 
 @dataclass(slots=True)

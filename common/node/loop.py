@@ -8,7 +8,9 @@ Registration, heartbeats and leases are the node's `Membership` (membership.py).
 
 Role differences live in small subclasses (prefill_node, decode_node, ColocatedNode here):
 each adds its entries to the handler table (message type -> bound method) and overrides a few
-hooks; there is no `if role == ...` in the loop.
+hooks; there is no `if role == ...` in the loop. Calls go one way, from the loop to the role:
+a role's handlers and hooks return (or yield) the messages to send, and the loop sends them,
+admits new requests and leases them; a role never calls back into the loop.
 """
 
 from __future__ import annotations
@@ -17,19 +19,20 @@ import logging
 import threading
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from pdserve.common.engine.block_pool import PrefixEvents
 from pdserve.common.engine.config import CacheConfig, ModelConfig, SchedulerConfig
 from pdserve.common.engine.llm_engine import LLMEngine
-from pdserve.common.engine.scheduler import RequestUpdate
+from pdserve.common.engine.request import Request
 from pdserve.common.node.config import NodeConfig, is_wildcard
 from pdserve.common.node.health import HealthServer
 from pdserve.common.node.membership import Membership
 from pdserve.common.process import route_source
 from pdserve.common.wire.messages import (
     Abort,
+    Admitted,
     CheckIntegrity,
     Error,
     Failure,
@@ -46,8 +49,14 @@ if TYPE_CHECKING:  # a role that moves KV sets one; this module never needs kv_t
 
 log = logging.getLogger(__name__)
 
-# A handler takes the message type it is filed under in the table.
-Handler = Callable[[Any], None]
+# A handler takes the message type it is filed under in the table; what it returns (if not
+# None) answers the router that sent the message.
+Handler = Callable[[Any], Message | None]
+# A role's part in taking a new request (Prefill, ReserveKV): the message and its validated
+# Request; it queues or reserves the request on the engine, or answers why not.
+Take = Callable[[Any, Request], Message | None]
+# What a role's step and I/O send about requests, each to the router that owns the request.
+Told = Tokens | Error | Admitted
 
 
 def advertise_host(node: NodeConfig) -> str:
@@ -112,29 +121,44 @@ class EngineNode:
             **self.membership.handlers(),
         }
 
-    def poll_io(self) -> None:
-        """Role I/O between steps (e.g. KV arrivals on a decode node)."""
+    def io_messages(self) -> Iterator[Told]:
+        """Role I/O between steps (e.g. KV arrivals on a decode node), yielding what to tell
+        the requests' routers."""
+        return iter(())
 
-    def step(self) -> None:
+    def step_messages(self) -> Iterator[Told]:
+        """One engine step, yielding what to tell the requests' routers; each message is sent
+        before the step goes on (a role may act on a request after its tokens left)."""
         for update in self.engine.step():
-            self.send_update(update)
+            yield update.tokens()
 
-    def refuse(self, msg: Prefill | ReserveKV, kind: Failure, why: str) -> None:
-        """Turn a new request away (draining, full): the router's failover reads `kind`."""
-        self.reply(Error(msg.request_id, why, kind))
+    def refuse(self, msg: Prefill | ReserveKV, kind: Failure, why: str) -> Message:
+        """The answer that turns a new request away (draining, full): the router's failover
+        reads `kind`."""
+        return Error(msg.request_id, why, kind)
 
     # -- handlers every role shares ------------------------------------------------------------
 
-    def admitting(self, take: Handler) -> Handler:
-        """The handler of a message that brings a new request: `take` it, unless the node must
-        refuse new requests now."""
+    def admitting(self, take: Take) -> Handler:
+        """The handler of a message that brings a new request: refused while the node takes
+        none (`refusal`); else its Request is built and validated (ValueError: bad input) and
+        the role's `take` queues or reserves it, or answers why not. A request the engine
+        holds afterwards is leased to the router that sent it."""
 
-        def admit(msg: Prefill | ReserveKV) -> None:
+        def admit(msg: Prefill | ReserveKV) -> Message | None:
             why = self.refusal()
-            if why is None:
-                take(msg)
-            else:
-                self.refuse(msg, *why)
+            if why is not None:
+                return self.refuse(msg, *why)
+            request = self.engine.new_request(
+                msg.request_id,
+                list(msg.prompt_token_ids),
+                msg.sampling,
+                output_token_ids=msg.output_token_ids,
+            )
+            answer = take(msg, request)
+            if msg.request_id in self.engine.scheduler.requests:
+                self.membership.take_lease(msg.request_id)
+            return answer
 
         return admit
 
@@ -147,21 +171,11 @@ class EngineNode:
             return Failure.BUSY, f"node holds its maximum of {limit} requests"
         return None
 
-    def add_request(self, msg: Prefill) -> None:
-        """Queue a Prefill's request (resumed ones carry the tokens already streamed)."""
-        self.engine.add_request(
-            msg.request_id,
-            list(msg.prompt_token_ids),
-            msg.sampling,
-            output_token_ids=msg.output_token_ids,
-        )
-        self.take_lease(msg.request_id)
-
     def on_abort(self, msg: Abort) -> None:
         self.abort(msg.request_id)
 
-    def report_integrity(self, msg: CheckIntegrity) -> None:
-        self.reply(self.integrity_report(msg.nonce))
+    def report_integrity(self, msg: CheckIntegrity) -> IntegrityReport:
+        return self.integrity_report(msg.nonce)
 
     # -- shared ----------------------------------------------------------------------------
 
@@ -173,23 +187,16 @@ class EngineNode:
         """Send a message about a request to the router that sent the request."""
         self.membership.tell(request_id, msg)
 
-    def send_update(self, update: RequestUpdate) -> None:
-        reason = update.finish_reason.value if update.finish_reason else ""
-        self.tell(
-            update.request_id,
-            Tokens(
-                request_id=update.request_id,
-                token_ids=update.new_token_ids,
-                logprobs=update.new_logprobs,
-                finish_reason=reason,
-                cached_tokens=update.cached_tokens,
-                prompt_logprobs=update.prompt_logprobs,
-            ),
-        )
+    def send(self, messages: Iterable[Told]) -> None:
+        """Tell each message's request's router, one by one as they come."""
+        for msg in messages:
+            self.tell(msg.request_id, msg)
 
-    def take_lease(self, request_id: str) -> None:
-        """The request is held here for the router that sent it, which renews its lease."""
-        self.membership.take_lease(request_id)
+    def poll_io(self) -> None:
+        self.send(self.io_messages())
+
+    def step(self) -> None:
+        self.send(self.step_messages())
 
     def publish_gauges(self, queued_tokens: int) -> None:
         """Refresh what the health endpoint's /metrics reports."""
@@ -214,7 +221,9 @@ class EngineNode:
             handler = self._handlers.get(type(msg))
             if handler is None:
                 raise ValueError(f"{self.role} node does not take {msg.TYPE}")
-            handler(msg)
+            answer = handler(msg)
+            if answer is not None:
+                self.reply(answer)
         except ValueError as exc:  # bad input for one request: fail it, keep serving
             log.warning("request %s refused: %s", rid, exc)
             if rid:
@@ -313,4 +322,7 @@ class ColocatedNode(EngineNode):
     reports_prefixes = True
 
     def handlers(self) -> dict[type[Message], Handler]:
-        return {**super().handlers(), Prefill: self.admitting(self.add_request)}
+        return {**super().handlers(), Prefill: self.admitting(self.queue)}
+
+    def queue(self, _: Prefill, request: Request) -> None:
+        self.engine.scheduler.add_request(request)
