@@ -1,6 +1,6 @@
 """`pdserve bench compare`: pdserve colocated, pdserve 1P1D and `transformers serve
---continuous-batching`, side by side on the same requests, then the saturation run through the
-engine alone, profiled; also the frame `bench multiturn` runs its systems in."""
+--continuous-batching`, side by side on the same requests; also the frame `bench multiturn`
+runs its systems in."""
 
 from __future__ import annotations
 
@@ -21,7 +21,6 @@ from typing import Any
 
 import httpx
 
-from pdserve.bench.engine_profile import profile_engine
 from pdserve.bench.load import (
     BenchConfig,
     BenchRequest,
@@ -377,23 +376,6 @@ def measure_run(url: str, run: Run, pool: TokenPool, args: argparse.Namespace) -
     return result
 
 
-def profile_saturation(
-    model: Path, runs: list[Run], args: argparse.Namespace
-) -> dict[str, Any] | None:
-    """The all-at-once saturation run through the engine alone (pdserve.bench.engine_profile)."""
-    run = next((r for r in runs if r.scenario == "saturation" and r.request_rate == math.inf), None)
-    if run is None:
-        return None
-    print("== engine alone: the saturation run (rate inf), timed and profiled", flush=True)
-    found = profile_engine(str(model), args.engine_args, run.requests, args.threads)
-    print(
-        f"   {found['engine_s']:.1f} s, {found['engine_tokens_per_s']:.1f} out tok/s; matmuls"
-        f" {found['matmul_s']:.1f} of {found['cpu_s']:.1f} CPU s under the profiler",
-        flush=True,
-    )
-    return found
-
-
 # ---------------------------------------------------------------- goals and plots
 
 
@@ -538,56 +520,6 @@ def sizes_table(s: Sizes) -> str:
     return markdown_table(["scenario", "requests", "prompt tokens", "output tokens", "sent"], rows)
 
 
-def profile_budget(found: dict[str, Any], results: dict[str, dict]) -> dict[str, float | None]:
-    """What a 2x lead over transformers serve at saturation (rate inf) leaves beside the
-    matmuls: half its serving time, less the engine's matmul seconds (None: not measured)."""
-    tf = results.get("transformers-serve", {}).get(f"saturation/rate={math.inf:g}")
-    half = tf["duration_s"] / 2 if tf else None
-    matmul = found["matmul_s"]
-    return {
-        "half_tf_s": half,
-        "room_s": None if half is None else half - matmul,
-        "other_cpu_s": found["cpu_s"] - matmul,
-    }
-
-
-def profile_table(report: dict[str, Any]) -> list[str]:
-    """The engine-alone probe of the saturation run (nothing when it was not run)."""
-    found = report.get("profile")
-    if not found:
-        return []
-    sat = report["results"].get("pdserve-colocated", {}).get(f"saturation/rate={math.inf:g}")
-    budget = profile_budget(found, report["results"])
-
-    def s(x: float | None) -> str:
-        return "not measured" if x is None else f"{x:.1f}"
-
-    rows = [
-        ["requests, prompt / output tokens",
-         f"{found['requests']}, {found['prompt_tokens']} / {found['output_tokens']}"],
-        ["engine alone, s (output tokens/s)",
-         f"{found['engine_s']:.1f} ({found['engine_tokens_per_s']:.1f})"],
-        ["served colocated, s", s(sat["duration_s"] if sat else None)],
-        ["half of transformers serve's time (a 2x lead), s", s(budget["half_tf_s"])],
-        ["CPU s under torch.profiler", s(found["cpu_s"])],
-        ["matmuls (linears, LM head), CPU s",
-         f"{found['matmul_s']:.1f} ({found['matmul_share']:.0%})"],
-        ["attention, CPU s", s(found["attention_s"])],
-        ["everything else, CPU s", s(budget["other_cpu_s"])],
-        ["a 2x lead's time left beside the matmuls, s", s(budget["room_s"])],
-    ]  # fmt: skip
-    cpu = found["cpu_s"]
-    ops = [[op["op"], f"{op['s']:.2f}", f"{op['s'] / cpu:.0%}"] for op in found["top_ops"]]
-    return [
-        "### Where the engine's time goes (`engine_profile`)",
-        "",
-        markdown_table(["saturation run (rate inf), engine alone", ""], rows),
-        "",
-        markdown_table(["op (self time)", "CPU s", "share"], ops),
-        "",
-    ]
-
-
 def render_section(report: dict[str, Any], to: Outputs, plots: list[Path]) -> str:
     on = f" on {report['model_name']}" if report.get("model_name") else ""
     sizes, name = sizes_from_dict(report["sizes"]), report["section"]
@@ -604,7 +536,6 @@ def render_section(report: dict[str, Any], to: Outputs, plots: list[Path]) -> st
         "",
         goals_table(report["goals"]),
         "",
-        *profile_table(report),
         "### Results",
         "",
         scenario_tables(report["results"], run_keys(sizes)),
@@ -667,8 +598,6 @@ RUN_FLAGS = [
     SEED_FLAG,
     TIMEOUT_FLAG,
     TQDM_FLAG,
-    ("--no-profile", bool, None, "skip the closing probe: the saturation run through the "
-     "engine alone, timed and under torch.profiler"),
 ]  # fmt: skip
 MODEL_FLAGS = [
     ("--model", Path, None, "an HF model directory (default: the random-weight benchmark "
@@ -704,7 +633,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 
 def measure(args: argparse.Namespace) -> dict[str, Any]:
-    """Every system on every run, then the engine alone: the report's measured fields."""
+    """Every system on every run: the report's measured fields."""
     sizes = QUICK_SIZES if args.quick else Sizes()
     with sigterm_raises(), tempfile.TemporaryDirectory(prefix="bench-compare-logs-") as tmp:
         args.log_dir = args.log_dir or Path(tmp)
@@ -717,7 +646,6 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
                 into[f"{run.scenario}/{run.label}"] = measure_run(url, run, pool, args)
 
         results, notes = measure_systems(args, SYSTEMS, model, measure_one)
-        profile = None if args.no_profile else profile_saturation(model, runs, args)
     config = json.loads((model / "config.json").read_text())
     return {
         **scenario_fields(args, model, model_desc(config, args)),
@@ -728,7 +656,6 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         "sizes": asdict(sizes),
         "results": results,
         "goals": evaluate_goals(results, sizes),
-        "profile": profile,
         "notes": notes,
     }
 

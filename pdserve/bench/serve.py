@@ -15,7 +15,7 @@ from pdserve.bench.load import (
     SLO_METRICS,
     STRUCTURED_FIELDS,
     BenchConfig,
-    BenchRequest,  # noqa: F401  (engine_profile imports it from here)
+    BenchRequest,
     ChatWorkload,
     TokenPool,
     chat_turns,

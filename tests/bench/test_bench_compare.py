@@ -6,8 +6,6 @@ from __future__ import annotations
 
 import json
 
-import pytest
-
 from pdserve.bench import compare as bc
 from pdserve.bench.report import goal
 
@@ -21,30 +19,6 @@ def test_goal_status_follows_the_ratio():
     assert bc.batch_tokens(["--max-num-batched-tokens", "96"]) == 96
     assert bc.batch_tokens(["--max-num-batched-tokens=64", "--num-blocks", "9"]) == 64
     assert bc.batch_tokens([]) == 512
-
-
-def test_profile_budget_says_whether_the_matmuls_leave_room_for_2x():
-    def budget(matmul: float, tf_s: float | None) -> dict:
-        found = {"requests": 2, "prompt_tokens": 9, "output_tokens": 8, "engine_s": 1.0}
-        found |= {"engine_tokens_per_s": 8.0, "cpu_s": 12.0, "matmul_s": matmul}
-        found |= {"attention_s": 1.0, "other_s": 11.0 - matmul, "matmul_share": matmul / 12}
-        found |= {"top_ops": [{"op": "aten::mm", "s": matmul}], "threads": 1}
-        sat = "saturation/rate=inf"
-        results = {"pdserve-colocated": {sat: {"duration_s": 10.0}}}
-        if tf_s is not None:
-            results["transformers-serve"] = {sat: {"duration_s": tf_s}}
-        table = "\n".join(bc.profile_table({"profile": found, "results": results}))
-        return {**bc.profile_budget(found, results), "table": table}
-
-    # 2x means 7 s, less than the 8 s of matmuls: no room left.
-    assert budget(matmul=8.0, tf_s=14.0)["room_s"] == pytest.approx(-1.0)
-    got = budget(matmul=5.0, tf_s=14.0)
-    assert (got["half_tf_s"], got["room_s"], got["other_cpu_s"]) == (7.0, 2.0, 7.0)
-    assert "| a 2x lead's time left beside the matmuls, s | 2.0 |" in got["table"]
-    alone = budget(matmul=5.0, tf_s=None)
-    assert alone["half_tf_s"] is None and alone["room_s"] is None
-    assert "| half of transformers serve's time (a 2x lead), s | not measured |" in alone["table"]
-    assert bc.profile_table({"profile": None, "results": {}}) == []
 
 
 def test_quick_run_writes_results_plots_and_section(tmp_path):
@@ -81,18 +55,7 @@ def test_quick_run_writes_results_plots_and_section(tmp_path):
     assert "![compare_ttft](compare_ttft.png)" in doc
     assert "CPU cores" in doc
 
-    # The closing probe: the saturation run (rate inf) through the engine alone, profiled.
-    found = data["profile"]
-    sat = next(r for r in runs if r.scenario == "saturation" and r.request_rate == float("inf"))
-    assert found["requests"] == len(sat.requests)
-    assert found["output_tokens"] == sum(r.output_len for r in sat.requests)
-    assert found["engine_s"] > 0 and 0 < found["matmul_s"] <= found["cpu_s"]
-    assert found["matmul_s"] + found["attention_s"] + found["other_s"] == pytest.approx(
-        found["cpu_s"]
-    )
-    assert "### Where the engine's time goes" in doc
-    profiled = doc.split("### Where the engine's time goes")[1].split("### Results")[0]
-    assert "| half of transformers serve's time (a 2x lead), s | not measured |" in profiled
+    assert "engine_profile" not in doc and "profile" not in data
 
     # Redrawn from the JSON alone (nothing measured): the same section.
     again = tmp_path / "again"
