@@ -1,16 +1,261 @@
-"""Per-request block tables on top of the BlockPool, with prefix-cache lookups.
+"""The KV cache's blocks, in pure Python (no torch): the pool of physical blocks (reference
+counts, an O(1) LRU free queue, the prefix-cache index of chained block hashes) and, on top of
+it, the manager's per-request block tables and prefix-cache lookups. They decide which blocks a
+request owns; the model runner owns the tensors and turns block ids into slots. `None` from
+allocate_slots means "not now" (pool too full); an exception means misuse.
 
-Pure Python: it decides which physical blocks a request owns; the model runner turns block
-ids into slots. `None` from allocate_slots means "not now" (pool too full); an exception
-means misuse.
+Block lifecycle:
+  free       ref_cnt 0, no hash, in the free queue
+  allocated  ref_cnt >= 1, not in the free queue
+  cached     has a block_hash and sits in the hash index (allocated or evictable)
+  shared     ref_cnt >= 2 (prefix-cache hit by a second request)
+  evictable  ref_cnt 0 but still cached: in the free queue, reusable by a cache hit (touch)
+  evicted    popped from the free queue for new use: its hash is dropped from the index
 """
 
 from __future__ import annotations
 
+import hashlib
+from array import array
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-from pdserve.common.engine.block_pool import BlockHash, BlockPool, KVCacheBlock, hash_block_tokens
 from pdserve.common.engine.request import Request
+
+BlockHash = bytes
+
+
+def hash_block_tokens(parent: BlockHash | None, token_ids: Sequence[int]) -> BlockHash:
+    """Chained hash of one full block: collision resistant and stable across processes.
+
+    sha256 (not Python's hash) so that a crafted prompt cannot alias another user's prefix and
+    so that routers and nodes on other hosts compute the same value.
+    """
+    h = hashlib.sha256(parent or b"\0")
+    h.update(array("q", token_ids).tobytes())
+    return h.digest()[:16]
+
+
+def hash_token_blocks(token_ids: Sequence[int], block_size: int) -> list[BlockHash]:
+    """Chained hashes of every full block of token_ids."""
+    hashes: list[BlockHash] = []
+    parent: BlockHash | None = None
+    for start in range(0, len(token_ids) - block_size + 1, block_size):
+        parent = hash_block_tokens(parent, token_ids[start : start + block_size])
+        hashes.append(parent)
+    return hashes
+
+
+class PrefixEvents:
+    """Which hashes joined or left the prefix-cache index since the last drain.
+
+    A node's heartbeat carries them so a router can send each prompt where its leading blocks
+    are cached. Bounded: past `limit` pending changes it forgets them and the next drain is a
+    full snapshot of the index instead (as is the first one).
+    """
+
+    def __init__(self, limit: int = 4096) -> None:
+        self.limit = limit
+        self.pending: dict[BlockHash, bool] = {}  # hash -> cached now; the last change wins
+        self.overflow = True  # start with a snapshot
+
+    def resync(self) -> None:
+        """Make the next drain a full snapshot."""
+        self.overflow = True
+        self.pending.clear()
+
+    def record(self, block_hash: BlockHash, cached: bool) -> None:
+        if self.overflow:
+            return
+        self.pending[block_hash] = cached
+        if len(self.pending) > self.limit:
+            self.resync()
+
+    def drain(
+        self, index: Iterable[BlockHash]
+    ) -> tuple[bool, tuple[BlockHash, ...], tuple[BlockHash, ...]]:
+        """(is_snapshot, stored, removed) since the last drain; a snapshot lists `index`."""
+        if self.overflow:
+            self.overflow = False
+            return True, tuple(index), ()
+        stored = tuple(h for h, cached in self.pending.items() if cached)
+        removed = tuple(h for h, cached in self.pending.items() if not cached)
+        self.pending.clear()
+        return False, stored, removed
+
+
+class KVCacheBlock:
+    """One physical block. prev_free/next_free link it into the free queue."""
+
+    __slots__ = ("block_id", "ref_cnt", "block_hash", "is_null", "prev_free", "next_free")
+
+    def __init__(self, block_id: int) -> None:
+        self.block_id = block_id
+        self.ref_cnt = 0
+        self.block_hash: BlockHash | None = None
+        self.is_null = False
+        self.prev_free: KVCacheBlock | None = None
+        self.next_free: KVCacheBlock | None = None
+
+    def __repr__(self) -> str:
+        cached = self.block_hash is not None
+        return f"KVCacheBlock(id={self.block_id}, ref={self.ref_cnt}, cached={cached})"
+
+
+class FreeBlockQueue:
+    """Doubly linked list of free blocks in eviction order (head = evicted first).
+
+    Every operation is O(1), including removing a block from the middle when a cache hit
+    revives an evictable block.
+    """
+
+    def __init__(self, blocks: Iterable[KVCacheBlock]) -> None:
+        self._head = KVCacheBlock(-1)  # sentinels keep the link logic branch-free
+        self._tail = KVCacheBlock(-1)
+        self._head.next_free = self._tail
+        self._tail.prev_free = self._head
+        self.num_free = 0
+        for block in blocks:
+            self.append(block)
+
+    def popleft(self) -> KVCacheBlock:
+        block = self._head.next_free
+        if block is self._tail or block is None:
+            raise ValueError("no free blocks")
+        self.remove(block)
+        return block
+
+    def remove(self, block: KVCacheBlock) -> None:
+        assert block.prev_free is not None and block.next_free is not None, f"{block} not free"
+        block.prev_free.next_free = block.next_free
+        block.next_free.prev_free = block.prev_free
+        block.prev_free = block.next_free = None
+        self.num_free -= 1
+
+    def append(self, block: KVCacheBlock) -> None:
+        assert block.prev_free is None and block.next_free is None, f"{block} already free"
+        last = self._tail.prev_free
+        assert last is not None
+        last.next_free = block
+        block.prev_free = last
+        block.next_free = self._tail
+        self._tail.prev_free = block
+        self.num_free += 1
+
+    def __iter__(self):
+        block = self._head.next_free
+        while block is not None and block is not self._tail:
+            yield block
+            block = block.next_free
+
+
+class BlockPool:
+    """All physical blocks of one KV cache, with the prefix-cache index.
+
+    Block 0 is the null block: never handed out, never freed; padding in block tables
+    points at it.
+    """
+
+    def __init__(self, num_blocks: int, enable_caching: bool = True) -> None:
+        assert num_blocks >= 2, "need the null block and at least one real block"
+        self.num_blocks = num_blocks
+        self.enable_caching = enable_caching
+        self.blocks = [KVCacheBlock(i) for i in range(num_blocks)]
+        self.null_block = self.blocks[0]
+        self.null_block.is_null = True
+        self.free_queue = FreeBlockQueue(self.blocks[1:])
+        self.cached: dict[BlockHash, KVCacheBlock] = {}
+        self.prefix_events: PrefixEvents | None = None  # set by nodes that report their cache
+
+    @property
+    def num_free_blocks(self) -> int:
+        """Blocks that get_new_blocks can hand out now (free or evictable)."""
+        return self.free_queue.num_free
+
+    @property
+    def usage(self) -> float:
+        """Fraction of usable blocks referenced by some request."""
+        return 1.0 - self.num_free_blocks / (self.num_blocks - 1)
+
+    def get_cached_block(self, block_hash: BlockHash) -> KVCacheBlock | None:
+        return self.cached.get(block_hash)
+
+    def get_new_blocks(self, n: int) -> list[KVCacheBlock]:
+        """Take n blocks from the head of the free queue, evicting cached ones."""
+        if n > self.num_free_blocks:
+            raise ValueError(f"asked for {n} blocks, {self.num_free_blocks} free")
+        out = []
+        for _ in range(n):
+            block = self.free_queue.popleft()
+            self._evict(block)
+            block.ref_cnt = 1
+            out.append(block)
+        return out
+
+    def _evict(self, block: KVCacheBlock) -> None:
+        if block.block_hash is None:
+            return
+        if self.cached.get(block.block_hash) is block:
+            del self.cached[block.block_hash]
+            if self.prefix_events is not None:
+                self.prefix_events.record(block.block_hash, False)
+        block.block_hash = None
+
+    def touch(self, blocks: Iterable[KVCacheBlock]) -> None:
+        """Take a reference on cache-hit blocks, reviving evictable ones from the free queue."""
+        for block in blocks:
+            assert not block.is_null, "the null block is never shared"
+            if block.ref_cnt == 0:
+                self.free_queue.remove(block)
+            block.ref_cnt += 1
+
+    def free_blocks(self, ordered: Iterable[KVCacheBlock]) -> None:
+        """Drop one reference from each block; blocks reaching zero join the queue's tail
+        in the given order (callers pass a request's blocks tail first, so its tail is
+        evicted before its shareable head)."""
+        for block in ordered:
+            assert block.ref_cnt > 0, f"double free of {block}"
+            block.ref_cnt -= 1
+            if block.ref_cnt == 0:
+                self.free_queue.append(block)
+
+    def cache_block(self, block: KVCacheBlock, block_hash: BlockHash) -> None:
+        """Register a full block under its chained hash (first writer wins)."""
+        if not self.enable_caching or block.block_hash is not None:
+            return
+        if block_hash in self.cached:
+            return  # an identical block is already indexed; this copy stays private
+        block.block_hash = block_hash
+        self.cached[block_hash] = block
+        if self.prefix_events is not None:
+            self.prefix_events.record(block_hash, True)
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached hash; only allowed when no block is referenced."""
+        if self.num_free_blocks != self.num_blocks - 1:
+            return False
+        for block in self.blocks:
+            block.block_hash = None
+        self.cached.clear()
+        if self.prefix_events is not None:
+            self.prefix_events.resync()  # the next report is a (now empty) snapshot
+        return True
+
+    def check_integrity(self) -> None:
+        """Assert the pool's invariants: every block is exactly one of free or referenced,
+        the queue count is right, and the hash index points at blocks that carry the hash."""
+        in_queue = set()
+        for block in self.free_queue:
+            assert block.block_id not in in_queue, f"{block} twice in free queue"
+            in_queue.add(block.block_id)
+        assert len(in_queue) == self.free_queue.num_free, "free queue count out of sync"
+        assert 0 not in in_queue and self.null_block.ref_cnt == 0, "null block misused"
+        for block in self.blocks[1:]:
+            assert block.ref_cnt >= 0, f"{block} negative ref count"
+            is_free = block.block_id in in_queue
+            assert is_free == (block.ref_cnt == 0), f"{block} free={is_free} mismatch"
+        for block_hash, block in self.cached.items():
+            assert block.block_hash == block_hash, f"{block} hash index out of sync"
 
 
 @dataclass(frozen=True, slots=True)

@@ -22,8 +22,8 @@ import uuid
 from collections.abc import Callable, Iterable, Iterator
 from typing import TYPE_CHECKING, Any, ClassVar
 
-from pdserve.common.engine.block_pool import PrefixEvents
 from pdserve.common.engine.config import CacheConfig, ModelConfig, SchedulerConfig
+from pdserve.common.engine.kv_cache_manager import PrefixEvents
 from pdserve.common.engine.llm_engine import LLMEngine
 from pdserve.common.engine.request import Request
 from pdserve.common.node.config import NodeConfig, is_wildcard

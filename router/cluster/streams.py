@@ -9,7 +9,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from pdserve.common.engine.block_pool import BlockHash, hash_block_tokens
+from pdserve.common.engine.kv_cache_manager import BlockHash, hash_block_tokens
 from pdserve.common.wire.messages import Error, Failure, Tokens
 from pdserve.router.backend import GenerateRequest
 from pdserve.router.cluster.registry import NodeRegistry

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from pdserve.common.engine.block_pool import (
+from pdserve.common.engine.kv_cache_manager import (
     BlockPool,
     FreeBlockQueue,
     KVCacheBlock,

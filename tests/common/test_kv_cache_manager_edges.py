@@ -6,8 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from pdserve.common.engine.block_pool import hash_token_blocks
-from pdserve.common.engine.kv_cache_manager import KVCacheManager
+from pdserve.common.engine.kv_cache_manager import KVCacheManager, hash_token_blocks
 from pdserve.common.engine.request import Request
 from pdserve.common.engine.sampling_params import SamplingParams
 

@@ -14,8 +14,8 @@ from collections.abc import Iterator
 import pytest
 import zmq
 
-from pdserve.common.engine.block_pool import hash_token_blocks
 from pdserve.common.engine.config import CacheConfig, ModelConfig, SchedulerConfig
+from pdserve.common.engine.kv_cache_manager import hash_token_blocks
 from pdserve.common.engine.llm import LLM, SamplingParams
 from pdserve.common.engine.sampling_params import StructuredOutputsParams
 from pdserve.common.node.config import NodeConfig

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from pdserve.common.engine.block_pool import hash_block_tokens
+from pdserve.common.engine.kv_cache_manager import hash_block_tokens
 from pdserve.common.engine.sampling_params import SamplingParams
 from pdserve.common.wire.messages import Failure, Tokens
 from pdserve.router.backend import GenerateRequest

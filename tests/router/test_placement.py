@@ -8,7 +8,7 @@ import math
 
 import pytest
 
-from pdserve.common.engine.block_pool import hash_token_blocks
+from pdserve.common.engine.kv_cache_manager import hash_token_blocks
 from pdserve.common.engine.sampling_params import SamplingParams
 from pdserve.common.wire.messages import Heartbeat, Prefill, Reserved, ReserveKV
 from pdserve.router.backend import GenerateRequest

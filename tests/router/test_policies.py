@@ -42,7 +42,7 @@ def test_least_loaded_prefers_fewer_requests_then_more_free_blocks():
 
 # -- prefix-aware routing -------------------------------------------------------------------
 
-from pdserve.common.engine.block_pool import hash_token_blocks  # noqa: E402
+from pdserve.common.engine.kv_cache_manager import hash_token_blocks  # noqa: E402
 from pdserve.common.wire.messages import Heartbeat  # noqa: E402
 
 BS = 4
