@@ -8,6 +8,7 @@ interleaved for its rotary layout; they are put back in HF's order here.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
@@ -75,12 +76,23 @@ def permute_rotary(w: np.ndarray, n_heads: int) -> np.ndarray:
     return w.reshape(n_heads, 2, rows // n_heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def read_tensors(
-    path: Path, hf_names: Iterable[str], num_layers: int, num_heads: int, num_kv_heads: int
-) -> Iterator[tuple[str, np.ndarray]]:
-    """(HF name, float32 array) for every tensor of the file. hf_names are the parameters the
-    model may hold; a tensor that maps to none of them keeps its GGUF name, so the loader's
-    name check reports it as unexpected."""
+@dataclasses.dataclass(frozen=True, slots=True)
+class RawTensor:
+    """A GGUF tensor as the file stores it: `blocks` is uint8 [out rows, bytes per row] (a
+    view of the memory-mapped file unless its rows had to be reordered), `shape` the HF
+    orientation [out, in] of the values those bytes encode."""
+
+    name: str  # the HF parameter name (or the GGUF name when it maps to none)
+    qtype_name: str  # gguf's GGMLQuantizationType name: "Q4_K", "F32", ...
+    blocks: np.ndarray
+    shape: tuple[int, ...]
+
+
+def _named_tensors(
+    path: Path, hf_names: Iterable[str], num_layers: int
+) -> Iterator[tuple[str, str, object]]:
+    """(architecture, HF name, gguf tensor) for every tensor of the file we read; a tensor that
+    maps to no HF name keeps its GGUF name, so the loader's name check reports it."""
     import gguf
 
     reader = _reader(path)
@@ -94,12 +106,41 @@ def read_tensors(
         if gguf_name is not None:
             to_hf[gguf_name] = hf_name
     for tensor in reader.tensors:
-        if tensor.name in _IGNORED:
-            continue
-        name = to_hf.get(tensor.name, tensor.name)
+        if tensor.name not in _IGNORED:
+            yield arch, to_hf.get(tensor.name, tensor.name), tensor
+
+
+def _rotary_heads(arch: str, name: str, num_heads: int, num_kv_heads: int) -> int | None:
+    """How many heads llama.cpp's converter permuted this tensor's rows by (None: not)."""
+    if arch in _PERMUTED and name.endswith("self_attn.q_proj.weight"):
+        return num_heads
+    if arch in _PERMUTED and name.endswith("self_attn.k_proj.weight"):
+        return num_kv_heads
+    return None
+
+
+def read_tensors(
+    path: Path, hf_names: Iterable[str], num_layers: int, num_heads: int, num_kv_heads: int
+) -> Iterator[tuple[str, np.ndarray]]:
+    """(HF name, float32 array) for every tensor of the file. hf_names are the parameters the
+    model may hold; a tensor that maps to none of them keeps its GGUF name, so the loader's
+    name check reports it as unexpected."""
+    for arch, name, tensor in _named_tensors(path, hf_names, num_layers):
         w = dequantize(tensor)
-        if arch in _PERMUTED and name.endswith("self_attn.q_proj.weight"):
-            w = unpermute_rotary(w, num_heads)
-        elif arch in _PERMUTED and name.endswith("self_attn.k_proj.weight"):
-            w = unpermute_rotary(w, num_kv_heads)
-        yield name, w
+        heads = _rotary_heads(arch, name, num_heads, num_kv_heads)
+        yield name, w if heads is None else unpermute_rotary(w, heads)
+
+
+def read_raw_tensors(
+    path: Path, hf_names: Iterable[str], num_layers: int, num_heads: int, num_kv_heads: int
+) -> Iterator[RawTensor]:
+    """Every tensor of the file as `read_tensors` names it, still quantized. llama.cpp's q/k
+    row permutation is undone on the stored rows: a row is whole blocks, so moving rows moves
+    blocks and leaves them as they are."""
+    for arch, name, tensor in _named_tensors(path, hf_names, num_layers):
+        shape = tuple(int(d) for d in reversed(tensor.shape))
+        blocks = np.asarray(tensor.data).view(np.uint8).reshape(shape[0], -1)
+        heads = _rotary_heads(arch, name, num_heads, num_kv_heads)
+        if heads is not None:
+            blocks = unpermute_rotary(blocks, heads)
+        yield RawTensor(name, tensor.tensor_type.name, blocks, shape)

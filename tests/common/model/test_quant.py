@@ -1,0 +1,314 @@
+"""Quantized linears against dequantize-then-matmul: GGUF tensors written by the `gguf` library
+(blocks it cannot quantize built here from the format, checked with its own dequantization),
+int8/int4 from float weights, tensor-parallel slices, and q/k rows unpermuted while quantized.
+
+Tolerances are bounds, not guesses: where a layer holds a GGUF type exactly (Q4_0, Q4_1, Q4_K
+as int4) the only error is float32 rounding; where it requantizes (Q8_0, Q5_K, Q6_K and float
+weights) each weight moves by at most half a step, so the output moves by at most
+sum_k |x_k| * step_nk / 2; bf16 inputs add bf16's 2^-8 on the scales and on the output."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+gguf = pytest.importorskip("gguf", reason="gguf is a pdserve dependency: install pdserve")
+from gguf import GGMLQuantizationType as Q  # noqa: E402
+
+from pdserve.common.model import quant  # noqa: E402
+from pdserve.common.model.gguf import (  # noqa: E402
+    RawTensor,
+    permute_rotary,
+    read_raw_tensors,
+    read_tensors,
+)
+from pdserve.common.model.quant import (  # noqa: E402
+    QuantizedLinear,
+    QuantizedWeight,
+    from_gguf_blocks,
+    gguf_dequantize,
+    quantize_int4,
+    quantize_int8,
+)
+
+EXACT = [Q.Q4_0, Q.Q4_1, Q.Q4_K]  # held as int4 exactly
+REQUANTIZED = [Q.Q8_0, Q.Q5_K, Q.Q6_K]  # held as int8 per row (docs/quantization.md)
+BF16 = 2.0**-8  # bf16's relative rounding
+
+
+def _f16_bytes(v: np.ndarray) -> np.ndarray:
+    return v.astype(np.float16).view(np.uint8).reshape(*v.shape[:-1], -1)
+
+
+def _k_scale_bytes(sc: np.ndarray, m: np.ndarray) -> np.ndarray:
+    """Eight 6-bit scales and mins as Q4_K/Q5_K's 12 bytes (the format's own packing)."""
+    lo = (sc[..., :4] & 63) | ((sc[..., 4:] >> 4) << 6)
+    mid = (m[..., :4] & 63) | ((m[..., 4:] >> 4) << 6)
+    top = (sc[..., 4:] & 15) | ((m[..., 4:] & 15) << 4)
+    return np.concatenate([lo, mid, top], axis=-1).astype(np.uint8)
+
+
+def encode_k(w: np.ndarray, qtype: Q) -> np.ndarray:
+    """Q4_K, Q5_K or Q6_K blocks [rows, bytes] for w [rows, cols] (gguf cannot quantize them):
+    per sub-block min..max (Q6_K: symmetric) on the type's levels, its scale on 6 bits (Q6_K:
+    int8) under the super-block's f16 scale."""
+    if qtype == Q.Q6_K:
+        return _encode_q6_k(w)
+    levels = 15 if qtype == Q.Q4_K else 31
+    x = w.reshape(w.shape[0], -1, 8, 32).astype(np.float32)
+    low = np.minimum(x.min(axis=-1), 0)
+    scale, mins = (x.max(axis=-1) - low) / levels, -low
+    d = (scale.max(axis=-1) / 63).astype(np.float16)
+    dmin = (mins.max(axis=-1) / 63).astype(np.float16)
+    # Rounded up, so that a sub-block's levels still span it.
+    sc = np.clip(np.ceil(scale / np.maximum(d[..., None], 1e-8)), 0, 63).astype(np.uint8)
+    m = np.clip(np.ceil(mins / np.maximum(dmin[..., None], 1e-8)), 0, 63).astype(np.uint8)
+    step = np.maximum(d.astype(np.float32)[..., None] * sc, 1e-8)
+    offset = dmin.astype(np.float32)[..., None] * m
+    q = np.clip(np.round((x + offset[..., None]) / step[..., None]), 0, levels).astype(np.uint8)
+    nib = (q & 15).reshape(*q.shape[:2], 4, 2, 32)
+    parts = [_f16_bytes(d[..., None]), _f16_bytes(dmin[..., None]), _k_scale_bytes(sc, m)]
+    if qtype == Q.Q5_K:
+        bits = (q >> 4) << np.arange(8, dtype=np.uint8)[:, None]
+        parts.append(bits.sum(axis=-2, dtype=np.uint8))
+    parts.append((nib[..., 0, :] | (nib[..., 1, :] << 4)).reshape(*q.shape[:2], 128))
+    return np.concatenate(parts, axis=-1).reshape(w.shape[0], -1)
+
+
+def _encode_q6_k(w: np.ndarray) -> np.ndarray:
+    x = w.reshape(w.shape[0], -1, 16, 16).astype(np.float32)
+    scale = np.abs(x).max(axis=-1) / 31
+    d = (scale.max(axis=-1) / 127).astype(np.float16)
+    sc = np.clip(np.ceil(scale / np.maximum(d[..., None], 1e-8)), 0, 127).astype(np.int8)
+    step = np.maximum(d.astype(np.float32)[..., None] * sc, 1e-8)
+    q = (np.clip(np.round(x / step[..., None]), -32, 31) + 32).astype(np.uint8)
+    # position 32i + l of each half of 128: nibble i // 2 of ql byte 32(i % 2) + l, bits 2i of
+    # qh byte l
+    q = q.reshape(*q.shape[:2], 2, 4, 32)
+    low = q & 15
+    ql = low[..., 0:2, :] | (low[..., 2:4, :] << 4)
+    qh = ((q >> 4) << (2 * np.arange(4, dtype=np.uint8))[:, None]).sum(axis=-2, dtype=np.uint8)
+    lead = q.shape[:2]
+    parts = [ql.reshape(*lead, 128), qh.reshape(*lead, 64), sc.view(np.uint8), _f16_bytes(d)]
+    return np.concatenate([p.reshape(*lead, -1) for p in parts], axis=-1).reshape(len(w), -1)
+
+
+def encode(w: np.ndarray, qtype: Q) -> np.ndarray:
+    if qtype in (Q.Q4_K, Q.Q5_K, Q.Q6_K):
+        return encode_k(w, qtype)
+    return gguf.quants.quantize(w, qtype)
+
+
+def _weights(rows: int = 64, cols: int = 512, seed: int = 0) -> np.ndarray:
+    """Gaussian with a few large columns, as trained weights have."""
+    rng = np.random.default_rng(seed)
+    w = rng.standard_normal((rows, cols)).astype(np.float32) * 0.05
+    w[:, rng.choice(cols, 4, replace=False)] *= 8
+    return w
+
+
+def _write(path: Path, tensors: dict[str, tuple[np.ndarray, Q]]) -> Path:
+    writer = gguf.GGUFWriter(str(path), "llama")
+    for name, (array, qtype) in tensors.items():
+        writer.add_tensor(name, encode(array, qtype), raw_dtype=qtype)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def _raw(tmp_path: Path, w: np.ndarray, qtype: Q) -> RawTensor:
+    """w written to a file as blk.0.ffn_up.weight, read back raw as its HF name."""
+    path = _write(tmp_path / "t.gguf", {"blk.0.ffn_up.weight": (w, qtype)})
+    (raw,) = read_raw_tensors(path, ["model.layers.0.mlp.up_proj.weight"], 1, 1, 1)
+    assert raw.name == "model.layers.0.mlp.up_proj.weight" and raw.shape == w.shape
+    return raw
+
+
+def _half_step_bound(x: torch.Tensor, step: torch.Tensor) -> torch.Tensor:
+    """The largest output move when every weight [out, in] moves by up to half its step."""
+    return x.abs().double() @ (step.double() / 2).T
+
+
+def _requant_step(weight: QuantizedWeight) -> torch.Tensor:
+    """Each weight's quantization step, [out, in]."""
+    if weight.group_size is None:
+        return weight.scales.expand(-1, weight.in_features)
+    return weight.scales.repeat_interleave(weight.group_size, dim=1)
+
+
+def _assert_close(got: torch.Tensor, want: torch.Tensor, bound: torch.Tensor) -> None:
+    err = (got.double() - want.double()).abs()
+    assert bool((err <= bound).all()), f"max excess {(err - bound).max().item():.3g}"
+
+
+@pytest.mark.parametrize("qtype", EXACT + REQUANTIZED, ids=lambda q: q.name)
+def test_hand_built_and_library_blocks_decode_as_gguf_does(tmp_path: Path, qtype: Q) -> None:
+    w = _weights()
+    raw = _raw(tmp_path, w, qtype)
+    want = gguf.quants.dequantize(raw.blocks, qtype).reshape(w.shape)
+    np.testing.assert_allclose(gguf_dequantize(raw).numpy(), want, rtol=1e-6, atol=1e-7)
+    # The blocks hold w: within each 32 values, the error stays under the share of their
+    # largest magnitude that the type's levels allow (a wrong layout would move whole values).
+    share = {Q.Q8_0: 0.005, Q.Q6_K: 0.03}.get(qtype, 0.13)
+    peak = np.abs(w).reshape(len(w), -1, 32).max(axis=-1, keepdims=True)
+    assert (np.abs(want - w).reshape(len(w), -1, 32) <= share * peak).all()
+
+
+@pytest.mark.parametrize("qtype", EXACT + REQUANTIZED, ids=lambda q: q.name)
+def test_a_gguf_tensor_multiplies_as_its_dequantized_float(tmp_path: Path, qtype: Q) -> None:
+    w = _weights()
+    raw = _raw(tmp_path, w, qtype)
+    dequantized = torch.from_numpy(gguf.quants.dequantize(raw.blocks, qtype).reshape(w.shape))
+    weight = from_gguf_blocks(raw)
+    assert weight.bits == (4 if qtype in EXACT else 8)
+    x = torch.randn(5, w.shape[1])
+    want = x @ dequantized.T
+    rounding = 1e-5 * (x.abs() @ dequantized.abs().T)  # float32 sums of 512 products
+    requant = 0 if qtype in EXACT else _half_step_bound(x, _requant_step(weight))
+    exact = QuantizedLinear(weight, scale_dtype=torch.float32)
+    _assert_close(exact(x), want, rounding + requant)
+    # bf16: the activations rounded first; bf16 scales (and zeros) and output cost 2^-8 each.
+    xb = x.bfloat16()
+    got = QuantizedLinear(weight)(xb)
+    assert got.dtype == torch.bfloat16
+    want_b = xb.float() @ dequantized.T
+    scaled = 3 * BF16 * (xb.float().abs() @ dequantized.abs().T)
+    _assert_close(got, want_b, scaled + requant * (1 + BF16))
+
+
+@pytest.mark.parametrize("qtype", [Q.Q4_K, Q.Q8_0], ids=lambda q: q.name)
+def test_the_other_width_also_converts(tmp_path: Path, qtype: Q) -> None:
+    raw = _raw(tmp_path, _weights(), qtype)
+    bits = 8 if qtype == Q.Q4_K else 4
+    weight = from_gguf_blocks(raw, bits)
+    assert weight.bits == bits
+    x = torch.randn(3, raw.shape[1])
+    bound = _half_step_bound(x, _requant_step(weight)) + 1e-4
+    _assert_close(
+        QuantizedLinear(weight, scale_dtype=torch.float32)(x), x @ gguf_dequantize(raw).T, bound
+    )
+
+
+@pytest.mark.parametrize("mode", ["int8", "int4"])
+def test_from_float_is_within_half_a_step_of_the_float_matmul(mode: str) -> None:
+    w = torch.from_numpy(_weights(48, 256))
+    bias = torch.randn(48)
+    layer = QuantizedLinear.from_float(w, bias, mode)  # type: ignore[arg-type]
+    weight = quantize_int8(w) if mode == "int8" else quantize_int4(w)
+    assert (weight.dequantize() - w).abs().max() <= _requant_step(weight).max() / 2 * 1.001
+    x = torch.randn(2, 3, 256)  # leading dims as nn.Linear takes them
+    want = torch.nn.functional.linear(x, w, bias)
+    bound = _half_step_bound(x.view(-1, 256), _requant_step(weight)).view(2, 3, 48)
+    exact = QuantizedLinear(weight, bias, scale_dtype=torch.float32)
+    got = exact(x)
+    assert got.shape == (2, 3, 48) and got.dtype == torch.float32
+    _assert_close(got, want, bound + 1e-4)
+    # The bf16-scaled layer from from_float, in float32 and in bf16.
+    _assert_close(layer(x), want, bound * (1 + BF16) + 2 * BF16 * (x.abs() @ w.abs().T))
+    got_b = layer(x.bfloat16())
+    assert got_b.dtype == torch.bfloat16
+    scale = x.abs() @ w.abs().T + bias.abs()
+    _assert_close(got_b, want, bound * (1 + BF16) + 4 * BF16 * scale)
+    with pytest.raises(ValueError, match="int8 or int4"):
+        QuantizedLinear.from_float(w, None, "int2")  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("mode", ["int8", "int4"])
+def test_the_dense_path_equals_the_weight_only_kernel(mode: str) -> None:
+    w = torch.from_numpy(_weights(320, 256))  # not a whole number of dense chunks
+    weight = quantize_int8(w) if mode == "int8" else quantize_int4(w)
+    dense = QuantizedLinear(weight, dense_rows=1)
+    kernel = QuantizedLinear(weight, dense_rows=None)
+    if torch.backends.cpu.get_cpu_capability().startswith("AVX512"):
+        assert dense.dense_rows == 1  # the int4 layout check passed: this build is read
+    x = torch.randn(7, 256).bfloat16()
+    bound = 4 * BF16 * (x.float().abs() @ weight.dequantize().abs().T)
+    _assert_close(dense(x), kernel(x), bound)
+    _assert_close(dense(x), x.float() @ weight.dequantize().T, bound)
+    # float32 inputs always take the kernel (float32 matmul never beat it).
+    torch.testing.assert_close(dense(x.float()), kernel(x.float()))
+
+
+def test_int4_packs_in_row_chunks_as_it_packs_whole(monkeypatch: pytest.MonkeyPatch) -> None:
+    values = torch.randint(0, 16, (320, 128), dtype=torch.int8)
+    whole = quant._pack_int4(values)
+    monkeypatch.setattr(quant, "_CONVERT_CHUNK", 128)
+    assert torch.equal(quant._pack_int4(values), whole)
+
+
+@pytest.mark.parametrize("mode", ["int8", "int4"])
+def test_a_shard_is_the_slice_of_the_dequantized_weight(mode: str) -> None:
+    w = torch.from_numpy(_weights(64, 256))
+    weight = quantize_int8(w) if mode == "int8" else quantize_int4(w)
+    full = weight.dequantize()
+    x = torch.randn(3, 256)
+    for rank in range(2):
+        rows = weight.shard(0, rank, 2)
+        torch.testing.assert_close(rows.dequantize(), full[32 * rank : 32 * (rank + 1)])
+        cols = weight.shard(1, rank, 4)
+        piece = slice(64 * rank, 64 * (rank + 1))
+        torch.testing.assert_close(cols.dequantize(), full[:, piece])
+        got = QuantizedLinear(cols, scale_dtype=torch.float32)(x[:, piece])
+        torch.testing.assert_close(got, x[:, piece] @ full[:, piece].T, rtol=1e-4, atol=1e-4)
+    # Row-parallel pieces add up to the whole product (what the all-reduce does).
+    parts = [QuantizedLinear(weight.shard(1, r, 2), scale_dtype=torch.float32) for r in range(2)]
+    total = sum(p(x[:, 128 * r : 128 * (r + 1)]) for r, p in enumerate(parts))
+    torch.testing.assert_close(total, x @ full.T, rtol=1e-4, atol=1e-4)
+
+
+def test_shards_that_split_a_group_or_do_not_divide_are_refused() -> None:
+    weight = quantize_int4(torch.from_numpy(_weights(64, 256)))
+    with pytest.raises(ValueError, match="not aligned to the group size 32"):
+        weight.shard(1, 0, 16)  # 16 columns each
+    with pytest.raises(ValueError, match="cannot split 64 along dim 0 into 3"):
+        weight.shard(0, 0, 3)
+    with pytest.raises(ValueError, match="rank 2"):
+        weight.shard(0, 2, 2)
+    # int8 has one scale per row: any even column split keeps it.
+    per_row = quantize_int8(torch.from_numpy(_weights(64, 256)))
+    assert per_row.shard(1, 3, 16).dequantize().shape == (64, 16)
+
+
+def test_q_and_k_rows_unpermute_while_quantized(tmp_path: Path) -> None:
+    heads, kv_heads, head_dim, hidden = 4, 2, 16, 256
+    q = _weights(heads * head_dim, hidden, seed=1)
+    k = _weights(kv_heads * head_dim, hidden, seed=2)
+    path = _write(
+        tmp_path / "qk.gguf",
+        {
+            "blk.0.attn_q.weight": (permute_rotary(q, heads), Q.Q4_K),
+            "blk.0.attn_k.weight": (permute_rotary(k, kv_heads), Q.Q6_K),
+        },
+    )
+    names = ["model.layers.0.self_attn.q_proj.weight", "model.layers.0.self_attn.k_proj.weight"]
+    floats = dict(read_tensors(path, names, 1, heads, kv_heads))
+    raws = {r.name: r for r in read_raw_tensors(path, names, 1, heads, kv_heads)}
+    assert raws.keys() == floats.keys() == set(names)
+    for name in names:
+        # Moving whole rows of blocks commutes with decoding them.
+        np.testing.assert_array_equal(gguf_dequantize(raws[name]).numpy(), floats[name])
+    # And the float path's result is the original order, up to the quantization.
+    assert np.abs(floats[names[0]] - q).max() < np.abs(q).max() / 15
+
+
+def test_unsupported_gguf_types_and_shapes_are_named() -> None:
+    raw = RawTensor("w", "IQ2_XS", np.zeros((16, 64), np.uint8), (16, 256))
+    with pytest.raises(ValueError, match=r"tensor w: GGUF type IQ2_XS .*supported: Q4_0"):
+        from_gguf_blocks(raw)
+    vector = RawTensor("norm", "Q8_0", np.zeros((1, 34), np.uint8), (32,))
+    with pytest.raises(ValueError, match="2-D"):
+        from_gguf_blocks(vector)
+
+
+def test_int4_kernel_limits_are_named() -> None:
+    with pytest.raises(ValueError, match="multiple of 16"):
+        QuantizedLinear(quantize_int4(torch.randn(24, 64)))
+    with pytest.raises(ValueError, match="group size 16"):
+        QuantizedLinear(quantize_int4(torch.randn(32, 64), group_size=16))
+    with pytest.raises(ValueError, match="not a multiple of the group size"):
+        quantize_int4(torch.randn(32, 48))
