@@ -1,24 +1,7 @@
 """`pdserve bench chaos`: steady greedy load on `pdserve serve` with 2 prefill nodes, 2 decode
 nodes and 2 routers while a seeded schedule kills (-9), stops (SIGSTOP for 2-6 s, then
-SIGCONT) or restarts (SIGTERM) a random child every --interval seconds; the supervisor
-restarts whatever exits.
-
-The children are found as serve exposes them: the processes whose parent is the `pdserve
-serve` process (/proc/PID/stat), named by their command line: a node by its --node-id, a
-router by its --port (router0 on serve's --port, router1 on the other).
-
-Each answer is one of: correct (the in-process engine's greedy text for the same prompt and
-max_tokens), error (an HTTP error status, an error event or finish_reason "error"), dropped
-(the connection broke or was refused: its router was down), wrong (a complete answer with other
-text: must be 0) or hung (no end within --request-timeout: must be 0). A fault's recovery time
-runs from its signal to the end of the first correct answer through the affected role sent
-after it and after every answer through that role that was sent after it and failed before the
-next fault: through the hit router for a router fault, through either router for a node fault
-(every prompt is prefilled on a prefill node, --prefill-placement remote, and decoded on a
-decode node).
-Leaked: once the load stopped and every node is back and quiet, the blocks each still holds
-for a request (free and cached blocks do not count) and the requests it still holds.
-"""
+SIGCONT) or restarts (SIGTERM) a random child every --interval seconds; what each answer,
+recovery and leak counts as: docs/reliability.md."""
 
 from __future__ import annotations
 
@@ -282,8 +265,9 @@ async def run_load(
 
 
 def recovery_s(fault: Fault, until: float, answers: list[Answer]) -> float | None:
-    """See the module docstring (`until`: the next fault, or the load's end); None when no
-    such answer came before the load stopped."""
+    """From the fault to the end of the first correct answer through the hit role sent after it
+    and after every failure through that role that ended before `until` (the next fault, or
+    the load's end); None when no such answer came."""
     router = fault.target if fault.target.startswith("router") else None
     mine = [a for a in answers if a.start >= fault.at and router in (None, a.router)]
     failed = [a.start for a in mine if a.outcome != "correct" and a.end < until]

@@ -23,7 +23,7 @@ if TYPE_CHECKING:
 
 SLO_METRICS = ("ttft", "tpot", "e2el")  # goodput SLO names, as vLLM's --goodput takes them
 EOS_MODES = ("ignore_eos", "generation_config", "none")  # in the order the probe tries them
-PROBE_ATTEMPTS = 3
+PROBE_ATTEMPTS = 30  # 2 s apart: a loaded machine can take a minute to register nodes
 
 # Structured-output kinds: the request fields each adds. The schema's strings and list are
 # bounded, so a conforming object ends well within 100 tokens of a small model's vocabulary.
@@ -537,7 +537,7 @@ async def _accepted(sender: Sender, req: BenchRequest, caps: ServerCaps) -> bool
     """Whether the server answers 200 (4xx: it refuses these fields; 5xx: RuntimeError)."""
     body = request_body(req, caps, 0.0, stream=False)
     path = "/v1/chat/completions" if req.messages is not None else "/v1/completions"
-    for attempt in range(PROBE_ATTEMPTS):
+    for _ in range(PROBE_ATTEMPTS):
         try:
             resp = await sender.client.post(path, json=body, timeout=sender.timeout_s)
         except httpx.TransportError:
@@ -546,7 +546,7 @@ async def _accepted(sender: Sender, req: BenchRequest, caps: ServerCaps) -> bool
             continue
         if resp.status_code != 503:
             break
-        await asyncio.sleep(2.0 * (attempt + 1))  # "retry later": a node still starting
+        await asyncio.sleep(2.0)  # "retry later": a node still starting
     else:
         raise RuntimeError(f"probe failed {PROBE_ATTEMPTS} times at {sender.base_url}")
     if resp.status_code >= 500:

@@ -1,7 +1,5 @@
-"""The systems the HTTP benchmarks compare, started one way: pdserve colocated or P/D
-(`LocalCluster`), `pdserve serve` (supervised), `transformers serve`, and routers over fake
-nodes. Each waits until ready (with a timeout) and stops on exit, error or SIGTERM: a process
-group gets SIGTERM, then SIGKILL."""
+"""The systems the HTTP benchmarks compare, each started, waited for (with a timeout) and
+stopped on exit: pdserve nodes and a router, `transformers serve`, routers over fake nodes."""
 
 from __future__ import annotations
 
@@ -118,21 +116,6 @@ def pdserve_cluster(
     )
     with environ(threads_env(threads)), cluster:
         yield cluster
-
-
-@contextmanager
-def pdserve_serve(
-    model: str | Path, args: Sequence[str], log_dir: Path, timeout: float = 300.0
-) -> Iterator[str]:
-    """`pdserve serve MODEL ARGS` (the supervised deployment) on free ports; yields its URL
-    once /health answers."""
-    port = free_port()
-    cmd = [sys.executable, "-m", "pdserve", "serve", str(model), "--port", str(port)]
-    cmd += ["--control-port", str(free_port()), "--log-dir", str(log_dir), *args]
-    url = f"http://{HOST}:{port}"
-    with process_group(cmd, log_dir / "serve.log") as proc:
-        wait_until(lambda: http_ok(f"{url}/health"), {"pdserve serve": proc}, timeout, url)
-        yield url
 
 
 @contextmanager
