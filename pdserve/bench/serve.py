@@ -23,7 +23,7 @@ from pdserve.bench.load import (
     random_requests,
     run_benchmark,
 )
-from pdserve.bench.report import SEED_FLAG, TIMEOUT_FLAG, TQDM_FLAG, add_flags, save_json
+from pdserve.bench.report import SEED_FLAG, TIMEOUT_FLAG, TQDM_FLAG, add_flags, cell, save_json
 from pdserve.common.node.cli import parser
 
 SERVER_FLAGS = [
@@ -71,50 +71,22 @@ QUICK = {
     "system_prompt_len": 32,
     "num_warmups": 0,
 }
-DISTRIBUTIONS = {
-    "ttft": "Time to First Token",
-    "tpot": "Time per Output Token (excl. 1st token)",
-    "itl": "Inter-token Latency",
-    "e2el": "End-to-end Latency",
-}
-COUNTS = [
-    ("Successful requests:", "completed"),
-    ("Failed requests:", "failed"),
-    ("Request rate (req/s):", "request_rate"),
-    ("Max concurrency:", "max_concurrency"),
-    ("Benchmark duration (s):", "duration_s"),
-    ("Total input tokens:", "total_input_tokens"),
-    ("Total generated tokens:", "total_output_tokens"),
-    ("Request throughput (req/s):", "request_throughput"),
-    ("Request goodput (req/s):", "request_goodput"),
-    ("Output token throughput (tok/s):", "output_throughput"),
-    ("Total token throughput (tok/s):", "total_token_throughput"),
-    ("Structured outputs valid:", "structured_valid"),
-    ("Structured outputs invalid:", "structured_invalid"),
-]
+COUNTS = ("completed", "failed", "request_rate", "max_concurrency", "duration_s")
+COUNTS += ("total_input_tokens", "total_output_tokens", "request_throughput", "request_goodput")
+COUNTS += ("output_throughput", "total_token_throughput", "structured_valid", "structured_invalid")
 
 
-def format_report(result: dict[str, Any], title: str = "Serving Benchmark Result") -> str:
-    """The result as the aligned text block a terminal shows."""
-    width = 56
-
-    def row(label: str, value: Any) -> str:
-        text = f"{value:.2f}" if isinstance(value, float) else str(value)
-        return f"{label:<40}{text:>16}"
-
-    lines = [f" {title} ".center(width, "=")]
-    lines += [row(label, result[k]) for label, k in COUNTS if result.get(k) is not None]
-    for name, label in DISTRIBUTIONS.items():
-        lines.append(f" {label} ".center(width, "-"))
-        for key, value in result.items():
-            if key.endswith(f"_{name}_ms") and not key.startswith("std"):
-                lines.append(row(f"{key.split('_')[0].capitalize()} {name.upper()} (ms):", value))
+def format_report(result: dict[str, Any]) -> str:
+    """The run's counts, throughputs and latency percentiles (ms), one aligned line each."""
+    keys = [k for k in COUNTS if result.get(k) is not None]
+    keys += [k for k in result if k.endswith("_ms") and not k.startswith("std")]
+    lines = [f"{k:<40}{cell(result[k]):>16}" for k in keys]
     if result["input_len_mismatches"] or result["output_len_mismatches"]:
         lines.append(
             f"note: {result['input_len_mismatches']} prompts and {result['output_len_mismatches']}"
             " outputs differ in length from what was asked (usage counts are reported)"
         )
-    return "\n".join([*lines, "=" * width])
+    return "\n".join(lines)
 
 
 def with_structured(
