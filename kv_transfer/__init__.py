@@ -4,7 +4,7 @@ Pick a connector by name (`zmq`, `nccl`, `shm`) with `create_sender` / `create_r
 holds its end of the data plane in a `KVPort`.
 """
 
-from pdserve.common.wire.kv_layout import KVLayout
+from pdserve.common.wire.payloads import KVLayout
 from pdserve.kv_transfer.base import (
     KVReceiver,
     KVSender,

@@ -17,8 +17,7 @@ from typing import Any
 
 import torch
 
-from pdserve.common.engine.request import FirstToken
-from pdserve.common.wire.kv_layout import KVLayout
+from pdserve.common.wire.payloads import FirstToken, KVLayout
 from pdserve.common.wire.security import CurveKeys
 
 

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from pdserve.common.engine.request import FirstToken
+from pdserve.common.wire.payloads import FirstToken
 from pdserve.kv_transfer.base import TransferResult
 from pdserve.kv_transfer.wire import CHECKSUM_SCHEME, KVDone, KVPage, combine, frame_digest, resolve
 

@@ -17,10 +17,9 @@ from typing import Any, ClassVar
 import torch
 import zmq
 
-from pdserve.common.engine.request import FirstToken
 from pdserve.common.process import host_id
-from pdserve.common.wire.kv_layout import KVLayout
 from pdserve.common.wire.messages import MAX_MESSAGE_BYTES, Message, ProtocolError, encode
+from pdserve.common.wire.payloads import FirstToken, KVLayout
 from pdserve.common.wire.security import CurveKeys, admit_cluster_keys
 from pdserve.kernels import ops
 from pdserve.kv_transfer.base import (

@@ -26,7 +26,7 @@ from typing import Any, ClassVar
 import torch
 import torch.distributed as dist
 
-from pdserve.common.wire.kv_layout import KVLayout
+from pdserve.common.wire.payloads import KVLayout
 from pdserve.common.wire.security import CurveKeys
 from pdserve.kv_transfer.base import TransferError, TransferTimeout
 from pdserve.kv_transfer.channel import ChannelReceiver, ChannelSender, Peer

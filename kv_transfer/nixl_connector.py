@@ -48,9 +48,8 @@ from typing import Any, ClassVar
 import msgpack
 import torch
 
-from pdserve.common.engine.request import FirstToken
-from pdserve.common.wire.kv_layout import KVLayout
 from pdserve.common.wire.messages import Message, ProtocolError
+from pdserve.common.wire.payloads import FirstToken, KVLayout
 from pdserve.common.wire.security import CurveKeys
 from pdserve.kv_transfer.base import TransferError
 from pdserve.kv_transfer.channel import ChannelSender

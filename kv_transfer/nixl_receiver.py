@@ -15,8 +15,8 @@ import msgpack
 import torch
 import zmq
 
-from pdserve.common.wire.kv_layout import KVLayout
 from pdserve.common.wire.messages import Message, ProtocolError
+from pdserve.common.wire.payloads import KVLayout
 from pdserve.common.wire.security import CurveKeys
 from pdserve.kv_transfer.base import TransferResult
 from pdserve.kv_transfer.channel import ChannelReceiver, Peer

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from pdserve.common.process import host_id
-from pdserve.common.wire.kv_layout import KVLayout
+from pdserve.common.wire.payloads import KVLayout
 from pdserve.common.wire.security import CurveKeys
 from pdserve.kv_transfer.base import (
     KVReceiver,

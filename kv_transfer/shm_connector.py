@@ -29,8 +29,8 @@ from typing import Any, ClassVar
 import torch
 
 from pdserve.common.process import host_id
-from pdserve.common.wire.kv_layout import KVLayout
 from pdserve.common.wire.messages import Message
+from pdserve.common.wire.payloads import KVLayout
 from pdserve.common.wire.security import CurveKeys
 from pdserve.kv_transfer.base import TransferError
 from pdserve.kv_transfer.channel import ChannelReceiver, ChannelSender, Peer

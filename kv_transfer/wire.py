@@ -21,9 +21,8 @@ import msgpack
 import torch
 import torch.nn.functional as F
 
-from pdserve.common.engine.request import FirstToken
-from pdserve.common.wire.kv_layout import KVLayout
 from pdserve.common.wire.messages import Message, Plane
+from pdserve.common.wire.payloads import FirstToken, KVLayout
 from pdserve.kv_transfer.base import TransferError, TransferTimeout
 
 _MASK64 = (1 << 64) - 1

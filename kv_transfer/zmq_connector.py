@@ -19,7 +19,7 @@ from typing import Any, ClassVar
 import torch
 import zmq
 
-from pdserve.common.wire.kv_layout import KVLayout
+from pdserve.common.wire.payloads import KVLayout
 from pdserve.common.wire.security import CurveKeys
 from pdserve.kv_transfer.base import TransferTimeout
 from pdserve.kv_transfer.channel import ChannelReceiver, ChannelSender, Peer

@@ -16,12 +16,12 @@ except metadata.PackageNotFoundError:  # a source tree that was never installed
 
 if TYPE_CHECKING:
     from pdserve.common.engine.llm import LLM, RequestOutput
-    from pdserve.common.engine.sampling_params import SamplingParams
+    from pdserve.common.wire.payloads import SamplingParams
 
 _LAZY = {
     "LLM": "pdserve.common.engine.llm",
     "RequestOutput": "pdserve.common.engine.llm",
-    "SamplingParams": "pdserve.common.engine.sampling_params",
+    "SamplingParams": "pdserve.common.wire.payloads",
 }
 
 __all__ = ["LLM", "RequestOutput", "SamplingParams", "__version__"]

@@ -9,11 +9,12 @@ from dataclasses import dataclass, replace
 import zmq
 
 from pdserve.common.engine.config import CacheConfig, ModelConfig, SchedulerConfig
-from pdserve.common.engine.request import FirstToken, Request
+from pdserve.common.engine.request import Request
 from pdserve.common.engine.scheduler import RequestUpdate, SchedulerOutput
 from pdserve.common.node.config import NodeConfig
 from pdserve.common.node.loop import EngineNode, Handler, Told
 from pdserve.common.wire.messages import Error, Failure, Message, Prefill
+from pdserve.common.wire.payloads import FirstToken
 from pdserve.kv_transfer import KVPort
 
 log = logging.getLogger(__name__)

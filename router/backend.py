@@ -10,8 +10,8 @@ from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
-from pdserve.common.engine.sampling_params import SamplingParams
 from pdserve.common.wire.messages import Error, Tokens
+from pdserve.common.wire.payloads import SamplingParams
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,4 +58,3 @@ class Backend(ABC):
     def stats(self) -> dict[str, float]:
         """Gauges exported on /metrics as pdserve_backend_<name>, read at scrape time."""
         return {}
-

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 
 from pydantic import BaseModel
 
-from pdserve.common.engine.request import TokenLogprobs
+from pdserve.common.wire.payloads import TokenLogprobs
 from pdserve.router.generation import Choice, ChoiceDelta, PromptPart
 from pdserve.router.openai_protocol import (
     ChatChoice,

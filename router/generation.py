@@ -15,8 +15,8 @@ from typing import TYPE_CHECKING
 import anyio
 from fastapi import Request
 
-from pdserve.common.engine.request import TokenLogprobs
 from pdserve.common.wire.messages import Error, Failure, Tokens
+from pdserve.common.wire.payloads import TokenLogprobs
 from pdserve.router.backend import Backend, GenerateRequest
 from pdserve.router.cluster.streams import get_within
 from pdserve.router.metrics import RouterMetrics

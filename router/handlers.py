@@ -16,7 +16,7 @@ from pydantic import BaseModel
 from starlette.requests import ClientDisconnect
 from starlette.types import Receive, Scope, Send
 
-from pdserve.common.engine.sampling_params import StructuredOutputsParams
+from pdserve.common.wire.payloads import StructuredOutputsParams
 from pdserve.router.backend import Backend, GenerateRequest
 from pdserve.router.config import RouterLimits
 from pdserve.router.dialects import (

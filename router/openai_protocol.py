@@ -33,7 +33,7 @@ from pydantic import (
     model_validator,
 )
 
-from pdserve.common.engine.sampling_params import SamplingParams, StructuredOutputsParams
+from pdserve.common.wire.payloads import SamplingParams, StructuredOutputsParams
 from pdserve.router.tools import Function, ToolMode
 
 MAX_N = 16  # choices per prompt: each one is a backend request holding its own KV blocks

@@ -26,7 +26,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
-from pdserve.common.engine.sampling_params import StructuredOutputsParams
+from pdserve.common.wire.payloads import StructuredOutputsParams
 
 PARSERS = ("hermes", "llama3_json")
 _HERMES_CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)

@@ -13,8 +13,8 @@ from pdserve.common.engine.config import (
     SchedulerConfig,
 )
 from pdserve.common.engine.llm_engine import LLMEngine
-from pdserve.common.engine.request import Request, TokenLogprobs
-from pdserve.common.engine.sampling_params import SamplingParams
+from pdserve.common.engine.request import Request
+from pdserve.common.wire.payloads import SamplingParams, TokenLogprobs
 
 __all__ = ["LLM", "RequestOutput", "SamplingParams"]
 

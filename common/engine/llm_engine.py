@@ -14,12 +14,11 @@ from pdserve.common.engine.config import (
 from pdserve.common.engine.kv_cache_manager import KVCacheManager
 from pdserve.common.engine.model_runner import ModelRunner
 from pdserve.common.engine.request import Request
-from pdserve.common.engine.sampling_params import SamplingParams
 from pdserve.common.engine.scheduler import RequestUpdate, Scheduler, SchedulerOutput
 from pdserve.common.engine.structured import StructuredOutputs
 from pdserve.common.model.checkpoint import Checkpoint
 from pdserve.common.model.weights import model_fingerprint
-from pdserve.common.wire.kv_layout import KVLayout
+from pdserve.common.wire.payloads import KVLayout, SamplingParams
 
 # Given a step's batch, a callback `f(layer)` for its forward, or None (see LLMEngine.step).
 LayerHook = Callable[[SchedulerOutput], Callable[[int], None] | None]

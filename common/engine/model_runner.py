@@ -12,7 +12,6 @@ import torch
 
 from pdserve.common.engine.compiled_decode import CompiledDecode
 from pdserve.common.engine.config import CacheConfig, ModelConfig, ParallelConfig
-from pdserve.common.engine.request import TokenLogprobs
 from pdserve.common.engine.sampler import (
     Sampler,
     SamplingRow,
@@ -27,6 +26,7 @@ from pdserve.common.model.attention import AttentionMetadata
 from pdserve.common.model.config import ModelArchConfig
 from pdserve.common.model.parallel import TPGroup, TPShard
 from pdserve.common.model.weights import load_model
+from pdserve.common.wire.payloads import TokenLogprobs
 
 _PROMPT_LOGITS_ROWS = 256  # prompt positions scored at once: bounds the [rows, vocab] logits
 _MASK_TIMEOUT_S = 60.0  # filling a step's grammar masks takes milliseconds; never wait forever

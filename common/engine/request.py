@@ -6,7 +6,7 @@ import enum
 from dataclasses import dataclass, field
 from typing import Any
 
-from pdserve.common.engine.sampling_params import SamplingParams
+from pdserve.common.wire.payloads import SamplingParams, TokenLogprobs
 
 
 class RequestStatus(enum.Enum):
@@ -23,25 +23,6 @@ class FinishReason(str, enum.Enum):
     LENGTH = "length"
     ABORT = "abort"
     ERROR = "error"
-
-
-@dataclass(frozen=True, slots=True)
-class TokenLogprobs:
-    """The chosen token's logprob and the top alternatives, for one generated position."""
-
-    token_id: int
-    logprob: float
-    top: tuple[tuple[int, float], ...] = ()
-    rank: int = 0  # of token_id in its distribution (1: the most likely); 0 when not computed
-
-
-@dataclass(frozen=True, slots=True)
-class FirstToken:
-    """The token a prefill node sampled at the prompt's end, handed to the decode node with the
-    prompt's KV (the transfer's done message): the decode node goes on from it."""
-
-    token_id: int
-    logprobs: TokenLogprobs | None = None  # when the request asked for logprobs
 
 
 @dataclass(slots=True, eq=False)

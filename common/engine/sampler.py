@@ -7,8 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
-from pdserve.common.engine.request import TokenLogprobs
-from pdserve.common.engine.sampling_params import SamplingParams
+from pdserve.common.wire.payloads import SamplingParams, TokenLogprobs
 
 
 @dataclass(frozen=True, slots=True)

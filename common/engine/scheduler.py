@@ -14,9 +14,9 @@ from typing import Any
 
 from pdserve.common.engine.config import SchedulerConfig
 from pdserve.common.engine.kv_cache_manager import KVCacheManager
-from pdserve.common.engine.request import FinishReason, Request, RequestStatus, TokenLogprobs
-from pdserve.common.engine.sampling_params import SamplingParams
+from pdserve.common.engine.request import FinishReason, Request, RequestStatus
 from pdserve.common.wire.messages import Tokens
+from pdserve.common.wire.payloads import SamplingParams, TokenLogprobs
 
 
 @dataclass(frozen=True, slots=True)

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from pdserve.common.engine.sampling_params import StructuredOutputsParams
+from pdserve.common.wire.payloads import StructuredOutputsParams
 
 if TYPE_CHECKING:
     import xgrammar

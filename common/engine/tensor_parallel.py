@@ -25,9 +25,9 @@ import torch
 import torch.distributed as dist
 
 from pdserve.common.engine.config import CacheConfig, ModelConfig, ParallelConfig
-from pdserve.common.engine.sampling_params import SamplingParams
 from pdserve.common.engine.scheduler import ScheduledSeq
 from pdserve.common.model.parallel import TPGroup, TPShard
+from pdserve.common.wire.payloads import SamplingParams
 
 _STEP, _KEEPALIVE, _STOP = 1, 2, 3
 _HOST = "127.0.0.1"

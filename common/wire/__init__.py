@@ -1,5 +1,6 @@
-"""What crosses sockets: typed messages, the control link, and CurveZMQ security.
+"""What crosses sockets: typed messages and the values they carry (payloads), the control link,
+and CurveZMQ security.
 
-Nothing here imports torch: the router loads this package, never the model. Of the engine it
-takes only the plain value types that travel in messages (SamplingParams, TokenLogprobs).
+Nothing here imports torch or the engine: the router loads this package, never the model; the
+engine takes its sampling parameters and token values from here.
 """

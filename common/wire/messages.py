@@ -19,9 +19,7 @@ from typing import Any, ClassVar
 
 import msgpack
 
-from pdserve.common.engine.request import TokenLogprobs
-from pdserve.common.engine.sampling_params import SamplingParams
-from pdserve.common.wire.kv_layout import KVLayout
+from pdserve.common.wire.payloads import KVLayout, SamplingParams, TokenLogprobs
 
 PROTOCOL_VERSION = 6  # 2: typed failure kinds, incarnations, Reregister; 3: Registered,
 # host ids; 4: the decode side's cached tokens in Reserved/Prefill, measured rates; 5: typed

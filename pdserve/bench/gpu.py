@@ -181,8 +181,8 @@ def weight_bytes(model: torch.nn.Module) -> int:
 
 def decode_inputs(runner, batch: int, context: int):
     """A decode step of `batch` sequences with `context` cached tokens each, random K/V."""
-    from pdserve.common.engine.sampling_params import SamplingParams
     from pdserve.common.engine.scheduler import ScheduledSeq
+    from pdserve.common.wire.payloads import SamplingParams
 
     per_seq = context // BLOCK_SIZE + 1
     params = SamplingParams(max_tokens=1, temperature=0.0)
@@ -233,8 +233,8 @@ def bench_decode(llm, copy_gb_s: float, context: int) -> list[dict[str, Any]]:
 
 
 def bench_prefill(llm, matmul_tflops: float) -> list[dict[str, Any]]:
-    from pdserve.common.engine.sampling_params import SamplingParams
     from pdserve.common.engine.scheduler import ScheduledSeq
+    from pdserve.common.wire.payloads import SamplingParams
 
     runner = llm.engine.runner
     model, arch = runner.model, runner.arch
@@ -262,7 +262,7 @@ def bench_prefill(llm, matmul_tflops: float) -> list[dict[str, Any]]:
 
 def bench_engine(llm, batch: int, prompt: int, new: int) -> float:
     """The engine's generate: output tokens per second, prefill included."""
-    from pdserve.common.engine.sampling_params import SamplingParams
+    from pdserve.common.wire.payloads import SamplingParams
 
     prompts = [[(7 * b + 3 * i) % 1000 + 1 for i in range(prompt)] for b in range(batch)]
     params = SamplingParams(max_tokens=new, temperature=0.0, ignore_eos=True)

@@ -44,8 +44,8 @@ from pdserve.bench.report import (
     save_figure,
     sync,
 )
-from pdserve.common.engine.request import FirstToken
 from pdserve.common.node.cli import parser
+from pdserve.common.wire.payloads import FirstToken
 from pdserve.kernels import ops
 from pdserve.kv_transfer import KVLayout, KVReceiver, create_receiver, create_sender
 from pdserve.kv_transfer.wire import FRAME_BYTES, as_bytes, blocks_per_frame, page_checksum

@@ -20,8 +20,8 @@ from pdserve.bench.report import (
 )
 from pdserve.common.engine import model_runner
 from pdserve.common.engine.llm import LLM
-from pdserve.common.engine.sampling_params import SamplingParams, StructuredOutputsParams
 from pdserve.common.node.cli import parser
+from pdserve.common.wire.payloads import SamplingParams, StructuredOutputsParams
 from pdserve.models import smollm2
 
 SCHEMA = {

@@ -9,8 +9,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from pdserve.common.wire.kv_layout import KVLayout
 from pdserve.common.wire.messages import Heartbeat, RegisterNode
+from pdserve.common.wire.payloads import KVLayout
 
 NODE_ROLES = ("prefill", "decode", "both")
 

@@ -10,7 +10,6 @@ import asyncio
 import logging
 import time
 
-from pdserve.common.engine.sampling_params import SamplingParams
 from pdserve.common.wire.messages import (
     Abort,
     Error,
@@ -20,6 +19,7 @@ from pdserve.common.wire.messages import (
     Reserved,
     ReserveKV,
 )
+from pdserve.common.wire.payloads import SamplingParams
 from pdserve.router.cluster.control import ControlServer
 from pdserve.router.cluster.policies import PlacementConfig, Policy, estimate, missing_tokens
 from pdserve.router.cluster.registry import NodeInfo, NodeRegistry, kv_mismatch

@@ -6,7 +6,7 @@ import pytest
 
 from pdserve.common.engine.kv_cache_manager import KVCacheManager
 from pdserve.common.engine.request import Request
-from pdserve.common.engine.sampling_params import SamplingParams
+from pdserve.common.wire.payloads import SamplingParams
 
 BS = 4
 

@@ -8,7 +8,7 @@ import pytest
 
 from pdserve.common.engine.kv_cache_manager import KVCacheManager, hash_token_blocks
 from pdserve.common.engine.request import Request
-from pdserve.common.engine.sampling_params import SamplingParams
+from pdserve.common.wire.payloads import SamplingParams
 
 BS = 4
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from pdserve.common.engine.config import CacheConfig, ModelConfig, SchedulerConfig
 from pdserve.common.engine.llm_engine import LLMEngine, PrefillRate
-from pdserve.common.engine.sampling_params import SamplingParams
 from pdserve.common.engine.scheduler import ScheduledSeq, SchedulerOutput
+from pdserve.common.wire.payloads import SamplingParams
 
 GREEDY = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
 

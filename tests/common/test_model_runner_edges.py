@@ -10,8 +10,8 @@ import torch
 
 from pdserve.common.engine.model_runner import ModelRunner
 from pdserve.common.engine.sampler import make_generator, skip_draws
-from pdserve.common.engine.sampling_params import SamplingParams
 from pdserve.common.engine.scheduler import ScheduledSeq
+from pdserve.common.wire.payloads import SamplingParams
 
 VOCAB = 16
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from pdserve.common.engine.llm import LLM, RequestOutput
-from pdserve.common.engine.sampling_params import SamplingParams
+from pdserve.common.wire.payloads import SamplingParams
 
 TOL = 1e-4
 

@@ -12,8 +12,8 @@ from pdserve.common.engine.config import SchedulerConfig
 from pdserve.common.engine.kv_cache_manager import KVCacheManager
 from pdserve.common.engine.request import FinishReason, Request
 from pdserve.common.engine.sampler import Sampler, SamplingRow, make_generator, skip_draws
-from pdserve.common.engine.sampling_params import SamplingParams
 from pdserve.common.engine.scheduler import SampledToken, Scheduler
+from pdserve.common.wire.payloads import SamplingParams
 
 VOCAB = 64
 

@@ -14,7 +14,7 @@ from pdserve.common.engine.sampler import (
     make_generator,
     score_tokens,
 )
-from pdserve.common.engine.sampling_params import SamplingParams
+from pdserve.common.wire.payloads import SamplingParams
 
 VOCAB = 16
 

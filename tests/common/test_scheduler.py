@@ -7,8 +7,8 @@ import pytest
 from pdserve.common.engine.config import SchedulerConfig
 from pdserve.common.engine.kv_cache_manager import KVCacheManager
 from pdserve.common.engine.request import FinishReason, Request, RequestStatus
-from pdserve.common.engine.sampling_params import SamplingParams
 from pdserve.common.engine.scheduler import SampledToken, Scheduler, SchedulerOutput
+from pdserve.common.wire.payloads import SamplingParams
 
 EOS = 3
 

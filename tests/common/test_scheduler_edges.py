@@ -9,14 +9,14 @@ import pytest
 
 from pdserve.common.engine.config import SchedulerConfig
 from pdserve.common.engine.kv_cache_manager import KVCacheManager
-from pdserve.common.engine.request import FinishReason, Request, RequestStatus, TokenLogprobs
-from pdserve.common.engine.sampling_params import SamplingParams
+from pdserve.common.engine.request import FinishReason, Request, RequestStatus
 from pdserve.common.engine.scheduler import (
     RequestUpdate,
     SampledToken,
     Scheduler,
     SchedulerOutput,
 )
+from pdserve.common.wire.payloads import SamplingParams, TokenLogprobs
 
 EOS = 3
 TOKEN = 50  # what the fake model samples: never EOS

@@ -8,9 +8,9 @@ import time
 import pytest
 import zmq
 
-from pdserve.common.engine.request import FirstToken
 from pdserve.common.wire.control import ControlClient
 from pdserve.common.wire.messages import RegisterNode, encode
+from pdserve.common.wire.payloads import FirstToken
 from pdserve.common.wire.security import CurveKeys, keygen
 from pdserve.kv_transfer import KVLayout, TransferTimeout, create_receiver, create_sender
 from pdserve.local_cluster import LocalCluster, free_port

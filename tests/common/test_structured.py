@@ -14,9 +14,9 @@ import torch
 
 from pdserve.common.engine import model_runner
 from pdserve.common.engine.llm import LLM
-from pdserve.common.engine.sampling_params import SamplingParams, StructuredOutputsParams
 from pdserve.common.engine.structured import allowed_from_bitmask, fill_bitmask
 from pdserve.common.wire.messages import Prefill, decode, encode
+from pdserve.common.wire.payloads import SamplingParams, StructuredOutputsParams
 
 SCHEMA = {
     "type": "object",

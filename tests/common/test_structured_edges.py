@@ -9,13 +9,13 @@ from typing import Any
 
 import pytest
 
-from pdserve.common.engine.sampling_params import StructuredOutputsParams
 from pdserve.common.engine.structured import (
     Grammar,
     StructuredOutputs,
     allowed_from_bitmask,
     fill_bitmask,
 )
+from pdserve.common.wire.payloads import StructuredOutputsParams
 from pdserve.tiny_model import train_tokenizer
 
 PAD = 40  # a model's vocabulary padded past its tokenizer's, as real checkpoints often are

@@ -13,7 +13,7 @@ import httpx
 import pytest
 
 from pdserve.common.engine.llm import LLM
-from pdserve.common.engine.sampling_params import SamplingParams, StructuredOutputsParams
+from pdserve.common.wire.payloads import SamplingParams, StructuredOutputsParams
 from pdserve.local_cluster import LocalCluster
 from pdserve.tiny_model import make_tiny_model
 

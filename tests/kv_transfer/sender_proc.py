@@ -9,7 +9,7 @@ import json
 import sys
 from typing import Any
 
-from pdserve.common.engine.request import FirstToken, TokenLogprobs
+from pdserve.common.wire.payloads import FirstToken, TokenLogprobs
 from pdserve.kv_transfer import KVLayout, KVSender, create_sender
 from pdserve.testbed.kvfaults import FaultPlan, PlannedFaults
 from tests.kv_transfer.helpers import make_caches

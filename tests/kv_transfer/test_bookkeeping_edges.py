@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from pdserve.common.engine.request import FirstToken
+from pdserve.common.wire.payloads import FirstToken
 from pdserve.kv_transfer.bookkeeping import ReceiveBook, SendBook
 from pdserve.kv_transfer.wire import KVPage
 

@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 import torch
 
-from pdserve.common.engine.request import FirstToken, TokenLogprobs
+from pdserve.common.wire.payloads import FirstToken, TokenLogprobs
 from pdserve.kv_transfer import KVLayout, KVReceiver, create_receiver
 from tests.kv_transfer.helpers import Pump, SenderProcess, make_caches, needs_nixl
 

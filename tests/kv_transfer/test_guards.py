@@ -11,8 +11,8 @@ import pytest
 import torch
 import zmq
 
-from pdserve.common.engine.request import FirstToken
 from pdserve.common.wire.messages import encode
+from pdserve.common.wire.payloads import FirstToken
 from pdserve.kv_transfer import (
     KVLayout,
     KVReceiver,

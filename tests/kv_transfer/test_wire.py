@@ -8,8 +8,8 @@ import msgpack
 import pytest
 import torch
 
-from pdserve.common.engine.request import FirstToken, TokenLogprobs
 from pdserve.common.wire.messages import Abort, ProtocolError, decode, encode
+from pdserve.common.wire.payloads import FirstToken, TokenLogprobs
 from pdserve.kv_transfer.bookkeeping import ReceiveBook, SendBook
 from pdserve.kv_transfer.wire import (
     CHECKSUM_ROW_WORDS,

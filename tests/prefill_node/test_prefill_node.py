@@ -17,7 +17,6 @@ import zmq
 from pdserve.common.engine.config import CacheConfig, ModelConfig, SchedulerConfig
 from pdserve.common.engine.kv_cache_manager import hash_token_blocks
 from pdserve.common.engine.llm import LLM, SamplingParams
-from pdserve.common.engine.sampling_params import StructuredOutputsParams
 from pdserve.common.node.config import NodeConfig
 from pdserve.common.wire.messages import (
     Error,
@@ -31,6 +30,7 @@ from pdserve.common.wire.messages import (
     Tokens,
     decode,
 )
+from pdserve.common.wire.payloads import StructuredOutputsParams
 from pdserve.decode_node.node import DecodeNode
 from pdserve.kv_transfer.base import TransferError
 from pdserve.prefill_node.node import PrefillNode

@@ -13,8 +13,8 @@ import random
 from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from typing import Any
 
-from pdserve.common.engine.request import TokenLogprobs
 from pdserve.common.wire.messages import Error, Failure, Tokens
+from pdserve.common.wire.payloads import TokenLogprobs
 from pdserve.router.backend import Backend, GenerateRequest
 
 FIRST_ORDINARY_ID = 5  # ids 0..4 are the tiny tokenizer's special tokens

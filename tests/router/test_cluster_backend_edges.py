@@ -14,7 +14,6 @@ import pytest
 import zmq
 import zmq.asyncio
 
-from pdserve.common.engine.sampling_params import SamplingParams
 from pdserve.common.wire.messages import (
     Abort,
     Admitted,
@@ -33,6 +32,7 @@ from pdserve.common.wire.messages import (
     decode,
     encode,
 )
+from pdserve.common.wire.payloads import SamplingParams
 from pdserve.local_cluster import free_port
 from pdserve.router.backend import GenerateRequest
 from pdserve.router.cluster.backend import ClusterBackend

@@ -12,7 +12,6 @@ import math
 
 import pytest
 
-from pdserve.common.engine.sampling_params import SamplingParams
 from pdserve.common.wire.messages import (
     Abort,
     Busy,
@@ -24,6 +23,7 @@ from pdserve.common.wire.messages import (
     ReserveKV,
     Tokens,
 )
+from pdserve.common.wire.payloads import SamplingParams
 from pdserve.router.backend import GenerateRequest
 from pdserve.router.cluster.backend import ClusterBackend
 from pdserve.router.cluster.policies import PlacementConfig

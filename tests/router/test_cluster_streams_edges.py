@@ -8,8 +8,8 @@ from __future__ import annotations
 import pytest
 
 from pdserve.common.engine.kv_cache_manager import hash_block_tokens
-from pdserve.common.engine.sampling_params import SamplingParams
 from pdserve.common.wire.messages import Failure, Tokens
+from pdserve.common.wire.payloads import SamplingParams
 from pdserve.router.backend import GenerateRequest
 from pdserve.router.cluster.registry import NodeRegistry
 from pdserve.router.cluster.streams import BlockHashes, Failover, RequestTable, Stream, left_behind

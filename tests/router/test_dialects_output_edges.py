@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 from pydantic import BaseModel
 
-from pdserve.common.engine.request import TokenLogprobs
+from pdserve.common.wire.payloads import TokenLogprobs
 from pdserve.router.dialects import ChatDialect, Collected, CompletionDialect, TokenStrings
 from pdserve.router.generation import ChoiceDelta, PromptPart
 from pdserve.router.openai_protocol import PromptTokensDetails, UsageInfo

@@ -12,7 +12,6 @@ import contextlib
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 
-from pdserve.common.engine.sampling_params import SamplingParams
 from pdserve.common.wire.messages import (
     Abort,
     Admitted,
@@ -28,6 +27,7 @@ from pdserve.common.wire.messages import (
     ReserveKV,
     Tokens,
 )
+from pdserve.common.wire.payloads import SamplingParams
 from pdserve.router.backend import GenerateRequest
 from pdserve.router.cluster.backend import ClusterBackend
 from pdserve.router.cluster.policies import PlacementConfig

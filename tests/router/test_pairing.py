@@ -10,8 +10,8 @@ from dataclasses import replace
 
 import pytest
 
-from pdserve.common.wire.kv_layout import KVLayout
 from pdserve.common.wire.messages import RegisterNode
+from pdserve.common.wire.payloads import KVLayout
 from pdserve.router.cluster.registration import probe_endpoint
 from pdserve.router.cluster.registry import NodeRegistry, kv_mismatch
 

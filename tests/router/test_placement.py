@@ -9,8 +9,8 @@ import math
 import pytest
 
 from pdserve.common.engine.kv_cache_manager import hash_token_blocks
-from pdserve.common.engine.sampling_params import SamplingParams
 from pdserve.common.wire.messages import Heartbeat, Prefill, Reserved, ReserveKV
+from pdserve.common.wire.payloads import SamplingParams
 from pdserve.router.backend import GenerateRequest
 from pdserve.router.cluster.policies import POLICIES, PlacementConfig, estimate, missing_tokens
 from pdserve.router.cluster.registry import NodeInfo, NodeRegistry

@@ -9,7 +9,6 @@ import pytest
 import zmq
 
 from pdserve.common.engine.config import CacheConfig, ModelConfig, SchedulerConfig
-from pdserve.common.engine.sampling_params import SamplingParams
 from pdserve.common.node.config import NodeConfig
 from pdserve.common.node.loop import ColocatedNode, EngineNode
 from pdserve.common.wire.messages import (
@@ -28,6 +27,7 @@ from pdserve.common.wire.messages import (
     SyncPrefixes,
     decode,
 )
+from pdserve.common.wire.payloads import SamplingParams
 from pdserve.decode_node.node import DecodeNode
 from pdserve.prefill_node.node import PrefillNode
 

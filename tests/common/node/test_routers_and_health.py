@@ -12,7 +12,6 @@ import pytest
 import zmq
 
 from pdserve.common.engine.config import CacheConfig, ModelConfig, SchedulerConfig
-from pdserve.common.engine.sampling_params import SamplingParams
 from pdserve.common.node import loop, membership
 from pdserve.common.node.config import NodeConfig
 from pdserve.common.node.health import LIVE_PATH, METRICS_PATH, NODE_METRICS, READY_PATH
@@ -28,6 +27,7 @@ from pdserve.common.wire.messages import (
     decode,
     encode,
 )
+from pdserve.common.wire.payloads import SamplingParams
 from pdserve.decode_node.node import DecodeNode
 from pdserve.local_cluster import free_port
 

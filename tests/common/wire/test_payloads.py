@@ -12,8 +12,6 @@ import msgpack
 import pytest
 import zmq
 
-from pdserve.common.engine.request import TokenLogprobs
-from pdserve.common.engine.sampling_params import SamplingParams, StructuredOutputsParams
 from pdserve.common.wire.control import ControlClient
 from pdserve.common.wire.messages import (
     Error,
@@ -26,6 +24,7 @@ from pdserve.common.wire.messages import (
     decode,
     encode,
 )
+from pdserve.common.wire.payloads import SamplingParams, StructuredOutputsParams, TokenLogprobs
 
 CONSTRAINTS = [
     StructuredOutputsParams(json={"type": "object", "properties": {"a": {"type": "integer"}}}),
