@@ -16,10 +16,10 @@ from pdserve.common.engine.compiled_decode import decode_buckets
 from pdserve.common.engine.config import ModelConfig
 from pdserve.common.engine.llm import LLM
 from pdserve.common.engine.model_runner import ForwardInputs, ModelRunner
-from pdserve.common.engine.sampling_params import SamplingParams
 from pdserve.common.engine.scheduler import ScheduledSeq
 from pdserve.common.model.attention import AttentionMetadata
 from pdserve.common.node.cli import add_engine_args, engine_configs
+from pdserve.common.wire.payloads import SamplingParams
 from pdserve.serve import _engine_flags, build_parser
 from tests.common.test_llm_equivalence import GREEDY, PROMPTS, VOCAB, assert_matches_hf
 from tests.devices import ON_CUDA, engine_kwargs, require_device
