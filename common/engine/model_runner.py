@@ -80,8 +80,6 @@ class ModelRunner:
         self.parallel = parallel = parallel or ParallelConfig()
         self.driver: RankDriver | None = None
         if tp is None and parallel.tensor_parallel_size > 1:
-            if model_config.compile_decode:
-                raise ValueError("compiled decode steps do not run tensor-parallel yet")
             # Refuse a model that cannot split before starting any process.
             TPShard(0, parallel.tensor_parallel_size).check(
                 ModelArchConfig.from_dir(model_config.model_dir)

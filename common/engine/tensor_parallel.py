@@ -26,7 +26,7 @@ import torch.distributed as dist
 
 from pdserve.common.engine.config import CacheConfig, ModelConfig, ParallelConfig
 from pdserve.common.engine.scheduler import ScheduledSeq
-from pdserve.common.model.parallel import TPGroup, TPShard
+from pdserve.common.model.parallel import TPGroup, TPShard, join_group
 from pdserve.common.wire.payloads import SamplingParams
 
 _STEP, _KEEPALIVE, _STOP = 1, 2, 3
@@ -76,14 +76,8 @@ def open_group(
     start = datetime.timedelta(seconds=parallel.start_timeout_s)
     if store is None:
         store = dist.TCPStore(_HOST, port, shard.size, False, timeout=start)
-    timeout = datetime.timedelta(seconds=parallel.timeout_s)
-    if device.startswith("cuda"):
-        options = dist.ProcessGroupNCCL.Options()
-        options._timeout = timeout
-        backend = dist.ProcessGroupNCCL(store, shard.rank, shard.size, options)
-    else:
-        backend = dist.ProcessGroupGloo(store, shard.rank, shard.size, timeout)
-    return TPGroup(shard, backend)
+    name = f"pdserve-tp-{port}-{shard.rank}"
+    return join_group(shard, store, parallel.timeout_s, device, name)
 
 
 def encode_step(seqs: tuple[ScheduledSeq, ...], compiled: bool) -> bytes:
@@ -215,6 +209,7 @@ class RankDriver:
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait(timeout=10)
+        self.group.close()
 
     def _kill(self) -> None:
         for proc in self.procs:

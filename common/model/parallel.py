@@ -10,13 +10,18 @@ is held by `size // num_kv_heads` consecutive ranks: rank r's query heads all re
 
 from __future__ import annotations
 
+import datetime
 import threading
 from dataclasses import dataclass
+from typing import Any
 
 import torch
+from torch._C._distributed_c10d import _register_process_group, _unregister_process_group
 
 from pdserve.common.model.config import ModelArchConfig
 from pdserve.common.wire.tp_map import check_kv_split, rank_kv_heads
+
+_c10d = torch.ops._c10d_functional
 
 
 @dataclass(frozen=True, slots=True)
@@ -104,15 +109,18 @@ def _even(tensor: torch.Tensor, dim: int, rank: int, size: int) -> torch.Tensor:
 
 
 class TPGroup:
-    """The ranks of one node, joined by a torch.distributed backend (gloo on CPU, NCCL on
-    CUDA) built with a timeout: every collective here fails after it instead of waiting.
+    """The ranks of one node, joined by a torch.distributed process group (gloo on CPU, NCCL
+    on CUDA) built with a timeout: every collective here fails after it instead of waiting.
 
-    `lock` serialises collectives issued from more than one thread of a rank (the driver's
-    step and its keep-alive): the ranks must see one sequence of collectives."""
+    The model's collectives are torch's functional ones, addressed by the group's registered
+    name, so a compiled decode step traces them into its graph like any other op. `lock`
+    serialises collectives issued from more than one thread of a rank (the driver's step and
+    its keep-alive): the ranks must see one sequence of collectives."""
 
-    def __init__(self, shard: TPShard, backend: torch.distributed.ProcessGroup) -> None:
+    def __init__(self, shard: TPShard, process_group: Any, name: str) -> None:
         self.shard = shard
-        self.backend = backend
+        self.process_group = process_group
+        self.name = name
         self.lock = threading.RLock()
 
     @property
@@ -124,28 +132,53 @@ class TPGroup:
         return self.shard.rank
 
     def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
-        """Sum `tensor` over the ranks, in place; returns it."""
-        self.backend.allreduce([tensor]).wait()
-        return tensor
+        """The sum of every rank's `tensor` (a new tensor)."""
+        return _c10d.wait_tensor(_c10d.all_reduce(tensor, "sum", self.name))
+
+    def gather_last_dim(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Every rank's `tensor` [N, C] joined along its last dimension [N, size * C], on every
+        rank."""
+        n = self.size
+        stacked = _c10d.wait_tensor(_c10d.all_gather_into_tensor(tensor.contiguous(), n, self.name))
+        rows, cols = tensor.shape
+        return stacked.view(n, rows, cols).permute(1, 0, 2).reshape(rows, n * cols)
+
+    def broadcast(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Rank 0's `tensor` on every rank (a new tensor)."""
+        return _c10d.wait_tensor(_c10d.broadcast(tensor, 0, self.name))
 
     def all_reduce_min(self, tensor: torch.Tensor, timeout_s: float) -> torch.Tensor:
         """The smallest of every rank's `tensor`, in place, waiting at most `timeout_s` (for
         the start-up agreement, when ranks may be far apart)."""
-        import datetime
-
         opts = torch.distributed.AllreduceOptions()
         opts.reduceOp = torch.distributed.ReduceOp.MIN
         opts.timeout = datetime.timedelta(seconds=timeout_s)
-        self.backend.allreduce([tensor], opts).wait()
+        self.process_group.allreduce([tensor], opts).wait()
         return tensor
 
-    def gather_last_dim(self, tensor: torch.Tensor) -> torch.Tensor:
-        """Every rank's `tensor` joined along the last dimension, on every rank."""
-        parts = [torch.empty_like(tensor) for _ in range(self.size)]
-        self.backend.allgather([parts], [tensor.contiguous()]).wait()
-        return torch.cat(parts, dim=-1)
+    def close(self) -> None:
+        """Forget the group's name (its connections close with the process group)."""
+        _unregister_process_group(self.name)
 
-    def broadcast(self, tensor: torch.Tensor) -> torch.Tensor:
-        """Rank 0's `tensor` on every rank, in place."""
-        self.backend.broadcast(tensor, 0).wait()
-        return tensor
+
+def join_group(
+    shard: TPShard, store: torch.distributed.Store, timeout_s: float, device: str, name: str
+) -> TPGroup:
+    """This rank's member of the group that meets at `store` (gloo on CPU, NCCL on CUDA),
+    registered as `name` (unique in this process) for the functional collectives."""
+    dist = torch.distributed
+    timeout = datetime.timedelta(seconds=timeout_s)
+    if device.startswith("cuda"):
+        options = dist.ProcessGroupNCCL.Options()
+        options._timeout = timeout
+        backend = dist.ProcessGroupNCCL(store, shard.rank, shard.size, options)
+        kind, backend_device = dist.ProcessGroup.BackendType.NCCL, torch.device(device)
+    else:
+        backend = dist.ProcessGroupGloo(store, shard.rank, shard.size, timeout)
+        kind, backend_device = dist.ProcessGroup.BackendType.GLOO, torch.device("cpu")
+    group = dist.ProcessGroup(store, shard.rank, shard.size)
+    group._register_backend(backend_device, kind, backend)
+    group._set_default_backend(kind)
+    group._set_group_name(name)
+    _register_process_group(name, group)
+    return TPGroup(shard, group, name)

@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 from pdserve.common.model.config import ModelArchConfig
-from pdserve.common.model.parallel import TPGroup, TPShard
+from pdserve.common.model.parallel import TPGroup, TPShard, join_group
 from pdserve.common.model.weights import load_model
 from tests.common.test_model import PROMPT_LEN, PagedSequence, _assert_close, _hf_logits, _step
 
@@ -111,8 +111,11 @@ def run_ranks(size: int, body: Callable[[TPGroup], object]) -> list[object]:
     def rank(r: int) -> None:
         try:
             st = store if r == 0 else dist.TCPStore("127.0.0.1", store.port, size, False)
-            group = TPGroup(TPShard(r, size), dist.ProcessGroupGloo(st, r, size, TIMEOUT))
-            results[r] = body(group)
+            group = join_group(TPShard(r, size), st, 60.0, "cpu", f"test-{store.port}-{r}")
+            try:
+                results[r] = body(group)
+            finally:
+                group.close()
         except BaseException as exc:  # reported below, in the test's thread
             errors.append(exc)
 
@@ -163,4 +166,4 @@ def _load_arch(model_dir: Path) -> ModelArchConfig:
 def test_loader_refuses_a_model_that_does_not_split(tiny_model_dir) -> None:
     model_dir = tiny_model_dir("llama", kv_heads=2)  # 4 heads, 2 KV heads
     with pytest.raises(ValueError, match="4 attention heads do not split across 3 ranks"):
-        load_model(model_dir, torch.float32, "cpu", tp=TPGroup(TPShard(0, 3), backend=None))
+        load_model(model_dir, torch.float32, "cpu", tp=TPGroup(TPShard(0, 3), None, "unused"))
