@@ -21,8 +21,9 @@ from pdserve.common.model.gguf import RawTensor
 # The int4 kernel's group size: GGUF's 32-element blocks and Q4_K's sub-blocks map onto it.
 INT4_GROUP = 32
 # At this many rows and more, a bf16 (or fp16) input runs dequantize-then-matmul instead of the
-# weight-only kernel (docs/quantization.md: the weight-only kernels grow linearly with rows).
-DENSE_ROWS = 32
+# weight-only kernel, per width (docs/quantization.md: the weight-only kernels' time grows with
+# each row; dequantizing costs a fixed amount per call, int4's twice int8's).
+DENSE_ROWS: dict[int, int] = {8: 32, 4: 128}
 # Output rows dequantized at once on the dense path: a bf16 chunk of 256 x 4096 stays in L2.
 _DENSE_CHUNK = 256
 # Rows packed or converted at once, so a tensor's int32 (or float32) temporary stays small.
@@ -170,21 +171,23 @@ class QuantizedLinear(nn.Module):
     """A drop-in for nn.Linear's forward whose weight stays int8 or int4: input [..., in] in
     bf16, fp16 or float32, output in the input's dtype. Scales (and zeros) are stored in
     `scale_dtype` and cast per call for another input dtype. A bf16/fp16 input of
-    `dense_rows` rows or more is multiplied by the dequantized weight instead, a chunk of rows
-    at a time (None: always the weight-only kernel). CPU only: CUDA's `_weight_int4pack_mm`
-    packs differently and is not written yet."""
+    `dense_rows` rows or more (default: DENSE_ROWS for the width) is multiplied by the
+    dequantized weight instead, a chunk of rows at a time; `dense=False` always takes the
+    weight-only kernel. CPU only: CUDA's `_weight_int4pack_mm` packs differently and is not
+    written yet."""
 
     def __init__(
         self,
         weight: QuantizedWeight,
         bias: torch.Tensor | None = None,
         scale_dtype: torch.dtype = torch.bfloat16,
-        dense_rows: int | None = DENSE_ROWS,
+        dense_rows: int | None = None,
+        dense: bool = True,
     ) -> None:
         super().__init__()
         self.in_features, self.out_features = weight.in_features, weight.out_features
         self.bits, self.group_size = weight.bits, weight.group_size
-        self.dense_rows = dense_rows
+        self.dense_rows = (dense_rows or DENSE_ROWS[weight.bits]) if dense else None
         if weight.bits == 8:
             self.register_buffer("qweight", weight.values)
             self.register_buffer("scales", weight.scales[:, 0].to(scale_dtype))
@@ -248,21 +251,24 @@ class QuantizedLinear(nn.Module):
             end = min(start + _DENSE_CHUNK, self.out_features)
             if self.bits == 8:
                 w = self.qweight[start:end] * self.scales[start:end, None].to(x.dtype)
-                out[:, start:end] = x @ w.T
+                out[:, start:end] = torch.nn.functional.linear(x, w)
             else:
                 out[:, start:end] = self._dense_int4(x, start, end)
         return out
 
     def _dense_int4(self, x: torch.Tensor, start: int, end: int) -> torch.Tensor:
-        blocks = (end - start) // _INT4_BLOCK
-        values = _unpack_int4_blocks(self.qweight[start:end], self.in_features).to(x.dtype)
-        groups = self.in_features // self.group_size
-        # [groups, rows, 2] -> [blocks, groups, 2, 1, 64] against values [blocks, groups, g, 64]
-        sz = self.scales[:, start:end].to(x.dtype).reshape(groups, blocks, _INT4_BLOCK, 2)
-        sz = sz.permute(1, 0, 3, 2).unsqueeze(3)
-        w = (values.view(blocks, groups, self.group_size, _INT4_BLOCK) - 8) * sz[:, :, 0]
-        w = (w + sz[:, :, 1]).view(blocks, self.in_features, _INT4_BLOCK)
-        return (x @ w).transpose(0, 1).reshape(x.shape[0], end - start)
+        blocks, groups = (end - start) // _INT4_BLOCK, self.in_features // self.group_size
+        values = _unpack_int4_blocks(self.qweight[start:end], self.in_features)
+        # [groups, rows, 2] -> [blocks, groups, 2, 64], contiguous: a strided broadcast
+        # operand makes the elementwise ops below ten times slower.
+        sz = self.scales[:, start:end].float().reshape(groups, blocks, _INT4_BLOCK, 2)
+        sz = sz.permute(1, 0, 3, 2).contiguous()
+        w = values.view(blocks, groups, self.group_size, _INT4_BLOCK).float()
+        w.sub_(8).mul_(sz[:, :, 0:1]).add_(sz[:, :, 1:2])
+        # Each block is [in, 64]: side by side they are the chunk's transposed weight.
+        wt = torch.empty(self.in_features, blocks, _INT4_BLOCK, dtype=x.dtype)
+        wt.copy_(w.view(blocks, self.in_features, _INT4_BLOCK).transpose(0, 1))
+        return x @ wt.view(self.in_features, end - start)
 
     def extra_repr(self) -> str:
         return (

@@ -223,7 +223,7 @@ def test_the_dense_path_equals_the_weight_only_kernel(mode: str) -> None:
     w = torch.from_numpy(_weights(320, 256))  # not a whole number of dense chunks
     weight = quantize_int8(w) if mode == "int8" else quantize_int4(w)
     dense = QuantizedLinear(weight, dense_rows=1)
-    kernel = QuantizedLinear(weight, dense_rows=None)
+    kernel = QuantizedLinear(weight, dense=False)
     if torch.backends.cpu.get_cpu_capability().startswith("AVX512"):
         assert dense.dense_rows == 1  # the int4 layout check passed: this build is read
     x = torch.randn(7, 256).bfloat16()
@@ -312,3 +312,20 @@ def test_int4_kernel_limits_are_named() -> None:
         QuantizedLinear(quantize_int4(torch.randn(32, 64), group_size=16))
     with pytest.raises(ValueError, match="not a multiple of the group size"):
         quantize_int4(torch.randn(32, 48))
+
+
+@pytest.mark.parametrize("mode", ["int8", "int4"])
+def test_the_batch_size_rule_picks_the_path(mode: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    w = torch.from_numpy(_weights(64, 256))
+    layer = QuantizedLinear(quantize_int8(w) if mode == "int8" else quantize_int4(w))
+    threshold = quant.DENSE_ROWS[8 if mode == "int8" else 4]
+    assert layer.dense_rows == threshold
+    dense_rows: list[int] = []
+    real = layer._dense
+    monkeypatch.setattr(layer, "_dense", lambda x: dense_rows.append(len(x)) or real(x))
+    for rows in (1, threshold - 1, threshold, threshold + 5):
+        layer(torch.randn(rows, 256).bfloat16())
+        layer(torch.randn(rows, 256))  # float32: always the weight-only kernel
+    assert dense_rows == [threshold, threshold + 5]
+    assert QuantizedLinear(quantize_int8(w), dense=False).dense_rows is None
+    assert QuantizedLinear(quantize_int8(w), dense_rows=7).dense_rows == 7
