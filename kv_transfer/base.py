@@ -72,8 +72,12 @@ class KVSender(abc.ABC):
         src_block_ids: list[int],
         dst_block_ids: list[int],
         layer_cache: torch.Tensor,
+        heads: range | None = None,
     ) -> None:
         """Send the pages of `src_block_ids` of one layer into the receiver's `dst_block_ids`.
+
+        With `heads` (indices into this cache's KV heads), only those heads' part of each
+        page: a tensor-parallel rank's slice for a receiving rank (see `common.wire.tp_map`).
 
         The pages are gathered (copied out of `layer_cache`) before this returns, so the caller
         may overwrite those blocks at once; the transport itself may still be in flight
@@ -139,8 +143,9 @@ class KVReceiver(abc.ABC):
         raise NotImplementedError(f"{type(self).__name__} cannot advertise an address")
 
     @abc.abstractmethod
-    def expect(self, xfer_id: str, block_ids: list[int]) -> None:
-        """Register a transfer into `block_ids` (the blocks reserved for it).
+    def expect(self, xfer_id: str, block_ids: list[int], heads: range | None = None) -> None:
+        """Register a transfer into `block_ids` (the blocks reserved for it); with `heads`
+        (indices into this receiver's cache heads) its pages carry and fill only those heads.
 
         Frames for xfer ids not expected (or cancelled, or finished) and frames for blocks
         outside `block_ids` are refused and counted in `counters`, never written.

@@ -50,6 +50,7 @@ class SendBook:
 class _Inbound:
     block_ids: frozenset[int]
     pages_per_layer: list[int]
+    heads: range | None = None  # the cache's KV heads its pages fill (None: all of them)
     digests: list[int] = field(default_factory=list)
     inflight: int = 0
     problems: list[str] = field(default_factory=list)
@@ -71,11 +72,16 @@ class ReceiveBook:
         self.counters: Counter[str] = Counter()
         self.pages_received = 0  # pages (one block of one layer) written, for metrics
 
-    def expect(self, xfer_id: str, block_ids: list[int]) -> None:
+    def expect(self, xfer_id: str, block_ids: list[int], heads: range | None = None) -> None:
         if xfer_id in self._live:
             raise ValueError(f"transfer {xfer_id!r} is already expected")
         self._gone.pop(xfer_id, None)
-        self._live[xfer_id] = _Inbound(frozenset(block_ids), [0] * self._num_layers)
+        self._live[xfer_id] = _Inbound(frozenset(block_ids), [0] * self._num_layers, heads)
+
+    def heads(self, xfer_id: str) -> range | None:
+        """The KV heads a live transfer fills (None: all, or not live)."""
+        inbound = self._live.get(xfer_id)
+        return None if inbound is None else inbound.heads
 
     def cancel(self, xfer_id: str) -> None:
         if self._live.pop(xfer_id, None) is not None:

@@ -42,7 +42,9 @@ from pdserve.kv_transfer.wire import (
     blocks_per_frame,
     check_cache,
     corrupt_first_byte,
+    gather_heads,
     page_checksum,
+    page_shape,
     resolve,
     wait_event,
 )
@@ -115,15 +117,17 @@ class ChannelSender(KVSender):
         src_block_ids: list[int],
         dst_block_ids: list[int],
         layer_cache: torch.Tensor,
+        heads: range | None = None,
     ) -> None:
         self._check_send_args(layer, src_block_ids, dst_block_ids, layer_cache)
+        heads = _heads_in(layer_cache, heads)
         self._pump(block=False)
         step = self._max_blocks_per_frame()
         for start in range(0, len(src_block_ids), step):
             src = torch.tensor(src_block_ids[start : start + step], device=layer_cache.device)
             dst = tuple(int(b) for b in dst_block_ids[start : start + step])
-            out = self._frame_buffer(self.layout.page_shape(len(dst)), layer_cache)
-            pages = ops.gather_pages(layer_cache, src, out=out)
+            out = self._frame_buffer(page_shape(self.layout, len(dst), len(heads)), layer_cache)
+            pages = gather_heads(layer_cache, src, heads, out)
             page = KVPage(xfer_id, layer, dst, self.layout.dtype, tuple(pages.shape), self._seq)
             self._seq += 1
             if self.faults is not None and self.faults.drop(xfer_id):
@@ -247,6 +251,16 @@ class ChannelSender(KVSender):
         """Release what `_on_welcome` set up."""
 
 
+def _heads_in(layer_cache: torch.Tensor, heads: range | None) -> range:
+    """`heads` (all of the cache's KV heads when None); ValueError outside the cache."""
+    held = range(layer_cache.shape[3])
+    if heads is None:
+        return held
+    if heads.step != 1 or not heads or heads.start < 0 or heads.stop > held.stop:
+        raise ValueError(f"KV heads {heads} are not a range within the cache's {held}")
+    return heads
+
+
 @dataclass
 class Peer:
     """A sender that passed the handshake; `state` is the connector's per-pair data."""
@@ -319,11 +333,11 @@ class ChannelReceiver(KVReceiver):
     def pages_received(self) -> int:
         return self._book.pages_received
 
-    def expect(self, xfer_id: str, block_ids: list[int]) -> None:
+    def expect(self, xfer_id: str, block_ids: list[int], heads: range | None = None) -> None:
         bad = [b for b in block_ids if not 0 <= b < self.num_blocks]
         if bad or len(set(block_ids)) != len(block_ids):
             raise ValueError(f"block ids must be unique and in [0, {self.num_blocks}): {bad}")
-        self._book.expect(xfer_id, block_ids)
+        self._book.expect(xfer_id, block_ids, _heads_in(self.kv_caches[0], heads))
 
     def cancel(self, xfer_id: str) -> None:
         self._book.cancel(xfer_id)
@@ -429,7 +443,10 @@ class ChannelReceiver(KVReceiver):
         n = len(page.dst_block_ids)
         if not 0 <= page.layer < self.layout.num_layers:
             return "layer out of range"
-        if page.dtype != self.layout.dtype or tuple(page.shape) != self.layout.page_shape(n):
+        heads = self._book.heads(page.xfer_id) or range(self.kv_caches[0].shape[3])
+        if page.dtype != self.layout.dtype or tuple(page.shape) != page_shape(
+            self.layout, n, len(heads)
+        ):
             return "dtype or shape differs from the layout"
         if n == 0 or len(set(page.dst_block_ids)) != n:
             return "empty or repeated block ids"
@@ -443,7 +460,11 @@ class ChannelReceiver(KVReceiver):
             return
         cache = self.kv_caches[page.layer]
         ids = torch.tensor(page.dst_block_ids, device=cache.device)
-        ops.scatter_pages(cache, ids, pages.to(cache.device))
+        heads = self._book.heads(page.xfer_id)
+        if heads is None or len(heads) == cache.shape[3]:
+            ops.scatter_pages(cache, ids, pages.to(cache.device))
+        else:  # a tensor-parallel slice: these heads of the blocks, the others untouched
+            cache[:, ids, :, heads.start : heads.stop] = pages.to(cache.device)
 
     def _reply(self, identity: bytes, msg: Message) -> None:
         try:

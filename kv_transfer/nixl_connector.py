@@ -68,6 +68,7 @@ from pdserve.kv_transfer.nixl_wire import (
     collect_sums,
     page_sums,
     pages_digest,
+    require_whole_heads,
 )
 from pdserve.kv_transfer.wire import (
     KV_PLANE,
@@ -186,7 +187,9 @@ class NixlSender(ChannelSender):
         src_block_ids: list[int],
         dst_block_ids: list[int],
         layer_cache: torch.Tensor,
+        heads: range | None = None,
     ) -> None:
+        require_whole_heads(layer_cache, heads)
         self._check_send_args(layer, src_block_ids, dst_block_ids, layer_cache)
         self._caches[layer] = layer_cache
         self.poll()

@@ -29,6 +29,7 @@ from pdserve.kv_transfer.nixl_wire import (
     collect_sums,
     page_sums,
     pages_digest,
+    require_whole_heads,
 )
 from pdserve.kv_transfer.wire import (
     KV_PLANE,
@@ -122,7 +123,8 @@ class NixlReceiver(ChannelReceiver):
 
     # -- public API
 
-    def expect(self, xfer_id: str, block_ids: list[int]) -> None:
+    def expect(self, xfer_id: str, block_ids: list[int], heads: range | None = None) -> None:
+        require_whole_heads(self.kv_caches[0], heads)
         super().expect(xfer_id, block_ids)
         self._reserved[xfer_id] = tuple(block_ids)
         self._progress_thread.busy = True

@@ -131,3 +131,10 @@ def _runs(ids: Sequence[int]) -> list[tuple[int, int]]:
             runs.append((ids[start], i - start))
             start = i
     return runs
+
+
+def require_whole_heads(cache: torch.Tensor, heads: range | None) -> None:
+    """nixl moves whole blocks of registered memory: a tensor-parallel slice of a block's KV
+    heads is not one region of it (NotImplementedError)."""
+    if heads is not None and len(heads) != cache.shape[3]:
+        raise NotImplementedError("the nixl connector moves whole blocks, not KV-head slices")

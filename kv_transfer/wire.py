@@ -131,12 +131,15 @@ def dtype_name(dtype: torch.dtype) -> str:
 
 
 def check_cache(layout: KVLayout, cache: torch.Tensor, what: str) -> None:
-    """ValueError unless `cache` is one contiguous layer cache of `layout`."""
+    """ValueError unless `cache` is one contiguous layer cache of `layout`, holding all its KV
+    heads or a tensor-parallel rank's share of them (a number that divides them)."""
     if cache.dim() != 5 or cache.shape[0] != 2:
         raise ValueError(f"{what}: a layer cache is [2, num_blocks, bs, H, D], got {cache.shape}")
-    geometry = (layout.block_size, layout.num_kv_heads, layout.head_dim)
-    if tuple(cache.shape[2:]) != geometry:
-        raise ValueError(f"{what}: blocks are {tuple(cache.shape[2:])}, layout says {geometry}")
+    heads = cache.shape[3]
+    geometry = (layout.block_size, heads, layout.head_dim)
+    if tuple(cache.shape[2:]) != geometry or layout.num_kv_heads % heads:
+        said = (layout.block_size, layout.num_kv_heads, layout.head_dim)
+        raise ValueError(f"{what}: blocks are {tuple(cache.shape[2:])}, layout says {said}")
     if dtype_name(cache.dtype) != layout.dtype:
         raise ValueError(f"{what}: dtype {dtype_name(cache.dtype)}, layout says {layout.dtype}")
     if not cache.is_contiguous():
@@ -153,6 +156,24 @@ def blocks_per_frame(page_bytes: int, limit: int = FRAME_BYTES) -> int:
     """How many whole pages of `page_bytes` one frame carries: at most `limit` bytes, at
     least one page."""
     return max(1, limit // page_bytes)
+
+
+def page_shape(layout: KVLayout, n_blocks: int, heads: int) -> tuple[int, int, int, int, int]:
+    """Shape of `n_blocks` gathered pages of one layer carrying `heads` KV heads."""
+    return (2, n_blocks, layout.block_size, heads, layout.head_dim)
+
+
+def gather_heads(
+    layer_cache: torch.Tensor, block_ids: torch.Tensor, heads: range, out: torch.Tensor | None
+) -> torch.Tensor:
+    """Pages of `block_ids` holding only the cache's KV heads `heads` (a tensor-parallel
+    slice), contiguous, into `out` when given."""
+    from pdserve.kernels import ops
+
+    if len(heads) == layer_cache.shape[3]:
+        return ops.gather_pages(layer_cache, block_ids, out=out)
+    pages = layer_cache[:, block_ids, :, heads.start : heads.stop]
+    return pages.contiguous() if out is None else out.copy_(pages)
 
 
 def frame_nbytes(page: KVPage, layout: KVLayout) -> int:

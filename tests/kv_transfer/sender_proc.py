@@ -20,8 +20,20 @@ class Child:
         self.caches: dict[str, list[Any]] = {}
         self.senders: dict[str, KVSender] = {}
 
-    def cache(self, name: str, layout: dict[str, Any], num_blocks: int, seed: int) -> None:
-        self.caches[name] = make_caches(KVLayout.from_dict(layout), num_blocks, seed)
+    def cache(
+        self,
+        name: str,
+        layout: dict[str, Any],
+        num_blocks: int,
+        seed: int,
+        heads: list[int] | None = None,
+    ) -> None:
+        """Random caches; with `heads` [first, end), only those KV heads of them (the share a
+        tensor-parallel rank holds)."""
+        caches = make_caches(KVLayout.from_dict(layout), num_blocks, seed)
+        if heads is not None:
+            caches = [c[:, :, :, heads[0] : heads[1]].contiguous() for c in caches]
+        self.caches[name] = caches
 
     def sender(
         self,
@@ -42,10 +54,19 @@ class Child:
         self.senders[name] = sender
 
     def send(
-        self, sender: str, cache: str, xfer: str, layers: list[int], src: list[int], dst: list[int]
+        self,
+        sender: str,
+        cache: str,
+        xfer: str,
+        layers: list[int],
+        src: list[int],
+        dst: list[int],
+        heads: list[int] | None = None,
     ) -> None:
+        """Send pages; with `heads` [first, end), only those heads of the cache."""
+        part = None if heads is None else range(*heads)
         for layer in layers:
-            self.senders[sender].send_layer(xfer, layer, src, dst, self.caches[cache][layer])
+            self.senders[sender].send_layer(xfer, layer, src, dst, self.caches[cache][layer], part)
 
     def done(self, sender: str, xfer: str, token: int, logprob: float | None) -> None:
         """End a transfer with first token `token` (and its logprob, the only one of its top)."""

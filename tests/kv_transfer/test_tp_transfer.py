@@ -1,0 +1,164 @@
+"""KV from a prefill group at TP p to a decode group at TP d, on every connector that carries
+KV-head slices: each decode rank receives exactly the heads it holds, from the prefill ranks
+the plan names (`common.wire.tp_map`), and the decode group's caches, joined across ranks, are
+bit-identical to the prefill group's. The prefill ranks' caches and senders live in a child
+process, the decode ranks' receivers here."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+from pdserve.common.wire.tp_map import rank_kv_heads, transfer_plan
+from pdserve.kv_transfer import KVLayout, KVReceiver, create_receiver
+from tests.kv_transfer.helpers import Pump, SenderProcess, make_caches
+
+SRC_BLOCKS, DST_BLOCKS = 12, 16
+SEED = 77
+# (KV heads, prefill TP, decode TP): the issue's pairs, and KV heads replicated (4 ranks, 2 heads).
+PAIRS = [(4, 1, 1), (4, 1, 2), (4, 2, 1), (4, 2, 2), (4, 1, 4), (4, 4, 1), (2, 4, 4), (2, 4, 1)]
+
+
+def layout(kv_heads: int) -> KVLayout:
+    return KVLayout(
+        "tiny", "float32", num_layers=2, num_kv_heads=kv_heads, head_dim=8, block_size=4
+    )
+
+
+@pytest.fixture(scope="module", params=["zmq", "nccl", "shm"])
+def connector(request: pytest.FixtureRequest) -> str:
+    return request.param
+
+
+@pytest.fixture(scope="module")
+def child() -> Iterator[SenderProcess]:
+    proc = SenderProcess()
+    try:
+        yield proc
+    finally:
+        proc.close()
+
+
+class Groups:
+    """p prefill ranks (caches and senders in the child) and d decode ranks (receivers here)."""
+
+    def __init__(self, connector: str, child: SenderProcess, kv: int, p: int, d: int) -> None:
+        self.layout, self.child, self.kv, self.p, self.d = layout(kv), child, kv, p, d
+        self.full = make_caches(self.layout, SRC_BLOCKS, SEED)
+        self.caches: list[list[torch.Tensor]] = []
+        self.receivers: list[KVReceiver] = []
+        for j in range(d):
+            heads = len(rank_kv_heads(kv, d, j))
+            shape = (2, DST_BLOCKS, 4, heads, 8)
+            self.caches.append([torch.zeros(shape) for _ in range(self.layout.num_layers)])
+            self.receivers.append(create_receiver(connector, self.layout, self.caches[j]))
+        self.pump = Pump(*self.receivers)
+        self.plan = transfer_plan(kv, p, d)
+        self.senders: list[str] = []
+        for i in range(p):
+            held = rank_kv_heads(kv, p, i)
+            self._call(
+                op="cache",
+                name=f"p{i}",
+                layout=self.layout.to_dict(),
+                num_blocks=SRC_BLOCKS,
+                seed=SEED,
+                heads=[held.start, held.stop],
+            )
+        for s in self.plan:
+            name = f"s{s.src_rank}-{s.dst_rank}"
+            self._call(
+                op="sender",
+                name=name,
+                connector=connector,
+                layout=self.layout.to_dict(),
+                endpoint=self.receivers[s.dst_rank].endpoint,
+                timeout=5.0,
+            )
+            self.senders.append(name)
+
+    def _call(self, **cmd) -> None:
+        reply = self.child.call(self.pump, **cmd)
+        assert reply["ok"], reply
+
+    def transfer(self, xfer: str, src: list[int], dst: list[int]) -> list[str]:
+        """Every slice of one request's transfer: expected, sent layer by layer, done."""
+        ids = []
+        for s in self.plan:
+            xfer_id = f"{xfer}.{s.src_rank}-{s.dst_rank}"  # unique across receivers too
+            heads = range(s.dst_offset, s.dst_offset + s.count)
+            self.receivers[s.dst_rank].expect(xfer_id, dst, heads)
+            name = f"s{s.src_rank}-{s.dst_rank}"
+            self._call(
+                op="send",
+                sender=name,
+                cache=f"p{s.src_rank}",
+                xfer=xfer_id,
+                layers=[0, 1],
+                src=src,
+                dst=dst,
+                heads=[s.src_offset, s.src_offset + s.count],
+            )
+            self._call(op="done", sender=name, xfer=xfer_id, token=5, logprob=None)
+            self._call(op="flush", sender=name)
+            ids.append((s.dst_rank, xfer_id))
+        return ids
+
+    def close(self) -> None:
+        for name in self.senders:
+            self._call(op="close", sender=name)
+        for r in self.receivers:
+            r.close()
+
+
+@pytest.mark.parametrize(("kv", "p", "d"), PAIRS)
+def test_decode_group_holds_the_prefill_groups_kv_bit_for_bit(connector, child, kv, p, d) -> None:
+    groups = Groups(connector, child, kv, p, d)
+    try:
+        rng = random.Random(p * 10 + d)
+        src, dst = rng.sample(range(SRC_BLOCKS), 5), rng.sample(range(DST_BLOCKS), 5)
+        ids = groups.transfer("req", src, dst)
+        results = groups.pump.wait_results(*(x for _, x in ids))
+        assert all(r.ok for r in results), [r.error for r in results]
+        assert all(r.first.token_id == 5 for r in results)
+        for layer, full in enumerate(groups.full):
+            for j, caches in enumerate(groups.caches):
+                held = rank_kv_heads(kv, d, j)
+                expected = torch.zeros_like(caches[layer])
+                expected[:, dst] = full[:, src][:, :, :, held.start : held.stop]
+                assert torch.equal(caches[layer], expected), (layer, j)
+    finally:
+        groups.close()
+
+
+def test_a_corrupted_slice_fails_only_its_own_transfer(connector, child) -> None:
+    groups = Groups(connector, child, 4, 2, 1)
+    try:
+        groups._call(op="close", sender="s1-0")  # the sender of rank 1 again, now corrupting
+        groups._call(
+            op="sender",
+            name="s1-0",
+            connector=connector,
+            layout=groups.layout.to_dict(),
+            endpoint=groups.receivers[0].endpoint,
+            timeout=5.0,
+            corrupt="req.1-0",
+        )
+        ids = groups.transfer("req", [1, 2], [3, 4])
+        ok = {x: r.ok for (_, x), r in zip(ids, groups.pump.wait_results(*(x for _, x in ids)))}
+        assert ok == {"req.0-0": True, "req.1-0": False}
+    finally:
+        groups.close()
+
+
+def test_heads_outside_the_cache_are_refused(connector) -> None:
+    caches = [torch.zeros(2, 4, 4, 2, 8) for _ in range(2)]
+    receiver = create_receiver(connector, layout(4), caches)
+    try:
+        with pytest.raises(ValueError, match="not a range within"):
+            receiver.expect("x", [1], range(1, 3))
+    finally:
+        receiver.close()
