@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 _DTYPES = ("float32", "float16", "bfloat16")
 
@@ -115,13 +116,17 @@ class ParallelConfig:
     threads_per_rank: torch's intra-op threads in each rank (None: the machine's threads shared
     evenly). timeout_s bounds every collective between ranks and a worker's wait for the next
     step (rank 0 sends a keep-alive while idle); start_timeout_s bounds the workers' start and
-    their model load.
+    their model load. rank_agent ("module:Class") is what each worker builds beside its model
+    runner, as Class(runner, group, **rank_agent_options), for rank 0 to `call` (a node's
+    per-rank KV connector end); the options travel as JSON.
     """
 
     tensor_parallel_size: int = 1
     threads_per_rank: int | None = None
     timeout_s: float = 60.0
     start_timeout_s: float = 600.0
+    rank_agent: str | None = None
+    rank_agent_options: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         _require(self.tensor_parallel_size >= 1, "tensor_parallel_size must be >= 1")

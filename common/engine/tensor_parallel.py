@@ -6,19 +6,26 @@ Each step, rank 0 broadcasts what every rank needs to build the step's inputs (t
 sequences' tokens, positions and blocks, as msgpack) and all ranks run the forward, joined by
 the model's all-reduces. A worker waits for the next step at most `timeout_s`; rank 0 sends a
 keep-alive while idle, so an idle worker whose rank 0 is gone (or stopped) exits.
+
+Besides steps, rank 0 can `call` a method of every rank's agent (the node's per-rank part,
+e.g. its KV connector end, named in the worker's spec as "module:Class"): the same method runs
+on every rank and rank 0 gets every rank's result.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import datetime
+import importlib
 import json
 import os
 import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import msgpack
 import torch
@@ -29,7 +36,7 @@ from pdserve.common.engine.scheduler import ScheduledSeq
 from pdserve.common.model.parallel import TPGroup, TPShard, join_group
 from pdserve.common.wire.payloads import SamplingParams
 
-_STEP, _KEEPALIVE, _STOP = 1, 2, 3
+_STEP, _KEEPALIVE, _STOP, _CALL = 1, 2, 3, 4
 _HOST = "127.0.0.1"
 
 
@@ -120,6 +127,15 @@ class StepChannel:
         if payload:
             self.group.broadcast(torch.frombuffer(bytearray(payload), dtype=torch.uint8))
 
+    def gather(self, payload: bytes) -> list[bytes]:
+        """Every rank's `payload`, in rank order (every rank calls this together)."""
+        sizes = self.group.all_gather(torch.tensor([len(payload)], dtype=torch.int64))
+        longest = int(sizes.max())
+        buf = torch.zeros(max(longest, 1), dtype=torch.uint8)
+        buf[: len(payload)] = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+        rows = self.group.all_gather(buf)
+        return [rows[r, : int(sizes[r])].numpy().tobytes() for r in range(self.group.size)]
+
     def recv(self) -> tuple[int, bytes]:
         header = self.group.broadcast(torch.zeros(2, dtype=torch.int64))
         kind, size = int(header[0]), int(header[1])
@@ -166,6 +182,22 @@ class RankDriver:
     def send_step(self, seqs: tuple[ScheduledSeq, ...], compiled: bool) -> None:
         """Call with `group.lock` held, through the step's last collective."""
         self._checked(self.channel.send, _STEP, encode_step(seqs, compiled))
+
+    def call(self, method: str, args: list[Any], local: Callable[[], Any]) -> list[Any]:
+        """Run `method(*args)` on every worker's agent and `local()` here, between the
+        command going out and the results coming back; every rank's result, in rank order.
+        A worker's exception comes back as a RuntimeError naming its rank."""
+        with self.group.lock:
+            self._checked(self.channel.send, _CALL, msgpack.packb([method, args]))
+            mine = local()
+            replies = self.channel.gather(msgpack.packb([True, None]))
+        results: list[Any] = [mine]
+        for rank, raw in enumerate(replies[1:], start=1):
+            ok, value = msgpack.unpackb(raw, raw=False)
+            if not ok:
+                raise RuntimeError(f"tensor-parallel rank {rank}: {method} failed: {value}")
+            results.append(value)
+        return results
 
     def _checked(self, send, *args) -> None:
         try:
@@ -239,6 +271,7 @@ def worker_main() -> None:
     runner = ModelRunner(
         spec.model, spec.cache, spec.max_num_seqs, spec.max_model_len, spec.parallel, group
     )
+    agent = _make_agent(spec, runner, group)
     channel = StepChannel(group)
     while True:
         kind, payload = channel.recv()
@@ -246,6 +279,29 @@ def worker_main() -> None:
             return
         if kind == _STEP:
             runner.follow(*decode_step(payload))
+        elif kind == _CALL:
+            channel.gather(msgpack.packb(_answer(agent, payload)))
+
+
+def _make_agent(spec: WorkerSpec, runner: Any, group: TPGroup) -> Any:
+    """The rank's agent the node named (`ParallelConfig.rank_agent`), or None."""
+    if spec.parallel.rank_agent is None:
+        return None
+    module, _, name = spec.parallel.rank_agent.partition(":")
+    cls = getattr(importlib.import_module(module), name)
+    return cls(runner, group, **(spec.parallel.rank_agent_options or {}))
+
+
+def _answer(agent: Any, payload: bytes) -> list[Any]:
+    """[True, result] of the agent's method, or [False, why]: a worker stays up when one
+    command fails, and rank 0 decides."""
+    method, args = msgpack.unpackb(payload, raw=False)
+    if agent is None or method not in getattr(agent, "COMMANDS", ()):
+        return [False, f"no agent command {method!r}"]
+    try:
+        return [True, getattr(agent, method)(*args)]
+    except Exception as exc:
+        return [False, f"{type(exc).__name__}: {exc}"]
 
 
 if __name__ == "__main__":

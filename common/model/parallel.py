@@ -143,6 +143,12 @@ class TPGroup:
         rows, cols = tensor.shape
         return stacked.view(n, rows, cols).permute(1, 0, 2).reshape(rows, n * cols)
 
+    def all_gather(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Every rank's `tensor` stacked [size, *tensor.shape], on every rank."""
+        n = self.size
+        flat = _c10d.wait_tensor(_c10d.all_gather_into_tensor(tensor.contiguous(), n, self.name))
+        return flat.view(n, *tensor.shape)
+
     def broadcast(self, tensor: torch.Tensor) -> torch.Tensor:
         """Rank 0's `tensor` on every rank (a new tensor)."""
         return _c10d.wait_tensor(_c10d.broadcast(tensor, 0, self.name))

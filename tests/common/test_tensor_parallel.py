@@ -112,3 +112,55 @@ def test_workers_exit_when_rank0_is_killed(model_dirs) -> None:
 def test_a_model_that_cannot_split_is_refused_before_any_process(model_dirs) -> None:
     with pytest.raises(ValueError, match="4 attention heads do not split across 3 ranks"):
         LLM(model_dirs["llama"], tensor_parallel_size=3, **TP)
+
+
+class EchoAgent:
+    """A rank agent for the call test: answers with its rank, or fails on demand."""
+
+    COMMANDS = frozenset({"echo", "fail"})
+
+    def __init__(self, runner, group, tag: str) -> None:
+        self.rank, self.tag = group.rank, tag
+
+    def echo(self, value: int) -> list:
+        return [self.rank, self.tag, value]
+
+    def fail(self) -> None:
+        raise ValueError("asked to")
+
+
+def test_rank0_calls_every_ranks_agent(model_dirs, monkeypatch) -> None:
+    from pathlib import Path
+
+    from pdserve.common.engine.config import (
+        CacheConfig,
+        ModelConfig,
+        ParallelConfig,
+        SchedulerConfig,
+    )
+    from pdserve.common.engine.llm_engine import LLMEngine
+
+    monkeypatch.setenv("PYTHONPATH", str(Path(__file__).resolve().parents[2]))
+    parallel = ParallelConfig(
+        2,
+        threads_per_rank=1,
+        rank_agent=f"{__name__}:EchoAgent",
+        rank_agent_options={"tag": "t"},
+    )
+    engine = LLMEngine(
+        ModelConfig(model_dirs["llama"]), CacheConfig(num_blocks=16), SchedulerConfig(), parallel
+    )
+    try:
+        driver = engine.runner.driver
+        assert driver.call("echo", [7], lambda: "here") == ["here", [1, "t", 7]]
+        with pytest.raises(RuntimeError, match=r"rank 1: fail failed: ValueError: asked to"):
+            driver.call("fail", [], lambda: None)
+        with pytest.raises(RuntimeError, match="rank 1: nope failed: no agent command"):
+            driver.call("nope", [], lambda: None)
+        # A failed command leaves the group whole: steps still run on every rank.
+        engine.add_request("r", [1, 2, 3], GREEDY)
+        while engine.has_unfinished:
+            engine.step()
+        engine.check_integrity()
+    finally:
+        engine.close()
