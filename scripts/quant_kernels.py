@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import resource
 import time
 from collections.abc import Callable
 from pathlib import Path
 
+import gguf
 import numpy as np
 import torch
 from gguf import GGMLQuantizationType as Q
@@ -118,13 +120,36 @@ def _off_grid(raw: RawTensor) -> np.ndarray:
     return (w + noise * step).reshape(raw.shape)
 
 
+def conversion_peak(qtype: Q, out: int = 14336, cols: int = 4096) -> None:
+    """Run alone (the high-water mark is the process's): RSS beyond the file's blocks while
+    one tensor converts, against the layer it becomes."""
+    per_block, bytes_per_block = gguf.GGML_QUANT_SIZES[qtype]
+    shape = (out, cols // per_block, bytes_per_block)
+    blocks = np.random.default_rng(0).integers(0, 256, shape, dtype=np.uint8)
+    blocks[..., :4] = np.full(2, 1e-3, np.float16).view(np.uint8)  # Q4_0/1, Q8_0, Q4_K, Q5_K: d
+    blocks[..., -2:] = np.array([1e-3], np.float16).view(np.uint8)  # Q6_K: d is last
+    blocks = blocks.reshape(out, -1)
+    QuantizedLinear.from_gguf(RawTensor("w", qtype.name, blocks[:64], (64, cols)))  # torch's own
+    base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    layer = QuantizedLinear.from_gguf(RawTensor("w", qtype.name, blocks, (out, cols)))
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - base
+    size = sum(b.numel() * b.element_size() for b in layer.buffers()) / 2**20
+    print(
+        f"{qtype.name} {out}x{cols}: file {blocks.nbytes / 2**20:.0f} MiB, layer "
+        f"{size:.0f} MiB, peak beyond the blocks {peak / 2**10:.0f} MiB"
+    )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--gguf", help="measure accuracy on this file's weights too")
     parser.add_argument("--reps", type=int, default=20)
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
+    parser.add_argument("--peak", help="only the conversion peak of one tensor of this type")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
+    if args.peak:
+        return conversion_peak(Q[args.peak])
     print(
         f"torch {torch.__version__}, {torch.get_num_threads()} threads, "
         f"{torch.backends.cpu.get_cpu_capability()}\n"

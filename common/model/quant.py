@@ -27,7 +27,7 @@ DENSE_ROWS: dict[int, int] = {8: 32, 4: 128}
 # Output rows dequantized at once on the dense path: a bf16 chunk of 256 x 4096 stays in L2.
 _DENSE_CHUNK = 256
 # Rows packed or converted at once, so a tensor's int32 (or float32) temporary stays small.
-_CONVERT_CHUNK = 1024
+_CONVERT_CHUNK = 256
 # The CPU int4 packing groups output rows in blocks of this many (AVX512 builds).
 _INT4_BLOCK = 64
 
@@ -138,14 +138,16 @@ def quantize_int4(weight: torch.Tensor, group_size: int = INT4_GROUP) -> Quantiz
 def _pack_int4(values: torch.Tensor) -> torch.Tensor:
     """The CPU int4 kernel's packed form, converted a chunk of rows at a time: its packing
     works on whole blocks of rows, so chunks of a multiple of them concatenate (a test checks
-    it), and the int32 input it needs never spans the whole tensor."""
-    chunks = [
-        torch.ops.aten._convert_weight_to_int4pack_for_cpu(
-            values[start : start + _CONVERT_CHUNK].to(torch.int32), 1
+    it), and the int32 input it needs never spans the whole tensor. Written into one tensor:
+    a list of chunks to concatenate left 3x the result resident (the heap fragments)."""
+    out, cols = values.shape
+    packed = torch.empty(out, cols // 2, dtype=torch.uint8)
+    for start in range(0, out, _CONVERT_CHUNK):
+        chunk = values[start : start + _CONVERT_CHUNK].to(torch.int32)
+        packed[start : start + len(chunk)] = torch.ops.aten._convert_weight_to_int4pack_for_cpu(
+            chunk, 1
         )
-        for start in range(0, values.shape[0], _CONVERT_CHUNK)
-    ]
-    return torch.cat(chunks) if len(chunks) > 1 else chunks[0]
+    return packed
 
 
 def _unpack_int4_blocks(packed: torch.Tensor, in_features: int) -> torch.Tensor:
@@ -382,6 +384,14 @@ def _check(raw: RawTensor) -> str:
         )
     if len(raw.shape) != 2:
         raise ValueError(f"tensor {raw.name}: a linear weight is 2-D, not {raw.shape}")
+    block_bytes, per_block, _ = _FLOAT.get(name) or _INT4_EXACT[name]
+    if raw.shape[1] % per_block or raw.blocks.shape != (
+        raw.shape[0],
+        raw.shape[1] // per_block * block_bytes,
+    ):
+        raise ValueError(
+            f"tensor {raw.name}: {raw.blocks.shape} bytes are not {name} blocks of {raw.shape}"
+        )
     return name
 
 
@@ -414,16 +424,35 @@ def _convert(raw: RawTensor, bits: Bits | None) -> QuantizedWeight:
     target = bits or _FLOAT_TARGET[name]
     block_bytes, _, decode = _FLOAT.get(name) or _INT4_EXACT[name]
     quantize = quantize_int8 if target == 8 else quantize_int4
-    parts = []
-    for start in range(0, raw.shape[0], _CONVERT_CHUNK):
+    out, cols = raw.shape
+    result = None
+    for start in range(0, out, _CONVERT_CHUNK):
         rows = _row_blocks(raw, block_bytes, start)
-        if name in _INT4_EXACT:
-            q, scale, zero = decode(rows)
-            floats = _int4_floats(q, scale, zero)
-        else:
-            floats = decode(rows)
-        parts.append(quantize(torch.from_numpy(floats.reshape(rows.shape[0], -1))))
-    return _concat(parts)
+        floats = _int4_floats(*decode(rows)) if name in _INT4_EXACT else decode(rows)
+        part = quantize(torch.from_numpy(floats.reshape(len(rows), cols)))
+        result = result or _empty_like_rows(part, out)
+        _write_rows(result, part, start)
+    return result
+
+
+def _empty_like_rows(part: QuantizedWeight, out: int) -> QuantizedWeight:
+    """A weight of `out` rows shaped as `part`, filled by _write_rows (no list to concatenate:
+    see _pack_int4)."""
+    zeros = None if part.zeros is None else part.zeros.new_empty(out, part.zeros.shape[1])
+    return dataclasses.replace(
+        part,
+        values=part.values.new_empty(out, part.values.shape[1]),
+        scales=part.scales.new_empty(out, part.scales.shape[1]),
+        zeros=zeros,
+    )
+
+
+def _write_rows(into: QuantizedWeight, part: QuantizedWeight, start: int) -> None:
+    end = start + part.out_features
+    into.values[start:end] = part.values
+    into.scales[start:end] = part.scales
+    if into.zeros is not None:
+        into.zeros[start:end] = part.zeros
 
 
 def _int4_floats(q: np.ndarray, scale: np.ndarray, zero: np.ndarray) -> np.ndarray:
@@ -445,16 +474,3 @@ def _int4_exact(raw: RawTensor) -> QuantizedWeight:
         scales[start:end] = torch.from_numpy(scale.reshape(end - start, -1))
         zeros[start:end] = torch.from_numpy(zero.reshape(end - start, -1))
     return QuantizedWeight(4, values, scales, zeros, INT4_GROUP)
-
-
-def _concat(parts: list[QuantizedWeight]) -> QuantizedWeight:
-    first = parts[0]
-    if len(parts) == 1:
-        return first
-    zeros = None if first.zeros is None else torch.cat([p.zeros for p in parts])
-    return dataclasses.replace(
-        first,
-        values=torch.cat([p.values for p in parts]),
-        scales=torch.cat([p.scales for p in parts]),
-        zeros=zeros,
-    )

@@ -303,6 +303,9 @@ def test_unsupported_gguf_types_and_shapes_are_named() -> None:
     vector = RawTensor("norm", "Q8_0", np.zeros((1, 34), np.uint8), (32,))
     with pytest.raises(ValueError, match="2-D"):
         from_gguf_blocks(vector)
+    short = RawTensor("w", "Q4_K", np.zeros((16, 143), np.uint8), (16, 256))
+    with pytest.raises(ValueError, match=r"\(16, 143\) bytes are not Q4_K blocks of \(16, 256\)"):
+        from_gguf_blocks(short)
 
 
 def test_int4_kernel_limits_are_named() -> None:
