@@ -148,15 +148,7 @@ class LLMEngine:
     def kv_layout(self) -> KVLayout:
         """What one page of this engine's KV cache means, as the KV handshake and the
         router's pairing compare it."""
-        arch = self.runner.arch
-        return KVLayout(
-            model_id=model_fingerprint(self.model_config.model_dir),
-            dtype=str(self.runner.dtype).removeprefix("torch."),
-            num_layers=arch.num_layers,
-            num_kv_heads=arch.num_kv_heads,
-            head_dim=arch.head_dim,
-            block_size=self.runner.block_size,
-        )
+        return self.runner.kv_layout(model_fingerprint(self.model_config.model_dir))
 
     def abort(self, request_id: str) -> None:
         self.scheduler.abort(request_id)

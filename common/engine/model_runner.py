@@ -26,7 +26,7 @@ from pdserve.common.model.attention import AttentionMetadata
 from pdserve.common.model.config import ModelArchConfig
 from pdserve.common.model.parallel import TPGroup, TPShard
 from pdserve.common.model.weights import load_model
-from pdserve.common.wire.payloads import TokenLogprobs
+from pdserve.common.wire.payloads import KVLayout, TokenLogprobs
 
 _PROMPT_LOGITS_ROWS = 256  # prompt positions scored at once: bounds the [rows, vocab] logits
 _MASK_TIMEOUT_S = 60.0  # filling a step's grammar masks takes milliseconds; never wait forever
@@ -151,6 +151,19 @@ class ModelRunner:
         if n < 2:
             raise ValueError("KV cache budget too small for even one block")
         return int(n)
+
+    def kv_layout(self, model_id: str) -> KVLayout:
+        """What one page of this model's KV cache means (all its KV heads: a tensor-parallel
+        rank holds a share of them), as the KV handshake and the router's pairing compare it."""
+        arch = self.arch
+        return KVLayout(
+            model_id=model_id,
+            dtype=str(self.dtype).removeprefix("torch."),
+            num_layers=arch.num_layers,
+            num_kv_heads=arch.num_kv_heads,
+            head_dim=arch.head_dim,
+            block_size=self.block_size,
+        )
 
     def close(self) -> None:
         """Stop the other ranks, if this runner drives any."""
