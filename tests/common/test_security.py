@@ -8,7 +8,7 @@ import time
 import pytest
 import zmq
 
-from pdserve.common.wire.control import ControlClient
+from pdserve.common.node.membership import ControlClient
 from pdserve.common.wire.messages import RegisterNode, encode
 from pdserve.common.wire.payloads import FirstToken
 from pdserve.common.wire.security import CurveKeys, keygen

@@ -12,7 +12,7 @@ import msgpack
 import pytest
 import zmq
 
-from pdserve.common.wire.control import ControlClient
+from pdserve.common.node.membership import ControlClient
 from pdserve.common.wire.messages import (
     Error,
     Failure,
