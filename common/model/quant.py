@@ -16,7 +16,13 @@ import numpy as np
 import torch
 from torch import nn
 
-from pdserve.common.model.gguf import RawTensor
+from pdserve.common.model.gguf import (
+    INT4_EXACT_TYPES,
+    RawTensor,
+    check_blocks,
+    float_rows,
+    int4_rows,
+)
 
 # The int4 kernel's group size: GGUF's 32-element blocks and Q4_K's sub-blocks map onto it.
 INT4_GROUP = 32
@@ -279,158 +285,25 @@ class QuantizedLinear(nn.Module):
         )
 
 
-# --- GGUF blocks -----------------------------------------------------------------------------
+# --- GGUF blocks ---------------------------------------------------------------------------
 
-
-def _f16(blocks: np.ndarray, offset: int) -> np.ndarray:
-    """The f16 field at byte `offset` of every block, as float32 [..., blocks]."""
-    return np.ascontiguousarray(blocks[..., offset : offset + 2]).view(np.float16)[..., 0]
-
-
-def _nibbles(qs: np.ndarray) -> np.ndarray:
-    """[..., 2, n]: low nibbles then high nibbles of n bytes (GGUF's 4-bit order)."""
-    return np.stack([qs & 15, qs >> 4], axis=-2)
-
-
-def _q4_0(b: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Q4_0 (d f16, 16 bytes of nibbles): w = d * (q - 8), the int4 form exactly."""
-    d = _f16(b, 0).astype(np.float32)
-    return _nibbles(b[..., 2:18]), d, np.zeros_like(d)
-
-
-def _q4_1(b: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Q4_1 (d, m f16, 16 bytes): w = d * q + m = d * (q - 8) + (m + 8d)."""
-    d, m = _f16(b, 0).astype(np.float32), _f16(b, 2).astype(np.float32)
-    return _nibbles(b[..., 4:20]), d, m + 8 * d
-
-
-def _k_scales(s: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Q4_K/Q5_K's 12 bytes as 8 six-bit scales and mins: sub-blocks 0-3 in the low six bits
-    of bytes 0-3 (scales) and 4-7 (mins); 4-7 in bytes 8-11's nibbles, topped by the spare
-    two bits of bytes 0-3 and 4-7."""
-    low, mid, top = s[..., 0:4], s[..., 4:8], s[..., 8:12]
-    scales = np.concatenate([low & 63, (top & 15) | ((low >> 6) << 4)], axis=-1)
-    mins = np.concatenate([mid & 63, (top >> 4) | ((mid >> 6) << 4)], axis=-1)
-    return scales.astype(np.float32), mins.astype(np.float32)
-
-
-def _q4_k(b: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Q4_K (256: d, dmin, 12 scale bytes, 128 bytes of nibbles): sub-block j of 32 is
-    d*sc_j*q - dmin*m_j; each 32 bytes hold two sub-blocks, low nibbles first."""
-    d, dmin = _f16(b, 0).astype(np.float32), _f16(b, 2).astype(np.float32)
-    sc, m = _k_scales(b[..., 4:16])
-    q = _nibbles(b[..., 16:144].reshape(*b.shape[:-1], 4, 32))
-    scale = d[..., None] * sc
-    return q, scale, 8 * scale - dmin[..., None] * m
-
-
-def _q8_0_float(b: np.ndarray) -> np.ndarray:
-    """Q8_0 (d f16, 32 int8): w = d * q."""
-    return _f16(b, 0).astype(np.float32)[..., None] * b[..., 2:34].view(np.int8)
-
-
-def _q5_k_float(b: np.ndarray) -> np.ndarray:
-    """Q5_K (256: d, dmin, 12 scale bytes, 32 bytes of fifth bits, 128 bytes of nibbles): as
-    Q4_K, with bit j of each qh byte on top of sub-block j's nibble."""
-    d, dmin = _f16(b, 0).astype(np.float32), _f16(b, 2).astype(np.float32)
-    sc, m = _k_scales(b[..., 4:16])
-    low = _nibbles(b[..., 48:176].reshape(*b.shape[:-1], 4, 32)).reshape(*b.shape[:-1], 8, 32)
-    high = (b[..., None, 16:48] >> np.arange(8, dtype=np.uint8)[:, None]) & 1
-    q = (low | (high << 4)).astype(np.float32)
-    return d[..., None, None] * sc[..., None] * q - dmin[..., None, None] * m[..., None]
-
-
-def _q6_k_float(b: np.ndarray) -> np.ndarray:
-    """Q6_K (256: 128 bytes of low nibbles, 64 of high bit pairs, 16 int8 scales, d f16):
-    per half of 128, positions 32i + l take nibble (i // 2) of ql byte 32(i % 2) + l and bit
-    pair i of qh byte l; w = d * scale[pos // 16] * (q - 32)."""
-    lead = b.shape[:-1]
-    # [half, byte group, nibble, 32] -> [half, nibble, byte group, 32]: i = 2 * nibble + group
-    low = _nibbles(b[..., 0:128].reshape(*lead, 2, 2, 32)).swapaxes(-3, -2)
-    low = low.reshape(*lead, 2, 4, 32)
-    shifts = np.array([0, 2, 4, 6], dtype=np.uint8)[:, None]
-    high = (b[..., 128:192].reshape(*lead, 2, 1, 32) >> shifts) & 3
-    q = (low | (high << 4)).astype(np.float32).reshape(*lead, 16, 16) - 32
-    scales = b[..., 192:208].view(np.int8).astype(np.float32)
-    return (_f16(b, 208).astype(np.float32)[..., None, None] * scales[..., None] * q).reshape(
-        *lead, 256
-    )
-
-
-# type name -> (bytes per block, elements per block, decoder). "int4" decoders give the int4
-# form exactly; "float" ones give float32, requantized to the type's target.
-_INT4_EXACT = {"Q4_0": (18, 32, _q4_0), "Q4_1": (20, 32, _q4_1), "Q4_K": (144, 256, _q4_k)}
-_FLOAT = {
-    "Q8_0": (34, 32, _q8_0_float),
-    "Q5_K": (176, 256, _q5_k_float),
-    "Q6_K": (210, 256, _q6_k_float),
-}
-# Where a float type goes (measured in docs/quantization.md): all to int8 per row.
-_FLOAT_TARGET: dict[str, Bits] = {"Q8_0": 8, "Q5_K": 8, "Q6_K": 8}
-GGUF_TYPES = tuple(_INT4_EXACT) + tuple(_FLOAT)
-
-
-def _row_blocks(raw: RawTensor, block_bytes: int, start: int) -> np.ndarray:
-    rows = raw.blocks[start : start + _CONVERT_CHUNK]
-    return rows.reshape(rows.shape[0], -1, block_bytes)
-
-
-def _check(raw: RawTensor) -> str:
-    name = raw.qtype_name
-    if name not in GGUF_TYPES:
-        raise ValueError(
-            f"tensor {raw.name}: GGUF type {name} has no quantized form here; "
-            f"supported: {', '.join(GGUF_TYPES)}"
-        )
-    if len(raw.shape) != 2:
-        raise ValueError(f"tensor {raw.name}: a linear weight is 2-D, not {raw.shape}")
-    block_bytes, per_block, _ = _FLOAT.get(name) or _INT4_EXACT[name]
-    if raw.shape[1] % per_block or raw.blocks.shape != (
-        raw.shape[0],
-        raw.shape[1] // per_block * block_bytes,
-    ):
-        raise ValueError(
-            f"tensor {raw.name}: {raw.blocks.shape} bytes are not {name} blocks of {raw.shape}"
-        )
-    return name
-
-
-def gguf_dequantize(raw: RawTensor) -> torch.Tensor:
-    """The tensor as float32 [out, in], decoded by this module (a test holds it to gguf's
-    own dequantization)."""
-    return _convert(raw, None).dequantize() if raw.qtype_name in _INT4_EXACT else _floats(raw)
-
-
-def _floats(raw: RawTensor) -> torch.Tensor:
-    block_bytes, _, decode = _FLOAT[_check(raw)]
-    parts = [
-        decode(_row_blocks(raw, block_bytes, start)).reshape(-1, raw.shape[1])
-        for start in range(0, raw.shape[0], _CONVERT_CHUNK)
-    ]
-    return torch.from_numpy(np.concatenate(parts))
+# Where a type that int4 cannot hold exactly goes (docs/quantization.md: int4 group 32 would
+# double Q5_K's error; int8 per row adds a fifth of it).
+_REQUANTIZED_TO: dict[str, Bits] = {"Q8_0": 8, "Q5_K": 8, "Q6_K": 8}
 
 
 def from_gguf_blocks(raw: RawTensor, bits: Bits | None = None) -> QuantizedWeight:
-    """A GGUF tensor's quantized form, `bits` (default: its type's choice, see _FLOAT_TARGET)
-    or int4 for the types that map onto int4 exactly. Works a chunk of rows at a time: the
-    peak beyond the result is one chunk's float32 (or int8) decode."""
-    return _convert(raw, bits)
-
-
-def _convert(raw: RawTensor, bits: Bits | None) -> QuantizedWeight:
-    name = _check(raw)
-    if name in _INT4_EXACT and bits in (None, 4):
+    """A GGUF tensor's quantized form: int4 group 32 exactly for Q4_0, Q4_1 and Q4_K, int8 per
+    row (requantized) for Q8_0, Q5_K and Q6_K, unless `bits` asks for the other width. Works a
+    chunk of rows at a time: the peak beyond the result is one chunk's decode."""
+    name = check_blocks(raw)
+    if name in INT4_EXACT_TYPES and bits in (None, 4):
         return _int4_exact(raw)
-    target = bits or _FLOAT_TARGET[name]
-    block_bytes, _, decode = _FLOAT.get(name) or _INT4_EXACT[name]
-    quantize = quantize_int8 if target == 8 else quantize_int4
-    out, cols = raw.shape
+    quantize = quantize_int8 if (bits or _REQUANTIZED_TO.get(name, 8)) == 8 else quantize_int4
     result = None
-    for start in range(0, out, _CONVERT_CHUNK):
-        rows = _row_blocks(raw, block_bytes, start)
-        floats = _int4_floats(*decode(rows)) if name in _INT4_EXACT else decode(rows)
-        part = quantize(torch.from_numpy(floats.reshape(len(rows), cols)))
-        result = result or _empty_like_rows(part, out)
+    for start, floats in float_rows(raw, _CONVERT_CHUNK):
+        part = quantize(torch.from_numpy(floats))
+        result = result or _empty_like_rows(part, raw.shape[0])
         _write_rows(result, part, start)
     return result
 
@@ -455,22 +328,14 @@ def _write_rows(into: QuantizedWeight, part: QuantizedWeight, start: int) -> Non
         into.zeros[start:end] = part.zeros
 
 
-def _int4_floats(q: np.ndarray, scale: np.ndarray, zero: np.ndarray) -> np.ndarray:
-    groups = scale.shape[:2] + (-1,)
-    q = q.reshape(*groups, 32).astype(np.float32)
-    return (q - 8) * scale.reshape(groups)[..., None] + zero.reshape(groups)[..., None]
-
-
 def _int4_exact(raw: RawTensor) -> QuantizedWeight:
-    block_bytes, _, decode = _INT4_EXACT[raw.qtype_name]
     out, cols = raw.shape
     values = torch.empty(out, cols, dtype=torch.int8)
     scales = torch.empty(out, cols // INT4_GROUP)
     zeros = torch.empty(out, cols // INT4_GROUP)
-    for start in range(0, out, _CONVERT_CHUNK):
-        q, scale, zero = decode(_row_blocks(raw, block_bytes, start))
-        end = start + q.shape[0]
-        values[start:end] = torch.from_numpy(q.reshape(end - start, cols).view(np.int8))
-        scales[start:end] = torch.from_numpy(scale.reshape(end - start, -1))
-        zeros[start:end] = torch.from_numpy(zero.reshape(end - start, -1))
+    for start, q, scale, zero in int4_rows(raw, _CONVERT_CHUNK):
+        end = start + len(q)
+        values[start:end] = torch.from_numpy(q.view(np.int8))
+        scales[start:end] = torch.from_numpy(scale)
+        zeros[start:end] = torch.from_numpy(zero)
     return QuantizedWeight(4, values, scales, zeros, INT4_GROUP)

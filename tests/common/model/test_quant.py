@@ -21,6 +21,7 @@ from gguf import GGMLQuantizationType as Q  # noqa: E402
 from pdserve.common.model import quant  # noqa: E402
 from pdserve.common.model.gguf import (  # noqa: E402
     RawTensor,
+    dequantize_raw,
     permute_rotary,
     read_raw_tensors,
     read_tensors,
@@ -29,7 +30,6 @@ from pdserve.common.model.quant import (  # noqa: E402
     QuantizedLinear,
     QuantizedWeight,
     from_gguf_blocks,
-    gguf_dequantize,
     quantize_int4,
     quantize_int8,
 )
@@ -151,7 +151,7 @@ def test_hand_built_and_library_blocks_decode_as_gguf_does(tmp_path: Path, qtype
     w = _weights()
     raw = _raw(tmp_path, w, qtype)
     want = gguf.quants.dequantize(raw.blocks, qtype).reshape(w.shape)
-    np.testing.assert_allclose(gguf_dequantize(raw).numpy(), want, rtol=1e-6, atol=1e-7)
+    np.testing.assert_allclose(dequantize_raw(raw), want, rtol=1e-6, atol=1e-7)
     # The blocks hold w: within each 32 values, the error stays under the share of their
     # largest magnitude that the type's levels allow (a wrong layout would move whole values).
     share = {Q.Q8_0: 0.005, Q.Q6_K: 0.03}.get(qtype, 0.13)
@@ -190,7 +190,9 @@ def test_the_other_width_also_converts(tmp_path: Path, qtype: Q) -> None:
     x = torch.randn(3, raw.shape[1])
     bound = _half_step_bound(x, _requant_step(weight)) + 1e-4
     _assert_close(
-        QuantizedLinear(weight, scale_dtype=torch.float32)(x), x @ gguf_dequantize(raw).T, bound
+        QuantizedLinear(weight, scale_dtype=torch.float32)(x),
+        x @ torch.from_numpy(dequantize_raw(raw)).T,
+        bound,
     )
 
 
@@ -291,7 +293,7 @@ def test_q_and_k_rows_unpermute_while_quantized(tmp_path: Path) -> None:
     assert raws.keys() == floats.keys() == set(names)
     for name in names:
         # Moving whole rows of blocks commutes with decoding them.
-        np.testing.assert_array_equal(gguf_dequantize(raws[name]).numpy(), floats[name])
+        np.testing.assert_array_equal(dequantize_raw(raws[name]), floats[name])
     # And the float path's result is the original order, up to the quantization.
     assert np.abs(floats[names[0]] - q).max() < np.abs(q).max() / 15
 
