@@ -113,6 +113,23 @@ class QuantizedWeight:
         return self.narrow(dim, index * (size // count), size // count)
 
 
+def stack_rows(weights: list[QuantizedWeight]) -> QuantizedWeight:
+    """One weight whose rows are the given ones' (fused q/k/v or gate/up projections); each
+    row keeps its own scales, so this is exact."""
+    first = weights[0]
+    if any(
+        (w.bits, w.group_size, w.in_features) != (first.bits, first.group_size, first.in_features)
+        for w in weights
+    ):
+        raise ValueError("stacked weights need one width, group size and in_features")
+    return dataclasses.replace(
+        first,
+        values=torch.cat([w.values for w in weights]),
+        scales=torch.cat([w.scales for w in weights]),
+        zeros=None if first.zeros is None else torch.cat([w.zeros for w in weights]),
+    )
+
+
 def quantize_int8(weight: torch.Tensor) -> QuantizedWeight:
     """Symmetric int8 with one scale per output row (what `_weight_int8pack_mm` takes)."""
     values = torch.empty(weight.shape, dtype=torch.int8)

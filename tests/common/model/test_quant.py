@@ -32,6 +32,7 @@ from pdserve.common.model.quant import (  # noqa: E402
     from_gguf_blocks,
     quantize_int4,
     quantize_int8,
+    stack_rows,
 )
 
 EXACT = [Q.Q4_0, Q.Q4_1, Q.Q4_K]  # held as int4 exactly
@@ -334,3 +335,21 @@ def test_the_batch_size_rule_picks_the_path(mode: str, monkeypatch: pytest.Monke
     assert dense_rows == [threshold, threshold + 5]
     assert QuantizedLinear(quantize_int8(w), dense=False).dense_rows is None
     assert QuantizedLinear(quantize_int8(w), dense_rows=7).dense_rows == 7
+
+
+def test_stacked_rows_are_the_weights_one_after_another() -> None:
+    parts = [quantize_int4(torch.from_numpy(_weights(rows, 128, rows))) for rows in (32, 16, 16)]
+    stacked = stack_rows(parts)
+    want = torch.cat([p.dequantize() for p in parts])
+    torch.testing.assert_close(stacked.dequantize(), want)
+    x = torch.randn(2, 128)
+    got = QuantizedLinear(stacked, scale_dtype=torch.float32)(x)
+    torch.testing.assert_close(got, x @ want.T, rtol=1e-4, atol=1e-4)
+    with pytest.raises(ValueError, match="one width"):
+        stack_rows([parts[0], quantize_int8(torch.randn(16, 128))])
+
+
+def test_a_device_other_than_the_cpu_is_refused_by_name() -> None:
+    layer = QuantizedLinear(quantize_int8(torch.randn(16, 64)))
+    with pytest.raises(NotImplementedError, match="CPU only"):
+        layer(torch.empty(2, 64, device="meta"))
