@@ -166,6 +166,23 @@ def test_pages_of_a_layer_leave_before_the_next_layer_computes(nodes, tiny_model
     decode_.engine.check_integrity()
 
 
+def test_the_first_token_leaves_before_the_kv_done_message(nodes):
+    """The role yields its messages and the loop sends each before the step goes on: the
+    router has the first token before the decode node can admit the request."""
+    router, prefill, decode_ = nodes
+    start(router, prefill, decode_, "r", list(range(3, 30)))
+    events: list[str] = []
+    tell = prefill.membership.tell
+    prefill.membership.tell = lambda rid, msg: (events.append(type(msg).__name__), tell(rid, msg))
+    sender = next(iter(prefill.kv_port.senders.values()))
+    send_done = sender.send_done
+    sender.send_done = lambda *a: (events.append("KVDone"), send_done(*a))[1]
+    while "r" in prefill.dests:
+        prefill.step()
+    assert events == ["Tokens", "KVDone"]
+    assert "r" not in prefill.engine.scheduler.requests  # handed off: nothing held here
+
+
 def test_a_broken_kv_connection_fails_only_its_requests(nodes):
     router, prefill, decode_ = nodes
     start(router, prefill, decode_, "bad", list(range(3, 60)))

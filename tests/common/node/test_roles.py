@@ -1,4 +1,5 @@
-"""Each role's contract: which control messages it takes, and how it turns new requests away."""
+"""Each role's contract: which control messages it takes, and how it turns new requests away;
+the loop admits and leases new requests around the role's answer."""
 
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ from pdserve.common.wire.messages import (
     Registered,
     RenewTransfer,
     Reregister,
+    Reserved,
     ReserveKV,
     SyncPrefixes,
     decode,
@@ -122,3 +124,34 @@ def test_a_draining_decode_node_answers_busy(build, router) -> None:
     error = router.recv(Error)
     assert (error.request_id, error.kind) == ("p", Failure.DRAINING)
     assert not node.engine.scheduler.requests
+
+
+def test_the_loop_leases_what_the_engine_holds_after_the_roles_answer(build, router) -> None:
+    node = build(DecodeNode)
+    node.handle(ReserveKV("held", (1, 2, 3), SAMPLING))
+    assert router.recv(Reserved).request_id == "held"
+    assert set(node.membership.leases) == {"held"} and node.membership.owner == {"held": 0}
+    node.handle(ReserveKV("huge", tuple(range(1, 226)), SAMPLING))  # 15 blocks: 14 free
+    assert router.recv(Busy).request_id == "huge"
+    node.handle(ReserveKV("bad", (1, 10**6), SAMPLING))  # not a token of the vocabulary
+    error = router.recv(Error)
+    assert (error.request_id, error.kind) == ("bad", Failure.BAD_REQUEST)
+    assert set(node.engine.scheduler.requests) == {"held"}
+    assert set(node.membership.leases) == {"held"}
+
+
+def test_an_unreachable_decode_node_fails_the_prefill_without_holding_it(build, router) -> None:
+    node = build(PrefillNode, connect_timeout=0.2)
+    dest = Prefill(
+        "r",
+        (1, 2, 3),
+        SAMPLING,
+        xfer_id="x",
+        dest_block_ids=(1,),
+        dest_kv_endpoint="tcp://127.0.0.1:1",
+    )
+    node.handle(dest)
+    error = router.recv(Error)
+    assert (error.request_id, error.kind) == ("r", Failure.KV_FAILED)
+    assert not node.engine.scheduler.requests and not node.membership.leases
+    assert not node.dests
