@@ -79,9 +79,9 @@ def permute_rotary(w: np.ndarray, n_heads: int) -> np.ndarray:
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class RawTensor:
-    """A GGUF tensor as the file stores it: `blocks` is uint8 [out rows, bytes per row] (a
-    view of the memory-mapped file unless its rows had to be reordered), `shape` the HF
-    orientation [out, in] of the values those bytes encode."""
+    """A GGUF tensor as the file stores it: `blocks` is uint8 [rows, bytes per row] (a view of
+    the memory-mapped file unless its rows had to be reordered; a vector is one row), `shape`
+    the HF orientation ([out, in] for a matrix) of the values those bytes encode."""
 
     name: str  # the HF parameter name (or the GGUF name when it maps to none)
     qtype_name: str  # gguf's GGMLQuantizationType name: "Q4_K", "F32", ...
@@ -140,7 +140,8 @@ def read_raw_tensors(
     blocks and leaves them as they are."""
     for arch, name, tensor in _named_tensors(path, hf_names, num_layers):
         shape = tuple(int(d) for d in reversed(tensor.shape))
-        blocks = np.asarray(tensor.data).view(np.uint8).reshape(shape[0], -1)
+        rows = int(np.prod(shape[:-1]))  # 1 for a vector
+        blocks = np.asarray(tensor.data).view(np.uint8).reshape(rows, -1)
         heads = _rotary_heads(arch, name, num_heads, num_kv_heads)
         if heads is not None:
             blocks = unpermute_rotary(blocks, heads)
@@ -295,5 +296,18 @@ def float_rows(raw: RawTensor, rows: int) -> Iterator[tuple[int, np.ndarray]]:
 
 
 def dequantize_raw(raw: RawTensor) -> np.ndarray:
-    """A raw tensor as float32 [out, in], decoded here (a test holds it to gguf's own)."""
-    return np.concatenate([w for _, w in float_rows(raw, 1024)])
+    """A raw tensor as float32 in its HF shape: the types above decoded here a chunk of rows
+    at a time (a test holds them to gguf's own decoding), any other (F32, F16, BF16, norms
+    and embeddings) by the `gguf` library."""
+    if raw.qtype_name in QUANTIZED_TYPES and len(raw.shape) == 2:
+        return np.concatenate([w for _, w in float_rows(raw, 1024)])
+    from gguf import GGMLQuantizationType, quants
+
+    qtype = GGMLQuantizationType[raw.qtype_name]
+    try:
+        out = quants.dequantize(raw.blocks, qtype)
+    except NotImplementedError:
+        raise ValueError(
+            f"tensor {raw.name}: unsupported GGUF quantization type {raw.qtype_name}"
+        ) from None
+    return out.reshape(raw.shape).astype(np.float32)

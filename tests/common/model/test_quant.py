@@ -353,3 +353,29 @@ def test_a_device_other_than_the_cpu_is_refused_by_name() -> None:
     layer = QuantizedLinear(quantize_int8(torch.randn(16, 64)))
     with pytest.raises(NotImplementedError, match="CPU only"):
         layer(torch.empty(2, 64, device="meta"))
+
+
+def test_every_other_tensor_reads_raw_and_dequantizes_as_read_tensors_does(tmp_path: Path) -> None:
+    norm = np.linspace(-1, 1, 64, dtype=np.float32)
+    embed = _weights(32, 64)
+    tensors = {
+        "blk.0.attn_norm.weight": (norm, Q.F32),
+        "token_embd.weight": (embed, Q.F16),
+        "blk.0.ffn_up.weight": (embed, Q.Q4_1),
+    }
+    path = _write(tmp_path / "t.gguf", tensors)
+    names = [
+        "model.layers.0.input_layernorm.weight",
+        "model.embed_tokens.weight",
+        "model.layers.0.mlp.up_proj.weight",
+    ]
+    floats = dict(read_tensors(path, names, 1, 1, 1))
+    raws = list(read_raw_tensors(path, names, 1, 1, 1))
+    assert [(r.name, r.qtype_name, r.shape) for r in raws] == [
+        (names[0], "F32", (64,)),
+        (names[1], "F16", (32, 64)),
+        (names[2], "Q4_1", (32, 64)),
+    ]
+    for raw in raws:
+        np.testing.assert_allclose(dequantize_raw(raw), floats[raw.name], rtol=1e-6, atol=1e-7)
+    np.testing.assert_array_equal(dequantize_raw(raws[0]), norm)
