@@ -78,6 +78,9 @@ class QuantizedWeight:
     def narrow(self, dim: int, start: int, length: int) -> QuantizedWeight:
         """Rows (dim 0) or columns (dim 1) [start, start + length); columns must fall on
         group boundaries (ValueError otherwise)."""
+        size = self.values.shape[dim] if dim in (0, 1) else 0
+        if dim not in (0, 1) or start < 0 or length <= 0 or start + length > size:
+            raise ValueError(f"no [{start}, {start + length}) along dim {dim} of {size}")
         if dim == 0:
             zeros = None if self.zeros is None else self.zeros[start : start + length]
             return dataclasses.replace(
@@ -86,8 +89,6 @@ class QuantizedWeight:
                 scales=self.scales[start : start + length].clone(),
                 zeros=None if zeros is None else zeros.clone(),
             )
-        if dim != 1:
-            raise ValueError(f"a linear weight has dims 0 and 1, not {dim}")
         values = self.values[:, start : start + length].clone()
         if self.group_size is None:  # one scale per row: any columns keep it
             return dataclasses.replace(self, values=values)

@@ -272,6 +272,12 @@ def test_shards_that_split_a_group_or_do_not_divide_are_refused() -> None:
         weight.shard(0, 0, 3)
     with pytest.raises(ValueError, match="rank 2"):
         weight.shard(0, 2, 2)
+    with pytest.raises(ValueError, match=r"no \[48, 80\) along dim 0 of 64"):
+        weight.narrow(0, 48, 32)
+    with pytest.raises(ValueError, match="along dim 2"):
+        weight.narrow(2, 0, 1)
+    # A head range (k/v heads replicated across ranks) is a narrow of whole rows.
+    torch.testing.assert_close(weight.narrow(0, 16, 32).dequantize(), weight.dequantize()[16:48])
     # int8 has one scale per row: any even column split keeps it.
     per_row = quantize_int8(torch.from_numpy(_weights(64, 256)))
     assert per_row.shard(1, 3, 16).dequantize().shape == (64, 16)
