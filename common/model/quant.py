@@ -10,6 +10,7 @@ and the measurements behind them are in docs/quantization.md.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable, Iterable
 from typing import Literal
 
 import numpy as np
@@ -133,30 +134,56 @@ def stack_rows(weights: list[QuantizedWeight]) -> QuantizedWeight:
 
 def quantize_int8(weight: torch.Tensor) -> QuantizedWeight:
     """Symmetric int8 with one scale per output row (what `_weight_int8pack_mm` takes)."""
-    values = torch.empty(weight.shape, dtype=torch.int8)
-    scales = torch.empty(weight.shape[0], 1)
-    for start in range(0, weight.shape[0], _CONVERT_CHUNK):
-        rows = weight[start : start + _CONVERT_CHUNK].float()
-        scale = rows.abs().amax(dim=1, keepdim=True) / 127
-        scales[start : start + _CONVERT_CHUNK] = scale
-        values[start : start + _CONVERT_CHUNK] = (
-            (rows / scale.clamp(min=1e-30)).round().to(torch.int8)
-        )
-    return QuantizedWeight(8, values, scales, None, None)
+    return _by_rows(weight, _int8_rows)
 
 
 def quantize_int4(weight: torch.Tensor, group_size: int = INT4_GROUP) -> QuantizedWeight:
     """Asymmetric int4 per group of `group_size` input columns: each group's min..max onto
     0..15."""
-    out, cols = weight.shape
-    if cols % group_size:
-        raise ValueError(f"in_features {cols} is not a multiple of the group size {group_size}")
-    w = weight.float().view(out, cols // group_size, group_size)
-    low, high = w.amin(dim=2), w.amax(dim=2)
+    if weight.shape[1] % group_size:
+        raise ValueError(
+            f"in_features {weight.shape[1]} is not a multiple of the group size {group_size}"
+        )
+    return _by_rows(weight, lambda rows: _int4_group_rows(rows, group_size))
+
+
+def _by_rows(
+    weight: torch.Tensor, quantize: Callable[[torch.Tensor], QuantizedWeight]
+) -> QuantizedWeight:
+    """`quantize` over chunks of rows, so that only one chunk is ever float32."""
+    chunks = range(0, weight.shape[0], _CONVERT_CHUNK)
+    parts = ((s, quantize(weight[s : s + _CONVERT_CHUNK].float())) for s in chunks)
+    return _gather_rows(parts, weight.shape[0])
+
+
+def _gather_rows(parts: Iterable[tuple[int, QuantizedWeight]], out: int) -> QuantizedWeight:
+    """Chunks of rows (first row, weight) written into one weight of `out` rows, allocated
+    once: a list of chunks to concatenate left 3x the result resident (the heap fragments)."""
+    result = None
+    for start, part in parts:
+        result = result or _empty_like_rows(part, out)
+        end = start + part.out_features
+        result.values[start:end] = part.values
+        result.scales[start:end] = part.scales
+        if result.zeros is not None:
+            result.zeros[start:end] = part.zeros
+    assert result is not None, "a weight has rows"
+    return result
+
+
+def _int8_rows(w: torch.Tensor) -> QuantizedWeight:
+    scales = w.abs().amax(dim=1, keepdim=True) / 127
+    values = (w / scales.clamp(min=1e-30)).round().to(torch.int8)
+    return QuantizedWeight(8, values, scales, None, None)
+
+
+def _int4_group_rows(w: torch.Tensor, group_size: int = INT4_GROUP) -> QuantizedWeight:
+    groups = w.reshape(w.shape[0], -1, group_size)
+    low, high = groups.amin(dim=2), groups.amax(dim=2)
     scales = (high - low) / 15
     step = torch.where(scales > 0, scales, torch.ones_like(scales))
-    values = ((w - low[..., None]) / step[..., None]).round().clamp(0, 15).to(torch.int8)
-    return QuantizedWeight(4, values.view(out, cols), scales, low + 8 * scales, group_size)
+    values = ((groups - low[..., None]) / step[..., None]).round().clamp(0, 15).to(torch.int8)
+    return QuantizedWeight(4, values.view(w.shape), scales, low + 8 * scales, group_size)
 
 
 def _pack_int4(values: torch.Tensor) -> torch.Tensor:
@@ -317,18 +344,12 @@ def from_gguf_blocks(raw: RawTensor, bits: Bits | None = None) -> QuantizedWeigh
     name = check_blocks(raw)
     if name in INT4_EXACT_TYPES and bits in (None, 4):
         return _int4_exact(raw)
-    quantize = quantize_int8 if (bits or _REQUANTIZED_TO.get(name, 8)) == 8 else quantize_int4
-    result = None
-    for start, floats in float_rows(raw, _CONVERT_CHUNK):
-        part = quantize(torch.from_numpy(floats))
-        result = result or _empty_like_rows(part, raw.shape[0])
-        _write_rows(result, part, start)
-    return result
+    quantize = _int8_rows if (bits or _REQUANTIZED_TO.get(name, 8)) == 8 else _int4_group_rows
+    parts = ((s, quantize(torch.from_numpy(w))) for s, w in float_rows(raw, _CONVERT_CHUNK))
+    return _gather_rows(parts, raw.shape[0])
 
 
 def _empty_like_rows(part: QuantizedWeight, out: int) -> QuantizedWeight:
-    """A weight of `out` rows shaped as `part`, filled by _write_rows (no list to concatenate:
-    see _pack_int4)."""
     zeros = None if part.zeros is None else part.zeros.new_empty(out, part.zeros.shape[1])
     return dataclasses.replace(
         part,
@@ -336,14 +357,6 @@ def _empty_like_rows(part: QuantizedWeight, out: int) -> QuantizedWeight:
         scales=part.scales.new_empty(out, part.scales.shape[1]),
         zeros=zeros,
     )
-
-
-def _write_rows(into: QuantizedWeight, part: QuantizedWeight, start: int) -> None:
-    end = start + part.out_features
-    into.values[start:end] = part.values
-    into.scales[start:end] = part.scales
-    if into.zeros is not None:
-        into.zeros[start:end] = part.zeros
 
 
 def _int4_exact(raw: RawTensor) -> QuantizedWeight:
