@@ -79,8 +79,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     for name, flags in (("run", FLAGS), ("output", OUTPUT_FLAGS)):
         group = p.add_argument_group(name)
         report.add_flags(group, flags)
-    report.add_docs_dir_flag(group, "reliability.md and bench/NAME.json")
-    report.add_log_dir_flag(group)
+    report.add_flags(group, [report.docs_dir_flag("reliability.md"), report.LOG_DIR_FLAG])
     return p.parse_args(argv)
 
 
@@ -376,7 +375,9 @@ def main(argv: list[str] | None = None) -> int:
     folder, page = args.out or docs / "bench", (args.out or docs) / "reliability.md"
     with tempfile.TemporaryDirectory() as tmp, report.sigterm_raises():
         log_dir = args.log_dir or Path(tmp)
-        run = report.record_run("chaos", "bench_chaos.py", argv, lambda: measure(args, log_dir))
+        run = report.measure_or_load(
+            args, "chaos", "bench_chaos.py", argv, lambda: measure(args, log_dir)
+        )
     data = report.save_json(folder / f"{args.name}.json", run)
     print(f"wrote {data}, {report.write_section(args.name, section(run), page)}")
     print(section(run))

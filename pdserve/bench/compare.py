@@ -32,14 +32,13 @@ from pdserve.bench.load import (
 from pdserve.bench.report import (
     BENCH_MODEL_SIZES,
     CACHE_DIR_FLAG,
+    LOG_DIR_FLAG,
     SEED_FLAG,
     THREADS_FLAG,
     TIMEOUT_FLAG,
     TQDM_FLAG,
     Outputs,
     add_flags,
-    add_from_json_flag,
-    add_log_dir_flag,
     add_output_flags,
     cached_model,
     flags_text,
@@ -159,10 +158,8 @@ def scenario_parser(name: str, doc: str, run_flags: list, model_flags: list, fil
     add_flags(p.add_argument_group("run"), run_flags)
     servers = p.add_argument_group("model and servers")
     add_flags(servers, model_flags)
-    add_log_dir_flag(servers)
-    out = add_output_flags(p, files)
-    add_from_json_flag(out, f"the plots and section of a saved {name} JSON")
-    return p, out
+    add_flags(servers, [LOG_DIR_FLAG])
+    return p, add_output_flags(p, files, f"{name} JSON")
 
 
 def parse_scenario(

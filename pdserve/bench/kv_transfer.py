@@ -1,7 +1,6 @@
 """KV transfer: each connector against its raw transport, sender and receiver in two processes.
-Definitions: docs/benchmarks.md.
 
-    pdserve bench kv-transfer [--quick --out DIR]      # = python scripts/bench_kv_transfer.py
+pdserve bench kv-transfer [--quick --out DIR]      # = python scripts/bench_kv_transfer.py
 """
 
 from __future__ import annotations
@@ -9,16 +8,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import queue
-import re
+import select
 import statistics
 import subprocess
 import sys
-import threading
 import time
-import zlib
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -27,48 +23,41 @@ import torch
 import zmq
 
 from pdserve.bench.report import (
+    Panel,
     add_flags,
-    add_from_json_flag,
     add_output_flags,
-    best_time,
     goal,
     goals_table,
     markdown_table,
     measure_or_load,
     outputs_from_args,
+    plot_lines,
     publish,
-    pyplot,
     record_line,
     records_table,
     run_header,
-    save_figure,
     sync,
 )
 from pdserve.common.node.cli import parser
 from pdserve.common.wire.payloads import FirstToken
-from pdserve.kernels import ops
 from pdserve.kv_transfer import KVLayout, KVReceiver, create_receiver, create_sender
-from pdserve.kv_transfer.wire import FRAME_BYTES, as_bytes, blocks_per_frame, page_checksum
+from pdserve.kv_transfer.wire import FRAME_BYTES, as_bytes, blocks_per_frame
 from pdserve.local_cluster import free_port
 
-CONNECTORS = ("zmq", "nccl", "shm", "nixl")
-GOALS = {"zmq": 0.9, "nccl": 0.9, "shm": 0.7, "nixl": 0.9}
+GOALS = {"zmq": 0.9, "nccl": 0.9, "shm": 0.7, "nixl": 0.9}  # x the raw transport's GB/s
 RAW_NAMES = {
     "zmq": "pyzmq PUSH/PULL",
     "nccl": "torch.distributed isend/irecv",
     "shm": "copy_",
     "nixl": "NIXL WRITE",
 }
+CONNECTORS = tuple(GOALS)
 LAYOUTS = ("tiny", "llama3-8b")
 DEFAULT_TOKENS = (128, 512, 2048, 4096, 8192, 32768)
 QUICK_TOKENS = (128, 512)
-SHM_STAGING_BYTES = 32 << 20  # the shm connector's default ring, passed explicitly
 BLOCK_SIZE = 16
 OP_TIMEOUT_S = 300.0
 SEED = 1234
-
-
-# -- layouts and points -------------------------------------------------------------------------
 
 
 def make_layouts(device: str) -> dict[str, KVLayout]:
@@ -101,168 +90,178 @@ class Point:
     def nbytes(self) -> int:
         return self.layout.num_layers * self.layer_bytes
 
-    def frames(self, layers: Sequence[int]) -> list[tuple[int, int, int]]:
-        """(layer, byte offset, bytes) of each frame the connector sends for `layers`: frames
-        of at most FRAME_BYTES, and for shm at most its staging ring."""
-        limit = FRAME_BYTES
-        if self.connector == "shm":
-            limit = min(limit, SHM_STAGING_BYTES)
-        per_frame = min(self.n_blocks, blocks_per_frame(self.layout.page_bytes, limit))
-        step = per_frame * self.layout.page_bytes
-        return [
-            (layer, start, min(step, self.layer_bytes - start))
-            for layer in layers
-            for start in range(0, self.layer_bytes, step)
-        ]
-
-
-def plan(
-    args: argparse.Namespace, layouts: dict[str, KVLayout]
-) -> tuple[list[Point], list[dict[str, Any]]]:
-    """The points to run and, for the others, why not."""
-    points, skipped = [], []
-    for connector in args.connectors:
-        for name, layout in layouts.items():
-            for n in args.tokens:
-                point = Point(connector, name, layout, n)
-                reason = skip_reason(point, args.max_bytes, args.device)
-                if not reason:
-                    points.append(point)
-                    continue
-                skip = {"connector": connector, "layout": name, "tokens": n}
-                skipped.append({**skip, "bytes": point.nbytes, "reason": reason})
-    return points, skipped
+    def frames(self) -> list[list[int]]:
+        """[layer, byte offset, bytes] of each frame of at most FRAME_BYTES (whole pages)."""
+        step = min(self.n_blocks, blocks_per_frame(self.layout.page_bytes, FRAME_BYTES))
+        step *= self.layout.page_bytes
+        starts = range(0, self.layer_bytes, step)
+        layers = range(self.layout.num_layers)
+        return [[i, at, min(step, self.layer_bytes - at)] for i in layers for at in starts]
 
 
 def skip_reason(point: Point, max_bytes: int, device: str) -> str:
+    """Why `point` cannot run here ("": it can)."""
     if point.nbytes > max_bytes:
         return f"KV bytes {point.nbytes / 2**30:.2f} GiB > --max-bytes {max_bytes / 2**30:.2f} GiB"
     if point.connector == "nccl" and device == "cuda" and torch.cuda.device_count() < 2:
         return "NCCL cannot pair two ranks on one GPU; needs two devices"
     if point.connector == "nixl":
-        from pdserve.kv_transfer import TransferError
-        from pdserve.kv_transfer.nixl_agent import load_nixl
+        from pdserve.kv_transfer.nixl_agent import nixl_installed
 
-        try:
-            load_nixl()
-        except TransferError:
-            return "nixl extra not installed: pip install 'pdserve[nixl]'"
+        return "" if nixl_installed() else "nixl extra not installed: pip install 'pdserve[nixl]'"
     return ""
 
 
-# -- the sender child ---------------------------------------------------------------------------
+# -- the raw transports: each connector's baseline, both ends -----------------------------------
 
 
-def child_device(device: str) -> str:
-    """Sender's device: a second GPU when there is one, as two nodes would have."""
-    if device == "cuda":
-        return "cuda:1" if torch.cuda.device_count() > 1 else "cuda:0"
-    return "cpu"
+def views(bufs: list[torch.Tensor], frames: list[list[int]]) -> list[torch.Tensor]:
+    """The byte ranges [layer, start, bytes] of `frames` in per-layer byte buffers."""
+    return [bufs[layer][start : start + n] for layer, start, n in frames]
 
 
-class Sender:
-    """The child's state: caches of the current point, a connector sender, a raw transport.
-    Each method is a command from the parent; what it returns goes back as the reply."""
+class Raw:
+    """A connector's baseline: the same frames over its bare transport, between this process
+    (`accept`; per run `expect`, `receive`) and the sender child (`connect`; per point
+    `prepare`; per run `send`). A `self_timed` baseline ends when the child's send returns."""
 
-    def __init__(self, connector: str, device: str) -> None:
-        self.connector = connector
-        self.device = child_device(device)
-        self.caches: list[torch.Tensor] = []
-        self.src: list[int] = []
-        self.dst: list[int] = []
-        self.sender: Any = None
-        self.push: zmq.Socket | None = None
-        self.host_bytes: list[torch.Tensor] = []
-        self.nixl_target: tuple[str, list[Any], int] | None = None  # name, pages, blocks
+    self_timed = False
+    sources: list[torch.Tensor]
 
-    def point(
-        self, layout: dict[str, Any], src: list[int], dst: list[int], endpoint: str, target: dict
-    ) -> None:
-        """A new point: its caches, a sender connected to the receiver at `endpoint`, and for
-        nixl the receiver's caches (`target`) as the raw baseline's destination."""
-        self.caches, self.host_bytes = [], []  # free the last point's tensors first
-        kv = KVLayout.from_dict(layout)
-        gen = torch.Generator().manual_seed(SEED)
-        shape, dtype = kv.page_shape(len(src)), getattr(torch, kv.dtype)
-        layers = range(kv.num_layers)
-        self.caches = [torch.rand(shape, generator=gen).to(dtype).to(self.device) for _ in layers]
-        if self.connector == "zmq" and self.device != "cpu":
-            self.host_bytes = [as_bytes(c.cpu()) for c in self.caches]
-        self.src, self.dst = src, dst
-        if self.sender is not None:
-            self.sender.close()
-        self.sender = create_sender(self.connector, kv)
-        self.sender.connect(endpoint, timeout=60.0)
-        if target:
-            self._nixl_target(target)
+    def accept(self, device: str, port: int) -> None: ...
+    def connect(self, device: str, port: int) -> None: ...
+    def expect(self, landing: list[torch.Tensor]) -> None: ...
+    def receive(self) -> None: ...
+    def close(self) -> None: ...
 
-    def send(self, xfer: str, layers: list[int]) -> dict[str, Any]:
-        calls = []
-        cpu0, t0 = time.process_time(), time.monotonic()
-        for layer in layers:
-            start = time.monotonic()
-            self.sender.send_layer(xfer, layer, self.src, self.dst, self.caches[layer])
-            calls.append(time.monotonic() - start)
-        t_layers = time.monotonic()
-        self.sender.send_done(xfer, FirstToken(token_id=0))
-        self.sender.flush(OP_TIMEOUT_S)
-        cpu = time.process_time() - cpu0
-        return {"t0": t0, "t_layers": t_layers, "calls": calls, "cpu": cpu}
+    def describe(self, caches: list[torch.Tensor]) -> dict[str, Any]:
+        """What the sender needs of a point's receiving caches (nixl: their descriptors)."""
+        return {}
 
-    def raw_setup(self, endpoint: str = "", store_port: int = 0) -> None:
-        if self.connector == "zmq":
-            self.push = zmq.Context.instance().socket(zmq.PUSH)
-            self.push.setsockopt(zmq.LINGER, 0)
-            self.push.connect(endpoint)
-        elif self.connector == "nccl":
-            init_raw_group(rank=0, store_port=store_port, device=self.device)
+    def prepare(self, child: Sender, target: dict[str, Any]) -> None:
+        self.sources = [as_bytes(c) for c in child.caches]
 
-    def _nixl_target(self, target: dict[str, Any]) -> None:
-        from pdserve.kv_transfer.nixl_agent import Agent, remote_pages
+    def send(self, child: Sender, frames: list[list[int]]) -> None:
+        raise NotImplementedError
 
-        if self.nixl_target is not None:
-            Agent.get().drop_remote(self.nixl_target[0])
-        name, pages = remote_pages({**target, "agent": bytes.fromhex(target["agent"])})
-        self.nixl_target = (name, pages, int(target["num_blocks"]))
 
-    def raw(self, frames: list[list[int]]) -> dict[str, Any]:
-        if self.connector == "nixl":
-            return self._raw_nixl(sorted({f[0] for f in frames}))
-        sources = self.host_bytes or [as_bytes(c) for c in self.caches]
-        views = [sources[layer][start : start + n] for layer, start, n in frames]
-        cpu0, t0 = time.process_time(), time.monotonic()
-        if self.connector == "zmq":
-            assert self.push is not None
-            trackers = [self.push.send(v.numpy(), copy=False, track=True) for v in views]
-            self.push.send(b"")
-            for tracker in trackers:
-                tracker.wait(OP_TIMEOUT_S)
-        elif self.connector == "nccl":
-            import torch.distributed as dist
+class ZmqRaw(Raw):
+    """pyzmq PUSH/PULL: zero-copy sends from host memory, an empty frame to end."""
 
-            for work in [dist.isend(v, dst=1, tag=i) for i, v in enumerate(views)]:
-                work.wait()
-        return {"t0": t0, "cpu": time.process_time() - cpu0}
+    sock: zmq.Socket | None = None
 
-    def _raw_nixl(self, layers: list[int]) -> dict[str, Any]:
-        """The connector's WRITEs, bare: the same descriptors, timed until they are done."""
-        from pdserve.kv_transfer.nixl_agent import wait_handles, write_pages
+    def _open(self, kind: int) -> zmq.Socket:
+        self.sock = zmq.Context.instance().socket(kind)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        return self.sock
 
-        assert self.nixl_target is not None
-        _, pages, blocks = self.nixl_target
-        cpu0, t0 = time.process_time(), time.monotonic()
-        handles = write_pages(self.caches, pages, blocks, layers, self.src, self.dst)
-        wait_handles(handles, OP_TIMEOUT_S)
-        t_done = time.monotonic()
-        return {"t0": t0, "t_done": t_done, "cpu": time.process_time() - cpu0}
+    def accept(self, device: str, port: int) -> None:
+        self._open(zmq.PULL).bind(f"tcp://127.0.0.1:{port}")
+
+    def connect(self, device: str, port: int) -> None:
+        self._open(zmq.PUSH).connect(f"tcp://127.0.0.1:{port}")
+
+    def receive(self) -> None:
+        assert self.sock is not None
+        while self.sock.poll(int(OP_TIMEOUT_S * 1000)):
+            if len(self.sock.recv(copy=False).buffer) == 0:
+                break
+
+    def prepare(self, child: Sender, target: dict[str, Any]) -> None:
+        self.sources = [as_bytes(c.cpu()) for c in child.caches]
+
+    def send(self, child: Sender, frames: list[list[int]]) -> None:
+        assert self.sock is not None
+        sent = views(self.sources, frames)
+        out = [self.sock.send(v.numpy(), copy=False, track=True) for v in sent]
+        self.sock.send(b"")
+        for tracker in out:
+            tracker.wait(OP_TIMEOUT_S)
 
     def close(self) -> None:
-        if self.sender is not None:
-            self.sender.close()
-        if self.push is not None:
-            self.push.close(linger=0)
-        if self.connector == "nccl":
-            close_raw_group()
+        if self.sock is not None:
+            self.sock.close(linger=0)
+
+
+class NcclRaw(Raw):
+    """torch.distributed isend/irecv on a plain pair (gloo on CPU), rank 1 receiving."""
+
+    works: list[Any] = []
+
+    def accept(self, device: str, port: int) -> None:
+        init_raw_group(1, port, device)
+
+    def connect(self, device: str, port: int) -> None:
+        init_raw_group(0, port, device)
+
+    def expect(self, landing: list[torch.Tensor]) -> None:
+        import torch.distributed as dist
+
+        self.works = [dist.irecv(v, src=0, tag=i) for i, v in enumerate(landing)]
+
+    def receive(self) -> None:
+        for work in self.works:
+            work.wait()
+
+    def send(self, child: Sender, frames: list[list[int]]) -> None:
+        import torch.distributed as dist
+
+        sent = views(self.sources, frames)
+        for work in [dist.isend(v, dst=1, tag=i) for i, v in enumerate(sent)]:
+            work.wait()
+
+    def close(self) -> None:
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+class CopyRaw(Raw):
+    """One `copy_` per frame, in the sender's process, into a second buffer."""
+
+    self_timed = True
+
+    def prepare(self, child: Sender, target: dict[str, Any]) -> None:
+        super().prepare(child, target)
+        self.dest = [torch.empty_like(b) for b in self.sources]
+
+    def send(self, child: Sender, frames: list[list[int]]) -> None:
+        for dest, src in zip(views(self.dest, frames), views(self.sources, frames)):
+            dest.copy_(src)
+
+
+class NixlRaw(Raw):
+    """The connector's NIXL WRITEs, bare: the same descriptors, timed until they are done."""
+
+    self_timed = True
+    target: tuple[str, list[Any], int] | None = None  # remote name, pages, blocks
+
+    def describe(self, caches: list[torch.Tensor]) -> dict[str, Any]:
+        from pdserve.kv_transfer.nixl_agent import describe_caches
+
+        target = describe_caches(caches)
+        return {**target, "agent": target["agent"].hex()}  # the child's commands are JSON
+
+    def prepare(self, child: Sender, target: dict[str, Any]) -> None:
+        from pdserve.kv_transfer.nixl_agent import Agent, remote_pages
+
+        if self.target is not None:
+            Agent.get().drop_remote(self.target[0])
+        name, pages = remote_pages({**target, "agent": bytes.fromhex(target["agent"])})
+        self.target = (name, pages, int(target["num_blocks"]))
+
+    def send(self, child: Sender, frames: list[list[int]]) -> None:
+        from pdserve.kv_transfer.nixl_agent import wait_handles, write_pages
+
+        assert self.target is not None
+        _, pages, blocks = self.target
+        layers = sorted({f[0] for f in frames})
+        handles = write_pages(child.caches, pages, blocks, layers, child.src, child.dst)
+        wait_handles(handles, OP_TIMEOUT_S)
+
+
+RAW: dict[str, type[Raw]] = {"zmq": ZmqRaw, "nccl": NcclRaw, "shm": CopyRaw, "nixl": NixlRaw}
 
 
 def init_raw_group(rank: int, store_port: int, device: str) -> None:
@@ -278,11 +277,59 @@ def init_raw_group(rank: int, store_port: int, device: str) -> None:
     dist.init_process_group(backend, store=store, rank=rank, world_size=2, timeout=timeout)
 
 
-def close_raw_group() -> None:
-    import torch.distributed as dist
+# -- the sender child ---------------------------------------------------------------------------
 
-    if dist.is_initialized():
-        dist.destroy_process_group()
+
+class Sender:
+    """The child's state: caches of the current point, a connector sender, a raw transport.
+    Each method is a command from the parent; what it returns goes back as the reply."""
+
+    def __init__(self, connector: str, device: str) -> None:
+        two = device == "cuda" and torch.cuda.device_count() > 1  # as two nodes would have
+        self.device = ("cuda:1" if two else "cuda:0") if device == "cuda" else "cpu"
+        self.connector, self.raw = connector, RAW[connector]()
+        self.caches: list[torch.Tensor] = []
+        self.src: list[int] = []
+        self.dst: list[int] = []
+        self.sender: Any = None
+
+    def connect(self, port: int) -> None:
+        self.raw.connect(self.device, port)
+
+    def point(self, layout: dict, src: list[int], dst: list[int], endpoint: str, target: dict):
+        """A new point: its caches, a sender connected to the receiver at `endpoint`, and the
+        raw transport's sources (`target`: what it needs of the receiver's caches)."""
+        self.caches = []  # free the last point's tensors first
+        kv = KVLayout.from_dict(layout)
+        gen = torch.Generator().manual_seed(SEED)
+        shape, dtype = kv.page_shape(len(src)), getattr(torch, kv.dtype)
+        layers = range(kv.num_layers)
+        self.caches = [torch.rand(shape, generator=gen).to(dtype).to(self.device) for _ in layers]
+        self.src, self.dst = src, dst
+        if self.sender is not None:
+            self.sender.close()
+        self.sender = create_sender(self.connector, kv)
+        self.sender.connect(endpoint, timeout=60.0)
+        self.raw.prepare(self, target)
+
+    def send(self, xfer: str) -> dict[str, Any]:
+        cpu0, t0 = time.process_time(), time.monotonic()
+        for layer, cache in enumerate(self.caches):
+            self.sender.send_layer(xfer, layer, self.src, self.dst, cache)
+        self.sender.send_done(xfer, FirstToken(token_id=0))
+        self.sender.flush(OP_TIMEOUT_S)
+        return {"t0": t0, "cpu": time.process_time() - cpu0}
+
+    def send_raw(self, frames: list[list[int]]) -> dict[str, Any]:
+        cpu0, t0 = time.process_time(), time.monotonic()
+        self.raw.send(self, frames)
+        sync(self.device)
+        return {"t0": t0, "t_done": time.monotonic(), "cpu": time.process_time() - cpu0}
+
+    def close(self) -> None:
+        if self.sender is not None:
+            self.sender.close()
+        self.raw.close()
 
 
 def child_main(connector: str, device: str) -> None:
@@ -299,29 +346,16 @@ def child_main(connector: str, device: str) -> None:
         except Exception as exc:
             reply = {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
         replies.write(json.dumps(reply) + "\n")
-        if op == "close":
-            break
+    state.close()
 
 
 class Child:
-    """The sender process seen from here; `wait` keeps `idle` (the receiver's poll) running."""
+    """The sender process seen from here: one JSON line per command, one reply line back."""
 
     def __init__(self, connector: str, device: str) -> None:
-        threads = str(torch.get_num_threads())
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "pdserve.bench.kv_transfer", "--child", connector]
-            + ["--device", device, "--threads", threads],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            text=True,
-        )
-        self._replies: queue.Queue[dict[str, Any]] = queue.Queue()
-        threading.Thread(target=self._read, daemon=True).start()
-
-    def _read(self) -> None:
-        assert self.proc.stdout is not None
-        for line in self.proc.stdout:
-            self._replies.put(json.loads(line))
+        cmd = [sys.executable, "-m", "pdserve.bench.kv_transfer", "--child", connector]
+        cmd += ["--device", device, "--threads", str(torch.get_num_threads())]
+        self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
 
     def start(self, op: str, **args: Any) -> None:
         assert self.proc.stdin is not None
@@ -329,45 +363,37 @@ class Child:
         self.proc.stdin.flush()
 
     def poll(self) -> dict[str, Any] | None:
-        """The next reply if one came; RuntimeError for an error reply or a dead child."""
-        try:
-            reply = self._replies.get_nowait()
-        except queue.Empty:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"sender child died (exit {self.proc.returncode})") from None
+        """The reply if it came (one command is out at a time, so a readable pipe holds one
+        whole line); RuntimeError for an error reply or a dead child."""
+        assert self.proc.stdout is not None
+        if not select.select([self.proc.stdout], [], [], 0)[0]:
             return None
+        line = self.proc.stdout.readline()
+        if not line:
+            raise RuntimeError(f"sender child died (exit {self.proc.wait(timeout=30)})")
+        reply = json.loads(line)
         if not reply["ok"]:
             raise RuntimeError(f"sender child: {reply['error']}")
         return reply
 
-    def wait(self, idle: Callable[[], None] | None = None) -> dict[str, Any]:
-        """The reply to the last command, running `idle` (or sleeping) until it comes."""
+    def wait(self, idle: Callable[[], None] = lambda: time.sleep(0.01)) -> dict[str, Any]:
+        """The reply to the last command, running `idle` until it comes."""
         deadline = time.monotonic() + OP_TIMEOUT_S
         while (reply := self.poll()) is None:
             if time.monotonic() > deadline:
                 raise RuntimeError(f"sender child did not answer in {OP_TIMEOUT_S} s")
-            if idle:
-                idle()
-            else:
-                time.sleep(0.01)
+            idle()
         return reply
 
-    def call(self, op: str, idle: Callable[[], None] | None = None, **args: Any) -> dict:
-        self.start(op, **args)
-        return self.wait(idle)
-
     def close(self) -> None:
+        """End of input ends the child (it closes its sender and transport first)."""
         try:
-            if self.proc.poll() is None:
-                self.call("close")
-            self.proc.wait(timeout=30)
+            self.proc.communicate(timeout=30)
         finally:
-            if self.proc.poll() is None:
-                self.proc.kill()
-                self.proc.wait(timeout=30)
+            self.proc.kill()
 
 
-# -- receiver side: one point --------------------------------------------------------------------
+# -- receiver side ------------------------------------------------------------------------------
 
 
 @dataclass(frozen=True, slots=True)
@@ -378,73 +404,54 @@ class Run:
     cpu: float
 
 
-@dataclass
-class Samples:
-    """The repeats of one kind of measurement, connector and raw interleaved."""
-
-    conn: list[Run] = field(default_factory=list)
-    raw: list[Run] = field(default_factory=list)
-
-    def summary(self, nbytes: int) -> dict[str, Any]:
-        ms = statistics.median(r.seconds for r in self.conn) * 1e3
-        raw_ms = statistics.median(r.seconds for r in self.raw) * 1e3
-        cpu = statistics.median(r.cpu for r in self.conn)
-        raw_cpu = statistics.median(r.cpu for r in self.raw)
-        return {
-            "ms": ms,
-            "gb_s": nbytes / ms / 1e6,
-            "raw_ms": raw_ms,
-            "raw_gb_s": nbytes / raw_ms / 1e6,
-            "ratio": raw_ms / ms,
-            "cpu_s_per_gb": cpu / nbytes * 1e9,
-            "raw_cpu_s_per_gb": raw_cpu / nbytes * 1e9,
-            "samples_ms": [r.seconds * 1e3 for r in self.conn],
-            "raw_samples_ms": [r.seconds * 1e3 for r in self.raw],
-        }
+def summary(conn: list[Run], raw: list[Run], nbytes: int) -> dict[str, Any]:
+    """Medians of the connector's runs and the raw transport's, as rates and their ratio."""
+    ms = statistics.median(r.seconds for r in conn) * 1e3
+    raw_ms = statistics.median(r.seconds for r in raw) * 1e3
+    return {
+        "ms": ms,
+        "gb_s": nbytes / ms / 1e6,
+        "raw_ms": raw_ms,
+        "raw_gb_s": nbytes / raw_ms / 1e6,
+        "ratio": raw_ms / ms,
+        "cpu_s_per_gb": statistics.median(r.cpu for r in conn) / nbytes * 1e9,
+        "raw_cpu_s_per_gb": statistics.median(r.cpu for r in raw) / nbytes * 1e9,
+        "samples_ms": [r.seconds * 1e3 for r in conn],
+        "raw_samples_ms": [r.seconds * 1e3 for r in raw],
+    }
 
 
 class Bench:
     """Receiver side of one connector's runs: a receiver per point and the raw transport."""
 
     def __init__(self, connector: str, device: str) -> None:
-        self.connector, self.device = connector, device
+        self.device, self.raw = device, RAW[connector]()
         self.child = Child(connector, device)
         self.receiver: KVReceiver | None = None
-        self.receiver_layers = 0
         self.results: dict[str, Any] = {}
-        self.pull: zmq.Socket | None = None
-        self._xfers = 0
+        self.sent = 0
         try:
-            self._raw_setup()
+            port = free_port()
+            self.child.start("connect", port=port)
+            self.raw.accept(device, port)
+            self.child.wait()
         except BaseException:
             self.close()
             raise
-
-    def _raw_setup(self) -> None:
-        if self.connector == "zmq":
-            self.pull = zmq.Context.instance().socket(zmq.PULL)
-            self.pull.setsockopt(zmq.LINGER, 0)
-            port = self.pull.bind_to_random_port("tcp://127.0.0.1")
-            self.child.call("raw_setup", endpoint=f"tcp://127.0.0.1:{port}")
-        elif self.connector == "nccl":
-            port = free_port()
-            self.child.start("raw_setup", store_port=port)
-            init_raw_group(rank=1, store_port=port, device=self.device)
-            self.child.wait()
 
     def pump(self) -> None:
         assert self.receiver is not None
         for result in self.receiver.poll(0.01):
             self.results[result.xfer_id] = result
 
-    def transfer(self, dst: list[int], layers: list[int]) -> dict[str, Any]:
-        """One connector transfer of `layers`: its Run, sender call times, tail, ok."""
+    def transfer(self, dst: list[int]) -> tuple[Run, str]:
+        """One connector transfer of every layer: its Run, and its error ("" when intact)."""
         assert self.receiver is not None
-        self._xfers += 1
-        xfer = f"b{self._xfers}"
+        self.sent += 1
+        xfer = f"b{self.sent}"
         self.receiver.expect(xfer, dst)
         cpu0 = time.process_time()
-        self.child.start("send", xfer=xfer, layers=layers)
+        self.child.start("send", xfer=xfer)
         deadline, reply = time.monotonic() + OP_TIMEOUT_S, None
         while xfer not in self.results:
             assert time.monotonic() < deadline, f"transfer {xfer} did not finish"
@@ -454,105 +461,42 @@ class Bench:
         t_end, cpu = time.monotonic(), time.process_time() - cpu0
         reply = reply or self.child.wait(self.pump)
         result = self.results.pop(xfer)
-        return {
-            "run": Run(t_end - reply["t0"], cpu + reply["cpu"]),
-            "tail": t_end - reply["t_layers"],
-            "calls": reply["calls"],
-            "ok": result.ok or self._only_unsent_layers(result.error, layers),
-            "error": result.error,
-        }
+        return Run(t_end - reply["t0"], cpu + reply["cpu"]), "" if result.ok else result.error
 
-    def _only_unsent_layers(self, error: str, layers: list[int]) -> bool:
-        """nixl admits a transfer only with every layer's pages: a one-layer run (the
-        `layer` measurement) fails on exactly that, and is still a clean transfer to time."""
-        if len(layers) == self.receiver_layers:
-            return False
-        return re.fullmatch(r"layer \d+: 0 pages written of \d+", error) is not None
-
-    def raw(self, point: Point, layers: list[int], landing: list[torch.Tensor]) -> Run:
+    def raw_run(self, frames: list[list[int]], landing: list[torch.Tensor]) -> Run:
         """The same frames over the bare transport."""
-        frames = point.frames(layers)
-        if self.connector == "shm":
-            return memcpy_frames(frames, landing, self.device)
+        self.raw.expect(views(landing, frames))
         cpu0 = time.process_time()
-        if self.connector == "nixl":  # the sender knows when its WRITEs are DONE (flushed)
-            self.child.start("raw", frames=frames)
-            reply = self.child.wait()
-            return Run(reply["t_done"] - reply["t0"], time.process_time() - cpu0 + reply["cpu"])
-        if self.connector == "nccl":
-            import torch.distributed as dist
-
-            views = [landing[layer][start : start + n] for layer, start, n in frames]
-            works = [dist.irecv(v, src=0, tag=i) for i, v in enumerate(views)]
-            self.child.start("raw", frames=frames)
-            for work in works:
-                work.wait()
-            sync(self.device)
-        else:
-            assert self.pull is not None
-            self.child.start("raw", frames=frames)
-            while self.pull.poll(int(OP_TIMEOUT_S * 1000)):
-                if len(self.pull.recv(copy=False).buffer) == 0:
-                    break
+        self.child.start("send_raw", frames=frames)
+        self.raw.receive()
+        sync(self.device)
         t_end, cpu = time.monotonic(), time.process_time() - cpu0
         reply = self.child.wait()
-        return Run(t_end - reply["t0"], cpu + reply["cpu"])
+        end = reply["t_done"] if self.raw.self_timed else t_end
+        return Run(end - reply["t0"], cpu + reply["cpu"])
 
     def run_point(self, point: Point, repeats: int) -> dict[str, Any]:
+        """The point's receiver and the child's sender, a warm-up, then `repeats` transfers
+        each followed by its raw baseline."""
         gen = torch.Generator().manual_seed(point.tokens)
         src = torch.randperm(point.n_blocks, generator=gen).tolist()
         dst = torch.randperm(point.n_blocks, generator=gen).tolist()
-        shape, dtype = point.layout.page_shape(point.n_blocks), getattr(torch, point.layout.dtype)
-        layers = range(point.layout.num_layers)
-        caches = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in layers]
-        opts = {"staging_bytes": SHM_STAGING_BYTES} if point.connector == "shm" else {}
-        self.receiver = create_receiver(point.connector, point.layout, caches, **opts)
-        self.receiver_layers = point.layout.num_layers
+        kv = point.layout
+        caches = [torch.zeros(kv.page_shape(point.n_blocks), dtype=getattr(torch, kv.dtype),
+                              device=self.device) for _ in range(kv.num_layers)]  # fmt: skip
+        self.receiver = create_receiver(point.connector, kv, caches)
         try:
-            target = {}
-            if point.connector == "nixl":
-                from pdserve.kv_transfer.nixl_agent import describe_caches
-
-                target = describe_caches(caches)
-                target["agent"] = target["agent"].hex()  # the child's commands are JSON
-            endpoint = self.receiver.endpoint
-            layout = point.layout.to_dict()
-            self.child.call(
-                "point",
-                self.pump,
-                layout=layout,
-                src=src,
-                dst=dst,
-                endpoint=endpoint,
-                target=target,
-            )
-            landing = [as_bytes(c) for c in caches]
-            if point.connector == "shm":  # memcpy source: a second copy of the bytes
-                landing = [torch.ones_like(b) for b in landing] + landing
-            return self._measure(point, dst, landing, repeats)
+            target, endpoint = self.raw.describe(caches), self.receiver.endpoint
+            self.child.start("point", layout=kv.to_dict(), src=src, dst=dst,
+                             endpoint=endpoint, target=target)  # fmt: skip
+            self.child.wait(self.pump)
+            frames, landing = point.frames(), [as_bytes(c) for c in caches]
+            runs = [(self.transfer(dst), self.raw_run(frames, landing)) for _ in range(repeats + 1)]
         finally:
             self.receiver.close()
             self.receiver = None
-
-    def _measure(
-        self, point: Point, dst: list[int], landing: list[torch.Tensor], repeats: int
-    ) -> dict[str, Any]:
-        layers = list(range(point.layout.num_layers))
-        whole, layer = Samples(), Samples()
-        calls, tails, oks = [], [], []
-        self.transfer(dst, layers)  # warm-up: first touch, connection setup
-        self.raw(point, layers, landing)
-        for _ in range(repeats):
-            run = self.transfer(dst, layers)
-            whole.conn.append(run["run"])
-            calls += run["calls"]
-            tails.append(run["tail"])
-            whole.raw.append(self.raw(point, layers, landing))
-            one = self.transfer(dst, [0])
-            layer.conn.append(one["run"])
-            layer.raw.append(self.raw(point, [0], landing))
-            oks += [(run["ok"], run["error"]), (one["ok"], one["error"])]
-        frames = point.frames([0])
+        errors = sorted({error for (_, error), _ in runs if error})
+        conn, raw = [run for (run, _), _ in runs[1:]], [raw for _, raw in runs[1:]]
         return {
             "connector": point.connector,
             "layout": point.layout_name,
@@ -560,14 +504,11 @@ class Bench:
             "n_blocks": point.n_blocks,
             "bytes": point.nbytes,
             "layer_bytes": point.layer_bytes,
-            "frames_per_layer": len(frames),
+            "frames_per_layer": len(frames) // point.layout.num_layers,
             "frame_bytes": frames[0][2],
-            "ok": all(ok for ok, _ in oks),
-            "errors": sorted({error for ok, error in oks if not ok}),
-            "whole": whole.summary(point.nbytes),
-            "layer": layer.summary(point.layer_bytes),
-            "send_layer_ms": statistics.median(calls) * 1e3,
-            "tail_ms": statistics.median(tails) * 1e3,
+            "ok": not errors,
+            "errors": errors,
+            "whole": summary(conn, raw, point.nbytes),
             "goal": GOALS[point.connector],
         }
 
@@ -575,47 +516,7 @@ class Bench:
         try:
             self.child.close()
         finally:
-            if self.pull is not None:
-                self.pull.close(linger=0)
-            if self.connector == "nccl":
-                close_raw_group()
-
-
-def memcpy_frames(frames: list[tuple[int, int, int]], bufs: list[torch.Tensor], device: str) -> Run:
-    """`copy_` of each frame from the first half of `bufs` (sources) into the second half."""
-    half = len(bufs) // 2
-    sync(device)
-    cpu0, t0 = time.process_time(), time.monotonic()
-    for layer, start, n in frames:
-        bufs[half + layer][start : start + n].copy_(bufs[layer][start : start + n])
-    sync(device)
-    return Run(time.monotonic() - t0, time.process_time() - cpu0)
-
-
-def stage_costs(point: Point, device: str) -> dict[str, float]:
-    """GB/s of each pass a connector adds over its transport, on one layer of `point`.
-
-    Best of a few runs, so buffers are reused and page faults do not show here (they do in
-    the transfers). For comparison: `crc32` is the checksum `page_checksum` replaced, and
-    `index_copy_ rows` the scatter's `index_copy_` on a [2 * blocks, block] view.
-    """
-    layout, n = point.layout, point.n_blocks
-    cache = torch.rand(layout.page_shape(n)).to(getattr(torch, layout.dtype)).to(device)
-    ids = torch.randperm(n, device=device)
-    pages = ops.gather_pages(cache, ids)
-    fns: dict[str, Callable[[], object]] = {
-        "gather_pages": lambda: ops.gather_pages(cache, ids),
-        "gather_pages out=": lambda: ops.gather_pages(cache, ids, out=pages),
-        "scatter_pages": lambda: ops.scatter_pages(cache, ids, pages),
-        "copy_": lambda: cache.copy_(pages),
-        "page_checksum": lambda: page_checksum(pages).tolist(),
-    }
-    rows, block_rows = cache.view(2 * n, -1), pages.view(2 * n, -1)
-    row_ids = torch.cat([ids, ids + n])
-    fns["index_copy_ rows"] = lambda: rows.index_copy_(0, row_ids, block_rows)
-    if device == "cpu":
-        fns["crc32"] = lambda: zlib.crc32(as_bytes(pages).numpy())
-    return {name: point.layer_bytes / best_time(fn, device) / 1e9 for name, fn in fns.items()}
+            self.raw.close()
 
 
 # -- report -------------------------------------------------------------------------------------
@@ -626,12 +527,10 @@ def fmt_tokens(n: int) -> str:
 
 
 def summarize(results: list[dict[str, Any]]) -> dict[str, Any]:
-    """Per connector: the whole-transfer ratio at its largest point and how many points meet
-    the goal."""
+    """Per connector: the ratio at its largest point and how many points meet the goal."""
     out: dict[str, Any] = {}
     for connector in CONNECTORS:
-        mine = [r for r in results if r["connector"] == connector]
-        if not mine:
+        if not (mine := [r for r in results if r["connector"] == connector]):
             continue
         largest = max(mine, key=lambda r: (r["bytes"], r["tokens"]))
         ratios = [r["whole"]["ratio"] for r in mine]
@@ -648,53 +547,20 @@ def summarize(results: list[dict[str, Any]]) -> dict[str, Any]:
     return out
 
 
-# The passes over the bytes each connector makes beyond its raw transport (shm's raw copy is
-# its gather into the ring; nixl writes in place, over runs of blocks: no gather or scatter).
-EXTRA_PASSES = {
-    "zmq": ("gather_pages out=", "page_checksum", "page_checksum", "scatter_pages"),
-    "nccl": ("gather_pages out=", "page_checksum", "page_checksum", "scatter_pages"),
-    "shm": ("page_checksum", "page_checksum", "scatter_pages"),
-    "nixl": ("page_checksum", "page_checksum"),
-}
-
-
-def pass_model(report: dict[str, Any]) -> dict[str, tuple[float, float]]:
-    """Per connector at its largest point: (predicted, measured) ratio, where predicted =
-    raw s/GB / (raw s/GB + the extra passes' s/GB at this run's single-pass rates), as if
-    every pass ran one after another."""
-    gb_s = report.get("stages", {}).get("gb_s", {})
-    out: dict[str, tuple[float, float]] = {}
-    for connector, summary in report["summary"].items():
-        passes = EXTRA_PASSES.get(connector, ())
-        if not passes or not all(gb_s.get(p) for p in passes):
-            continue
-        raw = 1 / summary["raw_gb_s_at_largest"]
-        extra = sum(1 / gb_s[p] for p in passes)
-        out[connector] = (raw / (raw + extra), summary["ratio_at_largest"])
-    return out
-
-
 def connector_tables(report: dict[str, Any]) -> list[str]:
     """The goals at each connector's largest point, then each connector across its points."""
-    model = pass_model(report)
-    summary = {c: report["summary"][c] for c in CONNECTORS if c in report["summary"]}
+    summary = report["summary"]
+    summary = {c: summary[c] for c in CONNECTORS if c in summary}
     goals = [
-        goal(
-            f"{c} >= {s['goal']} x raw {RAW_NAMES[c]} GB/s ({s['largest']})",
-            s["gb_s_at_largest"],
-            s["raw_gb_s_at_largest"],
-            ">=",
-            s["goal"],
-        )
+        goal(f"{c} >= {s['goal']} x raw {RAW_NAMES[c]} GB/s ({s['largest']})",
+             s["gb_s_at_largest"], s["raw_gb_s_at_largest"], ">=", s["goal"])
         for c, s in summary.items()
-    ]
+    ]  # fmt: skip
     intact = sum(r["ok"] for r in report["results"])
     goals.append(goal("every transfer intact", intact, len(report["results"]), ">=", 1.0))
     header = ["connector", "points meeting its goal", "median ratio"]
-    header += ["serial pass model at the largest point (measured)"]
     rows = [
         [c, f"{s['points_meeting_goal']} of {s['points']}", s["median_ratio"]]
-        + [f"{model[c][0]:.2f} ({model[c][1]:.2f})" if c in model else "—"]
         for c, s in summary.items()
     ]
     return [goals_table(goals), "", markdown_table(header, rows)]
@@ -706,13 +572,9 @@ COLUMNS = [
     ("MiB", lambda r: r["bytes"] / 2**20),
     ("connector", "connector"),
     *[(header, lambda r, k=key: r["whole"][k]) for header, key in
-      (("whole ms", "ms"), ("GB/s", "gb_s"), ("raw GB/s", "raw_gb_s"), ("ratio", "ratio"))],
+      (("ms", "ms"), ("GB/s", "gb_s"), ("raw GB/s", "raw_gb_s"), ("ratio", "ratio"))],
     ("CPU s/GB (raw)", lambda r: f"{r['whole']['cpu_s_per_gb']:.2f} "
      f"({r['whole']['raw_cpu_s_per_gb']:.2f})"),
-    ("layer ms", lambda r: r["layer"]["ms"]),
-    ("layer ratio", lambda r: r["layer"]["ratio"]),
-    ("send_layer ms", "send_layer_ms"),
-    ("tail ms", "tail_ms"),
 ]  # fmt: skip
 
 
@@ -724,56 +586,33 @@ def section(report: dict[str, Any], figure: str) -> str:
     lines += [records_table(COLUMNS, results), "", f"![KV transfer GB/s]({figure})", ""]
     lines += connector_tables(report)
     if report["skipped"]:
-        lines += ["", "Skipped points:", "", skipped_table(report["skipped"])]
-    if report.get("stages"):
-        stages = report["stages"]
-        lines += ["", f"Single-pass GB/s on one layer of {stages['point']} (one thread):", ""]
-        lines += [markdown_table(list(stages["gb_s"]), [list(stages["gb_s"].values())])]
+        groups: dict[tuple[str, str, str], list[str]] = {}
+        for s in report["skipped"]:
+            key = (s["layout"], fmt_tokens(s["tokens"]), s["reason"])
+            groups.setdefault(key, []).append(s["connector"])
+        rows = [[lay, n, ", ".join(cs), why] for (lay, n, why), cs in groups.items()]
+        header = ["layout", "tokens", "connectors", "reason"]
+        lines += ["", "Skipped points:", "", markdown_table(header, rows)]
     return "\n".join(lines)
 
 
-def skipped_table(skipped: list[dict[str, Any]]) -> str:
-    """One row per skipped (layout, tokens, reason), naming the connectors it applies to."""
-    groups: dict[tuple[str, int, str], list[str]] = {}
-    for s in skipped:
-        groups.setdefault((s["layout"], s["tokens"], s["reason"]), []).append(s["connector"])
-    rows = [
-        [layout, fmt_tokens(tokens), ", ".join(connectors), reason]
-        for (layout, tokens, reason), connectors in groups.items()
-    ]
-    return markdown_table(["layout", "tokens", "connectors", "reason"], rows)
-
-
 def plot(report: dict[str, Any], path: Path) -> Path:
-    plt = pyplot()
-    layouts = sorted({r["layout"] for r in report["results"]})
-    fig, axes = plt.subplots(1, len(layouts), figsize=(6 * len(layouts), 4.2), squeeze=False)
-    for ax, name in zip(axes[0], layouts):
-        mine = sorted(
-            (r for r in report["results"] if r["layout"] == name), key=lambda r: r["tokens"]
-        )
+    """GB/s of each connector and its raw transport against prompt tokens, per layout."""
+    panels = []
+    for name in sorted({r["layout"] for r in report["results"]}):
+        mine = [r for r in report["results"] if r["layout"] == name]
+        mine.sort(key=lambda r: r["tokens"])
+        title = f"{name} layout ({report['layouts'][name]['dtype']})"
+        ticks = sorted({r["tokens"] for r in mine})
+        panel = Panel(title, "prompt tokens", "GB/s (whole transfer)", xlog=2, xticks=ticks)
         for i, connector in enumerate(CONNECTORS):
             rows = [r for r in mine if r["connector"] == connector]
             x = [r["tokens"] for r in rows]
-            if rows:
-                ax.plot(x, [r["whole"]["gb_s"] for r in rows], "o-", color=f"C{i}", label=connector)
-                ax.plot(
-                    x,
-                    [r["whole"]["raw_gb_s"] for r in rows],
-                    "s--",
-                    color=f"C{i}",
-                    label=f"raw {RAW_NAMES[connector]}",
-                    alpha=0.7,
-                )
-        ticks = sorted({r["tokens"] for r in mine})
-        ax.set_xscale("log", base=2)
-        ax.set_xticks(ticks, [fmt_tokens(t) for t in ticks])
-        ax.set_xlabel("prompt tokens")
-        ax.set_ylabel("GB/s (whole transfer)")
-        ax.set_title(f"{name} layout ({report['layouts'][name]['dtype']})")
-        ax.grid(True, alpha=0.3)
-        ax.legend(fontsize=8)
-    return save_figure(fig, path)
+            panel.lines.append((connector, x, [r["whole"]["gb_s"] for r in rows], f"o-C{i}"))
+            raw = [r["whole"]["raw_gb_s"] for r in rows]
+            panel.lines.append((f"raw {RAW_NAMES[connector]}", x, raw, f"s--C{i}"))
+        panels.append(panel)
+    return plot_lines(panels, path, width=6.0)
 
 
 # -- CLI ----------------------------------------------------------------------------------------
@@ -783,23 +622,19 @@ def parse_size(text: str) -> int:
     """`2G`, `512M`, `1.5GiB`, `4096` -> bytes (binary units)."""
     units = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
     t = text.strip().lower().removesuffix("ib").removesuffix("b")
-    if t and t[-1] in units:
-        return int(float(t[:-1]) * units[t[-1]])
-    return int(float(t))
+    return int(float(t[:-1]) * units[t[-1]]) if t and t[-1] in units else int(float(t))
 
 
 def parse_tokens(text: str) -> list[int]:
     """`128,2k,32k` -> [128, 2048, 32768]."""
-    out = []
-    for item in text.split(","):
-        item = item.strip().lower()
-        out.append(int(float(item[:-1]) * 1024) if item.endswith("k") else int(item))
-    if not out or min(out) < 1:
+    items = [item.strip().lower() for item in text.split(",")]
+    out = [int(float(i[:-1]) * 1024) if i.endswith("k") else int(i) for i in items]
+    if min(out) < 1:
         raise argparse.ArgumentTypeError(f"bad token list {text!r}")
     return out
 
 
-RUN_FLAGS = [
+FLAGS = [
     ("--quick", bool, None, "tiny layout, 128 and 512 tokens, 2 repeats: seconds (needs --out)"),
     ("--connectors", str, ",".join(CONNECTORS), "connectors to measure, a comma list"),
     ("--layouts", str, None, "KV layouts, a comma list of tiny and llama3-8b (default: both; "
@@ -810,26 +645,16 @@ RUN_FLAGS = [
      "quick: 2)"),
     ("--max-bytes", parse_size, parse_size("512M"), "skip points whose KV bytes (one side) "
      "exceed this, binary units: 512M, 2G (default: 512M)", {"metavar": "SIZE"}),
-    ("--no-stages", bool, None, "skip the per-pass timings (gather, checksum)"),
-]  # fmt: skip
-DEVICE_FLAGS = [
     ("--device", str, "cpu", "where the KV is", {"choices": ("cpu", "cuda")}),
     ("--threads", int, 1, "torch threads per process on CPU (1: two processes on two cores)"),
-]
-
-
-def make_parser() -> argparse.ArgumentParser:
-    p = parser("pdserve bench kv-transfer", __doc__.split("\n\n")[0])
-    add_flags(p.add_argument_group("run"), RUN_FLAGS)
-    add_flags(p.add_argument_group("device"), DEVICE_FLAGS)
-    output = add_output_flags(p, "kv_transfer.json and kv_transfer.png")
-    add_from_json_flag(output, "the figure and section of a saved kv_transfer.json")
-    p.add_argument("--child", default=None, help=argparse.SUPPRESS)
-    return p
+    ("--child", str, None, argparse.SUPPRESS),
+]  # fmt: skip
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    p = make_parser()
+    p = parser("pdserve bench kv-transfer", __doc__.split("\n\n")[0])
+    add_flags(p.add_argument_group("run"), FLAGS)
+    add_output_flags(p, "kv_transfer.json and kv_transfer.png", "kv_transfer.json")
     args = p.parse_args(argv)
     if args.child:
         return args
@@ -849,33 +674,28 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 
 def measure(args: argparse.Namespace) -> dict[str, Any]:
     layouts = {n: lay for n, lay in make_layouts(args.device).items() if n in args.layouts}
-    points, skipped = plan(args, layouts)
+    points = [Point(c, name, lay, n) for c in args.connectors
+              for name, lay in layouts.items() for n in args.tokens]  # fmt: skip
+    why = {p: skip_reason(p, args.max_bytes, args.device) for p in points}
+    skipped = [{"connector": p.connector, "layout": p.layout_name, "tokens": p.tokens,
+                "bytes": p.nbytes, "reason": why[p]} for p in points if why[p]]  # fmt: skip
+    points = [p for p in points if not why[p]]
     results = []
     for connector in args.connectors:
-        mine = [p for p in points if p.connector == connector]
-        results += run_connector(connector, mine, args.repeats, args.device) if mine else []
-    per_token = {n: lay.page_bytes * lay.num_layers // lay.block_size for n, lay in layouts.items()}
-    report = {
+        if mine := [p for p in points if p.connector == connector]:
+            results += run_connector(connector, mine, args.repeats, args.device)
+    return {
         "device": args.device,
         "repeats": args.repeats,
         "max_bytes": args.max_bytes,
         "goals": GOALS,
         "raw": RAW_NAMES,
-        "layouts": {
-            n: {**lay.to_dict(), "bytes_per_token": per_token[n]} for n, lay in layouts.items()
-        },
+        "layouts": {n: {**lay.to_dict(), "bytes_per_token": lay.page_bytes * lay.num_layers
+                        // lay.block_size} for n, lay in layouts.items()},
         "results": results,
         "skipped": skipped,
         "summary": summarize(results),
-    }
-    if not args.no_stages and points:
-        largest = max(points, key=lambda p: p.nbytes)
-        report["stages"] = {
-            "point": f"{largest.layout_name} {fmt_tokens(largest.tokens)} tokens",
-            "layer_bytes": largest.layer_bytes,
-            "gb_s": stage_costs(largest, args.device),
-        }
-    return report
+    }  # fmt: skip
 
 
 def run_connector(connector: str, points: list[Point], repeats: int, device: str) -> list[dict]:

@@ -22,7 +22,6 @@ import torch
 from pdserve.bench.report import (
     BENCH_MODEL_SIZES,
     add_flags,
-    add_from_json_flag,
     add_output_flags,
     best_time,
     cached_model,
@@ -89,8 +88,7 @@ def sweep_parser(sweep: Sweep, doc: str) -> argparse.ArgumentParser:
     ]
     add_flags(p.add_argument_group("run"), run)
     add_flags(p.add_argument_group("device"), device)
-    output = add_output_flags(p, f"{sweep.name}.json and {sweep.name}.png")
-    add_from_json_flag(output, "the figure and section of a saved NAME.json")
+    add_output_flags(p, f"{sweep.name}.json and {sweep.name}.png", "NAME.json")
     return p
 
 

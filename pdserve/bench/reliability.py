@@ -13,9 +13,9 @@ from pathlib import Path
 from typing import Any
 
 from pdserve.bench.report import (
-    add_docs_dir_flag,
     add_flags,
     default_docs_dir,
+    docs_dir_flag,
     environ,
     records_table,
     save_json,
@@ -100,8 +100,7 @@ def main(argv: list[str] | None = None) -> None:
     p = parser("pdserve bench reliability", __doc__.split("\n\n")[0])
     add_flags(p.add_argument_group("run"), [REQUESTS_FLAG])
     out = p.add_argument_group("output")
-    add_flags(out, [OUT_FLAG])
-    add_docs_dir_flag(out, "reliability.md and bench/reliability.json")
+    add_flags(out, [OUT_FLAG, docs_dir_flag("reliability.md and bench/reliability.json")])
     args = p.parse_args(argv)
     docs = args.docs_dir or default_docs_dir()
     model = str(make_tiny_model("llama", Path(tempfile.mkdtemp()) / "m", max_position=2048))

@@ -18,7 +18,7 @@ import tempfile
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -78,32 +78,28 @@ def outputs(out: Path | None, docs_dir: Path | None) -> Outputs:
     return Outputs(folder, folder / "benchmarks.md")
 
 
-def add_output_flags(p: argparse.ArgumentParser, files: str) -> argparse._ArgumentGroup:
-    """The group "output" with --out and --docs-dir; `files` names what --out receives."""
-    group = p.add_argument_group("output")
-    out = f"folder for {files} (default: DOCS/bench); any other folder also gets its own "
-    out += "benchmarks.md, and DOCS is left alone"
-    add_flags(group, [("--out", Path, None, out, {"metavar": "DIR"})])
-    add_docs_dir_flag(group, "benchmarks.md and bench/")
-    return group
-
-
-def add_docs_dir_flag(group: argparse._ArgumentGroup, holds: str) -> None:
-    """--docs-dir DOCS; `holds` names what the benchmark writes there."""
+def docs_dir_flag(holds: str) -> tuple:
+    """--docs-dir DOCS as a flag row (see SEED_FLAG); `holds` names what a run writes there."""
     text = f"docs folder for {holds} (default: docs/ of the checkout pdserve is imported from, "
-    add_flags(group, [("--docs-dir", Path, None, text + "else ./docs)", {"metavar": "DOCS"})])
+    return ("--docs-dir", Path, None, text + "else ./docs)", {"metavar": "DOCS"})
 
 
-def add_from_json_flag(group: argparse._ArgumentGroup, what: str) -> None:
-    """--from-json FILE: measure nothing, rewrite `what` (the plots and section) of a saved run."""
-    text = f"measure nothing: redraw {what}"
-    add_flags(group, [("--from-json", Path, None, text, {"metavar": "FILE"})])
-
-
-def add_log_dir_flag(group: argparse._ArgumentGroup) -> None:
-    """--log-dir DIR for the servers a benchmark starts."""
-    text = "server logs (default: a temporary folder, removed at the end)"
-    add_flags(group, [("--log-dir", Path, None, text, {"metavar": "DIR"})])
+def add_output_flags(
+    p: argparse.ArgumentParser, files: str, saved: str = ""
+) -> argparse._ArgumentGroup:
+    """The group "output": --out DIR (which receives `files`), --docs-dir, and with `saved`
+    (the JSON a run writes) --from-json: redraw its figure and section, measuring nothing."""
+    out = f"folder for {files} (default: DOCS/bench); any other folder also gets its own "
+    rows = [
+        ("--out", Path, None, out + "benchmarks.md, and DOCS is left alone", {"metavar": "DIR"}),
+        docs_dir_flag("benchmarks.md and bench/"),
+    ]
+    if saved:
+        text = f"measure nothing: redraw the figure and section of a saved {saved}"
+        rows.append(("--from-json", Path, None, text, {"metavar": "FILE"}))
+    group = p.add_argument_group("output")
+    add_flags(group, rows)
+    return group
 
 
 def outputs_from_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> Outputs:
@@ -264,6 +260,52 @@ def save_figure(fig: Any, path: Path) -> Path:
     return path
 
 
+@dataclass
+class Panel:
+    """One panel of a figure of lines; each line is (label, xs, ys, matplotlib style)."""
+
+    title: str
+    xlabel: str
+    ylabel: str = ""
+    lines: list[tuple[str, Sequence[float], Sequence[float], str]] = field(default_factory=list)
+    xlog: int = 0  # the x axis's log base (0: linear)
+    xticks: Sequence[float] = ()  # ticks labelled as plain numbers (the log axis's own else)
+    ylog: bool = False
+    ymin: float | None = None  # 0 starts the y axis at zero
+    hline: float | None = None  # a grey reference line
+
+
+def plot_lines(panels: Sequence[Panel], path: Path, title: str = "", width: float = 5.5) -> Path:
+    """The panels side by side in one figure, saved at `path`."""
+    size = (width * len(panels), 4.0)
+    fig, axes = pyplot().subplots(1, len(panels), figsize=size, squeeze=False)
+    for ax, panel in zip(axes[0], panels):
+        draw_panel(ax, panel)
+    if title:
+        fig.suptitle(title, fontsize=9)
+    return save_figure(fig, path)
+
+
+def draw_panel(ax: Any, p: Panel) -> None:
+    for label, xs, ys, style in p.lines:
+        steps = {"drawstyle": "steps-post"} if style == "step" else {}  # a CDF
+        ax.plot(xs, ys, "-" if steps else style, label=label, **steps)
+    if p.xlog:
+        ax.set_xscale("log", base=p.xlog)
+    if p.xticks:
+        ax.set_xticks(p.xticks, [f"{x:g}" for x in p.xticks])
+        ax.minorticks_off()
+    ax.set(title=p.title, xlabel=p.xlabel, ylabel=p.ylabel)
+    if p.ylog:
+        ax.set_yscale("log")
+    if p.ymin is not None:
+        ax.set_ylim(bottom=p.ymin)
+    if p.hline is not None:
+        ax.axhline(p.hline, color="gray", lw=0.8)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+
+
 def write_section(name: str, body: str, doc: str | Path) -> Path:
     """Replace the section `name` of `doc` (append it, or create the page, when missing).
 
@@ -306,11 +348,18 @@ def publish(
     return data, figure, page
 
 
-def record_run(
-    benchmark: str, script: str, argv: Sequence[str], measure: Callable[[], dict[str, Any]]
+def measure_or_load(
+    args: argparse.Namespace,
+    benchmark: str,
+    script: str,
+    argv: Sequence[str],
+    measure: Callable[[], dict[str, Any]],
 ) -> dict[str, Any]:
-    """measure()'s fields after what every run records: its name, the command that repeats it,
-    the machine, and the load average at start and end (other work on a shared machine)."""
+    """The run's report: read back from --from-json FILE (to redraw its figure and section),
+    else measure()'s fields after what every run records: its name, the command that repeats
+    it, the machine, and the load average at start and end (other work on a shared machine)."""
+    if getattr(args, "from_json", None):
+        return json.loads(args.from_json.read_text())
     load = os.getloadavg()[0]
     fields = measure()
     return {
@@ -320,20 +369,6 @@ def record_run(
         "load_avg": [load, os.getloadavg()[0]],
         **fields,
     }
-
-
-def measure_or_load(
-    args: argparse.Namespace,
-    benchmark: str,
-    script: str,
-    argv: Sequence[str],
-    measure: Callable[[], dict[str, Any]],
-) -> dict[str, Any]:
-    """The run's report: read back from --from-json FILE (to redraw its figure and section),
-    else measured now."""
-    if getattr(args, "from_json", None):
-        return json.loads(args.from_json.read_text())
-    return record_run(benchmark, script, argv, measure)
 
 
 def run_header(report: dict[str, Any], threads: str = "torch threads") -> list[str]:
@@ -408,6 +443,8 @@ SEED_FLAG = ("--seed", int, 0, "seed of the requests (prompts, lengths, arrivals
 TIMEOUT_FLAG = ("--request-timeout", float, 600.0, "seconds one request may take")
 TQDM_FLAG = ("--disable-tqdm", bool, None, "no progress bar")
 THREADS_FLAG = ("--threads", int, 1, "torch threads of every server process (0: torch's own)")
+LOG_DIR_FLAG = ("--log-dir", Path, None, "server logs (default: a temporary folder, removed at "
+                "the end)", {"metavar": "DIR"})  # fmt: skip
 CACHE_DIR_FLAG = (
     "--cache-dir",
     Path,

@@ -25,7 +25,6 @@ from pdserve.bench.load import RequestResult, closed_loop, make_client, percenti
 from pdserve.bench.report import (
     CACHE_DIR_FLAG,
     add_flags,
-    add_from_json_flag,
     add_output_flags,
     cached_model,
     markdown_table,
@@ -609,8 +608,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = parser("pdserve bench router", __doc__.split("\n\n")[0])
     p.add_argument("spec", nargs="?", help=argparse.SUPPRESS)
     add_flags(p.add_argument_group("run"), RUN_FLAGS)
-    out = add_output_flags(p, "router_ceiling.json and router_ceiling.png")
-    add_from_json_flag(out, "the plot and section of this router_ceiling.json")
+    add_output_flags(p, "router_ceiling.json and router_ceiling.png", "router_ceiling.json")
     args = p.parse_args(argv)
     if args.client:
         return args

@@ -57,18 +57,16 @@ def test_every_connector_moves_every_point_intact(quick) -> None:
 def test_rates_and_ratios_are_sane(quick) -> None:
     _, report, _ = quick
     for r in report["results"]:
-        for kind, nbytes in (("whole", r["bytes"]), ("layer", r["layer_bytes"])):
-            m = r[kind]
-            for key in ("ms", "gb_s", "raw_ms", "raw_gb_s", "ratio", "cpu_s_per_gb"):
-                assert positive(m[key]), (r["connector"], kind, key, m[key])
-            assert m["gb_s"] == pytest.approx(nbytes / m["ms"] / 1e6)
-            assert m["ratio"] == pytest.approx(m["gb_s"] / m["raw_gb_s"])
-            assert len(m["samples_ms"]) == len(m["raw_samples_ms"]) == report["repeats"]
-        assert positive(r["send_layer_ms"]) and positive(r["tail_ms"])
+        m = r["whole"]
+        for key in ("ms", "gb_s", "raw_ms", "raw_gb_s", "ratio", "cpu_s_per_gb"):
+            assert positive(m[key]), (r["connector"], key, m[key])
+        assert m["gb_s"] == pytest.approx(r["bytes"] / m["ms"] / 1e6)
+        assert m["ratio"] == pytest.approx(m["gb_s"] / m["raw_gb_s"])
+        assert len(m["samples_ms"]) == len(m["raw_samples_ms"]) == report["repeats"]
         assert r["goal"] == {"zmq": 0.9, "nccl": 0.9, "shm": 0.7, "nixl": 0.9}[r["connector"]]
 
 
-def test_summary_skips_and_stages_are_reported(quick) -> None:
+def test_summary_and_skips_are_reported(quick) -> None:
     _, report, stdout = quick
     assert set(report["summary"]) == CONNECTORS
     for s in report["summary"].values():
@@ -81,7 +79,6 @@ def test_summary_skips_and_stages_are_reported(quick) -> None:
             s["reason"]
         )
     assert stdout.count("skipped ") == len(report["skipped"])
-    assert all(positive(v) for v in report["stages"]["gb_s"].values())
     assert report["device"] == "cpu" and report["machine"]["torch"]
 
 
@@ -103,26 +100,8 @@ def test_plot_and_section_land_in_out_not_docs(quick) -> None:
         assert section.count(f"| tiny | {tokens} |") == len(CONNECTORS)
     names = ", ".join(c for c in ("zmq", "nccl", "shm", "nixl") if c in CONNECTORS)
     assert "Skipped points" in section and f"| tiny | 32k | {names} | KV bytes" in section
-    assert "serial pass model" in section
-    for connector in CONNECTORS:  # predicted (measured) ratio of the serial pass model
-        row = rf"^\| {connector} \| \d of 2 \| [^|]+ \| \d+\.\d\d \(\d+\.\d\d\) \|$"
-        assert re.search(row, section, re.MULTILINE), connector
-
-
-def test_pass_model_adds_the_extra_passes_to_the_raw_time() -> None:
-    # raw 1 GB/s and every pass at 4 GB/s: zmq and nccl add four passes (1 s/GB in all),
-    # shm three (its gather is its copy): 1 / (1 + 1) and 1 / (1 + 0.75).
-    from pdserve.bench.kv_transfer import pass_model
-
-    summary = {"ratio_at_largest": 0.3, "raw_gb_s_at_largest": 1.0}
-    rates = {"gather_pages out=": 4.0, "page_checksum": 4.0, "scatter_pages": 4.0}
-    report = {"summary": {c: summary for c in CONNECTORS}, "stages": {"gb_s": rates}}
-    model = pass_model(report)
-    assert model["zmq"] == model["nccl"] == pytest.approx((0.5, 0.3))
-    assert model["shm"] == pytest.approx((1 / 1.75, 0.3))
-    if "nixl" in CONNECTORS:  # the two checksums, nothing else
-        assert model["nixl"] == pytest.approx((1 / 1.5, 0.3))
-    assert pass_model({"summary": report["summary"]}) == {}  # run with --no-stages
+    for connector in CONNECTORS:  # points meeting the goal, median ratio
+        assert re.search(rf"^\| {connector} \| \d of 2 \| [^|]+ \|$", section, re.MULTILINE)
 
 
 def test_quick_refuses_to_write_into_docs() -> None:

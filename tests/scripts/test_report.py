@@ -213,7 +213,8 @@ def test_a_records_progress_line_uses_its_tables_columns() -> None:
 def test_a_run_records_its_command_and_machine_or_is_read_back(tmp_path: Path) -> None:
     import argparse
 
-    run = _report.record_run("x", "bench_x.py", ["--quick"], lambda: {"device": "cpu"})
+    measure = lambda: {"device": "cpu"}  # noqa: E731
+    run = _report.measure_or_load(argparse.Namespace(), "x", "bench_x.py", ["--quick"], measure)
     assert run["command"] == "python scripts/bench_x.py --quick" and run["device"] == "cpu"
     assert run["benchmark"] == "x" and len(run["load_avg"]) == 2 and run["machine"]["torch"]
     saved = _report.save_json(tmp_path / "x.json", {**run, "repeats": 3})
