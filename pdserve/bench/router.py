@@ -7,33 +7,34 @@ import argparse
 import asyncio
 import contextlib
 import functools
+import itertools
 import json
 import math
 import os
 import platform
 import signal
-import subprocess
 import sys
 import tempfile
 import time
 from collections.abc import Sequence
-from dataclasses import asdict, astuple, dataclass, field
+from dataclasses import asdict, astuple, dataclass
 from pathlib import Path
 from typing import Any
 
 from pdserve.bench.load import RequestResult, closed_loop, make_client, percentile, stream_one
 from pdserve.bench.report import (
     CACHE_DIR_FLAG,
+    Panel,
     add_flags,
     add_output_flags,
     cached_model,
     markdown_table,
     measure_or_load,
     outputs_from_args,
+    plot_lines,
     publish,
-    pyplot,
+    record_line,
     records_table,
-    save_figure,
     sigterm_raises,
 )
 from pdserve.bench.systems import RoutersOverFakes, routers_over_fakes
@@ -45,9 +46,6 @@ MODEL_SPEC: dict[str, Any] = {}  # make_tiny_model's defaults: only its tokenize
 PINS = ("split", "shared")
 ROUTERS = (1, 2)
 REQUEST_TIMEOUT_S = 30.0
-CHILD_START_S = 1.0  # the client processes start (~0.6 s with httpx) before the warm-up
-DRAIN_TIMEOUT_S = 60.0
-QUIET_CORES = 0.25  # busy CPU of a host taken as idle (our idle routers use ~0.01)
 PROMPTS = (
     "The quick brown fox jumps over the lazy dog near the river bank",
     "Write a short story about a cat who finds a map in an old house",
@@ -63,14 +61,13 @@ class Sizes:
     warmup_s: float
     duration_s: float
     pins: tuple[str, ...]
-    repeats: int
 
 
-FULL = Sizes((8, 16, 32, 64, 128), 32, 1.0, 5.0, PINS, 2)
-QUICK = Sizes((4, 16), 16, 0.5, 2.0, ("split",), 1)
+FULL = Sizes((8, 16, 32, 64, 128), 32, 1.0, 5.0, PINS)
+QUICK = Sizes((4, 16), 16, 0.5, 2.0, ("split",))
 
 
-# -- the load (client child processes) ------------------------------------------------------------
+# -- the load, and the CPU each process used ------------------------------------------------------
 
 
 def completion(i: int, max_tokens: int) -> dict[str, Any]:
@@ -82,79 +79,9 @@ def completion(i: int, max_tokens: int) -> dict[str, Any]:
 
 async def send_one(port: int, i: int, max_tokens: int, client: Any) -> RequestResult:
     """Request i through the router at `port` (load.py's client and SSE reader)."""
-    url = f"http://{HOST}:{port}"
     body = completion(i, max_tokens)
+    url = f"http://{HOST}:{port}"
     return await stream_one(client, url, body, keep_text=True, timeout_s=REQUEST_TIMEOUT_S)
-
-
-@dataclass
-class ClientStats:
-    """What one client process saw of the requests that ended inside its window."""
-
-    window: tuple[float, float]
-    expected: str
-    max_tokens: int
-    requests: int = 0
-    tokens: int = 0
-    chunks: int = 0
-    corrupt: int = 0
-    errors: int = 0
-    error_samples: list[str] = field(default_factory=list)
-    ttft: list[float] = field(default_factory=list)
-    latency: list[float] = field(default_factory=list)
-
-    def take(self, res: RequestResult, now: float) -> None:
-        if not self.window[0] <= now < self.window[1]:
-            return
-        if res.error:
-            self.errors += 1
-            self._sample(res.error)
-            return
-        if (res.text, res.output_tokens, res.finish_reason) != (
-            self.expected, self.max_tokens, "length"
-        ):  # fmt: skip
-            self.corrupt += 1
-            self._sample(f"corrupt: {res.text[:80]!r} ({res.output_tokens}, {res.finish_reason})")
-        self.requests += 1
-        self.tokens += res.output_tokens
-        self.chunks += res.chunks
-        self.latency.append(res.e2e)
-        if math.isfinite(res.ttft):
-            self.ttft.append(res.ttft)
-
-    def _sample(self, why: str) -> None:
-        if len(self.error_samples) < 5:
-            self.error_samples.append(why[:300])
-
-
-async def _client(spec: dict[str, Any]) -> ClientStats:
-    window, ports, max_tokens = (
-        (spec["window_start"], spec["window_end"]),
-        spec["ports"],
-        spec["max_tokens"],
-    )
-    stats = ClientStats(window, spec["expected_text"], max_tokens)
-    async with make_client() as client:
-        await closed_loop(
-            lambda worker, i: send_one(ports[worker], i, max_tokens, client),
-            concurrency=len(ports),
-            duration_s=window[1] - time.monotonic(),
-            on_result=lambda _, res: stats.take(res, time.monotonic()),
-        )
-    return stats
-
-
-def run_client(spec: dict[str, Any]) -> int:
-    """A client child: one worker per entry of its ports until the window ends, then drain;
-    prints what it saw as JSON."""
-    stats = asyncio.run(_client(spec))
-    fields = ("requests", "tokens", "chunks", "corrupt", "errors", "error_samples")
-    out = {k: getattr(stats, k) for k in (*fields, "ttft", "latency")}
-    print(json.dumps(out), flush=True)
-    return 0
-
-
-# -- processes, CPU, pinning ----------------------------------------------------------------------
 
 
 def cpu_seconds(pid: int) -> float:
@@ -163,37 +90,28 @@ def cpu_seconds(pid: int) -> float:
         with open(f"/proc/{pid}/stat") as f:
             fields = f.read().rsplit(")", 1)[1].split()
     except OSError:
-        return float("nan")
+        return math.nan
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def machine_busy() -> tuple[float, float]:
     """(busy, total) CPU seconds of the whole machine so far, from /proc/stat."""
     with open("/proc/stat") as f:
-        ticks = [int(x) for x in f.readline().split()[1:]]
-    idle = ticks[3] + (ticks[4] if len(ticks) > 4 else 0)
-    hz = os.sysconf("SC_CLK_TCK")
-    return (sum(ticks[:8]) - idle) / hz, sum(ticks[:8]) / hz
+        ticks = [int(x) for x in f.readline().split()[1:8]]
+    busy = sum(ticks) - ticks[3] - ticks[4]  # less idle and iowait
+    return busy / os.sysconf("SC_CLK_TCK"), sum(ticks) / os.sysconf("SC_CLK_TCK")
 
 
-def busy_cores(before: tuple[float, float], after: tuple[float, float]) -> float:
-    """Cores the whole machine kept busy between two `machine_busy` readings."""
-    return (after[0] - before[0]) / max(1e-9, after[1] - before[1]) * (os.cpu_count() or 1)
-
-
-def wait_quiet(limit_s: float, cores: float = QUIET_CORES, step_s: float = 0.5) -> float:
-    """Wait, up to limit_s, until the host has been nearly idle (under `cores` busy) for two
-    steps in a row: on a shared machine a try then starts without other work beside it.
-    Returns the seconds waited (limit_s or more: it never got quiet)."""
-    t0 = time.monotonic()
-    quiet = 0
-    prev = machine_busy()
-    while quiet < 2 and time.monotonic() - t0 < limit_s:
-        time.sleep(step_s)
-        cur = machine_busy()
-        quiet = quiet + 1 if busy_cores(prev, cur) < cores else 0
-        prev = cur
-    return time.monotonic() - t0
+async def cores_used(watched: dict[str, int], window: tuple[float, float]) -> dict[str, float]:
+    """CPU cores each watched process used over the window; "machine": the host's busy CPU."""
+    await asyncio.sleep(max(0.0, window[0] - time.monotonic()))
+    cpu0 = {k: cpu_seconds(pid) for k, pid in watched.items()}
+    machine0, t0 = machine_busy(), time.monotonic()
+    await asyncio.sleep(max(0.0, window[1] - time.monotonic()))
+    span, machine1 = time.monotonic() - t0, machine_busy()
+    used = {k: (cpu_seconds(pid) - cpu0[k]) / span for k, pid in watched.items()}
+    share = (machine1[0] - machine0[0]) / max(1e-9, machine1[1] - machine0[1])
+    return {**used, "machine": share * (os.cpu_count() or 1)}
 
 
 def pin(pid: int, cpus: Sequence[int]) -> None:
@@ -214,18 +132,7 @@ def pin_plan(plan: str, routers: int, cpus: Sequence[int]) -> dict[str, list[int
         return {"router0": cpus, "router1": cpus, "load": cpus}
     k = max(1, min(routers, len(cpus) - 1))
     mine = cpus[len(cpus) - k :]
-    return {
-        "router0": [mine[-1]],
-        "router1": [mine[0]],
-        "load": cpus[: len(cpus) - k],
-    }
-
-
-def client_cmd() -> list[str]:
-    return [sys.executable, "-m", "pdserve.bench.router", "--client"]
-
-
-# -- one row --------------------------------------------------------------------------------------
+    return {"router0": [mine[-1]], "router1": [mine[0]], "load": cpus[: len(cpus) - k]}
 
 
 def percentiles(xs: list[float]) -> dict[str, float]:
@@ -233,152 +140,108 @@ def percentiles(xs: list[float]) -> dict[str, float]:
     return {f"p{q}": percentile(xs, q) * 1000 for q in (50, 90, 99)}
 
 
-def start_clients(
-    ports: list[int], procs: int, spec: dict[str, Any], cores: list[int]
-) -> list[subprocess.Popen]:
-    """`procs` client children sharing the connections (one per entry of ports)."""
-    clients = []
-    for c in range(procs):
-        mine = json.dumps({**spec, "ports": ports[c::procs]})
-        clients.append(
-            subprocess.Popen(
-                [*client_cmd(), mine],
-                stdout=subprocess.PIPE,
-                stderr=subprocess.PIPE,
-                text=True,
-            )
+# -- one row --------------------------------------------------------------------------------------
+
+
+async def drive(
+    rig: RoutersOverFakes, routers: int, n: int, sizes: Sizes, watched: dict[str, int]
+) -> tuple[list[RequestResult], dict[str, float]]:
+    """n requests in flight, spread over the routers' ports, from this process: the results
+    that ended inside the window after the warm-up, and the cores each process used in it."""
+    start = time.monotonic() + sizes.warmup_s
+    window = (start, start + sizes.duration_s)
+    ports = [rig.ports[j % routers] for j in range(n)]
+    results: list[RequestResult] = []
+
+    def take(_: int, res: RequestResult) -> None:
+        if window[0] <= time.monotonic() < window[1]:
+            results.append(res)
+
+    async with make_client() as client:
+        load = closed_loop(
+            lambda worker, i: send_one(ports[worker], i, sizes.max_tokens, client),
+            concurrency=n,
+            duration_s=window[1] - time.monotonic(),
+            on_result=take,
         )
-        pin(clients[-1].pid, cores)
-    return clients
-
-
-def client_results(clients: list[subprocess.Popen]) -> list[dict[str, Any]]:
-    """What each client child printed, once it has drained."""
-    results = []
-    for c, proc in enumerate(clients):
-        try:
-            out, err = proc.communicate(timeout=DRAIN_TIMEOUT_S + REQUEST_TIMEOUT_S)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            out, err = proc.communicate(timeout=10)
-        if proc.returncode != 0 or not out.strip():
-            raise RuntimeError(f"client{c} failed ({proc.returncode}):\n{err[-3000:]}")
-        results.append(json.loads(out.strip().splitlines()[-1]))
-    return results
-
-
-def cores_used(watched: dict[str, int], window: tuple[float, float]) -> dict[str, float]:
-    """CPU cores each watched process used over the window (sleeps until it ends); "machine"
-    is the whole host's busy CPU."""
-    time.sleep(max(0.0, window[0] - time.monotonic()))
-    cpu0 = {k: cpu_seconds(pid) for k, pid in watched.items()}
-    machine0 = machine_busy()
-    t0 = time.monotonic()
-    time.sleep(max(0.0, window[1] - time.monotonic()))
-    cpu1 = {k: cpu_seconds(pid) for k, pid in watched.items()}
-    machine1 = machine_busy()
-    span = time.monotonic() - t0
-    used = {k: (cpu1[k] - cpu0[k]) / span for k in watched}
-    used["machine"] = busy_cores(machine0, machine1)
-    return used
+        used, _ = await asyncio.gather(cores_used(watched, window), load)
+    return results, used
 
 
 def measure(
-    rig: RoutersOverFakes,
-    plan: str,
-    routers: int,
-    concurrency: int,
-    sizes: Sizes,
-    args: argparse.Namespace,
-    expected_text: str,
+    rig: RoutersOverFakes, plan: str, routers: int, n: int, sizes: Sizes, expected: str
 ) -> dict[str, Any]:
     """N requests in flight over `routers` routers under CPU plan `plan`, for one window."""
-    cores = pin_plan(plan, routers, sorted(os.sched_getaffinity(0)))
+    cores = pin_plan(plan, routers, rig.cpus)
     for i, proc in enumerate(rig.routers):
         pin(proc.pid, cores[f"router{i}"])
-    pin(rig.procs["fakes"].pid, cores["load"])
-    start = time.monotonic() + CHILD_START_S + sizes.warmup_s
-    spec = {"max_tokens": sizes.max_tokens, "expected_text": expected_text}
-    spec |= {"window_start": start, "window_end": start + sizes.duration_s}
-    procs = max(1, min(args.client_procs, concurrency))
-    ports = [rig.ports[j % routers] for j in range(concurrency)]
-    clients = start_clients(ports, procs, spec, cores["load"])
+    for pid in (rig.procs["fakes"].pid, os.getpid()):
+        pin(pid, cores["load"])
     watched = {f"router{i}": p.pid for i, p in enumerate(rig.routers[:routers])}
-    watched |= {"fakes": rig.procs["fakes"].pid}
-    watched |= {f"client{c}": p.pid for c, p in enumerate(clients)}
-    used = cores_used(watched, (spec["window_start"], spec["window_end"]))
-    row = row_of(client_results(clients), used, sizes, routers, procs)
+    watched |= {"fakes": rig.procs["fakes"].pid, "clients": os.getpid()}
+    results, used = asyncio.run(drive(rig, routers, n, sizes, watched))
+    row = row_of(results, used, sizes, routers, expected)
     cpus = {k: v for k, v in cores.items() if k != "router1" or routers > 1}
-    return {"pin": plan, "routers": routers, "concurrency": concurrency, **row, "cpus": cpus}
+    return {"pin": plan, "routers": routers, "concurrency": n, **row, "cpus": cpus}
 
 
 def row_of(
-    results: list[dict[str, Any]],
-    used: dict[str, float],
-    sizes: Sizes,
-    routers: int,
-    procs: int,
+    results: list[RequestResult], used: dict[str, float], sizes: Sizes, routers: int, want: str
 ) -> dict[str, Any]:
-    """One row from the clients' counts and the cores each process used."""
-    total = {k: sum(r[k] for r in results) for k in ("requests", "tokens", "chunks")}
-    duration = sizes.duration_s
+    """One row from the requests of the window and the cores each process used."""
+    ok = [r for r in results if not r.error]
+    intact = (want, sizes.max_tokens, "length")
+    corrupt = [r for r in ok if (r.text, r.output_tokens, r.finish_reason) != intact]
+    samples = [r.error for r in results if r.error]
+    samples += [f"corrupt: {r.text[:80]!r} ({r.output_tokens}, {r.finish_reason})" for r in corrupt]
+    tokens, duration = sum(r.output_tokens for r in ok), sizes.duration_s
     router_cores = [used[f"router{i}"] for i in range(routers)]
     router_cpu = sum(router_cores) * duration
     machine = used.pop("machine")
     return {
-        "client_procs": procs,
         "duration_s": duration,
-        "requests": total["requests"],
-        "requests_per_s": total["requests"] / duration,
-        "output_tokens": total["tokens"],
-        "tokens_per_s": total["tokens"] / duration,
-        "chunks": total["chunks"],
-        "corrupt": sum(r["corrupt"] for r in results),
-        "errors": sum(r["errors"] for r in results),
-        "error_samples": [s for r in results for s in r["error_samples"]][:5],
-        "ttft_ms": percentiles([x for r in results for x in r["ttft"]]),
-        "latency_ms": percentiles([x for r in results for x in r["latency"]]),
+        "requests": len(ok),
+        "requests_per_s": len(ok) / duration,
+        "output_tokens": tokens,
+        "tokens_per_s": tokens / duration,
+        "chunks": sum(r.chunks for r in ok),
+        "corrupt": len(corrupt),
+        "errors": len(results) - len(ok),
+        "error_samples": [s[:300] for s in samples[:5]],
+        "ttft_ms": percentiles([r.ttft for r in ok if math.isfinite(r.ttft)]),
+        "latency_ms": percentiles([r.e2e for r in ok]),
         "cpu_cores_used": {
             "routers": router_cores,
             "fakes": used["fakes"],
-            "clients": sum(used[f"client{c}"] for c in range(procs)),
+            "clients": used["clients"],
             "machine": machine,
-            # whatever else ran on the host meanwhile (this process, other work)
+            # whatever else ran on the host meanwhile (other work on a shared machine)
             "other": max(0.0, machine - sum(used.values())),
         },
-        "router_cpu_ms_per_request": 1000 * router_cpu / max(1, total["requests"]),
-        "router_cpu_us_per_token": 1e6 * router_cpu / max(1, total["tokens"]),
+        "router_cpu_ms_per_request": 1000 * router_cpu / max(1, len(ok)),
+        "router_cpu_us_per_token": 1e6 * router_cpu / max(1, tokens),
     }
 
 
-def cost_split(
-    rig: RoutersOverFakes, n: int, sizes: Sizes, args: argparse.Namespace, expected: str
-) -> dict[str, Any]:
+def cost_split(rig: RoutersOverFakes, n: int, sizes: Sizes, expected: str) -> dict[str, Any]:
     """One router (`split`) at n in flight, its requests' tokens streamed as usual against
     all of them in one `tokens` message (the fake nodes switch on SIGUSR1, back on SIGUSR2):
     the router's fixed CPU per request, and what each further streamed token adds."""
-    fakes = rig.procs["fakes"].pid
-    tries: dict[str, list[dict[str, Any]]] = {"streamed": [], "one_message": []}
-    for _ in range(sizes.repeats):
-        for mode, rows in tries.items():
-            if args.quiet_wait:
-                wait_quiet(args.quiet_wait)
-            if mode == "one_message":
-                os.kill(fakes, signal.SIGUSR1)
-            try:
-                rows.append(measure(rig, "split", 1, n, sizes, args, expected))
-            finally:
-                if mode == "one_message":
-                    os.kill(fakes, signal.SIGUSR2)
-            print(f"[cost, {mode}] {_row_line(rows[-1])}", flush=True)
-    streamed = min(r["router_cpu_ms_per_request"] for r in tries["streamed"])
-    one = min(r["router_cpu_ms_per_request"] for r in tries["one_message"])
+    streamed = measure(rig, "split", 1, n, sizes, expected)
+    print(f"[cost, streamed] {record_line(ROW_COLUMNS, streamed)}", flush=True)
+    os.kill(rig.procs["fakes"].pid, signal.SIGUSR1)
+    try:
+        one = measure(rig, "split", 1, n, sizes, expected)
+    finally:
+        os.kill(rig.procs["fakes"].pid, signal.SIGUSR2)
+    print(f"[cost, one message] {record_line(ROW_COLUMNS, one)}", flush=True)
+    ms, one_ms = streamed["router_cpu_ms_per_request"], one["router_cpu_ms_per_request"]
     return {
         "concurrency": n,
-        "streamed_ms_per_request": streamed,
-        "one_message_ms_per_request": one,
-        "per_streamed_token_us": 1000 * (streamed - one) / max(1, sizes.max_tokens - 1),
-        "rows": {mode: best_try(rows) for mode, rows in tries.items()},
+        "streamed_ms_per_request": ms,
+        "one_message_ms_per_request": one_ms,
+        "per_streamed_token_us": 1000 * (ms - one_ms) / max(1, sizes.max_tokens - 1),
+        "rows": {"streamed": streamed, "one_message": one},
     }
 
 
@@ -434,39 +297,6 @@ def machine_info() -> dict[str, Any]:
     }
 
 
-def ratios(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """2 routers / 1 router, per CPU plan and concurrency."""
-    by = {(r["pin"], r["concurrency"], r["routers"]): r for r in rows}
-    keys = ("requests_per_s", "tokens_per_s", "router_cpu_ms_per_request")
-    return [
-        {"pin": plan, "concurrency": n, **{k: two[k] / max(1e-9, one[k]) for k in keys}}
-        for (plan, n, routers), two in by.items()
-        if routers == 2 and (one := by.get((plan, n, 1))) is not None
-    ]
-
-
-def ceilings(rows: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
-    """The best row of each (plan, routers), keyed "plan/routers"."""
-    best: dict[str, dict[str, Any]] = {}
-    for r in sorted(rows, key=lambda r: r["requests_per_s"]):
-        best[f"{r['pin']}/{r['routers']}"] = {
-            "requests_per_s": r["requests_per_s"],
-            "tokens_per_s": r["tokens_per_s"],
-            "concurrency": r["concurrency"],
-            "router_cores_used": sum(r["cpu_cores_used"]["routers"]),
-            "router_cpu_ms_per_request": r["router_cpu_ms_per_request"],
-        }
-    return best
-
-
-def best_try(tries: list[dict[str, Any]]) -> dict[str, Any]:
-    """The try with the most requests/s (other work on the host only ever slows a row down),
-    with every try's requests/s beside it."""
-    best = dict(max(tries, key=lambda r: r["requests_per_s"]))
-    best["tries_requests_per_s"] = [r["requests_per_s"] for r in tries]
-    return best
-
-
 def _cores(r: dict[str, Any], *who: str) -> float:
     return sum(r["cpu_cores_used"][k] for k in who)
 
@@ -507,8 +337,7 @@ def setup_table(report: dict[str, Any]) -> str:
         ["tokens per request, per `tokens` message",
          f"{s['max_tokens']}, {report['tokens_per_message']}"],
         ["window, warm-up (s)", f"{s['duration_s']:g}, {s['warmup_s']:g}"],
-        ["tries per row (best kept), quiet wait (s)",
-         f"{s.get('repeats', 1)}, {report.get('quiet_wait_s') or 0:g}"],
+        ["tries per row", "1 (a shared machine is never quiet: one run, stated as such)"],
         ["CPU plans (routers: cores)", "; ".join(plans)],
     ]  # fmt: skip
     return markdown_table(["run", ""], rows)
@@ -545,27 +374,16 @@ def section(report: dict[str, Any], figure: str) -> str:
 
 
 def plot(report: dict[str, Any], path: Path) -> Path:
-    fig, (left, right) = pyplot().subplots(1, 2, figsize=(10, 4))
-    for plan in report["sizes"]["pins"]:
-        for routers in ROUTERS:
-            rows = [r for r in report["rows"] if r["pin"] == plan and r["routers"] == routers]
-            if not rows:
-                continue
-            xs = [r["concurrency"] for r in rows]
-            style = "-o" if routers == 1 else "--s"
-            label = f"{plan}, {routers} router{'s' * (routers > 1)}"
-            left.plot(xs, [r["requests_per_s"] for r in rows], style, label=label)
-            right.plot(xs, [r["router_cpu_ms_per_request"] for r in rows], style, label=label)
-    concurrency = report["sizes"]["concurrency"]
-    for ax, title in ((left, "requests/s"), (right, "router CPU ms per request")):
-        ax.set_xscale("log", base=2)
-        ax.set_xticks(concurrency, [str(n) for n in concurrency])
-        ax.minorticks_off()
-        ax.set(xlabel="requests in flight", title=title)
-        ax.set_ylim(bottom=0)
-        ax.grid(alpha=0.3)
-    left.legend(fontsize=8)
-    return save_figure(fig, path)
+    ticks = report["sizes"]["concurrency"]
+    panels = [Panel(title, "requests in flight", xlog=2, xticks=ticks, ymin=0) for title in
+              ("requests/s", "router CPU ms per request")]  # fmt: skip
+    for plan, routers in itertools.product(report["sizes"]["pins"], ROUTERS):
+        rows = [r for r in report["rows"] if r["pin"] == plan and r["routers"] == routers]
+        xs, style = [r["concurrency"] for r in rows], "-o" if routers == 1 else "--s"
+        label = f"{plan}, {routers} router{'s' * (routers > 1)}"
+        for panel, key in zip(panels, ("requests_per_s", "router_cpu_ms_per_request")):
+            panel.lines.append((label, xs, [r[key] for r in rows], style))
+    return plot_lines(panels, path)
 
 
 def _ints(text: str) -> tuple[int, ...]:
@@ -584,70 +402,42 @@ RUN_FLAGS = [
     ("--max-tokens", int, None, "output tokens per request"),
     ("--warmup", float, None, "seconds before each window"),
     ("--duration", float, None, "seconds each row counts"),
-    ("--repeats", int, None, "tries of every row, in whole passes; each row's best is kept "
-     "(2; quick 1)"),
     ("--pins", _names, None, f"CPU plans, comma-separated, of {', '.join(PINS)}"),
     ("--tokens-per-message", int, 1, "token ids per `tokens` message (1: a decode node's "
      "streaming)"),
     ("--nodes", int, 2, "fake colocated nodes"),
-    ("--client-procs", int, 1, "client processes sharing the connections"),
     ("--router-arg", str, [], "one more flag for both routers (repeat; e.g. "
      "--router-arg=--policy=round_robin)", {"action": "append", "metavar": "ARG"}),
-    ("--quiet-wait", float, None, "before each try, wait up to S seconds for the host to be "
-     "idle; 0: never (default 30; quick 0)", {"metavar": "S"}),
     ("--cost-split", None, None, "after the rows, one router's CPU per request with its tokens "
      "streamed against all in one message (default: on; quick: off)",
      {"action": argparse.BooleanOptionalAction}),
     ("--model", Path, None, "HF directory for the tokenizer (default: tiny)"),
     CACHE_DIR_FLAG,
-    ("--client", bool, None, argparse.SUPPRESS),
 ]  # fmt: skip
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = parser("pdserve bench router", __doc__.split("\n\n")[0])
-    p.add_argument("spec", nargs="?", help=argparse.SUPPRESS)
     add_flags(p.add_argument_group("run"), RUN_FLAGS)
     add_output_flags(p, "router_ceiling.json and router_ceiling.png", "router_ceiling.json")
     args = p.parse_args(argv)
-    if args.client:
-        return args
     base = QUICK if args.quick else FULL
-    given = (args.concurrency, args.max_tokens, args.warmup, args.duration, args.pins, args.repeats)
+    given = (args.concurrency, args.max_tokens, args.warmup, args.duration, args.pins)
     args.sizes = Sizes(*(b if g is None else g for g, b in zip(given, astuple(base))))
     args.cost_split = not args.quick if args.cost_split is None else args.cost_split
-    args.quiet_wait = (0.0 if args.quick else 30.0) if args.quiet_wait is None else args.quiet_wait
     args.outputs = outputs_from_args(p, args)
     return args
 
 
-def measure_rows(
-    rig: RoutersOverFakes, sizes: Sizes, args: argparse.Namespace, expected: str
-) -> list[dict[str, Any]]:
-    """Every row, each the best of its tries; tries are taken in whole passes, so a burst of
-    other work on the host hits one try of a row, not all of them."""
-    tries: dict[tuple[str, int, int], list[dict[str, Any]]] = {}
-    for rep in range(sizes.repeats):
-        for plan in sizes.pins:
-            for n in sizes.concurrency:
-                for routers in ROUTERS:
-                    waited = wait_quiet(args.quiet_wait) if args.quiet_wait else 0.0
-                    row = measure(rig, plan, routers, n, sizes, args, expected)
-                    row["quiet_wait_s"] = waited
-                    tries.setdefault((plan, n, routers), []).append(row)
-                    print(f"[{rep + 1}/{sizes.repeats}] {_row_line(row)}", flush=True)
-    return [best_try(t) for t in tries.values()]
-
-
-def _row_line(r: dict[str, Any]) -> str:
-    return (
-        f"{r['pin']:>6} routers={r['routers']} N={r['concurrency']:<4} "
-        f"{r['requests_per_s']:8.1f} req/s {r['tokens_per_s']:9.0f} tok/s "
-        f"ttft p50 {r['ttft_ms']['p50']:7.1f} ms  "
-        f"router cores {sum(r['cpu_cores_used']['routers']):.2f}  "
-        f"{r['router_cpu_ms_per_request']:.2f} ms/req  other {_cores(r, 'other'):.2f}  "
-        f"errors {r['errors']} corrupt {r['corrupt']}"
-    )
+def measure_rows(rig: RoutersOverFakes, sizes: Sizes, expected: str) -> list[dict[str, Any]]:
+    """Every row, once: the machine is shared and never quiet, so each row is one run."""
+    rows = []
+    for plan in sizes.pins:
+        for n in sizes.concurrency:
+            for routers in ROUTERS:
+                rows.append(measure(rig, plan, routers, n, sizes, expected))
+                print(record_line(ROW_COLUMNS, rows[-1]), flush=True)
+    return rows
 
 
 def run(args: argparse.Namespace, model: Path, token_ids: list[int], expected: str) -> dict:
@@ -665,12 +455,12 @@ def run(args: argparse.Namespace, model: Path, token_ids: list[int], expected: s
             for i, pr in enumerate(probes):
                 if pr["error"] or pr["text"] != expected:
                     raise RuntimeError(f"router{i} probe: {pr} != {expected!r}")
-            rows = measure_rows(rig, sizes, args, expected)
+            rows = measure_rows(rig, sizes, expected)
             cost = None
             ones = [r for r in rows if r["routers"] == 1 and r["pin"] == "split"]
             if args.cost_split and ones:
                 n = max(ones, key=lambda r: r["requests_per_s"])["concurrency"]
-                cost = cost_split(rig, n, sizes, args, expected)
+                cost = cost_split(rig, n, sizes, expected)
         fake_counts = json.loads(counts.read_text()) if counts.exists() else {}
     return {"probes": probes, "fake_nodes": fake_counts, "rows": rows, "cost_split": cost}
 
@@ -689,22 +479,16 @@ def measure_all(args: argparse.Namespace) -> dict[str, Any]:
         "sizes": asdict(args.sizes),
         "nodes": args.nodes,
         "tokens_per_message": args.tokens_per_message,
-        "client_procs": args.client_procs,
-        "quiet_wait_s": args.quiet_wait,
         "router_args": args.router_arg,
         "token_ids": token_ids,
         "expected_text": expected,
         **measured,
-        "ratios": ratios(measured["rows"]),
-        "ceilings": ceilings(measured["rows"]),
     }
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     args = parse_args(argv)
-    if args.client:
-        return run_client(json.loads(args.spec))
     measure_now = functools.partial(measure_all, args)
     report = measure_or_load(args, "router", "bench_router.py", argv, measure_now)
     publish("router", report, args.outputs, plot, section, stem="router_ceiling")

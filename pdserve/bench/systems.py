@@ -145,6 +145,8 @@ class RoutersOverFakes:
     ports: list[int]
     control_ports: list[int]
     procs: dict[str, subprocess.Popen] = field(default_factory=dict)
+    # the cores this process may use when the rig starts, before a benchmark pins anything
+    cpus: list[int] = field(default_factory=lambda: sorted(os.sched_getaffinity(0)))
 
     @property
     def routers(self) -> list[subprocess.Popen]:

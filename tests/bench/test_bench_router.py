@@ -79,16 +79,12 @@ def test_every_row_measures_clean_traffic(run) -> None:
         assert set(r["cpus"]) == {"load", "router0"} | ({"router1"} if r["routers"] > 1 else set())
 
 
-def test_report_has_machine_command_ratios_and_page(run) -> None:
+def test_report_has_machine_command_and_page(run) -> None:
     out, report, _ = run
     m = report["machine"]
     assert m["cpu_count"] >= 1 and m["platform"] and m["cpus_allowed"]
     assert report["command"].startswith("python scripts/bench_router.py --quick")
     assert report["sizes"]["max_tokens"] == MAX_TOKENS
-    assert {x["concurrency"] for x in report["ratios"]} == set(CONCURRENCY)
-    for x in report["ratios"]:
-        assert positive(x["requests_per_s"]) and positive(x["tokens_per_s"])
-    assert set(report["ceilings"]) == {"split/1", "split/2"}
     page = (out / "benchmarks.md").read_text()
     assert "## Router ceiling: one router against two (`pdserve bench router`)" in page
     assert "<!-- BEGIN router -->" in page and "<!-- END router -->" in page
