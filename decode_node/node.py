@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import uuid
 from collections.abc import Iterator
+from typing import Any
 
 from pdserve.common.engine.config import CacheConfig, ModelConfig, SchedulerConfig
 from pdserve.common.engine.request import Request
@@ -22,7 +23,7 @@ from pdserve.common.wire.messages import (
     Reserved,
     ReserveKV,
 )
-from pdserve.kv_transfer import KVPort
+from pdserve.kv_transfer.ranks import KVGroup, decode_first
 
 log = logging.getLogger(__name__)
 
@@ -34,23 +35,21 @@ class DecodeNode(EngineNode):
 
     role = "decode"
     reports_prefixes = True  # the router sends a conversation's next turn where it is cached
-    kv_port: KVPort
+    kv: KVGroup
 
     def __init__(
         self, model: ModelConfig, cache: CacheConfig, scheduler: SchedulerConfig, node: NodeConfig
     ) -> None:
         super().__init__(model, cache, scheduler, node)
-        self.kv_port = KVPort(
-            node.kv_connector,
-            self.engine.kv_layout(),
-            self.curve,
-            advertise_host=self.advertise_host,
-        )
-        self.receiver = self.kv_port.listen(
-            self.engine.runner.kv_caches, node.host, node.kv_port, node.kv_fence_timeout
-        )
+        self.fences = self.kv.local.receiver.fences
         self.xfer_to_rid: dict[str, str] = {}
         self.rid_to_xfer: dict[str, str] = {}
+        # Each open transfer's slices not yet finished (on every rank), and the first failure.
+        self.pending: dict[str, int] = {}
+        self.problems: dict[str, str] = {}
+
+    def rank_agent(self, model: ModelConfig, node: NodeConfig) -> dict[str, Any]:
+        return self.kv_options(model, node)
 
     def handlers(self) -> dict[type[Message], Handler]:
         return {
@@ -76,72 +75,93 @@ class DecodeNode(EngineNode):
     def reserve(self, msg: ReserveKV, request: Request) -> Reserved | Busy:
         if self.engine.scheduler.reserve(request) is None:
             return Busy(msg.request_id, "no free blocks")
-        return self.expect(msg.request_id)
+        return self.expect(msg.request_id, msg.src_tp)
 
-    def expect(self, request_id: str) -> Reserved:
-        """Open a transfer into the request's reserved blocks and tell the router where to
-        send. Blocks this node's prefix cache supplied are shared: the transfer may not write
-        them (the receiver refuses frames outside the blocks it expects)."""
+    def expect(self, request_id: str, src_tp: int) -> Reserved:
+        """Open a transfer into the request's reserved blocks (each rank expects its slices
+        from a prefill node at TP `src_tp`) and tell the router where to send. Blocks this
+        node's prefix cache supplied are shared: the transfer may not write them (the
+        receivers refuse frames outside the blocks they expect)."""
         block_ids = self.engine.kv.block_ids(request_id)
         cached = self.engine.scheduler.requests[request_id].num_cached_tokens
         xfer_id = uuid.uuid4().hex  # made here, never taken from a client
-        self.receiver.expect(xfer_id, block_ids[cached // self.block_size :])
+        sent = block_ids[cached // self.block_size :]
+        self.pending[xfer_id] = sum(self.kv.call("expect", xfer_id, sent, src_tp))
         self.xfer_to_rid[xfer_id] = request_id
         self.rid_to_xfer[request_id] = xfer_id
         return Reserved(
             request_id,
             xfer_id,
             tuple(block_ids),
-            self.receiver.endpoint,
+            self.kv.endpoints,
             self.incarnation,
             cached_tokens=cached,
+            src_tp=src_tp,
         )
 
     def renew_transfer(self, msg: RenewTransfer) -> Reserved | Error:
-        """The prefill node feeding a reservation died: same blocks, a new transfer id; frames
-        of the old one that still arrive are dropped."""
+        """Another prefill node feeds a reservation (the old one died, or the router picked
+        one of another TP size): same blocks, a new transfer id; frames of the old one that
+        still arrive are dropped."""
         request_id = msg.request_id
         old = self.rid_to_xfer.pop(request_id, None)
         if old is None:  # not reserved here (any more): nothing to renew
             return Error(request_id, "no reservation to renew", Failure.NO_RESERVATION)
-        self.xfer_to_rid.pop(old, None)
-        self.receiver.cancel(old)
-        return self.expect(request_id)
+        self._forget(old)
+        return self.expect(request_id, msg.src_tp)
+
+    def _forget(self, xfer_id: str) -> None:
+        self.xfer_to_rid.pop(xfer_id, None)
+        self.pending.pop(xfer_id, None)
+        self.problems.pop(xfer_id, None)
+        self.kv.call("cancel", xfer_id)
 
     def publish_gauges(self, queued_tokens: int) -> None:
         super().publish_gauges(queued_tokens)
-        received = self.receiver.pages_received * self.kv_port.layout.page_bytes
+        received = sum(self.kv.call("bytes_received"))
         self.health.gauges["pdserve_node_kv_received_bytes"] = received
 
     def io_messages(self) -> Iterator[Told]:
-        for xfer_id in self.receiver.released():  # no remote write can reach them now
-            self.engine.kv.release_held(xfer_id)
-        for result in self.receiver.poll(0):
-            rid = self.xfer_to_rid.pop(result.xfer_id, None)
-            if rid is None:
-                continue
-            self.rid_to_xfer.pop(rid, None)
-            if not result.ok:  # fail closed: never decode from corrupt or partial KV
-                self.engine.abort(rid)
-                why = f"KV transfer failed: {result.error}"
-                yield Error(rid, why, Failure.KV_FAILED)
-                continue
-            first = SampledToken(rid, result.first.token_id, result.first.logprobs)
-            # The prefill node already streamed the first token (and any finish) to the router.
-            self.engine.scheduler.admit_remote(rid, first)
-            yield Admitted(rid)
+        if self.fences:
+            for xfer_id in self.kv.call("released")[0]:  # no remote write can reach them now
+                self.engine.kv.release_held(xfer_id)
+        if not self.pending:
+            return
+        for rank_results in self.kv.call("finished"):
+            for xfer_id, ok, error, first in rank_results:
+                yield from self._slice_done(xfer_id, ok, error, first)
+
+    def _slice_done(self, xfer_id: str, ok: bool, error: str, first: list) -> Iterator[Told]:
+        """One rank's slice of a transfer finished: once every slice on every rank did, the
+        request is admitted, or failed if any slice was not whole (fail closed: never decode
+        from corrupt or partial KV)."""
+        rid = self.xfer_to_rid.get(xfer_id)
+        if rid is None or xfer_id not in self.pending:
+            return
+        if not ok:
+            self.problems.setdefault(xfer_id, error)
+        self.pending[xfer_id] -= 1
+        if self.pending[xfer_id] > 0:
+            return
+        problem = self.problems.pop(xfer_id, None)
+        del self.pending[xfer_id], self.xfer_to_rid[xfer_id]
+        self.rid_to_xfer.pop(rid, None)
+        if problem is not None:
+            self.kv.call("cancel", xfer_id)  # the other ranks' slices, if any still open
+            self.engine.abort(rid)
+            yield Error(rid, f"KV transfer failed: {problem}", Failure.KV_FAILED)
+            return
+        token = decode_first(first)
+        # The prefill node already streamed the first token (and any finish) to the router.
+        self.engine.scheduler.admit_remote(rid, SampledToken(rid, token.token_id, token.logprobs))
+        yield Admitted(rid)
 
     def abort(self, request_id: str) -> None:
         xfer_id = self.rid_to_xfer.pop(request_id, None)
-        if xfer_id is not None and self.receiver.fences:
+        if xfer_id is not None and self.fences:
             # Remote writes of the transfer may still land: its blocks stay held until the
             # receiver says no sender can write them any more (`released`).
             self.engine.kv.hold(request_id, xfer_id)
         super().abort(request_id)
         if xfer_id is not None:
-            self.xfer_to_rid.pop(xfer_id, None)
-            self.receiver.cancel(xfer_id)
-
-    def close(self) -> None:
-        self.kv_port.close()
-        super().close()
+            self._forget(xfer_id)

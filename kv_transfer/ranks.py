@@ -4,16 +4,18 @@ on a prefill node its senders, each moving only the KV heads the rank holds.
 A request's transfer between a prefill group at TP p and a decode group at TP d is one slice
 per (prefill rank, decode rank) pair of `tp_map.transfer_plan`: slice `f"{xfer_id}.{i}"` goes
 from prefill rank i to the decode rank that expects it, into that rank's share of the reserved
-blocks. Every rank of a group holds a `RankKV`; rank 0 runs each method on its own and on every
-worker's (`RankDriver.call`), so the node's KV code reads the same at any TP, and the decode
-node admits a request only when every slice on every rank finished and verified.
+blocks. Every rank of a node holds a `RankKV`; the node's `KVGroup` (rank 0) runs each method
+on its own and on every worker's (`RankDriver.call`), so a node's KV code reads the same at any
+TP, and a decode node admits a request only when every slice on every rank finished verified.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
+import zmq
 
 from pdserve.common.wire.payloads import FirstToken, KVLayout, TokenLogprobs
 from pdserve.common.wire.security import load_keys
@@ -21,8 +23,13 @@ from pdserve.common.wire.tp_map import HeadSlice, transfer_plan
 from pdserve.kv_transfer.base import KVReceiver
 from pdserve.kv_transfer.port import KVPort
 
-# A destination on the wire: the decode group's receiver endpoints, rank 0 first.
+# A decode group's receivers, rank 0 first (Reserved.kv_endpoints).
 Endpoints = list[str]
+# One request's pages of one step: [endpoints, xfer_id, source blocks, destination blocks].
+Shipment = list[Any]
+# What a broken or refused KV connection raises (TransferError/TransferTimeout included; a
+# worker rank's failure comes back from RankDriver.call as a RuntimeError).
+SEND_ERRORS = (RuntimeError, OSError, zmq.ZMQError)
 
 
 def slice_id(xfer_id: str, src_rank: int) -> str:
@@ -47,12 +54,25 @@ def decode_first(body: list[Any]) -> FirstToken:
 class RankKV:
     """This rank's KV connector end (see the module docstring). Built on every rank of a node
     from the same options: `connector`, the checkpoint's `model_id` (the layout is the
-    runner's, the model's whole KV heads), the directory of the cluster's CurveZMQ keys, and
-    for a decode node the bind `host`/`port` (each rank binds its own: `port` + rank, or any
-    free one when 0)."""
+    runner's: the model's whole KV heads), the directory of the cluster's CurveZMQ keys, and
+    for a decode node the bind `host`/`port` (each rank binds `port` + rank, or any free port
+    when 0)."""
 
     COMMANDS = frozenset(
-        {"endpoint", "expect", "cancel", "poll", "connect", "done", "abandon", "drop"}
+        {
+            "endpoint",
+            "expect",
+            "cancel",
+            "finished",
+            "released",
+            "bytes_received",
+            "connect",
+            "take_failures",
+            "done",
+            "abandon",
+            "drop",
+            "poll_senders",
+        }
     )
 
     def __init__(
@@ -67,6 +87,7 @@ class RankKV:
         port: int = 0,
         advertise_host: str = "127.0.0.1",
         connect_timeout: float = 10.0,
+        fence_timeout: float = 30.0,
     ) -> None:
         self.caches: list[torch.Tensor] = runner.kv_caches
         self.rank, self.size = (0, 1) if group is None else (group.rank, group.size)
@@ -75,8 +96,10 @@ class RankKV:
         self.port = KVPort(connector, self.layout, keys, connect_timeout, advertise_host)
         self.receiver: KVReceiver | None = None
         if role == "decode":
-            self.receiver = self.port.listen(self.caches, host, port + self.rank if port else 0)
-        self.failed: dict[str, str] = {}  # decode group (rank 0 endpoint) -> why sending broke
+            bind = port + self.rank if port else 0
+            self.receiver = self.port.listen(self.caches, host, bind, fence_timeout)
+        self.expected: dict[str, list[str]] = {}  # xfer id -> this rank's slice ids
+        self.failed: dict[str, str] = {}  # decode group (its rank 0 endpoint) -> why
 
     def _plan(self, send_tp: int, recv_tp: int) -> tuple[HeadSlice, ...]:
         return transfer_plan(self.layout.num_kv_heads, send_tp, recv_tp)
@@ -84,30 +107,54 @@ class RankKV:
     # -- decode side ----------------------------------------------------------------------------
 
     def endpoint(self) -> str:
-        assert self.receiver is not None, "a decode node's rank binds a receiver"
-        return self.receiver.endpoint
+        return self.port.endpoint
 
-    def expect(self, xfer_id: str, block_ids: list[int], src_tp: int) -> list[str]:
-        """Expect this rank's slices of `xfer_id` from a prefill group at TP `src_tp`; their
-        transfer ids."""
-        assert self.receiver is not None
+    def expect(self, xfer_id: str, block_ids: list[int], src_tp: int) -> int:
+        """Expect this rank's slices of `xfer_id` from a prefill group at TP `src_tp` into
+        `block_ids`; how many."""
+        assert self.receiver is not None, "a decode node's rank binds a receiver"
         ids = []
         for s in self._plan(src_tp, self.size):
             if s.dst_rank == self.rank:
                 heads = range(s.dst_offset, s.dst_offset + s.count)
                 self.receiver.expect(slice_id(xfer_id, s.src_rank), block_ids, heads)
                 ids.append(slice_id(xfer_id, s.src_rank))
-        return ids
+        self.expected[xfer_id] = ids
+        return len(ids)
 
-    def cancel(self, slice_ids: list[str]) -> None:
+    def cancel(self, xfer_id: str) -> None:
         assert self.receiver is not None
-        for sid in slice_ids:
+        for sid in self.expected.pop(xfer_id, ()):
             self.receiver.cancel(sid)
 
-    def poll(self) -> list[list[Any]]:
-        """Slices finished here since the last poll: [slice id, ok, error, first token]."""
+    def finished(self) -> list[list[Any]]:
+        """Slices finished here since the last call: [xfer id, ok, error, first token]."""
         assert self.receiver is not None
-        return [[r.xfer_id, r.ok, r.error, encode_first(r.first)] for r in self.receiver.poll(0)]
+        out = []
+        for r in self.receiver.poll(0):
+            xfer_id = r.xfer_id.rpartition(".")[0]
+            ids = self.expected.get(xfer_id)
+            if ids is None or r.xfer_id not in ids:
+                continue
+            ids.remove(r.xfer_id)
+            if not ids:
+                del self.expected[xfer_id]
+            out.append([xfer_id, r.ok, r.error, encode_first(r.first)])
+        return out
+
+    def released(self) -> list[str]:
+        """Cancelled transfers whose blocks no sender can write any more (fencing
+        connectors): their xfer ids."""
+        assert self.receiver is not None
+        return sorted({sid.rpartition(".")[0] for sid in self.receiver.released()})
+
+    def bytes_received(self) -> int:
+        """KV bytes written here: pages received, each this rank's share of a page (exact
+        when every slice carries all of the rank's heads)."""
+        if self.receiver is None:
+            return 0
+        share = self.caches[0].shape[3] / self.layout.num_kv_heads
+        return int(self.receiver.pages_received * self.layout.page_bytes * share)
 
     # -- prefill side ---------------------------------------------------------------------------
 
@@ -119,9 +166,13 @@ class RankKV:
         for s in self._my_slices(endpoints):
             self.port.sender(endpoints[s.dst_rank], f"{instance}.{s.dst_rank}")
 
-    def ship_layer(self, layer: int, shipments: list[list[Any]]) -> None:
-        """Send this rank's slices of one layer's new pages: shipments are [endpoints,
-        xfer_id, src blocks, dst blocks]; a broken connection goes to `failed`."""
+    def layer_hook(self, shipments: list[Shipment]) -> Callable[[int], None]:
+        """What this rank runs after each layer of a step that ships `shipments`."""
+        return lambda layer: self.ship_layer(layer, shipments)
+
+    def ship_layer(self, layer: int, shipments: list[Shipment]) -> None:
+        """Send this rank's slices of one layer's new pages; a broken connection goes to
+        `failed` (the rest of that destination's pages are skipped)."""
         cache = self.caches[layer]
         for endpoints, xfer_id, src, dst in shipments:
             if endpoints[0] in self.failed:
@@ -131,15 +182,15 @@ class RankKV:
                     heads = range(s.src_offset, s.src_offset + s.count)
                     sender = self.port.senders[endpoints[s.dst_rank]]
                     sender.send_layer(slice_id(xfer_id, self.rank), layer, src, dst, cache, heads)
-            except (RuntimeError, OSError, KeyError) as exc:
-                self.failed[endpoints[0]] = str(exc)
+            except (*SEND_ERRORS, KeyError) as exc:
+                self.failed[endpoints[0]] = str(exc) or type(exc).__name__
 
     def take_failures(self) -> dict[str, str]:
         failed, self.failed = self.failed, {}
         return failed
 
     def done(self, endpoints: Endpoints, xfer_id: str, first: list[Any]) -> None:
-        """End this rank's slices of `xfer_id` with the request's first token."""
+        """End this rank's slices of `xfer_id`, handing over the request's first token."""
         for s in self._my_slices(endpoints):
             sender = self.port.senders[endpoints[s.dst_rank]]
             sender.send_done(slice_id(xfer_id, self.rank), decode_first(first))
@@ -154,5 +205,33 @@ class RankKV:
         for endpoint in endpoints:
             self.port.drop(endpoint)
 
+    def poll_senders(self) -> None:
+        self.port.poll()
+
     def close(self) -> None:
         self.port.close()
+
+
+class KVGroup:
+    """A node's KV connector across its tensor-parallel ranks (held by rank 0): `call` runs a
+    `RankKV` method on every rank and returns each rank's result, rank 0's first."""
+
+    def __init__(self, local: RankKV, driver: Any) -> None:
+        self.local = local
+        self.driver = driver  # the engine's RankDriver (None at TP 1)
+        self.port = local.port
+        self.size = local.size
+        self.endpoints: tuple[str, ...] = ()
+        if local.receiver is not None:
+            self.endpoints = tuple(self.call("endpoint"))
+
+    def call(self, method: str, *args: Any) -> list[Any]:
+        def here() -> Any:
+            return getattr(self.local, method)(*args)
+
+        if self.driver is None:
+            return [here()]
+        return self.driver.call(method, list(args), here)
+
+    def close(self) -> None:
+        self.local.close()  # the workers' ends close with their processes

@@ -3,34 +3,21 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass, replace
-
-import zmq
+from collections.abc import Iterator
+from dataclasses import replace
+from typing import Any
 
 from pdserve.common.engine.config import CacheConfig, ModelConfig, SchedulerConfig
+from pdserve.common.engine.model_runner import LayerCall
 from pdserve.common.engine.request import Request
 from pdserve.common.engine.scheduler import RequestUpdate, SchedulerOutput
 from pdserve.common.node.config import NodeConfig
 from pdserve.common.node.loop import EngineNode, Handler, Told
 from pdserve.common.wire.messages import Error, Failure, Message, Prefill
 from pdserve.common.wire.payloads import FirstToken
-from pdserve.kv_transfer import KVPort
+from pdserve.kv_transfer.ranks import SEND_ERRORS, KVGroup, Shipment, encode_first
 
 log = logging.getLogger(__name__)
-
-# What a broken or refused KV connection raises (TransferError/TransferTimeout included).
-SEND_ERRORS = (RuntimeError, OSError, zmq.ZMQError)
-
-
-@dataclass(frozen=True, slots=True)
-class Shipment:
-    """One request's pages of one step: source blocks here into reserved blocks there."""
-
-    endpoint: str
-    xfer_id: str
-    src: list[int]
-    dst: list[int]
 
 
 class PrefillNode(EngineNode):
@@ -39,7 +26,7 @@ class PrefillNode(EngineNode):
 
     role = "prefill"
     reports_prefixes = True
-    kv_port: KVPort
+    kv: KVGroup
 
     def __init__(
         self, model: ModelConfig, cache: CacheConfig, scheduler: SchedulerConfig, node: NodeConfig
@@ -47,15 +34,11 @@ class PrefillNode(EngineNode):
         if model.enforce_eager is None:  # it runs prompts only: compiled decode steps never run
             model = replace(model, enforce_eager=True)
         super().__init__(model, cache, scheduler, node)
-        self.kv_port = KVPort(
-            node.kv_connector,
-            self.engine.kv_layout(),
-            self.curve,
-            node.connect_timeout,
-            self.advertise_host,
-        )
         self.dests: dict[str, Prefill] = {}  # request id -> where its KV goes
         self.next_block: dict[str, int] = {}  # request id -> first block not yet fully sent
+
+    def rank_agent(self, model: ModelConfig, node: NodeConfig) -> dict[str, Any]:
+        return self.kv_options(model, node)
 
     def handlers(self) -> dict[type[Message], Handler]:
         return {**super().handlers(), Prefill: self.admitting(self.on_prefill)}
@@ -66,8 +49,8 @@ class PrefillNode(EngineNode):
                 self.engine.scheduler.add_request(request)
                 return None
             raise ValueError("a prefill node needs a destination (xfer_id and blocks)")
-        try:  # handshake once per decode node; a layout mismatch raises here
-            self.kv_port.sender(msg.dest_kv_endpoint, msg.dest_kv_instance)
+        try:  # every rank handshakes once per decode rank; a layout mismatch raises here
+            self.kv.call("connect", list(msg.dest_kv_endpoints), msg.dest_kv_instance)
         except SEND_ERRORS as exc:  # the decode node is unreachable: fail this request only
             return Error(msg.request_id, f"KV connection failed: {exc}", Failure.KV_FAILED)
         self.engine.scheduler.add_request(request)
@@ -77,39 +60,30 @@ class PrefillNode(EngineNode):
         return None
 
     def step_messages(self) -> Iterator[Told]:
-        failed: dict[str, str] = {}  # decode node endpoint -> why sending to it failed
-        for update in self.engine.step(on_layer=lambda output: self.ship_kv(output, failed)):
+        shipped: list[bool] = []
+        updates = self.engine.step(on_layer=lambda output: self.ship_kv(output, shipped))
+        failed: dict[str, str] = {}  # decode node (its rank 0 endpoint) -> why sending failed
+        if shipped:  # what broke on any rank while the layers went out
+            for rank_failed in self.kv.call("take_failures"):
+                failed.update(rank_failed)
+        for update in updates:
             dest = self.dests.get(update.request_id)
-            if dest is not None and dest.dest_kv_endpoint in failed:
+            if dest is not None and dest.dest_kv_endpoints[0] in failed:
                 continue  # failed below, before any of its tokens reach the client
             yield update.tokens()  # sent now: the first token reaches the client first
             yield from self.hand_off(update, failed)
         for endpoint, error in failed.items():
             yield from self.drop_destination(endpoint, error)
 
-    def ship_kv(
-        self, output: SchedulerOutput, failed: dict[str, str]
-    ) -> Callable[[int], None] | None:
-        """The layer hook of this step's forward: each layer's new pages leave as soon as the
-        layer wrote them, while the later layers compute. Broken connections go to `failed`."""
+    def ship_kv(self, output: SchedulerOutput, shipped: list[bool]) -> LayerCall | None:
+        """The layer hook of this step's forward, on every rank: each layer's new pages (each
+        rank its slices) leave as soon as the layer wrote them, while the later layers
+        compute."""
         shipments = self.plan_kv(output)
         if not shipments:
             return None
-        senders = self.kv_port.senders
-
-        def ship_layer(layer: int) -> None:
-            cache = self.engine.runner.kv_caches[layer]
-            for ship in shipments:
-                if ship.endpoint in failed:
-                    continue
-                try:
-                    senders[ship.endpoint].send_layer(
-                        ship.xfer_id, layer, ship.src, ship.dst, cache
-                    )
-                except SEND_ERRORS as exc:
-                    failed[ship.endpoint] = str(exc)
-
-        return ship_layer
+        shipped.append(True)
+        return LayerCall(self.kv.local.layer_hook(shipments), shipments)
 
     def plan_kv(self, output: SchedulerOutput) -> list[Shipment]:
         """Which blocks of this step go where: every block not yet sent up to what the step
@@ -128,7 +102,7 @@ class PrefillNode(EngineNode):
                 continue  # this chunk wrote only blocks the decode node has cached
             self.next_block[seq.request_id] = end // bs
             src, dst = list(seq.block_ids[first:last]), list(dest.dest_block_ids[first:last])
-            shipments.append(Shipment(dest.dest_kv_endpoint, dest.xfer_id, src, dst))
+            shipments.append([list(dest.dest_kv_endpoints), dest.xfer_id, src, dst])
         return shipments
 
     def hand_off(self, update: RequestUpdate, failed: dict[str, str]) -> Iterator[Error]:
@@ -141,38 +115,38 @@ class PrefillNode(EngineNode):
         lps = update.new_logprobs
         first = FirstToken(update.new_token_ids[0], lps[0] if lps else None)
         self.engine.scheduler.release(update.request_id)
+        endpoints = list(dest.dest_kv_endpoints)
         try:
-            self.kv_port.senders[dest.dest_kv_endpoint].send_done(dest.xfer_id, first)
+            self.kv.call("done", endpoints, dest.xfer_id, encode_first(first))
         except SEND_ERRORS as exc:
-            failed[dest.dest_kv_endpoint] = str(exc)
+            failed[endpoints[0]] = str(exc)
             why = f"KV transfer failed: {exc}"
             yield Error(update.request_id, why, Failure.KV_FAILED)
 
     def drop_destination(self, endpoint: str, error: str) -> Iterator[Error]:
-        """A connection to a decode node broke: fail every request bound there (the router
-        then aborts their reservations) and reconnect on the next request."""
+        """A connection to a decode node (named by its rank 0 endpoint) broke: fail every
+        request bound there (the router then aborts their reservations) and reconnect on the
+        next request."""
         log.warning("KV connection to %s failed: %s", endpoint, error)
-        self.kv_port.drop(endpoint)
-        for rid in [rid for rid, d in self.dests.items() if d.dest_kv_endpoint == endpoint]:
+        bound = [(rid, d) for rid, d in self.dests.items() if d.dest_kv_endpoints[0] == endpoint]
+        for rid, _ in bound:
             self.abort(rid)
             why = f"KV transfer to the decode node failed: {error}"
             yield Error(rid, why, Failure.KV_FAILED)
+        if bound:
+            self.kv.call("drop", list(bound[0][1].dest_kv_endpoints))
 
     def io_messages(self) -> Iterator[Told]:
-        self.kv_port.poll()  # decode nodes' notices (nixl: cancels to answer)
+        if self.kv.port.connector == "nixl":  # decode nodes' notices (cancels to answer)
+            self.kv.call("poll_senders")
         return iter(())
 
     def abort(self, request_id: str) -> None:
         dest = self.dests.pop(request_id, None)
-        sender = self.kv_port.senders.get(dest.dest_kv_endpoint) if dest is not None else None
-        if sender is not None:
+        if dest is not None:
             try:  # a transport still reading our blocks (nixl) finishes before they are freed
-                sender.abandon(dest.xfer_id)
+                self.kv.call("abandon", list(dest.dest_kv_endpoints), dest.xfer_id)
             except SEND_ERRORS as exc:
                 log.warning("abandoning KV transfer %s failed: %s", dest.xfer_id, exc)
         super().abort(request_id)
         self.next_block.pop(request_id, None)
-
-    def close(self) -> None:
-        self.kv_port.close()
-        super().close()

@@ -12,7 +12,7 @@ from pdserve.common.engine.config import (
     SchedulerConfig,
 )
 from pdserve.common.engine.kv_cache_manager import KVCacheManager
-from pdserve.common.engine.model_runner import ModelRunner
+from pdserve.common.engine.model_runner import LayerCall, ModelRunner
 from pdserve.common.engine.request import Request
 from pdserve.common.engine.scheduler import RequestUpdate, Scheduler, SchedulerOutput
 from pdserve.common.engine.structured import StructuredOutputs
@@ -20,8 +20,8 @@ from pdserve.common.model.checkpoint import Checkpoint
 from pdserve.common.model.weights import model_fingerprint
 from pdserve.common.wire.payloads import KVLayout, SamplingParams
 
-# Given a step's batch, a callback `f(layer)` for its forward, or None (see LLMEngine.step).
-LayerHook = Callable[[SchedulerOutput], Callable[[int], None] | None]
+# Given a step's batch, what runs after each layer of its forward, or None (LLMEngine.step).
+LayerHook = Callable[[SchedulerOutput], LayerCall | None]
 
 
 class PrefillRate:

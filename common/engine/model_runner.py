@@ -7,6 +7,7 @@ import contextlib
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -21,7 +22,7 @@ from pdserve.common.engine.sampler import (
 )
 from pdserve.common.engine.scheduler import SampledToken, ScheduledSeq, SchedulerOutput
 from pdserve.common.engine.structured import allowed_from_bitmask, fill_bitmask
-from pdserve.common.engine.tensor_parallel import RankDriver
+from pdserve.common.engine.tensor_parallel import RankDriver, threads_per_rank
 from pdserve.common.model.attention import AttentionMetadata
 from pdserve.common.model.config import ModelArchConfig
 from pdserve.common.model.parallel import TPGroup, TPShard
@@ -31,6 +32,16 @@ from pdserve.common.wire.payloads import KVLayout, TokenLogprobs
 _PROMPT_LOGITS_ROWS = 256  # prompt positions scored at once: bounds the [rows, vocab] logits
 _MASK_TIMEOUT_S = 60.0  # filling a step's grammar masks takes milliseconds; never wait forever
 _TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+@dataclass(frozen=True, slots=True)
+class LayerCall:
+    """What runs inside a step's forward right after each layer wrote its K/V: `run(layer)`
+    here; on the other tensor-parallel ranks, their agent's `layer_hook(args)` (so `args` is
+    what they need, msgpack-able: a prefill node's shipments of the step)."""
+
+    run: Callable[[int], None]
+    args: Any = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -88,6 +99,7 @@ class ModelRunner:
                 model_config, cache_config, parallel, max_num_seqs, max_model_len
             )
             tp = self.driver.group
+            torch.set_num_threads(threads_per_rank(parallel))  # this process is one rank
         self.tp = tp
         try:
             self._build(model_config, cache_config, max_num_seqs, max_model_len)
@@ -179,20 +191,22 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(
-        self, output: SchedulerOutput, on_layer: Callable[[int], None] | None = None
+        self, output: SchedulerOutput, on_layer: LayerCall | None = None
     ) -> tuple[dict[str, SampledToken], dict[str, list[TokenLogprobs]]]:
         """Run the scheduled step: the sampled token of each completed sequence, and the
         prompt logprobs of the positions this step computed, for requests that asked.
 
-        `on_layer(i)` is called once layer i has written this step's K/V (see the model)."""
+        `on_layer.run(i)` is called once layer i has written this step's K/V (see the model)."""
         self.forget(output.finished_ids)
-        compiled = self._compiled_step(output.seqs, on_layer)
+        run = on_layer.run if on_layer is not None else None
+        compiled = self._compiled_step(output.seqs, run)
         inputs = self.prepare(output.seqs)
         with self.tp.lock if self.tp is not None else contextlib.nullcontext():
             if self.driver is not None:
-                self.driver.send_step(output.seqs, compiled)
+                args = on_layer.args if on_layer is not None else None
+                self.driver.send_step(output.seqs, compiled, args)
             masks = self._fill_masks(inputs.sampled_seqs)  # overlapped with the forward
-            logits, prompt_lps = self._forward(inputs, output.seqs, on_layer, compiled)
+            logits, prompt_lps = self._forward(inputs, output.seqs, run, compiled)
         if logits is None:
             return {}, prompt_lps
         rows = [self._sampling_row(seq) for seq in inputs.sampled_seqs]
@@ -208,10 +222,16 @@ class ModelRunner:
         return sampled, prompt_lps
 
     @torch.inference_mode()
-    def follow(self, seqs: tuple[ScheduledSeq, ...], compiled: bool) -> None:
+    def follow(
+        self,
+        seqs: tuple[ScheduledSeq, ...],
+        compiled: bool,
+        on_layer: Callable[[int], None] | None = None,
+    ) -> None:
         """A worker rank's share of a step rank 0 sent: the same forward, joined by the
-        model's collectives; what it computes stays in this rank's KV cache."""
-        self._forward(self.prepare(seqs), seqs, None, compiled)
+        model's collectives; what it computes stays in this rank's KV cache (and leaves it
+        through `on_layer`, the rank's part of a prefill node's KV sends)."""
+        self._forward(self.prepare(seqs), seqs, on_layer, compiled)
 
     def _forward(
         self,

@@ -87,17 +87,18 @@ def open_group(
     return join_group(shard, store, parallel.timeout_s, device, name)
 
 
-def encode_step(seqs: tuple[ScheduledSeq, ...], compiled: bool) -> bytes:
-    """The part of a scheduled step every rank needs for its forward."""
+def encode_step(seqs: tuple[ScheduledSeq, ...], compiled: bool, hook_args: Any = None) -> bytes:
+    """The part of a scheduled step every rank needs for its forward, and what its agent
+    needs to build the step's layer hook (None: no hook)."""
     rows = [
         [s.token_ids, s.start_pos, s.block_ids, s.sample, s.prompt_targets, s.prompt_target_pos]
         for s in seqs
     ]
-    return msgpack.packb([compiled, rows], use_bin_type=True)
+    return msgpack.packb([compiled, rows, hook_args], use_bin_type=True)
 
 
-def decode_step(payload: bytes) -> tuple[tuple[ScheduledSeq, ...], bool]:
-    compiled, rows = msgpack.unpackb(payload, raw=False)
+def decode_step(payload: bytes) -> tuple[tuple[ScheduledSeq, ...], bool, Any]:
+    compiled, rows, hook_args = msgpack.unpackb(payload, raw=False)
     plain = SamplingParams()  # sampling happens on rank 0 only
     seqs = tuple(
         ScheduledSeq(
@@ -112,7 +113,7 @@ def decode_step(payload: bytes) -> tuple[tuple[ScheduledSeq, ...], bool]:
         )
         for tokens, start, blocks, sample, targets, target_pos in rows
     )
-    return seqs, bool(compiled)
+    return seqs, bool(compiled), hook_args
 
 
 class StepChannel:
@@ -179,9 +180,11 @@ class RankDriver:
         """Keep idle workers alive from now on (after the ranks' start-up collectives)."""
         threading.Thread(target=self._keep_alive, daemon=True, name="tp-alive").start()
 
-    def send_step(self, seqs: tuple[ScheduledSeq, ...], compiled: bool) -> None:
+    def send_step(
+        self, seqs: tuple[ScheduledSeq, ...], compiled: bool, hook_args: Any = None
+    ) -> None:
         """Call with `group.lock` held, through the step's last collective."""
-        self._checked(self.channel.send, _STEP, encode_step(seqs, compiled))
+        self._checked(self.channel.send, _STEP, encode_step(seqs, compiled, hook_args))
 
     def call(self, method: str, args: list[Any], local: Callable[[], Any]) -> list[Any]:
         """Run `method(*args)` on every worker's agent and `local()` here, between the
@@ -278,7 +281,9 @@ def worker_main() -> None:
         if kind == _STOP:
             return
         if kind == _STEP:
-            runner.follow(*decode_step(payload))
+            seqs, compiled, hook_args = decode_step(payload)
+            hook = None if hook_args is None else agent.layer_hook(hook_args)
+            runner.follow(seqs, compiled, hook)
         elif kind == _CALL:
             channel.gather(msgpack.packb(_answer(agent, payload)))
 

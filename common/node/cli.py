@@ -57,14 +57,14 @@ def add_options(p: argparse.ArgumentParser, cls: type, omit: frozenset[str] = fr
             continue
         flag = dict(f.metadata)
         title, text, env = flag.pop("group"), flag.pop("help"), flag.pop("env", None)
-        name = flag.pop("flag", flag_of(f.name))
+        names = (flag.pop("flag", flag_of(f.name)), *flag.pop("aliases", ()))
         if title not in groups:
             groups[title] = p.add_argument_group(title)
         kind = flag.pop("type", type(f.default))
         # None: not given (so the variable may apply), or a required flag's "none yet".
         default = None if env or f.default is MISSING else f.default
         group = groups[title]
-        group.add_argument(name, dest=f.name, default=default, type=kind, help=text, **flag)
+        group.add_argument(*names, dest=f.name, default=default, type=kind, help=text, **flag)
 
 
 def options_of(cls: type[Config], args: argparse.Namespace, **given: Any) -> Config:

@@ -11,6 +11,7 @@ from typing import Any
 # The connectors `kv_transfer.create_sender` / `create_receiver` know (a test keeps them equal).
 KV_CONNECTORS = ("zmq", "nccl", "shm", "nixl")
 NETWORK, RELIABILITY, SECURITY = "network", "cluster and reliability", "security"
+PARALLEL = "parallelism"
 
 
 def option(default: Any, group: str, text: str, **flag: Any) -> Any:
@@ -87,6 +88,19 @@ class NodeConfig:
         NETWORK,
         "HTTP port of /live, /ready and /metrics for probes and autoscalers (0: none)",
     )
+    tensor_parallel_size: int = option(
+        1,
+        PARALLEL,
+        "processes (ranks) that hold the model, each a share of its heads and KV cache "
+        "(torch.distributed: gloo on CPU, NCCL on CUDA)",
+        aliases=("-tp",),
+    )
+    threads_per_rank: int | None = option(
+        None,
+        PARALLEL,
+        "torch threads of each rank (default: the machine's threads shared evenly)",
+        type=int,
+    )
     connect_timeout: float = 10.0  # s for a KV handshake with a decode node (no flag)
     kv_fence_timeout: float = option(
         30.0,
@@ -121,6 +135,10 @@ class NodeConfig:
                 raise ValueError(f"{name} must be > 0 seconds, got {getattr(self, name)}")
         if not self.drain_timeout >= 0:
             raise ValueError(f"drain_timeout must be >= 0 seconds, got {self.drain_timeout}")
+        if self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
+        if self.threads_per_rank is not None and self.threads_per_rank < 1:
+            raise ValueError(f"threads_per_rank must be >= 1, got {self.threads_per_rank}")
         if self.max_queued_requests < 1:
             raise ValueError(f"max_queued_requests must be >= 1, got {self.max_queued_requests}")
         if self.kv_connector not in KV_CONNECTORS:

@@ -22,7 +22,12 @@ import uuid
 from collections.abc import Callable, Iterable, Iterator
 from typing import TYPE_CHECKING, Any, ClassVar
 
-from pdserve.common.engine.config import CacheConfig, ModelConfig, SchedulerConfig
+from pdserve.common.engine.config import (
+    CacheConfig,
+    ModelConfig,
+    ParallelConfig,
+    SchedulerConfig,
+)
 from pdserve.common.engine.kv_cache_manager import PrefixEvents
 from pdserve.common.engine.llm_engine import LLMEngine
 from pdserve.common.engine.request import Request
@@ -44,8 +49,11 @@ from pdserve.common.wire.messages import (
 )
 from pdserve.common.wire.security import load_keys
 
-if TYPE_CHECKING:  # a role that moves KV sets one; this module never needs kv_transfer
-    from pdserve.kv_transfer.port import KVPort
+if TYPE_CHECKING:  # a role that moves KV sets one; other roles never import kv_transfer
+    from pdserve.kv_transfer.ranks import KVGroup
+
+# What every tensor-parallel rank of a node that moves KV builds beside its model runner.
+RANK_KV = "pdserve.kv_transfer.ranks:RankKV"
 
 log = logging.getLogger(__name__)
 
@@ -83,24 +91,36 @@ class EngineNode:
 
     role: ClassVar[str] = ""
     reports_prefixes: ClassVar[bool] = False  # heartbeats carry prefix-cache changes
-    kv_port: KVPort | None = None  # the node's KV connector, for roles that move KV
+    kv: KVGroup | None = None  # the node's KV connector on every rank, for roles that move KV
 
     def __init__(
         self, model: ModelConfig, cache: CacheConfig, scheduler: SchedulerConfig, node: NodeConfig
     ) -> None:
         assert self.role, "EngineNode is a base: build one of its roles"
         self.config = node
-        self.engine = LLMEngine(model, cache, scheduler)
+        self.curve = load_keys(node.curve_dir)
+        self.advertise_host = advertise_host(node)
+        agent = self.rank_agent(model, node)
+        parallel = ParallelConfig(
+            node.tensor_parallel_size,
+            node.threads_per_rank,
+            rank_agent=RANK_KV if agent is not None else None,
+            rank_agent_options=agent,
+        )
+        self.engine = LLMEngine(model, cache, scheduler, parallel)
         self.model_config = model
         self.block_size = cache.block_size
         self.node_id = node.node_id or f"{self.role}-{uuid.uuid4().hex[:8]}"
         self.incarnation = uuid.uuid4().hex
-        self.curve = load_keys(node.curve_dir)
-        self.advertise_host = advertise_host(node)
         self.fatal: str | None = None  # why the node stopped on its own (exit non-zero)
         self.drain_deadline: float | None = None  # set once draining (SIGTERM)
         self._last_progress = time.monotonic()
         self.stop_event = threading.Event()
+        if agent is not None:  # rank 0's end; the workers built theirs from the same options
+            from pdserve.kv_transfer.ranks import KVGroup, RankKV
+
+            runner = self.engine.runner
+            self.kv = KVGroup(RankKV(runner, runner.tp, **agent), runner.driver)
         self.membership = Membership(self, self.curve)
         if self.reports_prefixes:  # nodes a prefix-aware router picks by cache
             self.engine.kv.pool.prefix_events = PrefixEvents()
@@ -109,6 +129,27 @@ class EngineNode:
         if node.health_port:  # bound now: a port in use fails the start, not a probe later
             labels = {"role": self.role, "node_id": self.node_id}
             self.health = HealthServer(node.host, node.health_port, self.live, self.ready, labels)
+
+    def rank_agent(self, model: ModelConfig, node: NodeConfig) -> dict[str, Any] | None:
+        """The options of this role's KV end on every tensor-parallel rank
+        (`kv_transfer.ranks.RankKV`), or None for a role that moves no KV."""
+        return None
+
+    def kv_options(self, model: ModelConfig, node: NodeConfig) -> dict[str, Any]:
+        """RankKV's options for a role that moves KV."""
+        from pdserve.common.model.weights import model_fingerprint
+
+        return {
+            "connector": node.kv_connector,
+            "model_id": model_fingerprint(model.model_dir),
+            "role": self.role,
+            "curve_dir": node.curve_dir,
+            "host": node.host,
+            "port": node.kv_port,
+            "advertise_host": self.advertise_host,
+            "connect_timeout": node.connect_timeout,
+            "fence_timeout": node.kv_fence_timeout,
+        }
 
     # -- the role's contract -----------------------------------------------------------------
 
@@ -312,6 +353,9 @@ class EngineNode:
         if self.health is not None:
             self.health.close()
         self.membership.close()
+        if self.kv is not None:
+            self.kv.close()
+        self.engine.close()
 
 
 class ColocatedNode(EngineNode):

@@ -178,11 +178,12 @@ class Membership:
     def register(self, link: int | None = None) -> None:
         """Announce this node to one router (`link`), or to every router."""
         node = self.node
-        port = node.kv_port
+        kv = node.kv
+        port = kv.port if kv is not None else None
         msg = RegisterNode(
             node_id=node.node_id,
             role=node.role,
-            kv_endpoint=port.endpoint if port else "",
+            kv_endpoints=kv.endpoints if kv is not None else (),
             kv_connector=port.connector if port else "",
             layout_digest=port.digest if port else "",
             num_blocks=node.engine.runner.num_blocks,
@@ -191,6 +192,7 @@ class Membership:
             incarnation=node.incarnation,
             host_id=port.host_id if port else "",
             kv_layout=port.layout if port else None,
+            tp_size=node.config.tensor_parallel_size,
         )
         if link is None:
             self.control.broadcast(msg)

@@ -21,10 +21,12 @@ import msgpack
 
 from pdserve.common.wire.payloads import KVLayout, SamplingParams, TokenLogprobs
 
-PROTOCOL_VERSION = 6  # 2: typed failure kinds, incarnations, Reregister; 3: Registered,
+PROTOCOL_VERSION = 7  # 2: typed failure kinds, incarnations, Reregister; 3: Registered,
 # host ids; 4: the decode side's cached tokens in Reserved/Prefill, measured rates; 5: typed
 # sampling parameters and logprobs (maps checked field by field), KVDone's typed first token;
-# 6: KV layouts typed (RegisterNode, KVHello), the KV data plane decoded on its own
+# 6: KV layouts typed (RegisterNode, KVHello), the KV data plane decoded on its own;
+# 7: tensor parallelism: a node's TP size and every rank's KV endpoint, the sending group's TP
+# in ReserveKV and RenewTransfer
 MAX_MESSAGE_BYTES = 32 * 1024 * 1024  # a 1M-token prompt of int64 ids fits with room to spare
 
 
@@ -181,6 +183,11 @@ def _fail(where: str, hint: Any) -> Any:
     raise ProtocolError(f"{where}: expected {getattr(hint, '__name__', hint)}")
 
 
+def _positive_tp(size: int) -> None:
+    if size < 1:
+        raise ValueError(f"a tensor-parallel size must be >= 1, got {size}")
+
+
 # -- messages ---------------------------------------------------------------------------------
 
 
@@ -259,7 +266,9 @@ class RegisterNode(Message):
     TYPE: ClassVar[str] = "register_node"
     node_id: str
     role: str  # "prefill" | "decode" | "both"
-    kv_endpoint: str  # where its KV receiver listens ("" on prefill-only nodes)
+    # Where its KV receivers listen, one per tensor-parallel rank, rank 0 first (empty on
+    # prefill-only nodes).
+    kv_endpoints: tuple[str, ...]
     kv_connector: str
     layout_digest: str
     num_blocks: int
@@ -274,6 +283,12 @@ class RegisterNode(Message):
     # The KV cache layout behind layout_digest (None on a node without KV connector): the
     # router names what differs when a prefill node cannot send KV to a decode node.
     kv_layout: KVLayout | None = None
+    tp_size: int = 1  # the node's tensor-parallel ranks (processes)
+
+    def __post_init__(self) -> None:
+        _positive_tp(self.tp_size)
+        if self.kv_endpoints and len(self.kv_endpoints) != self.tp_size:
+            raise ValueError(f"{len(self.kv_endpoints)} KV endpoints for {self.tp_size} ranks")
 
 
 @message
@@ -363,6 +378,12 @@ class ReserveKV(Message):
     prompt_token_ids: tuple[int, ...]
     sampling: SamplingParams
     output_token_ids: tuple[int, ...] = ()  # a resumed request: tokens already streamed
+    # The TP size of the prefill node that will send: each decode rank expects one slice from
+    # each prefill rank that holds some of its KV heads (common/wire/tp_map.py).
+    src_tp: int = 1
+
+    def __post_init__(self) -> None:
+        _positive_tp(self.src_tp)
 
 
 @message
@@ -374,14 +395,15 @@ class Reserved(Message):
     request_id: str
     xfer_id: str
     block_ids: tuple[int, ...]
-    kv_endpoint: str
-    # The decode process's incarnation: a prefill node connected to kv_endpoint before holds
+    kv_endpoints: tuple[str, ...]  # every rank's receiver, rank 0 first
+    # The decode process's incarnation: a prefill node connected to kv_endpoints before holds
     # a connection to another process if this differs (a restart on the same address and
     # port) and must handshake again.
     kv_instance: str = ""
     # Leading prompt tokens whose KV the decode node already holds (its prefix cache): the
     # prefill node sends only the blocks from cached_tokens // block_size on.
     cached_tokens: int = 0
+    src_tp: int = 1  # the sending TP size its ranks expect slices from (ReserveKV.src_tp)
 
 
 @message
@@ -405,7 +427,7 @@ class Prefill(Message):
     sampling: SamplingParams
     xfer_id: str = ""  # empty for a colocated ("both") node: it decodes itself
     dest_block_ids: tuple[int, ...] = ()
-    dest_kv_endpoint: str = ""
+    dest_kv_endpoints: tuple[str, ...] = ()  # Reserved.kv_endpoints
     dest_kv_instance: str = ""  # Reserved.kv_instance
     dest_cached_tokens: int = 0  # Reserved.cached_tokens: the blocks below need no transfer
     output_token_ids: tuple[int, ...] = ()  # a resumed request: tokens already streamed
@@ -414,11 +436,16 @@ class Prefill(Message):
 @message
 @dataclass(frozen=True, slots=True)
 class RenewTransfer(Message):
-    """Router -> decode node: the prefill node feeding this reservation died; keep the blocks,
-    forget the old transfer (late frames are dropped) and answer Reserved with a new xfer id."""
+    """Router -> decode node: another prefill node feeds this reservation (the old one died,
+    or the router picked one of another TP size); keep the blocks, forget the old transfer
+    (late frames are dropped) and answer Reserved with a new xfer id."""
 
     TYPE: ClassVar[str] = "renew_transfer"
     request_id: str
+    src_tp: int = 1  # ReserveKV.src_tp of the new sender
+
+    def __post_init__(self) -> None:
+        _positive_tp(self.src_tp)
 
 
 @message

@@ -95,7 +95,7 @@ class FakeNodes:
         node_id, incarnation = self.owners[sock]
         blocks, max_len = int(self.spec["num_blocks"]), int(self.spec["max_model_len"])
         msg = m.RegisterNode(
-            node_id=node_id, role="both", kv_endpoint="", kv_connector="", layout_digest="",
+            node_id=node_id, role="both", kv_endpoints=(), kv_connector="", layout_digest="",
             num_blocks=blocks, block_size=16, max_model_len=max_len, incarnation=incarnation,
         )  # fmt: skip
         self.send(sock, m.encode(msg))

@@ -56,18 +56,20 @@ class Registrar:
         if sender in self._probing:
             return  # its first registration is being checked
         known = self.registry.get(sender)
-        if msg.kv_endpoint and (known is None or known.incarnation != msg.incarnation):
+        if msg.kv_endpoints and (known is None or known.incarnation != msg.incarnation):
             self._probing.add(sender)
             self.control.spawn(self._probe_then_register(sender, msg))
             return
         self._take(sender, msg, now)
 
     async def _probe_then_register(self, sender: str, msg: RegisterNode) -> None:
-        """A decode node is only taken in once its advertised KV endpoint answers here: a
-        wrong --advertise-host fails the node at registration, naming the address, instead of
-        every prefill later hanging on it."""
+        """A decode node is only taken in once its advertised KV endpoints (one per rank)
+        answer here: a wrong --advertise-host fails the node at registration, naming the
+        address, instead of every prefill later hanging on it."""
         try:
-            why = await probe_endpoint(msg.kv_endpoint, self.probe_timeout)
+            why = None
+            for endpoint in msg.kv_endpoints:
+                why = why or await probe_endpoint(endpoint, self.probe_timeout)
         finally:
             self._probing.discard(sender)
         if why is not None:

@@ -21,7 +21,7 @@ class NodeInfo:
 
     node_id: str
     role: str
-    kv_endpoint: str
+    kv_endpoints: tuple[str, ...]
     kv_connector: str
     layout_digest: str
     num_blocks: int
@@ -43,6 +43,7 @@ class NodeInfo:
     incarnation: str = ""  # the node process's random start id (a restart changes it)
     host_id: str = ""  # the host it runs on (shm connects only nodes of one host)
     kv_layout: KVLayout | None = None  # of its KV cache (None: it moves no KV)
+    tp_size: int = 1  # its tensor-parallel ranks: a prefill node's is ReserveKV.src_tp
     prefill_rate: float = 0.0  # prompt tokens/s the node measured (0: none measured yet)
     # A decode node: seconds from the prefill node's first token to Admitted (the hand-off
     # of the last pages), as this router observed it lately.
@@ -186,7 +187,7 @@ class NodeRegistry:
         self.nodes[node_id] = NodeInfo(
             node_id=node_id,
             role=msg.role,
-            kv_endpoint=msg.kv_endpoint,
+            kv_endpoints=msg.kv_endpoints,
             kv_connector=msg.kv_connector,
             layout_digest=msg.layout_digest,
             num_blocks=msg.num_blocks,
@@ -197,6 +198,7 @@ class NodeRegistry:
             incarnation=msg.incarnation,
             host_id=msg.host_id,
             kv_layout=msg.kv_layout,
+            tp_size=msg.tp_size,
         )
 
     def alive(self, roles: tuple[str, ...]) -> list[NodeInfo]:

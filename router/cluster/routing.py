@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections import Counter
 
 from pdserve.common.wire.messages import (
     Abort,
@@ -63,12 +64,20 @@ class Routing:
             if any(kv_mismatch(p, d) is None for p in prefills)
         ]
 
-    async def renew_transfer(self, stream: Stream) -> Reserved | None:
-        """The decode node keeps its reservation for a new prefill node (its old one died):
-        the reservation under a new transfer id, or None when it cannot."""
+    async def renew_transfer(self, stream: Stream, src_tp: int) -> Reserved | None:
+        """The decode node keeps its reservation for another prefill node (its old one died,
+        or one of another TP size sends): the reservation under a new transfer id, or None
+        when it cannot."""
         rid = stream.wire_id
-        reply = await self.control.ask(stream.decode_node, rid, RenewTransfer(rid))
+        reply = await self.control.ask(stream.decode_node, rid, RenewTransfer(rid, src_tp))
         return reply if isinstance(reply, Reserved) else None
+
+    def _likely_src_tp(self, stream: Stream, decode: NodeInfo) -> int:
+        """The TP size of the prefill node a reservation on `decode` will most likely get:
+        the most common among those that can fill it (not the policy's pick: asking it moves
+        a round robin's turn). A different pick renews the reservation (send_prefill)."""
+        sizes = Counter(p.tp_size for p in self._prefills_for(stream, decode))
+        return min(sizes, key=lambda tp: (-sizes[tp], tp)) if sizes else 1
 
     def _wire(self, stream: Stream) -> tuple[SamplingParams, tuple[int, ...]]:
         """The request's sampling and already streamed tokens, as nodes take them."""
@@ -176,6 +185,11 @@ class Routing:
         if not prefills:
             return Error(stream.wire_id, "no prefill node available", Failure.UNAVAILABLE)
         prefill = prefills[0]
+        if reserved.src_tp != prefill.tp_size:  # the decode ranks expect other slices
+            renewed = await self.renew_transfer(stream, prefill.tp_size)
+            if renewed is None:
+                return Error(stream.wire_id, "the reservation was lost", Failure.UNAVAILABLE)
+            reserved = renewed
         self.table.place_prefill(stream, prefill.node_id)
         self._routed(prefill, stream)
         self.kv_tokens_reused += reserved.cached_tokens
@@ -188,7 +202,7 @@ class Routing:
                 sampling,
                 xfer_id=reserved.xfer_id,
                 dest_block_ids=reserved.block_ids,
-                dest_kv_endpoint=reserved.kv_endpoint,
+                dest_kv_endpoints=reserved.kv_endpoints,
                 dest_kv_instance=reserved.kv_instance,
                 dest_cached_tokens=reserved.cached_tokens,
                 output_token_ids=outputs,
@@ -205,7 +219,8 @@ class Routing:
         deadline = time.monotonic() + self.reserve_wait
         while True:
             for node in decodes:
-                msg = ReserveKV(stream.wire_id, request.prompt_token_ids, sampling, outputs)
+                src_tp = self._likely_src_tp(stream, node)
+                msg = ReserveKV(stream.wire_id, request.prompt_token_ids, sampling, outputs, src_tp)
                 reply = await self.control.ask(node.node_id, stream.wire_id, msg)
                 if isinstance(reply, Reserved):
                     self.table.place_decode(stream, node.node_id)
@@ -234,7 +249,9 @@ class Routing:
             why = f"gave up after {self.max_failovers} failovers: {failover.why}"
             return Error(rid, why, Failure.UNAVAILABLE)
         if failover.kind == "prefill" and stream.decode_node:
-            reserved = await self.renew_transfer(stream)
+            decode = self.registry.get(stream.decode_node)
+            src_tp = self._likely_src_tp(stream, decode) if decode is not None else 1
+            reserved = await self.renew_transfer(stream, src_tp)
             if reserved is not None:
                 return await self.send_prefill(stream, reserved)
         for node_id in stream.nodes():  # resume from scratch: drop the survivor's state too

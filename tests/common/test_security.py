@@ -29,7 +29,7 @@ def keys(tmp_path_factory) -> CurveKeys:
 
 
 def register(node_id: str) -> bytes:
-    return encode(RegisterNode(node_id, "both", "", "", "", 8, 16, 64))
+    return encode(RegisterNode(node_id, "both", (), "", "", 8, 16, 64))
 
 
 def test_router_refuses_a_node_without_the_keys(keys):
@@ -52,7 +52,7 @@ def test_router_refuses_a_node_without_the_keys(keys):
             await asyncio.sleep(1.0)
             before = set(backend.nodes)
             member = ControlClient(zmq.Context.instance(), f"127.0.0.1:{port}", "member", keys)
-            member.send(RegisterNode("member", "both", "", "", "", 8, 16, 64))
+            member.send(RegisterNode("member", "both", (), "", "", 8, 16, 64))
             deadline = time.monotonic() + 5
             while "member" not in backend.nodes and time.monotonic() < deadline:
                 await asyncio.sleep(0.05)

@@ -88,7 +88,7 @@ def start(
     reserved = router.recv(Reserved, rid)
     stop = threading.Event()
     pump = threading.Thread(
-        target=lambda: [decode_.receiver.poll(0.01) for _ in iter(stop.is_set, True)]
+        target=lambda: [decode_.kv.local.receiver.poll(0.01) for _ in iter(stop.is_set, True)]
     )
     pump.start()
     try:
@@ -99,7 +99,7 @@ def start(
                 params,
                 reserved.xfer_id,
                 reserved.block_ids,
-                reserved.kv_endpoint,
+                reserved.kv_endpoints,
                 dest_cached_tokens=reserved.cached_tokens,
             )
         )
@@ -143,7 +143,7 @@ def test_pages_of_a_layer_leave_before_the_next_layer_computes(nodes, tiny_model
     events: list[tuple[str, int]] = []
     for i, layer in enumerate(prefill.engine.runner.model.model.layers):
         layer.register_forward_pre_hook(lambda *_, i=i: events.append(("compute", i)))
-    sender = next(iter(prefill.kv_port.senders.values()))
+    sender = next(iter(prefill.kv.port.senders.values()))
     send_layer = sender.send_layer
     sender.send_layer = lambda xfer, layer, *a: (
         events.append(("send", layer)),
@@ -174,7 +174,7 @@ def test_the_first_token_leaves_before_the_kv_done_message(nodes):
     events: list[str] = []
     tell = prefill.membership.tell
     prefill.membership.tell = lambda rid, msg: (events.append(type(msg).__name__), tell(rid, msg))
-    sender = next(iter(prefill.kv_port.senders.values()))
+    sender = next(iter(prefill.kv.port.senders.values()))
     send_done = sender.send_done
     sender.send_done = lambda *a: (events.append("KVDone"), send_done(*a))[1]
     while "r" in prefill.dests:
@@ -186,7 +186,7 @@ def test_the_first_token_leaves_before_the_kv_done_message(nodes):
 def test_a_broken_kv_connection_fails_only_its_requests(nodes):
     router, prefill, decode_ = nodes
     start(router, prefill, decode_, "bad", list(range(3, 60)))
-    sender = next(iter(prefill.kv_port.senders.values()))
+    sender = next(iter(prefill.kv.port.senders.values()))
 
     def broken(*_):
         raise TransferError("peer went away")
@@ -195,7 +195,7 @@ def test_a_broken_kv_connection_fails_only_its_requests(nodes):
     prefill.step()
     error = router.recv(Error, "bad")
     assert error.kind is Failure.KV_FAILED and "peer went away" in error.message
-    assert "bad" not in prefill.dests and not prefill.kv_port.senders  # reconnects next time
+    assert "bad" not in prefill.dests and not prefill.kv.port.senders  # reconnects next time
     assert not prefill.engine.has_unfinished
     assert all(not isinstance(m, Tokens) for m in router.drain())  # no token before the error
     prefill.engine.check_integrity()
@@ -250,11 +250,11 @@ def test_a_second_turn_ships_only_the_blocks_the_decode_node_lacks(nodes, tiny_m
     sent: list[int] = []
     reserved = start(router, prefill, decode_, "t2", turn2)
     assert reserved.cached_tokens == 48  # 3 full blocks; the 4th has tokens of turn 2
-    sender = next(iter(prefill.kv_port.senders.values()))
+    sender = next(iter(prefill.kv.port.senders.values()))
     send_layer = sender.send_layer
-    sender.send_layer = lambda xfer, layer, src, dst, cache: (
+    sender.send_layer = lambda xfer, layer, src, dst, cache, heads=None: (
         sent.extend(dst),
-        send_layer(xfer, layer, src, dst, cache),
+        send_layer(xfer, layer, src, dst, cache, heads),
     )[1]
     got = run_to_end(router, prefill, decode_, "t2")
     assert got == llm.generate([turn2], SAMPLING)[0].token_ids

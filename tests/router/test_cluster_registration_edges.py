@@ -50,7 +50,7 @@ async def test_a_registration_while_the_probe_runs_is_ignored(
 async def test_a_node_whose_endpoint_no_peer_can_dial_is_refused_and_told_why(
     backend: ClusterBackend, nodes: FakeNodes, _: FakeClock
 ) -> None:
-    wildcard = replace(nodes.registration("d0", "decode"), kv_endpoint="tcp://0.0.0.0:5")
+    wildcard = replace(nodes.registration("d0", "decode"), kv_endpoints=("tcp://0.0.0.0:5",))
     nodes.tell("d0", wildcard)
     await until(lambda: nodes.to("d0", Registered), "the answer")
     (answer,) = nodes.to("d0", Registered)
@@ -119,7 +119,9 @@ def test_the_registrar_probes_within_the_backends_probe_timeout() -> None:
         nodes = FakeNodes(backend)
         with socket.create_server(("127.0.0.1", 0)) as listener:
             port = listener.getsockname()[1]
-            msg = replace(nodes.registration("d0", "decode"), kv_endpoint=f"tcp://127.0.0.1:{port}")
+            msg = replace(
+                nodes.registration("d0", "decode"), kv_endpoints=(f"tcp://127.0.0.1:{port}",)
+            )
             nodes.tell("d0", msg)
             await until(lambda: nodes.to("d0", Registered), "the answer")
         (answer,) = nodes.to("d0", Registered)
@@ -142,7 +144,9 @@ def test_registrations_are_logged_with_the_reason_of_a_refusal_or_a_missing_pair
             await until(lambda: "d1" in backend.nodes, "d1 taken in")
             nodes.tell("d0", nodes.registration("d0", "decode", incarnation="2"))
             await until(lambda: backend.nodes["d0"].incarnation == "2", "d0 taken again")
-            wildcard = replace(nodes.registration("d9", "decode"), kv_endpoint="tcp://0.0.0.0:5")
+            wildcard = replace(
+                nodes.registration("d9", "decode"), kv_endpoints=("tcp://0.0.0.0:5",)
+            )
             nodes.tell("d9", wildcard)
             await until(lambda: nodes.to("d9", Registered), "d9 refused")
 

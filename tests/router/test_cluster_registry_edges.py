@@ -72,7 +72,7 @@ def test_routed_work_adds_up_less_the_blocks_held() -> None:
 
 def test_a_registration_keeps_the_nodes_endpoint_and_size() -> None:
     node = registry("d0").nodes["d0"]
-    assert (node.kv_endpoint, node.num_blocks) == ("ipc:///kv/d0", 64)
+    assert (node.kv_endpoints, node.num_blocks) == (("ipc:///kv/d0",), 64)
 
 
 def test_a_node_heard_from_exactly_a_timeout_ago_is_alive() -> None:

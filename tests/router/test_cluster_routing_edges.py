@@ -132,12 +132,12 @@ async def test_a_busy_decode_node_is_passed_for_the_next(
     nodes.tell(first, Busy("r", "full"))
     await until(lambda: len(nodes.where(ReserveKV, "r")) == 2, "the next node asked")
     assert nodes.where(ReserveKV, "r") == [first, other] and nodes.where(Abort, "r") == []
-    reserved = Reserved("r", "x", (5, 6), "tcp://d:1", "inc", cached_tokens=BS)
+    reserved = Reserved("r", "x", (5, 6), ("tcp://d:1",), "inc", cached_tokens=BS)
     nodes.tell(other, reserved)
     await nodes.prefilling("r")
     (prefill,) = nodes.to("p0", Prefill)
     assert (prefill.xfer_id, prefill.dest_block_ids) == ("x", (5, 6))
-    assert (prefill.dest_kv_endpoint, prefill.dest_kv_instance) == ("tcp://d:1", "inc")
+    assert (prefill.dest_kv_endpoints, prefill.dest_kv_instance) == (("tcp://d:1",), "inc")
     assert (prefill.dest_cached_tokens, prefill.output_token_ids) == (BS, ())
     stats = backend.stats()
     assert stats["kv_tokens_reused_on_decode"] == BS
@@ -212,7 +212,7 @@ async def test_a_prefill_node_gone_during_the_reservation_leaves_no_route(
     client = Client(backend)
     await until(lambda: nodes.where(ReserveKV, "r"), "the reservation asked")
     backend.nodes["p0"].last_seen = -math.inf
-    nodes.tell("d0", Reserved("r", "x", (1,), "ipc:///kv/d0"))
+    nodes.tell("d0", Reserved("r", "x", (1,), ("ipc:///kv/d0",)))
     last = await client.done()
     assert (last.error, last.failure) == ("no prefill node available", Failure.UNAVAILABLE)
     assert nodes.where(Abort, "r") == ["d0"]  # the reservation is freed
@@ -231,7 +231,7 @@ async def test_a_reservation_that_cannot_be_renewed_starts_over(
     await until(lambda: nodes.where(ReserveKV, "r~1"), "the new reservation")
     assert nodes.to("d0", Abort) == [Abort("r", "resuming")]
     other = ({"p0", "p1"} - {first}).pop()
-    nodes.tell("d0", Reserved("r~1", "y", (1,), "ipc:///kv/d0"))
+    nodes.tell("d0", Reserved("r~1", "y", (1,), ("ipc:///kv/d0",)))
     await nodes.prefilling("r~1")
     assert nodes.where(Prefill, "r~1") == [other]
     nodes.answer("r~1", other, "d0", 10, 11)
@@ -286,7 +286,7 @@ async def test_no_prefill_node_left_is_an_error_under_the_requests_id(
     task = asyncio.create_task(events_of(backend, plain()))
     await until(lambda: nodes.where(ReserveKV, "r"), "the reservation asked")
     backend.nodes["p0"].last_seen = -math.inf
-    nodes.tell("d0", Reserved("r", "x", (1,), "ipc:///kv/d0"))
+    nodes.tell("d0", Reserved("r", "x", (1,), ("ipc:///kv/d0",)))
     await until(task.done, "the answer")
     assert task.result() == [Error("r", "no prefill node available", Failure.UNAVAILABLE)]
 
@@ -417,14 +417,14 @@ async def test_routing_counts_add_up_over_requests(
     nodes.silent = {"d0"}
     client = Client(backend, "c")
     await until(lambda: nodes.where(ReserveKV, "c"), "the reservation asked")
-    nodes.tell("d0", Reserved("c", "x", (1,), "ipc:///kv/d0", cached_tokens=BS))
-    nodes.tell("d0", Reserved("c", "x", (1,), "ipc:///kv/d0", cached_tokens=BS))  # late: none
+    nodes.tell("d0", Reserved("c", "x", (1,), ("ipc:///kv/d0",), cached_tokens=BS))
+    nodes.tell("d0", Reserved("c", "x", (1,), ("ipc:///kv/d0",), cached_tokens=BS))  # late: none
     await nodes.prefilling("c")
     nodes.answer("c", "p0", "d0", 10, 11)
     await client.seen()
     client = Client(backend, "e")
     await until(lambda: nodes.where(ReserveKV, "e"), "the reservation asked")
-    nodes.tell("d0", Reserved("e", "x", (1,), "ipc:///kv/d0", cached_tokens=2 * BS))
+    nodes.tell("d0", Reserved("e", "x", (1,), ("ipc:///kv/d0",), cached_tokens=2 * BS))
     await nodes.prefilling("e")
     nodes.answer("e", "p0", "d0", 10, 11)
     await client.seen()
@@ -512,7 +512,7 @@ def test_a_second_round_of_reservations_follows_the_policy_again() -> None:
                 break
             await asyncio.sleep(0.01)
         assert nodes.where(ReserveKV, "r") == ["d0", "d0"]
-        nodes.tell("d0", Reserved("r", "x", (1,), "ipc:///kv/d0"))
+        nodes.tell("d0", Reserved("r", "x", (1,), ("ipc:///kv/d0",)))
         await nodes.prefilling("r")
         nodes.answer("r", "p0", "d0", 10, 11)
         assert await client.seen() == ("<10><11>", "length")

@@ -65,7 +65,7 @@ class FakeNodes:
         self.sent.append((node_id, msg))
         if isinstance(msg, ReserveKV | RenewTransfer) and node_id not in self.silent:
             xfer = f"x{len(self.sent)}"
-            reply = Reserved(msg.request_id, xfer, (1, 2, 3), f"ipc:///kv/{node_id}", "i")
+            reply = Reserved(msg.request_id, xfer, (1, 2, 3), (f"ipc:///kv/{node_id}",), "i")
             asyncio.get_running_loop().call_soon(self.tell, node_id, reply)
 
     def tell(self, node_id: str, msg: Message) -> None:
@@ -76,7 +76,7 @@ class FakeNodes:
         return RegisterNode(
             node_id=node_id,
             role=role,
-            kv_endpoint=f"ipc:///kv/{node_id}" if role == "decode" else "",
+            kv_endpoints=(f"ipc:///kv/{node_id}",) if role == "decode" else (),
             kv_connector="zmq",
             layout_digest="same",
             num_blocks=64,

@@ -22,7 +22,7 @@ def add(reg: NodeRegistry, node_id: str, role: str, **fields) -> None:
     msg = RegisterNode(
         node_id=node_id,
         role=role,
-        kv_endpoint="tcp://127.0.0.1:1" if role == "decode" else "",
+        kv_endpoints=("tcp://127.0.0.1:1",) if role == "decode" else (),
         kv_connector=fields.pop("connector", "zmq"),
         layout_digest=fields.pop("digest", "d"),
         num_blocks=8,

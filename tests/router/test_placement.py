@@ -160,7 +160,7 @@ class FakeControl:
         tokens = BlockHashes(list(msg.prompt_token_ids))
         cached = len(tokens) - missing_tokens(holder, tokens, NOW)
         blocks = tuple(range(1, -(-len(msg.prompt_token_ids) // BS) + 1))
-        return Reserved(msg.request_id, "x", blocks, "tcp://d:1", "i", cached_tokens=cached)
+        return Reserved(msg.request_id, "x", blocks, ("tcp://d:1",), "i", cached_tokens=cached)
 
 
 def cluster(placement: PlacementConfig) -> tuple[Routing, FakeControl]:

@@ -41,7 +41,7 @@ def register(reg: NodeRegistry, node_id: str, seen: float) -> None:
     msg = RegisterNode(
         node_id=node_id,
         role="decode",
-        kv_endpoint="tcp://127.0.0.1:1",
+        kv_endpoints=("tcp://127.0.0.1:1",),
         kv_connector="zmq",
         layout_digest="",
         num_blocks=8,

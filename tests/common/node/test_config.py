@@ -60,12 +60,24 @@ def test_every_node_flag_defaults_to_its_field_and_sets_it() -> None:
         "kv_port": 9100,
         "health_port": 8200,
         "kv_fence_timeout": 2.0,
+        "tensor_parallel_size": 2,
+        "threads_per_rank": 1,
     }
     flagged = {f.name for f in dataclasses.fields(NodeConfig) if f.metadata}
     assert flagged == set(values) | {"router_addrs"}  # connect_timeout alone has no flag
     for name, value in values.items():
         args = p.parse_args(["m", "--router", "h:1", flag_of(name), str(value)])
         assert node_config(args) == dataclasses.replace(base, **{name: value}), name
+
+
+def test_tp_has_vllms_short_flag_and_refuses_nonsense() -> None:
+    p = parser("test", "")
+    add_node_args(p)
+    assert node_config(p.parse_args(["m", "--router", "h:1", "-tp", "4"])).tensor_parallel_size == 4
+    with pytest.raises(ValueError, match="tensor_parallel_size must be >= 1, got 0"):
+        NodeConfig(("h:1",), tensor_parallel_size=0)
+    with pytest.raises(ValueError, match="threads_per_rank must be >= 1, got 0"):
+        NodeConfig(("h:1",), threads_per_rank=0)
 
 
 def test_serve_spells_the_node_defaults_it_repeats_from_node_config() -> None:

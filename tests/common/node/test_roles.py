@@ -148,7 +148,7 @@ def test_an_unreachable_decode_node_fails_the_prefill_without_holding_it(build, 
         SAMPLING,
         xfer_id="x",
         dest_block_ids=(1,),
-        dest_kv_endpoint="tcp://127.0.0.1:1",
+        dest_kv_endpoints=("tcp://127.0.0.1:1",),
     )
     node.handle(dest)
     error = router.recv(Error)

@@ -52,7 +52,7 @@ LPS = (
 )
 PAYLOADS: list[Message] = [
     *(Prefill("r", (1, 2), SamplingParams(structured_outputs=so)) for so in CONSTRAINTS),
-    Prefill("r", (1, 2), FULL, "x", (4, 5), "tcp://127.0.0.1:1", "i", 16, (9,)),
+    Prefill("r", (1, 2), FULL, "x", (4, 5), ("tcp://127.0.0.1:1",), "i", 16, (9,)),
     ReserveKV("r", (1, 2, 3), FULL, (7,)),
     Tokens("r", (5, 7), LPS, "length", 3, (TokenLogprobs(2, -3.0, ((8, -0.1),), 4),)),
     Tokens("r", (5,)),
