@@ -21,7 +21,6 @@ from pdserve.bench.offline import (
     Pdserve,
     Runs,
     Sweep,
-    batch_axis,
     compare_tokens,
     copy_bandwidth,
     decode_bytes,
@@ -35,13 +34,13 @@ from pdserve.bench.offline import (
     weight_bytes,
 )
 from pdserve.bench.report import (
+    Panel,
     best_time,
     goal,
     goals_table,
-    pyplot,
+    plot_lines,
     records_table,
     run_header,
-    save_figure,
 )
 
 MODES = ("eager", "compiled")
@@ -158,18 +157,14 @@ def section(report: dict[str, Any], figure: str) -> str:
 
 
 def plot(report: dict[str, Any], path: Path) -> Path:
-    plt = pyplot()
     rs = report["results"]
     x = [r["batch"] for r in rs]
-    fig, ax = plt.subplots(figsize=(6.5, 4.2))
+    panel = Panel(report["model"]["description"], "batch size", "decode tokens / s", xlog=2,
+                  xticks=x, ylog=True)  # fmt: skip
     for mode, style in (("eager", "s--"), ("compiled", "o-")):
-        ax.plot(x, [r[mode]["tokens_per_s"] for r in rs], style, label=mode)
-    ax.plot(x, [r["batch"] / r["floor_s"] for r in rs], "k:", label="bandwidth floor")
-    ax.set_yscale("log")
-    ax.set_ylabel("decode tokens / s")
-    ax.set_title(report["model"]["description"], fontsize=9)
-    batch_axis(ax, x)
-    return save_figure(fig, path)
+        panel.lines.append((mode, x, [r[mode]["tokens_per_s"] for r in rs], style))
+    panel.lines.append(("bandwidth floor", x, [r["batch"] / r["floor_s"] for r in rs], "k:"))
+    return plot_lines([panel], path, width=6.5)
 
 
 SWEEP = Sweep(

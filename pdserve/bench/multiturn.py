@@ -57,6 +57,7 @@ from pdserve.bench.report import (
     markdown_table,
     outputs_from_args,
     plot_lines,
+    record_line,
     records_table,
     setup_rows,
     sigterm_raises,
@@ -156,7 +157,7 @@ async def run_turns(
             await asyncio.sleep(SETTLE_S)
             after = await read_counters(client, health_urls)
             turns.append(turn_record(t, replies, duration, after.since(before), load))
-            print_turn(turns[-1])
+            print(record_line([TURN_COLUMNS[0], *TURN_COLUMNS[2:]], turns[-1]), flush=True)
             if not all(r.success for r in replies):
                 break
             before = after
@@ -176,16 +177,6 @@ def turn_record(
         "load_avg_1m": load,
         "replies": [per_request(r) for r in replies],
     }
-
-
-def print_turn(turn: dict[str, Any]) -> None:
-    print(
-        f"   turn {turn['turn']}: {turn['completed']} ok, {turn['failed']} failed, "
-        f"KV {turn['kv_bytes'] / 1e6:.2f} MB, local/remote "
-        f"{turn['prefills_local']}/{turn['prefills_remote']}, TTFT mean "
-        f"{turn['mean_ttft_ms']:.0f} ms, {turn['output_tokens_per_s']:.1f} out tok/s",
-        flush=True,
-    )
 
 
 def overall(turns: list[dict[str, Any]]) -> dict[str, Any]:

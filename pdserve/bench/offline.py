@@ -10,7 +10,6 @@ import argparse
 import random
 import statistics
 import sys
-import tempfile
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -21,6 +20,8 @@ import torch
 
 from pdserve.bench.report import (
     BENCH_MODEL_SIZES,
+    CACHE_DIR_FLAG,
+    Panel,
     add_flags,
     add_output_flags,
     best_time,
@@ -29,18 +30,16 @@ from pdserve.bench.report import (
     goals_table,
     measure_or_load,
     outputs_from_args,
+    plot_lines,
     publish,
-    pyplot,
     record_line,
     records_table,
     run_header,
-    save_figure,
     sync,
 )
 from pdserve.common.engine.llm import LLM, SamplingParams
 from pdserve.common.node.cli import parser
 
-DEFAULT_CACHE = Path(tempfile.gettempdir()) / "pdserve-bench-models"
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 Runs = dict[str, list[dict[str, Any]]]  # engine name -> its timed runs of one batch
@@ -238,14 +237,11 @@ def sweep_fields(args: argparse.Namespace, path: Path, pd: Pdserve) -> dict[str,
 
 def compare_tokens(ours: list[list[int]], theirs: list[list[int]]) -> dict[str, Any]:
     same = [a == b for a, b in zip(ours, theirs)]
-    first = next((i for i, ok in enumerate(same) if not ok), None)
-    return {
-        "tokens_equal": all(same) and len(ours) == len(theirs),
-        "matching_sequences": sum(same),
-        "first_mismatch": None
-        if first is None
-        else {"sequence": first, "pdserve": ours[first], "hf": theirs[first]},
-    }
+    first = same.index(False) if False in same else None
+    mismatch = first if first is None else {"sequence": first, "pdserve": ours[first],
+                                            "hf": theirs[first]}  # fmt: skip
+    return {"tokens_equal": all(same) and len(ours) == len(theirs),
+            "matching_sequences": sum(same), "first_mismatch": mismatch}  # fmt: skip
 
 
 def model_line(report: dict[str, Any]) -> str:
@@ -429,6 +425,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         Path(args.cache_dir),
         "llama-" + "-".join(map(str, BENCH_MODEL_SIZES.values())),
         BENCH_MODEL_SIZES,
+        CACHE_DIR_FLAG,
     )
     path = model_dir(args, full)
     copy_bw = copy_bandwidth(args.copy_mib << 20, DTYPES[args.dtype], args.device)
@@ -442,18 +439,9 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
 
 def goals(report: dict[str, Any]) -> list[dict[str, Any]]:
     rs = report["results"]
-    same = sum(r["matching_sequences"] for r in rs)
-    speed = [
-        goal(
-            f"pdserve tokens/s >= HF's, batch {r['batch']}",
-            r["pdserve"]["tokens_per_s"],
-            r["hf"]["tokens_per_s"],
-            ">=",
-            1.0,
-        )
-        for r in rs
-    ]
-    every = sum(r["batch"] for r in rs)
+    same, every = sum(r["matching_sequences"] for r in rs), sum(r["batch"] for r in rs)
+    speed = [goal(f"pdserve tokens/s >= HF's, batch {r['batch']}", r["pdserve"]["tokens_per_s"],
+                  r["hf"]["tokens_per_s"], ">=", 1.0) for r in rs]  # fmt: skip
     return [goal("every sequence's tokens equal HF's", same, every, ">=", 1.0), *speed]
 
 
@@ -498,36 +486,18 @@ def section(report: dict[str, Any], figure: str) -> str:
 
 
 def plot(report: dict[str, Any], path: Path) -> Path:
-    plt = pyplot()
     rs = report["results"]
     x = [r["batch"] for r in rs]
-    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.2))
-    left.plot(x, [r["pdserve"]["tokens_per_s"] for r in rs], "o-", label="pdserve LLM")
-    left.plot(x, [r["hf"]["tokens_per_s"] for r in rs], "s--", label="HF generate")
-    left.set_ylabel("new tokens / s")
-    left.set_title("offline throughput")
-    for key, label, style in (
-        ("decode_floor", "decode step", "o-"),
-        ("prefill_floor", "prefill", "^-"),
-    ):
-        right.plot(x, [r[key]["pdserve"] for r in rs], style, label=f"pdserve {label}")
-        right.plot(x, [r[key]["hf"] for r in rs], style[0] + "--", label=f"HF {label}")
-    right.axhline(1.0, color="gray", lw=0.8)
-    right.set_ylabel("floor time / measured time")
-    right.set_title("against bandwidth (decode) and matmul (prefill) floors")
-    for ax in (left, right):
-        batch_axis(ax, x)
-    fig.suptitle(report["model"]["description"], fontsize=9)
-    return save_figure(fig, path)
-
-
-def batch_axis(ax: Any, x: list[int]) -> None:
-    """A log2 batch-size axis with a tick per batch, a grid and the legend."""
-    ax.set_xscale("log", base=2)
-    ax.set_xticks(x, [str(b) for b in x])
-    ax.set_xlabel("batch size")
-    ax.grid(True, alpha=0.3)
-    ax.legend(fontsize=8)
+    left = Panel("offline throughput", "batch size", "new tokens / s", xlog=2, xticks=x)
+    left.lines = [(name, x, [r[side]["tokens_per_s"] for r in rs], style) for name, side, style
+                  in (("pdserve LLM", "pdserve", "o-"), ("HF generate", "hf", "s--"))]  # fmt: skip
+    right = Panel("against bandwidth (decode) and matmul (prefill) floors", "batch size",
+                  "floor time / measured time", xlog=2, xticks=x, hline=1.0)  # fmt: skip
+    for key, label, mark in (("decode_floor", "decode step", "o"),
+                             ("prefill_floor", "prefill", "^")):  # fmt: skip
+        right.lines.append((f"pdserve {label}", x, [r[key]["pdserve"] for r in rs], mark + "-"))
+        right.lines.append((f"HF {label}", x, [r[key]["hf"] for r in rs], mark + "--"))
+    return plot_lines([left, right], path, report["model"]["description"])
 
 
 SWEEP = Sweep(
@@ -545,17 +515,8 @@ SWEEP = Sweep(
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p = sweep_parser(SWEEP, __doc__)
-    p.add_argument_group("model").add_argument(
-        "--cache-dir",
-        default=None,
-        metavar="DIR",
-        help=f"where the built model is kept (default: {DEFAULT_CACHE}; quick: OUT/models)",
-    )
-    args = parse_sweep(p, SWEEP, argv)
-    args.cache_dir = args.cache_dir or (
-        args.outputs.folder / "models" if args.quick else DEFAULT_CACHE
-    )
-    return args
+    add_flags(p.add_argument_group("model"), [CACHE_DIR_FLAG])
+    return parse_sweep(p, SWEEP, argv)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
