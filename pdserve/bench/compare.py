@@ -38,6 +38,7 @@ from pdserve.bench.report import (
     TIMEOUT_FLAG,
     TQDM_FLAG,
     Outputs,
+    Panel,
     add_flags,
     add_output_flags,
     cached_model,
@@ -48,9 +49,8 @@ from pdserve.bench.report import (
     markdown_table,
     measure_or_load,
     outputs,
-    pyplot,
+    plot_lines,
     records_table,
-    save_figure,
     save_json,
     setup_rows,
     sigterm_raises,
@@ -406,34 +406,20 @@ def evaluate_goals(results: dict[str, dict], sizes: Sizes) -> list[dict[str, Any
 
 def plot_distributions(results: dict[str, dict], sizes: Sizes, metric: str, path: Path) -> Path:
     """CDFs of TTFT or ITL (ms) per system, one panel per scenario."""
-    from matplotlib import ticker
-
-    panels = [
-        ("latency/concurrency=1", None, "latency (1k prompts)"),
-        (_sat_key(sizes), None, "saturation (rate inf)"),
-        ("mixed/short+long", "short", "mixed: short requests"),
-    ]
-    fig, axes = pyplot().subplots(1, len(panels), figsize=(5 * len(panels), 3.6))
-    for ax, (key, tag, title) in zip(axes, panels):
+    panels = []
+    for key, tag, title in (("latency/concurrency=1", None, "latency (1k prompts)"),
+                            (_sat_key(sizes), None, "saturation (rate inf)"),
+                            ("mixed/short+long", "short", "mixed: short requests")):  # fmt: skip
+        panel = Panel(title, f"{metric.upper()} (ms)", "fraction of samples", xlog=10)
         for system, by_key in results.items():
             reqs = (by_key.get(key) or {"requests": []})["requests"]
             reqs = [r for r in reqs if r["success"] and tag in (None, r["tag"])]
             per = [[r["ttft_s"]] if metric == "ttft" else r["itl_s"] for r in reqs]
             xs = sorted(x * 1000 for values in per for x in values)
-            if xs:
-                ys = [(i + 1) / len(xs) for i in range(len(xs))]
-                ax.step(xs, ys, where="post", label=system)
-        ax.set(title=title, xlabel=f"{metric.upper()} (ms)", ylabel="fraction of samples")
-        ax.set_xscale("log")
-        # Label 1-2-5 steps in plain numbers: few decades per panel, so powers of ten alone
-        # would leave most panels unlabelled.
-        plain = ticker.FuncFormatter(lambda v, _: f"{v:g}")
-        ax.xaxis.set_minor_locator(ticker.LogLocator(base=10, subs=(2.0, 5.0)))
-        ax.xaxis.set_minor_formatter(plain)
-        ax.xaxis.set_major_formatter(plain)
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
-    return save_figure(fig, path)
+            ys = [(i + 1) / len(xs) for i in range(len(xs))]
+            panel.lines += [(system, xs, ys, "step")] if xs else []
+        panels.append(panel)
+    return plot_lines(panels, path)
 
 
 def plot_throughput(results: dict[str, dict], sizes: Sizes, path: Path) -> Path:
@@ -441,16 +427,12 @@ def plot_throughput(results: dict[str, dict], sizes: Sizes, path: Path) -> Path:
     finite = [r for r in sizes.sat_rates if math.isfinite(r)]
     inf_x = 2 * max(finite) if finite else 1.0
     xs = [r if math.isfinite(r) else inf_x for r in sizes.sat_rates]
-    fig, ax = pyplot().subplots(figsize=(6, 4))
+    title = f"throughput, prompts ~{sizes.sat_input} tok, outputs ~{sizes.sat_output} tok"
+    panel = Panel(title, "offered request rate (req/s; inf at the right)", "output tokens/s")
     for system, by_key in results.items():
         runs = [by_key.get(f"saturation/rate={r:g}") or {} for r in sizes.sat_rates]
-        ax.plot(xs, [r.get("output_throughput", math.nan) for r in runs], "o-", label=system)
-    ax.set_xticks(xs, [f"{r:g}" for r in sizes.sat_rates])
-    ax.set(xlabel="offered request rate (req/s)", ylabel="output tokens/s")
-    ax.set_title(f"throughput, prompts ~{sizes.sat_input} tok, outputs ~{sizes.sat_output} tok")
-    ax.grid(alpha=0.3)
-    ax.legend()
-    return save_figure(fig, path)
+        panel.lines.append((system, xs, [r.get("output_throughput", math.nan) for r in runs], "o-"))
+    return plot_lines([panel], path, width=6.0)
 
 
 # ---------------------------------------------------------------- the report
