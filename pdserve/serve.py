@@ -313,6 +313,27 @@ def build_parser() -> argparse.ArgumentParser:
         "free ports (named router1, ...; default: 1)",
     )
     topo.add_argument(
+        "--tensor-parallel-size",
+        "-tp",
+        type=int,
+        default=1,
+        metavar="N",
+        help="ranks (processes) per node, each holding a share of the model's heads and KV",
+    )
+    topo.add_argument(
+        "--prefill-tp", type=int, default=None, metavar="N", help="prefill nodes' TP (default: -tp)"
+    )
+    topo.add_argument(
+        "--decode-tp", type=int, default=None, metavar="N", help="decode nodes' TP (default: -tp)"
+    )
+    topo.add_argument(
+        "--threads-per-rank",
+        type=int,
+        default=None,
+        metavar="T",
+        help="torch threads of each rank (default: the machine's threads shared evenly)",
+    )
+    topo.add_argument(
         "--kv-connector",
         default=default_of(NodeConfig, "kv_connector"),
         choices=KV_CONNECTORS,
@@ -374,6 +395,20 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _tp_flags(
+    p: argparse.ArgumentParser, args: argparse.Namespace
+) -> tuple[list[str], list[str], list[str]]:
+    """The tensor-parallel flags of every node, of prefill nodes and of decode nodes."""
+    sizes = (args.tensor_parallel_size, args.prefill_tp, args.decode_tp)
+    if any(n is not None and n < 1 for n in sizes):
+        p.error("tensor-parallel sizes must be >= 1")
+    every = ["--tensor-parallel-size", str(args.tensor_parallel_size)]
+    if args.threads_per_rank is not None:
+        every += ["--threads-per-rank", str(args.threads_per_rank)]
+    role = [[] if n is None else ["--tensor-parallel-size", str(n)] for n in sizes[1:]]
+    return every, role[0], role[1]
+
+
 def cluster_from_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> LocalCluster:
     """The deployment of parsed `build_parser` flags (ValueError on a bad router flag)."""
     resolve_model(p, args)
@@ -391,6 +426,7 @@ def cluster_from_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> L
     nodes = _engine_flags(args) + ["--drain-timeout", str(args.drain_timeout)]
     if router.curve_dir:
         nodes += ["--curve-dir", router.curve_dir]
+    tp = _tp_flags(p, args)
     return LocalCluster(
         args.model,
         num_prefill=num_p,
@@ -400,7 +436,9 @@ def cluster_from_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> L
         kv_connector=args.kv_connector,
         port=router.port,
         control_port=router.control_port,
-        engine_args=nodes + shlex.split(args.node_flags),
+        engine_args=nodes + tp[0] + shlex.split(args.node_flags),
+        prefill_args=tp[1],
+        decode_args=tp[2],
         router_args=option_flags(router, CLUSTER_SETS) + shlex.split(args.router_flags),
         log_dir=args.log_dir,
         host=router.host,

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
+from dataclasses import replace
 
 import pytest
 
@@ -572,3 +573,45 @@ async def test_a_scored_prompt_may_run_on_a_colocated_node(
     nodes.tell("b0", Tokens("s", (), finish_reason="length"))
     await until(task.done, "the answer")
     assert task.result() == [Tokens("s", (), finish_reason="length")]
+
+
+# -- tensor parallelism: the sending TP the decode ranks expect ---------------------------------
+
+
+def add_tp(nodes: FakeNodes, node_id: str, role: str, tp: int) -> NodeInfo:
+    registration = replace(nodes.registration(node_id, role), tp_size=tp)
+    nodes.backend.registry.add(node_id, registration, 1000.0)
+    return nodes.backend.nodes[node_id]
+
+
+@scenario("d0")
+async def test_the_reservation_expects_the_prefill_nodes_tp(
+    backend: ClusterBackend, nodes: FakeNodes, _: FakeClock
+) -> None:
+    add_tp(nodes, "p0", "prefill", 2)
+    client = await nodes.start()
+    (reserve,) = nodes.to("d0", ReserveKV)
+    assert reserve.src_tp == 2
+    assert nodes.to("d0", RenewTransfer) == []  # the prefill node it got is the expected one
+    nodes.answer("r", "p0", "d0", 10, 11)
+    assert await client.seen() == ("<10><11>", "length")
+
+
+@scenario("d0")
+async def test_a_prefill_node_of_another_tp_renews_the_reservation_first(
+    backend: ClusterBackend, nodes: FakeNodes, _: FakeClock
+) -> None:
+    add_tp(nodes, "p0", "prefill", 4)
+    nodes.silent = {"d0"}
+    client = Client(backend)
+    await until(lambda: nodes.where(ReserveKV, "r"), "the reservation asked")
+    nodes.tell("d0", Reserved("r", "x", (1,), ("ipc:///kv/d0",), src_tp=1))  # for TP 1
+    await until(lambda: nodes.where(RenewTransfer, "r"), "the renewal asked")
+    assert nodes.to("d0", RenewTransfer) == [RenewTransfer("r", src_tp=4)]
+    assert nodes.where(Prefill, "r") == []  # not before the decode ranks expect 4 slices
+    nodes.tell("d0", Reserved("r", "y", (1,), ("ipc:///kv/d0",), src_tp=4))
+    await nodes.prefilling("r")
+    (prefill,) = nodes.to("p0", Prefill)
+    assert prefill.xfer_id == "y"
+    nodes.answer("r", "p0", "d0", 10, 11)
+    assert await client.seen() == ("<10><11>", "length")

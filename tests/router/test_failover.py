@@ -65,7 +65,8 @@ class FakeNodes:
         self.sent.append((node_id, msg))
         if isinstance(msg, ReserveKV | RenewTransfer) and node_id not in self.silent:
             xfer = f"x{len(self.sent)}"
-            reply = Reserved(msg.request_id, xfer, (1, 2, 3), (f"ipc:///kv/{node_id}",), "i")
+            endpoints = (f"ipc:///kv/{node_id}",)
+            reply = Reserved(msg.request_id, xfer, (1, 2, 3), endpoints, "i", src_tp=msg.src_tp)
             asyncio.get_running_loop().call_soon(self.tell, node_id, reply)
 
     def tell(self, node_id: str, msg: Message) -> None:

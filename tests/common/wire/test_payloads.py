@@ -14,11 +14,15 @@ import zmq
 
 from pdserve.common.node.membership import ControlClient
 from pdserve.common.wire.messages import (
+    PROTOCOL_VERSION,
     Error,
     Failure,
     Message,
     Prefill,
     ProtocolError,
+    RegisterNode,
+    RenewTransfer,
+    Reserved,
     ReserveKV,
     Tokens,
     decode,
@@ -54,6 +58,10 @@ PAYLOADS: list[Message] = [
     *(Prefill("r", (1, 2), SamplingParams(structured_outputs=so)) for so in CONSTRAINTS),
     Prefill("r", (1, 2), FULL, "x", (4, 5), ("tcp://127.0.0.1:1",), "i", 16, (9,)),
     ReserveKV("r", (1, 2, 3), FULL, (7,)),
+    ReserveKV("r", (1, 2, 3), FULL, src_tp=4),
+    RenewTransfer("r", src_tp=2),
+    Reserved("r", "x", (4, 5), ("tcp://h:1", "tcp://h:2"), "i", 16, src_tp=2),
+    RegisterNode("d", "decode", ("tcp://h:1", "tcp://h:2"), "zmq", "ab", 8, 16, 64, tp_size=2),
     Tokens("r", (5, 7), LPS, "length", 3, (TokenLogprobs(2, -3.0, ((8, -0.1),), 4),)),
     Tokens("r", (5,)),
 ]
@@ -184,3 +192,43 @@ def test_a_node_answers_a_refused_request_with_a_bad_request_error(router: zmq.S
         assert "prefill.sampling: top_p must be in (0, 1]" in answer.message
     finally:
         client.close()
+
+
+@pytest.mark.parametrize(
+    ("body", "why"),
+    [
+        (
+            {
+                "type": "reserve_kv",
+                "request_id": "r",
+                "prompt_token_ids": [1],
+                "sampling": {},
+                "src_tp": 0,
+            },
+            "tensor-parallel size must be >= 1, got 0",
+        ),
+        (
+            {"type": "renew_transfer", "request_id": "r", "src_tp": -1},
+            "tensor-parallel size must be >= 1, got -1",
+        ),
+        (
+            {
+                "type": "register_node",
+                "node_id": "d",
+                "role": "decode",
+                "kv_endpoints": ["tcp://h:1"],
+                "kv_connector": "zmq",
+                "layout_digest": "",
+                "num_blocks": 8,
+                "block_size": 16,
+                "max_model_len": 64,
+                "tp_size": 2,
+            },
+            "1 KV endpoints for 2 ranks",
+        ),
+    ],
+)
+def test_tensor_parallel_fields_are_checked(body, why) -> None:
+    frame = msgpack.packb({**body, "version": PROTOCOL_VERSION})
+    with pytest.raises(ProtocolError, match=why):
+        decode(frame)

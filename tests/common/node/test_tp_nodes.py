@@ -1,0 +1,155 @@
+"""A prefill node at TP p feeding a decode node at TP d, in-process (rank 0 of each here, their
+other ranks as processes): each decode rank receives exactly its heads from the prefill ranks
+that hold them, and the answer equals the engine's at TP 1, token for token; blocks return to
+where they started after success and after an abort midway."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+from pdserve.common.engine.config import CacheConfig, ModelConfig, SchedulerConfig
+from pdserve.common.engine.llm import LLM, SamplingParams
+from pdserve.common.node.config import NodeConfig
+from pdserve.common.wire.messages import Abort, Prefill, RenewTransfer, Reserved, ReserveKV
+from pdserve.decode_node.node import DecodeNode
+from pdserve.prefill_node.node import PrefillNode
+from tests.prefill_node.test_prefill_node import FakeRouter, finish_on_decode
+
+BLOCK = 16
+GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+PROMPTS = [list(range(3, 60)), [7, 8, 9, 10, 11, 12, 13]]
+
+
+@pytest.fixture(autouse=True)
+def keep_threads() -> Iterator[None]:
+    """Rank 0 of a group sets this process's torch threads to its share: give them back."""
+    threads = torch.get_num_threads()
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory) -> dict[int, str]:
+    from pdserve.tiny_model import make_tiny_model
+
+    root = tmp_path_factory.mktemp("tp-nodes")
+    return {kv: str(make_tiny_model("llama", root / f"kv{kv}", kv_heads=kv)) for kv in (4, 2)}
+
+
+def build(model: str, p: int, d: int, connector: str):
+    router = FakeRouter()
+    cache = CacheConfig(block_size=BLOCK, num_blocks=48)
+    sched = SchedulerConfig(max_num_batched_tokens=40, max_num_seqs=8)
+
+    def node(tp: int) -> NodeConfig:
+        return NodeConfig(
+            (router.addr,), kv_connector=connector, tensor_parallel_size=tp, threads_per_rank=1
+        )
+
+    prefill = PrefillNode(ModelConfig(model), cache, sched, node(p))
+    try:
+        decode_ = DecodeNode(ModelConfig(model), cache, sched, node(d))
+    except BaseException:
+        prefill.close()
+        raise
+    return router, prefill, decode_
+
+
+def start(router, prefill, decode_, rid: str, prompt: list[int], p: int) -> Reserved:
+    """ReserveKV (for a sender at TP p) on D, then Prefill on P; D's ranks poll meanwhile, so
+    each prefill rank's handshake with each decode rank it feeds gets its answer."""
+    decode_.handle(ReserveKV(rid, tuple(prompt), GREEDY, src_tp=p))
+    reserved = router.recv(Reserved, rid)
+    assert len(reserved.kv_endpoints) == decode_.kv.size and reserved.src_tp == p
+    stop = threading.Event()
+    pump = threading.Thread(target=lambda: [decode_.poll_io() for _ in iter(stop.is_set, True)])
+    pump.start()
+    try:
+        prefill.handle(
+            Prefill(
+                rid,
+                tuple(prompt),
+                GREEDY,
+                reserved.xfer_id,
+                reserved.block_ids,
+                reserved.kv_endpoints,
+            )
+        )
+    finally:
+        stop.set()
+        pump.join()
+    return reserved
+
+
+def serve(router, prefill, decode_, rid: str, prompt: list[int], p: int) -> list[int]:
+    start(router, prefill, decode_, rid, prompt, p)
+    while rid in prefill.dests:
+        prefill.step()
+    return finish_on_decode(router, decode_, rid)
+
+
+def free(node) -> int:
+    return node.engine.kv.num_free_blocks
+
+
+@pytest.mark.parametrize(
+    ("kv", "p", "d", "connector"),
+    [
+        (4, 1, 2, "zmq"),
+        (4, 2, 1, "zmq"),
+        (4, 2, 2, "zmq"),
+        (4, 1, 4, "zmq"),
+        (4, 4, 1, "zmq"),
+        (2, 4, 2, "zmq"),  # 2 KV heads on 4 prefill ranks: each held twice
+        (4, 2, 1, "nccl"),
+        (4, 1, 2, "shm"),
+    ],
+)
+def test_tp_p_to_tp_d_equals_the_engine_at_tp1(models, kv, p, d, connector) -> None:
+    model = models[kv]
+    expected = LLM(model, block_size=BLOCK, skip_tokenizer_init=True).generate(PROMPTS, GREEDY)
+    router, prefill, decode_ = build(model, p, d, connector)
+    try:
+        before = (free(prefill), free(decode_))
+        for i, prompt in enumerate(PROMPTS):
+            got = serve(router, prefill, decode_, f"r{i}", prompt, p)
+            assert got == expected[i].token_ids, (i, got)
+        # An abort before the KV is all there: the reservation and the transfer go, on every rank.
+        start(router, prefill, decode_, "gone", PROMPTS[0], p)
+        prefill.step()
+        decode_.handle(Abort("gone", "client went away"))
+        prefill.handle(Abort("gone", "client went away"))
+        assert (free(prefill), free(decode_)) == before
+        assert not decode_.pending and not decode_.xfer_to_rid
+        prefill.engine.check_integrity()
+        decode_.engine.check_integrity()
+    finally:
+        prefill.close()
+        decode_.close()
+        router.sock.close()
+
+
+def test_a_reservation_renewed_for_another_sending_tp(models) -> None:
+    """D reserved for a TP 1 sender (one slice); the router picked a TP 2 prefill node, so it
+    renews the reservation for TP 2 (two slices, one per prefill rank) before the prefill."""
+    model = models[4]
+    expected = LLM(model, block_size=BLOCK, skip_tokenizer_init=True).generate(PROMPTS[:1], GREEDY)
+    router, prefill, decode_ = build(model, 2, 1, "zmq")
+    try:
+        decode_.handle(ReserveKV("r", tuple(PROMPTS[0]), GREEDY, src_tp=1))
+        first = router.recv(Reserved, "r")
+        decode_.handle(RenewTransfer("r", src_tp=2))
+        renewed = router.recv(Reserved, "r")
+        assert renewed.xfer_id != first.xfer_id and renewed.src_tp == 2
+        assert decode_.pending == {renewed.xfer_id: 2}  # one slice from each prefill rank
+        decode_.handle(Abort("r", "done"))
+        got = serve(router, prefill, decode_, "r2", PROMPTS[0], 2)
+        assert got == expected[0].token_ids
+    finally:
+        prefill.close()
+        decode_.close()
+        router.sock.close()
