@@ -158,10 +158,6 @@ def finish(res: RequestResult, now: float) -> RequestResult:
     return res
 
 
-def http_error(status: int, body: bytes) -> str:
-    return f"HTTP {status}: {body[:300].decode(errors='replace')}"
-
-
 async def stream_one(
     client: httpx.AsyncClient,
     base_url: str,
@@ -190,7 +186,9 @@ async def _read(
     async with client.stream("POST", url, json=body) as resp:
         res.status = resp.status_code
         if resp.status_code != 200:
-            res.error = http_error(resp.status_code, await resp.aread())
+            res.error = (
+                f"HTTP {resp.status_code}: {(await resp.aread())[:300].decode(errors='replace')}"
+            )
             return
         async for line in resp.aiter_lines():
             if line.startswith("data:") and take_event(
@@ -615,34 +613,30 @@ def run_benchmark(
     """Probe, warm up, send every request (Poisson arrivals unless `arrivals` gives the send
     times) and summarize (see `summarize`), on a fresh event loop. Text prompts replace id
     prompts when the server takes no ids."""
-    return asyncio.run(_run_benchmark(config, requests, pool, arrivals))
-
-
-async def _run_benchmark(
-    config: BenchConfig,
-    requests: Sequence[BenchRequest],
-    pool: TokenPool,
-    arrivals: Sequence[float] | None,
-) -> dict[str, Any]:
     if not requests:
         raise ValueError("no requests to send")
     if arrivals is None:
         arrivals = poisson_arrivals(len(requests), config.request_rate, config.seed)
     if len(arrivals) != len(requests):
         raise ValueError("one arrival time per request")
-    async with make_client(config.base_url, config.api_key) as client:
-        caps = ServerCaps(True, "none", config.model)
-        sender = Sender(client, config.base_url, caps, config.temperature, config.request_timeout)
-        chat = requests[0].messages is not None
-        kinds = frozenset(r.structured for r in requests if r.structured is not None)
-        sender.caps = await probe_server(sender, pool, chat, kinds)
-        if not sender.caps.token_ids:
-            requests = as_text(pool, requests)
-        await warm_up(sender, pool, config.num_warmups, chat)
-        results, duration = await send_all(
-            sender, requests, arrivals, config.max_concurrency, not config.disable_tqdm
-        )
-    return {**summarize(results, duration, config), "server": asdict(sender.caps)}
+    chat = requests[0].messages is not None
+    kinds = frozenset(r.structured for r in requests if r.structured is not None)
+
+    async def run() -> tuple[list[RequestResult], float, ServerCaps]:
+        nonlocal requests
+        async with make_client(config.base_url, config.api_key) as client:
+            caps = ServerCaps(True, "none", config.model)
+            timeout = config.request_timeout
+            sender = Sender(client, config.base_url, caps, config.temperature, timeout)
+            sender.caps = await probe_server(sender, pool, chat, kinds)
+            requests = requests if sender.caps.token_ids else as_text(pool, requests)
+            await warm_up(sender, pool, config.num_warmups, chat)
+            progress = not config.disable_tqdm
+            sent = await send_all(sender, requests, arrivals, config.max_concurrency, progress)
+        return *sent, sender.caps
+
+    results, duration, caps = asyncio.run(run())
+    return {**summarize(results, duration, config), "server": asdict(caps)}
 
 
 # ---------------------------------------------------------------- metrics

@@ -386,17 +386,9 @@ def run_header(report: dict[str, Any], threads: str = "torch threads") -> list[s
 def goal(name: str, value: float | None, base: float | None, op: str, target: float) -> dict:
     """One goal of a run: value / base against target (op ">=" or "<="); "not measured" when
     either side is missing."""
-    if value is None or base is None or base <= 0:
-        return {
-            "goal": name,
-            "value": value,
-            "baseline": base,
-            "ratio": None,
-            "status": "not measured",
-        }
-    ratio = value / base
-    met = ratio >= target if op == ">=" else ratio <= target
-    status = "met" if met else "missed"
+    ratio = value / base if value is not None and base is not None and base > 0 else None
+    met = ratio is not None and (ratio >= target if op == ">=" else ratio <= target)
+    status = "not measured" if ratio is None else "met" if met else "missed"
     return {"goal": name, "value": value, "baseline": base, "ratio": ratio, "status": status}
 
 
