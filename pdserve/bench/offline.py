@@ -515,8 +515,15 @@ SWEEP = Sweep(
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p = sweep_parser(SWEEP, __doc__)
-    add_flags(p.add_argument_group("model"), [CACHE_DIR_FLAG])
-    return parse_sweep(p, SWEEP, argv)
+    text = f"{CACHE_DIR_FLAG[3]} (default: {CACHE_DIR_FLAG[2]}; quick: OUT/models)"
+    add_flags(
+        p.add_argument_group("model"), [("--cache-dir", Path, None, text, {"metavar": "DIR"})]
+    )
+    args = parse_sweep(p, SWEEP, argv)
+    args.cache_dir = args.cache_dir or (
+        args.outputs.folder / "models" if args.quick else CACHE_DIR_FLAG[2]
+    )
+    return args
 
 
 def main(argv: Sequence[str] | None = None) -> int:
