@@ -58,15 +58,24 @@ def one_thread(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     torch.set_num_threads(threads)
 
 
-def test_llm_greedy_equals_hf_generate_on_chat_prompts(smollm2_gguf: Path) -> None:
-    from transformers import AutoModelForCausalLM
-
-    llm = LLM(str(smollm2_gguf))
+def chat_prompts(llm: LLM) -> list[list[int]]:
+    """QUESTIONS as one-turn chats, through the model's chat template."""
     tok = llm.tokenizer
     chats = [[{"role": "user", "content": q}] for q in QUESTIONS]
     texts = [tok.apply_chat_template(c, add_generation_prompt=True, tokenize=False) for c in chats]
-    prompts = [tok(text, add_special_tokens=False).input_ids for text in texts]
-    outs = llm.generate(prompts, SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0))
+    return [tok(text, add_special_tokens=False).input_ids for text in texts]
+
+
+def test_llm_greedy_equals_hf_generate_on_chat_prompts(smollm2_gguf: Path) -> None:
+    """At TP 1 and at TP 3 (SmolLM2's 9 query and 3 KV heads, one of each three per rank)."""
+    from transformers import AutoModelForCausalLM
+
+    llm = LLM(str(smollm2_gguf))
+    prompts = chat_prompts(llm)
+    greedy = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0)
+    outs = llm.generate(prompts, greedy)
+    with LLM(str(smollm2_gguf), tensor_parallel_size=3, threads_per_rank=1) as tp3:
+        assert [o.token_ids for o in tp3.generate(prompts, greedy)] == [o.token_ids for o in outs]
     hf = AutoModelForCausalLM.from_pretrained(
         smollm2_gguf.parent, gguf_file=smollm2_gguf.name, dtype=torch.float32
     ).eval()
@@ -127,24 +136,38 @@ PEOPLE = [
 
 
 def test_smollm2_through_one_prefill_one_decode_with_the_openai_client(smollm2_gguf: Path) -> None:
-    """One 1P1D deployment for every openai-client check (a start costs ~20 s here): "What
-    is the capital of France?" is answered "Paris"; chat.completions.parse with a Pydantic
+    """One 1P1D deployment, its prefill node at TP 3 and its decode node at TP 1 (each decode
+    KV head comes from another prefill rank), for every openai-client check (a start costs
+    ~20 s here): the chat prompts' greedy answers are the engine's (at TP 1, which equals HF
+    above) and "What is the capital of France?" is answered "Paris"; chat.completions.parse
+    with a Pydantic
     model returns a parsed object 20 times out of 20 (a cut-off object would fail);
     json_object output loads, regex and choice outputs match; a tool call round-trips; every
     block is free afterwards."""
     from openai import OpenAI
 
-    with LocalCluster(str(smollm2_gguf), num_prefill=1, num_decode=1) as cluster:
+    llm = LLM(str(smollm2_gguf))
+    greedy = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0)
+    expected = [out.text for out in llm.generate(chat_prompts(llm), greedy)]
+    del llm
+    tp = ["--tensor-parallel-size", "3", "--threads-per-rank", "1"]
+    with LocalCluster(str(smollm2_gguf), prefill_args=tp) as cluster:
         client = OpenAI(base_url=cluster.url + "/v1", api_key="x", timeout=300, max_retries=0)
         model = client.models.list().data[0].id
         assert model == str(smollm2_gguf)  # MODEL as given is the served name
-        reply = client.chat.completions.create(
-            model=model,
-            messages=[{"role": "user", "content": "What is the capital of France?"}],
-            max_tokens=MAX_TOKENS,
-            temperature=0,
-        )
-        assert "Paris" in reply.choices[0].message.content
+        answers = [
+            client.chat.completions.create(
+                model=model,
+                messages=[{"role": "user", "content": q}],
+                max_tokens=MAX_TOKENS,
+                temperature=0,
+            )
+            .choices[0]
+            .message.content
+            for q in QUESTIONS
+        ]
+        assert answers == expected
+        assert "Paris" in answers[0]
 
         def person(who: str) -> Person | None:
             reply = client.chat.completions.parse(
