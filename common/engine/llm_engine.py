@@ -173,6 +173,11 @@ class LLMEngine:
     def check_integrity(self) -> None:
         self.kv.check_integrity()
 
+    def broken(self) -> str | None:
+        """Why the engine's tensor-parallel group cannot go on (a rank is gone), or None."""
+        driver = self.runner.driver
+        return None if driver is None else driver.broken()
+
     def close(self) -> None:
         """Stop the engine's other tensor-parallel ranks (nothing to do at TP 1)."""
         self.runner.close()

@@ -175,6 +175,7 @@ class RankDriver:
         self.channel = StepChannel(self.group)
         self._last_send = time.monotonic()
         self._closed = threading.Event()
+        self._broken = ""  # why the keep-alive found the group broken
 
     def start(self) -> None:
         """Keep idle workers alive from now on (after the ranks' start-up collectives)."""
@@ -209,6 +210,13 @@ class RankDriver:
         except RuntimeError as exc:
             raise RuntimeError(f"tensor-parallel group broken: {self.exits()}: {exc}") from exc
 
+    def broken(self) -> str | None:
+        """Why the group cannot run another step (a worker exited, a keep-alive failed), or
+        None; cheap enough for every turn of a node's loop."""
+        if any(p.poll() is not None for p in self.procs):
+            return self.exits()
+        return self._broken or None
+
     def exits(self) -> str:
         codes = [(r, p.poll()) for r, p in enumerate(self.procs, start=1)]
         dead = [f"rank {r} exited with {c}" for r, c in codes if c is not None]
@@ -224,19 +232,25 @@ class RankDriver:
                     return
                 try:
                     self._checked(self.channel.send, _KEEPALIVE)
-                except RuntimeError:
-                    return  # the next step raises it to the engine
+                except RuntimeError as exc:
+                    self._broken = str(exc)  # `broken` says so; the next step would raise
+                    return
 
     def close(self) -> None:
-        """Stop the workers (a STOP, then a kill after the timeout)."""
+        """Stop the workers: a STOP, then a kill after the timeout; at once when the group
+        is broken (a survivor would only learn it when this process exits)."""
         if self._closed.is_set():
             return
         with self.group.lock:
             self._closed.set()
+            broken = self.broken() is not None
             try:
-                self.channel.send(_STOP)
+                if not broken:
+                    self.channel.send(_STOP)
             except RuntimeError:
-                pass  # a worker is gone already: kill the rest below
+                broken = True
+        if broken:
+            self._kill()
         deadline = time.monotonic() + self.parallel.timeout_s
         for proc in self.procs:
             try:
@@ -248,7 +262,8 @@ class RankDriver:
 
     def _kill(self) -> None:
         for proc in self.procs:
-            proc.kill()
+            if proc.poll() is None:
+                proc.kill()
             proc.wait(timeout=10)
 
 

@@ -335,6 +335,10 @@ class EngineNode:
             self.health.start()
         while not self.stop_event.is_set():
             self._last_progress = time.monotonic()
+            broken = self.engine.broken()
+            if broken is not None:  # a rank is gone: the whole node goes (and is restarted)
+                self.fail(f"tensor-parallel group broken: {broken}")
+                break
             busy = self.engine.has_unfinished
             for link, msg in members.control.recv(0 if busy else 5):
                 self.handle(msg, link)

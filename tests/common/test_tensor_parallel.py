@@ -80,6 +80,7 @@ def test_a_dead_worker_fails_the_next_step_naming_it(model_dirs) -> None:
         worker = llm.engine.runner.driver.procs[0]
         os.kill(worker.pid, signal.SIGKILL)
         worker.wait(timeout=10)
+        assert llm.engine.broken() == "rank 1 exited with -9"  # a node's loop checks this
         with pytest.raises(RuntimeError, match="rank 1 exited with -9"):
             llm.generate([[1, 2, 3]], GREEDY)
 

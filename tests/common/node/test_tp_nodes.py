@@ -153,3 +153,23 @@ def test_a_reservation_renewed_for_another_sending_tp(models) -> None:
         prefill.close()
         decode_.close()
         router.sock.close()
+
+
+def test_a_dead_rank_stops_its_node(models) -> None:
+    """kill -9 of a worker rank of an idle decode node: the node's loop sees it at once and
+    stops with the reason (its supervisor restarts the group; the router fails over)."""
+    import os
+    import signal
+
+    router, prefill, decode_ = build(models[4], 1, 2, "zmq")
+    try:
+        worker = decode_.engine.runner.driver.procs[0]
+        runner = threading.Thread(target=decode_.run, daemon=True)
+        runner.start()
+        os.kill(worker.pid, signal.SIGKILL)
+        runner.join(timeout=30)
+        assert not runner.is_alive(), "the node kept running without a rank"
+        assert decode_.fatal == "tensor-parallel group broken: rank 1 exited with -9"
+    finally:
+        prefill.close()
+        router.sock.close()
