@@ -41,13 +41,13 @@ from pdserve.bench.report import (
     Panel,
     add_flags,
     add_output_flags,
+    bench_main,
     cached_model,
     flags_text,
     git_state,
     goal,
     goals_table,
     markdown_table,
-    measure_or_load,
     outputs,
     plot_lines,
     records_table,
@@ -192,22 +192,6 @@ def scenario_fields(args: argparse.Namespace, model: Path | str, desc: str) -> d
 def loads_row(loads: list[float], when: str) -> list[str]:
     text = f"{min(loads):.1f} to {max(loads):.1f}" if loads else "not measured"
     return [f"1-minute load average {when}", text]
-
-
-def scenario_main(
-    argv: list[str] | None,
-    parse: Callable[[list[str]], argparse.Namespace],
-    benchmark: str,
-    measure: Callable[[argparse.Namespace], dict[str, Any]],
-    publish: Callable[[dict[str, Any], Outputs], None],
-) -> dict[str, Any]:
-    """Measure (or read back --from-json) and publish; scripts/bench_NAME.py repeats it."""
-    argv = sys.argv[1:] if argv is None else list(argv)
-    args = parse(argv)
-    script = f"bench_{benchmark}.py"
-    report = measure_or_load(args, benchmark, script, argv, lambda: measure(args))
-    publish(report, args.outputs)
-    return report
 
 
 def write_report(report: dict[str, Any], to: Outputs, name: str, section: str) -> Path:
@@ -640,7 +624,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-    return scenario_main(argv, parse_args, "compare", measure, publish)
+    return bench_main(argv, parse_args, "compare", measure, publish)
 
 
 if __name__ == "__main__":

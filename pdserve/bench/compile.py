@@ -29,16 +29,17 @@ from pdserve.bench.offline import (
     parse_sweep,
     sweep_batches,
     sweep_fields,
-    sweep_main,
     sweep_parser,
     weight_bytes,
 )
 from pdserve.bench.report import (
     Panel,
+    bench_main,
     best_time,
     goal,
     goals_table,
     plot_lines,
+    publish,
     records_table,
     run_header,
 )
@@ -187,9 +188,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    return sweep_main(SWEEP, parse_args(argv), argv, measure, plot, section)
+def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
+    write = lambda report, to: publish("compile", report, to, plot, section)  # noqa: E731
+    return bench_main(argv, parse_args, "compile", measure, write)
 
 
 if __name__ == "__main__":

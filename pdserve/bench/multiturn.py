@@ -25,7 +25,6 @@ from pdserve.bench.compare import (
     measure_systems,
     parse_scenario,
     scenario_fields,
-    scenario_main,
     scenario_parser,
     write_report,
 )
@@ -51,6 +50,7 @@ from pdserve.bench.report import (
     TIMEOUT_FLAG,
     Outputs,
     Panel,
+    bench_main,
     cached_model,
     goal,
     goals_table,
@@ -502,7 +502,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-    return scenario_main(argv, parse_args, SECTION, measure, publish)
+    return bench_main(argv, parse_args, SECTION, measure, publish)
 
 
 if __name__ == "__main__":

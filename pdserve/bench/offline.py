@@ -24,11 +24,11 @@ from pdserve.bench.report import (
     Panel,
     add_flags,
     add_output_flags,
+    bench_main,
     best_time,
     cached_model,
     goal,
     goals_table,
-    measure_or_load,
     outputs_from_args,
     plot_lines,
     publish,
@@ -97,6 +97,8 @@ def parse_sweep(
     """The flags with their full or quick defaults filled in, checked."""
     args = p.parse_args(argv)
     args.outputs = outputs_from_args(p, args)
+    if args.threads > 0:
+        torch.set_num_threads(args.threads)
     q = int(args.quick)
     args.batch_sizes = [int(b) for b in (args.batch_sizes or sweep.batch_sizes[q]).split(",")]
     args.prompt_len = args.prompt_len or sweep.prompt_len[q]
@@ -106,22 +108,6 @@ def parse_sweep(
     if min(args.batch_sizes) < 1 or args.prompt_len < 1 or args.max_tokens < sweep.min_tokens:
         p.error(f"batch sizes and --prompt-len must be >= 1, --max-tokens >= {sweep.min_tokens}")
     return args
-
-
-def sweep_main(
-    sweep: Sweep,
-    args: argparse.Namespace,
-    argv: Sequence[str],
-    measure: Callable[[argparse.Namespace], dict[str, Any]],
-    plot: Callable[[dict[str, Any], Path], Path],
-    section: Callable[[dict[str, Any], str], str],
-) -> int:
-    """Measure (or read back --from-json) and write the JSON, figure and section."""
-    if args.threads > 0:
-        torch.set_num_threads(args.threads)
-    report = measure_or_load(args, sweep.name, sweep.script, argv, lambda: measure(args))
-    publish(sweep.name, report, args.outputs, plot, section)
-    return 0
 
 
 def model_dir(args: argparse.Namespace, full: Callable[[], Path]) -> Path:
@@ -526,9 +512,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    return sweep_main(SWEEP, parse_args(argv), argv, measure, plot, section)
+def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
+    write = lambda report, to: publish("offline", report, to, plot, section)  # noqa: E731
+    return bench_main(argv, parse_args, "offline", measure, write)
 
 
 if __name__ == "__main__":

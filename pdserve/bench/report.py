@@ -14,6 +14,7 @@ import shutil
 import signal
 import statistics
 import subprocess
+import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -369,6 +370,22 @@ def measure_or_load(
         "load_avg": [load, os.getloadavg()[0]],
         **fields,
     }
+
+
+def bench_main(
+    argv: Sequence[str] | None,
+    parse: Callable[[list[str]], argparse.Namespace],
+    name: str,
+    measure: Callable[[argparse.Namespace], dict[str, Any]],
+    write: Callable[[dict[str, Any], Outputs], object],
+) -> dict[str, Any]:
+    """A benchmark's main: parse, measure (or read back --from-json), write(report, its
+    Outputs). Pages cite the run as `python scripts/bench_NAME.py ARGS`."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = parse(argv)
+    report = measure_or_load(args, name, f"bench_{name}.py", argv, lambda: measure(args))
+    write(report, args.outputs)
+    return report
 
 
 def run_header(report: dict[str, Any], threads: str = "torch threads") -> list[str]:

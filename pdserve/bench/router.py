@@ -6,7 +6,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import functools
 import itertools
 import json
 import math
@@ -24,12 +23,13 @@ from typing import Any
 from pdserve.bench.load import RequestResult, closed_loop, make_client, percentile, stream_one
 from pdserve.bench.report import (
     CACHE_DIR_FLAG,
+    Outputs,
     Panel,
     add_flags,
     add_output_flags,
+    bench_main,
     cached_model,
     markdown_table,
-    measure_or_load,
     outputs_from_args,
     plot_lines,
     publish,
@@ -486,13 +486,11 @@ def measure_all(args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
-def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else list(argv)
-    args = parse_args(argv)
-    measure_now = functools.partial(measure_all, args)
-    report = measure_or_load(args, "router", "bench_router.py", argv, measure_now)
-    publish("router", report, args.outputs, plot, section, stem="router_ceiling")
-    return 0
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    def write(report: dict[str, Any], to: Outputs) -> object:
+        return publish("router", report, to, plot, section, stem="router_ceiling")
+
+    return bench_main(argv, parse_args, "router", measure_all, write)
 
 
 if __name__ == "__main__":
