@@ -40,6 +40,12 @@ _STEP, _KEEPALIVE, _STOP, _CALL = 1, 2, 3, 4
 _HOST = "127.0.0.1"
 
 
+class GroupBroken(Exception):
+    """A tensor-parallel rank is gone (or unreachable): the node cannot run another step and
+    stops as a whole. Not a RuntimeError on purpose: code that treats a failed KV send as
+    its destination's fault must not take a lost rank of its own for one."""
+
+
 @dataclass(frozen=True, slots=True)
 class WorkerSpec:
     """What a worker process needs to join rank 0 and build its model runner (JSON on its
@@ -194,7 +200,7 @@ class RankDriver:
         with self.group.lock:
             self._checked(self.channel.send, _CALL, msgpack.packb([method, args]))
             mine = local()
-            replies = self.channel.gather(msgpack.packb([True, None]))
+            replies = self._checked(self.channel.gather, msgpack.packb([True, None]))
         results: list[Any] = [mine]
         for rank, raw in enumerate(replies[1:], start=1):
             ok, value = msgpack.unpackb(raw, raw=False)
@@ -203,12 +209,14 @@ class RankDriver:
             results.append(value)
         return results
 
-    def _checked(self, send, *args) -> None:
+    def _checked(self, collective: Callable[..., Any], *args: Any) -> Any:
+        """Run a collective of the command channel; GroupBroken when a rank is gone."""
         try:
-            send(*args)
+            result = collective(*args)
             self._last_send = time.monotonic()
+            return result
         except RuntimeError as exc:
-            raise RuntimeError(f"tensor-parallel group broken: {self.exits()}: {exc}") from exc
+            raise GroupBroken(f"{self.exits()}: {exc}") from exc
 
     def broken(self) -> str | None:
         """Why the group cannot run another step (a worker exited, a keep-alive failed), or
@@ -232,7 +240,7 @@ class RankDriver:
                     return
                 try:
                     self._checked(self.channel.send, _KEEPALIVE)
-                except RuntimeError as exc:
+                except GroupBroken as exc:
                     self._broken = str(exc)  # `broken` says so; the next step would raise
                     return
 
@@ -246,8 +254,8 @@ class RankDriver:
             broken = self.broken() is not None
             try:
                 if not broken:
-                    self.channel.send(_STOP)
-            except RuntimeError:
+                    self._checked(self.channel.send, _STOP)
+            except GroupBroken:
                 broken = True
         if broken:
             self._kill()

@@ -31,6 +31,7 @@ from pdserve.common.engine.config import (
 from pdserve.common.engine.kv_cache_manager import PrefixEvents
 from pdserve.common.engine.llm_engine import LLMEngine
 from pdserve.common.engine.request import Request
+from pdserve.common.engine.tensor_parallel import GroupBroken
 from pdserve.common.node.config import NodeConfig, is_wildcard
 from pdserve.common.node.health import HealthServer
 from pdserve.common.node.membership import Membership
@@ -327,7 +328,8 @@ class EngineNode:
         return bool(self.membership.accepted) and self.drain_deadline is None
 
     def run(self) -> None:
-        """Serve until stop_event is set, or until drained after drain()."""
+        """Serve until stop_event is set, or until drained after drain(); a lost
+        tensor-parallel rank stops the node (`fatal` says which)."""
         members = self.membership
         members.start()
         if self.health is not None:
@@ -335,23 +337,47 @@ class EngineNode:
             self.health.start()
         while not self.stop_event.is_set():
             self._last_progress = time.monotonic()
-            broken = self.engine.broken()
-            if broken is not None:  # a rank is gone: the whole node goes (and is restarted)
+            try:
+                if not self._turn():
+                    break
+            except (RuntimeError, GroupBroken):  # a collective of the step saw a rank go
+                broken = self._rank_lost()
+                if broken is None:
+                    raise
                 self.fail(f"tensor-parallel group broken: {broken}")
-                break
-            busy = self.engine.has_unfinished
-            for link, msg in members.control.recv(0 if busy else 5):
-                self.handle(msg, link)
-            self.poll_io()
-            if self.engine.has_unfinished:
-                self.step()
-            members.expire_leases()
-            members.heartbeat()
-            if self.drain_deadline is not None and self._drained():
-                members.heartbeat_now()
                 break
         self.stop_event.set()
         self.close()
+
+    def _turn(self) -> bool:
+        """One turn of the loop; False when the node stops."""
+        members = self.membership
+        broken = self.engine.broken()
+        if broken is not None:  # a rank is gone: the whole node goes (and is restarted)
+            self.fail(f"tensor-parallel group broken: {broken}")
+            return False
+        busy = self.engine.has_unfinished
+        for link, msg in members.control.recv(0 if busy else 5):
+            self.handle(msg, link)
+        self.poll_io()
+        if self.engine.has_unfinished:
+            self.step()
+        members.expire_leases()
+        members.heartbeat()
+        if self.drain_deadline is not None and self._drained():
+            members.heartbeat_now()
+            return False
+        return True
+
+    def _rank_lost(self, wait_s: float = 2.0) -> str | None:
+        """After a step failed: the lost rank that broke it, if one did (its exit shows within
+        moments of the closed connection the step saw), else None."""
+        deadline = time.monotonic() + wait_s
+        while (broken := self.engine.broken()) is None and time.monotonic() < deadline:
+            if self.engine.runner.driver is None:
+                return None
+            time.sleep(0.05)
+        return broken
 
     def close(self) -> None:
         if self.health is not None:

@@ -13,6 +13,7 @@ import time
 import pytest
 
 from pdserve.common.engine.llm import LLM, SamplingParams
+from pdserve.common.engine.tensor_parallel import GroupBroken
 from pdserve.tiny_model import make_tiny_model
 from tests.common.test_llm_equivalence import GREEDY, PROMPTS, VOCAB, hf_greedy
 
@@ -81,7 +82,7 @@ def test_a_dead_worker_fails_the_next_step_naming_it(model_dirs) -> None:
         os.kill(worker.pid, signal.SIGKILL)
         worker.wait(timeout=10)
         assert llm.engine.broken() == "rank 1 exited with -9"  # a node's loop checks this
-        with pytest.raises(RuntimeError, match="rank 1 exited with -9"):
+        with pytest.raises(GroupBroken, match="rank 1 exited with -9"):
             llm.generate([[1, 2, 3]], GREEDY)
 
 

@@ -1,6 +1,7 @@
 """`pdserve serve` as a user runs it (the console script, real processes and sockets): a 2P1D
-deployment that survives `kill -9` of a prefill node and of the router under load, with every
-answer equal to the offline engine's, and that SIGTERM stops whole."""
+deployment, its prefill nodes at TP 2, that survives `kill -9` of a prefill node, of one rank
+of a prefill node and of the router under load, with every answer equal to the offline
+engine's, and that SIGTERM stops whole."""
 
 from __future__ import annotations
 
@@ -56,15 +57,26 @@ class Deployment:
             "256",
             "--policy",
             "round_robin",
+            "--prefill-tp",  # each prefill node: rank 0 and one worker process
+            "2",
+            "--threads-per-rank",
+            "1",
             "--router-flags",
             "--heartbeat-timeout 2",
         ]
+        self.log_dir = log_dir
         self.log = (log_dir / "serve.out").open("wb")
         # One compute thread per child: four processes share two cores in CI, and a restarted
         # node must not starve behind the survivors' thread pools.
         env = dict(os.environ, OMP_NUM_THREADS="1")
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env=env)
-        self.http = httpx.Client(base_url=f"http://127.0.0.1:{self.port}", timeout=120)
+        # No kept-alive connections: the tests wait longer than uvicorn keeps an idle one, and
+        # a request sent on one it is closing that moment is reset (a client-side race).
+        self.http = httpx.Client(
+            base_url=f"http://127.0.0.1:{self.port}",
+            timeout=120,
+            limits=httpx.Limits(max_keepalive_connections=0),
+        )
 
     def pids(self, role_flag: str) -> list[int]:
         """Pids of this deployment's children whose command line holds role_flag."""
@@ -204,6 +216,46 @@ def test_kill_9_of_a_prefill_node_under_load(deployment: Deployment, expected) -
     assert report["ok"] and report["cached_blocks"] > before, (before, report)
 
 
+def _workers(pid: int) -> list[int]:
+    """The tensor-parallel worker ranks a node process started."""
+    return [
+        int(p.name)
+        for p in Path("/proc").iterdir()
+        if p.name.isdigit() and _ppid(int(p.name)) == pid and "tensor_parallel" in _cmdline(p)
+    ]
+
+
+def _cmdline(proc: Path) -> str:
+    try:
+        return (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return ""
+
+
+def test_kill_9_of_one_rank_of_a_prefill_node_under_load(deployment: Deployment, expected) -> None:
+    """The node's group stops as one (its loop sees the rank gone), the router fails its
+    requests over, and `pdserve serve` starts the node, both ranks, again."""
+    d = deployment
+    d.wait("every node to be ready", d.ready, 60)
+    (node,) = d.pids("--node-id prefill1")
+    (victim,) = _workers(node)
+    restarts = d.restarts("prefill1")
+
+    def back() -> bool:
+        return d.restarts("prefill1") == restarts + 1 and bool(d.report("prefill1"))
+
+    with ThreadPoolExecutor(1) as watcher:
+        rotation = watcher.submit(d.wait, "prefill1 back in rotation", back, BACK_IN_ROTATION_S)
+        _under_load(d, expected, victim)
+        rotation.result()
+    assert "tensor-parallel group broken: rank 1 exited with -9" in (
+        d.log_dir / "prefill1.log"
+    ).read_text(errors="replace")
+    (again,) = d.pids("--node-id prefill1")
+    assert again != node and len(_workers(again)) == 1
+    assert [d.complete(expected[p][0]) for p in LATER] == [expected[p][1] for p in LATER]
+
+
 def test_kill_9_of_the_router(deployment: Deployment, expected) -> None:
     d = deployment
     (router,) = d.pids("pdserve router")
@@ -227,9 +279,11 @@ def test_sigterm_stops_every_child(deployment: Deployment) -> None:
     # node's command line until it execs (seen once under load).
     children = [pid for pid in d.pids("") if _ppid(pid) == d.proc.pid]
     assert len(children) == 4, children  # router, two prefill nodes, one decode node
+    workers = [w for pid in children for w in _workers(pid)]
+    assert len(workers) == 2, workers  # one more rank per prefill node
     d.proc.send_signal(signal.SIGTERM)
     assert d.proc.wait(90) == 0
-    alive = [pid for pid in children if Path(f"/proc/{pid}").exists()]
+    alive = [pid for pid in children + workers if Path(f"/proc/{pid}").exists()]
     assert not alive, f"children left running: {alive}"
     # Each drained and ended by itself (uvicorn re-raises the SIGTERM it handled), none killed.
     stopped = dict(re.findall(r"INFO pdserve.serve: (\S+) stopped \((.*)\)$", d.output(), re.M))
