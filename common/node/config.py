@@ -137,6 +137,11 @@ class NodeConfig:
             raise ValueError(f"drain_timeout must be >= 0 seconds, got {self.drain_timeout}")
         if self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
+        if self.kv_connector == "nixl" and self.tensor_parallel_size > 1:
+            raise ValueError(
+                "the nixl connector moves whole KV blocks and runs at tensor-parallel size 1; "
+                "use zmq, shm or nccl with --tensor-parallel-size > 1"
+            )
         if self.threads_per_rank is not None and self.threads_per_rank < 1:
             raise ValueError(f"threads_per_rank must be >= 1, got {self.threads_per_rank}")
         if self.max_queued_requests < 1:
