@@ -77,7 +77,7 @@ class KVSender(abc.ABC):
         """Send the pages of `src_block_ids` of one layer into the receiver's `dst_block_ids`.
 
         With `heads` (indices into this cache's KV heads), only those heads' part of each
-        page: a tensor-parallel rank's slice for a receiving rank (see `common.wire.tp_map`).
+        page: a tensor-parallel rank's slice for a receiving rank (see `common.wire.payloads`).
 
         The pages are gathered (copied out of `layer_cache`) before this returns, so the caller
         may overwrite those blocks at once; the transport itself may still be in flight

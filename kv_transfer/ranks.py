@@ -4,7 +4,7 @@ receiver); `RankKV` is a rank's: on a decode node the rank's receiver, on a pref
 senders, each moving only the KV heads the rank holds.
 
 A request's transfer between a prefill group at TP p and a decode group at TP d is one slice
-per (prefill rank, decode rank) pair of `tp_map.transfer_plan`: slice `f"{xfer_id}.{i}"` goes
+per (prefill rank, decode rank) pair of `payloads.transfer_plan`: slice `f"{xfer_id}.{i}"` goes
 from prefill rank i to the decode rank that expects it, into that rank's share of the reserved
 blocks. Every rank of a node holds a `RankKV`; the node's `KVGroup` (rank 0) runs each method
 on its own and on every worker's (`RankDriver.call`), so a node's KV code reads the same at any
@@ -20,9 +20,14 @@ import torch
 import zmq
 
 from pdserve.common.process import host_id
-from pdserve.common.wire.payloads import FirstToken, KVLayout, TokenLogprobs
+from pdserve.common.wire.payloads import (
+    FirstToken,
+    HeadSlice,
+    KVLayout,
+    TokenLogprobs,
+    transfer_plan,
+)
 from pdserve.common.wire.security import CurveKeys, load_keys
-from pdserve.common.wire.tp_map import HeadSlice, transfer_plan
 from pdserve.kv_transfer.base import (
     KVReceiver,
     KVSender,

@@ -19,7 +19,7 @@ import torch
 from torch._C._distributed_c10d import _register_process_group, _unregister_process_group
 
 from pdserve.common.model.config import ModelArchConfig
-from pdserve.common.wire.tp_map import check_kv_split, rank_kv_heads
+from pdserve.common.wire.payloads import check_kv_split, rank_kv_heads
 
 _c10d = torch.ops._c10d_functional
 

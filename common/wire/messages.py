@@ -379,7 +379,7 @@ class ReserveKV(Message):
     sampling: SamplingParams
     output_token_ids: tuple[int, ...] = ()  # a resumed request: tokens already streamed
     # The TP size of the prefill node that will send: each decode rank expects one slice from
-    # each prefill rank that holds some of its KV heads (common/wire/tp_map.py).
+    # each prefill rank that holds some of its KV heads (common/wire/payloads.py).
     src_tp: int = 1
 
     def __post_init__(self) -> None:

@@ -1,6 +1,6 @@
 """KV from a prefill group at TP p to a decode group at TP d, on every connector that carries
 KV-head slices: each decode rank receives exactly the heads it holds, from the prefill ranks
-the plan names (`common.wire.tp_map`), and the decode group's caches, joined across ranks, are
+the plan names (`common.wire.payloads`), and the decode group's caches, joined across ranks, are
 bit-identical to the prefill group's. The prefill ranks' caches and senders live in a child
 process, the decode ranks' receivers here."""
 
@@ -12,7 +12,7 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from pdserve.common.wire.tp_map import rank_kv_heads, transfer_plan
+from pdserve.common.wire.payloads import rank_kv_heads, transfer_plan
 from pdserve.kv_transfer import KVLayout, KVReceiver, create_receiver
 from tests.kv_transfer.helpers import Pump, SenderProcess, make_caches
 

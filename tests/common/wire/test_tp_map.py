@@ -7,7 +7,7 @@ import itertools
 
 import pytest
 
-from pdserve.common.wire.tp_map import HeadSlice, rank_kv_heads, transfer_plan
+from pdserve.common.wire.payloads import HeadSlice, rank_kv_heads, transfer_plan
 
 SIZES = (1, 2, 4)
 
