@@ -20,6 +20,7 @@ BENCHMARKS = {
     "multihost": ("multihost", "TTFT across hosts with added KV-link latency (root)"),
     "compile": ("compile", "compiled decode steps against eager and the bandwidth floor"),
     "multiturn": ("multiturn", "multi-turn chat: KV moved per turn, TTFT, P/D vs colocated"),
+    "tp": ("tp", "TP 1 against TP 2: decode step, all-reduce share, KV GB/s per (p, d)"),
     "gpu": ("gpu", "one CUDA GPU against its floor, HF generate, KV transfer (docs/gpu.md)"),
 }
 
