@@ -45,7 +45,10 @@ RENDERINGS = {
     "base": KUBE / "base",
     "cpu": KUBE / "overlays" / "cpu",
     "cuda": KUBE / "overlays" / "cuda",
+    "tp": KUBE / "overlays" / "tp",
 }
+IMAGE_TAGS = {"base": "pdserve", "cpu": "pdserve:0.1.0-cpu", "cuda": "pdserve:0.1.0-cuda",
+              "tp": "pdserve:0.1.0-cpu"}  # fmt: skip
 K8S_VERSION = "1.30"  # the schemas checked: the oldest Kubernetes the manifests target
 DRAIN_MARGIN_S = 10  # grace beyond --drain-timeout: the exit after the drain
 CURVE_SECRET = "pdserve-curve"
@@ -468,13 +471,15 @@ def test_network_policy_lets_only_pdserve_pods_reach_cluster_ports(name: str) ->
     router, decode = w["router"], w["decode"]
     for client in pdserve_clients(name):
         assert admits(policies, router, router.args.control_port, client)
-        assert admits(policies, decode, decode.node.kv_port, client)
+        for rank in range(decode.node.tensor_parallel_size):  # a receiver per rank
+            assert admits(policies, decode, decode.node.kv_port + rank, client)
         for node in nodes(name):
             assert admits(policies, node, node.node.health_port, client)
     for outsider in (STRANGER, PROMETHEUS):
         assert admits(policies, router, router.args.port, outsider), "the API is open"
         assert not admits(policies, router, router.args.control_port, outsider)
-        assert not admits(policies, decode, decode.node.kv_port, outsider)
+        for rank in range(decode.node.tensor_parallel_size):
+            assert not admits(policies, decode, decode.node.kv_port + rank, outsider)
     for node in nodes(name):
         assert not admits(policies, node, node.node.health_port, STRANGER)
         assert admits(policies, node, node.node.health_port, PROMETHEUS), "metrics: HPA"
@@ -512,7 +517,19 @@ def test_nodes_use_the_device_and_connector_of_their_variant(name: str) -> None:
         )
     assert "nvidia.com/gpu" not in workloads(name)["router"].container["resources"]["limits"]
     tags = {c["image"] for r in rendered(name) for c in containers(r)}
-    assert tags == ({"pdserve"} if name == "base" else {f"pdserve:0.1.0-{name}"})
+    assert tags == {IMAGE_TAGS[name]}
+
+
+@by_rendering
+def test_a_tp_group_is_one_pod_whose_cpu_limit_holds_every_rank(name: str) -> None:
+    for node in nodes(name):
+        tp, threads = node.node.tensor_parallel_size, node.node.threads_per_rank
+        limit = float(node.container["resources"]["limits"]["cpu"])
+        assert tp == (2 if name == "tp" else 1)
+        assert threads is None or tp * threads <= limit, (node.container["name"], tp, threads)
+        if node.node.kv_port and tp > 1:  # every rank's receiver port is the pod's
+            ports = {p["containerPort"] for p in node.container["ports"]}
+            assert {node.node.kv_port + r for r in range(tp)} <= ports
 
 
 def containers(resource: Resource) -> list[dict[str, Any]]:
@@ -594,7 +611,9 @@ def test_the_image_user_and_ports_are_the_manifests() -> None:
         for role, w in workloads(name).items():
             assert w.pod["securityContext"]["runAsUser"] == int(users[-1]), role
         ports = {p["containerPort"] for w in workloads(name).values() for p in w.container["ports"]}
-        assert ports == exposed
+        decode = workloads(name)["decode"].node
+        more_ranks = {decode.kv_port + r for r in range(1, decode.tensor_parallel_size)}
+        assert ports - more_ranks == exposed  # the image names rank 0's KV port
 
 
 def in_docker_context(path: str, patterns: list[str]) -> bool:
