@@ -81,15 +81,21 @@ def nodes(tiny_model_dir) -> Iterator[tuple[FakeRouter, PrefillNode, DecodeNode]
 
 
 def start(
-    router, prefill, decode_, rid: str, prompt: list[int], params: SamplingParams = SAMPLING
+    router,
+    prefill,
+    decode_,
+    rid: str,
+    prompt: list[int],
+    params: SamplingParams = SAMPLING,
+    src_tp: int = 1,
 ) -> Reserved:
-    """ReserveKV on D, then Prefill on P (handshaking while D's receiver is polled)."""
-    decode_.handle(ReserveKV(rid, tuple(prompt), params))
+    """ReserveKV (for a prefill node at TP `src_tp`) on D, then Prefill on P; D's I/O runs
+    meanwhile on every rank, so each handshake with each of its receivers gets its answer."""
+    decode_.handle(ReserveKV(rid, tuple(prompt), params, src_tp=src_tp))
     reserved = router.recv(Reserved, rid)
+    assert len(reserved.kv_endpoints) == decode_.kv.size and reserved.src_tp == src_tp
     stop = threading.Event()
-    pump = threading.Thread(
-        target=lambda: [decode_.kv.local.receiver.poll(0.01) for _ in iter(stop.is_set, True)]
-    )
+    pump = threading.Thread(target=lambda: [decode_.poll_io() for _ in iter(stop.is_set, True)])
     pump.start()
     try:
         prefill.handle(

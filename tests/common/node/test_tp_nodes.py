@@ -14,10 +14,10 @@ import torch
 from pdserve.common.engine.config import CacheConfig, ModelConfig, SchedulerConfig
 from pdserve.common.engine.llm import LLM, SamplingParams
 from pdserve.common.node.config import NodeConfig
-from pdserve.common.wire.messages import Abort, Prefill, RenewTransfer, Reserved, ReserveKV
+from pdserve.common.wire.messages import Abort, RenewTransfer, Reserved, ReserveKV
 from pdserve.decode_node.node import DecodeNode
 from pdserve.prefill_node.node import PrefillNode
-from tests.prefill_node.test_prefill_node import FakeRouter, finish_on_decode
+from tests.prefill_node.test_prefill_node import FakeRouter, finish_on_decode, start
 
 BLOCK = 16
 GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
@@ -59,34 +59,8 @@ def build(model: str, p: int, d: int, connector: str):
     return router, prefill, decode_
 
 
-def start(router, prefill, decode_, rid: str, prompt: list[int], p: int) -> Reserved:
-    """ReserveKV (for a sender at TP p) on D, then Prefill on P; D's ranks poll meanwhile, so
-    each prefill rank's handshake with each decode rank it feeds gets its answer."""
-    decode_.handle(ReserveKV(rid, tuple(prompt), GREEDY, src_tp=p))
-    reserved = router.recv(Reserved, rid)
-    assert len(reserved.kv_endpoints) == decode_.kv.size and reserved.src_tp == p
-    stop = threading.Event()
-    pump = threading.Thread(target=lambda: [decode_.poll_io() for _ in iter(stop.is_set, True)])
-    pump.start()
-    try:
-        prefill.handle(
-            Prefill(
-                rid,
-                tuple(prompt),
-                GREEDY,
-                reserved.xfer_id,
-                reserved.block_ids,
-                reserved.kv_endpoints,
-            )
-        )
-    finally:
-        stop.set()
-        pump.join()
-    return reserved
-
-
 def serve(router, prefill, decode_, rid: str, prompt: list[int], p: int) -> list[int]:
-    start(router, prefill, decode_, rid, prompt, p)
+    start(router, prefill, decode_, rid, prompt, GREEDY, p)
     while rid in prefill.dests:
         prefill.step()
     return finish_on_decode(router, decode_, rid)
@@ -119,7 +93,7 @@ def test_tp_p_to_tp_d_equals_the_engine_at_tp1(models, kv, p, d, connector) -> N
             got = serve(router, prefill, decode_, f"r{i}", prompt, p)
             assert got == expected[i].token_ids, (i, got)
         # An abort before the KV is all there: the reservation and the transfer go, on every rank.
-        start(router, prefill, decode_, "gone", PROMPTS[0], p)
+        start(router, prefill, decode_, "gone", PROMPTS[0], GREEDY, p)
         prefill.step()
         decode_.handle(Abort("gone", "client went away"))
         prefill.handle(Abort("gone", "client went away"))
