@@ -6,6 +6,7 @@ where they started after success and after an abort midway."""
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Iterator
 
 import pytest
@@ -146,4 +147,31 @@ def test_a_dead_rank_stops_its_node(models) -> None:
         assert decode_.fatal == "tensor-parallel group broken: rank 1 exited with -9"
     finally:
         prefill.close()
+        router.sock.close()
+
+
+def test_a_corrupted_slice_fails_the_request_and_frees_its_blocks(models) -> None:
+    """Prefill TP 2 -> decode TP 1: rank 0's slice arrives damaged, rank 1's whole; the
+    decode node never admits the request (KV_FAILED to the router) and every block is back."""
+    from pdserve.common.wire.messages import Error, Failure
+    from pdserve.testbed.kvfaults import FaultPlan, PlannedFaults
+
+    router, prefill, decode_ = build(models[4], 2, 1, "zmq")
+    try:
+        before = (free(prefill), free(decode_))
+        reserved = start(router, prefill, decode_, "bad", PROMPTS[0], GREEDY, 2)
+        (sender,) = prefill.kv.port.senders.values()  # rank 0's, to the decode rank
+        sender.faults = PlannedFaults(FaultPlan(targets=frozenset({f"{reserved.xfer_id}.0"})))
+        while "bad" in prefill.dests:
+            prefill.step()
+        deadline = time.monotonic() + 30
+        while decode_.pending and time.monotonic() < deadline:
+            decode_.poll_io()
+        error = router.recv(Error, "bad")
+        assert error.kind is Failure.KV_FAILED and "bad" not in decode_.engine.scheduler.requests
+        assert (free(prefill), free(decode_)) == before
+        decode_.engine.check_integrity()
+    finally:
+        prefill.close()
+        decode_.close()
         router.sock.close()
