@@ -2,8 +2,7 @@
 
 import sys
 
-from pdserve.bench.kernels import main
+from pdserve.bench.gpu import kernels_main
 
 if __name__ == "__main__":
-    result = main()
-    sys.exit(result if isinstance(result, int) else 0)
+    sys.exit(kernels_main())

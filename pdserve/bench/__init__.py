@@ -6,13 +6,13 @@ from __future__ import annotations
 import importlib
 import sys
 
-# command name -> (module, one line)
+# command name -> (module, or module:function when not its main; one line)
 BENCHMARKS = {
     "serve": ("serve", "a running server under load: TTFT, ITL, throughput"),
     "kv-transfer": ("kv_transfer", "each KV connector against its raw transport"),
     "offline": ("offline", "LLM against HF generate and the hardware floor"),
     "compare": ("compare", "colocated, 1P1D and transformers serve, side by side"),
-    "kernels": ("kernels", "Triton kernels against their torch references"),
+    "kernels": ("gpu:kernels_main", "Triton kernels against their torch references"),
     "reliability": ("reliability", "fault-injection scenarios (docs/reliability.md)"),
     "chaos": ("chaos", "2P2D, 2 routers under load while children are killed or stopped"),
     "structured": ("structured", "a grammar's cost per decode step, with and without"),
@@ -42,7 +42,8 @@ def main(argv: list[str] | None = None) -> None:
         return
     if argv[0] not in BENCHMARKS:
         sys.exit(f"pdserve bench: unknown benchmark {argv[0]!r}\n\n{usage()}")
-    module = importlib.import_module(f"pdserve.bench.{BENCHMARKS[argv[0]][0]}")
-    result = module.main(argv[1:])
+    module, _, function = BENCHMARKS[argv[0]][0].partition(":")
+    run = getattr(importlib.import_module(f"pdserve.bench.{module}"), function or "main")
+    result = run(argv[1:])
     if isinstance(result, int) and result:
         sys.exit(result)

@@ -1,8 +1,5 @@
-"""pdserve on one CUDA GPU against the measured floor, HF transformers and KV transfer; what
-each part measures: docs/gpu.md.
-
-    pdserve bench gpu --out DIR      # = python scripts/bench_gpu.py: DIR/gpu.json, tables
-"""
+"""`pdserve bench gpu`: pdserve on one CUDA GPU against the measured floor, HF transformers
+and KV transfer (docs/gpu.md); `pdserve bench kernels`: each Triton kernel's GB/s."""
 
 from __future__ import annotations
 
@@ -387,6 +384,89 @@ def main(argv: list[str] | None = None) -> int:
         report["kv_transfer"] = bench_kv_transfer(args.out)
         save()
     print(json.dumps({k: v for k, v in report.items() if not isinstance(v, list)}, indent=1))
+    return 0
+
+
+# -- `pdserve bench kernels`: each Triton kernel's achieved bandwidth (all memory bound) ------
+
+KERNEL_DTYPE = torch.bfloat16
+NUM_KV_HEADS, HEAD_DIM = 8, 128
+
+
+def time_ms(fn: Callable[[], object], iters: int = 50) -> float:
+    """Mean milliseconds per call after a warm-up that also triggers compilation."""
+    for _ in range(3):
+        fn()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(iters):
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / iters
+
+
+def kernel_result(name: str, nbytes: int, ms: float, **shape: int) -> dict:
+    return {"kernel": name, **shape, "ms": ms, "gb_per_s": nbytes / ms / 1e6}
+
+
+def layer_cache(num_blocks: int) -> torch.Tensor:
+    shape = (2, num_blocks, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM)
+    return torch.randn(shape, dtype=KERNEL_DTYPE, device="cuda")
+
+
+def kernel_store_kv(num_tokens: int) -> dict:
+    from pdserve.kernels.store_kv import store_kv_triton
+
+    layer = layer_cache(num_tokens // BLOCK_SIZE + 1)
+    key, value = torch.randn(
+        2, num_tokens, NUM_KV_HEADS, HEAD_DIM, dtype=KERNEL_DTYPE, device="cuda"
+    )
+    slots = torch.randperm(num_tokens, device="cuda")
+    ms = time_ms(lambda: store_kv_triton(key, value, layer[0], layer[1], slots))
+    return kernel_result("store_kv", 2 * (key.nbytes + value.nbytes), ms, tokens=num_tokens)
+
+
+def kernel_page_copy(num_pages: int) -> list[dict]:
+    from pdserve.kernels.page_copy import gather_pages_triton, scatter_pages_triton
+
+    layer = layer_cache(4 * num_pages)
+    ids = torch.randperm(4 * num_pages, device="cuda")[:num_pages]
+    pages = gather_pages_triton(layer, ids)
+    gather_ms = time_ms(lambda: gather_pages_triton(layer, ids))
+    scatter_ms = time_ms(lambda: scatter_pages_triton(layer, ids, pages))
+    return [
+        kernel_result("gather_pages", 2 * pages.nbytes, gather_ms, pages=num_pages),
+        kernel_result("scatter_pages", 2 * pages.nbytes, scatter_ms, pages=num_pages),
+    ]
+
+
+def kernel_decode(batch: int, context: int) -> dict:
+    from pdserve.kernels.paged_attention import paged_attention_triton
+
+    case = attention_case(batch, context, KERNEL_DTYPE)
+    kv_bytes = case.pop("kv_bytes")
+    ms = time_ms(lambda: paged_attention_triton(**case))
+    return kernel_result("paged_attention_decode", kv_bytes, ms, batch=batch, context=context)
+
+
+def kernels_main(argv: list[str] | None = None) -> int:
+    """`pdserve bench kernels --out FILE`; without CUDA, nothing to time: exit 0."""
+    p = parser("pdserve bench kernels", "Each Triton kernel's GB/s on one CUDA device, as JSON.")
+    p.add_argument_group("output").add_argument(
+        "--out", required=True, metavar="FILE", help="the JSON: GB/s and ms per kernel and shape"
+    )
+    args = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("bench_kernels needs a CUDA device to time kernels; nothing to do")
+        return 0
+    results = [kernel_store_kv(n) for n in (256, 4096)]
+    results += [r for n in (16, 256) for r in kernel_page_copy(n)]
+    results += [kernel_decode(32, ctx) for ctx in (512, 2048, 8192)]
+    for r in results:
+        print(json.dumps(r))
+    meta = {"device": torch.cuda.get_device_name(), "dtype": str(KERNEL_DTYPE)}
+    Path(args.out).write_text(json.dumps({**meta, "results": results}, indent=2))
     return 0
 
 

@@ -1,5 +1,6 @@
-"""pdserve.bench.gpu and bench.kernels off a GPU: their CPU-side parts (the model they build, the
-KV part's flags, tables, what they do without CUDA); the measurements need a GPU machine."""
+"""pdserve.bench.gpu (bench gpu and bench kernels) off a GPU: their CPU-side parts (the model
+they build, the KV part's flags, tables, what they do without CUDA); the measurements need a
+GPU machine."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from pdserve.bench import gpu, kernels, kv_transfer
+from pdserve.bench import gpu, kv_transfer
 from pdserve.common.model.config import ModelArchConfig
 
 
@@ -62,5 +63,5 @@ def test_without_cuda_gpu_refuses_and_kernels_writes_nothing(
     with pytest.raises(SystemExit, match="needs a CUDA device"):
         gpu.main(["--out", str(tmp_path / "g")])
     out = tmp_path / "k.json"
-    assert kernels.main(["--out", str(out)]) == 0
+    assert gpu.kernels_main(["--out", str(out)]) == 0
     assert "needs a CUDA device" in capsys.readouterr().out and not out.exists()
