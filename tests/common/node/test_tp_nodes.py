@@ -34,11 +34,12 @@ def keep_threads() -> Iterator[None]:
 
 
 @pytest.fixture(scope="module")
-def models(tmp_path_factory) -> dict[int, str]:
+def models(tmp_path_factory) -> dict[int | str, str]:
     from pdserve.tiny_model import make_tiny_model
 
     root = tmp_path_factory.mktemp("tp-nodes")
-    return {kv: str(make_tiny_model("llama", root / f"kv{kv}", kv_heads=kv)) for kv in (4, 2)}
+    models = {kv: str(make_tiny_model("llama", root / f"kv{kv}", kv_heads=kv)) for kv in (4, 2)}
+    return {**models, "qwen3": str(make_tiny_model("qwen3", root / "qwen3", kv_heads=4))}
 
 
 def build(model: str, p: int, d: int, connector: str):
@@ -81,6 +82,7 @@ def free(node) -> int:
         (4, 4, 1, "zmq"),
         (2, 4, 2, "zmq"),  # 2 KV heads on 4 prefill ranks: each held twice
         (4, 2, 1, "nccl"),
+        ("qwen3", 1, 2, "zmq"),  # q/k norms per head: each rank normalizes its own heads
         (4, 1, 2, "shm"),
     ],
 )
