@@ -2,7 +2,7 @@
 
 import sys
 
-from pdserve.bench.reliability import main
+from pdserve.bench.chaos import reliability_main as main
 
 if __name__ == "__main__":
     result = main()

@@ -1,7 +1,8 @@
 """`pdserve bench chaos`: steady greedy load on `pdserve serve` with 2 prefill nodes, 2 decode
 nodes and 2 routers while a seeded schedule kills (-9), stops (SIGSTOP for 2-6 s, then
-SIGCONT) or restarts (SIGTERM) a random child every --interval seconds; what each answer,
-recovery and leak counts as: docs/reliability.md."""
+SIGCONT) or restarts (SIGTERM) a random child every --interval seconds. `pdserve bench
+reliability`: named fault scenarios instead of the schedule, each on a fresh cluster of the
+test bed tests/e2e/test_faults.py asserts with. What each count means: docs/reliability.md."""
 
 from __future__ import annotations
 
@@ -28,6 +29,8 @@ from pdserve.bench import load, report
 from pdserve.bench.systems import process_group, threads_env, wait_until
 from pdserve.common.node.cli import parser
 from pdserve.local_cluster import free_port
+from pdserve.testbed import faults as fh
+from pdserve.testbed import kvfaults
 from pdserve.testbed.faults import wait_clean
 
 TOPOLOGY = ["--num-prefill", "2", "--num-decode", "2", "--num-routers", "2"]
@@ -292,7 +295,7 @@ def summarize(answers: list[Answer], faults: list[Fault], start: float, reports:
     last = max((f.at for f in hit), default=start)
     nodes = [r["report"] for n, r in reports.items() if n in NODES and r["report"] is not None]
     leaked = {
-        "leaked_blocks": sum(r["num_blocks"] - r["free_blocks"] for r in nodes),
+        "leaked_blocks": leaked_blocks(nodes),
         "leaked_requests": sum(len(r["live_requests"]) for r in nodes),
         "nodes_unchecked": len(NODES) - sum(r["ok"] for r in nodes),
     }
@@ -318,6 +321,11 @@ def summarize(answers: list[Answer], faults: list[Fault], start: float, reports:
             zero("leaked", sum(leaked.values())),
         ],
     }
+
+
+def leaked_blocks(node_reports: list[dict]) -> int:
+    """Blocks the nodes still hold after the run (their integrity reports)."""
+    return sum(r["num_blocks"] - r["free_blocks"] for r in node_reports)
 
 
 def recovery_rows(faults: list[dict]) -> list[list[Any]]:
@@ -382,3 +390,98 @@ def main(argv: list[str] | None = None) -> int:
     print(f"wrote {data}, {report.write_section(args.name, section(run), page)}")
     print(section(run))
     return 0 if all(g["status"] == "met" for g in run["goals"]) else 1
+
+
+# ---------------------------------------------------------------- bench reliability: named faults
+
+SCENARIO_COLUMNS = [
+    *[(k, k) for k in ("scenario", "requests", "ok")],
+    ("explicit error", "error"),
+    ("left", "disconnected"),
+    *[(k.replace("_", " "), k) for k in ("wrong", "failovers", "leaked_blocks")],
+    ("recovery s", lambda s: f"{s['recovery_s']:.1f}"),
+]
+
+
+def signal_fault(name: str, sig: signal.Signals, hold_s: float = 0.0) -> Any:
+    """Send `sig` to one process of the cluster; a SIGSTOP is held hold_s, then SIGCONT."""
+
+    def fault(cluster: Any) -> None:
+        pid = cluster.procs[name].pid
+        os.kill(pid, sig)
+        if sig == signal.SIGSTOP:
+            time.sleep(hold_s)
+            os.kill(pid, signal.SIGCONT)
+
+    return fault
+
+
+def scenarios() -> list[tuple[str, dict, dict]]:
+    """(name, cluster kwargs, run kwargs); cluster kwarg "env" sets the KV frame faults."""
+    kill, stop, term, small = (
+        signal.SIGKILL,
+        signal.SIGSTOP,
+        signal.SIGTERM,
+        {"num_prefill": 1, "num_decode": 1},
+    )
+    return [
+        ("no fault (2P2D)", {}, {}),
+        ("kill -9 prefill0 at 0.8 s (2P2D)", {},
+         {"fault": signal_fault("prefill0", kill), "fault_after_s": 0.8}),
+        ("kill -9 decode0 at 2 s (2P2D)", {},
+         {"fault": signal_fault("decode0", kill), "fault_after_s": 2.0}),
+        ("SIGSTOP decode1 for 3 s (2P2D)", {},
+         {"fault": signal_fault("decode1", stop, 3.0), "fault_after_s": 1.5}),
+        ("SIGTERM decode0 at 1 s (1P2D)", {"num_prefill": 1},
+         {"fault": signal_fault("decode0", term)}),
+        ("KV frames: 3% dropped (1P1D)", {**small, "env": "drop=0.03,seed=1"}, {}),
+        ("KV frames: 3% corrupted (1P1D)", {**small, "env": "corrupt=0.03,seed=2"}, {}),
+        ("KV frames: 20% delayed 20 ms (1P1D)", {**small, "env": "delay=0.2,delay_s=0.02"}, {}),
+        ("30% of clients disconnect (1P1D)", small, {"disconnect_fraction": 0.3}),
+        ("10x overload, queue 10 (1P1D)",
+         {**small, "router_extra": ("--max-queued-requests", "10")}, {}),
+    ]  # fmt: skip
+
+
+def run_scenario(model: str, prompts: list, wants: list, scenario: tuple[str, dict, dict]) -> dict:
+    """One scenario on a fresh cluster: its summary, and the blocks its nodes still held."""
+    name, cluster_kw, run_kw = scenario
+    env = kvfaults.child_env(cluster_kw.get("env"))
+    cluster_kw = {k: v for k, v in cluster_kw.items() if k != "env"}
+    with report.environ(env), fh.cluster_for(model, **cluster_kw) as cluster:
+        run = fh.run_scenario(name, cluster, prompts, wants, **run_kw)
+        reports = fh.wait_clean(cluster)
+    held = [r["report"] for r in reports.values() if r["report"] is not None]
+    return {**run.summary(), "leaked_blocks": leaked_blocks(held), "nodes": sorted(reports)}
+
+
+def reliability_main(argv: list[str] | None = None) -> None:
+    p = parser("pdserve bench reliability", "The fault-injection scenarios of docs/reliability.md.")
+    requests = ("--requests", int, fh.NUM_REQUESTS, "greedy requests per scenario")
+    report.add_flags(p.add_argument_group("run"), [requests])
+    page = (
+        "--out",
+        Path,
+        None,
+        "the Markdown page (default: DOCS/reliability.md)",
+        {"metavar": "FILE"},
+    )
+    docs_flag = report.docs_dir_flag("reliability.md and bench/reliability.json")
+    report.add_flags(p.add_argument_group("output"), [page, docs_flag])
+    args = p.parse_args(argv)
+    docs = args.docs_dir or report.default_docs_dir()
+    from pdserve.tiny_model import make_tiny_model
+
+    model = str(make_tiny_model("llama", Path(tempfile.mkdtemp()) / "m", max_position=2048))
+    prompts = fh.make_prompts(512, args.requests)
+    wants, summaries = fh.reference(model, prompts), []
+    for scenario in scenarios():
+        summaries.append(run_scenario(model, prompts, wants, scenario))
+        print(summaries[-1], flush=True)
+    report.save_json(docs / "bench" / "reliability.json", {"scenarios": summaries})
+    body = (
+        f"`python scripts/reliability_report.py` ({args.requests} greedy requests at once, "
+        f"{fh.MAX_TOKENS} tokens each, tiny Llama, zmq connector, router heartbeat timeout "
+        "1.5 s, lease timeout 6 s).\n\n" + report.records_table(SCENARIO_COLUMNS, summaries)
+    )
+    report.write_section("reliability", body, args.out or docs / "reliability.md")
