@@ -16,6 +16,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "router": ("pdserve.router.__main__:main", "one router (HTTP API) for a multi-host cluster"),
     "prefill": ("pdserve.prefill_node.__main__:main", "one prefill node"),
     "decode": ("pdserve.decode_node.__main__:main", "one decode node (--role both: colocated)"),
+    "tp-worker": (
+        "pdserve.common.engine.tensor_parallel:worker_main",
+        "one worker rank of a tensor-parallel node whose rank 0 runs on another host",
+    ),
     "bench": ("pdserve.bench:main", "benchmarks: serve, kv-transfer, offline, compare"),
     "keygen": ("pdserve.cli:keygen", "write the cluster's CurveZMQ keys into DIR"),
     "demo": ("pdserve.demo:main", "serve SmolLM2 on 1 prefill + 1 decode node, ask it questions"),

@@ -115,10 +115,10 @@ class ParallelConfig:
 
     threads_per_rank: torch's intra-op threads in each rank (None: the machine's threads shared
     evenly). timeout_s bounds every collective between ranks and a worker's wait for the next
-    step (rank 0 sends a keep-alive while idle); start_timeout_s bounds the workers' start and
-    their model load. rank_agent ("module:Class") is what each worker builds beside its model
-    runner, as Class(runner, group, **rank_agent_options), for rank 0 to `call` (a node's
-    per-rank KV connector end); the options travel as JSON.
+    step (rank 0 sends a keep-alive while idle); start_timeout_s bounds the workers' start,
+    arrival and model load. rank_agent ("module:Class") is what each worker builds beside its
+    model runner, as Class(runner, group, **rank_agent_options), for rank 0 to `call` (a
+    node's per-rank KV connector end); the options travel as JSON.
     """
 
     tensor_parallel_size: int = 1
@@ -127,6 +127,11 @@ class ParallelConfig:
     start_timeout_s: float = 600.0
     rank_agent: str | None = None
     rank_agent_options: dict[str, Any] | None = None
+    # "local": rank 0 starts its workers on this host; "external": it serves the rendezvous on
+    # host:port and waits for workers started elsewhere (`pdserve tp-worker`, other hosts).
+    workers: str = "local"
+    host: str = "127.0.0.1"
+    port: int = 0
 
     def __post_init__(self) -> None:
         _require(self.tensor_parallel_size >= 1, "tensor_parallel_size must be >= 1")
@@ -135,3 +140,8 @@ class ParallelConfig:
             "threads_per_rank must be >= 1",
         )
         _require(self.timeout_s > 0 and self.start_timeout_s > 0, "timeouts must be positive")
+        _require(self.workers in ("local", "external"), "workers must be 'local' or 'external'")
+        _require(
+            self.workers == "local" or self.port > 0,
+            "external tensor-parallel workers need a fixed rendezvous port",
+        )

@@ -14,6 +14,7 @@ on every rank and rank 0 gets every rank's result.
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import datetime
 import importlib
@@ -37,7 +38,7 @@ from pdserve.common.model.parallel import TPGroup, TPShard, join_group
 from pdserve.common.wire.payloads import SamplingParams
 
 _STEP, _KEEPALIVE, _STOP, _CALL = 1, 2, 3, 4
-_HOST = "127.0.0.1"
+_LEADER_WAIT_S = 600.0  # a worker waits this long for rank 0's rendezvous and its spec
 
 
 class GroupBroken(Exception):
@@ -48,8 +49,8 @@ class GroupBroken(Exception):
 
 @dataclass(frozen=True, slots=True)
 class WorkerSpec:
-    """What a worker process needs to join rank 0 and build its model runner (JSON on its
-    stdin)."""
+    """What a worker process needs to build its model runner: JSON that rank 0 leaves in the
+    rendezvous store (`spec_key`), where the worker reads it."""
 
     rank: int
     port: int
@@ -83,14 +84,16 @@ def threads_per_rank(parallel: ParallelConfig) -> int:
 
 
 def open_group(
-    shard: TPShard, port: int, parallel: ParallelConfig, device: str, store=None
+    shard: TPShard, store: dist.Store, port: int, parallel: ParallelConfig, device: str
 ) -> TPGroup:
-    """Join the group's rendezvous at 127.0.0.1:`port` (rank 0 passes the store it serves)."""
-    start = datetime.timedelta(seconds=parallel.start_timeout_s)
-    if store is None:
-        store = dist.TCPStore(_HOST, port, shard.size, False, timeout=start)
+    """This rank's member of the group whose rendezvous is `store` (served on `port`)."""
     name = f"pdserve-tp-{port}-{shard.rank}"
     return join_group(shard, store, parallel.timeout_s, device, name)
+
+
+def spec_key(rank: int) -> str:
+    """Where rank 0 leaves a worker's spec in the rendezvous store."""
+    return f"pdserve/spec/{rank}"
 
 
 def encode_step(seqs: tuple[ScheduledSeq, ...], compiled: bool, hook_args: Any = None) -> bytes:
@@ -167,13 +170,15 @@ class RankDriver:
         self.parallel = parallel
         size = parallel.tensor_parallel_size
         start = datetime.timedelta(seconds=parallel.start_timeout_s)
-        store = dist.TCPStore(_HOST, 0, size, True, timeout=start, wait_for_workers=False)
-        self.procs = [
-            _spawn(WorkerSpec(r, store.port, model, cache, parallel, max_num_seqs, max_model_len))
-            for r in range(1, size)
-        ]
+        host, port = parallel.host, parallel.port
+        store = dist.TCPStore(host, port, size, True, timeout=start, wait_for_workers=False)
+        for r in range(1, size):  # each worker reads its spec from the rendezvous
+            spec = WorkerSpec(r, store.port, model, cache, parallel, max_num_seqs, max_model_len)
+            store.set(spec_key(r), spec.to_json())
+        local = parallel.workers == "local"
+        self.procs = [_spawn(store.port, r, parallel) for r in range(1, size)] if local else []
         try:
-            self.group = open_group(TPShard(0, size), store.port, parallel, model.device, store)
+            self.group = open_group(TPShard(0, size), store, store.port, parallel, model.device)
         except Exception:
             self._kill()
             raise
@@ -220,7 +225,8 @@ class RankDriver:
 
     def broken(self) -> str | None:
         """Why the group cannot run another step (a worker exited, a keep-alive failed), or
-        None; cheap enough for every turn of a node's loop."""
+        None; cheap enough for every turn of a node's loop. (External workers are not this
+        process's children: their loss shows in the next collective or keep-alive.)"""
         if any(p.poll() is not None for p in self.procs):
             return self.exits()
         return self._broken or None
@@ -228,7 +234,9 @@ class RankDriver:
     def exits(self) -> str:
         codes = [(r, p.poll()) for r, p in enumerate(self.procs, start=1)]
         dead = [f"rank {r} exited with {c}" for r, c in codes if c is not None]
-        return "; ".join(dead) or "no worker exited"
+        if dead:
+            return "; ".join(dead)
+        return "no worker exited" if self.procs else "a worker rank on another host is gone"
 
     def _keep_alive(self) -> None:
         interval = self.parallel.timeout_s / 4
@@ -275,29 +283,58 @@ class RankDriver:
             proc.wait(timeout=10)
 
 
-def _spawn(spec: WorkerSpec) -> subprocess.Popen:
-    threads = str(threads_per_rank(spec.parallel))
-    env = {**os.environ, "OMP_NUM_THREADS": threads}
+def _spawn(port: int, rank: int, parallel: ParallelConfig) -> subprocess.Popen:
+    """A worker on this host (the same command `pdserve tp-worker` runs on another one)."""
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads_per_rank(parallel))}
     cmd = [sys.executable, "-m", "pdserve.common.engine.tensor_parallel"]
-    proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, env=env, text=True)
-    proc.stdin.write(spec.to_json())
-    proc.stdin.close()
-    return proc
+    return subprocess.Popen([*cmd, "--leader", f"127.0.0.1:{port}", "--rank", str(rank)], env=env)
 
 
-def worker_main() -> None:
+def worker_parser() -> argparse.ArgumentParser:
+    from pdserve.common.node.cli import parser
+
+    p = parser(
+        "pdserve tp-worker",
+        "One worker rank (1..N-1) of a tensor-parallel node whose rank 0 runs elsewhere\n"
+        "(`--tp-workers external`): it joins rank 0's rendezvous, reads its settings there,\n"
+        "loads its shard of the model and runs every step rank 0 sends.",
+    )
+    p.add_argument("--leader", required=True, metavar="HOST:PORT", help="rank 0's --tp-port")
+    p.add_argument("--rank", required=True, type=int, help="this worker's rank, 1..N-1")
+    p.add_argument(
+        "--host", default=None, help="bind this rank's KV receiver here (default: rank 0's --host)"
+    )
+    p.add_argument(
+        "--advertise-host",
+        default=None,
+        help="the address other hosts reach this rank's KV receiver at (default: rank 0's)",
+    )
+    return p
+
+
+def worker_main(argv: list[str] | None = None) -> None:
     """A worker rank: join the group, load this rank's shard, then follow rank 0's steps
     until STOP or until the group breaks."""
+    args = worker_parser().parse_args(argv)
+    host, _, port = args.leader.rpartition(":")
+    wait = datetime.timedelta(seconds=_LEADER_WAIT_S)
+    store = dist.TCPStore(host.strip("[]"), int(port), None, False, timeout=wait)
+    spec = WorkerSpec.from_json(store.get(spec_key(args.rank)).decode())
+    if spec.rank != args.rank:
+        raise SystemExit(f"pdserve tp-worker: rank {args.rank} got the spec of {spec.rank}")
+    _run_worker(spec, store, int(port), args)
+
+
+def _run_worker(spec: WorkerSpec, store: dist.Store, port: int, args: argparse.Namespace) -> None:
     from pdserve.common.engine.model_runner import ModelRunner
 
-    spec = WorkerSpec.from_json(sys.stdin.read())
     torch.set_num_threads(threads_per_rank(spec.parallel))
     shard = TPShard(spec.rank, spec.parallel.tensor_parallel_size)
-    group = open_group(shard, spec.port, spec.parallel, spec.model.device)
+    group = open_group(shard, store, port, spec.parallel, spec.model.device)
     runner = ModelRunner(
         spec.model, spec.cache, spec.max_num_seqs, spec.max_model_len, spec.parallel, group
     )
-    agent = _make_agent(spec, runner, group)
+    agent = _make_agent(spec, runner, group, _here(args))
     channel = StepChannel(group)
     while True:
         kind, payload = channel.recv()
@@ -311,13 +348,21 @@ def worker_main() -> None:
             channel.gather(msgpack.packb(_answer(agent, payload)))
 
 
-def _make_agent(spec: WorkerSpec, runner: Any, group: TPGroup) -> Any:
-    """The rank's agent the node named (`ParallelConfig.rank_agent`), or None."""
+def _here(args: argparse.Namespace) -> dict[str, str]:
+    """Agent options this host overrides: where its own sockets bind and are reached."""
+    given = {"host": args.host, "advertise_host": args.advertise_host}
+    return {k: v for k, v in given.items() if v is not None}
+
+
+def _make_agent(spec: WorkerSpec, runner: Any, group: TPGroup, here: dict[str, str]) -> Any:
+    """The rank's agent the node named (`ParallelConfig.rank_agent`), or None; a node's
+    own options, but for the addresses this host gives (`here`)."""
     if spec.parallel.rank_agent is None:
         return None
     module, _, name = spec.parallel.rank_agent.partition(":")
     cls = getattr(importlib.import_module(module), name)
-    return cls(runner, group, **(spec.parallel.rank_agent_options or {}))
+    options = spec.parallel.rank_agent_options or {}
+    return cls(runner, group, **{**options, **{k: v for k, v in here.items() if k in options}})
 
 
 def _answer(agent: Any, payload: bytes) -> list[Any]:

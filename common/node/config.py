@@ -101,6 +101,16 @@ class NodeConfig:
         "torch threads of each rank (default: the machine's threads shared evenly)",
         type=int,
     )
+    tp_workers: str = option(
+        "local",
+        PARALLEL,
+        "local: this process starts its worker ranks on this host; external: it waits for "
+        "them (`pdserve tp-worker --leader HOST:TP_PORT --rank R` on other hosts)",
+        choices=("local", "external"),
+    )
+    tp_port: int = option(
+        0, PARALLEL, "the ranks' rendezvous port on --host (0: a free one; external: required)"
+    )
     connect_timeout: float = 10.0  # s for a KV handshake with a decode node (no flag)
     kv_fence_timeout: float = option(
         30.0,
@@ -142,6 +152,8 @@ class NodeConfig:
                 "the nixl connector moves whole KV blocks and runs at tensor-parallel size 1; "
                 "use zmq, shm or nccl with --tensor-parallel-size > 1"
             )
+        if self.tp_workers == "external" and not self.tp_port:
+            raise ValueError("--tp-workers external needs a fixed --tp-port for its workers")
         if self.threads_per_rank is not None and self.threads_per_rank < 1:
             raise ValueError(f"threads_per_rank must be >= 1, got {self.threads_per_rank}")
         if self.max_queued_requests < 1:
@@ -157,7 +169,7 @@ class NodeConfig:
                 f"advertise host must be an address other hosts can reach, got "
                 f"{self.advertise_host!r}"
             )
-        for name in ("kv_port", "health_port"):
+        for name in ("kv_port", "health_port", "tp_port"):
             if not 0 <= getattr(self, name) < 65536:
                 raise ValueError(f"{name} must be in [0, 65536), got {getattr(self, name)}")
 

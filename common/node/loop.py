@@ -107,6 +107,9 @@ class EngineNode:
             node.threads_per_rank,
             rank_agent=RANK_KV if agent is not None else None,
             rank_agent_options=agent,
+            workers=node.tp_workers,
+            host=node.host if node.tp_workers == "external" else "127.0.0.1",
+            port=node.tp_port,
         )
         self.engine = LLMEngine(model, cache, scheduler, parallel)
         self.model_config = model

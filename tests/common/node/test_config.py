@@ -62,12 +62,17 @@ def test_every_node_flag_defaults_to_its_field_and_sets_it() -> None:
         "kv_fence_timeout": 2.0,
         "tensor_parallel_size": 2,
         "threads_per_rank": 1,
+        "tp_workers": "external",
+        "tp_port": 8400,
     }
     flagged = {f.name for f in dataclasses.fields(NodeConfig) if f.metadata}
     assert flagged == set(values) | {"router_addrs"}  # connect_timeout alone has no flag
+    needs = {"tp_workers": {"tp_port": 8400}}  # external workers need a fixed port
     for name, value in values.items():
-        args = p.parse_args(["m", "--router", "h:1", flag_of(name), str(value)])
-        assert node_config(args) == dataclasses.replace(base, **{name: value}), name
+        more = needs.get(name, {})
+        flags = [x for k, v in more.items() for x in (flag_of(k), str(v))]
+        args = p.parse_args(["m", "--router", "h:1", flag_of(name), str(value), *flags])
+        assert node_config(args) == dataclasses.replace(base, **{name: value, **more}), name
 
 
 def test_tp_has_vllms_short_flag_and_refuses_nonsense() -> None:
@@ -78,6 +83,8 @@ def test_tp_has_vllms_short_flag_and_refuses_nonsense() -> None:
         NodeConfig(("h:1",), tensor_parallel_size=0)
     with pytest.raises(ValueError, match="threads_per_rank must be >= 1, got 0"):
         NodeConfig(("h:1",), threads_per_rank=0)
+    with pytest.raises(ValueError, match="--tp-workers external needs a fixed --tp-port"):
+        NodeConfig(("h:1",), tp_workers="external")
     with pytest.raises(ValueError, match="nixl connector moves whole KV blocks"):
         NodeConfig(("h:1",), kv_connector="nixl", tensor_parallel_size=2)
 

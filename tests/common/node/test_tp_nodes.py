@@ -177,3 +177,37 @@ def test_a_corrupted_slice_fails_the_request_and_frees_its_blocks(models) -> Non
         prefill.close()
         decode_.close()
         router.sock.close()
+
+
+def test_a_worker_started_apart_joins_its_rank_0(models) -> None:
+    """`--tp-workers external`: the decode node's rank 0 starts no worker; `pdserve
+    tp-worker --leader HOST:PORT --rank 1` (as on another host) joins it, takes its spec from
+    the rendezvous, binds its own KV receiver, and the request equals the engine at TP 1."""
+    import subprocess
+    import sys
+
+    from pdserve.local_cluster import free_port
+
+    model = models[4]
+    expected = LLM(model, block_size=BLOCK, skip_tokenizer_init=True).generate(PROMPTS[:1], GREEDY)
+    port = free_port()
+    cmd = [sys.executable, "-m", "pdserve", "tp-worker", "--leader", f"127.0.0.1:{port}"]
+    worker = subprocess.Popen([*cmd, "--rank", "1", "--advertise-host", "127.0.0.1"])
+    router = FakeRouter()
+    cache = CacheConfig(block_size=BLOCK, num_blocks=48)
+    sched = SchedulerConfig(max_num_batched_tokens=40, max_num_seqs=8)
+    config = NodeConfig((router.addr,), tensor_parallel_size=2, threads_per_rank=1,
+                        tp_workers="external", tp_port=port)  # fmt: skip
+    prefill = decode_ = None
+    try:
+        decode_ = DecodeNode(ModelConfig(model), cache, sched, config)
+        assert decode_.engine.runner.driver.procs == []  # none of its own
+        assert len(set(decode_.kv.endpoints)) == 2
+        prefill = PrefillNode(ModelConfig(model), cache, sched, NodeConfig((router.addr,)))
+        assert serve(router, prefill, decode_, "r", PROMPTS[0], 1) == expected[0].token_ids
+    finally:
+        for node in (prefill, decode_):
+            if node is not None:
+                node.close()
+        router.sock.close()
+        assert worker.wait(timeout=30) == 0  # rank 0's close stops it
