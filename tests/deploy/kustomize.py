@@ -10,6 +10,8 @@ installed. It does what Kustomize does for:
 - `patches`: inline JSON6902 patches (`add`, `remove`, `replace`, `move`, `copy`, `test`)
   applied to each resource whose kind and name match the `target` (regular expressions that
   must match the whole value, as in Kustomize).
+- `patches` without a target: only the strategic-merge `$patch: delete` of one resource (its
+  kind and name), which is how an overlay drops a base's resource.
 
 Any other field or form is refused with ValueError, so a kustomization that starts using one
 fails here rather than rendering differently. A patch that matches no resource, or whose `test`
@@ -31,6 +33,7 @@ KUSTOMIZATION_FIELDS = {"apiVersion", "kind", "resources", "images", "patches"}
 IMAGE_FIELDS = {"name", "newName", "newTag"}
 PATCH_FIELDS = {"target", "patch"}
 TARGET_FIELDS = {"kind", "name"}
+DELETE_FIELDS = {"$patch", "apiVersion", "kind", "metadata"}
 
 
 def render(directory: Path) -> list[Resource]:
@@ -62,6 +65,9 @@ def _load(path: Path) -> list[Resource]:
 
 
 def _apply_patch(resources: list[Resource], patch: dict[str, Any]) -> None:
+    if set(patch) == {"patch"}:
+        _delete(resources, yaml.safe_load(patch["patch"]))
+        return
     if set(patch) != PATCH_FIELDS or set(patch["target"]) - TARGET_FIELDS:
         raise ValueError(f"only inline patches with a kind/name target are implemented: {patch}")
     ops = yaml.safe_load(patch["patch"])
@@ -73,6 +79,16 @@ def _apply_patch(resources: list[Resource], patch: dict[str, Any]) -> None:
         raise ValueError(f"patch target {target} matches no resource")
     for i in hits:
         resources[i] = jsonpatch.apply_patch(resources[i], ops)
+
+
+def _delete(resources: list[Resource], doc: Any) -> None:
+    if not isinstance(doc, dict) or doc.get("$patch") != "delete" or set(doc) != DELETE_FIELDS:
+        raise ValueError(f"without a target, only a `$patch: delete` is implemented: {doc}")
+    key = (doc["kind"], doc["metadata"]["name"])
+    kept = [r for r in resources if (r["kind"], r["metadata"]["name"]) != key]
+    if len(kept) == len(resources):
+        raise ValueError(f"delete patch {key} matches no resource")
+    resources[:] = kept
 
 
 def _matches(target: dict[str, str], resource: Resource) -> bool:
@@ -104,10 +120,20 @@ def split_image(ref: str) -> tuple[str, str | None]:
 
 def _containers(resources: list[Resource]) -> list[dict[str, Any]]:
     found = []
-    for r in resources:
-        pod = r.get("spec", {}).get("template", {}).get("spec", {})
+    for pod in _pod_specs(resources):
         found += pod.get("initContainers", []) + pod.get("containers", [])
     return found
+
+
+def _pod_specs(node: Any) -> list[dict[str, Any]]:
+    """Every pod spec in `node`: a Deployment's one, a LeaderWorkerSet's leader and worker."""
+    if isinstance(node, list):
+        return [pod for item in node for pod in _pod_specs(item)]
+    if not isinstance(node, dict):
+        return []
+    if isinstance(node.get("containers"), list):
+        return [node]
+    return [pod for value in node.values() for pod in _pod_specs(value)]
 
 
 def normalized(resources: list[Resource]) -> dict[tuple[str, str], Resource]:
