@@ -15,7 +15,7 @@ BENCHMARKS = {
     "kernels": ("gpu:kernels_main", "Triton kernels against their torch references"),
     "reliability": ("chaos:reliability_main", "fault-injection scenarios (docs/reliability.md)"),
     "chaos": ("chaos", "2P2D, 2 routers under load while children are killed or stopped"),
-    "structured": ("structured", "a grammar's cost per decode step, with and without"),
+    "structured": ("offline:structured_main", "a grammar's cost per decode step, with and without"),
     "router": ("router", "one router's ceiling with instant nodes, against two routers"),
     "multihost": ("multihost", "TTFT across hosts with added KV-link latency (root)"),
     "compile": ("compile", "compiled decode steps against eager and the bandwidth floor"),

@@ -1,8 +1,6 @@
-"""Offline throughput: pdserve's `LLM` against HF `generate` and the machine's floors; also the
-engine-sweep skeleton `bench compile` runs on. Definitions: docs/benchmarks.md.
-
-    pdserve bench offline [--quick --out DIR]      # = python scripts/bench_offline.py
-"""
+"""`pdserve bench offline`: pdserve's `LLM` against HF `generate` and the machine's floors, on
+the engine sweep `bench compile` also runs on; `pdserve bench structured`: a grammar's cost per
+decode step on the same engine. Definitions: docs/benchmarks.md."""
 
 from __future__ import annotations
 
@@ -27,18 +25,25 @@ from pdserve.bench.report import (
     bench_main,
     best_time,
     cached_model,
+    describe_machine,
     goal,
     goals_table,
+    machine,
     outputs_from_args,
     plot_lines,
     publish,
     record_line,
     records_table,
     run_header,
+    save_json,
     sync,
+    write_section,
 )
+from pdserve.common.engine import model_runner
 from pdserve.common.engine.llm import LLM, SamplingParams
+from pdserve.common.model.config import ModelArchConfig
 from pdserve.common.node.cli import parser
+from pdserve.common.wire.payloads import StructuredOutputsParams
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -139,7 +144,9 @@ class Pdserve:
             enable_prefix_caching=False,
             device=args.device,
             dtype=args.dtype,
-            kv_cache_bytes=max(256 << 20, 2 * tokens * kv_bytes_per_token(arch_of(path))),
+            kv_cache_bytes=max(
+                256 << 20, 2 * tokens * kv_bytes_per_token(ModelArchConfig.from_dir(path))
+            ),
             skip_tokenizer_init=True,
             enforce_eager=enforce_eager,
         )
@@ -255,12 +262,6 @@ def gemm_flops(m: int, k: int, n: int, dtype: torch.dtype, device: str) -> float
     return 2 * m * k * n / best_time(lambda: a @ b, device, repeats=7)
 
 
-def arch_of(path: Path) -> Any:
-    from pdserve.common.model.config import ModelArchConfig
-
-    return ModelArchConfig.from_dir(path)
-
-
 def kv_bytes_per_token(arch: Any, itemsize: int = 4) -> int:
     return arch.num_layers * 2 * arch.num_kv_heads * arch.head_dim * itemsize
 
@@ -280,38 +281,21 @@ def decode_bytes(arch: Any, weights: tuple[int, int], batch: int, context: float
     return read_weights + batch * context * kv_bytes_per_token(arch, item)
 
 
-def dense_flops_per_token(arch: Any, weights: tuple[int, int], item: int) -> float:
-    """2 x the parameters every token multiplies by (not the embedding table or the lm_head)."""
-    total, embed = weights
-    lm_head = 0 if arch.tie_word_embeddings else embed
-    return 2 * (total - embed - lm_head) / item
-
-
-def prefill_flops(arch: Any, weights: tuple[int, int], batch: int, prompt: int, item: int):
-    """FLOPs of prefilling `batch` prompts of `prompt` tokens (logits for the last rows)."""
-    attention = 2 * batch * prompt**2 * arch.num_heads * arch.head_dim * arch.num_layers
-    logits = 2 * batch * arch.hidden_size * arch.vocab_size
-    return dense_flops_per_token(arch, weights, item) * batch * prompt + attention + logits
-
-
-def decode_flops(arch: Any, weights: tuple[int, int], batch: int, context: float, item: int):
-    """FLOPs of one decode step of `batch` sequences at mean context `context`."""
-    attention = 4 * batch * context * arch.num_heads * arch.head_dim * arch.num_layers
-    logits = 2 * batch * arch.hidden_size * arch.vocab_size
-    return dense_flops_per_token(arch, weights, item) * batch + attention + logits
-
-
 def floors_at(batch: int, pd: Pdserve, args: argparse.Namespace, copy_bw: float) -> dict:
-    """Floor times of one prefill and one decode step at `batch`; matmul rates are measured
-    at each phase's own shape (tokens x hidden -> MLP width)."""
-    arch, weights = pd.runner.arch, weight_bytes(pd.runner.model)
+    """Floor times of one prefill and one decode step at `batch`: FLOPs are 2 x the parameters
+    every token multiplies by (not the embedding table or lm_head), attention and the last
+    rows' logits; matmul rates are measured at each phase's own shape (tokens x hidden -> MLP)."""
+    arch, (total, embed) = pd.runner.arch, weight_bytes(pd.runner.model)
     item, dtype = DTYPES[args.dtype].itemsize, DTYPES[args.dtype]
     context = args.prompt_len + args.max_tokens / 2
+    dense = 2 * (total - embed - (0 if arch.tie_word_embeddings else embed)) / item
+    logits = 2 * batch * arch.hidden_size * arch.vocab_size
+    attention = 2 * batch * arch.num_heads * arch.head_dim * arch.num_layers  # x keys x queries
+    step_flops = dense * batch + 2 * attention * context + logits
+    flops = dense * batch * args.prompt_len + attention * args.prompt_len**2 + logits
     rate = lambda m: gemm_flops(m, arch.hidden_size, arch.intermediate_size, dtype, args.device)  # noqa: E731
     prefill_rate, decode_rate = rate(batch * args.prompt_len), rate(batch)
-    step_bytes = decode_bytes(arch, weights, batch, context, item)
-    step_flops = decode_flops(arch, weights, batch, context, item)
-    flops = prefill_flops(arch, weights, batch, args.prompt_len, item)
+    step_bytes = decode_bytes(arch, (total, embed), batch, context, item)
     return {
         "decode": {
             "bytes_per_step": step_bytes,
@@ -515,6 +499,152 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     write = lambda report, to: publish("offline", report, to, plot, section)  # noqa: E731
     return bench_main(argv, parse_args, "offline", measure, write)
+
+
+# -- `pdserve bench structured`: a JSON-schema mask per decode step, filled first or beside ------
+
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 40},
+        "age": {"type": "integer", "minimum": 0, "maximum": 150},
+        "favorite_color": {"enum": ["red", "green", "blue"]},
+        "hobbies": {"type": "array", "items": {"type": "string", "maxLength": 30}, "maxItems": 3},
+        "address": {
+            "type": "object",
+            "properties": {"city": {"type": "string", "maxLength": 40}},
+            "required": ["city"],
+        },
+    },
+    "required": ["name", "age", "favorite_color", "hobbies", "address"],
+}
+GRAMMAR_MODES = ("plain", "first", "worker")  # no grammar; mask filled first; on a worker
+
+
+class FillTimer:
+    """Wraps the runner's mask fill to add up the worker's time."""
+
+    def __init__(self) -> None:
+        self.seconds, self.calls, self._fill = 0.0, 0, model_runner.fill_bitmask
+
+    def __call__(self, grammars: Any, vocab_size: int) -> Any:
+        start = time.perf_counter()
+        try:
+            return self._fill(grammars, vocab_size)
+        finally:
+            self.seconds += time.perf_counter() - start
+            self.calls += 1
+
+    def __enter__(self) -> FillTimer:
+        model_runner.fill_bitmask = self
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        model_runner.fill_bitmask = self._fill
+
+
+def chat_prompts(llm: LLM, batch: int) -> list[list[int]]:
+    tok = llm.tokenizer
+    chats = [[{"role": "user", "content": f"Invent person number {i} and describe them in JSON."}]
+             for i in range(batch)]  # fmt: skip
+    return [tok(tok.apply_chat_template(c, add_generation_prompt=True, tokenize=False)).input_ids
+            for c in chats]  # fmt: skip
+
+
+def grammar_steps(llm: LLM, prompts: list[list[int]], steps: int, mode: str) -> dict[str, float]:
+    """The median of `steps` decode steps of the batch in `mode`, and the worker's fill time per
+    step (s); prefill steps untimed."""
+    so = StructuredOutputsParams(json=SCHEMA) if mode != "plain" else None
+    # Long enough that no request ends within the timed steps, constrained or not.
+    params = SamplingParams(max_tokens=steps + 8, temperature=0.0, ignore_eos=True,
+                            structured_outputs=so)  # fmt: skip
+    engine, default = llm.engine, llm.engine.runner.overlap_masks
+    engine.runner.overlap_masks = mode == "worker"
+    for i, ids in enumerate(prompts):
+        engine.add_request(f"bench-{mode}-{len(prompts)}-{i}", ids, params)
+    while any(r.num_output_tokens == 0 for r in engine.scheduler.requests.values()):
+        engine.step()  # prefill (and the first token) of every request
+    times = []
+    with FillTimer() as fill:
+        for _ in range(steps):
+            start = time.perf_counter()
+            updates = engine.step()
+            times.append(time.perf_counter() - start)
+            assert len(updates) == len(prompts), "a request ended inside the timed steps"
+    while engine.has_unfinished:
+        engine.step()
+    engine.runner.overlap_masks = default
+    return {"step_s": statistics.median(times), "fill_s": fill.seconds / max(fill.calls, 1)}
+
+
+def grammar_row(batch: int, runs: Runs) -> dict[str, Any]:
+    """The best run of each mode (the modes took turns, so drifts hit each alike)."""
+    best = {m: min(r["step_s"] for r in runs[m]) for m in GRAMMAR_MODES}
+    fill = min(r["fill_s"] for m in GRAMMAR_MODES[1:] for r in runs[m])
+    row = {"batch": batch, "step_ms": best["plain"] * 1e3, "fill_ms": fill * 1e3}
+    for mode in GRAMMAR_MODES[1:]:
+        t = best[mode]
+        row.update({f"{mode}_ms": t * 1e3, f"{mode}_overhead_ms": (t - best["plain"]) * 1e3,
+                    f"{mode}_share": (t - best["plain"]) / t})  # fmt: skip
+    return row
+
+
+def _ms_and_share(mode: str) -> Any:
+    return lambda r: f"{r[f'{mode}_overhead_ms']:.1f} ms ({r[f'{mode}_share']:.1%})"
+
+
+GRAMMAR_COLUMNS: Columns = [
+    ("batch", "batch"),
+    ("no grammar (ms)", lambda r: f"{r['step_ms']:.1f}"),
+    ("mask filled first (ms)", lambda r: f"{r['first_ms']:.1f}"),
+    ("overhead", _ms_and_share("first")),
+    ("mask on a worker beside the forward (ms)", lambda r: f"{r['worker_ms']:.1f}"),
+    ("overhead", _ms_and_share("worker")),
+    ("fill alone (share of the step)",
+     lambda r: f"{r['fill_ms']:.2f} ms ({r['fill_ms'] / r['step_ms']:.1%})"),
+]  # fmt: skip
+GRAMMAR_FLAGS = [
+    ("--model", str, None, "checkpoint (default: SmolLM2-135M-Instruct)"),
+    ("--batches", int, [1, 32], "decode batch sizes", {"nargs": "+"}),
+    ("--steps", int, 24, "timed decode steps per batch"),
+    ("--repeats", int, 3, "alternated runs; the best counts"),
+]
+READING = (
+    "`pdserve bench structured --steps 24 --repeats 5` made it. Decode step times; overhead "
+    "against the step without a grammar (negative: within the machine's noise). On the CPU "
+    "the forward's threads hold every core and a worker beside them can only compete with "
+    "them, so CPU nodes fill the mask before the forward; on an accelerator they fill it on a "
+    "worker while the forward runs."
+)
+
+
+def structured_main(argv: list[str] | None = None) -> None:
+    from pdserve.models import smollm2
+
+    p = parser("pdserve bench structured", "A grammar's cost per decode step on one engine.")
+    add_flags(p.add_argument_group("run"), GRAMMAR_FLAGS)
+    add_output_flags(p, "structured.json")
+    args = p.parse_args(argv)
+    to = outputs_from_args(p, args)
+    llm = LLM(args.model or str(smollm2()), max_num_seqs=max(args.batches),
+              max_num_batched_tokens=2048)  # fmt: skip
+    grammar_steps(llm, chat_prompts(llm, 1), 4, "first")  # compile the schema, scan the vocab
+    rows = []
+    for batch in args.batches:
+        engines = {m: lambda ps, m=m: grammar_steps(llm, ps, args.steps, m) for m in GRAMMAR_MODES}
+        rows.append(grammar_row(batch, take_turns(engines, chat_prompts(llm, batch), args.repeats)))
+    text = records_table(GRAMMAR_COLUMNS, rows)
+    print(text)
+    save_json(to.folder / "structured.json", {"machine": machine(), "rows": rows})
+    setup = (
+        f"{describe_machine(machine())}. SmolLM2-135M-Instruct (float32), greedy, a JSON schema "
+        "with nested objects, an enum, bounded strings and a list; the best of "
+        f"{args.repeats} alternated runs of the median of {args.steps} decode steps, every "
+        "column from the same run."
+    )
+    title = "## Structured outputs: the grammar mask per decode step"
+    body = "\n\n".join([title, setup, text, READING])
+    print(f"wrote {write_section('structured', body, to.page)}")
 
 
 if __name__ == "__main__":
