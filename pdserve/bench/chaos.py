@@ -26,7 +26,7 @@ from typing import Any
 import httpx
 
 from pdserve.bench import load, report
-from pdserve.bench.systems import process_group, threads_env, wait_until
+from pdserve.bench.systems import environ, process_group, sigterm_raises, threads_env, wait_until
 from pdserve.common.node.cli import parser
 from pdserve.local_cluster import free_port
 from pdserve.testbed import faults as fh
@@ -381,7 +381,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     docs = args.docs_dir or report.default_docs_dir()
     folder, page = args.out or docs / "bench", (args.out or docs) / "reliability.md"
-    with tempfile.TemporaryDirectory() as tmp, report.sigterm_raises():
+    with tempfile.TemporaryDirectory() as tmp, sigterm_raises():
         log_dir = args.log_dir or Path(tmp)
         run = report.measure_or_load(
             args, "chaos", "bench_chaos.py", argv, lambda: measure(args, log_dir)
@@ -448,7 +448,7 @@ def run_scenario(model: str, prompts: list, wants: list, scenario: tuple[str, di
     name, cluster_kw, run_kw = scenario
     env = kvfaults.child_env(cluster_kw.get("env"))
     cluster_kw = {k: v for k, v in cluster_kw.items() if k != "env"}
-    with report.environ(env), fh.cluster_for(model, **cluster_kw) as cluster:
+    with environ(env), fh.cluster_for(model, **cluster_kw) as cluster:
         run = fh.run_scenario(name, cluster, prompts, wants, **run_kw)
         reports = fh.wait_clean(cluster)
     held = [r["report"] for r in reports.values() if r["report"] is not None]

@@ -5,94 +5,39 @@ runs its systems in."""
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import math
 import os
-import shutil
-import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-import httpx
-
-from pdserve.bench.load import (
-    BenchConfig,
-    BenchRequest,
-    TokenPool,
-    load_pool,
-    random_requests,
-    run_benchmark,
-)
-from pdserve.bench.report import (
-    BENCH_MODEL_SIZES,
-    CACHE_DIR_FLAG,
-    LOG_DIR_FLAG,
-    SEED_FLAG,
-    THREADS_FLAG,
-    TIMEOUT_FLAG,
-    TQDM_FLAG,
-    Outputs,
-    Panel,
-    add_flags,
-    add_output_flags,
-    bench_main,
-    cached_model,
-    flags_text,
-    git_state,
-    goal,
-    goals_table,
-    markdown_table,
-    outputs,
-    plot_lines,
-    records_table,
-    save_json,
-    setup_rows,
+from pdserve.bench import load
+from pdserve.bench import report as rp
+from pdserve.bench.systems import (
+    REMOTE,
+    System,
+    batch_tokens,
+    heartbeat_args,
+    measure_systems,
     sigterm_raises,
-    write_section,
+    smollm2_model,
 )
-from pdserve.bench.systems import pdserve_cluster, transformers_serve
 from pdserve.common.node.cli import parser
-from pdserve.local_cluster import free_port
 
 SECTION = "compare"
 SMOLLM2_SECTION = "compare-smollm2"
-SMOLLM2_DIR = "smollm2-135m-instruct-f32"  # under --cache-dir
-REMOTE = ("--prefill-placement", "remote")  # every prefill on a prefill node
-DEFAULT_BATCH_TOKENS = 512  # pdserve's --max-num-batched-tokens (pdserve.common.node.cli)
 
 # The benchmark model: the offline benchmark's geometry, random weights drawn with the
 # usual 0.02 initializer range (tiny_model's default is 0.1).
-BENCH_MODEL = {**BENCH_MODEL_SIZES, "initializer_range": 0.02}
+BENCH_MODEL = {**rp.BENCH_MODEL_SIZES, "initializer_range": 0.02}
 QUICK_MODEL: dict[str, Any] = {}  # the tests' tiny Llama as pdserve.tiny_model makes it
 
 
 # ---------------------------------------------------------------- the frame: systems, flags, runs
-
-
-@dataclass(frozen=True, slots=True)
-class System:
-    """One system compared: (prefill, decode, colocated) pdserve nodes with flags of its router
-    and of its decode nodes, or (shape None) `transformers serve`."""
-
-    name: str
-    shape: tuple[int, int, int] | None
-    router_args: tuple[str, ...] = ()
-    decode_args: tuple[str, ...] = ()
-
-    @property
-    def what(self) -> str:
-        if self.shape is None:
-            return "transformers serve --continuous-batching"
-        if not self.shape[0]:
-            return "one node, role both"
-        decode = f", decode node `{' '.join(self.decode_args)}`" if self.decode_args else ""
-        return f"1P1D, `{' '.join(self.router_args)}`{decode}"
 
 
 SYSTEMS = {
@@ -106,60 +51,16 @@ SYSTEMS = {
 QUICK_SYSTEMS = ("pdserve-colocated", "pdserve-1p1d")
 
 
-@contextmanager
-def start_system(spec: System, args: argparse.Namespace, model: Path | str) -> Iterator[tuple]:
-    """Start one system with every server process at args.threads torch threads; yields its
-    URL and the health URLs of its decode nodes (their KV gauges)."""
-    log_dir = args.log_dir / spec.name
-    if spec.shape is None:
-        tokens = batch_tokens(args.engine_args)
-        with transformers_serve(Path(model), tokens, log_dir, args.threads) as url:
-            yield url, []
-        return
-    port = free_port()  # the decode node's health port (one decode node here)
-    decode = ["--health-port", str(port), *spec.decode_args] if spec.shape[1] else []
-    router = [*heartbeat_args(getattr(args, "heartbeat_timeout", 0.0)), *spec.router_args]
-    with pdserve_cluster(
-        model, spec.shape, log_dir, threads=args.threads, engine_args=args.engine_args,
-        router_args=router, decode_args=decode,
-    ) as cluster:  # fmt: skip
-        yield cluster.url, [f"http://127.0.0.1:{port}"] if spec.shape[1] else []
-
-
-Measure = Callable[[str, list[str], dict[str, Any]], None]
-
-
-def measure_systems(
-    args: argparse.Namespace, systems: dict[str, System], model: Path | str, measure: Measure
-) -> tuple[dict[str, dict[str, Any]], list[str]]:
-    """Each system of args.systems started, measured by measure(url, health URLs, its record)
-    and stopped. A system that cannot start or go on keeps what it measured, and is noted."""
-    results: dict[str, dict[str, Any]] = {}
-    notes: list[str] = []
-    for name in args.systems:
-        results[name] = {}
-        print(f"== {name}: starting", flush=True)
-        started = time.monotonic()
-        try:
-            with start_system(systems[name], args, model) as (url, health):
-                print(f"== {name}: ready at {url} in {time.monotonic() - started:.0f}s")
-                measure(url, health, results[name])
-        except (RuntimeError, OSError, httpx.HTTPError) as exc:
-            notes.append(f"{name} stopped: {exc}")
-            print(f"!! {name}: {exc}", file=sys.stderr, flush=True)
-    return results, notes
-
-
 def scenario_parser(name: str, doc: str, run_flags: list, model_flags: list, files: str):
     """The flags groups run, model and servers, output; flags not listed are engine flags."""
     p = parser(f"pdserve bench {name}", doc.split("\n\n")[0])
     p.epilog = "Flags not listed here go to every pdserve node as engine flags (`pdserve serve\n"
     p.epilog += "--help` lists them), e.g. --max-num-batched-tokens 256 --num-blocks 2048."
-    add_flags(p.add_argument_group("run"), run_flags)
+    rp.add_flags(p.add_argument_group("run"), run_flags)
     servers = p.add_argument_group("model and servers")
-    add_flags(servers, model_flags)
-    add_flags(servers, [LOG_DIR_FLAG])
-    return p, add_output_flags(p, files, f"{name} JSON")
+    rp.add_flags(servers, model_flags)
+    rp.add_flags(servers, [rp.LOG_DIR_FLAG])
+    return p, rp.add_output_flags(p, files, f"{name} JSON")
 
 
 def parse_scenario(
@@ -179,7 +80,7 @@ def scenario_fields(args: argparse.Namespace, model: Path | str, desc: str) -> d
     """What every comparison records of its setup."""
     return {
         "date": time.strftime("%Y-%m-%d %H:%M"),
-        "git": git_state(),
+        "git": rp.git_state(),
         "model": str(model),
         "model_desc": desc,
         "engine_args": args.engine_args,
@@ -194,11 +95,11 @@ def loads_row(loads: list[float], when: str) -> list[str]:
     return [f"1-minute load average {when}", text]
 
 
-def write_report(report: dict[str, Any], to: Outputs, name: str, section: str) -> Path:
+def write_report(report: dict[str, Any], to: rp.Outputs, name: str, section: str) -> Path:
     """NAME.json and the page's section; prints the goals."""
-    data = save_json(to.folder / f"{name}.json", report)
-    write_section(name, section, to.page)
-    print(goals_table(report["goals"]))
+    data = rp.save_json(to.folder / f"{name}.json", report)
+    rp.write_section(name, section, to.page)
+    print(rp.goals_table(report["goals"]))
     print(f"wrote {data}, the plots and the `{name}` section of {to.page}")
     return data
 
@@ -234,7 +135,7 @@ class Run:
 
     scenario: str
     label: str
-    requests: list[BenchRequest]
+    requests: list[load.BenchRequest]
     request_rate: float = math.inf
     max_concurrency: int | None = None
     arrivals: list[float] | None = None
@@ -246,18 +147,18 @@ def run_keys(sizes: Sizes) -> list[str]:
     return ["latency/concurrency=1", *rates, "mixed/short+long"]
 
 
-def scenario_runs(pool: TokenPool, sizes: Sizes, seed: int) -> list[Run]:
+def scenario_runs(pool: load.TokenPool, sizes: Sizes, seed: int) -> list[Run]:
     """Every run of the three scenarios; each has prompts of its own (no cross-run cache hits)."""
     s = sizes
-    latency = random_requests(pool, s.latency_n, s.latency_input, s.latency_output, 0, seed)
+    latency = load.random_requests(pool, s.latency_n, s.latency_input, s.latency_output, 0, seed)
     runs = [Run("latency", "concurrency=1", latency, max_concurrency=1)]
     for i, rate in enumerate(s.sat_rates):
-        reqs = random_requests(pool, s.sat_n, s.sat_input, s.sat_output, 0.25, seed + 1 + i)
+        reqs = load.random_requests(pool, s.sat_n, s.sat_input, s.sat_output, 0.25, seed + 1 + i)
         runs.append(Run("saturation", f"rate={rate:g}", reqs, request_rate=rate))
-    short = random_requests(
+    short = load.random_requests(
         pool, s.mixed_short_n, s.mixed_short_input, s.mixed_short_output, 0, seed + 50, "short"
     )
-    long = random_requests(
+    long = load.random_requests(
         pool, len(s.mixed_long_at), s.mixed_long_input, s.mixed_long_output, 0, seed + 51, "long"
     )
     arrivals = [0.0] * len(short) + list(s.mixed_long_at)
@@ -270,72 +171,14 @@ def ensure_model(cache_dir: Path, quick: bool, smollm2: bool = False) -> Path:
     if smollm2:
         return smollm2_model(cache_dir)
     if quick:
-        return cached_model(cache_dir, "tiny-llama", QUICK_MODEL)
-    return cached_model(cache_dir, "llama-12x768-random", BENCH_MODEL)
+        return rp.cached_model(cache_dir, "tiny-llama", QUICK_MODEL)
+    return rp.cached_model(cache_dir, "llama-12x768-random", BENCH_MODEL)
 
 
-def smollm2_model(cache_dir: Path) -> Path:
-    """SmolLM2-135M-Instruct as an HF directory of float32 safetensors, made once from the GGUF
-    pdserve serves, so transformers serve and pdserve load the same weights. Built aside and
-    renamed, so a concurrent run never reads half a model; another GGUF gets its own folder."""
-    from pdserve.common.model.checkpoint import Checkpoint
-    from pdserve.models import smollm2
-
-    gguf = smollm2()
-    out = cache_dir / f"{SMOLLM2_DIR}-{gguf.stat().st_size}"
-    if (out / "model.safetensors").is_file():
-        return out
-    print(f"writing {gguf.name} as float32 safetensors into {out}", flush=True)
-    cache_dir.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=cache_dir) as tmp:
-        built = shutil.copytree(Checkpoint.resolve(gguf).hf_dir(), Path(tmp) / "m")
-        _write_float32(gguf, built)
-        with contextlib.suppress(OSError):  # another run got there first
-            os.rename(built, out)
-    return out
-
-
-def _write_float32(gguf: Path, into: Path) -> None:
-    """The GGUF's weights as pdserve's loader reads them (dequantized, q/k rows in HF order),
-    into model.safetensors, and the model class into config.json (transformers serve picks
-    the class by `architectures`)."""
-    import torch
-    from safetensors.torch import save_file
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
-
-    from pdserve.common.model.weights import load_model
-
-    model, _ = load_model(gguf, torch.float32, "cpu")
-    state = {name: p.contiguous() for name, p in model.named_parameters()}  # tied: embeddings
-    save_file(state, into / "model.safetensors", metadata={"format": "pt"})
-    config = json.loads((into / "config.json").read_text())
-    config.update(architectures=[MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[config["model_type"]]])
-    (into / "config.json").write_text(json.dumps({**config, "dtype": "float32"}, indent=2) + "\n")
-
-
-def heartbeat_args(heartbeat_timeout: float) -> list[str]:
-    """The router's `--heartbeat-timeout` (0: the router's own)."""
-    return ["--heartbeat-timeout", f"{heartbeat_timeout:g}"] if heartbeat_timeout > 0 else []
-
-
-def batch_tokens(engine_args: Sequence[str]) -> int:
-    """pdserve's token budget per step: the passed --max-num-batched-tokens or its default."""
-    return engine_flag(engine_args, "--max-num-batched-tokens", DEFAULT_BATCH_TOKENS)
-
-
-def engine_flag(engine_args: Sequence[str], flag: str, default: int) -> int:
-    """The integer value of `flag` among engine flags (`--flag N` or `--flag=N`), else default."""
-    args = list(engine_args)
-    for i, arg in enumerate(args):
-        if arg.startswith(f"{flag}="):
-            return int(arg.split("=", 1)[1])
-        if arg == flag and i + 1 < len(args):
-            return int(args[i + 1])
-    return default
-
-
-def measure_run(url: str, run: Run, pool: TokenPool, args: argparse.Namespace) -> dict[str, Any]:
-    config = BenchConfig(
+def measure_run(
+    url: str, run: Run, pool: load.TokenPool, args: argparse.Namespace
+) -> dict[str, Any]:
+    config = load.BenchConfig(
         base_url=url,
         request_rate=run.request_rate,
         max_concurrency=run.max_concurrency,
@@ -344,7 +187,7 @@ def measure_run(url: str, run: Run, pool: TokenPool, args: argparse.Namespace) -
         disable_tqdm=args.disable_tqdm,
     )
     load_before = os.getloadavg()[0]
-    result = run_benchmark(config, run.requests, pool, run.arrivals)
+    result = load.run_benchmark(config, run.requests, pool, run.arrivals)
     result.update(
         scenario=run.scenario, label=run.label, load_avg_1m=[load_before, os.getloadavg()[0]]
     )
@@ -385,7 +228,7 @@ def evaluate_goals(results: dict[str, dict], sizes: Sizes) -> list[dict[str, Any
          metric(pd, "latency/concurrency=1", "mean_ttft_ms"),
          metric(colo, "latency/concurrency=1", "mean_ttft_ms"), "<=", 1.1),
     ]  # fmt: skip
-    return [goal(*spec) for spec in specs]
+    return [rp.goal(*spec) for spec in specs]
 
 
 def plot_distributions(results: dict[str, dict], sizes: Sizes, metric: str, path: Path) -> Path:
@@ -394,7 +237,7 @@ def plot_distributions(results: dict[str, dict], sizes: Sizes, metric: str, path
     for key, tag, title in (("latency/concurrency=1", None, "latency (1k prompts)"),
                             (_sat_key(sizes), None, "saturation (rate inf)"),
                             ("mixed/short+long", "short", "mixed: short requests")):  # fmt: skip
-        panel = Panel(title, f"{metric.upper()} (ms)", "fraction of samples", xlog=10)
+        panel = rp.Panel(title, f"{metric.upper()} (ms)", "fraction of samples", xlog=10)
         for system, by_key in results.items():
             reqs = (by_key.get(key) or {"requests": []})["requests"]
             reqs = [r for r in reqs if r["success"] and tag in (None, r["tag"])]
@@ -403,7 +246,7 @@ def plot_distributions(results: dict[str, dict], sizes: Sizes, metric: str, path
             ys = [(i + 1) / len(xs) for i in range(len(xs))]
             panel.lines += [(system, xs, ys, "step")] if xs else []
         panels.append(panel)
-    return plot_lines(panels, path)
+    return rp.plot_lines(panels, path)
 
 
 def plot_throughput(results: dict[str, dict], sizes: Sizes, path: Path) -> Path:
@@ -412,11 +255,11 @@ def plot_throughput(results: dict[str, dict], sizes: Sizes, path: Path) -> Path:
     inf_x = 2 * max(finite) if finite else 1.0
     xs = [r if math.isfinite(r) else inf_x for r in sizes.sat_rates]
     title = f"throughput, prompts ~{sizes.sat_input} tok, outputs ~{sizes.sat_output} tok"
-    panel = Panel(title, "offered request rate (req/s; inf at the right)", "output tokens/s")
+    panel = rp.Panel(title, "offered request rate (req/s; inf at the right)", "output tokens/s")
     for system, by_key in results.items():
         runs = [by_key.get(f"saturation/rate={r:g}") or {} for r in sizes.sat_rates]
         panel.lines.append((system, xs, [r.get("output_throughput", math.nan) for r in runs], "o-"))
-    return plot_lines([panel], path, width=6.0)
+    return rp.plot_lines([panel], path, width=6.0)
 
 
 # ---------------------------------------------------------------- the report
@@ -449,7 +292,7 @@ def scenario_tables(results: dict[str, dict], keys: list[str]) -> str:
             if key in r
             for tag in tags
         ]
-        parts.append(f"**{key}**\n\n{records_table(COLUMNS, rows)}")
+        parts.append(f"**{key}**\n\n{rp.records_table(COLUMNS, rows)}")
     return "\n\n".join(parts)
 
 
@@ -457,14 +300,14 @@ def setup_table(report: dict[str, Any]) -> str:
     """Where and how the run was made, one row each."""
     runs = [r for by_key in report["results"].values() for r in by_key.values()]
     rows = [
-        *setup_rows(report),
+        *rp.setup_rows(report),
         ["token budget per step (transformers serve: `--cb-max-batch-tokens`)",
          report["batch_tokens"]],
         ["pdserve router flags",
-         f"{flags_text(report['router_args'])} (1P1D adds `--prefill-placement remote`)"],
+         f"{rp.flags_text(report['router_args'])} (1P1D adds `--prefill-placement remote`)"],
         loads_row([x for r in runs for x in r["load_avg_1m"]], "around the runs"),
     ]  # fmt: skip
-    return markdown_table(["run", ""], rows)
+    return rp.markdown_table(["run", ""], rows)
 
 
 def sizes_table(s: Sizes) -> str:
@@ -480,10 +323,12 @@ def sizes_table(s: Sizes) -> str:
         ["mixed: long", len(s.mixed_long_at), s.mixed_long_input, s.mixed_long_output,
          f"at {longs} s"],
     ]  # fmt: skip
-    return markdown_table(["scenario", "requests", "prompt tokens", "output tokens", "sent"], rows)
+    return rp.markdown_table(
+        ["scenario", "requests", "prompt tokens", "output tokens", "sent"], rows
+    )
 
 
-def render_section(report: dict[str, Any], to: Outputs, plots: list[Path]) -> str:
+def render_section(report: dict[str, Any], to: rp.Outputs, plots: list[Path]) -> str:
     on = f" on {report['model_name']}" if report.get("model_name") else ""
     sizes, name = sizes_from_dict(report["sizes"]), report["section"]
     lines = [
@@ -497,7 +342,7 @@ def render_section(report: dict[str, Any], to: Outputs, plots: list[Path]) -> st
         "",
         "### Goals",
         "",
-        goals_table(report["goals"]),
+        rp.goals_table(report["goals"]),
         "",
         "### Results",
         "",
@@ -514,7 +359,7 @@ def render_section(report: dict[str, Any], to: Outputs, plots: list[Path]) -> st
     return "\n".join(lines)
 
 
-def publish(report: dict[str, Any], to: Outputs) -> None:
+def publish(report: dict[str, Any], to: rp.Outputs) -> None:
     """The JSON, the plots and the section of a report (fresh, or read back from JSON)."""
     sizes = sizes_from_dict(report["sizes"])
     # JSON comes back with sorted keys; tables and legends list systems in SYSTEMS order.
@@ -558,17 +403,17 @@ RUN_FLAGS = [
     ("--systems", str, None, f"a comma list from {','.join(SYSTEMS)} (default: all; quick: "
      "the pdserve ones)", {"metavar": "NAME,..."}),
     ("--quick", bool, None, "tiny model, a handful of requests (default --out: a temp folder)"),
-    SEED_FLAG,
-    TIMEOUT_FLAG,
-    TQDM_FLAG,
+    rp.SEED_FLAG,
+    rp.TIMEOUT_FLAG,
+    rp.TQDM_FLAG,
 ]  # fmt: skip
 MODEL_FLAGS = [
     ("--model", Path, None, "an HF model directory (default: the random-weight benchmark "
      "Llama)", {"metavar": "DIR"}),
     ("--smollm2", bool, None, "SmolLM2-135M-Instruct, as float32 safetensors made once under "
      "--cache-dir from the GGUF pdserve fetches (section compare-smollm2)"),
-    CACHE_DIR_FLAG,
-    THREADS_FLAG,
+    rp.CACHE_DIR_FLAG,
+    rp.THREADS_FLAG,
     ("--heartbeat-timeout", float, 0.0, "pdserve router's node heartbeat timeout, seconds "
      "(0: the router's own)"),
 ]  # fmt: skip
@@ -583,15 +428,15 @@ OUTPUT_FLAGS = [
 def parse_args(argv: list[str]) -> argparse.Namespace:
     files = "SECTION.json and the plots SECTION_*.png"
     p, out = scenario_parser("compare", __doc__, RUN_FLAGS, MODEL_FLAGS, files)
-    add_flags(out, OUTPUT_FLAGS)
+    rp.add_flags(out, OUTPUT_FLAGS)
     args = parse_scenario(p, argv, list(SYSTEMS), QUICK_SYSTEMS)
     if args.smollm2 and args.model is not None:
         p.error("--smollm2 and --model name two models: give one")
     args.section = args.section or (SMOLLM2_SECTION if args.smollm2 else SECTION)
     if args.out is None and args.quick:
         args.out = Path(tempfile.mkdtemp(prefix="bench-compare-"))
-    to = outputs(args.out, args.docs_dir)
-    args.outputs = Outputs(to.folder, args.doc or to.page)
+    to = rp.outputs(args.out, args.docs_dir)
+    args.outputs = rp.Outputs(to.folder, args.doc or to.page)
     return args
 
 
@@ -601,7 +446,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     with sigterm_raises(), tempfile.TemporaryDirectory(prefix="bench-compare-logs-") as tmp:
         args.log_dir = args.log_dir or Path(tmp)
         model = args.model or ensure_model(args.cache_dir, args.quick, args.smollm2)
-        pool = load_pool(str(model))
+        pool = load.load_pool(str(model))
         runs = scenario_runs(pool, sizes, args.seed)
 
         def measure_one(url: str, _health: list[str], into: dict[str, Any]) -> None:
@@ -624,7 +469,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-    return bench_main(argv, parse_args, "compare", measure, publish)
+    return rp.bench_main(argv, parse_args, "compare", measure, publish)
 
 
 if __name__ == "__main__":

@@ -22,9 +22,9 @@ from pdserve.bench.report import (
     outputs_from_args,
     records_table,
     save_json,
-    sigterm_raises,
     write_section,
 )
+from pdserve.bench.systems import sigterm_raises
 from pdserve.common.node.cli import parser
 from pdserve.testbed.cluster import KV_PORT, HostCluster
 from pdserve.testbed.hosts import Hosts, netem_reason, skip_reason

@@ -11,57 +11,15 @@ import os
 import tempfile
 import time
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
 import httpx
 
-from pdserve.bench.compare import (
-    REMOTE,
-    System,
-    engine_flag,
-    loads_row,
-    measure_systems,
-    parse_scenario,
-    scenario_fields,
-    scenario_parser,
-    write_report,
-)
-from pdserve.bench.load import (
-    BenchConfig,
-    ChatWorkload,
-    RequestResult,
-    Sender,
-    ServerCaps,
-    TokenPool,
-    chat_turns,
-    distribution,
-    load_pool,
-    make_client,
-    metrics,
-    per_request,
-    warm_up,
-)
-from pdserve.bench.report import (
-    CACHE_DIR_FLAG,
-    SEED_FLAG,
-    THREADS_FLAG,
-    TIMEOUT_FLAG,
-    Outputs,
-    Panel,
-    bench_main,
-    cached_model,
-    goal,
-    goals_table,
-    markdown_table,
-    outputs_from_args,
-    plot_lines,
-    record_line,
-    records_table,
-    setup_rows,
-    sigterm_raises,
-)
+from pdserve.bench import compare, load, systems
+from pdserve.bench import report as rp
+from pdserve.bench.systems import REMOTE, System
 
 SECTION = "multiturn"
 THRESHOLD = 128  # tokens the decode node may lack and still prefill (the `threshold` system)
@@ -69,25 +27,21 @@ REFERENCE = "colocated"  # whose answers the others' must equal
 DEFAULT_BLOCK_SIZE = 16  # the engine's --block-size default (pdserve.common.node.cli)
 KV_GOAL = 0.1  # KV bytes per later turn, against remote-nocache's
 SETTLE_S = 1.5  # after a turn: nodes publish their gauges every heartbeat (0.5 s)
-CAPS = ServerCaps(token_ids=False, eos_mode="ignore_eos", model=None)
+CAPS = load.ServerCaps(token_ids=False, eos_mode="ignore_eos", model=None)
 TURN_METRICS = ("completed", "failed", "errors", "duration_s", "cached_prompt_tokens")
 TURN_METRICS += ("mean_ttft_ms", "median_ttft_ms", "p90_ttft_ms")
 AUTO = ("--prefill-placement", "auto")
-SYSTEM_SPECS = {
-    s.name: s
-    for s in (
-        System("colocated", (0, 0, 1), REMOTE),
-        System("remote-nocache", (1, 1, 0), REMOTE, ("--no-prefix-caching",)),
-        System("remote", (1, 1, 0), REMOTE),
-        System("conditional", (1, 1, 0), AUTO),
-        System("threshold", (1, 1, 0), (*AUTO, "--local-prefill-threshold", str(THRESHOLD))),
-    )
-}
+SYSTEM_SPECS = {s.name: s for s in (
+    System("colocated", (0, 0, 1), REMOTE),
+    System("remote-nocache", (1, 1, 0), REMOTE, ("--no-prefix-caching",)),
+    System("remote", (1, 1, 0), REMOTE),
+    System("conditional", (1, 1, 0), AUTO),
+    System("threshold", (1, 1, 0), (*AUTO, "--local-prefill-threshold", str(THRESHOLD))),
+)}  # fmt: skip
 SYSTEMS = tuple(SYSTEM_SPECS)
-QUICK_WORKLOAD = ChatWorkload(conversations=2, turns=2, first_len=48, message_len=16, answer_len=8)
-
-
-# ---------------------------------------------------------------- counters between turns
+QUICK_WORKLOAD = load.ChatWorkload(2, 2, first_len=48, message_len=16, answer_len=8)
+ROUTER_COUNTERS = ("prefills_local", "prefills_remote", "kv_tokens_reused_on_decode")
+ROUTER_COUNTERS += ("kv_tokens_sent",)
 
 
 def scrape(text: str, prefix: str) -> dict[str, float]:
@@ -101,72 +55,57 @@ def scrape(text: str, prefix: str) -> dict[str, float]:
     return out
 
 
-ROUTER_COUNTERS = (
-    "prefills_local",
-    "prefills_remote",
-    "kv_tokens_reused_on_decode",
-    "kv_tokens_sent",
-)
-
-
-@dataclass(frozen=True, slots=True)
-class Counters:
-    """The router's placement counters and the KV bytes decode nodes received, at one time."""
-
-    router: dict[str, float]
-    kv_bytes: float
-
-    def since(self, before: Counters) -> dict[str, float]:
-        out = {k: self.router.get(k, 0.0) - before.router.get(k, 0.0) for k in ROUTER_COUNTERS}
-        out["kv_bytes"] = self.kv_bytes - before.kv_bytes
-        return out
-
-
-async def read_counters(client: httpx.AsyncClient, health_urls: Sequence[str]) -> Counters:
+async def read_counters(client: httpx.AsyncClient, health_urls: Sequence[str]) -> dict:
+    """The router's placement counters and the KV bytes decode nodes received, now."""
     resp = await client.get("/metrics")
     resp.raise_for_status()
     router = scrape(resp.text, "pdserve_backend_")
-    kv = 0.0
+    out = {k: router.get(k, 0.0) for k in ROUTER_COUNTERS} | {"kv_bytes": 0.0}
     for url in health_urls:
         node = await client.get(f"{url}/metrics")
         node.raise_for_status()
-        kv += scrape(node.text, "pdserve_node_").get("kv_received_bytes", 0.0)
-    return Counters(router, kv)
+        out["kv_bytes"] += scrape(node.text, "pdserve_node_").get("kv_received_bytes", 0.0)
+    return out
 
 
 # ---------------------------------------------------------------- one system
 
 
 async def run_turns(
-    url: str, health_urls: list[str], pool: TokenPool, args: argparse.Namespace, turns: list
+    url: str, health_urls: list[str], pool: load.TokenPool, args: argparse.Namespace, turns: list
 ) -> None:
     """Every turn of every conversation against one running system, a record per turn into
     `turns`. A turn with a failed reply ends the run (the conversation cannot go on)."""
-    async with make_client(url) as client:
-        sender = Sender(client, url, CAPS, timeout_s=args.request_timeout)
+    async with load.make_client(url) as client:
+        sender = load.Sender(client, url, CAPS, timeout_s=args.request_timeout)
         # The first request of a fresh cluster pays one-time costs, and nodes measure their
         # prefill rates (the cost model's input).
-        await warm_up(sender, pool, 1, chat=True)
+        await load.warm_up(sender, pool, 1, chat=True)
         await asyncio.sleep(SETTLE_S)
         before = await read_counters(client, health_urls)
-        for t, requests in enumerate(chat_turns(pool, args.workload)):
-            load = os.getloadavg()[0]
+        for t, requests in enumerate(load.chat_turns(pool, args.workload)):
+            load_avg = os.getloadavg()[0]
             start = time.perf_counter()
             replies = await asyncio.gather(*(sender.send(r) for r in requests))
             duration = time.perf_counter() - start
             await asyncio.sleep(SETTLE_S)
             after = await read_counters(client, health_urls)
-            turns.append(turn_record(t, replies, duration, after.since(before), load))
-            print(record_line([TURN_COLUMNS[0], *TURN_COLUMNS[2:]], turns[-1]), flush=True)
+            delta = {k: after[k] - before[k] for k in after}
+            turns.append(turn_record(t, replies, duration, delta, load_avg))
+            print(rp.record_line([TURN_COLUMNS[0], *TURN_COLUMNS[2:]], turns[-1]), flush=True)
             if not all(r.success for r in replies):
                 break
             before = after
 
 
 def turn_record(
-    t: int, replies: Sequence[RequestResult], duration: float, delta: dict[str, float], load: float
+    t: int,
+    replies: Sequence[load.RequestResult],
+    duration: float,
+    delta: dict[str, float],
+    load_avg: float,
 ) -> dict[str, Any]:
-    m = metrics(replies, duration, BenchConfig("", percentiles=(90.0,)))
+    m = load.metrics(replies, duration, load.BenchConfig("", percentiles=(90.0,)))
     return {
         "turn": t + 1,
         **{k: m[k] for k in TURN_METRICS},
@@ -174,8 +113,8 @@ def turn_record(
         "output_tokens": m["total_output_tokens"],
         "output_tokens_per_s": m["output_throughput"],
         **{k: int(v) for k, v in delta.items()},
-        "load_avg_1m": load,
-        "replies": [per_request(r) for r in replies],
+        "load_avg_1m": load_avg,
+        "replies": [load.per_request(r) for r in replies],
     }
 
 
@@ -188,8 +127,8 @@ def overall(turns: list[dict[str, Any]]) -> dict[str, Any]:
     later = turns[1:]
     duration = sum(t["duration_s"] for t in turns)
     return {
-        "mean_ttft_ms": distribution("ttft", ttfts(turns), ())["mean_ttft_ms"],
-        "mean_ttft_ms_after_turn_1": distribution("ttft", ttfts(later), ())["mean_ttft_ms"],
+        "mean_ttft_ms": load.distribution("ttft", ttfts(turns), ())["mean_ttft_ms"],
+        "mean_ttft_ms_after_turn_1": load.distribution("ttft", ttfts(later), ())["mean_ttft_ms"],
         "kv_bytes": sum(t["kv_bytes"] for t in turns),
         "kv_bytes_after_turn_1": sum(t["kv_bytes"] for t in later),
         "output_tokens_per_s": sum(t["output_tokens"] for t in turns) / duration
@@ -267,7 +206,7 @@ def evaluate_goals(results: dict[str, dict], turns: int) -> list[dict[str, Any]]
         than = f"<= {target:.0%} of {base}'s" if target < 1 else f"<= {base}'s"
         which = "turns 2+" if key.endswith("_after_turn_1") else "all turns"
         name = f"{system}: {what} of {which} {than}"
-        goals.append(goal(name, total(system, key), total(base, key), "<=", target))
+        goals.append(rp.goal(name, total(system, key), total(base, key), "<=", target))
     return goals
 
 
@@ -280,12 +219,12 @@ def plot_turns(results: dict[str, dict], path: Path) -> Path:
     for key, scale, title in (("kv_bytes", 1e-6, "KV moved into decode caches (MB)"),
                               ("mean_ttft_ms", 1.0, "mean TTFT (ms)"),
                               ("output_tokens_per_s", 1.0, "output tokens/s")):  # fmt: skip
-        panel = Panel(title, "turn", ymin=0)
+        panel = rp.Panel(title, "turn", ymin=0)
         for system, res in results.items():
             xs, ys = [t["turn"] for t in res["turns"]], [t[key] * scale for t in res["turns"]]
             panel.lines.append((system, xs, ys, "o-"))
         panels.append(panel)
-    return plot_lines(panels, path)
+    return rp.plot_lines(panels, path)
 
 
 def _mb(key: str) -> Any:
@@ -331,7 +270,7 @@ def answers_table(answers: dict[str, dict[str, Any]]) -> str:
         ("where", lambda a: ", ".join(f"conversation {c} turn {t}" for c, t in a["where"][:4])
          or "—"),
     ]  # fmt: skip
-    return records_table(columns, [{**answers[s], "system": s} for s in SYSTEMS if s in answers])
+    return rp.records_table(columns, [{**answers[s], "system": s} for s in SYSTEMS if s in answers])
 
 
 def reuse_table(results: dict[str, dict], block_size: int) -> str:
@@ -347,7 +286,7 @@ def reuse_table(results: dict[str, dict], block_size: int) -> str:
             got = sum(t[key] for t in turns[1:])
             rows.append([system, key, could, got, f"{got / could:.0%}"])
     header = ["system", "counted as", "reusable tokens, turns 2+", "reused", "share"]
-    return markdown_table(header, rows)
+    return rp.markdown_table(header, rows)
 
 
 def setup_table(report: dict[str, Any]) -> str:
@@ -355,27 +294,23 @@ def setup_table(report: dict[str, Any]) -> str:
     w = report["workload"]
     loads = [t["load_avg_1m"] for r in report["results"].values() for t in r["turns"]]
     rows = [
-        *setup_rows(report),
+        *rp.setup_rows(report),
         ["block size, KV connector", f"{report['block_size']}, zmq"],
-        loads_row(loads, "at the turns' starts"),
+        compare.loads_row(loads, "at the turns' starts"),
         ["conversations x turns", f"{w['conversations']} x {w['turns']}"],
         ["first user message, tokens", w["first_len"]],
         ["later user messages, tokens", f"{w['message_len']} ± {w['range_ratio']:.0%}"],
         ["answer, tokens (greedy, `min_tokens` = `max_tokens`)", w["answer_len"]],
         ["seed", w["seed"]],
     ]  # fmt: skip
-    return markdown_table(["run", ""], rows)
+    return rp.markdown_table(["run", ""], rows)
 
 
-def render_section(report: dict[str, Any], to: Outputs, plot: Path | None) -> str:
+def render_section(report: dict[str, Any], to: rp.Outputs, plot: Path | None) -> str:
     results = report["results"]
     most = max((len(r["turns"]) for r in results.values()), default=0)
-    turns = [
-        {**r["turns"][i], "system": s}
-        for i in range(most)
-        for s, r in results.items()
-        if i < len(r["turns"])
-    ]
+    turns = [{**r["turns"][i], "system": s} for i in range(most)
+             for s, r in results.items() if i < len(r["turns"])]  # fmt: skip
     lines = [
         "## Multi-turn chat: decode-side prefix cache and conditional disaggregation"
         " (`pdserve bench multiturn`)",
@@ -388,7 +323,7 @@ def render_section(report: dict[str, Any], to: Outputs, plot: Path | None) -> st
         "",
         "### Goals",
         "",
-        goals_table(report["goals"]),
+        rp.goals_table(report["goals"]),
         "",
         reuse_table(results, report["block_size"]),
         "",
@@ -396,9 +331,11 @@ def render_section(report: dict[str, Any], to: Outputs, plot: Path | None) -> st
         "",
         "### Results",
         "",
-        records_table(OVERALL_COLUMNS, [{**r["overall"], "system": s} for s, r in results.items()]),
+        rp.records_table(
+            OVERALL_COLUMNS, [{**r["overall"], "system": s} for s, r in results.items()]
+        ),
         "",
-        records_table(TURN_COLUMNS, turns),
+        rp.records_table(TURN_COLUMNS, turns),
         "",
     ]
     if plot is not None:
@@ -410,20 +347,20 @@ def render_section(report: dict[str, Any], to: Outputs, plot: Path | None) -> st
     return "\n".join(lines)
 
 
-def publish(report: dict[str, Any], to: Outputs) -> None:
+def publish(report: dict[str, Any], to: rp.Outputs) -> None:
     """The JSON, the plot and the section of a report (fresh, or read back from JSON)."""
     results = {s: report["results"][s] for s in SYSTEMS if s in report["results"]}
     goals = evaluate_goals(results, report["workload"]["turns"])  # the goals as defined now
     report = {**report, "results": results, "goals": goals}
     to.folder.mkdir(parents=True, exist_ok=True)
     plot = plot_turns(results, to.folder / "multiturn.png") if results else None
-    write_report(report, to, SECTION, render_section(report, to, plot))
+    compare.write_report(report, to, SECTION, render_section(report, to, plot))
     print(answers_table(report["answers"]))
 
 
 # ---------------------------------------------------------------- main
 
-_W = ChatWorkload()
+_W = load.ChatWorkload()
 RUN_FLAGS = [
     ("--systems", str, None, f"a comma list from {', '.join(SYSTEMS)} (default: all; colocated "
      "runs first)", {"metavar": "NAME,..."}),
@@ -434,29 +371,29 @@ RUN_FLAGS = [
     ("--message-len", int, None, f"later messages' mean tokens (±{_W.range_ratio:.0%}%), "
      f"default {_W.message_len}"),
     ("--answer-len", int, None, f"tokens per answer, default {_W.answer_len}"),
-    SEED_FLAG,
-    TIMEOUT_FLAG,
+    rp.SEED_FLAG,
+    rp.TIMEOUT_FLAG,
 ]  # fmt: skip
 MODEL_FLAGS = [
     ("--model", str, None, "a checkpoint directory or .gguf file (default: SmolLM2-135M-"
      "Instruct; quick: the tests' tiny random Llama)", {"metavar": "PATH"}),
-    CACHE_DIR_FLAG,
-    THREADS_FLAG,
+    rp.CACHE_DIR_FLAG,
+    rp.THREADS_FLAG,
 ]  # fmt: skip
 WORKLOAD_FLAGS = ("conversations", "turns", "first_len", "message_len", "answer_len")
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
     files = "multiturn.json and multiturn.png"
-    p, _ = scenario_parser("multiturn", __doc__, RUN_FLAGS, MODEL_FLAGS, files)
-    args = parse_scenario(p, argv, SYSTEMS, SYSTEMS)
-    base = QUICK_WORKLOAD if args.quick else ChatWorkload()
+    p, _ = compare.scenario_parser("multiturn", __doc__, RUN_FLAGS, MODEL_FLAGS, files)
+    args = compare.parse_scenario(p, argv, SYSTEMS, SYSTEMS)
+    base = QUICK_WORKLOAD if args.quick else load.ChatWorkload()
     given = {k: getattr(args, k) for k in WORKLOAD_FLAGS if getattr(args, k) is not None}
     try:
-        args.workload = ChatWorkload(**{**asdict(base), **given, "seed": args.seed})
+        args.workload = load.ChatWorkload(**{**asdict(base), **given, "seed": args.seed})
     except ValueError as exc:
         p.error(str(exc))
-    args.outputs = outputs_from_args(p, args)
+    args.outputs = rp.outputs_from_args(p, args)
     return args
 
 
@@ -465,7 +402,8 @@ def resolve_model(args: argparse.Namespace) -> tuple[str, str]:
     if args.model:
         return args.model, Path(args.model).name
     if args.quick:
-        return str(cached_model(args.cache_dir, "tiny-llama", {})), "the tests' tiny random Llama"
+        tiny = rp.cached_model(args.cache_dir, "tiny-llama", {})
+        return str(tiny), "the tests' tiny random Llama"
     from pdserve.models import smollm2
 
     return str(smollm2()), "SmolLM2-135M-Instruct (Q4_1 GGUF, dequantized)"
@@ -477,23 +415,23 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
 
     model, desc = resolve_model(args)
     # A GGUF's config and tokenizer are converted once here, not by every node at once.
-    pool = load_pool(str(Checkpoint.resolve(model).hf_dir()))
+    pool = load.load_pool(str(Checkpoint.resolve(model).hf_dir()))
 
     def measure_one(url: str, health: list[str], into: dict[str, Any]) -> None:
         into["turns"] = []
         asyncio.run(run_turns(url, health, pool, args, into["turns"]))
 
-    with sigterm_raises(), tempfile.TemporaryDirectory(prefix="bench-multiturn-") as tmp:
+    with systems.sigterm_raises(), tempfile.TemporaryDirectory(prefix="bench-multiturn-") as tmp:
         args.log_dir = args.log_dir or Path(tmp)
-        results, notes = measure_systems(args, SYSTEM_SPECS, model, measure_one)
+        results, notes = systems.measure_systems(args, SYSTEM_SPECS, model, measure_one)
     for name, res in results.items():
         turns = res.setdefault("turns", [])
         res["overall"] = overall(turns)
         if failed := [t["turn"] for t in turns if t["failed"]]:
             notes.append(f"{name}: turn {failed[0]} had failed replies: {turns[-1]['errors']}")
     return {
-        **scenario_fields(args, model, desc),
-        "block_size": engine_flag(args.engine_args, "--block-size", DEFAULT_BLOCK_SIZE),
+        **compare.scenario_fields(args, model, desc),
+        "block_size": systems.engine_flag(args.engine_args, "--block-size", DEFAULT_BLOCK_SIZE),
         "workload": asdict(args.workload),
         "results": results,
         "answers": compare_answers(results),
@@ -502,7 +440,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-    return bench_main(argv, parse_args, SECTION, measure, publish)
+    return rp.bench_main(argv, parse_args, SECTION, measure, publish)
 
 
 if __name__ == "__main__":

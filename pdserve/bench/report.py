@@ -11,14 +11,12 @@ import os
 import platform
 import shlex
 import shutil
-import signal
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterable, Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -202,25 +200,6 @@ def describe_machine(m: dict[str, Any], threads: str = "torch threads") -> str:
     """One line for a report from machine()'s record; `threads` names its thread count."""
     where = m.get("gpu") or f"{m['cpu']} x{m['cpu_count']} cores"
     return f"{where}, torch {m['torch']}, {threads}: {m['threads']}"
-
-
-@contextmanager
-def environ(values: dict[str, str | None]) -> Iterator[None]:
-    """os.environ with `values` set (None: unset) for children started inside, then restored."""
-    saved = {k: os.environ.get(k) for k in values}
-    try:
-        _set_environ(values)
-        yield
-    finally:
-        _set_environ(saved)
-
-
-def _set_environ(values: dict[str, str | None]) -> None:
-    for k, v in values.items():
-        if v is None:
-            os.environ.pop(k, None)
-        else:
-            os.environ[k] = v
 
 
 # -- results, figures, the page -------------------------------------------------------------------
@@ -427,21 +406,6 @@ def markdown_table(header: list[str], rows: list[list[Any]]) -> str:
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     lines += ["| " + " | ".join(cell(v) for v in row) + " |" for row in rows]
     return "\n".join(lines)
-
-
-@contextmanager
-def sigterm_raises() -> Iterator[None]:
-    """SIGTERM unwinds the with-blocks (which stop every child a benchmark started) instead
-    of killing the process."""
-
-    def handler(signum: int, _frame: Any) -> None:
-        raise SystemExit(128 + signum)
-
-    previous = signal.signal(signal.SIGTERM, handler)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, previous)
 
 
 # -- flags as rows, tables of records, the run's setup (the HTTP benchmarks share these) --------

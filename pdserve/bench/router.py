@@ -35,9 +35,8 @@ from pdserve.bench.report import (
     publish,
     record_line,
     records_table,
-    sigterm_raises,
 )
-from pdserve.bench.systems import RoutersOverFakes, routers_over_fakes
+from pdserve.bench.systems import RoutersOverFakes, routers_over_fakes, sigterm_raises
 from pdserve.common.node.cli import parser
 
 HOST = "127.0.0.1"

@@ -3,11 +3,16 @@ stopped on exit: pdserve nodes and a router, `transformers serve`, routers over 
 
 from __future__ import annotations
 
+import argparse
+import contextlib
 import functools
+import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.request
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -16,7 +21,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from pdserve.bench.report import environ
+import httpx
+
 from pdserve.local_cluster import LocalCluster, free_port
 from pdserve.testbed import fake_nodes
 
@@ -185,3 +191,170 @@ def routers_over_fakes(
             left = max(0.0, deadline - time.monotonic())
             wait_until(ready, rig.procs, left, f"router at {url} (logs in {log_dir})")
         yield rig
+
+
+SMOLLM2_DIR = "smollm2-135m-instruct-f32"  # under --cache-dir
+
+
+REMOTE = ("--prefill-placement", "remote")  # every prefill on a prefill node
+
+
+DEFAULT_BATCH_TOKENS = 512  # pdserve's --max-num-batched-tokens (pdserve.common.node.cli)
+
+
+@dataclass(frozen=True, slots=True)
+class System:
+    """One system compared: (prefill, decode, colocated) pdserve nodes with flags of its router
+    and of its decode nodes, or (shape None) `transformers serve`."""
+
+    name: str
+    shape: tuple[int, int, int] | None
+    router_args: tuple[str, ...] = ()
+    decode_args: tuple[str, ...] = ()
+
+    @property
+    def what(self) -> str:
+        if self.shape is None:
+            return "transformers serve --continuous-batching"
+        if not self.shape[0]:
+            return "one node, role both"
+        decode = f", decode node `{' '.join(self.decode_args)}`" if self.decode_args else ""
+        return f"1P1D, `{' '.join(self.router_args)}`{decode}"
+
+
+@contextmanager
+def start_system(spec: System, args: argparse.Namespace, model: Path | str) -> Iterator[tuple]:
+    """Start one system with every server process at args.threads torch threads; yields its
+    URL and the health URLs of its decode nodes (their KV gauges)."""
+    log_dir = args.log_dir / spec.name
+    if spec.shape is None:
+        tokens = batch_tokens(args.engine_args)
+        with transformers_serve(Path(model), tokens, log_dir, args.threads) as url:
+            yield url, []
+        return
+    port = free_port()  # the decode node's health port (one decode node here)
+    decode = ["--health-port", str(port), *spec.decode_args] if spec.shape[1] else []
+    router = [*heartbeat_args(getattr(args, "heartbeat_timeout", 0.0)), *spec.router_args]
+    with pdserve_cluster(
+        model, spec.shape, log_dir, threads=args.threads, engine_args=args.engine_args,
+        router_args=router, decode_args=decode,
+    ) as cluster:  # fmt: skip
+        yield cluster.url, [f"http://127.0.0.1:{port}"] if spec.shape[1] else []
+
+
+Measure = Callable[[str, list[str], dict[str, Any]], None]
+
+
+def measure_systems(
+    args: argparse.Namespace, systems: dict[str, System], model: Path | str, measure: Measure
+) -> tuple[dict[str, dict[str, Any]], list[str]]:
+    """Each system of args.systems started, measured by measure(url, health URLs, its record)
+    and stopped. A system that cannot start or go on keeps what it measured, and is noted."""
+    results: dict[str, dict[str, Any]] = {}
+    notes: list[str] = []
+    for name in args.systems:
+        results[name] = {}
+        print(f"== {name}: starting", flush=True)
+        started = time.monotonic()
+        try:
+            with start_system(systems[name], args, model) as (url, health):
+                print(f"== {name}: ready at {url} in {time.monotonic() - started:.0f}s")
+                measure(url, health, results[name])
+        except (RuntimeError, OSError, httpx.HTTPError) as exc:
+            notes.append(f"{name} stopped: {exc}")
+            print(f"!! {name}: {exc}", file=sys.stderr, flush=True)
+    return results, notes
+
+
+def smollm2_model(cache_dir: Path) -> Path:
+    """SmolLM2-135M-Instruct as an HF directory of float32 safetensors, made once from the GGUF
+    pdserve serves, so transformers serve and pdserve load the same weights. Built aside and
+    renamed, so a concurrent run never reads half a model; another GGUF gets its own folder."""
+    from pdserve.common.model.checkpoint import Checkpoint
+    from pdserve.models import smollm2
+
+    gguf = smollm2()
+    out = cache_dir / f"{SMOLLM2_DIR}-{gguf.stat().st_size}"
+    if (out / "model.safetensors").is_file():
+        return out
+    print(f"writing {gguf.name} as float32 safetensors into {out}", flush=True)
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=cache_dir) as tmp:
+        built = shutil.copytree(Checkpoint.resolve(gguf).hf_dir(), Path(tmp) / "m")
+        _write_float32(gguf, built)
+        with contextlib.suppress(OSError):  # another run got there first
+            os.rename(built, out)
+    return out
+
+
+def _write_float32(gguf: Path, into: Path) -> None:
+    """The GGUF's weights as pdserve's loader reads them (dequantized, q/k rows in HF order),
+    into model.safetensors, and the model class into config.json (transformers serve picks
+    the class by `architectures`)."""
+    import torch
+    from safetensors.torch import save_file
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    from pdserve.common.model.weights import load_model
+
+    model, _ = load_model(gguf, torch.float32, "cpu")
+    state = {name: p.contiguous() for name, p in model.named_parameters()}  # tied: embeddings
+    save_file(state, into / "model.safetensors", metadata={"format": "pt"})
+    config = json.loads((into / "config.json").read_text())
+    config.update(architectures=[MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[config["model_type"]]])
+    (into / "config.json").write_text(json.dumps({**config, "dtype": "float32"}, indent=2) + "\n")
+
+
+def heartbeat_args(heartbeat_timeout: float) -> list[str]:
+    """The router's `--heartbeat-timeout` (0: the router's own)."""
+    return ["--heartbeat-timeout", f"{heartbeat_timeout:g}"] if heartbeat_timeout > 0 else []
+
+
+def batch_tokens(engine_args: Sequence[str]) -> int:
+    """pdserve's token budget per step: the passed --max-num-batched-tokens or its default."""
+    return engine_flag(engine_args, "--max-num-batched-tokens", DEFAULT_BATCH_TOKENS)
+
+
+def engine_flag(engine_args: Sequence[str], flag: str, default: int) -> int:
+    """The integer value of `flag` among engine flags (`--flag N` or `--flag=N`), else default."""
+    args = list(engine_args)
+    for i, arg in enumerate(args):
+        if arg.startswith(f"{flag}="):
+            return int(arg.split("=", 1)[1])
+        if arg == flag and i + 1 < len(args):
+            return int(args[i + 1])
+    return default
+
+
+@contextmanager
+def environ(values: dict[str, str | None]) -> Iterator[None]:
+    """os.environ with `values` set (None: unset) for children started inside, then restored."""
+    saved = {k: os.environ.get(k) for k in values}
+    try:
+        _set_environ(values)
+        yield
+    finally:
+        _set_environ(saved)
+
+
+def _set_environ(values: dict[str, str | None]) -> None:
+    for k, v in values.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
+
+
+@contextmanager
+def sigterm_raises() -> Iterator[None]:
+    """SIGTERM unwinds the with-blocks (which stop every child a benchmark started) instead
+    of killing the process."""
+
+    def handler(signum: int, _frame: Any) -> None:
+        raise SystemExit(128 + signum)
+
+    previous = signal.signal(signal.SIGTERM, handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 
 from pdserve.bench import compare as bc
+from pdserve.bench.load import load_pool
 from pdserve.bench.report import goal
 
 SYSTEMS = ["pdserve-colocated", "pdserve-1p1d"]
@@ -28,7 +29,7 @@ def test_quick_run_writes_results_plots_and_section(tmp_path):
     assert report["systems"] == SYSTEMS and report["notes"] == []
 
     data = json.loads((out / "compare.json").read_text())
-    runs = bc.scenario_runs(bc.load_pool(data["model"]), bc.QUICK_SIZES, 0)
+    runs = bc.scenario_runs(load_pool(data["model"]), bc.QUICK_SIZES, 0)
     keys = [f"{r.scenario}/{r.label}" for r in runs]
     assert set(data["results"]) == set(SYSTEMS)
     for system in SYSTEMS:

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from pdserve.bench import report as _report
+from pdserve.bench import systems
 
 
 def test_first_section_creates_the_page(tmp_path: Path) -> None:
@@ -156,7 +157,7 @@ def test_environ_sets_unsets_and_restores(monkeypatch: pytest.MonkeyPatch) -> No
 
     monkeypatch.setenv("PDSERVE_T_KEEP", "old")
     monkeypatch.delenv("PDSERVE_T_NEW", raising=False)
-    with _report.environ({"PDSERVE_T_KEEP": None, "PDSERVE_T_NEW": "1"}):
+    with systems.environ({"PDSERVE_T_KEEP": None, "PDSERVE_T_NEW": "1"}):
         assert "PDSERVE_T_KEEP" not in os.environ and os.environ["PDSERVE_T_NEW"] == "1"
     assert os.environ["PDSERVE_T_KEEP"] == "old" and "PDSERVE_T_NEW" not in os.environ
 
