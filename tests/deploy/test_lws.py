@@ -36,6 +36,7 @@ from tests.deploy.test_manifests import (
     Client,
     Workload,
     admits,
+    dockerfile,
     expand,
     kubectl_kustomize,
     mount_at,
@@ -287,18 +288,31 @@ def test_every_rank_has_its_pod_s_cpus_and_the_same_model_keys_and_cache() -> No
     for g in groups().values():
         node = g.leader.node
         model, cache_dir = Path(g.leader.args.model), env_value(g.leader, "PDSERVE_CACHE_DIR")
+        fetch = g.leader.pod["initContainers"][0]
+        assert "pdserve.models import smollm2" in fetch["command"][-1]
+        assert node.threads_per_rank, "the pods' threads must follow their CPU limit"
         for pod in g.pods:  # one rank per pod
             assert node.threads_per_rank <= float(pod.container["resources"]["limits"]["cpu"])
             # A worker gets the leader's paths through the rendezvous and reads them itself.
             assert "emptyDir" in volume(pod, mount_at(pod, str(model.parent))["name"])
-            init = [c["name"] for c in pod.pod["initContainers"]]
-            assert init == ["fetch-model"], f"{g.name}: nothing fetches {model.name}"
+            (init,) = pod.pod["initContainers"]
+            assert init["command"] == fetch["command"], f"{g.name}: nothing fetches {model.name}"
+            assert init["volumeMounts"] == fetch["volumeMounts"]
+            assert pod.pod["securityContext"] == g.leader.pod["securityContext"]
             curve = mount_at(pod, node.curve_dir)
             assert volume(pod, curve["name"])["secret"]["secretName"] == "pdserve-curve"
             assert env_value(pod, "PDSERVE_CACHE_DIR") == cache_dir
             assert mount_at(pod, cache_dir)
             assert pod.container["image"] == IMAGE_TAGS["cpu"]
         assert (g.leader.args.device, node.kv_connector) == ("cpu", "zmq")
+
+
+def test_every_pod_runs_as_the_image_s_user() -> None:
+    _, stages = dockerfile()
+    users = [rest for op, rest in stages[-1].instructions if op == "USER"]
+    for g in groups().values():
+        for pod in g.pods:
+            assert pod.pod["securityContext"]["runAsUser"] == int(users[-1]), g.name
 
 
 def env_value(w: Workload, name: str) -> str:
