@@ -20,6 +20,7 @@ import datetime
 import importlib
 import json
 import os
+import signal
 import subprocess
 import sys
 import threading
@@ -316,6 +317,10 @@ def worker_main(argv: list[str] | None = None) -> None:
     """A worker rank: join the group, load this rank's shard, then follow rank 0's steps
     until STOP or until the group breaks."""
     args = worker_parser().parse_args(argv)
+    # A stop is rank 0's to decide: it drains, then sends STOP (or the group breaks when it
+    # exits). A SIGTERM or Ctrl-C sent to the whole group must not cut its drain short.
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, signal.SIG_IGN)
     host, _, port = args.leader.rpartition(":")
     wait = datetime.timedelta(seconds=_LEADER_WAIT_S)
     store = dist.TCPStore(host.strip("[]"), int(port), None, False, timeout=wait)

@@ -211,3 +211,29 @@ def test_a_worker_started_apart_joins_its_rank_0(models) -> None:
                 node.close()
         router.sock.close()
         assert worker.wait(timeout=30) == 0  # rank 0's close stops it
+
+
+def test_a_worker_ignores_sigterm_until_its_rank_0_stops_it(models) -> None:
+    """SIGTERM reaches every pod (process) of a group at once; the worker goes on following
+    rank 0, which drains and then stops it."""
+    import os
+    import signal
+
+    router, prefill, decode_ = build(models[4], 1, 2, "zmq")
+    try:
+        worker = decode_.engine.runner.driver.procs[0]
+        os.kill(worker.pid, signal.SIGTERM)
+        time.sleep(0.5)
+        assert worker.poll() is None and decode_.engine.broken() is None
+        got = serve(router, prefill, decode_, "r", PROMPTS[1], 1)
+        assert (
+            got
+            == LLM(models[4], block_size=BLOCK, skip_tokenizer_init=True)
+            .generate(PROMPTS[1:2], GREEDY)[0]
+            .token_ids
+        )
+    finally:
+        prefill.close()
+        decode_.close()
+        router.sock.close()
+    assert worker.wait(timeout=30) == 0
