@@ -15,34 +15,8 @@ from typing import Any
 
 import torch
 
-from pdserve.bench.offline import (
-    DTYPES,
-    Columns,
-    Pdserve,
-    Runs,
-    Sweep,
-    compare_tokens,
-    copy_bandwidth,
-    decode_bytes,
-    model_dir,
-    model_line,
-    parse_sweep,
-    sweep_batches,
-    sweep_fields,
-    sweep_parser,
-    weight_bytes,
-)
-from pdserve.bench.report import (
-    Panel,
-    bench_main,
-    best_time,
-    goal,
-    goals_table,
-    plot_lines,
-    publish,
-    records_table,
-    run_header,
-)
+from pdserve.bench import offline
+from pdserve.bench import report as rp
 
 MODES = ("eager", "compiled")
 
@@ -51,7 +25,7 @@ def read_bandwidth(model: torch.nn.Module, device: str) -> float:
     """Bytes per second of reading every weight once: a `sum()` over each weight tensor."""
     weights = list(model.parameters())
     total = sum(w.numel() * w.element_size() for w in weights)
-    return total / best_time(lambda: [w.sum() for w in weights], device)
+    return total / rp.best_time(lambda: [w.sum() for w in weights], device)
 
 
 def inductor_cache_counts() -> dict[str, int]:
@@ -63,39 +37,42 @@ def inductor_cache_counts() -> dict[str, int]:
     return {"hit": inductor["fxgraph_cache_hit"], "miss": inductor["fxgraph_cache_miss"]}
 
 
-def floor_s(pd: Pdserve, batch: int, args: argparse.Namespace, bandwidth: float) -> float:
+def floor_s(pd: offline.Pdserve, batch: int, args: argparse.Namespace, bandwidth: float) -> float:
     """Seconds a decode step of `batch` sequences takes just to read what it must."""
     context = args.prompt_len + args.max_tokens / 2
-    item = DTYPES[args.dtype].itemsize
-    weights = weight_bytes(pd.runner.model)
-    return decode_bytes(pd.runner.arch, weights, batch, context, item) / bandwidth
+    item = offline.DTYPES[args.dtype].itemsize
+    weights = offline.weight_bytes(pd.runner.model)
+    return offline.decode_bytes(pd.runner.arch, weights, batch, context, item) / bandwidth
 
 
-def compile_row(batch: int, runs: Runs, floor: float) -> dict[str, Any]:
+def compile_row(batch: int, runs: offline.Runs, floor: float) -> dict[str, Any]:
     row: dict[str, Any] = {"batch": batch, "floor_s": floor}
     for mode in MODES:
         step = statistics.median(r["decode_step_s"] for r in runs[mode])
         row[mode] = {"step_s": step, "tokens_per_s": batch / step, "of_floor": floor / step}
     row["speedup"] = row["eager"]["step_s"] / row["compiled"]["step_s"]
-    return {**row, **compare_tokens(runs["compiled"][0]["tokens"], runs["eager"][0]["tokens"])}
+    return {
+        **row,
+        **offline.compare_tokens(runs["compiled"][0]["tokens"], runs["eager"][0]["tokens"]),
+    }
 
 
 def measure(args: argparse.Namespace) -> dict[str, Any]:
     from pdserve.models import smollm2
 
-    path = model_dir(args, smollm2)
+    path = offline.model_dir(args, smollm2)
     # the compiled engine compiles every bucket up to the largest batch as it is built
-    pds = {mode: Pdserve(path, args, enforce_eager=mode == "eager") for mode in MODES}
+    pds = {mode: offline.Pdserve(path, args, enforce_eager=mode == "eager") for mode in MODES}
     compiled = pds["compiled"].runner.compiled
     assert compiled is not None, "enforce_eager=False must compile"
     cache = inductor_cache_counts()
     eager = pds["eager"]
     bandwidth = read_bandwidth(eager.runner.model, args.device)
-    copy_bw = copy_bandwidth(args.copy_mib << 20, DTYPES[args.dtype], args.device)
+    copy_bw = offline.copy_bandwidth(args.copy_mib << 20, offline.DTYPES[args.dtype], args.device)
     row = lambda b, runs: compile_row(b, runs, floor_s(eager, b, args, bandwidth))  # noqa: E731
-    results = sweep_batches(args, pds, eager.runner.arch.vocab_size, row, COLUMNS)
+    results = offline.sweep_batches(args, pds, eager.runner.arch.vocab_size, row, COLUMNS)
     return {
-        **sweep_fields(args, path, eager),
+        **offline.sweep_fields(args, path, eager),
         "buckets": list(compiled.buckets),
         "compile_s": compiled.compile_seconds,
         "graphs_compiled": compiled.num_compiles,
@@ -116,18 +93,20 @@ def goals(report: dict[str, Any]) -> list[dict[str, Any]]:
     rs = report["results"]
     same, every = sum(r["matching_sequences"] for r in rs), sum(r["batch"] for r in rs)
     return [
-        goal("compiled batch-1 decode >= 1.5x eager", compiled, eager, ">=", 1.5),
-        goal("compiled batch-1 decode >= 60% of the bandwidth floor", compiled, floor, ">=", 0.6),
-        goal("every sequence's compiled tokens equal eager's", same, every, ">=", 1.0),
+        rp.goal("compiled batch-1 decode >= 1.5x eager", compiled, eager, ">=", 1.5),
+        rp.goal(
+            "compiled batch-1 decode >= 60% of the bandwidth floor", compiled, floor, ">=", 0.6
+        ),
+        rp.goal("every sequence's compiled tokens equal eager's", same, every, ">=", 1.0),
     ]
 
 
-def per_mode(header: str, value: Callable[[dict], Any]) -> Columns:
+def per_mode(header: str, value: Callable[[dict], Any]) -> offline.Columns:
     """The eager and the compiled column of one figure."""
     return [(f"{mode} {header}", lambda r, m=mode: value(r[m])) for mode in MODES]
 
 
-COLUMNS: Columns = [
+COLUMNS: offline.Columns = [
     ("batch", "batch"),
     *per_mode("ms", lambda side: side["step_s"] * 1e3),
     *per_mode("tok/s", lambda side: side["tokens_per_s"]),
@@ -136,7 +115,7 @@ COLUMNS: Columns = [
     *per_mode("% of floor", lambda side: f"{side['of_floor']:.0%}"),
     ("tokens equal", lambda r: f"{r['matching_sequences']}/{r['batch']}"),
 ]
-SETUP: Columns = [
+SETUP: offline.Columns = [
     ("buckets", "buckets"),
     ("compile s", "compile_s"),
     ("graphs", "graphs_compiled"),
@@ -151,24 +130,24 @@ def section(report: dict[str, Any], figure: str) -> str:
     """The benchmarks.md section; `figure` is the plot's path as the page links it."""
     return "\n".join(
         ["## Compiled decode: `torch.compile` against eager", ""]
-        + [*run_header(report), model_line(report), ""]
-        + [records_table(COLUMNS, report["results"]), "", f"![compiled decode]({figure})", ""]
-        + [records_table(SETUP, [report]), "", goals_table(goals(report))]
+        + [*rp.run_header(report), offline.model_line(report), ""]
+        + [rp.records_table(COLUMNS, report["results"]), "", f"![compiled decode]({figure})", ""]
+        + [rp.records_table(SETUP, [report]), "", rp.goals_table(goals(report))]
     )
 
 
 def plot(report: dict[str, Any], path: Path) -> Path:
     rs = report["results"]
     x = [r["batch"] for r in rs]
-    panel = Panel(report["model"]["description"], "batch size", "decode tokens / s", xlog=2,
+    panel = rp.Panel(report["model"]["description"], "batch size", "decode tokens / s", xlog=2,
                   xticks=x, ylog=True)  # fmt: skip
     for mode, style in (("eager", "s--"), ("compiled", "o-")):
         panel.lines.append((mode, x, [r[mode]["tokens_per_s"] for r in rs], style))
     panel.lines.append(("bandwidth floor", x, [r["batch"] / r["floor_s"] for r in rs], "k:"))
-    return plot_lines([panel], path, width=6.5)
+    return rp.plot_lines([panel], path, width=6.5)
 
 
-SWEEP = Sweep(
+SWEEP = offline.Sweep(
     name="compile",
     script="bench_compile.py",
     quick_help="tiny random model, batch 1 and 2, 8-token prompts, 4 new tokens, 1 run",
@@ -183,14 +162,14 @@ SWEEP = Sweep(
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    args = parse_sweep(sweep_parser(SWEEP, __doc__), SWEEP, argv)
+    args = offline.parse_sweep(offline.sweep_parser(SWEEP, __doc__), SWEEP, argv)
     args.cache_dir = args.outputs.folder / "models"  # the quick run's tiny model
     return args
 
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
-    write = lambda report, to: publish("compile", report, to, plot, section)  # noqa: E731
-    return bench_main(argv, parse_args, "compile", measure, write)
+    write = lambda report, to: rp.publish("compile", report, to, plot, section)  # noqa: E731
+    return rp.bench_main(argv, parse_args, "compile", measure, write)
 
 
 if __name__ == "__main__":

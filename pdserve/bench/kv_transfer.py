@@ -22,22 +22,7 @@ from typing import Any
 import torch
 import zmq
 
-from pdserve.bench.report import (
-    Panel,
-    add_flags,
-    add_output_flags,
-    goal,
-    goals_table,
-    markdown_table,
-    measure_or_load,
-    outputs_from_args,
-    plot_lines,
-    publish,
-    record_line,
-    records_table,
-    run_header,
-    sync,
-)
+from pdserve.bench import report as rp
 from pdserve.common.node.cli import parser
 from pdserve.common.wire.payloads import FirstToken
 from pdserve.kv_transfer import KVLayout, KVReceiver, create_receiver, create_sender
@@ -323,7 +308,7 @@ class Sender:
     def send_raw(self, frames: list[list[int]]) -> dict[str, Any]:
         cpu0, t0 = time.process_time(), time.monotonic()
         self.raw.send(self, frames)
-        sync(self.device)
+        rp.sync(self.device)
         return {"t0": t0, "t_done": time.monotonic(), "cpu": time.process_time() - cpu0}
 
     def close(self) -> None:
@@ -457,7 +442,7 @@ class Bench:
             assert time.monotonic() < deadline, f"transfer {xfer} did not finish"
             self.pump()
             reply = reply or self.child.poll()  # the sender's failure ends the wait
-        sync(self.device)
+        rp.sync(self.device)
         t_end, cpu = time.monotonic(), time.process_time() - cpu0
         reply = reply or self.child.wait(self.pump)
         result = self.results.pop(xfer)
@@ -469,7 +454,7 @@ class Bench:
         cpu0 = time.process_time()
         self.child.start("send_raw", frames=frames)
         self.raw.receive()
-        sync(self.device)
+        rp.sync(self.device)
         t_end, cpu = time.monotonic(), time.process_time() - cpu0
         reply = self.child.wait()
         end = reply["t_done"] if self.raw.self_timed else t_end
@@ -552,18 +537,18 @@ def connector_tables(report: dict[str, Any]) -> list[str]:
     summary = report["summary"]
     summary = {c: summary[c] for c in CONNECTORS if c in summary}
     goals = [
-        goal(f"{c} >= {s['goal']} x raw {RAW_NAMES[c]} GB/s ({s['largest']})",
+        rp.goal(f"{c} >= {s['goal']} x raw {RAW_NAMES[c]} GB/s ({s['largest']})",
              s["gb_s_at_largest"], s["raw_gb_s_at_largest"], ">=", s["goal"])
         for c, s in summary.items()
     ]  # fmt: skip
     intact = sum(r["ok"] for r in report["results"])
-    goals.append(goal("every transfer intact", intact, len(report["results"]), ">=", 1.0))
+    goals.append(rp.goal("every transfer intact", intact, len(report["results"]), ">=", 1.0))
     header = ["connector", "points meeting its goal", "median ratio"]
     rows = [
         [c, f"{s['points_meeting_goal']} of {s['points']}", s["median_ratio"]]
         for c, s in summary.items()
     ]
-    return [goals_table(goals), "", markdown_table(header, rows)]
+    return [rp.goals_table(goals), "", rp.markdown_table(header, rows)]
 
 
 COLUMNS = [
@@ -582,8 +567,8 @@ def section(report: dict[str, Any], figure: str) -> str:
     """The benchmarks.md section; `figure` is the plot's path as the page links it."""
     results = sorted(report["results"], key=lambda r: (r["layout"], r["tokens"], r["connector"]))
     lines = ["## KV transfer: connectors against their raw transport", ""]
-    lines += [*run_header(report, "torch threads per process"), ""]
-    lines += [records_table(COLUMNS, results), "", f"![KV transfer GB/s]({figure})", ""]
+    lines += [*rp.run_header(report, "torch threads per process"), ""]
+    lines += [rp.records_table(COLUMNS, results), "", f"![KV transfer GB/s]({figure})", ""]
     lines += connector_tables(report)
     if report["skipped"]:
         groups: dict[tuple[str, str, str], list[str]] = {}
@@ -592,7 +577,7 @@ def section(report: dict[str, Any], figure: str) -> str:
             groups.setdefault(key, []).append(s["connector"])
         rows = [[lay, n, ", ".join(cs), why] for (lay, n, why), cs in groups.items()]
         header = ["layout", "tokens", "connectors", "reason"]
-        lines += ["", "Skipped points:", "", markdown_table(header, rows)]
+        lines += ["", "Skipped points:", "", rp.markdown_table(header, rows)]
     return "\n".join(lines)
 
 
@@ -604,7 +589,7 @@ def plot(report: dict[str, Any], path: Path) -> Path:
         mine.sort(key=lambda r: r["tokens"])
         title = f"{name} layout ({report['layouts'][name]['dtype']})"
         ticks = sorted({r["tokens"] for r in mine})
-        panel = Panel(title, "prompt tokens", "GB/s (whole transfer)", xlog=2, xticks=ticks)
+        panel = rp.Panel(title, "prompt tokens", "GB/s (whole transfer)", xlog=2, xticks=ticks)
         for i, connector in enumerate(CONNECTORS):
             rows = [r for r in mine if r["connector"] == connector]
             x = [r["tokens"] for r in rows]
@@ -612,7 +597,7 @@ def plot(report: dict[str, Any], path: Path) -> Path:
             raw = [r["whole"]["raw_gb_s"] for r in rows]
             panel.lines.append((f"raw {RAW_NAMES[connector]}", x, raw, f"s--C{i}"))
         panels.append(panel)
-    return plot_lines(panels, path, width=6.0)
+    return rp.plot_lines(panels, path, width=6.0)
 
 
 # -- CLI ----------------------------------------------------------------------------------------
@@ -653,12 +638,12 @@ FLAGS = [
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p = parser("pdserve bench kv-transfer", __doc__.split("\n\n")[0])
-    add_flags(p.add_argument_group("run"), FLAGS)
-    add_output_flags(p, "kv_transfer.json and kv_transfer.png", "kv_transfer.json")
+    rp.add_flags(p.add_argument_group("run"), FLAGS)
+    rp.add_output_flags(p, "kv_transfer.json and kv_transfer.png", "kv_transfer.json")
     args = p.parse_args(argv)
     if args.child:
         return args
-    args.outputs = outputs_from_args(p, args)
+    args.outputs = rp.outputs_from_args(p, args)
     args.connectors = [c.strip() for c in args.connectors.split(",") if c.strip()]
     if not args.connectors or set(args.connectors) - set(CONNECTORS):
         p.error(f"--connectors must name some of {CONNECTORS}")
@@ -704,7 +689,7 @@ def run_connector(connector: str, points: list[Point], repeats: int, device: str
         results = []
         for point in points:
             results.append(bench.run_point(point, repeats))
-            print(record_line([*COLUMNS[:8], ("intact", "ok")], results[-1]), flush=True)
+            print(rp.record_line([*COLUMNS[:8], ("intact", "ok")], results[-1]), flush=True)
         return results
     finally:
         bench.close()
@@ -719,10 +704,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         child_main(args.child, args.device)
         return 0
     script = "bench_kv_transfer.py"
-    report = measure_or_load(args, "kv_transfer", script, argv, lambda: measure(args))
+    report = rp.measure_or_load(args, "kv_transfer", script, argv, lambda: measure(args))
     for s in report["skipped"]:
         print(f"skipped {s['connector']} {s['layout']} {fmt_tokens(s['tokens'])}: {s['reason']}")
-    publish("kv_transfer", report, args.outputs, plot, section)
+    rp.publish("kv_transfer", report, args.outputs, plot, section)
     return 0
 
 

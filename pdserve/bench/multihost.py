@@ -13,17 +13,8 @@ import statistics
 import sys
 from typing import Any
 
-from pdserve.bench.load import RequestResult, make_client, stream_one
-from pdserve.bench.report import (
-    add_flags,
-    add_output_flags,
-    command_line,
-    markdown_table,
-    outputs_from_args,
-    records_table,
-    save_json,
-    write_section,
-)
+from pdserve.bench import load
+from pdserve.bench import report as rp
 from pdserve.bench.systems import sigterm_raises
 from pdserve.common.node.cli import parser
 from pdserve.testbed.cluster import KV_PORT, HostCluster
@@ -35,9 +26,9 @@ def _first_tokens(url: str, prompt: list[int], max_tokens: int) -> tuple[float, 
     to its second (the decode node's first: it needs the KV to have arrived)."""
     body = {"prompt": prompt, "max_tokens": max_tokens, "stream": True, "ignore_eos": True}
 
-    async def once() -> RequestResult:
-        async with make_client() as client:
-            return await stream_one(client, url, body, keep_text=False, timeout_s=120.0)
+    async def once() -> load.RequestResult:
+        async with load.make_client() as client:
+            return await load.stream_one(client, url, body, keep_text=False, timeout_s=120.0)
 
     res = asyncio.run(once())
     if res.error or not res.itl:
@@ -58,10 +49,10 @@ FLAGS = [
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = parser("pdserve bench multihost", __doc__.split("\n\n")[0])
-    add_flags(p.add_argument_group("run"), FLAGS)
-    add_output_flags(p, "multihost_kv_latency.json")
+    rp.add_flags(p.add_argument_group("run"), FLAGS)
+    rp.add_output_flags(p, "multihost_kv_latency.json")
     args = p.parse_args(argv)
-    args.outputs = outputs_from_args(p, args)
+    args.outputs = rp.outputs_from_args(p, args)
     return args
 
 
@@ -144,7 +135,7 @@ def main(argv: list[str] | None = None) -> int:
         row["ttft_vs_direct"] = row["ttft_median_s"] / base
         row["second_token_vs_direct"] = row["second_token_median_s"] / base2
     result = {
-        "command": command_line("bench_multihost.py", argv),
+        "command": rp.command_line("bench_multihost.py", argv),
         "machine": {"cpus": os.cpu_count(), "platform": platform.platform()},
         "model": model,
         "prompt_tokens": args.prompt_tokens,
@@ -154,9 +145,9 @@ def main(argv: list[str] | None = None) -> int:
     }
     out = args.outputs
     out.folder.mkdir(parents=True, exist_ok=True)
-    save_json(out.folder / "multihost_kv_latency.json", result)
-    write_section("multihost", section(result), out.page)
-    print(records_table(COLUMNS, rows))
+    rp.save_json(out.folder / "multihost_kv_latency.json", result)
+    rp.write_section("multihost", section(result), out.page)
+    print(rp.records_table(COLUMNS, rows))
     print(f"wrote {out.folder / 'multihost_kv_latency.json'} and the section of {out.page}")
     return 0
 
@@ -188,7 +179,7 @@ def section(result: dict) -> str:
         [
             "## TTFT across hosts with added KV-link latency (`pdserve bench multihost`)",
             f"    {result['command']}",
-            markdown_table(["run", ""], setup),
-            records_table(COLUMNS, result["rows"]),
+            rp.markdown_table(["run", ""], setup),
+            rp.records_table(COLUMNS, result["rows"]),
         ]
     )

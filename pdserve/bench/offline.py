@@ -16,29 +16,7 @@ from typing import Any
 
 import torch
 
-from pdserve.bench.report import (
-    BENCH_MODEL_SIZES,
-    CACHE_DIR_FLAG,
-    Panel,
-    add_flags,
-    add_output_flags,
-    bench_main,
-    best_time,
-    cached_model,
-    describe_machine,
-    goal,
-    goals_table,
-    machine,
-    outputs_from_args,
-    plot_lines,
-    publish,
-    record_line,
-    records_table,
-    run_header,
-    save_json,
-    sync,
-    write_section,
-)
+from pdserve.bench import report as rp
 from pdserve.common.engine import model_runner
 from pdserve.common.engine.llm import LLM, SamplingParams
 from pdserve.common.model.config import ModelArchConfig
@@ -90,9 +68,9 @@ def sweep_parser(sweep: Sweep, doc: str) -> argparse.ArgumentParser:
         ("--dtype", str, "float32", "weights and activations", {"choices": sorted(DTYPES)}),
         ("--threads", int, sweep.threads, threads),
     ]
-    add_flags(p.add_argument_group("run"), run)
-    add_flags(p.add_argument_group("device"), device)
-    add_output_flags(p, f"{sweep.name}.json and {sweep.name}.png", "NAME.json")
+    rp.add_flags(p.add_argument_group("run"), run)
+    rp.add_flags(p.add_argument_group("device"), device)
+    rp.add_output_flags(p, f"{sweep.name}.json and {sweep.name}.png", "NAME.json")
     return p
 
 
@@ -101,7 +79,7 @@ def parse_sweep(
 ) -> argparse.Namespace:
     """The flags with their full or quick defaults filled in, checked."""
     args = p.parse_args(argv)
-    args.outputs = outputs_from_args(p, args)
+    args.outputs = rp.outputs_from_args(p, args)
     if args.threads > 0:
         torch.set_num_threads(args.threads)
     q = int(args.quick)
@@ -120,7 +98,7 @@ def model_dir(args: argparse.Namespace, full: Callable[[], Path]) -> Path:
     if args.model:
         return Path(args.model)
     if args.quick:
-        return cached_model(Path(args.cache_dir), "llama-tiny", {})
+        return rp.cached_model(Path(args.cache_dir), "llama-tiny", {})
     return full()
 
 
@@ -156,10 +134,10 @@ class Pdserve:
         inner = self.llm.engine.step
 
         def timed_step() -> Any:
-            sync(self.device)
+            rp.sync(self.device)
             t0 = time.perf_counter()
             out = inner()
-            sync(self.device)
+            rp.sync(self.device)
             self.steps.append(time.perf_counter() - t0)
             return out
 
@@ -170,7 +148,7 @@ class Pdserve:
         self.steps = []
         t0 = time.perf_counter()
         outs = self.llm.generate(prompts, params)
-        sync(self.device)
+        rp.sync(self.device)
         return {
             "wall_s": time.perf_counter() - t0,
             "prefill_s": self.steps[0],
@@ -205,7 +183,7 @@ def sweep_batches(
     for batch in args.batch_sizes:
         prompts = make_prompts(batch, args.prompt_len, vocab, seed=batch)
         rows.append(row(batch, take_turns(engines, prompts, args.repeats)))
-        print(record_line(columns, rows[-1]), flush=True)
+        print(rp.record_line(columns, rows[-1]), flush=True)
     return rows
 
 
@@ -252,14 +230,14 @@ def copy_bandwidth(nbytes: int, dtype: torch.dtype, device: str) -> float:
     """Bytes per second read plus written by a large `copy_`."""
     src = torch.ones(nbytes // dtype.itemsize, dtype=dtype, device=device)
     dst = torch.empty_like(src)
-    return 2 * src.nbytes / best_time(lambda: dst.copy_(src), device)
+    return 2 * src.nbytes / rp.best_time(lambda: dst.copy_(src), device)
 
 
 def gemm_flops(m: int, k: int, n: int, dtype: torch.dtype, device: str) -> float:
     """FLOP/s of one [m, k] @ [k, n] matmul."""
     a = torch.randn(m, k, device=device).to(dtype)
     b = torch.randn(k, n, device=device).to(dtype)
-    return 2 * m * k * n / best_time(lambda: a @ b, device, repeats=7)
+    return 2 * m * k * n / rp.best_time(lambda: a @ b, device, repeats=7)
 
 
 def kv_bytes_per_token(arch: Any, itemsize: int = 4) -> int:
@@ -334,13 +312,13 @@ class HF:
             pad_token_id=0,
         )
         ids = torch.tensor(prompts, device=self.device)
-        sync(self.device)
+        rp.sync(self.device)
         t0 = time.perf_counter()
         with torch.inference_mode():
             out = self.model.generate(
                 ids, attention_mask=torch.ones_like(ids), generation_config=config
             )
-        sync(self.device)
+        rp.sync(self.device)
         return time.perf_counter() - t0, out[:, ids.shape[1] :].tolist()
 
     def __call__(self, prompts: list[list[int]]) -> dict[str, Any]:
@@ -391,11 +369,11 @@ def offline_row(
 
 
 def measure(args: argparse.Namespace) -> dict[str, Any]:
-    full = lambda: cached_model(  # noqa: E731
+    full = lambda: rp.cached_model(  # noqa: E731
         Path(args.cache_dir),
-        "llama-" + "-".join(map(str, BENCH_MODEL_SIZES.values())),
-        BENCH_MODEL_SIZES,
-        CACHE_DIR_FLAG,
+        "llama-" + "-".join(map(str, rp.BENCH_MODEL_SIZES.values())),
+        rp.BENCH_MODEL_SIZES,
+        rp.CACHE_DIR_FLAG,
     )
     path = model_dir(args, full)
     copy_bw = copy_bandwidth(args.copy_mib << 20, DTYPES[args.dtype], args.device)
@@ -410,9 +388,9 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
 def goals(report: dict[str, Any]) -> list[dict[str, Any]]:
     rs = report["results"]
     same, every = sum(r["matching_sequences"] for r in rs), sum(r["batch"] for r in rs)
-    speed = [goal(f"pdserve tokens/s >= HF's, batch {r['batch']}", r["pdserve"]["tokens_per_s"],
+    speed = [rp.goal(f"pdserve tokens/s >= HF's, batch {r['batch']}", r["pdserve"]["tokens_per_s"],
                   r["hf"]["tokens_per_s"], ">=", 1.0) for r in rs]  # fmt: skip
-    return [goal("every sequence's tokens equal HF's", same, every, ">=", 1.0), *speed]
+    return [rp.goal("every sequence's tokens equal HF's", same, every, ">=", 1.0), *speed]
 
 
 def both(key: str, value: Callable[[dict, str], float], form: str = ".2f") -> tuple[str, Any]:
@@ -441,16 +419,16 @@ def section(report: dict[str, Any], figure: str) -> str:
         [
             "## Offline throughput: `LLM.generate` against HF `generate`",
             "",
-            *run_header(report),
+            *rp.run_header(report),
             model_line(report),
             "",
-            records_table(COLUMNS, report["results"]),
+            rp.records_table(COLUMNS, report["results"]),
             "",
             f"![offline throughput]({figure})",
             "",
             f"Copy bandwidth measured in the same run: {copy_gb_s:.1f} GB/s (read + write).",
             "",
-            goals_table(goals(report)),
+            rp.goals_table(goals(report)),
         ]
     )
 
@@ -458,16 +436,16 @@ def section(report: dict[str, Any], figure: str) -> str:
 def plot(report: dict[str, Any], path: Path) -> Path:
     rs = report["results"]
     x = [r["batch"] for r in rs]
-    left = Panel("offline throughput", "batch size", "new tokens / s", xlog=2, xticks=x)
+    left = rp.Panel("offline throughput", "batch size", "new tokens / s", xlog=2, xticks=x)
     left.lines = [(name, x, [r[side]["tokens_per_s"] for r in rs], style) for name, side, style
                   in (("pdserve LLM", "pdserve", "o-"), ("HF generate", "hf", "s--"))]  # fmt: skip
-    right = Panel("against bandwidth (decode) and matmul (prefill) floors", "batch size",
+    right = rp.Panel("against bandwidth (decode) and matmul (prefill) floors", "batch size",
                   "floor time / measured time", xlog=2, xticks=x, hline=1.0)  # fmt: skip
     for key, label, mark in (("decode_floor", "decode step", "o"),
                              ("prefill_floor", "prefill", "^")):  # fmt: skip
         right.lines.append((f"pdserve {label}", x, [r[key]["pdserve"] for r in rs], mark + "-"))
         right.lines.append((f"HF {label}", x, [r[key]["hf"] for r in rs], mark + "--"))
-    return plot_lines([left, right], path, report["model"]["description"])
+    return rp.plot_lines([left, right], path, report["model"]["description"])
 
 
 SWEEP = Sweep(
@@ -485,20 +463,20 @@ SWEEP = Sweep(
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p = sweep_parser(SWEEP, __doc__)
-    text = f"{CACHE_DIR_FLAG[3]} (default: {CACHE_DIR_FLAG[2]}; quick: OUT/models)"
-    add_flags(
+    text = f"{rp.CACHE_DIR_FLAG[3]} (default: {rp.CACHE_DIR_FLAG[2]}; quick: OUT/models)"
+    rp.add_flags(
         p.add_argument_group("model"), [("--cache-dir", Path, None, text, {"metavar": "DIR"})]
     )
     args = parse_sweep(p, SWEEP, argv)
     args.cache_dir = args.cache_dir or (
-        args.outputs.folder / "models" if args.quick else CACHE_DIR_FLAG[2]
+        args.outputs.folder / "models" if args.quick else rp.CACHE_DIR_FLAG[2]
     )
     return args
 
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
-    write = lambda report, to: publish("offline", report, to, plot, section)  # noqa: E731
-    return bench_main(argv, parse_args, "offline", measure, write)
+    write = lambda report, to: rp.publish("offline", report, to, plot, section)  # noqa: E731
+    return rp.bench_main(argv, parse_args, "offline", measure, write)
 
 
 # -- `pdserve bench structured`: a JSON-schema mask per decode step, filled first or beside ------
@@ -622,10 +600,10 @@ def structured_main(argv: list[str] | None = None) -> None:
     from pdserve.models import smollm2
 
     p = parser("pdserve bench structured", "A grammar's cost per decode step on one engine.")
-    add_flags(p.add_argument_group("run"), GRAMMAR_FLAGS)
-    add_output_flags(p, "structured.json")
+    rp.add_flags(p.add_argument_group("run"), GRAMMAR_FLAGS)
+    rp.add_output_flags(p, "structured.json")
     args = p.parse_args(argv)
-    to = outputs_from_args(p, args)
+    to = rp.outputs_from_args(p, args)
     llm = LLM(args.model or str(smollm2()), max_num_seqs=max(args.batches),
               max_num_batched_tokens=2048)  # fmt: skip
     grammar_steps(llm, chat_prompts(llm, 1), 4, "first")  # compile the schema, scan the vocab
@@ -633,18 +611,18 @@ def structured_main(argv: list[str] | None = None) -> None:
     for batch in args.batches:
         engines = {m: lambda ps, m=m: grammar_steps(llm, ps, args.steps, m) for m in GRAMMAR_MODES}
         rows.append(grammar_row(batch, take_turns(engines, chat_prompts(llm, batch), args.repeats)))
-    text = records_table(GRAMMAR_COLUMNS, rows)
+    text = rp.records_table(GRAMMAR_COLUMNS, rows)
     print(text)
-    save_json(to.folder / "structured.json", {"machine": machine(), "rows": rows})
+    rp.save_json(to.folder / "structured.json", {"machine": rp.machine(), "rows": rows})
     setup = (
-        f"{describe_machine(machine())}. SmolLM2-135M-Instruct (float32), greedy, a JSON schema "
-        "with nested objects, an enum, bounded strings and a list; the best of "
+        f"{rp.describe_machine(rp.machine())}. SmolLM2-135M-Instruct (float32), greedy, a JSON "
+        "schema with nested objects, an enum, bounded strings and a list; the best of "
         f"{args.repeats} alternated runs of the median of {args.steps} decode steps, every "
         "column from the same run."
     )
     title = "## Structured outputs: the grammar mask per decode step"
     body = "\n\n".join([title, setup, text, READING])
-    print(f"wrote {write_section('structured', body, to.page)}")
+    print(f"wrote {rp.write_section('structured', body, to.page)}")
 
 
 if __name__ == "__main__":

@@ -20,22 +20,8 @@ from dataclasses import asdict, astuple, dataclass
 from pathlib import Path
 from typing import Any
 
-from pdserve.bench.load import RequestResult, closed_loop, make_client, percentile, stream_one
-from pdserve.bench.report import (
-    CACHE_DIR_FLAG,
-    Outputs,
-    Panel,
-    add_flags,
-    add_output_flags,
-    bench_main,
-    cached_model,
-    markdown_table,
-    outputs_from_args,
-    plot_lines,
-    publish,
-    record_line,
-    records_table,
-)
+from pdserve.bench import load
+from pdserve.bench import report as rp
 from pdserve.bench.systems import RoutersOverFakes, routers_over_fakes, sigterm_raises
 from pdserve.common.node.cli import parser
 
@@ -76,11 +62,11 @@ def completion(i: int, max_tokens: int) -> dict[str, Any]:
     return {**body, "stream_options": {"include_usage": True}}
 
 
-async def send_one(port: int, i: int, max_tokens: int, client: Any) -> RequestResult:
-    """Request i through the router at `port` (load.py's client and SSE reader)."""
+async def send_one(port: int, i: int, max_tokens: int, client: Any) -> load.RequestResult:
+    """Request i through the router at `port` (py's client and SSE reader)."""
     body = completion(i, max_tokens)
     url = f"http://{HOST}:{port}"
-    return await stream_one(client, url, body, keep_text=True, timeout_s=REQUEST_TIMEOUT_S)
+    return await load.stream_one(client, url, body, keep_text=True, timeout_s=REQUEST_TIMEOUT_S)
 
 
 def cpu_seconds(pid: int) -> float:
@@ -136,7 +122,7 @@ def pin_plan(plan: str, routers: int, cpus: Sequence[int]) -> dict[str, list[int
 
 def percentiles(xs: list[float]) -> dict[str, float]:
     """p50, p90 and p99 of seconds, in milliseconds."""
-    return {f"p{q}": percentile(xs, q) * 1000 for q in (50, 90, 99)}
+    return {f"p{q}": load.percentile(xs, q) * 1000 for q in (50, 90, 99)}
 
 
 # -- one row --------------------------------------------------------------------------------------
@@ -144,26 +130,26 @@ def percentiles(xs: list[float]) -> dict[str, float]:
 
 async def drive(
     rig: RoutersOverFakes, routers: int, n: int, sizes: Sizes, watched: dict[str, int]
-) -> tuple[list[RequestResult], dict[str, float]]:
+) -> tuple[list[load.RequestResult], dict[str, float]]:
     """n requests in flight, spread over the routers' ports, from this process: the results
     that ended inside the window after the warm-up, and the cores each process used in it."""
     start = time.monotonic() + sizes.warmup_s
     window = (start, start + sizes.duration_s)
     ports = [rig.ports[j % routers] for j in range(n)]
-    results: list[RequestResult] = []
+    results: list[load.RequestResult] = []
 
-    def take(_: int, res: RequestResult) -> None:
+    def take(_: int, res: load.RequestResult) -> None:
         if window[0] <= time.monotonic() < window[1]:
             results.append(res)
 
-    async with make_client() as client:
-        load = closed_loop(
+    async with load.make_client() as client:
+        sending = load.closed_loop(
             lambda worker, i: send_one(ports[worker], i, sizes.max_tokens, client),
             concurrency=n,
             duration_s=window[1] - time.monotonic(),
             on_result=take,
         )
-        used, _ = await asyncio.gather(cores_used(watched, window), load)
+        used, _ = await asyncio.gather(cores_used(watched, window), sending)
     return results, used
 
 
@@ -185,7 +171,7 @@ def measure(
 
 
 def row_of(
-    results: list[RequestResult], used: dict[str, float], sizes: Sizes, routers: int, want: str
+    results: list[load.RequestResult], used: dict[str, float], sizes: Sizes, routers: int, want: str
 ) -> dict[str, Any]:
     """One row from the requests of the window and the cores each process used."""
     ok = [r for r in results if not r.error]
@@ -227,13 +213,13 @@ def cost_split(rig: RoutersOverFakes, n: int, sizes: Sizes, expected: str) -> di
     all of them in one `tokens` message (the fake nodes switch on SIGUSR1, back on SIGUSR2):
     the router's fixed CPU per request, and what each further streamed token adds."""
     streamed = measure(rig, "split", 1, n, sizes, expected)
-    print(f"[cost, streamed] {record_line(ROW_COLUMNS, streamed)}", flush=True)
+    print(f"[cost, streamed] {rp.record_line(ROW_COLUMNS, streamed)}", flush=True)
     os.kill(rig.procs["fakes"].pid, signal.SIGUSR1)
     try:
         one = measure(rig, "split", 1, n, sizes, expected)
     finally:
         os.kill(rig.procs["fakes"].pid, signal.SIGUSR2)
-    print(f"[cost, one message] {record_line(ROW_COLUMNS, one)}", flush=True)
+    print(f"[cost, one message] {rp.record_line(ROW_COLUMNS, one)}", flush=True)
     ms, one_ms = streamed["router_cpu_ms_per_request"], one["router_cpu_ms_per_request"]
     return {
         "concurrency": n,
@@ -267,8 +253,8 @@ def word_tokens(model: Path, k: int = 4) -> tuple[list[int], Any]:
 def probe(port: int, max_tokens: int) -> dict[str, Any]:
     """One streamed request through a router, read whole: the text it returned."""
 
-    async def once() -> RequestResult:
-        async with make_client() as client:
+    async def once() -> load.RequestResult:
+        async with load.make_client() as client:
             return await send_one(port, 0, max_tokens, client)
 
     res = asyncio.run(once())
@@ -339,7 +325,7 @@ def setup_table(report: dict[str, Any]) -> str:
         ["tries per row", "1 (a shared machine is never quiet: one run, stated as such)"],
         ["CPU plans (routers: cores)", "; ".join(plans)],
     ]  # fmt: skip
-    return markdown_table(["run", ""], rows)
+    return rp.markdown_table(["run", ""], rows)
 
 
 def cost_table(cost: dict[str, Any] | None) -> list[str]:
@@ -352,7 +338,7 @@ def cost_table(cost: dict[str, Any] | None) -> list[str]:
         ["router ms per request, all tokens in one message", cost["one_message_ms_per_request"]],
         ["router µs per further streamed token", cost["per_streamed_token_us"]],
     ]
-    return [markdown_table(["cost split (`split`, 1 router)", ""], rows), ""]
+    return [rp.markdown_table(["cost split (`split`, 1 router)", ""], rows), ""]
 
 
 def section(report: dict[str, Any], figure: str) -> str:
@@ -364,7 +350,7 @@ def section(report: dict[str, Any], figure: str) -> str:
             "",
             setup_table(report),
             "",
-            records_table(ROW_COLUMNS, report["rows"]),
+            rp.records_table(ROW_COLUMNS, report["rows"]),
             "",
             *cost_table(report.get("cost_split")),
             f"![requests/s and router CPU per request]({figure})",
@@ -374,7 +360,7 @@ def section(report: dict[str, Any], figure: str) -> str:
 
 def plot(report: dict[str, Any], path: Path) -> Path:
     ticks = report["sizes"]["concurrency"]
-    panels = [Panel(title, "requests in flight", xlog=2, xticks=ticks, ymin=0) for title in
+    panels = [rp.Panel(title, "requests in flight", xlog=2, xticks=ticks, ymin=0) for title in
               ("requests/s", "router CPU ms per request")]  # fmt: skip
     for plan, routers in itertools.product(report["sizes"]["pins"], ROUTERS):
         rows = [r for r in report["rows"] if r["pin"] == plan and r["routers"] == routers]
@@ -382,7 +368,7 @@ def plot(report: dict[str, Any], path: Path) -> Path:
         label = f"{plan}, {routers} router{'s' * (routers > 1)}"
         for panel, key in zip(panels, ("requests_per_s", "router_cpu_ms_per_request")):
             panel.lines.append((label, xs, [r[key] for r in rows], style))
-    return plot_lines(panels, path)
+    return rp.plot_lines(panels, path)
 
 
 def _ints(text: str) -> tuple[int, ...]:
@@ -411,20 +397,20 @@ RUN_FLAGS = [
      "streamed against all in one message (default: on; quick: off)",
      {"action": argparse.BooleanOptionalAction}),
     ("--model", Path, None, "HF directory for the tokenizer (default: tiny)"),
-    CACHE_DIR_FLAG,
+    rp.CACHE_DIR_FLAG,
 ]  # fmt: skip
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = parser("pdserve bench router", __doc__.split("\n\n")[0])
-    add_flags(p.add_argument_group("run"), RUN_FLAGS)
-    add_output_flags(p, "router_ceiling.json and router_ceiling.png", "router_ceiling.json")
+    rp.add_flags(p.add_argument_group("run"), RUN_FLAGS)
+    rp.add_output_flags(p, "router_ceiling.json and router_ceiling.png", "router_ceiling.json")
     args = p.parse_args(argv)
     base = QUICK if args.quick else FULL
     given = (args.concurrency, args.max_tokens, args.warmup, args.duration, args.pins)
     args.sizes = Sizes(*(b if g is None else g for g, b in zip(given, astuple(base))))
     args.cost_split = not args.quick if args.cost_split is None else args.cost_split
-    args.outputs = outputs_from_args(p, args)
+    args.outputs = rp.outputs_from_args(p, args)
     return args
 
 
@@ -435,7 +421,7 @@ def measure_rows(rig: RoutersOverFakes, sizes: Sizes, expected: str) -> list[dic
         for n in sizes.concurrency:
             for routers in ROUTERS:
                 rows.append(measure(rig, plan, routers, n, sizes, expected))
-                print(record_line(ROW_COLUMNS, rows[-1]), flush=True)
+                print(rp.record_line(ROW_COLUMNS, rows[-1]), flush=True)
     return rows
 
 
@@ -466,7 +452,7 @@ def run(args: argparse.Namespace, model: Path, token_ids: list[int], expected: s
 
 def measure_all(args: argparse.Namespace) -> dict[str, Any]:
     """The whole run: the report's fields."""
-    model = args.model or cached_model(args.cache_dir, "tiny-llama-router", MODEL_SPEC)
+    model = args.model or rp.cached_model(args.cache_dir, "tiny-llama-router", MODEL_SPEC)
     token_ids, tok = word_tokens(model)
     cycle = [token_ids[i % len(token_ids)] for i in range(args.sizes.max_tokens)]
     expected = tok.decode(cycle, skip_special_tokens=True)
@@ -486,10 +472,10 @@ def measure_all(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-    def write(report: dict[str, Any], to: Outputs) -> object:
-        return publish("router", report, to, plot, section, stem="router_ceiling")
+    def write(report: dict[str, Any], to: rp.Outputs) -> object:
+        return rp.publish("router", report, to, plot, section, stem="router_ceiling")
 
-    return bench_main(argv, parse_args, "router", measure_all, write)
+    return rp.bench_main(argv, parse_args, "router", measure_all, write)
 
 
 if __name__ == "__main__":

@@ -20,17 +20,7 @@ from typing import Any
 
 import torch
 
-from pdserve.bench.report import (
-    Panel,
-    add_flags,
-    add_output_flags,
-    bench_main,
-    markdown_table,
-    outputs_from_args,
-    plot_lines,
-    publish,
-    run_header,
-)
+from pdserve.bench import report as rp
 from pdserve.common.engine.config import CacheConfig, ModelConfig, ParallelConfig, SchedulerConfig
 from pdserve.common.engine.llm_engine import LLMEngine
 from pdserve.common.node.cli import parser
@@ -216,10 +206,11 @@ def section(report: dict[str, Any], figure: str) -> str:
     k = [[f"{r['p']} -> {r['d']}", r["bytes"] / 1e6, r["s"] * 1000, r["gb_per_s"], r["of_tp1"]]
          for r in report["kv"]]  # fmt: skip
     return "\n".join([
-        *run_header(report), "",
-        markdown_table(["TP", "batch", "decode step ms", "output tok/s", "all-reduce ms",
+        *rp.run_header(report), "",
+        rp.markdown_table(["TP", "batch", "decode step ms", "output tok/s", "all-reduce ms",
                         "all-reduces' share of the step"], d), "",
-        markdown_table(["prefill TP -> decode TP", "MB", "ms", "GB/s", "speed of 1 -> 1"], k), "",
+        rp.markdown_table(["prefill TP -> decode TP", "MB", "ms", "GB/s", "speed of 1 -> 1"],
+                          k), "",
         f"![tp]({figure})",
     ])  # fmt: skip
 
@@ -229,10 +220,10 @@ def plot(report: dict[str, Any], path: Path) -> Path:
     tps, rates = [r["tp"] for r in decode], [r["tokens_per_s"] for r in decode]
     tokens = [("output tok/s", tps, rates, "o-")]
     mapped = [(f"{r['p']}->{r['d']}", [i], [r["gb_per_s"]], "o") for i, r in enumerate(kv)]
-    return plot_lines(
+    return rp.plot_lines(
         [
-            Panel("decode, the run's batch", "TP", "output tokens/s", tokens, ymin=0),
-            Panel("KV transfer by (prefill TP -> decode TP)", "mapping", "GB/s", mapped, ymin=0),
+            rp.Panel("decode, the run's batch", "TP", "output tokens/s", tokens, ymin=0),
+            rp.Panel("KV transfer by (prefill TP -> decode TP)", "mapping", "GB/s", mapped, ymin=0),
         ],
         path,
     )
@@ -240,7 +231,7 @@ def plot(report: dict[str, Any], path: Path) -> Path:
 
 def parse(argv: Sequence[str]) -> argparse.Namespace:
     p = parser("pdserve bench tp", __doc__.split("\n\n")[0])
-    add_flags(p.add_argument_group("run"), [
+    rp.add_flags(p.add_argument_group("run"), [
         ("--quick", bool, False, "a tiny model, few steps, 1 repeat (a check, not a figure)"),
         ("--tp", int, [1, 2], "TP sizes to time decode steps at", {"nargs": "+"}),
         ("--batch", int, 8, "sequences decoding together", {}),
@@ -250,17 +241,17 @@ def parse(argv: Sequence[str]) -> argparse.Namespace:
         ("--kv-blocks", int, 64, "blocks of one request's KV transferred per mapping", {}),
         ("--repeats", int, 3, "transfers per mapping (median)", {}),
     ])  # fmt: skip
-    add_output_flags(p, "tp.json, tp.png", saved="tp.json")
+    rp.add_output_flags(p, "tp.json, tp.png", saved="tp.json")
     args = p.parse_args(list(argv))
     if args.quick:
         args.steps, args.kv_blocks, args.repeats, args.prompt_len = 3, 8, 1, 16
     args.shape = "quick" if args.quick else "1b"
-    args.outputs = outputs_from_args(p, args)
+    args.outputs = rp.outputs_from_args(p, args)
     return args
 
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     def write(report: dict[str, Any], outputs: Any) -> None:
-        publish("tp", report, outputs, plot, section)
+        rp.publish("tp", report, outputs, plot, section)
 
-    return bench_main(argv, parse, "tp", measure, write)
+    return rp.bench_main(argv, parse, "tp", measure, write)
