@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pdserve.common.engine.config import CacheConfig, ModelConfig, SchedulerConfig
 from pdserve.common.engine.llm_engine import LLMEngine, PrefillRate
+from pdserve.common.engine.model_runner import LayerCall
 from pdserve.common.engine.scheduler import ScheduledSeq, SchedulerOutput
 from pdserve.common.wire.payloads import SamplingParams
 
@@ -28,7 +29,7 @@ def test_the_layer_hook_runs_after_every_layer_of_every_batch(tiny_model_dir) ->
         if len(batches) == 2:
             return None  # nothing to do for this batch
         batch = len(batches)
-        return lambda layer: layers.append((batch, layer))
+        return LayerCall(lambda layer: layers.append((batch, layer)))
 
     for e in (hooked, plain):
         e.add_request("r", list(range(1, 13)), GREEDY)  # 12 tokens: 2 chunks of at most 8
