@@ -12,9 +12,10 @@ import select
 import statistics
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -24,7 +25,7 @@ import zmq
 
 from pdserve.bench import report as rp
 from pdserve.common.node.cli import parser
-from pdserve.common.wire.payloads import FirstToken
+from pdserve.common.wire.payloads import FirstToken, transfer_plan
 from pdserve.kv_transfer import KVLayout, KVReceiver, create_receiver, create_sender
 from pdserve.kv_transfer.wire import FRAME_BYTES, as_bytes, blocks_per_frame
 from pdserve.local_cluster import free_port
@@ -299,10 +300,7 @@ class Sender:
 
     def send(self, xfer: str) -> dict[str, Any]:
         cpu0, t0 = time.process_time(), time.monotonic()
-        for layer, cache in enumerate(self.caches):
-            self.sender.send_layer(xfer, layer, self.src, self.dst, cache)
-        self.sender.send_done(xfer, FirstToken(token_id=0))
-        self.sender.flush(OP_TIMEOUT_S)
+        send_request(self.sender, xfer, self.caches, self.src, self.dst)
         return {"t0": t0, "cpu": time.process_time() - cpu0}
 
     def send_raw(self, frames: list[list[int]]) -> dict[str, Any]:
@@ -315,6 +313,69 @@ class Sender:
         if self.sender is not None:
             self.sender.close()
         self.raw.close()
+
+
+def send_request(
+    sender: Any, xfer: str, caches: list, src: list[int], dst: list[int], heads: Any = None
+) -> None:
+    """One request's pages of every layer (with `heads`: those KV heads only), its done message,
+    flushed: what a prefill node's rank sends."""
+    for layer, cache in enumerate(caches):
+        sender.send_layer(xfer, layer, src, dst, cache, heads)
+    sender.send_done(xfer, FirstToken(token_id=0))
+    sender.flush(OP_TIMEOUT_S)
+
+
+def pump(receivers: list[KVReceiver], busy: Callable[[], bool], oks: list | None = None) -> None:
+    """Poll the receivers while busy() (at most OP_TIMEOUT_S); each result's ok into `oks`."""
+    deadline = time.monotonic() + OP_TIMEOUT_S
+    while busy():
+        assert time.monotonic() < deadline, "a transfer hung"
+        for r in receivers:
+            done = [x.ok for x in r.poll(0.001)]
+            if oks is not None:
+                oks.extend(done)
+
+
+def group_transfer_s(layout: KVLayout, p: int, d: int, blocks: int) -> float:
+    """Seconds to move one request's KV (`blocks` blocks of every layer) from a prefill group at
+    TP p to a decode group at TP d over zmq on loopback (`bench tp`): each slice of
+    `transfer_plan` sent by its prefill rank's thread, every decode rank's receiver polled here."""
+    plan = transfer_plan(layout.num_kv_heads, p, d)
+    rank = lambda n: replace(layout, num_kv_heads=layout.num_kv_heads // n)  # noqa: E731
+    dtype, ids = getattr(torch, layout.dtype), list(range(blocks))
+    caches = lambda n, fill: [fill(rank(n).page_shape(blocks)).to(dtype)  # noqa: E731
+                              for _ in range(layout.num_layers)]  # fmt: skip
+    recv = [create_receiver("zmq", layout, caches(d, torch.zeros)) for _ in range(d)]
+    src = [caches(p, torch.randn) for _ in range(p)]
+    senders = [create_sender("zmq", layout) for _ in plan]
+    connect = [threading.Thread(target=s.connect, args=(recv[x.dst_rank].endpoint,))
+               for s, x in zip(senders, plan, strict=True)]  # fmt: skip
+    for t in connect:
+        t.start()
+    pump(recv, lambda: any(t.is_alive() for t in connect))
+    for x in plan:
+        recv[x.dst_rank].expect(f"x.{x.src_rank}", ids, range(x.dst_offset, x.dst_offset + x.count))
+
+    def ship(i: int) -> None:
+        for s, x in zip(senders, plan):
+            if x.src_rank == i:
+                send_request(
+                    s, f"x.{i}", src[i], ids, ids, range(x.src_offset, x.src_offset + x.count)
+                )
+
+    start, done = time.perf_counter(), []
+    shippers = [threading.Thread(target=ship, args=(i,)) for i in range(p)]
+    for t in shippers:
+        t.start()
+    pump(recv, lambda: len(done) < len(plan), done)
+    elapsed = time.perf_counter() - start
+    assert all(done), "a slice failed"
+    for t in shippers:
+        t.join()
+    for end in [*senders, *recv]:
+        end.close()
+    return elapsed
 
 
 def child_main(connector: str, device: str) -> None:

@@ -12,7 +12,6 @@ import argparse
 import json
 import statistics
 import tempfile
-import threading
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -21,6 +20,7 @@ from typing import Any
 import torch
 
 from pdserve.bench import report as rp
+from pdserve.bench.kv_transfer import group_transfer_s
 from pdserve.common.engine.config import CacheConfig, ModelConfig, ParallelConfig, SchedulerConfig
 from pdserve.common.engine.llm_engine import LLMEngine
 from pdserve.common.node.cli import parser
@@ -106,75 +106,13 @@ def decode_row(engine: LLMEngine, tp: int, args: argparse.Namespace) -> dict[str
     return row
 
 
-def transfer_s(layout: KVLayout, p: int, d: int, blocks: int) -> float:
-    """Seconds to move one request's KV (`blocks` blocks of every layer) from a prefill
-    group at TP p to a decode group at TP d over zmq on loopback: each slice of the plan
-    sent by its prefill rank's thread, every decode rank's receiver polled here."""
-    from pdserve.common.wire.payloads import FirstToken, transfer_plan
-    from pdserve.kv_transfer.base import create_receiver, create_sender
-
-    heads, dims = layout.num_kv_heads, (2, blocks, layout.block_size)
-
-    def caches(n: int, fill: Any) -> list[torch.Tensor]:
-        shape = (*dims, heads // n, layout.head_dim)
-        return [fill(shape).to(torch.bfloat16) for _ in range(layout.num_layers)]
-
-    recv = [create_receiver("zmq", layout, caches(d, torch.zeros)) for _ in range(d)]
-    src = [caches(p, torch.randn) for _ in range(p)]
-    plan = transfer_plan(heads, p, d)
-    senders = [create_sender("zmq", layout) for _ in plan]
-    threads = [
-        threading.Thread(target=s.connect, args=(recv[x.dst_rank].endpoint,))
-        for s, x in zip(senders, plan, strict=True)
-    ]
-    ids = list(range(blocks))
-
-    def ship(i: int) -> None:
-        for s, x in zip(senders, plan):
-            if x.src_rank == i:
-                part = range(x.src_offset, x.src_offset + x.count)
-                for layer in range(layout.num_layers):
-                    s.send_layer(f"x.{i}", layer, ids, ids, src[i][layer], part)
-                s.send_done(f"x.{i}", FirstToken(0))
-                s.flush(60)
-
-    for t in threads:
-        t.start()
-    _pump(recv, lambda: any(t.is_alive() for t in threads))
-    for x in plan:
-        recv[x.dst_rank].expect(f"x.{x.src_rank}", ids, range(x.dst_offset, x.dst_offset + x.count))
-    start = time.perf_counter()
-    shippers = [threading.Thread(target=ship, args=(i,)) for i in range(p)]
-    for t in shippers:
-        t.start()
-    done: list[bool] = []
-    _pump(recv, lambda: len(done) < len(plan), done)
-    elapsed = time.perf_counter() - start
-    assert all(done), "a slice failed"
-    for t in shippers:
-        t.join()
-    for end in [*senders, *recv]:
-        end.close()
-    return elapsed
-
-
-def _pump(receivers: list[Any], busy: Any, results: list[bool] | None = None) -> None:
-    deadline = time.monotonic() + 120
-    while busy():
-        assert time.monotonic() < deadline, "a transfer hung"
-        for r in receivers:
-            for result in r.poll(0.001):
-                if results is not None:
-                    results.append(result.ok)
-
-
 def kv_rows(args: argparse.Namespace) -> list[dict[str, Any]]:
     hidden, _, layers, heads, kv, _ = SHAPES[args.shape]
     layout = KVLayout("bench", "bfloat16", layers, kv, hidden // heads, 16)
     nbytes = args.kv_blocks * layers * layout.page_bytes
 
     def seconds(p: int, d: int) -> float:
-        runs = [transfer_s(layout, p, d, args.kv_blocks) for _ in range(args.repeats)]
+        runs = [group_transfer_s(layout, p, d, args.kv_blocks) for _ in range(args.repeats)]
         return statistics.median(runs)
 
     timed = [(p, d, seconds(p, d)) for p, d in MAPPINGS]
