@@ -10,6 +10,7 @@ runner, HF, a router and two nodes), OpenMP's spinning threads made each step ma
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import json
 import re
@@ -52,10 +53,18 @@ def smollm2_gguf() -> Path:
 def one_thread(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     """One compute thread here and in every child process (see the module's docstring)."""
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    with one_compute_thread():
+        yield
+
+
+@contextlib.contextmanager
+def one_compute_thread() -> Iterator[None]:
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
 
 
 def chat_prompts(llm: LLM) -> list[list[int]]:
@@ -66,14 +75,22 @@ def chat_prompts(llm: LLM) -> list[list[int]]:
     return [tok(text, add_special_tokens=False).input_ids for text in texts]
 
 
-def test_llm_greedy_equals_hf_generate_on_chat_prompts(smollm2_gguf: Path) -> None:
-    """At TP 1 and at TP 3 (SmolLM2's 9 query and 3 KV heads, one of each three per rank)."""
-    from transformers import AutoModelForCausalLM
-
+@pytest.fixture(scope="module")
+def engine_answers(smollm2_gguf: Path) -> tuple[list[list[int]], list]:
+    """The chat prompts and the engine's greedy answers at TP 1 (one load for the module)."""
     llm = LLM(str(smollm2_gguf))
     prompts = chat_prompts(llm)
     greedy = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0)
-    outs = llm.generate(prompts, greedy)
+    with one_compute_thread():
+        return prompts, llm.generate(prompts, greedy)
+
+
+def test_llm_greedy_equals_hf_generate_on_chat_prompts(smollm2_gguf: Path, engine_answers) -> None:
+    """At TP 1 and at TP 3 (SmolLM2's 9 query and 3 KV heads, one of each three per rank)."""
+    from transformers import AutoModelForCausalLM
+
+    prompts, outs = engine_answers
+    greedy = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0)
     with LLM(str(smollm2_gguf), tensor_parallel_size=3, threads_per_rank=1) as tp3:
         assert [o.token_ids for o in tp3.generate(prompts, greedy)] == [o.token_ids for o in outs]
     hf = AutoModelForCausalLM.from_pretrained(
@@ -84,7 +101,7 @@ def test_llm_greedy_equals_hf_generate_on_chat_prompts(smollm2_gguf: Path) -> No
             ids = hf.generate(torch.tensor([prompt]), max_new_tokens=MAX_TOKENS, do_sample=False)[
                 0, len(prompt) :
             ].tolist()
-        assert list(out.token_ids) == ids, (llm.tokenizer.decode(prompt), out.text)
+        assert list(out.token_ids) == ids, (prompt, out.text)
     assert "Paris" in outs[0].text  # and it is a real model, not noise
 
 
@@ -135,7 +152,9 @@ PEOPLE = [
 ]
 
 
-def test_smollm2_through_one_prefill_one_decode_with_the_openai_client(smollm2_gguf: Path) -> None:
+def test_smollm2_through_one_prefill_one_decode_with_the_openai_client(
+    smollm2_gguf: Path, engine_answers
+) -> None:
     """One 1P1D deployment, its prefill node at TP 3 and its decode node at TP 1 (each decode
     KV head comes from another prefill rank), for every openai-client check (a start costs
     ~20 s here): the chat prompts' greedy answers are the engine's (at TP 1, which equals HF
@@ -146,10 +165,7 @@ def test_smollm2_through_one_prefill_one_decode_with_the_openai_client(smollm2_g
     block is free afterwards."""
     from openai import OpenAI
 
-    llm = LLM(str(smollm2_gguf))
-    greedy = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0)
-    expected = [out.text for out in llm.generate(chat_prompts(llm), greedy)]
-    del llm
+    expected = [out.text for out in engine_answers[1]]
     tp = ["--tensor-parallel-size", "3", "--threads-per-rank", "1"]
     with LocalCluster(str(smollm2_gguf), prefill_args=tp) as cluster:
         client = OpenAI(base_url=cluster.url + "/v1", api_key="x", timeout=300, max_retries=0)

@@ -5,6 +5,7 @@ where they started after success and after an abort midway."""
 
 from __future__ import annotations
 
+import functools
 import threading
 import time
 from collections.abc import Iterator
@@ -40,6 +41,13 @@ def models(tmp_path_factory) -> dict[int | str, str]:
     root = tmp_path_factory.mktemp("tp-nodes")
     models = {kv: str(make_tiny_model("llama", root / f"kv{kv}", kv_heads=kv)) for kv in (4, 2)}
     return {**models, "qwen3": str(make_tiny_model("qwen3", root / "qwen3", kv_heads=4))}
+
+
+@functools.cache
+def answers(model: str) -> list[list[int]]:
+    """The engine's greedy tokens at TP 1 for PROMPTS (once per model)."""
+    outs = LLM(model, block_size=BLOCK, skip_tokenizer_init=True).generate(PROMPTS, GREEDY)
+    return [o.token_ids for o in outs]
 
 
 def build(model: str, p: int, d: int, connector: str):
@@ -88,13 +96,13 @@ def free(node) -> int:
 )
 def test_tp_p_to_tp_d_equals_the_engine_at_tp1(models, kv, p, d, connector) -> None:
     model = models[kv]
-    expected = LLM(model, block_size=BLOCK, skip_tokenizer_init=True).generate(PROMPTS, GREEDY)
+    expected = answers(model)
     router, prefill, decode_ = build(model, p, d, connector)
     try:
         before = (free(prefill), free(decode_))
         for i, prompt in enumerate(PROMPTS):
             got = serve(router, prefill, decode_, f"r{i}", prompt, p)
-            assert got == expected[i].token_ids, (i, got)
+            assert got == expected[i], (i, got)
         # An abort before the KV is all there: the reservation and the transfer go, on every rank.
         start(router, prefill, decode_, "gone", PROMPTS[0], GREEDY, p)
         prefill.step()
@@ -114,7 +122,7 @@ def test_a_reservation_renewed_for_another_sending_tp(models) -> None:
     """D reserved for a TP 1 sender (one slice); the router picked a TP 2 prefill node, so it
     renews the reservation for TP 2 (two slices, one per prefill rank) before the prefill."""
     model = models[4]
-    expected = LLM(model, block_size=BLOCK, skip_tokenizer_init=True).generate(PROMPTS[:1], GREEDY)
+    expected = answers(model)
     router, prefill, decode_ = build(model, 2, 1, "zmq")
     try:
         decode_.handle(ReserveKV("r", tuple(PROMPTS[0]), GREEDY, src_tp=1))
@@ -125,7 +133,7 @@ def test_a_reservation_renewed_for_another_sending_tp(models) -> None:
         assert decode_.pending == {renewed.xfer_id: 2}  # one slice from each prefill rank
         decode_.handle(Abort("r", "done"))
         got = serve(router, prefill, decode_, "r2", PROMPTS[0], 2)
-        assert got == expected[0].token_ids
+        assert got == expected[0]
     finally:
         prefill.close()
         decode_.close()
@@ -189,7 +197,7 @@ def test_a_worker_started_apart_joins_its_rank_0(models) -> None:
     from pdserve.local_cluster import free_port
 
     model = models[4]
-    expected = LLM(model, block_size=BLOCK, skip_tokenizer_init=True).generate(PROMPTS[:1], GREEDY)
+    expected = answers(model)
     port = free_port()
     cmd = [sys.executable, "-m", "pdserve", "tp-worker", "--leader", f"127.0.0.1:{port}"]
     worker = subprocess.Popen([*cmd, "--rank", "1", "--advertise-host", "127.0.0.1"])
@@ -204,7 +212,7 @@ def test_a_worker_started_apart_joins_its_rank_0(models) -> None:
         assert decode_.engine.runner.driver.procs == []  # none of its own
         assert len(set(decode_.kv.endpoints)) == 2
         prefill = PrefillNode(ModelConfig(model), cache, sched, NodeConfig((router.addr,)))
-        assert serve(router, prefill, decode_, "r", PROMPTS[0], 1) == expected[0].token_ids
+        assert serve(router, prefill, decode_, "r", PROMPTS[0], 1) == expected[0]
     finally:
         for node in (prefill, decode_):
             if node is not None:
@@ -226,12 +234,7 @@ def test_a_worker_ignores_sigterm_until_its_rank_0_stops_it(models) -> None:
         time.sleep(0.5)
         assert worker.poll() is None and decode_.engine.broken() is None
         got = serve(router, prefill, decode_, "r", PROMPTS[1], 1)
-        assert (
-            got
-            == LLM(models[4], block_size=BLOCK, skip_tokenizer_init=True)
-            .generate(PROMPTS[1:2], GREEDY)[0]
-            .token_ids
-        )
+        assert got == answers(models[4])[1]
     finally:
         prefill.close()
         decode_.close()
