@@ -198,9 +198,14 @@ class RankKV:
             self.receiver = self.port.listen(self.caches, host, bind, fence_timeout)
         self.expected: dict[str, list[str]] = {}  # xfer id -> this rank's slice ids
         self.failed: dict[str, str] = {}  # decode group (its rank 0 endpoint) -> why
+        # (send TP, receive TP) -> the plan: asked for each layer of each shipment, made once
+        self._plans: dict[tuple[int, int], tuple[HeadSlice, ...]] = {}
 
     def _plan(self, send_tp: int, recv_tp: int) -> tuple[HeadSlice, ...]:
-        return transfer_plan(self.layout.num_kv_heads, send_tp, recv_tp)
+        key = (send_tp, recv_tp)
+        if key not in self._plans:
+            self._plans[key] = transfer_plan(self.layout.num_kv_heads, send_tp, recv_tp)
+        return self._plans[key]
 
     # -- decode side ----------------------------------------------------------------------------
 

@@ -54,7 +54,6 @@ class WorkerSpec:
     rendezvous store (`spec_key`), where the worker reads it."""
 
     rank: int
-    port: int
     model: ModelConfig
     cache: CacheConfig
     parallel: ParallelConfig
@@ -69,7 +68,6 @@ class WorkerSpec:
         d = json.loads(text)
         return cls(
             rank=d["rank"],
-            port=d["port"],
             model=ModelConfig(**d["model"]),
             cache=CacheConfig(**d["cache"]),
             parallel=ParallelConfig(**d["parallel"]),
@@ -174,7 +172,7 @@ class RankDriver:
         host, port = parallel.host, parallel.port
         store = dist.TCPStore(host, port, size, True, timeout=start, wait_for_workers=False)
         for r in range(1, size):  # each worker reads its spec from the rendezvous
-            spec = WorkerSpec(r, store.port, model, cache, parallel, max_num_seqs, max_model_len)
+            spec = WorkerSpec(r, model, cache, parallel, max_num_seqs, max_model_len)
             store.set(spec_key(r), spec.to_json())
         local = parallel.workers == "local"
         self.procs = [_spawn(store.port, r, parallel) for r in range(1, size)] if local else []

@@ -375,10 +375,10 @@ class EngineNode:
     def _rank_lost(self, wait_s: float = 2.0) -> str | None:
         """After a step failed: the lost rank that broke it, if one did (its exit shows within
         moments of the closed connection the step saw), else None."""
+        if self.engine.runner.driver is None:
+            return None
         deadline = time.monotonic() + wait_s
         while (broken := self.engine.broken()) is None and time.monotonic() < deadline:
-            if self.engine.runner.driver is None:
-                return None
             time.sleep(0.05)
         return broken
 
