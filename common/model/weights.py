@@ -17,8 +17,8 @@ import torch
 
 from pdserve.common.model.checkpoint import Checkpoint
 from pdserve.common.model.config import ModelArchConfig
-from pdserve.common.model.llama import LlamaFamilyForCausalLM
 from pdserve.common.model.parallel import TPGroup
+from pdserve.common.model.registry import model_class
 
 # Checkpoint keys that hold no weights of ours: old Llama checkpoints saved rope buffers.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
@@ -32,7 +32,7 @@ def load_model(
     device: torch.device | str,
     dummy_seed: int | None = None,
     tp: TPGroup | None = None,
-) -> tuple[LlamaFamilyForCausalLM, ModelArchConfig]:
+) -> tuple[torch.nn.Module, ModelArchConfig]:
     """Build the model described by model_dir/config.json and load its weights.
 
     Reads *.safetensors (one file, or shards listed in model.safetensors.index.json); only when
@@ -44,9 +44,10 @@ def load_model(
     config = ModelArchConfig.from_dir(model_dir)
     if tp is not None:
         tp.shard.check(config)
+    cls = model_class(config)
     with torch.device("meta"):
-        model = LlamaFamilyForCausalLM(config, tp)
-        full = LlamaFamilyForCausalLM(config) if tp is not None else model
+        model = cls(config, tp)
+        full = cls(config) if tp is not None else model
     expected = {name: p.shape for name, p in model.named_parameters()}
     shapes = {name: p.shape for name, p in full.named_parameters()}
     if dummy_seed is not None:
