@@ -21,6 +21,12 @@ def check_rows(name: str, t: torch.Tensor) -> None:
 
 
 def check_kv_halves(k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
+    """K and V halves of one layer cache: the same 4-D shape and the same strides."""
+    if k_cache.dim() != 4 or k_cache.shape != v_cache.shape:
+        raise ValueError(
+            f"k_cache and v_cache must both be [num_blocks, block_size, num_kv_heads, head_dim]; "
+            f"got {tuple(k_cache.shape)} and {tuple(v_cache.shape)}"
+        )
     if k_cache.stride() != v_cache.stride():
         raise ValueError("k_cache and v_cache must share strides (halves of one layer cache)")
 

@@ -32,6 +32,17 @@ _LONG_PREFILL = 4096  # tokens in a step from which prefill tiles get 128 rows
 
 
 @triton.jit
+def softmax_start(BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
+    """An empty running softmax for BLOCK_M query rows: (m_i, l_i, acc) before any key.
+
+    Shared with `paged_decode`'s kernel, whose rows fold keys in with `attend_keys` too."""
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    return m_i, l_i, acc
+
+
+@triton.jit
 def attend_keys(
     q,
     m_i,
@@ -143,9 +154,7 @@ def _paged_attention_kernel(
     if SLIDING_WINDOW > 0:
         kv_begin = tl.maximum(context_len + q_tile_start - SLIDING_WINDOW + 1, 0)
 
-    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    m_i, l_i, acc = softmax_start(BLOCK_M, BLOCK_D)
     block_table = block_tables_ptr + seq.to(tl.int64) * stride_bt
     kv_head_offset = kv_head * stride_kv_head
     for start in range(kv_begin, kv_end, BLOCK_N):
@@ -169,17 +178,12 @@ def _paged_attention_kernel(
 def _check_layout(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
     if query.dim() != 3:
         raise ValueError(f"query must be [T, num_heads, head_dim]; got {tuple(query.shape)}")
-    if k_cache.dim() != 4 or k_cache.shape != v_cache.shape:
-        raise ValueError(
-            f"k_cache and v_cache must both be [num_blocks, block_size, num_kv_heads, head_dim]; "
-            f"got {tuple(k_cache.shape)} and {tuple(v_cache.shape)}"
-        )
+    check_kv_halves(k_cache, v_cache)
     num_heads, num_kv_heads = query.shape[1], k_cache.shape[2]
     if query.shape[2] != k_cache.shape[3]:
         raise ValueError(f"query head_dim {query.shape[2]} != cache head_dim {k_cache.shape[3]}")
     if num_heads % num_kv_heads != 0:
         raise ValueError(f"num_heads {num_heads} is not a multiple of num_kv_heads {num_kv_heads}")
-    check_kv_halves(k_cache, v_cache)
     for name, t in (("query", query), ("k_cache", k_cache), ("v_cache", v_cache)):
         check_rows(name, t)
     if not query.dtype == k_cache.dtype == v_cache.dtype:
@@ -230,6 +234,23 @@ def check_attention_inputs(
     _check_layout(query, k_cache, v_cache)
     _check_batch(block_tables, query_start_loc, seq_lens, sliding_window)
     check_one_device(query, k_cache, v_cache, block_tables, query_start_loc, seq_lens)
+
+
+def launch_strides(
+    query: torch.Tensor, out: torch.Tensor, k_cache: torch.Tensor, block_tables: torch.Tensor
+) -> tuple[int, ...]:
+    """The strides both attention kernels take, in their parameter order (stride_q_t to
+    stride_bt): one list, so the two launchers cannot pass them in different orders."""
+    return (
+        query.stride(0),
+        query.stride(1),
+        out.stride(0),
+        out.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        block_tables.stride(0),
+    )
 
 
 def _tile_sizes(
@@ -286,14 +307,7 @@ def paged_attention_triton(
         seq_lens,
         scale * math.log2(math.e),  # the kernel uses exp2
         num_seqs,
-        query.stride(0),
-        query.stride(1),
-        out.stride(0),
-        out.stride(1),
-        k_cache.stride(0),
-        k_cache.stride(1),
-        k_cache.stride(2),
-        block_tables.stride(0),
+        *launch_strides(query, out, k_cache, block_tables),
         k_cache.shape[1],
         QUERIES_PER_KV=queries_per_kv,
         HEAD_DIM=head_dim,

@@ -19,7 +19,12 @@ import torch
 import triton
 import triton.language as tl
 
-from pdserve.kernels.paged_attention import attend_keys, check_attention_inputs
+from pdserve.kernels.paged_attention import (
+    attend_keys,
+    check_attention_inputs,
+    launch_strides,
+    softmax_start,
+)
 from pdserve.kernels.split_combine import combine_splits_triton
 
 # Keys per inner-loop step, and warps per program: tuned on an H100 (docs/gpu.md).
@@ -82,9 +87,7 @@ def _paged_decode_kernel(
     q_offs = tok64 * stride_q_t + head[:, None] * stride_q_h + dims[None, :]
     q = tl.load(query_ptr + q_offs, mask=q_mask, other=0.0)
 
-    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    m_i, l_i, acc = softmax_start(BLOCK_M, BLOCK_D)
     block_table = block_tables_ptr + seq.to(tl.int64) * stride_bt
     # The only query sits at seq_len - 1: every key below seq_len is visible (no causal mask).
     kv_head_offset = kv_head * stride_kv_head
@@ -180,14 +183,7 @@ def paged_decode_triton(
         query_start_loc,
         seq_lens,
         scale * math.log2(math.e),  # the kernel uses exp2
-        query.stride(0),
-        query.stride(1),
-        out.stride(0),
-        out.stride(1),
-        k_cache.stride(0),
-        k_cache.stride(1),
-        k_cache.stride(2),
-        block_tables.stride(0),
+        *launch_strides(query, out, k_cache, block_tables),
         block_size,
         QUERIES_PER_KV=queries_per_kv,
         HEAD_DIM=head_dim,

@@ -73,11 +73,7 @@ def _check_inputs(
             f"key and value must both be [T, num_kv_heads, head_dim]; "
             f"got {tuple(key.shape)} and {tuple(value.shape)}"
         )
-    if k_cache.dim() != 4 or k_cache.shape != v_cache.shape:
-        raise ValueError(
-            f"k_cache and v_cache must both be [num_blocks, block_size, num_kv_heads, head_dim]; "
-            f"got {tuple(k_cache.shape)} and {tuple(v_cache.shape)}"
-        )
+    check_kv_halves(k_cache, v_cache)
     if key.shape[1:] != k_cache.shape[2:]:
         raise ValueError(
             f"key rows {tuple(key.shape[1:])} do not match cache rows {tuple(k_cache.shape[2:])}"
@@ -86,7 +82,6 @@ def _check_inputs(
         raise ValueError(
             f"slot_mapping must be [T={key.shape[0]}]; got {tuple(slot_mapping.shape)}"
         )
-    check_kv_halves(k_cache, v_cache)
     for name, t in (("key", key), ("value", value), ("k_cache", k_cache), ("v_cache", v_cache)):
         check_rows(name, t)
     if k_cache.dtype != v_cache.dtype:
