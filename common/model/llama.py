@@ -236,7 +236,7 @@ class DecoderLayer(nn.Module):
     def __init__(self, config: ModelArchConfig, layer: int, tp: TPGroup | None = None) -> None:
         super().__init__()
         self.self_attn = Attention(config, layer, tp)
-        self.mlp = MLP(config, tp)
+        self.mlp = self.feed_forward(config, layer, tp)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -251,14 +251,23 @@ class DecoderLayer(nn.Module):
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, attn, kv_cache)
         return x + self.mlp(self.post_attention_layernorm(x))
 
+    def feed_forward(self, config: ModelArchConfig, layer: int, tp: TPGroup | None) -> nn.Module:
+        """The block after attention (a hook: the MoE families put their expert block here)."""
+        return MLP(config, tp)
+
 
 class LlamaFamilyModel(nn.Module):
     """The decoder stack; its attribute names give HF's `model.*` parameter names."""
 
-    def __init__(self, config: ModelArchConfig, tp: TPGroup | None = None) -> None:
+    def __init__(
+        self,
+        config: ModelArchConfig,
+        tp: TPGroup | None = None,
+        layer_class: type[DecoderLayer] = DecoderLayer,
+    ) -> None:
         super().__init__()
         self.embed_tokens = VocabEmbedding(config, tp)
-        self.layers = nn.ModuleList(DecoderLayer(config, i, tp) for i in range(config.num_layers))
+        self.layers = nn.ModuleList(layer_class(config, i, tp) for i in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rotary_emb = RotaryEmbedding(config)
 
@@ -292,11 +301,13 @@ class LlamaFamilyForCausalLM(nn.Module):
     what a tied checkpoint stores.
     """
 
+    layer_class: type[DecoderLayer] = DecoderLayer  # a family subclass names its own layer
+
     def __init__(self, config: ModelArchConfig, tp: TPGroup | None = None) -> None:
         super().__init__()
         self.config = config
         self.tp = tp
-        self.model = LlamaFamilyModel(config, tp)
+        self.model = LlamaFamilyModel(config, tp, self.layer_class)
         rows = config.vocab_size if tp is None else tp.shard.vocab_rows(config.vocab_size)[2]
         self.lm_head = (
             None if config.tie_word_embeddings else nn.Linear(config.hidden_size, rows, bias=False)
