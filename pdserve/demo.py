@@ -24,25 +24,18 @@ def stream_one(client, model: str, prompt: str, chat: bool, max_tokens: int) -> 
     start = time.perf_counter()
     first = None
     pieces: list[str] = []
+    fields = dict(
+        model=model,
+        max_tokens=max_tokens,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
     if chat:
         messages = [{"role": "user", "content": prompt}]
-        stream = client.chat.completions.create(
-            model=model,
-            messages=messages,
-            max_tokens=max_tokens,
-            temperature=0,
-            stream=True,
-            stream_options={"include_usage": True},
-        )
+        stream = client.chat.completions.create(messages=messages, **fields)
     else:
-        stream = client.completions.create(
-            model=model,
-            prompt=prompt,
-            max_tokens=max_tokens,
-            temperature=0,
-            stream=True,
-            stream_options={"include_usage": True},
-        )
+        stream = client.completions.create(prompt=prompt, **fields)
     usage = None
     for chunk in stream:
         if chunk.usage is not None:

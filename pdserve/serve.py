@@ -290,6 +290,16 @@ def build_parser() -> argparse.ArgumentParser:
         "Ctrl-C (or SIGTERM) drains and stops them all; a second Ctrl-C stops them at once.",
     )
     add_model_arg(p)
+    _add_deployment_args(p)
+    add_router_args(p, omit=SERVE_OMITS)
+    _add_supervisor_args(p)
+    _add_child_flag_args(p)
+    add_engine_args(p)
+    return p
+
+
+def _add_deployment_args(p: argparse.ArgumentParser) -> None:
+    """How many nodes of each role, their tensor parallelism, connector and drain."""
     topo = p.add_argument_group("deployment")
     topo.add_argument(
         "--num-prefill", type=int, default=None, metavar="N", help="prefill nodes (default: 1)"
@@ -346,7 +356,10 @@ def build_parser() -> argparse.ArgumentParser:
         help=f"on stop, nodes finish held requests for up to this long (s); whatever still "
         f"runs {STOP_GRACE_S:.0f} s later is killed",
     )
-    add_router_args(p, omit=SERVE_OMITS)
+
+
+def _add_supervisor_args(p: argparse.ArgumentParser) -> None:
+    """How the supervisor restarts, reports, logs and waits for its children."""
     sup = p.add_argument_group("supervisor")
     sup.add_argument(
         "--max-restarts",
@@ -381,6 +394,10 @@ def build_parser() -> argparse.ArgumentParser:
     sup.add_argument(
         "--start-timeout", type=float, default=300.0, help="seconds for every child to be ready"
     )
+
+
+def _add_child_flag_args(p: argparse.ArgumentParser) -> None:
+    """Free-form flags passed on to the router and the nodes as given."""
     extra = p.add_argument_group("more flags for the children")
     extra.add_argument(
         "--router-flags",
@@ -391,8 +408,6 @@ def build_parser() -> argparse.ArgumentParser:
     extra.add_argument(
         "--node-flags", default="", help="extra flags for every node, one string (default: none)"
     )
-    add_engine_args(p)
-    return p
 
 
 def _tp_flags(

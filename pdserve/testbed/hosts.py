@@ -46,7 +46,7 @@ import tempfile
 import threading
 import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -162,6 +162,24 @@ def _del_netns(name: str) -> None:
         _cmd(["ip", "netns", "del", name], check=False)
 
 
+def _scratch_reason(commands: Callable[[str], list[tuple[list[str], str]]]) -> str | None:
+    """Run `commands(ns)` in a fresh scratch namespace `ns`, deleted after: why the first
+    (argv, what it shows) failed, or None when they all ran."""
+    reason, ns = _probe_netns()
+    if reason:
+        return reason
+    try:
+        for argv, what in commands(ns):
+            proc = _cmd(argv, check=False)
+            if proc.returncode != 0:
+                return f"{what}: {proc.stderr.strip() or f'exit {proc.returncode}'}"
+    except HostsError as exc:
+        return str(exc)
+    finally:
+        _del_netns(ns)
+    return None
+
+
 @functools.cache
 def skip_reason() -> str | None:
     """Why Hosts cannot be built here, or None when they can (tests skip with this)."""
@@ -171,22 +189,18 @@ def skip_reason() -> str | None:
         return "network namespaces need root (euid is not 0)"
     if shutil.which("ip") is None:
         return "`ip` (iproute2) is not installed"
-    reason, ns = _probe_netns()
-    if reason:
-        return reason
-    try:
-        for argv, what in (
-            (["ip", "-n", ns, "link", "add", BRIDGE, "type", "bridge"], "a bridge"),
-            (["ip", "-n", ns, "link", "add", "v0", "type", "veth", "peer", "name", "v1"], "veth"),
-        ):
-            proc = _cmd(argv, check=False)
-            if proc.returncode != 0:
-                return f"cannot make {what} in a namespace: {proc.stderr.strip()}"
-    except HostsError as exc:
-        return str(exc)
-    finally:
-        _del_netns(ns)
-    return None
+    return _scratch_reason(
+        lambda ns: [
+            (
+                ["ip", "-n", ns, "link", "add", BRIDGE, "type", "bridge"],
+                "cannot make a bridge in a namespace",
+            ),
+            (
+                ["ip", "-n", ns, "link", "add", "v0", "type", "veth", "peer", "name", "v1"],
+                "cannot make veth in a namespace",
+            ),
+        ]
+    )
 
 
 @functools.cache
@@ -197,21 +211,14 @@ def netem_reason() -> str | None:
         return reason
     if shutil.which("tc") is None:
         return "`tc` (iproute2) is not installed"
-    reason, ns = _probe_netns()
-    if reason:
-        return reason
-    try:
-        argv = ["tc", "-n", ns, "qdisc", "add", "dev", "lo", "root", "netem", "delay", "1ms"]
-        proc = _cmd(argv, check=False)
-        if proc.returncode != 0:
-            return "tc qdisc netem is unavailable (no sch_netem in this kernel?): " + (
-                proc.stderr.strip() or f"exit {proc.returncode}"
+    return _scratch_reason(
+        lambda ns: [
+            (
+                ["tc", "-n", ns, "qdisc", "add", "dev", "lo", "root", "netem", "delay", "1ms"],
+                "tc qdisc netem is unavailable (no sch_netem in this kernel?)",
             )
-    except HostsError as exc:
-        return str(exc)
-    finally:
-        _del_netns(ns)
-    return None
+        ]
+    )
 
 
 def _bits_per_s(rate: float | str) -> int:
@@ -770,61 +777,11 @@ class DelayProxy:
         self, src: asyncio.StreamReader, dst: asyncio.StreamWriter, direction: str
     ) -> None:
         """src to dst, each chunk written delay_s after it was read; EOF passed on likewise."""
-        loop = asyncio.get_running_loop()
-        items: deque[tuple[float, bytes]] = deque()  # (due, data); b"" is EOF
-        arrived = asyncio.Event()
-        room = asyncio.Event()
-        room.set()
-        pending = 0
-
-        async def receive() -> None:
-            nonlocal pending
-            while True:
-                data = await src.read(self.CHUNK)
-                items.append((loop.time() + self.delay_s, data))
-                arrived.set()
-                if not data:
-                    return
-                pending += len(data)
-                while pending > self.max_buffer_bytes:
-                    room.clear()
-                    await room.wait()
-
-        async def deliver() -> None:
-            nonlocal pending
-            while True:
-                while not items:
-                    arrived.clear()
-                    await arrived.wait()
-                wait = items[0][0] - loop.time()
-                if wait > 0:
-                    await asyncio.sleep(wait)
-                now = loop.time()
-                out: list[bytes] = []
-                eof = False
-                while items and items[0][0] <= now:  # everything due goes in one write
-                    data = items.popleft()[1]
-                    if not data:
-                        eof = True
-                        break
-                    out.append(data)
-                if out:
-                    payload = b"".join(out)
-                    dst.write(payload)
-                    await dst.drain()
-                    pending -= len(payload)
-                    if direction == "up":
-                        self.bytes_up += len(payload)
-                    else:
-                        self.bytes_down += len(payload)
-                    if pending <= self.max_buffer_bytes:
-                        room.set()
-                if eof:
-                    if dst.can_write_eof():
-                        dst.write_eof()
-                    return
-
-        tasks = [asyncio.ensure_future(receive()), asyncio.ensure_future(deliver())]
+        line = _DelayLine(self.delay_s, self.max_buffer_bytes)
+        tasks = [
+            asyncio.ensure_future(line.receive(src, self.CHUNK)),
+            asyncio.ensure_future(line.deliver(dst, lambda n: self._count(direction, n))),
+        ]
         try:
             done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
             for t in done:
@@ -833,6 +790,74 @@ class DelayProxy:
         finally:
             for t in tasks:
                 t.cancel()
+
+    def _count(self, direction: str, nbytes: int) -> None:
+        if direction == "up":
+            self.bytes_up += nbytes
+        else:
+            self.bytes_down += nbytes
+
+
+class _DelayLine:
+    """One direction of a DelayProxy connection: chunks wait, in order, until delay_s after
+    they were read; reading pauses while more than max_buffer_bytes wait (the proxy's memory
+    stays bounded whatever the sender does). b"" queued is EOF."""
+
+    def __init__(self, delay_s: float, max_buffer_bytes: int) -> None:
+        self.delay_s = delay_s
+        self.max_buffer_bytes = max_buffer_bytes
+        self.items: deque[tuple[float, bytes]] = deque()  # (due, data)
+        self.arrived = asyncio.Event()
+        self.room = asyncio.Event()
+        self.room.set()
+        self.pending = 0
+
+    async def receive(self, src: asyncio.StreamReader, chunk: int) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            data = await src.read(chunk)
+            self.items.append((loop.time() + self.delay_s, data))
+            self.arrived.set()
+            if not data:
+                return
+            self.pending += len(data)
+            while self.pending > self.max_buffer_bytes:
+                self.room.clear()
+                await self.room.wait()
+
+    async def deliver(self, dst: asyncio.StreamWriter, count: Callable[[int], None]) -> None:
+        while True:
+            out, eof = await self._due()
+            if out:
+                payload = b"".join(out)  # everything due goes in one write
+                dst.write(payload)
+                await dst.drain()
+                self.pending -= len(payload)
+                count(len(payload))
+                if self.pending <= self.max_buffer_bytes:
+                    self.room.set()
+            if eof:
+                if dst.can_write_eof():
+                    dst.write_eof()
+                return
+
+    async def _due(self) -> tuple[list[bytes], bool]:
+        """Once the oldest chunk is due: every chunk due by then, and whether EOF came."""
+        loop = asyncio.get_running_loop()
+        while not self.items:
+            self.arrived.clear()
+            await self.arrived.wait()
+        wait = self.items[0][0] - loop.time()
+        if wait > 0:
+            await asyncio.sleep(wait)
+        now = loop.time()
+        out: list[bytes] = []
+        while self.items and self.items[0][0] <= now:
+            data = self.items.popleft()[1]
+            if not data:
+                return out, True
+            out.append(data)
+        return out, False
 
 
 def _hostport(text: str) -> tuple[str, int]:
