@@ -1,9 +1,9 @@
-"""The load generator of the HTTP benchmarks: workloads, one SSE reader (`take_event`), one
-result record (`RequestResult`), one streamed request (`stream_one`), open-loop (`send_all`)
-and closed-loop (`closed_loop`) runs, and the metrics of a run."""
+"""The load generator of the HTTP benchmarks: workloads, one SSE reader, one result record,
+open and closed loops, and the metrics of a run."""
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import itertools
 import json
@@ -13,7 +13,7 @@ import re
 import sys
 import time
 from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field, fields, replace
 from typing import TYPE_CHECKING, Any
 
 import httpx
@@ -46,9 +46,6 @@ STRUCTURED_FIELDS: dict[str, dict[str, Any]] = {
     "regex": {"structured_outputs": {"regex": BENCH_REGEX}},
     "choice": {"structured_outputs": {"choice": list(BENCH_CHOICES)}},
 }
-
-
-# ---------------------------------------------------------------- requests and results
 
 
 @dataclass(frozen=True, slots=True)
@@ -104,17 +101,13 @@ class RequestResult:
 
     @property
     def tpot(self) -> float | None:
-        if self.output_tokens < 2:
-            return None
-        return (self.e2e - self.ttft) / (self.output_tokens - 1)
+        n = self.output_tokens - 1
+        return (self.e2e - self.ttft) / n if n > 0 else None
 
 
-# ---------------------------------------------------------------- the SSE reader
-
-
-def take_event(res: RequestResult, data: str | bytes, now: float, keep_text: bool) -> bool:
+def take_event(res: RequestResult, data: str, now: float, keep_text: bool) -> bool:
     """Apply one SSE `data:` payload to the result; True when the stream ends ([DONE], error)."""
-    if data in ("[DONE]", b"[DONE]"):
+    if data == "[DONE]":
         res.done = True
         return True
     chunk = json.loads(data)
@@ -132,8 +125,7 @@ def take_event(res: RequestResult, data: str | bytes, now: float, keep_text: boo
         else:
             res.ttft = now - res.start
         res.chunks, res.last = res.chunks + 1, now
-        if keep_text:
-            res.text += text
+        res.text += text if keep_text else ""
     if usage := chunk.get("usage"):
         res.has_usage = True
         res.prompt_tokens = usage.get("prompt_tokens", 0)
@@ -159,19 +151,14 @@ def finish(res: RequestResult, now: float) -> RequestResult:
 
 
 async def stream_one(
-    client: httpx.AsyncClient,
-    base_url: str,
-    body: dict[str, Any],
-    *,
-    keep_text: bool,
-    timeout_s: float,
+    client: httpx.AsyncClient, base_url: str, body: dict, *, keep_text: bool, timeout_s: float
 ) -> RequestResult:
     """POST one streaming request (chat when `body` has messages) and read it whole; errors,
     timeouts included, come back in the result."""
     res = RequestResult(start=time.perf_counter())
     path = "/v1/chat/completions" if "messages" in body else "/v1/completions"
+    url = base_url.rstrip("/") + path
     try:
-        url = base_url.rstrip("/") + path
         await asyncio.wait_for(_read(client, url, body, res, keep_text), timeout_s)
     except asyncio.TimeoutError:
         res.error = f"timed out after {timeout_s}s"
@@ -180,20 +167,16 @@ async def stream_one(
     return finish(res, time.perf_counter())
 
 
-async def _read(
-    client: httpx.AsyncClient, url: str, body: dict, res: RequestResult, keep_text: bool
-) -> None:
+async def _read(client: httpx.AsyncClient, url: str, body: dict, res: RequestResult, keep: bool):
     async with client.stream("POST", url, json=body) as resp:
         res.status = resp.status_code
         if resp.status_code != 200:
-            res.error = (
-                f"HTTP {resp.status_code}: {(await resp.aread())[:300].decode(errors='replace')}"
-            )
+            text = (await resp.aread())[:300].decode(errors="replace")
+            res.error = f"HTTP {resp.status_code}: {text}"
             return
         async for line in resp.aiter_lines():
-            if line.startswith("data:") and take_event(
-                res, line[5:].strip(), time.perf_counter(), keep_text
-            ):
+            data = line[5:].strip()
+            if line.startswith("data:") and take_event(res, data, time.perf_counter(), keep):
                 return
 
 
@@ -202,13 +185,8 @@ def make_client(base_url: str = "", api_key: str | None = None) -> httpx.AsyncCl
     timeouts come from `stream_one`."""
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
-    timeout = httpx.Timeout(None, connect=30.0)
-    return httpx.AsyncClient(
-        base_url=base_url.rstrip("/"), headers=headers, timeout=timeout, limits=limits
-    )
-
-
-# ---------------------------------------------------------------- workloads
+    return httpx.AsyncClient(base_url=base_url.rstrip("/"), headers=headers, limits=limits,
+                             timeout=httpx.Timeout(None, connect=30.0))  # fmt: skip
 
 
 class TokenPool:
@@ -273,11 +251,9 @@ def random_requests(
 ) -> list[BenchRequest]:
     """Completions with random plain-token prompts; `prompt` holds ids (text is made later
     for servers that only take text, see `as_text`)."""
-    rng = random.Random(seed)
-    out = []
+    rng, out = random.Random(seed), []
     for _ in range(num):
-        n_in = sample_len(rng, input_len, range_ratio)
-        n_out = sample_len(rng, output_len, range_ratio)
+        n_in, n_out = (sample_len(rng, n, range_ratio) for n in (input_len, output_len))
         out.append(BenchRequest(pool.token_ids(rng, n_in), None, n_in, n_out, tag=tag))
     return out
 
@@ -347,15 +323,13 @@ def structured_valid(kind: str, text: str) -> bool:
         value = json.loads(text)
     except ValueError:
         return False
-    if kind == "json_object":
+    if kind == "json_object" or not isinstance(value, dict):
         return isinstance(value, dict)
+    kinds = {"name": str, "age": int, "tags": list}
     return (
-        isinstance(value, dict)
-        and set(value) == set(BENCH_SCHEMA["required"])
-        and isinstance(value["name"], str)
-        and isinstance(value["age"], int)
+        set(value) == set(BENCH_SCHEMA["required"])
+        and all(isinstance(value[k], t) for k, t in kinds.items())
         and value["role"] in BENCH_SCHEMA["properties"]["role"]["enum"]
-        and isinstance(value["tags"], list)
         and len(value["tags"]) <= 3
     )
 
@@ -364,22 +338,18 @@ def poisson_arrivals(n: int, rate: float, seed: int) -> list[float]:
     """Send times (s from start) of n requests arriving as a Poisson process."""
     if math.isinf(rate):
         return [0.0] * n
-    rng = random.Random(seed)
-    t, out = 0.0, []
+    rng, t, out = random.Random(seed), 0.0, []
     for _ in range(n):
         out.append(t)
         t += rng.expovariate(rate)
     return out
 
 
-# ---------------------------------------------------------------- sending
-
-
 def request_body(
     req: BenchRequest,
     caps: ServerCaps,
     temperature: float,
-    history: Sequence[dict[str, str]] = (),
+    history: Sequence[dict] = (),
     stream: bool = True,
 ) -> dict[str, Any]:
     """The JSON body: only fields the server accepts (transformers serve 422s on others)."""
@@ -390,8 +360,7 @@ def request_body(
         body["prompt"] = req.prompt
     if caps.model is not None:
         body["model"] = caps.model
-    if req.structured is not None:
-        body.update(STRUCTURED_FIELDS[req.structured])
+    body.update(STRUCTURED_FIELDS[req.structured] if req.structured is not None else {})
     if req.exact:
         body["min_tokens"] = req.output_len
     if stream:
@@ -443,14 +412,14 @@ async def send_all(
     """Open loop: each request at its arrival time (s from now), at most max_concurrency in
     flight; a conversation's turn waits until its previous turn has answered. Returns the
     results (starts made relative to the run's start) and the run's duration."""
+    from tqdm import tqdm
+
     sem = asyncio.Semaphore(max_concurrency or len(requests))
     previous: dict[int, asyncio.Event] = {}  # conversation -> its latest turn's done event
-    bar = _progress(len(requests), not progress)
+    bar = tqdm(total=len(requests), disable=not progress, unit="req", file=sys.stderr)
     start = time.perf_counter()
 
-    async def one(
-        req: BenchRequest, at: float, after: asyncio.Event | None, done: asyncio.Event | None
-    ) -> RequestResult:
+    async def one(req: BenchRequest, at: float, after: Any, done: Any) -> RequestResult:
         try:
             await asyncio.sleep(max(0.0, start + at - time.perf_counter()))
             if after is not None:
@@ -476,18 +445,12 @@ async def send_all(
     return list(results), time.perf_counter() - start
 
 
-def _progress(total: int, disable: bool) -> Any:
-    from tqdm import tqdm
-
-    return tqdm(total=total, disable=disable, desc="requests", unit="req", file=sys.stderr)
-
-
 async def closed_loop(
     send: Callable[[int, int], Awaitable[RequestResult]],
     *,
     concurrency: int,
     duration_s: float,
-    on_result: Callable[[int, RequestResult], None],
+    on_result: Callable[[int, RequestResult], None] = lambda i, r: None,
 ) -> int:
     """Closed loop: `concurrency` workers, each sending its next request as soon as its last
     one ended, until duration_s has passed; `send(worker, i)` sends request i and
@@ -502,9 +465,6 @@ async def closed_loop(
 
     await asyncio.gather(*(worker(w) for w in range(concurrency)))
     return next(counter)
-
-
-# ---------------------------------------------------------------- probing, and a whole run
 
 
 async def probe_server(
@@ -603,6 +563,12 @@ class BenchConfig:
         if unknown:
             raise ValueError(f"unknown goodput metrics {sorted(unknown)}; use {SLO_METRICS}")
 
+    @classmethod
+    def from_args(cls, args: argparse.Namespace, **given: Any) -> BenchConfig:
+        """The fields a benchmark's flags name (same names), then `given`."""
+        names = {f.name for f in fields(cls)} - set(given)
+        return cls(**{k: v for k, v in vars(args).items() if k in names}, **given)
+
 
 def run_benchmark(
     config: BenchConfig,
@@ -639,9 +605,6 @@ def run_benchmark(
     return {**summarize(results, duration, config), "server": asdict(caps)}
 
 
-# ---------------------------------------------------------------- metrics
-
-
 def percentile(values: Sequence[float], q: float) -> float:
     """Linear-interpolated percentile (numpy's default), q in [0, 100]."""
     xs = sorted(values)
@@ -659,9 +622,7 @@ def distribution(name: str, values_s: Sequence[float], pcts: Sequence[float]) ->
     mean = sum(ms) / n if n else math.nan
     std = math.sqrt(sum((v - mean) ** 2 for v in ms) / n) if n else math.nan
     out = {f"mean_{name}_ms": mean, f"median_{name}_ms": percentile(ms, 50), f"std_{name}_ms": std}
-    for q in pcts:
-        out[f"p{q:g}_{name}_ms"] = percentile(ms, q)
-    return out
+    return out | {f"p{q:g}_{name}_ms": percentile(ms, q) for q in pcts}
 
 
 def _meets_slos(r: RequestResult, slos: dict[str, float]) -> bool:
@@ -684,11 +645,9 @@ def summarize(
         goodput_slos_ms=dict(config.goodput),
         requests=[per_request(r) for r in results],
     )
-    tags = sorted({r.tag for r in results if r.tag})
-    if tags:
-        out["by_tag"] = {
-            t: metrics([r for r in results if r.tag == t], duration, config) for t in tags
-        }
+    if tags := sorted({r.tag for r in results if r.tag}):
+        out["by_tag"] = {t: metrics([r for r in results if r.tag == t], duration, config)
+                         for t in tags}  # fmt: skip
     return out
 
 
@@ -716,32 +675,21 @@ def metrics(
         "total_token_throughput": (n_in + n_out) / duration,
         "request_goodput": len(good) / duration if config.goodput else None,
     }
-    constrained = [r for r in ok if r.structured is not None]
-    if constrained:
+    if constrained := [r for r in ok if r.structured is not None]:
         valid = sum(structured_valid(r.structured, r.text) for r in constrained)  # type: ignore[arg-type]
         out.update(structured_valid=valid, structured_invalid=len(constrained) - valid)
     pcts = config.percentiles
     out.update(distribution("ttft", [r.ttft for r in ok], pcts))
     out.update(distribution("tpot", [t for r in ok if (t := r.tpot) is not None], pcts))
     out.update(distribution("itl", [x for r in ok for x in r.itl], pcts))
-    out.update(distribution("e2el", [r.e2e for r in ok], pcts))
-    return out
+    return out | distribution("e2el", [r.e2e for r in ok], pcts)
 
 
 def per_request(r: RequestResult) -> dict[str, Any]:
-    return {
-        "success": r.success,
-        "tag": r.tag,
-        "conversation": r.conversation,
-        "start_s": r.start,
-        "prompt_tokens": r.prompt_tokens,
-        "output_tokens": r.output_tokens,
-        "cached_tokens": r.cached_tokens,
-        "ttft_s": r.ttft,
-        "e2e_s": r.e2e,
-        "itl_s": [round(x, 6) for x in r.itl],
-        "finish_reason": r.finish_reason,
-        "error": r.error,
-        "structured": r.structured,
-        "text": r.text if r.structured is not None or r.conversation is not None else None,
-    }
+    keys = ("success", "tag", "conversation", "prompt_tokens", "output_tokens", "cached_tokens")
+    keys += ("finish_reason", "error", "structured")
+    kept = r.structured is not None or r.conversation is not None
+    return {k: getattr(r, k) for k in keys} | {
+        "start_s": r.start, "ttft_s": r.ttft, "e2e_s": r.e2e,
+        "itl_s": [round(x, 6) for x in r.itl], "text": r.text if kept else None,
+    }  # fmt: skip

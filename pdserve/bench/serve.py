@@ -1,5 +1,4 @@
-"""`pdserve bench serve`: stream requests at any OpenAI-compatible server and report what
-`vllm bench serve` reports (throughput, TTFT, TPOT, ITL, E2E latency, goodput)."""
+"""`pdserve bench serve`: what `vllm bench serve` reports, of any OpenAI-compatible server."""
 
 from __future__ import annotations
 
@@ -11,18 +10,7 @@ from collections.abc import Sequence
 from dataclasses import replace
 from typing import Any
 
-from pdserve.bench.load import (
-    SLO_METRICS,
-    STRUCTURED_FIELDS,
-    BenchConfig,
-    BenchRequest,
-    ChatWorkload,
-    TokenPool,
-    chat_turns,
-    load_pool,
-    random_requests,
-    run_benchmark,
-)
+from pdserve.bench import load
 from pdserve.bench.report import SEED_FLAG, TIMEOUT_FLAG, TQDM_FLAG, add_flags, cell, save_json
 from pdserve.common.node.cli import parser
 
@@ -43,7 +31,7 @@ DATASET_FLAGS = [
     ("--turns", int, 3, "multiturn: turns per conversation"),
     ("--system-prompt-len", int, 256, "multiturn: tokens of the shared system prompt"),
     ("--structured-output", str, None, "constrain requests with this structured output",
-     {"choices": sorted(STRUCTURED_FIELDS)}),
+     {"choices": sorted(load.STRUCTURED_FIELDS)}),
     ("--structured-output-ratio", float, 1.0, "share of the requests constrained"),
     SEED_FLAG,
     ("--quick", bool, None, "a few short requests, no warm-up (for tests)"),
@@ -54,7 +42,7 @@ LOAD_FLAGS = [
     ("--temperature", float, 0.0, "0: greedy"),
     TIMEOUT_FLAG,
     ("--num-warmups", int, 1, "untimed requests sent before the run"),
-    ("--goodput", str, None, f"SLOs NAME:MS, NAME in {','.join(SLO_METRICS)}",
+    ("--goodput", str, None, f"SLOs NAME:MS, NAME in {','.join(load.SLO_METRICS)}",
      {"nargs": "*", "metavar": "NAME:MS"}),
     ("--percentiles", str, "50,90,99", "percentiles reported, a comma list"),
 ]  # fmt: skip
@@ -62,15 +50,8 @@ OUTPUT_FLAGS = [
     ("--result-file", str, None, "write the result as JSON here", {"metavar": "FILE"}),
     TQDM_FLAG,
 ]
-QUICK = {
-    "num_prompts": 6,
-    "input_len": 32,
-    "output_len": 6,
-    "num_conversations": 2,
-    "turns": 2,
-    "system_prompt_len": 32,
-    "num_warmups": 0,
-}
+QUICK = dict(num_prompts=6, input_len=32, output_len=6, num_conversations=2, turns=2,
+             system_prompt_len=32, num_warmups=0)  # fmt: skip
 COUNTS = ("completed", "failed", "request_rate", "max_concurrency", "duration_s")
 COUNTS += ("total_input_tokens", "total_output_tokens", "request_throughput", "request_goodput")
 COUNTS += ("output_throughput", "total_token_throughput", "structured_valid", "structured_invalid")
@@ -90,12 +71,13 @@ def format_report(result: dict[str, Any]) -> str:
 
 
 def with_structured(
-    requests: Sequence[BenchRequest], kind: str, ratio: float = 1.0, seed: int = 0
-) -> list[BenchRequest]:
+    requests: Sequence[load.BenchRequest], kind: str, ratio: float = 1.0, seed: int = 0
+) -> list[load.BenchRequest]:
     """The requests with a share `ratio` (drawn with `seed`) constrained by `kind` and tagged
     "structured", the others tagged "free"."""
-    if kind not in STRUCTURED_FIELDS:
-        raise ValueError(f"unknown structured output {kind!r}; use {sorted(STRUCTURED_FIELDS)}")
+    if kind not in load.STRUCTURED_FIELDS:
+        kinds = sorted(load.STRUCTURED_FIELDS)
+        raise ValueError(f"unknown structured output {kind!r}; use {kinds}")
     if not 0.0 <= ratio <= 1.0:
         raise ValueError("structured output ratio must be within [0, 1]")
     rng = random.Random(seed + 1)
@@ -111,8 +93,9 @@ def parse_goodput(items: Sequence[str] | None) -> dict[str, float]:
     slos = {}
     for item in items or []:
         name, sep, value = item.partition(":")
-        if not sep or name not in SLO_METRICS:
-            raise ValueError(f"bad --goodput item {item!r}: want NAME:MS, NAME in {SLO_METRICS}")
+        if not sep or name not in load.SLO_METRICS:
+            want = f"NAME:MS, NAME in {load.SLO_METRICS}"
+            raise ValueError(f"bad --goodput item {item!r}: want {want}")
         slos[name] = float(value)
     return slos
 
@@ -126,41 +109,15 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def config_from_args(args: argparse.Namespace) -> BenchConfig:
-    return BenchConfig(
-        base_url=args.base_url,
-        request_rate=args.request_rate,
-        max_concurrency=args.max_concurrency,
-        seed=args.seed,
-        temperature=args.temperature,
-        goodput=parse_goodput(args.goodput),
-        percentiles=tuple(float(q) for q in args.percentiles.split(",") if q),
-        request_timeout=args.request_timeout,
-        num_warmups=args.num_warmups,
-        api_key=args.api_key,
-        model=args.model,
-        disable_tqdm=args.disable_tqdm,
-    )
-
-
-def dataset_from_args(args: argparse.Namespace, pool: TokenPool) -> list[BenchRequest]:
+def dataset_from_args(args: argparse.Namespace, pool: load.TokenPool) -> list[load.BenchRequest]:
     if args.dataset == "multiturn":
-        w = ChatWorkload(
-            conversations=args.num_conversations,
-            turns=args.turns,
-            first_len=args.input_len,
-            message_len=args.input_len,
-            range_ratio=args.range_ratio,
-            answer_len=args.output_len,
-            answer_range=args.range_ratio,
-            system_len=args.system_prompt_len,
-            exact=False,
-            seed=args.seed,
-        )
-        requests = [r for turn in chat_turns(pool, w) for r in turn]
+        n, spread = args.input_len, args.range_ratio
+        lens = (n, n, spread, args.output_len, spread, args.system_prompt_len)
+        w = load.ChatWorkload(args.num_conversations, args.turns, *lens, False, args.seed)
+        requests = [r for turn in load.chat_turns(pool, w) for r in turn]
     else:
         n, lens = args.num_prompts, (args.input_len, args.output_len, args.range_ratio)
-        requests = random_requests(pool, n, *lens, args.seed)
+        requests = load.random_requests(pool, n, *lens, args.seed)
     if args.structured_output is None:
         return requests
     kind, ratio = args.structured_output, args.structured_output_ratio
@@ -172,12 +129,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if args.quick:
         vars(args).update(QUICK)
     try:
-        config = config_from_args(args)
-        pool = load_pool(args.tokenizer)
+        pcts = tuple(float(q) for q in args.percentiles.split(",") if q)
+        slos = parse_goodput(args.goodput)
+        config = load.BenchConfig.from_args(args, goodput=slos, percentiles=pcts)
+        pool = load.load_pool(args.tokenizer)
         requests = dataset_from_args(args, pool)
     except ValueError as exc:
         raise SystemExit(f"error: {exc}") from None
-    result = run_benchmark(config, requests, pool)
+    result = load.run_benchmark(config, requests, pool)
     cli = sys.argv[1:] if argv is None else list(argv)
     result.update(dataset=args.dataset, tokenizer=args.tokenizer, argv=cli)
     print(format_report(result))
