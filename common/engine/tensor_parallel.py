@@ -35,7 +35,7 @@ import torch.distributed as dist
 
 from pdserve.common.engine.config import CacheConfig, ModelConfig, ParallelConfig
 from pdserve.common.engine.scheduler import ScheduledSeq
-from pdserve.common.model.parallel import TPGroup, TPShard, join_group
+from pdserve.common.model.parallel import TPGroup, TPShard, join_group, listening_store
 from pdserve.common.wire.payloads import SamplingParams
 
 _STEP, _KEEPALIVE, _STOP, _CALL = 1, 2, 3, 4
@@ -83,11 +83,24 @@ def threads_per_rank(parallel: ParallelConfig) -> int:
 
 
 def open_group(
-    shard: TPShard, store: dist.Store, port: int, parallel: ParallelConfig, device: str
+    shard: TPShard,
+    store: dist.Store,
+    port: int,
+    parallel: ParallelConfig,
+    device: str,
+    own_host: str | None = None,
 ) -> TPGroup:
-    """This rank's member of the group whose rendezvous is `store` (served on `port`)."""
+    """This rank's member of the group whose rendezvous is `store` (served on `port`).
+
+    A group on one host talks over loopback only; across hosts each rank binds its gloo
+    connections to the address it was given (`own_host`: rank 0's --host, a worker's
+    --advertise-host or --host), or where none is specific, to what its host name resolves to."""
     name = f"pdserve-tp-{port}-{shard.rank}"
-    return join_group(shard, store, parallel.timeout_s, device, name)
+    if parallel.workers == "local":
+        gloo_host = "127.0.0.1"
+    else:
+        gloo_host = None if own_host in (None, "", "0.0.0.0", "::") else own_host
+    return join_group(shard, store, parallel.timeout_s, device, name, gloo_host)
 
 
 def spec_key(rank: int) -> str:
@@ -170,14 +183,16 @@ class RankDriver:
         size = parallel.tensor_parallel_size
         start = datetime.timedelta(seconds=parallel.start_timeout_s)
         host, port = parallel.host, parallel.port
-        store = dist.TCPStore(host, port, size, True, timeout=start, wait_for_workers=False)
+        store = listening_store(host, port, size, start)
         for r in range(1, size):  # each worker reads its spec from the rendezvous
             spec = WorkerSpec(r, model, cache, parallel, max_num_seqs, max_model_len)
             store.set(spec_key(r), spec.to_json())
         local = parallel.workers == "local"
         self.procs = [_spawn(store.port, r, parallel) for r in range(1, size)] if local else []
         try:
-            self.group = open_group(TPShard(0, size), store, store.port, parallel, model.device)
+            self.group = open_group(
+                TPShard(0, size), store, store.port, parallel, model.device, host
+            )
         except Exception:
             self._kill()
             raise
@@ -333,7 +348,8 @@ def _run_worker(spec: WorkerSpec, store: dist.Store, port: int, args: argparse.N
 
     torch.set_num_threads(threads_per_rank(spec.parallel))
     shard = TPShard(spec.rank, spec.parallel.tensor_parallel_size)
-    group = open_group(shard, store, port, spec.parallel, spec.model.device)
+    own_host = args.advertise_host or args.host
+    group = open_group(shard, store, port, spec.parallel, spec.model.device, own_host)
     runner = ModelRunner(
         spec.model, spec.cache, spec.max_num_seqs, spec.max_model_len, spec.parallel, group
     )

@@ -11,6 +11,7 @@ is held by `size // num_kv_heads` consecutive ranks: rank r's query heads all re
 from __future__ import annotations
 
 import datetime
+import socket
 import threading
 from dataclasses import dataclass
 from typing import Any
@@ -164,14 +165,38 @@ class TPGroup:
 
     def close(self) -> None:
         """Forget the group's name (its connections close with the process group)."""
-        _unregister_process_group(self.name)
+        _unregister_process_groupdef listening_store(
+    host: str, port: int, world_size: int | None, timeout: datetime.timedelta
+) -> torch.distributed.TCPStore:
+    """A rendezvous store served on exactly `host` (TCPStore alone listens on every interface).
+    The store owns the listening socket and closes it when it is destroyed."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    listener = socket.create_server((host, port), family=family)
+    bound = listener.getsockname()[1]
+    return torch.distributed.TCPStore(
+        host,
+        bound,
+        world_size,
+        True,
+        timeout,
+        wait_for_workers=False,
+        master_listen_fd=listener.detach(),
+    )
 
 
 def join_group(
-    shard: TPShard, store: torch.distributed.Store, timeout_s: float, device: str, name: str
+    shard: TPShard,
+    store: torch.distributed.Store,
+    timeout_s: float,
+    device: str,
+    name: str,
+    gloo_host: str | None = None,
 ) -> TPGroup:
     """This rank's member of the group that meets at `store` (gloo on CPU, NCCL on CUDA),
-    registered as `name` (unique in this process) for the functional collectives."""
+    registered as `name` (unique in this process) for the functional collectives.
+
+    gloo_host: the address this rank's gloo connections bind and are reached at (127.0.0.1
+    for a group on one host); None lets gloo pick the address the host name resolves to."""
     dist = torch.distributed
     timeout = datetime.timedelta(seconds=timeout_s)
     if device.startswith("cuda"):
@@ -180,8 +205,15 @@ def join_group(
         backend = dist.ProcessGroupNCCL(store, shard.rank, shard.size, options)
         kind, backend_device = dist.ProcessGroup.BackendType.NCCL, torch.device(device)
     else:
-        backend = dist.ProcessGroupGloo(store, shard.rank, shard.size, timeout)
+        gloo = dist.ProcessGroupGloo._Options()
+        gloo._timeout = timeout
+        if gloo_host:
+            gloo._devices = [dist.ProcessGroupGloo.create_device(hostname=gloo_host)]
+        else:
+            gloo._devices = [dist.ProcessGroupGloo.create_default_device()]
+        backend = dist.ProcessGroupGloo(store, shard.rank, shard.size, gloo)
         kind, backend_device = dist.ProcessGroup.BackendType.GLOO, torch.device("cpu")
+device("cpu")
     group = dist.ProcessGroup(store, shard.rank, shard.size)
     group._register_backend(backend_device, kind, backend)
     group._set_default_backend(kind)

@@ -51,6 +51,8 @@ def test_greedy_equals_hf_and_sampling_equals_tp1(model_dirs, arch: str, size: i
     one = LLM(model_dir, skip_tokenizer_init=True)
     with LLM(model_dir, tensor_parallel_size=size, **TP) as llm:
         workers = [p.pid for p in llm.engine.runner.driver.procs]
+        for pid in (os.getpid(), *workers):  # the rendezvous and gloo's pairs: loopback only
+            assert _tcp_local_addresses(pid) <= {"127.0.0.1", "::1"}
         assert [o.token_ids for o in llm.generate(PROMPTS, GREEDY)] == hf_tokens
         for a, b in zip(one.generate(short, seeded), llm.generate(short, seeded), strict=True):
             assert a.token_ids == b.token_ids
@@ -67,6 +69,37 @@ def test_greedy_equals_hf_and_sampling_equals_tp1(model_dirs, arch: str, size: i
     while any(map(_alive, workers)) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert not any(map(_alive, workers)), "a worker outlived close()"
+
+
+def _tcp_local_addresses(pid: int) -> set[str]:
+    """The local addresses of every TCP socket process `pid` holds (from /proc)."""
+    inodes = set()
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            target = os.readlink(f"/proc/{pid}/fd/{fd}")
+        except OSError:
+            continue  # closed meanwhile
+        if target.startswith("socket:["):
+            inodes.add(target[8:-1])
+    found = set()
+    for table, width in (("tcp", 4), ("tcp6", 16)):
+        with open(f"/proc/{pid}/net/{table}") as f:
+            for row in f.read().splitlines()[1:]:
+                cols = row.split()
+                if cols[9] in inodes:
+                    found.add(_proc_address(cols[1].split(":")[0], width))
+    assert found, f"process {pid} holds no TCP socket (the check would prove nothing)"
+    return found
+
+
+def _proc_address(hex_ip: str, width: int) -> str:
+    """/proc/net/tcp's address (32-bit words in host order) as text."""
+    import ipaddress
+
+    raw = bytes.fromhex(hex_ip)
+    words = b"".join(raw[i : i + 4][::-1] for i in range(0, width, 4))
+    address = ipaddress.ip_address(words)
+    return str(getattr(address, "ipv4_mapped", None) or address)
 
 
 def _same_tops(a, b) -> bool:

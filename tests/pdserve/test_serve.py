@@ -1,7 +1,7 @@
-"""`pdserve serve` as a user runs it (the console script, real processes and sockets): a 2P1D
-deployment, its prefill nodes at TP 2, that survives `kill -9` of a prefill node, of one rank
-of a prefill node and of the router under load, with every answer equal to the offline
-engine's, and that SIGTERM stops whole."""
+"""`pdserve serve` as a user runs it (the console script, real processes and sockets): a 2P2D
+deployment, every node at TP 2, that survives `kill -9` of a prefill node, of one rank of a
+prefill node, of one rank of a decode node and of the router under load, with every answer
+equal to the offline engine's, and that SIGTERM stops whole."""
 
 from __future__ import annotations
 
@@ -40,7 +40,7 @@ class Deployment:
             "--num-prefill",
             "2",
             "--num-decode",
-            "1",
+            "2",
             "--port",
             str(self.port),
             "--control-port",
@@ -57,7 +57,9 @@ class Deployment:
             "256",
             "--policy",
             "round_robin",
-            "--prefill-tp",  # each prefill node: rank 0 and one worker process
+            "--prefill-tp",  # each node: rank 0 and one worker process
+            "2",
+            "--decode-tp",
             "2",
             "--threads-per-rank",
             "1",
@@ -131,7 +133,7 @@ class Deployment:
         raise AssertionError(f"timed out after {timeout}s waiting for {what}")
 
     def ready(self) -> bool:
-        return set(self.nodes()) == {"prefill0", "prefill1", "decode0"}
+        return set(self.nodes()) == {"prefill0", "prefill1", "decode0", "decode1"}
 
     def complete(self, prompt: list[int]) -> list[int]:
         body = {
@@ -232,26 +234,30 @@ def _cmdline(proc: Path) -> str:
         return ""
 
 
-def test_kill_9_of_one_rank_of_a_prefill_node_under_load(deployment: Deployment, expected) -> None:
+@pytest.mark.parametrize("name", ["prefill1", "decode1"])
+def test_kill_9_of_one_rank_of_a_node_under_load(deployment: Deployment, expected, name) -> None:
     """The node's group stops as one (its loop sees the rank gone), the router fails its
-    requests over, and `pdserve serve` starts the node, both ranks, again."""
+    requests over (a decode node's streams resume on the other one), and `pdserve serve`
+    starts the node, both ranks, again."""
     d = deployment
     d.wait("every node to be ready", d.ready, 60)
-    (node,) = d.pids("--node-id prefill1")
+    (node,) = d.pids(f"--node-id {name}")
     (victim,) = _workers(node)
-    restarts = d.restarts("prefill1")
+    restarts = d.restarts(name)
+    failovers = d.router_metric("pdserve_backend_failovers")
 
     def back() -> bool:
-        return d.restarts("prefill1") == restarts + 1 and bool(d.report("prefill1"))
+        return d.restarts(name) == restarts + 1 and bool(d.report(name))
 
     with ThreadPoolExecutor(1) as watcher:
-        rotation = watcher.submit(d.wait, "prefill1 back in rotation", back, BACK_IN_ROTATION_S)
+        rotation = watcher.submit(d.wait, f"{name} back in rotation", back, BACK_IN_ROTATION_S)
         _under_load(d, expected, victim)
         rotation.result()
     assert "tensor-parallel group broken: rank 1 exited with -9" in (
-        d.log_dir / "prefill1.log"
+        d.log_dir / f"{name}.log"
     ).read_text(errors="replace")
-    (again,) = d.pids("--node-id prefill1")
+    assert d.router_metric("pdserve_backend_failovers") > failovers  # it held routed requests
+    (again,) = d.pids(f"--node-id {name}")
     assert again != node and len(_workers(again)) == 1
     assert [d.complete(expected[p][0]) for p in LATER] == [expected[p][1] for p in LATER]
 
@@ -278,16 +284,16 @@ def test_sigterm_stops_every_child(deployment: Deployment) -> None:
     # serve's own children only: a node may fork a short-lived helper that still carries the
     # node's command line until it execs (seen once under load).
     children = [pid for pid in d.pids("") if _ppid(pid) == d.proc.pid]
-    assert len(children) == 4, children  # router, two prefill nodes, one decode node
+    assert len(children) == 5, children  # router, two prefill nodes, two decode nodes
     workers = [w for pid in children for w in _workers(pid)]
-    assert len(workers) == 2, workers  # one more rank per prefill node
+    assert len(workers) == 4, workers  # one more rank per node
     d.proc.send_signal(signal.SIGTERM)
     assert d.proc.wait(90) == 0
     alive = [pid for pid in children + workers if Path(f"/proc/{pid}").exists()]
     assert not alive, f"children left running: {alive}"
     # Each drained and ended by itself (uvicorn re-raises the SIGTERM it handled), none killed.
     stopped = dict(re.findall(r"INFO pdserve.serve: (\S+) stopped \((.*)\)$", d.output(), re.M))
-    assert set(stopped) == {"router", "prefill0", "prefill1", "decode0"}, stopped
+    assert set(stopped) == {"router", "prefill0", "prefill1", "decode0", "decode1"}, stopped
     assert set(stopped.values()) <= {"exit code 0", "on SIGTERM"}, stopped
 
 
