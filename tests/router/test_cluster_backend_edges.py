@@ -41,6 +41,7 @@ from pdserve.router.cluster.streams import BlockHashes
 from tests.router.test_failover import (
     BS,
     PROMPT,
+    SCORED,
     Client,
     FakeClock,
     FakeNodes,
@@ -273,20 +274,15 @@ async def test_a_stream_ended_with_an_abort_frees_its_nodes(
     assert [m.reason for m in nodes.to("d0", Abort)] == ["client", "stream ended"]
 
 
-def test_no_token_within_the_token_timeout_ends_the_request() -> None:
-    async def main() -> None:
-        # Nothing will ever come: the wait's end is the test, not its length.
-        backend = ClusterBackend(control_port=0, token_timeout=0.01, clock=FakeClock())
-        nodes = FakeNodes(backend)
-        nodes.register("p0", "prefill")
-        nodes.register("d0", "decode")
-        request = GenerateRequest("r", PROMPT, SamplingParams(max_tokens=8))
-        events = [e async for e in backend.generate(request)]
-        assert events == [Error("r", "timed out waiting for tokens", Failure.TIMEOUT)]
-        assert sorted(nodes.where(Abort, "r")) == ["d0", "d0", "p0", "p0"]
-        await backend.close()
-
-    asyncio.run(main())
+# Nothing will ever come: the wait's end is the test, not its length.
+@scenario("p0", "d0", token_timeout=0.01, placement=None)
+async def test_no_token_within_the_token_timeout_ends_the_request(
+    backend: ClusterBackend, nodes: FakeNodes, _: FakeClock
+) -> None:
+    request = GenerateRequest("r", PROMPT, SamplingParams(max_tokens=8))
+    events = [e async for e in backend.generate(request)]
+    assert events == [Error("r", "timed out waiting for tokens", Failure.TIMEOUT)]
+    assert sorted(nodes.where(Abort, "r")) == ["d0", "d0", "p0", "p0"]
 
 
 @scenario("p0", "d0")
@@ -305,7 +301,7 @@ async def test_leases_go_to_every_live_node_and_none_to_a_dead_one(
 async def test_a_prompt_only_request_is_prefilled_and_answered_there(
     backend: ClusterBackend, nodes: FakeNodes, _: FakeClock
 ) -> None:
-    request = GenerateRequest("s", PROMPT, SamplingParams(max_tokens=0, prompt_logprobs=1))
+    request = SCORED
     events = backend.generate(request)
     first = asyncio.create_task(events.__anext__())
     await until(lambda: nodes.to("p0", Prefill), "the prefill")
@@ -379,7 +375,7 @@ async def test_a_node_ending_a_request_with_an_error_finish_is_freed(
 async def test_a_prompt_scored_on_a_prefill_node_leaves_no_conversation_expected(
     backend: ClusterBackend, nodes: FakeNodes, clock: FakeClock
 ) -> None:
-    request = GenerateRequest("s", PROMPT, SamplingParams(max_tokens=0, prompt_logprobs=1))
+    request = SCORED
     events = backend.generate(request)
     first = asyncio.create_task(events.__anext__())
     await until(lambda: nodes.to("p0", Prefill), "the prefill")

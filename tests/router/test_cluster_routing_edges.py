@@ -33,6 +33,7 @@ from pdserve.router.cluster.streams import BlockHashes
 from tests.router.test_failover import (
     BS,
     PROMPT,
+    SCORED,
     Client,
     FakeClock,
     FakeNodes,
@@ -41,9 +42,13 @@ from tests.router.test_failover import (
     until,
 )
 
+LOCAL = PlacementConfig("local")
 
-def add(nodes: FakeNodes, node_id: str, role: str) -> NodeInfo:
-    nodes.backend.registry.add(node_id, nodes.registration(node_id, role), 1000.0)
+
+def add(nodes: FakeNodes, node_id: str, role: str, tp: int = 1) -> NodeInfo:
+    """Register a node of this TP size after the cluster started."""
+    registration = replace(nodes.registration(node_id, role), tp_size=tp)
+    nodes.backend.registry.add(node_id, registration, 1000.0)
     return nodes.backend.nodes[node_id]
 
 
@@ -79,32 +84,25 @@ async def test_no_decode_node_is_no_route(
 async def test_a_prompt_to_score_needs_a_prefill_node(
     backend: ClusterBackend, nodes: FakeNodes, _: FakeClock
 ) -> None:
-    request = GenerateRequest("s", PROMPT, SamplingParams(max_tokens=0, prompt_logprobs=1))
-    events = [e async for e in backend.generate(request)]
+    events = [e async for e in backend.generate(SCORED)]
     assert events == [Error("s", "no prefill node available", Failure.UNAVAILABLE)]
 
 
-def test_a_local_placement_prefills_on_the_decode_node() -> None:
-    async def main() -> None:
-        backend = ClusterBackend(
-            control_port=0, placement=PlacementConfig("local"), clock=FakeClock()
-        )
-        nodes = FakeNodes(backend)
-        nodes.register("d0", "decode")
-        client = Client(backend)
-        await until(lambda: nodes.to("d0", Prefill), "the prefill on d0")
-        assert nodes.to("d0", ReserveKV) == [] and nodes.to("d0", Prefill)[0].xfer_id == ""
-        d0 = backend.nodes["d0"]
-        assert (d0.inflight, d0.local_prefills) == (1, 1)
-        assert (backend.stats()["prefills_local"], backend.stats()["prefills_remote"]) == (1, 0)
-        nodes.tell("d0", Tokens("r", (10,)))
-        assert (d0.inflight, d0.local_prefills) == (1, 0)
-        nodes.tell("d0", Tokens("r", (11,), finish_reason="length"))
-        assert await client.seen() == ("<10><11>", "length")
-        assert (d0.inflight, d0.local_prefills) == (0, 0)
-        await backend.close()
-
-    asyncio.run(main())
+@scenario("d0", placement=LOCAL)
+async def test_a_local_placement_prefills_on_the_decode_node(
+    backend: ClusterBackend, nodes: FakeNodes, _: FakeClock
+) -> None:
+    client = Client(backend)
+    await until(lambda: nodes.to("d0", Prefill), "the prefill on d0")
+    assert nodes.to("d0", ReserveKV) == [] and nodes.to("d0", Prefill)[0].xfer_id == ""
+    d0 = backend.nodes["d0"]
+    assert (d0.inflight, d0.local_prefills) == (1, 1)
+    assert (backend.stats()["prefills_local"], backend.stats()["prefills_remote"]) == (1, 0)
+    nodes.tell("d0", Tokens("r", (10,)))
+    assert (d0.inflight, d0.local_prefills) == (1, 0)
+    nodes.tell("d0", Tokens("r", (11,), finish_reason="length"))
+    assert await client.seen() == ("<10><11>", "length")
+    assert (d0.inflight, d0.local_prefills) == (0, 0)
 
 
 @scenario("p0", "d0", "d1")
@@ -310,7 +308,7 @@ async def test_a_scored_prompt_is_sent_whole_and_retried_elsewhere(
     backend: ClusterBackend, nodes: FakeNodes, _: FakeClock
 ) -> None:
     backend.nodes["p1"].free_blocks = 1  # p0 first
-    request = GenerateRequest("s", PROMPT, SamplingParams(max_tokens=0, prompt_logprobs=1))
+    request = SCORED
     task = asyncio.create_task(events_of(backend, request))
     await until(lambda: nodes.to("p0", Prefill), "the prefill on p0")
     assert nodes.to("p0", Prefill) == [Prefill("s", PROMPT, request.sampling)]
@@ -355,24 +353,17 @@ async def test_a_colocated_node_refusing_is_not_asked_again(
     assert await client.seen() == ("<10><11>", "length")
 
 
-def test_a_local_decode_node_refusing_is_not_asked_again() -> None:
-    async def main() -> None:
-        backend = ClusterBackend(
-            control_port=0, placement=PlacementConfig("local"), clock=FakeClock()
-        )
-        nodes = FakeNodes(backend)
-        nodes.register("d0", "decode")
-        nodes.register("d1", "decode")
-        backend.nodes["d1"].free_blocks = 1  # d0 first
-        client = Client(backend)
-        await until(lambda: nodes.to("d0", Prefill), "the prefill on d0")
-        nodes.tell("d0", Error("r", "shutting down", Failure.DRAINING))
-        await until(lambda: nodes.to("d1", Prefill), "the retry on d1")
-        nodes.tell("d1", Tokens("r~1", (10, 11), finish_reason="length"))
-        assert await client.seen() == ("<10><11>", "length")
-        await backend.close()
-
-    asyncio.run(main())
+@scenario("d0", "d1", placement=LOCAL)
+async def test_a_local_decode_node_refusing_is_not_asked_again(
+    backend: ClusterBackend, nodes: FakeNodes, _: FakeClock
+) -> None:
+    backend.nodes["d1"].free_blocks = 1  # d0 first
+    client = Client(backend)
+    await until(lambda: nodes.to("d0", Prefill), "the prefill on d0")
+    nodes.tell("d0", Error("r", "shutting down", Failure.DRAINING))
+    await until(lambda: nodes.to("d1", Prefill), "the retry on d1")
+    nodes.tell("d1", Tokens("r~1", (10, 11), finish_reason="length"))
+    assert await client.seen() == ("<10><11>", "length")
 
 
 @scenario("p0", "p1", "d0", "d1")
@@ -436,22 +427,16 @@ async def test_routing_counts_add_up_over_requests(
     )
 
 
-def test_local_prefills_are_counted_over_requests() -> None:
-    async def main() -> None:
-        backend = ClusterBackend(
-            control_port=0, placement=PlacementConfig("local"), clock=FakeClock()
-        )
-        nodes = FakeNodes(backend)
-        nodes.register("d0", "decode")
-        for rid in ("a", "b"):
-            client = Client(backend, rid)
-            await until(lambda rid=rid: nodes.where(Prefill, rid), "the prefill")
-            nodes.tell("d0", Tokens(rid, (10,), finish_reason="length"))
-            await client.seen()
-        assert backend.stats()["prefills_local"] == 2
-        await backend.close()
-
-    asyncio.run(main())
+@scenario("d0", placement=LOCAL)
+async def test_local_prefills_are_counted_over_requests(
+    backend: ClusterBackend, nodes: FakeNodes, _: FakeClock
+) -> None:
+    for rid in ("a", "b"):
+        client = Client(backend, rid)
+        await until(lambda rid=rid: nodes.where(Prefill, rid), "the prefill")
+        nodes.tell("d0", Tokens(rid, (10,), finish_reason="length"))
+        await client.seen()
+    assert backend.stats()["prefills_local"] == 2
 
 
 @scenario("p0", "d0", "d1")
@@ -470,78 +455,53 @@ async def test_a_decode_node_holding_exactly_half_comes_first(
     await until(task.done, "the answer")
 
 
-def test_every_policy_routes_remote_local_colocated_and_scored_requests() -> None:
-    async def main() -> None:
-        clock = FakeClock()
-        backend = ClusterBackend(control_port=0, policy="prefix_aware", clock=clock)
-        nodes = FakeNodes(backend)
-        for node_id, role in (("p0", "prefill"), ("d0", "decode"), ("b0", "both")):
-            nodes.register(node_id, role)
-        client = Client(backend, "a")
-        await nodes.prefilling("a")
-        nodes.answer("a", "p0", "d0", 10, 11)
-        assert await client.seen() == ("<10><11>", "length")
-        scored = GenerateRequest("s", PROMPT, SamplingParams(max_tokens=0, prompt_logprobs=1))
-        task = asyncio.create_task(events_of(backend, scored))
-        await until(lambda: nodes.where(Prefill, "s"), "the scoring prefill")
-        (node,) = nodes.where(Prefill, "s")
-        nodes.tell(node, Tokens("s", (), finish_reason="length"))
-        await until(task.done, "the score")
-        await backend.close()
-
-    asyncio.run(main())
+@scenario("p0", "d0", "b0", policy="prefix_aware", placement=None)
+async def test_every_policy_routes_remote_local_colocated_and_scored_requests(
+    backend: ClusterBackend, nodes: FakeNodes, _: FakeClock
+) -> None:
+    client = Client(backend, "a")
+    await nodes.prefilling("a")
+    nodes.answer("a", "p0", "d0", 10, 11)
+    assert await client.seen() == ("<10><11>", "length")
+    task = asyncio.create_task(events_of(backend, SCORED))
+    await until(lambda: nodes.where(Prefill, "s"), "the scoring prefill")
+    (node,) = nodes.where(Prefill, "s")
+    nodes.tell(node, Tokens("s", (), finish_reason="length"))
+    await until(task.done, "the score")
 
 
-def test_a_second_round_of_reservations_follows_the_policy_again() -> None:
-    async def main() -> None:
-        backend = ClusterBackend(
-            control_port=0,
-            policy="prefix_aware",
-            placement=PlacementConfig("remote"),
-            clock=FakeClock(),
-        )
-        nodes = FakeNodes(backend)
-        nodes.register("p0", "prefill")
-        nodes.register("d0", "decode")
-        nodes.silent = {"d0"}
-        client = Client(backend)
-        await until(lambda: nodes.where(ReserveKV, "r"), "the first ask")
-        nodes.tell("d0", Busy("r", "full"))
-        # The next round comes after the routing's pause (real time): polled for, generously.
-        for _ in range(1000):
-            if len(nodes.where(ReserveKV, "r")) == 2:
-                break
-            await asyncio.sleep(0.01)
-        assert nodes.where(ReserveKV, "r") == ["d0", "d0"]
-        nodes.tell("d0", Reserved("r", "x", (1,), ("ipc:///kv/d0",)))
-        await nodes.prefilling("r")
-        nodes.answer("r", "p0", "d0", 10, 11)
-        assert await client.seen() == ("<10><11>", "length")
-        await backend.close()
-
-    asyncio.run(main())
+@scenario("p0", "d0", policy="prefix_aware")
+async def test_a_second_round_of_reservations_follows_the_policy_again(
+    backend: ClusterBackend, nodes: FakeNodes, _: FakeClock
+) -> None:
+    nodes.silent = {"d0"}
+    client = Client(backend)
+    await until(lambda: nodes.where(ReserveKV, "r"), "the first ask")
+    nodes.tell("d0", Busy("r", "full"))
+    # The next round comes after the routing's pause (real time): polled for, generously.
+    for _ in range(1000):
+        if len(nodes.where(ReserveKV, "r")) == 2:
+            break
+        await asyncio.sleep(0.01)
+    assert nodes.where(ReserveKV, "r") == ["d0", "d0"]
+    nodes.tell("d0", Reserved("r", "x", (1,), ("ipc:///kv/d0",)))
+    await nodes.prefilling("r")
+    nodes.answer("r", "p0", "d0", 10, 11)
+    assert await client.seen() == ("<10><11>", "length")
 
 
-def test_auto_placement_reads_the_routers_clock() -> None:
-    async def main() -> None:
-        clock = FakeClock()
-        backend = ClusterBackend(
-            control_port=0, placement=PlacementConfig("auto", threshold=1), clock=clock
-        )
-        nodes = FakeNodes(backend)
-        nodes.register("p0", "prefill")
-        nodes.register("d0", "decode")
-        # d0 is about to hold the prompt's 2 full blocks, by the router's (fake) clock: only 1
-        # token is missing there, within the threshold.
-        backend.nodes["d0"].expect_cached(BlockHashes(list(PROMPT)).of(BS), clock(), ttl=100)
-        client = Client(backend)
-        await until(lambda: nodes.where(Prefill, "r"), "the prefill")
-        assert nodes.where(Prefill, "r") == ["d0"] and nodes.where(ReserveKV, "r") == []
-        nodes.tell("d0", Tokens("r", (10, 11), finish_reason="length"))
-        assert await client.seen() == ("<10><11>", "length")
-        await backend.close()
-
-    asyncio.run(main())
+@scenario("p0", "d0", placement=PlacementConfig("auto", threshold=1))
+async def test_auto_placement_reads_the_routers_clock(
+    backend: ClusterBackend, nodes: FakeNodes, clock: FakeClock
+) -> None:
+    # d0 is about to hold the prompt's 2 full blocks, by the router's (fake) clock: only 1
+    # token is missing there, within the threshold.
+    backend.nodes["d0"].expect_cached(BlockHashes(list(PROMPT)).of(BS), clock(), ttl=100)
+    client = Client(backend)
+    await until(lambda: nodes.where(Prefill, "r"), "the prefill")
+    assert nodes.where(Prefill, "r") == ["d0"] and nodes.where(ReserveKV, "r") == []
+    nodes.tell("d0", Tokens("r", (10, 11), finish_reason="length"))
+    assert await client.seen() == ("<10><11>", "length")
 
 
 def test_a_failover_is_logged_with_its_reason_and_kind(caplog: pytest.LogCaptureFixture) -> None:
@@ -567,7 +527,7 @@ async def test_a_scored_prompt_may_run_on_a_colocated_node(
     backend: ClusterBackend, nodes: FakeNodes, _: FakeClock
 ) -> None:
     add(nodes, "b0", "both")
-    request = GenerateRequest("s", PROMPT, SamplingParams(max_tokens=0, prompt_logprobs=1))
+    request = SCORED
     task = asyncio.create_task(events_of(backend, request))
     await until(lambda: nodes.to("b0", Prefill), "the prefill on b0")
     nodes.tell("b0", Tokens("s", (), finish_reason="length"))
@@ -578,17 +538,11 @@ async def test_a_scored_prompt_may_run_on_a_colocated_node(
 # -- tensor parallelism: the sending TP the decode ranks expect ---------------------------------
 
 
-def add_tp(nodes: FakeNodes, node_id: str, role: str, tp: int) -> NodeInfo:
-    registration = replace(nodes.registration(node_id, role), tp_size=tp)
-    nodes.backend.registry.add(node_id, registration, 1000.0)
-    return nodes.backend.nodes[node_id]
-
-
 @scenario("d0")
 async def test_the_reservation_expects_the_prefill_nodes_tp(
     backend: ClusterBackend, nodes: FakeNodes, _: FakeClock
 ) -> None:
-    add_tp(nodes, "p0", "prefill", 2)
+    add(nodes, "p0", "prefill", 2)
     client = await nodes.start()
     (reserve,) = nodes.to("d0", ReserveKV)
     assert reserve.src_tp == 2
@@ -601,7 +555,7 @@ async def test_the_reservation_expects_the_prefill_nodes_tp(
 async def test_a_prefill_node_of_another_tp_renews_the_reservation_first(
     backend: ClusterBackend, nodes: FakeNodes, _: FakeClock
 ) -> None:
-    add_tp(nodes, "p0", "prefill", 4)
+    add(nodes, "p0", "prefill", 4)
     nodes.silent = {"d0"}
     client = Client(backend)
     await until(lambda: nodes.where(ReserveKV, "r"), "the reservation asked")

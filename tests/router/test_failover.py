@@ -11,6 +11,7 @@ import asyncio
 import contextlib
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
+from typing import Any
 
 from pdserve.common.wire.messages import (
     Abort,
@@ -36,6 +37,7 @@ from tests.router.test_registry import FakeClock
 
 BS = 4
 PROMPT = tuple(range(1, 10))
+SCORED = GenerateRequest("s", PROMPT, SamplingParams(max_tokens=0, prompt_logprobs=1))  # no answer
 TIMEOUT = 5.0  # the heartbeat timeout, in the fake clock's seconds
 STEPS = 10_000  # how many turns of the event loop a test waits for something at most
 
@@ -159,23 +161,22 @@ class Client:
         return "".join(d.text for d in self.deltas)
 
 
+ROLES = {"p": "prefill", "d": "decode", "b": "both"}  # a fake node's role by its name's letter
+
+
 @contextlib.asynccontextmanager
 async def cluster(
-    *nodes: str, max_failovers: int = 3
+    *nodes: str, **options: Any
 ) -> AsyncIterator[tuple[ClusterBackend, FakeNodes, FakeClock]]:
-    """A backend (prefill on prefill nodes always) over nodes named p* (prefill) or d*
-    (decode), all alive at the fake clock's start."""
+    """A backend over nodes named p* (prefill), d* (decode) or b* (both), all alive at the
+    fake clock's start. `options` go to ClusterBackend; by default prefill runs on prefill
+    nodes always (placement None: the backend's own default)."""
     clock = FakeClock()
-    backend = ClusterBackend(
-        control_port=0,
-        heartbeat_timeout=TIMEOUT,
-        max_failovers=max_failovers,
-        placement=PlacementConfig("remote"),
-        clock=clock,
-    )
+    options = {"heartbeat_timeout": TIMEOUT, "placement": PlacementConfig("remote"), **options}
+    backend = ClusterBackend(control_port=0, clock=clock, **options)
     fake = FakeNodes(backend)
     for node_id in nodes:
-        fake.register(node_id, "prefill" if node_id.startswith("p") else "decode")
+        fake.register(node_id, ROLES[node_id[0]])
     try:
         yield backend, fake, clock
         assert len(backend.table) == 0, "a request is left in the table"
@@ -192,12 +193,13 @@ async def cluster(
 Body = Callable[[ClusterBackend, FakeNodes, FakeClock], Awaitable[None]]
 
 
-def scenario(*nodes: str, max_failovers: int = 3) -> Callable[[Body], Callable[[], None]]:
-    """The decorated coroutine becomes a test run over a fresh cluster of these nodes."""
+def scenario(*nodes: str, **options: Any) -> Callable[[Body], Callable[[], None]]:
+    """The decorated coroutine becomes a test run over a fresh cluster of these nodes
+    (`options` as `cluster`'s)."""
 
     def wrap(body: Body) -> Callable[[], None]:
         async def main() -> None:
-            async with cluster(*nodes, max_failovers=max_failovers) as parts:
+            async with cluster(*nodes, **options) as parts:
                 await body(*parts)
 
         def test() -> None:
