@@ -228,18 +228,6 @@ async def test_an_error_of_a_node_the_request_left_is_stale(
 
 
 @scenario("p0", "d0")
-async def test_an_internal_error_ends_the_request_and_frees_both_nodes(
-    backend: ClusterBackend, nodes: FakeNodes, _: FakeClock
-) -> None:
-    client = await nodes.start()
-    nodes.tell("p0", Tokens("r", (10,)))
-    nodes.tell("d0", Error("r", "boom", Failure.INTERNAL))
-    last = await client.done()
-    assert (last.finish_reason, last.error) == ("error", "boom")
-    assert sorted(nodes.where(Abort, "r")) == ["d0", "p0"]
-
-
-@scenario("p0", "d0")
 async def test_a_finished_request_leaves_nothing_to_abort_and_its_conversation_expected(
     backend: ClusterBackend, nodes: FakeNodes, clock: FakeClock
 ) -> None:

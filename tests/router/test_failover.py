@@ -13,6 +13,8 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from pdserve.common.wire.messages import (
     Abort,
     Admitted,
@@ -198,16 +200,22 @@ def scenario(*nodes: str, **options: Any) -> Callable[[Body], Callable[[], None]
     (`options` as `cluster`'s)."""
 
     def wrap(body: Body) -> Callable[[], None]:
-        async def main() -> None:
-            async with cluster(*nodes, **options) as parts:
-                await body(*parts)
-
         def test() -> None:
-            asyncio.run(main())
+            run(body, *nodes, **options)
 
         return test
 
     return wrap
+
+
+def run(body: Body, *nodes: str, **options: Any) -> None:
+    """Run body over a fresh cluster of these nodes (`options` as `cluster`'s)."""
+
+    async def main() -> None:
+        async with cluster(*nodes, **options) as parts:
+            await body(*parts)
+
+    asyncio.run(main())
 
 
 # -- a node refuses: BUSY, DRAINING --------------------------------------------------------------
@@ -375,21 +383,29 @@ async def test_a_restarted_node_fails_its_requests_over_and_may_take_the_retry(
     assert await client.seen() == ("<10><11><12>", "length")
 
 
-@scenario("p0", "d0")
-async def test_an_expired_lease_ends_the_request_with_one_clean_error_and_frees_the_other_node(
-    backend: ClusterBackend, nodes: FakeNodes, _: FakeClock
+@pytest.mark.parametrize(
+    ("failure", "why"),
+    [
+        (Failure.LEASE_EXPIRED, "lease expired: the router stopped renewing"),
+        (Failure.INTERNAL, "boom"),
+    ],
+)
+def test_an_expired_lease_or_internal_error_ends_the_request_once_and_frees_the_other_node(
+    failure: Failure, why: str
 ) -> None:
-    client = await nodes.start()
-    nodes.tell("p0", Tokens("r", (10,)))
-    why = "lease expired: the router stopped renewing"
-    nodes.tell("d0", Error("r", why, Failure.LEASE_EXPIRED))
-    last = await client.done()
-    assert (client.text, last.finish_reason, last.error) == ("<10>", "error", why)
-    assert last.failure is Failure.LEASE_EXPIRED
-    assert nodes.where(ReserveKV, "r~1") == []  # not retried
-    assert sorted(nodes.where(Abort, "r")) == ["d0", "p0"]  # nothing left held
-    await backend.watch()
-    assert nodes.to("d0", Lease)[-1].request_ids == ()
+    async def body(backend: ClusterBackend, nodes: FakeNodes, _: FakeClock) -> None:
+        client = await nodes.start()
+        nodes.tell("p0", Tokens("r", (10,)))
+        nodes.tell("d0", Error("r", why, failure))
+        last = await client.done()
+        assert (client.text, last.finish_reason, last.error) == ("<10>", "error", why)
+        assert last.failure is failure
+        assert nodes.where(ReserveKV, "r~1") == []  # not retried
+        assert sorted(nodes.where(Abort, "r")) == ["d0", "p0"]  # nothing left held
+        await backend.watch()
+        assert nodes.to("d0", Lease)[-1].request_ids == ()
+
+    run(body, "p0", "d0")
 
 
 # -- one owner ----------------------------------------------------------------------------------
