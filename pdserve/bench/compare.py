@@ -1,6 +1,5 @@
-"""`pdserve bench compare`: pdserve colocated, pdserve 1P1D and `transformers serve
---continuous-batching`, side by side on the same requests; also the frame `bench multiturn`
-runs its systems in."""
+"""`pdserve bench compare`: pdserve colocated, pdserve 1P1D and `transformers serve`, side by
+side on the same requests; also the frame `bench multiturn` runs in."""
 
 from __future__ import annotations
 
@@ -31,13 +30,10 @@ from pdserve.common.node.cli import parser
 SECTION = "compare"
 SMOLLM2_SECTION = "compare-smollm2"
 
-# The benchmark model: the offline benchmark's geometry, random weights drawn with the
-# usual 0.02 initializer range (tiny_model's default is 0.1).
+# The benchmark model: the offline benchmark's geometry, random weights drawn with the usual
+# 0.02 initializer range (tiny_model's default is 0.1); quick: the tests' tiny Llama.
 BENCH_MODEL = {**rp.BENCH_MODEL_SIZES, "initializer_range": 0.02}
-QUICK_MODEL: dict[str, Any] = {}  # the tests' tiny Llama as pdserve.tiny_model makes it
-
-
-# ---------------------------------------------------------------- the frame: systems, flags, runs
+MODELS = {False: ("llama-12x768-random", BENCH_MODEL), True: ("tiny-llama", {})}
 
 
 SYSTEMS = {
@@ -51,23 +47,28 @@ SYSTEMS = {
 QUICK_SYSTEMS = ("pdserve-colocated", "pdserve-1p1d")
 
 
-def scenario_parser(name: str, doc: str, run_flags: list, model_flags: list, files: str):
-    """The flags groups run, model and servers, output; flags not listed are engine flags."""
+def scenario_parser(
+    name: str, doc: str, systems: tuple[Sequence, Sequence], flags: tuple[list, list], files: str
+) -> tuple[argparse.ArgumentParser, argparse._ArgumentGroup]:
+    """The flags groups run (--systems: all, or with --quick the `systems[1]`), model and
+    servers (`flags` = run and model rows), output (of `files`); flags not listed are engine
+    flags."""
     p = parser(f"pdserve bench {name}", doc.split("\n\n")[0])
     p.epilog = "Flags not listed here go to every pdserve node as engine flags (`pdserve serve\n"
     p.epilog += "--help` lists them), e.g. --max-num-batched-tokens 256 --num-blocks 2048."
-    rp.add_flags(p.add_argument_group("run"), run_flags)
-    servers = p.add_argument_group("model and servers")
-    rp.add_flags(servers, model_flags)
-    rp.add_flags(servers, [rp.LOG_DIR_FLAG])
+    known, quick = map(list, systems)
+    default = "all" if quick == known else f"all; quick: {','.join(quick)}"
+    text = f"a comma list from {','.join(known)} (default: {default})"
+    row = ("--systems", str, None, text, {"metavar": "NAME,..."})
+    rp.add_flags(p.add_argument_group("run"), [row, *flags[0]])
+    rp.add_flags(p.add_argument_group("model and servers"), [*flags[1], rp.LOG_DIR_FLAG])
     return p, rp.add_output_flags(p, files, f"{name} JSON")
 
 
 def parse_scenario(
     p: argparse.ArgumentParser, argv: list[str], known: Sequence[str], quick: Sequence[str]
 ) -> argparse.Namespace:
-    """The flags, engine flags apart, and --systems (default: all; --quick: `quick`) checked
-    and in the order of `known`."""
+    """The flags, engine flags apart, and --systems checked and in the order of `known`."""
     args, args.engine_args = p.parse_known_args(argv)
     names = args.systems.split(",") if args.systems else list(quick if args.quick else known)
     if unknown := set(names) - set(known):
@@ -76,18 +77,25 @@ def parse_scenario(
     return args
 
 
-def scenario_fields(args: argparse.Namespace, model: Path | str, desc: str) -> dict[str, Any]:
-    """What every comparison records of its setup."""
-    return {
-        "date": time.strftime("%Y-%m-%d %H:%M"),
-        "git": rp.git_state(),
-        "model": str(model),
-        "model_desc": desc,
-        "engine_args": args.engine_args,
-        "threads": args.threads,
-        "quick": args.quick,
-        "systems": args.systems,
-    }
+def scenario_fields(
+    args: argparse.Namespace, model: Path | str, desc: str, measured: tuple[dict, list], **more: Any
+) -> dict[str, Any]:
+    """What every comparison records: its setup, `more`, the (results, notes) measured."""
+    setup = {"date": time.strftime("%Y-%m-%d %H:%M"), "git": rp.git_state(), "model": str(model)}
+    setup |= {"model_desc": desc, "engine_args": args.engine_args, "threads": args.threads}
+    setup |= {"quick": args.quick, "systems": args.systems}
+    return {**setup, **more, "results": measured[0], "notes": measured[1]}
+
+
+def scenario_page(report: dict[str, Any], title: str, blocks: dict[str, list[str]]) -> str:
+    """A comparison's section: title, command, then `blocks` ("" keys: no heading of their
+    own), and the notes."""
+    parts = [title, f"```bash\n{report['command']}\n```"]
+    for heading, block in blocks.items():
+        parts += [f"### {heading}", *block] if heading else block
+    if report.get("notes"):
+        parts += ["### Notes", "\n".join(f"- {n}" for n in report["notes"])]
+    return "\n\n".join(parts)
 
 
 def loads_row(loads: list[float], when: str) -> list[str]:
@@ -102,9 +110,6 @@ def write_report(report: dict[str, Any], to: rp.Outputs, name: str, section: str
     print(rp.goals_table(report["goals"]))
     print(f"wrote {data}, the plots and the `{name}` section of {to.page}")
     return data
-
-
-# ---------------------------------------------------------------- the serving scenarios
 
 
 @dataclass(frozen=True, slots=True)
@@ -166,26 +171,12 @@ def scenario_runs(pool: load.TokenPool, sizes: Sizes, seed: int) -> list[Run]:
     return runs
 
 
-def ensure_model(cache_dir: Path, quick: bool, smollm2: bool = False) -> Path:
-    """The benchmark model under cache_dir, built once."""
-    if smollm2:
-        return smollm2_model(cache_dir)
-    if quick:
-        return rp.cached_model(cache_dir, "tiny-llama", QUICK_MODEL)
-    return rp.cached_model(cache_dir, "llama-12x768-random", BENCH_MODEL)
-
-
 def measure_run(
     url: str, run: Run, pool: load.TokenPool, args: argparse.Namespace
 ) -> dict[str, Any]:
-    config = load.BenchConfig(
-        base_url=url,
-        request_rate=run.request_rate,
-        max_concurrency=run.max_concurrency,
-        seed=args.seed,
-        request_timeout=args.request_timeout,
-        disable_tqdm=args.disable_tqdm,
-    )
+    timeout, quiet = args.request_timeout, args.disable_tqdm
+    config = load.BenchConfig(url, run.request_rate, run.max_concurrency, args.seed,
+                              request_timeout=timeout, disable_tqdm=quiet)  # fmt: skip
     load_before = os.getloadavg()[0]
     result = load.run_benchmark(config, run.requests, pool, run.arrivals)
     result.update(
@@ -198,9 +189,6 @@ def measure_run(
         flush=True,
     )
     return result
-
-
-# ---------------------------------------------------------------- goals and plots
 
 
 def _sat_key(sizes: Sizes) -> str:
@@ -261,8 +249,6 @@ def plot_throughput(results: dict[str, dict], sizes: Sizes, path: Path) -> Path:
         panel.lines.append((system, xs, [r.get("output_throughput", math.nan) for r in runs], "o-"))
     return rp.plot_lines([panel], path, width=6.0)
 
-
-# ---------------------------------------------------------------- the report
 
 COLUMNS = [
     ("system", "system"),
@@ -330,33 +316,15 @@ def sizes_table(s: Sizes) -> str:
 
 def render_section(report: dict[str, Any], to: rp.Outputs, plots: list[Path]) -> str:
     on = f" on {report['model_name']}" if report.get("model_name") else ""
-    sizes, name = sizes_from_dict(report["sizes"]), report["section"]
-    lines = [
-        f"## pdserve against transformers serve{on} (`scripts/bench_compare.py`)",
-        "",
-        f"```bash\n{report['command']}\n```",
-        "",
-        setup_table(report),
-        "",
-        sizes_table(sizes),
-        "",
-        "### Goals",
-        "",
-        rp.goals_table(report["goals"]),
-        "",
-        "### Results",
-        "",
-        scenario_tables(report["results"], run_keys(sizes)),
-        "",
-        "### Plots",
-        "",
-        *[f"![{p.stem}]({to.link(p)})" for p in plots],
-        "",
-        f"Raw results, every request included: `{to.link(to.folder / f'{name}.json')}`.",
-    ]
-    if report.get("notes"):
-        lines += ["", "### Notes", "", *[f"- {n}" for n in report["notes"]]]
-    return "\n".join(lines)
+    sizes, data = sizes_from_dict(report["sizes"]), to.folder / f"{report['section']}.json"
+    title = f"## pdserve against transformers serve{on} (`scripts/bench_compare.py`)"
+    return scenario_page(report, title, {
+        "": [setup_table(report), sizes_table(sizes)],
+        "Goals": [rp.goals_table(report["goals"])],
+        "Results": [scenario_tables(report["results"], run_keys(sizes))],
+        "Plots": ["\n".join(f"![{p.stem}]({to.link(p)})" for p in plots),
+                  f"Raw results, every request included: `{to.link(data)}`."],
+    })  # fmt: skip
 
 
 def publish(report: dict[str, Any], to: rp.Outputs) -> None:
@@ -397,11 +365,7 @@ def model_desc(config: dict[str, Any], args: argparse.Namespace) -> str:
     return f"{kind}, {shape}, random weights, locally trained BPE tokenizer"
 
 
-# ---------------------------------------------------------------- main
-
 RUN_FLAGS = [
-    ("--systems", str, None, f"a comma list from {','.join(SYSTEMS)} (default: all; quick: "
-     "the pdserve ones)", {"metavar": "NAME,..."}),
     ("--quick", bool, None, "tiny model, a handful of requests (default --out: a temp folder)"),
     rp.SEED_FLAG,
     rp.TIMEOUT_FLAG,
@@ -427,7 +391,8 @@ OUTPUT_FLAGS = [
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
     files = "SECTION.json and the plots SECTION_*.png"
-    p, out = scenario_parser("compare", __doc__, RUN_FLAGS, MODEL_FLAGS, files)
+    systems = (SYSTEMS, QUICK_SYSTEMS)
+    p, out = scenario_parser("compare", __doc__, systems, (RUN_FLAGS, MODEL_FLAGS), files)
     rp.add_flags(out, OUTPUT_FLAGS)
     args = parse_scenario(p, argv, list(SYSTEMS), QUICK_SYSTEMS)
     if args.smollm2 and args.model is not None:
@@ -445,7 +410,8 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     sizes = QUICK_SIZES if args.quick else Sizes()
     with sigterm_raises(), tempfile.TemporaryDirectory(prefix="bench-compare-logs-") as tmp:
         args.log_dir = args.log_dir or Path(tmp)
-        model = args.model or ensure_model(args.cache_dir, args.quick, args.smollm2)
+        model = args.model or (smollm2_model(args.cache_dir) if args.smollm2 else
+                               rp.cached_model(args.cache_dir, *MODELS[args.quick]))  # fmt: skip
         pool = load.load_pool(str(model))
         runs = scenario_runs(pool, sizes, args.seed)
 
@@ -455,17 +421,13 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
 
         results, notes = measure_systems(args, SYSTEMS, model, measure_one)
     config = json.loads((model / "config.json").read_text())
-    return {
-        **scenario_fields(args, model, model_desc(config, args)),
-        "model_name": "SmolLM2-135M-Instruct" if args.smollm2 else None,
-        "batch_tokens": batch_tokens(args.engine_args),
-        "router_args": heartbeat_args(args.heartbeat_timeout),
-        "section": args.section,
-        "sizes": asdict(sizes),
-        "results": results,
-        "goals": evaluate_goals(results, sizes),
-        "notes": notes,
-    }
+    return scenario_fields(
+        args, model, model_desc(config, args), (results, notes),
+        model_name="SmolLM2-135M-Instruct" if args.smollm2 else None,
+        batch_tokens=batch_tokens(args.engine_args),
+        router_args=heartbeat_args(args.heartbeat_timeout),
+        section=args.section, sizes=asdict(sizes), goals=evaluate_goals(results, sizes),
+    )  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:

@@ -1,6 +1,5 @@
-"""`pdserve bench multiturn`: multi-turn chat, colocated against three 1P1D setups, on the
-same conversations (a workload of `bench compare`'s frame): the KV that moves into decode
-nodes per turn, TTFT, and the router's placement counters read between turns."""
+"""`pdserve bench multiturn`: multi-turn chat, colocated against 1P1D setups on the same
+conversations: KV moved into decode nodes per turn, TTFT, the router's placement counters."""
 
 from __future__ import annotations
 
@@ -66,9 +65,6 @@ async def read_counters(client: httpx.AsyncClient, health_urls: Sequence[str]) -
         node.raise_for_status()
         out["kv_bytes"] += scrape(node.text, "pdserve_node_").get("kv_received_bytes", 0.0)
     return out
-
-
-# ---------------------------------------------------------------- one system
 
 
 async def run_turns(
@@ -139,9 +135,6 @@ def overall(turns: list[dict[str, Any]]) -> dict[str, Any]:
     }
 
 
-# ---------------------------------------------------------------- what the run says
-
-
 def reusable_tokens(turns: list[dict[str, Any]], block_size: int) -> list[int]:
     """Per turn, the prompt tokens a decode node could hold from the turn before: the full
     blocks of each conversation's previous prompt and answer (its last token never computed).
@@ -208,9 +201,6 @@ def evaluate_goals(results: dict[str, dict], turns: int) -> list[dict[str, Any]]
         name = f"{system}: {what} of {which} {than}"
         goals.append(rp.goal(name, total(system, key), total(base, key), "<=", target))
     return goals
-
-
-# ---------------------------------------------------------------- the page and the plot
 
 
 def plot_turns(results: dict[str, dict], path: Path) -> Path:
@@ -311,40 +301,17 @@ def render_section(report: dict[str, Any], to: rp.Outputs, plot: Path | None) ->
     most = max((len(r["turns"]) for r in results.values()), default=0)
     turns = [{**r["turns"][i], "system": s} for i in range(most)
              for s, r in results.items() if i < len(r["turns"])]  # fmt: skip
-    lines = [
-        "## Multi-turn chat: decode-side prefix cache and conditional disaggregation"
-        " (`pdserve bench multiturn`)",
-        "",
-        f"```bash\n{report['command']}\n```",
-        "",
-        setup_table(report),
-        "",
-        *[f"- `{s}`: {SYSTEM_SPECS[s].what}" for s in results],
-        "",
-        "### Goals",
-        "",
-        rp.goals_table(report["goals"]),
-        "",
-        reuse_table(results, report["block_size"]),
-        "",
-        answers_table(report["answers"]),
-        "",
-        "### Results",
-        "",
-        rp.records_table(
-            OVERALL_COLUMNS, [{**r["overall"], "system": s} for s, r in results.items()]
-        ),
-        "",
-        rp.records_table(TURN_COLUMNS, turns),
-        "",
-    ]
-    if plot is not None:
-        lines += [f"![multiturn]({to.link(plot)})", ""]
+    overall = [{**r["overall"], "system": s} for s, r in results.items()]
+    tables = [rp.records_table(OVERALL_COLUMNS, overall), rp.records_table(TURN_COLUMNS, turns)]
     data = to.link(to.folder / f"{SECTION}.json")
-    lines.append(f"Raw results, every reply included: `{data}`.")
-    if report.get("notes"):
-        lines += ["", "### Notes", "", *[f"- {n}" for n in report["notes"]]]
-    return "\n".join(lines)
+    title = "## Multi-turn chat: decode-side prefix cache and conditional disaggregation"
+    return compare.scenario_page(report, f"{title} (`pdserve bench multiturn`)", {
+        "": [setup_table(report), "\n".join(f"- `{s}`: {SYSTEM_SPECS[s].what}" for s in results)],
+        "Goals": [rp.goals_table(report["goals"]), reuse_table(results, report["block_size"]),
+                  answers_table(report["answers"])],
+        "Results": [*tables, *([f"![multiturn]({to.link(plot)})"] if plot else []),
+                    f"Raw results, every reply included: `{data}`."],
+    })  # fmt: skip
 
 
 def publish(report: dict[str, Any], to: rp.Outputs) -> None:
@@ -358,12 +325,8 @@ def publish(report: dict[str, Any], to: rp.Outputs) -> None:
     print(answers_table(report["answers"]))
 
 
-# ---------------------------------------------------------------- main
-
 _W = load.ChatWorkload()
 RUN_FLAGS = [
-    ("--systems", str, None, f"a comma list from {', '.join(SYSTEMS)} (default: all; colocated "
-     "runs first)", {"metavar": "NAME,..."}),
     ("--quick", bool, None, "tiny random model, 2 conversations x 2 short turns (needs --out)"),
     ("--conversations", int, None, f"default {_W.conversations}"),
     ("--turns", int, None, f"per conversation, default {_W.turns}"),
@@ -385,7 +348,8 @@ WORKLOAD_FLAGS = ("conversations", "turns", "first_len", "message_len", "answer_
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
     files = "multiturn.json and multiturn.png"
-    p, _ = compare.scenario_parser("multiturn", __doc__, RUN_FLAGS, MODEL_FLAGS, files)
+    flags = (RUN_FLAGS, MODEL_FLAGS)
+    p, _ = compare.scenario_parser("multiturn", __doc__, (SYSTEMS, SYSTEMS), flags, files)
     args = compare.parse_scenario(p, argv, SYSTEMS, SYSTEMS)
     base = QUICK_WORKLOAD if args.quick else load.ChatWorkload()
     given = {k: getattr(args, k) for k in WORKLOAD_FLAGS if getattr(args, k) is not None}
@@ -429,14 +393,16 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         res["overall"] = overall(turns)
         if failed := [t["turn"] for t in turns if t["failed"]]:
             notes.append(f"{name}: turn {failed[0]} had failed replies: {turns[-1]['errors']}")
-    return {
-        **compare.scenario_fields(args, model, desc),
-        "block_size": systems.engine_flag(args.engine_args, "--block-size", DEFAULT_BLOCK_SIZE),
-        "workload": asdict(args.workload),
-        "results": results,
-        "answers": compare_answers(results),
-        "notes": notes,
-    }
+    block = systems.engine_flag(args.engine_args, "--block-size", DEFAULT_BLOCK_SIZE)
+    return compare.scenario_fields(
+        args,
+        model,
+        desc,
+        (results, notes),
+        block_size=block,
+        workload=asdict(args.workload),
+        answers=compare_answers(results),
+    )
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
