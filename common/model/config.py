@@ -16,13 +16,26 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-# Architectures whose forward pass `common.model.LlamaFamilyForCausalLM` reproduces exactly.
+# Architectures whose forward pass a model class of ours reproduces exactly (`registry`).
 SUPPORTED_ARCHITECTURES = (
     "LlamaForCausalLM",
     "Qwen2ForCausalLM",
     "Qwen3ForCausalLM",
     "MistralForCausalLM",
+    "Qwen3MoeForCausalLM",
+    "MixtralForCausalLM",
 )
+# The ones whose feed-forward blocks are (partly) mixtures of experts.
+MOE_ARCHITECTURES = ("Qwen3MoeForCausalLM", "MixtralForCausalLM")
+# transformers' model_type of each, for configs built in code (no `architectures` list).
+_MODEL_TYPES = {
+    "llama": "LlamaForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
+    "mixtral": "MixtralForCausalLM",
+}
 
 # RoPE variants with position-independent frequencies, so one inv_freq serves every position.
 # "dynamic" qualifies below max_position_embeddings: HF recomputes only for longer sequences.
@@ -41,6 +54,12 @@ class ModelArchConfig:
     `rope_scaling_dict()` gives them back as a dict. sliding_layers lists the layer indices
     that attend through a sliding window of `sliding_window` tokens (Qwen2/3 only apply it from
     max_window_layers on).
+
+    moe_layers lists the layers whose feed-forward block is a mixture of `num_experts` experts
+    of width moe_intermediate_size, `num_experts_per_tok` of them per token, their router
+    weights renormalized to sum to 1 when norm_topk_prob; the other layers run the dense MLP of
+    width intermediate_size. Qwen3-MoE's decoder_sparse_step and mlp_only_layers are resolved
+    into moe_layers here, so the model asks one question per layer.
     """
 
     architecture: str
@@ -64,6 +83,11 @@ class ModelArchConfig:
     rope_theta: float
     rope_type: str = "default"
     rope_scaling: tuple[tuple[str, Any], ...] = ()
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = False
+    moe_layers: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if self.architecture not in SUPPORTED_ARCHITECTURES:
@@ -85,10 +109,27 @@ class ModelArchConfig:
             raise ValueError("partial rotary embeddings are not supported")
         if (self.sliding_window is None) != (not self.sliding_layers):
             raise ValueError("sliding_window and sliding_layers must be set together")
+        if self.moe_layers:
+            self._check_moe()
+
+    def _check_moe(self) -> None:
+        if not 1 <= self.num_experts_per_tok <= self.num_experts:
+            raise ValueError(
+                f"num_experts_per_tok ({self.num_experts_per_tok}) must be in "
+                f"[1, num_experts ({self.num_experts})]"
+            )
+        if self.moe_intermediate_size <= 0:
+            raise ValueError(f"moe_intermediate_size {self.moe_intermediate_size} must be positive")
+        if not set(self.moe_layers) <= set(range(self.num_layers)):
+            raise ValueError(f"moe_layers {self.moe_layers} outside 0..{self.num_layers - 1}")
 
     def rope_scaling_dict(self) -> dict[str, Any]:
         """The rope scaling parameters as transformers spells them (without type and theta)."""
         return {k: list(v) if isinstance(v, tuple) else v for k, v in self.rope_scaling}
+
+    def is_moe_layer(self, layer: int) -> bool:
+        """Whether layer's feed-forward block is the mixture of experts."""
+        return layer in self.moe_layers
 
     def layer_sliding_window(self, layer: int) -> int | None:
         """The attention window of one layer, or None when it attends to its whole context."""
@@ -126,7 +167,7 @@ class ModelArchConfig:
             qkv_bias=is_qwen2 or attention_bias,
             o_bias=not is_qwen2 and attention_bias,
             mlp_bias=bool(getattr(hf_config, "mlp_bias", False)),
-            qk_norm=arch == "Qwen3ForCausalLM",
+            qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"),
             sliding_window=window,
             sliding_layers=sliding_layers,
             max_position_embeddings=hf_config.max_position_embeddings,
@@ -134,6 +175,7 @@ class ModelArchConfig:
             rope_theta=rope_theta,
             rope_type=rope_type,
             rope_scaling=rope_scaling,
+            **_moe_settings(arch, hf_config),
         )
 
     @classmethod
@@ -170,6 +212,7 @@ class ModelArchConfig:
         """The inverse of `dataclasses.asdict` through JSON (lists back into tuples)."""
         d = dict(d)
         d["sliding_layers"] = tuple(d["sliding_layers"])
+        d["moe_layers"] = tuple(d["moe_layers"])
         d["eos_token_ids"] = tuple(d["eos_token_ids"])
         d["rope_scaling"] = tuple(
             (k, tuple(v) if isinstance(v, list) else v) for k, v in d["rope_scaling"]
@@ -199,10 +242,9 @@ def _architecture(hf_config: Any) -> str:
             return arch
     # A config built in code (not read from disk) has no architectures list; its model_type
     # still names the family unambiguously.
-    by_type = {a.removesuffix("ForCausalLM").lower(): a for a in SUPPORTED_ARCHITECTURES}
     model_type = getattr(hf_config, "model_type", None)
-    if not archs and model_type in by_type:
-        return by_type[model_type]
+    if not archs and model_type in _MODEL_TYPES:
+        return _MODEL_TYPES[model_type]
     raise ValueError(
         f"unsupported architecture {archs or model_type!r}; "
         f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
@@ -235,8 +277,12 @@ def _sliding_window(arch: str, hf_config: Any) -> tuple[int | None, tuple[int, .
     """(window, layers that use it); (None, ()) when no layer slides."""
     window = getattr(hf_config, "sliding_window", None)
     n = hf_config.num_hidden_layers
-    if arch == "MistralForCausalLM":
+    if arch in ("MistralForCausalLM", "MixtralForCausalLM"):
         layers = tuple(range(n)) if window is not None else ()
+    elif arch == "Qwen3MoeForCausalLM":
+        # Every layer slides when the flag is on (its config has no max_window_layers).
+        on = getattr(hf_config, "use_sliding_window", False) and window is not None
+        layers = tuple(range(n)) if on else ()
     elif arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM"):
         # transformers keeps sliding_window set when use_sliding_window is False (4.x), so the
         # flag decides; 5.x also records the per-layer choice in layer_types.
@@ -252,6 +298,30 @@ def _sliding_window(arch: str, hf_config: Any) -> tuple[int | None, tuple[int, .
     else:
         layers = ()
     return (int(window), layers) if layers else (None, ())
+
+
+def _moe_settings(arch: str, hf_config: Any) -> dict[str, Any]:
+    """The MoE fields of ModelArchConfig; none for a dense architecture."""
+    if arch not in MOE_ARCHITECTURES:
+        return {}
+    n = hf_config.num_hidden_layers
+    experts = getattr(hf_config, "num_experts", None) or getattr(hf_config, "num_local_experts", 0)
+    if arch == "MixtralForCausalLM":
+        # Every layer is sparse, its experts as wide as intermediate_size, weights renormalized.
+        width, renormalize, layers = hf_config.intermediate_size, True, tuple(range(n))
+    else:
+        width, renormalize = hf_config.moe_intermediate_size, bool(hf_config.norm_topk_prob)
+        step = getattr(hf_config, "decoder_sparse_step", 1) or 1
+        dense = set(getattr(hf_config, "mlp_only_layers", None) or ())
+        sparse = range(n) if experts > 0 else ()
+        layers = tuple(i for i in sparse if i not in dense and (i + 1) % step == 0)
+    return {
+        "num_experts": int(experts),
+        "num_experts_per_tok": int(hf_config.num_experts_per_tok),
+        "moe_intermediate_size": int(width),
+        "norm_topk_prob": renormalize,
+        "moe_layers": layers,
+    }
 
 
 def _as_ids(value: Any) -> list[int]:

@@ -18,7 +18,7 @@ import torch
 from pdserve.common.model.checkpoint import Checkpoint
 from pdserve.common.model.config import ModelArchConfig
 from pdserve.common.model.parallel import TPGroup
-from pdserve.common.model.registry import model_class
+from pdserve.common.model.registry import checkpoint_tensors, model_class
 
 # Checkpoint keys that hold no weights of ours: old Llama checkpoints saved rope buffers.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
@@ -53,7 +53,8 @@ def load_model(
     if dummy_seed is not None:
         tensors = _random_state(shapes, dtype, torch.device(device), dummy_seed).items()
     else:
-        tensors = _iter_checkpoint(Checkpoint.resolve(model_dir), config, expected)
+        stored = _iter_checkpoint(Checkpoint.resolve(model_dir), config, expected)
+        tensors = checkpoint_tensors(config, stored)
     state = {}
     for name, tensor in tensors:
         if _ignored(name, config):
