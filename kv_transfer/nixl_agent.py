@@ -10,7 +10,8 @@ import os
 import threading
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import torch
@@ -130,13 +131,12 @@ class Agent:
 
     def local_pages(self, cache: torch.Tensor) -> Any:
         """The prepped list of a local layer cache's pages: index kv * num_blocks + block."""
-        key = (cache.data_ptr(), cache.shape[1], cache.element_size())
+        # A cache freed and another of other heads made at its address needs another list.
+        key = (cache.data_ptr(), cache.shape[1], _half_bytes(cache))
         pages = self._local_lists.get(key)
         if pages is None:
             self.register([cache])
-            pages = self.prep(
-                "NIXL_INIT_AGENT", cache.data_ptr(), cache.shape[1], _half_bytes(cache), cache
-            )
+            pages = self.prep("NIXL_INIT_AGENT", cache.data_ptr(), key[1], key[2], cache)
             self._local_lists[key] = pages
         return pages
 
@@ -208,23 +208,90 @@ def write_pages(
     handles = []
     for layer in layers:
         cache = caches[layer]
-        try:
-            handle = agent.agent.make_prepped_xfer(
-                "WRITE",
-                agent.local_pages(cache),
-                _page_indices(src, cache.shape[1]),
-                remote[layer],
-                _page_indices(dst, remote_blocks),
-                notif_msg=notif,
-            )
-            state = agent.agent.transfer(handle)
-        except agent.errors as exc:
-            raise TransferError(f"NIXL WRITE failed: {exc!r}") from None
-        if state == "ERR":
-            release_handle(handle)
-            raise TransferError("NIXL WRITE failed to post")
-        handles.append(handle)
+        src_pages, dst_pages = _page_indices(src, cache.shape[1]), _page_indices(dst, remote_blocks)
+        local = agent.local_pages(cache)
+        make = agent.agent.make_prepped_xfer
+        handles.append(_post(make, "WRITE", local, src_pages, remote[layer], dst_pages, notif))
     return handles
+
+
+@dataclass(frozen=True, slots=True)
+class Rows:
+    """A layer cache [2, num_blocks, block_size, heads, head_dim] as token rows: where it lies
+    (`base`, `device`, NIXL memory type `mem`), its geometry, and one head's bytes of a token.
+    A range of heads is contiguous within a token's row only, so a slice of a block's heads is
+    one descriptor per (K/V, block, token)."""
+
+    base: int
+    device: int
+    mem: str
+    num_blocks: int
+    block_size: int
+    heads: int
+    head_bytes: int
+
+    @classmethod
+    def of(cls, cache: torch.Tensor) -> Rows:
+        device, mem = _mem_of(cache)
+        _, num_blocks, block_size, heads, head_dim = cache.shape
+        head_bytes = head_dim * cache.element_size()
+        return cls(cache.data_ptr(), device, mem, num_blocks, block_size, heads, head_bytes)
+
+    def descs(self, blocks: Sequence[int], heads: range) -> Any:
+        """Nx3 (address, bytes, device) of `heads` of every token of `blocks`, K then V."""
+        import numpy as np
+
+        u64 = np.uint64
+        kv = np.arange(2, dtype=u64)[:, None, None] * u64(self.num_blocks)
+        b = np.asarray(blocks, dtype=u64)[None, :, None]
+        t = np.arange(self.block_size, dtype=u64)[None, None, :]
+        row = u64(self.heads * self.head_bytes)
+        first = u64(self.base + heads.start * self.head_bytes)
+        starts = (first + ((kv + b) * u64(self.block_size) + t) * row).reshape(-1)
+        size = np.full_like(starts, len(heads) * self.head_bytes)
+        return np.stack([starts, size, np.full_like(starts, self.device)], axis=1)
+
+
+def remote_rows(target: dict[str, Any], heads: int, block_size: int, head_bytes: int) -> list[Rows]:
+    """Each layer cache of a receiver's `describe_caches` answer as `Rows`, its blocks holding
+    `heads` KV heads."""
+    n = int(target["num_blocks"])
+    entries = target["layers"]
+    return [Rows(int(e["base"]), *_mem_of(e), n, block_size, heads, head_bytes) for e in entries]
+
+
+def write_rows(
+    cache: torch.Tensor,
+    src: Sequence[int],
+    src_heads: range,
+    remote: tuple[str, Rows],
+    dst: Sequence[int],
+    dst_heads: range,
+    notif: bytes,
+) -> Any:
+    """Post one WRITE of heads `src_heads` of pages `src` of a local layer cache into heads
+    `dst_heads` of pages `dst` of the remote agent's layer cache (`remote`: its name and
+    rows); returns its handle."""
+    agent = Agent.get()
+    agent.register([cache])
+    local, (name, target) = Rows.of(cache), remote
+    mine = agent.agent.get_xfer_descs(local.descs(src, src_heads), local.mem)
+    theirs = agent.agent.get_xfer_descs(target.descs(dst, dst_heads), target.mem)
+    return _post(agent.agent.initialize_xfer, "WRITE", mine, theirs, name, notif)
+
+
+def _post(make: Callable[..., Any], *args: Any) -> Any:
+    """Make a WRITE (`make(*args)`) and post it; TransferError when NIXL refuses either."""
+    agent = Agent.get()
+    try:
+        handle = make(*args)
+        state = agent.agent.transfer(handle)
+    except agent.errors as exc:
+        raise TransferError(f"NIXL WRITE failed: {exc!r}") from None
+    if state == "ERR":
+        release_handle(handle)
+        raise TransferError("NIXL WRITE failed to post")
+    return handle
 
 
 def release_handle(handle: Any) -> None:

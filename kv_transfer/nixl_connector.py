@@ -7,16 +7,20 @@ carries its agent metadata and where each layer's cache lives (base address, blo
 memory type), so the sender can describe any of the receiver's pages. Per layer, as soon as
 the layer's K/V are written, the sender posts one WRITE pairing its source pages with the
 reserved destination pages (one descriptor per K or V half of a block; NIXL merges runs of
-contiguous blocks into one descriptor). A WRITE is DONE only after its endpoint flush, so
-the data is in the receiver's memory when the sender says so.
+contiguous blocks into one descriptor). A tensor-parallel slice (some of a block's KV heads,
+on either end) is not one region of a block in the [2, blocks, block_size, heads, head_dim]
+layout, only of each token's row: its WRITE has one descriptor per (K/V, block, token). A
+WRITE is DONE only after its endpoint flush, so the data is in the receiver's memory when the
+sender says so.
 
 Ownership rules (the receiver cannot refuse a remote write, so the sender must never issue
 one that could land where it should not):
 
-- A sender writes only blocks the receiver itself announced for the transfer (`KVExpect`,
-  sent to every connected sender when the decode node reserves, and to a sender that
-  connects later): not what the router relayed. Pages outside the announcement are never
-  written; the transfer then fails at `send_done`.
+- A sender writes only blocks and heads the receiver itself announced for the transfer
+  (`KVExpect`, sent to every connected sender when the decode node reserves, and to a sender
+  that connects later): not what the router relayed. Pages outside the announcement, or a
+  slice of another number of heads, are never written; the transfer then fails at
+  `send_done`.
 - When the decode node cancels a transfer (abort, failure, renewal), the receiver fences
   its blocks and sends `KVCancel` to every sender. A sender that gets it stops writing that
   transfer for good, waits for its WRITEs in flight, and answers `KVSettled`; a done message
@@ -51,32 +55,11 @@ import torch
 from pdserve.common.wire.messages import Message, ProtocolError
 from pdserve.common.wire.payloads import FirstToken, KVLayout
 from pdserve.common.wire.security import CurveKeys
+from pdserve.kv_transfer import nixl_agent as na
+from pdserve.kv_transfer import nixl_wire as nx
 from pdserve.kv_transfer.base import TransferError
 from pdserve.kv_transfer.channel import ChannelSender
-from pdserve.kv_transfer.nixl_agent import (
-    Agent,
-    finish_handle,
-    release_handle,
-    remote_pages,
-    write_pages,
-)
-from pdserve.kv_transfer.nixl_wire import (
-    NIXL_CHECKSUM,
-    KVCancel,
-    KVExpect,
-    KVSettled,
-    collect_sums,
-    page_sums,
-    pages_digest,
-    require_whole_heads,
-)
-from pdserve.kv_transfer.wire import (
-    KV_PLANE,
-    KVDone,
-    KVRefused,
-    check_welcome,
-    corrupt_first_byte,
-)
+from pdserve.kv_transfer.wire import KV_PLANE, KVDone, KVRefused, check_welcome, corrupt_first_byte
 
 log = logging.getLogger(__name__)
 
@@ -114,12 +97,14 @@ class NixlSender(ChannelSender):
     ) -> None:
         super().__init__(layout, send_timeout, curve)
         self._announce_timeout = announce_timeout
-        self._agent = Agent.get()
+        self._agent = na.Agent.get()
         self._remote = ""
         self._remote_pages: dict[int, Any] = {}  # layer -> prepped list of the receiver's
         self._remote_blocks = 0
+        self._remote_rows: list[na.Rows] = []  # per layer, the receiver's cache as token rows
         self._caches: dict[int, torch.Tensor] = {}  # layer -> our cache, as sent from
-        self._expected: dict[str, frozenset[int]] = {}  # announced by the receiver
+        # announced by the receiver: the blocks and heads of its cache a transfer may write
+        self._expected: dict[str, tuple[frozenset[int], range]] = {}
         self._cancelled: dict[str, None] = {}  # insertion-ordered, bounded
         self._out: dict[str, _Outbound] = {}
         self._refused = ""  # the receiver dropped us: the next send fails, we reconnect
@@ -128,31 +113,44 @@ class NixlSender(ChannelSender):
 
     def _on_welcome(self, extra: dict[str, Any], timeout: float) -> None:
         check_welcome(extra, self._endpoint)
-        if extra.get("pages") != NIXL_CHECKSUM:
+        if extra.get("pages") != nx.NIXL_CHECKSUM:
             raise TransferError(f"{self._endpoint} checks pages with {extra.get('pages')!r}")
         try:
             layers = list(extra["layers"])
             if len(layers) != self.layout.num_layers:
                 raise ValueError(f"{len(layers)} layers offered")
             self._remote_blocks = int(extra["num_blocks"])
-            if int(extra["half_bytes"]) * 2 != self.layout.page_bytes:
-                raise ValueError(f"pages of {2 * int(extra['half_bytes'])} bytes")
-            self._remote, pages = remote_pages(extra)
+            heads = self._receiver_heads(int(extra["half_bytes"]))
+            self._remote, pages = na.remote_pages(extra)
             self._remote_pages = dict(enumerate(pages))
+            size, head_bytes = self.layout.block_size, self._head_bytes()
+            self._remote_rows = na.remote_rows(extra, heads, size, head_bytes)
         except (KeyError, TypeError, ValueError, RuntimeError, *self._agent.errors) as exc:
             raise TransferError(f"bad nixl welcome from {self._endpoint}: {exc!r}") from None
+
+    def _head_bytes(self) -> int:
+        """One KV head of one token: head_dim elements."""
+        return self.layout.head_dim * self.layout.itemsize
+
+    def _receiver_heads(self, half_bytes: int) -> int:
+        """The KV heads a receiver's blocks hold, from the bytes of one block's K half: all of
+        the model's, or a tensor-parallel rank's share (a divisor of them)."""
+        heads, rest = divmod(half_bytes, self.layout.block_size * self._head_bytes())
+        if rest or not heads or self.layout.num_kv_heads % heads:
+            raise ValueError(f"blocks of {half_bytes} bytes per K half")
+        return heads
 
     # -- messages from the receiver
 
     def _on_message(self, msg: Message) -> None:
-        if isinstance(msg, KVExpect):
+        if isinstance(msg, nx.KVExpect):
             if msg.xfer_id not in self._cancelled:
-                self._expected[msg.xfer_id] = frozenset(msg.block_ids)
+                self._expected[msg.xfer_id] = (frozenset(msg.block_ids), msg.heads)
                 # Every reservation is announced to every sender, most of them for other
                 # prefill nodes: keep the newest (a request waits here far less than this).
                 while len(self._expected) > _ANNOUNCED_KEPT:
                     del self._expected[next(iter(self._expected))]
-        elif isinstance(msg, KVCancel):
+        elif isinstance(msg, nx.KVCancel):
             self._stop(msg.xfer_id)
         elif isinstance(msg, KVRefused):
             self._refused = msg.reason
@@ -176,7 +174,7 @@ class NixlSender(ChannelSender):
         out = self._out.pop(xfer_id, None)
         if out is not None:
             self._settle(out)
-        self._send(KVSettled(xfer_id))
+        self._send(nx.KVSettled(xfer_id))
 
     # -- sending
 
@@ -189,42 +187,69 @@ class NixlSender(ChannelSender):
         layer_cache: torch.Tensor,
         heads: range | None = None,
     ) -> None:
-        require_whole_heads(layer_cache, heads)
         self._check_send_args(layer, src_block_ids, dst_block_ids, layer_cache)
+        heads = _sent_heads(layer_cache, heads)
         self._caches[layer] = layer_cache
         self.poll()
+        if xfer_id in self._cancelled or not src_block_ids:
+            return  # nothing to write (a cancelled transfer's pages go nowhere, refused or not)
         if self._refused:
             raise TransferError(f"{self._endpoint} dropped this sender: {self._refused}")
-        if xfer_id in self._cancelled or not src_block_ids:
-            return
         out = self._out.setdefault(xfer_id, _Outbound())
-        allowed = self._announced(xfer_id)
-        if allowed is None:  # cancelled meanwhile, or never announced
+        dst_heads = self._writable(out, xfer_id, layer, dst_block_ids, heads)
+        if dst_heads is None:
+            return
+        if self.faults is None or not self.faults.drop(xfer_id):  # dropped: booked, not written
+            self._write(out, xfer_id, layer, (src_block_ids, heads), (dst_block_ids, dst_heads))
+        # The pages' sums, read while the WRITE runs (the receiver sums what lands).
+        out.sums.append((layer, dst_block_ids, nx.page_sums(layer_cache, src_block_ids, heads)))
+
+    def _writable(
+        self, out: _Outbound, xfer_id: str, layer: int, dst: list[int], heads: range
+    ) -> range | None:
+        """The receiver's heads this layer's pages go to, if the receiver announced the
+        transfer, every block of `dst` is in it, and it expects as many heads as we send;
+        else None, with the problem noted (the transfer then fails at `send_done`)."""
+        announced = self._announced(xfer_id)
+        if announced is None:  # cancelled meanwhile, or never announced
             if xfer_id not in self._cancelled:
                 out.problems.append("the receiver never announced this transfer")
-            return
-        outside = sorted(set(dst_block_ids) - allowed)
+            return None
+        allowed, dst_heads = announced
+        outside = sorted(set(dst) - allowed)
         if outside:
             out.problems.append(f"layer {layer}: blocks {outside[:8]} are outside the reservation")
-            return
-        if self.faults is not None and self.faults.drop(xfer_id):
-            # Booked, never written: the receiver's checksum catches it.
-            out.sums.append((layer, dst_block_ids, page_sums(layer_cache, src_block_ids)))
-            return
+            return None
+        if len(dst_heads) != len(heads):
+            out.problems.append(
+                f"{len(heads)} KV heads sent, the receiver expects {len(dst_heads)}"
+            )
+            return None
+        return dst_heads
+
+    def _write(
+        self,
+        out: _Outbound,
+        xfer_id: str,
+        layer: int,
+        src: tuple[list[int], range],
+        dst: tuple[list[int], range],
+    ) -> None:
+        """Post the WRITE of one layer's pages (blocks, heads) `src` into the receiver's `dst`."""
         # A page sent again (a last block that a later chunk completed) must not race its
         # earlier WRITE: this layer's earlier WRITEs of the transfer finish first.
         self._wait(out, time.monotonic() + self._send_timeout, layer)
-        restore = self._fault_corrupt(xfer_id, layer_cache, src_block_ids[0])
+        cache = self._caches[layer]
+        restore = self._fault_corrupt(xfer_id, cache, src[0][0], src[1])
+        notif = msgpack.packb([xfer_id, layer, dst[0]])
         try:
-            (handle,) = write_pages(
-                self._caches,
-                self._remote_pages,
-                self._remote_blocks,
-                [layer],
-                src_block_ids,
-                dst_block_ids,
-                notif=msgpack.packb([xfer_id, layer, dst_block_ids]),
-            )
+            if len(src[1]) == cache.shape[3] and len(dst[1]) == self._remote_rows[layer].heads:
+                # whole blocks on both ends (the same TP): one descriptor per K or V half
+                pages = self._remote_pages, self._remote_blocks, [layer], src[0], dst[0], notif
+                (handle,) = na.write_pages(self._caches, *pages)
+            else:
+                remote = (self._remote, self._remote_rows[layer])
+                handle = na.write_rows(cache, *src, remote, *dst, notif)
         except TransferError as exc:
             if restore is not None:
                 restore()
@@ -234,8 +259,6 @@ class NixlSender(ChannelSender):
         if restore is not None:  # test hook: the page goes out damaged, stays clean here
             self._wait(out, time.monotonic() + self._send_timeout, layer)
             restore()
-        # The pages' sums, read while the WRITE runs (the receiver sums what lands).
-        out.sums.append((layer, dst_block_ids, page_sums(layer_cache, src_block_ids)))
 
     def send_done(self, xfer_id: str, first: FirstToken) -> None:
         self._require_connected()
@@ -245,14 +268,14 @@ class NixlSender(ChannelSender):
         out = self._out.pop(xfer_id, None) or _Outbound()
         self._expected.pop(xfer_id, None)
         self._settle(out)
-        sums = collect_sums(out.sums)
+        sums = nx.collect_sums(out.sums)
         per_layer = tuple(len(sums.get(i, {})) for i in range(self.layout.num_layers))
         done = KVDone(
             xfer_id,
             first,
-            pages_digest(sums) if sums else 0,
+            nx.pages_digest(sums) if sums else 0,
             per_layer,
-            NIXL_CHECKSUM,
+            nx.NIXL_CHECKSUM,
             sender_error="; ".join(out.problems),
             written_blocks=tuple(sorted({dst for pages in sums.values() for dst in pages})),
             writes=out.writes,
@@ -284,8 +307,8 @@ class NixlSender(ChannelSender):
 
     # -- helpers
 
-    def _announced(self, xfer_id: str) -> frozenset[int] | None:
-        """The receiver's blocks for the transfer, waiting (bounded) for its announcement
+    def _announced(self, xfer_id: str) -> tuple[frozenset[int], range] | None:
+        """The receiver's blocks and heads for the transfer, waiting (bounded) for its announcement
         (it normally arrives before the router's request does); None if it never came."""
         out = self._out[xfer_id]
         if out.unannounced:
@@ -309,7 +332,7 @@ class NixlSender(ChannelSender):
             if layer is not None and lay != layer:
                 keep.append((lay, handle))
                 continue
-            state = finish_handle(handle, deadline, f"NIXL WRITE to {self._endpoint}")
+            state = na.finish_handle(handle, deadline, f"NIXL WRITE to {self._endpoint}")
             if state != "DONE":
                 out.problems.append(f"layer {lay}: NIXL WRITE failed ({state})")
         out.handles = keep
@@ -320,14 +343,24 @@ class NixlSender(ChannelSender):
             self._wait(out, time.monotonic() + self._send_timeout)
         finally:
             for _, handle in out.handles:  # timed out: release aborts the rest
-                release_handle(handle)
+                na.release_handle(handle)
             out.handles.clear()
 
-    def _fault_corrupt(self, xfer_id: str, cache: torch.Tensor, block: int) -> Any:
-        """Under a test's faults only: damage a source page for the WRITE to carry; returns how
-        to undo it once the WRITE is done (the checksum reads the clean page)."""
+    def _fault_corrupt(self, xfer_id: str, cache: torch.Tensor, block: int, heads: range) -> Any:
+        """Under a test's faults only: damage a source page's first sent byte for the WRITE to
+        carry; returns how to undo it once the WRITE is done (the checksum reads the clean
+        page)."""
         if self.faults is None or not self.faults.corrupt(xfer_id):
             return None
-        page = cache[0, block]
-        corrupt_first_byte(page)
-        return lambda: corrupt_first_byte(page)  # xor twice: the original byte
+        row = cache[0, block, 0, heads.start]
+        corrupt_first_byte(row)
+        return lambda: corrupt_first_byte(row)  # xor twice: the original byte
+
+
+def _sent_heads(cache: torch.Tensor, heads: range | None) -> range:
+    """The cache's KV heads a slice carries (all when None); ValueError outside the cache."""
+    if heads is None:
+        return range(cache.shape[3])
+    if not heads or heads.step != 1 or heads.start < 0 or heads.stop > cache.shape[3]:
+        raise ValueError(f"KV heads {heads} are not a range within the cache's {cache.shape[3]}")
+    return heads

@@ -17,27 +17,11 @@ import zmq
 
 from pdserve.common.wire.messages import Message, ProtocolError
 from pdserve.common.wire.payloads import KVLayout
-from pdserve.common.wire.security import CurveKeys
+from pdserve.kv_transfer import nixl_wire as nx
 from pdserve.kv_transfer.base import TransferResult
 from pdserve.kv_transfer.channel import ChannelReceiver, Peer
 from pdserve.kv_transfer.nixl_agent import Agent, describe_caches
-from pdserve.kv_transfer.nixl_wire import (
-    NIXL_CHECKSUM,
-    KVCancel,
-    KVExpect,
-    KVSettled,
-    collect_sums,
-    page_sums,
-    pages_digest,
-    require_whole_heads,
-)
-from pdserve.kv_transfer.wire import (
-    KV_PLANE,
-    KVDone,
-    KVHello,
-    KVRefused,
-    welcome_extra,
-)
+from pdserve.kv_transfer.wire import KV_PLANE, KVDone, KVHello, KVRefused, welcome_extra
 
 log = logging.getLogger(__name__)
 
@@ -81,6 +65,17 @@ class _Progress:
 # -- receiver -------------------------------------------------------------------------------------
 
 
+@dataclass(frozen=True, slots=True)
+class _Reservation:
+    """A live transfer: the blocks reserved for it, in order, and the heads of each it fills."""
+
+    blocks: tuple[int, ...]
+    heads: range
+
+    def announce(self, xfer_id: str) -> nx.KVExpect:
+        return nx.KVExpect(xfer_id, self.blocks, self.heads.start, len(self.heads))
+
+
 @dataclass
 class _Fence:
     """A cancelled transfer's blocks: writes may still land until every sender settled."""
@@ -99,19 +94,13 @@ class NixlReceiver(ChannelReceiver):
     fences: ClassVar[bool] = True
 
     def __init__(
-        self,
-        layout: KVLayout,
-        kv_caches: list[torch.Tensor],
-        host: str = "127.0.0.1",
-        port: int = 0,
-        curve: CurveKeys | None = None,
-        fence_timeout: float = 30.0,
+        self, layout: KVLayout, caches: list[torch.Tensor], fence_timeout: float = 30.0, **opts: Any
     ) -> None:
-        super().__init__(layout, kv_caches, host, port, curve=curve)
+        super().__init__(layout, caches, **opts)  # host, port, curve
         self._agent = Agent.get()
-        self._agent.register(kv_caches)
+        self._agent.register(caches)
         self._fence_timeout = fence_timeout
-        self._reserved: dict[str, tuple[int, ...]] = {}  # live transfers, blocks in order
+        self._reserved: dict[str, _Reservation] = {}  # live transfers
         self._fences: dict[str, _Fence] = {}
         self._fenced_blocks: dict[str, frozenset[int]] = {}
         self._waiting_done: dict[str, tuple[KVDone, float]] = {}  # done, with its deadline
@@ -124,26 +113,27 @@ class NixlReceiver(ChannelReceiver):
     # -- public API
 
     def expect(self, xfer_id: str, block_ids: list[int], heads: range | None = None) -> None:
-        require_whole_heads(self.kv_caches[0], heads)
-        super().expect(xfer_id, block_ids)
-        self._reserved[xfer_id] = tuple(block_ids)
+        super().expect(xfer_id, block_ids, heads)
+        whole = range(self.kv_caches[0].shape[3])
+        reservation = _Reservation(tuple(block_ids), whole if heads is None else heads)
+        self._reserved[xfer_id] = reservation
         self._progress_thread.busy = True
-        self._broadcast(KVExpect(xfer_id, tuple(block_ids)))
+        self._broadcast(reservation.announce(xfer_id))
 
     def cancel(self, xfer_id: str) -> None:
-        blocks = self._reserved.pop(xfer_id, None)
+        """Fence a live transfer's blocks until every sender settled; one not live (finished,
+        or never expected) is released at once: nothing of it can be in flight."""
+        reservation = self._reserved.pop(xfer_id, None)
         self._book.cancel(xfer_id)
         self._waiting_done.pop(xfer_id, None)
         self._landed.pop(xfer_id, None)
-        if blocks is None:
-            return
         peers = set(self._peers)
-        if not peers:
+        if reservation is None or not peers:
             self._released.append(xfer_id)
             return
         self._fences[xfer_id] = _Fence(peers, time.monotonic() + self._fence_timeout)
-        self._fenced_blocks[xfer_id] = frozenset(blocks)
-        self._broadcast(KVCancel(xfer_id))
+        self._fenced_blocks[xfer_id] = frozenset(reservation.blocks)
+        self._broadcast(nx.KVCancel(xfer_id))
 
     def released(self) -> list[str]:
         """Cancelled transfers whose blocks no write can reach any more, since the last call:
@@ -154,11 +144,11 @@ class NixlReceiver(ChannelReceiver):
     # -- handshake
 
     def _accept_peer(self, peer: Peer) -> dict[str, Any]:
-        return welcome_extra(**describe_caches(self.kv_caches), pages=NIXL_CHECKSUM)
+        return welcome_extra(**describe_caches(self.kv_caches), pages=nx.NIXL_CHECKSUM)
 
     def _after_welcome(self, peer: Peer) -> None:
-        for xfer_id, blocks in self._reserved.items():  # reservations made before it came
-            self._reply(peer.identity, KVExpect(xfer_id, blocks))
+        for xfer_id, reservation in self._reserved.items():  # made before it came
+            self._reply(peer.identity, reservation.announce(xfer_id))
 
     # -- messages
 
@@ -177,7 +167,7 @@ class NixlReceiver(ChannelReceiver):
                     return
             except ProtocolError:
                 pass
-        if isinstance(msg, KVSettled):
+        if isinstance(msg, nx.KVSettled):
             self._settled(msg.xfer_id, identity)
         elif isinstance(msg, KVDone):
             self._settled(msg.xfer_id, identity, done=True)
@@ -225,19 +215,19 @@ class NixlReceiver(ChannelReceiver):
         self._take_notifications()
         fenced = frozenset().union(*self._fenced_blocks.values()) if self._fences else frozenset()
         for xfer_id, (done, deadline) in list(self._waiting_done.items()):
-            if fenced and fenced & set(self._reserved[xfer_id]):
+            if fenced and fenced & set(self._reserved[xfer_id].blocks):
                 continue  # an older transfer into these blocks may still write: wait
             landed = self._landed.get(xfer_id, [])
             writes = done.writes
             if len(landed) < writes and now < deadline:
                 continue
             del self._waiting_done[xfer_id]
-            blocks = self._reserved.pop(xfer_id)
+            reservation = self._reserved.pop(xfer_id)
             self._landed.pop(xfer_id, None)
             if len(landed) != writes:
                 landed = []  # not every WRITE was seen landing: sum every page here
             self._book.cancel(xfer_id)  # finished: later messages for it are refused
-            self._completed.append(self._check(done, blocks, landed))
+            self._completed.append(self._check(done, reservation, landed))
         self._progress_thread.busy = self._busy()
 
     def _take_notifications(self) -> None:
@@ -248,22 +238,21 @@ class NixlReceiver(ChannelReceiver):
             except (ValueError, TypeError, msgpack.ExtraData):
                 self._book.counters["bad_notification"] += 1
                 continue
-            parts = self._landed.get(xfer_id) if xfer_id in self._reserved else None
+            reservation = self._reserved.get(xfer_id) if isinstance(xfer_id, str) else None
+            if reservation is None:
+                self._book.counters["late_notification"] += 1  # finished or cancelled
+                continue
             valid = (
                 isinstance(layer, int)
                 and 0 <= layer < self.layout.num_layers
                 and isinstance(dsts, list)
-                and set(dsts) <= set(self._reserved.get(xfer_id, ()))
+                and set(dsts) <= set(reservation.blocks)
             )
-            if xfer_id not in self._reserved:
-                self._book.counters["late_notification"] += 1  # finished or cancelled
-                continue
             if not valid:
                 self._book.counters["bad_notification"] += 1
                 continue
-            if parts is None:
-                parts = self._landed[xfer_id] = []
-            parts.append((layer, dsts, page_sums(self.kv_caches[layer], dsts)))
+            sums = nx.page_sums(self.kv_caches[layer], dsts, reservation.heads)
+            self._landed.setdefault(xfer_id, []).append((layer, dsts, sums))
             self._book.pages_received += len(dsts)
 
     def _busy(self) -> bool:
@@ -272,38 +261,43 @@ class NixlReceiver(ChannelReceiver):
     def _check(
         self,
         done: KVDone,
-        reserved: tuple[int, ...],
+        reservation: _Reservation,
         landed: Sequence[tuple[int, Sequence[int], torch.Tensor]],
     ) -> TransferResult:
         """The transfer's result: ok only if the sender wrote each of its pages into the
-        reservation and the pages here sum as the sender's did (pages not summed on
-        arrival are summed now)."""
+        reservation and the pages here sum as the sender's did."""
         error, blocks = done.sender_error, done.written_blocks
-        if not error and done.checksum_scheme != NIXL_CHECKSUM:
-            error = f"pages checked with {done.checksum_scheme!r}, not {NIXL_CHECKSUM!r}"
-        if not error and not set(blocks) <= set(reserved):
+        if not error and done.checksum_scheme != nx.NIXL_CHECKSUM:
+            error = f"pages checked with {done.checksum_scheme!r}, not {nx.NIXL_CHECKSUM!r}"
+        if not error and not set(blocks) <= set(reservation.blocks):
             error = "the sender wrote blocks outside the reservation"
         if not error:
             for layer, n in enumerate(done.pages_per_layer):
                 if n != len(blocks):
                     error = f"layer {layer}: {n} pages written of {len(blocks)}"
                     break
-        if not error:
-            sums = collect_sums(landed)
-            for layer in range(self.layout.num_layers):
-                pages = sums.setdefault(layer, {})
-                missing = [b for b in blocks if b not in pages]
-                if missing:
-                    sums[layer].update(
-                        collect_sums([(layer, missing, page_sums(self.kv_caches[layer], missing))])[
-                            layer
-                        ]
-                    )
-                for extra in set(pages) - set(blocks):
-                    del pages[extra]
-            if pages_digest(sums) != done.checksum:
-                error = "checksum of the written pages does not match the sender's"
+        if not error and self._digest(blocks, reservation.heads, landed) != done.checksum:
+            error = "checksum of the written pages does not match the sender's"
         return TransferResult(done.xfer_id, done.first, not error, error)
+
+    def _digest(
+        self,
+        blocks: Sequence[int],
+        heads: range,
+        landed: Sequence[tuple[int, Sequence[int], torch.Tensor]],
+    ) -> int:
+        """The checksum of `blocks` of every layer (their `heads`): pages summed on arrival,
+        the others summed now."""
+        sums = nx.collect_sums(landed)
+        for layer in range(self.layout.num_layers):
+            pages = sums.setdefault(layer, {})
+            missing = [b for b in blocks if b not in pages]
+            if missing:
+                late = nx.page_sums(self.kv_caches[layer], missing, heads)
+                pages.update(nx.collect_sums([(layer, missing, late)])[layer])
+            for extra in set(pages) - set(blocks):
+                del pages[extra]
+        return nx.pages_digest(sums)
 
     def _broadcast(self, msg: Message) -> None:
         for identity in self._peers:

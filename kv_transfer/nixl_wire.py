@@ -26,12 +26,19 @@ _MASK64 = (1 << 64) - 1
 @kv_message
 @dataclass(frozen=True, slots=True)
 class KVExpect(Message):
-    """Receiver -> every sender: the blocks reserved for a transfer, the only ones a sender
-    may write for it."""
+    """Receiver -> every sender: the blocks reserved for a transfer and the heads of the
+    receiver's cache it fills, [first_head, first_head + num_heads): the only bytes a sender
+    may write for it (a tensor-parallel slice fills some heads of each block)."""
 
     TYPE: ClassVar[str] = "kvx.expect"
     xfer_id: str
     block_ids: tuple[int, ...]
+    first_head: int
+    num_heads: int
+
+    @property
+    def heads(self) -> range:
+        return range(self.first_head, self.first_head + self.num_heads)
 
 
 @kv_message
@@ -59,27 +66,38 @@ class KVSettled(Message):
 _GATHER_BYTES = 64 << 20  # scattered pages are summed through gathers of at most this
 
 
-def page_sums(cache: torch.Tensor, blocks: Sequence[int]) -> torch.Tensor:
+def page_sums(
+    cache: torch.Tensor, blocks: Sequence[int], heads: range | None = None
+) -> torch.Tensor:
     """[len(blocks), 2] int64: the word sums (mod 2**64) of each block's K and V half in a
-    [2, num_blocks, ...] layer cache. Runs of contiguous blocks are summed in place; blocks
-    scattered across the cache are gathered in bounded chunks first. No sync (CUDA)."""
+    [2, num_blocks, ...] layer cache, or with `heads` of only those KV heads of it (a
+    tensor-parallel slice). Runs of contiguous whole blocks are summed in place; other pages
+    are gathered in bounded chunks first. No sync (CUDA)."""
     if not blocks:
         return torch.zeros(0, 2, dtype=torch.int64, device=cache.device)
-    words = _words(cache)  # [2, num_blocks, W]
+    if heads is not None and len(heads) != cache.shape[3]:
+        return _gathered_sums(cache, blocks, heads).t()
     order = sorted(range(len(blocks)), key=blocks.__getitem__)
     ids = [blocks[i] for i in order]
     runs = _runs(ids)
     if len(runs) * 8 <= len(ids):  # mostly contiguous
+        words = _words(cache)  # [2, num_blocks, W]
         sums = torch.cat([words[:, b0 : b0 + n].sum(-1) for b0, n in runs], dim=1)
     else:
-        index = torch.tensor(ids, device=cache.device)
-        step = max(1, _GATHER_BYTES // (words.shape[2] * 16))
-        sums = torch.cat(
-            [words[:, index[i : i + step]].sum(-1) for i in range(0, len(ids), step)], dim=1
-        )
+        sums = _gathered_sums(cache, ids, None)
     back = torch.empty_like(sums)
     back[:, order] = sums  # the caller's order
     return back.t()
+
+
+def _gathered_sums(cache: torch.Tensor, blocks: Sequence[int], heads: range | None) -> torch.Tensor:
+    """[2, len(blocks)] word sums of each block (of its `heads` only, when given), gathered
+    at most _GATHER_BYTES at a time."""
+    pages = cache if heads is None else cache[:, :, :, heads.start : heads.stop]  # a view
+    index = torch.tensor(list(blocks), device=cache.device)
+    step = max(1, _GATHER_BYTES // (2 * pages[0, 0].numel() * cache.element_size()))
+    parts = [pages[:, index[i : i + step]] for i in range(0, len(blocks), step)]
+    return torch.cat([_words(part.contiguous()).sum(-1) for part in parts], dim=1)
 
 
 def pages_digest(sums: dict[int, dict[int, tuple[int, int]]]) -> int:
@@ -131,10 +149,3 @@ def _runs(ids: Sequence[int]) -> list[tuple[int, int]]:
             runs.append((ids[start], i - start))
             start = i
     return runs
-
-
-def require_whole_heads(cache: torch.Tensor, heads: range | None) -> None:
-    """nixl moves whole blocks of registered memory: a tensor-parallel slice of a block's KV
-    heads is not one region of it (NotImplementedError)."""
-    if heads is not None and len(heads) != cache.shape[3]:
-        raise NotImplementedError("the nixl connector moves whole blocks, not KV-head slices")

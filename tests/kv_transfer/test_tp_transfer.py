@@ -7,6 +7,7 @@ process, the decode ranks' receivers here."""
 from __future__ import annotations
 
 import random
+import uuid
 from collections.abc import Iterator
 
 import pytest
@@ -14,7 +15,7 @@ import torch
 
 from pdserve.common.wire.payloads import rank_kv_heads, transfer_plan
 from pdserve.kv_transfer import KVLayout, KVReceiver, create_receiver
-from tests.kv_transfer.helpers import Pump, SenderProcess, make_caches
+from tests.kv_transfer.helpers import Pump, SenderProcess, make_caches, needs_nixl
 
 SRC_BLOCKS, DST_BLOCKS = 12, 16
 SEED = 77
@@ -28,7 +29,9 @@ def layout(kv_heads: int) -> KVLayout:
     )
 
 
-@pytest.fixture(scope="module", params=["zmq", "nccl", "shm"])
+@pytest.fixture(
+    scope="module", params=["zmq", "nccl", "shm", pytest.param("nixl", marks=needs_nixl)]
+)
 def connector(request: pytest.FixtureRequest) -> str:
     return request.param
 
@@ -47,6 +50,9 @@ class Groups:
 
     def __init__(self, connector: str, child: SenderProcess, kv: int, p: int, d: int) -> None:
         self.layout, self.child, self.kv, self.p, self.d = layout(kv), child, kv, p, d
+        # The child keeps every group's caches: a freed cache's memory stays registered with
+        # its NIXL agent (a node's caches live as long as it does), so none is reused.
+        self.tag = uuid.uuid4().hex[:8]
         self.full = make_caches(self.layout, SRC_BLOCKS, SEED)
         self.caches: list[list[torch.Tensor]] = []
         self.receivers: list[KVReceiver] = []
@@ -62,7 +68,7 @@ class Groups:
             held = rank_kv_heads(kv, p, i)
             self._call(
                 op="cache",
-                name=f"p{i}",
+                name=f"{self.tag}p{i}",
                 layout=self.layout.to_dict(),
                 num_blocks=SRC_BLOCKS,
                 seed=SEED,
@@ -95,7 +101,7 @@ class Groups:
             self._call(
                 op="send",
                 sender=name,
-                cache=f"p{s.src_rank}",
+                cache=f"{self.tag}p{s.src_rank}",
                 xfer=xfer_id,
                 layers=[0, 1],
                 src=src,
