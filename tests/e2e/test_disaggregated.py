@@ -214,30 +214,16 @@ def test_openai_client_and_demo_against_1p1d(model_dir, capsys):
     with LocalCluster(model_dir, 1, 1, engine_args=ENGINE) as c:
         client = OpenAI(base_url=c.url + "/v1", api_key="unused", timeout=60)
         name = client.models.list().data[0].id
-        whole = client.completions.create(
-            model=name,
-            prompt="hello there",
-            max_tokens=6,
-            temperature=0,
-            extra_body={"ignore_eos": True},
-        )
-        pieces = client.completions.create(
-            model=name,
-            prompt="hello there",
-            max_tokens=6,
-            temperature=0,
-            stream=True,
-            extra_body={"ignore_eos": True},
-        )
+        fields = dict(model=name, max_tokens=6, temperature=0)
+        ask = dict(prompt="hello there", extra_body={"ignore_eos": True}, **fields)
+        whole = client.completions.create(**ask)
+        pieces = client.completions.create(stream=True, **ask)
         assert "".join(ch.choices[0].text for ch in pieces if ch.choices) == whole.choices[0].text
         assert whole.usage.completion_tokens == 6
         messages = [{"role": "user", "content": "hi"}]
-        chat = client.chat.completions.create(
-            model=name, messages=messages, max_tokens=5, temperature=0
-        )
-        streamed = client.chat.completions.create(
-            model=name, messages=messages, max_tokens=5, temperature=0, stream=True
-        )
+        fields["max_tokens"] = 5
+        chat = client.chat.completions.create(messages=messages, **fields)
+        streamed = client.chat.completions.create(messages=messages, stream=True, **fields)
         text = "".join(ch.choices[0].delta.content or "" for ch in streamed if ch.choices)
         assert text == chat.choices[0].message.content
         assert_clean(c)

@@ -24,6 +24,7 @@ from pdserve.testbed.cluster import KV_PORT, HostCluster
 from pdserve.testbed.faults import router_failovers
 from pdserve.testbed.hosts import Hosts, netem_reason, skip_reason
 from pdserve.tiny_model import make_tiny_model
+from tests.e2e.test_disaggregated import complete as complete_body
 
 pytestmark = pytest.mark.skipif(skip_reason() is not None, reason=f"no hosts: {skip_reason()}")
 
@@ -84,17 +85,9 @@ def nodes(cluster):
             cluster.stop(name)
 
 
-def complete(url: str, prompt: list[int], timeout: float = 120) -> list[int]:
-    body = {
-        "prompt": prompt,
-        "max_tokens": MAX_TOKENS,
-        "temperature": 0,
-        "ignore_eos": True,
-        "return_token_ids": True,
-    }
-    resp = httpx.post(url + "/v1/completions", json=body, timeout=timeout)
-    assert resp.status_code == 200, resp.text
-    return resp.json()["choices"][0]["token_ids"]
+def complete(url: str, prompt: list[int]) -> list[int]:
+    """The greedy answer's tokens (the request as tests/e2e/test_disaggregated.py's)."""
+    return complete_body(url, prompt, max_tokens=MAX_TOKENS)["choices"][0]["token_ids"]
 
 
 def run_all(url: str, prompts: list[list[int]]) -> list[list[int]]:

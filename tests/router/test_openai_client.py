@@ -89,18 +89,12 @@ def test_models(client: openai.OpenAI) -> None:
 
 
 def test_completion_plain_and_streamed(client: openai.OpenAI) -> None:
-    whole = client.completions.create(model=MODEL, prompt="Hello", max_tokens=6, seed=5)
+    ask = dict(model=MODEL, prompt="Hello", max_tokens=6, seed=5)
+    whole = client.completions.create(**ask)
     assert whole.id.startswith("cmpl-")
     assert whole.choices[0].finish_reason == "length"
     assert whole.usage is not None and whole.usage.completion_tokens == 6
-    stream = client.completions.create(
-        model=MODEL,
-        prompt="Hello",
-        max_tokens=6,
-        seed=5,
-        stream=True,
-        stream_options={"include_usage": True},
-    )
+    stream = client.completions.create(stream=True, stream_options={"include_usage": True}, **ask)
     chunks = list(stream)
     assert "".join(c.choices[0].text for c in chunks if c.choices) == whole.choices[0].text
     assert (
