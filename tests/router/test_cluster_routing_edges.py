@@ -109,10 +109,7 @@ async def test_a_local_placement_prefills_on_the_decode_node(
 async def test_a_decode_node_refusing_the_request_as_invalid_ends_it(
     backend: ClusterBackend, nodes: FakeNodes, _: FakeClock
 ) -> None:
-    nodes.silent = {"d0", "d1"}
-    client = Client(backend)
-    await until(lambda: nodes.where(ReserveKV, "r"), "the reservation asked")
-    (first,) = nodes.where(ReserveKV, "r")
+    client, first = await nodes.reserving("d0", "d1")
     nodes.tell(first, Error("r", "the grammar does not compile", Failure.BAD_REQUEST))
     last = await client.done()
     assert (last.error, last.failure) == ("the grammar does not compile", Failure.BAD_REQUEST)
@@ -123,10 +120,7 @@ async def test_a_decode_node_refusing_the_request_as_invalid_ends_it(
 async def test_a_busy_decode_node_is_passed_for_the_next(
     backend: ClusterBackend, nodes: FakeNodes, _: FakeClock
 ) -> None:
-    nodes.silent = {"d0", "d1"}
-    client = Client(backend)
-    await until(lambda: nodes.where(ReserveKV, "r"), "the reservation asked")
-    (first,) = nodes.where(ReserveKV, "r")
+    client, first = await nodes.reserving("d0", "d1")
     other = ({"d0", "d1"} - {first}).pop()
     nodes.tell(first, Busy("r", "full"))
     await until(lambda: len(nodes.where(ReserveKV, "r")) == 2, "the next node asked")
@@ -151,9 +145,7 @@ async def test_no_room_on_any_decode_node_within_the_wait_is_unavailable(
     backend: ClusterBackend, nodes: FakeNodes, _: FakeClock
 ) -> None:
     backend.routing.reserve_wait = 0.0
-    nodes.silent = {"d0"}
-    client = Client(backend)
-    await until(lambda: nodes.where(ReserveKV, "r"), "the reservation asked")
+    client, _ = await nodes.reserving("d0")
     nodes.tell("d0", Busy("r", "full"))
     last = await client.done()
     assert (last.error, last.failure) == (
@@ -207,9 +199,7 @@ async def test_a_decode_node_holding_less_than_half_is_not_preferred(
 async def test_a_prefill_node_gone_during_the_reservation_leaves_no_route(
     backend: ClusterBackend, nodes: FakeNodes, _: FakeClock
 ) -> None:
-    nodes.silent = {"d0"}
-    client = Client(backend)
-    await until(lambda: nodes.where(ReserveKV, "r"), "the reservation asked")
+    client, _ = await nodes.reserving("d0")
     backend.nodes["p0"].last_seen = -math.inf
     nodes.tell("d0", Reserved("r", "x", (1,), ("ipc:///kv/d0",)))
     last = await client.done()
@@ -474,9 +464,7 @@ async def test_every_policy_routes_remote_local_colocated_and_scored_requests(
 async def test_a_second_round_of_reservations_follows_the_policy_again(
     backend: ClusterBackend, nodes: FakeNodes, _: FakeClock
 ) -> None:
-    nodes.silent = {"d0"}
-    client = Client(backend)
-    await until(lambda: nodes.where(ReserveKV, "r"), "the first ask")
+    client, _ = await nodes.reserving("d0")
     nodes.tell("d0", Busy("r", "full"))
     # The next round comes after the routing's pause (real time): polled for, generously.
     for _ in range(1000):
@@ -556,9 +544,7 @@ async def test_a_prefill_node_of_another_tp_renews_the_reservation_first(
     backend: ClusterBackend, nodes: FakeNodes, _: FakeClock
 ) -> None:
     add(nodes, "p0", "prefill", 4)
-    nodes.silent = {"d0"}
-    client = Client(backend)
-    await until(lambda: nodes.where(ReserveKV, "r"), "the reservation asked")
+    client, _ = await nodes.reserving("d0")
     nodes.tell("d0", Reserved("r", "x", (1,), ("ipc:///kv/d0",), src_tp=1))  # for TP 1
     await until(lambda: nodes.where(RenewTransfer, "r"), "the renewal asked")
     assert nodes.to("d0", RenewTransfer) == [RenewTransfer("r", src_tp=4)]

@@ -108,6 +108,15 @@ class FakeNodes:
         await self.prefilling("r")
         return client
 
+    async def reserving(self, *silent: str) -> tuple[Client, str]:
+        """A client's request, once the router asked a decode node for the reservation, which
+        the `silent` nodes leave for the test to answer: the client, and the node asked."""
+        self.silent = set(silent)
+        client = Client(self.backend)
+        await until(lambda: self.where(ReserveKV, "r"), "the reservation asked")
+        (asked,) = self.where(ReserveKV, "r")
+        return client, asked
+
     async def prefilling(self, request_id: str) -> None:
         """Wait until the router sent the prefill of this attempt of the request."""
         await until(lambda: self.where(Prefill, request_id), f"the prefill of {request_id}")
@@ -337,10 +346,7 @@ async def test_a_decode_node_silent_mid_stream_is_left_and_the_tokens_go_on(
 async def test_a_reservation_asked_of_a_node_that_died_moves_on_once_the_node_is_taken_for_dead(
     backend: ClusterBackend, nodes: FakeNodes, clock: FakeClock
 ) -> None:
-    nodes.silent = {"d0", "d1"}
-    client = Client(backend)
-    await until(lambda: nodes.where(ReserveKV, "r"), "the first reservation asked")
-    (dead,) = nodes.where(ReserveKV, "r")
+    client, dead = await nodes.reserving("d0", "d1")
     other = ({"d0", "d1"} - {dead}).pop()
     nodes.silent = {dead}
     clock.advance(TIMEOUT + 1)
