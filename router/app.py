@@ -125,6 +125,14 @@ def create_app(
     if api_key is not None:
         app.add_middleware(ApiKeyGuard, api_key=api_key)
     app.add_middleware(RequestCounter, metrics=handlers.metrics)
+    _add_routes(app, handlers)
+    _serve_openapi(app, api_key is not None)
+    app.state.admission = handlers.admission  # for tests and operators: work in flight
+    return app
+
+
+def _add_routes(app: FastAPI, handlers: Handlers) -> None:
+    """Every route to its handler, with the responses the OpenAPI schema lists for it."""
     generation = (400, 404, 413, 415, 500, 503)
     app.post("/v1/completions", responses=_responses(CompletionResponse, *generation, stream=True))(
         handlers.completions
@@ -143,6 +151,11 @@ def create_app(
     app.post(
         "/detokenize", response_model=DetokenizeResponse, responses=_responses(None, 400, 404)
     )(handlers.detokenize)
+
+
+def _serve_openapi(app: FastAPI, keyed: bool) -> None:
+    """/openapi.json built once, on first request, with the request bodies the handlers
+    read themselves (`keyed`: the routes want the API key)."""
     bodies = {
         "/v1/completions": CompletionRequest,
         "/v1/chat/completions": ChatCompletionRequest,
@@ -153,9 +166,7 @@ def create_app(
 
     def openapi() -> dict:
         if not schema:
-            schema.update(_openapi(app, bodies, api_key is not None))
+            schema.update(_openapi(app, bodies, keyed))
         return schema
 
     app.openapi = openapi  # type: ignore[method-assign]
-    app.state.admission = handlers.admission  # for tests and operators: work in flight
-    return app
