@@ -22,7 +22,7 @@ from pdserve.common.model.llama import MLP, DecoderLayer, LlamaFamilyForCausalLM
 from pdserve.common.model.parallel import TPGroup
 
 
-def route(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, ...]:
+def route(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """(weights [T, k] float32, expert ids [T, k]): the top-k of the router's softmax, taken in
     float32 as transformers does, rescaled to sum to 1 when `renormalize`."""
     probs = torch.softmax(logits.float(), dim=-1)
@@ -51,8 +51,10 @@ def experts_grouped(
     contiguous run: one matmul pair per expert that has any, then one index_add puts every
     weighted row back on its token. The loop is over experts, never over tokens.
     """
-    t, k = ids.shape
+    k = ids.shape[1]
     flat = ids.flatten()
+    if flat.numel() == 0:
+        return torch.zeros_like(x)
     order = torch.argsort(flat, stable=True)
     counts = torch.bincount(flat, minlength=gate_up.shape[0]).tolist()
     token = order // k
@@ -81,7 +83,7 @@ def experts_gathered(
     gate, up = torch.bmm(gate_up[flat], rows).squeeze(-1).chunk(2, dim=-1)
     out_rows = torch.bmm(down[flat], (F.silu(gate) * up)[:, :, None]).squeeze(-1)
     scaled = out_rows * weights.reshape(t * k, 1)
-    return scaled.view(t, k, -1).sum(dim=1).to(x.dtype)
+    return scaled.view(t, k, x.shape[1]).sum(dim=1).to(x.dtype)
 
 
 class Experts(nn.Module):

@@ -117,6 +117,13 @@ def test_batched_experts_equal_the_per_token_reference(run, tokens):
     assert got.abs().sum() > 0
 
 
+@pytest.mark.parametrize("run", [experts_grouped, experts_gathered])
+def test_an_empty_batch_gives_an_empty_result(run):
+    x, weights, ids = torch.zeros(0, 4), torch.zeros(0, TOP_K), torch.zeros(0, TOP_K).long()
+    out = run(x, torch.randn(3, 6, 4), torch.randn(3, 4, 3), weights, ids)
+    assert out.shape == (0, 4)
+
+
 def test_routing_renormalizes_only_when_asked():
     logits = torch.tensor([[2.0, 1.0, 0.0, -1.0]])
     raw, ids = route(logits, 2, renormalize=False)
