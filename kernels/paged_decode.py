@@ -130,6 +130,18 @@ def num_splits(
     return max(1, min(wanted, MAX_SPLITS, triton.cdiv(max_keys, block_n)))
 
 
+def _split_buffers(
+    out: torch.Tensor, splits: int, block_d: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each split's partial rows [T, H, splits, block_d] and log-sum-exps [T, H, splits],
+    float32; with one split the kernel writes `out` directly and these are placeholders."""
+    if splits <= 1:
+        return out, out
+    num_tokens, num_heads = out.shape[:2]
+    part_out = torch.empty(num_tokens, num_heads, splits, block_d, device=out.device)
+    return part_out, torch.empty(num_tokens, num_heads, splits, device=out.device)
+
+
 def paged_decode_triton(
     query: torch.Tensor,
     k_cache: torch.Tensor,
@@ -167,10 +179,7 @@ def paged_decode_triton(
     if splits is None:
         splits = num_splits(num_seqs, num_kv_heads, max_keys, query.device, block_n)
     block_d = max(16, triton.next_power_of_2(head_dim))
-    part_out = part_lse = out  # unused placeholders when there is one split
-    if splits > 1:
-        part_out = torch.empty(num_tokens, num_heads, splits, block_d, device=query.device)
-        part_lse = torch.empty(num_tokens, num_heads, splits, device=query.device)
+    part_out, part_lse = _split_buffers(out, splits, block_d)
     queries_per_kv = num_heads // num_kv_heads
     _paged_decode_kernel[(num_seqs, num_kv_heads, splits)](
         query,
