@@ -123,7 +123,7 @@ class DecodeNode(EngineNode):
 
     def io_messages(self) -> Iterator[Told]:
         if self.fences:
-            for xfer_id in self.kv.call("released")[0]:  # no remote write can reach them now
+            for xfer_id in self.kv.released():  # no remote write can reach them on any rank
                 self.engine.kv.release_held(xfer_id)
         if not self.pending:
             return

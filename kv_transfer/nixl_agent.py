@@ -112,9 +112,14 @@ class Agent:
     def metadata(self) -> bytes:
         return bytes(self.agent.get_agent_metadata())
 
-    def add_remote(self, metadata: bytes) -> str:
-        name = self.agent.add_remote_agent(metadata)
-        name = name.decode() if isinstance(name, bytes) else str(name)
+    def add_remote(self, metadata: bytes, name: str) -> str:
+        """Load agent `name` from its metadata (once; counted). This process's own agent (a
+        prefill and a decode rank in one process, as in tests) is its own loopback target."""
+        if name != self.name and name not in self._remotes:
+            loaded = self.agent.add_remote_agent(metadata)
+            loaded = loaded.decode() if isinstance(loaded, bytes) else str(loaded)
+            if loaded != name:
+                raise ValueError(f"NIXL agent metadata of {loaded!r}, announced as {name!r}")
         self._remotes[name] = self._remotes.get(name, 0) + 1
         return name
 
@@ -124,6 +129,8 @@ class Agent:
             self._remotes[name] = left
             return
         self._remotes.pop(name, None)
+        if name == self.name:
+            return
         try:
             self.agent.remove_remote_agent(name)
         except Exception:  # already gone with the peer; nothing to release
@@ -169,7 +176,7 @@ def _page_indices(blocks: Sequence[int], num_blocks: int) -> list[int]:
 
 def describe_caches(caches: Sequence[torch.Tensor]) -> dict[str, Any]:
     """What a peer needs to write into these (registered) layer caches: this process's agent
-    metadata and, per layer, the base address, device and memory type."""
+    metadata and name and, per layer, the base address, device and memory type."""
     agent = Agent.get()
     agent.register(caches)
     layers = []
@@ -178,6 +185,7 @@ def describe_caches(caches: Sequence[torch.Tensor]) -> dict[str, Any]:
         layers.append({"base": cache.data_ptr(), "device": device, "mem": mem})
     return {
         "agent": agent.metadata(),
+        "name": agent.name,
         "layers": layers,
         "num_blocks": caches[0].shape[1],
         "half_bytes": _half_bytes(caches[0]),
@@ -188,7 +196,7 @@ def remote_pages(target: dict[str, Any]) -> tuple[str, list[Any]]:
     """The remote agent's name and a prepped page list per layer of `describe_caches`'s
     answer (loads the agent; `Agent.drop_remote` unloads it)."""
     agent = Agent.get()
-    name = agent.add_remote(bytes(target["agent"]))
+    name = agent.add_remote(bytes(target["agent"]), str(target["name"]))
     half, n = int(target["half_bytes"]), int(target["num_blocks"])
     return name, [agent.prep(name, int(e["base"]), n, half, e) for e in target["layers"]]
 

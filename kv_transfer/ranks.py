@@ -31,6 +31,7 @@ from pdserve.common.wire.security import CurveKeys, load_keys
 from pdserve.kv_transfer.base import (
     KVReceiver,
     KVSender,
+    TransferResult,
     check_available,
     create_receiver,
     create_sender,
@@ -198,6 +199,8 @@ class RankKV:
             self.receiver = self.port.listen(self.caches, host, bind, fence_timeout)
         self.expected: dict[str, list[str]] = {}  # xfer id -> this rank's slice ids
         self.failed: dict[str, str] = {}  # decode group (its rank 0 endpoint) -> why
+        self.fenced: dict[str, set[str]] = {}  # cancelled xfer id -> its slices still fenced
+        self._results: list[TransferResult] = []  # finished slices not yet taken
         # (send TP, receive TP) -> the plan: asked for each layer of each shipment, made once
         self._plans: dict[tuple[int, int], tuple[HeadSlice, ...]] = {}
 
@@ -227,14 +230,19 @@ class RankKV:
 
     def cancel(self, xfer_id: str) -> None:
         assert self.receiver is not None
-        for sid in self.expected.pop(xfer_id, ()):
+        ids = self.expected.pop(xfer_id, [])
+        for sid in ids:
             self.receiver.cancel(sid)
+        if self.receiver.fences:  # released here once each of these slices is
+            self.fenced.setdefault(xfer_id, set()).update(ids)
 
     def finished(self) -> list[list[Any]]:
         """Slices finished here since the last call: [xfer id, ok, error, first token]."""
         assert self.receiver is not None
         out = []
-        for r in self.receiver.poll(0):
+        self._poll()
+        results, self._results = self._results, []
+        for r in results:
             xfer_id = r.xfer_id.rpartition(".")[0]
             ids = self.expected.get(xfer_id)
             if ids is None or r.xfer_id not in ids:
@@ -246,10 +254,22 @@ class RankKV:
         return out
 
     def released(self) -> list[str]:
-        """Cancelled transfers whose blocks no sender can write any more (fencing
-        connectors): their xfer ids."""
+        """Cancelled transfers whose blocks no sender can write here any more (fencing
+        connectors): each cancelled xfer id once, when every one of its slices is."""
         assert self.receiver is not None
-        return sorted({sid.rpartition(".")[0] for sid in self.receiver.released()})
+        if self.fenced:  # the senders' settles come in through the receiver's poll
+            self._poll()
+        for sid in self.receiver.released():
+            self.fenced.get(sid.rpartition(".")[0], set()).discard(sid)
+        out = sorted(x for x, ids in self.fenced.items() if not ids)
+        for xfer_id in out:
+            del self.fenced[xfer_id]
+        return out
+
+    def _poll(self) -> None:
+        """Let the receiver take its messages; keep the transfers it finished for `finished`."""
+        assert self.receiver is not None
+        self._results += self.receiver.poll(0)
 
     def bytes_received(self) -> int:
         """KV bytes written here: pages received, each this rank's share of a page (exact
@@ -325,8 +345,20 @@ class KVGroup:
         self.port = local.port
         self.size = local.size
         self.endpoints: tuple[str, ...] = ()
+        self._released_on: dict[str, set[int]] = {}  # cancelled xfer id -> ranks that released
         if local.receiver is not None:
             self.endpoints = tuple(self.call("endpoint"))
+
+    def released(self) -> list[str]:
+        """Cancelled transfers whose blocks no sender can write on any rank any more (each
+        rank names each cancelled transfer once): the node may free them now."""
+        for rank, ids in enumerate(self.call("released")):
+            for xfer_id in ids:
+                self._released_on.setdefault(xfer_id, set()).add(rank)
+        out = [x for x, ranks in self._released_on.items() if len(ranks) == self.size]
+        for xfer_id in out:
+            del self._released_on[xfer_id]
+        return out
 
     def call(self, method: str, *args: Any) -> list[Any]:
         def here() -> Any:

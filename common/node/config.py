@@ -147,11 +147,6 @@ class NodeConfig:
             raise ValueError(f"drain_timeout must be >= 0 seconds, got {self.drain_timeout}")
         if self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
-        if self.kv_connector == "nixl" and self.tensor_parallel_size > 1:
-            raise ValueError(
-                "the nixl connector moves whole KV blocks and runs at tensor-parallel size 1; "
-                "use zmq, shm or nccl with --tensor-parallel-size > 1"
-            )
         if self.tp_workers == "external" and not self.tp_port:
             raise ValueError("--tp-workers external needs a fixed --tp-port for its workers")
         if self.threads_per_rank is not None and self.threads_per_rank < 1:

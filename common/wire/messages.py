@@ -21,12 +21,13 @@ import msgpack
 
 from pdserve.common.wire.payloads import KVLayout, SamplingParams, TokenLogprobs
 
-PROTOCOL_VERSION = 7  # 2: typed failure kinds, incarnations, Reregister; 3: Registered,
+PROTOCOL_VERSION = 8  # 2: typed failure kinds, incarnations, Reregister; 3: Registered,
 # host ids; 4: the decode side's cached tokens in Reserved/Prefill, measured rates; 5: typed
 # sampling parameters and logprobs (maps checked field by field), KVDone's typed first token;
 # 6: KV layouts typed (RegisterNode, KVHello), the KV data plane decoded on its own;
 # 7: tensor parallelism: a node's TP size and every rank's KV endpoint, the sending group's TP
-# in ReserveKV and RenewTransfer
+# in ReserveKV and RenewTransfer; 8: nixl carries head slices (kvx.expect's heads, the welcome's
+# agent name)
 MAX_MESSAGE_BYTES = 32 * 1024 * 1024  # a 1M-token prompt of int64 ids fits with room to spare
 
 

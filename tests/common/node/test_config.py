@@ -85,8 +85,6 @@ def test_tp_has_vllms_short_flag_and_refuses_nonsense() -> None:
         NodeConfig(("h:1",), threads_per_rank=0)
     with pytest.raises(ValueError, match="--tp-workers external needs a fixed --tp-port"):
         NodeConfig(("h:1",), tp_workers="external")
-    with pytest.raises(ValueError, match="nixl connector moves whole KV blocks"):
-        NodeConfig(("h:1",), kv_connector="nixl", tensor_parallel_size=2)
 
 
 def test_serve_spells_the_node_defaults_it_repeats_from_node_config() -> None:

@@ -80,6 +80,17 @@ def free(node) -> int:
     return node.engine.kv.num_free_blocks
 
 
+def settle(prefill, decode_, before: tuple[int, int], timeout: float = 30.0) -> None:
+    """Let both nodes take their KV messages until their free blocks are back at `before` or
+    `timeout` passes (nixl: the decode node holds an aborted transfer's blocks until every
+    sender that could write them settled)."""
+    deadline = time.monotonic() + timeout
+    while (free(prefill), free(decode_)) != before and time.monotonic() < deadline:
+        prefill.poll_io()
+        decode_.poll_io()
+        time.sleep(0.005)
+
+
 @pytest.mark.parametrize(
     ("kv", "p", "d", "connector"),
     [
@@ -92,6 +103,9 @@ def free(node) -> int:
         (4, 2, 1, "nccl"),
         ("qwen3", 1, 2, "zmq"),  # q/k norms per head: each rank normalizes its own heads
         (4, 1, 2, "shm"),
+        (4, 1, 2, "nixl"),  # per-token descriptors of each decode rank's heads
+        (4, 2, 1, "nixl"),
+        (4, 4, 1, "nixl"),
     ],
 )
 def test_tp_p_to_tp_d_equals_the_engine_at_tp1(models, kv, p, d, connector) -> None:
@@ -108,6 +122,7 @@ def test_tp_p_to_tp_d_equals_the_engine_at_tp1(models, kv, p, d, connector) -> N
         prefill.step()
         decode_.handle(Abort("gone", "client went away"))
         prefill.handle(Abort("gone", "client went away"))
+        settle(prefill, decode_, before)
         assert (free(prefill), free(decode_)) == before
         assert not decode_.pending and not decode_.xfer_to_rid
         prefill.engine.check_integrity()
@@ -160,13 +175,14 @@ def test_a_dead_rank_stops_its_node(models) -> None:
         router.sock.close()
 
 
-def test_a_corrupted_slice_fails_the_request_and_frees_its_blocks(models) -> None:
+@pytest.mark.parametrize("connector", ["zmq", "nixl"])
+def test_a_corrupted_slice_fails_the_request_and_frees_its_blocks(models, connector) -> None:
     """Prefill TP 2 -> decode TP 1: rank 0's slice arrives damaged, rank 1's whole; the
     decode node never admits the request (KV_FAILED to the router) and every block is back."""
     from pdserve.common.wire.messages import Error, Failure
     from pdserve.testbed.kvfaults import FaultPlan, PlannedFaults
 
-    router, prefill, decode_ = build(models[4], 2, 1, "zmq")
+    router, prefill, decode_ = build(models[4], 2, 1, connector)
     try:
         before = (free(prefill), free(decode_))
         reserved = start(router, prefill, decode_, "bad", PROMPTS[0], GREEDY, 2)
@@ -179,6 +195,7 @@ def test_a_corrupted_slice_fails_the_request_and_frees_its_blocks(models) -> Non
             decode_.poll_io()
         error = router.recv(Error, "bad")
         assert error.kind is Failure.KV_FAILED and "bad" not in decode_.engine.scheduler.requests
+        assert "checksum" in error.message, error.message
         assert (free(prefill), free(decode_)) == before
         decode_.engine.check_integrity()
     finally:
