@@ -16,7 +16,6 @@ right after the header.
 
 from __future__ import annotations
 
-import socket
 import time
 import uuid
 from dataclasses import dataclass
@@ -26,6 +25,7 @@ from typing import Any, ClassVar
 import torch
 import torch.distributed as dist
 
+from pdserve.common.model.parallel import listening_store
 from pdserve.common.wire.payloads import KVLayout
 from pdserve.common.wire.security import CurveKeys
 from pdserve.kv_transfer.base import TransferError, TransferTimeout
@@ -75,22 +75,6 @@ def pair_group(
     return nccl(prefixed, rank, 2, opts)
 
 
-def _listening_store(host: str, port: int, timeout: timedelta) -> tuple[dist.TCPStore, Any]:
-    """A TCPStore server on exactly `host` (TCPStore alone would listen on every interface)."""
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    listener = socket.create_server((host, port), family=family)
-    store = dist.TCPStore(
-        host,
-        listener.getsockname()[1],
-        None,
-        True,
-        timeout,
-        wait_for_workers=False,
-        master_listen_fd=listener.fileno(),
-    )
-    return store, listener
-
-
 @dataclass
 class _Pair:
     name: str
@@ -128,7 +112,7 @@ class NcclReceiver(ChannelReceiver):
         self._device = kv_caches[0].device
         self._backend = "nccl" if self._device.type == "cuda" else "gloo"
         self._timeout = timedelta(seconds=pair_timeout)
-        self._store, self._listener = _listening_store(host, store_port, self._timeout)
+        self._store = listening_store(host, store_port, None, self._timeout)
         self._pending: list[_Recv] = []
         frame_bytes = blocks_per_frame(layout.page_bytes) * layout.page_bytes
         self._pool = FramePool(_POOL_FRAMES, frame_bytes)
@@ -137,7 +121,7 @@ class NcclReceiver(ChannelReceiver):
         peer.state = _Pair(uuid.uuid4().hex)
         return welcome_extra(
             store_host=self.advertise_host,
-            store_port=self._listener.getsockname()[1],
+            store_port=self._store.port,
             pair=peer.state.name,
             backend=self._backend,
             timeout_s=self._timeout.total_seconds(),
@@ -194,7 +178,7 @@ class NcclReceiver(ChannelReceiver):
     def close(self) -> None:
         super().close()
         self._pending.clear()
-        self._listener.close()
+        self._store = None  # its listening socket closes with it
 
 
 class NcclSender(ChannelSender):
