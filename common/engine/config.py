@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from typing import Any
 
 _DTYPES = ("float32", "float16", "bfloat16")
+QUANTIZATIONS = ("auto", "none", "int8", "int4")
 
 
 def _require(ok: bool, message: str) -> None:
@@ -24,6 +25,9 @@ class ModelConfig:
     load_format: "auto" reads the checkpoint's weights; "dummy" (vLLM's name) makes random
     ones from config.json alone, on the device, seeded by `seed` (benchmarks of model shapes
     whose weights are not at hand).
+    quantization: how the decoder's linear weights are held (docs/quantization.md): "auto"
+    keeps a GGUF's quantized types quantized on the CPU (float everywhere else), "none"
+    dequantizes, "int8"/"int4" quantize every one of them at load (CPU only).
     """
 
     model_dir: str
@@ -32,9 +36,19 @@ class ModelConfig:
     seed: int = 0
     enforce_eager: bool | None = None
     load_format: str = "auto"
+    quantization: str = "auto"
 
     def __post_init__(self) -> None:
         _require(self.dtype in _DTYPES, f"dtype must be one of {_DTYPES}, got {self.dtype!r}")
+        _require(
+            self.quantization in QUANTIZATIONS,
+            f"quantization must be one of {QUANTIZATIONS}, got {self.quantization!r}",
+        )
+        _require(
+            self.device == "cpu" or self.quantization in ("auto", "none"),
+            f"quantization {self.quantization} runs on the CPU only (the CUDA int4 packing is "
+            "not written): use --quantization none on CUDA",
+        )
         _require(
             self.device == "cpu" or self.device.startswith("cuda"),
             f"device must be 'cpu' or 'cuda[:N]', got {self.device!r}",

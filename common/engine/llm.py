@@ -59,6 +59,7 @@ class LLM:
         gpu_memory_utilization: float = 0.85,
         tensor_parallel_size: int = 1,
         threads_per_rank: int | None = None,
+        quantization: str = "auto",
     ) -> None:
         self.engine = LLMEngine(
             ModelConfig(
@@ -68,6 +69,7 @@ class LLM:
                 seed=seed,
                 enforce_eager=enforce_eager,
                 load_format=load_format,
+                quantization=quantization,
             ),
             CacheConfig(
                 block_size=block_size,

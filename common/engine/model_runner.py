@@ -118,7 +118,12 @@ class ModelRunner:
     ) -> None:
         dummy_seed = model_config.seed if model_config.load_format == "dummy" else None
         self.model, self.arch = load_model(
-            model_config.model_dir, self.dtype, self.device, dummy_seed, self.tp
+            model_config.model_dir,
+            self.dtype,
+            self.device,
+            dummy_seed,
+            self.tp,
+            quantization=model_config.quantization,
         )
         if self.device.type == "cuda":
             self.model.fuse_projections()  # wide GEMVs: decode steps read weights faster

@@ -79,9 +79,9 @@ def permute_rotary(w: np.ndarray, n_heads: int) -> np.ndarray:
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class RawTensor:
-    """A GGUF tensor as the file stores it: `blocks` is uint8 [rows, bytes per row] (a view of
-    the memory-mapped file unless its rows had to be reordered; a vector is one row), `shape`
-    the HF orientation ([out, in] for a matrix) of the values those bytes encode."""
+    """A GGUF tensor as the file stores it: `blocks` is uint8 [rows, bytes per row] (a vector
+    is one row), `shape` the HF orientation ([out, in] for a matrix) of the values those bytes
+    encode."""
 
     name: str  # the HF parameter name (or the GGUF name when it maps to none)
     qtype_name: str  # gguf's GGMLQuantizationType name: "Q4_K", "F32", ...
@@ -137,15 +137,19 @@ def read_raw_tensors(
 ) -> Iterator[RawTensor]:
     """Every tensor of the file as `read_tensors` names it, still quantized. llama.cpp's q/k
     row permutation is undone on the stored rows: a row is whole blocks, so moving rows moves
-    blocks and leaves them as they are."""
-    for arch, name, tensor in _named_tensors(path, hf_names, num_layers):
-        shape = tuple(int(d) for d in reversed(tensor.shape))
-        rows = int(np.prod(shape[:-1]))  # 1 for a vector
-        blocks = np.asarray(tensor.data).view(np.uint8).reshape(rows, -1)
-        heads = _rotary_heads(arch, name, num_heads, num_kv_heads)
-        if heads is not None:
-            blocks = unpermute_rotary(blocks, heads)
-        yield RawTensor(name, tensor.tensor_type.name, blocks, shape)
+    blocks and leaves them as they are. Each tensor's bytes are read from the file into memory
+    of its own rather than viewed in the reader's map: pages of a mapped file stay resident
+    once touched, so a map read through would add the whole file to the loader's peak."""
+    with path.open("rb") as f:
+        for arch, name, tensor in _named_tensors(path, hf_names, num_layers):
+            shape = tuple(int(d) for d in reversed(tensor.shape))
+            rows = int(np.prod(shape[:-1]))  # 1 for a vector
+            f.seek(tensor.data_offset)
+            blocks = np.fromfile(f, dtype=np.uint8, count=tensor.n_bytes).reshape(rows, -1)
+            heads = _rotary_heads(arch, name, num_heads, num_kv_heads)
+            if heads is not None:
+                blocks = unpermute_rotary(blocks, heads)
+            yield RawTensor(name, tensor.tensor_type.name, blocks, shape)
 
 
 # --- quantized blocks (the formats as llama.cpp's ggml-common.h lays them out) ----------------

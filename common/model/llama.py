@@ -161,6 +161,8 @@ class Attention(nn.Module):
 
     def fuse(self) -> None:
         """Replace q/k/v_proj by one qkv_proj holding their rows in that order."""
+        if not _all_float(self.q_proj, self.k_proj, self.v_proj):
+            return
         self.qkv_proj = _stacked(self.q_proj, self.k_proj, self.v_proj)
         del self.q_proj, self.k_proj, self.v_proj
 
@@ -186,6 +188,8 @@ class MLP(nn.Module):
 
     def fuse(self) -> None:
         """Replace gate/up_proj by one gate_up_proj holding their rows in that order."""
+        if not _all_float(self.gate_proj, self.up_proj):
+            return
         self.gate_up_proj = _stacked(self.gate_proj, self.up_proj)
         del self.gate_proj, self.up_proj
 
@@ -215,6 +219,12 @@ class VocabEmbedding(nn.Module):
         outside = (local < 0) | (local >= self.weight.shape[0])
         rows = F.embedding(local.masked_fill(outside, 0), self.weight)
         return self.tp.all_reduce(rows.masked_fill(outside[:, None], 0.0))
+
+
+def _all_float(*modules: nn.Module) -> bool:
+    """Whether these projections can fuse: quantized ones (the loader's QuantizedLinear) stay
+    apart, since they run on the CPU only, where nothing fuses (docs/quantization.md)."""
+    return all(isinstance(m, nn.Linear) for m in modules)
 
 
 def _stacked(*linears: nn.Linear) -> nn.Linear:

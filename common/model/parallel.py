@@ -14,13 +14,16 @@ import datetime
 import socket
 import threading
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch._C._distributed_c10d import _register_process_group, _unregister_process_group
 
 from pdserve.common.model.config import ModelArchConfig
 from pdserve.common.wire.payloads import check_kv_split, rank_kv_heads
+
+if TYPE_CHECKING:
+    from pdserve.common.model.quant import QuantizedWeight
 
 _c10d = torch.ops._c10d_functional
 
@@ -87,6 +90,23 @@ class TPShard:
             out[: end - first] = tensor[first:end]
             return out
         return tensor  # norms: every rank holds them whole
+
+    def shard_quantized(
+        self, name: str, weight: QuantizedWeight, arch: ModelArchConfig
+    ) -> QuantizedWeight:
+        """This rank's slice of a decoder linear weight kept quantized, as `shard` slices a
+        float one (the bias of a row-parallel layer is a float tensor, sliced by `shard`)."""
+        kind = _kind(name)
+        if self.size == 1 or kind == "whole":
+            return weight
+        if kind in ("q", "gate_up"):
+            return weight.shard(0, self.rank, self.size)
+        if kind == "kv":
+            heads, d = self.kv_heads(arch), arch.head_dim
+            return weight.narrow(0, heads.start * d, len(heads) * d)
+        if kind == "row":
+            return weight.shard(1, self.rank, self.size)
+        raise ValueError(f"{name}: a {kind} weight is not held quantized")
 
 
 def _kind(name: str) -> str:
@@ -165,7 +185,10 @@ class TPGroup:
 
     def close(self) -> None:
         """Forget the group's name (its connections close with the process group)."""
-        _unregister_process_groupdef listening_store(
+        _unregister_process_group(self.name)
+
+
+def listening_store(
     host: str, port: int, world_size: int | None, timeout: datetime.timedelta
 ) -> torch.distributed.TCPStore:
     """A rendezvous store served on exactly `host` (TCPStore alone listens on every interface).
@@ -213,7 +236,6 @@ def join_group(
             gloo._devices = [dist.ProcessGroupGloo.create_default_device()]
         backend = dist.ProcessGroupGloo(store, shard.rank, shard.size, gloo)
         kind, backend_device = dist.ProcessGroup.BackendType.GLOO, torch.device("cpu")
-device("cpu")
     group = dist.ProcessGroup(store, shard.rank, shard.size)
     group._register_backend(backend_device, kind, backend)
     group._set_default_backend(kind)

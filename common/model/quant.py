@@ -19,6 +19,7 @@ from torch import nn
 
 from pdserve.common.model.gguf import (
     INT4_EXACT_TYPES,
+    QUANTIZED_TYPES,
     RawTensor,
     check_blocks,
     float_rows,
@@ -337,6 +338,16 @@ class QuantizedLinear(nn.Module):
 _REQUANTIZED_TO: dict[str, Bits] = {"Q8_0": 8, "Q5_K": 8, "Q6_K": 8}
 
 
+def gguf_bits(qtype_name: str) -> Bits | None:
+    """The width a GGUF type is held at unless asked otherwise (None: a type with no quantized
+    form here, such as F16 or F32, which stays float)."""
+    if qtype_name in INT4_EXACT_TYPES:
+        return 4
+    if qtype_name in QUANTIZED_TYPES:
+        return _REQUANTIZED_TO.get(qtype_name, 8)
+    return None
+
+
 def from_gguf_blocks(raw: RawTensor, bits: Bits | None = None) -> QuantizedWeight:
     """A GGUF tensor's quantized form: int4 group 32 exactly for Q4_0, Q4_1 and Q4_K, int8 per
     row (requantized) for Q8_0, Q5_K and Q6_K, unless `bits` asks for the other width. Works a
@@ -344,7 +355,7 @@ def from_gguf_blocks(raw: RawTensor, bits: Bits | None = None) -> QuantizedWeigh
     name = check_blocks(raw)
     if name in INT4_EXACT_TYPES and bits in (None, 4):
         return _int4_exact(raw)
-    quantize = _int8_rows if (bits or _REQUANTIZED_TO.get(name, 8)) == 8 else _int4_group_rows
+    quantize = _int8_rows if (bits or gguf_bits(name)) == 8 else _int4_group_rows
     parts = ((s, quantize(torch.from_numpy(w))) for s, w in float_rows(raw, _CONVERT_CHUNK))
     return _gather_rows(parts, raw.shape[0])
 

@@ -17,7 +17,16 @@ import torch
 
 from pdserve.common.model.checkpoint import Checkpoint
 from pdserve.common.model.config import ModelArchConfig
+from pdserve.common.model.gguf import RawTensor, dequantize_raw
 from pdserve.common.model.parallel import TPGroup
+from pdserve.common.model.quant import (
+    Bits,
+    QuantizedLinear,
+    from_gguf_blocks,
+    gguf_bits,
+    quantize_int4,
+    quantize_int8,
+)
 from pdserve.common.model.registry import checkpoint_tensors, model_class
 
 # Checkpoint keys that hold no weights of ours: old Llama checkpoints saved rope buffers.
@@ -32,6 +41,7 @@ def load_model(
     device: torch.device | str,
     dummy_seed: int | None = None,
     tp: TPGroup | None = None,
+    quantization: str = "none",
 ) -> tuple[torch.nn.Module, ModelArchConfig]:
     """Build the model described by model_dir/config.json and load its weights.
 
@@ -39,11 +49,15 @@ def load_model(
     there are none, pytorch_model.bin (or its shards) through torch.load(weights_only=True).
     With `dummy_seed`, reads no weights: random ones are made on `device` from that seed.
     With `tp`, the model holds this rank's shard of every weight (see `parallel.TPShard`).
+    `quantization` ("auto", "none", "int8", "int4"; see `linear_bits`) puts a `QuantizedLinear`
+    in place of each decoder linear it quantizes; a GGUF is then read one tensor at a time,
+    each converted before the next is read.
     Returns the model in eval mode with gradients off, on `device`, in `dtype`.
     """
     config = ModelArchConfig.from_dir(model_dir)
     if tp is not None:
         tp.shard.check(config)
+    mode = _effective_quantization(quantization, torch.device(device))
     cls = model_class(config)
     with torch.device("meta"):
         model = cls(config, tp)
@@ -53,21 +67,114 @@ def load_model(
     if dummy_seed is not None:
         tensors = _random_state(shapes, dtype, torch.device(device), dummy_seed).items()
     else:
-        stored = _iter_checkpoint(Checkpoint.resolve(model_dir), config, expected)
+        stored = _iter_checkpoint(Checkpoint.resolve(model_dir), config, expected, mode != "none")
         tensors = checkpoint_tensors(config, stored)
-    state = {}
-    for name, tensor in tensors:
+    state, layers, loaded = {}, {}, {}
+    scale_dtype = torch.float32 if dtype == torch.float32 else torch.bfloat16
+    for name, data in tensors:
         if _ignored(name, config):
             continue
+        bits = linear_bits(mode, name, data) if name in expected else None
+        if bits is not None and shapes[name] == _shape(data):
+            layers[name] = _quantized_linear(name, data, bits, tp, config, scale_dtype)
+            loaded[name] = torch.Size((layers[name].out_features, layers[name].in_features))
+            continue
+        tensor = _as_tensor(data)
         if tp is not None and shapes.get(name) == tensor.shape:  # else named as misshapen
             tensor = tp.shard.shard(name, tensor, config)
         state[name] = tensor.to(device=device, dtype=dtype)
-    _check_names(expected, state, model_dir)
-    model.load_state_dict(state, strict=True, assign=True)
+        loaded[name] = state[name].shape
+    _check_names(expected, loaded, model_dir)
+    _install(model, layers, state)
     # Buffers (rope inv_freq) stay float32: HF computes rope in float32 whatever the dtype.
     model.to(device)
     model.requires_grad_(False)
     return model.eval(), config
+
+
+# The decoder's linear layers, by the module names HF gives them: the only ones quantized
+# (embeddings, norms and the LM head stay as stored, in the engine's dtype).
+QUANTIZED_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def _effective_quantization(mode: str, device: torch.device) -> str:
+    """`mode` where it runs: quantized linears are CPU kernels, so `auto` elsewhere is none."""
+    if mode not in ("auto", "none", "int8", "int4"):
+        raise ValueError(f"quantization must be auto, none, int8 or int4, not {mode!r}")
+    if device.type == "cpu" or mode == "none":
+        return mode
+    if mode == "auto":
+        return "none"
+    raise ValueError(f"quantization {mode} runs on the CPU only, not on {device}")
+
+
+def linear_bits(mode: str, name: str, data: torch.Tensor | RawTensor) -> Bits | None:
+    """The width a checkpoint tensor is held at (None: float, as the engine's dtype): int8 or
+    int4 for every decoder linear weight under those modes; under `auto`, a GGUF quantized
+    type's own choice (`gguf_bits`), float for anything stored as float."""
+    module = name.rsplit(".", 2)[-2] if name.count(".") >= 2 else ""
+    if not name.endswith(".weight") or module not in QUANTIZED_MODULES or mode == "none":
+        return None
+    if mode == "int8":
+        return 8
+    if mode == "int4":
+        return 4
+    return gguf_bits(data.qtype_name) if isinstance(data, RawTensor) else None
+
+
+def _shape(data: torch.Tensor | RawTensor) -> torch.Size:
+    return torch.Size(data.shape)
+
+
+def _as_tensor(data: torch.Tensor | RawTensor) -> torch.Tensor:
+    if isinstance(data, RawTensor):
+        return torch.from_numpy(dequantize_raw(data))
+    return data
+
+
+def _quantized_linear(
+    name: str,
+    data: torch.Tensor | RawTensor,
+    bits: Bits,
+    tp: TPGroup | None,
+    config: ModelArchConfig,
+    scale_dtype: torch.dtype,
+) -> QuantizedLinear:
+    """A linear weight as this rank holds it quantized (its bias is set once all are read).
+    GGUF blocks convert first and the rank slices the integers; a float weight is sliced
+    first, so each rank's int8 rows get their own scales."""
+    try:
+        if isinstance(data, RawTensor) and gguf_bits(data.qtype_name) is not None:
+            weight = from_gguf_blocks(data, bits)
+            if tp is not None:
+                weight = tp.shard.shard_quantized(name, weight, config)
+        else:
+            tensor = _as_tensor(data)
+            if tp is not None:
+                tensor = tp.shard.shard(name, tensor, config)
+            weight = quantize_int8(tensor) if bits == 8 else quantize_int4(tensor)
+        return QuantizedLinear(weight, None, scale_dtype=scale_dtype)
+    except ValueError as exc:
+        raise ValueError(
+            f"{name} cannot be held as int{bits}: {exc} (try --quantization int8 or none)"
+        ) from exc
+
+
+def _install(
+    model: torch.nn.Module, layers: dict[str, QuantizedLinear], state: dict[str, torch.Tensor]
+) -> None:
+    """Quantized layers in place of their meta nn.Linear (each takes its bias from `state`),
+    then every other tensor assigned by name. The names were checked against the model's
+    before, so the quantized modules' buffers are the only keys load_state_dict lacks."""
+    for name, layer in layers.items():
+        module = name.removesuffix(".weight")
+        bias = state.pop(f"{module}.bias", None)
+        if bias is not None:
+            layer.bias = bias
+        model.set_submodule(module, layer)
+    model.load_state_dict(state, strict=not layers, assign=True)
+    left = [n for n, t in (*model.named_parameters(), *model.named_buffers()) if t.is_meta]
+    assert not left, f"weights not loaded: {_names(left)}"
 
 
 def _random_state(
@@ -107,15 +214,19 @@ def checkpoint_files(model_dir: Path) -> list[Path]:
 
 
 def _iter_checkpoint(
-    checkpoint: Checkpoint, config: ModelArchConfig, expected: dict[str, torch.Size]
-) -> Iterator[tuple[str, torch.Tensor]]:
+    checkpoint: Checkpoint, config: ModelArchConfig, expected: dict[str, torch.Size], raw: bool
+) -> Iterator[tuple[str, torch.Tensor | RawTensor]]:
+    """(name, tensor) one at a time; with `raw`, a GGUF's tensors come still quantized."""
     if checkpoint.is_gguf:
-        from pdserve.common.model.gguf import read_tensors
+        from pdserve.common.model.gguf import read_raw_tensors, read_tensors
 
         names = [*expected, "lm_head.weight"]  # a tied model's file may still hold lm_head
-        for name, array in read_tensors(
-            checkpoint.gguf_path, names, config.num_layers, config.num_heads, config.num_kv_heads
-        ):
+        args = (checkpoint.gguf_path, names, config.num_layers, config.num_heads)
+        if raw:
+            for tensor in read_raw_tensors(*args, config.num_kv_heads):
+                yield tensor.name, tensor
+            return
+        for name, array in read_tensors(*args, config.num_kv_heads):
             yield name, torch.from_numpy(array)
         return
     from safetensors import safe_open
@@ -138,14 +249,14 @@ def _ignored(name: str, config: ModelArchConfig) -> bool:
 
 
 def _check_names(
-    expected: dict[str, torch.Size], state: dict[str, torch.Tensor], model_dir: Path
+    expected: dict[str, torch.Size], loaded: dict[str, torch.Size], model_dir: Path
 ) -> None:
-    missing = sorted(expected.keys() - state.keys())
-    unexpected = sorted(state.keys() - expected.keys())
+    missing = sorted(expected.keys() - loaded.keys())
+    unexpected = sorted(loaded.keys() - expected.keys())
     misshapen = sorted(
-        f"{n} {tuple(state[n].shape)} != {tuple(s)}"
+        f"{n} {tuple(loaded[n])} != {tuple(s)}"
         for n, s in expected.items()
-        if n in state and state[n].shape != s
+        if n in loaded and loaded[n] != s
     )
     problems = [
         f"{what} ({len(names)}): {_names(names)}"

@@ -127,6 +127,13 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         choices=["float32", "float16", "bfloat16"],
         help="weights, activations and KV cache",
     )
+    model.add_argument(
+        "--quantization",
+        default="auto",
+        choices=["auto", "none", "int8", "int4"],
+        help="decoder linear weights kept as int8/int4 (CPU; auto: as a GGUF stores them, none "
+        "for safetensors; int8/int4 quantize at load)",
+    )
     model.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
     model.add_argument("--seed", type=int, default=0, help="seed of the sampling generator")
     model.add_argument(
@@ -177,6 +184,7 @@ def engine_configs(args: argparse.Namespace) -> tuple[ModelConfig, CacheConfig, 
         ModelConfig(
             args.model,
             dtype=args.dtype,
+            quantization=args.quantization,
             device=args.device,
             seed=args.seed,
             enforce_eager=args.enforce_eager,

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -111,9 +112,15 @@ def test_rotary_unpermute_inverts_the_converters_permutation() -> None:
     np.testing.assert_array_equal(permuted[:2], w[[0, 8]])
 
 
-def write_llama_gguf(model_dir: Path, out: Path, qtype: Q = Q.F32) -> Path:
+def write_llama_gguf(
+    model_dir: Path,
+    out: Path,
+    qtype: Q | Callable[[str], Q] = Q.F32,
+    change: Callable[[str, np.ndarray], np.ndarray] | None = None,
+) -> Path:
     """A Llama HF directory written as llama.cpp's converter writes it: metadata, a gpt2 BPE
-    tokenizer, q/k rows permuted, 2-D weights in `qtype` (norms stay F32)."""
+    tokenizer, q/k rows permuted, 2-D weights in `qtype` (or `qtype(HF name)`; norms stay F32),
+    each weight first passed through `change(HF name, array)` when given."""
     arch = ModelArchConfig.from_dir(model_dir)
     tok = json.loads((model_dir / "tokenizer.json").read_text())
     config = json.loads((model_dir / "config.json").read_text())
@@ -144,13 +151,15 @@ def write_llama_gguf(model_dir: Path, out: Path, qtype: Q = Q.F32) -> Path:
     name_map = gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, arch.num_layers)
     for name, array in load_file(model_dir / "model.safetensors").items():
         array = array.astype(np.float32)
+        if change is not None:
+            array = change(name, array)
         if name.endswith("q_proj.weight"):
             array = permute_rotary(array, arch.num_heads)
         elif name.endswith("k_proj.weight"):
             array = permute_rotary(array, arch.num_kv_heads)
         gguf_name = name_map.get_name(name, try_suffixes=(".weight", ".bias"))
         assert gguf_name is not None, name
-        t = qtype if array.ndim == 2 else Q.F32
+        t = (qtype if isinstance(qtype, Q) else qtype(name)) if array.ndim == 2 else Q.F32
         w.add_tensor(
             gguf_name, gguf.quants.quantize(array, t) if t != Q.F32 else array, raw_dtype=t
         )
