@@ -51,6 +51,7 @@ from typing import Any, ClassVar
 
 import msgpack
 import torch
+from torch import Tensor
 
 from pdserve.common.wire.messages import Message, ProtocolError
 from pdserve.common.wire.payloads import FirstToken, KVLayout
@@ -62,6 +63,9 @@ from pdserve.kv_transfer.channel import ChannelSender
 from pdserve.kv_transfer.wire import KV_PLANE, KVDone, KVRefused, check_welcome, corrupt_first_byte
 
 log = logging.getLogger(__name__)
+
+Blocks = list[int]  # block ids, in the order their pages pair up
+Heads = range | None  # KV heads of a cache (None: all of them)
 
 _ANNOUNCED_KEPT = 16384  # reservations a sender remembers (see NixlSender._on_message)
 
@@ -179,30 +183,25 @@ class NixlSender(ChannelSender):
     # -- sending
 
     def send_layer(
-        self,
-        xfer_id: str,
-        layer: int,
-        src_block_ids: list[int],
-        dst_block_ids: list[int],
-        layer_cache: torch.Tensor,
-        heads: range | None = None,
+        self, xfer_id: str, layer: int, src: Blocks, dst: Blocks, cache: Tensor, heads: Heads = None
     ) -> None:
-        self._check_send_args(layer, src_block_ids, dst_block_ids, layer_cache)
-        heads = _sent_heads(layer_cache, heads)
-        self._caches[layer] = layer_cache
+        """KVSender.send_layer: one WRITE of the layer's pages (or of their `heads`)."""
+        self._check_send_args(layer, src, dst, cache)
+        sent = _sent_heads(cache, heads)
+        self._caches[layer] = cache
         self.poll()
-        if xfer_id in self._cancelled or not src_block_ids:
+        if xfer_id in self._cancelled or not src:
             return  # nothing to write (a cancelled transfer's pages go nowhere, refused or not)
         if self._refused:
             raise TransferError(f"{self._endpoint} dropped this sender: {self._refused}")
         out = self._out.setdefault(xfer_id, _Outbound())
-        dst_heads = self._writable(out, xfer_id, layer, dst_block_ids, heads)
+        dst_heads = self._writable(out, xfer_id, layer, dst, sent)
         if dst_heads is None:
             return
         if self.faults is None or not self.faults.drop(xfer_id):  # dropped: booked, not written
-            self._write(out, xfer_id, layer, (src_block_ids, heads), (dst_block_ids, dst_heads))
+            self._write(out, xfer_id, layer, (src, sent), (dst, dst_heads))
         # The pages' sums, read while the WRITE runs (the receiver sums what lands).
-        out.sums.append((layer, dst_block_ids, nx.page_sums(layer_cache, src_block_ids, heads)))
+        out.sums.append((layer, dst, nx.page_sums(cache, src, sent)))
 
     def _writable(
         self, out: _Outbound, xfer_id: str, layer: int, dst: list[int], heads: range
