@@ -1,8 +1,5 @@
-"""Compiled decode steps against eager ones and the weight-bandwidth floor, on the engine sweep
-of `bench offline`. Definitions: docs/benchmarks.md.
-
-    pdserve bench compile [--quick --out DIR]      # = python scripts/bench_compile.py
-"""
+"""`pdserve bench compile`: compiled decode steps against eager ones and the weight-bandwidth
+floor, on the engine sweep of `bench offline`. Definitions: docs/benchmarks.md."""
 
 from __future__ import annotations
 
@@ -10,6 +7,7 @@ import argparse
 import statistics
 import sys
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -147,16 +145,14 @@ def plot(report: dict[str, Any], path: Path) -> Path:
     return rp.plot_lines([panel], path, width=6.5)
 
 
-SWEEP = offline.Sweep(
+SWEEP = replace(
+    offline.SWEEP,
     name="compile",
-    script="bench_compile.py",
     quick_help="tiny random model, batch 1 and 2, 8-token prompts, 4 new tokens, 1 run",
-    batch_sizes=("1,8,32", "1,2"),
-    prompt_len=(64, 8),
-    max_tokens=(32, 4),
+    model_help="checkpoint directory or GGUF (default: SmolLM2-135M-Instruct; quick: tiny)",
+    defaults={"batch_sizes": ("1,8,32", "1,2"), "prompt_len": (64, 8), "max_tokens": (32, 4)},
     min_tokens=3,
     threads=0,
-    model_help="checkpoint directory or GGUF (default: SmolLM2-135M-Instruct; quick: tiny)",
     batch_means="sequences per decode step",
 )
 

@@ -1,15 +1,17 @@
 """`pdserve bench offline`: pdserve's `LLM` against HF `generate` and the machine's floors, on
-the engine sweep `bench compile` also runs on; `pdserve bench structured`: a grammar's cost per
-decode step on the same engine. Definitions: docs/benchmarks.md."""
+the engine sweep `bench compile` also runs; `pdserve bench structured`: a grammar's cost per
+decode step. Definitions: docs/benchmarks.md."""
 
 from __future__ import annotations
 
 import argparse
 import random
+import shlex
 import statistics
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -25,43 +27,41 @@ from pdserve.common.wire.payloads import StructuredOutputsParams
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
+SWEEP_DEFAULTS = {"repeats": (3, 1), "copy_mib": (512, 64)}  # every sweep's, (full, quick)
+SWEEP_HELP = {  # the sweep's flags; {means} and {least} come from its Sweep
+    "batch_sizes": "{means}, a comma list",
+    "prompt_len": "tokens per prompt",
+    "max_tokens": "new tokens each, >= {least}",
+    "repeats": "timed runs per batch size, the median kept",
+    "copy_mib": "MiB of the copy-bandwidth probe",
+}
 Runs = dict[str, list[dict[str, Any]]]  # engine name -> its timed runs of one batch
 Columns = list[tuple[str, Any]]  # a table's (header, key or function of a result row)
 
 
-# -- the engine sweep: flags, model, engines, batches taken in turns ----------------------------
-
-
 @dataclass(frozen=True, slots=True)
 class Sweep:
-    """An engine sweep's command and the defaults of its flags, (full run, --quick)."""
+    """An engine sweep's command and the defaults of its flags, each (full run, --quick)."""
 
     name: str  # `pdserve bench NAME`; also the section, NAME.json and NAME.png
-    script: str  # scripts/SCRIPT, as the docs cite the command
     quick_help: str
-    batch_sizes: tuple[str, str]  # comma lists
-    prompt_len: tuple[int, int]
-    max_tokens: tuple[int, int]
+    model_help: str
+    defaults: dict[str, tuple[Any, Any]]  # batch_sizes (a comma list), prompt_len, max_tokens
     min_tokens: int
     threads: int
-    model_help: str
     batch_means: str = "sequences per generate call"
 
 
 def sweep_parser(sweep: Sweep, doc: str) -> argparse.ArgumentParser:
     """The sweep's flags in the groups run, device and output."""
     p = parser(f"pdserve bench {sweep.name}", doc.split("\n\n")[0])
-    (b, qb), (pl, qpl), (mt, qmt) = sweep.batch_sizes, sweep.prompt_len, sweep.max_tokens
-    quick_or = lambda full, quick: f"(default: {full}; quick: {quick})"  # noqa: E731
-    run = [
-        ("--quick", bool, None, f"{sweep.quick_help} (needs --out)"),
-        ("--batch-sizes", str, None, f"{sweep.batch_means}, a comma list {quick_or(b, qb)}"),
-        ("--prompt-len", int, None, f"tokens per prompt {quick_or(pl, qpl)}"),
-        ("--max-tokens", int, None, f"new tokens each, >= {sweep.min_tokens} {quick_or(mt, qmt)}"),
-        ("--repeats", int, None, f"timed runs per batch size, the median kept {quick_or(3, 1)}"),
-        ("--copy-mib", int, None, f"MiB of the copy-bandwidth probe {quick_or(512, 64)}"),
-        ("--model", str, None, sweep.model_help, {"metavar": "DIR"}),
-    ]
+    run = [("--quick", bool, None, f"{sweep.quick_help} (needs --out)")]
+    for key, (full, quick) in (sweep.defaults | SWEEP_DEFAULTS).items():
+        kind = str if key == "batch_sizes" else int
+        flag = "--" + key.replace("_", "-")
+        text = SWEEP_HELP[key].format(means=sweep.batch_means, least=sweep.min_tokens)
+        run.append((flag, kind, None, f"{text} (default: {full}; quick: {quick})"))
+    run.append(("--model", str, None, sweep.model_help, {"metavar": "DIR"}))
     threads = "torch threads; 0 keeps torch's own (every core), 1 is steadier on a shared machine"
     device = [
         ("--device", str, "cpu", "cpu or cuda[:N]"),
@@ -82,12 +82,9 @@ def parse_sweep(
     args.outputs = rp.outputs_from_args(p, args)
     if args.threads > 0:
         torch.set_num_threads(args.threads)
-    q = int(args.quick)
-    args.batch_sizes = [int(b) for b in (args.batch_sizes or sweep.batch_sizes[q]).split(",")]
-    args.prompt_len = args.prompt_len or sweep.prompt_len[q]
-    args.max_tokens = args.max_tokens or sweep.max_tokens[q]
-    args.repeats = args.repeats or (1 if q else 3)
-    args.copy_mib = args.copy_mib or (64 if q else 512)
+    for key, defaults in (sweep.defaults | SWEEP_DEFAULTS).items():
+        setattr(args, key, getattr(args, key) or defaults[int(args.quick)])
+    args.batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
     if min(args.batch_sizes) < 1 or args.prompt_len < 1 or args.max_tokens < sweep.min_tokens:
         p.error(f"batch sizes and --prompt-len must be >= 1, --max-tokens >= {sweep.min_tokens}")
     return args
@@ -223,9 +220,6 @@ def model_line(report: dict[str, Any]) -> str:
     )
 
 
-# -- floors ---------------------------------------------------------------------------------------
-
-
 def copy_bandwidth(nbytes: int, dtype: torch.dtype, device: str) -> float:
     """Bytes per second read plus written by a large `copy_`."""
     src = torch.ones(nbytes // dtype.itemsize, dtype=dtype, device=device)
@@ -286,9 +280,6 @@ def floors_at(batch: int, pd: Pdserve, args: argparse.Namespace, copy_bw: float)
     }
 
 
-# -- the offline scenario: pdserve against HF ----------------------------------------------------
-
-
 class HF:
     """transformers AutoModelForCausalLM, greedy, EOS off, no padding (equal-length rows)."""
 
@@ -304,13 +295,8 @@ class HF:
     def generate(self, prompts: list[list[int]], new_tokens: int) -> tuple[float, list]:
         from transformers import GenerationConfig
 
-        config = GenerationConfig(
-            max_new_tokens=new_tokens,
-            min_new_tokens=new_tokens,
-            do_sample=False,
-            eos_token_id=None,
-            pad_token_id=0,
-        )
+        config = GenerationConfig(max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+                                  do_sample=False, eos_token_id=None, pad_token_id=0)  # fmt: skip
         ids = torch.tensor(prompts, device=self.device)
         rp.sync(self.device)
         t0 = time.perf_counter()
@@ -369,13 +355,10 @@ def offline_row(
 
 
 def measure(args: argparse.Namespace) -> dict[str, Any]:
-    full = lambda: rp.cached_model(  # noqa: E731
-        Path(args.cache_dir),
-        "llama-" + "-".join(map(str, rp.BENCH_MODEL_SIZES.values())),
-        rp.BENCH_MODEL_SIZES,
-        rp.CACHE_DIR_FLAG,
+    name = "llama-" + "-".join(map(str, rp.BENCH_MODEL_SIZES.values()))
+    path = model_dir(
+        args, lambda: rp.cached_model(Path(args.cache_dir), name, rp.BENCH_MODEL_SIZES)
     )
-    path = model_dir(args, full)
     copy_bw = copy_bandwidth(args.copy_mib << 20, DTYPES[args.dtype], args.device)
     pd = Pdserve(path, args)
     engines = {"pdserve": pd, "hf": HF(path, args)}
@@ -449,15 +432,12 @@ def plot(report: dict[str, Any], path: Path) -> Path:
 
 
 SWEEP = Sweep(
-    name="offline",
-    script="bench_offline.py",
-    quick_help="tiny model, batch 1 and 2, 16-token prompts, 8 new tokens, 1 repeat: seconds",
-    batch_sizes=("1,4,16", "1,2"),
-    prompt_len=(128, 16),
-    max_tokens=(64, 8),
+    "offline",
+    "tiny model, batch 1 and 2, 16-token prompts, 8 new tokens, 1 repeat: seconds",
+    "an HF checkpoint directory (default: the random-weight benchmark Llama)",
+    {"batch_sizes": ("1,4,16", "1,2"), "prompt_len": (128, 16), "max_tokens": (64, 8)},
     min_tokens=2,
     threads=1,
-    model_help="an HF checkpoint directory (default: the random-weight benchmark Llama)",
 )
 
 
@@ -479,46 +459,34 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     return rp.bench_main(argv, parse_args, "offline", measure, write)
 
 
-# -- `pdserve bench structured`: a JSON-schema mask per decode step, filled first or beside ------
-
-SCHEMA = {
-    "type": "object",
-    "properties": {
-        "name": {"type": "string", "maxLength": 40},
-        "age": {"type": "integer", "minimum": 0, "maximum": 150},
-        "favorite_color": {"enum": ["red", "green", "blue"]},
-        "hobbies": {"type": "array", "items": {"type": "string", "maxLength": 30}, "maxItems": 3},
-        "address": {
-            "type": "object",
-            "properties": {"city": {"type": "string", "maxLength": 40}},
-            "required": ["city"],
-        },
-    },
-    "required": ["name", "age", "favorite_color", "hobbies", "address"],
-}
+SCHEMA = {"type": "object", "required": ["name", "age", "favorite_color", "hobbies", "address"],
+          "properties": {"name": {"type": "string", "maxLength": 40},
+                         "age": {"type": "integer", "minimum": 0, "maximum": 150},
+                         "favorite_color": {"enum": ["red", "green", "blue"]},
+                         "hobbies": {"type": "array", "items": {"type": "string", "maxLength": 30},
+                                     "maxItems": 3},
+                         "address": {"type": "object", "required": ["city"], "properties": {
+                             "city": {"type": "string", "maxLength": 40}}}}}  # fmt: skip
 GRAMMAR_MODES = ("plain", "first", "worker")  # no grammar; mask filled first; on a worker
 
 
-class FillTimer:
-    """Wraps the runner's mask fill to add up the worker's time."""
+@contextmanager
+def fill_timer() -> Iterator[list[float]]:
+    """The runner's mask fill wrapped to time it: yields the seconds of each fill."""
+    fill, seconds = model_runner.fill_bitmask, []
 
-    def __init__(self) -> None:
-        self.seconds, self.calls, self._fill = 0.0, 0, model_runner.fill_bitmask
-
-    def __call__(self, grammars: Any, vocab_size: int) -> Any:
+    def timed(grammars: Any, vocab_size: int) -> Any:
         start = time.perf_counter()
         try:
-            return self._fill(grammars, vocab_size)
+            return fill(grammars, vocab_size)
         finally:
-            self.seconds += time.perf_counter() - start
-            self.calls += 1
+            seconds.append(time.perf_counter() - start)
 
-    def __enter__(self) -> FillTimer:
-        model_runner.fill_bitmask = self
-        return self
-
-    def __exit__(self, *_: object) -> None:
-        model_runner.fill_bitmask = self._fill
+    model_runner.fill_bitmask = timed
+    try:
+        yield seconds
+    finally:
+        model_runner.fill_bitmask = fill
 
 
 def chat_prompts(llm: LLM, batch: int) -> list[list[int]]:
@@ -543,7 +511,7 @@ def grammar_steps(llm: LLM, prompts: list[list[int]], steps: int, mode: str) -> 
     while any(r.num_output_tokens == 0 for r in engine.scheduler.requests.values()):
         engine.step()  # prefill (and the first token) of every request
     times = []
-    with FillTimer() as fill:
+    with fill_timer() as fills:
         for _ in range(steps):
             start = time.perf_counter()
             updates = engine.step()
@@ -552,7 +520,7 @@ def grammar_steps(llm: LLM, prompts: list[list[int]], steps: int, mode: str) -> 
     while engine.has_unfinished:
         engine.step()
     engine.runner.overlap_masks = default
-    return {"step_s": statistics.median(times), "fill_s": fill.seconds / max(fill.calls, 1)}
+    return {"step_s": statistics.median(times), "fill_s": sum(fills) / max(len(fills), 1)}
 
 
 def grammar_row(batch: int, runs: Runs) -> dict[str, Any]:
@@ -587,18 +555,12 @@ GRAMMAR_FLAGS = [
     ("--steps", int, 24, "timed decode steps per batch"),
     ("--repeats", int, 3, "alternated runs; the best counts"),
 ]
-READING = (
-    "`pdserve bench structured --steps 24 --repeats 5` made it. Decode step times; overhead "
-    "against the step without a grammar (negative: within the machine's noise). On the CPU "
-    "the forward's threads hold every core and a worker beside them can only compete with "
-    "them, so CPU nodes fill the mask before the forward; on an accelerator they fill it on a "
-    "worker while the forward runs."
-)
 
 
 def structured_main(argv: list[str] | None = None) -> None:
     from pdserve.models import smollm2
 
+    argv = list(sys.argv[1:] if argv is None else argv)
     p = parser("pdserve bench structured", "A grammar's cost per decode step on one engine.")
     rp.add_flags(p.add_argument_group("run"), GRAMMAR_FLAGS)
     rp.add_output_flags(p, "structured.json")
@@ -621,7 +583,8 @@ def structured_main(argv: list[str] | None = None) -> None:
         "column from the same run."
     )
     title = "## Structured outputs: the grammar mask per decode step"
-    body = "\n\n".join([title, setup, text, READING])
+    command = f"Command: `{shlex.join(['pdserve', 'bench', 'structured', *argv])}`"
+    body = "\n\n".join([title, command, setup, text])
     print(f"wrote {rp.write_section('structured', body, to.page)}")
 
 
