@@ -60,8 +60,9 @@ def scenario_parser(
     default = "all" if quick == known else f"all; quick: {','.join(quick)}"
     text = f"a comma list from {','.join(known)} (default: {default})"
     row = ("--systems", str, None, text, {"metavar": "NAME,..."})
-    rp.add_flags(p.add_argument_group("run"), [row, *flags[0]])
-    rp.add_flags(p.add_argument_group("model and servers"), [*flags[1], rp.LOG_DIR_FLAG])
+    rp.add_flags(p.add_argument_group("run"), [row, *flags[0], rp.SEED_FLAG, rp.TIMEOUT_FLAG])
+    servers = [*flags[1], rp.CACHE_DIR_FLAG, rp.THREADS_FLAG, rp.LOG_DIR_FLAG]
+    rp.add_flags(p.add_argument_group("model and servers"), servers)
     return p, rp.add_output_flags(p, files, f"{name} JSON")
 
 
@@ -332,7 +333,7 @@ def publish(report: dict[str, Any], to: rp.Outputs) -> None:
     sizes = sizes_from_dict(report["sizes"])
     # JSON comes back with sorted keys; tables and legends list systems in SYSTEMS order.
     results = {s: report["results"][s] for s in SYSTEMS if s in report["results"]}
-    report = {**report, "results": results}
+    report = {"section": SECTION, **report, "results": results}  # older JSON: no section
     name = report["section"]
     to.folder.mkdir(parents=True, exist_ok=True)
     plots = [
@@ -367,17 +368,13 @@ def model_desc(config: dict[str, Any], args: argparse.Namespace) -> str:
 
 RUN_FLAGS = [
     ("--quick", bool, None, "tiny model, a handful of requests (default --out: a temp folder)"),
-    rp.SEED_FLAG,
-    rp.TIMEOUT_FLAG,
     rp.TQDM_FLAG,
-]  # fmt: skip
+]
 MODEL_FLAGS = [
     ("--model", Path, None, "an HF model directory (default: the random-weight benchmark "
      "Llama)", {"metavar": "DIR"}),
     ("--smollm2", bool, None, "SmolLM2-135M-Instruct, as float32 safetensors made once under "
      "--cache-dir from the GGUF pdserve fetches (section compare-smollm2)"),
-    rp.CACHE_DIR_FLAG,
-    rp.THREADS_FLAG,
     ("--heartbeat-timeout", float, 0.0, "pdserve router's node heartbeat timeout, seconds "
      "(0: the router's own)"),
 ]  # fmt: skip

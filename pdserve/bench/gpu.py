@@ -16,27 +16,17 @@ from typing import Any
 
 import torch
 
+from pdserve.bench import report as rp
 from pdserve.bench.report import cuda_ms, markdown_table
 from pdserve.common.node.cli import parser
 
-LLAMA3_8B = {
-    "architectures": ["LlamaForCausalLM"],
-    "model_type": "llama",
-    "hidden_size": 4096,
-    "intermediate_size": 14336,
-    "num_hidden_layers": 32,
-    "num_attention_heads": 32,
-    "num_key_value_heads": 8,
-    "head_dim": 128,
-    "vocab_size": 128256,
-    "max_position_embeddings": 131072,
-    "rms_norm_eps": 1e-5,
-    "rope_theta": 500000.0,
-    "tie_word_embeddings": False,
-    "torch_dtype": "bfloat16",
-    "bos_token_id": 128000,
-    "eos_token_id": 128001,
-}
+LLAMA3_8B = dict(
+    architectures=["LlamaForCausalLM"], model_type="llama", hidden_size=4096,
+    intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
+    head_dim=128, vocab_size=128256, max_position_embeddings=131072, rms_norm_eps=1e-5,
+    rope_theta=500000.0, tie_word_embeddings=False, torch_dtype="bfloat16", bos_token_id=128000,
+    eos_token_id=128001,
+)  # fmt: skip
 BLOCK_SIZE = 16
 
 
@@ -62,9 +52,6 @@ def ceilings() -> dict[str, float]:
     a, b = (torch.randn(8192, 8192, dtype=torch.bfloat16, device="cuda") for _ in range(2))
     ms = cuda_ms(lambda: a @ b)
     return {"copy_gb_s": copy_gb_s, "matmul_tflops": 2 * 8192**3 / ms / 1e9}
-
-
-# -- attention kernels ----------------------------------------------------------------------------
 
 
 def attention_case(batch: int, context: int, dtype=torch.bfloat16) -> dict[str, Any]:
@@ -137,9 +124,6 @@ def bench_prefill_attention() -> list[dict[str, Any]]:
     return rows
 
 
-# -- the model ------------------------------------------------------------------------------------
-
-
 def make_llm(model_dir: Path, max_num_seqs: int, **kwargs: Any):
     """The engine on the random 8B, its decode steps compiled and captured for the batch sizes
     measured only (every power of two up to 128 would compile eight graphs of a 32-layer model)."""
@@ -183,17 +167,9 @@ def decode_inputs(runner, batch: int, context: int):
 
     per_seq = context // BLOCK_SIZE + 1
     params = SamplingParams(max_tokens=1, temperature=0.0)
-    seqs = tuple(
-        ScheduledSeq(
-            f"d{b}",
-            (b + 1,),
-            context,
-            tuple(range(1 + b * per_seq, 1 + (b + 1) * per_seq)),
-            True,
-            params,
-        )  # fmt: skip
-        for b in range(batch)
-    )
+    blocks = [tuple(range(1 + b * per_seq, 1 + (b + 1) * per_seq)) for b in range(batch)]
+    seqs = tuple(ScheduledSeq(f"d{b}", (b + 1,), context, blocks[b], True, params)
+                 for b in range(batch))  # fmt: skip
     for cache in runner.kv_caches:
         cache[:, 1 : 1 + batch * per_seq].normal_()
     return runner.prepare(seqs)
@@ -323,16 +299,13 @@ def table(rows: list[dict[str, Any]]) -> str:
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = parser("pdserve bench gpu", __doc__.split("\n\n")[0])
-    run = p.add_argument_group("run")
-    run.add_argument(
-        "--parts",
-        default="ceilings,attention,prefill-attention,model,hf,kv",
-        help="a comma list of the parts to run",
-    )
-    run.add_argument("--context", type=int, default=1024, help="cached tokens per decode sequence")
-    p.add_argument_group("output").add_argument(
-        "--out", type=Path, required=True, help="folder for gpu.json (and kv/ of the KV part)"
-    )
+    parts = "ceilings,attention,prefill-attention,model,hf,kv"
+    rp.add_flags(p.add_argument_group("run"), [
+        ("--parts", str, parts, "a comma list of the parts to run"),
+        ("--context", int, 1024, "cached tokens per decode sequence"),
+    ])  # fmt: skip
+    out = ("--out", Path, None, "folder for gpu.json (and kv/ of the KV part)", {"required": True})
+    rp.add_flags(p.add_argument_group("output"), [out])
     return p.parse_args(argv)
 
 
@@ -387,23 +360,8 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-# -- `pdserve bench kernels`: each Triton kernel's achieved bandwidth (all memory bound) ------
-
 KERNEL_DTYPE = torch.bfloat16
 NUM_KV_HEADS, HEAD_DIM = 8, 128
-
-
-def time_ms(fn: Callable[[], object], iters: int = 50) -> float:
-    """Mean milliseconds per call after a warm-up that also triggers compilation."""
-    for _ in range(3):
-        fn()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(iters):
-        fn()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / iters
 
 
 def kernel_result(name: str, nbytes: int, ms: float, **shape: int) -> dict:
@@ -419,11 +377,10 @@ def kernel_store_kv(num_tokens: int) -> dict:
     from pdserve.kernels.store_kv import store_kv_triton
 
     layer = layer_cache(num_tokens // BLOCK_SIZE + 1)
-    key, value = torch.randn(
-        2, num_tokens, NUM_KV_HEADS, HEAD_DIM, dtype=KERNEL_DTYPE, device="cuda"
-    )
+    key, value = torch.randn(2, num_tokens, NUM_KV_HEADS, HEAD_DIM, dtype=KERNEL_DTYPE,
+                             device="cuda")  # fmt: skip
     slots = torch.randperm(num_tokens, device="cuda")
-    ms = time_ms(lambda: store_kv_triton(key, value, layer[0], layer[1], slots))
+    ms = cuda_ms(lambda: store_kv_triton(key, value, layer[0], layer[1], slots), iters=50)
     return kernel_result("store_kv", 2 * (key.nbytes + value.nbytes), ms, tokens=num_tokens)
 
 
@@ -433,8 +390,8 @@ def kernel_page_copy(num_pages: int) -> list[dict]:
     layer = layer_cache(4 * num_pages)
     ids = torch.randperm(4 * num_pages, device="cuda")[:num_pages]
     pages = gather_pages_triton(layer, ids)
-    gather_ms = time_ms(lambda: gather_pages_triton(layer, ids))
-    scatter_ms = time_ms(lambda: scatter_pages_triton(layer, ids, pages))
+    gather_ms = cuda_ms(lambda: gather_pages_triton(layer, ids), iters=50)
+    scatter_ms = cuda_ms(lambda: scatter_pages_triton(layer, ids, pages), iters=50)
     return [
         kernel_result("gather_pages", 2 * pages.nbytes, gather_ms, pages=num_pages),
         kernel_result("scatter_pages", 2 * pages.nbytes, scatter_ms, pages=num_pages),
@@ -446,7 +403,7 @@ def kernel_decode(batch: int, context: int) -> dict:
 
     case = attention_case(batch, context, KERNEL_DTYPE)
     kv_bytes = case.pop("kv_bytes")
-    ms = time_ms(lambda: paged_attention_triton(**case))
+    ms = cuda_ms(lambda: paged_attention_triton(**case), iters=50)
     return kernel_result("paged_attention_decode", kv_bytes, ms, batch=batch, context=context)
 
 

@@ -23,19 +23,9 @@ from typing import Any
 
 # The benchmark model's geometry (pdserve.tiny_model arguments): a ~90M-parameter Llama with
 # random weights, small enough for a CPU, big enough that matmuls dominate a step.
-BENCH_MODEL_SIZES = {
-    "layers": 12,
-    "hidden": 768,
-    "heads": 12,
-    "kv_heads": 4,
-    "intermediate": 2048,
-    "vocab": 8192,
-    "max_position": 4096,
-}
+BENCH_MODEL_SIZES = dict(layers=12, hidden=768, heads=12, kv_heads=4, intermediate=2048,
+                         vocab=8192, max_position=4096)  # fmt: skip
 MODEL_STAMP = "pdserve-bench.json"  # the spec a cached model was built from
-
-
-# -- where outputs go -----------------------------------------------------------------------------
 
 
 def checkout_root() -> Path | None:
@@ -113,9 +103,6 @@ def command_line(script: str, argv: list[str]) -> str:
     return shlex.join(["python", f"scripts/{script}", *argv])
 
 
-# -- timing -------------------------------------------------------------------------------------
-
-
 def sync(device: str) -> None:
     """Wait for the device's queued work, so a wall-clock span covers it (nothing on CPU)."""
     if device.startswith("cuda"):
@@ -152,9 +139,6 @@ def cuda_ms(fn: Callable[[], Any], iters: int = 20, warmup: int = 3) -> float:
         end.synchronize()
         times.append(start.elapsed_time(end))
     return statistics.median(times)
-
-
-# -- the benchmark model and the machine ----------------------------------------------------------
 
 
 def cached_model(cache_dir: Path, name: str, spec: dict[str, Any]) -> Path:
@@ -202,9 +186,6 @@ def describe_machine(m: dict[str, Any], threads: str = "torch threads") -> str:
     return f"{where}, torch {m['torch']}, {threads}: {m['threads']}"
 
 
-# -- results, figures, the page -------------------------------------------------------------------
-
-
 def strict_json(x: Any) -> Any:
     """inf and nan as strings, so the file is strict JSON."""
     if isinstance(x, float) and not math.isfinite(x):
@@ -220,23 +201,6 @@ def save_json(path: str | Path, result: dict[str, Any]) -> Path:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(strict_json(result), indent=2, sort_keys=True) + "\n")
-    return path
-
-
-def pyplot() -> Any:
-    """matplotlib.pyplot drawing off-screen, imported only when a figure is drawn."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    return plt
-
-
-def save_figure(fig: Any, path: Path) -> Path:
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    pyplot().close(fig)
     return path
 
 
@@ -256,14 +220,22 @@ class Panel:
 
 
 def plot_lines(panels: Sequence[Panel], path: Path, title: str = "", width: float = 5.5) -> Path:
-    """The panels side by side in one figure, saved at `path`."""
-    size = (width * len(panels), 4.0)
-    fig, axes = pyplot().subplots(1, len(panels), figsize=size, squeeze=False)
+    """The panels side by side in one figure, saved at `path` (matplotlib imported only when a
+    figure is drawn, drawing off-screen)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(panels), figsize=(width * len(panels), 4.0), squeeze=False)
     for ax, panel in zip(axes[0], panels):
         draw_panel(ax, panel)
     if title:
         fig.suptitle(title, fontsize=9)
-    return save_figure(fig, path)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
 
 
 def draw_panel(ax: Any, p: Panel) -> None:
@@ -408,8 +380,6 @@ def markdown_table(header: list[str], rows: list[list[Any]]) -> str:
     return "\n".join(lines)
 
 
-# -- flags as rows, tables of records, the run's setup (the HTTP benchmarks share these) --------
-
 # A flag as a row: (flag, type, default, help) and optionally a dict of more add_argument
 # keywords; type bool makes a switch. The rows below are flags several benchmarks take.
 SEED_FLAG = ("--seed", int, 0, "seed of the requests (prompts, lengths, arrivals)")
@@ -418,13 +388,8 @@ TQDM_FLAG = ("--disable-tqdm", bool, None, "no progress bar")
 THREADS_FLAG = ("--threads", int, 1, "torch threads of every server process (0: torch's own)")
 LOG_DIR_FLAG = ("--log-dir", Path, None, "server logs (default: a temporary folder, removed at "
                 "the end)", {"metavar": "DIR"})  # fmt: skip
-CACHE_DIR_FLAG = (
-    "--cache-dir",
-    Path,
-    Path.home() / ".cache" / "pdserve-bench",
-    "where built or converted models are kept",
-    {"metavar": "DIR"},
-)
+CACHE_DIR_FLAG = ("--cache-dir", Path, Path.home() / ".cache" / "pdserve-bench",
+                  "where built or converted models are kept", {"metavar": "DIR"})  # fmt: skip
 
 
 def add_flags(group: argparse._ArgumentGroup, rows: Sequence[tuple]) -> None:
@@ -476,8 +441,8 @@ def git_state() -> str:
         return "unknown (not run from a checkout)"
 
     def git(*args: str) -> str:
-        cmd = ["git", *args]
-        return subprocess.run(cmd, cwd=root, capture_output=True, text=True, timeout=10).stdout
+        run = subprocess.run(["git", *args], cwd=root, capture_output=True, text=True, timeout=10)
+        return run.stdout
 
     try:
         dirty = " with uncommitted changes" if git("status", "--porcelain", "-uno").strip() else ""
