@@ -86,9 +86,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-# ---------------------------------------------------------------- the deployment
-
-
 def stage_source(src: Path, into: Path) -> Path:
     """A PYTHONPATH folder with `src` laid out as installed (pdserve/ holding links to its
     subpackages): src itself on the path would not do, since this checkout's editable install
@@ -112,19 +109,14 @@ def server_env(args: argparse.Namespace, log_dir: Path) -> tuple[dict[str, str],
         env["PYTHONPATH"] = str(stage_source(src, log_dir / "server-src"))
         env["PYTHONSAFEPATH"] = "1"  # the working directory first would win (a checkout's)
     code = "import os, pdserve.router as r; print(os.path.realpath(r.__file__))"
-    probe = subprocess.run(
-        [sys.executable, "-c", code],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=True,
-    )
-    imports = probe.stdout.strip()
+    run = dict(capture_output=True, text=True, timeout=120)
+    imports = subprocess.run(
+        [sys.executable, "-c", code], env=env, check=True, **run
+    ).stdout.strip()
     if args.server_src is not None and not imports.startswith(f"{src}{os.sep}"):
         raise RuntimeError(f"the children would import pdserve.router from {imports}, not {src}")
     git = ["git", "-C", str(src), "describe", "--always", "--dirty"]
-    commit = subprocess.run(git, capture_output=True, text=True, timeout=30).stdout.strip()
+    commit = subprocess.run(git, **run).stdout.strip()
     return env, {"src": str(src), "imports": imports, "commit": commit or "unknown"}
 
 
@@ -179,9 +171,6 @@ def settle(router: Router, timeout: float) -> dict:
         if set(reports) == set(NODES) or time.monotonic() > deadline:
             return reports
         time.sleep(1.0)
-
-
-# ---------------------------------------------------------------- load and faults
 
 
 def expected_texts(model: str, requests: list[load.BenchRequest]) -> list[str]:
@@ -261,9 +250,6 @@ async def run_load(
             schedule.cancel()
             await asyncio.gather(schedule, return_exceptions=True)
     return answers, faults, start
-
-
-# ---------------------------------------------------------------- the report
 
 
 def recovery_s(fault: Fault, until: float, answers: list[Answer]) -> float | None:
@@ -392,8 +378,6 @@ def main(argv: list[str] | None = None) -> int:
     return 0 if all(g["status"] == "met" for g in run["goals"]) else 1
 
 
-# ---------------------------------------------------------------- bench reliability: named faults
-
 SCENARIO_COLUMNS = [
     *[(k, k) for k in ("scenario", "requests", "ok")],
     ("explicit error", "error"),
@@ -418,12 +402,8 @@ def signal_fault(name: str, sig: signal.Signals, hold_s: float = 0.0) -> Any:
 
 def scenarios() -> list[tuple[str, dict, dict]]:
     """(name, cluster kwargs, run kwargs); cluster kwarg "env" sets the KV frame faults."""
-    kill, stop, term, small = (
-        signal.SIGKILL,
-        signal.SIGSTOP,
-        signal.SIGTERM,
-        {"num_prefill": 1, "num_decode": 1},
-    )
+    kill, stop, term = signal.SIGKILL, signal.SIGSTOP, signal.SIGTERM
+    small = {"num_prefill": 1, "num_decode": 1}
     return [
         ("no fault (2P2D)", {}, {}),
         ("kill -9 prefill0 at 0.8 s (2P2D)", {},

@@ -52,9 +52,6 @@ FULL = Sizes((8, 16, 32, 64, 128), 32, 1.0, 5.0, PINS)
 QUICK = Sizes((4, 16), 16, 0.5, 2.0, ("split",))
 
 
-# -- the load, and the CPU each process used ------------------------------------------------------
-
-
 def completion(i: int, max_tokens: int) -> dict[str, Any]:
     """The body of request i: one of PROMPTS, streamed, with usage."""
     prompt = PROMPTS[i % len(PROMPTS)]
@@ -125,9 +122,6 @@ def percentiles(xs: list[float]) -> dict[str, float]:
     return {f"p{q}": load.percentile(xs, q) * 1000 for q in (50, 90, 99)}
 
 
-# -- one row --------------------------------------------------------------------------------------
-
-
 async def drive(
     rig: RoutersOverFakes, routers: int, n: int, sizes: Sizes, watched: dict[str, int]
 ) -> tuple[list[load.RequestResult], dict[str, float]]:
@@ -143,12 +137,9 @@ async def drive(
             results.append(res)
 
     async with load.make_client() as client:
-        sending = load.closed_loop(
-            lambda worker, i: send_one(ports[worker], i, sizes.max_tokens, client),
-            concurrency=n,
-            duration_s=window[1] - time.monotonic(),
-            on_result=take,
-        )
+        send = lambda worker, i: send_one(ports[worker], i, sizes.max_tokens, client)  # noqa: E731
+        left = window[1] - time.monotonic()
+        sending = load.closed_loop(send, concurrency=n, duration_s=left, on_result=take)
         used, _ = await asyncio.gather(cores_used(watched, window), sending)
     return results, used
 
@@ -230,9 +221,6 @@ def cost_split(rig: RoutersOverFakes, n: int, sizes: Sizes, expected: str) -> di
     }
 
 
-# -- tokens the fake nodes send, and a probe ------------------------------------------------------
-
-
 def word_tokens(model: Path, k: int = 4) -> tuple[list[int], Any]:
     """The k longest token ids that each decode to a space and a lowercase word, and the
     tokenizer (tokenizers' own: the router's fast tokenizer decodes the same)."""
@@ -260,9 +248,6 @@ def probe(port: int, max_tokens: int) -> dict[str, Any]:
     res = asyncio.run(once())
     keys = ("status", "text", "finish_reason", "chunks", "error")
     return {"completion_tokens": res.output_tokens, **{k: getattr(res, k) for k in keys}}
-
-
-# -- the report -----------------------------------------------------------------------------------
 
 
 def machine_info() -> dict[str, Any]:
@@ -332,12 +317,12 @@ def cost_table(cost: dict[str, Any] | None) -> list[str]:
     """One router's CPU per request with tokens streamed and all in one message."""
     if not cost:
         return []
-    rows = [
-        ["requests in flight", cost["concurrency"]],
-        ["router ms per request, tokens streamed", cost["streamed_ms_per_request"]],
-        ["router ms per request, all tokens in one message", cost["one_message_ms_per_request"]],
-        ["router µs per further streamed token", cost["per_streamed_token_us"]],
-    ]
+    keys = ("concurrency", "streamed_ms_per_request", "one_message_ms_per_request",
+            "per_streamed_token_us")  # fmt: skip
+    names = ("requests in flight", "router ms per request, tokens streamed",
+             "router ms per request, all tokens in one message",
+             "router µs per further streamed token")  # fmt: skip
+    rows = [[name, cost[k]] for name, k in zip(names, keys)]
     return [rp.markdown_table(["cost split (`split`, 1 router)", ""], rows), ""]
 
 
@@ -472,9 +457,7 @@ def measure_all(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-    def write(report: dict[str, Any], to: rp.Outputs) -> object:
-        return rp.publish("router", report, to, plot, section, stem="router_ceiling")
-
+    write = lambda report, to: rp.publish("router", report, to, plot, section, "router_ceiling")  # noqa: E731
     return rp.bench_main(argv, parse_args, "router", measure_all, write)
 
 
