@@ -126,16 +126,77 @@ def test_decode_group_holds_the_prefill_groups_kv_bit_for_bit(connector, child, 
     try:
         rng = random.Random(p * 10 + d)
         src, dst = rng.sample(range(SRC_BLOCKS), 5), rng.sample(range(DST_BLOCKS), 5)
-        ids = groups.transfer("req", src, dst)
-        results = groups.pump.wait_results(*(x for _, x in ids))
-        assert all(r.ok for r in results), [r.error for r in results]
-        assert all(r.first.token_id == 5 for r in results)
-        for layer, full in enumerate(groups.full):
-            for j, caches in enumerate(groups.caches):
-                held = rank_kv_heads(kv, d, j)
-                expected = torch.zeros_like(caches[layer])
-                expected[:, dst] = full[:, src][:, :, :, held.start : held.stop]
-                assert torch.equal(caches[layer], expected), (layer, j)
+        check_arrived(groups, "req", src, dst)
+    finally:
+        groups.close()
+
+
+def check_arrived(groups: Groups, xfer: str, src: list[int], dst: list[int]) -> None:
+    """Transfer `src` into `dst`: every slice ok, and each decode rank's caches hold exactly its
+    heads of the prefill group's pages there (zeros elsewhere)."""
+    ids = groups.transfer(xfer, src, dst)
+    results = groups.pump.wait_results(*(x for _, x in ids))
+    assert all(r.ok for r in results), [r.error for r in results]
+    assert all(r.first.token_id == 5 for r in results)
+    for layer, full in enumerate(groups.full):
+        for j, caches in enumerate(groups.caches):
+            held = rank_kv_heads(groups.kv, groups.d, j)
+            expected = torch.zeros_like(caches[layer])
+            expected[:, dst] = full[:, src][:, :, :, held.start : held.stop]
+            assert torch.equal(caches[layer], expected), (layer, j)
+
+
+@pytest.mark.parametrize(("kv", "p", "d"), [(4, 2, 1), (4, 1, 2)])
+def test_an_aborted_transfer_is_released_on_every_rank_then_refilled(connector, child, kv, p, d):
+    """An abort after layer 0: every decode rank cancels its slices. A fencing connector
+    (nixl) names every slice released once its sender settled (the decode node frees the
+    blocks only then); the blocks then take a new transfer, which arrives whole."""
+    groups = Groups(connector, child, kv, p, d)
+    try:
+        src, dst = [1, 2, 3], [4, 5, 6]
+        gone = {}
+        for s in groups.plan:
+            xfer_id, name = f"gone.{s.src_rank}-{s.dst_rank}", f"s{s.src_rank}-{s.dst_rank}"
+            groups.receivers[s.dst_rank].expect(
+                xfer_id, dst, range(s.dst_offset, s.dst_offset + s.count)
+            )
+            cache, heads = f"{groups.tag}p{s.src_rank}", [s.src_offset, s.src_offset + s.count]
+            groups._call(
+                op="send",
+                sender=name,
+                cache=cache,
+                xfer=xfer_id,
+                layers=[0],
+                src=src,
+                dst=dst,
+                heads=heads,
+            )
+            gone[xfer_id] = (s.dst_rank, name)
+        # Layer 0 in on every rank first (nixl: its WRITEs are done at flush): a zmq/shm/nccl
+        # receiver takes a late frame of a cancelled slice for a whole-heads frame, refuses
+        # its header and drops its sender.
+        for _, name in gone.values():
+            groups._call(op="flush", sender=name)
+        landed = [len(src) * sum(s.dst_rank == j for s in groups.plan) for j in range(d)]
+        if not groups.receivers[0].fences:
+            groups.pump.until(lambda: [r.pages_received for r in groups.receivers] == landed)
+        for xfer_id, (j, _) in gone.items():
+            groups.receivers[j].cancel(xfer_id)
+        for _, name in gone.values():
+            groups._call(op="poll", sender=name)  # the sender takes the cancel and settles
+        fenced = set(gone) if groups.receivers[0].fences else set()
+        released: set[str] = set()
+        groups.pump.until(
+            lambda: (
+                released.update(x for r in groups.receivers for x in r.released())
+                or released == fenced
+            ),
+            what=f"released {sorted(fenced)}",
+        )
+        for caches in groups.caches:  # layer 0 may have landed before the cancel: start clean
+            for cache in caches:
+                cache.zero_()
+        check_arrived(groups, "again", src, dst)
     finally:
         groups.close()
 
