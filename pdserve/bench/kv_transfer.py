@@ -18,7 +18,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from datetime import timedelta
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import zmq
@@ -31,12 +31,8 @@ from pdserve.kv_transfer.wire import FRAME_BYTES, as_bytes, blocks_per_frame
 from pdserve.local_cluster import free_port
 
 GOALS = {"zmq": 0.9, "nccl": 0.9, "shm": 0.7, "nixl": 0.9}  # x the raw transport's GB/s
-RAW_NAMES = {
-    "zmq": "pyzmq PUSH/PULL",
-    "nccl": "torch.distributed isend/irecv",
-    "shm": "copy_",
-    "nixl": "NIXL WRITE",
-}
+RAW_NAMES = {"zmq": "pyzmq PUSH/PULL", "nccl": "torch.distributed isend/irecv", "shm": "copy_",
+             "nixl": "NIXL WRITE"}  # fmt: skip
 CONNECTORS = tuple(GOALS)
 LAYOUTS = ("tiny", "llama3-8b")
 DEFAULT_TOKENS = (128, 512, 2048, 4096, 8192, 32768)
@@ -96,9 +92,6 @@ def skip_reason(point: Point, max_bytes: int, device: str) -> str:
 
         return "" if nixl_installed() else "nixl extra not installed: pip install 'pdserve[nixl]'"
     return ""
-
-
-# -- the raw transports: each connector's baseline, both ends -----------------------------------
 
 
 def views(bufs: list[torch.Tensor], frames: list[list[int]]) -> list[torch.Tensor]:
@@ -263,9 +256,6 @@ def init_raw_group(rank: int, store_port: int, device: str) -> None:
     dist.init_process_group(backend, store=store, rank=rank, world_size=2, timeout=timeout)
 
 
-# -- the sender child ---------------------------------------------------------------------------
-
-
 class Sender:
     """The child's state: caches of the current point, a connector sender, a raw transport.
     Each method is a command from the parent; what it returns goes back as the reply."""
@@ -378,8 +368,10 @@ def group_transfer_s(layout: KVLayout, p: int, d: int, blocks: int) -> float:
     return elapsed
 
 
-def child_main(connector: str, device: str) -> None:
+def child_main(connector: str, device: str, threads: str) -> None:
     """JSON lines in on stdin, one reply line out per command; stray C prints go to stderr."""
+    if device == "cpu":
+        torch.set_num_threads(int(threads))
     replies = os.fdopen(os.dup(1), "w", buffering=1)
     os.dup2(2, 1)
     sys.stdout = sys.stderr
@@ -399,8 +391,8 @@ class Child:
     """The sender process seen from here: one JSON line per command, one reply line back."""
 
     def __init__(self, connector: str, device: str) -> None:
-        cmd = [sys.executable, "-m", "pdserve.bench.kv_transfer", "--child", connector]
-        cmd += ["--device", device, "--threads", str(torch.get_num_threads())]
+        cmd = [sys.executable, "-m", "pdserve.bench.kv_transfer", "--child", connector, device]
+        cmd.append(str(torch.get_num_threads()))
         self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
 
     def start(self, op: str, **args: Any) -> None:
@@ -439,11 +431,7 @@ class Child:
             self.proc.kill()
 
 
-# -- receiver side ------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True, slots=True)
-class Run:
+class Run(NamedTuple):
     """One timed transfer: wall seconds and CPU seconds of both processes together."""
 
     seconds: float
@@ -452,19 +440,13 @@ class Run:
 
 def summary(conn: list[Run], raw: list[Run], nbytes: int) -> dict[str, Any]:
     """Medians of the connector's runs and the raw transport's, as rates and their ratio."""
-    ms = statistics.median(r.seconds for r in conn) * 1e3
-    raw_ms = statistics.median(r.seconds for r in raw) * 1e3
-    return {
-        "ms": ms,
-        "gb_s": nbytes / ms / 1e6,
-        "raw_ms": raw_ms,
-        "raw_gb_s": nbytes / raw_ms / 1e6,
-        "ratio": raw_ms / ms,
-        "cpu_s_per_gb": statistics.median(r.cpu for r in conn) / nbytes * 1e9,
-        "raw_cpu_s_per_gb": statistics.median(r.cpu for r in raw) / nbytes * 1e9,
-        "samples_ms": [r.seconds * 1e3 for r in conn],
-        "raw_samples_ms": [r.seconds * 1e3 for r in raw],
-    }
+    out = {}
+    for prefix, runs in (("", conn), ("raw_", raw)):
+        ms = statistics.median(r.seconds for r in runs) * 1e3
+        out |= {f"{prefix}ms": ms, f"{prefix}gb_s": nbytes / ms / 1e6,
+                f"{prefix}cpu_s_per_gb": statistics.median(r.cpu for r in runs) / nbytes * 1e9,
+                f"{prefix}samples_ms": [r.seconds * 1e3 for r in runs]}  # fmt: skip
+    return out | {"ratio": out["raw_ms"] / out["ms"]}
 
 
 class Bench:
@@ -543,29 +525,19 @@ class Bench:
             self.receiver = None
         errors = sorted({error for (_, error), _ in runs if error})
         conn, raw = [run for (run, _), _ in runs[1:]], [raw for _, raw in runs[1:]]
-        return {
-            "connector": point.connector,
-            "layout": point.layout_name,
-            "tokens": point.tokens,
-            "n_blocks": point.n_blocks,
-            "bytes": point.nbytes,
-            "layer_bytes": point.layer_bytes,
-            "frames_per_layer": len(frames) // point.layout.num_layers,
-            "frame_bytes": frames[0][2],
-            "ok": not errors,
-            "errors": errors,
-            "whole": summary(conn, raw, point.nbytes),
+        sizes = {k: getattr(point, k) for k in ("connector", "tokens", "n_blocks", "layer_bytes")}
+        return sizes | {
+            "layout": point.layout_name, "bytes": point.nbytes, "frame_bytes": frames[0][2],
+            "frames_per_layer": len(frames) // point.layout.num_layers, "ok": not errors,
+            "errors": errors, "whole": summary(conn, raw, point.nbytes),
             "goal": GOALS[point.connector],
-        }
+        }  # fmt: skip
 
     def close(self) -> None:
         try:
             self.child.close()
         finally:
             self.raw.close()
-
-
-# -- report -------------------------------------------------------------------------------------
 
 
 def fmt_tokens(n: int) -> str:
@@ -580,16 +552,13 @@ def summarize(results: list[dict[str, Any]]) -> dict[str, Any]:
             continue
         largest = max(mine, key=lambda r: (r["bytes"], r["tokens"]))
         ratios = [r["whole"]["ratio"] for r in mine]
-        out[connector] = {
-            "goal": GOALS[connector],
-            "largest": f"{largest['layout']} {fmt_tokens(largest['tokens'])} tokens",
-            "ratio_at_largest": largest["whole"]["ratio"],
-            "gb_s_at_largest": largest["whole"]["gb_s"],
-            "raw_gb_s_at_largest": largest["whole"]["raw_gb_s"],
+        at = {f"{k}_at_largest": largest["whole"][k] for k in ("ratio", "gb_s", "raw_gb_s")}
+        out[connector] = at | {
+            "goal": GOALS[connector], "points": len(mine),
             "median_ratio": statistics.median(ratios),
+            "largest": f"{largest['layout']} {fmt_tokens(largest['tokens'])} tokens",
             "points_meeting_goal": sum(r >= GOALS[connector] for r in ratios),
-            "points": len(mine),
-        }
+        }  # fmt: skip
     return out
 
 
@@ -661,9 +630,6 @@ def plot(report: dict[str, Any], path: Path) -> Path:
     return rp.plot_lines(panels, path, width=6.0)
 
 
-# -- CLI ----------------------------------------------------------------------------------------
-
-
 def parse_size(text: str) -> int:
     """`2G`, `512M`, `1.5GiB`, `4096` -> bytes (binary units)."""
     units = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
@@ -693,7 +659,6 @@ FLAGS = [
      "exceed this, binary units: 512M, 2G (default: 512M)", {"metavar": "SIZE"}),
     ("--device", str, "cpu", "where the KV is", {"choices": ("cpu", "cuda")}),
     ("--threads", int, 1, "torch threads per process on CPU (1: two processes on two cores)"),
-    ("--child", str, None, argparse.SUPPRESS),
 ]  # fmt: skip
 
 
@@ -702,8 +667,6 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     rp.add_flags(p.add_argument_group("run"), FLAGS)
     rp.add_output_flags(p, "kv_transfer.json and kv_transfer.png", "kv_transfer.json")
     args = p.parse_args(argv)
-    if args.child:
-        return args
     args.outputs = rp.outputs_from_args(p, args)
     args.connectors = [c.strip() for c in args.connectors.split(",") if c.strip()]
     if not args.connectors or set(args.connectors) - set(CONNECTORS):
@@ -715,6 +678,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     args.repeats = args.repeats or (2 if args.quick else 5)
     if args.device == "cuda" and not torch.cuda.is_available():
         p.error("--device cuda: no CUDA device here")
+    if args.device == "cpu":
+        torch.set_num_threads(args.threads)
     return args
 
 
@@ -734,8 +699,6 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         "device": args.device,
         "repeats": args.repeats,
         "max_bytes": args.max_bytes,
-        "goals": GOALS,
-        "raw": RAW_NAMES,
         "layouts": {n: {**lay.to_dict(), "bytes_per_token": lay.page_bytes * lay.num_layers
                         // lay.block_size} for n, lay in layouts.items()},
         "results": results,
@@ -756,21 +719,18 @@ def run_connector(connector: str, points: list[Point], repeats: int, device: str
         bench.close()
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    args = parse_args(argv)
-    if args.device == "cpu":
-        torch.set_num_threads(args.threads)
-    if args.child:
-        child_main(args.child, args.device)
-        return 0
-    script = "bench_kv_transfer.py"
-    report = rp.measure_or_load(args, "kv_transfer", script, argv, lambda: measure(args))
-    for s in report["skipped"]:
-        print(f"skipped {s['connector']} {s['layout']} {fmt_tokens(s['tokens'])}: {s['reason']}")
-    rp.publish("kv_transfer", report, args.outputs, plot, section)
-    return 0
+def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
+    def write(report: dict[str, Any], to: rp.Outputs) -> None:
+        for s in report["skipped"]:
+            where = f"{s['connector']} {s['layout']} {fmt_tokens(s['tokens'])}"
+            print(f"skipped {where}: {s['reason']}")
+        rp.publish("kv_transfer", report, to, plot, section)
+
+    return rp.bench_main(argv, parse_args, "kv_transfer", measure, write)
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    if sys.argv[1:2] == ["--child"]:  # the sender process of `Child`
+        child_main(*sys.argv[2:])
+    else:
+        main()

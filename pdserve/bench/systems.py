@@ -109,17 +109,9 @@ def pdserve_cluster(
     """(prefill, decode, colocated) nodes and a router over zmq, every server process at
     `threads` torch threads; yields the ready cluster."""
     prefill, decode, colocated = shape
-    cluster = LocalCluster(
-        str(model),
-        prefill,
-        decode,
-        num_colocated=colocated,
-        kv_connector="zmq",
-        engine_args=list(engine_args),
-        router_args=list(router_args),
-        decode_args=list(decode_args),
-        log_dir=str(log_dir),
-    )
+    flags = dict(engine_args=list(engine_args), router_args=list(router_args),
+                 decode_args=list(decode_args), log_dir=str(log_dir))  # fmt: skip
+    cluster = LocalCluster(str(model), prefill, decode, colocated, kv_connector="zmq", **flags)
     with environ(threads_env(threads)), cluster:
         yield cluster
 
@@ -194,11 +186,7 @@ def routers_over_fakes(
 
 
 SMOLLM2_DIR = "smollm2-135m-instruct-f32"  # under --cache-dir
-
-
 REMOTE = ("--prefill-placement", "remote")  # every prefill on a prefill node
-
-
 DEFAULT_BATCH_TOKENS = 512  # pdserve's --max-num-batched-tokens (pdserve.common.node.cli)
 
 

@@ -1,10 +1,6 @@
-"""Tensor parallelism's overheads: decode step time and output tokens/s at each TP size on a
-Llama-shaped model of about 1B parameters (TinyLlama-1.1B's shape, random bf16 weights), the
-all-reduces' share of the step, and KV-transfer GB/s of each (prefill TP, decode TP) mapping
-against the same bytes moved between TP 1 nodes. Reading: docs/benchmarks.md.
-
-    pdserve bench tp [--quick --out DIR]      # = python scripts/bench_tp.py
-"""
+"""`pdserve bench tp`: decode steps at each TP size on TinyLlama-1.1B's shape (random bf16
+weights), the all-reduces' share of a step, and KV GB/s of each (prefill TP, decode TP) mapping
+against TP 1 to TP 1. Reading: docs/benchmarks.md."""
 
 from __future__ import annotations
 
@@ -172,12 +168,12 @@ def parse(argv: Sequence[str]) -> argparse.Namespace:
     rp.add_flags(p.add_argument_group("run"), [
         ("--quick", bool, False, "a tiny model, few steps, 1 repeat (a check, not a figure)"),
         ("--tp", int, [1, 2], "TP sizes to time decode steps at", {"nargs": "+"}),
-        ("--batch", int, 8, "sequences decoding together", {}),
-        ("--prompt-len", int, 64, "tokens of each prompt", {}),
-        ("--steps", int, 16, "decode steps timed", {}),
+        ("--batch", int, 8, "sequences decoding together"),
+        ("--prompt-len", int, 64, "tokens of each prompt"),
+        ("--steps", int, 16, "decode steps timed"),
         ("--threads", int, torch.get_num_threads(), "torch threads in all (each rank a share)"),
-        ("--kv-blocks", int, 64, "blocks of one request's KV transferred per mapping", {}),
-        ("--repeats", int, 3, "transfers per mapping (median)", {}),
+        ("--kv-blocks", int, 64, "blocks of one request's KV transferred per mapping"),
+        ("--repeats", int, 3, "transfers per mapping (median)"),
     ])  # fmt: skip
     rp.add_output_flags(p, "tp.json, tp.png", saved="tp.json")
     args = p.parse_args(list(argv))
@@ -189,7 +185,5 @@ def parse(argv: Sequence[str]) -> argparse.Namespace:
 
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
-    def write(report: dict[str, Any], outputs: Any) -> None:
-        rp.publish("tp", report, outputs, plot, section)
-
+    write = lambda report, to: rp.publish("tp", report, to, plot, section)  # noqa: E731
     return rp.bench_main(argv, parse, "tp", measure, write)
