@@ -4,20 +4,12 @@ tokens, and the report has the shape docs/benchmarks.md is built from (no timing
 from __future__ import annotations
 
 import json
-import math
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[2]
-SCRIPT = REPO / "scripts" / "bench_compile.py"
-
-
-def positive(x: Any) -> bool:
-    return isinstance(x, (int, float)) and math.isfinite(x) and x > 0
+from tests.bench.helpers import positive, quick_run
 
 
 @pytest.fixture(scope="module")
@@ -25,10 +17,7 @@ def quick(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, Any
     out = tmp_path_factory.mktemp("compile")
     # One batch size: one bucket to compile, the slow part of the run. One thread: compiled
     # kernels on cores that other tests keep busy can take seconds a step.
-    cmd = [sys.executable, str(SCRIPT), "--quick", "--out", str(out), "--batch-sizes", "1"]
-    cmd += ["--threads", "1"]
-    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
+    quick_run("bench_compile.py", out, "--batch-sizes", "1", "--threads", "1")
     return out, json.loads((out / "compile.json").read_text())
 
 

@@ -4,33 +4,18 @@ tokens, and the report has the shape docs/benchmarks.md is built from (no timing
 from __future__ import annotations
 
 import json
-import math
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[2]
-SCRIPT = REPO / "scripts" / "bench_offline.py"
-
-
-def positive(x: Any) -> bool:
-    return isinstance(x, (int, float)) and math.isfinite(x) and x > 0
+from tests.bench.helpers import positive, quick_run
 
 
 @pytest.fixture(scope="module")
 def quick(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, Any]]:
     out = tmp_path_factory.mktemp("offline")
-    proc = subprocess.run(
-        [sys.executable, str(SCRIPT), "--quick", "--out", str(out)],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=180,
-    )
-    assert proc.returncode == 0, proc.stdout + proc.stderr
+    quick_run("bench_offline.py", out, timeout=180)
     return out, json.loads((out / "offline.json").read_text())
 
 
