@@ -334,14 +334,10 @@ RUN_FLAGS = [
     ("--message-len", int, None, f"later messages' mean tokens (±{_W.range_ratio:.0%}%), "
      f"default {_W.message_len}"),
     ("--answer-len", int, None, f"tokens per answer, default {_W.answer_len}"),
-    rp.SEED_FLAG,
-    rp.TIMEOUT_FLAG,
 ]  # fmt: skip
 MODEL_FLAGS = [
     ("--model", str, None, "a checkpoint directory or .gguf file (default: SmolLM2-135M-"
      "Instruct; quick: the tests' tiny random Llama)", {"metavar": "PATH"}),
-    rp.CACHE_DIR_FLAG,
-    rp.THREADS_FLAG,
 ]  # fmt: skip
 WORKLOAD_FLAGS = ("conversations", "turns", "first_len", "message_len", "answer_len")
 
