@@ -23,7 +23,7 @@ from pdserve.common.engine.sampler import (
 from pdserve.common.engine.scheduler import SampledToken, ScheduledSeq, SchedulerOutput
 from pdserve.common.engine.structured import allowed_from_bitmask, fill_bitmask
 from pdserve.common.engine.tensor_parallel import RankDriver, threads_per_rank
-from pdserve.common.model.attention import AttentionMetadata
+from pdserve.common.model.attention import AttentionMetadata, KVCacheSpec
 from pdserve.common.model.config import ModelArchConfig
 from pdserve.common.model.parallel import TPGroup, TPShard
 from pdserve.common.model.weights import load_model
@@ -56,13 +56,11 @@ class ForwardInputs:
 
 
 def kv_block_bytes(
-    arch: ModelArchConfig, block_size: int, dtype: torch.dtype, num_kv_heads: int | None = None
+    arch: ModelArchConfig, spec: KVCacheSpec, block_size: int, dtype: torch.dtype
 ) -> int:
-    """Bytes one block occupies across all layers (K and V), with `num_kv_heads` heads (a
-    tensor-parallel rank's share; default all)."""
-    heads = arch.num_kv_heads if num_kv_heads is None else num_kv_heads
-    per_layer = 2 * block_size * heads * arch.head_dim
-    return per_layer * arch.num_layers * torch.empty((), dtype=dtype).element_size()
+    """Bytes one block occupies across all layers, each layer's cache as `spec` says (a
+    tensor-parallel rank's share of the KV heads, or a whole latent)."""
+    return spec.block_bytes(block_size, dtype) * arch.num_layers
 
 
 class ModelRunner:
@@ -127,9 +125,10 @@ class ModelRunner:
         )
         if self.device.type == "cuda":
             self.model.fuse_projections()  # wide GEMVs: decode steps read weights faster
-        self.num_kv_heads = self.model.model.layers[0].self_attn.num_kv_heads
+        shard = self.tp.shard if self.tp is not None else None
+        self.kv_spec = type(self.model).kv_cache_spec(self.arch, shard)  # this rank's share
         self.num_blocks = self._pool_size(cache_config)
-        shape = (2, self.num_blocks, self.block_size, self.num_kv_heads, self.arch.head_dim)
+        shape = self.kv_spec.shape(self.num_blocks, self.block_size)
         self.kv_caches = [
             torch.zeros(shape, dtype=self.dtype, device=self.device)
             for _ in range(self.arch.num_layers)
@@ -161,7 +160,7 @@ class ModelRunner:
             if self.device.type == "cuda":
                 free, _ = torch.cuda.mem_get_info(self.device)
                 budget = int(free * cache.gpu_memory_utilization)
-            n = budget // kv_block_bytes(self.arch, self.block_size, self.dtype, self.num_kv_heads)
+            n = budget // kv_block_bytes(self.arch, self.kv_spec, self.block_size, self.dtype)
         if self.tp is not None:
             wait = self.parallel.start_timeout_s
             n = int(self.tp.all_reduce_min(torch.tensor([n], dtype=torch.int64), wait)[0])
@@ -172,14 +171,15 @@ class ModelRunner:
     def kv_layout(self, model_id: str) -> KVLayout:
         """What one page of this model's KV cache means (all its KV heads: a tensor-parallel
         rank holds a share of them), as the KV handshake and the router's pairing compare it."""
-        arch = self.arch
+        spec = type(self.model).kv_cache_spec(self.arch)
         return KVLayout(
             model_id=model_id,
             dtype=str(self.dtype).removeprefix("torch."),
-            num_layers=arch.num_layers,
-            num_kv_heads=arch.num_kv_heads,
-            head_dim=arch.head_dim,
+            num_layers=self.arch.num_layers,
+            num_kv_heads=spec.heads,
+            head_dim=spec.dim,
             block_size=self.block_size,
+            planes=spec.planes,
         )
 
     def close(self) -> None:

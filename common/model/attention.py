@@ -1,5 +1,7 @@
-"""What one forward pass tells every attention layer about the flat batch, and the attention
-call itself: one custom op, so a compiled model keeps it out of its graph."""
+"""What one forward pass tells every attention layer about the flat batch, what a layer's paged
+cache holds (`KVCacheSpec`, asked of the model class), and the attention call itself: one custom
+op, so a compiled model keeps it out of its graph. A latent cache (one plane, MLA) is written
+and read through `store_latent` and `context_latents`."""
 
 from __future__ import annotations
 
@@ -31,6 +33,44 @@ class AttentionMetadata:
     def tensors(self) -> tuple[torch.Tensor, ...]:
         """The four tensors, in the order the attention op takes them."""
         return self.slot_mapping, self.block_tables, self.query_start_loc, self.seq_lens
+
+
+@dataclass(frozen=True, slots=True)
+class KVCacheSpec:
+    """What one layer's paged cache holds per token, as a model class asks for it: `planes`
+    tensors (2: K at [0] and V at [1]; 1: one latent) of `heads` x `dim` values each. The
+    runner allocates `shape(...)` per layer; the KV layout and its digest follow from it."""
+
+    planes: int
+    heads: int
+    dim: int
+
+    def shape(self, num_blocks: int, block_size: int) -> tuple[int, int, int, int, int]:
+        return (self.planes, num_blocks, block_size, self.heads, self.dim)
+
+    def block_bytes(self, block_size: int, dtype: torch.dtype) -> int:
+        """Bytes of one block of one layer."""
+        return self.planes * block_size * self.heads * self.dim * dtype.itemsize
+
+
+def store_latent(latent: torch.Tensor, cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """Write each token's latent row [T, D] into its slot of a one-plane layer cache
+    [1, num_blocks, block_size, 1, D]; rows past slot_mapping and negative slots are not
+    stored (as for K/V)."""
+    slots = slot_mapping.long()
+    rows = latent[: slots.shape[0]]
+    if not bool((slots >= 0).all()):
+        valid = slots >= 0
+        slots, rows = slots[valid], rows[valid]
+    flat = cache[0].view(-1, cache.shape[-1])
+    flat.index_copy_(0, slots, rows.to(cache.dtype))
+
+
+def context_latents(cache: torch.Tensor, block_table: torch.Tensor, seq_len: int) -> torch.Tensor:
+    """One sequence's cached latents [seq_len, D], in position order, from its block table."""
+    block_size = cache.shape[2]
+    blocks = block_table[: -(-seq_len // block_size)].long()
+    return cache[0, blocks].reshape(-1, cache.shape[-1])[:seq_len]
 
 
 def _store_and_attend(

@@ -24,9 +24,10 @@ SUPPORTED_ARCHITECTURES = (
     "MistralForCausalLM",
     "Qwen3MoeForCausalLM",
     "MixtralForCausalLM",
+    "DeepseekV3ForCausalLM",
 )
 # The ones whose feed-forward blocks are (partly) mixtures of experts.
-MOE_ARCHITECTURES = ("Qwen3MoeForCausalLM", "MixtralForCausalLM")
+MOE_ARCHITECTURES = ("Qwen3MoeForCausalLM", "MixtralForCausalLM", "DeepseekV3ForCausalLM")
 # transformers' model_type of each, for configs built in code (no `architectures` list).
 _MODEL_TYPES = {
     "llama": "LlamaForCausalLM",
@@ -35,6 +36,7 @@ _MODEL_TYPES = {
     "mistral": "MistralForCausalLM",
     "qwen3_moe": "Qwen3MoeForCausalLM",
     "mixtral": "MixtralForCausalLM",
+    "deepseek_v3": "DeepseekV3ForCausalLM",
 }
 
 # RoPE variants with position-independent frequencies, so one inv_freq serves every position.
@@ -60,6 +62,13 @@ class ModelArchConfig:
     weights renormalized to sum to 1 when norm_topk_prob; the other layers run the dense MLP of
     width intermediate_size. Qwen3-MoE's decoder_sparse_step and mlp_only_layers are resolved
     into moe_layers here, so the model asks one question per layer.
+
+    DeepSeek-V3 adds grouped routing (experts in `n_group` groups, tokens choose among the best
+    `topk_group` groups), `routed_scaling_factor` on the routed weights and `n_shared_experts`
+    always-on experts; its first_k_dense_replace is resolved into moe_layers. Its attention is
+    multi-head latent attention (MLA, `is_mla`): keys and values come from one latent of
+    kv_lora_rank values per token, queries through a q_lora_rank bottleneck when it is set;
+    head_dim is then the rope part of a head (qk_rope_head_dim), as transformers sets it.
     """
 
     architecture: str
@@ -88,6 +97,15 @@ class ModelArchConfig:
     moe_intermediate_size: int = 0
     norm_topk_prob: bool = False
     moe_layers: tuple[int, ...] = ()
+    n_group: int = 1
+    topk_group: int = 1
+    routed_scaling_factor: float = 1.0
+    n_shared_experts: int = 0
+    kv_lora_rank: int = 0
+    q_lora_rank: int | None = None
+    qk_nope_head_dim: int = 0
+    v_head_dim: int = 0
+    rope_interleave: bool = False
 
     def __post_init__(self) -> None:
         if self.architecture not in SUPPORTED_ARCHITECTURES:
@@ -122,6 +140,21 @@ class ModelArchConfig:
             raise ValueError(f"moe_intermediate_size {self.moe_intermediate_size} must be positive")
         if not set(self.moe_layers) <= set(range(self.num_layers)):
             raise ValueError(f"moe_layers {self.moe_layers} outside 0..{self.num_layers - 1}")
+        if self.num_experts % self.n_group or not 1 <= self.topk_group <= self.n_group:
+            raise ValueError(
+                f"{self.num_experts} experts in {self.n_group} groups, top {self.topk_group} "
+                "groups: the groups must split the experts evenly and topk_group fit in them"
+            )
+
+    @property
+    def is_mla(self) -> bool:
+        """Whether attention is multi-head latent attention (one cached latent per token)."""
+        return self.kv_lora_rank > 0
+
+    @property
+    def qk_rope_head_dim(self) -> int:
+        """The rotated part of an MLA query or key head (head_dim, where rope reads it)."""
+        return self.head_dim
 
     def rope_scaling_dict(self) -> dict[str, Any]:
         """The rope scaling parameters as transformers spells them (without type and theta)."""
@@ -176,6 +209,7 @@ class ModelArchConfig:
             rope_type=rope_type,
             rope_scaling=rope_scaling,
             **_moe_settings(arch, hf_config),
+            **_mla_settings(arch, hf_config),
         )
 
     @classmethod
@@ -309,6 +343,21 @@ def _moe_settings(arch: str, hf_config: Any) -> dict[str, Any]:
     if arch == "MixtralForCausalLM":
         # Every layer is sparse, its experts as wide as intermediate_size, weights renormalized.
         width, renormalize, layers = hf_config.intermediate_size, True, tuple(range(n))
+    elif arch == "DeepseekV3ForCausalLM":
+        experts = hf_config.n_routed_experts
+        width, renormalize = hf_config.moe_intermediate_size, bool(hf_config.norm_topk_prob)
+        layers = tuple(range(hf_config.first_k_dense_replace or 0, n)) if experts else ()
+        return {
+            "num_experts": int(experts),
+            "num_experts_per_tok": int(hf_config.num_experts_per_tok),
+            "moe_intermediate_size": int(width),
+            "norm_topk_prob": renormalize,
+            "moe_layers": layers,
+            "n_group": int(hf_config.n_group or 1),
+            "topk_group": int(hf_config.topk_group or 1),
+            "routed_scaling_factor": float(hf_config.routed_scaling_factor),
+            "n_shared_experts": int(hf_config.n_shared_experts or 0),
+        }
     else:
         width, renormalize = hf_config.moe_intermediate_size, bool(hf_config.norm_topk_prob)
         step = getattr(hf_config, "decoder_sparse_step", 1) or 1
@@ -321,6 +370,19 @@ def _moe_settings(arch: str, hf_config: Any) -> dict[str, Any]:
         "moe_intermediate_size": int(width),
         "norm_topk_prob": renormalize,
         "moe_layers": layers,
+    }
+
+
+def _mla_settings(arch: str, hf_config: Any) -> dict[str, Any]:
+    """The latent-attention fields of ModelArchConfig; none for other attention."""
+    if arch != "DeepseekV3ForCausalLM":
+        return {}
+    return {
+        "kv_lora_rank": int(hf_config.kv_lora_rank),
+        "q_lora_rank": hf_config.q_lora_rank,
+        "qk_nope_head_dim": int(hf_config.qk_nope_head_dim),
+        "v_head_dim": int(hf_config.v_head_dim),
+        "rope_interleave": bool(getattr(hf_config, "rope_interleave", False)),
     }
 
 

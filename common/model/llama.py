@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pdserve.common.model.attention import AttentionMetadata, paged_attention
+from pdserve.common.model.attention import AttentionMetadata, KVCacheSpec, paged_attention
 from pdserve.common.model.config import ModelArchConfig
 from pdserve.common.model.parallel import TPGroup, TPShard
 
@@ -168,12 +168,16 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    """SwiGLU feed-forward: down(silu(gate(x)) * up(x))."""
+    """SwiGLU feed-forward: down(silu(gate(x)) * up(x)), intermediate_size wide unless `width`
+    says otherwise (DeepSeek's shared experts)."""
 
-    def __init__(self, config: ModelArchConfig, tp: TPGroup | None = None) -> None:
+    def __init__(
+        self, config: ModelArchConfig, tp: TPGroup | None = None, width: int | None = None
+    ) -> None:
         super().__init__()
         size = tp.size if tp is not None else 1
-        h, i, bias = config.hidden_size, config.intermediate_size // size, config.mlp_bias
+        i = (config.intermediate_size if width is None else width) // size
+        h, bias = config.hidden_size, config.mlp_bias
         self.tp = tp
         self.gate_proj = nn.Linear(h, i, bias=bias)
         self.up_proj = nn.Linear(h, i, bias=bias)
@@ -245,7 +249,7 @@ class DecoderLayer(nn.Module):
 
     def __init__(self, config: ModelArchConfig, layer: int, tp: TPGroup | None = None) -> None:
         super().__init__()
-        self.self_attn = Attention(config, layer, tp)
+        self.self_attn = self.attention(config, layer, tp)
         self.mlp = self.feed_forward(config, layer, tp)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -260,6 +264,10 @@ class DecoderLayer(nn.Module):
     ) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, attn, kv_cache)
         return x + self.mlp(self.post_attention_layernorm(x))
+
+    def attention(self, config: ModelArchConfig, layer: int, tp: TPGroup | None) -> nn.Module:
+        """The attention block (a hook: DeepSeek puts its latent attention here)."""
+        return Attention(config, layer, tp)
 
     def feed_forward(self, config: ModelArchConfig, layer: int, tp: TPGroup | None) -> nn.Module:
         """The block after attention (a hook: the MoE families put their expert block here)."""
@@ -306,7 +314,8 @@ class LlamaFamilyForCausalLM(nn.Module):
 
     One forward serves prefill chunks and decode tokens together: `attn` says which tokens
     belong to which sequence and where their K/V live. kv_caches holds one tensor per layer,
-    shaped [2, num_blocks, block_size, num_kv_heads, head_dim] (K at [0], V at [1]).
+    shaped [2, num_blocks, block_size, num_kv_heads, head_dim] (K at [0], V at [1]): what
+    `kv_cache_spec` asks the runner for.
     With tied embeddings there is no lm_head module, so the parameter names equal exactly
     what a tied checkpoint stores.
     """
@@ -322,6 +331,13 @@ class LlamaFamilyForCausalLM(nn.Module):
         self.lm_head = (
             None if config.tie_word_embeddings else nn.Linear(config.hidden_size, rows, bias=False)
         )
+
+    @classmethod
+    def kv_cache_spec(cls, config: ModelArchConfig, shard: TPShard | None = None) -> KVCacheSpec:
+        """What each layer's cache holds per token: K and V of the KV heads `shard` holds
+        (all of them without one)."""
+        heads = config.num_kv_heads if shard is None else shard.num_kv_heads(config)
+        return KVCacheSpec(planes=2, heads=heads, dim=config.head_dim)
 
     @torch.no_grad()
     def fuse_projections(self) -> None:

@@ -32,6 +32,36 @@ def route(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Te
     return weights, ids
 
 
+def route_grouped(
+    logits: torch.Tensor,
+    bias: torch.Tensor,
+    top_k: int,
+    groups: tuple[int, int],
+    renormalize: bool,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """DeepSeek-V3's routing, (weights [T, k] float32, expert ids [T, k]).
+
+    Sigmoid scores in float32; `bias` (e_score_correction_bias) is added for choosing only.
+    With `groups` = (n_group, topk_group) the experts form n_group equal groups, each scored
+    by the sum of its two best biased scores, and a token picks its top_k experts inside its
+    topk_group best groups. The weights are the chosen experts' unbiased scores, renormalized
+    to sum to 1 when `renormalize`, times `scale` (routed_scaling_factor)."""
+    scores = torch.sigmoid(logits.float())
+    choice = scores + bias.float()
+    n_group, topk_group = groups
+    per_group = choice.view(choice.shape[0], n_group, -1)
+    best_two = per_group.topk(min(2, per_group.shape[-1]), dim=-1).values.sum(dim=-1)
+    chosen = best_two.topk(topk_group, dim=-1, sorted=False).indices
+    keep = torch.zeros_like(best_two, dtype=torch.bool).scatter_(1, chosen, True)
+    choice = choice.masked_fill(~keep.repeat_interleave(per_group.shape[-1], dim=1), -torch.inf)
+    ids = choice.topk(top_k, dim=-1, sorted=False).indices
+    weights = scores.gather(1, ids)
+    if renormalize:
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+    return weights * scale, ids
+
+
 def _swiglu(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
     """One expert over rows x [N, H]: down(silu(gate(x)) * up(x))."""
     gate, up = F.linear(x, gate_up).chunk(2, dim=-1)

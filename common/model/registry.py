@@ -13,12 +13,18 @@ import torch
 from torch import nn
 
 from pdserve.common.model.config import MOE_ARCHITECTURES, ModelArchConfig
+from pdserve.common.model.deepseek import DeepseekV3ForCausalLM, deepseek_tensors
 from pdserve.common.model.llama import LlamaFamilyForCausalLM
 from pdserve.common.model.moe import MoeForCausalLM, stack_experts
 
+_DEEPSEEK = "DeepseekV3ForCausalLM"
+
 
 def model_class(config: ModelArchConfig) -> type[nn.Module]:
-    """The class whose forward reproduces `config.architecture` exactly."""
+    """The class whose forward reproduces `config.architecture` exactly (each names the cache
+    it needs through its `kv_cache_spec`)."""
+    if config.architecture == _DEEPSEEK:
+        return DeepseekV3ForCausalLM
     if config.architecture in MOE_ARCHITECTURES:
         return MoeForCausalLM
     return LlamaFamilyForCausalLM
@@ -29,6 +35,8 @@ def checkpoint_tensors(
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """A checkpoint's (name, tensor) pairs under the names of `model_class(config)`'s
     parameters (per-expert matrices stacked for the MoE families; dense ones as stored)."""
+    if config.architecture == _DEEPSEEK:
+        return deepseek_tensors(tensors, config)
     if config.architecture in MOE_ARCHITECTURES:
         return stack_experts(tensors, config)
     return iter(tensors)

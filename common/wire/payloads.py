@@ -197,7 +197,9 @@ _DIGEST_SCHEMA = "pdserve-kv-layout/1"
 class KVLayout:
     """What a KV page means: model, cache dtype and the geometry of one layer's cache.
 
-    A layer cache is `[2, num_blocks, block_size, num_kv_heads, head_dim]`; `num_blocks` is a
+    A layer cache is `[planes, num_blocks, block_size, num_kv_heads, head_dim]`: planes 2 holds
+    K at [0] and V at [1] per KV head; planes 1 holds one latent per token (MLA: one "head" of
+    kv_lora_rank + rope dimensions, the same on every tensor-parallel rank). `num_blocks` is a
     per-node choice and deliberately not part of the layout.
     """
 
@@ -207,6 +209,7 @@ class KVLayout:
     num_kv_heads: int
     head_dim: int
     block_size: int
+    planes: int = 2
 
     def __post_init__(self) -> None:
         if not isinstance(self.model_id, str) or not self.model_id:
@@ -217,6 +220,10 @@ class KVLayout:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 raise ValueError(f"KVLayout.{name} must be a positive int, got {value!r}")
+        if self.planes not in (1, 2) or isinstance(self.planes, bool):
+            raise ValueError(
+                f"KVLayout.planes must be 1 (a latent) or 2 (K and V), not {self.planes!r}"
+            )
 
     @property
     def itemsize(self) -> int:
@@ -224,28 +231,39 @@ class KVLayout:
 
     @property
     def page_bytes(self) -> int:
-        """Bytes of one block of one layer, K and V together."""
-        return 2 * self.block_size * self.num_kv_heads * self.head_dim * self.itemsize
+        """Bytes of one block of one layer, every plane together."""
+        return self.planes * self.block_size * self.num_kv_heads * self.head_dim * self.itemsize
+
+    @property
+    def block_bytes(self) -> int:
+        """Bytes of one block across every layer."""
+        return self.num_layers * self.page_bytes
 
     def page_shape(self, n_blocks: int) -> tuple[int, int, int, int, int]:
         """Shape of `n_blocks` gathered pages of one layer."""
-        return (2, n_blocks, self.block_size, self.num_kv_heads, self.head_dim)
+        return (self.planes, n_blocks, self.block_size, self.num_kv_heads, self.head_dim)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
     @classmethod
     def from_dict(cls, body: dict[str, Any]) -> KVLayout:
-        """Build from a wire map; ValueError on unknown, missing or ill-typed fields."""
+        """Build from a wire map; ValueError on unknown, missing or ill-typed fields (`planes`
+        may be left out: 2, as a node from before latent caches sends it)."""
         names = {f.name for f in dataclasses.fields(cls)}
-        if not isinstance(body, dict) or set(body) != names:
+        if not isinstance(body, dict) or not names - {"planes"} <= set(body) <= names:
             raise ValueError(f"a KV layout needs exactly the fields {sorted(names)}")
         return cls(**body)
 
     def digest(self) -> str:
-        """sha256 hex of a canonical encoding (sorted keys, fixed separators, schema tag)."""
+        """sha256 hex of a canonical encoding (sorted keys, fixed separators, schema tag).
+        `planes` enters only when it is not 2, so a K/V layout's digest is what it was before
+        latent caches existed (nodes of both versions still pair)."""
+        fields = self.to_dict()
+        if fields["planes"] == 2:
+            del fields["planes"]
         canonical = json.dumps(
-            {"schema": _DIGEST_SCHEMA, **self.to_dict()}, sort_keys=True, separators=(",", ":")
+            {"schema": _DIGEST_SCHEMA, **fields}, sort_keys=True, separators=(",", ":")
         )
         return hashlib.sha256(canonical.encode()).hexdigest()
 
