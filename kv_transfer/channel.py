@@ -443,9 +443,8 @@ class ChannelReceiver(KVReceiver):
         n = len(page.dst_block_ids)
         if not 0 <= page.layer < self.layout.num_layers:
             return "layer out of range"
-        heads = self._book.heads(page.xfer_id) or range(self.kv_caches[0].shape[3])
         if page.dtype != self.layout.dtype or tuple(page.shape) != page_shape(
-            self.layout, n, len(heads)
+            self.layout, n, self._frame_heads(page)
         ):
             return "dtype or shape differs from the layout"
         if n == 0 or len(set(page.dst_block_ids)) != n:
@@ -453,6 +452,18 @@ class ChannelReceiver(KVReceiver):
         if not all(0 <= b < self.num_blocks for b in page.dst_block_ids):
             return "block id out of range"
         return None
+
+    def _frame_heads(self, page: KVPage) -> int:
+        """How many KV heads a well-formed frame of this page carries: the heads its transfer
+        expects; for a transfer no longer live (a frame racing its cancel), the count its own
+        header gives, within the cache's (its bytes are sized by it, then refused as late)."""
+        total = self.kv_caches[0].shape[3]
+        heads = self._book.heads(page.xfer_id)
+        if heads is not None:
+            return len(heads)
+        if self._book.is_live(page.xfer_id) or len(page.shape) != 5:
+            return total
+        return page.shape[3] if 1 <= page.shape[3] <= total else total
 
     def _land(self, page: KVPage, pages: torch.Tensor) -> None:
         """Checksum and write an admitted frame if its transfer is still live."""
