@@ -17,7 +17,7 @@ import torch
 
 from pdserve.common.model.checkpoint import Checkpoint
 from pdserve.common.model.config import ModelArchConfig
-from pdserve.common.model.gguf import RawTensor, dequantize_raw
+from pdserve.common.model.gguf import RawTensor, dequantize_raw, float_rows
 from pdserve.common.model.parallel import TPGroup
 from pdserve.common.model.quant import (
     Bits,
@@ -79,7 +79,7 @@ def load_model(
             layers[name] = _quantized_linear(name, data, bits, tp, config, scale_dtype)
             loaded[name] = torch.Size((layers[name].out_features, layers[name].in_features))
             continue
-        tensor = _as_tensor(data)
+        tensor = _as_tensor(data, dtype)
         if tp is not None and shapes.get(name) == tensor.shape:  # else named as misshapen
             tensor = tp.shard.shard(name, tensor, config)
         state[name] = tensor.to(device=device, dtype=dtype)
@@ -126,10 +126,18 @@ def _shape(data: torch.Tensor | RawTensor) -> torch.Size:
     return torch.Size(data.shape)
 
 
-def _as_tensor(data: torch.Tensor | RawTensor) -> torch.Tensor:
-    if isinstance(data, RawTensor):
+def _as_tensor(data: torch.Tensor | RawTensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """A float tensor; a quantized GGUF matrix (an embedding) decoded a chunk of rows at a time
+    straight into `dtype`: whole, gguf's own dequantization held several float32 copies of
+    SmolLM2's 49152-row embedding at once, the load's largest transient."""
+    if not isinstance(data, RawTensor):
+        return data
+    if gguf_bits(data.qtype_name) is None or len(data.shape) != 2:
         return torch.from_numpy(dequantize_raw(data))
-    return data
+    out = torch.empty(data.shape, dtype=dtype)
+    for start, rows in float_rows(data, 1024):
+        out[start : start + len(rows)] = torch.from_numpy(rows)
+    return out
 
 
 def _quantized_linear(

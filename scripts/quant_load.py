@@ -1,0 +1,79 @@
+"""Load a checkpoint at one --quantization and report the peak and final RSS of loading and
+the decode-step time at a few batch sizes (docs/quantization.md's table).
+
+    PYTHONPATH=. python scripts/quant_load.py MODEL --quantization int4 [--dtype bfloat16]
+
+Run each mode in its own process: the peak is the process's own (VmHWM, reset before loading).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import time
+
+import torch
+
+from pdserve import LLM, SamplingParams
+
+
+def _status(key: str) -> int:
+    """A /proc/self/status figure in MiB."""
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith(key)) // 1024
+
+
+def decode_step_ms(llm: LLM, batch: int, steps: int) -> float:
+    """The median time of one engine step with `batch` requests decoding (prefill excluded)."""
+    params = SamplingParams(max_tokens=steps + 2, temperature=0.0, ignore_eos=True)
+    for i in range(batch):
+        llm.engine.add_request(f"b{batch}-{i}", [1, 2, 3, 4 + i], params)
+    llm.engine.step()  # the prompts' prefill
+    times = []
+    while llm.engine.has_unfinished:
+        start = time.perf_counter()
+        llm.engine.step()
+        times.append(time.perf_counter() - start)
+    return 1000 * sorted(times)[len(times) // 2]
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("model")
+    p.add_argument("--quantization", default="auto")
+    p.add_argument("--dtype", default="float32")
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--batches", type=int, nargs="+", default=[1, 16])
+    p.add_argument("--steps", type=int, default=16)
+    args = p.parse_args()
+    torch.set_num_threads(args.threads)
+    gc.collect()
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # the peak starts again from the RSS now
+    before = _status("VmRSS")
+    llm = LLM(
+        args.model,
+        dtype=args.dtype,
+        quantization=args.quantization,
+        kv_cache_bytes=32 * 1024**2,
+        skip_tokenizer_init=True,
+    )
+    gc.collect()
+    model = llm.engine.runner.model
+    tensors = [*model.parameters(), *model.buffers(), *llm.engine.runner.kv_caches]
+    report = {
+        "quantization": args.quantization,
+        "dtype": args.dtype,
+        "rss_before_mib": before,
+        "load_peak_mib": _status("VmHWM") - before,
+        "load_final_mib": _status("VmRSS") - before,
+        "tensors_mib": sum(t.numel() * t.element_size() for t in tensors) >> 20,  # with the KV
+    }
+    for batch in args.batches:
+        report[f"decode_ms_b{batch}"] = round(decode_step_ms(llm, batch, args.steps), 2)
+    print(json.dumps(report))
+
+
+if __name__ == "__main__":
+    main()
