@@ -142,7 +142,7 @@ class ModelRunner:
         # forward. `pdserve bench structured` measures both ways.
         self.overlap_masks = self.device.type != "cpu"
         self.compiled: CompiledDecode | None = None
-        if model_config.compile_decode:
+        if model_config.compile_decode and self.model.compiles_decode:
             longest = min(self.arch.max_position_embeddings, self.num_blocks * self.block_size)
             if max_model_len is not None:
                 longest = min(longest, max_model_len)

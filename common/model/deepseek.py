@@ -221,6 +221,9 @@ class DeepseekV3ForCausalLM(MoeForCausalLM):
     same for every shard)."""
 
     layer_class = DeepseekDecoderLayer
+    # The reference MLA path plans on the host (a loop over sequences): decode runs eager
+    # until a sync-free latent decode kernel takes it.
+    compiles_decode = False
 
     @classmethod
     def kv_cache_spec(cls, config: ModelArchConfig, shard: TPShard | None = None) -> KVCacheSpec:

@@ -321,6 +321,8 @@ class LlamaFamilyForCausalLM(nn.Module):
     """
 
     layer_class: type[DecoderLayer] = DecoderLayer  # a family subclass names its own layer
+    # Whether a decode step can run compiled, in a CUDA graph (no host sync in its attention).
+    compiles_decode = True
 
     def __init__(self, config: ModelArchConfig, tp: TPGroup | None = None) -> None:
         super().__init__()
