@@ -84,3 +84,13 @@ def scatter_pages(layer_cache: torch.Tensor, block_ids: torch.Tensor, pages: tor
 
         return scatter_pages_triton(layer_cache, block_ids, pages)
     return reference.scatter_pages_ref(layer_cache, block_ids, pages)
+
+
+def fused_moe(x, gate_up, down, weights, ids) -> torch.Tensor:
+    """Mixture-of-experts SwiGLU: x [T, H], gate_up [E, 2I, H], down [E, H, I], routing weights
+    and expert ids [T, k] -> each token's chosen experts' outputs summed by weight, [T, H]."""
+    if _use_triton(x):
+        from pdserve.kernels.fused_moe import fused_moe_triton
+
+        return fused_moe_triton(x, gate_up, down, weights, ids)
+    return reference.fused_moe_ref(x, gate_up, down, weights, ids)

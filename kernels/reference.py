@@ -17,6 +17,7 @@ import threading
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 
 def store_kv_ref(
@@ -283,3 +284,26 @@ def combine_splits_ref(part_out: torch.Tensor, part_lse: torch.Tensor, out: torc
     weight = torch.exp2(part_lse - top.clamp_min(-1e30))
     total = weight.sum(-1, keepdim=True).clamp_min(1e-30)
     out.copy_((part_out[..., : out.shape[-1]] * (weight / total)[..., None]).sum(-2))
+
+
+def fused_moe_ref(
+    x: torch.Tensor,
+    gate_up: torch.Tensor,
+    down: torch.Tensor,
+    weights: torch.Tensor,
+    ids: torch.Tensor,
+) -> torch.Tensor:
+    """Each token's chosen experts' SwiGLU outputs summed by their routing weights: x [T, H],
+    gate_up [E, 2I, H] (gate rows, then up rows), down [E, H, I], weights and ids [T, k].
+
+    Plainly, expert by expert: the (token, slot) pairs that chose it, its two matmuls in x's
+    dtype as the model runs them, the weighted rows added to their tokens in float32."""
+    out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+    for expert in range(gate_up.shape[0]):
+        token, slot = (ids == expert).nonzero(as_tuple=True)
+        if token.numel() == 0:
+            continue
+        gate, up = F.linear(x[token], gate_up[expert]).chunk(2, dim=-1)
+        rows = F.linear(F.silu(gate) * up, down[expert])
+        out.index_add_(0, token, rows.float() * weights[token, slot, None].float())
+    return out.to(x.dtype)
