@@ -54,7 +54,9 @@ def _padded_order(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(order, dest, padded_ends): the pairs sorted by expert (stable), the row each sorted
     pair takes once every expert's run starts on a block_m boundary, and where each run ends."""
-    counts = torch.bincount(flat, minlength=num_experts)
+    # Not bincount: on CUDA it reads the ids' max back to size its output (a host sync).
+    counts = torch.zeros(num_experts, dtype=torch.long, device=flat.device)
+    counts.scatter_add_(0, flat, torch.ones_like(flat))
     padded = -(-counts // block_m) * block_m
     padded_ends = torch.cumsum(padded, 0)
     order = torch.argsort(flat, stable=True)
@@ -73,7 +75,7 @@ def align_pairs(ids: torch.Tensor, num_experts: int, block_m: int) -> MoeAlignme
     capacity = -(-(num_pairs + busy * (block_m - 1)) // block_m) * block_m
     order, dest, padded_ends = _padded_order(flat, num_experts, block_m)
     sorted_ids = torch.full((capacity,), num_pairs, dtype=torch.int32, device=ids.device)
-    sorted_ids[dest] = order.to(torch.int32)
+    sorted_ids.scatter_(0, dest, order.to(torch.int32))
     starts = torch.arange(0, capacity, block_m, device=ids.device)
     block_expert = torch.searchsorted(padded_ends, starts, right=True)
     expert_ids = torch.where(block_expert < num_experts, block_expert, -1).to(torch.int32)
