@@ -26,6 +26,7 @@ from pdserve.common.engine.tensor_parallel import RankDriver, threads_per_rank
 from pdserve.common.model.attention import AttentionMetadata, KVCacheSpec
 from pdserve.common.model.config import ModelArchConfig
 from pdserve.common.model.parallel import TPGroup, TPShard
+from pdserve.common.model.quant import weight_format
 from pdserve.common.model.weights import load_model
 from pdserve.common.wire.payloads import KVLayout, TokenLogprobs
 
@@ -170,10 +171,12 @@ class ModelRunner:
 
     def kv_layout(self, model_id: str) -> KVLayout:
         """What one page of this model's KV cache means (all its KV heads: a tensor-parallel
-        rank holds a share of them), as the KV handshake and the router's pairing compare it."""
+        rank holds a share of them), as the KV handshake and the router's pairing compare it.
+        Quantized weights give other KV than the float ones: the id names their form."""
         spec = type(self.model).kv_cache_spec(self.arch)
+        held = weight_format(self.model)
         return KVLayout(
-            model_id=model_id,
+            model_id=f"{model_id}:{held}" if held else model_id,
             dtype=str(self.dtype).removeprefix("torch."),
             num_layers=self.arch.num_layers,
             num_kv_heads=spec.heads,

@@ -381,3 +381,11 @@ def _int4_exact(raw: RawTensor) -> QuantizedWeight:
         scales[start:end] = torch.from_numpy(scale)
         zeros[start:end] = torch.from_numpy(zero)
     return QuantizedWeight(4, values, scales, zeros, INT4_GROUP)
+
+
+def weight_format(model: nn.Module) -> str:
+    """How a model holds its linear weights, as far as its outputs depend on it: "" when all
+    are float, else the quantized widths ("int4", "int4+int8"). Two nodes whose KV must be
+    interchangeable hold their weights alike."""
+    widths = sorted({m.bits for m in model.modules() if isinstance(m, QuantizedLinear)})
+    return "+".join(f"int{bits}" for bits in widths)

@@ -137,6 +137,12 @@ def test_a_quantized_gguf_generates_as_the_file_dequantized(
     assert kinds.pop("lm_head", nn.Linear) is nn.Linear  # stays as stored
     assert set(kinds.values()) == {QuantizedLinear}
     assert [o.token_ids for o in quantized.generate(prompts, params)] == want
+    # Their KV differs slightly: a node at `none` and one holding the file quantized must not
+    # pair, so the layout they announce names the weights' form.
+    width = "int8" if qtype == Q.Q8_0 else "int4"
+    plain, held = dense.engine.kv_layout(), quantized.engine.kv_layout()
+    assert held.model_id == f"{plain.model_id}:{width}"
+    assert held.digest() != plain.digest()
 
 
 def test_quantized_weights_shard_as_float_ones() -> None:
