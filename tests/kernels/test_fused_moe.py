@@ -21,24 +21,11 @@ from pdserve.common.model.moe import experts_gathered, experts_grouped  # noqa: 
 from pdserve.kernels import ops  # noqa: E402
 from pdserve.kernels.fused_moe import align_pairs, fused_moe_triton  # noqa: E402
 from pdserve.kernels.reference import fused_moe_ref  # noqa: E402
+from tests.kernels.test_triton_kernels import BF16_DOT_BROKEN, TOLERANCE  # noqa: E402
 
 DEVICE = torch.device(TEST_DEVICE)
 HIDDEN, INTER = 40, 24  # neither a multiple of the test blocks below
 TILES = {"block_m": 16, "block_n": 32, "block_k": 16}
-# fp32 differs from the reference only by summation order. fp16/bf16 both round the gate_up
-# output and the activation to the input dtype (a flip of one ulp in one of I terms moves the
-# output by far less than its own rounding), then the output once: a few output ulps
-# (fp16 2**-11, bf16 2**-8 relative) on outputs of magnitude ~2.
-TOLERANCE = {
-    torch.float32: (1e-5, 1e-5),
-    torch.float16: (5e-3, 1e-2),
-    torch.bfloat16: (4e-2, 5e-2),
-}
-# Triton 3.9's interpreter multiplies bf16 dot operands as their raw uint16 bits, so bf16 is
-# checked on a GPU only (as for the attention kernels).
-BF16_DOT_BROKEN = pytest.mark.skipif(
-    not ON_CUDA, reason="Triton interpreter tl.dot on bf16 is wrong; runs on CUDA"
-)
 
 
 @pytest.fixture(autouse=True)
@@ -73,6 +60,10 @@ def run_both(x, gate_up, down, weights, ids, dtype=torch.float32) -> tuple[torch
     return out, fused_moe_ref(x, gate_up, down, weights, ids)
 
 
+# The attention tests' tolerances hold here too: fp32 differs from the reference only by
+# summation order; fp16/bf16 both round the gate_up output and the activation to the input
+# dtype (one ulp flipped in one of I terms moves the output far less than its own rounding),
+# then the output once: a few output ulps (fp16 2**-11, bf16 2**-8 relative) on outputs ~2.
 def assert_matches(out: torch.Tensor, expected: torch.Tensor) -> None:
     assert out.dtype == expected.dtype and out.shape == expected.shape
     atol, rtol = TOLERANCE[out.dtype]
