@@ -150,6 +150,10 @@ def expert_matmul(
 ) -> torch.Tensor:
     """out [num_pairs, N] (out_dtype, else a's): pair p's row is a[p // rows_per_a] @ w[its
     expert]^T, times scale[p] (a flat [num_pairs] float tensor) when given; w is [E, N, K]."""
+    if min(align.block_m, block_n, block_k) < 16:
+        raise ValueError(
+            f"tl.dot needs blocks of 16 or more; got {align.block_m}, {block_n}, {block_k}"
+        )
     out = torch.empty((align.num_pairs, w.shape[1]), dtype=out_dtype or a.dtype, device=a.device)
     if align.num_pairs == 0:
         return out
@@ -196,12 +200,16 @@ def check_moe_inputs(
             "do not agree on E, H and I"
         )
     if ids.dim() != 2 or ids.shape[0] != x.shape[0] or weights.shape != ids.shape:
-        raise ValueError(f"weights and ids must both be [T, k]; got {weights.shape}, {ids.shape}")
+        raise ValueError(
+            f"weights and ids must both be [T, k]; got {tuple(weights.shape)}, {tuple(ids.shape)}"
+        )
     check_dtype("ids", ids, INDEX_DTYPES)
     check_dtype("weights", weights, FLOAT_DTYPES)
     check_dtype("x", x, FLOAT_DTYPES)
     if not x.dtype == gate_up.dtype == down.dtype:
-        raise ValueError(f"x, gate_up, down must share a dtype; got {x.dtype}, {gate_up.dtype}")
+        raise ValueError(
+            f"x, gate_up, down must share a dtype; got {x.dtype}, {gate_up.dtype}, {down.dtype}"
+        )
     if x.stride(1) != 1:
         raise ValueError(f"x rows must be contiguous; strides {x.stride()}")
     check_one_device(x, gate_up, down, weights, ids)

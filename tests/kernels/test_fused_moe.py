@@ -183,6 +183,7 @@ def test_fused_moe_rejects_bad_inputs():
         (dict(ids=ids.float()), "dtype"),
         (dict(x=x.half()), "share a dtype"),
         (dict(x=torch.randn(HIDDEN, 3).t()), "contiguous"),
+        (dict(block_k=8), "16 or more"),
     ]
     for change, message in bad_cases:
         with pytest.raises(ValueError, match=message):
