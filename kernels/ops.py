@@ -68,8 +68,9 @@ def paged_attention(
 def gather_pages(
     layer_cache: torch.Tensor, block_ids: torch.Tensor, out: torch.Tensor | None = None
 ) -> torch.Tensor:
-    """Blocks of one layer cache [2, N, bs, H, D] -> contiguous pages [2, n, bs, H, D], new or
-    written into `out` (contiguous, same dtype and device; returned)."""
+    """Blocks of one layer cache [P, N, bs, H, D] (P planes: 2 for K and V, 1 for a latent) ->
+    contiguous pages [P, n, bs, H, D], new or written into `out` (contiguous, same dtype and
+    device; returned)."""
     if _use_triton(layer_cache):
         from pdserve.kernels.page_copy import gather_pages_triton
 
@@ -78,7 +79,7 @@ def gather_pages(
 
 
 def scatter_pages(layer_cache: torch.Tensor, block_ids: torch.Tensor, pages: torch.Tensor) -> None:
-    """Contiguous pages [2, n, bs, H, D] -> the given blocks of one layer cache."""
+    """Contiguous pages [P, n, bs, H, D] -> the given blocks of one layer cache [P, N, bs, H, D]."""
     if _use_triton(layer_cache):
         from pdserve.kernels.page_copy import scatter_pages_triton
 

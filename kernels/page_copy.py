@@ -2,7 +2,9 @@
 
 Gather (cache -> pages) packs a request's blocks for a KV transfer; scatter (pages -> cache)
 unpacks them on the receiving node. Both are one kernel: copy block `ids[i]` of one side to
-block `i` of the other. References: `gather_pages_ref`, `scatter_pages_ref`.
+block `i` of the other. A layer cache is [planes, N, bs, H, D]: planes 2 for K and V, 1 for
+an MLA latent; the kernel copies every plane. References: `gather_pages_ref`,
+`scatter_pages_ref`.
 """
 
 from __future__ import annotations
@@ -24,18 +26,18 @@ def _copy_blocks_kernel(
     src_ptr,
     dst_ptr,
     block_ids_ptr,
-    stride_src_kv,
+    stride_src_plane,
     stride_src_block,
-    stride_dst_kv,
+    stride_dst_plane,
     stride_dst_block,
     block_elems,
     IDS_INDEX_SRC: tl.constexpr,
     TILE: tl.constexpr,
 ):
-    # Grid: (page i, K or V, tile of the block). A block's rows are compact (checked by the
+    # Grid: (page i, plane, tile of the block). A block's rows are compact (checked by the
     # launchers), so a block is one flat run of block_elems elements on both sides.
     page = tl.program_id(0)
-    kv = tl.program_id(1)
+    plane = tl.program_id(1)
     block_id = tl.load(block_ids_ptr + page).to(tl.int64)
     if IDS_INDEX_SRC:
         src_block = block_id
@@ -46,16 +48,17 @@ def _copy_blocks_kernel(
     elems = tl.program_id(2) * TILE + tl.arange(0, TILE)
     mask = elems < block_elems
     # int64 block offsets: num_blocks * block_elems overflows int32 on real caches.
-    src = src_ptr + kv * stride_src_kv + src_block * stride_src_block + elems
-    dst = dst_ptr + kv * stride_dst_kv + dst_block * stride_dst_block + elems
+    src = src_ptr + plane * stride_src_plane + src_block * stride_src_block + elems
+    dst = dst_ptr + plane * stride_dst_plane + dst_block * stride_dst_block + elems
     x = tl.load(src, mask=mask)
     tl.store(dst, x.to(dst_ptr.dtype.element_ty), mask=mask)
 
 
 def _check_paged(name: str, t: torch.Tensor) -> None:
-    if t.dim() != 5 or t.shape[0] != 2:
+    if t.dim() != 5 or t.shape[0] not in (1, 2):
         raise ValueError(
-            f"{name} must be [2, n, block_size, num_kv_heads, head_dim]; got {tuple(t.shape)}"
+            f"{name} must be [planes (1 or 2), n, block_size, num_kv_heads, head_dim]; "
+            f"got {tuple(t.shape)}"
         )
     check_dtype(name, t, FLOAT_DTYPES)
     _, _, block_size, heads, head_dim = t.shape
@@ -80,7 +83,7 @@ def _copy_blocks(
     if num_pages == 0:
         return
     block_elems = src[0, 0].numel()
-    grid = (num_pages, 2, triton.cdiv(block_elems, _TILE))
+    grid = (num_pages, src.shape[0], triton.cdiv(block_elems, _TILE))
     _copy_blocks_kernel[grid](
         src,
         dst,
@@ -98,7 +101,7 @@ def _copy_blocks(
 def gather_pages_triton(
     layer_cache: torch.Tensor, block_ids: torch.Tensor, out: torch.Tensor | None = None
 ) -> torch.Tensor:
-    """Copy blocks `block_ids` of a layer cache [2, N, bs, H, D] into pages [2, n, bs, H, D]:
+    """Copy blocks `block_ids` of a layer cache [P, N, bs, H, D] into pages [P, n, bs, H, D]:
     new ones, or `out` (exactly that shape and dtype, contiguous, on the cache's device).
 
     Block ids must be in range: checking would need a device-to-host sync.
@@ -106,7 +109,7 @@ def gather_pages_triton(
     _check_paged("layer_cache", layer_cache)
     _check_ids(block_ids, layer_cache)
     if out is None:
-        shape = (2, block_ids.shape[0], *layer_cache.shape[2:])
+        shape = (layer_cache.shape[0], block_ids.shape[0], *layer_cache.shape[2:])
         out = torch.empty(shape, dtype=layer_cache.dtype, device=layer_cache.device)
     check_pages_out(out, layer_cache, block_ids)
     _copy_blocks(layer_cache, out, block_ids, ids_index_src=True)
@@ -116,14 +119,15 @@ def gather_pages_triton(
 def scatter_pages_triton(
     layer_cache: torch.Tensor, block_ids: torch.Tensor, pages: torch.Tensor
 ) -> None:
-    """Write pages [2, n, bs, H, D] into blocks `block_ids` of a layer cache, cast to its dtype.
+    """Write pages [P, n, bs, H, D] into blocks `block_ids` of a layer cache [P, N, bs, H, D],
+    cast to its dtype.
 
     Block ids must be in range and distinct (as for `index_copy_`); not checked, to stay sync-free.
     """
     _check_paged("layer_cache", layer_cache)
     _check_paged("pages", pages)
     _check_ids(block_ids, layer_cache)
-    if pages.shape != (2, block_ids.shape[0], *layer_cache.shape[2:]):
+    if pages.shape != (layer_cache.shape[0], block_ids.shape[0], *layer_cache.shape[2:]):
         raise ValueError(
             f"pages {tuple(pages.shape)} do not match {block_ids.shape[0]} blocks "
             f"of layer_cache {tuple(layer_cache.shape)}"

@@ -252,8 +252,9 @@ def paged_attention_ref(
 def gather_pages_ref(
     layer_cache: torch.Tensor, block_ids: torch.Tensor, out: torch.Tensor | None = None
 ) -> torch.Tensor:
-    """Copy the given blocks of one layer's cache into a contiguous [2, n, block_size, H, D],
-    new or `out` (which must have exactly that shape, the cache's dtype and be contiguous)."""
+    """Copy the given blocks of one layer's cache [P, N, block_size, H, D] (P planes: 2 for K
+    and V, 1 for a latent) into a contiguous [P, n, block_size, H, D], new or `out` (which must
+    have exactly that shape, the cache's dtype and be contiguous)."""
     if out is None:
         return layer_cache.index_select(1, block_ids.long())
     check_pages_out(out, layer_cache, block_ids)
@@ -261,14 +262,15 @@ def gather_pages_ref(
 
 
 def scatter_pages_ref(layer_cache: torch.Tensor, block_ids: torch.Tensor, pages: torch.Tensor):
-    """Write contiguous pages [2, n, block_size, H, D] into the given blocks of a layer cache."""
+    """Write contiguous pages [P, n, block_size, H, D] into the given blocks of a layer cache
+    [P, N, block_size, H, D]."""
     layer_cache.index_copy_(1, block_ids.long(), pages.to(layer_cache.dtype))
 
 
 def check_pages_out(out: torch.Tensor, layer_cache: torch.Tensor, block_ids: torch.Tensor) -> None:
     """ValueError unless `out` can take the gathered pages of `block_ids` as they are (no
     resize, no cast): shared by both gathers so an `out=` is refused the same way."""
-    shape = (2, block_ids.shape[0], *layer_cache.shape[2:])
+    shape = (layer_cache.shape[0], block_ids.shape[0], *layer_cache.shape[2:])
     if tuple(out.shape) != shape or out.dtype != layer_cache.dtype:
         raise ValueError(
             f"out {tuple(out.shape)} {out.dtype} cannot take pages {shape} {layer_cache.dtype}"

@@ -81,6 +81,7 @@ class ChannelSender(KVSender):
         self._book = SendBook(layout.num_layers)
         self._deferred: deque[tuple[Any, Callable[[], None]]] = deque()
         self.faults: SendFaults | None = None  # tests only: see wire.SendFaults
+        self.bytes_sent = 0  # page bytes handed to the transport (what crosses the link)
 
     # -- public API
 
@@ -160,6 +161,7 @@ class ChannelSender(KVSender):
         """Book the checksum of the bytes exactly as they will cross the transport; then, only
         under a test's faults, damage them."""
         self._book.record(page, page_checksum(wire))
+        self.bytes_sent += wire.numel() * wire.element_size()
         if self.faults is not None and self.faults.corrupt(page.xfer_id):
             corrupt_first_byte(wire)
 
@@ -302,6 +304,7 @@ class ChannelReceiver(KVReceiver):
         self._book = ReceiveBook(layout.num_layers)
         self._peers: dict[bytes, Peer] = {}
         self._completed: list[TransferResult] = []
+        self._bytes_received = 0
         self._sock = zmq.Context.instance().socket(zmq.ROUTER)
         self._sock.setsockopt(zmq.LINGER, 0)
         # zmq drops (and disconnects) a peer whose message exceeds this, before we see it.
@@ -332,6 +335,11 @@ class ChannelReceiver(KVReceiver):
     @property
     def pages_received(self) -> int:
         return self._book.pages_received
+
+    @property
+    def bytes_received(self) -> int:
+        """Page bytes written into the cache so far, as they came off the transport."""
+        return self._bytes_received
 
     def expect(self, xfer_id: str, block_ids: list[int], heads: range | None = None) -> None:
         bad = [b for b in block_ids if not 0 <= b < self.num_blocks]
@@ -469,6 +477,7 @@ class ChannelReceiver(KVReceiver):
         """Checksum and write an admitted frame if its transfer is still live."""
         if not self._book.land(page, resolve(page_checksum(pages))):
             return
+        self._bytes_received += pages.numel() * pages.element_size()
         cache = self.kv_caches[page.layer]
         ids = torch.tensor(page.dst_block_ids, device=cache.device)
         heads = self._book.heads(page.xfer_id)

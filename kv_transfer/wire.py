@@ -69,7 +69,8 @@ class KVRefused(Message):
 @kv_message
 @dataclass(frozen=True, slots=True)
 class KVPage(Message):
-    """Header of one frame of pages: `shape` = [2, len(dst_block_ids), block_size, heads, dim].
+    """Header of one frame of pages: `shape` = [planes, len(dst_block_ids), block_size, heads,
+    dim] (planes 2: K and V; 1: a latent, see `KVLayout`).
 
     `offset` is the frame's absolute position in the shm staging ring (-1 elsewhere).
     """
@@ -133,8 +134,10 @@ def dtype_name(dtype: torch.dtype) -> str:
 def check_cache(layout: KVLayout, cache: torch.Tensor, what: str) -> None:
     """ValueError unless `cache` is one contiguous layer cache of `layout`, holding all its KV
     heads or a tensor-parallel rank's share of them (a number that divides them)."""
-    if cache.dim() != 5 or cache.shape[0] != 2:
-        raise ValueError(f"{what}: a layer cache is [2, num_blocks, bs, H, D], got {cache.shape}")
+    if cache.dim() != 5 or cache.shape[0] != layout.planes:
+        raise ValueError(
+            f"{what}: a layer cache is [{layout.planes}, num_blocks, bs, H, D], got {cache.shape}"
+        )
     heads = cache.shape[3]
     geometry = (layout.block_size, heads, layout.head_dim)
     if tuple(cache.shape[2:]) != geometry or layout.num_kv_heads % heads:
@@ -160,7 +163,7 @@ def blocks_per_frame(page_bytes: int, limit: int = FRAME_BYTES) -> int:
 
 def page_shape(layout: KVLayout, n_blocks: int, heads: int) -> tuple[int, int, int, int, int]:
     """Shape of `n_blocks` gathered pages of one layer carrying `heads` KV heads."""
-    return (2, n_blocks, layout.block_size, heads, layout.head_dim)
+    return (layout.planes, n_blocks, layout.block_size, heads, layout.head_dim)
 
 
 def gather_heads(

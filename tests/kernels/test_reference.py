@@ -212,8 +212,9 @@ def test_store_kv_ref_writes_slots_and_skips_negative(cache_dtype):
     assert torch.equal(k_cache, expected_k) and torch.equal(v_cache, expected_v)
 
 
-def test_gather_then_scatter_ref_moves_exactly_the_named_blocks():
-    layer = torch.randn(2, 7, 16, 2, 64)
+@pytest.mark.parametrize("shape", [(2, 7, 16, 2, 64), (1, 7, 16, 1, 40)])  # K/V; a latent
+def test_gather_then_scatter_ref_moves_exactly_the_named_blocks(shape):
+    layer = torch.randn(shape)
     ids = torch.tensor([5, 0, 3], dtype=torch.int32)
     pages = gather_pages_ref(layer, ids)
     for i, block in enumerate(ids.tolist()):

@@ -215,10 +215,13 @@ def test_store_kv_matches_ref(key_dtype, cache_dtype, num_kv_heads, head_dim, bl
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("block_size, head_dim", [(16, 64), (32, 128)])
-def test_gather_and_scatter_pages_match_ref(dtype, block_size, head_dim):
-    # A layer of a [2, layers, N, ...] cache: its K and V halves are far apart in memory.
-    kv = torch.randn(2, 3, 9, block_size, 2, head_dim).to(dtype).to(DEVICE)
+@pytest.mark.parametrize(
+    "planes, heads, block_size, head_dim",
+    [(2, 2, 16, 64), (2, 2, 32, 128), (1, 1, 16, 40), (1, 1, 32, 576)],  # K/V; MLA latents
+)
+def test_gather_and_scatter_pages_match_ref(dtype, planes, heads, block_size, head_dim):
+    # A layer of a [planes, layers, N, ...] cache: its K and V halves are far apart in memory.
+    kv = torch.randn(planes, 3, 9, block_size, heads, head_dim).to(dtype).to(DEVICE)
     layer = kv[:, 1]
     ids = torch.tensor([7, 2, 8, 0], device=DEVICE)
     pages = gather_pages_triton(layer, ids)
@@ -226,7 +229,7 @@ def test_gather_and_scatter_pages_match_ref(dtype, block_size, head_dim):
     out = torch.full_like(pages, float("nan"))
     assert gather_pages_triton(layer, ids, out) is out and torch.equal(out, pages)
 
-    new_pages = torch.randn(2, 3, block_size, 2, head_dim)  # fp32: scatter casts to the cache
+    new_pages = torch.randn(planes, 3, block_size, heads, head_dim)  # fp32: scatter casts
     ids = torch.tensor([4, 1, 6], dtype=torch.int32)
     expected = layer.cpu().clone()
     scatter_pages_ref(expected, ids, new_pages)
@@ -275,8 +278,14 @@ def test_paged_attention_rejects_bad_inputs():
 def test_page_copy_rejects_bad_inputs():
     layer = torch.zeros(2, 5, 16, 2, 64)
     ids = torch.tensor([1, 3])
-    with pytest.raises(ValueError, match=r"\[2, n"):
+    with pytest.raises(ValueError, match=r"\[planes \(1 or 2\), n"):
         gather_pages_triton(layer[0], ids)
+    with pytest.raises(ValueError, match=r"\[planes"):
+        gather_pages_triton(torch.zeros(3, 5, 16, 2, 64), ids)
+    with pytest.raises(ValueError, match="do not match"):  # K/V pages into a latent cache
+        scatter_pages_triton(layer[:1], ids, torch.zeros(2, 2, 16, 2, 64))
+    with pytest.raises(ValueError, match="out"):
+        gather_pages_triton(layer[:1], ids, torch.zeros(2, 2, 16, 2, 64))
     with pytest.raises(ValueError, match="block_ids"):
         gather_pages_triton(layer, ids.float())
     with pytest.raises(ValueError, match="do not match"):
