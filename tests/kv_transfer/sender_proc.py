@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import sys
+import time
 from typing import Any
 
 from pdserve.common.wire.payloads import FirstToken, TokenLogprobs
@@ -76,8 +77,18 @@ class Child:
     def flush(self, sender: str) -> None:
         self.senders[sender].flush(10.0)
 
-    def poll(self, sender: str) -> None:
-        self.senders[sender].poll()
+    def poll(self, sender: str, cancelled: list[str] | None = None, timeout: float = 10.0) -> None:
+        """Let the sender take its receiver's messages; with `cancelled`, until it has taken
+        the cancel of each of these (and answered it), however late the cancels arrive: a
+        prefill node's loop polls every turn, a single poll may come before they do."""
+        kv = self.senders[sender]
+        kv.poll()
+        deadline = time.monotonic() + timeout
+        while not all(x in kv._cancelled for x in cancelled or ()):  # type: ignore[attr-defined]
+            if time.monotonic() >= deadline:
+                raise TimeoutError(f"{sender} never took the cancel of {cancelled}")
+            kv._sock.poll(10)  # type: ignore[attr-defined]  # until the receiver says more
+            kv.poll()
 
     def close(self, sender: str) -> None:
         self.senders.pop(sender).close()

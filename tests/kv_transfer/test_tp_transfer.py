@@ -181,9 +181,10 @@ def test_an_aborted_transfer_is_released_on_every_rank_then_refilled(connector, 
             groups.pump.until(lambda: [r.pages_received for r in groups.receivers] == landed)
         for xfer_id, (j, _) in gone.items():
             groups.receivers[j].cancel(xfer_id)
-        for _, name in gone.values():
-            groups._call(op="poll", sender=name)  # the sender takes the cancel and settles
         fenced = set(gone) if groups.receivers[0].fences else set()
+        for j, name in gone.values():  # each sender takes its receiver's cancels and settles
+            told = sorted(x for x in fenced if gone[x][0] == j)  # a fence waits for every peer
+            groups._call(op="poll", sender=name, cancelled=told)
         released: set[str] = set()
         groups.pump.until(
             lambda: (
