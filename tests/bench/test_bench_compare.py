@@ -5,10 +5,18 @@ docs/)."""
 from __future__ import annotations
 
 import json
+import sys
+from pathlib import Path
+
+import pytest
 
 from pdserve.bench import compare as bc
+from pdserve.bench import report as rp
+from pdserve.bench import systems
 from pdserve.bench.load import load_pool
 from pdserve.bench.report import goal
+
+FAKE_LLAMACPP = Path(__file__).with_name("fake_llamacpp.py")
 
 SYSTEMS = ["pdserve-colocated", "pdserve-1p1d"]
 
@@ -43,9 +51,10 @@ def test_quick_run_writes_results_plots_and_section(tmp_path):
     assert data["engine_args"] == ["--max-num-batched-tokens", "128"]
     assert data["batch_tokens"] == 128
     goals = {g["goal"]: g["status"] for g in data["goals"]}
-    assert len(goals) == 3
-    assert [s for g, s in goals.items() if "transformers" in g] == ["not measured"]
-    assert all(s in ("met", "missed") for g, s in goals.items() if "transformers" not in g)
+    assert len(goals) == 5
+    peers = [s for g, s in goals.items() if "transformers" in g or "llama.cpp" in g]
+    assert peers == ["not measured"] * 3
+    assert all(s in ("met", "missed") for g, s in goals.items() if s not in peers)
 
     for name in ("compare_ttft.png", "compare_itl.png", "compare_throughput.png"):
         assert (out / name).stat().st_size > 1000, name
@@ -67,3 +76,42 @@ def test_quick_run_writes_results_plots_and_section(tmp_path):
         == (doc.split("### Results")[1].split("### Plots")[0])
     )
     assert (again / "compare_throughput.png").exists()
+
+
+def test_llamacpp_command_and_systems():
+    cmd = systems.llamacpp_command(Path("m.gguf"), 96, 2)
+    flags = dict(zip(cmd[3::2], cmd[4::2]))
+    assert cmd[:3] == [sys.executable, "-m", "llama_cpp.server"]
+    assert flags == {"--model": "m.gguf", "--n_ctx": "4096", "--verbose": "false",
+                     "--n_batch": "96", "--n_threads": "2", "--n_threads_batch": "2"}  # fmt: skip
+    assert "llamacpp" not in bc.parse_args(["--out", "x"]).systems
+    assert "llamacpp" in bc.parse_args(["--out", "x", "--smollm2"]).systems
+    with pytest.raises(SystemExit):
+        bc.parse_args(["--out", "x", "--systems", "llamacpp"])
+
+
+def test_llamacpp_quick_run_through_a_stand_in(tmp_path, monkeypatch):
+    """`--quick --smollm2 --systems llamacpp` with the tiny model for SmolLM2 and a stand-in
+    for llama.cpp's server: it runs only the runs sent one at a time, gets text prompts and
+    min_tokens (it ignores ignore_eos), and is started with the flags of llamacpp_command."""
+    cache = tmp_path / "cache"
+    monkeypatch.setattr(bc, "smollm2_model", lambda _: rp.cached_model(cache, *bc.MODELS[True]))
+    monkeypatch.setattr(bc, "smollm2", lambda: tmp_path / "smollm2.gguf")
+    monkeypatch.setattr(systems, "LLAMACPP", (sys.executable, str(FAKE_LLAMACPP)))
+    out, logs = tmp_path / "out", tmp_path / "logs"
+    argv = ["--quick", "--smollm2", "--systems", "llamacpp", "--out", str(out)]
+    data = bc.main([*argv, "--log-dir", str(logs), "--disable-tqdm", "--threads", "2"])
+    assert data["systems"] == ["llamacpp"] and data["notes"] == []
+    results = data["results"]["llamacpp"]
+    assert sorted(results) == ["latency/concurrency=1", "serial/concurrency=1"]
+    for res in results.values():
+        assert res["completed"] > 0 and res["failed"] == 0, res["errors"]
+        assert res["output_len_mismatches"] == 0  # min_tokens held every answer's length
+        assert res["server"]["token_ids"] is False and res["max_concurrency"] == 1
+    started = json.loads((logs / "llamacpp" / "llamacpp.log").read_text().splitlines()[0])
+    assert started["model"] == str(tmp_path / "smollm2.gguf") and started["n_threads"] == 2
+    assert started["n_batch"] == 512 and started["host"] == "127.0.0.1"
+    goals = {g["goal"]: g for g in data["goals"]}
+    assert len(goals) == 5 and all(g["value"] is None for g in goals.values())
+    assert [g["baseline"] > 0 for name, g in goals.items() if "llama.cpp" in name] == [True] * 2
+    assert "llamacpp" in (out / "benchmarks.md").read_text()

@@ -8,6 +8,7 @@ import json
 import math
 import threading
 from collections.abc import AsyncIterator, Iterator
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -142,7 +143,8 @@ def test_chat_turns_carry_the_conversation_so_far(pool):
     history = [*first.messages, {"role": "assistant", "content": "an answer"}]
     body = ld.request_body(later, caps, 0.0, history)
     assert body["messages"] == [*history, *later.messages]  # the next turns carry the earlier
-    assert "min_tokens" not in body
+    assert body["min_tokens"] == later.output_len  # ignore_eos mode: both, for llama.cpp
+    assert "min_tokens" not in ld.request_body(later, replace(caps, eos_mode="none"), 0.0)
     assert ld.request_body(turns[1][1], caps, 0.0)["stream_options"] == {"include_usage": True}
 
 
