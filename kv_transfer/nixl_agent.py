@@ -10,8 +10,9 @@ import os
 import threading
 import time
 import uuid
+from collections import deque
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 import torch
@@ -73,7 +74,7 @@ class Agent:
         )
         # No NIXL progress thread: it spins (NIXL gives it no delay) and took a core from the
         # forward (KV transfer throughput nearly doubled without it). A sender progresses in its
-        # own calls; a receiver runs `Progress`, a thread that reads notifications every
+        # own calls; receivers have `Notifications`, a thread that reads notifications every
         # half millisecond (hence the locking mode).
         config = api.nixl_agent_config(
             enable_prog_thread=False,
@@ -85,6 +86,7 @@ class Agent:
         self._registered: dict[tuple[int, int], Any] = {}  # (address, bytes) -> reg descs
         self._local_lists: dict[tuple[int, int, int], Any] = {}  # prepped local page lists
         self._remotes: dict[str, int] = {}  # remote agent name -> senders using it
+        self.notifications = Notifications(self)
 
     @classmethod
     def get(cls) -> Agent:
@@ -155,6 +157,70 @@ class Agent:
         starts = base + np.arange(2 * num_blocks, dtype=np.uint64) * np.uint64(half)
         descs = np.stack([starts, np.full_like(starts, half), np.full_like(starts, device)], axis=1)
         return self.agent.prep_xfer_dlist(agent, descs, mem)
+
+
+@dataclass(eq=False)
+class Inbox:
+    """A receiver's copy of its process's NIXL notifications; `busy` while a transfer into it
+    may be writing."""
+
+    got: deque[bytes] = field(default_factory=deque)
+    busy: bool = False
+
+    def take(self) -> list[bytes]:
+        out = []
+        while self.got:
+            out.append(self.got.popleft())
+        return out
+
+
+class Notifications:
+    """An agent's notifications, read by one daemon thread and copied into every subscribed
+    receiver's `Inbox`: NIXL hands a notification to whoever reads first, so receivers that
+    share their process's agent must not each read (one took the other's). Reading also
+    progresses UCX, which moves a large WRITE into this process only then: every half
+    millisecond while an inbox is busy, every 5 ms when idle, whatever the receivers' loops
+    are busy with."""
+
+    def __init__(self, agent: Agent) -> None:
+        self._agent = agent
+        self._inboxes: tuple[Inbox, ...] = ()  # replaced, never changed: the thread reads it
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def subscribe(self) -> Inbox:
+        inbox = Inbox()
+        with self._lock:
+            self._inboxes = (*self._inboxes, inbox)
+            if self._thread is None:  # the first receiver of the process starts the reader
+                self._stop = threading.Event()
+                self._thread = threading.Thread(
+                    target=self._run, args=(self._stop,), name="nixl-progress", daemon=True
+                )
+                self._thread.start()
+        return inbox
+
+    def unsubscribe(self, inbox: Inbox) -> None:
+        with self._lock:
+            self._inboxes = tuple(i for i in self._inboxes if i is not inbox)
+            thread = self._thread
+            if self._inboxes or thread is None:
+                return
+            self._thread = None  # the last one stops it
+            self._stop.set()
+        thread.join(timeout=2.0)
+
+    def _run(self, stop: threading.Event) -> None:
+        while not stop.wait(0.0005 if any(i.busy for i in self._inboxes) else 0.005):
+            try:
+                notifs = self._agent.agent.get_new_notifs()
+            except self._agent.errors:
+                continue
+            got = [message for messages in notifs.values() for message in messages]
+            if got:
+                for inbox in self._inboxes:
+                    inbox.got.extend(got)
 
 
 def _half_bytes(cache: torch.Tensor) -> int:

@@ -4,9 +4,7 @@ admits a transfer when its pages' checksum matches the sender's (see `nixl_conne
 from __future__ import annotations
 
 import logging
-import threading
 import time
-from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
@@ -26,40 +24,7 @@ from pdserve.kv_transfer.wire import KV_PLANE, KVDone, KVHello, KVRefused, welco
 log = logging.getLogger(__name__)
 
 _NOTIF_GRACE_S = 1.0  # how long a finished transfer waits for its last WRITEs' notifications
-
-
-class _Progress:
-    """A receiver's progress: UCX moves a large WRITE only while the target's worker is
-    progressed, which reading notifications does. A daemon thread does it every half
-    millisecond while a transfer is live (every 5 ms when idle), whatever the decode loop is
-    busy with, and keeps what it read."""
-
-    def __init__(self, agent: Agent) -> None:
-        self._agent = agent
-        self.busy = False  # a transfer may be writing: read every half ms, else every 5 ms
-        self._got: deque[bytes] = deque()
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="nixl-progress", daemon=True)
-        self._thread.start()
-
-    def _run(self) -> None:
-        while not self._stop.wait(0.0005 if self.busy else 0.005):
-            try:
-                notifs = self._agent.agent.get_new_notifs()
-            except self._agent.errors:
-                continue
-            for messages in notifs.values():
-                self._got.extend(messages)
-
-    def take(self) -> list[bytes]:
-        out = []
-        while self._got:
-            out.append(self._got.popleft())
-        return out
-
-    def stop(self) -> None:
-        self._stop.set()
-        self._thread.join(timeout=2.0)
+_ENDED_KEPT = 4096  # finished or cancelled transfers remembered (late notifications name them)
 
 
 # -- receiver -------------------------------------------------------------------------------------
@@ -108,7 +73,8 @@ class NixlReceiver(ChannelReceiver):
         # Per live transfer: page sums of each WRITE whose data is in (its notification came),
         # in arrival order, read while later layers still travel.
         self._landed: dict[str, list[tuple[int, list[int], torch.Tensor]]] = {}
-        self._progress_thread = _Progress(self._agent)
+        self._ended: dict[str, None] = {}  # insertion-ordered, bounded
+        self._inbox = self._agent.notifications.subscribe()
 
     # -- public API
 
@@ -117,13 +83,13 @@ class NixlReceiver(ChannelReceiver):
         whole = range(self.kv_caches[0].shape[3])
         reservation = _Reservation(tuple(block_ids), whole if heads is None else heads)
         self._reserved[xfer_id] = reservation
-        self._progress_thread.busy = True
+        self._inbox.busy = True
         self._broadcast(reservation.announce(xfer_id))
 
     def cancel(self, xfer_id: str) -> None:
         """Fence a live transfer's blocks until every sender settled; one not live (finished,
         or never expected) is released at once: nothing of it can be in flight."""
-        reservation = self._reserved.pop(xfer_id, None)
+        reservation = self._end(xfer_id)
         self._book.cancel(xfer_id)
         self._waiting_done.pop(xfer_id, None)
         self._landed.pop(xfer_id, None)
@@ -222,25 +188,40 @@ class NixlReceiver(ChannelReceiver):
             if len(landed) < writes and now < deadline:
                 continue
             del self._waiting_done[xfer_id]
-            reservation = self._reserved.pop(xfer_id)
+            reservation = self._end(xfer_id)
+            assert reservation is not None, f"{xfer_id} waits for its pages but is not live"
             self._landed.pop(xfer_id, None)
             if len(landed) != writes:
                 landed = []  # not every WRITE was seen landing: sum every page here
             self._book.cancel(xfer_id)  # finished: later messages for it are refused
             self._completed.append(self._check(done, reservation, landed))
-        self._progress_thread.busy = self._busy()
+        self._inbox.busy = self._busy()
+
+    def _end(self, xfer_id: str) -> _Reservation | None:
+        """Take a transfer off the live ones (finished or cancelled), remembered so that its
+        late notifications count as late, not as another receiver's of this process."""
+        reservation = self._reserved.pop(xfer_id, None)
+        if reservation is not None:
+            self._ended[xfer_id] = None
+            while len(self._ended) > _ENDED_KEPT:
+                del self._ended[next(iter(self._ended))]
+        return reservation
 
     def _take_notifications(self) -> None:
         """Sum the pages of every WRITE whose data arrived (NIXL notifies after the data)."""
-        for raw in self._progress_thread.take():
+        for raw in self._inbox.take():
             try:
                 xfer_id, layer, dsts = msgpack.unpackb(raw)
             except (ValueError, TypeError, msgpack.ExtraData):
                 self._book.counters["bad_notification"] += 1
                 continue
-            reservation = self._reserved.get(xfer_id) if isinstance(xfer_id, str) else None
+            if not isinstance(xfer_id, str):
+                self._book.counters["bad_notification"] += 1
+                continue
+            reservation = self._reserved.get(xfer_id)
             if reservation is None:
-                self._book.counters["late_notification"] += 1  # finished or cancelled
+                if xfer_id in self._ended:  # else another receiver's of this process
+                    self._book.counters["late_notification"] += 1
                 continue
             valid = (
                 isinstance(layer, int)
@@ -308,7 +289,7 @@ class NixlReceiver(ChannelReceiver):
         self._book.counters["unexpected_message"] += 1
 
     def close(self) -> None:
-        self._progress_thread.stop()
+        self._agent.notifications.unsubscribe(self._inbox)
         self._released.extend(self._fences)
         self._fences.clear()
         self._fenced_blocks.clear()
