@@ -28,6 +28,8 @@ class ModelConfig:
     quantization: how the decoder's linear weights are held (docs/quantization.md): "auto"
     keeps a GGUF's quantized types quantized on the CPU (float everywhere else), "none"
     dequantizes, "int8"/"int4" quantize every one of them at load (CPU only).
+    enable_expert_parallel: under tensor parallelism, each rank holds num_experts / N whole
+    experts instead of a 1/N slice of every expert (vLLM's name; docs/models.md).
     """
 
     model_dir: str
@@ -37,6 +39,7 @@ class ModelConfig:
     enforce_eager: bool | None = None
     load_format: str = "auto"
     quantization: str = "auto"
+    enable_expert_parallel: bool = False
 
     def __post_init__(self) -> None:
         _require(self.dtype in _DTYPES, f"dtype must be one of {_DTYPES}, got {self.dtype!r}")

@@ -60,6 +60,7 @@ class LLM:
         tensor_parallel_size: int = 1,
         threads_per_rank: int | None = None,
         quantization: str = "auto",
+        enable_expert_parallel: bool = False,
     ) -> None:
         self.engine = LLMEngine(
             ModelConfig(
@@ -70,6 +71,7 @@ class LLM:
                 enforce_eager=enforce_eager,
                 load_format=load_format,
                 quantization=quantization,
+                enable_expert_parallel=enable_expert_parallel,
             ),
             CacheConfig(
                 block_size=block_size,

@@ -91,9 +91,8 @@ class ModelRunner:
         self.driver: RankDriver | None = None
         if tp is None and parallel.tensor_parallel_size > 1:
             # Refuse a model that cannot split before starting any process.
-            TPShard(0, parallel.tensor_parallel_size).check(
-                ModelArchConfig.from_dir(model_config.model_dir)
-            )
+            shard = TPShard(0, parallel.tensor_parallel_size, model_config.enable_expert_parallel)
+            shard.check(ModelArchConfig.from_dir(model_config.model_dir))
             self.driver = RankDriver(
                 model_config, cache_config, parallel, max_num_seqs, max_model_len
             )

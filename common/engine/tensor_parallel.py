@@ -189,10 +189,9 @@ class RankDriver:
             store.set(spec_key(r), spec.to_json())
         local = parallel.workers == "local"
         self.procs = [_spawn(store.port, r, parallel) for r in range(1, size)] if local else []
+        shard = TPShard(0, size, model.enable_expert_parallel)
         try:
-            self.group = open_group(
-                TPShard(0, size), store, store.port, parallel, model.device, host
-            )
+            self.group = open_group(shard, store, store.port, parallel, model.device, host)
         except Exception:
             self._kill()
             raise
@@ -347,7 +346,8 @@ def _run_worker(spec: WorkerSpec, store: dist.Store, port: int, args: argparse.N
     from pdserve.common.engine.model_runner import ModelRunner
 
     torch.set_num_threads(threads_per_rank(spec.parallel))
-    shard = TPShard(spec.rank, spec.parallel.tensor_parallel_size)
+    size = spec.parallel.tensor_parallel_size
+    shard = TPShard(spec.rank, size, spec.model.enable_expert_parallel)
     own_host = args.advertise_host or args.host
     group = open_group(shard, store, port, spec.parallel, spec.model.device, own_host)
     runner = ModelRunner(

@@ -25,7 +25,7 @@ from pdserve.common.model.attention import (
     store_latent,
 )
 from pdserve.common.model.config import ModelArchConfig
-from pdserve.common.model.llama import MLP, DecoderLayer, RMSNorm, apply_rope
+from pdserve.common.model.llama import MLP, DecoderLayer, RMSNorm, _reduced, apply_rope
 from pdserve.common.model.moe import Experts, MoeForCausalLM, route_grouped, stack_experts
 from pdserve.common.model.parallel import TPGroup, TPShard
 
@@ -69,12 +69,17 @@ class MlaAttention(nn.Module):
     """Multi-head latent attention writing one latent per token into a one-plane cache
     [1, num_blocks, block_size, 1, kv_lora_rank + qk_rope_head_dim]. Parameter names are
     transformers'; queries go through q_a/q_b (with a norm between) when q_lora_rank is set,
-    through one q_proj otherwise."""
+    through one q_proj otherwise.
+
+    Under tensor parallelism a rank holds its share of the query heads (q_b_proj or q_proj,
+    kv_b_proj and o_proj cut by head) and the latent projection whole, so every rank writes
+    the same latent into its own cache and o_proj's partial outputs are all-reduced."""
 
     def __init__(self, config: ModelArchConfig, layer: int, tp: TPGroup | None = None) -> None:
         super().__init__()
-        h, heads = config.hidden_size, config.num_heads
-        self.num_heads = heads
+        h = config.hidden_size
+        heads = (tp.shard if tp is not None else TPShard()).num_heads(config)
+        self.num_heads, self.tp = heads, tp
         self.nope, self.rope = config.qk_nope_head_dim, config.qk_rope_head_dim
         self.rank, self.v_dim = config.kv_lora_rank, config.v_head_dim
         qk = self.nope + self.rope
@@ -109,7 +114,7 @@ class MlaAttention(nn.Module):
             torch.cat((self.kv_a_layernorm(kv_c), k_pe), dim=-1), kv_cache, attn.slot_mapping
         )
         out = self._attend(q_nope, q_pe, kv_cache, attn)
-        return self.o_proj(out.reshape(t, self.num_heads * self.v_dim))
+        return _reduced(self.o_proj(out.reshape(t, self.num_heads * self.v_dim)), self.tp)
 
     def _queries(self, x: torch.Tensor) -> torch.Tensor:
         if hasattr(self, "q_proj"):
@@ -184,19 +189,25 @@ class DeepseekRouter(nn.Module):
 
 class DeepseekMoE(nn.Module):
     """Routed experts (moe.py's stacked `Experts`) plus `n_shared_experts` always-on experts,
-    held as one dense MLP of n_shared_experts * moe_intermediate_size."""
+    held as one dense MLP of n_shared_experts * moe_intermediate_size.
 
-    def __init__(self, config: ModelArchConfig) -> None:
+    Under tensor parallelism the router is whole, the routed experts split as `TPShard` says
+    and the shared ones as an MLP; their two partial sums are added, then all-reduced once."""
+
+    def __init__(self, config: ModelArchConfig, tp: TPGroup | None = None) -> None:
         super().__init__()
+        self.tp = tp
         self.gate = DeepseekRouter(config)
-        self.experts = Experts(config)
+        self.experts = Experts(config, tp.shard if tp is not None else None)
         width = config.moe_intermediate_size * config.n_shared_experts
-        self.shared_experts = MLP(config, width=width) if width else None
+        self.shared_experts = MLP(config, tp, width=width) if width else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = self.gate(x)
         out = self.experts(x, weights, ids)
-        return out if self.shared_experts is None else out + self.shared_experts(x)
+        if self.shared_experts is not None:
+            out = out + self.shared_experts.partial(x)
+        return _reduced(out, self.tp)
 
     def fuse(self) -> None:
         """Join the shared experts' gate and up projections (the routed ones are stacked)."""
@@ -211,14 +222,13 @@ class DeepseekDecoderLayer(DecoderLayer):
         return MlaAttention(config, layer, tp)
 
     def feed_forward(self, config: ModelArchConfig, layer: int, tp: TPGroup | None) -> nn.Module:
-        return DeepseekMoE(config) if config.is_moe_layer(layer) else MLP(config, tp)
+        return DeepseekMoE(config, tp) if config.is_moe_layer(layer) else MLP(config, tp)
 
 
 class DeepseekV3ForCausalLM(MoeForCausalLM):
     """DeepSeek-V3 (and R1): the Llama-family stack with DeepSeek's layers; one latent per
-    token per layer in the cache. Tensor parallelism is refused as for the other MoE families
-    (when it comes, heads split and every rank keeps the whole latent: `kv_cache_spec` is the
-    same for every shard)."""
+    token per layer in the cache. Under tensor parallelism query heads split and every rank
+    keeps the whole latent: `kv_cache_spec` is the same for every shard."""
 
     layer_class = DeepseekDecoderLayer
     # The reference MLA path plans on the host (a loop over sequences): decode runs eager

@@ -185,10 +185,15 @@ class MLP(nn.Module):
         self.gate_up_proj: nn.Linear | None = None  # set by fuse(): [gate; up] in one matrix
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _reduced(self.partial(x), self.tp)
+
+    def partial(self, x: torch.Tensor) -> torch.Tensor:
+        """This rank's share of the output, before the all-reduce: a block that adds it to
+        another partial sum (DeepSeek's shared experts beside the routed ones) reduces once."""
         if self.gate_up_proj is not None:
             gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-            return _reduced(self.down_proj(F.silu(gate) * up), self.tp)
-        return _reduced(self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x)), self.tp)
+            return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
     def fuse(self) -> None:
         """Replace gate/up_proj by one gate_up_proj holding their rows in that order."""

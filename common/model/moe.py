@@ -18,8 +18,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from pdserve.common.model.config import ModelArchConfig
-from pdserve.common.model.llama import MLP, DecoderLayer, LlamaFamilyForCausalLM
-from pdserve.common.model.parallel import TPGroup
+from pdserve.common.model.llama import MLP, DecoderLayer, LlamaFamilyForCausalLM, _reduced
+from pdserve.common.model.parallel import TPGroup, TPShard
 
 
 def route(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -79,14 +79,17 @@ def experts_grouped(
 
     The T*k (token, expert) pairs are sorted by expert so each expert's tokens are one
     contiguous run: one matmul pair per expert that has any, then one index_add puts every
-    weighted row back on its token. The loop is over experts, never over tokens.
+    weighted row back on its token. The loop is over experts, never over tokens. An id equal
+    to the number of experts given (`Experts.local_ids`: another rank's expert) adds nothing.
     """
-    k = ids.shape[1]
+    k, held = ids.shape[1], gate_up.shape[0]
     flat = ids.flatten()
-    if flat.numel() == 0:
-        return torch.zeros_like(x)
     order = torch.argsort(flat, stable=True)
-    counts = torch.bincount(flat, minlength=gate_up.shape[0]).tolist()
+    counts = torch.bincount(flat, minlength=held + 1).tolist()[:held]
+    mine = sum(counts)
+    if mine == 0:
+        return torch.zeros_like(x)
+    order = order[:mine]  # the other ranks' pairs sort last
     token = order // k
     runs = torch.split(x[token], counts)
     out_rows = torch.cat(
@@ -106,9 +109,12 @@ def experts_gathered(
     """The same sum with static shapes and no host sync: each (token, expert) pair gathers its
     expert's matrices and the pairs run as one batched matmul. A compiled decode step (and its
     CUDA graph) can hold this; it copies T*k experts' weights, so it is for decode-sized
-    batches until a fused kernel replaces both paths."""
+    batches until a fused kernel replaces both paths. Another rank's expert (an id equal to
+    the number given) gets weight 0."""
     t, k = ids.shape
-    flat = ids.flatten()
+    held = gate_up.shape[0]
+    weights = weights.masked_fill(ids >= held, 0.0)
+    flat = ids.clamp(max=held - 1).flatten()
     rows = x.repeat_interleave(k, dim=0)[:, :, None]
     gate, up = torch.bmm(gate_up[flat], rows).squeeze(-1).chunk(2, dim=-1)
     out_rows = torch.bmm(down[flat], (F.silu(gate) * up)[:, :, None]).squeeze(-1)
@@ -117,18 +123,31 @@ def experts_gathered(
 
 
 class Experts(nn.Module):
-    """Every expert's SwiGLU weights stacked: gate_up_proj [E, 2I, H] (each expert's gate rows,
-    then its up rows) and down_proj [E, H, I]."""
+    """The experts' SwiGLU weights stacked: gate_up_proj [E, 2I, H] (each expert's gate rows,
+    then its up rows) and down_proj [E, H, I], for the E experts of width I this rank holds
+    (`TPShard.experts`, `expert_width`: all of them, or its share under expert parallelism).
+    The output is this rank's partial sum; the block that owns the experts reduces it."""
 
-    def __init__(self, config: ModelArchConfig) -> None:
+    def __init__(self, config: ModelArchConfig, shard: TPShard | None = None) -> None:
         super().__init__()
-        e, h, i = config.num_experts, config.hidden_size, config.moe_intermediate_size
-        self.gate_up_proj = nn.Parameter(torch.empty(e, 2 * i, h))
-        self.down_proj = nn.Parameter(torch.empty(e, h, i))
+        shard = shard or TPShard()
+        held, h, i = shard.experts(config), config.hidden_size, shard.expert_width(config)
+        self.first, self.num_experts = held.start, config.num_experts
+        self.gate_up_proj = nn.Parameter(torch.empty(len(held), 2 * i, h))
+        self.down_proj = nn.Parameter(torch.empty(len(held), h, i))
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         run = experts_gathered if torch.compiler.is_compiling() else experts_grouped
-        return run(x, self.gate_up_proj, self.down_proj, weights, ids)
+        return run(x, self.gate_up_proj, self.down_proj, weights, self.local_ids(ids))
+
+    def local_ids(self, ids: torch.Tensor) -> torch.Tensor:
+        """Global expert ids as indices into this rank's stack; another rank's expert becomes
+        the stack's length, which the expert functions skip."""
+        held = self.gate_up_proj.shape[0]
+        if held == self.num_experts:
+            return ids
+        local = ids - self.first
+        return local.masked_fill((local < 0) | (local >= held), held)
 
 
 class SparseMoeBlock(nn.Module):
@@ -140,19 +159,21 @@ class SparseMoeBlock(nn.Module):
     keeps its own order.
     """
 
-    def __init__(self, config: ModelArchConfig) -> None:
+    def __init__(self, config: ModelArchConfig, tp: TPGroup | None = None) -> None:
         super().__init__()
         self.top_k = config.num_experts_per_tok
         self.renormalize = config.norm_topk_prob
         self.weights_in_input_dtype = config.architecture == "Qwen3MoeForCausalLM"
+        self.tp = tp
+        # The router is whole on every rank: each routes every token, so all agree.
         self.gate = nn.Linear(config.hidden_size, config.num_experts, bias=False)
-        self.experts = Experts(config)
+        self.experts = Experts(config, tp.shard if tp is not None else None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = route(self.gate(x), self.top_k, self.renormalize)
         if self.weights_in_input_dtype:
             weights = weights.to(x.dtype)
-        return self.experts(x, weights, ids)
+        return _reduced(self.experts(x, weights, ids), self.tp)
 
     def fuse(self) -> None:
         """Nothing to join: the experts are stacked already (the runner fuses every block)."""
@@ -162,21 +183,16 @@ class MoeDecoderLayer(DecoderLayer):
     """A decoder layer whose feed-forward block is the experts where the config says so."""
 
     def feed_forward(self, config: ModelArchConfig, layer: int, tp: TPGroup | None) -> nn.Module:
-        return SparseMoeBlock(config) if config.is_moe_layer(layer) else MLP(config, tp)
+        return SparseMoeBlock(config, tp) if config.is_moe_layer(layer) else MLP(config, tp)
 
 
 class MoeForCausalLM(LlamaFamilyForCausalLM):
     """Qwen3-MoE (qk-norm attention, dense layers from mlp_only_layers and
-    decoder_sparse_step) and Mixtral (sliding window as Mistral): the config decides which."""
+    decoder_sparse_step) and Mixtral (sliding window as Mistral): the config decides which.
+    Under tensor parallelism attention splits as the dense families'; the experts as
+    `TPShard` says (a slice of each, or whole ones with expert parallelism)."""
 
     layer_class = MoeDecoderLayer
-
-    def __init__(self, config: ModelArchConfig, tp: TPGroup | None = None) -> None:
-        if tp is not None and tp.size > 1:
-            raise ValueError(
-                f"{config.architecture}: tensor and expert parallelism are not supported yet"
-            )
-        super().__init__(config, tp)
 
 
 # Mixtral checkpoints name the block `block_sparse_moe` and its projections w1 (gate), w3 (up)

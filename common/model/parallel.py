@@ -6,6 +6,12 @@ gate/up by output rows, o and down by input columns, followed by an all-reduce);
 and the LM head split by vocabulary rows. When there are more ranks than KV heads, each KV head
 is held by `size // num_kv_heads` consecutive ranks: rank r's query heads all read KV head
 `r // (size // num_kv_heads)`, so grouped-query attention needs no communication.
+
+Mixture-of-experts layers split their experts' intermediate width the same way (every rank
+holds a slice of every expert) or, with expert parallelism, whole experts (each rank
+num_experts / size of them); either way each rank's expert sum is partial and one all-reduce
+per layer combines it. Latent attention (MLA) splits its query heads; the latent is whole on
+every rank.
 """
 
 from __future__ import annotations
@@ -34,6 +40,9 @@ class TPShard:
 
     rank: int = 0
     size: int = 1
+    # Experts held whole, num_experts / size per rank (vLLM's --enable-expert-parallel),
+    # instead of a 1/size slice of every expert's width.
+    expert_parallel: bool = False
 
     def __post_init__(self) -> None:
         if not 0 <= self.rank < self.size:
@@ -44,11 +53,36 @@ class TPShard:
         n, heads = self.size, arch.num_heads
         if heads % n:
             raise ValueError(f"{heads} attention heads do not split across {n} ranks")
-        check_kv_split(arch.num_kv_heads, n)
-        if arch.intermediate_size % n:
+        check_kv_split(arch.num_kv_heads, n)  # (MLA: as many as query heads, unused)
+        _check_width("MLP intermediate size", arch.intermediate_size, n)
+        if arch.moe_layers:
+            self._check_experts(arch)
+
+    def _check_experts(self, arch: ModelArchConfig) -> None:
+        n = self.size
+        if self.expert_parallel and arch.num_experts % n:
             raise ValueError(
-                f"MLP intermediate size {arch.intermediate_size} does not split across {n} ranks"
+                f"{arch.num_experts} experts do not split across {n} ranks "
+                "(expert parallelism gives each rank whole experts)"
             )
+        if not self.expert_parallel:
+            _check_width("expert intermediate size", arch.moe_intermediate_size, n)
+        shared = arch.n_shared_experts * arch.moe_intermediate_size
+        _check_width("shared experts' intermediate size", shared, n)
+
+    def experts(self, arch: ModelArchConfig) -> range:
+        """The global ids of the experts this rank holds: all of them (a slice of each one's
+        width), or under expert parallelism its num_experts / size consecutive ones, whole."""
+        if not self.expert_parallel:
+            return range(arch.num_experts)
+        per = arch.num_experts // self.size
+        return range(self.rank * per, (self.rank + 1) * per)
+
+    def expert_width(self, arch: ModelArchConfig) -> int:
+        """The intermediate width of each expert this rank holds."""
+        if self.expert_parallel:
+            return arch.moe_intermediate_size
+        return arch.moe_intermediate_size // self.size
 
     def num_heads(self, arch: ModelArchConfig) -> int:
         return arch.num_heads // self.size
@@ -73,6 +107,8 @@ class TPShard:
         """This rank's slice of the full checkpoint tensor `name` (a new tensor when sliced)."""
         if self.size == 1:
             return tensor
+        if name.endswith(_STACKED_EXPERTS):
+            return self._shard_experts(name, tensor, arch)
         kind = _kind(name)
         if kind in ("q", "gate_up"):
             return _even(tensor, 0, self.rank, self.size)
@@ -90,6 +126,20 @@ class TPShard:
             out[: end - first] = tensor[first:end]
             return out
         return tensor  # norms: every rank holds them whole
+
+    def _shard_experts(
+        self, name: str, tensor: torch.Tensor, arch: ModelArchConfig
+    ) -> torch.Tensor:
+        """A stacked expert tensor: gate_up_proj [E, 2I, H] (each expert's gate rows, then its
+        up rows) or down_proj [E, H, I], cut to this rank's experts or width."""
+        if self.expert_parallel:
+            held = self.experts(arch)
+            return tensor[held.start : held.stop].clone()
+        if name.endswith("down_proj"):
+            return _even(tensor, 2, self.rank, self.size)
+        gate, up = tensor.chunk(2, dim=1)  # slice each, so a rank's rows stay [gate; up]
+        mine = [part.chunk(self.size, 1)[self.rank] for part in (gate, up)]
+        return torch.cat(mine, dim=1)
 
     def shard_quantized(
         self, name: str, weight: QuantizedWeight, arch: ModelArchConfig
@@ -109,10 +159,19 @@ class TPShard:
         raise ValueError(f"{name}: a {kind} weight is not held quantized")
 
 
+_STACKED_EXPERTS = ("experts.gate_up_proj", "experts.down_proj")
+
+
+def _check_width(what: str, width: int, n: int) -> None:
+    if width % n:
+        raise ValueError(f"{what} {width} does not split across {n} ranks")
+
+
 def _kind(name: str) -> str:
     """How a parameter splits, from its HF name."""
     module = name.rsplit(".", 2)[-2]
-    if module == "q_proj":
+    # MLA's q_b_proj and kv_b_proj rows are per query head, as q_proj's.
+    if module in ("q_proj", "q_b_proj", "kv_b_proj"):
         return "q"
     if module in ("k_proj", "v_proj"):
         return "kv"

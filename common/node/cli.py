@@ -135,6 +135,12 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         "for safetensors; int8/int4 quantize at load)",
     )
     model.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
+    model.add_argument(
+        "--enable-expert-parallel",
+        action="store_true",
+        help="with --tensor-parallel-size N, each rank holds 1/N of the experts whole instead "
+        "of a 1/N slice of every expert (mixture-of-experts models)",
+    )
     model.add_argument("--seed", type=int, default=0, help="seed of the sampling generator")
     model.add_argument(
         "--enforce-eager",
@@ -188,6 +194,7 @@ def engine_configs(args: argparse.Namespace) -> tuple[ModelConfig, CacheConfig, 
             device=args.device,
             seed=args.seed,
             enforce_eager=args.enforce_eager,
+            enable_expert_parallel=args.enable_expert_parallel,
         ),
         CacheConfig(
             block_size=args.block_size,

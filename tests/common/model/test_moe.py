@@ -270,14 +270,6 @@ def test_stacking_keeps_expert_order_whatever_the_file_order():
         )
 
 
-def test_tensor_parallel_is_refused_with_a_clear_error():
-    from types import SimpleNamespace
-
-    config = ModelArchConfig.from_hf(hf_config("mixtral"))
-    with pytest.raises(ValueError, match="not supported yet"):
-        MoeForCausalLM(config, SimpleNamespace(size=2))
-
-
 @pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral"])
 def test_offline_greedy_matches_hf_with_prefix_caching(model_dirs, arch):
     _, outs = run_engine(model_dirs[arch], block_size=16, max_num_batched_tokens=4096)
