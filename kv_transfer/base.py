@@ -53,6 +53,9 @@ class KVSender(abc.ABC):
 
     def __init__(self, layout: KVLayout) -> None:
         self.layout = layout
+        # Page bytes handed to the transport, counted where they cross it (the frame-moving
+        # connectors; a nixl WRITE is not counted here).
+        self.bytes_sent = 0
 
     @abc.abstractmethod
     def connect(self, endpoint: str, timeout: float = 10.0) -> None:

@@ -81,7 +81,6 @@ class ChannelSender(KVSender):
         self._book = SendBook(layout.num_layers)
         self._deferred: deque[tuple[Any, Callable[[], None]]] = deque()
         self.faults: SendFaults | None = None  # tests only: see wire.SendFaults
-        self.bytes_sent = 0  # page bytes handed to the transport (what crosses the link)
 
     # -- public API
 

@@ -165,6 +165,7 @@ class RankKV:
             "finished",
             "released",
             "bytes_received",
+            "bytes_sent",
             "connect",
             "take_failures",
             "done",
@@ -191,6 +192,11 @@ class RankKV:
         self.caches: list[torch.Tensor] = runner.kv_caches
         self.rank, self.size = (0, 1) if group is None else (group.rank, group.size)
         self.layout: KVLayout = runner.kv_layout(model_id)
+        if connector == "nixl" and self.layout.planes != 2:
+            raise ValueError(
+                "--kv-connector nixl moves K/V pages only, and this model's cache holds one "
+                "latent per token (MLA); choose zmq, shm or nccl"
+            )
         keys = load_keys(curve_dir)
         self.port = KVPort(connector, self.layout, keys, connect_timeout, advertise_host)
         self.receiver: KVReceiver | None = None
@@ -280,6 +286,11 @@ class RankKV:
         return int(self.receiver.pages_received * self.layout.page_bytes * share)
 
     # -- prefill side ---------------------------------------------------------------------------
+
+    def bytes_sent(self) -> int:
+        """Page bytes this rank's senders handed to their transports, as they count them (a
+        rank the plan names for no slice sends none: an MLA latent leaves from one rank)."""
+        return sum(s.bytes_sent for s in self.port.senders.values())
 
     def _my_slices(self, endpoints: Endpoints) -> list[HeadSlice]:
         return [s for s in self._plan(self.size, len(endpoints)) if s.src_rank == self.rank]
