@@ -6,6 +6,7 @@ node at TP 2 feeding a decode node at TP 1 for Qwen3-MoE."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -41,6 +42,14 @@ def make_tiny_deepseek(out: Path) -> str:
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
     return str(out)
+
+
+@pytest.fixture(autouse=True)
+def keep_threads() -> Iterator[None]:
+    """Rank 0 of a group sets this process's torch threads to its share: give them back."""
+    threads = torch.get_num_threads()
+    yield
+    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")
@@ -207,3 +216,26 @@ def test_the_flag_reaches_the_engine_and_serve_hands_it_to_the_nodes(model_dirs)
     plain = p.parse_args(["--model", model_dirs["mixtral"]])
     assert not engine_configs(plain)[0].enable_expert_parallel
     assert "--enable-expert-parallel" not in _engine_flags(plain)
+
+
+def test_prefill_at_tp2_feeds_decode_at_tp1(model_dirs) -> None:
+    """Qwen3-MoE through P/D: a prefill node at TP 2 (experts and KV heads split) sends each
+    decode-rank slice; the answers equal the engine's at TP 1 (itself equal to HF)."""
+    from tests.common.node.test_tp_nodes import PROMPTS as NODE_PROMPTS
+    from tests.common.node.test_tp_nodes import answers, build, free, serve, settle
+
+    model = model_dirs["qwen3_moe"]
+    expected = answers(model)
+    router, prefill, decode_ = build(model, 2, 1, "zmq")
+    try:
+        before = (free(prefill), free(decode_))
+        for i, prompt in enumerate(NODE_PROMPTS):
+            assert serve(router, prefill, decode_, f"r{i}", prompt, 2) == expected[i], i
+        settle(prefill, decode_, before)
+        assert (free(prefill), free(decode_)) == before
+        prefill.engine.check_integrity()
+        decode_.engine.check_integrity()
+    finally:
+        prefill.close()
+        decode_.close()
+        router.sock.close()
