@@ -6,9 +6,6 @@ node at TP 2 feeding a decode node at TP 1 for Qwen3-MoE."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from pathlib import Path
-
 import pytest
 import torch
 
@@ -17,12 +14,14 @@ from pdserve.common.model.config import ModelArchConfig
 from pdserve.common.model.moe import Experts, experts_gathered, experts_grouped, route
 from pdserve.common.model.parallel import TPGroup, TPShard
 from pdserve.common.model.registry import model_class
-from pdserve.tiny_model import train_tokenizer
+from tests.common.model import test_mla
 from tests.common.model.test_mla import hf_config as deepseek_config
-from tests.common.model.test_mla import randomize
 from tests.common.model.test_moe import MIXTRAL, QWEN3_MOE, make_tiny_moe
 from tests.common.model.test_moe import hf_config as moe_config
-from tests.common.test_llm_equivalence import GREEDY, PROMPTS, VOCAB, hf_greedy
+from tests.common.node import test_tp_nodes
+from tests.common.node.test_tp_nodes import PROMPTS as NODE_PROMPTS
+from tests.common.node.test_tp_nodes import answers, build, free, serve, settle
+from tests.common.test_llm_equivalence import GREEDY, PROMPTS, hf_greedy
 
 FAMILIES = ("qwen3_moe", "mixtral", "deepseek_v3")
 # Prompts of 1, 40, 160 and 121 tokens: a decode batch of four, prompts over several blocks.
@@ -30,33 +29,19 @@ CHOSEN = (0, 4, 6, 9)
 # Each rank on one thread: the machine's two cores hold both.
 TP2 = {"tensor_parallel_size": 2, "threads_per_rank": 1, "skip_tokenizer_init": True}
 
-
-def make_tiny_deepseek(out: Path) -> str:
-    """test_mla's tiny DeepSeek-V3 (grouped routing, a shared expert, a dense first layer)."""
-    from transformers import AutoModelForCausalLM
-
-    tokenizer = train_tokenizer(VOCAB, 512)
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(deepseek_config(tokenizer), dtype=torch.float32)
-    randomize(model, 0)
-    model.save_pretrained(out)
-    tokenizer.save_pretrained(out)
-    return str(out)
-
-
-@pytest.fixture(autouse=True)
-def keep_threads() -> Iterator[None]:
-    """Rank 0 of a group sets this process's torch threads to its share: give them back."""
-    threads = torch.get_num_threads()
-    yield
-    torch.set_num_threads(threads)
+# Fixtures of other modules, used here under these names: test_mla's tiny DeepSeek-V3
+# checkpoint, and test_tp_nodes' autouse one that gives this process back the torch threads
+# a group's rank 0 takes.
+deepseek_dir = test_mla.model_dir
+keep_threads = test_tp_nodes.keep_threads
 
 
 @pytest.fixture(scope="module")
-def model_dirs(tmp_path_factory) -> dict[str, str]:
+def model_dirs(tmp_path_factory, deepseek_dir: str) -> dict[str, str]:
+    """Qwen3-MoE and Mixtral as test_moe makes them, DeepSeek-V3 as test_mla does."""
     root = tmp_path_factory.mktemp("moe-tp")
     dirs = {a: make_tiny_moe(a, root / a) for a in ("qwen3_moe", "mixtral")}
-    return {**dirs, "deepseek_v3": make_tiny_deepseek(root / "deepseek_v3")}
+    return {**dirs, "deepseek_v3": deepseek_dir}
 
 
 def arch_of(family: str, **fields) -> ModelArchConfig:
@@ -221,9 +206,6 @@ def test_the_flag_reaches_the_engine_and_serve_hands_it_to_the_nodes(model_dirs)
 def test_prefill_at_tp2_feeds_decode_at_tp1(model_dirs) -> None:
     """Qwen3-MoE through P/D: a prefill node at TP 2 (experts and KV heads split) sends each
     decode-rank slice; the answers equal the engine's at TP 1 (itself equal to HF)."""
-    from tests.common.node.test_tp_nodes import PROMPTS as NODE_PROMPTS
-    from tests.common.node.test_tp_nodes import answers, build, free, serve, settle
-
     model = model_dirs["qwen3_moe"]
     expected = answers(model)
     router, prefill, decode_ = build(model, 2, 1, "zmq")
