@@ -27,18 +27,21 @@ def require_device() -> None:
             pytest.fail(f"PDSERVE_TEST_DEVICE={TEST_DEVICE} but torch sees no CUDA device")
 
 
+# Engines the tests compare with HF float32 (or with each other's float32 greedy output) ask for
+# float32: the default is `--dtype auto`, bf16 on CUDA and on CPUs with native bf16.
+REFERENCE_DTYPE = "float32"
+
 # On one GPU every engine of a test (the in-process reference, each node process) shares the
 # card: a fixed pool instead of 85% of what is free, and few decode buckets to compile.
 _CUDA_ENGINE = {"device": TEST_DEVICE, "max_num_seqs": 8, "num_blocks": 2048}
 
 
 def engine_kwargs() -> dict[str, object]:
-    """`LLM(...)` keyword arguments that put an in-process engine on the test device."""
-    return dict(_CUDA_ENGINE) if ON_CUDA else {}
+    """`LLM(...)` keyword arguments that put an in-process engine on the test device, in
+    float32."""
+    return {"dtype": REFERENCE_DTYPE, **(_CUDA_ENGINE if ON_CUDA else {})}
 
 
 def engine_flags() -> list[str]:
-    """The node flags that put a node process on the test device."""
-    if not ON_CUDA:
-        return []
-    return [x for k, v in _CUDA_ENGINE.items() for x in (f"--{k.replace('_', '-')}", str(v))]
+    """The node flags that put a node process on the test device, in float32."""
+    return [x for k, v in engine_kwargs().items() for x in (f"--{k.replace('_', '-')}", str(v))]

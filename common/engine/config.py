@@ -5,7 +5,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-_DTYPES = ("float32", "float16", "bfloat16")
+from pdserve.common.model.dtype import DTYPES, resolve_auto
+
+_DTYPES = ("auto", *DTYPES)
 QUANTIZATIONS = ("auto", "none", "int8", "int4")
 
 
@@ -25,6 +27,8 @@ class ModelConfig:
     load_format: "auto" reads the checkpoint's weights; "dummy" (vLLM's name) makes random
     ones from config.json alone, on the device, seeded by `seed` (benchmarks of model shapes
     whose weights are not at hand).
+    dtype: weights, activations and KV cache; "auto" (docs/quantization.md) is resolved here,
+    once, into the concrete dtype the layout digest, the KV cache and the wire carry.
     quantization: how the decoder's linear weights are held (docs/quantization.md): "auto"
     keeps a GGUF's quantized types quantized on the CPU (float everywhere else), "none"
     dequantizes, "int8"/"int4" quantize every one of them at load (CPU only).
@@ -33,7 +37,7 @@ class ModelConfig:
     """
 
     model_dir: str
-    dtype: str = "float32"
+    dtype: str = "auto"
     device: str = "cpu"
     seed: int = 0
     enforce_eager: bool | None = None
@@ -64,6 +68,8 @@ class ModelConfig:
             self.load_format in ("auto", "dummy"),
             f"load_format must be 'auto' or 'dummy', got {self.load_format!r}",
         )
+        if self.dtype == "auto":
+            object.__setattr__(self, "dtype", resolve_auto(self.model_dir, self.device))
 
     @property
     def compile_decode(self) -> bool:

@@ -46,7 +46,7 @@ class LLM:
         max_num_seqs: int = 64,
         enable_prefix_caching: bool = True,
         device: str = "cpu",
-        dtype: str = "float32",
+        dtype: str = "auto",
         max_model_len: int | None = None,
         long_prefill_token_threshold: int = 0,
         enable_chunked_prefill: bool = True,

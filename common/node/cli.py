@@ -123,9 +123,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     model = p.add_argument_group("model")
     model.add_argument(
         "--dtype",
-        default="float32",
-        choices=["float32", "float16", "bfloat16"],
-        help="weights, activations and KV cache",
+        default="auto",
+        choices=["auto", "float32", "float16", "bfloat16"],
+        help="weights, activations and KV cache (auto: bfloat16 on CUDA and on a CPU with "
+        "AVX512-BF16 or AMX, else float32; float16 for an fp16 checkpoint on CUDA)",
     )
     model.add_argument(
         "--quantization",

@@ -29,6 +29,7 @@ from pdserve.local_cluster import LocalCluster
 MAX_TOKENS = 12
 NUM_REQUESTS = 100
 ENGINE = ["--block-size", "16", "--max-num-batched-tokens", "128", "--max-model-len", "1100"]
+ENGINE += ["--dtype", "float32"]  # as the offline reference
 # Fast failure detection for tests: nodes heartbeat every 0.2 s, the router gives up on one
 # after 1.5 s, and nodes free requests the router stopped renewing after 6 s. A decode node
 # holds all 100 requests, so the survivor of two can take over every stream.
@@ -52,7 +53,10 @@ def make_prompts(vocab: int, n: int = NUM_REQUESTS, seed: int = 0) -> list[list[
 
 def reference(model_dir: str, prompts: list[list[int]]) -> list[list[int]]:
     params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
-    return [o.token_ids for o in LLM(model_dir, block_size=16).generate(prompts, params)]
+    return [
+        o.token_ids
+        for o in LLM(model_dir, block_size=16, dtype="float32").generate(prompts, params)
+    ]
 
 
 @dataclass

@@ -41,7 +41,7 @@ def prompts() -> list[list[int]]:
 
 @pytest.mark.parametrize("chunk", [16, 40, 512])  # chunk boundaries inside and outside
 def test_prompt_logprobs_equal_hf_across_chunk_boundaries(model_dir, hf_logprobs, chunk):
-    llm = LLM(model_dir, block_size=16, max_num_batched_tokens=chunk)
+    llm = LLM(model_dir, block_size=16, max_num_batched_tokens=chunk, dtype="float32")
     params = SamplingParams(max_tokens=2, temperature=0.0, prompt_logprobs=3)
     for prompt, out in zip(prompts(), llm.generate(prompts(), params), strict=True):
         want = hf_logprobs(prompt)
@@ -60,7 +60,7 @@ def test_prompt_logprobs_equal_hf_across_chunk_boundaries(model_dir, hf_logprobs
 def test_a_cached_prefix_is_scored_again(model_dir, hf_logprobs):
     """The prefix cache holds the first prompt's blocks; the second request asks for prompt
     logprobs, so it computes every position instead of reusing them."""
-    llm = LLM(model_dir, block_size=16)
+    llm = LLM(model_dir, block_size=16, dtype="float32")
     prompt = prompts()[3]
     llm.generate([prompt], SamplingParams(max_tokens=1))
     (out,) = llm.generate([prompt], SamplingParams(max_tokens=1, prompt_logprobs=0))
@@ -72,7 +72,7 @@ def test_a_cached_prefix_is_scored_again(model_dir, hf_logprobs):
 
 
 def test_max_tokens_zero_scores_the_prompt_and_generates_nothing(model_dir):
-    llm = LLM(model_dir, block_size=16)
+    llm = LLM(model_dir, block_size=16, dtype="float32")
     (out,) = llm.generate([prompts()[2]], SamplingParams(max_tokens=0, prompt_logprobs=1))
     assert out.token_ids == [] and out.finish_reason == "length"
     assert len(out.prompt_logprobs) == len(prompts()[2])
@@ -93,7 +93,13 @@ def test_a_prompt_preempted_mid_prefill_keeps_its_logprobs_whole(model_dir: str)
     ]
 
     def run(num_blocks: int | None) -> RequestOutput:
-        llm = LLM(model_dir, block_size=4, num_blocks=num_blocks, max_num_batched_tokens=16)
+        llm = LLM(
+            model_dir,
+            block_size=4,
+            num_blocks=num_blocks,
+            max_num_batched_tokens=16,
+            dtype="float32",
+        )
         return llm.generate([short, long], params)[1]
 
     want, got = run(None), run(17)  # 17 blocks of 4: the long prompt alone just fits

@@ -49,7 +49,7 @@ MODES = {
 
 @pytest.fixture(scope="module")
 def llm(tiny_model_dir) -> LLM:
-    return LLM(str(tiny_model_dir("llama")), block_size=16)
+    return LLM(str(tiny_model_dir("llama")), block_size=16, dtype="float32")
 
 
 def valid(kind: str, text: str) -> bool:

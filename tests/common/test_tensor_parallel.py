@@ -18,7 +18,7 @@ from pdserve.tiny_model import make_tiny_model
 from tests.common.test_llm_equivalence import GREEDY, PROMPTS, VOCAB, hf_greedy
 
 # Each rank on one thread: two cores hold two ranks; four ranks share them.
-TP = {"skip_tokenizer_init": True, "threads_per_rank": 1}
+TP = {"skip_tokenizer_init": True, "threads_per_rank": 1, "dtype": "float32"}
 
 
 @pytest.fixture(scope="module")
@@ -48,7 +48,7 @@ def test_greedy_equals_hf_and_sampling_equals_tp1(model_dirs, arch: str, size: i
     seeded = SamplingParams(max_tokens=8, temperature=0.9, top_k=20, seed=7, logprobs=2)
     scored = SamplingParams(max_tokens=2, temperature=0.0, prompt_logprobs=3)
     short = PROMPTS[:4]
-    one = LLM(model_dir, skip_tokenizer_init=True)
+    one = LLM(model_dir, skip_tokenizer_init=True, dtype="float32")
     with LLM(model_dir, tensor_parallel_size=size, **TP) as llm:
         workers = [p.pid for p in llm.engine.runner.driver.procs]
         for pid in (os.getpid(), *workers):  # the rendezvous and gloo's pairs: loopback only
@@ -185,7 +185,10 @@ def test_rank0_calls_every_ranks_agent(model_dirs, monkeypatch) -> None:
         rank_agent_options={"tag": "t"},
     )
     engine = LLMEngine(
-        ModelConfig(model_dirs["llama"]), CacheConfig(num_blocks=16), SchedulerConfig(), parallel
+        ModelConfig(model_dirs["llama"], dtype="float32"),
+        CacheConfig(num_blocks=16),
+        SchedulerConfig(),
+        parallel,
     )
     try:
         driver = engine.runner.driver

@@ -48,7 +48,7 @@ def _ready(http: httpx.Client, proc: subprocess.Popen, timeout: float) -> None:
 
 def test_launch_local_serves_and_stops(tiny_model_dir, tmp_path) -> None:
     model = str(tiny_model_dir("llama"))
-    llm = LLM(model)
+    llm = LLM(model, dtype="float32")
     ids = llm.tokenizer.encode(PROMPT)
     params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
     (offline,) = llm.generate([ids], params)
@@ -56,6 +56,7 @@ def test_launch_local_serves_and_stops(tiny_model_dir, tmp_path) -> None:
     port, control = free_port(), free_port()
     flags = ["--model", model, "--num-prefill", "1", "--num-decode", "1", "--port", str(port)]
     flags += ["--kv-connector", "shm", "--control-port", str(control), "--num-blocks", "128"]
+    flags += ["--dtype", "float32"]
     env = dict(os.environ, PDSERVE_VENV=sys.prefix)
     with (tmp_path / "out.log").open("wb") as log:
         proc = subprocess.Popen(

@@ -21,7 +21,7 @@ from tests.e2e.test_disaggregated import assert_clean, complete
 BLOCK = 16
 ANSWER = 24  # tokens per answer
 TURNS = 4
-ENGINE = ["--block-size", str(BLOCK), "--max-num-batched-tokens", "96"]
+ENGINE = ["--block-size", str(BLOCK), "--max-num-batched-tokens", "96", "--dtype", "float32"]
 
 
 def first_turns(n: int = 3, seed: int = 1) -> list[list[int]]:
@@ -42,7 +42,7 @@ def model_dir(tmp_path_factory) -> str:
 @pytest.fixture(scope="module")
 def conversations(model_dir) -> list[list[tuple[list[int], list[int]]]]:
     """Each conversation's (prompt, answer) per turn, by the colocated engine."""
-    llm = LLM(model_dir, block_size=BLOCK)
+    llm = LLM(model_dir, block_size=BLOCK, dtype="float32")
     params = SamplingParams(max_tokens=ANSWER, temperature=0.0, ignore_eos=True)
     out = []
     for c, prompt in enumerate(first_turns()):

@@ -18,6 +18,7 @@ from pdserve.tiny_model import make_tiny_model
 TOL = 1e-4
 CHUNK = 32  # --max-num-batched-tokens: the prompts below cross several chunk boundaries
 ENGINE = ["--block-size", "16", "--max-num-batched-tokens", str(CHUNK), "--max-model-len", "512"]
+ENGINE += ["--dtype", "float32"]  # as the HF reference
 SHAPES = {"colocated": (0, 0, 1), "1P1D": (1, 1, 0)}
 
 

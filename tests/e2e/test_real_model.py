@@ -78,7 +78,7 @@ def chat_prompts(llm: LLM) -> list[list[int]]:
 @pytest.fixture(scope="module")
 def engine_answers(smollm2_gguf: Path) -> tuple[list[list[int]], list]:
     """The chat prompts and the engine's greedy answers at TP 1 (one load for the module)."""
-    llm = LLM(str(smollm2_gguf))
+    llm = LLM(str(smollm2_gguf), dtype="float32")  # HF float32 is the reference
     prompts = chat_prompts(llm)
     greedy = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0)
     with one_compute_thread():
@@ -91,7 +91,7 @@ def test_llm_greedy_equals_hf_generate_on_chat_prompts(smollm2_gguf: Path, engin
 
     prompts, outs = engine_answers
     greedy = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0)
-    with LLM(str(smollm2_gguf), tensor_parallel_size=3, threads_per_rank=1) as tp3:
+    with LLM(str(smollm2_gguf), tensor_parallel_size=3, threads_per_rank=1, dtype="float32") as tp3:
         assert [o.token_ids for o in tp3.generate(prompts, greedy)] == [o.token_ids for o in outs]
     hf = AutoModelForCausalLM.from_pretrained(
         smollm2_gguf.parent, gguf_file=smollm2_gguf.name, dtype=torch.float32
@@ -167,7 +167,8 @@ def test_smollm2_through_one_prefill_one_decode_with_the_openai_client(
 
     expected = [out.text for out in engine_answers[1]]
     tp = ["--tensor-parallel-size", "3", "--threads-per-rank", "1"]
-    with LocalCluster(str(smollm2_gguf), prefill_args=tp) as cluster:
+    float32 = ["--dtype", "float32"]
+    with LocalCluster(str(smollm2_gguf), engine_args=float32, prefill_args=tp) as cluster:
         client = OpenAI(base_url=cluster.url + "/v1", api_key="x", timeout=300, max_retries=0)
         model = client.models.list().data[0].id
         assert model == str(smollm2_gguf)  # MODEL as given is the served name

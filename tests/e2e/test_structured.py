@@ -18,6 +18,7 @@ from pdserve.local_cluster import LocalCluster
 from pdserve.tiny_model import make_tiny_model
 
 ENGINE = ["--block-size", "16", "--max-num-batched-tokens", "64", "--max-model-len", "1024"]
+ENGINE += ["--dtype", "float32"]  # as the offline reference
 PROMPT = "Describe a person as JSON:"
 SCHEMA = {
     "type": "object",
@@ -71,7 +72,7 @@ def model_dir(tmp_path_factory) -> str:
 @pytest.fixture(scope="module")
 def reference(model_dir) -> dict[str, tuple[list[int], str, str]]:
     """Greedy token ids, text and finish reason of each case from the in-process engine."""
-    llm = LLM(model_dir, block_size=16)
+    llm = LLM(model_dir, block_size=16, dtype="float32")
     out = {}
     for name, (_, so) in CASES.items():
         params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, structured_outputs=so)

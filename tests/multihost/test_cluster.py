@@ -31,6 +31,7 @@ pytestmark = pytest.mark.skipif(skip_reason() is not None, reason=f"no hosts: {s
 VOCAB = 512
 MAX_TOKENS = 16
 ENGINE = ["--block-size", "16", "--max-num-batched-tokens", "96", "--max-model-len", "1100"]
+ENGINE += ["--dtype", "float32"]  # the reference is the float32 offline engine
 # Fast failure detection, so cut links and killed routers show within seconds.
 NODE_FLAGS = ("--heartbeat-interval", "0.25", "--lease-timeout", "3")
 ROUTER_FLAGS = ("--heartbeat-timeout", "2", "--lease-interval", "0.5")
@@ -55,7 +56,7 @@ def model_dir(tmp_path_factory) -> str:
 
 @pytest.fixture(scope="module")
 def reference(model_dir) -> list[list[int]]:
-    llm = LLM(model_dir, block_size=16)
+    llm = LLM(model_dir, block_size=16, dtype="float32")
     params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
     return [o.token_ids for o in llm.generate(PROMPTS, params)]
 

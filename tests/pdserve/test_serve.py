@@ -55,6 +55,8 @@ class Deployment:
             "m",
             "--num-blocks",  # an engine flag every node gets (and less memory than the default)
             "256",
+            "--dtype",  # the offline reference runs float32
+            "float32",
             "--policy",
             "round_robin",
             "--prefill-tp",  # each node: rank 0 and one worker process
@@ -157,7 +159,7 @@ def model_dir(tiny_model_dir) -> Path:
 @pytest.fixture(scope="module")
 def expected(model_dir: Path) -> dict[str, list[int]]:
     """Prompt text -> (prompt token ids, the offline engine's greedy output)."""
-    llm = LLM(str(model_dir))
+    llm = LLM(str(model_dir), dtype="float32")
     prompts = [llm.tokenizer.encode(p) for p in PROMPTS + LATER]
     params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
     outs = llm.generate(prompts, params)

@@ -67,7 +67,7 @@ class FakeRouter:
 
 @pytest.fixture()
 def nodes(tiny_model_dir) -> Iterator[tuple[FakeRouter, PrefillNode, DecodeNode]]:
-    model = ModelConfig(str(tiny_model_dir("llama")))
+    model = ModelConfig(str(tiny_model_dir("llama")), dtype="float32")
     cache = CacheConfig(block_size=BLOCK, num_blocks=64)
     sched = SchedulerConfig(max_num_batched_tokens=40, max_num_seqs=8)
     router = FakeRouter()
@@ -166,7 +166,9 @@ def test_pages_of_a_layer_leave_before_the_next_layer_computes(nodes, tiny_model
 
     # The decode node admits it and finishes it with the colocated engine's tokens.
     got = finish_on_decode(router, decode_, "r1")
-    want = LLM(str(tiny_model_dir("llama")), block_size=BLOCK).generate([prompt], SAMPLING)
+    want = LLM(str(tiny_model_dir("llama")), block_size=BLOCK, dtype="float32").generate(
+        [prompt], SAMPLING
+    )
     assert got == want[0].token_ids
     prefill.engine.check_integrity()
     decode_.engine.check_integrity()
@@ -247,7 +249,7 @@ def test_a_second_turn_ships_only_the_blocks_the_decode_node_lacks(nodes, tiny_m
     """The decode node holds turn 1's prompt and answer: turn 2's reservation shares them and
     the prefill node sends pages of the later blocks only; the answer is the engine's."""
     router, prefill, decode_ = nodes
-    llm = LLM(str(tiny_model_dir("llama")), block_size=BLOCK)
+    llm = LLM(str(tiny_model_dir("llama")), block_size=BLOCK, dtype="float32")
     turn1 = list(range(3, 60))
     first = start(router, prefill, decode_, "t1", turn1)
     assert first.cached_tokens == 0
@@ -289,7 +291,7 @@ def test_the_decode_node_keeps_a_handed_off_requests_grammar(nodes, tiny_model_d
     constraint, follows = HANDED_OFF[kind]
     params = SamplingParams(max_tokens=32, temperature=0.0, structured_outputs=constraint)
     prompt = list(range(3, 40))
-    llm = LLM(str(tiny_model_dir("llama")), block_size=BLOCK)
+    llm = LLM(str(tiny_model_dir("llama")), block_size=BLOCK, dtype="float32")
     (want,) = llm.generate([prompt], params)
     assert want.finish_reason == "stop" and follows(want.text), want.text
     assert len(want.token_ids) > 3  # the decode node writes most of it

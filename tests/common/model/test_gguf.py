@@ -200,7 +200,7 @@ def test_a_tiny_llama_as_gguf_generates_as_its_original(tiny_model_dir, tmp_path
     assert got == dataclasses.replace(want_arch, **same)
     params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
     prompts = ["The quick brown fox", "Once upon a time"]
-    reference, llm = LLM(str(model_dir)), LLM(str(path))
+    reference, llm = LLM(str(model_dir), dtype="float32"), LLM(str(path), dtype="float32")
     encode = lambda m: [m.tokenizer.encode(p) for p in prompts]  # noqa: E731
     assert encode(llm) == encode(reference)  # the tokenizer came through the metadata
     want = [o.token_ids for o in reference.generate(prompts, params)]

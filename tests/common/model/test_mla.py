@@ -246,7 +246,7 @@ def test_multi_token_prediction_layers_are_left_out():
 def test_the_cache_holds_one_latent_per_token(model_dir):
     from pdserve.common.engine.llm import LLM
 
-    llm = LLM(model_dir, block_size=16, num_blocks=8, enforce_eager=False)
+    llm = LLM(model_dir, block_size=16, num_blocks=8, enforce_eager=False, dtype="float32")
     runner = llm.engine.runner
     assert runner.compiled is None  # asked to compile, MLA decodes eager (host-planned)
     assert [tuple(c.shape) for c in runner.kv_caches] == [(1, 8, 16, 1, LATENT)] * 3

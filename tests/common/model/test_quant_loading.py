@@ -130,9 +130,9 @@ def test_a_quantized_gguf_generates_as_the_file_dequantized(
     )
     params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
     prompts = ["The quick brown fox", "Once upon a time", "the cat sat on"]
-    dense = LLM(str(path), quantization="none")
+    dense = LLM(str(path), quantization="none", dtype="float32")
     want = [o.token_ids for o in dense.generate(prompts, params)]
-    quantized = LLM(str(path))  # auto
+    quantized = LLM(str(path), dtype="float32")  # quantization auto
     kinds = _kinds(quantized.engine.runner.model)
     assert kinds.pop("lm_head", nn.Linear) is nn.Linear  # stays as stored
     assert set(kinds.values()) == {QuantizedLinear}
@@ -250,7 +250,7 @@ def test_smollm2_q4_1_kept_int4_answers_paris(smollm2_gguf: Path) -> None:
     """Q4_1 held as int4 exactly (quantization auto). In float32: the first answer token is
     a near-tie ("The" 0.08 nats over "L"), which bf16 rounding, with or without int4, may
     flip to a French answer that never names Paris (docs/quantization.md)."""
-    llm = LLM(str(smollm2_gguf))
+    llm = LLM(str(smollm2_gguf), dtype="float32")
     layer = llm.engine.runner.model.model.layers[0]
     assert isinstance(layer.mlp.up_proj, QuantizedLinear) and layer.mlp.up_proj.bits == 4
     chat = [{"role": "user", "content": "What is the capital of France?"}]

@@ -46,11 +46,13 @@ def models(tmp_path_factory) -> dict[int | str, str]:
 @functools.cache
 def answers(model: str) -> list[list[int]]:
     """The engine's greedy tokens at TP 1 for PROMPTS (once per model)."""
-    outs = LLM(model, block_size=BLOCK, skip_tokenizer_init=True).generate(PROMPTS, GREEDY)
+    outs = LLM(model, block_size=BLOCK, skip_tokenizer_init=True, dtype="float32").generate(
+        PROMPTS, GREEDY
+    )
     return [o.token_ids for o in outs]
 
 
-def build(model: str, p: int, d: int, connector: str):
+def build(model: str, p: int, d: int, connector: str, dtype: str = "float32"):
     router = FakeRouter()
     cache = CacheConfig(block_size=BLOCK, num_blocks=48)
     sched = SchedulerConfig(max_num_batched_tokens=40, max_num_seqs=8)
@@ -60,17 +62,19 @@ def build(model: str, p: int, d: int, connector: str):
             (router.addr,), kv_connector=connector, tensor_parallel_size=tp, threads_per_rank=1
         )
 
-    prefill = PrefillNode(ModelConfig(model), cache, sched, node(p))
+    prefill = PrefillNode(ModelConfig(model, dtype=dtype), cache, sched, node(p))
     try:
-        decode_ = DecodeNode(ModelConfig(model), cache, sched, node(d))
+        decode_ = DecodeNode(ModelConfig(model, dtype=dtype), cache, sched, node(d))
     except BaseException:
         prefill.close()
         raise
     return router, prefill, decode_
 
 
-def serve(router, prefill, decode_, rid: str, prompt: list[int], p: int) -> list[int]:
-    start(router, prefill, decode_, rid, prompt, GREEDY, p)
+def serve(
+    router, prefill, decode_, rid: str, prompt: list[int], p: int, params=GREEDY
+) -> list[int]:
+    start(router, prefill, decode_, rid, prompt, params, p)
     while rid in prefill.dests:
         prefill.step()
     return finish_on_decode(router, decode_, rid)
@@ -225,10 +229,12 @@ def test_a_worker_started_apart_joins_its_rank_0(models) -> None:
                         tp_workers="external", tp_port=port)  # fmt: skip
     prefill = decode_ = None
     try:
-        decode_ = DecodeNode(ModelConfig(model), cache, sched, config)
+        decode_ = DecodeNode(ModelConfig(model, dtype="float32"), cache, sched, config)
         assert decode_.engine.runner.driver.procs == []  # none of its own
         assert len(set(decode_.kv.endpoints)) == 2
-        prefill = PrefillNode(ModelConfig(model), cache, sched, NodeConfig((router.addr,)))
+        prefill = PrefillNode(
+            ModelConfig(model, dtype="float32"), cache, sched, NodeConfig((router.addr,))
+        )
         assert serve(router, prefill, decode_, "r", PROMPTS[0], 1) == expected[0]
     finally:
         for node in (prefill, decode_):
