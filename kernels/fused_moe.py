@@ -68,18 +68,21 @@ def _padded_order(
 
 def align_pairs(ids: torch.Tensor, num_experts: int, block_m: int) -> MoeAlignment:
     """Sort the pairs of `ids` [T, k] by expert (stable: pairs of one expert keep token order,
-    so the result is deterministic) and pad each expert's run to a multiple of `block_m`."""
+    so the result is deterministic) and pad each expert's run to a multiple of `block_m`.
+
+    An id equal to `num_experts` names an expert another rank holds (expert parallelism):
+    those pairs sort last, past `num_padded`, so no block computes them."""
     flat = ids.flatten().long()
     num_pairs = flat.numel()
-    busy = min(num_experts, num_pairs)  # only experts with a pair add padding
+    busy = min(num_experts + 1, num_pairs)  # only experts with a pair add padding
     capacity = -(-(num_pairs + busy * (block_m - 1)) // block_m) * block_m
-    order, dest, padded_ends = _padded_order(flat, num_experts, block_m)
+    order, dest, padded_ends = _padded_order(flat, num_experts + 1, block_m)
     sorted_ids = torch.full((capacity,), num_pairs, dtype=torch.int32, device=ids.device)
     sorted_ids.scatter_(0, dest, order.to(torch.int32))
     starts = torch.arange(0, capacity, block_m, device=ids.device)
     block_expert = torch.searchsorted(padded_ends, starts, right=True)
     expert_ids = torch.where(block_expert < num_experts, block_expert, -1).to(torch.int32)
-    num_padded = padded_ends[-1:].to(torch.int32)
+    num_padded = padded_ends[num_experts - 1 : num_experts].to(torch.int32)
     return MoeAlignment(sorted_ids, expert_ids, num_padded, num_pairs, block_m)
 
 
@@ -154,7 +157,10 @@ def expert_matmul(
         raise ValueError(
             f"tl.dot needs blocks of 16 or more; got {align.block_m}, {block_n}, {block_k}"
         )
-    out = torch.empty((align.num_pairs, w.shape[1]), dtype=out_dtype or a.dtype, device=a.device)
+    # Weighted rows are summed over a token's slots: another rank's pairs, never computed,
+    # must add zeros there.
+    new = torch.empty if scale is None else torch.zeros
+    out = new((align.num_pairs, w.shape[1]), dtype=out_dtype or a.dtype, device=a.device)
     if align.num_pairs == 0:
         return out
     grid = (align.expert_ids.shape[0], triton.cdiv(w.shape[1], block_n))
@@ -190,7 +196,8 @@ def check_moe_inputs(
     ids: torch.Tensor,
 ) -> None:
     """ValueError naming what is wrong with a fused-MoE call's arguments (ids must also lie in
-    [0, E): that is the router's contract, not checked here since it would sync the host)."""
+    [0, E], E meaning another rank's expert: the router's contract, not checked here since it
+    would sync the host)."""
     if x.dim() != 2 or gate_up.dim() != 3 or down.dim() != 3:
         raise ValueError("x must be [T, H], gate_up [E, 2I, H] and down [E, H, I]")
     num_experts, hidden, inter = down.shape

@@ -89,7 +89,8 @@ def scatter_pages(layer_cache: torch.Tensor, block_ids: torch.Tensor, pages: tor
 
 def fused_moe(x, gate_up, down, weights, ids) -> torch.Tensor:
     """Mixture-of-experts SwiGLU: x [T, H], gate_up [E, 2I, H], down [E, H, I], routing weights
-    and expert ids [T, k] -> each token's chosen experts' outputs summed by weight, [T, H]."""
+    and expert ids [T, k] -> each token's chosen experts' outputs summed by weight, [T, H].
+    An id equal to E is an expert another rank holds (expert parallelism): it adds nothing."""
     if _use_triton(x):
         from pdserve.kernels.fused_moe import fused_moe_triton
 

@@ -20,6 +20,7 @@ from torch import nn
 from pdserve.common.model.config import ModelArchConfig
 from pdserve.common.model.llama import MLP, DecoderLayer, LlamaFamilyForCausalLM, _reduced
 from pdserve.common.model.parallel import TPGroup, TPShard
+from pdserve.kernels import ops
 
 
 def route(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -137,7 +138,12 @@ class Experts(nn.Module):
         self.down_proj = nn.Parameter(torch.empty(len(held), h, i))
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        run = experts_gathered if torch.compiler.is_compiling() else experts_grouped
+        if torch.compiler.is_compiling():
+            run = experts_gathered
+        elif x.is_cuda:
+            run = ops.fused_moe  # the grouped GEMM kernel (kernels/fused_moe.py)
+        else:
+            run = experts_grouped
         return run(x, self.gate_up_proj, self.down_proj, weights, self.local_ids(ids))
 
     def local_ids(self, ids: torch.Tensor) -> torch.Tensor:

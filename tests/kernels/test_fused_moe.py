@@ -99,6 +99,20 @@ def test_fused_moe_skewed_routing(tokens, top_k, choices):
     assert_matches(*run_both(x, gate_up, down, weights, ids))
 
 
+def test_another_ranks_experts_add_nothing():
+    """Expert parallelism: a rank holds 4 of 8 experts; pairs routed to the others come as id
+    4 (the stack's length) and contribute zero, in the kernel, the reference and moe.py."""
+    gate_up, down = make_layer(4, seed=13)
+    x, weights, ids = make_routing(11, 2, list(range(8)), seed=14)
+    local = ids.masked_fill(ids >= 4, 4)
+    out, expected = run_both(x, gate_up, down, weights, local)
+    assert_matches(out, expected)
+    mine = weights.masked_fill(ids >= 4, 0.0)  # the same sum: the others weighted zero
+    torch.testing.assert_close(expected, fused_moe_ref(x, gate_up, down, mine, ids.clamp(max=3)))
+    torch.testing.assert_close(experts_grouped(x, gate_up, down, weights, local), expected)
+    assert (local == 4).any() and (local < 4).any()
+
+
 def test_fused_moe_strided_inputs():
     # x a column slice of a wider activation; gate_up stored [E, H, 2I] and seen transposed,
     # so the kernel must follow the weights' strides rather than assume contiguous rows.
