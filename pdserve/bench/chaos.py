@@ -110,9 +110,8 @@ def server_env(args: argparse.Namespace, log_dir: Path) -> tuple[dict[str, str],
         env["PYTHONSAFEPATH"] = "1"  # the working directory first would win (a checkout's)
     code = "import os, pdserve.router as r; print(os.path.realpath(r.__file__))"
     run = dict(capture_output=True, text=True, timeout=120)
-    imports = subprocess.run(
-        [sys.executable, "-c", code], env=env, check=True, **run
-    ).stdout.strip()
+    done = subprocess.run([sys.executable, "-c", code], env=env, check=True, **run)
+    imports = done.stdout.strip()
     if args.server_src is not None and not imports.startswith(f"{src}{os.sep}"):
         raise RuntimeError(f"the children would import pdserve.router from {imports}, not {src}")
     git = ["git", "-C", str(src), "describe", "--always", "--dirty"]
@@ -177,9 +176,8 @@ def expected_texts(model: str, requests: list[load.BenchRequest]) -> list[str]:
     """The colocated engine's greedy answers (float32, in process)."""
     from pdserve import LLM, SamplingParams
 
-    params = [
-        SamplingParams(max_tokens=r.output_len, temperature=0.0, ignore_eos=True) for r in requests
-    ]
+    params = [SamplingParams(max_tokens=r.output_len, temperature=0.0, ignore_eos=True)
+              for r in requests]  # fmt: skip
     return [o.text or "" for o in LLM(model).generate([r.prompt for r in requests], params)]
 
 
@@ -217,9 +215,8 @@ async def inject(serve_pid: int, port: int, args: argparse.Namespace, faults: li
                     os.kill(pid, signal.SIGCONT)
 
 
-async def run_load(
-    serve_pid: int, port: int, args: argparse.Namespace, requests: list, wants: list[str]
-) -> tuple[list[Answer], list[Fault], float]:
+async def run_load(serve_pid: int, port: int, args: argparse.Namespace, requests: list,
+                   wants: list[str]) -> tuple[list[Answer], list[Fault], float]:  # fmt: skip
     """The closed loop over both routers in turn, with the fault schedule beside it."""
     urls = [r.url for r in routers(serve_pid, port)]
     caps = load.ServerCaps(True, "ignore_eos", None)
@@ -228,9 +225,8 @@ async def run_load(
 
     async def send(_worker: int, i: int) -> load.RequestResult:
         body = load.request_body(requests[i % len(requests)], caps, 0.0)
-        res = await load.stream_one(
-            client, urls[i % 2], body, keep_text=True, timeout_s=args.request_timeout
-        )
+        timeout = args.request_timeout
+        res = await load.stream_one(client, urls[i % 2], body, keep_text=True, timeout_s=timeout)
         answers.append(answer(f"router{i % 2}", res, wants[i % len(wants)]))
         if answers[-1].outcome != "correct":
             await asyncio.sleep(PAUSE_AFTER_FAILURE_S)
@@ -240,12 +236,7 @@ async def run_load(
     async with load.make_client() as client:
         schedule = asyncio.create_task(inject(serve_pid, port, args, faults))
         try:
-            await load.closed_loop(
-                send,
-                concurrency=args.concurrency,
-                duration_s=args.duration,
-                on_result=lambda i, res: None,
-            )
+            await load.closed_loop(send, concurrency=args.concurrency, duration_s=args.duration)
         finally:
             schedule.cancel()
             await asyncio.gather(schedule, return_exceptions=True)
@@ -280,33 +271,22 @@ def summarize(answers: list[Answer], faults: list[Fault], start: float, reports:
     hit = [f for f in faults if f.pid is not None]
     last = max((f.at for f in hit), default=start)
     nodes = [r["report"] for n, r in reports.items() if n in NODES and r["report"] is not None]
-    leaked = {
-        "leaked_blocks": leaked_blocks(nodes),
-        "leaked_requests": sum(len(r["live_requests"]) for r in nodes),
-        "nodes_unchecked": len(NODES) - sum(r["ok"] for r in nodes),
-    }
+    leaked = {"leaked_blocks": leaked_blocks(nodes),
+              "leaked_requests": sum(len(r["live_requests"]) for r in nodes),
+              "nodes_unchecked": len(NODES) - sum(r["ok"] for r in nodes)}  # fmt: skip
+    # not_correct: start and end s into the load, router, outcome, error
+    not_correct = [[round(a.start - start, 2), round(a.end - start, 2), a.router, a.outcome,
+                    a.error] for a in answers if a.outcome != "correct"]  # fmt: skip
+    goals = [zero("wrong", counts["wrong"]), zero("hung", counts["hung"]),
+             zero("leaked", sum(leaked.values()))]  # fmt: skip
     return {
-        "sent": len(answers),
-        **counts,
-        **leaked,
+        "sent": len(answers), **counts, **leaked, "faults": rows, "faults_injected": len(hit),
         "availability": counts["correct"] / max(1, len(answers)),
-        "faults_injected": len(hit),
         "roles_hit": sorted({f.target.rstrip("01") for f in hit}),
         "correct_after_last_fault": sum(a.outcome == "correct" and a.start > last for a in answers),
-        "faults": rows,
         "errors": sorted({a.error for a in answers if a.error})[:20],
-        "not_correct": [  # start and end s into the load, router, outcome, error
-            [round(a.start - start, 2), round(a.end - start, 2), a.router, a.outcome, a.error]
-            for a in answers
-            if a.outcome != "correct"
-        ],
-        "integrity": reports,
-        "goals": [
-            zero("wrong", counts["wrong"]),
-            zero("hung", counts["hung"]),
-            zero("leaked", sum(leaked.values())),
-        ],
-    }
+        "not_correct": not_correct, "integrity": reports, "goals": goals,
+    }  # fmt: skip
 
 
 def leaked_blocks(node_reports: list[dict]) -> int:
@@ -318,9 +298,8 @@ def recovery_rows(faults: list[dict]) -> list[list[Any]]:
     """One row per (role, action) hit: faults, recovered, min / median / max seconds."""
     rows = []
     for role, action in itertools.product(("prefill", "decode", "router"), SIGNALS):
-        hit = [
-            f for f in faults if f["pid"] and f["target"].startswith(role) and f["action"] == action
-        ]
+        hit = [f for f in faults if f["pid"] and f["target"].startswith(role)
+               and f["action"] == action]  # fmt: skip
         times = [f["recovery_s"] for f in hit if f["recovery_s"] is not None]
         stats = [load.percentile(times, q) for q in (0, 50, 100)] if times else ["—"] * 3
         rows += [[f"{action} {role}", len(hit), len(times), *stats]] if hit else []
@@ -369,9 +348,8 @@ def main(argv: list[str] | None = None) -> int:
     folder, page = args.out or docs / "bench", (args.out or docs) / "reliability.md"
     with tempfile.TemporaryDirectory() as tmp, sigterm_raises():
         log_dir = args.log_dir or Path(tmp)
-        run = report.measure_or_load(
-            args, "chaos", "bench_chaos.py", argv, lambda: measure(args, log_dir)
-        )
+        measured = lambda: measure(args, log_dir)  # noqa: E731
+        run = report.measure_or_load(args, "chaos", "bench_chaos.py", argv, measured)
     data = report.save_json(folder / f"{args.name}.json", run)
     print(f"wrote {data}, {report.write_section(args.name, section(run), page)}")
     print(section(run))
@@ -439,13 +417,8 @@ def reliability_main(argv: list[str] | None = None) -> None:
     p = parser("pdserve bench reliability", "The fault-injection scenarios of docs/reliability.md.")
     requests = ("--requests", int, fh.NUM_REQUESTS, "greedy requests per scenario")
     report.add_flags(p.add_argument_group("run"), [requests])
-    page = (
-        "--out",
-        Path,
-        None,
-        "the Markdown page (default: DOCS/reliability.md)",
-        {"metavar": "FILE"},
-    )
+    page = ("--out", Path, None, "the Markdown page (default: DOCS/reliability.md)",
+            {"metavar": "FILE"})  # fmt: skip
     docs_flag = report.docs_dir_flag("reliability.md and bench/reliability.json")
     report.add_flags(p.add_argument_group("output"), [page, docs_flag])
     args = p.parse_args(argv)

@@ -68,9 +68,8 @@ def scenario_parser(
     return p, rp.add_output_flags(p, files, f"{name} JSON")
 
 
-def parse_scenario(
-    p: argparse.ArgumentParser, argv: list[str], known: Sequence[str], quick: Sequence[str]
-) -> argparse.Namespace:
+def parse_scenario(p: argparse.ArgumentParser, argv: list[str], known: Sequence[str],
+                   quick: Sequence[str]) -> argparse.Namespace:  # fmt: skip
     """The flags, engine flags apart, and --systems checked and in the order of `known`."""
     args, args.engine_args = p.parse_known_args(argv)
     names = args.systems.split(",") if args.systems else list(quick if args.quick else known)
@@ -80,9 +79,8 @@ def parse_scenario(
     return args
 
 
-def scenario_fields(
-    args: argparse.Namespace, model: Path | str, desc: str, measured: tuple[dict, list], **more: Any
-) -> dict[str, Any]:
+def scenario_fields(args: argparse.Namespace, model: Path | str, desc: str,
+                    measured: tuple[dict, list], **more: Any) -> dict[str, Any]:  # fmt: skip
     """What every comparison records: its setup, `more`, the (results, notes) measured."""
     setup = {"date": time.strftime("%Y-%m-%d %H:%M"), "git": rp.git_state(), "model": str(model)}
     setup |= {"model_desc": desc, "engine_args": args.engine_args, "threads": args.threads}
@@ -165,12 +163,10 @@ def scenario_runs(pool: load.TokenPool, sizes: Sizes, seed: int) -> list[Run]:
         runs.append(Run("saturation", f"rate={rate:g}", reqs, request_rate=rate))
     serial = load.random_requests(pool, s.sat_n, s.sat_input, s.sat_output, 0.25, seed + 40)
     runs.append(Run("serial", "concurrency=1", serial, max_concurrency=1))
-    short = load.random_requests(
-        pool, s.mixed_short_n, s.mixed_short_input, s.mixed_short_output, 0, seed + 50, "short"
-    )
-    long = load.random_requests(
-        pool, len(s.mixed_long_at), s.mixed_long_input, s.mixed_long_output, 0, seed + 51, "long"
-    )
+    short = load.random_requests(pool, s.mixed_short_n, s.mixed_short_input,
+                                 s.mixed_short_output, 0, seed + 50, "short")  # fmt: skip
+    long = load.random_requests(pool, len(s.mixed_long_at), s.mixed_long_input,
+                                s.mixed_long_output, 0, seed + 51, "long")  # fmt: skip
     arrivals = [0.0] * len(short) + list(s.mixed_long_at)
     runs.append(Run("mixed", "short+long", short + long, arrivals=arrivals))
     return runs
@@ -184,9 +180,8 @@ def measure_run(
                               request_timeout=timeout, disable_tqdm=quiet)  # fmt: skip
     load_before = os.getloadavg()[0]
     result = load.run_benchmark(config, run.requests, pool, run.arrivals)
-    result.update(
-        scenario=run.scenario, label=run.label, load_avg_1m=[load_before, os.getloadavg()[0]]
-    )
+    loads = [load_before, os.getloadavg()[0]]
+    result.update(scenario=run.scenario, label=run.label, load_avg_1m=loads)
     print(
         f"   {run.scenario} {run.label}: {result['completed']} ok, {result['failed']} failed, "
         f"{result['output_throughput']:.1f} out tok/s, TTFT mean {result['mean_ttft_ms']:.0f} ms,"
@@ -260,34 +255,24 @@ def plot_throughput(results: dict[str, dict], sizes: Sizes, path: Path) -> Path:
 
 
 COLUMNS = [
-    ("system", "system"),
-    ("ok/sent", lambda m: f"{m['completed']}/{m['completed'] + m['failed']}"),
-    ("req/s", "request_throughput"),
-    ("out tok/s", "output_throughput"),
-    ("total tok/s", "total_token_throughput"),
-    ("TTFT mean ms", "mean_ttft_ms"),
-    ("TTFT med ms", "median_ttft_ms"),
-    ("TTFT p99 ms", "p99_ttft_ms"),
-    ("TPOT mean ms", "mean_tpot_ms"),
-    ("ITL med ms", "median_itl_ms"),
-    ("ITL p99 ms", "p99_itl_ms"),
-    ("E2E mean ms", "mean_e2el_ms"),
-    ("E2E p99 ms", "p99_e2el_ms"),
-]
+    ("system", "system"), ("ok/sent", lambda m: f"{m['completed']}/{m['completed'] + m['failed']}"),
+    ("req/s", "request_throughput"), ("out tok/s", "output_throughput"),
+    ("total tok/s", "total_token_throughput"), ("TTFT mean ms", "mean_ttft_ms"),
+    ("TTFT med ms", "median_ttft_ms"), ("TTFT p99 ms", "p99_ttft_ms"),
+    ("TPOT mean ms", "mean_tpot_ms"), ("ITL med ms", "median_itl_ms"),
+    ("ITL p99 ms", "p99_itl_ms"), ("E2E mean ms", "mean_e2el_ms"), ("E2E p99 ms", "p99_e2el_ms"),
+]  # fmt: skip
 
 
 def scenario_tables(results: dict[str, dict], keys: list[str]) -> str:
-    """One table per run; the mixed run's short and long requests apart."""
+    """One table per run measured; the mixed run's short and long requests apart."""
     parts = []
     for key in keys:
         tags = ("short", "long") if key.startswith("mixed/") else (None,)
-        rows = [
-            {**(r[key]["by_tag"][tag] if tag else r[key]), "system": f"{s} ({tag})" if tag else s}
-            for s, r in results.items()
-            if key in r
-            for tag in tags
-        ]
-        parts.append(f"**{key}**\n\n{rp.records_table(COLUMNS, rows)}")
+        rows = [{**(r[key]["by_tag"][tag] if tag else r[key]),
+                 "system": f"{s} ({tag})" if tag else s}
+                for s, r in results.items() if key in r for tag in tags]  # fmt: skip
+        parts += [f"**{key}**\n\n{rp.records_table(COLUMNS, rows)}"] if rows else []
     return "\n\n".join(parts)
 
 
@@ -320,9 +305,8 @@ def sizes_table(s: Sizes) -> str:
         ["mixed: long", len(s.mixed_long_at), s.mixed_long_input, s.mixed_long_output,
          f"at {longs} s"],
     ]  # fmt: skip
-    return rp.markdown_table(
-        ["scenario", "requests", "prompt tokens", "output tokens", "sent"], rows
-    )
+    header = ["scenario", "requests", "prompt tokens", "output tokens", "sent"]
+    return rp.markdown_table(header, rows)
 
 
 def render_section(report: dict[str, Any], to: rp.Outputs, plots: list[Path]) -> str:
@@ -346,11 +330,9 @@ def publish(report: dict[str, Any], to: rp.Outputs) -> None:
     report = {"section": SECTION, **report, "results": results}  # older JSON: no section
     name = report["section"]
     to.folder.mkdir(parents=True, exist_ok=True)
-    plots = [
-        plot_distributions(results, sizes, "ttft", to.folder / f"{name}_ttft.png"),
-        plot_distributions(results, sizes, "itl", to.folder / f"{name}_itl.png"),
-        plot_throughput(results, sizes, to.folder / f"{name}_throughput.png"),
-    ]
+    paths = {m: to.folder / f"{name}_{m}.png" for m in ("ttft", "itl", "throughput")}
+    plots = [plot_distributions(results, sizes, m, paths[m]) for m in ("ttft", "itl")]
+    plots.append(plot_throughput(results, sizes, paths["throughput"]))
     write_report(report, to, name, render_section(report, to, plots))
 
 

@@ -69,16 +69,10 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     copy_bw = offline.copy_bandwidth(args.copy_mib << 20, offline.DTYPES[args.dtype], args.device)
     row = lambda b, runs: compile_row(b, runs, floor_s(eager, b, args, bandwidth))  # noqa: E731
     results = offline.sweep_batches(args, pds, eager.runner.arch.vocab_size, row, COLUMNS)
-    return {
-        **offline.sweep_fields(args, path, eager),
-        "buckets": list(compiled.buckets),
-        "compile_s": compiled.compile_seconds,
-        "graphs_compiled": compiled.num_compiles,
-        "inductor_cache": cache,
-        "read_bytes_per_s": bandwidth,
-        "copy_bytes_per_s": copy_bw,
-        "results": results,
-    }
+    return {**offline.sweep_fields(args, path, eager), "buckets": list(compiled.buckets),
+            "compile_s": compiled.compile_seconds, "graphs_compiled": compiled.num_compiles,
+            "inductor_cache": cache, "read_bytes_per_s": bandwidth, "copy_bytes_per_s": copy_bw,
+            "results": results}  # fmt: skip
 
 
 def goals(report: dict[str, Any]) -> list[dict[str, Any]]:
@@ -92,11 +86,10 @@ def goals(report: dict[str, Any]) -> list[dict[str, Any]]:
     same, every = sum(r["matching_sequences"] for r in rs), sum(r["batch"] for r in rs)
     return [
         rp.goal("compiled batch-1 decode >= 1.5x eager", compiled, eager, ">=", 1.5),
-        rp.goal(
-            "compiled batch-1 decode >= 60% of the bandwidth floor", compiled, floor, ">=", 0.6
-        ),
+        rp.goal("compiled batch-1 decode >= 60% of the bandwidth floor", compiled, floor, ">=",
+                0.6),
         rp.goal("every sequence's compiled tokens equal eager's", same, every, ">=", 1.0),
-    ]
+    ]  # fmt: skip
 
 
 def per_mode(header: str, value: Callable[[dict], Any]) -> offline.Columns:
@@ -114,14 +107,12 @@ COLUMNS: offline.Columns = [
     ("tokens equal", lambda r: f"{r['matching_sequences']}/{r['batch']}"),
 ]
 SETUP: offline.Columns = [
-    ("buckets", "buckets"),
-    ("compile s", "compile_s"),
-    ("graphs", "graphs_compiled"),
+    ("buckets", "buckets"), ("compile s", "compile_s"), ("graphs", "graphs_compiled"),
     ("inductor cache hits", lambda r: r["inductor_cache"]["hit"]),
     ("misses", lambda r: r["inductor_cache"]["miss"]),
     ("read GB/s (weights' `sum()`)", lambda r: r["read_bytes_per_s"] / 1e9),
     ("copy GB/s (read + write)", lambda r: r["copy_bytes_per_s"] / 1e9),
-]
+]  # fmt: skip
 
 
 def section(report: dict[str, Any], figure: str) -> str:
@@ -146,15 +137,12 @@ def plot(report: dict[str, Any], path: Path) -> Path:
 
 
 SWEEP = replace(
-    offline.SWEEP,
-    name="compile",
+    offline.SWEEP, name="compile",
     quick_help="tiny random model, batch 1 and 2, 8-token prompts, 4 new tokens, 1 run",
     model_help="checkpoint directory or GGUF (default: SmolLM2-135M-Instruct; quick: tiny)",
     defaults={"batch_sizes": ("1,8,32", "1,2"), "prompt_len": (64, 8), "max_tokens": (32, 4)},
-    min_tokens=3,
-    threads=0,
-    batch_means="sequences per decode step",
-)
+    min_tokens=3, threads=0, batch_means="sequences per decode step",
+)  # fmt: skip
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:

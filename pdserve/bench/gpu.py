@@ -61,16 +61,12 @@ def attention_case(batch: int, context: int, dtype=torch.bfloat16) -> dict[str, 
     k = torch.randn(blocks + 1, BLOCK_SIZE, hkv, d, dtype=dtype, device="cuda")
     v = torch.randn_like(k)
     perm = torch.randperm(blocks, device="cuda").to(torch.int32) + 1
-    return {
-        "query": torch.randn(batch, hq, d, dtype=dtype, device="cuda"),
-        "k_cache": k,
-        "v_cache": v,
-        "block_tables": perm.view(batch, context // BLOCK_SIZE),
-        "query_start_loc": torch.arange(batch + 1, dtype=torch.int32, device="cuda"),
-        "seq_lens": torch.full((batch,), context, dtype=torch.int32, device="cuda"),
-        "scale": d**-0.5,
-        "kv_bytes": 2 * batch * context * hkv * d * k.element_size(),
-    }
+    return {"query": torch.randn(batch, hq, d, dtype=dtype, device="cuda"), "k_cache": k,
+            "v_cache": v, "block_tables": perm.view(batch, context // BLOCK_SIZE),
+            "query_start_loc": torch.arange(batch + 1, dtype=torch.int32, device="cuda"),
+            "seq_lens": torch.full((batch,), context, dtype=torch.int32, device="cuda"),
+            "scale": d**-0.5,
+            "kv_bytes": 2 * batch * context * hkv * d * k.element_size()}  # fmt: skip
 
 
 def bench_attention(copy_gb_s: float) -> list[dict[str, Any]]:
@@ -130,20 +126,10 @@ def make_llm(model_dir: Path, max_num_seqs: int, **kwargs: Any):
     from pdserve.common.engine.compiled_decode import CompiledDecode
     from pdserve.common.engine.llm import LLM
 
-    llm = LLM(
-        str(model_dir),
-        device="cuda",
-        dtype="bfloat16",
-        load_format="dummy",
-        skip_tokenizer_init=True,
-        block_size=BLOCK_SIZE,
-        max_num_seqs=max_num_seqs,
-        max_model_len=16384,
-        max_num_batched_tokens=8192,
-        gpu_memory_utilization=0.6,
-        enforce_eager=True,
-        **kwargs,
-    )
+    llm = LLM(str(model_dir), device="cuda", dtype="bfloat16", load_format="dummy",
+              skip_tokenizer_init=True, block_size=BLOCK_SIZE, max_num_seqs=max_num_seqs,
+              max_model_len=16384, max_num_batched_tokens=8192, gpu_memory_utilization=0.6,
+              enforce_eager=True, **kwargs)  # fmt: skip
     runner = llm.engine.runner
     width = -(-llm.engine.max_model_len // BLOCK_SIZE)
     runner.compiled = CompiledDecode(runner.model, max_num_seqs, width, buckets=(1, 8, 32, 128))
@@ -153,11 +139,8 @@ def make_llm(model_dir: Path, max_num_seqs: int, **kwargs: Any):
 
 def weight_bytes(model: torch.nn.Module) -> int:
     """Bytes a decode step reads of the weights: all but the embedding table (a few rows)."""
-    return sum(
-        p.numel() * p.element_size()
-        for name, p in model.named_parameters()
-        if "embed_tokens" not in name
-    )
+    params = model.named_parameters()
+    return sum(p.numel() * p.element_size() for n, p in params if "embed_tokens" not in n)
 
 
 def decode_inputs(runner, batch: int, context: int):
@@ -233,19 +216,28 @@ def bench_prefill(llm, matmul_tflops: float) -> list[dict[str, Any]]:
     return rows
 
 
+def generate_rate(generate: Callable[[list[list[int]], int], None], batch: int, prompt: int,
+                  new: int) -> float:  # fmt: skip
+    """Output tokens per second of generate(prompts, new tokens) on `batch` prompts of `prompt`
+    tokens, prefill included, after a 4-token warm-up on two of them."""
+    prompts = [[(7 * b + 3 * i) % 1000 + 1 for i in range(prompt)] for b in range(batch)]
+    generate(prompts[:2], 4)
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    generate(prompts, new)
+    torch.cuda.synchronize()
+    return batch * new / (time.perf_counter() - start)
+
+
 def bench_engine(llm, batch: int, prompt: int, new: int) -> float:
     """The engine's generate: output tokens per second, prefill included."""
     from pdserve.common.wire.payloads import SamplingParams
 
-    prompts = [[(7 * b + 3 * i) % 1000 + 1 for i in range(prompt)] for b in range(batch)]
-    params = SamplingParams(max_tokens=new, temperature=0.0, ignore_eos=True)
-    llm.generate(prompts[:2], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    outs = llm.generate(prompts, params)
-    torch.cuda.synchronize()
-    assert all(len(o.token_ids) == new for o in outs)
-    return batch * new / (time.perf_counter() - start)
+    def generate(prompts: list[list[int]], n: int) -> None:
+        outs = llm.generate(prompts, SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True))
+        assert all(len(o.token_ids) == n for o in outs)
+
+    return generate_rate(generate, batch, prompt, new)
 
 
 def bench_hf(model_dir: Path, batch: int, prompt: int, new: int) -> float:
@@ -255,20 +247,16 @@ def bench_hf(model_dir: Path, batch: int, prompt: int, new: int) -> float:
     config = AutoConfig.from_pretrained(model_dir)
     with torch.device("cuda"):
         model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).eval()
-    ids = torch.tensor([[(7 * b + 3 * i) % 1000 + 1 for i in range(prompt)] for b in range(batch)],
-                       device="cuda")  # fmt: skip
-    kw = {"do_sample": False, "eos_token_id": None, "pad_token_id": 0}
-    with torch.inference_mode():
-        model.generate(ids[:2], max_new_tokens=4, min_new_tokens=4, **kw)
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new,
-                             min_new_tokens=new, **kw)  # fmt: skip
-        torch.cuda.synchronize()
-    seconds = time.perf_counter() - start
-    assert out.shape[1] == prompt + new
-    del model
-    return batch * new / seconds
+
+    def generate(prompts: list[list[int]], n: int) -> None:
+        ids = torch.tensor(prompts, device="cuda")
+        with torch.inference_mode():
+            out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n,
+                                 min_new_tokens=n, do_sample=False, eos_token_id=None,
+                                 pad_token_id=0)  # fmt: skip
+        assert out.shape[1] == ids.shape[1] + n
+
+    return generate_rate(generate, batch, prompt, new)  # the model goes with this frame
 
 
 def bench_hf_part(report: dict[str, Any], model_dir: Path, _context: int) -> None:
@@ -335,10 +323,8 @@ def main(argv: list[str] | None = None) -> int:
     save = lambda: (args.out / "gpu.json").write_text(json.dumps(report, indent=1))  # noqa: E731
     report["ceilings"] = ceil = ceilings()
     print(json.dumps(report), flush=True)
-    sections = [
-        ("attention", lambda: bench_attention(ceil["copy_gb_s"])),
-        ("prefill-attention", bench_prefill_attention),
-    ]
+    sections = [("attention", lambda: bench_attention(ceil["copy_gb_s"])),
+                ("prefill-attention", bench_prefill_attention)]  # fmt: skip
     for name, fn in sections:
         if name in parts:
             report[name] = fn()
@@ -410,9 +396,9 @@ def kernel_decode(batch: int, context: int) -> dict:
 def kernels_main(argv: list[str] | None = None) -> int:
     """`pdserve bench kernels --out FILE`; without CUDA, nothing to time: exit 0."""
     p = parser("pdserve bench kernels", "Each Triton kernel's GB/s on one CUDA device, as JSON.")
-    p.add_argument_group("output").add_argument(
-        "--out", required=True, metavar="FILE", help="the JSON: GB/s and ms per kernel and shape"
-    )
+    out = ("--out", str, None, "the JSON: GB/s and ms per kernel and shape",
+           {"required": True, "metavar": "FILE"})  # fmt: skip
+    rp.add_flags(p.add_argument_group("output"), [out])
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         print("bench_kernels needs a CUDA device to time kernels; nothing to do")

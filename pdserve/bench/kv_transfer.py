@@ -1,7 +1,5 @@
-"""KV transfer: each connector against its raw transport, sender and receiver in two processes.
-
-pdserve bench kv-transfer [--quick --out DIR]      # = python scripts/bench_kv_transfer.py
-"""
+"""KV transfer: each connector against its raw transport, sender and receiver in two processes
+(`pdserve bench kv-transfer`, `python scripts/bench_kv_transfer.py`)."""
 
 from __future__ import annotations
 
@@ -101,14 +99,13 @@ def views(bufs: list[torch.Tensor], frames: list[list[int]]) -> list[torch.Tenso
 
 class Raw:
     """A connector's baseline: the same frames over its bare transport, between this process
-    (`accept`; per run `expect`, `receive`) and the sender child (`connect`; per point
+    (`open` receiving; per run `expect`, `receive`) and the sender child (`open`; per point
     `prepare`; per run `send`). A `self_timed` baseline ends when the child's send returns."""
 
     self_timed = False
     sources: list[torch.Tensor]
 
-    def accept(self, device: str, port: int) -> None: ...
-    def connect(self, device: str, port: int) -> None: ...
+    def open(self, device: str, port: int, receiving: bool) -> None: ...
     def expect(self, landing: list[torch.Tensor]) -> None: ...
     def receive(self) -> None: ...
     def close(self) -> None: ...
@@ -129,16 +126,10 @@ class ZmqRaw(Raw):
 
     sock: zmq.Socket | None = None
 
-    def _open(self, kind: int) -> zmq.Socket:
-        self.sock = zmq.Context.instance().socket(kind)
+    def open(self, device: str, port: int, receiving: bool) -> None:
+        self.sock = zmq.Context.instance().socket(zmq.PULL if receiving else zmq.PUSH)
         self.sock.setsockopt(zmq.LINGER, 0)
-        return self.sock
-
-    def accept(self, device: str, port: int) -> None:
-        self._open(zmq.PULL).bind(f"tcp://127.0.0.1:{port}")
-
-    def connect(self, device: str, port: int) -> None:
-        self._open(zmq.PUSH).connect(f"tcp://127.0.0.1:{port}")
+        (self.sock.bind if receiving else self.sock.connect)(f"tcp://127.0.0.1:{port}")
 
     def receive(self) -> None:
         assert self.sock is not None
@@ -167,11 +158,8 @@ class NcclRaw(Raw):
 
     works: list[Any] = []
 
-    def accept(self, device: str, port: int) -> None:
-        init_raw_group(1, port, device)
-
-    def connect(self, device: str, port: int) -> None:
-        init_raw_group(0, port, device)
+    def open(self, device: str, port: int, receiving: bool) -> None:
+        init_raw_group(int(receiving), port, device)
 
     def expect(self, landing: list[torch.Tensor]) -> None:
         import torch.distributed as dist
@@ -270,7 +258,7 @@ class Sender:
         self.sender: Any = None
 
     def connect(self, port: int) -> None:
-        self.raw.connect(self.device, port)
+        self.raw.open(self.device, port, receiving=False)
 
     def point(self, layout: dict, src: list[int], dst: list[int], endpoint: str, target: dict):
         """A new point: its caches, a sender connected to the receiver at `endpoint`, and the
@@ -305,9 +293,8 @@ class Sender:
         self.raw.close()
 
 
-def send_request(
-    sender: Any, xfer: str, caches: list, src: list[int], dst: list[int], heads: Any = None
-) -> None:
+def send_request(sender: Any, xfer: str, caches: list, src: list[int], dst: list[int],
+                 heads: Any = None) -> None:  # fmt: skip
     """One request's pages of every layer (with `heads`: those KV heads only), its done message,
     flushed: what a prefill node's rank sends."""
     for layer, cache in enumerate(caches):
@@ -350,9 +337,8 @@ def group_transfer_s(layout: KVLayout, p: int, d: int, blocks: int) -> float:
     def ship(i: int) -> None:
         for s, x in zip(senders, plan):
             if x.src_rank == i:
-                send_request(
-                    s, f"x.{i}", src[i], ids, ids, range(x.src_offset, x.src_offset + x.count)
-                )
+                heads = range(x.src_offset, x.src_offset + x.count)
+                send_request(s, f"x.{i}", src[i], ids, ids, heads)
 
     start, done = time.perf_counter(), []
     shippers = [threading.Thread(target=ship, args=(i,)) for i in range(p)]
@@ -461,7 +447,7 @@ class Bench:
         try:
             port = free_port()
             self.child.start("connect", port=port)
-            self.raw.accept(device, port)
+            self.raw.open(device, port, receiving=True)
             self.child.wait()
         except BaseException:
             self.close()
@@ -696,14 +682,10 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         if mine := [p for p in points if p.connector == connector]:
             results += run_connector(connector, mine, args.repeats, args.device)
     return {
-        "device": args.device,
-        "repeats": args.repeats,
-        "max_bytes": args.max_bytes,
+        "device": args.device, "repeats": args.repeats, "max_bytes": args.max_bytes,
         "layouts": {n: {**lay.to_dict(), "bytes_per_token": lay.page_bytes * lay.num_layers
                         // lay.block_size} for n, lay in layouts.items()},
-        "results": results,
-        "skipped": skipped,
-        "summary": summarize(results),
+        "results": results, "skipped": skipped, "summary": summarize(results),
     }  # fmt: skip
 
 

@@ -28,16 +28,13 @@ PROBE_ATTEMPTS = 30  # 2 s apart: a loaded machine can take a minute to register
 # Structured-output kinds: the request fields each adds. The schema's strings and list are
 # bounded, so a conforming object ends well within 100 tokens of a small model's vocabulary.
 BENCH_SCHEMA: dict[str, Any] = {
-    "type": "object",
-    "properties": {
-        "name": {"type": "string", "maxLength": 24},
-        "age": {"type": "integer", "minimum": 0, "maximum": 120},
-        "role": {"enum": ["admin", "user", "guest"]},
-        "tags": {"type": "array", "items": {"type": "string", "maxLength": 12}, "maxItems": 3},
-    },
-    "required": ["name", "age", "role", "tags"],
-    "additionalProperties": False,
-}
+    "type": "object", "required": ["name", "age", "role", "tags"], "additionalProperties": False,
+    "properties": {"name": {"type": "string", "maxLength": 24},
+                   "age": {"type": "integer", "minimum": 0, "maximum": 120},
+                   "role": {"enum": ["admin", "user", "guest"]},
+                   "tags": {"type": "array", "items": {"type": "string", "maxLength": 12},
+                            "maxItems": 3}},
+}  # fmt: skip
 BENCH_REGEX = r"[A-Z][a-z]{2,8}-[0-9]{3}"
 BENCH_CHOICES = ("positive", "negative", "neutral")
 STRUCTURED_FIELDS: dict[str, dict[str, Any]] = {
@@ -150,9 +147,8 @@ def finish(res: RequestResult, now: float) -> RequestResult:
     return res
 
 
-async def stream_one(
-    client: httpx.AsyncClient, base_url: str, body: dict, *, keep_text: bool, timeout_s: float
-) -> RequestResult:
+async def stream_one(client: httpx.AsyncClient, base_url: str, body: dict, *, keep_text: bool,
+                     timeout_s: float) -> RequestResult:  # fmt: skip
     """POST one streaming request (chat when `body` has messages) and read it whole; errors,
     timeouts included, come back in the result."""
     res = RequestResult(start=time.perf_counter())
@@ -241,14 +237,9 @@ def sample_len(rng: random.Random, mean: int, range_ratio: float) -> int:
 
 
 def random_requests(
-    pool: TokenPool,
-    num: int,
-    input_len: int,
-    output_len: int,
-    range_ratio: float = 0.0,
-    seed: int = 0,
-    tag: str = "",
-) -> list[BenchRequest]:
+    pool: TokenPool, num: int, input_len: int, output_len: int, range_ratio: float = 0.0,
+    seed: int = 0, tag: str = "",
+) -> list[BenchRequest]:  # fmt: skip
     """Completions with random plain-token prompts; `prompt` holds ids (text is made later
     for servers that only take text, see `as_text`)."""
     rng, out = random.Random(seed), []
@@ -345,13 +336,8 @@ def poisson_arrivals(n: int, rate: float, seed: int) -> list[float]:
     return out
 
 
-def request_body(
-    req: BenchRequest,
-    caps: ServerCaps,
-    temperature: float,
-    history: Sequence[dict] = (),
-    stream: bool = True,
-) -> dict[str, Any]:
+def request_body(req: BenchRequest, caps: ServerCaps, temperature: float, history: Sequence = (),
+                 stream=True) -> dict[str, Any]:  # fmt: skip
     """The JSON body: only fields the server accepts (transformers serve 422s on others)."""
     body: dict[str, Any] = {"max_tokens": req.output_len, "temperature": temperature}
     if req.messages is not None:
@@ -390,9 +376,8 @@ class Sender:
         history = self.histories.setdefault(req.conversation, []) if chat else []  # type: ignore[arg-type]
         body = request_body(req, self.caps, self.temperature, history)
         keep = chat or req.structured is not None
-        res = await stream_one(
-            self.client, self.base_url, body, keep_text=keep, timeout_s=self.timeout_s
-        )
+        res = await stream_one(self.client, self.base_url, body, keep_text=keep,
+                               timeout_s=self.timeout_s)  # fmt: skip
         res.tag, res.conversation, res.structured = req.tag, req.conversation, req.structured
         res.expected_prompt_len, res.expected_output_len = req.prompt_len, req.output_len
         if res.success and not res.has_usage:
@@ -402,13 +387,9 @@ class Sender:
         return res
 
 
-async def send_all(
-    sender: Sender,
-    requests: Sequence[BenchRequest],
-    arrivals: Sequence[float],
-    max_concurrency: int | None = None,
-    progress: bool = False,
-) -> tuple[list[RequestResult], float]:
+async def send_all(sender: Sender, requests: Sequence[BenchRequest], arrivals: Sequence[float],
+                   max_concurrency: int | None = None, progress: bool = False
+) -> tuple[list[RequestResult], float]:  # fmt: skip
     """Open loop: each request at its arrival time (s from now), at most max_concurrency in
     flight; a conversation's turn waits until its previous turn has answered. Returns the
     results (starts made relative to the run's start) and the run's duration."""
@@ -445,13 +426,10 @@ async def send_all(
     return list(results), time.perf_counter() - start
 
 
-async def closed_loop(
-    send: Callable[[int, int], Awaitable[RequestResult]],
-    *,
-    concurrency: int,
-    duration_s: float,
-    on_result: Callable[[int, RequestResult], None] = lambda i, r: None,
-) -> int:
+async def closed_loop(send: Callable[[int, int], Awaitable[RequestResult]], *, concurrency: int,
+                      duration_s: float,
+                      on_result: Callable[[int, RequestResult], None] = lambda i, r: None
+) -> int:  # fmt: skip
     """Closed loop: `concurrency` workers, each sending its next request as soon as its last
     one ended, until duration_s has passed; `send(worker, i)` sends request i and
     `on_result(i, result)` takes each result. Returns how many requests were sent."""
@@ -467,9 +445,8 @@ async def closed_loop(
     return next(counter)
 
 
-async def probe_server(
-    sender: Sender, pool: TokenPool, chat: bool, structured: frozenset[str] = frozenset()
-) -> ServerCaps:
+async def probe_server(sender: Sender, pool: TokenPool, chat: bool,
+                       structured: frozenset[str] = frozenset()) -> ServerCaps:  # fmt: skip
     """Find what the server accepts with tiny non-streaming requests (which also warm it up);
     RuntimeError when it refuses a structured-output kind the run needs."""
     model = sender.caps.model or await _served_model(sender.client)
@@ -560,8 +537,7 @@ class BenchConfig:
             raise ValueError("request_rate must be positive (inf: all at once)")
         if self.max_concurrency is not None and self.max_concurrency < 1:
             raise ValueError("max_concurrency must be at least 1")
-        unknown = set(self.goodput) - set(SLO_METRICS)
-        if unknown:
+        if unknown := set(self.goodput) - set(SLO_METRICS):
             raise ValueError(f"unknown goodput metrics {sorted(unknown)}; use {SLO_METRICS}")
 
     @classmethod
@@ -571,12 +547,8 @@ class BenchConfig:
         return cls(**{k: v for k, v in vars(args).items() if k in names}, **given)
 
 
-def run_benchmark(
-    config: BenchConfig,
-    requests: Sequence[BenchRequest],
-    pool: TokenPool,
-    arrivals: Sequence[float] | None = None,
-) -> dict[str, Any]:
+def run_benchmark(config: BenchConfig, requests: Sequence[BenchRequest], pool: TokenPool,
+                  arrivals: Sequence[float] | None = None) -> dict[str, Any]:  # fmt: skip
     """Probe, warm up, send every request (Poisson arrivals unless `arrivals` gives the send
     times) and summarize (see `summarize`), on a fresh event loop. Text prompts replace id
     prompts when the server takes no ids."""
@@ -637,15 +609,11 @@ def summarize(
     """vLLM-style summary of a run, plus each request's numbers (for plots) and, when
     requests carry tags, the same metrics per tag under `by_tag`."""
     out = metrics(results, duration, config)
-    out.update(
-        date=time.strftime("%Y-%m-%d %H:%M:%S"),
-        base_url=config.base_url,
-        request_rate=config.request_rate if math.isfinite(config.request_rate) else "inf",
-        max_concurrency=config.max_concurrency,
-        seed=config.seed,
-        goodput_slos_ms=dict(config.goodput),
-        requests=[per_request(r) for r in results],
-    )
+    rate = config.request_rate if math.isfinite(config.request_rate) else "inf"
+    out.update(date=time.strftime("%Y-%m-%d %H:%M:%S"), base_url=config.base_url,
+               request_rate=rate, max_concurrency=config.max_concurrency, seed=config.seed,
+               goodput_slos_ms=dict(config.goodput),
+               requests=[per_request(r) for r in results])  # fmt: skip
     if tags := sorted({r.tag for r in results if r.tag}):
         out["by_tag"] = {t: metrics([r for r in results if r.tag == t], duration, config)
                          for t in tags}  # fmt: skip
@@ -661,21 +629,16 @@ def metrics(
     n_in, n_out = sum(r.prompt_tokens for r in ok), sum(r.output_tokens for r in ok)
     good = [r for r in ok if _meets_slos(r, config.goodput)]
     out: dict[str, Any] = {
-        "duration_s": duration,
-        "completed": len(ok),
-        "failed": len(results) - len(ok),
+        "duration_s": duration, "completed": len(ok), "failed": len(results) - len(ok),
         "errors": sorted({r.error for r in results if not r.success})[:10],
-        "total_input_tokens": n_in,
-        "total_output_tokens": n_out,
+        "total_input_tokens": n_in, "total_output_tokens": n_out,
         "cached_prompt_tokens": sum(r.cached_tokens for r in ok),
         "input_len_mismatches": sum(r.prompt_tokens != r.expected_prompt_len for r in known),
         "output_len_mismatches": sum(r.output_tokens != r.expected_output_len for r in ok),
-        "usage_missing": sum(not r.has_usage for r in ok),
-        "request_throughput": len(ok) / duration,
-        "output_throughput": n_out / duration,
-        "total_token_throughput": (n_in + n_out) / duration,
+        "usage_missing": sum(not r.has_usage for r in ok), "request_throughput": len(ok) / duration,
+        "output_throughput": n_out / duration, "total_token_throughput": (n_in + n_out) / duration,
         "request_goodput": len(good) / duration if config.goodput else None,
-    }
+    }  # fmt: skip
     if constrained := [r for r in ok if r.structured is not None]:
         valid = sum(structured_valid(r.structured, r.text) for r in constrained)  # type: ignore[arg-type]
         out.update(structured_valid=valid, structured_invalid=len(constrained) - valid)

@@ -56,13 +56,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
-def measure_rows(
-    hosts: Hosts,
-    model: str,
-    prompts: list[list[int]],
-    delays: list[float],
-    args: argparse.Namespace,
-) -> list[dict]:
+def measure_rows(hosts: Hosts, model: str, prompts: list[list[int]], delays: list[float],
+                 args: argparse.Namespace) -> list[dict]:  # fmt: skip
     """The direct KV link, then each delay through the relay: one row each."""
     cluster = HostCluster(hosts, model, args.log_dir, ["--max-model-len", "2048"])
     rows = []
@@ -71,7 +66,7 @@ def measure_rows(
         p = cluster.node("prefill", "prefill", ["router"])
         for delay in [None, *delays]:  # None: the direct link, no relay
             extra: tuple[str, ...] = ()
-            proxy = None
+            proxy = None  # the relay of a delayed link
             if delay is not None:
                 proxy = hosts.start_proxy("relay", KV_PORT, "decode", KV_PORT, delay / 1000)
                 extra = ("--advertise-host", hosts.addr("relay"))
@@ -90,19 +85,17 @@ def measure_rows(
 
 def _row(delay: float | None, firsts: list[tuple[float, float]], relayed: dict) -> dict:
     ttfts, seconds = [f for f, _ in firsts], [s for _, s in firsts]
+    # handoff gap, per request: the decode node's start after the prefill node's token, the
+    # part of the wait the KV link's delay lands on
     return {
         "kv_link": "direct" if delay is None else f"relay +{delay:g} ms",
-        "one_way_delay_ms": delay,
+        "one_way_delay_ms": delay, "ttfts_s": ttfts, "second_tokens_s": seconds,
         "ttft_median_s": statistics.median(ttfts),
         "ttft_p90_s": sorted(ttfts)[int(0.9 * (len(ttfts) - 1))],
-        "ttfts_s": ttfts,
         "second_token_median_s": statistics.median(seconds),
-        # Per request: the decode node's start after the prefill node's token, the part of
-        # the wait the KV link's delay lands on.
         "handoff_gap_median_s": statistics.median(b - a for a, b in zip(ttfts, seconds)),
-        "second_tokens_s": seconds,
         "relay_bytes": relayed,
-    }
+    }  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -123,26 +116,17 @@ def main(argv: list[str] | None = None) -> int:
         model = args.model or str(smollm2())
     delays = [float(d) for d in args.delays_ms.split(",")]
     vocab = 512 if args.quick else 49152
-    prompts = [
-        [(i * 7919 + k * 104729) % (vocab - 10) + 5 for k in range(args.prompt_tokens)]
-        for i in range(args.requests + 2)
-    ]
+    prompts = [[(i * 7919 + k * 104729) % (vocab - 10) + 5 for k in range(args.prompt_tokens)]
+               for i in range(args.requests + 2)]  # fmt: skip
     with sigterm_raises(), Hosts(["router", "prefill", "decode", "relay"]) as hosts:
         rows = measure_rows(hosts, model, prompts, delays, args)
-    base = rows[0]["ttft_median_s"]
-    base2 = rows[0]["second_token_median_s"]
-    for row in rows:
-        row["ttft_vs_direct"] = row["ttft_median_s"] / base
-        row["second_token_vs_direct"] = row["second_token_median_s"] / base2
-    result = {
-        "command": rp.command_line("bench_multihost.py", argv),
-        "machine": {"cpus": os.cpu_count(), "platform": platform.platform()},
-        "model": model,
-        "prompt_tokens": args.prompt_tokens,
-        "requests_per_row": args.requests,
-        "netem": netem_reason() or "available",
-        "rows": rows,
-    }
+    for key in ("ttft", "second_token"):
+        for row in rows:
+            row[f"{key}_vs_direct"] = row[f"{key}_median_s"] / rows[0][f"{key}_median_s"]
+    result = {"command": rp.command_line("bench_multihost.py", argv), "model": model,
+              "machine": {"cpus": os.cpu_count(), "platform": platform.platform()},
+              "prompt_tokens": args.prompt_tokens, "requests_per_row": args.requests,
+              "netem": netem_reason() or "available", "rows": rows}  # fmt: skip
     out = args.outputs
     out.folder.mkdir(parents=True, exist_ok=True)
     rp.save_json(out.folder / "multihost_kv_latency.json", result)
@@ -175,11 +159,8 @@ def section(result: dict) -> str:
          f"{result['prompt_tokens']}, {result['requests_per_row']}"],
         ["netem", result["netem"]],
     ]  # fmt: skip
-    return "\n\n".join(
-        [
-            "## TTFT across hosts with added KV-link latency (`pdserve bench multihost`)",
-            f"    {result['command']}",
-            rp.markdown_table(["run", ""], setup),
-            rp.records_table(COLUMNS, result["rows"]),
-        ]
-    )
+    return "\n\n".join([
+        "## TTFT across hosts with added KV-link latency (`pdserve bench multihost`)",
+        f"    {result['command']}", rp.markdown_table(["run", ""], setup),
+        rp.records_table(COLUMNS, result["rows"]),
+    ])  # fmt: skip

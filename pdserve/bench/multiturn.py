@@ -67,9 +67,8 @@ async def read_counters(client: httpx.AsyncClient, health_urls: Sequence[str]) -
     return out
 
 
-async def run_turns(
-    url: str, health_urls: list[str], pool: load.TokenPool, args: argparse.Namespace, turns: list
-) -> None:
+async def run_turns(url: str, health_urls: list[str], pool: load.TokenPool,
+                    args: argparse.Namespace, turns: list) -> None:  # fmt: skip
     """Every turn of every conversation against one running system, a record per turn into
     `turns`. A turn with a failed reply ends the run (the conversation cannot go on)."""
     async with load.make_client(url) as client:
@@ -94,24 +93,13 @@ async def run_turns(
             before = after
 
 
-def turn_record(
-    t: int,
-    replies: Sequence[load.RequestResult],
-    duration: float,
-    delta: dict[str, float],
-    load_avg: float,
-) -> dict[str, Any]:
+def turn_record(t: int, replies: Sequence[load.RequestResult], duration: float, delta: dict,
+                load_avg: float) -> dict[str, Any]:  # fmt: skip
     m = load.metrics(replies, duration, load.BenchConfig("", percentiles=(90.0,)))
-    return {
-        "turn": t + 1,
-        **{k: m[k] for k in TURN_METRICS},
-        "prompt_tokens": m["total_input_tokens"],
-        "output_tokens": m["total_output_tokens"],
-        "output_tokens_per_s": m["output_throughput"],
-        **{k: int(v) for k, v in delta.items()},
-        "load_avg_1m": load_avg,
-        "replies": [load.per_request(r) for r in replies],
-    }
+    return {"turn": t + 1, **{k: m[k] for k in TURN_METRICS},
+            "prompt_tokens": m["total_input_tokens"], "output_tokens": m["total_output_tokens"],
+            "output_tokens_per_s": m["output_throughput"], **{k: int(v) for k, v in delta.items()},
+            "load_avg_1m": load_avg, "replies": [load.per_request(r) for r in replies]}  # fmt: skip
 
 
 def overall(turns: list[dict[str, Any]]) -> dict[str, Any]:
@@ -120,19 +108,15 @@ def overall(turns: list[dict[str, Any]]) -> dict[str, Any]:
     def ttfts(ts: list[dict]) -> list[float]:
         return [r["ttft_s"] for t in ts for r in t["replies"] if not r["error"]]
 
-    later = turns[1:]
-    duration = sum(t["duration_s"] for t in turns)
+    later, duration = turns[1:], sum(t["duration_s"] for t in turns)
+    total = lambda key, ts=turns: sum(t[key] for t in ts)  # noqa: E731
     return {
         "mean_ttft_ms": load.distribution("ttft", ttfts(turns), ())["mean_ttft_ms"],
         "mean_ttft_ms_after_turn_1": load.distribution("ttft", ttfts(later), ())["mean_ttft_ms"],
-        "kv_bytes": sum(t["kv_bytes"] for t in turns),
-        "kv_bytes_after_turn_1": sum(t["kv_bytes"] for t in later),
-        "output_tokens_per_s": sum(t["output_tokens"] for t in turns) / duration
-        if duration > 0
-        else math.nan,
-        "prefills_local": sum(t["prefills_local"] for t in turns),
-        "prefills_remote": sum(t["prefills_remote"] for t in turns),
-    }
+        "kv_bytes": total("kv_bytes"), "kv_bytes_after_turn_1": total("kv_bytes", later),
+        "output_tokens_per_s": total("output_tokens") / duration if duration > 0 else math.nan,
+        "prefills_local": total("prefills_local"), "prefills_remote": total("prefills_remote"),
+    }  # fmt: skip
 
 
 def reusable_tokens(turns: list[dict[str, Any]], block_size: int) -> list[int]:
@@ -141,10 +125,8 @@ def reusable_tokens(turns: list[dict[str, Any]], block_size: int) -> list[int]:
     0 for the first turn."""
     out = [0]
     for prev, cur in zip(turns, turns[1:]):
-        held = {
-            r["conversation"]: (r["prompt_tokens"] + r["output_tokens"] - 1) // block_size
-            for r in prev["replies"]
-        }
+        held = {r["conversation"]: (r["prompt_tokens"] + r["output_tokens"] - 1) // block_size
+                for r in prev["replies"]}  # fmt: skip
         out.append(block_size * sum(held.get(r["conversation"], 0) for r in cur["replies"]))
     return out
 
@@ -157,12 +139,8 @@ def compare_answers(results: dict[str, dict[str, Any]]) -> dict[str, dict[str, A
         return {}
 
     def texts(res: dict) -> dict[tuple[int, int], str]:
-        return {
-            (r["conversation"], t["turn"]): r["text"]
-            for t in res["turns"]
-            for r in t["replies"]
-            if not r["error"]
-        }
+        return {(r["conversation"], t["turn"]): r["text"]
+                for t in res["turns"] for r in t["replies"] if not r["error"]}  # fmt: skip
 
     want = texts(ref)
     out = {}
@@ -226,35 +204,25 @@ def _placed(r: dict[str, Any]) -> str:
 
 
 TURN_COLUMNS = [
-    ("turn", "turn"),
-    ("system", "system"),
+    ("turn", "turn"), ("system", "system"),
     ("ok/sent", lambda t: f"{t['completed']}/{t['completed'] + t['failed']}"),
-    ("KV MB", _mb("kv_bytes")),
-    ("local/remote", _placed),
-    ("prompt tokens", "prompt_tokens"),
-    ("cached", "cached_prompt_tokens"),
-    ("reused on D", "kv_tokens_reused_on_decode"),
-    ("sent", "kv_tokens_sent"),
-    ("TTFT mean ms", "mean_ttft_ms"),
-    ("TTFT med ms", "median_ttft_ms"),
-    ("out tok/s", "output_tokens_per_s"),
-]
+    ("KV MB", _mb("kv_bytes")), ("local/remote", _placed), ("prompt tokens", "prompt_tokens"),
+    ("cached", "cached_prompt_tokens"), ("reused on D", "kv_tokens_reused_on_decode"),
+    ("sent", "kv_tokens_sent"), ("TTFT mean ms", "mean_ttft_ms"),
+    ("TTFT med ms", "median_ttft_ms"), ("out tok/s", "output_tokens_per_s"),
+]  # fmt: skip
 OVERALL_COLUMNS = [
-    ("system", "system"),
-    ("KV MB, all turns", _mb("kv_bytes")),
-    ("KV MB, turns 2+", _mb("kv_bytes_after_turn_1")),
-    ("local/remote prefills", _placed),
-    ("TTFT mean ms, all", "mean_ttft_ms"),
-    ("TTFT mean ms, turns 2+", "mean_ttft_ms_after_turn_1"),
+    ("system", "system"), ("KV MB, all turns", _mb("kv_bytes")),
+    ("KV MB, turns 2+", _mb("kv_bytes_after_turn_1")), ("local/remote prefills", _placed),
+    ("TTFT mean ms, all", "mean_ttft_ms"), ("TTFT mean ms, turns 2+", "mean_ttft_ms_after_turn_1"),
     ("out tok/s", "output_tokens_per_s"),
-]
+]  # fmt: skip
 
 
 def answers_table(answers: dict[str, dict[str, Any]]) -> str:
     """Each P/D system's answers against the reference's, same conversation and turn."""
     columns = [
-        ("system", "system"),
-        ("answers compared", "compared"),
+        ("system", "system"), ("answers compared", "compared"),
         (f"equal to {REFERENCE}'s", lambda a: a["compared"] - a["mismatches"]),
         ("mismatches", "mismatches"),
         ("where", lambda a: ", ".join(f"conversation {c} turn {t}" for c, t in a["where"][:4])
@@ -390,15 +358,9 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         if failed := [t["turn"] for t in turns if t["failed"]]:
             notes.append(f"{name}: turn {failed[0]} had failed replies: {turns[-1]['errors']}")
     block = systems.engine_flag(args.engine_args, "--block-size", DEFAULT_BLOCK_SIZE)
-    return compare.scenario_fields(
-        args,
-        model,
-        desc,
-        (results, notes),
-        block_size=block,
-        workload=asdict(args.workload),
-        answers=compare_answers(results),
-    )
+    return compare.scenario_fields(args, model, desc, (results, notes), block_size=block,
+                                   workload=asdict(args.workload),
+                                   answers=compare_answers(results))  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:

@@ -112,19 +112,11 @@ class Pdserve:
     def __init__(self, path: Path, args: argparse.Namespace, enforce_eager: bool | None = None):
         batch = max(args.batch_sizes)
         tokens = batch * (args.prompt_len + args.max_tokens)
-        self.llm = LLM(
-            str(path),
-            max_num_batched_tokens=max(batch * args.prompt_len, 16),
-            max_num_seqs=batch,
-            enable_prefix_caching=False,
-            device=args.device,
-            dtype=args.dtype,
-            kv_cache_bytes=max(
-                256 << 20, 2 * tokens * kv_bytes_per_token(ModelArchConfig.from_dir(path))
-            ),
-            skip_tokenizer_init=True,
-            enforce_eager=enforce_eager,
-        )
+        kv_bytes = 2 * tokens * kv_bytes_per_token(ModelArchConfig.from_dir(path))
+        self.llm = LLM(str(path), max_num_batched_tokens=max(batch * args.prompt_len, 16),
+                       max_num_seqs=batch, enable_prefix_caching=False, device=args.device,
+                       dtype=args.dtype, kv_cache_bytes=max(256 << 20, kv_bytes),
+                       skip_tokenizer_init=True, enforce_eager=enforce_eager)  # fmt: skip
         self.runner = self.llm.engine.runner
         self.max_tokens, self.device = args.max_tokens, args.device
         self.steps: list[float] = []
@@ -146,13 +138,10 @@ class Pdserve:
         t0 = time.perf_counter()
         outs = self.llm.generate(prompts, params)
         rp.sync(self.device)
-        return {
-            "wall_s": time.perf_counter() - t0,
-            "prefill_s": self.steps[0],
-            "decode_step_s": statistics.median(self.steps[1:] or [float("nan")]),
-            "steps": len(self.steps),
-            "tokens": [o.token_ids for o in outs],
-        }
+        step = statistics.median(self.steps[1:] or [float("nan")])
+        return {"wall_s": time.perf_counter() - t0, "prefill_s": self.steps[0],
+                "decode_step_s": step, "steps": len(self.steps),
+                "tokens": [o.token_ids for o in outs]}  # fmt: skip
 
 
 def take_turns(engines: dict[str, Callable], prompts: list[list[int]], repeats: int) -> Runs:
@@ -167,13 +156,9 @@ def take_turns(engines: dict[str, Callable], prompts: list[list[int]], repeats: 
     return runs
 
 
-def sweep_batches(
-    args: argparse.Namespace,
-    engines: dict[str, Callable],
-    vocab: int,
-    row: Callable[[int, Runs], dict[str, Any]],
-    columns: Columns,
-) -> list[dict[str, Any]]:
+def sweep_batches(args: argparse.Namespace, engines: dict[str, Callable], vocab: int,
+                  row: Callable[[int, Runs], dict[str, Any]], columns: Columns
+) -> list[dict[str, Any]]:  # fmt: skip
     """row(batch, runs) for each batch size, B random prompts the same for every engine; each
     row printed as it comes, in the section table's `columns`."""
     rows = []
@@ -192,15 +177,10 @@ def sweep_fields(args: argparse.Namespace, path: Path, pd: Pdserve) -> dict[str,
         f"{arch.num_heads} heads / {arch.num_kv_heads} KV heads, MLP {arch.intermediate_size}, "
         f"vocab {arch.vocab_size}"
     )
+    keys = ("device", "dtype", "prompt_len", "max_tokens", "repeats")
     params = sum(p.numel() for p in model.parameters())
-    return {
-        "device": args.device,
-        "dtype": args.dtype,
-        "model": {"dir": str(path), "description": description, "params": params},
-        "prompt_len": args.prompt_len,
-        "max_tokens": args.max_tokens,
-        "repeats": args.repeats,
-    }
+    model_fields = {"dir": str(path), "description": description, "params": params}
+    return {**{k: getattr(args, k) for k in keys}, "model": model_fields}
 
 
 def compare_tokens(ours: list[list[int]], theirs: list[list[int]]) -> dict[str, Any]:
@@ -268,16 +248,10 @@ def floors_at(batch: int, pd: Pdserve, args: argparse.Namespace, copy_bw: float)
     rate = lambda m: gemm_flops(m, arch.hidden_size, arch.intermediate_size, dtype, args.device)  # noqa: E731
     prefill_rate, decode_rate = rate(batch * args.prompt_len), rate(batch)
     step_bytes = decode_bytes(arch, (total, embed), batch, context, item)
-    return {
-        "decode": {
-            "bytes_per_step": step_bytes,
-            "floor_s": step_bytes / copy_bw,
-            "flops": step_flops,
-            "gemm_flop_s": decode_rate,
-            "compute_floor_s": step_flops / decode_rate,
-        },
-        "prefill": {"flops": flops, "gemm_flop_s": prefill_rate, "floor_s": flops / prefill_rate},
-    }
+    decode = {"bytes_per_step": step_bytes, "floor_s": step_bytes / copy_bw, "flops": step_flops,
+              "gemm_flop_s": decode_rate, "compute_floor_s": step_flops / decode_rate}  # fmt: skip
+    prefill = {"flops": flops, "gemm_flop_s": prefill_rate, "floor_s": flops / prefill_rate}
+    return {"decode": decode, "prefill": prefill}
 
 
 class HF:
@@ -301,21 +275,16 @@ class HF:
         rp.sync(self.device)
         t0 = time.perf_counter()
         with torch.inference_mode():
-            out = self.model.generate(
-                ids, attention_mask=torch.ones_like(ids), generation_config=config
-            )
+            mask = torch.ones_like(ids)
+            out = self.model.generate(ids, attention_mask=mask, generation_config=config)
         rp.sync(self.device)
         return time.perf_counter() - t0, out[:, ids.shape[1] :].tolist()
 
     def __call__(self, prompts: list[list[int]]) -> dict[str, Any]:
         prefill, _ = self.generate(prompts, 1)
         wall, tokens = self.generate(prompts, self.max_tokens)
-        return {
-            "wall_s": wall,
-            "prefill_s": prefill,
-            "decode_step_s": (wall - prefill) / max(self.max_tokens - 1, 1),
-            "tokens": tokens,
-        }
+        step = (wall - prefill) / max(self.max_tokens - 1, 1)
+        return {"wall_s": wall, "prefill_s": prefill, "decode_step_s": step, "tokens": tokens}
 
 
 def median_run(runs: list[dict[str, Any]]) -> dict[str, Any]:
@@ -332,33 +301,20 @@ def offline_row(
     floor = floors_at(batch, pd, args, copy_bw)
     decode, prefill = floor["decode"], floor["prefill"]
     roofline = max(decode["floor_s"], decode["compute_floor_s"])
-    return {
-        "batch": batch,
-        "pdserve": ours,
-        "hf": theirs,
-        "ratio": ours["tokens_per_s"] / theirs["tokens_per_s"],
-        "steps": runs["pdserve"][0]["steps"],
-        **compare_tokens(runs["pdserve"][0]["tokens"], runs["hf"][0]["tokens"]),
-        "decode_floor": {
-            **decode,
-            "pdserve": decode["floor_s"] / ours["decode_step_s"],
-            "hf": decode["floor_s"] / theirs["decode_step_s"],
-            "pdserve_roofline": roofline / ours["decode_step_s"],
-            "hf_roofline": roofline / theirs["decode_step_s"],
-        },
-        "prefill_floor": {
-            **prefill,
-            "pdserve": prefill["floor_s"] / ours["prefill_s"],
-            "hf": prefill["floor_s"] / theirs["prefill_s"],
-        },
-    }
+    for name, side in (("pdserve", ours), ("hf", theirs)):
+        decode |= {name: decode["floor_s"] / side["decode_step_s"],
+                   f"{name}_roofline": roofline / side["decode_step_s"]}  # fmt: skip
+        prefill[name] = prefill["floor_s"] / side["prefill_s"]
+    return {"batch": batch, "pdserve": ours, "hf": theirs, "steps": runs["pdserve"][0]["steps"],
+            "ratio": ours["tokens_per_s"] / theirs["tokens_per_s"],
+            **compare_tokens(runs["pdserve"][0]["tokens"], runs["hf"][0]["tokens"]),
+            "decode_floor": decode, "prefill_floor": prefill}  # fmt: skip
 
 
 def measure(args: argparse.Namespace) -> dict[str, Any]:
     name = "llama-" + "-".join(map(str, rp.BENCH_MODEL_SIZES.values()))
-    path = model_dir(
-        args, lambda: rp.cached_model(Path(args.cache_dir), name, rp.BENCH_MODEL_SIZES)
-    )
+    full = lambda: rp.cached_model(Path(args.cache_dir), name, rp.BENCH_MODEL_SIZES)  # noqa: E731
+    path = model_dir(args, full)
     copy_bw = copy_bandwidth(args.copy_mib << 20, DTYPES[args.dtype], args.device)
     pd = Pdserve(path, args)
     engines = {"pdserve": pd, "hf": HF(path, args)}
@@ -398,22 +354,13 @@ COLUMNS: Columns = [
 def section(report: dict[str, Any], figure: str) -> str:
     """The benchmarks.md section; `figure` is the plot's path as the page links it."""
     copy_gb_s = report["floors"]["copy_bytes_per_s"] / 1e9
-    return "\n".join(
-        [
-            "## Offline throughput: `LLM.generate` against HF `generate`",
-            "",
-            *rp.run_header(report),
-            model_line(report),
-            "",
-            rp.records_table(COLUMNS, report["results"]),
-            "",
-            f"![offline throughput]({figure})",
-            "",
-            f"Copy bandwidth measured in the same run: {copy_gb_s:.1f} GB/s (read + write).",
-            "",
-            rp.goals_table(goals(report)),
-        ]
-    )
+    return "\n".join([
+        "## Offline throughput: `LLM.generate` against HF `generate`", "",
+        *rp.run_header(report), model_line(report), "",
+        rp.records_table(COLUMNS, report["results"]), "", f"![offline throughput]({figure})", "",
+        f"Copy bandwidth measured in the same run: {copy_gb_s:.1f} GB/s (read + write).", "",
+        rp.goals_table(goals(report)),
+    ])  # fmt: skip
 
 
 def plot(report: dict[str, Any], path: Path) -> Path:
@@ -432,25 +379,20 @@ def plot(report: dict[str, Any], path: Path) -> Path:
 
 
 SWEEP = Sweep(
-    "offline",
-    "tiny model, batch 1 and 2, 16-token prompts, 8 new tokens, 1 repeat: seconds",
+    "offline", "tiny model, batch 1 and 2, 16-token prompts, 8 new tokens, 1 repeat: seconds",
     "an HF checkpoint directory (default: the random-weight benchmark Llama)",
-    {"batch_sizes": ("1,4,16", "1,2"), "prompt_len": (128, 16), "max_tokens": (64, 8)},
-    min_tokens=2,
-    threads=1,
-)
+    {"batch_sizes": ("1,4,16", "1,2"), "prompt_len": (128, 16), "max_tokens": (64, 8)}, 2, 1,
+)  # fmt: skip
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p = sweep_parser(SWEEP, __doc__)
     text = f"{rp.CACHE_DIR_FLAG[3]} (default: {rp.CACHE_DIR_FLAG[2]}; quick: OUT/models)"
-    rp.add_flags(
-        p.add_argument_group("model"), [("--cache-dir", Path, None, text, {"metavar": "DIR"})]
-    )
+    flag = ("--cache-dir", Path, None, text, {"metavar": "DIR"})
+    rp.add_flags(p.add_argument_group("model"), [flag])
     args = parse_sweep(p, SWEEP, argv)
-    args.cache_dir = args.cache_dir or (
-        args.outputs.folder / "models" if args.quick else rp.CACHE_DIR_FLAG[2]
-    )
+    quick_dir = args.outputs.folder / "models"
+    args.cache_dir = args.cache_dir or (quick_dir if args.quick else rp.CACHE_DIR_FLAG[2])
     return args
 
 

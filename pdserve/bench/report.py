@@ -5,6 +5,7 @@ report: JSON, figures, tables, goals met or missed, and its own fenced section o
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
@@ -157,10 +158,8 @@ def cached_model(cache_dir: Path, name: str, spec: dict[str, Any]) -> Path:
         built = make_tiny_model("llama", Path(tmp) / "m", **spec)
         (built / MODEL_STAMP).write_text(json.dumps(spec))
         shutil.rmtree(out, ignore_errors=True)  # built from another spec
-        try:
+        with contextlib.suppress(OSError):  # another run got there first
             os.rename(built, out)
-        except OSError:  # another run got there first
-            pass
     return out
 
 
@@ -168,16 +167,10 @@ def machine() -> dict[str, Any]:
     """Where a result was measured, stored next to it."""
     import torch
 
-    info: dict[str, Any] = {
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "cpu": platform.processor() or platform.machine(),
-        "cpu_count": os.cpu_count(),
-        "threads": torch.get_num_threads(),
-    }
-    if torch.cuda.is_available():
-        info["gpu"] = torch.cuda.get_device_name()
-    return info
+    gpu = {"gpu": torch.cuda.get_device_name()} if torch.cuda.is_available() else {}
+    return {"python": platform.python_version(), "torch": torch.__version__,
+            "cpu": platform.processor() or platform.machine(), "cpu_count": os.cpu_count(),
+            "threads": torch.get_num_threads(), **gpu}  # fmt: skip
 
 
 def describe_machine(m: dict[str, Any], threads: str = "torch threads") -> str:
@@ -281,14 +274,10 @@ def write_section(name: str, body: str, doc: str | Path) -> Path:
     return doc
 
 
-def publish(
-    name: str,
-    report: dict[str, Any],
-    to: Outputs,
-    plot: Callable[[dict[str, Any], Path], Path],
-    section: Callable[[dict[str, Any], str], str],
-    stem: str | None = None,
-) -> tuple[Path, Path, Path]:
+def publish(name: str, report: dict[str, Any], to: Outputs,
+            plot: Callable[[dict[str, Any], Path], Path],
+            section: Callable[[dict[str, Any], str], str], stem: str | None = None
+) -> tuple[Path, Path, Path]:  # fmt: skip
     """Write one run: STEM.json, its figure STEM.png (`plot(report, path)`) and the page's
     section `name` (`section(report, the figure's link)`); STEM defaults to `name`. Prints
     and returns the three paths."""
@@ -300,13 +289,8 @@ def publish(
     return data, figure, page
 
 
-def measure_or_load(
-    args: argparse.Namespace,
-    benchmark: str,
-    script: str,
-    argv: Sequence[str],
-    measure: Callable[[], dict[str, Any]],
-) -> dict[str, Any]:
+def measure_or_load(args: argparse.Namespace, benchmark: str, script: str, argv: Sequence[str],
+                    measure: Callable[[], dict[str, Any]]) -> dict[str, Any]:  # fmt: skip
     """The run's report: read back from --from-json FILE (to redraw its figure and section),
     else measure()'s fields after what every run records: its name, the command that repeats
     it, the machine, and the load average at start and end (other work on a shared machine)."""
@@ -314,22 +298,13 @@ def measure_or_load(
         return json.loads(args.from_json.read_text())
     load = os.getloadavg()[0]
     fields = measure()
-    return {
-        "benchmark": benchmark,
-        "command": command_line(script, list(argv)),
-        "machine": machine(),
-        "load_avg": [load, os.getloadavg()[0]],
-        **fields,
-    }
+    return {"benchmark": benchmark, "command": command_line(script, list(argv)),
+            "machine": machine(), "load_avg": [load, os.getloadavg()[0]], **fields}  # fmt: skip
 
 
-def bench_main(
-    argv: Sequence[str] | None,
-    parse: Callable[[list[str]], argparse.Namespace],
-    name: str,
-    measure: Callable[[argparse.Namespace], dict[str, Any]],
-    write: Callable[[dict[str, Any], Outputs], object],
-) -> dict[str, Any]:
+def bench_main(argv: Sequence[str] | None, parse: Callable[[list[str]], argparse.Namespace],
+               name: str, measure: Callable[[argparse.Namespace], dict[str, Any]],
+               write: Callable[[dict[str, Any], Outputs], object]) -> dict[str, Any]:  # fmt: skip
     """A benchmark's main: parse, measure (or read back --from-json), write(report, its
     Outputs). Pages cite the run as `python scripts/bench_NAME.py ARGS`."""
     argv = list(sys.argv[1:] if argv is None else argv)

@@ -161,9 +161,8 @@ def measure(
     return {"pin": plan, "routers": routers, "concurrency": n, **row, "cpus": cpus}
 
 
-def row_of(
-    results: list[load.RequestResult], used: dict[str, float], sizes: Sizes, routers: int, want: str
-) -> dict[str, Any]:
+def row_of(results: list[load.RequestResult], used: dict[str, float], sizes: Sizes, routers: int,
+           want: str) -> dict[str, Any]:  # fmt: skip
     """One row from the requests of the window and the cores each process used."""
     ok = [r for r in results if not r.error]
     intact = (want, sizes.max_tokens, "length")
@@ -174,29 +173,19 @@ def row_of(
     router_cores = [used[f"router{i}"] for i in range(routers)]
     router_cpu = sum(router_cores) * duration
     machine = used.pop("machine")
+    # other: whatever else ran on the host meanwhile (other work on a shared machine)
+    cores = {"routers": router_cores, "fakes": used["fakes"], "clients": used["clients"],
+             "machine": machine, "other": max(0.0, machine - sum(used.values()))}  # fmt: skip
     return {
-        "duration_s": duration,
-        "requests": len(ok),
-        "requests_per_s": len(ok) / duration,
-        "output_tokens": tokens,
-        "tokens_per_s": tokens / duration,
-        "chunks": sum(r.chunks for r in ok),
-        "corrupt": len(corrupt),
-        "errors": len(results) - len(ok),
-        "error_samples": [s[:300] for s in samples[:5]],
+        "duration_s": duration, "requests": len(ok), "requests_per_s": len(ok) / duration,
+        "output_tokens": tokens, "tokens_per_s": tokens / duration,
+        "chunks": sum(r.chunks for r in ok), "corrupt": len(corrupt),
+        "errors": len(results) - len(ok), "error_samples": [s[:300] for s in samples[:5]],
         "ttft_ms": percentiles([r.ttft for r in ok if math.isfinite(r.ttft)]),
-        "latency_ms": percentiles([r.e2e for r in ok]),
-        "cpu_cores_used": {
-            "routers": router_cores,
-            "fakes": used["fakes"],
-            "clients": used["clients"],
-            "machine": machine,
-            # whatever else ran on the host meanwhile (other work on a shared machine)
-            "other": max(0.0, machine - sum(used.values())),
-        },
+        "latency_ms": percentiles([r.e2e for r in ok]), "cpu_cores_used": cores,
         "router_cpu_ms_per_request": 1000 * router_cpu / max(1, len(ok)),
         "router_cpu_us_per_token": 1e6 * router_cpu / max(1, tokens),
-    }
+    }  # fmt: skip
 
 
 def cost_split(rig: RoutersOverFakes, n: int, sizes: Sizes, expected: str) -> dict[str, Any]:
@@ -212,13 +201,9 @@ def cost_split(rig: RoutersOverFakes, n: int, sizes: Sizes, expected: str) -> di
         os.kill(rig.procs["fakes"].pid, signal.SIGUSR2)
     print(f"[cost, one message] {rp.record_line(ROW_COLUMNS, one)}", flush=True)
     ms, one_ms = streamed["router_cpu_ms_per_request"], one["router_cpu_ms_per_request"]
-    return {
-        "concurrency": n,
-        "streamed_ms_per_request": ms,
-        "one_message_ms_per_request": one_ms,
-        "per_streamed_token_us": 1000 * (ms - one_ms) / max(1, sizes.max_tokens - 1),
-        "rows": {"streamed": streamed, "one_message": one},
-    }
+    return {"concurrency": n, "streamed_ms_per_request": ms, "one_message_ms_per_request": one_ms,
+            "per_streamed_token_us": 1000 * (ms - one_ms) / max(1, sizes.max_tokens - 1),
+            "rows": {"streamed": streamed, "one_message": one}}  # fmt: skip
 
 
 def word_tokens(model: Path, k: int = 4) -> tuple[list[int], Any]:
@@ -253,18 +238,12 @@ def probe(port: int, max_tokens: int) -> dict[str, Any]:
 def machine_info() -> dict[str, Any]:
     import importlib.util
 
-    has = importlib.util.find_spec
-    return {
-        "cpu_count": os.cpu_count(),
-        "cpus_allowed": sorted(os.sched_getaffinity(0)),
-        "platform": platform.platform(),
-        "processor": platform.processor() or platform.machine(),
-        "python": platform.python_version(),
-        # uvicorn runs the router on uvloop and httptools when they are installed
-        # (uvicorn[standard]); else on asyncio's loop and h11, both pure Python.
-        "uvloop": has("uvloop") is not None,
-        "httptools": has("httptools") is not None,
-    }
+    found = {m: importlib.util.find_spec(m) is not None for m in ("uvloop", "httptools")}
+    # uvicorn runs the router on uvloop and httptools when they are installed
+    # (uvicorn[standard]); else on asyncio's loop and h11, both pure Python.
+    return {"cpu_count": os.cpu_count(), "cpus_allowed": sorted(os.sched_getaffinity(0)),
+            "platform": platform.platform(), "python": platform.python_version(),
+            "processor": platform.processor() or platform.machine(), **found}  # fmt: skip
 
 
 def _cores(r: dict[str, Any], *who: str) -> float:
@@ -272,22 +251,15 @@ def _cores(r: dict[str, Any], *who: str) -> float:
 
 
 ROW_COLUMNS = [
-    ("CPU plan", "pin"),
-    ("routers", "routers"),
-    ("in flight", "concurrency"),
-    ("req/s", "requests_per_s"),
-    ("tokens/s", "tokens_per_s"),
-    ("TTFT p50 ms", lambda r: r["ttft_ms"]["p50"]),
-    ("TTFT p99 ms", lambda r: r["ttft_ms"]["p99"]),
-    ("latency p50 ms", lambda r: r["latency_ms"]["p50"]),
-    ("latency p99 ms", lambda r: r["latency_ms"]["p99"]),
+    ("CPU plan", "pin"), ("routers", "routers"), ("in flight", "concurrency"),
+    ("req/s", "requests_per_s"), ("tokens/s", "tokens_per_s"),
+    *[(f"{name} {p} ms", lambda r, k=key, p=p: r[k][p]) for name, key in
+      (("TTFT", "ttft_ms"), ("latency", "latency_ms")) for p in ("p50", "p99")],
     ("router cores", lambda r: " + ".join(f"{u:.2f}" for u in r["cpu_cores_used"]["routers"])),
     ("client+fakes cores", lambda r: _cores(r, "clients", "fakes")),
     ("other cores", lambda r: _cores(r, "other")),
-    ("router ms/req", "router_cpu_ms_per_request"),
-    ("errors", "errors"),
-    ("corrupt", "corrupt"),
-]
+    ("router ms/req", "router_cpu_ms_per_request"), ("errors", "errors"), ("corrupt", "corrupt"),
+]  # fmt: skip
 
 
 def setup_table(report: dict[str, Any]) -> str:
@@ -327,20 +299,12 @@ def cost_table(cost: dict[str, Any] | None) -> list[str]:
 
 
 def section(report: dict[str, Any], figure: str) -> str:
-    return "\n".join(
-        [
-            "## Router ceiling: one router against two (`pdserve bench router`)",
-            "",
-            f"    {report['command']}",
-            "",
-            setup_table(report),
-            "",
-            rp.records_table(ROW_COLUMNS, report["rows"]),
-            "",
-            *cost_table(report.get("cost_split")),
-            f"![requests/s and router CPU per request]({figure})",
-        ]
-    )
+    return "\n".join([
+        "## Router ceiling: one router against two (`pdserve bench router`)", "",
+        f"    {report['command']}", "", setup_table(report), "",
+        rp.records_table(ROW_COLUMNS, report["rows"]), "", *cost_table(report.get("cost_split")),
+        f"![requests/s and router CPU per request]({figure})",
+    ])  # fmt: skip
 
 
 def plot(report: dict[str, Any], path: Path) -> Path:
@@ -402,11 +366,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def measure_rows(rig: RoutersOverFakes, sizes: Sizes, expected: str) -> list[dict[str, Any]]:
     """Every row, once: the machine is shared and never quiet, so each row is one run."""
     rows = []
-    for plan in sizes.pins:
-        for n in sizes.concurrency:
-            for routers in ROUTERS:
-                rows.append(measure(rig, plan, routers, n, sizes, expected))
-                print(rp.record_line(ROW_COLUMNS, rows[-1]), flush=True)
+    for plan, n, routers in itertools.product(sizes.pins, sizes.concurrency, ROUTERS):
+        rows.append(measure(rig, plan, routers, n, sizes, expected))
+        print(rp.record_line(ROW_COLUMNS, rows[-1]), flush=True)
     return rows
 
 
@@ -442,18 +404,10 @@ def measure_all(args: argparse.Namespace) -> dict[str, Any]:
     cycle = [token_ids[i % len(token_ids)] for i in range(args.sizes.max_tokens)]
     expected = tok.decode(cycle, skip_special_tokens=True)
     measured = run(args, model, token_ids, expected)
-    return {
-        "date": time.strftime("%Y-%m-%d %H:%M"),
-        "machine": machine_info(),
-        "quick": args.quick,
-        "sizes": asdict(args.sizes),
-        "nodes": args.nodes,
-        "tokens_per_message": args.tokens_per_message,
-        "router_args": args.router_arg,
-        "token_ids": token_ids,
-        "expected_text": expected,
-        **measured,
-    }
+    return {"date": time.strftime("%Y-%m-%d %H:%M"), "machine": machine_info(),
+            "quick": args.quick, "sizes": asdict(args.sizes), "nodes": args.nodes,
+            "tokens_per_message": args.tokens_per_message, "router_args": args.router_arg,
+            "token_ids": token_ids, "expected_text": expected, **measured}  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:

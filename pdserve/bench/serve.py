@@ -70,9 +70,8 @@ def format_report(result: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def with_structured(
-    requests: Sequence[load.BenchRequest], kind: str, ratio: float = 1.0, seed: int = 0
-) -> list[load.BenchRequest]:
+def with_structured(requests: Sequence[load.BenchRequest], kind: str, ratio: float = 1.0,
+                    seed: int = 0) -> list[load.BenchRequest]:  # fmt: skip
     """The requests with a share `ratio` (drawn with `seed`) constrained by `kind` and tagged
     "structured", the others tagged "free"."""
     if kind not in load.STRUCTURED_FIELDS:

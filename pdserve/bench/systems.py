@@ -43,9 +43,8 @@ def http_ok(url: str, contains: str = "") -> bool:
         return False
 
 
-def wait_until(
-    ready: Callable[[], bool], procs: Mapping[str, subprocess.Popen], timeout: float, what: str
-) -> None:
+def wait_until(ready: Callable[[], bool], procs: Mapping[str, subprocess.Popen], timeout: float,
+               what: str) -> None:  # fmt: skip
     """Poll `ready` until it holds; RuntimeError when one of procs exits first or timeout
     passes."""
     deadline = time.monotonic() + timeout
@@ -66,9 +65,8 @@ def start_group(
     log.parent.mkdir(parents=True, exist_ok=True)
     with open(log, "ab") as out:
         env = dict(os.environ if env is None else env, PYTHONUNBUFFERED="1")
-        return subprocess.Popen(
-            list(cmd), stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True
-        )
+        return subprocess.Popen(list(cmd), stdout=out, stderr=subprocess.STDOUT, env=env,
+                                start_new_session=True)  # fmt: skip
 
 
 def stop_group(proc: subprocess.Popen, timeout: float = 15.0) -> None:
@@ -96,16 +94,10 @@ def process_group(
 
 
 @contextmanager
-def pdserve_cluster(
-    model: str | Path,
-    shape: tuple[int, int, int],
-    log_dir: Path,
-    *,
-    threads: int = 1,
-    engine_args: Sequence[str] = (),
-    router_args: Sequence[str] = (),
-    decode_args: Sequence[str] = (),
-) -> Iterator[LocalCluster]:
+def pdserve_cluster(model: str | Path, shape: tuple[int, int, int], log_dir: Path, *,
+                    threads: int = 1, engine_args: Sequence[str] = (),
+                    router_args: Sequence[str] = (), decode_args: Sequence[str] = ()
+) -> Iterator[LocalCluster]:  # fmt: skip
     """(prefill, decode, colocated) nodes and a router over zmq, every server process at
     `threads` torch threads; yields the ready cluster."""
     prefill, decode, colocated = shape
@@ -117,9 +109,8 @@ def pdserve_cluster(
 
 
 @contextmanager
-def peer_server(
-    name: str, cmd: Sequence[str], log_dir: Path, env: Mapping[str, str], timeout: float
-) -> Iterator[str]:
+def peer_server(name: str, cmd: Sequence[str], log_dir: Path, env: Mapping[str, str],
+                timeout: float) -> Iterator[str]:  # fmt: skip
     """`cmd --host HOST --port P` on a free port P, until /v1/models answers; yields its URL."""
     port = free_port()
     url = f"http://{HOST}:{port}"
@@ -130,9 +121,8 @@ def peer_server(
 
 
 @contextmanager
-def transformers_serve(
-    model: Path, batch_tokens: int, log_dir: Path, threads: int = 1, timeout: float = 600.0
-) -> Iterator[str]:
+def transformers_serve(model: Path, batch_tokens: int, log_dir: Path, threads: int = 1,
+                       timeout: float = 600.0) -> Iterator[str]:  # fmt: skip
     """`transformers serve --continuous-batching` on a free port, offline; yields its URL."""
     hub_cache = log_dir / "hf-hub-cache"  # empty: /v1/models lists nothing instead of a 500
     hub_cache.mkdir(parents=True, exist_ok=True)
@@ -174,14 +164,9 @@ class RoutersOverFakes:
 
 
 @contextmanager
-def routers_over_fakes(
-    model: Path,
-    routers: int,
-    fakes: dict[str, Any],
-    log_dir: Path,
-    router_args: Sequence[str] = (),
-    timeout: float = 90.0,
-) -> Iterator[RoutersOverFakes]:
+def routers_over_fakes(model: Path, routers: int, fakes: dict[str, Any], log_dir: Path,
+                       router_args: Sequence[str] = (), timeout: float = 90.0
+) -> Iterator[RoutersOverFakes]:  # fmt: skip
     """`routers` routers serving `model`'s tokenizer as "router-bench", then the fake nodes
     (`pdserve.testbed.fake_nodes`, spec `fakes` and the routers' control addresses); yields
     once every router counts the fake nodes live."""
@@ -266,9 +251,8 @@ def start_system(spec: System, args: argparse.Namespace, model: Path | str) -> I
 Measure = Callable[[System, str, list[str], dict[str, Any]], None]
 
 
-def measure_systems(
-    args: argparse.Namespace, systems: dict[str, System], model: Path | str, measure: Measure
-) -> tuple[dict[str, dict[str, Any]], list[str]]:
+def measure_systems(args: argparse.Namespace, systems: dict[str, System], model: Path | str,
+                    measure: Measure) -> tuple[dict[str, dict[str, Any]], list[str]]:  # fmt: skip
     """Each system of args.systems started, measured by measure(system, url, health URLs, its
     record) and stopped. A system that cannot start or go on keeps what it measured, noted."""
     results: dict[str, dict[str, Any]] = {}
@@ -350,20 +334,15 @@ def engine_flag(engine_args: Sequence[str], flag: str, default: int) -> int:
 @contextmanager
 def environ(values: dict[str, str | None]) -> Iterator[None]:
     """os.environ with `values` set (None: unset) for children started inside, then restored."""
-    saved = {k: os.environ.get(k) for k in values}
+    saved = dict(os.environ)
+    os.environ.update({k: v for k, v in values.items() if v is not None})
+    for k in [k for k, v in values.items() if v is None]:
+        os.environ.pop(k, None)
     try:
-        _set_environ(values)
         yield
     finally:
-        _set_environ(saved)
-
-
-def _set_environ(values: dict[str, str | None]) -> None:
-    for k, v in values.items():
-        if v is None:
-            os.environ.pop(k, None)
-        else:
-            os.environ[k] = v
+        os.environ.clear()
+        os.environ.update(saved)
 
 
 @contextmanager

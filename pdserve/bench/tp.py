@@ -80,9 +80,8 @@ def decode_row(engine: LLMEngine, tp: int, args: argparse.Namespace) -> dict[str
     params = SamplingParams(max_tokens=args.steps + 1, temperature=0.0, ignore_eos=True)
     vocab = engine.runner.arch.vocab_size
     for i in range(args.batch):
-        engine.add_request(
-            f"r{i}", torch.randint(vocab, (args.prompt_len,), generator=gen).tolist(), params
-        )
+        prompt = torch.randint(vocab, (args.prompt_len,), generator=gen).tolist()
+        engine.add_request(f"r{i}", prompt, params)
     times = []
     while engine.has_unfinished:
         start = time.perf_counter()
@@ -94,9 +93,8 @@ def decode_row(engine: LLMEngine, tp: int, args: argparse.Namespace) -> dict[str
         arch = engine.runner.arch
         call = [args.batch, arch.hidden_size, 20]
         local = Probe(engine.runner, engine.runner.tp)
-        ms = max(
-            engine.runner.driver.call("all_reduce_ms", call, lambda: local.all_reduce_ms(*call))
-        )
+        driver = engine.runner.driver
+        ms = max(driver.call("all_reduce_ms", call, lambda: local.all_reduce_ms(*call)))
         row["all_reduce_ms"] = ms
         row["all_reduce_share"] = (2 * arch.num_layers + 1) * ms / 1000 / step
     return row
@@ -154,13 +152,10 @@ def plot(report: dict[str, Any], path: Path) -> Path:
     tps, rates = [r["tp"] for r in decode], [r["tokens_per_s"] for r in decode]
     tokens = [("output tok/s", tps, rates, "o-")]
     mapped = [(f"{r['p']}->{r['d']}", [i], [r["gb_per_s"]], "o") for i, r in enumerate(kv)]
-    return rp.plot_lines(
-        [
-            rp.Panel("decode, the run's batch", "TP", "output tokens/s", tokens, ymin=0),
-            rp.Panel("KV transfer by (prefill TP -> decode TP)", "mapping", "GB/s", mapped, ymin=0),
-        ],
-        path,
-    )
+    return rp.plot_lines([
+        rp.Panel("decode, the run's batch", "TP", "output tokens/s", tokens, ymin=0),
+        rp.Panel("KV transfer by (prefill TP -> decode TP)", "mapping", "GB/s", mapped, ymin=0),
+    ], path)  # fmt: skip
 
 
 def parse(argv: Sequence[str]) -> argparse.Namespace:
