@@ -28,11 +28,8 @@ BENCHMARKS = {
 def usage() -> str:
     width = max(map(len, BENCHMARKS))
     lines = [f"  {name:<{width}}  {text}" for name, (_, text) in BENCHMARKS.items()]
-    return (
-        "usage: pdserve bench NAME [flags]\n\nbenchmarks:\n"
-        + "\n".join(lines)
-        + ("\n\n`pdserve bench NAME --help` shows a benchmark's flags.")
-    )
+    end = "\n\n`pdserve bench NAME --help` shows a benchmark's flags."
+    return "usage: pdserve bench NAME [flags]\n\nbenchmarks:\n" + "\n".join(lines) + end
 
 
 def main(argv: list[str] | None = None) -> None:

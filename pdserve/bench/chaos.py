@@ -357,12 +357,11 @@ def main(argv: list[str] | None = None) -> int:
 
 
 SCENARIO_COLUMNS = [
-    *[(k, k) for k in ("scenario", "requests", "ok")],
-    ("explicit error", "error"),
+    *[(k, k) for k in ("scenario", "requests", "ok")], ("explicit error", "error"),
     ("left", "disconnected"),
     *[(k.replace("_", " "), k) for k in ("wrong", "failovers", "leaked_blocks")],
     ("recovery s", lambda s: f"{s['recovery_s']:.1f}"),
-]
+]  # fmt: skip
 
 
 def signal_fault(name: str, sig: signal.Signals, hold_s: float = 0.0) -> Any:

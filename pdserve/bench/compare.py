@@ -37,15 +37,12 @@ BENCH_MODEL = {**rp.BENCH_MODEL_SIZES, "initializer_range": 0.02}
 MODELS = {False: ("llama-12x768-random", BENCH_MODEL), True: ("tiny-llama", {})}
 
 
-SYSTEMS = {
-    s.name: s
-    for s in (
-        System("pdserve-colocated", (0, 0, 1)),
-        System("pdserve-1p1d", (1, 1, 0), REMOTE),
-        System("transformers-serve", None, peer="transformers"),
-        System("llamacpp", None, peer="llamacpp"),
-    )
-}
+SYSTEMS = {s.name: s for s in (
+    System("pdserve-colocated", (0, 0, 1)),
+    System("pdserve-1p1d", (1, 1, 0), REMOTE),
+    System("transformers-serve", None, peer="transformers"),
+    System("llamacpp", None, peer="llamacpp"),
+)}  # fmt: skip
 QUICK_SYSTEMS = ("pdserve-colocated", "pdserve-1p1d")
 
 
@@ -182,12 +179,9 @@ def measure_run(
     result = load.run_benchmark(config, run.requests, pool, run.arrivals)
     loads = [load_before, os.getloadavg()[0]]
     result.update(scenario=run.scenario, label=run.label, load_avg_1m=loads)
-    print(
-        f"   {run.scenario} {run.label}: {result['completed']} ok, {result['failed']} failed, "
-        f"{result['output_throughput']:.1f} out tok/s, TTFT mean {result['mean_ttft_ms']:.0f} ms,"
-        f" p99 ITL {result['p99_itl_ms']:.0f} ms",
-        flush=True,
-    )
+    print(f"   {run.scenario} {run.label}: {result['completed']} ok, {result['failed']} failed, "
+          f"{result['output_throughput']:.1f} out tok/s, TTFT mean {result['mean_ttft_ms']:.0f} "
+          f"ms, p99 ITL {result['p99_itl_ms']:.0f} ms", flush=True)  # fmt: skip
     return result
 
 
