@@ -115,9 +115,12 @@ class Agent:
         return bytes(self.agent.get_agent_metadata())
 
     def add_remote(self, metadata: bytes, name: str) -> str:
-        """Load agent `name` from its metadata (once; counted). This process's own agent (a
-        prefill and a decode rank in one process, as in tests) is its own loopback target."""
-        if name != self.name and name not in self._remotes:
+        """Load agent `name` from its metadata (counted). Loaded again on every welcome: the
+        remote process may have registered caches since (a new receiver there, one agent per
+        process), and descriptors of memory its old metadata lacks are not found. This
+        process's own agent (a prefill and a decode rank in one process, as in tests) is its
+        own loopback target."""
+        if name != self.name:
             loaded = self.agent.add_remote_agent(metadata)
             loaded = loaded.decode() if isinstance(loaded, bytes) else str(loaded)
             if loaded != name:
