@@ -20,7 +20,7 @@ from tests.common.model.test_moe import MIXTRAL, QWEN3_MOE, make_tiny_moe
 from tests.common.model.test_moe import hf_config as moe_config
 from tests.common.node import test_tp_nodes
 from tests.common.node.test_tp_nodes import PROMPTS as NODE_PROMPTS
-from tests.common.node.test_tp_nodes import answers, build, free, serve, settle
+from tests.common.node.test_tp_nodes import answers, free, pair, serve, settle
 from tests.common.test_llm_equivalence import GREEDY, PROMPTS, hf_greedy
 
 FAMILIES = ("qwen3_moe", "mixtral", "deepseek_v3")
@@ -214,16 +214,9 @@ def test_prefill_at_tp2_feeds_decode_at_tp1(model_dirs) -> None:
     decode-rank slice; the answers equal the engine's at TP 1 (itself equal to HF)."""
     model = model_dirs["qwen3_moe"]
     expected = answers(model)
-    router, prefill, decode_ = build(model, 2, 1, "zmq")
-    try:
+    with pair(model, 2, 1, "zmq") as (router, prefill, decode_):
         before = (free(prefill), free(decode_))
         for i, prompt in enumerate(NODE_PROMPTS):
             assert serve(router, prefill, decode_, f"r{i}", prompt, 2) == expected[i], i
         settle(prefill, decode_, before)
         assert (free(prefill), free(decode_)) == before
-        prefill.engine.check_integrity()
-        decode_.engine.check_integrity()
-    finally:
-        prefill.close()
-        decode_.close()
-        router.sock.close()

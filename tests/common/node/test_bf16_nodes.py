@@ -15,7 +15,7 @@ from pdserve.common.engine.llm import LLM, RequestOutput, SamplingParams
 from pdserve.common.node.config import NodeConfig
 from pdserve.common.node.loop import ColocatedNode
 from pdserve.common.wire.messages import Prefill, Tokens
-from tests.common.node.test_tp_nodes import BLOCK, PROMPTS, build, serve
+from tests.common.node.test_tp_nodes import BLOCK, PROMPTS, pair, serve
 from tests.prefill_node.test_prefill_node import FakeRouter
 
 BF16 = "bfloat16"
@@ -69,25 +69,18 @@ def test_colocated_in_bf16_equals_the_bf16_engine(model: str) -> None:
 
 @pytest.mark.parametrize("connector", ["zmq", "nccl", "shm", "nixl"])
 def test_1p1d_in_bf16_equals_the_bf16_engine(model: str, connector: str) -> None:
-    router, prefill, decode_ = build(model, 1, 1, connector, dtype=BF16)
-    firsts: dict[str, Tokens] = {}
-    recv = router.recv
+    with pair(model, 1, 1, connector, dtype=BF16) as (router, prefill, decode_):
+        firsts: dict[str, Tokens] = {}
+        recv = router.recv
 
-    def recording(kind: type, request_id: str, timeout: float = 10.0):
-        msg = recv(kind, request_id, timeout)
-        if isinstance(msg, Tokens):
-            firsts.setdefault(request_id, msg)
-        return msg
+        def recording(kind: type, request_id: str, timeout: float = 10.0):
+            msg = recv(kind, request_id, timeout)
+            if isinstance(msg, Tokens):
+                firsts.setdefault(request_id, msg)
+            return msg
 
-    router.recv = recording
-    try:
+        router.recv = recording
         assert prefill.engine.kv_layout().dtype == BF16 == decode_.engine.kv_layout().dtype
         for i, prompt in enumerate(PROMPTS):
             got = serve(router, prefill, decode_, f"r{i}", prompt, 1, SCORED)
             check(got, firsts[f"r{i}"], offline(model)[i])
-        prefill.engine.check_integrity()
-        decode_.engine.check_integrity()
-    finally:
-        prefill.close()
-        decode_.close()
-        router.sock.close()

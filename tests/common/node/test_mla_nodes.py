@@ -19,7 +19,7 @@ from pdserve.common.node.config import NodeConfig
 from pdserve.decode_node.node import DecodeNode
 from tests.common.model.test_mla import LATENT
 from tests.common.model.test_mla import model_dir as model_dir  # the tiny DeepSeek-V3
-from tests.common.node.test_tp_nodes import BLOCK, GREEDY, PROMPTS, answers, build, free
+from tests.common.node.test_tp_nodes import BLOCK, GREEDY, PROMPTS, answers, free, pair
 from tests.prefill_node.test_prefill_node import FakeRouter, finish_on_decode, start
 
 
@@ -93,8 +93,7 @@ def assert_same_latents(prefill: Any, decode_: Any, shipped: Shipped, n_tokens: 
 )
 def test_mla_through_pd_equals_the_engine(model_dir: str, p: int, d: int, connector: str) -> None:
     expected = answers(model_dir)
-    router, prefill, decode_ = build(model_dir, p, d, connector)
-    try:
+    with pair(model_dir, p, d, connector) as (router, prefill, decode_):
         layout = decode_.kv.local.layout
         assert (layout.planes, layout.num_kv_heads, layout.head_dim) == (1, 1, LATENT)
         before = (free(prefill), free(decode_))
@@ -111,12 +110,6 @@ def test_mla_through_pd_equals_the_engine(model_dir: str, p: int, d: int, connec
         sent = prefill.kv.call("bytes_sent")
         assert sum(sent) == d * one_copy and sent.count(0) == p - min(p, d)  # one sender each
         assert (free(prefill), free(decode_)) == before
-        prefill.engine.check_integrity()
-        decode_.engine.check_integrity()
-    finally:
-        prefill.close()
-        decode_.close()
-        router.sock.close()
 
 
 def test_nixl_is_refused_for_a_latent_cache_at_start(model_dir: str) -> None:

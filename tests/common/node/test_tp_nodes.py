@@ -5,6 +5,7 @@ where they started after success and after an abort midway."""
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import threading
 import time
@@ -71,6 +72,21 @@ def build(model: str, p: int, d: int, connector: str, dtype: str = "float32"):
     return router, prefill, decode_
 
 
+@contextlib.contextmanager
+def pair(model: str, p: int, d: int, connector: str, **kwargs) -> Iterator[tuple]:
+    """`build`'s (router, prefill node, decode node), closed after; when the body passed, both
+    engines' block books are checked consistent first."""
+    router, prefill, decode_ = build(model, p, d, connector, **kwargs)
+    try:
+        yield router, prefill, decode_
+        prefill.engine.check_integrity()
+        decode_.engine.check_integrity()
+    finally:
+        prefill.close()
+        decode_.close()
+        router.sock.close()
+
+
 def serve(
     router, prefill, decode_, rid: str, prompt: list[int], p: int, params=GREEDY
 ) -> list[int]:
@@ -115,8 +131,7 @@ def settle(prefill, decode_, before: tuple[int, int], timeout: float = 30.0) -> 
 def test_tp_p_to_tp_d_equals_the_engine_at_tp1(models, kv, p, d, connector) -> None:
     model = models[kv]
     expected = answers(model)
-    router, prefill, decode_ = build(model, p, d, connector)
-    try:
+    with pair(model, p, d, connector) as (router, prefill, decode_):
         before = (free(prefill), free(decode_))
         for i, prompt in enumerate(PROMPTS):
             got = serve(router, prefill, decode_, f"r{i}", prompt, p)
@@ -129,12 +144,6 @@ def test_tp_p_to_tp_d_equals_the_engine_at_tp1(models, kv, p, d, connector) -> N
         settle(prefill, decode_, before)
         assert (free(prefill), free(decode_)) == before
         assert not decode_.pending and not decode_.xfer_to_rid
-        prefill.engine.check_integrity()
-        decode_.engine.check_integrity()
-    finally:
-        prefill.close()
-        decode_.close()
-        router.sock.close()
 
 
 def test_a_reservation_renewed_for_another_sending_tp(models) -> None:
