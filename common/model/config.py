@@ -347,30 +347,27 @@ def _moe_settings(arch: str, hf_config: Any) -> dict[str, Any]:
         experts = hf_config.n_routed_experts
         width, renormalize = hf_config.moe_intermediate_size, bool(hf_config.norm_topk_prob)
         layers = tuple(range(hf_config.first_k_dense_replace or 0, n)) if experts else ()
-        return {
-            "num_experts": int(experts),
-            "num_experts_per_tok": int(hf_config.num_experts_per_tok),
-            "moe_intermediate_size": int(width),
-            "norm_topk_prob": renormalize,
-            "moe_layers": layers,
-            "n_group": int(hf_config.n_group or 1),
-            "topk_group": int(hf_config.topk_group or 1),
-            "routed_scaling_factor": float(hf_config.routed_scaling_factor),
-            "n_shared_experts": int(hf_config.n_shared_experts or 0),
-        }
     else:
         width, renormalize = hf_config.moe_intermediate_size, bool(hf_config.norm_topk_prob)
         step = getattr(hf_config, "decoder_sparse_step", 1) or 1
         dense = set(getattr(hf_config, "mlp_only_layers", None) or ())
         sparse = range(n) if experts > 0 else ()
         layers = tuple(i for i in sparse if i not in dense and (i + 1) % step == 0)
-    return {
+    settings = {
         "num_experts": int(experts),
         "num_experts_per_tok": int(hf_config.num_experts_per_tok),
         "moe_intermediate_size": int(width),
         "norm_topk_prob": renormalize,
         "moe_layers": layers,
     }
+    if arch == "DeepseekV3ForCausalLM":  # grouped routing and always-on shared experts
+        settings |= {
+            "n_group": int(hf_config.n_group or 1),
+            "topk_group": int(hf_config.topk_group or 1),
+            "routed_scaling_factor": float(hf_config.routed_scaling_factor),
+            "n_shared_experts": int(hf_config.n_shared_experts or 0),
+        }
+    return settings
 
 
 def _mla_settings(arch: str, hf_config: Any) -> dict[str, Any]:

@@ -23,6 +23,7 @@ from pdserve.common.model.llama import RotaryEmbedding
 from pdserve.common.model.weights import load_model
 from pdserve.common.wire.payloads import KVLayout
 from pdserve.tiny_model import train_tokenizer
+from tests.common.model.test_moe import assert_block_equals_hf
 from tests.common.test_llm_equivalence import VOCAB, assert_matches_hf, run_engine
 
 KV_LORA_RANK, ROPE_DIM = 32, 8
@@ -137,13 +138,7 @@ def test_moe_block_equals_hf():
     config = hf_config()
     hf = DeepseekV3MoE(config).eval()
     randomize(hf, 2)
-    ours = DeepseekMoE(ModelArchConfig.from_hf(config))
-    ours.load_state_dict(hf.state_dict(), strict=True)  # the same names and shapes
-    x = torch.randn(2, 19, config.hidden_size)
-    with torch.no_grad():
-        want = hf(x)
-        got = ours(x.view(-1, config.hidden_size)).view_as(x)
-    torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-5)
+    assert_block_equals_hf(DeepseekMoE(ModelArchConfig.from_hf(config)), hf, config.hidden_size)
 
 
 def _chunk_metadata(table: torch.Tensor, block_size: int, done: int, n: int) -> AttentionMetadata:

@@ -156,12 +156,17 @@ def test_block_equals_hf_sparse_moe_block(arch, fields):
     with torch.no_grad():
         for param in hf.parameters():
             param.normal_(0.0, 0.1)
-    ours = SparseMoeBlock(ModelArchConfig.from_hf(config))
-    ours.load_state_dict(hf.state_dict(), strict=True)  # the same names and shapes
-    x = torch.randn(2, 19, config.hidden_size)
+    assert_block_equals_hf(SparseMoeBlock(ModelArchConfig.from_hf(config)), hf, config.hidden_size)
+
+
+def assert_block_equals_hf(ours: torch.nn.Module, hf: torch.nn.Module, hidden: int) -> None:
+    """Our MoE block, given HF's block's weights (same names and shapes), on a [2, 19] batch:
+    HF's output on the flat [38] tokens."""
+    ours.load_state_dict(hf.state_dict(), strict=True)
+    x = torch.randn(2, 19, hidden)
     with torch.no_grad():
         want = hf(x)
-        got = ours(x.view(-1, config.hidden_size)).view_as(x)
+        got = ours(x.view(-1, hidden)).view_as(x)
     torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-5)
 
 
