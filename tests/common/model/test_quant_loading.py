@@ -124,7 +124,9 @@ def test_a_quantized_gguf_generates_as_the_file_dequantized(
     tiny_model_dir, tmp_path: Path, qtype: Q
 ) -> None:
     """Q8_0 (as int8) and Q4_0 (as int4) held exactly: the only difference from
-    dequantize-then-matmul is float32 rounding, so greedy tokens are equal."""
+    dequantize-then-matmul is float32 rounding, so greedy tokens are equal. `auto` keeps each
+    type at that width in a bf16 engine; a float32 engine dequantizes under `auto` (the
+    packed kernels are slow on float32 activations) and is asked for the width here."""
     path = write_llama_gguf(
         tiny_model_dir("llama"), tmp_path / "q.gguf", qtype, change=_amax_in_every_block
     )
@@ -132,14 +134,20 @@ def test_a_quantized_gguf_generates_as_the_file_dequantized(
     prompts = ["The quick brown fox", "Once upon a time", "the cat sat on"]
     dense = LLM(str(path), quantization="none", dtype="float32")
     want = [o.token_ids for o in dense.generate(prompts, params)]
-    quantized = LLM(str(path), dtype="float32")  # quantization auto
+    width = "int8" if qtype == Q.Q8_0 else "int4"
+    auto_bf16, _ = load_model(path, torch.bfloat16, "cpu", quantization="auto")
+    assert {m.bits for m in auto_bf16.modules() if isinstance(m, QuantizedLinear)} == {
+        int(width[3:])
+    }
+    auto_f32, _ = load_model(path, torch.float32, "cpu", quantization="auto")
+    assert not any(isinstance(m, QuantizedLinear) for m in auto_f32.modules())
+    quantized = LLM(str(path), dtype="float32", quantization=width)
     kinds = _kinds(quantized.engine.runner.model)
     assert kinds.pop("lm_head", nn.Linear) is nn.Linear  # stays as stored
     assert set(kinds.values()) == {QuantizedLinear}
     assert [o.token_ids for o in quantized.generate(prompts, params)] == want
     # Their KV differs slightly: a node at `none` and one holding the file quantized must not
     # pair, so the layout they announce names the weights' form.
-    width = "int8" if qtype == Q.Q8_0 else "int4"
     plain, held = dense.engine.kv_layout(), quantized.engine.kv_layout()
     assert held.model_id == f"{plain.model_id}:{width}"
     assert held.digest() != plain.digest()
@@ -176,13 +184,13 @@ _MEASURE = textwrap.dedent(
     torch.set_num_threads(1)
     # A tiny model of the same types first: imports, the metadata's cache and the pages of
     # torch's code that converting touches are then not counted.
-    load_model(sys.argv[2], torch.float32, "cpu", quantization="auto")
+    load_model(sys.argv[2], torch.bfloat16, "cpu", quantization="auto")
     ModelArchConfig.from_dir(sys.argv[1])
     gc.collect()
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")  # the peak (VmHWM) starts again from the RSS now
     before = status("VmRSS")
-    model, _ = load_model(sys.argv[1], torch.float32, "cpu", quantization="auto")
+    model, _ = load_model(sys.argv[1], torch.bfloat16, "cpu", quantization="auto")
     gc.collect()
     tensors = [*model.parameters(), *model.buffers()]
     print(json.dumps({
@@ -247,10 +255,11 @@ def smollm2_gguf() -> Path:
 
 
 def test_smollm2_q4_1_kept_int4_answers_paris(smollm2_gguf: Path) -> None:
-    """Q4_1 held as int4 exactly (quantization auto). In float32: the first answer token is
-    a near-tie ("The" 0.08 nats over "L"), which bf16 rounding, with or without int4, may
-    flip to a French answer that never names Paris (docs/quantization.md)."""
-    llm = LLM(str(smollm2_gguf), dtype="float32")
+    """Q4_1 held as int4 exactly. In float32 (so int4 asked for: `auto` dequantizes there):
+    the first answer token is a near-tie ("The" 0.08 nats over "L"), which bf16 rounding,
+    with or without int4, may flip to a French answer that never names Paris
+    (docs/quantization.md)."""
+    llm = LLM(str(smollm2_gguf), dtype="float32", quantization="int4")
     layer = llm.engine.runner.model.model.layers[0]
     assert isinstance(layer.mlp.up_proj, QuantizedLinear) and layer.mlp.up_proj.bits == 4
     chat = [{"role": "user", "content": "What is the capital of France?"}]
