@@ -51,8 +51,13 @@ def test_greedy_equals_hf_and_sampling_equals_tp1(model_dirs, arch: str, size: i
     one = LLM(model_dir, skip_tokenizer_init=True, dtype="float32")
     with LLM(model_dir, tensor_parallel_size=size, **TP) as llm:
         workers = [p.pid for p in llm.engine.runner.driver.procs]
-        for pid in (os.getpid(), *workers):  # the rendezvous and gloo's pairs: loopback only
-            assert _tcp_local_addresses(pid) <= {"127.0.0.1", "::1"}
+        # The rendezvous and gloo's pairs on loopback only: every socket of a worker (a fresh
+        # process), and here (where other tests' sockets may live) the rendezvous's listener.
+        loopback = {"127.0.0.1", "::1"}
+        for pid in workers:
+            assert _tcp_local_addresses(pid) <= loopback
+        store_port = llm.engine.runner.driver._store.port
+        assert _tcp_local_addresses(os.getpid(), store_port) <= loopback
         assert [o.token_ids for o in llm.generate(PROMPTS, GREEDY)] == hf_tokens
         for a, b in zip(one.generate(short, seeded), llm.generate(short, seeded), strict=True):
             assert a.token_ids == b.token_ids
@@ -71,8 +76,9 @@ def test_greedy_equals_hf_and_sampling_equals_tp1(model_dirs, arch: str, size: i
     assert not any(map(_alive, workers)), "a worker outlived close()"
 
 
-def _tcp_local_addresses(pid: int) -> set[str]:
-    """The local addresses of every TCP socket process `pid` holds (from /proc)."""
+def _tcp_local_addresses(pid: int, port: int | None = None) -> set[str]:
+    """The local addresses of every TCP socket process `pid` holds (from /proc), or of those
+    on local `port` only."""
     inodes = set()
     for fd in os.listdir(f"/proc/{pid}/fd"):
         try:
@@ -86,8 +92,9 @@ def _tcp_local_addresses(pid: int) -> set[str]:
         with open(f"/proc/{pid}/net/{table}") as f:
             for row in f.read().splitlines()[1:]:
                 cols = row.split()
-                if cols[9] in inodes:
-                    found.add(_proc_address(cols[1].split(":")[0], width))
+                address, local_port = cols[1].split(":")
+                if cols[9] in inodes and port in (None, int(local_port, 16)):
+                    found.add(_proc_address(address, width))
     assert found, f"process {pid} holds no TCP socket (the check would prove nothing)"
     return found
 
