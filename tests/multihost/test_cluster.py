@@ -183,7 +183,7 @@ def test_cutting_a_decode_hosts_link_under_load_with_a_slow_relay_left(
         cluster.wait_ready("r1", [p, d1, d2])
         prompts = PROMPTS + PROMPTS[:8]
         with ThreadPoolExecutor(len(prompts)) as pool:
-            futures = [pool.submit(complete, cluster.url("r1"), pr, 90) for pr in prompts]
+            futures = [pool.submit(complete, cluster.url("r1"), pr) for pr in prompts]
             wait_holding(cluster, "r1", d1)  # cut while d1 decodes: those requests must move
             hosts.link_down("d1", side="switch")
             try:
