@@ -24,12 +24,12 @@ TEXT = Path(__file__).parent / "data" / "quant_text.txt"
 RUNS = [
     ("float32", "none"),
     ("float32", "int8"),
-    ("float32", "auto"),
+    ("float32", "int4"),
     ("bfloat16", "none"),
     ("bfloat16", "int8"),
-    ("bfloat16", "auto"),
+    ("bfloat16", "int4"),
 ]
-GOALS = {"none": None, "int8": 2.0, "auto": 6.0}  # % perplexity over the reference
+GOALS = {"none": None, "int8": 2.0, "int4": 6.0}  # % perplexity over the reference
 CHAT = [
     "What is the capital of France?",
     "Name three primary colors.",
@@ -99,7 +99,7 @@ def table(rows: list[Row]) -> str:
         goal = GOALS[r.quantization]
         verdict = "" if goal is None else f"<= +{goal:.0f}%: {'met' if delta <= goal else 'missed'}"
         same = sum(a == b for a, b in zip(r.answers, ref.answers, strict=True))
-        mode = "auto (int4)" if r.quantization == "auto" else r.quantization
+        mode = "int4 (Q4_1 kept)" if r.quantization == "int4" else r.quantization
         lines.append(
             f"| {r.dtype} | {mode} | {r.perplexity:.4f} | {delta:+.2f}% | {verdict} | "
             f"{same}/{len(ref.answers)} |"
