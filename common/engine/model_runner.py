@@ -26,7 +26,6 @@ from pdserve.common.engine.tensor_parallel import RankDriver, threads_per_rank
 from pdserve.common.model.attention import AttentionMetadata, KVCacheSpec
 from pdserve.common.model.config import ModelArchConfig
 from pdserve.common.model.parallel import TPGroup, TPShard
-from pdserve.common.model.quant import weight_format
 from pdserve.common.model.weights import load_model
 from pdserve.common.wire.payloads import KVLayout, TokenLogprobs
 
@@ -173,6 +172,8 @@ class ModelRunner:
         rank holds a share of them), as the KV handshake and the router's pairing compare it.
         Quantized weights give other KV than the float ones: the id names their form."""
         spec = type(self.model).kv_cache_spec(self.arch)
+        from pdserve.common.model.quant import weight_format  # numpy: only with quantization
+
         held = weight_format(self.model)
         return KVLayout(
             model_id=f"{model_id}:{held}" if held else model_id,

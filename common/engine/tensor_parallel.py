@@ -214,11 +214,18 @@ class RankDriver:
     def call(self, method: str, args: list[Any], local: Callable[[], Any]) -> list[Any]:
         """Run `method(*args)` on every worker's agent and `local()` here, between the
         command going out and the results coming back; every rank's result, in rank order.
-        A worker's exception comes back as a RuntimeError naming its rank."""
+        A worker's exception comes back as a RuntimeError naming its rank; `local()`'s is
+        raised as it is, but only after the gather: the workers wait in it, and a rank 0 that
+        skipped it would leave them there until the collective's timeout broke the group."""
         with self.group.lock:
             self._checked(self.channel.send, _CALL, msgpack.packb([method, args]))
-            mine = local()
+            try:
+                mine, failed = local(), None
+            except Exception as exc:  # noqa: BLE001 - re-raised below, after the gather
+                mine, failed = None, exc
             replies = self._checked(self.channel.gather, msgpack.packb([True, None]))
+        if failed is not None:
+            raise failed
         results: list[Any] = [mine]
         for rank, raw in enumerate(replies[1:], start=1):
             ok, value = msgpack.unpackb(raw, raw=False)

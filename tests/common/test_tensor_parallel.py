@@ -204,6 +204,15 @@ def test_rank0_calls_every_ranks_agent(model_dirs, monkeypatch) -> None:
             driver.call("fail", [], lambda: None)
         with pytest.raises(RuntimeError, match="rank 1: nope failed: no agent command"):
             driver.call("nope", [], lambda: None)
+
+        def unreachable() -> None:  # rank 0's own part fails (a decode node gone, say)
+            raise ConnectionRefusedError("decode node gone")
+
+        # Raised as it is, after the workers' answers: none is left waiting in the gather
+        # (which would break the group at the collective's timeout, and the next call with it).
+        with pytest.raises(ConnectionRefusedError, match="decode node gone"):
+            driver.call("echo", [1], unreachable)
+        assert driver.call("echo", [8], lambda: "again") == ["again", [1, "t", 8]]
         # A failed command leaves the group whole: steps still run on every rank.
         engine.add_request("r", [1, 2, 3], GREEDY)
         while engine.has_unfinished:
