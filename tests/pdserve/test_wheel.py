@@ -52,7 +52,10 @@ def venv(wheel: Path, tmp_path_factory) -> Path:
             [str(py), "-c", "import sysconfig; print(sysconfig.get_path('purelib'))"], cwd=root
         ).stdout.strip()
     )
-    (site / "zz_outer_deps.pth").write_text(sysconfig.get_path("purelib") + "\n")
+    # This venv's packages, then those it sees of the interpreter it was made from (a venv
+    # with --system-site-packages: numpy, say, may live only there).
+    outer = [sysconfig.get_path("purelib"), *(p for p in sys.path if p.endswith("-packages"))]
+    (site / "zz_outer_deps.pth").write_text("\n".join(dict.fromkeys(outer)) + "\n")
     before = {p.name for p in site.iterdir()}
     _run([str(py), "-m", "pip", "install", "-q", "--no-deps", "--no-index", str(wheel)], cwd=root)
     added = {p.name for p in site.iterdir()} - before
