@@ -86,12 +86,10 @@ def randomize(module: torch.nn.Module, seed: int) -> None:
                 buf.copy_(torch.randn(buf.shape, generator=gen) * 0.1)
 
 
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory) -> str:
+def make_tiny_deepseek(out) -> str:
     """A random checkpoint with a tokenizer, written by transformers' save_pretrained."""
     from transformers import AutoModelForCausalLM
 
-    out = tmp_path_factory.mktemp("deepseek")
     tokenizer = train_tokenizer(VOCAB, 512)
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(hf_config(tokenizer), dtype=torch.float32)
@@ -99,6 +97,12 @@ def model_dir(tmp_path_factory) -> str:
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
     return str(out)
+
+
+@pytest.fixture
+def model_dir(deepseek_dir: str) -> str:
+    """The session's tiny DeepSeek-V3 (tests/common/conftest.py)."""
+    return deepseek_dir
 
 
 def test_config_reads_mla_and_grouped_routing():

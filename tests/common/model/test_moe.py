@@ -85,10 +85,10 @@ def make_tiny_moe(arch: str, out: Path, **fields: Any) -> str:
     return str(out)
 
 
-@pytest.fixture(scope="module")
-def model_dirs(tmp_path_factory) -> dict[str, str]:
-    root = tmp_path_factory.mktemp("moe")
-    return {a: make_tiny_moe(a, root / a) for a in ("qwen3_moe", "mixtral")}
+@pytest.fixture
+def model_dirs(moe_dirs: dict[str, str]) -> dict[str, str]:
+    """The session's tiny Qwen3-MoE and Mixtral (tests/common/conftest.py)."""
+    return moe_dirs
 
 
 def naive_experts(x, gate_up, down, weights, ids) -> torch.Tensor:

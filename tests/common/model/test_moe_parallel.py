@@ -14,7 +14,6 @@ from pdserve.common.model.config import ModelArchConfig
 from pdserve.common.model.moe import Experts, experts_gathered, experts_grouped, route
 from pdserve.common.model.parallel import TPGroup, TPShard
 from pdserve.common.model.registry import model_class
-from tests.common.model import test_mla
 from tests.common.model.test_mla import hf_config as deepseek_config
 from tests.common.model.test_moe import MIXTRAL, QWEN3_MOE, make_tiny_moe
 from tests.common.model.test_moe import hf_config as moe_config
@@ -29,19 +28,16 @@ CHOSEN = (0, 4, 6, 9)
 # Each rank on one thread: the machine's two cores hold both.
 TP2 = {"tensor_parallel_size": 2, "threads_per_rank": 1, "skip_tokenizer_init": True}
 
-# Fixtures of other modules, used here under these names: test_mla's tiny DeepSeek-V3
-# checkpoint, and test_tp_nodes' autouse one that gives this process back the torch threads
-# a group's rank 0 takes.
-deepseek_dir = test_mla.model_dir
+# test_tp_nodes' autouse fixture, used here: it gives this process back the torch threads a
+# group's rank 0 takes.
 keep_threads = test_tp_nodes.keep_threads
 
 
-@pytest.fixture(scope="module")
-def model_dirs(tmp_path_factory, deepseek_dir: str) -> dict[str, str]:
-    """Qwen3-MoE and Mixtral as test_moe makes them, DeepSeek-V3 as test_mla does."""
-    root = tmp_path_factory.mktemp("moe-tp")
-    dirs = {a: make_tiny_moe(a, root / a) for a in ("qwen3_moe", "mixtral")}
-    return {**dirs, "deepseek_v3": deepseek_dir}
+@pytest.fixture
+def model_dirs(moe_dirs: dict[str, str], deepseek_dir: str) -> dict[str, str]:
+    """The session's tiny checkpoints (tests/common/conftest.py): HF's answers for them are
+    computed once, by whichever module asks first."""
+    return {**moe_dirs, "deepseek_v3": deepseek_dir}
 
 
 def arch_of(family: str, **fields) -> ModelArchConfig:
