@@ -1,5 +1,6 @@
-"""Load a checkpoint at one --quantization and report the peak and final RSS of loading and
-the decode-step time at a few batch sizes (docs/quantization.md's table).
+"""Load a checkpoint at one --quantization and report the peak and final RSS of loading, the
+time of one prompt's prefill (--prompt-len tokens) and the decode-step time at a few batch
+sizes (docs/quantization.md's tables).
 
     PYTHONPATH=. python scripts/quant_load.py MODEL --quantization int4 [--dtype bfloat16]
 
@@ -38,6 +39,14 @@ def decode_step_ms(llm: LLM, batch: int, steps: int) -> float:
     return 1000 * sorted(times)[len(times) // 2]
 
 
+def prefill_s(llm: LLM, prompt_len: int) -> float:
+    """Seconds to prefill one prompt of `prompt_len` tokens (and sample its first token)."""
+    params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+    start = time.perf_counter()
+    llm.generate([list(range(100, 100 + prompt_len))], params)
+    return time.perf_counter() - start
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("model")
@@ -46,6 +55,7 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--batches", type=int, nargs="+", default=[1, 16])
     p.add_argument("--steps", type=int, default=16)
+    p.add_argument("--prompt-len", type=int, default=512)
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     gc.collect()
@@ -70,6 +80,7 @@ def main() -> None:
         "load_final_mib": _status("VmRSS") - before,
         "tensors_mib": sum(t.numel() * t.element_size() for t in tensors) >> 20,  # with the KV
     }
+    report["prefill_s"] = round(prefill_s(llm, args.prompt_len), 2)
     for batch in args.batches:
         report[f"decode_ms_b{batch}"] = round(decode_step_ms(llm, batch, args.steps), 2)
     print(json.dumps(report))
