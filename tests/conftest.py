@@ -35,3 +35,25 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Pa
         return built[key]
 
     return make
+
+
+# Tiny mixture-of-experts checkpoints, made once per session: several modules serve them
+# (offline, at TP, through nodes, through real processes), and HF's greedy reference
+# (`hf_greedy`, cached by directory) is then computed once per model too.
+
+
+@pytest.fixture(scope="session")
+def moe_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+    """Qwen3-MoE and Mixtral (tests/common/model/test_moe.py's configs)."""
+    from tests.common.model.test_moe import make_tiny_moe
+
+    root = tmp_path_factory.mktemp("moe")
+    return {a: make_tiny_moe(a, root / a) for a in ("qwen3_moe", "mixtral")}
+
+
+@pytest.fixture(scope="session")
+def deepseek_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """DeepSeek-V3 (tests/common/model/test_mla.py's config)."""
+    from tests.common.model.test_mla import make_tiny_deepseek
+
+    return make_tiny_deepseek(tmp_path_factory.mktemp("deepseek"))

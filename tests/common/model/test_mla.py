@@ -101,7 +101,7 @@ def make_tiny_deepseek(out) -> str:
 
 @pytest.fixture
 def model_dir(deepseek_dir: str) -> str:
-    """The session's tiny DeepSeek-V3 (tests/common/conftest.py)."""
+    """The session's tiny DeepSeek-V3 (tests/conftest.py)."""
     return deepseek_dir
 
 

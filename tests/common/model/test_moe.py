@@ -87,7 +87,7 @@ def make_tiny_moe(arch: str, out: Path, **fields: Any) -> str:
 
 @pytest.fixture
 def model_dirs(moe_dirs: dict[str, str]) -> dict[str, str]:
-    """The session's tiny Qwen3-MoE and Mixtral (tests/common/conftest.py)."""
+    """The session's tiny Qwen3-MoE and Mixtral (tests/conftest.py)."""
     return moe_dirs
 
 

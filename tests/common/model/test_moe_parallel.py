@@ -35,7 +35,7 @@ keep_threads = test_tp_nodes.keep_threads
 
 @pytest.fixture
 def model_dirs(moe_dirs: dict[str, str], deepseek_dir: str) -> dict[str, str]:
-    """The session's tiny checkpoints (tests/common/conftest.py): HF's answers for them are
+    """The session's tiny checkpoints (tests/conftest.py): HF's answers for them are
     computed once, by whichever module asks first."""
     return {**moe_dirs, "deepseek_v3": deepseek_dir}
 
