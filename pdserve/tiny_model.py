@@ -226,3 +226,47 @@ def _perturb_vectors(model: torch.nn.Module) -> None:
     for param in model.parameters():
         if param.ndim == 1:
             param.add_(torch.randn_like(param) * _VECTOR_NOISE_STD)
+
+
+# The MoE benchmark's pair (docs/benchmarks.md, "MoE and MLA"): a Qwen3-MoE of 8 experts, top 2,
+# and a dense Qwen3 whose MLP is top_k x moe_intermediate_size wide. Same attention, norms and
+# embeddings, so a token multiplies by the same weights in both (the router's 8 x hidden apart);
+# the MoE holds num_experts / top_k times the dense MLP's weights.
+MOE_BENCH_SIZES = dict(layers=8, hidden=512, heads=8, kv_heads=2, head_dim=64, vocab=8192,
+                       max_position=4096)  # fmt: skip
+MOE_BENCH_EXPERTS = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=512)
+
+
+def make_moe_bench_models(
+    out_dir: str | Path, *, seed: int = 0, experts: dict[str, int] | None = None, **sizes: Any
+) -> tuple[Path, Path]:
+    """Write the random Qwen3-MoE (out_dir/qwen3-moe) and its dense counterpart
+    (out_dir/qwen3-dense), both float32 with a tokenizer; `sizes` and `experts` override
+    MOE_BENCH_SIZES and MOE_BENCH_EXPERTS (tests make a small pair)."""
+    from transformers import AutoModelForCausalLM, Qwen3MoeConfig
+
+    out, sizes = Path(out_dir), {**MOE_BENCH_SIZES, **sizes}
+    experts = {**MOE_BENCH_EXPERTS, **(experts or {})}
+    width = experts["num_experts_per_tok"] * experts["moe_intermediate_size"]
+    dense = make_tiny_model("qwen3", out / "qwen3-dense", seed=seed, intermediate=width, **sizes)
+    tokenizer = train_tokenizer(sizes["vocab"], sizes["max_position"], seed)
+    fields = {**_DEFAULTS, **{_SHORT_NAMES.get(k, k): v for k, v in sizes.items()}}
+    # Every layer sparse; intermediate_size (unused then) names the dense twin's width.
+    config = Qwen3MoeConfig(
+        architectures=["Qwen3MoeForCausalLM"], bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+        **{**fields, "intermediate_size": width}, **experts, norm_topk_prob=True,
+        decoder_sparse_step=1, mlp_only_layers=[],
+    )  # fmt: skip
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    _perturb_vectors(model)
+    model.save_pretrained(out / "qwen3-moe")
+    tokenizer.save_pretrained(out / "qwen3-moe")
+    return out / "qwen3-moe", dense
+
+
+if __name__ == "__main__":  # python -m pdserve.tiny_model DIR: the MoE benchmark's pair
+    import sys
+
+    print(*make_moe_bench_models(sys.argv[1]))

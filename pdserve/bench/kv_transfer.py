@@ -32,7 +32,7 @@ GOALS = {"zmq": 0.9, "nccl": 0.9, "shm": 0.7, "nixl": 0.9}  # x the raw transpor
 RAW_NAMES = {"zmq": "pyzmq PUSH/PULL", "nccl": "torch.distributed isend/irecv", "shm": "copy_",
              "nixl": "NIXL WRITE"}  # fmt: skip
 CONNECTORS = tuple(GOALS)
-LAYOUTS = ("tiny", "llama3-8b")
+LAYOUTS = ("tiny", "llama3-8b", "deepseek-v3", "llama3-70b")  # the last two: MLA against GQA
 DEFAULT_TOKENS = (128, 512, 2048, 4096, 8192, 32768)
 QUICK_TOKENS = (128, 512)
 BLOCK_SIZE = 16
@@ -46,6 +46,8 @@ def make_layouts(device: str) -> dict[str, KVLayout]:
         # common.tiny_model's defaults: 2 layers, 2 KV heads, hidden 64 / 4 heads = head_dim 16
         "tiny": KVLayout("tiny-llama", dtype, 2, 2, 16, BLOCK_SIZE),
         "llama3-8b": KVLayout("llama-3-8b-shaped", dtype, 32, 8, 128, BLOCK_SIZE),
+        "deepseek-v3": KVLayout("deepseek-v3-shaped", dtype, 61, 1, 576, BLOCK_SIZE, planes=1),
+        "llama3-70b": KVLayout("llama-3-70b-shaped", dtype, 80, 8, 128, BLOCK_SIZE),
     }
 
 
@@ -279,7 +281,7 @@ class Sender:
     def send(self, xfer: str) -> dict[str, Any]:
         cpu0, t0 = time.process_time(), time.monotonic()
         send_request(self.sender, xfer, self.caches, self.src, self.dst)
-        return {"t0": t0, "cpu": time.process_time() - cpu0}
+        return {"t0": t0, "cpu": time.process_time() - cpu0, "sent": self.sender.bytes_sent}
 
     def send_raw(self, frames: list[list[int]]) -> dict[str, Any]:
         cpu0, t0 = time.process_time(), time.monotonic()
@@ -422,6 +424,7 @@ class Run(NamedTuple):
 
     seconds: float
     cpu: float
+    sent: int = 0  # the connector sender's bytes_sent counter after it (not the raw transport's)
 
 
 def summary(conn: list[Run], raw: list[Run], nbytes: int) -> dict[str, Any]:
@@ -475,7 +478,8 @@ class Bench:
         t_end, cpu = time.monotonic(), time.process_time() - cpu0
         reply = reply or self.child.wait(self.pump)
         result = self.results.pop(xfer)
-        return Run(t_end - reply["t0"], cpu + reply["cpu"]), "" if result.ok else result.error
+        run = Run(t_end - reply["t0"], cpu + reply["cpu"], reply["sent"])
+        return run, "" if result.ok else result.error
 
     def raw_run(self, frames: list[list[int]], landing: list[torch.Tensor]) -> Run:
         """The same frames over the bare transport."""
@@ -506,6 +510,7 @@ class Bench:
             self.child.wait(self.pump)
             frames, landing = point.frames(), [as_bytes(c) for c in caches]
             runs = [(self.transfer(dst), self.raw_run(frames, landing)) for _ in range(repeats + 1)]
+            received = self.receiver.bytes_received  # the connectors' own counters, per transfer
         finally:
             self.receiver.close()
             self.receiver = None
@@ -516,6 +521,7 @@ class Bench:
             "layout": point.layout_name, "bytes": point.nbytes, "frame_bytes": frames[0][2],
             "frames_per_layer": len(frames) // point.layout.num_layers, "ok": not errors,
             "errors": errors, "whole": summary(conn, raw, point.nbytes),
+            "bytes_sent": conn[-1].sent / len(runs), "bytes_received": received / len(runs),
             "goal": GOALS[point.connector],
         }  # fmt: skip
 
@@ -576,6 +582,8 @@ COLUMNS = [
       (("ms", "ms"), ("GB/s", "gb_s"), ("raw GB/s", "raw_gb_s"), ("ratio", "ratio"))],
     ("CPU s/GB (raw)", lambda r: f"{r['whole']['cpu_s_per_gb']:.2f} "
      f"({r['whole']['raw_cpu_s_per_gb']:.2f})"),
+    ("counted B/token (per layer)", lambda r: f"{r['bytes_received'] / r['tokens']:.0f} "
+     f"({r['bytes_received'] / r['tokens'] * r['layer_bytes'] / r['bytes']:.0f})"),
 ]  # fmt: skip
 
 
@@ -635,8 +643,8 @@ def parse_tokens(text: str) -> list[int]:
 FLAGS = [
     ("--quick", bool, None, "tiny layout, 128 and 512 tokens, 2 repeats: seconds (needs --out)"),
     ("--connectors", str, ",".join(CONNECTORS), "connectors to measure, a comma list"),
-    ("--layouts", str, None, "KV layouts, a comma list of tiny and llama3-8b (default: both; "
-     "quick: tiny)"),
+    ("--layouts", str, None, f"KV layouts, a comma list of {', '.join(LAYOUTS)} (default: tiny,"
+     "llama3-8b; quick: tiny)"),
     ("--tokens", parse_tokens, None, "prompt lengths in tokens, a comma list, k = 1024 (default: "
      "128,512,2k,4k,8k,32k; quick: 128,512)", {"metavar": "N,N,..."}),
     ("--repeats", int, None, "timed transfers per point, the median reported (default: 5; "
@@ -657,7 +665,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     args.connectors = [c.strip() for c in args.connectors.split(",") if c.strip()]
     if not args.connectors or set(args.connectors) - set(CONNECTORS):
         p.error(f"--connectors must name some of {CONNECTORS}")
-    args.layouts = (args.layouts or ("tiny" if args.quick else ",".join(LAYOUTS))).split(",")
+    args.layouts = (args.layouts or ("tiny" if args.quick else "tiny,llama3-8b")).split(",")
     if set(args.layouts) - set(LAYOUTS):
         p.error(f"--layouts must name some of {LAYOUTS}")
     args.tokens = args.tokens or list(QUICK_TOKENS if args.quick else DEFAULT_TOKENS)
@@ -704,8 +712,7 @@ def run_connector(connector: str, points: list[Point], repeats: int, device: str
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     def write(report: dict[str, Any], to: rp.Outputs) -> None:
         for s in report["skipped"]:
-            where = f"{s['connector']} {s['layout']} {fmt_tokens(s['tokens'])}"
-            print(f"skipped {where}: {s['reason']}")
+            print(f"skipped {s['connector']} {s['layout']} {fmt_tokens(s['tokens'])}:", s["reason"])
         rp.publish("kv_transfer", report, to, plot, section)
 
     return rp.bench_main(argv, parse_args, "kv_transfer", measure, write)

@@ -120,28 +120,58 @@ class Pdserve:
         self.runner = self.llm.engine.runner
         self.max_tokens, self.device = args.max_tokens, args.device
         self.steps: list[float] = []
-        inner = self.llm.engine.step
+        self.experts: list[float] = []  # per step: seconds in the MoE experts (nan: dense)
+        calls = time_experts(self.runner.model, self.device)
+        inner = timing(self.llm.engine.step, self.steps, self.device)
 
         def timed_step() -> Any:
-            rp.sync(self.device)
-            t0 = time.perf_counter()
-            out = inner()
-            rp.sync(self.device)
-            self.steps.append(time.perf_counter() - t0)
+            n, out = len(calls or ()), inner()
+            self.experts.append(sum(calls[n:]) if calls is not None else float("nan"))
             return out
 
         self.llm.engine.step = timed_step
 
     def __call__(self, prompts: list[list[int]]) -> dict[str, Any]:
         params = SamplingParams(max_tokens=self.max_tokens, temperature=0.0, ignore_eos=True)
-        self.steps = []
+        self.steps[:], self.experts[:] = [], []  # in place: `timing` holds self.steps
         t0 = time.perf_counter()
         outs = self.llm.generate(prompts, params)
         rp.sync(self.device)
         step = statistics.median(self.steps[1:] or [float("nan")])
+        share = [e / s for e, s in zip(self.experts, self.steps)]  # the compiled: not timed
+        decode = statistics.median(share[1:]) if self.runner.compiled is None else float("nan")
         return {"wall_s": time.perf_counter() - t0, "prefill_s": self.steps[0],
+                "prefill_experts_share": share[0], "decode_experts_share": decode,
                 "decode_step_s": step, "steps": len(self.steps),
                 "tokens": [o.token_ids for o in outs]}  # fmt: skip
+
+
+def timing(fn: Callable, seconds: list[float], device: str = "cpu") -> Callable:
+    """`fn` timing each call into `seconds`, the device synced around it; bare when compiled."""
+
+    def timed(*args: Any) -> Any:
+        if torch.compiler.is_compiling():
+            return fn(*args)
+        rp.sync(device)
+        start = time.perf_counter()
+        try:
+            return fn(*args)
+        finally:
+            rp.sync(device)
+            seconds.append(time.perf_counter() - start)
+
+    return timed
+
+
+def time_experts(model: torch.nn.Module, device: str) -> list[float] | None:
+    """Each MoE expert block timed into the list returned (None: dense); CUDA: the fused kernel."""
+    from pdserve.common.model.moe import Experts
+
+    calls: list[float] = []
+    blocks = [m for m in model.modules() if isinstance(m, Experts)]
+    for block in blocks:
+        block.forward = timing(block.forward, calls, device)
+    return calls if blocks else None
 
 
 def take_turns(engines: dict[str, Callable], prompts: list[list[int]], repeats: int) -> Runs:
@@ -177,6 +207,8 @@ def sweep_fields(args: argparse.Namespace, path: Path, pd: Pdserve) -> dict[str,
         f"{arch.num_heads} heads / {arch.num_kv_heads} KV heads, MLP {arch.intermediate_size}, "
         f"vocab {arch.vocab_size}"
     )
+    e, width, top = arch.num_experts, arch.moe_intermediate_size, arch.num_experts_per_tok
+    description += f"; {e} experts of {width}, top {top}" if e else ""  # MLP: the dense layers'
     keys = ("device", "dtype", "prompt_len", "max_tokens", "repeats")
     params = sum(p.numel() for p in model.parameters())
     model_fields = {"dir": str(path), "description": description, "params": params}
@@ -193,11 +225,9 @@ def compare_tokens(ours: list[list[int]], theirs: list[list[int]]) -> dict[str, 
 
 
 def model_line(report: dict[str, Any]) -> str:
-    m = report["model"]
-    return (
-        f"Model: {m['description']} ({m['params'] / 1e6:.1f} M parameters); prompts of "
-        f"{report['prompt_len']} random tokens, {report['max_tokens']} greedy new tokens each."
-    )
+    m, n = report["model"], report["prompt_len"]
+    return (f"Model: {m['description']} ({m['params'] / 1e6:.1f} M parameters); prompts of {n} "
+            f"random tokens, {report['max_tokens']} greedy new tokens each.")  # fmt: skip
 
 
 def copy_bandwidth(nbytes: int, dtype: torch.dtype, device: str) -> float:
@@ -209,8 +239,7 @@ def copy_bandwidth(nbytes: int, dtype: torch.dtype, device: str) -> float:
 
 def gemm_flops(m: int, k: int, n: int, dtype: torch.dtype, device: str) -> float:
     """FLOP/s of one [m, k] @ [k, n] matmul."""
-    a = torch.randn(m, k, device=device).to(dtype)
-    b = torch.randn(k, n, device=device).to(dtype)
+    a, b = (torch.randn(shape, device=device).to(dtype) for shape in ((m, k), (k, n)))
     return 2 * m * k * n / rp.best_time(lambda: a @ b, device, repeats=7)
 
 
@@ -261,8 +290,7 @@ class HF:
         from transformers import AutoModelForCausalLM
 
         dtype = DTYPES[args.dtype]
-        self.model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(args.device)
-        self.model.eval()
+        self.model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(args.device).eval()
         self.model.generation_config.eos_token_id = None
         self.max_tokens, self.device = args.max_tokens, args.device
 
@@ -416,15 +444,7 @@ GRAMMAR_MODES = ("plain", "first", "worker")  # no grammar; mask filled first; o
 def fill_timer() -> Iterator[list[float]]:
     """The runner's mask fill wrapped to time it: yields the seconds of each fill."""
     fill, seconds = model_runner.fill_bitmask, []
-
-    def timed(grammars: Any, vocab_size: int) -> Any:
-        start = time.perf_counter()
-        try:
-            return fill(grammars, vocab_size)
-        finally:
-            seconds.append(time.perf_counter() - start)
-
-    model_runner.fill_bitmask = timed
+    model_runner.fill_bitmask = timing(fill, seconds)
     try:
         yield seconds
     finally:
@@ -518,12 +538,10 @@ def structured_main(argv: list[str] | None = None) -> None:
     text = rp.records_table(GRAMMAR_COLUMNS, rows)
     print(text)
     rp.save_json(to.folder / "structured.json", {"machine": rp.machine(), "rows": rows})
-    setup = (
-        f"{rp.describe_machine(rp.machine())}. SmolLM2-135M-Instruct (float32), greedy, a JSON "
-        "schema with nested objects, an enum, bounded strings and a list; the best of "
-        f"{args.repeats} alternated runs of the median of {args.steps} decode steps, every "
-        "column from the same run."
-    )
+    setup = (f"{rp.describe_machine(rp.machine())}. SmolLM2-135M-Instruct (float32), greedy, a "
+             "JSON schema with nested objects, an enum, bounded strings and a list; the best of "
+             f"{args.repeats} alternated runs of the median of {args.steps} decode steps, every "
+             "column from the same run.")  # fmt: skip
     title = "## Structured outputs: the grammar mask per decode step"
     command = f"Command: `{shlex.join(['pdserve', 'bench', 'structured', *argv])}`"
     body = "\n\n".join([title, command, setup, text])
