@@ -47,6 +47,8 @@ class LocalCluster:
     do not get the terminal's Ctrl-C: only `stop()` signals them (one SIGTERM: a node drains;
     a second one would stop it at once), as a supervisor wants. With num_routers > 1 every
     node registers with each router; routers after the first ("router1", ...) take free ports.
+    `node_args` adds arguments to single nodes ("prefill0": a TP group, say), last, so that
+    they win over the shared ones.
     """
 
     model: str
@@ -61,6 +63,7 @@ class LocalCluster:
     prefill_args: list[str] = field(default_factory=list)
     decode_args: list[str] = field(default_factory=list)
     router_args: list[str] = field(default_factory=list)
+    node_args: dict[str, list[str]] = field(default_factory=dict)  # by name, after the rest
     log_dir: str | None = None
     host: str = "127.0.0.1"
     inherit_output: bool = False
@@ -111,6 +114,10 @@ class LocalCluster:
             out[f"decode{i}"] += self.decode_args
         for i in range(self.num_colocated):
             out[f"both{i}"] = ["decode", "--role", "both", *node, "--node-id", f"both{i}"]
+        for name, args in self.node_args.items():
+            if name not in out:
+                raise ValueError(f"node_args names {name!r}, not a node of this cluster")
+            out[name] = out[name] + args
         return out
 
     def _router(self, port: int, control_port: int) -> list[str]:

@@ -1,0 +1,193 @@
+"""Qwen3-MoE, Mixtral and DeepSeek-V3 (MLA) served by real processes on loopback: a router,
+two prefill and two decode nodes of mixed tensor- and expert-parallel sizes, and a colocated
+node, against the offline engine's greedy tokens (float32; the offline engine equals HF, see
+tests/common/model/test_moe.py and test_mla.py).
+
+One deployment per architecture (process starts are most of the time), in phases:
+
+1. one request after another: round robin pairs prefill0 (TP 2, expert parallel) with
+   decode0 (TP 2, expert parallel), then prefill1 (TP 2) with decode1 (TP 1); each pair is
+   seen in the nodes' prefix caches (only the pair that served a prompt caches its blocks);
+2. a concurrent burst over both pairs and the crossed ones (2P2D);
+3. kill -9 of decode0 while it decodes: every answer still equals the reference (streams fail
+   over to decode1), every request ends in time, the survivors' pools are clean;
+4. decode1 stopped: with no decode node left the router serves from the colocated node.
+"""
+
+from __future__ import annotations
+
+import random
+import re
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import psutil
+import pytest
+
+from pdserve.local_cluster import LocalCluster
+from pdserve.testbed import faults as fh
+from tests.common.test_llm_equivalence import VOCAB
+from tests.e2e.test_disaggregated import assert_reports_clean
+
+ARCHS = ("qwen3_moe", "mixtral", "deepseek_v3")
+BLOCK = 16
+ENGINE = ["--block-size", str(BLOCK), "--max-num-batched-tokens", "64", "--max-model-len", "512"]
+ENGINE += ["--num-blocks", "96", "--dtype", "float32", "--threads-per-rank", "1"]
+ENGINE += fh.NODE_ARGS  # fast heartbeats and leases: a dead node is noticed within 1.5 s
+TP2 = ["--tensor-parallel-size", "2"]
+NODES = {
+    "prefill0": [*TP2, "--enable-expert-parallel"],
+    "prefill1": TP2,
+    "decode0": [*TP2, "--enable-expert-parallel"],
+}  # decode1 and both0 at TP 1
+ROUTER = [*fh.ROUTER_ARGS, "--policy", "round_robin"]
+ANSWER_S = 60.0  # the longest any request may take, failover included
+
+
+def make_prompts(n: int = 10, seed: int = 0) -> list[list[int]]:
+    """Prompts of 17 to 80 tokens (over a block); the first two share nothing (they prove
+    the pairs), four later ones share a 40-token prefix (prefix-cache hits)."""
+    rng = random.Random(seed)
+    prompts = [[rng.randrange(VOCAB) for _ in range(rng.randrange(17, 80))] for _ in range(n)]
+    prefix = [rng.randrange(VOCAB) for _ in range(40)]
+    for i in range(4, 8):
+        prompts[i] = prefix + prompts[i][:20]
+    return prompts
+
+
+PROMPTS = make_prompts()
+
+
+@pytest.fixture
+def model_dirs(moe_dirs: dict[str, str], deepseek_dir: str) -> dict[str, str]:
+    """The session's tiny checkpoints (tests/conftest.py)."""
+    return {**moe_dirs, "deepseek_v3": deepseek_dir}
+
+
+def serve_all(cluster: LocalCluster, prompts: list[list[int]], wants: list[list[int]]) -> None:
+    """Every prompt at once; each answer must come within ANSWER_S and equal its reference."""
+    with ThreadPoolExecutor(max_workers=len(prompts)) as pool:
+        futures = [
+            pool.submit(fh.one_request, cluster.url, i, p, w, False)
+            for i, (p, w) in enumerate(zip(prompts, wants, strict=True))
+        ]
+        deadline = time.monotonic() + ANSWER_S
+        outcomes = [f.result(timeout=max(0.1, deadline - time.monotonic())) for f in futures]
+    assert [o.status for o in outcomes] == ["ok"] * len(prompts), outcomes
+
+
+def caching(cluster: LocalCluster) -> set[str]:
+    """The nodes whose prefix cache holds blocks: those that served a prompt."""
+    return {n for n, r in cluster.integrity().items() if r["report"]["cached_blocks"]}
+
+
+def prove_pairs(cluster: LocalCluster, wants: list[list[int]]) -> None:
+    """Two requests in turn: round robin takes decode0 and prefill0 first, then the next of
+    each; the caches show which pair served each request."""
+    assert caching(cluster) == set()
+    serve_all(cluster, PROMPTS[:1], wants[:1])
+    assert caching(cluster) == {"prefill0", "decode0"}  # EP 2 on both sides
+    serve_all(cluster, PROMPTS[1:2], wants[1:2])
+    assert caching(cluster) == {"prefill0", "decode0", "prefill1", "decode1"}  # TP 2 -> TP 1
+
+
+def streamed_tokens(url: str) -> float:
+    """Tokens the router has sent to clients so far (its Prometheus counter)."""
+    text = httpx.get(url + "/metrics", timeout=10).text
+    found = re.search(r"^pdserve_router_generation_tokens_total (\S+)$", text, re.M)
+    assert found is not None, "the router exports no generation_tokens counter"
+    return float(found.group(1))
+
+
+def kill_mid_decode(
+    cluster: LocalCluster, since: float, requests: int, done: threading.Event
+) -> None:
+    """kill -9 decode0 once the load decodes (more tokens streamed since `since` than the
+    requests' first tokens, which prefill nodes sample) and decode0 holds requests."""
+    while not (
+        streamed_tokens(cluster.url) - since > requests
+        and cluster.integrity()["decode0"]["report"]["live_requests"]
+    ):
+        assert not done.wait(0.01), "decode0 held no request while the load decoded"
+    cluster.procs["decode0"].kill()
+
+
+def kill_decode0_under_load(cluster: LocalCluster, wants: list[list[int]]) -> None:
+    """kill -9 decode0 mid-load: its ranks all exit, and every request still gets the
+    reference answer (what decode0 held resumes on decode1) in time."""
+    node = psutil.Process(cluster.procs["decode0"].pid)
+    group = [node, *node.children(recursive=True)]
+    assert len(group) == 2, "decode0 should be a TP group of two ranks"
+    since, done = streamed_tokens(cluster.url), threading.Event()
+    with ThreadPoolExecutor(max_workers=1) as killer:
+        killed = killer.submit(kill_mid_decode, cluster, since, len(PROMPTS), done)
+        try:
+            serve_all(cluster, PROMPTS, wants)
+        finally:
+            done.set()
+        killed.result(timeout=ANSWER_S)
+    assert fh.router_failovers(cluster.url) > 0, "decode0 held requests: they must have moved"
+    _, alive = psutil.wait_procs(group, timeout=30)
+    assert not alive, f"decode0's ranks outlived it: {alive}"
+
+
+def stop_decode1(cluster: LocalCluster) -> None:
+    """SIGTERM decode1 (idle: it drains at once) and wait until the router dropped it."""
+    proc = cluster.procs["decode1"]
+    proc.terminate()
+    proc.wait(timeout=30)
+    deadline = time.monotonic() + 30
+    while "decode1" in cluster.integrity():
+        assert time.monotonic() < deadline, "the router still lists decode1"
+        time.sleep(0.1)
+
+
+def assert_survivors_clean(cluster: LocalCluster, survivors: set[str]) -> None:
+    reports = fh.wait_clean(cluster)
+    assert set(reports) == survivors
+    assert_reports_clean(reports, len(survivors))
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_moe_model_through_pd_processes(arch: str, model_dirs: dict[str, str], tmp_path) -> None:
+    model = model_dirs[arch]
+    cluster = LocalCluster(
+        model,
+        2,
+        2,
+        num_colocated=1,
+        engine_args=ENGINE,
+        router_args=ROUTER,
+        node_args=NODES,
+        log_dir=str(tmp_path),
+    )
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("OMP_NUM_THREADS", "1")  # each rank one thread: nine processes, two cores
+        for name in cluster.children():
+            cluster.spawn(name)
+    try:
+        wants = fh.reference(model, PROMPTS)  # while the nodes start
+        cluster.wait_ready(timeout=120)
+        prove_pairs(cluster, wants)
+        serve_all(cluster, PROMPTS[2:], wants[2:])
+        assert_survivors_clean(cluster, {"prefill0", "prefill1", "decode0", "decode1", "both0"})
+        kill_decode0_under_load(cluster, wants)
+        assert_survivors_clean(cluster, {"prefill0", "prefill1", "decode1", "both0"})
+        assert "both0" not in caching(cluster)  # colocated only when no decode node is left
+        stop_decode1(cluster)
+        serve_all(cluster, PROMPTS[:4], wants[:4])
+        assert "both0" in caching(cluster), "the colocated node served nothing"
+        assert_survivors_clean(cluster, {"prefill0", "prefill1", "both0"})
+    finally:
+        cluster.stop()
+
+
+def test_node_args_reach_only_their_node() -> None:
+    cluster = LocalCluster("m", 2, 1, num_colocated=1, node_args={"prefill1": ["-tp", "2"]})
+    children = cluster.children()
+    assert children["prefill1"][-2:] == ["-tp", "2"]
+    assert all("-tp" not in args for name, args in children.items() if name != "prefill1")
+    with pytest.raises(ValueError, match="decode3"):
+        LocalCluster("m", node_args={"decode3": []}).children()
