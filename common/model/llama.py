@@ -20,6 +20,7 @@ from torch import nn
 from pdserve.common.model.attention import AttentionMetadata, KVCacheSpec, paged_attention
 from pdserve.common.model.config import ModelArchConfig
 from pdserve.common.model.parallel import TPGroup, TPShard
+from pdserve.common.model.quant import QuantizedEmbedding
 
 
 class RMSNorm(nn.Module):
@@ -373,8 +374,12 @@ class LlamaFamilyForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits [N, vocab_size] in float32 for the N rows the sampler needs (on every rank:
         under tensor parallelism each computes its vocabulary rows and they are gathered)."""
-        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        logits = F.linear(hidden, weight)
+        embed = self.model.embed_tokens
+        if self.lm_head is None and isinstance(embed, QuantizedEmbedding):
+            logits = embed.head(hidden)  # the tied head, held int8 (docs/quantization.md)
+        else:
+            weight = embed.weight if self.lm_head is None else self.lm_head.weight
+            logits = F.linear(hidden, weight)
         if self.tp is not None:
             logits = self.tp.gather_last_dim(logits)[:, : self.config.vocab_size]
         return logits.float()

@@ -227,9 +227,9 @@ class QuantizedLinear(nn.Module):
     `scale_dtype` and cast per call for another input dtype. An input of `dense_rows` rows
     or more (default: DENSE_ROWS for the width) is multiplied by the dequantized weight
     instead, a chunk of rows at a time (on float32 activations the packed kernels are slower
-    still, 50 s for a 512-token prompt of SmolLM2 at int4 against 1.9 s dequantized); `dense=False` always takes the
-    weight-only kernel. CPU only: CUDA's `_weight_int4pack_mm` packs differently and is not
-    written yet."""
+    still, 50 s for a 512-token prompt of SmolLM2 at int4 against 1.9 s dequantized);
+    `dense=False` always takes the weight-only kernel. CPU only: CUDA's `_weight_int4pack_mm`
+    packs differently and is not written yet."""
 
     def __init__(
         self,
@@ -330,6 +330,25 @@ class QuantizedLinear(nn.Module):
             f"in_features={self.in_features}, out_features={self.out_features}, "
             f"bits={self.bits}, group_size={self.group_size}, bias={self.bias is not None}"
         )
+
+
+class QuantizedEmbedding(nn.Module):
+    """A tied token embedding held int8 with one scale per row, the LM head too: a GGUF's
+    int8-width token_embd under `auto` (SmolLM2's Q8_0), instead of a bf16 copy twice its size.
+    A lookup dequantizes the tokens' rows; `head` is the LM head, through the int8 kernel: at
+    batch 1 the tied bf16 head read 56 MiB a decode step and took a quarter of it
+    (docs/quantization.md's profile)."""
+
+    def __init__(self, weight: QuantizedWeight, dtype: torch.dtype = torch.bfloat16) -> None:
+        super().__init__()
+        if weight.bits != 8:
+            raise ValueError(f"a quantized embedding is int8, not int{weight.bits}")
+        self.head = QuantizedLinear(weight, None, scale_dtype=dtype)  # rows come out in dtype
+        self.out_features, self.in_features = weight.out_features, weight.in_features
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        rows = nn.functional.embedding(input_ids, self.head.qweight)
+        return rows.to(self.head.scales.dtype) * self.head.scales[input_ids, None]
 
 
 # --- GGUF blocks ---------------------------------------------------------------------------

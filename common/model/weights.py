@@ -21,6 +21,7 @@ from pdserve.common.model.gguf import RawTensor, dequantize_raw, float_rows
 from pdserve.common.model.parallel import TPGroup
 from pdserve.common.model.quant import (
     Bits,
+    QuantizedEmbedding,
     QuantizedLinear,
     from_gguf_blocks,
     gguf_bits,
@@ -74,6 +75,10 @@ def load_model(
     for name, data in tensors:
         if _ignored(name, config):
             continue
+        if _int8_embedding(mode, name, data, config, tp) and shapes[name] == _shape(data):
+            layers[name] = QuantizedEmbedding(from_gguf_blocks(data, 8), dtype)
+            loaded[name] = shapes[name]
+            continue
         bits = linear_bits(mode, name, data) if name in expected else None
         if bits is not None and shapes[name] == _shape(data):
             layers[name] = _quantized_linear(name, data, bits, tp, config, scale_dtype)
@@ -126,6 +131,26 @@ def linear_bits(mode: str, name: str, data: torch.Tensor | RawTensor) -> Bits | 
     return gguf_bits(data.qtype_name) if isinstance(data, RawTensor) else None
 
 
+def _int8_embedding(
+    mode: str,
+    name: str,
+    data: torch.Tensor | RawTensor,
+    config: ModelArchConfig,
+    tp: TPGroup | None,
+) -> bool:
+    """Whether the embedding stays quantized (`QuantizedEmbedding`): under `auto`, a tied one
+    the GGUF stores at int8 width (Q8_0, Q5_K, Q6_K), on one rank. An int4 type would be
+    requantized to int8 (lossy) and stays float, as do sharded embeddings."""
+    return (
+        mode == "auto"
+        and name == "model.embed_tokens.weight"
+        and config.tie_word_embeddings
+        and tp is None
+        and isinstance(data, RawTensor)
+        and gguf_bits(data.qtype_name) == 8
+    )
+
+
 def _shape(data: torch.Tensor | RawTensor) -> torch.Size:
     return torch.Size(data.shape)
 
@@ -173,9 +198,11 @@ def _quantized_linear(
 
 
 def _install(
-    model: torch.nn.Module, layers: dict[str, QuantizedLinear], state: dict[str, torch.Tensor]
+    model: torch.nn.Module,
+    layers: dict[str, QuantizedLinear | QuantizedEmbedding],
+    state: dict[str, torch.Tensor],
 ) -> None:
-    """Quantized layers in place of their meta nn.Linear (each takes its bias from `state`),
+    """Quantized layers in place of their meta modules (a linear takes its bias from `state`),
     then every other tensor assigned by name. The names were checked against the model's
     before, so the quantized modules' buffers are the only keys load_state_dict lacks."""
     for name, layer in layers.items():

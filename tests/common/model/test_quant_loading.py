@@ -24,7 +24,13 @@ from pdserve import LLM, SamplingParams  # noqa: E402
 from pdserve.common.engine.config import ModelConfig  # noqa: E402
 from pdserve.common.model.gguf import RawTensor  # noqa: E402
 from pdserve.common.model.parallel import TPShard  # noqa: E402
-from pdserve.common.model.quant import QuantizedLinear, quantize_int4, quantize_int8  # noqa: E402
+from pdserve.common.model.quant import (  # noqa: E402
+    QuantizedEmbedding,
+    QuantizedLinear,
+    quantize_int4,
+    quantize_int8,
+    weight_format,
+)
 from pdserve.common.model.weights import linear_bits, load_model  # noqa: E402
 from pdserve.common.node.cli import add_engine_args, engine_configs  # noqa: E402
 from tests.common.model.test_gguf import write_llama_gguf  # noqa: E402
@@ -267,3 +273,33 @@ def test_smollm2_q4_1_kept_int4_answers_paris(smollm2_gguf: Path) -> None:
     prompt = llm.tokenizer(text, add_special_tokens=False).input_ids
     (out,) = llm.generate([prompt], SamplingParams(max_tokens=16, temperature=0.0))
     assert "Paris" in out.text, out.text
+
+
+def test_a_tied_int8_embedding_stays_int8_under_auto(tiny_model_dir, tmp_path: Path) -> None:
+    """A tied Q8_0 embedding in a bf16 engine under `auto`: held int8 per row, a lookup gives
+    the file's rows within int8's half step and bf16's rounding, the LM head is the int8
+    product; float32 engines and the explicit modes keep it float."""
+    path = write_llama_gguf(
+        tiny_model_dir("llama", tie_word_embeddings=True), tmp_path / "q.gguf", Q.Q8_0
+    )
+    model, _ = load_model(path, torch.bfloat16, "cpu", quantization="auto")
+    ref, _ = load_model(path, torch.float32, "cpu", quantization="none")
+    embed, want = model.model.embed_tokens, ref.model.embed_tokens.weight
+    assert isinstance(embed, QuantizedEmbedding) and weight_format(model) == "int8"
+    got = embed(torch.arange(want.shape[0]))
+    assert got.dtype == torch.bfloat16
+    half_step = want.abs().amax(dim=1, keepdim=True) / 127 / 2
+    assert ((got.float() - want).abs() <= half_step + (want.abs() + half_step) * 2**-7).all()
+    hidden = torch.randn(3, want.shape[1]).bfloat16()
+    w = embed.head.qweight.float() * embed.head.scales.float()[:, None]
+    bound = (hidden.float().abs() @ w.abs().T) * 2**-7
+    logits = model.compute_logits(hidden)
+    assert logits.shape == (3, want.shape[0])
+    assert ((logits - hidden.float() @ w.T).abs() <= bound).all()
+    for dtype, mode in (
+        (torch.float32, "auto"),
+        (torch.bfloat16, "int8"),
+        (torch.bfloat16, "none"),
+    ):
+        other, _ = load_model(path, dtype, "cpu", quantization=mode)
+        assert isinstance(other.model.embed_tokens.weight, nn.Parameter), (dtype, mode)
