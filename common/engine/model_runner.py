@@ -25,6 +25,7 @@ from pdserve.common.engine.structured import allowed_from_bitmask, fill_bitmask
 from pdserve.common.engine.tensor_parallel import RankDriver, threads_per_rank
 from pdserve.common.model.attention import AttentionMetadata, KVCacheSpec
 from pdserve.common.model.config import ModelArchConfig
+from pdserve.common.model.llama import fuse_quantized
 from pdserve.common.model.parallel import TPGroup, TPShard
 from pdserve.common.model.weights import load_model
 from pdserve.common.wire.payloads import KVLayout, TokenLogprobs
@@ -124,6 +125,8 @@ class ModelRunner:
         )
         if self.device.type == "cuda":
             self.model.fuse_projections()  # wide GEMVs: decode steps read weights faster
+        else:
+            fuse_quantized(self.model)  # one packed-int4 call for q/k/v, one for gate/up
         shard = self.tp.shard if self.tp is not None else None
         self.kv_spec = type(self.model).kv_cache_spec(self.arch, shard)  # this rank's share
         self.num_blocks = self._pool_size(cache_config)

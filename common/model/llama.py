@@ -20,7 +20,7 @@ from torch import nn
 from pdserve.common.model.attention import AttentionMetadata, KVCacheSpec, paged_attention
 from pdserve.common.model.config import ModelArchConfig
 from pdserve.common.model.parallel import TPGroup, TPShard
-from pdserve.common.model.quant import QuantizedEmbedding
+from pdserve.common.model.quant import QuantizedEmbedding, QuantizedLinear
 
 
 class RMSNorm(nn.Module):
@@ -129,7 +129,7 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(h, self.num_kv_heads * d, bias=config.qkv_bias)
         self.v_proj = nn.Linear(h, self.num_kv_heads * d, bias=config.qkv_bias)
         self.o_proj = nn.Linear(self.num_heads * d, h, bias=config.o_bias)
-        self.qkv_proj: nn.Linear | None = None  # set by fuse(): [q; k; v] in one matrix
+        self.qkv_proj: nn.Module | None = None  # set by fuse(): [q; k; v] in one matrix
         if config.qk_norm:
             # Qwen3 normalizes each head's q and k before rope.
             self.q_norm = RMSNorm(d, config.rms_norm_eps)
@@ -160,12 +160,12 @@ class Attention(nn.Module):
         out = paged_attention(q, k, v, kv_cache, attn, self.scale, self.sliding_window)
         return _reduced(self.o_proj(out.reshape(t, self.num_heads * self.head_dim)), self.tp)
 
-    def fuse(self) -> None:
-        """Replace q/k/v_proj by one qkv_proj holding their rows in that order."""
-        if not _all_float(self.q_proj, self.k_proj, self.v_proj):
-            return
-        self.qkv_proj = _stacked(self.q_proj, self.k_proj, self.v_proj)
-        del self.q_proj, self.k_proj, self.v_proj
+    def fuse(self, quantized_only: bool = False) -> None:
+        """Replace q/k/v_proj by one qkv_proj holding their rows in that order (see `_fused`)."""
+        fused = _fused((self.q_proj, self.k_proj, self.v_proj), quantized_only)
+        if fused is not None:
+            self.qkv_proj = fused
+            del self.q_proj, self.k_proj, self.v_proj
 
 
 class MLP(nn.Module):
@@ -183,7 +183,7 @@ class MLP(nn.Module):
         self.gate_proj = nn.Linear(h, i, bias=bias)
         self.up_proj = nn.Linear(h, i, bias=bias)
         self.down_proj = nn.Linear(i, h, bias=bias)
-        self.gate_up_proj: nn.Linear | None = None  # set by fuse(): [gate; up] in one matrix
+        self.gate_up_proj: nn.Module | None = None  # set by fuse(): [gate; up] in one matrix
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return _reduced(self.partial(x), self.tp)
@@ -196,12 +196,12 @@ class MLP(nn.Module):
             return self.down_proj(F.silu(gate) * up)
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
-    def fuse(self) -> None:
+    def fuse(self, quantized_only: bool = False) -> None:
         """Replace gate/up_proj by one gate_up_proj holding their rows in that order."""
-        if not _all_float(self.gate_proj, self.up_proj):
-            return
-        self.gate_up_proj = _stacked(self.gate_proj, self.up_proj)
-        del self.gate_proj, self.up_proj
+        fused = _fused((self.gate_proj, self.up_proj), quantized_only)
+        if fused is not None:
+            self.gate_up_proj = fused
+            del self.gate_proj, self.up_proj
 
 
 def _reduced(partial: torch.Tensor, tp: TPGroup | None) -> torch.Tensor:
@@ -231,10 +231,24 @@ class VocabEmbedding(nn.Module):
         return self.tp.all_reduce(rows.masked_fill(outside[:, None], 0.0))
 
 
-def _all_float(*modules: nn.Module) -> bool:
-    """Whether these projections can fuse: quantized ones (the loader's QuantizedLinear) stay
-    apart, since they run on the CPU only, where nothing fuses (docs/quantization.md)."""
-    return all(isinstance(m, nn.Linear) for m in modules)
+def _fused(parts: tuple[nn.Module, ...], quantized_only: bool) -> nn.Module | None:
+    """One projection for `parts`, or None where they stay apart: quantized parts join by
+    their packed rows (`QuantizedLinear.stacked`, exact: one kernel call instead of several);
+    float ones unless `quantized_only` (on the CPU a fused float GEMM may round otherwise than
+    HF's separate ones, so there only quantized layers fuse: `fuse_quantized`)."""
+    if all(isinstance(m, QuantizedLinear) for m in parts):
+        return QuantizedLinear.stacked(parts)
+    if not quantized_only and all(isinstance(m, nn.Linear) for m in parts):
+        return _stacked(*parts)
+    return None
+
+
+def fuse_quantized(model: nn.Module) -> None:
+    """Join each block's quantized q/k/v and gate/up (the loader does it on the CPU, where a
+    batch-1 decode step pays per kernel call: docs/quantization.md); float ones stay."""
+    for module in list(model.modules()):
+        if isinstance(module, (Attention, MLP)):
+            module.fuse(quantized_only=True)
 
 
 def _stacked(*linears: nn.Linear) -> nn.Linear:

@@ -10,7 +10,7 @@ and the measurements behind them are in docs/quantization.md.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from typing import Literal
 
 import numpy as np
@@ -279,6 +279,37 @@ class QuantizedLinear(nn.Module):
     def from_gguf(cls, raw: RawTensor, bias: torch.Tensor | None = None) -> QuantizedLinear:
         """A GGUF tensor's blocks, converted as `from_gguf_blocks` chooses per type."""
         return cls(from_gguf_blocks(raw), bias)
+
+    @classmethod
+    def stacked(cls, layers: Sequence[QuantizedLinear]) -> QuantizedLinear | None:
+        """One layer whose output is the given ones' side by side (fused q/k/v, gate/up), or
+        None when they cannot join: the packed rows and scales are concatenated as they are,
+        which holds for int4 when each part is whole blocks of 64 rows (the packing's unit),
+        so every output row is computed as before, in one kernel call instead of several."""
+        first = layers[0]
+        same = (first.bits, first.group_size, first.in_features, first.scales.dtype)
+        if any((m.bits, m.group_size, m.in_features, m.scales.dtype) != same for m in layers):
+            return None
+        if first.bits == 4 and any(m.out_features % _INT4_BLOCK for m in layers):
+            return None
+        if any((m.bias is None) != (first.bias is None) for m in layers):
+            return None
+        fused = cls.__new__(cls)
+        nn.Module.__init__(fused)
+        fused.in_features, fused.bits, fused.group_size = (
+            first.in_features,
+            first.bits,
+            first.group_size,
+        )
+        fused.out_features = sum(m.out_features for m in layers)
+        dense = [m.dense_rows for m in layers]
+        fused.dense_rows = None if None in dense else max(dense)
+        rows = 1 if first.bits == 4 else 0  # int4 scales are [groups, out, 2]
+        fused.register_buffer("qweight", torch.cat([m.qweight for m in layers]))
+        fused.register_buffer("scales", torch.cat([m.scales for m in layers], dim=rows))
+        bias = None if first.bias is None else torch.cat([m.bias for m in layers])
+        fused.register_buffer("bias", bias)
+        return fused
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.device.type != "cpu":

@@ -355,6 +355,26 @@ def test_stacked_rows_are_the_weights_one_after_another() -> None:
         stack_rows([parts[0], quantize_int8(torch.randn(16, 128))])
 
 
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("rows", [1, 3, 200])  # weight-only kernel, and the dense path
+def test_stacked_layers_give_their_parts_outputs_exactly(bits: int, rows: int) -> None:
+    """Fused q/k/v and gate/up (`QuantizedLinear.stacked`): packed rows joined as they are,
+    so each output is bit for bit what its own layer gives, biases included."""
+    quantize = quantize_int4 if bits == 4 else quantize_int8
+    parts = [
+        QuantizedLinear(quantize(torch.randn(out, 256)), torch.randn(out)) for out in (192, 64, 320)
+    ]
+    fused = QuantizedLinear.stacked(parts)
+    assert fused is not None and fused.out_features == 576
+    x = torch.randn(rows, 256).bfloat16()
+    assert torch.equal(fused(x), torch.cat([p(x) for p in parts], dim=1))
+    int4 = [QuantizedLinear(quantize_int4(torch.randn(out, 256))) for out in (64, 48)]
+    assert QuantizedLinear.stacked(int4) is None  # 48 rows: not whole blocks of 64
+    other = quantize_int8 if bits == 4 else quantize_int4
+    mixed = [parts[0], QuantizedLinear(other(torch.randn(64, 256)), torch.randn(64))]
+    assert QuantizedLinear.stacked(mixed) is None  # two widths
+
+
 def test_a_device_other_than_the_cpu_is_refused_by_name() -> None:
     layer = QuantizedLinear(quantize_int8(torch.randn(16, 64)))
     with pytest.raises(NotImplementedError, match="CPU only"):

@@ -266,8 +266,8 @@ def test_smollm2_q4_1_kept_int4_answers_paris(smollm2_gguf: Path) -> None:
     with or without int4, may flip to a French answer that never names Paris
     (docs/quantization.md)."""
     llm = LLM(str(smollm2_gguf), dtype="float32", quantization="int4")
-    layer = llm.engine.runner.model.model.layers[0]
-    assert isinstance(layer.mlp.up_proj, QuantizedLinear) and layer.mlp.up_proj.bits == 4
+    layer = llm.engine.runner.model.model.layers[0]  # gate and up fused by the runner
+    assert isinstance(layer.mlp.gate_up_proj, QuantizedLinear) and layer.mlp.gate_up_proj.bits == 4
     chat = [{"role": "user", "content": "What is the capital of France?"}]
     text = llm.tokenizer.apply_chat_template(chat, add_generation_prompt=True, tokenize=False)
     prompt = llm.tokenizer(text, add_special_tokens=False).input_ids
