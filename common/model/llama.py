@@ -20,7 +20,7 @@ from torch import nn
 from pdserve.common.model.attention import AttentionMetadata, KVCacheSpec, paged_attention
 from pdserve.common.model.config import ModelArchConfig
 from pdserve.common.model.parallel import TPGroup, TPShard
-from pdserve.common.model.quant import QuantizedEmbedding, QuantizedLinear
+from pdserve.common.model.quant import QuantizedEmbedding, QuantizedLinear, release_freed_heap
 
 
 class RMSNorm(nn.Module):
@@ -160,12 +160,14 @@ class Attention(nn.Module):
         out = paged_attention(q, k, v, kv_cache, attn, self.scale, self.sliding_window)
         return _reduced(self.o_proj(out.reshape(t, self.num_heads * self.head_dim)), self.tp)
 
-    def fuse(self, quantized_only: bool = False) -> None:
-        """Replace q/k/v_proj by one qkv_proj holding their rows in that order (see `_fused`)."""
+    def fuse(self, quantized_only: bool = False) -> bool:
+        """Replace q/k/v_proj by one qkv_proj holding their rows in that order (see `_fused`);
+        whether it did."""
         fused = _fused((self.q_proj, self.k_proj, self.v_proj), quantized_only)
         if fused is not None:
             self.qkv_proj = fused
             del self.q_proj, self.k_proj, self.v_proj
+        return fused is not None
 
 
 class MLP(nn.Module):
@@ -196,12 +198,14 @@ class MLP(nn.Module):
             return self.down_proj(F.silu(gate) * up)
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
-    def fuse(self, quantized_only: bool = False) -> None:
-        """Replace gate/up_proj by one gate_up_proj holding their rows in that order."""
+    def fuse(self, quantized_only: bool = False) -> bool:
+        """Replace gate/up_proj by one gate_up_proj holding their rows in that order; whether
+        it did."""
         fused = _fused((self.gate_proj, self.up_proj), quantized_only)
         if fused is not None:
             self.gate_up_proj = fused
             del self.gate_proj, self.up_proj
+        return fused is not None
 
 
 def _reduced(partial: torch.Tensor, tp: TPGroup | None) -> torch.Tensor:
@@ -244,11 +248,11 @@ def _fused(parts: tuple[nn.Module, ...], quantized_only: bool) -> nn.Module | No
 
 
 def fuse_quantized(model: nn.Module) -> None:
-    """Join each block's quantized q/k/v and gate/up (the loader does it on the CPU, where a
+    """Join each block's quantized q/k/v and gate/up (the runner does it on the CPU, where a
     batch-1 decode step pays per kernel call: docs/quantization.md); float ones stay."""
-    for module in list(model.modules()):
-        if isinstance(module, (Attention, MLP)):
-            module.fuse(quantized_only=True)
+    blocks = [m for m in model.modules() if isinstance(m, (Attention, MLP))]
+    if any([block.fuse(quantized_only=True) for block in blocks]):
+        release_freed_heap()  # the parts' buffers, now copied into the fused ones
 
 
 def _stacked(*linears: nn.Linear) -> nn.Linear:

@@ -27,6 +27,7 @@ from pdserve.common.model.quant import (
     gguf_bits,
     quantize_int4,
     quantize_int8,
+    release_freed_heap,
 )
 from pdserve.common.model.registry import checkpoint_tensors, model_class
 
@@ -68,8 +69,10 @@ def load_model(
     if dummy_seed is not None:
         tensors = _random_state(shapes, dtype, torch.device(device), dummy_seed).items()
     else:
-        stored = _iter_checkpoint(Checkpoint.resolve(model_dir), config, expected, mode != "none")
-        tensors = checkpoint_tensors(config, stored)
+        checkpoint = Checkpoint.resolve(model_dir)
+        tensors = checkpoint_tensors(
+            config, _iter_checkpoint(checkpoint, config, expected, mode != "none")
+        )
     state, layers, loaded = {}, {}, {}
     scale_dtype = torch.float32 if dtype == torch.float32 else torch.bfloat16
     for name, data in tensors:
@@ -91,6 +94,9 @@ def load_model(
         loaded[name] = state[name].shape
     _check_names(expected, loaded, model_dir)
     _install(model, layers, state)
+    if layers:
+        tensors = None  # the GGUF reader and its parsed metadata go with it
+        release_freed_heap()
     # Buffers (rope inv_freq) stay float32: HF computes rope in float32 whatever the dtype.
     model.to(device)
     model.requires_grad_(False)
