@@ -1,7 +1,8 @@
 """Qwen3-MoE, Mixtral and DeepSeek-V3 (MLA) served by real processes on loopback: a router,
 two prefill and two decode nodes of mixed tensor- and expert-parallel sizes, and a colocated
-node, against the offline engine's greedy tokens (float32; the offline engine equals HF, see
-tests/common/model/test_moe.py and test_mla.py).
+node, against HF transformers' greedy tokens (float32; `hf_greedy`, computed once per session
+and model for the offline tests too) on tests/common/test_llm_equivalence.py's prompts (1 to
+300 tokens, a shared 100-token prefix, a repeated prompt).
 
 One deployment per architecture (process starts are most of the time), in phases:
 
@@ -9,14 +10,13 @@ One deployment per architecture (process starts are most of the time), in phases
    decode0 (TP 2, expert parallel), then prefill1 (TP 2) with decode1 (TP 1); each pair is
    seen in the nodes' prefix caches (only the pair that served a prompt caches its blocks);
 2. a concurrent burst over all four (2P2D: any prefill node may fill any decode node);
-3. kill -9 of decode0 while it decodes: every answer still equals the reference (streams fail
-   over to decode1), every request ends in time, the survivors' pools are clean;
+3. kill -9 of decode0 while the load decodes: every answer still equals HF's (what decode0
+   held fails over to decode1), every request ends in time, the survivors' pools are clean;
 4. decode1 stopped: with no decode node left the router serves from the colocated node.
 """
 
 from __future__ import annotations
 
-import random
 import re
 import threading
 import time
@@ -28,13 +28,12 @@ import pytest
 
 from pdserve.local_cluster import LocalCluster
 from pdserve.testbed import faults as fh
-from tests.common.test_llm_equivalence import VOCAB
-from tests.e2e.test_disaggregated import assert_reports_clean
+from tests.common.test_llm_equivalence import MAX_TOKENS, PROMPTS, hf_greedy
+from tests.e2e.test_disaggregated import assert_reports_clean, complete
 
 ARCHS = ("qwen3_moe", "mixtral", "deepseek_v3")
-BLOCK = 16
-ENGINE = ["--block-size", str(BLOCK), "--max-num-batched-tokens", "64", "--max-model-len", "512"]
-ENGINE += ["--num-blocks", "96", "--dtype", "float32", "--threads-per-rank", "1"]
+ENGINE = ["--block-size", "16", "--max-num-batched-tokens", "64", "--max-model-len", "512"]
+ENGINE += ["--num-blocks", "128", "--dtype", "float32", "--threads-per-rank", "1"]
 ENGINE += fh.NODE_ARGS  # fast heartbeats and leases: a dead node is noticed within 1.5 s
 TP2 = ["--tensor-parallel-size", "2"]
 NODES = {
@@ -44,20 +43,8 @@ NODES = {
 }  # decode1 and both0 at TP 1
 ROUTER = [*fh.ROUTER_ARGS, "--policy", "round_robin"]
 ANSWER_S = 60.0  # the longest any request may take, failover included
-
-
-def make_prompts(n: int = 10, seed: int = 0) -> list[list[int]]:
-    """Prompts of 17 to 80 tokens (over a block); the first two share nothing (they prove
-    the pairs), four later ones share a 40-token prefix (prefix-cache hits)."""
-    rng = random.Random(seed)
-    prompts = [[rng.randrange(VOCAB) for _ in range(rng.randrange(17, 80))] for _ in range(n)]
-    prefix = [rng.randrange(VOCAB) for _ in range(40)]
-    for i in range(4, 8):
-        prompts[i] = prefix + prompts[i][:20]
-    return prompts
-
-
-PROMPTS = make_prompts()
+EVERY = list(range(len(PROMPTS)))
+PAIRS = [4, 5]  # 40 and 99 tokens, nothing shared: one request per pair of nodes
 
 
 @pytest.fixture
@@ -66,16 +53,18 @@ def model_dirs(moe_dirs: dict[str, str], deepseek_dir: str) -> dict[str, str]:
     return {**moe_dirs, "deepseek_v3": deepseek_dir}
 
 
-def serve_all(cluster: LocalCluster, prompts: list[list[int]], wants: list[list[int]]) -> None:
-    """Every prompt at once; each answer must come within ANSWER_S and equal its reference."""
-    with ThreadPoolExecutor(max_workers=len(prompts)) as pool:
-        futures = [
-            pool.submit(fh.one_request, cluster.url, i, p, w, False)
-            for i, (p, w) in enumerate(zip(prompts, wants, strict=True))
+def serve_all(cluster: LocalCluster, picked: list[int], wants: list[list[int]]) -> None:
+    """The prompts `picked` (indexes into PROMPTS) at once; each answer must come within
+    ANSWER_S and equal HF's."""
+    with ThreadPoolExecutor(max_workers=len(picked)) as pool:
+        asked = [
+            pool.submit(complete, cluster.url, PROMPTS[i], max_tokens=MAX_TOKENS) for i in picked
         ]
         deadline = time.monotonic() + ANSWER_S
-        outcomes = [f.result(timeout=max(0.1, deadline - time.monotonic())) for f in futures]
-    assert [o.status for o in outcomes] == ["ok"] * len(prompts), outcomes
+        for i, future in zip(picked, asked, strict=True):
+            answer = future.result(timeout=max(0.1, deadline - time.monotonic()))
+            got = answer["choices"][0]["token_ids"]
+            assert got == wants[i], f"prompt {i} ({len(PROMPTS[i])} tokens): {got} != HF {wants[i]}"
 
 
 def caching(cluster: LocalCluster) -> set[str]:
@@ -87,9 +76,9 @@ def prove_pairs(cluster: LocalCluster, wants: list[list[int]]) -> None:
     """Two requests in turn: round robin takes decode0 and prefill0 first, then the next of
     each; the caches show which pair served each request."""
     assert caching(cluster) == set()
-    serve_all(cluster, PROMPTS[:1], wants[:1])
+    serve_all(cluster, PAIRS[:1], wants)
     assert caching(cluster) == {"prefill0", "decode0"}  # EP 2 on both sides
-    serve_all(cluster, PROMPTS[1:2], wants[1:2])
+    serve_all(cluster, PAIRS[1:], wants)
     assert caching(cluster) == {"prefill0", "decode0", "prefill1", "decode1"}  # TP 2 -> TP 1
 
 
@@ -140,15 +129,15 @@ def wait_gone(pids: list[int], timeout: float) -> list[int]:
 
 
 def kill_decode0_under_load(cluster: LocalCluster, wants: list[list[int]]) -> None:
-    """kill -9 decode0 mid-load: its ranks all exit, and every request still gets the
-    reference answer (what decode0 held resumes on decode1) in time."""
+    """kill -9 decode0 mid-load: its ranks all exit, and every request still gets HF's
+    answer (what decode0 held resumes on decode1) in time."""
     workers = worker_ranks(cluster.procs["decode0"].pid)
     assert len(workers) == 1, f"decode0 should be a TP group of two ranks: {workers}"
     since, done = streamed_tokens(cluster.url), threading.Event()
     with ThreadPoolExecutor(max_workers=1) as killer:
         killed = killer.submit(kill_mid_decode, cluster, since, len(PROMPTS), done)
         try:
-            serve_all(cluster, PROMPTS, wants)
+            serve_all(cluster, EVERY, wants)
         finally:
             done.set()
         killed.result(timeout=ANSWER_S)
@@ -192,16 +181,16 @@ def test_moe_model_through_pd_processes(arch: str, model_dirs: dict[str, str], t
         for name in cluster.children():
             cluster.spawn(name)
     try:
-        wants = fh.reference(model, PROMPTS)  # while the nodes start
+        wants = hf_greedy(model)[0]  # while the nodes start (when no other module asked yet)
         cluster.wait_ready(timeout=120)
         prove_pairs(cluster, wants)
-        serve_all(cluster, PROMPTS[2:], wants[2:])
+        serve_all(cluster, [i for i in EVERY if i not in PAIRS], wants)
         assert_survivors_clean(cluster, {"prefill0", "prefill1", "decode0", "decode1", "both0"})
         kill_decode0_under_load(cluster, wants)
         assert_survivors_clean(cluster, {"prefill0", "prefill1", "decode1", "both0"})
         assert "both0" not in caching(cluster)  # colocated only when no decode node is left
         stop_decode1(cluster)
-        serve_all(cluster, PROMPTS[:4], wants[:4])
+        serve_all(cluster, [3, 7, 8, 9], wants)  # 300 tokens: five chunks
         assert "both0" in caching(cluster), "the colocated node served nothing"
         assert_survivors_clean(cluster, {"prefill0", "prefill1", "both0"})
     finally:
