@@ -120,30 +120,31 @@ class Pdserve:
         self.runner = self.llm.engine.runner
         self.max_tokens, self.device = args.max_tokens, args.device
         self.steps: list[float] = []
-        self.experts: list[float] = []  # per step: seconds in the MoE experts (nan: dense)
+        self.inside: list[tuple[float, float]] = []  # per step: CPU s, MoE experts' s (or nan)
         calls = time_experts(self.runner.model, self.device)
         inner = timing(self.llm.engine.step, self.steps, self.device)
 
         def timed_step() -> Any:
-            n, out = len(calls or ()), inner()
-            self.experts.append(sum(calls[n:]) if calls is not None else float("nan"))
+            n, cpu, out = len(calls or ()), time.process_time(), inner()
+            experts = sum(calls[n:]) if calls is not None else float("nan")
+            self.inside.append((time.process_time() - cpu, experts))
             return out
 
         self.llm.engine.step = timed_step
 
     def __call__(self, prompts: list[list[int]]) -> dict[str, Any]:
         params = SamplingParams(max_tokens=self.max_tokens, temperature=0.0, ignore_eos=True)
-        self.steps[:], self.experts[:] = [], []  # in place: `timing` holds self.steps
+        self.steps[:], self.inside[:] = [], []  # in place: `timing` holds self.steps
         t0 = time.perf_counter()
         outs = self.llm.generate(prompts, params)
         rp.sync(self.device)
         step = statistics.median(self.steps[1:] or [float("nan")])
-        share = [e / s for e, s in zip(self.experts, self.steps)]  # the compiled: not timed
+        cpu, share = zip(*[(c, e / s) for (c, e), s in zip(self.inside, self.steps)])
         decode = statistics.median(share[1:]) if self.runner.compiled is None else float("nan")
         return {"wall_s": time.perf_counter() - t0, "prefill_s": self.steps[0],
                 "prefill_experts_share": share[0], "decode_experts_share": decode,
-                "decode_step_s": step, "steps": len(self.steps),
-                "tokens": [o.token_ids for o in outs]}  # fmt: skip
+                "decode_step_s": step, "decode_step_cpu_s": statistics.median(cpu[1:]),
+                "steps": len(self.steps), "tokens": [o.token_ids for o in outs]}  # fmt: skip
 
 
 def timing(fn: Callable, seconds: list[float], device: str = "cpu") -> Callable:
@@ -168,8 +169,7 @@ def time_experts(model: torch.nn.Module, device: str) -> list[float] | None:
     from pdserve.common.model.moe import Experts
 
     calls: list[float] = []
-    blocks = [m for m in model.modules() if isinstance(m, Experts)]
-    for block in blocks:
+    for block in (blocks := [m for m in model.modules() if isinstance(m, Experts)]):
         block.forward = timing(block.forward, calls, device)
     return calls if blocks else None
 

@@ -78,6 +78,7 @@ def test_offline_records_the_experts_share_of_each_step(pair, tmp_path: Path, wh
     assert ("4 experts of 32, top 2" in report["model"]["description"]) == (which == "moe")
     (row,) = report["results"]
     assert row["tokens_equal"], row["first_mismatch"]  # the MoE equals HF's greedy tokens too
+    assert row["pdserve"]["decode_step_cpu_s"] > 0  # the process's CPU seconds per decode step
     shares = [row["pdserve"][f"{phase}_experts_share"] for phase in ("prefill", "decode")]
     if which == "moe":  # eager on CPU: the experts' torch path, timed inside the step
         assert all(0 < s < 1 for s in shares), shares
