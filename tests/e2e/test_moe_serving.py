@@ -64,7 +64,7 @@ def serve_all(cluster: LocalCluster, picked: list[int], wants: list[list[int]]) 
         for i, future in zip(picked, asked, strict=True):
             answer = future.result(timeout=max(0.1, deadline - time.monotonic()))
             got = answer["choices"][0]["token_ids"]
-            assert got == wants[i], f"prompt {i} ({len(PROMPTS[i])} tokens): {got} != HF {wants[i]}"
+            assert got == wants[i], f"prompt {i} ({len(PROMPTS[i])} tokens): {got} != HF"
 
 
 def caching(cluster: LocalCluster) -> set[str]:
@@ -83,7 +83,7 @@ def prove_pairs(cluster: LocalCluster, wants: list[list[int]]) -> None:
 
 
 def streamed_tokens(url: str) -> float:
-    """Tokens the router has sent to clients so far (its Prometheus counter)."""
+    """Tokens the router has had from nodes so far (its Prometheus counter)."""
     text = httpx.get(url + "/metrics", timeout=10).text
     found = re.search(r"^pdserve_router_generation_tokens_total (\S+)$", text, re.M)
     assert found is not None, "the router exports no generation_tokens counter"
@@ -93,8 +93,8 @@ def streamed_tokens(url: str) -> float:
 def kill_mid_decode(
     cluster: LocalCluster, since: float, requests: int, done: threading.Event
 ) -> None:
-    """kill -9 decode0 once the load decodes (more tokens streamed since `since` than the
-    requests' first tokens, which prefill nodes sample) and decode0 holds requests."""
+    """kill -9 decode0 once the load decodes (more tokens since `since` than the requests'
+    first tokens, which prefill nodes sample) and decode0 holds requests."""
     while not (
         streamed_tokens(cluster.url) - since > requests
         and cluster.integrity()["decode0"]["report"]["live_requests"]
