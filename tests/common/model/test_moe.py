@@ -4,7 +4,6 @@ HF greedy token for token (float32)."""
 
 from __future__ import annotations
 
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -284,31 +283,8 @@ def test_offline_greedy_matches_hf_with_prefix_caching(model_dirs, arch):
 
 
 def test_offline_greedy_matches_hf_with_chunked_prefill(model_dirs):
-    """Mixtral in chunks of a 33-token budget (Qwen3-MoE is chunked in the 1P1D test)."""
+    """Mixtral in chunks of a 33-token budget (all three families are chunked through real
+    prefill and decode processes in tests/e2e/test_moe_serving.py)."""
     model_dir = model_dirs["mixtral"]
     _, outs = run_engine(model_dir, block_size=32, max_num_batched_tokens=33)
     assert_matches_hf(model_dir, outs)
-
-
-def test_disaggregated_1p1d_greedy_matches_hf(model_dirs, tmp_path):
-    """Router, prefill node and decode node as real processes on loopback, KV over zmq: the
-    prefill node's MoE prompt pass and the decode node's steps together equal HF greedy."""
-    from pdserve.local_cluster import LocalCluster
-    from tests.common.test_llm_equivalence import MAX_TOKENS, PROMPTS, hf_greedy
-    from tests.devices import engine_flags
-    from tests.e2e.test_disaggregated import assert_clean, complete
-
-    model_dir = model_dirs["qwen3_moe"]
-    # 1, 17, 300 (four chunks) and 121 tokens (the shared prefix of two prompts).
-    picked = [0, 3, 7, 8]
-    prompts = [PROMPTS[i] for i in picked]
-    want = [hf_greedy(model_dir)[0][i] for i in picked]
-    # A small token budget: the longer prompts reach the decode node in several chunks.
-    engine = ["--block-size", "16", "--max-num-batched-tokens", "96", *engine_flags()]
-    cluster = LocalCluster(model_dir, 1, 1, engine_args=engine, log_dir=str(tmp_path))
-    with cluster, ThreadPoolExecutor(max_workers=4) as pool:
-        ask = lambda p: complete(cluster.url, p, max_tokens=MAX_TOKENS)  # noqa: E731
-        got = [r["choices"][0]["token_ids"] for r in pool.map(ask, prompts)]
-        for i, (g, w) in enumerate(zip(got, want, strict=True)):
-            assert g == w, f"prompt {i} (len {len(prompts[i])}): {g} != HF {w}"
-        assert_clean(cluster)
