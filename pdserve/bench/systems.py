@@ -23,6 +23,7 @@ from typing import Any
 
 import httpx
 
+from pdserve.common.model.dtype import resolve_auto
 from pdserve.local_cluster import LocalCluster, free_port
 from pdserve.testbed import fake_nodes
 
@@ -58,17 +59,6 @@ def wait_until(ready: Callable[[], bool], procs: Mapping[str, subprocess.Popen],
     raise RuntimeError(f"{what} not ready after {timeout:g}s")
 
 
-def start_group(
-    cmd: Sequence[str], log: Path, env: Mapping[str, str] | None = None
-) -> subprocess.Popen:
-    """`cmd` in a process group of its own, output into `log`."""
-    log.parent.mkdir(parents=True, exist_ok=True)
-    with open(log, "ab") as out:
-        env = dict(os.environ if env is None else env, PYTHONUNBUFFERED="1")
-        return subprocess.Popen(list(cmd), stdout=out, stderr=subprocess.STDOUT, env=env,
-                                start_new_session=True)  # fmt: skip
-
-
 def stop_group(proc: subprocess.Popen, timeout: float = 15.0) -> None:
     """SIGTERM the process group, SIGKILL what is left after timeout."""
     if proc.poll() is not None:
@@ -85,27 +75,16 @@ def stop_group(proc: subprocess.Popen, timeout: float = 15.0) -> None:
 def process_group(
     cmd: Sequence[str], log: Path, env: Mapping[str, str] | None = None
 ) -> Iterator[subprocess.Popen]:
-    """`start_group`, stopped with `stop_group` on exit."""
-    proc = start_group(cmd, log, env)
+    """`cmd` in a process group of its own, output into `log`; `stop_group` on exit."""
+    log.parent.mkdir(parents=True, exist_ok=True)
+    with open(log, "ab") as out:
+        env = dict(os.environ if env is None else env, PYTHONUNBUFFERED="1")
+        proc = subprocess.Popen(list(cmd), stdout=out, stderr=subprocess.STDOUT, env=env,
+                                start_new_session=True)  # fmt: skip
     try:
         yield proc
     finally:
         stop_group(proc)
-
-
-@contextmanager
-def pdserve_cluster(model: str | Path, shape: tuple[int, int, int], log_dir: Path, *,
-                    threads: int = 1, engine_args: Sequence[str] = (),
-                    router_args: Sequence[str] = (), decode_args: Sequence[str] = ()
-) -> Iterator[LocalCluster]:  # fmt: skip
-    """(prefill, decode, colocated) nodes and a router over zmq, every server process at
-    `threads` torch threads; yields the ready cluster."""
-    prefill, decode, colocated = shape
-    flags = dict(engine_args=list(engine_args), router_args=list(router_args),
-                 decode_args=list(decode_args), log_dir=str(log_dir))  # fmt: skip
-    cluster = LocalCluster(str(model), prefill, decode, colocated, kv_connector="zmq", **flags)
-    with environ(threads_env(threads)), cluster:
-        yield cluster
 
 
 @contextmanager
@@ -122,14 +101,15 @@ def peer_server(name: str, cmd: Sequence[str], log_dir: Path, env: Mapping[str, 
 
 @contextmanager
 def transformers_serve(model: Path, batch_tokens: int, log_dir: Path, threads: int = 1,
-                       timeout: float = 600.0) -> Iterator[str]:  # fmt: skip
-    """`transformers serve --continuous-batching` on a free port, offline; yields its URL."""
+                       timeout: float = 600, dtype: str = "float32") -> Iterator[str]:  # fmt: skip
+    """`transformers serve --continuous-batching` (offline, `dtype`) on a free port; yields its
+    URL."""
     hub_cache = log_dir / "hf-hub-cache"  # empty: /v1/models lists nothing instead of a 500
     hub_cache.mkdir(parents=True, exist_ok=True)
     offline = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_HUB_CACHE": str(hub_cache)}
     env = {**os.environ, **offline, **{k: v for k, v in threads_env(threads).items() if v}}
     cmd = [sys.executable, "-m", "transformers.cli.transformers", "serve", str(model)]
-    cmd += ["--continuous-batching", "--device", "cpu", "--dtype", "float32"]
+    cmd += ["--continuous-batching", "--device", "cpu", "--dtype", dtype]
     cmd += ["--cb-max-batch-tokens", str(batch_tokens)]
     with peer_server("transformers-serve", cmd, log_dir, env, timeout) as url:
         yield url
@@ -234,17 +214,19 @@ def start_system(spec: System, args: argparse.Namespace, model: Path | str) -> I
             cmd = llamacpp_command(args.gguf, tokens, args.threads)
             peer = peer_server(spec.name, cmd, log_dir, os.environ, 600.0)
         else:
-            peer = transformers_serve(Path(model), tokens, log_dir, args.threads)
+            dtype = engine_flag(args.engine_args, "--dtype", "auto")  # pdserve's, made concrete
+            dtype = resolve_auto(str(model), "cpu") if dtype == "auto" else dtype
+            peer = transformers_serve(Path(model), tokens, log_dir, args.threads, dtype=dtype)
         with peer as url:
             yield url, []
         return
-    port = free_port()  # the decode node's health port (one decode node here)
+    port, model = free_port(), getattr(args, "gguf", None) or model  # a GGUF: pdserve's own
     decode = ["--health-port", str(port), *spec.decode_args] if spec.shape[1] else []
     router = [*heartbeat_args(getattr(args, "heartbeat_timeout", 0.0)), *spec.router_args]
-    with pdserve_cluster(
-        model, spec.shape, log_dir, threads=args.threads, engine_args=args.engine_args,
-        router_args=router, decode_args=decode,
-    ) as cluster:  # fmt: skip
+    flags = dict(engine_args=list(args.engine_args), router_args=router, decode_args=decode)
+    cluster = LocalCluster(str(model), *spec.shape, kv_connector="zmq", log_dir=str(log_dir),
+                           **flags)  # fmt: skip
+    with environ(threads_env(args.threads)), cluster:  # (prefill, decode, colocated) nodes
         yield cluster.url, [f"http://127.0.0.1:{port}"] if spec.shape[1] else []
 
 
@@ -320,14 +302,13 @@ def batch_tokens(engine_args: Sequence[str]) -> int:
     return engine_flag(engine_args, "--max-num-batched-tokens", DEFAULT_BATCH_TOKENS)
 
 
-def engine_flag(engine_args: Sequence[str], flag: str, default: int) -> int:
-    """The integer value of `flag` among engine flags (`--flag N` or `--flag=N`), else default."""
+def engine_flag(engine_args: Sequence[str], flag: str, default: Any) -> Any:
+    """The value of `flag` among engine flags (`--flag V` or `--flag=V`) as default's type,
+    else default."""
     args = list(engine_args)
     for i, arg in enumerate(args):
-        if arg.startswith(f"{flag}="):
-            return int(arg.split("=", 1)[1])
-        if arg == flag and i + 1 < len(args):
-            return int(args[i + 1])
+        if arg.startswith(f"{flag}=") or (arg == flag and i + 1 < len(args)):
+            return type(default)(arg.split("=", 1)[1] if "=" in arg else args[i + 1])
     return default
 
 

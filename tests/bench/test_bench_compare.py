@@ -51,7 +51,7 @@ def test_quick_run_writes_results_plots_and_section(tmp_path):
     assert data["engine_args"] == ["--max-num-batched-tokens", "128"]
     assert data["batch_tokens"] == 128
     goals = {g["goal"]: g["status"] for g in data["goals"]}
-    assert len(goals) == 5
+    assert len(goals) == 6  # the GGUF's resident size: not measured on a safetensors model
     peers = [s for g, s in goals.items() if "transformers" in g or "llama.cpp" in g]
     assert peers == ["not measured"] * 3
     assert all(s in ("met", "missed") for g, s in goals.items() if s not in peers)
@@ -112,6 +112,6 @@ def test_llamacpp_quick_run_through_a_stand_in(tmp_path, monkeypatch):
     assert started["model"] == str(tmp_path / "smollm2.gguf") and started["n_threads"] == 2
     assert started["n_batch"] == 512 and started["host"] == "127.0.0.1"
     goals = {g["goal"]: g for g in data["goals"]}
-    assert len(goals) == 5 and all(g["value"] is None for g in goals.values())
+    assert len(goals) == 6 and all(g["value"] is None for g in goals.values())  # no pdserve
     assert [g["baseline"] > 0 for name, g in goals.items() if "llama.cpp" in name] == [True] * 2
     assert "llamacpp" in (out / "benchmarks.md").read_text()
