@@ -1,7 +1,8 @@
 """`pdserve demo` (and scripts/demo.sh): SmolLM2-135M-Instruct (fetched once from PyPI) served
-by a router, 1 prefill and 1 decode node on this host; a few questions through the chat API and
-a completion, streamed and printed with TTFT and tokens/s; then every node's block pool is
-checked and everything stops."""
+by a router, 1 prefill and 1 decode node on this host, in bf16 with its linear weights held int8
+where the CPU has native bf16; a few questions through the chat API and a completion, streamed
+and printed with TTFT and tokens/s; then each node's dtype and weights are printed, every
+node's block pool is checked and everything stops."""
 
 from __future__ import annotations
 
