@@ -92,8 +92,9 @@ def step_parts(llm: LLM, clock: Clock, steps: int) -> dict[str, dict[str, float]
         n += 1
     clock.wall["step"], clock.cpu["step"] = time.perf_counter() - wall, time.thread_time() - cpu
     for totals in (clock.wall, clock.cpu):
-        totals["forward, rest"] = totals["forward"] - sum(totals[p] for p in _INSIDE)
-        totals["engine, rest"] = totals["step"] - sum(totals[p] for p in _OUTSIDE)
+        if "decoder matmuls" in totals:  # eager: the forward's parts were timed
+            totals["forward, rest"] = totals["forward"] - sum(totals[p] for p in _INSIDE)
+        totals["engine, rest"] = totals["step"] - sum(totals.get(p, 0.0) for p in _OUTSIDE)
     names = [*_OUTSIDE, *_INSIDE, "forward, rest", "engine, rest", "step"]
     return {
         kind: {k: round(1000 * totals[k] / n, 3) for k in names if k in totals}

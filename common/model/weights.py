@@ -103,8 +103,9 @@ def load_model(
     return model.eval(), config
 
 
-# The decoder's linear layers, by the module names HF gives them: the only ones quantized
-# (embeddings, norms and the LM head stay as stored, in the engine's dtype).
+# The decoder's linear layers, by the module names HF gives them: the only linears quantized
+# (norms and an untied LM head stay float in the engine's dtype; a tied embedding stays int8
+# where `_int8_embedding` says so, float otherwise).
 QUANTIZED_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
