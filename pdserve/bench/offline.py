@@ -150,13 +150,13 @@ class Pdserve:
 def timing(fn: Callable, seconds: list[float], device: str = "cpu") -> Callable:
     """`fn` timing each call into `seconds`, the device synced around it; bare when compiled."""
 
-    def timed(*args: Any) -> Any:
+    def timed(*args: Any, **kwargs: Any) -> Any:
         if torch.compiler.is_compiling():
-            return fn(*args)
+            return fn(*args, **kwargs)
         rp.sync(device)
         start = time.perf_counter()
         try:
-            return fn(*args)
+            return fn(*args, **kwargs)
         finally:
             rp.sync(device)
             seconds.append(time.perf_counter() - start)
