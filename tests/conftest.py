@@ -9,7 +9,14 @@ from typing import Any
 
 import pytest
 
-from pdserve.tiny_model import make_tiny_model
+# One compute thread in this process and in every process a test starts (nodes, routers, their
+# ranks), before torch is first imported: the tests' models are tiny and two cores are shared
+# by several processes, where OpenMP's threads only wait for each other at every small matmul
+# (a 100-request fault scenario took 10x the CPU and 4x the time with two threads per node).
+# A test that wants more threads asks for them (--threads-per-rank, torch.set_num_threads).
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+from pdserve.tiny_model import make_tiny_model  # noqa: E402
 
 # Routers the tests start prefill every prompt on a prefill node, as the P/D tests expect (the
 # cost model would place some on decode nodes, depending on rates measured while tests run).

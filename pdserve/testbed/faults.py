@@ -153,17 +153,27 @@ def run_scenario(
     fault: Callable[[LocalCluster], None] | None = None,
     fault_after_s: float = 1.0,
     disconnect_fraction: float = 0.0,
+    when: Callable[[LocalCluster], bool] | None = None,
 ) -> Run:
-    """All requests at once; `fault(cluster)` runs `fault_after_s` into the load."""
+    """All requests at once; `fault(cluster)` runs `fault_after_s` into the load, or with
+    `when`, at the first moment after that `when(cluster)` holds (a fault meant to hit work
+    in flight waits for it, however fast the nodes are); `run.fault_at` stays 0 when the load
+    ended first. The run's failovers are the router's count during it (a cluster may serve
+    several scenarios)."""
     run = Run(name)
+    failovers_before = router_failovers(cluster.url)
     rng = random.Random(1)
     drops = {i for i in range(len(prompts)) if rng.random() < disconnect_fraction}
+    finished = threading.Event()
 
     def injector() -> None:
-        time.sleep(fault_after_s)
+        if finished.wait(fault_after_s) or fault is None:
+            return
+        while when is not None and not when(cluster):
+            if finished.wait(0.02):
+                return
         run.fault_at = time.monotonic()
-        if fault is not None:
-            fault(cluster)
+        fault(cluster)
 
     thread = threading.Thread(target=injector)
     with ThreadPoolExecutor(max_workers=len(prompts)) as pool:
@@ -173,9 +183,37 @@ def run_scenario(
         ]
         thread.start()
         run.outcomes = [f.result() for f in futures]
+    finished.set()
     thread.join()
-    run.failovers = router_failovers(cluster.url)
+    run.failovers = router_failovers(cluster.url) - failovers_before
     return run
+
+
+def holding(node: str) -> Callable[[LocalCluster], bool]:
+    """`when` for run_scenario: node holds requests now (its integrity report)."""
+
+    def held(cluster: LocalCluster) -> bool:
+        report = (cluster.integrity().get(node) or {}).get("report") or {}
+        return bool(report.get("live_requests"))
+
+    return held
+
+
+def decoding(cluster: LocalCluster, node: str, requests: int) -> Callable[[LocalCluster], bool]:
+    """`when` for run_scenario: node holds requests while the load decodes (the router has
+    had more tokens since this call than the `requests` first tokens prefill nodes sample)."""
+    since = router_generated(cluster.url)
+    held = holding(node)
+    return lambda c: router_generated(c.url) - since > requests and held(c)
+
+
+def router_generated(url: str) -> float:
+    """Tokens the router at `url` has had from nodes so far (its Prometheus counter)."""
+    text = httpx.get(url + "/metrics", timeout=10).text
+    found = re.search(r"^pdserve_router_generation_tokens_total (\S+)$", text, re.M)
+    if found is None:
+        raise RuntimeError(f"the router at {url} exports no generation_tokens counter")
+    return float(found.group(1))
 
 
 def router_metrics(url: str) -> dict[str, float]:

@@ -29,9 +29,19 @@ def model_dir(tmp_path_factory) -> str:
 
 
 @pytest.fixture(scope="module")
-def load(model_dir):
-    prompts = fh.make_prompts(VOCAB)
-    return prompts, fh.reference(model_dir, prompts)
+def loads(model_dir) -> list[tuple[list[list[int]], list[list[int]]]]:
+    """Three loads of different prompts, (prompts, reference answers) each: scenarios run one
+    after another on one deployment each get prompts no node has cached yet (a cached prompt's
+    prefill is over before a fault aimed at it could hit). One reference run for all three."""
+    sets = [fh.make_prompts(VOCAB, seed=seed) for seed in range(3)]
+    wants = fh.reference(model_dir, [p for prompts in sets for p in prompts])
+    n = len(sets[0])
+    return [(prompts, wants[i * n : (i + 1) * n]) for i, prompts in enumerate(sets)]
+
+
+@pytest.fixture(scope="module")
+def load(loads):
+    return loads[0]
 
 
 def check(run: fh.Run, cluster, min_ok: int) -> None:
@@ -49,22 +59,15 @@ def kill(name: str):
     return fault
 
 
-@pytest.mark.parametrize(("role", "at_s"), [("prefill", 0.8), ("decode", 2.0)])
-def test_kill_a_node_mid_request(model_dir, load, role, at_s):
-    """A prefill node killed mid-transfer: failover re-prefills whatever it held. A decode node
-    killed mid-decode: streams resume on the other one after the tokens already sent, with no
-    gap and no repeat. Either way the survivors finish every answer, equal to the reference."""
-    prompts, wants = load
-    with fh.cluster_for(model_dir) as c:
-        run = fh.run_scenario(f"kill -9 {role}", c, prompts, wants, kill(f"{role}0"), at_s)
-        check(run, c, min_ok=len(prompts))
-        assert run.failovers > 0
-        survivors = {"prefill0", "prefill1", "decode0", "decode1"} - {f"{role}0"}
-        assert set(c.integrity()) == survivors
-
-
-def test_stall_a_node_then_let_it_go(model_dir, load):
-    prompts, wants = load
+def test_a_stalled_node_then_a_killed_prefill_node_then_a_killed_decode_node(model_dir, loads):
+    """Three faults, one after another, on one 2P2D deployment (each scenario's failovers are
+    the router's count during it). SIGSTOP of a decode node for 3 s, past the router's
+    heartbeat timeout: its requests fail over, and it is back in the rotation once it answers
+    again. A prefill node killed mid-transfer: failover re-prefills whatever it held. A decode
+    node killed mid-decode: streams resume on the other one after the tokens already sent,
+    with no gap and no repeat. Each time the survivors finish every answer, equal to the
+    reference."""
+    prompts, wants = loads[0]
     with fh.cluster_for(model_dir) as c:
 
         def stall(cluster) -> None:
@@ -73,10 +76,23 @@ def test_stall_a_node_then_let_it_go(model_dir, load):
             time.sleep(3.0)  # past the router's heartbeat timeout: it fails the node over
             os.kill(pid, signal.SIGCONT)
 
-        run = fh.run_scenario("SIGSTOP decode 3 s", c, prompts, wants, stall, 1.5)
+        stalled = fh.holding("decode1")
+        run = fh.run_scenario("SIGSTOP decode 3 s", c, prompts, wants, stall, 0.2, when=stalled)
         check(run, c, min_ok=len(prompts))
         assert run.failovers > 0
-        assert "decode1" in c.integrity()  # back in the rotation once it answers again
+        assert set(c.integrity()) == {"prefill0", "prefill1", "decode0", "decode1"}
+
+        survivors = {"prefill0", "prefill1", "decode0", "decode1"}
+        for role, (prompts, wants) in (("prefill", loads[1]), ("decode", loads[2])):
+            victim = f"{role}0"
+            # mid-transfer: while it holds requests; mid-decode: while the load decodes too
+            when = fh.decoding(c, victim, len(prompts)) if role == "decode" else fh.holding(victim)
+            name = f"kill -9 {role}"
+            run = fh.run_scenario(name, c, prompts, wants, kill(victim), 0.2, when=when)
+            check(run, c, min_ok=len(prompts))
+            assert run.failovers > 0, role
+            survivors.discard(victim)
+            assert set(c.integrity()) == survivors
 
 
 def set_child_env(monkeypatch: pytest.MonkeyPatch, plan: str) -> None:
@@ -97,14 +113,6 @@ def test_dropped_corrupted_and_delayed_kv_frames(model_dir, load, monkeypatch):
         assert run.failovers > 0
 
 
-def test_clients_that_disconnect_mid_stream(model_dir, load):
-    prompts, wants = load
-    with fh.cluster_for(model_dir, num_prefill=1, num_decode=1) as c:
-        run = fh.run_scenario("30% disconnect", c, prompts, wants, disconnect_fraction=0.3)
-        assert run.count("disconnected") >= 20
-        check(run, c, min_ok=len(prompts) - run.count("disconnected"))
-
-
 def test_overload_at_ten_times_the_queue(model_dir, load):
     """100 requests at once against a router that queues 10: the rest get 503 with
     Retry-After at once, every admitted one finishes correctly, router memory stays flat."""
@@ -123,16 +131,23 @@ def test_overload_at_ten_times_the_queue(model_dir, load):
         assert growth < 64, f"router RSS grew {growth:.0f} MiB over 300 requests"
 
 
-def test_sigterm_drains_a_decode_node(model_dir, load):
-    """SIGTERM: the node takes nothing new, finishes what it holds (what it cannot finish in
-    its drain timeout fails over), exits 0; requests go on to the other decode node."""
-    prompts, wants = load
+def test_clients_that_disconnect_then_sigterm_drains_a_decode_node(model_dir, loads):
+    """On one 1P2D deployment: 30% of the clients hang up after two chunks (every other
+    answer is right, nothing stays held); then SIGTERM to a decode node: it takes nothing new,
+    finishes what it holds (what it cannot finish in its drain timeout fails over), exits 0;
+    requests go on to the other decode node."""
+    prompts, wants = loads[0]
     with fh.cluster_for(model_dir, num_prefill=1, num_decode=2) as c:
+        run = fh.run_scenario("30% disconnect", c, prompts, wants, disconnect_fraction=0.3)
+        assert run.count("disconnected") >= 20
+        check(run, c, min_ok=len(prompts) - run.count("disconnected"))
 
         def term(cluster) -> None:
             cluster.procs["decode0"].send_signal(signal.SIGTERM)
 
-        run = fh.run_scenario("SIGTERM decode", c, prompts, wants, term, 1.0)
+        prompts, wants = loads[1]  # uncached: decode0 holds them while the prefill runs
+        holds = fh.holding("decode0")
+        run = fh.run_scenario("SIGTERM decode", c, prompts, wants, term, 0.2, when=holds)
         assert c.procs["decode0"].wait(timeout=30) == 0
         check(run, c, min_ok=len(prompts))
 
@@ -157,7 +172,7 @@ def test_nixl_kill_a_prefill_node_mid_transfer_then_a_decode_node(model_dir, loa
 
     with fh.cluster_for(model_dir, **NIXL) as c:
         name = "nixl: kill -9 prefill, then decode"
-        run = fh.run_scenario(name, c, prompts, wants, kill_both, 0.8)
+        run = fh.run_scenario(name, c, prompts, wants, kill_both, 0.2, when=fh.holding("prefill0"))
         check(run, c, min_ok=len(prompts))
         assert run.failovers > 0
         assert set(c.integrity()) == {"prefill1", "decode1"}
