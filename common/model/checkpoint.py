@@ -77,7 +77,9 @@ class Checkpoint:
         tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=".convert-"))
         try:
             kwargs = {"gguf_file": self.gguf_file}
-            AutoConfig.from_pretrained(self.directory, **kwargs).save_pretrained(tmp)
+            _completed(
+                AutoConfig.from_pretrained(self.directory, **kwargs), self.gguf_path
+            ).save_pretrained(tmp)
             AutoTokenizer.from_pretrained(self.directory, **kwargs).save_pretrained(tmp)
             os.replace(tmp, out)  # atomic; another process may have won the race: fine
         except OSError:
@@ -117,6 +119,23 @@ class Checkpoint:
         from transformers import AutoTokenizer
 
         return AutoTokenizer.from_pretrained(hf_dir, local_files_only=True)
+
+
+def _completed(config: Any, gguf_path: Path) -> Any:
+    """transformers' config of a GGUF file with the mixture-of-experts fields its reader
+    leaves out (`gguf.config_fields`): Mixtral, which llama.cpp writes as "llama", rebuilt
+    as a Mixtral config."""
+    from transformers import AutoConfig
+
+    from pdserve.common.model.gguf import config_fields
+
+    model_type, fields = config_fields(gguf_path)
+    if model_type is None:
+        for key, value in fields.items():
+            setattr(config, key, value)
+        return config
+    kept = {k: v for k, v in config.to_dict().items() if k not in ("model_type", "architectures")}
+    return AutoConfig.for_model(model_type, **kept, **fields)
 
 
 # What transformers 4 and 5 call the tokenizer backed by tokenizer.json alone.

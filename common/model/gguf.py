@@ -12,12 +12,23 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
+from typing import TypeVar
 
 import numpy as np
 
-# gguf's architecture name -> the MODEL_ARCH name of its tensor map. llama.cpp writes Llama and
-# Mistral checkpoints as "llama".
-SUPPORTED_GGUF_ARCHITECTURES = {"llama": "LLAMA", "qwen2": "QWEN2", "qwen3": "QWEN3"}
+# gguf's architecture name -> the MODEL_ARCH name of its tensor map. llama.cpp writes Llama,
+# Mistral and Mixtral (with expert tensors) checkpoints as "llama".
+SUPPORTED_GGUF_ARCHITECTURES = {
+    "llama": "LLAMA",
+    "qwen2": "QWEN2",
+    "qwen3": "QWEN3",
+    "qwen3moe": "QWEN3MOE",
+}
+# Architectures the gguf library maps but pdserve cannot load, and why.
+_BLOCKED = {
+    "deepseek2": "transformers' GGUF reader builds no config from its metadata "
+    "(DeepSeek-V3 loads from its HF checkpoint directory)",
+}
 # Architectures whose q/k weights llama.cpp's converter permuted.
 _PERMUTED = ("llama",)
 # Tensors llama.cpp stores that hold no parameter of ours (rope factors come from the config).
@@ -43,11 +54,35 @@ def check_architecture(path: Path, reader=None) -> str:
     tokenizer of 50k tokens)."""
     arch = architecture_of(reader or _reader(path))
     if arch not in SUPPORTED_GGUF_ARCHITECTURES:
+        why = f" ({_BLOCKED[arch]})" if arch in _BLOCKED else ""
         raise ValueError(
-            f"{path.name}: unsupported GGUF architecture {arch!r}; "
+            f"{path.name}: unsupported GGUF architecture {arch!r}{why}; "
             f"supported: {', '.join(SUPPORTED_GGUF_ARCHITECTURES)}"
         )
     return arch
+
+
+def _field(reader, key: str):
+    field = reader.fields.get(key)
+    return None if field is None else field.contents()
+
+
+def config_fields(path: Path) -> tuple[str | None, dict]:
+    """(model_type to build instead, or None; config fields to set) for what transformers'
+    GGUF reader leaves out of a mixture-of-experts file's config: a "llama" file with experts
+    is Mixtral; a Qwen3-MoE file's expert width is a key of its own. (The gguf library's
+    qwen3moe tensors have no dense MLP: every layer of such a file is sparse, transformers'
+    default.)"""
+    reader = _reader(path)
+    arch = architecture_of(reader)
+    experts = _field(reader, f"{arch}.expert_count")
+    if arch == "llama" and experts:
+        used = _field(reader, "llama.expert_used_count")
+        return "mixtral", {"num_local_experts": experts, "num_experts_per_tok": used}
+    width = _field(reader, f"{arch}.expert_feed_forward_length")
+    if arch == "qwen3moe" and width is not None:
+        return None, {"moe_intermediate_size": width}
+    return None, {}
 
 
 def dequantize(tensor) -> np.ndarray:
@@ -89,6 +124,29 @@ class RawTensor:
     shape: tuple[int, ...]
 
 
+# Our stacked experts' gate_up_proj [E, 2I, H] is two GGUF tensors, ffn_gate_exps and
+# ffn_up_exps [E, I, H]: each is named as its half here, and `_joined_experts` joins them.
+_GATE_UP = ".experts.gate_up_proj"
+_HALVES = ("gate_proj", "up_proj")
+_T = TypeVar("_T")
+
+
+def _gguf_names(name_map, hf_name: str) -> Iterator[tuple[str, str]]:
+    """(GGUF name, name read as) of the tensors that hold an HF parameter."""
+    if hf_name.endswith(_GATE_UP):
+        prefix = hf_name.removesuffix(".gate_up_proj")
+        for half in _HALVES:
+            gguf_name = name_map.get_name(f"{prefix}.{half}")
+            if gguf_name is not None:
+                yield f"{gguf_name}.weight", f"{prefix}.{half}"
+        return
+    gguf_name = name_map.get_name(hf_name, try_suffixes=(".weight", ".bias"))
+    if gguf_name is not None:
+        # A stacked expert parameter has no .weight suffix; its GGUF tensor has.
+        suffix = "" if gguf_name.endswith((".weight", ".bias")) else ".weight"
+        yield gguf_name + suffix, hf_name
+
+
 def _named_tensors(
     path: Path, hf_names: Iterable[str], num_layers: int
 ) -> Iterator[tuple[str, str, object]]:
@@ -101,14 +159,38 @@ def _named_tensors(
     name_map = gguf.get_tensor_name_map(
         gguf.MODEL_ARCH[SUPPORTED_GGUF_ARCHITECTURES[arch]], num_layers
     )
-    to_hf = {}
-    for hf_name in hf_names:
-        gguf_name = name_map.get_name(hf_name, try_suffixes=(".weight", ".bias"))
-        if gguf_name is not None:
-            to_hf[gguf_name] = hf_name
+    to_hf = {g: h for hf_name in hf_names for g, h in _gguf_names(name_map, hf_name)}
     for tensor in reader.tensors:
         if tensor.name not in _IGNORED:
             yield arch, to_hf.get(tensor.name, tensor.name), tensor
+
+
+def _half_of(name: str) -> tuple[str, int] | None:
+    """(the gate_up_proj it is half of, 0 gate or 1 up) for an expert half's name."""
+    prefix, _, half = name.rpartition(".")
+    if prefix.endswith(".experts") and half in _HALVES:
+        return prefix + ".gate_up_proj", _HALVES.index(half)
+    return None
+
+
+def _joined_experts(tensors: Iterable[tuple[str, _T]]) -> Iterator[tuple[str, _T]]:
+    """Every (name, array), expert gate and up halves joined into gate_up_proj (each
+    expert's gate rows, then its up rows) once both of a layer have come; a half whose
+    partner never comes keeps its own name, so the loader names it as unexpected."""
+    waiting: dict[str, dict[int, np.ndarray]] = {}
+    for name, array in tensors:
+        half = _half_of(name)
+        if half is None:
+            yield name, array
+            continue
+        parts = waiting.setdefault(half[0], {})
+        parts[half[1]] = array
+        if len(parts) == 2:
+            del waiting[half[0]]
+            yield half[0], np.concatenate([parts[0], parts[1]], axis=1)
+    for joined, parts in waiting.items():
+        for index, array in parts.items():
+            yield joined.removesuffix("gate_up_proj") + _HALVES[index], array
 
 
 def _rotary_heads(arch: str, name: str, num_heads: int, num_kv_heads: int) -> int | None:
@@ -126,10 +208,14 @@ def read_tensors(
     """(HF name, float32 array) for every tensor of the file. hf_names are the parameters the
     model may hold; a tensor that maps to none of them keeps its GGUF name, so the loader's
     name check reports it as unexpected."""
-    for arch, name, tensor in _named_tensors(path, hf_names, num_layers):
-        w = dequantize(tensor)
-        heads = _rotary_heads(arch, name, num_heads, num_kv_heads)
-        yield name, w if heads is None else unpermute_rotary(w, heads)
+
+    def arrays() -> Iterator[tuple[str, np.ndarray]]:
+        for arch, name, tensor in _named_tensors(path, hf_names, num_layers):
+            w = dequantize(tensor)
+            heads = _rotary_heads(arch, name, num_heads, num_kv_heads)
+            yield name, w if heads is None else unpermute_rotary(w, heads)
+
+    return _joined_experts(arrays())
 
 
 def read_raw_tensors(
@@ -139,7 +225,19 @@ def read_raw_tensors(
     row permutation is undone on the stored rows: a row is whole blocks, so moving rows moves
     blocks and leaves them as they are. Each tensor's bytes are read from the file into memory
     of its own rather than viewed in the reader's map: pages of a mapped file stay resident
-    once touched, so a map read through would add the whole file to the loader's peak."""
+    once touched, so a map read through would add the whole file to the loader's peak.
+    Stacked experts (3-D) come dequantized, as F32: their gate and up halves are joined."""
+    for name, data in _joined_experts(
+        _raw_or_experts(path, hf_names, num_layers, num_heads, num_kv_heads)
+    ):
+        yield data if isinstance(data, RawTensor) else _float_raw(name, data)
+
+
+def _raw_or_experts(
+    path: Path, hf_names: Iterable[str], num_layers: int, num_heads: int, num_kv_heads: int
+) -> Iterator[tuple[str, RawTensor | np.ndarray]]:
+    """`read_raw_tensors`' tensors before the expert halves are joined: stacked experts as
+    float32 arrays, every other tensor as its blocks."""
     with path.open("rb") as f:
         for arch, name, tensor in _named_tensors(path, hf_names, num_layers):
             shape = tuple(int(d) for d in reversed(tensor.shape))
@@ -149,7 +247,15 @@ def read_raw_tensors(
             heads = _rotary_heads(arch, name, num_heads, num_kv_heads)
             if heads is not None:
                 blocks = unpermute_rotary(blocks, heads)
-            yield RawTensor(name, tensor.tensor_type.name, blocks, shape)
+            raw = RawTensor(name, tensor.tensor_type.name, blocks, shape)
+            yield name, raw if len(shape) < 3 else dequantize_raw(raw)
+
+
+def _float_raw(name: str, array: np.ndarray) -> RawTensor:
+    """A float32 array as an F32 RawTensor."""
+    array = np.ascontiguousarray(array, dtype=np.float32)
+    rows = int(np.prod(array.shape[:-1]))
+    return RawTensor(name, "F32", array.view(np.uint8).reshape(rows, -1), array.shape)
 
 
 # --- quantized blocks (the formats as llama.cpp's ggml-common.h lays them out) ----------------
