@@ -151,11 +151,28 @@ def test_moe_gguf_reads_back_the_weights_and_generates_as_its_original(
     assert weights.keys() == original.keys()
     for name, array in original.items():
         np.testing.assert_array_equal(weights[name], array, err_msg=name)
+    if family == "qwen3_moe":  # transformers' own reader of the file sees the original too
+        assert_transformers_reads(path, original)
     # Prompts inside Mixtral's 64-token window: the GGUF runs without one, as llama.cpp does.
     params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
     prompts = [[5, 17, 300, 42], list(range(40, 80))]
     outs = {m: LLM(str(m), dtype="float32").generate(prompts, params) for m in (model_dir, path)}
     assert [o.token_ids for o in outs[path]] == [o.token_ids for o in outs[model_dir]]
+
+
+def assert_transformers_reads(path: Path, original: dict[str, np.ndarray]) -> None:
+    """transformers' GGUF loader (its own name map and expert stacking) finds the original
+    weights in the file: the layout written here is the one llama.cpp's readers expect. It is
+    given pdserve's config: its own lacks the expert width (768 by default, not the file's)."""
+    from transformers import AutoModelForCausalLM
+
+    config = Checkpoint.resolve(path).hf_config()
+    hf = AutoModelForCausalLM.from_pretrained(
+        path.parent, gguf_file=path.name, config=config, dtype=torch.float32
+    )
+    state = {n: t.numpy() for n, t in hf.state_dict().items()}
+    for name, array in original.items():
+        np.testing.assert_array_equal(state[name], array, err_msg=name)
 
 
 @pytest.mark.parametrize("quantization", ["none", "auto"])
@@ -226,3 +243,8 @@ def test_deepseek2_is_refused_with_the_reason(tmp_path: Path) -> None:
     w.close()
     with pytest.raises(ValueError, match="'deepseek2' \\(transformers' GGUF reader builds no"):
         Checkpoint.resolve(path).hf_config()
+    # The reason holds: transformers itself refuses the file (when it stops, load it).
+    from transformers import AutoConfig
+
+    with pytest.raises(ValueError, match="deepseek2 is not supported"):
+        AutoConfig.from_pretrained(tmp_path, gguf_file=path.name)
