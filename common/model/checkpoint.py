@@ -70,16 +70,18 @@ class Checkpoint:
     def _convert_metadata(self, out: Path) -> None:
         from transformers import AutoConfig, AutoTokenizer
 
-        from pdserve.common.model.gguf import check_architecture
+        from pdserve.common.model.gguf import check_architecture, config_fields, open_reader
 
-        check_architecture(self.gguf_path)
+        reader = open_reader(self.gguf_path)
+        check_architecture(self.gguf_path, reader)
+        fields = config_fields(reader)
+        del reader  # its parsed metadata, before transformers parses the file again
         out.parent.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=".convert-"))
         try:
             kwargs = {"gguf_file": self.gguf_file}
-            _completed(
-                AutoConfig.from_pretrained(self.directory, **kwargs), self.gguf_path
-            ).save_pretrained(tmp)
+            config = AutoConfig.from_pretrained(self.directory, **kwargs)
+            _completed(config, *fields).save_pretrained(tmp)
             AutoTokenizer.from_pretrained(self.directory, **kwargs).save_pretrained(tmp)
             os.replace(tmp, out)  # atomic; another process may have won the race: fine
         except OSError:
@@ -121,19 +123,16 @@ class Checkpoint:
         return AutoTokenizer.from_pretrained(hf_dir, local_files_only=True)
 
 
-def _completed(config: Any, gguf_path: Path) -> Any:
+def _completed(config: Any, model_type: str | None, fields: dict[str, Any]) -> Any:
     """transformers' config of a GGUF file with the mixture-of-experts fields its reader
     leaves out (`gguf.config_fields`): Mixtral, which llama.cpp writes as "llama", rebuilt
     as a Mixtral config."""
-    from transformers import AutoConfig
-
-    from pdserve.common.model.gguf import config_fields
-
-    model_type, fields = config_fields(gguf_path)
     if model_type is None:
         for key, value in fields.items():
             setattr(config, key, value)
         return config
+    from transformers import AutoConfig
+
     kept = {k: v for k, v in config.to_dict().items() if k not in ("model_type", "architectures")}
     return AutoConfig.for_model(model_type, **kept, **fields)
 

@@ -35,7 +35,8 @@ _PERMUTED = ("llama",)
 _IGNORED = ("rope_freqs.weight",)
 
 
-def _reader(path: Path):
+def open_reader(path: Path):
+    """The file's gguf reader (parses all its metadata: open it once)."""
     import gguf
 
     return gguf.GGUFReader(str(path))
@@ -52,7 +53,7 @@ def check_architecture(path: Path, reader=None) -> str:
     """The file's architecture; ValueError naming it when pdserve cannot run it. Pass the
     file's reader when one is open: building one parses all the metadata (seconds for a
     tokenizer of 50k tokens)."""
-    arch = architecture_of(reader or _reader(path))
+    arch = architecture_of(reader or open_reader(path))
     if arch not in SUPPORTED_GGUF_ARCHITECTURES:
         why = f" ({_BLOCKED[arch]})" if arch in _BLOCKED else ""
         raise ValueError(
@@ -67,13 +68,12 @@ def _field(reader, key: str):
     return None if field is None else field.contents()
 
 
-def config_fields(path: Path) -> tuple[str | None, dict]:
+def config_fields(reader) -> tuple[str | None, dict]:
     """(model_type to build instead, or None; config fields to set) for what transformers'
     GGUF reader leaves out of a mixture-of-experts file's config: a "llama" file with experts
     is Mixtral; a Qwen3-MoE file's expert width is a key of its own. (The gguf library's
     qwen3moe tensors have no dense MLP: every layer of such a file is sparse, transformers'
     default.)"""
-    reader = _reader(path)
     arch = architecture_of(reader)
     experts = _field(reader, f"{arch}.expert_count")
     if arch == "llama" and experts:
@@ -154,7 +154,7 @@ def _named_tensors(
     maps to no HF name keeps its GGUF name, so the loader's name check reports it."""
     import gguf
 
-    reader = _reader(path)
+    reader = open_reader(path)
     arch = check_architecture(path, reader)
     name_map = gguf.get_tensor_name_map(
         gguf.MODEL_ARCH[SUPPORTED_GGUF_ARCHITECTURES[arch]], num_layers
