@@ -159,8 +159,8 @@ def test_float32_1p1d_with_the_openai_client_answers_as_the_engine(
     """The prefill node at TP 3 and the decode node at TP 1 (each decode KV head comes from
     another prefill rank), in float32: the chat prompts' greedy answers through the openai
     client are the engine's (at TP 1, which equals HF above), "What is the capital of France?"
-    is answered "Paris", both nodes hold float weights in float32, and every block is free
-    afterwards."""
+    is answered "Paris", json_object outputs load, both nodes hold float weights in float32,
+    and every block is free afterwards."""
     from openai import OpenAI
 
     expected = [out.text for out in engine_answers[1]]
@@ -183,6 +183,20 @@ def test_float32_1p1d_with_the_openai_client_answers_as_the_engine(
         ]
         assert answers == expected
         assert "Paris" in answers[0]
+        # Free-form objects: SmolLM2-135M nests or repeats keys without end for some subjects
+        # (a dog, a city, a car, a book: cut off at 200 tokens, a valid prefix each); these
+        # three it closes by itself in float32. In bf16 which subjects close moves with any
+        # change of rounding (a kernel's, or the requests batched beside one).
+        for thing in ("a cat", "the weather today", "your favorite fruit"):
+            reply = client.chat.completions.create(
+                model=model,
+                messages=[{"role": "user", "content": f"Describe {thing} as a JSON object."}],
+                max_tokens=200,
+                temperature=0,
+                response_format={"type": "json_object"},
+            )
+            text = reply.choices[0].message.content
+            assert isinstance(json.loads(text), dict), (thing, text)
         assert_nodes(cluster.integrity(), "float32", "")
 
 
@@ -246,19 +260,12 @@ def test_the_demo_command_runs_the_demo_with_its_flags(monkeypatch) -> None:
     assert calls == [(None, 7, "shm", "/x"), (None, 48, "zmq", None)]
 
 
-# Free-form objects: SmolLM2-135M nests or repeats keys without end for some subjects (a city,
-# a car, a tree, a phone: cut off at 200 tokens, a valid prefix each); these three it closes by
-# itself, in bf16 with int8 weights and in float32 (the demo's dtype on a CPU without bf16).
-# Asked one at a time, so each runs alone: in bf16 the requests batched beside one change its
-# rounding ("a dog" closes alone and runs on to 200 tokens beside 17 others).
-JSON_SUBJECTS = ("a cat", "a movie", "a river")
-
-
 def test_structured_outputs_and_tool_calls_on_the_demo_deployment(demo_deployment) -> None:
-    """On the demo's deployment, at once: chat.completions.parse with a Pydantic model returns a
-    parsed object 20 times out of 20 (a cut-off object would fail), regex and choice outputs
-    match, a tool call round-trips; then json_object outputs load (one at a time); every
-    block is free afterwards."""
+    """On the demo's deployment, all at once: chat.completions.parse with a Pydantic model
+    returns a parsed object 20 times out of 20 (a cut-off object would fail), regex and choice
+    outputs match, a tool call round-trips; every block is free afterwards. Each output here is
+    bounded by its schema, so it does not hang on bf16's rounding (free-form JSON does: the
+    float32 test above)."""
     from openai import OpenAI
 
     cluster, _, model = demo_deployment
@@ -299,10 +306,6 @@ def test_structured_outputs_and_tool_calls_on_the_demo_deployment(demo_deploymen
         people = list(people)
     assert all(isinstance(p, Person) for p in people), people
     assert len({p.name for p in people}) > 1  # answers follow the prompts
-    for thing in JSON_SUBJECTS:
-        text = chat(f"Describe {thing} as a JSON object.", response_format={"type": "json_object"})
-        assert text.rstrip().endswith("}"), (thing, text)  # closed, not cut off
-        assert isinstance(json.loads(text), dict), (thing, text)
     assert re.fullmatch(phone, number.result()), number.result()
     assert answer.result() in ("yes", "no"), answer.result()
     tools.result()  # its assertions, raised here
