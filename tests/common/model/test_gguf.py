@@ -112,6 +112,36 @@ def test_rotary_unpermute_inverts_the_converters_permutation() -> None:
     np.testing.assert_array_equal(permuted[:2], w[[0, 8]])
 
 
+def add_model_metadata(w: gguf.GGUFWriter, arch: ModelArchConfig) -> None:
+    """The shape fields every llama.cpp architecture writes (under the writer's arch)."""
+    w.add_block_count(arch.num_layers)
+    w.add_context_length(arch.max_position_embeddings)
+    w.add_embedding_length(arch.hidden_size)
+    w.add_feed_forward_length(arch.intermediate_size)
+    w.add_head_count(arch.num_heads)
+    w.add_head_count_kv(arch.num_kv_heads)
+    w.add_layer_norm_rms_eps(arch.rms_norm_eps)
+    w.add_rope_freq_base(arch.rope_theta)
+    w.add_vocab_size(arch.vocab_size)
+
+
+def add_gpt2_tokenizer(w: gguf.GGUFWriter, model_dir: Path) -> None:
+    """The checkpoint's BPE tokenizer as llama.cpp's "gpt2" tokenizer metadata."""
+    tok = json.loads((model_dir / "tokenizer.json").read_text())
+    vocab = sorted(tok["model"]["vocab"].items(), key=lambda kv: kv[1])
+    added = {a["id"]: a["content"] for a in tok.get("added_tokens", [])}
+    tokens = [added.get(i, t) for t, i in vocab]
+    tokens += [added[i] for i in sorted(added) if i >= len(vocab)]
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("default")
+    w.add_token_list(tokens)
+    w.add_token_types([3 if i in added else 1 for i in range(len(tokens))])
+    w.add_token_merges([" ".join(m) if isinstance(m, list) else m for m in tok["model"]["merges"]])
+    config = json.loads((model_dir / "config.json").read_text())
+    w.add_bos_token_id(config["bos_token_id"])
+    w.add_eos_token_id(config["eos_token_id"])
+
+
 def write_llama_gguf(
     model_dir: Path,
     out: Path,
@@ -122,31 +152,10 @@ def write_llama_gguf(
     tokenizer, q/k rows permuted, 2-D weights in `qtype` (or `qtype(HF name)`; norms stay F32),
     each weight first passed through `change(HF name, array)` when given."""
     arch = ModelArchConfig.from_dir(model_dir)
-    tok = json.loads((model_dir / "tokenizer.json").read_text())
-    config = json.loads((model_dir / "config.json").read_text())
     w = gguf.GGUFWriter(str(out), "llama")
-    w.add_block_count(arch.num_layers)
-    w.add_context_length(arch.max_position_embeddings)
-    w.add_embedding_length(arch.hidden_size)
-    w.add_feed_forward_length(arch.intermediate_size)
-    w.add_head_count(arch.num_heads)
-    w.add_head_count_kv(arch.num_kv_heads)
-    w.add_layer_norm_rms_eps(arch.rms_norm_eps)
-    w.add_rope_freq_base(arch.rope_theta)
+    add_model_metadata(w, arch)
     w.add_rope_dimension_count(arch.head_dim)
-    w.add_vocab_size(arch.vocab_size)
-    vocab = sorted(tok["model"]["vocab"].items(), key=lambda kv: kv[1])
-    added = {a["id"]: a["content"] for a in tok.get("added_tokens", [])}
-    tokens = [added.get(i, t) for t, i in vocab] + [
-        added[i] for i in sorted(added) if i >= len(vocab)
-    ]
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("default")
-    w.add_token_list(tokens)
-    w.add_token_types([3 if i in added else 1 for i in range(len(tokens))])
-    w.add_token_merges([" ".join(m) if isinstance(m, list) else m for m in tok["model"]["merges"]])
-    w.add_bos_token_id(config["bos_token_id"])
-    w.add_eos_token_id(config["eos_token_id"])
+    add_gpt2_tokenizer(w, model_dir)
     w.add_chat_template((model_dir / "chat_template.jinja").read_text())
     name_map = gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, arch.num_layers)
     for name, array in load_file(model_dir / "model.safetensors").items():

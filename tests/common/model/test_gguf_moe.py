@@ -6,7 +6,6 @@ DeepSeek-V3's "deepseek2", which transformers builds no config for, refused by n
 from __future__ import annotations
 
 import dataclasses
-import json
 from pathlib import Path
 
 import numpy as np
@@ -23,6 +22,7 @@ from pdserve.common.model.config import ModelArchConfig  # noqa: E402
 from pdserve.common.model.gguf import permute_rotary, read_raw_tensors  # noqa: E402
 from pdserve.common.model.moe import stack_experts  # noqa: E402
 from pdserve.common.model.weights import load_model  # noqa: E402
+from tests.common.model.test_gguf import add_gpt2_tokenizer, add_model_metadata  # noqa: E402
 from tests.common.model.test_moe import make_tiny_moe  # noqa: E402
 
 GGUF_ARCH = {"qwen3_moe": "qwen3moe", "mixtral": "llama"}
@@ -52,40 +52,15 @@ def original_weights(model_dir: str) -> dict[str, np.ndarray]:
 
 
 def _add_metadata(w, arch: ModelArchConfig, prefix: str) -> None:
-    w.add_block_count(arch.num_layers)
-    w.add_context_length(arch.max_position_embeddings)
-    w.add_embedding_length(arch.hidden_size)
-    w.add_feed_forward_length(arch.intermediate_size)
-    w.add_head_count(arch.num_heads)
-    w.add_head_count_kv(arch.num_kv_heads)
-    w.add_layer_norm_rms_eps(arch.rms_norm_eps)
-    w.add_rope_freq_base(arch.rope_theta)
+    add_model_metadata(w, arch)
     w.add_key_length(arch.head_dim)
     w.add_value_length(arch.head_dim)
-    w.add_vocab_size(arch.vocab_size)
     w.add_expert_count(arch.num_experts)
     w.add_expert_used_count(arch.num_experts_per_tok)
     if prefix == "llama":
         w.add_rope_dimension_count(arch.head_dim)
     else:
         w.add_expert_feed_forward_length(arch.moe_intermediate_size)
-
-
-def _add_tokenizer(w, model_dir: Path) -> None:
-    """The checkpoint's BPE tokenizer as llama.cpp's "gpt2" tokenizer metadata."""
-    tok = json.loads((model_dir / "tokenizer.json").read_text())
-    vocab = sorted(tok["model"]["vocab"].items(), key=lambda kv: kv[1])
-    added = {a["id"]: a["content"] for a in tok.get("added_tokens", [])}
-    tokens = [added.get(i, t) for t, i in vocab]
-    tokens += [added[i] for i in sorted(added) if i >= len(vocab)]
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("default")
-    w.add_token_list(tokens)
-    w.add_token_types([3 if i in added else 1 for i in range(len(tokens))])
-    w.add_token_merges([" ".join(m) if isinstance(m, list) else m for m in tok["model"]["merges"]])
-    config = json.loads((model_dir / "config.json").read_text())
-    w.add_bos_token_id(config["bos_token_id"])
-    w.add_eos_token_id(config["eos_token_id"])
 
 
 def _gguf_tensors(
@@ -117,7 +92,7 @@ def write_moe_gguf(model_dir: str, out: Path, qtype: Q = Q.F32) -> Path:
     prefix = GGUF_ARCH["mixtral" if arch.architecture == "MixtralForCausalLM" else "qwen3_moe"]
     w = gguf.GGUFWriter(str(out), prefix)
     _add_metadata(w, arch, prefix)
-    _add_tokenizer(w, Path(model_dir))
+    add_gpt2_tokenizer(w, Path(model_dir))
     for name, array in _gguf_tensors(original_weights(model_dir), arch, prefix).items():
         whole = array.shape[-1] % gguf.GGML_QUANT_SIZES[qtype][0] == 0
         t = qtype if array.ndim >= 2 and whole else Q.F32
@@ -222,7 +197,7 @@ def test_a_gguf_missing_an_up_stack_names_the_gate_half(
     del tensors["blk.0.ffn_up_exps.weight"]
     w = gguf.GGUFWriter(str(tmp_path / "cut.gguf"), "qwen3moe")
     _add_metadata(w, arch, "qwen3moe")
-    _add_tokenizer(w, Path(model_dir))
+    add_gpt2_tokenizer(w, Path(model_dir))
     for name, array in tensors.items():
         w.add_tensor(name, array)
     w.write_header_to_file()
