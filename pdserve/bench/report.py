@@ -253,10 +253,8 @@ def draw_panel(ax: Any, p: Panel) -> None:
 
 def write_section(name: str, body: str, doc: str | Path) -> Path:
     """Replace the section `name` of `doc` (append it, or create the page, when missing).
-
     ValueError when the page holds the section's markers other than once each, in order: a
-    guess there could overwrite the prose between two stray markers.
-    """
+    guess there could overwrite the prose between two stray markers."""
     doc = Path(doc)
     begin, end = f"<!-- BEGIN {name} -->", f"<!-- END {name} -->"
     block = f"{begin}\n{body.rstrip()}\n{end}"
@@ -399,10 +397,11 @@ def flags_text(args: Sequence[str]) -> str:
 
 def setup_rows(report: dict[str, Any]) -> list[list[Any]]:
     """The rows a run's setup table starts with: when, where, what model, which flags."""
-    m = report["machine"]
+    m, args = report["machine"], report["engine_args"]
+    dtype = dict(zip(args, args[1:])).get("--dtype", "dtype auto")
     return [
         ["measured", f"{report['date']} at pdserve {report['git']}"],
-        ["machine", f"{m['cpu']}, {m['cpu_count']} CPU cores, torch {m['torch']}, float32"],
+        ["machine", f"{m['cpu']}, {m['cpu_count']} CPU cores, torch {m['torch']}, {dtype}"],
         ["model", report["model_desc"]],
         ["pdserve engine flags", flags_text(report["engine_args"])],
         ["torch threads per server process (`--threads`)", report["threads"]],
