@@ -229,9 +229,13 @@ class RequestTable:
         """Detach the request from lost nodes at once (later messages from them are ignored),
         never route it to them again (unless not `exclude`), and let its generator re-route
         it: a lost prefill node alone before the first token keeps the decode node's
-        reservation; anything else starts over."""
+        reservation; anything else starts over (a decode node that holds the whole KV is
+        decoding already: its reservation cannot take another prefill)."""
         only_prefill = (
-            lost == {stream.prefill_node} and not stream.got_first and bool(stream.decode_node)
+            lost == {stream.prefill_node}
+            and not stream.got_first
+            and not stream.admitted
+            and bool(stream.decode_node)
         )
         detached = lost if only_prefill else stream.nodes()
         self._detach(stream, detached)
@@ -242,14 +246,17 @@ class RequestTable:
 
     def fail_dead(self, alive: set[str]) -> None:
         """Fail over every request that depends on a node missing its heartbeats: its decode
-        node, or its prefill node until the decode node holds the whole KV."""
+        node, or its prefill node until the decode node holds the whole KV and the prefill
+        node's first token came (the decode node's tokens wait for that one: a prefill node
+        dead between the two would leave the request waiting for a token that never comes)."""
         dead = [n for n, held in self._held.items() if held and n not in alive]
         streams = {s.request.request_id: s for n in dead for s in self.on_node(n)}
         for stream in streams.values():
+            done = stream.admitted and stream.got_first  # the prefill node's part is over
             lost = {
                 n
                 for n in stream.nodes()
-                if n not in alive and (n == stream.decode_node or not stream.admitted)
+                if n not in alive and (n == stream.decode_node or not done)
             }
             if lost:
                 self.fail_over(stream, lost, f"{', '.join(sorted(lost))} gone")

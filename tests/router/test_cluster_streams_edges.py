@@ -217,6 +217,20 @@ def test_dead_nodes_fail_over_what_depends_on_them() -> None:
     assert drain(before) == [Failover("resume", ("d0",), ("d0",), "d0 gone")]
 
 
+def test_a_prefill_node_dead_after_the_hand_off_but_before_its_first_token_restarts_it() -> None:
+    """The decode node holds the whole KV and decodes (its tokens wait for the first one),
+    but the prefill node died before its first token reached the router: nothing would ever
+    come. The request starts over (no token reached the client), decode node included."""
+    t = table("p0", "d0", "p1", "d1")
+    stream = placed(t)
+    t.admitted("d0", "r", 1.0)
+    t.deliver("d0", Tokens("r", (11,)), 1.0)  # kept until p0's first token
+    t.fail_dead({"d0", "p1", "d1"})
+    [note] = drain(stream)
+    assert (note.kind, note.lost, set(note.detached)) == ("resume", ("p0",), {"p0", "d0"})
+    assert stream.nodes() == set() and stream.lost == {"p0"}
+
+
 def test_a_node_with_both_roles_of_a_request_dead_is_named_once_each() -> None:
     t = table("p0", "d0")
     stream = placed(t)
