@@ -85,10 +85,13 @@ def test_a_stalled_node_then_a_killed_prefill_node_then_a_killed_decode_node(mod
         survivors = {"prefill0", "prefill1", "decode0", "decode1"}
         for role, (prompts, wants) in (("prefill", loads[1]), ("decode", loads[2])):
             victim = f"{role}0"
-            # mid-transfer: while it holds requests; mid-decode: while the load decodes too
-            when = fh.decoding(c, victim, len(prompts)) if role == "decode" else fh.holding(victim)
+            # mid-transfer: as soon as it holds requests; mid-decode: while it holds decoding ones
+            if role == "prefill":
+                when = fh.holding(victim)  # polled from the load's start
+            else:
+                when = fh.decoding(c, victim, len(prompts))
             name = f"kill -9 {role}"
-            run = fh.run_scenario(name, c, prompts, wants, kill(victim), 0.2, when=when)
+            run = fh.run_scenario(name, c, prompts, wants, kill(victim), 0.0, when=when)
             check(run, c, min_ok=len(prompts))
             assert run.failovers > 0, role
             survivors.discard(victim)
@@ -172,7 +175,8 @@ def test_nixl_kill_a_prefill_node_mid_transfer_then_a_decode_node(model_dir, loa
 
     with fh.cluster_for(model_dir, **NIXL) as c:
         name = "nixl: kill -9 prefill, then decode"
-        run = fh.run_scenario(name, c, prompts, wants, kill_both, 0.2, when=fh.holding("prefill0"))
+        early = fh.holding("prefill0")  # polled from the load's start
+        run = fh.run_scenario(name, c, prompts, wants, kill_both, 0.0, when=early)
         check(run, c, min_ok=len(prompts))
         assert run.failovers > 0
         assert set(c.integrity()) == {"prefill1", "decode1"}
