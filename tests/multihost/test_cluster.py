@@ -96,14 +96,18 @@ def run_all(url: str, prompts: list[list[int]]) -> list[list[int]]:
         return list(pool.map(lambda p: complete(url, p), prompts))
 
 
-def wait_holding(cluster: HostCluster, router: str, node_id: str, timeout: float = 60) -> None:
-    """Until node_id reports a live request to the integrity check."""
+def wait_holding(
+    cluster: HostCluster, router: str, node_id: str, load: list, timeout: float = 60
+) -> None:
+    """Until node_id reports a live request to the integrity check, while the load (futures)
+    still runs."""
     deadline = time.monotonic() + timeout
     while not ((cluster.integrity(router).get(node_id) or {}).get("report") or {}).get(
         "live_requests"
     ):
+        assert not all(f.done() for f in load), f"the load ended before {node_id} held a request"
         assert time.monotonic() < deadline, f"{node_id} held no request within {timeout}s"
-        time.sleep(0.05)
+        time.sleep(0.02)
 
 
 def wait_clean(cluster: HostCluster, router: str, node_ids: list[str], timeout: float = 30):
@@ -181,17 +185,18 @@ def test_cutting_a_decode_hosts_link_under_load_with_a_slow_relay_left(
         d2 = cluster.node("decode", "d2", ["r1"], "zmq", relayed)
         nodes += [p, d1, d2]
         cluster.wait_ready("r1", [p, d1, d2])
-        prompts = PROMPTS + PROMPTS[:8]
+        prompts = PROMPTS * 4  # a load that lasts: one-thread nodes finish a small one fast
         with ThreadPoolExecutor(len(prompts)) as pool:
             futures = [pool.submit(complete, cluster.url("r1"), pr) for pr in prompts]
-            wait_holding(cluster, "r1", d1)  # cut while d1 decodes: those requests must move
+            # cut while d1 decodes: those requests must move
+            wait_holding(cluster, "r1", d1, futures)
             hosts.link_down("d1", side="switch")
             try:
                 got = [f.result(timeout=120) for f in futures]
                 after = run_all(cluster.url("r1"), PROMPTS[:4])  # d2 alone, via the relay
             finally:
                 hosts.link_up("d1", side="switch")
-        assert got == reference + reference[:8]
+        assert got == reference * 4
         assert after == reference[:4]
         assert router_failovers(cluster.url("r1")) > 0, "no request left the cut-off host"
         wait_clean(cluster, "r1", [p, d1, d2], timeout=40)
