@@ -34,6 +34,10 @@ INT4_GROUP = 32
 # weight-only kernel, per width (docs/quantization.md: the weight-only kernels' time grows with
 # each row; dequantizing costs a fixed amount per call, int4's several times int8's).
 DENSE_ROWS: dict[int, int] = {8: 16, 4: 128}
+# A float32 input's thresholds: on float32 rows the kernels are many times slower (a 1536x576
+# int4 layer at one thread: 1.5 ms a row, where the dense path takes 1.0 ms for one row and
+# 1.8 ms for 37; int8 0.75 ms a row against 0.2 ms for one).
+DENSE_ROWS_FLOAT32: dict[int, int] = {8: 1, 4: 2}
 # The int8 kernel works 4 rows at a time: on SmolLM2's 49152-row tied head 5 rows cost what 8
 # do (11.2 ms), the dense path 9.8 ms, bf16's matmul 8.4 ms; 4 rows 6.1 ms against 8.4.
 _HEAD_DENSE_ROWS = 5
@@ -231,10 +235,10 @@ class QuantizedLinear(nn.Module):
     """A drop-in for nn.Linear's forward whose weight stays int8 or int4: input [..., in] in
     bf16, fp16 or float32, output in the input's dtype. Scales (and zeros) are stored in
     `scale_dtype` and cast per call for another input dtype. An input of `dense_rows` rows
-    or more (default: DENSE_ROWS for the width) is multiplied by the dequantized weight
-    instead, a chunk of rows at a time (on float32 activations the packed kernels are slower
-    still, 50 s for a 512-token prompt of SmolLM2 at int4 against 1.9 s dequantized);
-    `dense=False` always takes the weight-only kernel. CPU only: CUDA's `_weight_int4pack_mm`
+    or more (default: DENSE_ROWS for the width; a float32 input's DENSE_ROWS_FLOAT32 when
+    fewer) is multiplied by the dequantized weight instead, a chunk of rows at a time (on
+    float32 activations the packed kernels are slow: 50 s for a 512-token prompt of SmolLM2
+    at int4 against 1.9 s dequantized); `dense=False` always takes the weight-only kernel. CPU only: CUDA's `_weight_int4pack_mm`
     packs differently and is not written yet."""
 
     def __init__(
@@ -321,8 +325,10 @@ class QuantizedLinear(nn.Module):
         if x.device.type != "cpu":
             raise NotImplementedError("quantized linears run on CPU only (CUDA not written)")
         flat = x.reshape(-1, self.in_features).contiguous()  # the kernels need it
-        dense = self.dense_rows is not None and flat.shape[0] >= self.dense_rows
-        if dense:
+        dense = self.dense_rows
+        if dense is not None and flat.dtype == torch.float32:
+            dense = min(dense, DENSE_ROWS_FLOAT32[self.bits])
+        if dense is not None and flat.shape[0] >= dense:
             out = self._dense(flat)
         else:
             out = self._weight_only(flat)

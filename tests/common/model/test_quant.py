@@ -337,8 +337,12 @@ def test_the_batch_size_rule_picks_the_path(mode: str, monkeypatch: pytest.Monke
     monkeypatch.setattr(layer, "_dense", lambda x: dense_rows.append(len(x)) or real(x))
     for rows in (1, threshold - 1, threshold, threshold + 5):
         layer(torch.randn(rows, 256).bfloat16())
-        layer(torch.randn(rows, 256))  # float32: the same rule
-    assert dense_rows == [threshold, threshold, threshold + 5, threshold + 5]
+    assert dense_rows == [threshold, threshold + 5]
+    dense_rows.clear()
+    floor = quant.DENSE_ROWS_FLOAT32[8 if mode == "int8" else 4]  # float32: the kernels are slow
+    for rows in (1, floor, threshold - 1):
+        layer(torch.randn(rows, 256))
+    assert dense_rows == [rows for rows in (1, floor, threshold - 1) if rows >= floor]
     assert QuantizedLinear(quantize_int8(w), dense=False).dense_rows is None
     assert QuantizedLinear(quantize_int8(w), dense_rows=7).dense_rows == 7
 
