@@ -143,7 +143,7 @@ class Router:
 
     def integrity(self) -> dict:
         try:
-            resp = httpx.get(f"{self.url}/internal/integrity", timeout=30.0)
+            resp = httpx.get(f"{self.url}/internal/integrity", timeout=30.0, verify=False)
             return resp.json() if resp.status_code == 200 else {}
         except (httpx.HTTPError, ValueError):
             return {}

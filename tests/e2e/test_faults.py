@@ -87,9 +87,8 @@ def test_a_stalled_node_then_a_killed_prefill_node_then_a_killed_decode_node(mod
             victim = f"{role}0"
             # A prefill node 0.3 s into the load, while the router still hands it requests
             # (it holds some only briefly: too briefly to see it through the integrity
-            # check); a decode node while it holds requests that decode.
-            prefill = role == "prefill"
-            when = None if prefill else fh.decoding(c, victim, len(prompts))
+            # check); a decode node while it holds requests.
+            when = None if role == "prefill" else fh.holding(victim)
             name = f"kill -9 {role}"
             run = fh.run_scenario(name, c, prompts, wants, kill(victim), 0.3, when=when)
             check(run, c, min_ok=len(prompts))
