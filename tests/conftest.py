@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import subprocess
+import tempfile
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -64,3 +66,50 @@ def deepseek_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
     from tests.common.model.test_mla import make_tiny_deepseek
 
     return make_tiny_deepseek(tmp_path_factory.mktemp("deepseek"))
+
+
+# Runs in the background: a test marked `background(start)` reads a long run that its module's
+# `start(out_dir) -> subprocess.Popen` begins once collection ends, beside the rest of the suite
+# (the chaos short form: a minute of light load and faults, tests/bench/test_bench_chaos.py),
+# and goes last, so that the suite's other tests fill that minute. `background_runs` gives a
+# test's module fixture the run (start -> (process, out_dir)) to wait for; a run still going
+# at the end (its tests failed early, or were interrupted) is stopped.
+_RUNS = pytest.StashKey[dict]()
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line("markers", "background(start): reads a run begun after collection")
+    config.stash[_RUNS] = {}
+
+
+def _start_of(item: pytest.Item) -> Callable[[Path], subprocess.Popen] | None:
+    marker = item.get_closest_marker("background")
+    return None if marker is None else marker.args[0]
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    items.sort(key=lambda item: _start_of(item) is not None)  # stable: otherwise in order
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    if session.config.option.collectonly:
+        return
+    runs = session.config.stash[_RUNS]
+    for start in dict.fromkeys(filter(None, map(_start_of, session.items))):
+        out = Path(tempfile.mkdtemp(prefix=f"pdserve-{start.__name__}-"))
+        runs[start] = (start(out), out)
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    for proc, _ in session.config.stash[_RUNS].values():
+        if proc.poll() is None:
+            proc.terminate()  # the run stops what it started (SIGTERM is its clean stop)
+            try:
+                proc.wait(60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+
+
+@pytest.fixture(scope="session")
+def background_runs(pytestconfig: pytest.Config) -> dict:
+    return pytestconfig.stash[_RUNS]

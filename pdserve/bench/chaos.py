@@ -39,6 +39,7 @@ NODES = ("prefill0", "prefill1", "decode0", "decode1")
 TARGETS = (*NODES, "router0", "router1")
 SIGNALS = {"kill": signal.SIGKILL, "stop": signal.SIGSTOP, "restart": signal.SIGTERM}
 OUTCOMES = ("correct", "error", "dropped", "wrong", "hung")
+SETTINGS = ("duration", "interval", "seed", "concurrency", "think_s")  # the JSON records them
 PROMPTS, INPUT_LEN, OUTPUT_LEN = 32, 64, 16  # seeded prompts sent in turn; lengths +-50%
 PAUSE_AFTER_FAILURE_S = 1.0  # a worker that failed waits: no busy loop against a dead router
 SETTLE_S = 120.0  # after the load, for every node to be back and quiet
@@ -49,6 +50,7 @@ FLAGS = [  # flag, type, default, help
     ("--interval", float, 20.0, "seconds between faults"),
     ("--seed", int, 0, "seeds the fault schedule and the prompts"),
     ("--concurrency", int, 8, "requests in flight, sent to the two routers in turn"),
+    ("--think-s", float, 0.0, "seconds a client waits after each answer before its next"),
     ("--request-timeout", float, 120.0, "an answer not ended after this long (s) is hung"),
     ("--serve-flags", str, "", "more `pdserve serve` flags, one string"),
     ("--server-src", Path, None, "a source tree (a git worktree) routers and nodes import from"),
@@ -228,8 +230,8 @@ async def run_load(serve_pid: int, port: int, args: argparse.Namespace, requests
         timeout = args.request_timeout
         res = await load.stream_one(client, urls[i % 2], body, keep_text=True, timeout_s=timeout)
         answers.append(answer(f"router{i % 2}", res, wants[i % len(wants)]))
-        if answers[-1].outcome != "correct":
-            await asyncio.sleep(PAUSE_AFTER_FAILURE_S)
+        failed = answers[-1].outcome != "correct"
+        await asyncio.sleep(max(args.think_s, PAUSE_AFTER_FAILURE_S if failed else 0.0))
         return res
 
     start = time.perf_counter()
@@ -264,10 +266,8 @@ def zero(name: str, value: int) -> dict[str, Any]:
 def summarize(answers: list[Answer], faults: list[Fault], start: float, reports: dict) -> dict:
     counts = {o: sum(a.outcome == o for a in answers) for o in OUTCOMES}
     untils = [f.at for f in faults[1:]] + [max((a.end for a in answers), default=start)]
-    rows = [
-        {**asdict(f), "at": f.at - start, "recovery_s": recovery_s(f, until, answers)}
-        for f, until in zip(faults, untils)
-    ]
+    rows = [{**asdict(f), "at": f.at - start, "recovery_s": recovery_s(f, until, answers)}
+            for f, until in zip(faults, untils)]  # fmt: skip
     hit = [f for f in faults if f.pid is not None]
     last = max((f.at for f in hit), default=start)
     nodes = [r["report"] for n, r in reports.items() if n in NODES and r["report"] is not None]
@@ -336,7 +336,7 @@ def measure(args: argparse.Namespace, log_dir: Path) -> dict[str, Any]:
         wait_until(up, {"pdserve serve": proc}, 300.0, f"pdserve serve (logs in {log_dir})")
         answers, faults, start = asyncio.run(run_load(proc.pid, port, args, requests, wants))
         reports = settle(Router(f"http://127.0.0.1:{port}"), SETTLE_S)
-    settings = {k: getattr(args, k) for k in ("duration", "interval", "seed", "concurrency")}
+    settings = {k: getattr(args, k) for k in SETTINGS}
     result = summarize(answers, faults, start, reports)
     return {"model": model, "server": server, **settings, **result}
 

@@ -129,8 +129,10 @@ class ClusterBackend(Backend):
         return self.registry.max_model_len
 
     async def integrity(self) -> dict[str, dict]:
-        """Every live node's block-pool integrity report (for operators and tests). The nodes
-        are asked at once: one that went away unnoticed costs one reply timeout, not one each."""
+        """Every live node's block-pool integrity report (for operators and tests), and the
+        requests this router has routed to it that have not ended (`in_flight`, as the router
+        counts them when the reports are in). The nodes are asked at once: one that went away
+        unnoticed costs one reply timeout, not one each."""
         nodes = self.registry.alive(NODE_ROLES)
         reports = await asyncio.gather(*(self.check_integrity(n.node_id) for n in nodes))
         out = {}
@@ -139,6 +141,7 @@ class ClusterBackend(Backend):
             # model_id ending ":int8" or ":int4": quantized linears, quant.weight_format).
             layout = dataclasses.asdict(node.kv_layout) if node.kv_layout else None
             out[node.node_id] = {"role": node.role, "kv_layout": layout, "report": None}
+            out[node.node_id]["in_flight"] = node.inflight
             if report is not None:
                 out[node.node_id]["report"] = {
                     "ok": report.ok,

@@ -21,17 +21,31 @@ from pdserve.local_cluster import LocalCluster
 REPO = Path(__file__).resolve().parents[2]
 
 
-@pytest.fixture(scope="module")
-def short_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, Any], str]:
-    out = tmp_path_factory.mktemp("chaos")
+def start_short_run(out: Path) -> subprocess.Popen:
+    """The run, begun by tests/conftest.py after collection: it goes on beside the rest of the
+    suite, so its clients wait a second after each answer (eight clients, a few requests in
+    flight at each fault) rather than take the two cores from the other tests."""
     # Every 8 s: seed 0's first faults stop decode1, router0 and decode0 and restart prefill1.
-    cmd = [sys.executable, "-m", "pdserve", "bench", "chaos", "--duration", "60"]
-    cmd += ["--interval", "8", "--request-timeout", "60", "--out", str(out)]
-    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return out, json.loads((out / "chaos.json").read_text()), proc.stdout
+    cmd = [sys.executable, "-m", "pdserve", "bench", "chaos", "--duration", "60", "--interval"]
+    cmd += ["8", "--think-s", "1", "--request-timeout", "60", "--out", str(out)]
+    with (out / "output.log").open("w") as log:  # the child holds its own copy
+        return subprocess.Popen(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
 
 
+# with_args: a mark called with a function alone would take it for the function it marks.
+READS_THE_RUN = pytest.mark.background.with_args(start_short_run)
+
+
+@pytest.fixture(scope="module")
+def short_run(background_runs: dict) -> tuple[Path, dict[str, Any], str]:
+    proc, out = background_runs[start_short_run]
+    proc.wait(timeout=600)
+    output = (out / "output.log").read_text()
+    assert proc.returncode == 0, output[-6000:]
+    return out, json.loads((out / "chaos.json").read_text()), output
+
+
+@READS_THE_RUN
 def test_no_answer_wrong_or_hung_and_no_block_leaked(short_run) -> None:
     _, run, _ = short_run
     assert run["wrong"] == 0, run["errors"]
@@ -41,6 +55,7 @@ def test_no_answer_wrong_or_hung_and_no_block_leaked(short_run) -> None:
     assert [g["status"] for g in run["goals"]] == ["met"] * 3
 
 
+@READS_THE_RUN
 def test_faults_hit_every_role_and_answers_come_after(short_run) -> None:
     _, run, stdout = short_run
     assert run["faults_injected"] >= 3
@@ -51,6 +66,7 @@ def test_faults_hit_every_role_and_answers_come_after(short_run) -> None:
     assert any(f["recovery_s"] is not None for f in hit)
 
 
+@READS_THE_RUN
 def test_counts_add_up_and_the_section_is_written(short_run) -> None:
     out, run, _ = short_run
     outcomes = ("correct", "error", "dropped", "wrong", "hung")

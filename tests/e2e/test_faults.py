@@ -76,8 +76,9 @@ def test_a_stalled_node_then_a_killed_prefill_node_then_a_killed_decode_node(mod
             time.sleep(3.0)  # past the router's heartbeat timeout: it fails the node over
             os.kill(pid, signal.SIGCONT)
 
-        stalled = fh.holding("decode1")
-        run = fh.run_scenario("SIGSTOP decode 3 s", c, prompts, wants, stall, 0.2, when=stalled)
+        # 0.1 s into the load: the router goes on routing requests to decode1 until its
+        # heartbeat timeout, so some wait on it, however fast the nodes are.
+        run = fh.run_scenario("SIGSTOP decode 3 s", c, prompts, wants, stall, 0.1)
         check(run, c, min_ok=len(prompts))
         assert run.failovers > 0
         assert set(c.integrity()) == {"prefill0", "prefill1", "decode0", "decode1"}
@@ -87,8 +88,8 @@ def test_a_stalled_node_then_a_killed_prefill_node_then_a_killed_decode_node(mod
             victim = f"{role}0"
             # A prefill node 0.3 s into the load, while the router still hands it requests
             # (it holds some only briefly: too briefly to see it through the integrity
-            # check); a decode node while it holds requests.
-            when = None if role == "prefill" else fh.holding(victim)
+            # check); a decode node while it holds requests (5 or more).
+            when = None if role == "prefill" else fh.holding(victim, at_least=5)
             name = f"kill -9 {role}"
             run = fh.run_scenario(name, c, prompts, wants, kill(victim), 0.3, when=when)
             check(run, c, min_ok=len(prompts))
