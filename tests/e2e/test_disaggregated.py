@@ -98,9 +98,11 @@ def assert_clean(cluster: LocalCluster) -> None:
 
 
 def assert_reports_clean(reports: dict, num_nodes: int) -> None:
-    """Every node answered the integrity check holding nothing, every block free."""
+    """Every node answered the integrity check holding nothing, every block free, and the
+    router has nothing in flight on it."""
     assert len(reports) == num_nodes, reports
     for node, info in reports.items():
+        assert info["in_flight"] == 0, f"the router still waits on {node}"
         report = info["report"]
         assert report is not None, f"{node} did not answer the integrity check"
         assert report["ok"], f"{node}: {report['detail']}"
