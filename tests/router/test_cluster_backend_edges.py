@@ -157,6 +157,7 @@ async def test_integrity_reports_of_every_live_node(
         "p0": {
             "role": "prefill",
             "kv_layout": None,  # the fake nodes register none
+            "in_flight": 0,  # requests this router routed there and waits on
             "report": {
                 "ok": False,
                 "detail": "leak",
@@ -166,7 +167,7 @@ async def test_integrity_reports_of_every_live_node(
                 "live_requests": ["a", "b"],
             },
         },
-        "d1": {"role": "decode", "kv_layout": None, "report": None},
+        "d1": {"role": "decode", "kv_layout": None, "report": None, "in_flight": 0},
     }
 
 
