@@ -39,8 +39,12 @@ LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down
 
 
 @pytest.fixture(autouse=True)
-def _own_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("PDSERVE_CACHE_DIR", str(tmp_path / "cache"))
+def _own_cache(request: pytest.FixtureRequest, tmp_path: Path, monkeypatch) -> None:
+    """Each test's GGUF files converted in a cache of its own; the real model's metadata in
+    the shared one (converting SmolLM2's tokenizer takes ~12 s, and the real-model tests
+    share it)."""
+    if "smollm2_gguf" not in request.fixturenames:
+        monkeypatch.setenv("PDSERVE_CACHE_DIR", str(tmp_path / "cache"))
 
 
 def test_the_flag_reaches_the_model_config() -> None:
