@@ -238,8 +238,8 @@ class QuantizedLinear(nn.Module):
     or more (default: DENSE_ROWS for the width; a float32 input's DENSE_ROWS_FLOAT32 when
     fewer) is multiplied by the dequantized weight instead, a chunk of rows at a time (on
     float32 activations the packed kernels are slow: 50 s for a 512-token prompt of SmolLM2
-    at int4 against 1.9 s dequantized); `dense=False` always takes the weight-only kernel. CPU only: CUDA's `_weight_int4pack_mm`
-    packs differently and is not written yet."""
+    at int4 against 1.9 s dequantized); `dense=False` always takes the weight-only kernel.
+    CPU only: CUDA's `_weight_int4pack_mm` packs differently and is not written yet."""
 
     def __init__(
         self,
