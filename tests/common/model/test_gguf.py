@@ -36,15 +36,20 @@ def _own_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("PDSERVE_CACHE_DIR", str(tmp_path / "cache"))
 
 
-def _write(path: Path, arch: str, tensors: dict[str, tuple[np.ndarray, Q]]) -> Path:
-    writer = gguf.GGUFWriter(str(path), arch)
+def write_tensors(writer: gguf.GGUFWriter, tensors: dict[str, tuple[np.ndarray, Q]]) -> None:
+    """Each (array, type): a float array converted to its type (F32 as it is), an integer one
+    (I32) written as it is; then the header, the metadata and the tensors, and close."""
     for name, (array, qtype) in tensors.items():
-        data = gguf.quants.quantize(array, qtype) if qtype in QUANT_TYPES else array
+        data = gguf.quants.quantize(array, qtype) if array.dtype.kind == "f" else array
         writer.add_tensor(name, data, raw_dtype=qtype)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
+
+
+def _write(path: Path, arch: str, tensors: dict[str, tuple[np.ndarray, Q]]) -> Path:
+    write_tensors(gguf.GGUFWriter(str(path), arch), tensors)
     return path
 
 
@@ -158,6 +163,7 @@ def write_llama_gguf(
     add_gpt2_tokenizer(w, model_dir)
     w.add_chat_template((model_dir / "chat_template.jinja").read_text())
     name_map = gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, arch.num_layers)
+    tensors = {}
     for name, array in load_file(model_dir / "model.safetensors").items():
         array = array.astype(np.float32)
         if change is not None:
@@ -169,13 +175,8 @@ def write_llama_gguf(
         gguf_name = name_map.get_name(name, try_suffixes=(".weight", ".bias"))
         assert gguf_name is not None, name
         t = (qtype if isinstance(qtype, Q) else qtype(name)) if array.ndim == 2 else Q.F32
-        w.add_tensor(
-            gguf_name, gguf.quants.quantize(array, t) if t != Q.F32 else array, raw_dtype=t
-        )
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+        tensors[gguf_name] = (array, t)
+    write_tensors(w, tensors)
     return out
 
 

@@ -22,7 +22,11 @@ from pdserve.common.model.config import ModelArchConfig  # noqa: E402
 from pdserve.common.model.gguf import permute_rotary, read_raw_tensors  # noqa: E402
 from pdserve.common.model.moe import stack_experts  # noqa: E402
 from pdserve.common.model.weights import load_model  # noqa: E402
-from tests.common.model.test_gguf import add_gpt2_tokenizer, add_model_metadata  # noqa: E402
+from tests.common.model.test_gguf import (  # noqa: E402
+    add_gpt2_tokenizer,
+    add_model_metadata,
+    write_tensors,
+)
 from tests.common.model.test_moe import make_tiny_moe  # noqa: E402
 
 GGUF_ARCH = {"qwen3_moe": "qwen3moe", "mixtral": "llama"}
@@ -93,15 +97,11 @@ def write_moe_gguf(model_dir: str, out: Path, qtype: Q = Q.F32) -> Path:
     w = gguf.GGUFWriter(str(out), prefix)
     _add_metadata(w, arch, prefix)
     add_gpt2_tokenizer(w, Path(model_dir))
+    tensors = {}
     for name, array in _gguf_tensors(original_weights(model_dir), arch, prefix).items():
         whole = array.shape[-1] % gguf.GGML_QUANT_SIZES[qtype][0] == 0
-        t = qtype if array.ndim >= 2 and whole else Q.F32
-        data = array if t == Q.F32 else gguf.quants.quantize(array, t)
-        w.add_tensor(name, data, raw_dtype=t)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+        tensors[name] = (array, qtype if array.ndim >= 2 and whole else Q.F32)
+    write_tensors(w, tensors)
     return out
 
 
