@@ -142,3 +142,19 @@ def test_each_block_is_offered_to_the_index_once_when_it_fills() -> None:
     assert kv.pool.get_cached_block(h0) is None
     decode(kv, b, 6)
     assert kv.pool.get_cached_block(h0) is None
+
+
+def test_a_lookup_stops_at_the_first_block_missing_from_the_cache() -> None:
+    """The prompt's first block was evicted while its second and third stay indexed: the hit
+    is empty, never the later blocks standing in for the earlier ones."""
+    kv = KVCacheManager(num_blocks=4, block_size=BS)  # 3 usable blocks
+    tokens = list(range(3 * BS + 1))
+    hashes = hash_token_blocks(tokens, BS)
+    blocks = kv.pool.get_new_blocks(3)
+    for block, block_hash in zip(blocks, hashes, strict=True):
+        kv.pool.cache_block(block, block_hash)
+    kv.pool.free_blocks(blocks)  # head first: the prompt's first block is evicted first
+    assert kv.pool.get_new_blocks(1) == [blocks[0]]
+    assert set(kv.pool.cached) == set(hashes[1:])
+    hits, n = kv.get_computed_blocks(req("a", tokens))
+    assert (hits.block_ids, n) == ([], 0)

@@ -96,3 +96,11 @@ def test_misuse_names_the_shapes() -> None:
         Sampler(seed=0)(torch.zeros(VOCAB), [row()])
     with pytest.raises(AssertionError, match="^3 logit rows, 2 rows$"):
         Sampler(seed=0)(torch.zeros(3, VOCAB), [row(), row()])
+
+
+def test_temperature_tempers_the_logits_before_top_p_truncates_them() -> None:
+    """Tempered by 100, [3, 2, 1, 0] is nearly flat: top_p 0.5 keeps the best two tokens.
+    Truncating the raw logits first would keep only the best (its mass is 0.64)."""
+    raw = torch.tensor([[3.0, 2.0, 1.0, 0.0]]).repeat(64, 1)
+    rows = [row(temperature=100.0, top_p=0.5)] * 64
+    assert set(Sampler(seed=0)(raw, rows).token_ids) == {0, 1}
