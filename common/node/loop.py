@@ -4,7 +4,7 @@ A node's loop reads like an engine step with I/O around it:
 
     handle control messages -> role I/O (KV arrivals) -> engine step -> leases, heartbeat
 
-Registration, heartbeats and leases are the node's `Membership` (membership.py).
+Registration, heartbeats and leases are the node's `Membership` (membership.py), handed its data.
 
 Role differences live in small subclasses (prefill_node, decode_node, ColocatedNode here):
 each adds its entries to the handler table (message type -> bound method) and overrides a few
@@ -32,10 +32,15 @@ from pdserve.common.engine.kv_cache_manager import PrefixEvents
 from pdserve.common.engine.llm_engine import LLMEngine
 from pdserve.common.engine.request import Request
 from pdserve.common.engine.tensor_parallel import GroupBroken
-from pdserve.common.node.config import NodeConfig, is_wildcard
+from pdserve.common.node.config import NodeConfig
 from pdserve.common.node.health import HealthServer
-from pdserve.common.node.membership import Membership
-from pdserve.common.process import route_source
+from pdserve.common.node.membership import (
+    Handler,
+    Membership,
+    NodeStatus,
+    PrefixChanges,
+    advertise_host,
+)
 from pdserve.common.wire.messages import (
     Abort,
     Admitted,
@@ -45,7 +50,9 @@ from pdserve.common.wire.messages import (
     IntegrityReport,
     Message,
     Prefill,
+    RegisterNode,
     ReserveKV,
+    SyncPrefixes,
     Tokens,
 )
 from pdserve.common.wire.security import load_keys
@@ -58,31 +65,11 @@ RANK_KV = "pdserve.kv_transfer.ranks:RankKV"
 
 log = logging.getLogger(__name__)
 
-# A handler takes the message type it is filed under in the table; what it returns (if not
-# None) answers the router that sent the message.
-Handler = Callable[[Any], Message | None]
 # A role's part in taking a new request (Prefill, ReserveKV): the message and its validated
 # Request; it queues or reserves the request on the engine, or answers why not.
 Take = Callable[[Any, Request], Message | None]
 # What a role's step and I/O send about requests, each to the router that owns the request.
 Told = Tokens | Error | Admitted
-
-
-def advertise_host(node: NodeConfig) -> str:
-    """The address other hosts reach this node's sockets at: --advertise-host; else --host,
-    unless it is a wildcard; then the local address of the route to the first router."""
-    if node.advertise_host:
-        return node.advertise_host
-    if not is_wildcard(node.host):
-        return node.host
-    host, _, port = node.router_addrs[0].rpartition(":")
-    try:
-        return route_source(host.strip("[]"), int(port))
-    except OSError as exc:  # the router's name does not resolve (yet), no route to it
-        raise RuntimeError(
-            f"cannot tell which address of this host the router at {node.router_addrs[0]} "
-            f"reaches ({exc}): give --advertise-host"
-        ) from None
 
 
 class EngineNode:
@@ -125,7 +112,7 @@ class EngineNode:
 
             runner = self.engine.runner
             self.kv = KVGroup(RankKV(runner, runner.tp, **agent), runner.driver)
-        self.membership = Membership(self, self.curve)
+        self.membership = Membership(node, self.registration(), self.curve, self.live, self.fail)
         if self.reports_prefixes:  # nodes a prefix-aware router picks by cache
             self.engine.kv.pool.prefix_events = PrefixEvents()
         self._handlers = self.handlers()
@@ -163,6 +150,7 @@ class EngineNode:
         return {
             Abort: self.on_abort,
             CheckIntegrity: self.report_integrity,
+            SyncPrefixes: self.resync_prefixes,
             **self.membership.handlers(),
         }
 
@@ -222,6 +210,13 @@ class EngineNode:
     def report_integrity(self, msg: CheckIntegrity) -> IntegrityReport:
         return self.integrity_report(msg.nonce)
 
+    def resync_prefixes(self, _: SyncPrefixes) -> None:
+        """A router lost track of our prefix-cache changes: send it the whole index now."""
+        events = self.engine.kv.pool.prefix_events
+        if events is not None:
+            events.resync()
+            self.membership.report_soon()
+
     # -- shared ----------------------------------------------------------------------------
 
     def reply(self, msg: Message) -> None:
@@ -242,6 +237,61 @@ class EngineNode:
 
     def step(self) -> None:
         self.send(self.step_messages())
+
+    def registration(self) -> RegisterNode:
+        """How this node announces itself to a router (the same for the life of the process)."""
+        port = self.kv.port if self.kv is not None else None
+        return RegisterNode(
+            node_id=self.node_id,
+            role=self.role,
+            kv_endpoints=self.kv.endpoints if self.kv is not None else (),
+            kv_connector=port.connector if port else "",
+            layout_digest=port.digest if port else "",
+            num_blocks=self.engine.runner.num_blocks,
+            block_size=self.block_size,
+            max_model_len=self.engine.max_model_len,
+            incarnation=self.incarnation,
+            host_id=port.host_id if port else "",
+            kv_layout=port.layout if port else None,
+            tp_size=self.config.tensor_parallel_size,
+        )
+
+    def status(self) -> NodeStatus:
+        """This node's load and prefix-cache changes (taken: the next status has only newer
+        ones) for a heartbeat; the health gauges are refreshed with it."""
+        sched, kv = self.engine.scheduler, self.engine.kv
+        queued = sum(r.num_tokens - r.num_computed_tokens for r in sched.waiting)
+        if self.health is not None:
+            self.publish_gauges(queued)
+        events = kv.pool.prefix_events
+        return NodeStatus(
+            free_blocks=kv.num_free_blocks,
+            num_running=len(sched.running),
+            num_waiting=len(sched.waiting),
+            queued_tokens=queued,
+            draining=self.drain_deadline is not None,
+            prefill_rate=self.engine.prefill_rate.tokens_per_s,
+            prefixes=None if events is None else PrefixChanges(*events.drain(kv.pool.cached)),
+        )
+
+    def heartbeat(self, now: bool = False) -> None:
+        """Report this node's status to every router once per interval (`now`: at once)."""
+        if now:
+            self.membership.report_soon()
+        if self.membership.heartbeat_due():
+            self.membership.heartbeat(self.status())
+
+    def expire_leases(self) -> None:
+        """Fail and free the requests whose lease ran out."""
+        if not self.membership.lease_check_due():
+            return
+        if self.membership.lapsed():  # renewals may wait in the links after a long step
+            self.handle_all(0)
+        for rid in self.membership.expire_leases(self.engine.scheduler.requests):
+            log.warning("lease of request %s expired: freeing it", rid)
+            self.abort(rid)
+            why = "lease expired: the router stopped renewing"
+            self.tell(rid, Error(rid, why, Failure.LEASE_EXPIRED))
 
     def publish_gauges(self, queued_tokens: int) -> None:
         """Refresh what the health endpoint's /metrics reports."""
@@ -273,6 +323,11 @@ class EngineNode:
             log.warning("request %s refused: %s", rid, exc)
             if rid:
                 self.reply(Error(rid, str(exc), Failure.BAD_REQUEST))
+
+    def handle_all(self, timeout_ms: int) -> None:
+        """Handle every message that arrives from any router within timeout_ms."""
+        for link, msg in self.membership.control.recv(timeout_ms):
+            self.handle(msg, link)
 
     def abort(self, request_id: str) -> None:
         """Free everything the request holds here; idempotent."""
@@ -333,10 +388,9 @@ class EngineNode:
     def run(self) -> None:
         """Serve until stop_event is set, or until drained after drain(); a lost
         tensor-parallel rank stops the node (`fatal` says which)."""
-        members = self.membership
-        members.start()
+        self.membership.start()
         if self.health is not None:
-            members.heartbeat_now()  # gauges before the first probe
+            self.heartbeat(now=True)  # gauges before the first probe
             self.health.start()
         while not self.stop_event.is_set():
             self._last_progress = time.monotonic()
@@ -354,21 +408,18 @@ class EngineNode:
 
     def _turn(self) -> bool:
         """One turn of the loop; False when the node stops."""
-        members = self.membership
         broken = self.engine.broken()
         if broken is not None:  # a rank is gone: the whole node goes (and is restarted)
             self.fail(f"tensor-parallel group broken: {broken}")
             return False
-        busy = self.engine.has_unfinished
-        for link, msg in members.control.recv(0 if busy else 5):
-            self.handle(msg, link)
+        self.handle_all(0 if self.engine.has_unfinished else 5)
         self.poll_io()
         if self.engine.has_unfinished:
             self.step()
-        members.expire_leases()
-        members.heartbeat()
+        self.expire_leases()
+        self.heartbeat()
         if self.drain_deadline is not None and self._drained():
-            members.heartbeat_now()
+            self.heartbeat(now=True)
             return False
         return True
 

@@ -7,12 +7,17 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import threading
 import time
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Collection
+from dataclasses import dataclass
+from typing import Any
 
 import zmq
 
+from pdserve.common.node.config import NodeConfig, is_wildcard
+from pdserve.common.process import route_source
 from pdserve.common.wire.messages import (
     ALIVE_SUFFIX,
     Alive,
@@ -25,16 +30,57 @@ from pdserve.common.wire.messages import (
     Registered,
     RegisterNode,
     Reregister,
-    SyncPrefixes,
     decode,
     encode,
 )
 from pdserve.common.wire.security import CurveKeys
 
-if TYPE_CHECKING:
-    from pdserve.common.node.loop import EngineNode, Handler
-
 log = logging.getLogger(__name__)
+
+# A handler takes the message type it is filed under in the node's table; what it returns (if
+# not None) answers the router that sent the message.
+Handler = Callable[[Any], Message | None]
+
+
+@dataclass(frozen=True, slots=True)
+class PrefixChanges:
+    """The node's prefix-cache index since its last report: the hashes that joined and left
+    it, or (reset) the whole index as `stored`."""
+
+    reset: bool
+    stored: tuple[bytes, ...]
+    removed: tuple[bytes, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class NodeStatus:
+    """What a heartbeat reports, as the node saw itself when the report was due: its load,
+    whether it drains, and its prefix-cache changes (None: it reports no prefixes)."""
+
+    free_blocks: int
+    num_running: int
+    num_waiting: int
+    queued_tokens: int
+    draining: bool
+    prefill_rate: float
+    prefixes: PrefixChanges | None = None
+
+
+def advertise_host(node: NodeConfig) -> str:
+    """The address other hosts reach this node's sockets at: --advertise-host; else --host,
+    unless it is a wildcard; then the local address of the route to the first router."""
+    if node.advertise_host:
+        return node.advertise_host
+    if not is_wildcard(node.host):
+        return node.host
+    host, _, port = node.router_addrs[0].rpartition(":")
+    try:
+        return route_source(host.strip("[]"), int(port))
+    except OSError as exc:  # the router's name does not resolve (yet), no route to it
+        raise RuntimeError(
+            f"cannot tell which address of this host the router at {node.router_addrs[0]} "
+            f"reaches ({exc}): give --advertise-host"
+        ) from None
 
 
 class ControlClient:
@@ -127,27 +173,43 @@ class RouterLinks:
 
 class Membership:
     """One node's membership of the cluster: a control link per router, its registration
-    with each (again when a router restarts), heartbeats with the load report (and the health
-    gauges), a lease per request renewed only by the router that sent it, and the liveness
-    thread's proofs. The node's engine, drain state and role hooks (`abort`, `publish_gauges`,
-    `handle`, `live`) are read through `node`."""
+    with each (again when a router restarts), heartbeats of the status the node hands it, a
+    lease per request renewed only by the router that sent it, and the liveness thread's
+    proofs.
 
-    def __init__(self, node: EngineNode, curve: CurveKeys | None) -> None:
-        self.node = node
-        self.config = node.config
+    It holds no reference to its node: the node hands it what to announce (`registration`)
+    and, at each heartbeat, a `NodeStatus`; it calls the node back only through `live` (for
+    the liveness proofs) and `fail` (a router refused the node). Expired leases are returned
+    to the node, which frees and fails them."""
+
+    def __init__(
+        self,
+        config: NodeConfig,
+        registration: RegisterNode,
+        curve: CurveKeys | None,
+        live: Callable[[], bool],
+        fail: Callable[[str], None],
+    ) -> None:
+        self.config = config
+        self.registration = registration
         self.curve = curve
+        self._live, self._fail = live, fail
         self.ctx = zmq.Context()
         # One link per router; a request is answered on the link it came in on (`owner`).
-        self.control = RouterLinks(self.ctx, self.config.router_addrs, node.node_id, curve)
+        node_id = registration.node_id
+        self.control = RouterLinks(self.ctx, config.router_addrs, node_id, curve)
         self.owner: dict[str, int] = {}  # request id -> link of the router that sent it
         self.link = 0  # link of the message being handled
         self.accepted: set[int] = set()  # links whose router accepted our registration
+        # link -> until when the registration sent there awaits its answer (monotonic)
+        self.awaiting: dict[int, float] = {}
         # Every request this node holds has a lease the router renews (Lease messages); one
         # left unrenewed for lease_timeout is freed and failed.
         self.leases: dict[str, float] = {}  # request id -> expiry (monotonic)
         self._next_lease_check = 0.0
         self._next_heartbeat = 0.0
-        self._prefix_seq = 0
+        self.prefix_seq = 0  # number of the last heartbeat that carried prefix changes
+        self._stopping = threading.Event()
         self._liveness = threading.Thread(target=self._prove_alive, daemon=True)
 
     def handlers(self) -> dict[type[Message], Handler]:
@@ -156,7 +218,6 @@ class Membership:
             Lease: self.renew_leases,
             Reregister: self.reregister,
             Registered: self.on_registered,
-            SyncPrefixes: self.resync_prefixes,
         }
 
     # -- links -------------------------------------------------------------------------------
@@ -176,99 +237,74 @@ class Membership:
     # -- registration ------------------------------------------------------------------------
 
     def register(self, link: int | None = None) -> None:
-        """Announce this node to one router (`link`), or to every router."""
-        node = self.node
-        kv = node.kv
-        port = kv.port if kv is not None else None
-        msg = RegisterNode(
-            node_id=node.node_id,
-            role=node.role,
-            kv_endpoints=kv.endpoints if kv is not None else (),
-            kv_connector=port.connector if port else "",
-            layout_digest=port.digest if port else "",
-            num_blocks=node.engine.runner.num_blocks,
-            block_size=node.block_size,
-            max_model_len=node.engine.max_model_len,
-            incarnation=node.incarnation,
-            host_id=port.host_id if port else "",
-            kv_layout=port.layout if port else None,
-            tp_size=node.config.tensor_parallel_size,
-        )
-        if link is None:
-            self.control.broadcast(msg)
-        else:
-            self.control.send(link, msg)
+        """Announce this node to one router (`link`), or to every router; each answer is
+        awaited for up to lease_timeout (a router answers a decode node after probing its KV
+        endpoints, within seconds)."""
+        links = range(len(self.control.links)) if link is None else (link,)
+        until = time.monotonic() + self.config.lease_timeout
+        for i in links:
+            self.control.send(i, self.registration)
+            self.awaiting[i] = until
 
     def reregister(self, _: Reregister) -> None:
-        """A router restarted: announce ourselves to it again."""
+        """A router does not know this node (it restarted): announce it again, unless the
+        registration sent there still awaits its answer. The restarted router asks once per
+        heartbeat of ours it gets before our registration, and heartbeats queue in the link
+        while it is down: answering each ask registered a node about 5 times."""
+        if time.monotonic() < self.awaiting.get(self.link, -math.inf):
+            return
         self.accepted.discard(self.link)
         self.register(self.link)
-        self.heartbeat_now()
+        self.report_soon()
 
     def on_registered(self, msg: Registered) -> None:
         """A router's answer to our registration; a refusal (a KV address it cannot reach)
         is a configuration error: stop the node, naming it."""
+        self.awaiting.pop(self.link, None)
         addr = self.control.addrs[self.link]
         if msg.accepted:
             self.accepted.add(self.link)
             log.info("registered with the router at %s", addr)
             return
-        self.node.fail(f"the router at {addr} refused this node: {msg.reason}")
+        self._fail(f"the router at {addr} refused this node: {msg.reason}")
 
     # -- heartbeats --------------------------------------------------------------------------
 
-    def heartbeat(self) -> None:
-        """Report load (and prefix-cache changes) to every router, once per interval."""
-        now = time.monotonic()
-        if now < self._next_heartbeat:
-            return
-        self._next_heartbeat = now + self.config.heartbeat_interval
-        node, engine = self.node, self.node.engine
-        sched = engine.scheduler
-        queued = sum(r.num_tokens - r.num_computed_tokens for r in sched.waiting)
-        if node.health is not None:
-            node.publish_gauges(queued)
+    def heartbeat_due(self) -> bool:
+        return time.monotonic() >= self._next_heartbeat
+
+    def heartbeat(self, status: NodeStatus) -> None:
+        """Report the node's status to every router; the next report is due an interval on."""
+        self._next_heartbeat = time.monotonic() + self.config.heartbeat_interval
         self.control.broadcast(
             Heartbeat(
-                node_id=node.node_id,
-                free_blocks=engine.kv.num_free_blocks,
-                num_running=len(sched.running),
-                num_waiting=len(sched.waiting),
-                queued_tokens=queued,
-                draining=node.drain_deadline is not None,
-                prefill_rate=engine.prefill_rate.tokens_per_s,
-                **self._prefix_changes(),
+                node_id=self.registration.node_id,
+                free_blocks=status.free_blocks,
+                num_running=status.num_running,
+                num_waiting=status.num_waiting,
+                queued_tokens=status.queued_tokens,
+                draining=status.draining,
+                prefill_rate=status.prefill_rate,
+                **self._prefix_fields(status.prefixes),
             )
         )
 
-    def _prefix_changes(self) -> dict[str, Any]:
-        """The heartbeat's prefix-cache fields: changes since the last one (none when the
-        node reports no prefixes)."""
-        pool = self.node.engine.kv.pool
-        if pool.prefix_events is None:
+    def _prefix_fields(self, changes: PrefixChanges | None) -> dict[str, Any]:
+        """The heartbeat's prefix-cache fields, numbered so a router sees a gap (none when
+        the node reports no prefixes)."""
+        if changes is None:
             return {}
-        reset, stored, removed = pool.prefix_events.drain(pool.cached)
-        self._prefix_seq += 1
+        self.prefix_seq += 1
         return dict(
-            prefix_seq=self._prefix_seq,
-            prefix_reset=reset,
-            prefix_stored=stored,
-            prefix_removed=removed,
+            prefix_seq=self.prefix_seq,
+            prefix_reset=changes.reset,
+            prefix_stored=changes.stored,
+            prefix_removed=changes.removed,
         )
 
     def report_soon(self) -> None:
         """Send the next heartbeat at the next chance rather than on schedule."""
         self._next_heartbeat = 0.0
-
-    def heartbeat_now(self) -> None:
-        self.report_soon()
-        self.heartbeat()
-
-    def resync_prefixes(self, _: SyncPrefixes) -> None:
-        pool = self.node.engine.kv.pool
-        if pool.prefix_events is not None:
-            pool.prefix_events.resync()
-            self.report_soon()  # send the snapshot now
 
     # -- leases ------------------------------------------------------------------------------
 
@@ -288,28 +324,32 @@ class Membership:
             if rid in self.leases and self.owner.get(rid) == self.link:
                 self.leases[rid] = expiry
 
-    def expire_leases(self) -> None:
-        """Fail and free requests whose lease ran out; forget leases of ended requests."""
+    def lease_check_due(self) -> bool:
+        """Whether leases are due a look (a few times per lease_timeout, at most every 0.5 s)."""
         now = time.monotonic()
         if now < self._next_lease_check:
-            return
+            return False
         self._next_lease_check = now + min(0.5, self.config.lease_timeout / 4)
-        node = self.node
-        live = node.engine.scheduler.requests
-        if any(expiry < now for expiry in self.leases.values()):
-            # Renewals may be waiting in the socket after a long step: take them first.
-            for link, msg in self.control.recv(0):
-                node.handle(msg, link)
+        return True
+
+    def lapsed(self) -> bool:
+        """Whether some lease ran out (renewals may still wait in the links)."""
+        now = time.monotonic()
+        return any(expiry < now for expiry in self.leases.values())
+
+    def expire_leases(self, live: Collection[str]) -> list[str]:
+        """The requests whose lease ran out, for the node to free and fail; leases and owners
+        of requests the node no longer holds (`live`: those it does) are forgotten."""
+        now = time.monotonic()
+        expired = []
         for rid, expiry in list(self.leases.items()):
             if rid not in live:
                 del self.leases[rid]
             elif expiry < now:
-                log.warning("lease of request %s expired: freeing it", rid)
-                node.abort(rid)
-                why = "lease expired: the router stopped renewing"
-                self.tell(rid, Error(rid, why, Failure.LEASE_EXPIRED))
+                expired.append(rid)
         for rid in [r for r in self.owner if r not in live and r not in self.leases]:
             del self.owner[rid]
+        return expired
 
     # -- liveness ----------------------------------------------------------------------------
 
@@ -320,21 +360,23 @@ class Membership:
 
     def _prove_alive(self) -> None:
         """Liveness thread: tell every router this node lives every heartbeat interval, as long
-        as the loop moved within stall_timeout (a wedged loop goes silent, and fails over)."""
+        as the node says its loop moved within stall_timeout (a wedged loop goes silent, and
+        fails over)."""
+        node_id = self.registration.node_id
         socks = []
         for addr in self.control.addrs:
             sock = self.ctx.socket(zmq.DEALER)
-            sock.setsockopt(zmq.IDENTITY, (self.node.node_id + ALIVE_SUFFIX).encode())
+            sock.setsockopt(zmq.IDENTITY, (node_id + ALIVE_SUFFIX).encode())
             sock.setsockopt(zmq.LINGER, 0)
             sock.setsockopt(zmq.SNDHWM, 4)
             if self.curve is not None:
                 self.curve.connect(sock)
             sock.connect(f"tcp://{addr}")
             socks.append(sock)
-        frame = encode(Alive(self.node.node_id))
+        frame = encode(Alive(node_id))
         try:
-            while not self.node.stop_event.wait(self.config.heartbeat_interval):
-                if self.node.live():
+            while not self._stopping.wait(self.config.heartbeat_interval):
+                if self._live():
                     for sock in socks:
                         with contextlib.suppress(zmq.Again):
                             sock.send(frame, flags=zmq.NOBLOCK)
@@ -343,7 +385,8 @@ class Membership:
                 sock.close(linger=0)
 
     def close(self) -> None:
-        """After the node's stop_event is set: end the liveness thread, close every link."""
+        """End the liveness thread, close every link."""
+        self._stopping.set()
         if self._liveness.is_alive():
             self._liveness.join(timeout=5.0)
         self.control.close()

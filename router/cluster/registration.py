@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+from collections import Counter
 
 from pdserve.common.node.config import is_wildcard
 from pdserve.common.wire.messages import Registered, RegisterNode
@@ -46,6 +47,9 @@ class Registrar:
         self.control = control
         self.probe_timeout = probe_timeout
         self._probing: set[str] = set()  # nodes whose KV endpoint is being checked
+        # RegisterNode messages this router got, by node: one per node process, unless the
+        # router lost its answer (operators read it in /internal/integrity).
+        self.registrations: Counter[str] = Counter()
 
     def probing(self, node_id: str) -> bool:
         """Whether the node's first registration is being checked."""
@@ -53,6 +57,7 @@ class Registrar:
 
     def register(self, sender: str, msg: RegisterNode, now: float) -> None:
         """Check a node's KV endpoint first (a decode node), then take it in and say so."""
+        self.registrations[sender] += 1
         if sender in self._probing:
             return  # its first registration is being checked
         known = self.registry.get(sender)

@@ -217,23 +217,23 @@ def test_a_broken_kv_connection_fails_only_its_requests(nodes):
 
 def test_heartbeats_report_prefix_cache_changes_and_a_snapshot_on_request(nodes):
     router, prefill, decode_ = nodes
-    prefill.membership.heartbeat()
+    prefill.heartbeat()
     first = router.recv(Heartbeat, "")
     assert first.prefix_seq == 1 and first.prefix_reset and first.prefix_stored == ()
     prompt = list(range(3, 60))  # 3 full blocks of 16 get cached
     start(router, prefill, decode_, "r", prompt)
     while "r" in prefill.dests:
         prefill.step()
-    prefill.membership.heartbeat_now()
+    prefill.heartbeat(now=True)
     delta = router.recv(Heartbeat, "")
     assert delta.prefix_seq == 2 and not delta.prefix_reset
     assert delta.prefix_stored == tuple(hash_token_blocks(prompt, BLOCK))
     prefill.handle(SyncPrefixes())
-    prefill.membership.heartbeat()
+    prefill.heartbeat()
     snapshot = router.recv(Heartbeat, "")
     assert snapshot.prefix_seq == 3 and snapshot.prefix_reset
     assert set(snapshot.prefix_stored) == set(delta.prefix_stored)
-    decode_.membership.heartbeat()  # decode nodes report theirs too (a conversation's next turn)
+    decode_.heartbeat()  # decode nodes report theirs too (a conversation's next turn)
     report = router.recv(Heartbeat, "")
     assert report.node_id == decode_.node_id and report.prefix_seq == 1 and report.prefix_reset
 

@@ -108,9 +108,8 @@ def turn(node: EngineNode, routers: list[Router], until, timeout: float = WAIT_S
     """Run the node's message handling (and lease expiry) until `until()` holds."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        for link, msg in node.membership.control.recv(20):
-            node.handle(msg, link)
-        node.membership.expire_leases()
+        node.handle_all(20)
+        node.expire_leases()
         for r in routers:
             r.pump()
         if until():
@@ -121,7 +120,7 @@ def turn(node: EngineNode, routers: list[Router], until, timeout: float = WAIT_S
 def test_a_node_registers_with_every_router_and_answers_each_on_its_own_link(decode_node, routers):
     a, b = routers
     decode_node.membership.register()
-    decode_node.membership.heartbeat_now()
+    decode_node.heartbeat(now=True)
     turn(decode_node, routers, lambda: a.of(Heartbeat) and b.of(Heartbeat))
     assert len(a.of(RegisterNode)) == len(b.of(RegisterNode)) == 1
     b.send(ReserveKV("from-b", (1, 2, 3), SAMPLING))
@@ -187,7 +186,7 @@ def test_the_health_endpoint(clock, tiny_model_dir, routers):
     node.health.start()  # as run() does
     url = f"http://127.0.0.1:{node.health.port}"
     try:
-        node.membership.heartbeat_now()
+        node.heartbeat(now=True)
         assert httpx.get(url + LIVE_PATH).status_code == 200
         assert httpx.get(url + READY_PATH).status_code == 503  # no router accepted it yet
         node.membership.accepted.add(0)
