@@ -23,7 +23,8 @@ from pdserve.common.wire.messages import (
     Reserved,
     ReserveKV,
 )
-from pdserve.kv_transfer.ranks import KVGroup, decode_first
+from pdserve.kv_transfer.commands import SliceDone
+from pdserve.kv_transfer.ranks import KVGroup
 
 log = logging.getLogger(__name__)
 
@@ -86,7 +87,7 @@ class DecodeNode(EngineNode):
         cached = self.engine.scheduler.requests[request_id].num_cached_tokens
         xfer_id = uuid.uuid4().hex  # made here, never taken from a client
         sent = block_ids[cached // self.block_size :]
-        self.pending[xfer_id] = sum(self.kv.call("expect", xfer_id, sent, src_tp))
+        self.pending[xfer_id] = self.kv.expect(xfer_id, sent, src_tp)
         self.xfer_to_rid[xfer_id] = request_id
         self.rid_to_xfer[request_id] = xfer_id
         return Reserved(
@@ -114,11 +115,11 @@ class DecodeNode(EngineNode):
         self.xfer_to_rid.pop(xfer_id, None)
         self.pending.pop(xfer_id, None)
         self.problems.pop(xfer_id, None)
-        self.kv.call("cancel", xfer_id)
+        self.kv.cancel(xfer_id)
 
     def publish_gauges(self, queued_tokens: int) -> None:
         super().publish_gauges(queued_tokens)
-        received = sum(self.kv.call("bytes_received"))
+        received = sum(self.kv.bytes_received())
         self.health.gauges["pdserve_node_kv_received_bytes"] = received
 
     def io_messages(self) -> Iterator[Told]:
@@ -127,19 +128,19 @@ class DecodeNode(EngineNode):
                 self.engine.kv.release_held(xfer_id)
         if not self.pending:
             return
-        for rank_results in self.kv.call("finished"):
-            for xfer_id, ok, error, first in rank_results:
-                yield from self._slice_done(xfer_id, ok, error, first)
+        for done in self.kv.finished():
+            yield from self._slice_done(done)
 
-    def _slice_done(self, xfer_id: str, ok: bool, error: str, first: list) -> Iterator[Told]:
+    def _slice_done(self, done: SliceDone) -> Iterator[Told]:
         """One rank's slice of a transfer finished: once every slice on every rank did, the
         request is admitted, or failed if any slice was not whole (fail closed: never decode
         from corrupt or partial KV)."""
+        xfer_id = done.xfer_id
         rid = self.xfer_to_rid.get(xfer_id)
         if rid is None or xfer_id not in self.pending:
             return
-        if not ok:
-            self.problems.setdefault(xfer_id, error)
+        if not done.ok:
+            self.problems.setdefault(xfer_id, done.error)
         self.pending[xfer_id] -= 1
         if self.pending[xfer_id] > 0:
             return
@@ -147,11 +148,11 @@ class DecodeNode(EngineNode):
         del self.pending[xfer_id], self.xfer_to_rid[xfer_id]
         self.rid_to_xfer.pop(rid, None)
         if problem is not None:
-            self.kv.call("cancel", xfer_id)  # the other ranks' slices, if any still open
+            self.kv.cancel(xfer_id)  # the other ranks' slices, if any still open
             self.engine.abort(rid)
             yield Error(rid, f"KV transfer failed: {problem}", Failure.KV_FAILED)
             return
-        token = decode_first(first)
+        token = done.first
         # The prefill node already streamed the first token (and any finish) to the router.
         self.engine.scheduler.admit_remote(rid, SampledToken(rid, token.token_id, token.logprobs))
         yield Admitted(rid)

@@ -16,7 +16,7 @@ from pdserve.kv_transfer.base import (
     create_receiver,
     create_sender,
 )
-from pdserve.kv_transfer.ranks import KVPort
+from pdserve.kv_transfer.port import KVPort
 
 __all__ = [
     "KVLayout",

@@ -25,7 +25,7 @@ from typing import Any, ClassVar
 import torch
 import torch.distributed as dist
 
-from pdserve.common.model.parallel import listening_store
+from pdserve.common.rendezvous import listening_store
 from pdserve.common.wire.payloads import KVLayout
 from pdserve.common.wire.security import CurveKeys
 from pdserve.kv_transfer.base import TransferError, TransferTimeout

@@ -1,133 +1,57 @@
-"""A node's end of the KV data plane, at each of its tensor-parallel ranks. `KVPort` is one
-process's connector end (the layout both ends agree on, the cluster's keys, its senders or its
-receiver); `RankKV` is a rank's: on a decode node the rank's receiver, on a prefill node its
-senders, each moving only the KV heads the rank holds.
+"""A node's end of the KV data plane at each of its tensor-parallel ranks. `RankKV` is a rank's:
+on a decode node the rank's receiver, on a prefill node its senders, each moving only the KV
+heads the rank holds; `KVGroup` is the node's (rank 0), with one method per thing the node asks.
 
 A request's transfer between a prefill group at TP p and a decode group at TP d is one slice
 per (prefill rank, decode rank) pair of `payloads.transfer_plan`: slice `f"{xfer_id}.{i}"` goes
 from prefill rank i to the decode rank that expects it, into that rank's share of the reserved
-blocks. Every rank of a node holds a `RankKV`; the node's `KVGroup` (rank 0) runs each method
-on its own and on every worker's (`RankDriver.call`), so a node's KV code reads the same at any
-TP, and a decode node admits a request only when every slice on every rank finished verified.
+blocks. `KVGroup` sends each command (`commands`, typed messages of the KV ranks plane) to its
+own `RankKV` and, through the engine's `RankDriver`, to every worker's, so a node's KV code
+reads the same at any TP, and a decode node admits a request only when every slice on every
+rank finished verified.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 import zmq
 
-from pdserve.common.process import host_id
-from pdserve.common.wire.payloads import (
-    FirstToken,
-    HeadSlice,
-    KVLayout,
-    TokenLogprobs,
-    transfer_plan,
+from pdserve.common.engine.model_runner import LayerCall
+from pdserve.common.wire.messages import Message
+from pdserve.common.wire.payloads import FirstToken, HeadSlice, KVLayout, transfer_plan
+from pdserve.common.wire.ranks import Count, Done, Handlers, RankCommand
+from pdserve.common.wire.security import load_keys
+from pdserve.kv_transfer.base import KVReceiver, TransferResult
+from pdserve.kv_transfer.commands import (
+    KV_RANKS,
+    Abandon,
+    BytesReceived,
+    BytesSent,
+    Cancel,
+    Connect,
+    Drop,
+    Endpoint,
+    EndpointIs,
+    Expect,
+    Failures,
+    Finished,
+    PollSenders,
+    Released,
+    SendDone,
+    ShipKV,
+    Shipment,
+    SliceDone,
+    TakeFailures,
+    TakeFinished,
+    TakeReleased,
 )
-from pdserve.common.wire.security import CurveKeys, load_keys
-from pdserve.kv_transfer.base import (
-    KVReceiver,
-    KVSender,
-    TransferResult,
-    check_available,
-    create_receiver,
-    create_sender,
-)
+from pdserve.kv_transfer.port import KVPort
 
-
-class KVPort:
-    """One node's KV connector: its name, the cache layout both ends must agree on (the digest
-    a node registers with), and the cluster's CurveZMQ keys for every socket it opens.
-
-    A prefill node keeps one connected sender per decode node (`sender`, `drop`); a decode node
-    binds one receiver (`listen`) and registers its `endpoint`.
-    """
-
-    def __init__(
-        self,
-        connector: str,
-        layout: KVLayout,
-        curve: CurveKeys | None = None,
-        connect_timeout: float = 10.0,
-        advertise_host: str = "127.0.0.1",
-    ) -> None:
-        check_available(connector)
-        self.advertise_host = advertise_host  # how other hosts reach this node's sockets
-        self.host_id = host_id()
-        self.connector = connector
-        self.layout = layout
-        self.digest = layout.digest()
-        self.curve = curve
-        self.connect_timeout = connect_timeout
-        self.senders: dict[str, KVSender] = {}  # receiver endpoint -> connected sender
-        self._instances: dict[str, str] = {}  # receiver endpoint -> the process behind it
-        self.receiver: KVReceiver | None = None
-
-    @property
-    def endpoint(self) -> str:
-        """Where senders connect ("" on a node that binds no receiver)."""
-        return self.receiver.endpoint if self.receiver is not None else ""
-
-    def listen(
-        self, kv_caches: list[torch.Tensor], host: str, port: int, fence_timeout: float = 30.0
-    ) -> KVReceiver:
-        """Bind the receiver that writes arriving pages into `kv_caches` (`port=0`: any free);
-        `fence_timeout` is nixl's (see nixl_receiver)."""
-        assert self.receiver is None, "a KV port binds one receiver"
-        opts = {"fence_timeout": fence_timeout} if self.connector == "nixl" else {}
-        self.receiver = create_receiver(
-            self.connector, self.layout, kv_caches, host=host, port=port, curve=self.curve, **opts
-        )
-        self.receiver.advertise(self.advertise_host)
-        return self.receiver
-
-    def sender(self, endpoint: str, instance: str = "") -> KVSender:
-        """The connected sender to the receiver at `endpoint`. The first call handshakes and
-        raises what `KVSender.connect` raises (a layout mismatch included). `instance` names
-        the receiving process: when another one now listens at the same address (a restart on
-        a fixed port), the old connection is dropped and a new one handshakes; the transport
-        would otherwise reconnect silently to a receiver that never heard our hello."""
-        if instance and self._instances.get(endpoint, instance) != instance:
-            self.drop(endpoint)
-        if instance:
-            self._instances[endpoint] = instance
-        sender = self.senders.get(endpoint)
-        if sender is None:
-            # nccl's gloo pair listens on this node's own address, which the peer dials.
-            opts = {"bind_host": self.advertise_host} if self.connector == "nccl" else {}
-            sender = create_sender(self.connector, self.layout, curve=self.curve, **opts)
-            sender.connect(endpoint, self.connect_timeout)
-            self.senders[endpoint] = sender
-        return sender
-
-    def poll(self) -> None:
-        """Let every sender take its receiver's messages (a prefill node's loop calls it)."""
-        for sender in self.senders.values():
-            sender.poll()
-
-    def drop(self, endpoint: str) -> None:
-        """Close the sender to `endpoint` (its connection broke); the next `sender` reconnects."""
-        sender = self.senders.pop(endpoint, None)
-        if sender is not None:
-            sender.close()
-
-    def close(self) -> None:
-        """Close every sender and the receiver; idempotent."""
-        for endpoint in list(self.senders):
-            self.drop(endpoint)
-        if self.receiver is not None:
-            self.receiver.close()
-
-
-# A decode group's receivers, rank 0 first (Reserved.kv_endpoints).
-Endpoints = list[str]
-# One request's pages of one step: [endpoints, xfer_id, source blocks, destination blocks].
-Shipment = list[Any]
 # What a broken or refused KV connection raises (TransferError/TransferTimeout included; a
-# worker rank's failure comes back from RankDriver.call as a RuntimeError).
+# worker rank's failure comes back from RankDriver.call as a RankCommandError, a RuntimeError).
 SEND_ERRORS = (RuntimeError, OSError, zmq.ZMQError)
 
 
@@ -136,44 +60,14 @@ def slice_id(xfer_id: str, src_rank: int) -> str:
     return f"{xfer_id}.{src_rank}"
 
 
-def encode_first(first: FirstToken) -> list[Any]:
-    lp = first.logprobs
-    lps = None if lp is None else [lp.token_id, lp.logprob, [list(t) for t in lp.top], lp.rank]
-    return [first.token_id, lps]
-
-
-def decode_first(body: list[Any]) -> FirstToken:
-    token, lps = body
-    if lps is None:
-        return FirstToken(token)
-    tid, logprob, top, rank = lps
-    return FirstToken(token, TokenLogprobs(tid, logprob, tuple(tuple(t) for t in top), rank))
-
-
 class RankKV:
-    """This rank's KV connector end (see the module docstring). Built on every rank of a node
-    from the same options: `connector`, the checkpoint's `model_id` (the layout is the
-    runner's: the model's whole KV heads), the directory of the cluster's CurveZMQ keys, and
-    for a decode node the bind `host`/`port` (each rank binds `port` + rank, or any free port
-    when 0)."""
+    """This rank's KV connector end (see the module docstring), the rank agent of a node that
+    moves KV. Built on every rank of a node from the same options: `connector`, the
+    checkpoint's `model_id` (the layout is the runner's: the model's whole KV heads), the
+    directory of the cluster's CurveZMQ keys, and for a decode node the bind `host`/`port`
+    (each rank binds `port` + rank, or any free port when 0)."""
 
-    COMMANDS = frozenset(
-        {
-            "endpoint",
-            "expect",
-            "cancel",
-            "finished",
-            "released",
-            "bytes_received",
-            "bytes_sent",
-            "connect",
-            "take_failures",
-            "done",
-            "abandon",
-            "drop",
-            "poll_senders",
-        }
-    )
+    PLANE = KV_RANKS
 
     def __init__(
         self,
@@ -210,6 +104,24 @@ class RankKV:
         # (send TP, receive TP) -> the plan: asked for each layer of each shipment, made once
         self._plans: dict[tuple[int, int], tuple[HeadSlice, ...]] = {}
 
+    def handlers(self) -> Handlers:
+        """Each command of the KV ranks plane -> the method that answers it."""
+        return {
+            Endpoint: self.endpoint,
+            Expect: self.expect,
+            Cancel: self.cancel,
+            TakeFinished: self.finished,
+            TakeReleased: self.released,
+            BytesReceived: self.bytes_received,
+            BytesSent: self.bytes_sent,
+            Connect: self.connect,
+            TakeFailures: self.take_failures,
+            SendDone: self.done,
+            Abandon: self.abandon,
+            Drop: self.drop,
+            PollSenders: self.poll_senders,
+        }
+
     def _plan(self, send_tp: int, recv_tp: int) -> tuple[HeadSlice, ...]:
         key = (send_tp, recv_tp)
         if key not in self._plans:
@@ -218,32 +130,33 @@ class RankKV:
 
     # -- decode side ----------------------------------------------------------------------------
 
-    def endpoint(self) -> str:
-        return self.port.endpoint
+    def endpoint(self, _: Endpoint) -> EndpointIs:
+        return EndpointIs(self.port.endpoint)
 
-    def expect(self, xfer_id: str, block_ids: list[int], src_tp: int) -> int:
-        """Expect this rank's slices of `xfer_id` from a prefill group at TP `src_tp` into
-        `block_ids`; how many."""
+    def expect(self, cmd: Expect) -> Count:
+        """Expect this rank's slices of the transfer (`Expect`); how many."""
         assert self.receiver is not None, "a decode node's rank binds a receiver"
         ids = []
-        for s in self._plan(src_tp, self.size):
+        for s in self._plan(cmd.src_tp, self.size):
             if s.dst_rank == self.rank:
                 heads = range(s.dst_offset, s.dst_offset + s.count)
-                self.receiver.expect(slice_id(xfer_id, s.src_rank), block_ids, heads)
-                ids.append(slice_id(xfer_id, s.src_rank))
-        self.expected[xfer_id] = ids
-        return len(ids)
+                sid = slice_id(cmd.xfer_id, s.src_rank)
+                self.receiver.expect(sid, list(cmd.block_ids), heads)
+                ids.append(sid)
+        self.expected[cmd.xfer_id] = ids
+        return Count(len(ids))
 
-    def cancel(self, xfer_id: str) -> None:
+    def cancel(self, cmd: Cancel) -> Done:
         assert self.receiver is not None
-        ids = self.expected.pop(xfer_id, [])
+        ids = self.expected.pop(cmd.xfer_id, [])
         for sid in ids:
             self.receiver.cancel(sid)
         if self.receiver.fences:  # released here once each of these slices is
-            self.fenced.setdefault(xfer_id, set()).update(ids)
+            self.fenced.setdefault(cmd.xfer_id, set()).update(ids)
+        return Done()
 
-    def finished(self) -> list[list[Any]]:
-        """Slices finished here since the last call: [xfer id, ok, error, first token]."""
+    def finished(self, _: TakeFinished) -> Finished:
+        """Slices finished here since the last call."""
         assert self.receiver is not None
         out = []
         self._poll()
@@ -256,10 +169,10 @@ class RankKV:
             ids.remove(r.xfer_id)
             if not ids:
                 del self.expected[xfer_id]
-            out.append([xfer_id, r.ok, r.error, encode_first(r.first)])
-        return out
+            out.append(SliceDone(xfer_id, r.ok, r.error, r.first))
+        return Finished(tuple(out))
 
-    def released(self) -> list[str]:
+    def released(self, _: TakeReleased) -> Released:
         """Cancelled transfers whose blocks no sender can write here any more (fencing
         connectors): each cancelled xfer id once, when every one of its slices is."""
         assert self.receiver is not None
@@ -270,114 +183,177 @@ class RankKV:
         out = sorted(x for x, ids in self.fenced.items() if not ids)
         for xfer_id in out:
             del self.fenced[xfer_id]
-        return out
+        return Released(tuple(out))
 
     def _poll(self) -> None:
         """Let the receiver take its messages; keep the transfers it finished for `finished`."""
         assert self.receiver is not None
         self._results += self.receiver.poll(0)
 
-    def bytes_received(self) -> int:
+    def bytes_received(self, _: BytesReceived) -> Count:
         """KV bytes written here: pages received, each this rank's share of a page (exact
         when every slice carries all of the rank's heads)."""
         if self.receiver is None:
-            return 0
+            return Count(0)
         share = self.caches[0].shape[3] / self.layout.num_kv_heads
-        return int(self.receiver.pages_received * self.layout.page_bytes * share)
+        return Count(int(self.receiver.pages_received * self.layout.page_bytes * share))
 
     # -- prefill side ---------------------------------------------------------------------------
 
-    def bytes_sent(self) -> int:
+    def bytes_sent(self, _: BytesSent) -> Count:
         """Page bytes this rank's senders handed to their transports, as they count them (a
         rank the plan names for no slice sends none: an MLA latent leaves from one rank)."""
-        return sum(s.bytes_sent for s in self.port.senders.values())
+        return Count(sum(s.bytes_sent for s in self.port.senders.values()))
 
-    def _my_slices(self, endpoints: Endpoints) -> list[HeadSlice]:
+    def _my_slices(self, endpoints: Sequence[str]) -> list[HeadSlice]:
         return [s for s in self._plan(self.size, len(endpoints)) if s.src_rank == self.rank]
 
-    def connect(self, endpoints: Endpoints, instance: str) -> None:
+    def connect(self, cmd: Connect) -> Done:
         """Handshake with every decode rank this rank sends to (raises what connect raises)."""
-        for s in self._my_slices(endpoints):
-            self.port.sender(endpoints[s.dst_rank], f"{instance}.{s.dst_rank}")
+        for s in self._my_slices(cmd.endpoints):
+            self.port.sender(cmd.endpoints[s.dst_rank], f"{cmd.instance}.{s.dst_rank}")
+        return Done()
 
-    def layer_hook(self, shipments: list[Shipment]) -> Callable[[int], None]:
-        """What this rank runs after each layer of a step that ships `shipments`."""
-        return lambda layer: self.ship_layer(layer, shipments)
+    def layer_hook(self, ship: ShipKV) -> Callable[[int], None]:
+        """What this rank runs after each layer of a step that ships `ship.shipments`."""
+        return lambda layer: self.ship_layer(layer, ship.shipments)
 
-    def ship_layer(self, layer: int, shipments: list[Shipment]) -> None:
+    def ship_layer(self, layer: int, shipments: Sequence[Shipment]) -> None:
         """Send this rank's slices of one layer's new pages; a broken connection goes to
         `failed` (the rest of that destination's pages are skipped)."""
         cache = self.caches[layer]
-        for endpoints, xfer_id, src, dst in shipments:
-            if endpoints[0] in self.failed:
+        for ship in shipments:
+            if ship.endpoints[0] in self.failed:
                 continue
             try:
-                for s in self._my_slices(endpoints):
+                for s in self._my_slices(ship.endpoints):
                     heads = range(s.src_offset, s.src_offset + s.count)
-                    sender = self.port.senders[endpoints[s.dst_rank]]
-                    sender.send_layer(slice_id(xfer_id, self.rank), layer, src, dst, cache, heads)
+                    sender = self.port.senders[ship.endpoints[s.dst_rank]]
+                    sid = slice_id(ship.xfer_id, self.rank)
+                    sender.send_layer(sid, layer, list(ship.src), list(ship.dst), cache, heads)
             except (*SEND_ERRORS, KeyError) as exc:
-                self.failed[endpoints[0]] = str(exc) or type(exc).__name__
+                self.failed[ship.endpoints[0]] = str(exc) or type(exc).__name__
 
-    def take_failures(self) -> dict[str, str]:
+    def take_failures(self, _: TakeFailures) -> Failures:
         failed, self.failed = self.failed, {}
-        return failed
+        return Failures(failed)
 
-    def done(self, endpoints: Endpoints, xfer_id: str, first: list[Any]) -> None:
-        """End this rank's slices of `xfer_id`, handing over the request's first token."""
-        for s in self._my_slices(endpoints):
-            sender = self.port.senders[endpoints[s.dst_rank]]
-            sender.send_done(slice_id(xfer_id, self.rank), decode_first(first))
+    def done(self, cmd: SendDone) -> Done:
+        """End this rank's slices of the transfer, handing over the request's first token."""
+        for s in self._my_slices(cmd.endpoints):
+            sender = self.port.senders[cmd.endpoints[s.dst_rank]]
+            sender.send_done(slice_id(cmd.xfer_id, self.rank), cmd.first)
+        return Done()
 
-    def abandon(self, endpoints: Endpoints, xfer_id: str) -> None:
-        for s in self._my_slices(endpoints):
-            sender = self.port.senders.get(endpoints[s.dst_rank])
+    def abandon(self, cmd: Abandon) -> Done:
+        for s in self._my_slices(cmd.endpoints):
+            sender = self.port.senders.get(cmd.endpoints[s.dst_rank])
             if sender is not None:
-                sender.abandon(slice_id(xfer_id, self.rank))
+                sender.abandon(slice_id(cmd.xfer_id, self.rank))
+        return Done()
 
-    def drop(self, endpoints: Endpoints) -> None:
-        for endpoint in endpoints:
+    def drop(self, cmd: Drop) -> Done:
+        for endpoint in cmd.endpoints:
             self.port.drop(endpoint)
+        return Done()
 
-    def poll_senders(self) -> None:
+    def poll_senders(self, _: PollSenders) -> Done:
         self.port.poll()
+        return Done()
 
     def close(self) -> None:
         self.port.close()
 
 
 class KVGroup:
-    """A node's KV connector across its tensor-parallel ranks (held by rank 0): `call` runs a
-    `RankKV` method on every rank and returns each rank's result, rank 0's first."""
+    """A node's KV connector across its tensor-parallel ranks (held by rank 0): each method
+    sends one command to every rank (rank 0's own `RankKV` included) and combines their
+    answers. A worker's refusal raises RankCommandError (a RuntimeError, one of SEND_ERRORS)."""
 
     def __init__(self, local: RankKV, driver: Any) -> None:
         self.local = local
         self.driver = driver  # the engine's RankDriver (None at TP 1)
         self.port = local.port
         self.size = local.size
+        self._handlers = local.handlers()
         self.endpoints: tuple[str, ...] = ()
         self._released_on: dict[str, set[int]] = {}  # cancelled xfer id -> ranks that released
         if local.receiver is not None:
-            self.endpoints = tuple(self.call("endpoint"))
+            self.endpoints = tuple(r.endpoint for r in self._all(Endpoint()))
+
+    def _all(self, command: RankCommand) -> list[Message]:
+        """Every rank's answer to `command`, rank 0's first."""
+
+        def here() -> Message:
+            return self._handlers[type(command)](command)
+
+        if self.driver is None:
+            return [here()]
+        return self.driver.call(KV_RANKS, command, here)
+
+    # -- decode side ----------------------------------------------------------------------------
+
+    def expect(self, xfer_id: str, block_ids: Sequence[int], src_tp: int) -> int:
+        """Open transfer `xfer_id` into `block_ids` from a prefill group at TP `src_tp` on
+        every rank; how many slices the node waits for."""
+        return sum(c.n for c in self._all(Expect(xfer_id, tuple(block_ids), src_tp)))
+
+    def cancel(self, xfer_id: str) -> None:
+        self._all(Cancel(xfer_id))
+
+    def finished(self) -> list[SliceDone]:
+        """Slices finished on any rank since the last call."""
+        return [s for answer in self._all(TakeFinished()) for s in answer.slices]
 
     def released(self) -> list[str]:
         """Cancelled transfers whose blocks no sender can write on any rank any more (each
         rank names each cancelled transfer once): the node may free them now."""
-        for rank, ids in enumerate(self.call("released")):
-            for xfer_id in ids:
+        for rank, answer in enumerate(self._all(TakeReleased())):
+            for xfer_id in answer.xfer_ids:
                 self._released_on.setdefault(xfer_id, set()).add(rank)
         out = [x for x, ranks in self._released_on.items() if len(ranks) == self.size]
         for xfer_id in out:
             del self._released_on[xfer_id]
         return out
 
-    def call(self, method: str, *args: Any) -> list[Any]:
-        def here() -> Any:
-            return getattr(self.local, method)(*args)
+    def bytes_received(self) -> list[int]:
+        """KV bytes written on each rank, rank 0's first."""
+        return [c.n for c in self._all(BytesReceived())]
 
-        if self.driver is None:
-            return [here()]
-        return self.driver.call(method, list(args), here)
+    # -- prefill side ---------------------------------------------------------------------------
+
+    def bytes_sent(self) -> list[int]:
+        """KV page bytes each rank's senders sent, rank 0's first."""
+        return [c.n for c in self._all(BytesSent())]
+
+    def connect(self, endpoints: Sequence[str], instance: str) -> None:
+        """Every rank handshakes with the decode ranks it sends to (a layout mismatch and an
+        unreachable decode node raise one of SEND_ERRORS)."""
+        self._all(Connect(tuple(endpoints), instance))
+
+    def ship(self, shipments: Sequence[Shipment]) -> LayerCall:
+        """The layer hook of a step that ships `shipments`, here and on every worker."""
+        ship = ShipKV(tuple(shipments))
+        return LayerCall(self.local.layer_hook(ship), ship)
+
+    def take_failures(self) -> dict[str, str]:
+        """Decode groups (by rank 0 endpoint) whose sends broke on any rank, and why."""
+        failed: dict[str, str] = {}
+        for answer in self._all(TakeFailures()):
+            failed.update(answer.why)
+        return failed
+
+    def done(self, endpoints: Sequence[str], xfer_id: str, first: FirstToken) -> None:
+        self._all(SendDone(tuple(endpoints), xfer_id, first))
+
+    def abandon(self, endpoints: Sequence[str], xfer_id: str) -> None:
+        self._all(Abandon(tuple(endpoints), xfer_id))
+
+    def drop(self, endpoints: Sequence[str]) -> None:
+        self._all(Drop(tuple(endpoints)))
+
+    def poll_senders(self) -> None:
+        self._all(PollSenders())
 
     def close(self) -> None:
         self.local.close()  # the workers' ends close with their processes

@@ -17,7 +17,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "prefill": ("pdserve.prefill_node.__main__:main", "one prefill node"),
     "decode": ("pdserve.decode_node.__main__:main", "one decode node (--role both: colocated)"),
     "tp-worker": (
-        "pdserve.common.engine.tensor_parallel:worker_main",
+        "pdserve.common.engine.tensor_parallel_worker:worker_main",
         "one worker rank of a tensor-parallel node whose rank 0 runs on another host",
     ),
     "bench": ("pdserve.bench:main", "benchmarks: serve, kv-transfer, offline, compare"),

@@ -15,7 +15,8 @@ from pdserve.common.node.config import NodeConfig
 from pdserve.common.node.loop import EngineNode, Handler, Told
 from pdserve.common.wire.messages import Error, Failure, Message, Prefill
 from pdserve.common.wire.payloads import FirstToken
-from pdserve.kv_transfer.ranks import SEND_ERRORS, KVGroup, Shipment, encode_first
+from pdserve.kv_transfer.commands import Shipment
+from pdserve.kv_transfer.ranks import SEND_ERRORS, KVGroup
 
 log = logging.getLogger(__name__)
 
@@ -50,7 +51,7 @@ class PrefillNode(EngineNode):
                 return None
             raise ValueError("a prefill node needs a destination (xfer_id and blocks)")
         try:  # every rank handshakes once per decode rank; a layout mismatch raises here
-            self.kv.call("connect", list(msg.dest_kv_endpoints), msg.dest_kv_instance)
+            self.kv.connect(msg.dest_kv_endpoints, msg.dest_kv_instance)
         except SEND_ERRORS as exc:  # the decode node is unreachable: fail this request only
             return Error(msg.request_id, f"KV connection failed: {exc}", Failure.KV_FAILED)
         self.engine.scheduler.add_request(request)
@@ -64,8 +65,7 @@ class PrefillNode(EngineNode):
         updates = self.engine.step(on_layer=lambda output: self.ship_kv(output, shipped))
         failed: dict[str, str] = {}  # decode node (its rank 0 endpoint) -> why sending failed
         if shipped:  # what broke on any rank while the layers went out
-            for rank_failed in self.kv.call("take_failures"):
-                failed.update(rank_failed)
+            failed.update(self.kv.take_failures())
         for update in updates:
             dest = self.dests.get(update.request_id)
             if dest is not None and dest.dest_kv_endpoints[0] in failed:
@@ -83,7 +83,7 @@ class PrefillNode(EngineNode):
         if not shipments:
             return None
         shipped.append(True)
-        return LayerCall(self.kv.local.layer_hook(shipments), shipments)
+        return self.kv.ship(shipments)
 
     def plan_kv(self, output: SchedulerOutput) -> list[Shipment]:
         """Which blocks of this step go where: every block not yet sent up to what the step
@@ -101,8 +101,8 @@ class PrefillNode(EngineNode):
             if first >= last:
                 continue  # this chunk wrote only blocks the decode node has cached
             self.next_block[seq.request_id] = end // bs
-            src, dst = list(seq.block_ids[first:last]), list(dest.dest_block_ids[first:last])
-            shipments.append([list(dest.dest_kv_endpoints), dest.xfer_id, src, dst])
+            src, dst = seq.block_ids[first:last], dest.dest_block_ids[first:last]
+            shipments.append(Shipment(dest.dest_kv_endpoints, dest.xfer_id, src, dst))
         return shipments
 
     def hand_off(self, update: RequestUpdate, failed: dict[str, str]) -> Iterator[Error]:
@@ -117,7 +117,7 @@ class PrefillNode(EngineNode):
         self.engine.scheduler.release(update.request_id)
         endpoints = list(dest.dest_kv_endpoints)
         try:
-            self.kv.call("done", endpoints, dest.xfer_id, encode_first(first))
+            self.kv.done(endpoints, dest.xfer_id, first)
         except SEND_ERRORS as exc:
             failed[endpoints[0]] = str(exc)
             why = f"KV transfer failed: {exc}"
@@ -134,18 +134,18 @@ class PrefillNode(EngineNode):
             why = f"KV transfer to the decode node failed: {error}"
             yield Error(rid, why, Failure.KV_FAILED)
         if bound:
-            self.kv.call("drop", list(bound[0][1].dest_kv_endpoints))
+            self.kv.drop(bound[0][1].dest_kv_endpoints)
 
     def io_messages(self) -> Iterator[Told]:
         if self.kv.port.connector == "nixl":  # decode nodes' notices (cancels to answer)
-            self.kv.call("poll_senders")
+            self.kv.poll_senders()
         return iter(())
 
     def abort(self, request_id: str) -> None:
         dest = self.dests.pop(request_id, None)
         if dest is not None:
             try:  # a transport still reading our blocks (nixl) finishes before they are freed
-                self.kv.call("abandon", list(dest.dest_kv_endpoints), dest.xfer_id)
+                self.kv.abandon(dest.dest_kv_endpoints, dest.xfer_id)
             except SEND_ERRORS as exc:
                 log.warning("abandoning KV transfer %s failed: %s", dest.xfer_id, exc)
         super().abort(request_id)

@@ -7,7 +7,6 @@ import contextlib
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 
@@ -28,6 +27,7 @@ from pdserve.common.model.config import ModelArchConfig
 from pdserve.common.model.llama import fuse_quantized
 from pdserve.common.model.parallel import TPGroup, TPShard
 from pdserve.common.model.weights import load_model
+from pdserve.common.wire.messages import Message
 from pdserve.common.wire.payloads import KVLayout, TokenLogprobs
 
 _PROMPT_LOGITS_ROWS = 256  # prompt positions scored at once: bounds the [rows, vocab] logits
@@ -39,10 +39,10 @@ _TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16":
 class LayerCall:
     """What runs inside a step's forward right after each layer wrote its K/V: `run(layer)`
     here; on the other tensor-parallel ranks, their agent's `layer_hook(args)` (so `args` is
-    what they need, msgpack-able: a prefill node's shipments of the step)."""
+    what they need, a message of the agent's plane: a prefill node's shipments of the step)."""
 
     run: Callable[[int], None]
-    args: Any = None
+    args: Message | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -3,43 +3,44 @@ manager, sampling, the node around them) and drives N - 1 worker processes, each
 shard of the model and its share of the KV cache, that run every step's forward with it.
 
 Each step, rank 0 broadcasts what every rank needs to build the step's inputs (the scheduled
-sequences' tokens, positions and blocks, as msgpack) and all ranks run the forward, joined by
+sequences' tokens, positions and blocks, a `Step`) and all ranks run the forward, joined by
 the model's all-reduces. A worker waits for the next step at most `timeout_s`; rank 0 sends a
 keep-alive while idle, so an idle worker whose rank 0 is gone (or stopped) exits.
 
-Besides steps, rank 0 can `call` a method of every rank's agent (the node's per-rank part,
-e.g. its KV connector end, named in the worker's spec as "module:Class"): the same method runs
-on every rank and rank 0 gets every rank's result.
+Steps are typed messages of their own plane (`Step`, `STEPS`). Besides steps, rank 0 can
+`call` every rank's agent (the node's per-rank part, e.g. its KV connector end, named in the
+worker's spec as "module:Class") with a typed command of the agent's plane
+(`common.wire.ranks`): the same command runs on every rank and rank 0 gets every rank's typed
+answer. The worker process itself is `tensor_parallel_worker`.
 """
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import datetime
-import importlib
 import json
 import os
-import signal
 import subprocess
 import sys
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
-import msgpack
 import torch
 import torch.distributed as dist
 
 from pdserve.common.engine.config import CacheConfig, ModelConfig, ParallelConfig
 from pdserve.common.engine.scheduler import ScheduledSeq
-from pdserve.common.model.parallel import TPGroup, TPShard, join_group, listening_store
+from pdserve.common.model.parallel import TPGroup, TPShard, join_group
+from pdserve.common.rendezvous import listening_store
+from pdserve.common.wire.messages import Message, Plane, encode
 from pdserve.common.wire.payloads import SamplingParams
+from pdserve.common.wire.ranks import RankCommand, RankPlane
 
-_STEP, _KEEPALIVE, _STOP, _CALL = 1, 2, 3, 4
-_LEADER_WAIT_S = 600.0  # a worker waits this long for rank 0's rendezvous and its spec
+# The kinds of what rank 0 broadcasts (a header's first number).
+STEP, KEEPALIVE, STOP, CALL = 1, 2, 3, 4
 
 
 class GroupBroken(Exception):
@@ -108,33 +109,48 @@ def spec_key(rank: int) -> str:
     return f"pdserve/spec/{rank}"
 
 
-def encode_step(seqs: tuple[ScheduledSeq, ...], compiled: bool, hook_args: Any = None) -> bytes:
-    """The part of a scheduled step every rank needs for its forward, and what its agent
-    needs to build the step's layer hook (None: no hook)."""
-    rows = [
-        [s.token_ids, s.start_pos, s.block_ids, s.sample, s.prompt_targets, s.prompt_target_pos]
-        for s in seqs
-    ]
-    return msgpack.packb([compiled, rows, hook_args], use_bin_type=True)
+STEPS = Plane("tensor-parallel steps")
 
 
-def decode_step(payload: bytes) -> tuple[tuple[ScheduledSeq, ...], bool, Any]:
-    compiled, rows, hook_args = msgpack.unpackb(payload, raw=False)
-    plain = SamplingParams()  # sampling happens on rank 0 only
-    seqs = tuple(
-        ScheduledSeq(
-            request_id="",
-            token_ids=tuple(tokens),
-            start_pos=start,
-            block_ids=tuple(blocks),
-            sample=sample,
-            sampling=plain,
-            prompt_targets=tuple(targets),
-            prompt_target_pos=target_pos,
-        )
-        for tokens, start, blocks, sample, targets, target_pos in rows
-    )
-    return seqs, bool(compiled), hook_args
+@dataclass(frozen=True, slots=True)
+class StepSeq:
+    """The part of a scheduled sequence every rank needs for its forward (rank 0 samples)."""
+
+    token_ids: tuple[int, ...]
+    start_pos: int
+    block_ids: tuple[int, ...]
+    sample: bool
+    prompt_targets: tuple[int, ...]
+    prompt_target_pos: int
+
+
+@STEPS.register
+@dataclass(frozen=True, slots=True)
+class Step(Message):
+    """One step for every worker: its sequences, whether it runs compiled, and the message
+    its agent builds the step's layer hook from, encoded on the agent's plane (b"": none)."""
+
+    TYPE: ClassVar[str] = "tp.step"
+    compiled: bool
+    seqs: tuple[StepSeq, ...]
+    hook: bytes = b""
+
+    @classmethod
+    def of(cls, seqs: tuple[ScheduledSeq, ...], compiled: bool, hook: Message | None) -> Step:
+        rows = tuple(
+            StepSeq(s.token_ids, s.start_pos, s.block_ids, s.sample, s.prompt_targets,
+                    s.prompt_target_pos)
+            for s in seqs
+        )  # fmt: skip
+        return cls(compiled, rows, b"" if hook is None else encode(hook))
+
+    def scheduled(self) -> tuple[ScheduledSeq, ...]:
+        plain = SamplingParams()  # sampling happens on rank 0 only
+        return tuple(
+            ScheduledSeq("", s.token_ids, s.start_pos, s.block_ids, s.sample, plain,
+                         prompt_targets=s.prompt_targets, prompt_target_pos=s.prompt_target_pos)
+            for s in self.seqs
+        )  # fmt: skip
 
 
 class StepChannel:
@@ -154,7 +170,8 @@ class StepChannel:
         sizes = self.group.all_gather(torch.tensor([len(payload)], dtype=torch.int64))
         longest = int(sizes.max())
         buf = torch.zeros(max(longest, 1), dtype=torch.uint8)
-        buf[: len(payload)] = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+        if payload:  # rank 0 gives nothing (b""): frombuffer refuses an empty buffer
+            buf[: len(payload)] = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
         rows = self.group.all_gather(buf)
         return [rows[r, : int(sizes[r])].numpy().tobytes() for r in range(self.group.size)]
 
@@ -206,33 +223,33 @@ class RankDriver:
         threading.Thread(target=self._keep_alive, daemon=True, name="tp-alive").start()
 
     def send_step(
-        self, seqs: tuple[ScheduledSeq, ...], compiled: bool, hook_args: Any = None
+        self, seqs: tuple[ScheduledSeq, ...], compiled: bool, hook: Message | None = None
     ) -> None:
-        """Call with `group.lock` held, through the step's last collective."""
-        self._checked(self.channel.send, _STEP, encode_step(seqs, compiled, hook_args))
+        """Call with `group.lock` held, through the step's last collective. `hook`: what the
+        workers' agents build the step's layer hook from (a message of their plane)."""
+        self._checked(self.channel.send, STEP, encode(Step.of(seqs, compiled, hook)))
 
-    def call(self, method: str, args: list[Any], local: Callable[[], Any]) -> list[Any]:
-        """Run `method(*args)` on every worker's agent and `local()` here, between the
-        command going out and the results coming back; every rank's result, in rank order.
-        A worker's exception comes back as a RuntimeError naming its rank; `local()`'s is
-        raised as it is, but only after the gather: the workers wait in it, and a rank 0 that
-        skipped it would leave them there until the collective's timeout broke the group."""
+    def call(
+        self, plane: RankPlane, command: RankCommand, local: Callable[[], Message]
+    ) -> list[Message]:
+        """Run `command` on every worker's agent (of `plane`) and `local()` here, between the
+        command going out and the answers coming back; every rank's answer, in rank order,
+        each of the command's REPLY type. A worker's refusal raises RankCommandError naming
+        its rank; `local()`'s exception is raised as it is, but only after the gather: the
+        workers wait in it, and a rank 0 that skipped it would leave them there until the
+        collective's timeout broke the group."""
         with self.group.lock:
-            self._checked(self.channel.send, _CALL, msgpack.packb([method, args]))
+            self._checked(self.channel.send, CALL, encode(command))
             try:
                 mine, failed = local(), None
             except Exception as exc:  # noqa: BLE001 - re-raised below, after the gather
                 mine, failed = None, exc
-            replies = self._checked(self.channel.gather, msgpack.packb([True, None]))
+            replies = self._checked(self.channel.gather, b"")
         if failed is not None:
             raise failed
-        results: list[Any] = [mine]
-        for rank, raw in enumerate(replies[1:], start=1):
-            ok, value = msgpack.unpackb(raw, raw=False)
-            if not ok:
-                raise RuntimeError(f"tensor-parallel rank {rank}: {method} failed: {value}")
-            results.append(value)
-        return results
+        assert isinstance(mine, command.REPLY), f"{command.TYPE} answered {mine!r} here"
+        rest = [plane.reply(command, raw, rank) for rank, raw in enumerate(replies[1:], 1)]
+        return [mine, *rest]
 
     def _checked(self, collective: Callable[..., Any], *args: Any) -> Any:
         """Run a collective of the command channel; GroupBroken when a rank is gone."""
@@ -267,7 +284,7 @@ class RankDriver:
                 if self._closed.is_set():
                     return
                 try:
-                    self._checked(self.channel.send, _KEEPALIVE)
+                    self._checked(self.channel.send, KEEPALIVE)
                 except GroupBroken as exc:
                     self._broken = str(exc)  # `broken` says so; the next step would raise
                     return
@@ -282,7 +299,7 @@ class RankDriver:
             broken = self.broken() is not None
             try:
                 if not broken:
-                    self._checked(self.channel.send, _STOP)
+                    self._checked(self.channel.send, STOP)
             except GroupBroken:
                 broken = True
         if broken:
@@ -306,102 +323,5 @@ class RankDriver:
 def _spawn(port: int, rank: int, parallel: ParallelConfig) -> subprocess.Popen:
     """A worker on this host (the same command `pdserve tp-worker` runs on another one)."""
     env = {**os.environ, "OMP_NUM_THREADS": str(threads_per_rank(parallel))}
-    cmd = [sys.executable, "-m", "pdserve.common.engine.tensor_parallel"]
+    cmd = [sys.executable, "-m", "pdserve.common.engine.tensor_parallel_worker"]
     return subprocess.Popen([*cmd, "--leader", f"127.0.0.1:{port}", "--rank", str(rank)], env=env)
-
-
-def worker_parser() -> argparse.ArgumentParser:
-    from pdserve.common.node.cli import parser
-
-    p = parser(
-        "pdserve tp-worker",
-        "One worker rank (1..N-1) of a tensor-parallel node whose rank 0 runs elsewhere\n"
-        "(`--tp-workers external`): it joins rank 0's rendezvous, reads its settings there,\n"
-        "loads its shard of the model and runs every step rank 0 sends.",
-    )
-    p.add_argument("--leader", required=True, metavar="HOST:PORT", help="rank 0's --tp-port")
-    p.add_argument("--rank", required=True, type=int, help="this worker's rank, 1..N-1")
-    p.add_argument(
-        "--host", default=None, help="bind this rank's KV receiver here (default: rank 0's --host)"
-    )
-    p.add_argument(
-        "--advertise-host",
-        default=None,
-        help="the address other hosts reach this rank's KV receiver at (default: rank 0's)",
-    )
-    return p
-
-
-def worker_main(argv: list[str] | None = None) -> None:
-    """A worker rank: join the group, load this rank's shard, then follow rank 0's steps
-    until STOP or until the group breaks."""
-    args = worker_parser().parse_args(argv)
-    # A stop is rank 0's to decide: it drains, then sends STOP (or the group breaks when it
-    # exits). A SIGTERM or Ctrl-C sent to the whole group must not cut its drain short.
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, signal.SIG_IGN)
-    host, _, port = args.leader.rpartition(":")
-    wait = datetime.timedelta(seconds=_LEADER_WAIT_S)
-    store = dist.TCPStore(host.strip("[]"), int(port), None, False, timeout=wait)
-    spec = WorkerSpec.from_json(store.get(spec_key(args.rank)).decode())
-    if spec.rank != args.rank:
-        raise SystemExit(f"pdserve tp-worker: rank {args.rank} got the spec of {spec.rank}")
-    _run_worker(spec, store, int(port), args)
-
-
-def _run_worker(spec: WorkerSpec, store: dist.Store, port: int, args: argparse.Namespace) -> None:
-    from pdserve.common.engine.model_runner import ModelRunner
-
-    torch.set_num_threads(threads_per_rank(spec.parallel))
-    size = spec.parallel.tensor_parallel_size
-    shard = TPShard(spec.rank, size, spec.model.enable_expert_parallel)
-    own_host = args.advertise_host or args.host
-    group = open_group(shard, store, port, spec.parallel, spec.model.device, own_host)
-    runner = ModelRunner(
-        spec.model, spec.cache, spec.max_num_seqs, spec.max_model_len, spec.parallel, group
-    )
-    agent = _make_agent(spec, runner, group, _here(args))
-    channel = StepChannel(group)
-    while True:
-        kind, payload = channel.recv()
-        if kind == _STOP:
-            return
-        if kind == _STEP:
-            seqs, compiled, hook_args = decode_step(payload)
-            hook = None if hook_args is None else agent.layer_hook(hook_args)
-            runner.follow(seqs, compiled, hook)
-        elif kind == _CALL:
-            channel.gather(msgpack.packb(_answer(agent, payload)))
-
-
-def _here(args: argparse.Namespace) -> dict[str, str]:
-    """Agent options this host overrides: where its own sockets bind and are reached."""
-    given = {"host": args.host, "advertise_host": args.advertise_host}
-    return {k: v for k, v in given.items() if v is not None}
-
-
-def _make_agent(spec: WorkerSpec, runner: Any, group: TPGroup, here: dict[str, str]) -> Any:
-    """The rank's agent the node named (`ParallelConfig.rank_agent`), or None; a node's
-    own options, but for the addresses this host gives (`here`)."""
-    if spec.parallel.rank_agent is None:
-        return None
-    module, _, name = spec.parallel.rank_agent.partition(":")
-    cls = getattr(importlib.import_module(module), name)
-    options = spec.parallel.rank_agent_options or {}
-    return cls(runner, group, **{**options, **{k: v for k, v in here.items() if k in options}})
-
-
-def _answer(agent: Any, payload: bytes) -> list[Any]:
-    """[True, result] of the agent's method, or [False, why]: a worker stays up when one
-    command fails, and rank 0 decides."""
-    method, args = msgpack.unpackb(payload, raw=False)
-    if agent is None or method not in getattr(agent, "COMMANDS", ()):
-        return [False, f"no agent command {method!r}"]
-    try:
-        return [True, getattr(agent, method)(*args)]
-    except Exception as exc:
-        return [False, f"{type(exc).__name__}: {exc}"]
-
-
-if __name__ == "__main__":
-    worker_main()

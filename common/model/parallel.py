@@ -17,7 +17,6 @@ every rank.
 from __future__ import annotations
 
 import datetime
-import socket
 import threading
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -245,25 +244,6 @@ class TPGroup:
     def close(self) -> None:
         """Forget the group's name (its connections close with the process group)."""
         _unregister_process_group(self.name)
-
-
-def listening_store(
-    host: str, port: int, world_size: int | None, timeout: datetime.timedelta
-) -> torch.distributed.TCPStore:
-    """A rendezvous store served on exactly `host` (TCPStore alone listens on every interface).
-    The store owns the listening socket and closes it when it is destroyed."""
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    listener = socket.create_server((host, port), family=family)
-    bound = listener.getsockname()[1]
-    return torch.distributed.TCPStore(
-        host,
-        bound,
-        world_size,
-        True,
-        timeout,
-        wait_for_workers=False,
-        master_listen_fd=listener.detach(),
-    )
 
 
 def join_group(

@@ -10,8 +10,9 @@ import statistics
 import tempfile
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
@@ -20,7 +21,9 @@ from pdserve.bench.kv_transfer import group_transfer_s
 from pdserve.common.engine.config import CacheConfig, ModelConfig, ParallelConfig, SchedulerConfig
 from pdserve.common.engine.llm_engine import LLMEngine
 from pdserve.common.node.cli import parser
+from pdserve.common.wire.messages import Message
 from pdserve.common.wire.payloads import KVLayout, SamplingParams
+from pdserve.common.wire.ranks import Handlers, RankCommand, RankPlane
 
 SHAPES = {  # TinyLlama-1.1B's shape; quick: a tiny one of the same proportions
     "1b": (2048, 5632, 22, 32, 4, 32000),
@@ -28,24 +31,46 @@ SHAPES = {  # TinyLlama-1.1B's shape; quick: a tiny one of the same proportions
 }
 MAPPINGS = ((1, 1), (2, 2), (1, 2), (2, 1), (1, 4), (4, 1))
 PROBE = "pdserve.bench.tp:Probe"
+PROBES = RankPlane("bench probes")
+
+
+@dataclass(frozen=True, slots=True)
+class Millis(Message):
+    TYPE: ClassVar[str] = "probe.ms"
+    ms: float
+
+
+@PROBES.command
+@dataclass(frozen=True, slots=True)
+class TimeAllReduce(RankCommand):
+    """Time `repeats` all-reduces of a [rows, hidden] bf16 tensor (after 3 to warm up)."""
+
+    TYPE: ClassVar[str] = "probe.all_reduce"
+    REPLY: ClassVar[type[Message]] = Millis
+    rows: int
+    hidden: int
+    repeats: int
 
 
 class Probe:
     """The bench's rank agent: times the all-reduce a layer issues, on every rank at once."""
 
-    COMMANDS = frozenset({"all_reduce_ms"})
+    PLANE = PROBES
 
     def __init__(self, runner: Any, group: Any) -> None:
         self.group = group
 
-    def all_reduce_ms(self, rows: int, hidden: int, repeats: int) -> float:
-        x = torch.randn(rows, hidden, dtype=torch.bfloat16)
+    def handlers(self) -> Handlers:
+        return {TimeAllReduce: self.all_reduce_ms}
+
+    def all_reduce_ms(self, cmd: TimeAllReduce) -> Millis:
+        x = torch.randn(cmd.rows, cmd.hidden, dtype=torch.bfloat16)
         for _ in range(3):
             self.group.all_reduce(x)
         start = time.perf_counter()
-        for _ in range(repeats):
+        for _ in range(cmd.repeats):
             self.group.all_reduce(x)
-        return (time.perf_counter() - start) * 1000 / repeats
+        return Millis((time.perf_counter() - start) * 1000 / cmd.repeats)
 
 
 def write_model(folder: Path, shape: str) -> Path:
@@ -91,10 +116,10 @@ def decode_row(engine: LLMEngine, tp: int, args: argparse.Namespace) -> dict[str
     row = {"tp": tp, "batch": args.batch, "step_s": step, "tokens_per_s": args.batch / step}
     if tp > 1:
         arch = engine.runner.arch
-        call = [args.batch, arch.hidden_size, 20]
+        cmd = TimeAllReduce(args.batch, arch.hidden_size, 20)
         local = Probe(engine.runner, engine.runner.tp)
-        driver = engine.runner.driver
-        ms = max(driver.call("all_reduce_ms", call, lambda: local.all_reduce_ms(*call)))
+        answers = engine.runner.driver.call(PROBES, cmd, lambda: local.all_reduce_ms(cmd))
+        ms = max(a.ms for a in answers)
         row["all_reduce_ms"] = ms
         row["all_reduce_share"] = (2 * arch.num_layers + 1) * ms / 1000 / step
     return row

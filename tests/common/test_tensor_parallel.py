@@ -9,11 +9,15 @@ import signal
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
+from typing import ClassVar
 
 import pytest
 
 from pdserve.common.engine.llm import LLM, SamplingParams
 from pdserve.common.engine.tensor_parallel import GroupBroken
+from pdserve.common.wire.messages import Message
+from pdserve.common.wire.ranks import Done, Handlers, RankCommand, RankCommandError, RankPlane
 from pdserve.tiny_model import make_tiny_model
 from tests.common.test_llm_equivalence import GREEDY, PROMPTS, VOCAB, hf_greedy
 
@@ -158,18 +162,55 @@ def test_a_model_that_cannot_split_is_refused_before_any_process(model_dirs) -> 
         LLM(model_dirs["llama"], tensor_parallel_size=3, **TP)
 
 
+ECHOES = RankPlane("echo test")
+
+
+@dataclass(frozen=True, slots=True)
+class Echoed(Message):
+    TYPE: ClassVar[str] = "echo.echoed"
+    rank: int
+    tag: str
+    value: int
+
+
+@ECHOES.command
+@dataclass(frozen=True, slots=True)
+class Echo(RankCommand):
+    TYPE: ClassVar[str] = "echo.echo"
+    REPLY: ClassVar[type[Message]] = Echoed
+    value: int
+
+
+@ECHOES.command
+@dataclass(frozen=True, slots=True)
+class Fail(RankCommand):
+    TYPE: ClassVar[str] = "echo.fail"
+    REPLY: ClassVar[type[Message]] = Done
+
+
+@dataclass(frozen=True, slots=True)
+class Unheard(RankCommand):
+    """A command of no agent's plane."""
+
+    TYPE: ClassVar[str] = "echo.unheard"
+    REPLY: ClassVar[type[Message]] = Done
+
+
 class EchoAgent:
     """A rank agent for the call test: answers with its rank, or fails on demand."""
 
-    COMMANDS = frozenset({"echo", "fail"})
+    PLANE = ECHOES
 
     def __init__(self, runner, group, tag: str) -> None:
         self.rank, self.tag = group.rank, tag
 
-    def echo(self, value: int) -> list:
-        return [self.rank, self.tag, value]
+    def handlers(self) -> Handlers:
+        return {Echo: self.echo, Fail: self.fail}
 
-    def fail(self) -> None:
+    def echo(self, cmd: Echo) -> Echoed:
+        return Echoed(self.rank, self.tag, cmd.value)
+
+    def fail(self, cmd: Fail) -> Done:
         raise ValueError("asked to")
 
 
@@ -199,11 +240,12 @@ def test_rank0_calls_every_ranks_agent(model_dirs, monkeypatch) -> None:
     )
     try:
         driver = engine.runner.driver
-        assert driver.call("echo", [7], lambda: "here") == ["here", [1, "t", 7]]
-        with pytest.raises(RuntimeError, match=r"rank 1: fail failed: ValueError: asked to"):
-            driver.call("fail", [], lambda: None)
-        with pytest.raises(RuntimeError, match="rank 1: nope failed: no agent command"):
-            driver.call("nope", [], lambda: None)
+        here = Echoed(0, "here", 7)
+        assert driver.call(ECHOES, Echo(7), lambda: here) == [here, Echoed(1, "t", 7)]
+        with pytest.raises(RankCommandError, match=r"rank 1: echo.fail failed: ValueError: aske"):
+            driver.call(ECHOES, Fail(), lambda: Done())
+        with pytest.raises(RankCommandError, match="rank 1: echo.unheard failed: malformed"):
+            driver.call(ECHOES, Unheard(), lambda: Done())
 
         def unreachable() -> None:  # rank 0's own part fails (a decode node gone, say)
             raise ConnectionRefusedError("decode node gone")
@@ -211,8 +253,8 @@ def test_rank0_calls_every_ranks_agent(model_dirs, monkeypatch) -> None:
         # Raised as it is, after the workers' answers: none is left waiting in the gather
         # (which would break the group at the collective's timeout, and the next call with it).
         with pytest.raises(ConnectionRefusedError, match="decode node gone"):
-            driver.call("echo", [1], unreachable)
-        assert driver.call("echo", [8], lambda: "again") == ["again", [1, "t", 8]]
+            driver.call(ECHOES, Echo(1), unreachable)
+        assert driver.call(ECHOES, Echo(8), lambda: here)[1] == Echoed(1, "t", 8)
         # A failed command leaves the group whole: steps still run on every rank.
         engine.add_request("r", [1, 2, 3], GREEDY)
         while engine.has_unfinished:

@@ -21,7 +21,7 @@ import pytest
 import yaml
 
 from pdserve.cli import COMMANDS
-from pdserve.common.engine.tensor_parallel import worker_parser
+from pdserve.common.engine.tensor_parallel_worker import worker_parser
 from pdserve.common.node.health import NODE_METRICS
 from tests.deploy.kustomize import Resource, normalized, render
 from tests.deploy.test_manifests import (

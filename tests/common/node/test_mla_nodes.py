@@ -64,9 +64,9 @@ class Shipped:
 
         def planning(output: Any) -> list[Any]:
             shipments = plan(output)
-            for _, _, src, dst in shipments:
-                self.blocks.update(zip(src, dst))
-                self.pages += len(src)
+            for ship in shipments:
+                self.blocks.update(zip(ship.src, ship.dst))
+                self.pages += len(ship.src)
             return shipments
 
         prefill.plan_kv = planning  # rank 0 plans for every rank
@@ -106,8 +106,8 @@ def test_mla_through_pd_equals_the_engine(model_dir: str, p: int, d: int, connec
         # One latent per token and layer on the link: a page is block_size latents.
         assert layout.page_bytes == BLOCK * LATENT * layout.itemsize
         one_copy = pages * layout.num_layers * layout.page_bytes
-        assert decode_.kv.call("bytes_received") == [one_copy] * d  # each decode rank, once
-        sent = prefill.kv.call("bytes_sent")
+        assert decode_.kv.bytes_received() == [one_copy] * d  # each decode rank, once
+        sent = prefill.kv.bytes_sent()
         assert sum(sent) == d * one_copy and sent.count(0) == p - min(p, d)  # one sender each
         assert (free(prefill), free(decode_)) == before
 
