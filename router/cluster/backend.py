@@ -131,7 +131,8 @@ class ClusterBackend(Backend):
     async def integrity(self) -> dict[str, dict]:
         """Every live node's block-pool integrity report (for operators and tests), and the
         requests this router has routed to it that have not ended (`in_flight`, as the router
-        counts them when the reports are in). The nodes are asked at once: one that went away
+        counts them when the reports are in) and the registrations it got from the node. The
+        nodes are asked at once: one that went away
         unnoticed costs one reply timeout, not one each."""
         nodes = self.registry.alive(NODE_ROLES)
         reports = await asyncio.gather(*(self.check_integrity(n.node_id) for n in nodes))
@@ -142,6 +143,7 @@ class ClusterBackend(Backend):
             layout = dataclasses.asdict(node.kv_layout) if node.kv_layout else None
             out[node.node_id] = {"role": node.role, "kv_layout": layout, "report": None}
             out[node.node_id]["in_flight"] = node.inflight
+            out[node.node_id]["registrations"] = self.registrar.registrations[node.node_id]
             if report is not None:
                 out[node.node_id]["report"] = {
                     "ok": report.ok,

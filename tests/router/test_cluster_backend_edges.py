@@ -158,6 +158,7 @@ async def test_integrity_reports_of_every_live_node(
             "role": "prefill",
             "kv_layout": None,  # the fake nodes register none
             "in_flight": 0,  # requests this router routed there and waits on
+            "registrations": 0,  # RegisterNode messages it got (fakes skip them)
             "report": {
                 "ok": False,
                 "detail": "leak",
@@ -167,7 +168,13 @@ async def test_integrity_reports_of_every_live_node(
                 "live_requests": ["a", "b"],
             },
         },
-        "d1": {"role": "decode", "kv_layout": None, "report": None, "in_flight": 0},
+        "d1": {
+            "role": "decode",
+            "kv_layout": None,
+            "report": None,
+            "in_flight": 0,
+            "registrations": 0,
+        },
     }
 
 
