@@ -13,7 +13,22 @@ from http.server import BaseHTTPRequestHandler, HTTPServer
 EARLY_EOS = 2  # tokens an answer gets when min_tokens does not hold it
 
 
-class Handler(BaseHTTPRequestHandler):
+class JsonHandler(BaseHTTPRequestHandler):
+    """JSON answers, and no line per request on stderr (the log holds the flags alone)."""
+
+    def reply(self, status: int, payload: dict) -> None:
+        data = json.dumps(payload).encode()
+        self.send_response(status)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+class Handler(JsonHandler):
     def do_GET(self) -> None:
         self.reply(200, {"object": "list", "data": [{"id": self.server.model}]})  # type: ignore[attr-defined]
 
@@ -34,17 +49,6 @@ class Handler(BaseHTTPRequestHandler):
             choice = {"text": "x", "finish_reason": "length" if i == n - 1 else None}
             self.wfile.write(f"data: {json.dumps({'choices': [choice]})}\n\n".encode())
         self.wfile.write(b"data: [DONE]\n\n")
-
-    def reply(self, status: int, payload: dict) -> None:
-        data = json.dumps(payload).encode()
-        self.send_response(status)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(data)))
-        self.end_headers()
-        self.wfile.write(data)
-
-    def log_message(self, *args: object) -> None:
-        pass
 
 
 def main() -> None:

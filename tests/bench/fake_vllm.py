@@ -12,9 +12,10 @@ import argparse
 import json
 import os
 import sys
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import ThreadingHTTPServer
 from typing import Any
 
+from fake_llamacpp import JsonHandler  # run as a script: its folder is on sys.path
 from transformers import AutoTokenizer
 
 EARLY_EOS = 2  # tokens an answer gets when neither ignore_eos nor min_tokens holds it
@@ -23,7 +24,7 @@ ENV = ("VLLM_TARGET_DEVICE", "VLLM_CPU_OMP_THREADS_BIND", "VLLM_CPU_KVCACHE_SPAC
        "OMP_NUM_THREADS", "HF_HUB_OFFLINE")  # fmt: skip
 
 
-class Handler(BaseHTTPRequestHandler):
+class Handler(JsonHandler):
     server: Server
 
     def do_GET(self) -> None:
@@ -79,17 +80,6 @@ class Handler(BaseHTTPRequestHandler):
 
     def event(self, payload: dict[str, Any]) -> None:
         self.wfile.write(f"data: {json.dumps(payload)}\n\n".encode())
-
-    def reply(self, status: int, payload: dict[str, Any]) -> None:
-        data = json.dumps(payload).encode()
-        self.send_response(status)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(data)))
-        self.end_headers()
-        self.wfile.write(data)
-
-    def log_message(self, *args: object) -> None:
-        pass
 
 
 class Server(ThreadingHTTPServer):
