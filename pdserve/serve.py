@@ -27,12 +27,14 @@ from dataclasses import dataclass
 from pdserve.common.node.cli import (
     add_engine_args,
     add_model_arg,
-    default_of,
+    add_options,
     option_flags,
+    options_of,
     parser,
     resolve_model,
 )
-from pdserve.common.node.config import KV_CONNECTORS, NodeConfig
+from pdserve.common.node.config import NodeConfig
+from pdserve.common.options import option
 from pdserve.local_cluster import LocalCluster, exit_status
 from pdserve.router.config import add_router_args, router_config
 
@@ -42,6 +44,8 @@ log = logging.getLogger("pdserve.serve")
 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 STOP_GRACE_S = 15.0  # beyond the nodes' drain timeout, before what is left gets SIGKILL
+MAX_RESTARTS = 10  # --max-restarts' default and Supervisor's
+SUPERVISOR = "supervisor"  # the help group of the supervisor's flags
 
 
 class StopFlag:
@@ -71,9 +75,21 @@ class Backoff:
     initial, doubled each time, capped at maximum. An exit after the child stayed up
     reset_after seconds does not count as failing: the series starts over."""
 
-    initial: float = 1.0
-    maximum: float = 30.0
-    reset_after: float = 60.0
+    initial: float = option(
+        1.0, SUPERVISOR, "seconds before a first restart", flag="--restart-backoff"
+    )
+    maximum: float = option(
+        30.0,
+        SUPERVISOR,
+        "seconds: the backoff doubles per exit in a row up to this",
+        flag="--restart-backoff-max",
+    )
+    reset_after: float = option(
+        60.0,
+        SUPERVISOR,
+        "seconds a child must stay up for its backoff and restart count to start over",
+        flag="--restart-reset",
+    )
 
     def __post_init__(self) -> None:
         if not 0 < self.initial <= self.maximum:
@@ -122,7 +138,7 @@ class Supervisor:
     def __init__(
         self,
         cluster: LocalCluster,
-        max_restarts: int = 10,
+        max_restarts: int = MAX_RESTARTS,
         backoff: Backoff = Backoff(),
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
@@ -280,6 +296,10 @@ def _engine_flags(args: argparse.Namespace) -> list[str]:
 SERVE_OMITS = frozenset({"control_host", "max_model_len"})
 # Router settings LocalCluster spells itself (the API key by environment, never in `ps`).
 CLUSTER_SETS = frozenset({"host", "port", "control_host", "control_port", "api_key"})
+# The node flags `pdserve serve` takes itself and hands on to every node.
+NODE_OPTIONS = frozenset(
+    {"tensor_parallel_size", "threads_per_rank", "kv_connector", "drain_timeout"}
+)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -287,10 +307,13 @@ def build_parser() -> argparse.ArgumentParser:
         "pdserve serve",
         "Serve MODEL on this host: a router (OpenAI-compatible HTTP API) plus prefill and decode\n"
         "nodes as supervised child processes: a child that exits is restarted (the router too).\n"
-        "Ctrl-C (or SIGTERM) drains and stops them all; a second Ctrl-C stops them at once.",
+        "Ctrl-C (or SIGTERM) drains and stops them all (what still runs "
+        f"{STOP_GRACE_S:.0f} s past\n--drain-timeout is killed); a second Ctrl-C stops them "
+        "at once.",
     )
     add_model_arg(p)
     _add_deployment_args(p)
+    add_options(p, NodeConfig, only=NODE_OPTIONS)
     add_router_args(p, omit=SERVE_OMITS)
     _add_supervisor_args(p)
     _add_child_flag_args(p)
@@ -323,66 +346,24 @@ def _add_deployment_args(p: argparse.ArgumentParser) -> None:
         "free ports (named router1, ...; default: 1)",
     )
     topo.add_argument(
-        "--tensor-parallel-size",
-        "-tp",
-        type=int,
-        default=1,
-        metavar="N",
-        help="ranks (processes) per node, each holding a share of the model's heads and KV",
-    )
-    topo.add_argument(
         "--prefill-tp", type=int, default=None, metavar="N", help="prefill nodes' TP (default: -tp)"
     )
     topo.add_argument(
         "--decode-tp", type=int, default=None, metavar="N", help="decode nodes' TP (default: -tp)"
     )
-    topo.add_argument(
-        "--threads-per-rank",
-        type=int,
-        default=None,
-        metavar="T",
-        help="torch threads of each rank (default: the machine's threads shared evenly)",
-    )
-    topo.add_argument(
-        "--kv-connector",
-        default=default_of(NodeConfig, "kv_connector"),
-        choices=KV_CONNECTORS,
-        help="how KV pages travel P -> D",
-    )
-    topo.add_argument(
-        "--drain-timeout",
-        type=float,
-        default=default_of(NodeConfig, "drain_timeout"),
-        help=f"on stop, nodes finish held requests for up to this long (s); whatever still "
-        f"runs {STOP_GRACE_S:.0f} s later is killed",
-    )
 
 
 def _add_supervisor_args(p: argparse.ArgumentParser) -> None:
     """How the supervisor restarts, reports, logs and waits for its children."""
-    sup = p.add_argument_group("supervisor")
+    sup = p.add_argument_group(SUPERVISOR)
     sup.add_argument(
         "--max-restarts",
         type=int,
-        default=10,
+        default=MAX_RESTARTS,
         help="restarts of a child that exits again and again (each within --restart-reset s "
         "of its start) before it is left down; for the router, everything stops",
     )
-    sup.add_argument(
-        "--restart-backoff", type=float, default=1.0, help="seconds before a first restart"
-    )
-    sup.add_argument(
-        "--restart-backoff-max",
-        type=float,
-        default=30.0,
-        help="seconds: the backoff doubles per exit in a row up to this",
-    )
-    sup.add_argument(
-        "--restart-reset",
-        type=float,
-        default=60.0,
-        help="seconds a child must stay up for its backoff and restart count to start over",
-    )
+    add_options(p, Backoff)  # into the group above
     sup.add_argument(
         "--supervisor-metrics-port",
         type=int,
@@ -465,7 +446,7 @@ def cluster_from_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> L
 
 def supervisor_from_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> Supervisor:
     try:
-        backoff = Backoff(args.restart_backoff, args.restart_backoff_max, args.restart_reset)
+        backoff = options_of(Backoff, args)
         return Supervisor(cluster_from_args(p, args), args.max_restarts, backoff)
     except ValueError as exc:
         p.error(str(exc))

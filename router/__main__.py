@@ -45,16 +45,7 @@ def max_model_len_of(model_dir: str, override: int | None) -> int:
 
 async def serve(config: RouterConfig) -> None:
     tokenizer = Checkpoint.resolve(config.model).tokenizer()
-    backend = ClusterBackend(
-        host=config.control_host or config.host,
-        control_port=config.control_port,
-        policy=config.policy,
-        max_model_len=max_model_len_of(config.model, config.max_model_len),
-        heartbeat_timeout=config.heartbeat_timeout,
-        lease_interval=config.lease_interval,
-        curve_dir=config.curve_dir,
-        placement=config.placement,
-    )
+    backend = ClusterBackend(config, max_model_len_of(config.model, config.max_model_len))
     await backend.start()
     app = create_app(
         backend,

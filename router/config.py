@@ -8,7 +8,7 @@ import argparse
 from dataclasses import dataclass
 
 from pdserve.common.node.cli import add_options, options_of
-from pdserve.common.node.config import option
+from pdserve.common.options import option
 from pdserve.router.cluster.policies import PLACEMENTS, POLICIES, PlacementConfig
 from pdserve.router.tools import PARSERS
 
@@ -44,8 +44,9 @@ _LIMITS = RouterLimits()  # the admission bounds' defaults are RouterLimits' own
 
 @dataclass(frozen=True, slots=True)
 class RouterConfig:
-    """Every setting of one router process. Each field but model is the flag of its name
-    (--served-model-name for served_model_name); its default and help text are here only."""
+    """Every setting of one router process. Each field but model and the timeouts at the end
+    is the flag of its name (--served-model-name for served_model_name); its default and help
+    text are here only. `ClusterBackend` takes the whole config."""
 
     model: str  # MODEL or --model, the flags every role shares (`add_model_arg`)
     served_model_name: str | None = option(
@@ -119,6 +120,15 @@ class RouterConfig:
         "encryption)",
         type=str,
     )
+    # No flags (tests shorten them): how long the router waits for a node's reply to a control
+    # request, for a stream's next token before it fails the request, for a decode node with
+    # room, and for a decode node's KV endpoint to answer at registration (s); how often one
+    # request may fail over before it fails.
+    reply_timeout: float = 10.0
+    token_timeout: float = 120.0
+    reserve_wait: float = 10.0
+    probe_timeout: float = 3.0
+    max_failovers: int = 3
 
     def __post_init__(self) -> None:
         if not self.model:
@@ -132,11 +142,13 @@ class RouterConfig:
         for name in ("port", "control_port"):
             if not 0 <= getattr(self, name) < 65536:
                 raise ValueError(f"{name} must be in [0, 65536), got {getattr(self, name)}")
-        for name in ("heartbeat_timeout", "lease_interval"):
+        for name in ("heartbeat_timeout", "lease_interval", "reply_timeout", "token_timeout"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0 seconds, got {getattr(self, name)}")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError(f"max_model_len must be >= 1 token, got {self.max_model_len}")
+        if min(self.reserve_wait, self.probe_timeout, self.max_failovers) < 0:
+            raise ValueError("reserve_wait, probe_timeout and max_failovers must be >= 0")
 
     @property
     def limits(self) -> RouterLimits:
@@ -146,6 +158,11 @@ class RouterConfig:
     @property
     def placement(self) -> PlacementConfig:
         return PlacementConfig(self.prefill_placement, self.local_prefill_threshold)
+
+    @property
+    def control_address(self) -> str:
+        """Where nodes register: --control-host (default --host) and --control-port."""
+        return f"tcp://{self.control_host or self.host}:{self.control_port}"
 
     @property
     def served_name(self) -> str:

@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import argparse
 from dataclasses import dataclass
 from typing import Any
 
 from pdserve.common.model.dtype import DTYPES, resolve_auto
+from pdserve.common.options import option
 
 _DTYPES = ("auto", *DTYPES)
 QUANTIZATIONS = ("auto", "none", "int8", "int4")
+# The help groups of the engine's flags (`node.cli.add_engine_args`).
+MODEL, CACHE, SCHEDULER = "model", "KV cache", "scheduler"
 
 
 def _require(ok: bool, message: str) -> None:
@@ -36,14 +40,39 @@ class ModelConfig:
     experts instead of a 1/N slice of every expert (vLLM's name; docs/models.md).
     """
 
-    model_dir: str
-    dtype: str = "auto"
-    device: str = "cpu"
-    seed: int = 0
-    enforce_eager: bool | None = None
-    load_format: str = "auto"
-    quantization: str = "auto"
-    enable_expert_parallel: bool = False
+    model_dir: str  # MODEL or --model, the flags every role shares (`add_model_arg`)
+    dtype: str = option(
+        "auto",
+        MODEL,
+        "weights, activations and KV cache (auto: bfloat16 on CUDA and on a CPU with "
+        "AVX512-BF16 or AMX, else float32; float16 for an fp16 checkpoint on CUDA)",
+        choices=_DTYPES,
+    )
+    device: str = option("cpu", MODEL, "cpu or cuda[:N]")
+    seed: int = option(0, MODEL, "seed of the sampling generator")
+    enforce_eager: bool | None = option(
+        None,
+        MODEL,
+        "run every step eagerly; --no-enforce-eager compiles decode steps on CPU too "
+        "(default: decode steps compiled on CUDA, eager on CPU, where compiling each batch "
+        "bucket of a 30-layer model takes about a minute at start)",
+        action=argparse.BooleanOptionalAction,
+    )
+    load_format: str = "auto"  # no flag (the `LLM` API sets it)
+    quantization: str = option(
+        "auto",
+        MODEL,
+        "decoder linear weights kept as int8/int4 (CPU; auto: as a GGUF stores them, none "
+        "for safetensors; int8/int4 quantize at load)",
+        choices=QUANTIZATIONS,
+    )
+    enable_expert_parallel: bool = option(
+        False,
+        MODEL,
+        "with --tensor-parallel-size N, each rank holds 1/N of the experts whole instead "
+        "of a 1/N slice of every expert (mixture-of-experts models)",
+        action="store_true",
+    )
 
     def __post_init__(self) -> None:
         _require(self.dtype in _DTYPES, f"dtype must be one of {_DTYPES}, got {self.dtype!r}")
@@ -87,11 +116,19 @@ class CacheConfig:
     memory times gpu_memory_utilization (CUDA).
     """
 
-    block_size: int = 16
-    num_blocks: int | None = None
-    enable_prefix_caching: bool = True
-    kv_cache_bytes: int = 256 * 1024**2
-    gpu_memory_utilization: float = 0.85
+    block_size: int = option(16, CACHE, "tokens per KV block")
+    num_blocks: int | None = option(
+        None, CACHE, "KV blocks (default: from --kv-cache-bytes)", type=int
+    )
+    enable_prefix_caching: bool = option(
+        True,
+        CACHE,
+        "turn prefix caching off (default: on)",
+        flag="--no-prefix-caching",
+        action="store_false",
+    )
+    kv_cache_bytes: int = option(256 * 1024**2, CACHE, "KV pool size on CPU (bytes)")
+    gpu_memory_utilization: float = 0.85  # no flag (the `LLM` API sets it)
 
     def __post_init__(self) -> None:
         _require(self.block_size in (1, 2, 4, 8, 16, 32, 64, 128), "block_size must be 2^k <= 128")
@@ -108,12 +145,19 @@ class SchedulerConfig:
     (0: no cap beyond the budget); chunked prefill splits prompts that exceed the budget.
     """
 
-    max_num_batched_tokens: int = 512
-    max_num_seqs: int = 64
-    max_model_len: int | None = None
-    long_prefill_token_threshold: int = 0
-    enable_chunked_prefill: bool = True
-    policy: str = "fcfs"
+    max_num_batched_tokens: int = option(512, SCHEDULER, "tokens per engine step")
+    max_num_seqs: int = option(64, SCHEDULER, "requests per engine step")
+    max_model_len: int | None = option(
+        None,
+        SCHEDULER,
+        "prompt + output tokens per request (default: the model's own limit)",
+        type=int,
+    )
+    long_prefill_token_threshold: int = option(
+        0, SCHEDULER, "prompt tokens one request may take per step (tokens; 0: no cap)"
+    )
+    enable_chunked_prefill: bool = True  # no flag (the `LLM` API sets it)
+    policy: str = "fcfs"  # no flag (the `LLM` API sets it)
 
     def __post_init__(self) -> None:
         _require(self.max_num_batched_tokens >= 1, "max_num_batched_tokens must be >= 1")

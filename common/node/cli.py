@@ -17,6 +17,8 @@ from pdserve.common.engine.config import CacheConfig, ModelConfig, SchedulerConf
 # KV_CONNECTORS: for the demo, which offers the nodes' choice of connector too.
 from pdserve.common.node.config import KV_CONNECTORS, NodeConfig  # noqa: F401
 
+ENGINE_CONFIGS = (ModelConfig, CacheConfig, SchedulerConfig)
+
 
 class HelpFormatter(argparse.RawDescriptionHelpFormatter):
     """Every help line ends with its default (unless it names one itself or has none);
@@ -49,22 +51,36 @@ def flag_of(name: str) -> str:
     return "--" + name.replace("_", "-")
 
 
-def add_options(p: argparse.ArgumentParser, cls: type, omit: frozenset[str] = frozenset()) -> None:
-    """Add the flags of cls's `option` fields, but those named in omit, in their groups."""
-    groups: dict[str, argparse._ArgumentGroup] = {}
+def add_options(
+    p: argparse.ArgumentParser,
+    cls: type,
+    omit: frozenset[str] = frozenset(),
+    only: frozenset[str] | None = None,
+) -> None:
+    """Add the flags of cls's `option` fields (those in only, if given; but those in omit),
+    each in its help group (one the parser already has by that title, else a new one)."""
+    groups = {g.title: g for g in p._action_groups}
     for f in _options(cls):
-        if f.name in omit:
+        if f.name in omit or (only is not None and f.name not in only):
             continue
-        flag = dict(f.metadata)
-        title, text, env = flag.pop("group"), flag.pop("help"), flag.pop("env", None)
-        names = (flag.pop("flag", flag_of(f.name)), *flag.pop("aliases", ()))
+        title = f.metadata["group"]
         if title not in groups:
             groups[title] = p.add_argument_group(title)
-        kind = flag.pop("type", type(f.default))
-        # None: not given (so the variable may apply), or a required flag's "none yet".
-        default = None if env or f.default is MISSING else f.default
-        group = groups[title]
-        group.add_argument(*names, dest=f.name, default=default, type=kind, help=text, **flag)
+        _add_option(groups[title], f)
+
+
+def _add_option(group: argparse._ArgumentGroup, f: Field) -> None:
+    flag = dict(f.metadata)
+    text, env = flag.pop("help"), flag.pop("env", None)
+    del flag["group"]
+    names = (flag.pop("flag", flag_of(f.name)), *flag.pop("aliases", ()))
+    if "action" not in flag:  # an action's own type, if any, is given with it
+        flag.setdefault("type", type(f.default))
+    if "flag" in f.metadata and not {"action", "choices", "metavar"} & set(flag):
+        flag["metavar"] = names[0].lstrip("-").replace("-", "_").upper()  # not the field's
+    # None: not given (so the variable may apply), or a required flag's "none yet".
+    default = None if env or f.default is MISSING else f.default
+    group.add_argument(*names, dest=f.name, default=default, help=text, **flag)
 
 
 def options_of(cls: type[Config], args: argparse.Namespace, **given: Any) -> Config:
@@ -93,12 +109,6 @@ def option_flags(config: Any, omit: frozenset[str] = frozenset()) -> list[str]:
     return out
 
 
-def default_of(cls: type, name: str) -> Any:
-    """The default of cls's field name: for a flag that spells a config field again (a
-    supervisor's, handed on to its children)."""
-    return next(f.default for f in fields(cls) if f.name == name)
-
-
 def add_model_arg(p: argparse.ArgumentParser) -> None:
     """MODEL as a positional (like `vllm serve MODEL`) or as --model (the launch scripts)."""
     p.add_argument(
@@ -120,63 +130,9 @@ def resolve_model(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
-    model = p.add_argument_group("model")
-    model.add_argument(
-        "--dtype",
-        default="auto",
-        choices=["auto", "float32", "float16", "bfloat16"],
-        help="weights, activations and KV cache (auto: bfloat16 on CUDA and on a CPU with "
-        "AVX512-BF16 or AMX, else float32; float16 for an fp16 checkpoint on CUDA)",
-    )
-    model.add_argument(
-        "--quantization",
-        default="auto",
-        choices=["auto", "none", "int8", "int4"],
-        help="decoder linear weights kept as int8/int4 (CPU; auto: as a GGUF stores them, none "
-        "for safetensors; int8/int4 quantize at load)",
-    )
-    model.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
-    model.add_argument(
-        "--enable-expert-parallel",
-        action="store_true",
-        help="with --tensor-parallel-size N, each rank holds 1/N of the experts whole instead "
-        "of a 1/N slice of every expert (mixture-of-experts models)",
-    )
-    model.add_argument("--seed", type=int, default=0, help="seed of the sampling generator")
-    model.add_argument(
-        "--enforce-eager",
-        action=argparse.BooleanOptionalAction,
-        default=None,
-        help="run every step eagerly; --no-enforce-eager compiles decode steps on CPU too "
-        "(default: decode steps compiled on CUDA, eager on CPU, where compiling each batch "
-        "bucket of a 30-layer model takes about a minute at start)",
-    )
-    cache = p.add_argument_group("KV cache")
-    cache.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
-    cache.add_argument(
-        "--num-blocks", type=int, default=None, help="KV blocks (default: from --kv-cache-bytes)"
-    )
-    cache.add_argument(
-        "--kv-cache-bytes", type=int, default=256 * 1024**2, help="KV pool size on CPU (bytes)"
-    )
-    cache.add_argument("--no-prefix-caching", action="store_true", help="turn prefix caching off")
-    sched = p.add_argument_group("scheduler")
-    sched.add_argument(
-        "--max-num-batched-tokens", type=int, default=512, help="tokens per engine step"
-    )
-    sched.add_argument("--max-num-seqs", type=int, default=64, help="requests per engine step")
-    sched.add_argument(
-        "--max-model-len",
-        type=int,
-        default=None,
-        help="prompt + output tokens per request (default: the model's own limit)",
-    )
-    sched.add_argument(
-        "--long-prefill-token-threshold",
-        type=int,
-        default=0,
-        help="prompt tokens one request may take per step (tokens; 0: no cap)",
-    )
+    """The engine's flags: the `option` fields of ModelConfig, CacheConfig, SchedulerConfig."""
+    for cls in ENGINE_CONFIGS:
+        add_options(p, cls)
 
 
 def add_node_args(p: argparse.ArgumentParser) -> None:
@@ -187,28 +143,11 @@ def add_node_args(p: argparse.ArgumentParser) -> None:
 
 
 def engine_configs(args: argparse.Namespace) -> tuple[ModelConfig, CacheConfig, SchedulerConfig]:
+    """The engine configs of parsed `add_engine_args` flags and args.model."""
     return (
-        ModelConfig(
-            args.model,
-            dtype=args.dtype,
-            quantization=args.quantization,
-            device=args.device,
-            seed=args.seed,
-            enforce_eager=args.enforce_eager,
-            enable_expert_parallel=args.enable_expert_parallel,
-        ),
-        CacheConfig(
-            block_size=args.block_size,
-            num_blocks=args.num_blocks,
-            enable_prefix_caching=not args.no_prefix_caching,
-            kv_cache_bytes=args.kv_cache_bytes,
-        ),
-        SchedulerConfig(
-            max_num_batched_tokens=args.max_num_batched_tokens,
-            max_num_seqs=args.max_num_seqs,
-            max_model_len=args.max_model_len,
-            long_prefill_token_threshold=args.long_prefill_token_threshold,
-        ),
+        options_of(ModelConfig, args, model_dir=args.model),
+        options_of(CacheConfig, args),
+        options_of(SchedulerConfig, args),
     )
 
 

@@ -5,21 +5,14 @@ Pure Python (no torch): the CLI module that builds it is imported by the router 
 
 from __future__ import annotations
 
-from dataclasses import MISSING, dataclass, field
-from typing import Any
+from dataclasses import MISSING, dataclass
+
+from pdserve.common.options import option
 
 # The connectors `kv_transfer.create_sender` / `create_receiver` know (a test keeps them equal).
 KV_CONNECTORS = ("zmq", "nccl", "shm", "nixl")
 NETWORK, RELIABILITY, SECURITY = "network", "cluster and reliability", "security"
 PARALLEL = "parallelism"
-
-
-def option(default: Any, group: str, text: str, **flag: Any) -> Any:
-    """A config field that is also a command-line flag (`cli.add_options`): --field-name
-    unless flag names another, in the help group `group`. flag goes to argparse (choices,
-    metavar, action; type when the default is None), except env: a variable read when the flag
-    is not given (the help text then names the default itself). default MISSING: required."""
-    return field(default=default, metadata={"group": group, "help": text, **flag})
 
 
 @dataclass(frozen=True, slots=True)
@@ -94,12 +87,14 @@ class NodeConfig:
         "processes (ranks) that hold the model, each a share of its heads and KV cache "
         "(torch.distributed: gloo on CPU, NCCL on CUDA)",
         aliases=("-tp",),
+        metavar="N",
     )
     threads_per_rank: int | None = option(
         None,
         PARALLEL,
         "torch threads of each rank (default: the machine's threads shared evenly)",
         type=int,
+        metavar="T",
     )
     tp_workers: str = option(
         "local",

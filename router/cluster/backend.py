@@ -15,6 +15,7 @@ import logging
 import math
 import time
 from collections.abc import AsyncIterator, Callable
+from typing import TYPE_CHECKING
 
 from pdserve.common.wire.messages import (
     ALIVE_SUFFIX,
@@ -38,7 +39,7 @@ from pdserve.common.wire.messages import (
 from pdserve.common.wire.security import load_keys
 from pdserve.router.backend import Backend, GenerateRequest
 from pdserve.router.cluster.control import ControlServer
-from pdserve.router.cluster.policies import POLICIES, PlacementConfig
+from pdserve.router.cluster.policies import POLICIES
 from pdserve.router.cluster.registration import Registrar
 from pdserve.router.cluster.registry import NODE_ROLES, NodeInfo, NodeRegistry
 from pdserve.router.cluster.routing import Routing
@@ -50,6 +51,9 @@ from pdserve.router.cluster.streams import (
     left_behind,
 )
 
+if TYPE_CHECKING:  # router.config reads the policies' names from this package: no cycle
+    from pdserve.router.config import RouterConfig
+
 log = logging.getLogger(__name__)
 
 
@@ -60,43 +64,32 @@ class ClusterBackend(Backend):
 
     def __init__(
         self,
-        host: str = "127.0.0.1",
-        control_port: int = 8100,
-        policy: str = "least_loaded",
+        config: RouterConfig,
         max_model_len: int = 2048,
-        heartbeat_timeout: float = 5.0,
-        reply_timeout: float = 10.0,
-        token_timeout: float = 120.0,
-        lease_interval: float = 1.0,
-        max_failovers: int = 3,
-        reserve_wait: float = 10.0,
-        curve_dir: str | None = None,
-        probe_timeout: float = 3.0,
-        placement: PlacementConfig | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        if policy not in POLICIES:
-            raise ValueError(f"unknown policy {policy!r}; choose from {sorted(POLICIES)}")
-        self.token_timeout = token_timeout
-        self.lease_interval = lease_interval
-        self.registry = NodeRegistry(heartbeat_timeout, max_model_len, clock)
+        """max_model_len: the model's limit, --max-model-len applied (`router.__main__`); a
+        node that registers with a lower one lowers it."""
+        self.token_timeout = config.token_timeout
+        self.lease_interval = config.lease_interval
+        self.registry = NodeRegistry(config.heartbeat_timeout, max_model_len, clock)
         self.table = RequestTable(self.registry)
         self.control = ControlServer(
-            f"tcp://{host}:{control_port}",
-            load_keys(curve_dir),
-            reply_timeout,
+            config.control_address,
+            load_keys(config.curve_dir),
+            config.reply_timeout,
             self.on_message,
             self._unreachable,
         )
         self.routing = Routing(
             self.table,
             self.control,
-            POLICIES[policy](),
-            reserve_wait=reserve_wait,
-            placement=placement,
-            max_failovers=max_failovers,
+            POLICIES[config.policy](),
+            reserve_wait=config.reserve_wait,
+            placement=config.placement,
+            max_failovers=config.max_failovers,
         )
-        self.registrar = Registrar(self.table, self.control, probe_timeout)
+        self.registrar = Registrar(self.table, self.control, config.probe_timeout)
         self._tasks: list[asyncio.Task] = []
         self._nonce = itertools.count(1)
 

@@ -15,6 +15,7 @@ from pdserve.common.wire.security import CurveKeys, keygen
 from pdserve.kv_transfer import KVLayout, TransferTimeout, create_receiver, create_sender
 from pdserve.local_cluster import LocalCluster, free_port
 from pdserve.router.cluster import ClusterBackend
+from pdserve.router.config import RouterConfig
 from tests.kv_transfer.helpers import Pump, make_caches
 from tests.kv_transfer.test_guards import connect_while_polling
 
@@ -35,7 +36,8 @@ def register(node_id: str) -> bytes:
 def test_router_refuses_a_node_without_the_keys(keys):
     async def scenario() -> tuple[set[str], set[str]]:
         port = free_port()
-        backend = ClusterBackend(control_port=port, curve_dir=keys.directory)
+        config = RouterConfig("m", control_port=port, curve_dir=keys.directory)
+        backend = ClusterBackend(config)
         await backend.start()
         try:
             intruder = zmq.Context.instance().socket(zmq.DEALER)

@@ -36,7 +36,7 @@ from pdserve.common.wire.payloads import SamplingParams
 from pdserve.local_cluster import free_port
 from pdserve.router.backend import GenerateRequest
 from pdserve.router.cluster.backend import ClusterBackend
-from pdserve.router.cluster.policies import PlacementConfig
+from pdserve.router.cluster.policies import POLICIES, PlacementConfig
 from pdserve.router.cluster.streams import BlockHashes
 from tests.router.test_failover import (
     BS,
@@ -45,6 +45,7 @@ from tests.router.test_failover import (
     Client,
     FakeClock,
     FakeNodes,
+    backend_config,
     scenario,
     until,
 )
@@ -62,7 +63,29 @@ def heartbeat(node_id: str, seq: int = 0, free: int = 7) -> Heartbeat:
 
 def test_an_unknown_policy_is_refused_by_name() -> None:
     with pytest.raises(ValueError, match="unknown policy 'nope'"):
-        ClusterBackend(control_port=0, policy="nope")
+        backend_config(policy="nope")
+
+
+def test_the_backend_takes_every_setting_from_its_router_config() -> None:
+    config = backend_config(
+        PlacementConfig("auto", threshold=3),
+        policy="round_robin",
+        heartbeat_timeout=4.0,
+        lease_interval=0.5,
+        reply_timeout=3.0,
+        token_timeout=7.0,
+        reserve_wait=2.0,
+        probe_timeout=0.5,
+        max_failovers=1,
+    )
+    backend = ClusterBackend(config, max_model_len=100, clock=FakeClock())
+    routing = backend.routing
+    assert (backend.token_timeout, backend.lease_interval) == (7.0, 0.5)
+    assert (backend.registry.heartbeat_timeout, backend.max_model_len) == (4.0, 100)
+    assert (backend.control.reply_timeout, backend.registrar.probe_timeout) == (3.0, 0.5)
+    assert (routing.reserve_wait, routing.max_failovers) == (2.0, 1)
+    assert routing.placement == PlacementConfig("auto", threshold=3)
+    assert type(routing.policy) is type(POLICIES["round_robin"]())
 
 
 @scenario("p0", "d0")
@@ -195,13 +218,13 @@ async def test_stats_count_nodes_requests_and_routing(
 
 def test_readiness_with_local_placement_needs_only_a_decode_node() -> None:
     clock = FakeClock()
-    local = ClusterBackend(control_port=0, placement=PlacementConfig("local"), clock=clock)
+    local = ClusterBackend(backend_config(PlacementConfig("local")), clock=clock)
     fake = FakeNodes(local)
     assert not local.ready()
     assert local.unready_reason() == "no decode node is available (prefill placement is local)"
     fake.register("d0", "decode")
     assert local.ready()
-    remote = ClusterBackend(control_port=0, placement=PlacementConfig("remote"), clock=clock)
+    remote = ClusterBackend(backend_config(PlacementConfig("remote")), clock=clock)
     FakeNodes(remote).register("d0", "decode")
     assert not remote.ready()
     assert remote.unready_reason() == "no prefill/decode route is available"
@@ -311,7 +334,7 @@ async def test_a_prompt_only_request_is_prefilled_and_answered_there(
 
 
 def test_the_limits_a_router_runs_with_by_default() -> None:
-    backend = ClusterBackend(control_port=0, max_model_len=100, clock=FakeClock())
+    backend = ClusterBackend(backend_config(), max_model_len=100, clock=FakeClock())
     FakeNodes(backend).register("p0", "prefill")  # its 4096 is above the router's own
     assert backend.max_model_len == 100
     assert (backend.token_timeout, backend.control.reply_timeout) == (120.0, 10.0)
@@ -420,7 +443,8 @@ def test_a_started_backend_serves_its_control_socket_and_renews_leases(
 ) -> None:
     async def main() -> None:
         port = free_port()
-        backend = ClusterBackend(control_port=port, lease_interval=0.01, clock=FakeClock())
+        config = backend_config(control_port=port, lease_interval=0.01)
+        backend = ClusterBackend(config, clock=FakeClock())
         await backend.start()
         ctx = zmq.asyncio.Context()
         sock = ctx.socket(zmq.DEALER)

@@ -15,7 +15,14 @@ import pytest
 from pdserve.common.wire.messages import Registered
 from pdserve.router.cluster.backend import ClusterBackend
 from pdserve.router.cluster.registration import probe_endpoint
-from tests.router.test_failover import FakeClock, FakeNodes, cluster, scenario, until
+from tests.router.test_failover import (
+    FakeClock,
+    FakeNodes,
+    backend_config,
+    cluster,
+    scenario,
+    until,
+)
 
 
 @scenario("p0")
@@ -115,7 +122,7 @@ def test_a_probe_out_of_time_names_the_timeout() -> None:
 
 def test_the_registrar_probes_within_the_backends_probe_timeout() -> None:
     async def main() -> None:
-        backend = ClusterBackend(control_port=0, probe_timeout=0.0, clock=FakeClock())
+        backend = ClusterBackend(backend_config(probe_timeout=0.0), clock=FakeClock())
         nodes = FakeNodes(backend)
         with socket.create_server(("127.0.0.1", 0)) as listener:
             port = listener.getsockname()[1]

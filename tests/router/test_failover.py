@@ -34,6 +34,7 @@ from pdserve.common.wire.payloads import SamplingParams
 from pdserve.router.backend import GenerateRequest
 from pdserve.router.cluster.backend import ClusterBackend
 from pdserve.router.cluster.policies import PlacementConfig
+from pdserve.router.config import RouterConfig
 from pdserve.router.generation import Choice, ChoiceDelta, StopStringMatcher
 from tests.router.test_registry import FakeClock
 
@@ -42,6 +43,14 @@ PROMPT = tuple(range(1, 10))
 SCORED = GenerateRequest("s", PROMPT, SamplingParams(max_tokens=0, prompt_logprobs=1))  # no answer
 TIMEOUT = 5.0  # the heartbeat timeout, in the fake clock's seconds
 STEPS = 10_000  # how many turns of the event loop a test waits for something at most
+
+
+def backend_config(placement: PlacementConfig | None = None, **options: Any) -> RouterConfig:
+    """A test backend's RouterConfig: control on a free port; the placement as the
+    PlacementConfig the flags make (None: the flags' default)."""
+    placement = placement or PlacementConfig()
+    where = {"prefill_placement": placement.mode, "local_prefill_threshold": placement.threshold}
+    return RouterConfig("m", control_port=0, **where, **options)
 
 
 async def until(condition: Callable[[], bool], what: str) -> None:
@@ -184,7 +193,7 @@ async def cluster(
     nodes always (placement None: the backend's own default)."""
     clock = FakeClock()
     options = {"heartbeat_timeout": TIMEOUT, "placement": PlacementConfig("remote"), **options}
-    backend = ClusterBackend(control_port=0, clock=clock, **options)
+    backend = ClusterBackend(backend_config(**options), clock=clock)
     fake = FakeNodes(backend)
     for node_id in nodes:
         fake.register(node_id, ROLES[node_id[0]])

@@ -257,8 +257,9 @@ def test_forced_local_placement_is_ready_with_decode_nodes_alone(mode: str) -> N
     """With --prefill-placement local a decode node runs requests whole: /health says ready
     without any prefill node. Other modes still need a prefill node that can fill one."""
     from pdserve.router.cluster.backend import ClusterBackend
+    from tests.router.test_failover import backend_config
 
-    backend = ClusterBackend(control_port=0, placement=PlacementConfig(mode))
+    backend = ClusterBackend(backend_config(PlacementConfig(mode)))
     assert not backend.ready()
     assert "decode" in backend.unready_reason()
     d = backend.registry.nodes["d1"] = node("d1", "decode", 1000.0)
