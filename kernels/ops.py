@@ -9,7 +9,7 @@ import functools
 
 import torch
 
-from pdserve.kernels import reference
+from pdserve.kernels import paged_cpu, reference
 
 
 @functools.cache
@@ -38,7 +38,9 @@ def store_kv(key, value, k_cache, v_cache, slot_mapping) -> None:
 def paged_attention(
     query, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale, sliding_window=None
 ) -> torch.Tensor:
-    """Causal varlen attention over paged K/V (prefill chunks and decode in one call)."""
+    """Causal varlen attention over paged K/V (prefill chunks and decode in one call).
+    v_cache may be k_cache itself (an MLA latent as keys and values: on the CPU one read
+    serves both; the caller keeps the value dims of the output)."""
     if _use_triton(query) and query.shape[0] == seq_lens.shape[0]:
         # One token per sequence (a decode step): the kernel that splits keys across programs.
         # A step the scheduler made never has a sequence without tokens, so T == B means that.
@@ -60,7 +62,8 @@ def paged_attention(
             scale,
             sliding_window,
         )
-    return reference.paged_attention_ref(
+    # On the CPU, the chunked reader of paged_cpu; reference.paged_attention_ref is its oracle.
+    return paged_cpu.paged_attention_cpu(
         query, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale, sliding_window
     )
 

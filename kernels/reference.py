@@ -111,7 +111,7 @@ class _Scratch(threading.local):
 _SCRATCH = _Scratch()
 
 
-def _decode_groups(q_lens: list[int], seq_lens: list[int]) -> list[list[int]]:
+def decode_groups(q_lens: list[int], seq_lens: list[int]) -> list[list[int]]:
     """The decode rows (q_len 1) in groups, longest first, each row at least half as long as
     its group's longest: padding every row to its group's longest at most doubles the work."""
     rows = sorted((b for b, q_len in enumerate(q_lens) if q_len == 1), key=lambda b: -seq_lens[b])
@@ -171,7 +171,7 @@ def _plan(
     q_lens = [starts[b + 1] - starts[b] for b in range(len(lens))]
     parts = [
         _make_part(group, starts, lens, 1, block_tables, block_size, sliding_window)
-        for group in _decode_groups(q_lens, lens)
+        for group in decode_groups(q_lens, lens)
     ]
     parts += [
         _make_part([b], starts, lens, q_len, block_tables, block_size, sliding_window)

@@ -1,0 +1,304 @@
+"""Paged attention on the CPU that reads the cache where it lies, a chunk of blocks at a time.
+
+The reference (`reference.paged_attention_ref`) gathers every sequence's whole context into
+new tensors per layer. Here each group of sequences walks its block table in chunks of about
+CHUNK_BYTES of K: the chunk's blocks are copied into a small buffer that stays in cache, one
+flash-attention call (`aten::_scaled_dot_product_flash_attention_for_cpu`, which also returns
+the log-sum-exp) attends over it, and the chunks' partial outputs are merged by their
+log-sum-exps (an online softmax). Grouped-query heads fold into the query length: the G query
+heads that share a KV head are G query rows over the same keys, so K/V are never repeated.
+
+What a step's metadata implies (groups, gather indices, masks, buffers) is a `StepPlan`, made
+by the first layer and cached on the metadata's `seq_lens` tensor, which every layer of the
+step gets (the compiled decode passes the same tensor objects into its opaque op).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from pdserve.kernels.reference import decode_groups
+
+CHUNK_BYTES = 1 << 20  # K bytes one chunk gathers across its rows: a buffer that stays in L2
+_NEG = -1e30  # the log-sum-exp of a query that sees no key in a chunk: merges to weight 0
+_flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+
+
+@dataclass(frozen=True, slots=True)
+class Chunk:
+    """One flash call: the group's first `rows` rows over `blocks` blocks of keys each.
+
+    index:  [rows * blocks] physical blocks, row-major (padding entries point at block 0)
+    first:  position of the chunk's first key (the same for every row)
+    seen:   [rows, q_len, blocks * block_size] True where a query sees a key; None when
+            every query sees every key of the chunk
+    unseen: rows of the gathered [rows * keys] no query sees (they may hold NaN): zeroed
+    empty:  [rows, q_len] True for a query that sees no key here, or None
+    """
+
+    index: torch.Tensor
+    rows: int
+    blocks: int
+    first: int
+    seen: torch.Tensor | None
+    unseen: torch.Tensor | None
+    empty: torch.Tensor | None
+
+
+@dataclass(frozen=True, slots=True)
+class Group:
+    """Sequences with the same query length, longest first; tokens [n * q_len] are their rows
+    of the flat query, sequence-major. A decode group's rows are within 2x of its longest
+    (`decode_groups`); a prefill chunk is a group of its own."""
+
+    tokens: torch.Tensor
+    n: int
+    q_len: int
+    chunks: tuple[Chunk, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class StepPlan:
+    """A step's groups and what its layers' calls share: masks in the query's dtype and the
+    gather buffers, made by the first layer that needs them (`cache`)."""
+
+    key: tuple
+    groups: tuple[Group, ...]
+    cache: dict = field(default_factory=dict)
+
+    def mask(self, chunk: Chunk, heads_per_kv: int, dtype: torch.dtype) -> torch.Tensor | None:
+        """The chunk's additive mask [rows, 1, G * q_len, keys] (G query heads per KV head)."""
+        if chunk.seen is None:
+            return None
+        key = ("mask", id(chunk), heads_per_kv, dtype)
+        if key not in self.cache:
+            add = torch.zeros(chunk.seen.shape, dtype=dtype).masked_fill_(~chunk.seen, -torch.inf)
+            self.cache[key] = add[:, None].repeat(1, 1, heads_per_kv, 1)
+        return self.cache[key]
+
+    def buffer(self, name: str, shape: tuple[int, ...], like: torch.Tensor) -> torch.Tensor:
+        """A gather buffer reused by every layer of the step (a fresh multi-megabyte tensor per
+        call costs more in page faults than the copy into it)."""
+        numel = int(torch.Size(shape).numel())
+        key = (name, like.dtype, torch.is_inference_mode_enabled())
+        buf = self.cache.get(key)
+        if buf is None or buf.numel() < numel:
+            buf = self.cache[key] = like.new_empty(numel)
+        return buf[:numel].view(shape)
+
+
+def _chunk(
+    rows: list[int],
+    blocks: range,
+    lens: list[int],
+    q_len: int,
+    block_tables: torch.Tensor,
+    block_size: int,
+    window: int | None,
+) -> Chunk:
+    """The chunk of block columns `blocks` for the sequences `rows` (each owning some)."""
+    keys = len(blocks) * block_size
+    first = blocks.start * block_size
+    lens_t = torch.tensor([lens[b] for b in rows])
+    table = block_tables[torch.tensor(rows), blocks.start : blocks.stop].long()
+    owned = torch.arange(blocks.start, blocks.stop)[None, :] * block_size < lens_t[:, None]
+    index = torch.where(owned, table, 0).flatten()
+    k_pos = first + torch.arange(keys)[None, None, :]
+    q_pos = (lens_t[:, None] - q_len + torch.arange(q_len)[None, :])[:, :, None]
+    seen = k_pos <= q_pos
+    if window is not None:
+        seen &= k_pos > q_pos - window
+    if bool(seen.all()):
+        return Chunk(index, len(rows), len(blocks), first, None, None, None)
+    unseen = (~seen.any(dim=1)).flatten().nonzero().flatten()
+    empty = ~seen.any(dim=2)
+    return Chunk(
+        index,
+        len(rows),
+        len(blocks),
+        first,
+        seen,
+        unseen if unseen.numel() else None,
+        empty if bool(empty.any()) else None,
+    )
+
+
+def _group(
+    rows: list[int],
+    starts: list[int],
+    lens: list[int],
+    q_len: int,
+    block_tables: torch.Tensor,
+    block_size: int,
+    window: int | None,
+    token_bytes: int,
+) -> Group:
+    """Rows sorted longest first, their block columns cut into chunks of ~CHUNK_BYTES."""
+    rows = sorted(rows, key=lambda b: -lens[b])
+    first_pos = min(lens[b] - q_len for b in rows)  # the earliest query of the group
+    lo = 0 if window is None else max(0, first_pos - window + 1) // block_size
+    hi = -(-lens[rows[0]] // block_size)
+    step = max(1, CHUNK_BYTES // (token_bytes * block_size * len(rows)))
+    chunks = []
+    for c0 in range(lo, hi, step):
+        live = [b for b in rows if lens[b] > c0 * block_size]  # a prefix: longest first
+        blocks = range(c0, min(hi, c0 + step))
+        chunks.append(_chunk(live, blocks, lens, q_len, block_tables, block_size, window))
+    tokens = torch.tensor([starts[b] + i for b in rows for i in range(q_len)])
+    return Group(tokens, len(rows), q_len, tuple(chunks))
+
+
+def make_plan(
+    block_tables: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_size: int,
+    window: int | None,
+    token_bytes: int,
+) -> tuple[Group, ...]:
+    """The step's groups: decode rows batched by length, each longer query on its own."""
+    starts, lens = query_start_loc.tolist(), seq_lens.tolist()
+    q_lens = [starts[b + 1] - starts[b] for b in range(len(lens))]
+    args = (starts, lens)
+    rest = (block_tables, block_size, window, token_bytes)
+    groups = [_group(g, *args, 1, *rest) for g in decode_groups(q_lens, lens)]
+    groups += [_group([b], *args, q, *rest) for b, q in enumerate(q_lens) if q > 1]
+    return tuple(groups)
+
+
+def _versions(tensors: tuple[torch.Tensor, ...]) -> tuple[int, ...]:
+    # Inference tensors have no version counter (and cannot be changed outside inference mode).
+    return tuple(-1 if t.is_inference() else t._version for t in tensors)
+
+
+def step_plan(
+    block_tables: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_size: int,
+    window: int | None,
+    token_bytes: int,
+) -> StepPlan:
+    """The plan cached on seq_lens when it was made from these very tensors, unchanged (the
+    layers of a step), else a new one cached there."""
+    inputs = (block_tables, query_start_loc, seq_lens)
+    key = (block_size, window, token_bytes, *map(id, inputs), *_versions(inputs))
+    plan = getattr(seq_lens, "_pdserve_plan", None)
+    if plan is not None and plan.key == key:
+        return plan
+    groups = make_plan(block_tables, query_start_loc, seq_lens, block_size, window, token_bytes)
+    # Holding the other two keeps their ids from being reused while the plan lives on seq_lens
+    # (holding seq_lens itself would make a cycle).
+    plan = StepPlan(key, groups, {"inputs": inputs[:2]})
+    seq_lens._pdserve_plan = plan
+    return plan
+
+
+def _fold(rows: torch.Tensor, n: int, q_len: int, kv_heads: int) -> torch.Tensor:
+    """Query rows [n * q_len, H, D] -> [n, Hkv, G * q_len, D], g-major within a KV head."""
+    heads, dim = rows.shape[1:]
+    g = heads // kv_heads
+    x = rows.view(n, q_len, kv_heads, g, dim).permute(0, 2, 3, 1, 4)
+    return x.reshape(n, kv_heads, g * q_len, dim)
+
+
+def _unfold(out: torch.Tensor, q_len: int, heads: int) -> torch.Tensor:
+    """The inverse of `_fold`: [n, Hkv, G * q_len, D] -> [n * q_len, H, D]."""
+    n, kv_heads, _, dim = out.shape
+    x = out.view(n, kv_heads, heads // kv_heads, q_len, dim).permute(0, 3, 1, 2, 4)
+    return x.reshape(n * q_len, heads, dim)
+
+
+def _gather(cache: torch.Tensor, chunk: Chunk, plan: StepPlan, name: str) -> torch.Tensor:
+    """The chunk's K (or V) [rows, Hkv, keys, D] in the plan's buffer `name`, rows no query
+    sees zeroed (masked to weight 0, yet NaN * 0 is NaN)."""
+    block_size, kv_heads, dim = cache.shape[1:]
+    buf = plan.buffer(name, (chunk.index.shape[0], block_size, kv_heads, dim), cache)
+    torch.index_select(cache, 0, chunk.index, out=buf)
+    if chunk.unseen is not None:
+        buf.view(-1, kv_heads, dim).index_fill_(0, chunk.unseen, 0.0)
+    return buf.view(chunk.rows, -1, kv_heads, dim).transpose(1, 2)
+
+
+def _empty_fix(plan: StepPlan, chunk: Chunk, heads_per_kv: int) -> torch.Tensor:
+    """[rows, 1, G * q_len] True for the folded queries that see no key in the chunk."""
+    key = ("empty", id(chunk), heads_per_kv)
+    if key not in plan.cache:
+        plan.cache[key] = chunk.empty.repeat(1, heads_per_kv)[:, None]
+    return plan.cache[key]
+
+
+def _attend_chunk(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    chunk: Chunk,
+    plan: StepPlan,
+    scale: float,
+    g: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Folded queries [rows, Hkv, M, D] over the chunk's keys: output [rows, Hkv, M, D] (the
+    query's dtype) and log-sum-exp [rows, Hkv, M] (float32, _NEG where no key is seen)."""
+    k = _gather(k_cache, chunk, plan, "k").to(q.dtype)
+    v = k if v_cache is k_cache else _gather(v_cache, chunk, plan, "v").to(q.dtype)
+    mask = plan.mask(chunk, g, q.dtype)
+    out, lse = _flash(q, k, v, attn_mask=mask, scale=scale)
+    if chunk.empty is not None:
+        lse = lse.masked_fill(_empty_fix(plan, chunk, g), _NEG)
+    return out, lse
+
+
+def _merge(acc: torch.Tensor, lse: torch.Tensor, out: torch.Tensor, part_lse: torch.Tensor):
+    """Fold one chunk's (out, part_lse) into the running (acc, lse), in place: each side
+    weighted by its share of the softmax over both (`combine_splits_ref`, two at a time)."""
+    total = torch.logaddexp(lse, part_lse)
+    acc.mul_(torch.exp(lse - total)[..., None]).add_(out * torch.exp(part_lse - total)[..., None])
+    lse.copy_(total)
+
+
+def _attend_group(
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    group: Group,
+    plan: StepPlan,
+    scale: float,
+) -> torch.Tensor:
+    """The group's output rows [n * q_len, H, D], chunk by chunk (the first has every row)."""
+    kv_heads = k_cache.shape[2]
+    g = query.shape[1] // kv_heads
+    q = _fold(query.index_select(0, group.tokens), group.n, group.q_len, kv_heads)
+    acc, lse = _attend_chunk(q, k_cache, v_cache, group.chunks[0], plan, scale, g)
+    if len(group.chunks) > 1:
+        acc = acc.float()
+    for chunk in group.chunks[1:]:
+        out, part_lse = _attend_chunk(q[: chunk.rows], k_cache, v_cache, chunk, plan, scale, g)
+        _merge(acc[: chunk.rows], lse[: chunk.rows], out, part_lse)
+    return _unfold(acc, group.q_len, query.shape[1])
+
+
+def paged_attention_cpu(
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    sliding_window: int | None = None,
+) -> torch.Tensor:
+    """`reference.paged_attention_ref`'s semantics (shapes there), reading the paged cache a
+    chunk of blocks at a time; the step's plan is made by its first layer. v_cache may be
+    k_cache itself (an MLA latent: keys and values from one gather; the caller keeps the
+    value dims of the output)."""
+    block_size, kv_heads, dim = k_cache.shape[1:]
+    token_bytes = kv_heads * dim * k_cache.element_size()
+    args = (block_tables, query_start_loc, seq_lens, block_size, sliding_window, token_bytes)
+    plan = step_plan(*args)
+    out = torch.empty_like(query)
+    for group in plan.groups:
+        rows = _attend_group(query, k_cache, v_cache, group, plan, scale)
+        out.index_copy_(0, group.tokens, rows.to(out.dtype))
+    return out

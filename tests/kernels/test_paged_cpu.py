@@ -1,0 +1,126 @@
+"""The CPU paged attention (kernels/paged_cpu.py) against the reference it replaced on the hot
+path and against dense attention, on the NaN-poisoned paged batches of test_reference: a read
+of anything a sequence does not own poisons the output."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+import torch
+
+from pdserve.kernels import paged_cpu
+from pdserve.kernels.paged_cpu import paged_attention_cpu, step_plan
+from tests.kernels.test_reference import (
+    DECODE_BATCH,
+    MIXED_BATCH,
+    dense_attention,
+    make_paged_batch,
+    run_attention,
+    run_ref,
+)
+
+# Decode rows of ragged lengths (two length groups), a prefill chunk over a cached prefix of
+# several blocks, and a fresh prompt.
+RAGGED_BATCH = [(100, 1), (37, 1), (60, 1), (70, 1), (9, 1), (300, 40), (0, 23)]
+SPECS = [MIXED_BATCH, DECODE_BATCH, RAGGED_BATCH]
+
+
+@pytest.fixture(params=[64, 1 << 20], ids=["block-chunks", "default-chunks"])
+def chunk_bytes(request, monkeypatch) -> int:
+    """64 bytes: every chunk is one block, so every merge path runs; else the default."""
+    monkeypatch.setattr(paged_cpu, "CHUNK_BYTES", request.param)
+    return request.param
+
+
+def run_new(batch, scale: float, window: int | None) -> torch.Tensor:
+    return run_attention(paged_attention_cpu, batch, scale, window)
+
+
+@pytest.mark.parametrize("spec", SPECS, ids=["mixed", "decode", "ragged"])
+@pytest.mark.parametrize("group", [1, 4])
+@pytest.mark.parametrize("window", [None, 1, 7, 40])
+def test_matches_reference_and_dense_in_float32(spec, group, window, chunk_bytes):
+    batch = make_paged_batch(spec, 2 * group, 2, 64, block_size=16)
+    out = run_new(batch, 0.125, window)
+    torch.testing.assert_close(out, run_ref(batch, 0.125, window), atol=1e-5, rtol=1e-5)
+    dense = dense_attention(batch, 0.125, window)
+    torch.testing.assert_close(out.double(), dense, atol=1e-5, rtol=1e-5)
+
+
+def test_small_chunks_really_split_and_merge(chunk_bytes):
+    batch = make_paged_batch(RAGGED_BATCH, 8, 2, 64, block_size=16)
+    plan = step_plan(batch.block_tables, batch.query_start_loc, batch.seq_lens, 16, None, 512)
+    most = max(len(g.chunks) for g in plan.groups)
+    # The prefill row's 340 keys are 22 blocks of 8 KiB (512 bytes a token): 1 MiB holds all.
+    assert most == (22 if chunk_bytes == 64 else 1)
+    prefill = next(g for g in plan.groups if g.q_len == 40)
+    assert prefill.n == 1 and prefill.tokens.tolist() == list(range(5, 45))
+
+
+@pytest.mark.parametrize("window", [None, 7])
+def test_bf16_within_tolerance_of_the_float32_reference(window, chunk_bytes):
+    batch = make_paged_batch(RAGGED_BATCH, 8, 2, 64, block_size=16, dtype=torch.bfloat16)
+    out = run_new(batch, 0.125, window)
+    assert out.dtype == torch.bfloat16
+    ref = run_ref(batch, 0.125, window)  # accumulates in float32, rounds once
+    torch.testing.assert_close(out.float(), ref.float(), atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.parametrize("spec", [[(130, 1), (40, 1), (77, 1)], [(90, 12)]], ids=["dec", "pre"])
+def test_latent_as_keys_and_values_reads_once_and_matches(spec, chunk_bytes):
+    # MLA's absorbed attention: one-plane cache [blocks, bs, 1, rank + rope], keys the whole
+    # latent, values its first `rank` dims; passing the cache twice reads it once.
+    rank, rope = 48, 16
+    batch = make_paged_batch(spec, 8, 1, rank + rope, block_size=16)
+    latent = replace(
+        batch, v_cache=batch.k_cache, dense_v=[k.clone() for k in batch.dense_k]
+    )  # dense V = dense K: what the kernel computes before the caller slices
+    out = run_new(latent, 0.1, None)
+    torch.testing.assert_close(out, run_ref(latent, 0.1, None), atol=1e-5, rtol=1e-5)
+    dense = dense_attention(latent, 0.1, None)
+    torch.testing.assert_close(out[..., :rank].double(), dense[..., :rank], atol=1e-5, rtol=1e-5)
+
+
+def test_plan_is_made_once_per_metadata_and_remade_when_it_changes():
+    batch = make_paged_batch(MIXED_BATCH, 8, 2, 64, block_size=16)
+    meta = (batch.block_tables, batch.query_start_loc, batch.seq_lens)
+    first = step_plan(*meta, 16, None, 512)
+    assert step_plan(*meta, 16, None, 512) is first  # every layer of the step
+    assert step_plan(*meta, 16, 7, 512) is not first  # a layer with a sliding window
+
+    other_layer = replace(batch, k_cache=batch.k_cache * -2, v_cache=batch.v_cache + 1)
+    other_layer = replace(
+        other_layer,
+        dense_k=[k * -2 for k in batch.dense_k],
+        dense_v=[v + 1 for v in batch.dense_v],
+    )
+    dense = dense_attention(other_layer, 0.125, None)
+    torch.testing.assert_close(run_new(other_layer, 0.125, None).double(), dense, atol=1e-5, rtol=0)
+
+    # Sequence 0's first block moved to a spare one, its old place poisoned, in place.
+    used = set(batch.block_tables.flatten().tolist())
+    spare = next(b for b in range(batch.k_cache.shape[0]) if b not in used)
+    old = int(batch.block_tables[0, 0])
+    for cache in (batch.k_cache, batch.v_cache):
+        cache[spare] = cache[old]
+        cache[old] = float("nan")
+    batch.block_tables[0, 0] = spare
+    assert step_plan(*meta, 16, None, 512) is not first
+    dense = dense_attention(batch, 0.125, None)
+    torch.testing.assert_close(run_new(batch, 0.125, None).double(), dense, atol=1e-5, rtol=0)
+
+
+def test_inference_mode_metadata_gets_one_plan_per_step():
+    # The engine builds metadata under inference mode (no version counters): a new step is new
+    # tensors, and each step's plan lives on its own seq_lens.
+    batch = make_paged_batch(DECODE_BATCH, 4, 2, 64, block_size=16)
+    with torch.inference_mode():
+        steps = [tuple(t.clone() for t in (batch.block_tables, batch.query_start_loc,
+                                           batch.seq_lens)) for _ in range(2)]  # fmt: skip
+        plans = [step_plan(*meta, 16, None, 512) for meta in steps]
+        assert plans[0] is not plans[1]
+        assert all(step_plan(*m, 16, None, 512) is p for m, p in zip(steps, plans, strict=True))
+        out = run_new(replace(batch, seq_lens=steps[0][2]), 0.125, None)
+    dense = dense_attention(batch, 0.125, None)
+    torch.testing.assert_close(out.double(), dense, atol=1e-5, rtol=0)
