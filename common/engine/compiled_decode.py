@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 
+from pdserve.common.engine.compile_cache import CacheCounts, CompileCache
 from pdserve.common.model import attention
 from pdserve.common.model.attention import AttentionMetadata
 from pdserve.common.model.llama import LlamaFamilyForCausalLM
@@ -63,6 +64,7 @@ class CompiledDecode:
         self.buckets = decode_buckets(max_num_seqs) if buckets is None else tuple(sorted(buckets))
         self.num_compiles = 0
         self.compile_seconds: float | None = None  # of the warm-up, once done
+        self.cache_counts: CacheCounts | None = None  # of the warm-up, when it had a cache
         self.max_blocks_per_seq = max_blocks_per_seq  # the graphs' block-table width
         self.graphs: DecodeGraphs | None = None  # captured by warm_up on CUDA
         self._step = torch.compile(
@@ -113,10 +115,25 @@ class CompiledDecode:
         _mark_unbacked(attn)
         return self._step(input_ids, positions, attn, kv_caches)[:batch]
 
-    def warm_up(self, kv_caches: list[torch.Tensor]) -> float:
-        """Compile every bucket now, a dummy step each that writes only slot 0 of the null
-        block; the seconds it took, also logged."""
+    def warm_up(self, kv_caches: list[torch.Tensor], cache: CompileCache | None = None) -> float:
+        """Compile every bucket now (through `cache`'s directory, if given), a dummy step each
+        that writes only slot 0 of the null block; the seconds it took, also logged."""
         start = time.perf_counter()
+        if cache is None:
+            self._compile_buckets(kv_caches)
+        else:
+            self.cache_counts = cache.run(lambda: self._compile_buckets(kv_caches))
+        self.compile_seconds = time.perf_counter() - start
+        log.info(
+            "compiled decode buckets %s in %.1f s%s%s",
+            list(self.buckets),
+            self.compile_seconds,
+            " (CUDA graphs captured)" if self.graphs is not None else "",
+            "" if cache is None else f" ({self.cache_counts} in {cache.path})",
+        )
+        return self.compile_seconds
+
+    def _compile_buckets(self, kv_caches: list[torch.Tensor]) -> None:
         device = kv_caches[0].device
         # Dynamo keeps up to recompile_limit graphs per function (8 by default), and every
         # bucket of every engine in this process is one.
@@ -128,14 +145,6 @@ class CompiledDecode:
                 self.graphs = DecodeGraphs(
                     self._step, self.buckets, self.max_blocks_per_seq, kv_caches
                 )
-        self.compile_seconds = time.perf_counter() - start
-        log.info(
-            "compiled decode buckets %s in %.1f s%s",
-            list(self.buckets),
-            self.compile_seconds,
-            " (CUDA graphs captured)" if self.graphs is not None else "",
-        )
-        return self.compile_seconds
 
 
 class DecodeGraphs:
@@ -221,6 +230,11 @@ class DecodeGraphs:
         return self.outputs[size][:batch]
 
 
+def code_hash() -> str:
+    """A hash of this file and of the attention op's, the code every compiled step runs."""
+    return _code_version().uuid().hex()
+
+
 @functools.cache
 def _code_version() -> Any:
     """A post-grad pass that changes nothing; its uuid, a hash of this file and of the
@@ -265,6 +279,9 @@ def _few_row_linears(gm: torch.fx.GraphModule) -> int:
             and x.shape[0] <= REDUCTION_ROWS
         ):
             node.target = _rows_linear
+            # A function of ours in the graph bypasses AOTAutograd's cache unless it says what
+            # its code hashes to (then the hash goes into the key), and a warm start re-traces.
+            node.meta.update(is_wrapped=True, user_cache_hash=code_hash())
             count += 1
     gm.recompile()
     return count

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -11,6 +12,7 @@ from pdserve.common.options import option
 
 _DTYPES = ("auto", *DTYPES)
 QUANTIZATIONS = ("auto", "none", "int8", "int4")
+EAGER_ENV = "PDSERVE_ENFORCE_EAGER"  # what enforce_eager None means (`compile_decode`)
 # The help groups of the engine's flags (`node.cli.add_engine_args`).
 MODEL, CACHE, SCHEDULER = "model", "KV cache", "scheduler"
 
@@ -73,6 +75,13 @@ class ModelConfig:
         "of a 1/N slice of every expert (mixture-of-experts models)",
         action="store_true",
     )
+    compile_cache_dir: str | None = option(
+        None,
+        MODEL,
+        "where compiled steps are kept between starts, a folder per model, torch and flags "
+        "(default: $PDSERVE_COMPILE_CACHE_DIR, else ~/.cache/pdserve/compile)",
+        type=str,
+    )
 
     def __post_init__(self) -> None:
         _require(self.dtype in _DTYPES, f"dtype must be one of {_DTYPES}, got {self.dtype!r}")
@@ -102,10 +111,15 @@ class ModelConfig:
 
     @property
     def compile_decode(self) -> bool:
-        """Whether decode steps run through the compiled model."""
-        if self.enforce_eager is None:
-            return self.device.startswith("cuda")
-        return not self.enforce_eager
+        """Whether decode steps run through the compiled model. enforce_eager None takes
+        $PDSERVE_ENFORCE_EAGER when set (1: eager, 0: compiled; the tests run eager unless
+        one asks), else the device's default: compiled on CUDA, eager on CPU."""
+        if self.enforce_eager is not None:
+            return not self.enforce_eager
+        env = os.environ.get(EAGER_ENV)
+        if env is not None:
+            return env == "0"
+        return self.device.startswith("cuda")
 
 
 @dataclass(frozen=True, slots=True)

@@ -10,7 +10,8 @@ from dataclasses import dataclass
 
 import torch
 
-from pdserve.common.engine.compiled_decode import CompiledDecode
+from pdserve.common.engine.compile_cache import CompileCache, cache_root, compile_key
+from pdserve.common.engine.compiled_decode import CompiledDecode, code_hash
 from pdserve.common.engine.config import CacheConfig, ModelConfig, ParallelConfig
 from pdserve.common.engine.sampler import (
     Sampler,
@@ -150,7 +151,17 @@ class ModelRunner:
                 longest = min(longest, max_model_len)
             width = -(-longest // self.block_size)
             self.compiled = CompiledDecode(self.model, max_num_seqs, width)
-            self.compiled.warm_up(self.kv_caches)
+            self.compiled.warm_up(self.kv_caches, self._compile_cache(model_config))
+
+    def _compile_cache(self, model_config: ModelConfig) -> CompileCache:
+        """Where this model's compiled steps are kept between starts: keyed by what shapes the
+        graphs (not the block-table width: only the CUDA graphs' buffers depend on it)."""
+        assert self.compiled is not None, "only a compiling runner has a compile cache"
+        shard = self.tp.shard if self.tp is not None else None
+        flags = {"buckets": self.compiled.buckets, "block_size": self.block_size}
+        flags.update(device=self.device.type, tp=shard)
+        key = compile_key(self.model, self.arch, self.dtype, flags, code_hash())
+        return CompileCache(cache_root(model_config.compile_cache_dir), key)
 
     def _pool_size(self, cache: CacheConfig) -> int:
         """Blocks in the pool; under tensor parallelism the smallest any rank can hold (this
