@@ -29,7 +29,8 @@ from pdserve.common.rendezvous import listening_store
 from pdserve.common.wire.payloads import KVLayout
 from pdserve.common.wire.security import CurveKeys
 from pdserve.kv_transfer.base import TransferError, TransferTimeout
-from pdserve.kv_transfer.channel import ChannelReceiver, ChannelSender, Peer
+from pdserve.kv_transfer.channel import ChannelSender
+from pdserve.kv_transfer.channel_receiver import ChannelReceiver, Peer
 from pdserve.kv_transfer.wire import (
     FramePool,
     KVPage,

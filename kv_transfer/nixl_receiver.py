@@ -17,7 +17,7 @@ from pdserve.common.wire.messages import Message, ProtocolError
 from pdserve.common.wire.payloads import KVLayout
 from pdserve.kv_transfer import nixl_wire as nx
 from pdserve.kv_transfer.base import TransferResult
-from pdserve.kv_transfer.channel import ChannelReceiver, Peer
+from pdserve.kv_transfer.channel_receiver import ChannelReceiver, Peer
 from pdserve.kv_transfer.nixl_agent import Agent, describe_caches
 from pdserve.kv_transfer.wire import KV_PLANE, KVDone, KVHello, KVRefused, welcome_extra
 

@@ -33,7 +33,8 @@ from pdserve.common.wire.messages import Message
 from pdserve.common.wire.payloads import KVLayout
 from pdserve.common.wire.security import CurveKeys
 from pdserve.kv_transfer.base import TransferError
-from pdserve.kv_transfer.channel import ChannelReceiver, ChannelSender, Peer
+from pdserve.kv_transfer.channel import ChannelSender
+from pdserve.kv_transfer.channel_receiver import ChannelReceiver, Peer
 from pdserve.kv_transfer.wire import (
     FRAME_BYTES,
     KVCredit,

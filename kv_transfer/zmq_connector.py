@@ -22,7 +22,8 @@ import zmq
 from pdserve.common.wire.payloads import KVLayout
 from pdserve.common.wire.security import CurveKeys
 from pdserve.kv_transfer.base import TransferTimeout
-from pdserve.kv_transfer.channel import ChannelReceiver, ChannelSender, Peer
+from pdserve.kv_transfer.channel import ChannelSender
+from pdserve.kv_transfer.channel_receiver import ChannelReceiver, Peer
 from pdserve.kv_transfer.wire import (
     FramePool,
     KVPage,
