@@ -15,6 +15,8 @@ from typing import Any
 
 import torch
 
+from pdserve.common.model.families import MODEL_TYPES, QWEN3_MOE
+
 TINY_ARCHS = ("llama", "qwen2", "qwen3", "mistral")
 
 # Qwen's own pad token: AutoTokenizer loads model_type qwen2 through Qwen2Tokenizer, whose
@@ -153,15 +155,11 @@ def tiny_config(arch: str, tokenizer: Any, **overrides: Any) -> Any:
     """
     from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
 
-    classes = {
-        "llama": (LlamaConfig, "LlamaForCausalLM"),
-        "qwen2": (Qwen2Config, "Qwen2ForCausalLM"),
-        "qwen3": (Qwen3Config, "Qwen3ForCausalLM"),
-        "mistral": (MistralConfig, "MistralForCausalLM"),
-    }
+    classes = {"llama": LlamaConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config}
+    classes["mistral"] = MistralConfig
     if arch not in classes:
         raise ValueError(f"unknown arch {arch!r}; choose from {', '.join(TINY_ARCHS)}")
-    cls, architecture = classes[arch]
+    cls, architecture = classes[arch], MODEL_TYPES[arch]
     # Deep copy: transformers' configs write defaults into the rope dict they are handed.
     given = {_SHORT_NAMES.get(k, k): copy.deepcopy(v) for k, v in overrides.items()}
     fields = {**_DEFAULTS, **given}
@@ -253,7 +251,7 @@ def make_moe_bench_models(
     fields = {**_DEFAULTS, **{_SHORT_NAMES.get(k, k): v for k, v in sizes.items()}}
     # Every layer sparse; intermediate_size (unused then) names the dense twin's width.
     config = Qwen3MoeConfig(
-        architectures=["Qwen3MoeForCausalLM"], bos_token_id=tokenizer.bos_token_id,
+        architectures=[QWEN3_MOE], bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
         **{**fields, "intermediate_size": width}, **experts, norm_topk_prob=True,
         decoder_sparse_step=1, mlp_only_layers=[],

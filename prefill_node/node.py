@@ -46,7 +46,7 @@ class PrefillNode(EngineNode):
 
     def on_prefill(self, msg: Prefill, request: Request) -> Error | None:
         if not msg.xfer_id:
-            if msg.sampling.max_tokens == 0:  # scoring a prompt: no KV goes anywhere
+            if msg.sampling.scores_prompt_only:  # no KV goes anywhere
                 self.engine.scheduler.add_request(request)
                 return None
             raise ValueError("a prefill node needs a destination (xfer_id and blocks)")

@@ -300,8 +300,6 @@ class BaseGenerationRequest(_Request):
             if constraint is not None:
                 raise ValueError("structured_outputs cannot be combined with a forced tool_choice")
             constraint = forced
-        if max_tokens == 0 and self.prompt_logprobs_count() is None:
-            raise ValueError("max_tokens 0 only scores a prompt: it needs echo or prompt_logprobs")
         return SamplingParams(
             prompt_logprobs=self.prompt_logprobs_count(),
             structured_outputs=constraint,

@@ -36,14 +36,20 @@ def hash_block_tokens(parent: BlockHash | None, token_ids: Sequence[int]) -> Blo
     return h.digest()[:16]
 
 
+def extend_block_hashes(
+    hashes: list[BlockHash], token_ids: Sequence[int], block_size: int, num_tokens: int
+) -> list[BlockHash]:
+    """hashes, the chain of token_ids' first full blocks, extended in place to every full
+    block among the first num_tokens tokens: the one chaining of engine and router alike."""
+    for start in range(len(hashes) * block_size, num_tokens - block_size + 1, block_size):
+        parent = hashes[-1] if hashes else None
+        hashes.append(hash_block_tokens(parent, token_ids[start : start + block_size]))
+    return hashes
+
+
 def hash_token_blocks(token_ids: Sequence[int], block_size: int) -> list[BlockHash]:
     """Chained hashes of every full block of token_ids."""
-    hashes: list[BlockHash] = []
-    parent: BlockHash | None = None
-    for start in range(0, len(token_ids) - block_size + 1, block_size):
-        parent = hash_block_tokens(parent, token_ids[start : start + block_size])
-        hashes.append(parent)
-    return hashes
+    return extend_block_hashes([], token_ids, block_size, len(token_ids))
 
 
 class PrefixEvents:
@@ -316,12 +322,7 @@ class KVCacheManager:
         """Chained hashes of the request's full blocks, extended incrementally."""
         hashes = self.req_hashes.setdefault(request.request_id, [])
         tokens = request.all_token_ids
-        bs = self.block_size
-        while (len(hashes) + 1) * bs <= len(tokens):
-            start = len(hashes) * bs
-            parent = hashes[-1] if hashes else None
-            hashes.append(hash_block_tokens(parent, tokens[start : start + bs]))
-        return hashes
+        return extend_block_hashes(hashes, tokens, self.block_size, len(tokens))
 
     def get_computed_blocks(self, request: Request) -> tuple[KVCacheBlocks, int]:
         """Longest cached prefix of the request, in whole blocks.

@@ -311,7 +311,7 @@ class Scheduler:
         first = not request.prompt_logprobs_sent
         request.prompt_logprobs_sent = True
         prompt_lps = tuple(request.prompt_logprobs) if first else ()
-        if request.sampling.max_tokens == 0:  # the prompt was only to be scored
+        if request.sampling.scores_prompt_only:
             self._finish(request, FinishReason.LENGTH)
             cached = request.num_cached_tokens
             return RequestUpdate(

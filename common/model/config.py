@@ -16,28 +16,18 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-# Architectures whose forward pass a model class of ours reproduces exactly (`registry`).
-SUPPORTED_ARCHITECTURES = (
-    "LlamaForCausalLM",
-    "Qwen2ForCausalLM",
-    "Qwen3ForCausalLM",
-    "MistralForCausalLM",
-    "Qwen3MoeForCausalLM",
-    "MixtralForCausalLM",
-    "DeepseekV3ForCausalLM",
+from pdserve.common.model.families import (
+    DEEPSEEK_V3,
+    MISTRAL,
+    MIXTRAL,
+    MODEL_TYPES,
+    MOE_ARCHITECTURES,
+    QK_NORM_ARCHITECTURES,
+    QWEN2,
+    QWEN3,
+    QWEN3_MOE,
+    SUPPORTED_ARCHITECTURES,
 )
-# The ones whose feed-forward blocks are (partly) mixtures of experts.
-MOE_ARCHITECTURES = ("Qwen3MoeForCausalLM", "MixtralForCausalLM", "DeepseekV3ForCausalLM")
-# transformers' model_type of each, for configs built in code (no `architectures` list).
-_MODEL_TYPES = {
-    "llama": "LlamaForCausalLM",
-    "qwen2": "Qwen2ForCausalLM",
-    "qwen3": "Qwen3ForCausalLM",
-    "mistral": "MistralForCausalLM",
-    "qwen3_moe": "Qwen3MoeForCausalLM",
-    "mixtral": "MixtralForCausalLM",
-    "deepseek_v3": "DeepseekV3ForCausalLM",
-}
 
 # RoPE variants with position-independent frequencies, so one inv_freq serves every position.
 # "dynamic" qualifies below max_position_embeddings: HF recomputes only for longer sequences.
@@ -182,7 +172,7 @@ class ModelArchConfig:
         num_heads = hf_config.num_attention_heads
         head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // num_heads
         attention_bias = bool(getattr(hf_config, "attention_bias", False))
-        is_qwen2 = arch == "Qwen2ForCausalLM"
+        is_qwen2 = arch == QWEN2
         rope_type, rope_theta, rope_scaling = _rope_settings(hf_config)
         window, sliding_layers = _sliding_window(arch, hf_config)
         return cls(
@@ -200,7 +190,7 @@ class ModelArchConfig:
             qkv_bias=is_qwen2 or attention_bias,
             o_bias=not is_qwen2 and attention_bias,
             mlp_bias=bool(getattr(hf_config, "mlp_bias", False)),
-            qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"),
+            qk_norm=arch in QK_NORM_ARCHITECTURES,
             sliding_window=window,
             sliding_layers=sliding_layers,
             max_position_embeddings=hf_config.max_position_embeddings,
@@ -277,8 +267,8 @@ def _architecture(hf_config: Any) -> str:
     # A config built in code (not read from disk) has no architectures list; its model_type
     # still names the family unambiguously.
     model_type = getattr(hf_config, "model_type", None)
-    if not archs and model_type in _MODEL_TYPES:
-        return _MODEL_TYPES[model_type]
+    if not archs and model_type in MODEL_TYPES:
+        return MODEL_TYPES[model_type]
     raise ValueError(
         f"unsupported architecture {archs or model_type!r}; "
         f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
@@ -311,13 +301,13 @@ def _sliding_window(arch: str, hf_config: Any) -> tuple[int | None, tuple[int, .
     """(window, layers that use it); (None, ()) when no layer slides."""
     window = getattr(hf_config, "sliding_window", None)
     n = hf_config.num_hidden_layers
-    if arch in ("MistralForCausalLM", "MixtralForCausalLM"):
+    if arch in (MISTRAL, MIXTRAL):
         layers = tuple(range(n)) if window is not None else ()
-    elif arch == "Qwen3MoeForCausalLM":
+    elif arch == QWEN3_MOE:
         # Every layer slides when the flag is on (its config has no max_window_layers).
         on = getattr(hf_config, "use_sliding_window", False) and window is not None
         layers = tuple(range(n)) if on else ()
-    elif arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM"):
+    elif arch in (QWEN2, QWEN3):
         # transformers keeps sliding_window set when use_sliding_window is False (4.x), so the
         # flag decides; 5.x also records the per-layer choice in layer_types.
         if not getattr(hf_config, "use_sliding_window", False) or window is None:
@@ -340,10 +330,10 @@ def _moe_settings(arch: str, hf_config: Any) -> dict[str, Any]:
         return {}
     n = hf_config.num_hidden_layers
     experts = getattr(hf_config, "num_experts", None) or getattr(hf_config, "num_local_experts", 0)
-    if arch == "MixtralForCausalLM":
+    if arch == MIXTRAL:
         # Every layer is sparse, its experts as wide as intermediate_size, weights renormalized.
         width, renormalize, layers = hf_config.intermediate_size, True, tuple(range(n))
-    elif arch == "DeepseekV3ForCausalLM":
+    elif arch == DEEPSEEK_V3:
         experts = hf_config.n_routed_experts
         width, renormalize = hf_config.moe_intermediate_size, bool(hf_config.norm_topk_prob)
         layers = tuple(range(hf_config.first_k_dense_replace or 0, n)) if experts else ()
@@ -360,7 +350,7 @@ def _moe_settings(arch: str, hf_config: Any) -> dict[str, Any]:
         "norm_topk_prob": renormalize,
         "moe_layers": layers,
     }
-    if arch == "DeepseekV3ForCausalLM":  # grouped routing and always-on shared experts
+    if arch == DEEPSEEK_V3:  # grouped routing and always-on shared experts
         settings |= {
             "n_group": int(hf_config.n_group or 1),
             "topk_group": int(hf_config.topk_group or 1),
@@ -372,7 +362,7 @@ def _moe_settings(arch: str, hf_config: Any) -> dict[str, Any]:
 
 def _mla_settings(arch: str, hf_config: Any) -> dict[str, Any]:
     """The latent-attention fields of ModelArchConfig; none for other attention."""
-    if arch != "DeepseekV3ForCausalLM":
+    if arch != DEEPSEEK_V3:
         return {}
     return {
         "kv_lora_rank": int(hf_config.kv_lora_rank),

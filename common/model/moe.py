@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pdserve.common.model.config import ModelArchConfig
+from pdserve.common.model.families import QWEN3_MOE
 from pdserve.common.model.llama import MLP, DecoderLayer, LlamaFamilyForCausalLM, _reduced
 from pdserve.common.model.parallel import TPGroup, TPShard
 from pdserve.kernels import ops
@@ -169,7 +170,7 @@ class SparseMoeBlock(nn.Module):
         super().__init__()
         self.top_k = config.num_experts_per_tok
         self.renormalize = config.norm_topk_prob
-        self.weights_in_input_dtype = config.architecture == "Qwen3MoeForCausalLM"
+        self.weights_in_input_dtype = config.architecture == QWEN3_MOE
         self.tp = tp
         # The router is whole on every rank: each routes every token, so all agree.
         self.gate = nn.Linear(config.hidden_size, config.num_experts, bias=False)

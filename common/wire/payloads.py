@@ -130,10 +130,9 @@ class SamplingParams:
     def __post_init__(self) -> None:
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
         _check(
-            self.max_tokens >= 1 or (self.max_tokens == 0 and self.prompt_logprobs is not None),
+            self.max_tokens >= 1 or (self.scores_prompt_only and self.prompt_logprobs is not None),
             "max_tokens",
-            "must be at least 1 (0 only with prompt_logprobs: the prompt is scored, nothing "
-            "generated)",
+            "must be at least 1 (0 only scores a prompt: it needs echo or prompt_logprobs)",
         )
         _check(self.min_tokens >= 0, "min_tokens", "must be non-negative")
         _check(self.min_tokens <= self.max_tokens, "min_tokens", "must not exceed max_tokens")
@@ -147,6 +146,12 @@ class SamplingParams:
             "prompt_logprobs",
             "must be 0..20",
         )
+
+    @property
+    def scores_prompt_only(self) -> bool:
+        """max_tokens 0: the request only scores its prompt (prompt_logprobs, vLLM's `echo`);
+        nothing is generated, no KV goes to a decode node."""
+        return self.max_tokens == 0
 
     @property
     def greedy(self) -> bool:

@@ -93,7 +93,7 @@ class Routing:
         if nothing can take it."""
         request = stream.request
         exclude = stream.lost
-        if request.sampling.max_tokens == 0:
+        if request.sampling.scores_prompt_only:
             return await self._score(stream)
         colocated = self.policy(self.registry.routable(("both",), exclude), stream.hashes)
         decodes = self._decode_order(stream)

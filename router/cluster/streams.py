@@ -9,7 +9,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from pdserve.common.engine.kv_cache_manager import BlockHash, hash_block_tokens
+from pdserve.common.engine.kv_cache_manager import BlockHash, extend_block_hashes
 from pdserve.common.wire.messages import Error, Failure, Tokens
 from pdserve.router.backend import GenerateRequest
 from pdserve.router.cluster.registry import NodeRegistry
@@ -32,10 +32,7 @@ class BlockHashes:
         """Hashes of the full blocks among the first num_tokens tokens (default: all)."""
         n = len(self.tokens) if num_tokens is None else num_tokens
         chain = self._chains.setdefault(block_size, [])
-        for start in range(len(chain) * block_size, n - block_size + 1, block_size):
-            block = self.tokens[start : start + block_size]
-            chain.append(hash_block_tokens(chain[-1] if chain else None, block))
-        return chain[: n // block_size]
+        return extend_block_hashes(chain, self.tokens, block_size, n)[: n // block_size]
 
 
 async def get_within(queue: asyncio.Queue, timeout: float) -> Any:
