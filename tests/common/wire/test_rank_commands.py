@@ -137,3 +137,45 @@ def test_no_string_named_command_or_untyped_payload_between_a_node_and_its_ranks
 def test_messages_of_the_rank_planes_are_typed_dataclasses() -> None:
     for cls in KV_RANKS.types.values():
         assert issubclass(cls, Message) and cls.__dataclass_params__.frozen, cls
+
+
+def imports(path: Path) -> list[tuple[str, bool]]:
+    """Each module `path` imports, and whether at its top level (not in a function or an
+    `if TYPE_CHECKING:` block)."""
+    tree = ast.parse(path.read_text())
+    top = {id(n) for n in tree.body}
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.module:
+            found.append((node.module, id(node) in top))
+        elif isinstance(node, ast.Import):
+            found += [(a.name, id(node) in top) for a in node.names]
+    return found
+
+
+def test_common_node_never_imports_kv_transfer() -> None:
+    files = sorted((ROOT / "common/node").rglob("*.py"))
+    assert len(files) > 3
+    found = [
+        f"{path.name}: {module}"
+        for path in files
+        for module, _ in imports(path)
+        if module.startswith("pdserve.kv_transfer")
+    ]
+    assert found == []
+
+
+def test_the_rank_path_imports_everything_at_the_top() -> None:
+    """No import put off into a function or behind TYPE_CHECKING: an import cycle shows."""
+    files = [
+        ROOT / name
+        for name in RANK_PATH + ["kv_transfer/port.py", "common/rendezvous.py"]
+        if name.endswith(".py") and name != "common/engine/model_runner.py"
+    ]
+    late = {
+        f"{path.relative_to(ROOT)}: {module}"
+        for path in files
+        for module, at_top in imports(path)
+        if not at_top and module.startswith("pdserve")
+    }
+    assert late == set()
