@@ -392,12 +392,13 @@ class LlamaFamilyForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits [N, vocab_size] in float32 for the N rows the sampler needs (on every rank:
         under tensor parallelism each computes its vocabulary rows and they are gathered)."""
-        embed = self.model.embed_tokens
-        if self.lm_head is None and isinstance(embed, QuantizedEmbedding):
-            logits = embed.head(hidden)  # the tied head, held int8 (docs/quantization.md)
+        embed, head = self.model.embed_tokens, self.lm_head
+        if head is None and isinstance(embed, QuantizedEmbedding):
+            head = embed.head  # the tied head, held int8 (docs/quantization.md)
+        if isinstance(head, QuantizedLinear):
+            logits = head(hidden)
         else:
-            weight = embed.weight if self.lm_head is None else self.lm_head.weight
-            logits = F.linear(hidden, weight)
+            logits = F.linear(hidden, embed.weight if head is None else head.weight)
         if self.tp is not None:
             logits = self.tp.gather_last_dim(logits)[:, : self.config.vocab_size]
         return logits.float()

@@ -19,7 +19,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from pdserve.common.model.gguf import (
+from pdserve.common.model.gguf_types import (
     INT4_EXACT_TYPES,
     QUANTIZED_TYPES,
     RawTensor,
@@ -46,6 +46,10 @@ _DENSE_CHUNK = 256
 _DENSE_CHUNK_INT8 = 1024  # int8's: 1.6x faster than 256 rows at a time on SmolLM2's head
 # Rows packed or converted at once, so a tensor's int32 (or float32) temporary stays small.
 _CONVERT_CHUNK = 256
+# Rows of GGUF blocks decoded to float32 at once before requantizing: a decoder's temporaries
+# are several times the chunk's float32 (Q6_K's about 4x), and at 256 rows of a 2304-wide
+# tensor they were a third of a 29 MB file's load peak beyond the loaded model.
+_DECODE_CHUNK = 64
 # The CPU int4 packing groups output rows in blocks of this many (AVX512 builds).
 _INT4_BLOCK = 64
 
@@ -385,18 +389,26 @@ class QuantizedLinear(nn.Module):
         )
 
 
+def quantized_head(weight: QuantizedWeight, dtype: torch.dtype) -> QuantizedLinear:
+    """An LM head held quantized (a GGUF's output.weight, or a tied embedding's rows), scales
+    in the engine's dtype: int8 goes dense from 5 rows (its kernel works 4 rows at a time),
+    int4 by the width's own rule."""
+    dense = _HEAD_DENSE_ROWS if weight.bits == 8 else None
+    return QuantizedLinear(weight, None, scale_dtype=dtype, dense_rows=dense)
+
+
 class QuantizedEmbedding(nn.Module):
-    """A tied token embedding held int8 with one scale per row, the LM head too: a GGUF's
-    int8-width token_embd under `auto` (SmolLM2's Q8_0), instead of a bf16 copy twice its size.
-    A lookup dequantizes the tokens' rows; `head` is the LM head, through the int8 kernel: at
-    batch 1 the tied bf16 head read 56 MiB a decode step and took a quarter of it
-    (docs/quantization.md's profile)."""
+    """A token embedding held int8 with one scale per row: a GGUF's quantized token_embd under
+    `auto`, whatever its type (SmolLM2's Q8_0, a Q4_K_M file's Q5_0), instead of a bf16 copy.
+    A lookup dequantizes the tokens' rows. Tied, `head` is the LM head too, through the int8
+    kernel, so the pair is stored once: at batch 1 the tied bf16 head read 56 MiB a decode
+    step and took a quarter of it (docs/quantization.md's profile)."""
 
     def __init__(self, weight: QuantizedWeight, dtype: torch.dtype = torch.bfloat16) -> None:
         super().__init__()
         if weight.bits != 8:
             raise ValueError(f"a quantized embedding is int8, not int{weight.bits}")
-        self.head = QuantizedLinear(weight, None, scale_dtype=dtype, dense_rows=_HEAD_DENSE_ROWS)
+        self.head = quantized_head(weight, dtype)
         self.out_features, self.in_features = weight.out_features, weight.in_features
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
@@ -406,30 +418,26 @@ class QuantizedEmbedding(nn.Module):
 
 # --- GGUF blocks ---------------------------------------------------------------------------
 
-# Where a type that int4 cannot hold exactly goes (docs/quantization.md: int4 group 32 would
-# double Q5_K's error; int8 per row adds a fifth of it).
-_REQUANTIZED_TO: dict[str, Bits] = {"Q8_0": 8, "Q5_K": 8, "Q6_K": 8}
-
 
 def gguf_bits(qtype_name: str) -> Bits | None:
     """The width a GGUF type is held at unless asked otherwise (None: a type with no quantized
-    form here, such as F16 or F32, which stays float)."""
+    form here, such as F16 or F32, which stays float): int4 where it holds the type exactly,
+    int8 per row for every other (docs/quantization.md: int4 group 32 would double Q5_K's
+    error; int8 per row adds a fifth of it)."""
     if qtype_name in INT4_EXACT_TYPES:
         return 4
-    if qtype_name in QUANTIZED_TYPES:
-        return _REQUANTIZED_TO.get(qtype_name, 8)
-    return None
+    return 8 if qtype_name in QUANTIZED_TYPES else None
 
 
 def from_gguf_blocks(raw: RawTensor, bits: Bits | None = None) -> QuantizedWeight:
     """A GGUF tensor's quantized form: int4 group 32 exactly for Q4_0, Q4_1 and Q4_K, int8 per
-    row (requantized) for Q8_0, Q5_K and Q6_K, unless `bits` asks for the other width. Works a
+    row (requantized) for every other type, unless `bits` asks for the other width. Works a
     chunk of rows at a time: the peak beyond the result is one chunk's decode."""
     name = check_blocks(raw)
     if name in INT4_EXACT_TYPES and bits in (None, 4):
         return _int4_exact(raw)
     quantize = _int8_rows if (bits or gguf_bits(name)) == 8 else _int4_group_rows
-    parts = ((s, quantize(torch.from_numpy(w))) for s, w in float_rows(raw, _CONVERT_CHUNK))
+    parts = ((s, quantize(torch.from_numpy(w))) for s, w in float_rows(raw, _DECODE_CHUNK))
     return _gather_rows(parts, raw.shape[0])
 
 

@@ -27,6 +27,7 @@ from pdserve.common.model.quant import (
     gguf_bits,
     quantize_int4,
     quantize_int8,
+    quantized_head,
     release_freed_heap,
 )
 from pdserve.common.model.registry import checkpoint_tensors, model_class
@@ -78,8 +79,8 @@ def load_model(
     for name, data in tensors:
         if _ignored(name, config):
             continue
-        if _int8_embedding(mode, name, data, config, tp) and shapes[name] == _shape(data):
-            layers[name] = QuantizedEmbedding(from_gguf_blocks(data, 8), dtype)
+        if _quantized_vocab(mode, name, data, tp) and shapes[name] == _shape(data):
+            layers[name] = _vocab_layer(name, data, dtype)
             loaded[name] = shapes[name]
             continue
         bits = linear_bits(mode, name, data) if name in expected else None
@@ -104,8 +105,8 @@ def load_model(
 
 
 # The decoder's linear layers, by the module names HF gives them: the only linears quantized
-# (norms and an untied LM head stay float in the engine's dtype; a tied embedding stays int8
-# where `_int8_embedding` says so, float otherwise).
+# (norms stay float in the engine's dtype; the embedding and an untied LM head stay quantized
+# where `_quantized_vocab` says so, float otherwise).
 QUANTIZED_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
@@ -138,24 +139,35 @@ def linear_bits(mode: str, name: str, data: torch.Tensor | RawTensor) -> Bits | 
     return gguf_bits(data.qtype_name) if isinstance(data, RawTensor) else None
 
 
-def _int8_embedding(
-    mode: str,
-    name: str,
-    data: torch.Tensor | RawTensor,
-    config: ModelArchConfig,
-    tp: TPGroup | None,
+_VOCAB = ("model.embed_tokens.weight", "lm_head.weight")
+
+
+def _quantized_vocab(
+    mode: str, name: str, data: torch.Tensor | RawTensor, tp: TPGroup | None
 ) -> bool:
-    """Whether the embedding stays quantized (`QuantizedEmbedding`): under `auto`, a tied one
-    the GGUF stores at int8 width (Q8_0, Q5_K, Q6_K), on one rank. An int4 type would be
-    requantized to int8 (lossy) and stays float, as do sharded embeddings."""
+    """Whether the embedding or an untied LM head stays quantized: under `auto`, one the GGUF
+    stores in any quantized type, on one rank (sharded ones stay float)."""
     return (
         mode == "auto"
-        and name == "model.embed_tokens.weight"
-        and config.tie_word_embeddings
+        and name in _VOCAB
         and tp is None
         and isinstance(data, RawTensor)
-        and gguf_bits(data.qtype_name) == 8
+        and gguf_bits(data.qtype_name) is not None
     )
+
+
+def _vocab_layer(
+    name: str, data: RawTensor, dtype: torch.dtype
+) -> QuantizedEmbedding | QuantizedLinear:
+    """The embedding held int8 per row (a lookup reads rows, which int4's packing does not
+    give back cheaply; an int4 type is requantized); the head at its type's width, int8 where
+    int4 cannot hold it (a vocabulary not a multiple of 16)."""
+    if name != "lm_head.weight":
+        return QuantizedEmbedding(from_gguf_blocks(data, 8), dtype)
+    try:
+        return quantized_head(from_gguf_blocks(data), dtype)
+    except ValueError:
+        return quantized_head(from_gguf_blocks(data, 8), dtype)
 
 
 def _shape(data: torch.Tensor | RawTensor) -> torch.Size:

@@ -27,6 +27,7 @@ from pdserve.common.model.gguf import (  # noqa: E402
     read_tensors,
     unpermute_rotary,
 )
+from tests.common.model.gguf_blocks import encode  # noqa: E402
 
 QUANT_TYPES = [Q.F32, Q.F16, Q.Q8_0, Q.Q4_1]
 
@@ -37,10 +38,10 @@ def _own_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def write_tensors(writer: gguf.GGUFWriter, tensors: dict[str, tuple[np.ndarray, Q]]) -> None:
-    """Each (array, type): a float array converted to its type (F32 as it is), an integer one
-    (I32) written as it is; then the header, the metadata and the tensors, and close."""
+    """Each (array, type): a float array converted to its type (`encode`; F32 as it is), an
+    integer one (I32) written as it is; then the header, the metadata and the tensors, and close."""
     for name, (array, qtype) in tensors.items():
-        data = gguf.quants.quantize(array, qtype) if array.dtype.kind == "f" else array
+        data = encode(array, qtype) if array.dtype.kind == "f" else array
         writer.add_tensor(name, data, raw_dtype=qtype)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()

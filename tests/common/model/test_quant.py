@@ -1,9 +1,10 @@
-"""Quantized linears against dequantize-then-matmul: GGUF tensors written by the `gguf` library
-(blocks it cannot quantize built here from the format, checked with its own dequantization),
-int8/int4 from float weights, tensor-parallel slices, and q/k rows unpermuted while quantized.
+"""Quantized linears against dequantize-then-matmul: GGUF tensors of every type users download,
+written by the `gguf` library (blocks it cannot quantize built from the format or at random:
+gguf_blocks.py, checked with its own dequantization), int8/int4 from float weights,
+tensor-parallel slices, and q/k rows unpermuted while quantized.
 
 Tolerances are bounds, not guesses: where a layer holds a GGUF type exactly (Q4_0, Q4_1, Q4_K
-as int4) the only error is float32 rounding; where it requantizes (Q8_0, Q5_K, Q6_K and float
+as int4) the only error is float32 rounding; where it requantizes (every other type, and float
 weights) each weight moves by at most half a step, so the output moves by at most
 sum_k |x_k| * step_nk / 2; bf16 inputs add bf16's 2^-8 on the scales and on the output."""
 
@@ -34,73 +35,12 @@ from pdserve.common.model.quant import (  # noqa: E402
     quantize_int8,
     stack_rows,
 )
+from tests.common.model.gguf_blocks import RANDOM_BLOCKS, encode  # noqa: E402
 
 EXACT = [Q.Q4_0, Q.Q4_1, Q.Q4_K]  # held as int4 exactly
-REQUANTIZED = [Q.Q8_0, Q.Q5_K, Q.Q6_K]  # held as int8 per row (docs/quantization.md)
+# Held as int8 per row (docs/quantization.md): every other type users download.
+REQUANTIZED = [Q.Q8_0, Q.Q5_0, Q.Q5_1, Q.Q2_K, Q.Q3_K, Q.Q5_K, Q.Q6_K, Q.IQ4_NL, Q.IQ4_XS]
 BF16 = 2.0**-8  # bf16's relative rounding
-
-
-def _f16_bytes(v: np.ndarray) -> np.ndarray:
-    return v.astype(np.float16).view(np.uint8).reshape(*v.shape[:-1], -1)
-
-
-def _k_scale_bytes(sc: np.ndarray, m: np.ndarray) -> np.ndarray:
-    """Eight 6-bit scales and mins as Q4_K/Q5_K's 12 bytes (the format's own packing)."""
-    lo = (sc[..., :4] & 63) | ((sc[..., 4:] >> 4) << 6)
-    mid = (m[..., :4] & 63) | ((m[..., 4:] >> 4) << 6)
-    top = (sc[..., 4:] & 15) | ((m[..., 4:] & 15) << 4)
-    return np.concatenate([lo, mid, top], axis=-1).astype(np.uint8)
-
-
-def encode_k(w: np.ndarray, qtype: Q) -> np.ndarray:
-    """Q4_K, Q5_K or Q6_K blocks [rows, bytes] for w [rows, cols] (gguf cannot quantize them):
-    per sub-block min..max (Q6_K: symmetric) on the type's levels, its scale on 6 bits (Q6_K:
-    int8) under the super-block's f16 scale."""
-    if qtype == Q.Q6_K:
-        return _encode_q6_k(w)
-    levels = 15 if qtype == Q.Q4_K else 31
-    x = w.reshape(w.shape[0], -1, 8, 32).astype(np.float32)
-    low = np.minimum(x.min(axis=-1), 0)
-    scale, mins = (x.max(axis=-1) - low) / levels, -low
-    d = (scale.max(axis=-1) / 63).astype(np.float16)
-    dmin = (mins.max(axis=-1) / 63).astype(np.float16)
-    # Rounded up, so that a sub-block's levels still span it.
-    sc = np.clip(np.ceil(scale / np.maximum(d[..., None], 1e-8)), 0, 63).astype(np.uint8)
-    m = np.clip(np.ceil(mins / np.maximum(dmin[..., None], 1e-8)), 0, 63).astype(np.uint8)
-    step = np.maximum(d.astype(np.float32)[..., None] * sc, 1e-8)
-    offset = dmin.astype(np.float32)[..., None] * m
-    q = np.clip(np.round((x + offset[..., None]) / step[..., None]), 0, levels).astype(np.uint8)
-    nib = (q & 15).reshape(*q.shape[:2], 4, 2, 32)
-    parts = [_f16_bytes(d[..., None]), _f16_bytes(dmin[..., None]), _k_scale_bytes(sc, m)]
-    if qtype == Q.Q5_K:
-        bits = (q >> 4) << np.arange(8, dtype=np.uint8)[:, None]
-        parts.append(bits.sum(axis=-2, dtype=np.uint8))
-    parts.append((nib[..., 0, :] | (nib[..., 1, :] << 4)).reshape(*q.shape[:2], 128))
-    return np.concatenate(parts, axis=-1).reshape(w.shape[0], -1)
-
-
-def _encode_q6_k(w: np.ndarray) -> np.ndarray:
-    x = w.reshape(w.shape[0], -1, 16, 16).astype(np.float32)
-    scale = np.abs(x).max(axis=-1) / 31
-    d = (scale.max(axis=-1) / 127).astype(np.float16)
-    sc = np.clip(np.ceil(scale / np.maximum(d[..., None], 1e-8)), 0, 127).astype(np.int8)
-    step = np.maximum(d.astype(np.float32)[..., None] * sc, 1e-8)
-    q = (np.clip(np.round(x / step[..., None]), -32, 31) + 32).astype(np.uint8)
-    # position 32i + l of each half of 128: nibble i // 2 of ql byte 32(i % 2) + l, bits 2i of
-    # qh byte l
-    q = q.reshape(*q.shape[:2], 2, 4, 32)
-    low = q & 15
-    ql = low[..., 0:2, :] | (low[..., 2:4, :] << 4)
-    qh = ((q >> 4) << (2 * np.arange(4, dtype=np.uint8))[:, None]).sum(axis=-2, dtype=np.uint8)
-    lead = q.shape[:2]
-    parts = [ql.reshape(*lead, 128), qh.reshape(*lead, 64), sc.view(np.uint8), _f16_bytes(d)]
-    return np.concatenate([p.reshape(*lead, -1) for p in parts], axis=-1).reshape(len(w), -1)
-
-
-def encode(w: np.ndarray, qtype: Q) -> np.ndarray:
-    if qtype in (Q.Q4_K, Q.Q5_K, Q.Q6_K):
-        return encode_k(w, qtype)
-    return gguf.quants.quantize(w, qtype)
 
 
 def _weights(rows: int = 64, cols: int = 512, seed: int = 0) -> np.ndarray:
@@ -153,6 +93,8 @@ def test_hand_built_and_library_blocks_decode_as_gguf_does(tmp_path: Path, qtype
     raw = _raw(tmp_path, w, qtype)
     want = gguf.quants.dequantize(raw.blocks, qtype).reshape(w.shape)
     np.testing.assert_allclose(dequantize_raw(raw), want, rtol=1e-6, atol=1e-7)
+    if qtype in RANDOM_BLOCKS:
+        return  # random blocks at w's scale: the reading is what is tested
     # The blocks hold w: within each 32 values, the error stays under the share of their
     # largest magnitude that the type's levels allow (a wrong layout would move whole values).
     share = {Q.Q8_0: 0.005, Q.Q6_K: 0.03}.get(qtype, 0.13)

@@ -146,9 +146,9 @@ def test_a_quantized_gguf_generates_as_the_file_dequantized(
     want = [o.token_ids for o in dense.generate(prompts, params)]
     width = "int8" if qtype == Q.Q8_0 else "int4"
     auto_bf16, _ = load_model(path, torch.bfloat16, "cpu", quantization="auto")
-    assert {m.bits for m in auto_bf16.modules() if isinstance(m, QuantizedLinear)} == {
-        int(width[3:])
-    }
+    decoder = auto_bf16.model.layers.modules()
+    assert {m.bits for m in decoder if isinstance(m, QuantizedLinear)} == {int(width[3:])}
+    assert isinstance(auto_bf16.model.embed_tokens, QuantizedEmbedding)  # int8 per row
     auto_f32, _ = load_model(path, torch.float32, "cpu", quantization="auto")
     assert not any(isinstance(m, QuantizedLinear) for m in auto_f32.modules())
     quantized = LLM(str(path), dtype="float32", quantization=width)
@@ -203,6 +203,7 @@ _MEASURE = textwrap.dedent(
     model, _ = load_model(sys.argv[1], torch.bfloat16, "cpu", quantization="auto")
     gc.collect()
     tensors = [*model.parameters(), *model.buffers()]
+    head = model.lm_head if model.lm_head is not None else model.model.embed_tokens.head
     print(json.dumps({
         "before": before, "after": status("VmRSS"), "peak": status("VmHWM"),
         "nbytes": sum(t.numel() * t.element_size() for t in tensors),
@@ -211,21 +212,41 @@ _MEASURE = textwrap.dedent(
             else sum(p.numel() for p in m.parameters(recurse=False))
             for m in model.modules()
         ),
-        "quantized": sum(type(m).__name__ == "QuantizedLinear" for m in model.modules()),
+        "quantized": sum(
+            type(m).__name__ == "QuantizedLinear" for m in model.model.layers.modules()
+        ),
+        "embedding": type(model.model.embed_tokens).__name__,
+        "head": type(head).__name__,
     }))
     """
 )
+
+
+def _measure_load(path: Path, warm_up: Path) -> dict:
+    """The child's RSS (bytes) before, after and at the peak of a bf16 `auto` load of `path`,
+    with what it holds. The child measures its own peak (VmHWM, reset just before loading),
+    not ru_maxrss, which in a child started by fork or vfork starts from the parent's size.
+    glibc's mmap threshold is fixed at 64 KiB there: by default it rises after the first large
+    free, and the conversions' freed temporaries then stay in the heap (the resident size
+    after loading was 1.7x the tensors'), which would make the bound loose."""
+    if not Path("/proc/self/clear_refs").exists():
+        pytest.skip("needs Linux's /proc/self/clear_refs to reset the peak RSS")
+    out = subprocess.run(
+        [sys.executable, "-c", _MEASURE, str(path), str(warm_up)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=True,
+        env={**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536"},
+    )
+    return json.loads(out.stdout.splitlines()[-1])
 
 
 def test_loading_a_gguf_peaks_within_1_3x_of_the_loaded_size(tiny_model_dir, tmp_path) -> None:
     """About 25M linear weights, attention Q8_0 and MLP Q4_0: held quantized they take
     about 24 MiB, float32 about 100 (eight layers: one tensor's conversion temporaries, 3 MiB
     for an MLP matrix, are a small part of the model, as in any real one; at four layers they
-    alone came to 1.3x). The child measures its own peak (VmHWM, reset just before
-    loading), not ru_maxrss, which in a child started by fork or vfork starts from the
-    parent's size. glibc's mmap threshold is fixed at 64 KiB there: by default it rises after
-    the first large free, and the conversions' freed temporaries then stay in the heap (the
-    resident size after loading was 1.7x the tensors'), which would make the bound loose."""
+    alone came to 1.3x)."""
     model_dir = tiny_model_dir(
         "llama",
         hidden_size=512,
@@ -237,22 +258,52 @@ def test_loading_a_gguf_peaks_within_1_3x_of_the_loaded_size(tiny_model_dir, tmp
     types = lambda name: Q.Q4_0 if ".mlp." in name else Q.Q8_0  # noqa: E731
     path = write_llama_gguf(model_dir, tmp_path / "m.gguf", types)
     warm_up = write_llama_gguf(tiny_model_dir("llama"), tmp_path / "tiny.gguf", types)
-    if not Path("/proc/self/clear_refs").exists():
-        pytest.skip("needs Linux's /proc/self/clear_refs to reset the peak RSS")
-    out = subprocess.run(
-        [sys.executable, "-c", _MEASURE, str(path), str(warm_up)],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=True,
-        env={**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536"},
-    )
-    m = json.loads(out.stdout.splitlines()[-1])
+    m = _measure_load(path, warm_up)
     loaded, peak = m["after"] - m["before"], m["peak"] - m["before"]
     assert m["quantized"] == 8 * len(LINEARS)
     # The measurement sees the model, and a float32 copy of it would break the bound.
     assert loaded >= 0.9 * m["nbytes"], m
     assert m["float32"] > 3 * loaded, m
+    assert peak <= 1.3 * loaded, m
+
+
+def _q4_k_m_fallbacks(name: str) -> Q:
+    """The types llama.cpp's Q4_K_M gives a model whose rows are 896 wide, not whole 256-value
+    super-blocks: Q4_K falls back to Q5_0 (q/k/o, gate/up, the embedding) and Q6_K to Q8_0
+    (v, the untied head); ffn_down's rows (the MLP's width, a multiple of 256) keep Q6_K and
+    Q4_K, alternating by layer."""
+    if ".down_proj." in name:
+        return Q.Q6_K if int(name.split(".")[2]) % 2 == 0 else Q.Q4_K
+    if ".v_proj." in name or name == "lm_head.weight":
+        return Q.Q8_0
+    return Q.Q5_0
+
+
+def test_a_q4_k_m_gguf_of_width_896_loads_every_tensor_quantized(tiny_model_dir, tmp_path) -> None:
+    """Issue 36's file (Qwen2.5-0.5B's shape: 896 wide, 14 heads, 2 KV heads, an untied
+    head), two layers: every decoder linear, the embedding and the head held quantized, each
+    tensor converted on its own (the peak within 1.3x of the loaded size). Against the file:
+    int8 holds Q5_0's 5.5 bits a weight in 8, so what is held is up to 1.45x the file's
+    tensors (1.32x for this mix; docs/quantization.md), and the bound stays there."""
+    model_dir = tiny_model_dir(
+        "llama",
+        hidden_size=896,
+        intermediate_size=1280,
+        num_hidden_layers=2,
+        num_attention_heads=14,
+        num_key_value_heads=2,
+        tie_word_embeddings=False,
+    )
+    path = write_llama_gguf(model_dir, tmp_path / "m.gguf", _q4_k_m_fallbacks)
+    small = tiny_model_dir("llama", hidden_size=256, intermediate_size=512)
+    warm_up = write_llama_gguf(small, tmp_path / "tiny.gguf", _q4_k_m_fallbacks)
+    m = _measure_load(path, warm_up)
+    file = sum(int(t.n_bytes) for t in gguf.GGUFReader(str(path)).tensors)
+    loaded, peak = m["after"] - m["before"], m["peak"] - m["before"]
+    assert m["quantized"] == 2 * len(LINEARS), m
+    assert (m["embedding"], m["head"]) == ("QuantizedEmbedding", "QuantizedLinear"), m
+    assert loaded >= 0.9 * m["nbytes"], m  # the measurement sees the model
+    assert m["nbytes"] <= 1.45 * file, {**m, "file": file}
     assert peak <= 1.3 * loaded, m
 
 
