@@ -62,10 +62,12 @@ def paged_attention(
             scale,
             sliding_window,
         )
-    # On the CPU, the chunked reader of paged_cpu; reference.paged_attention_ref is its oracle.
-    return paged_cpu.paged_attention_cpu(
-        query, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale, sliding_window
-    )
+    args = (query, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale)
+    if query.device.type == "cpu":
+        # The chunked reader of paged_cpu; reference.paged_attention_ref is its oracle (and
+        # serves any other device without Triton).
+        return paged_cpu.paged_attention_cpu(*args, sliding_window)
+    return reference.paged_attention_ref(*args, sliding_window)
 
 
 def gather_pages(

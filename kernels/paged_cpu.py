@@ -182,18 +182,19 @@ def step_plan(
     token_bytes: int,
 ) -> StepPlan:
     """The plan cached on seq_lens when it was made from these very tensors, unchanged (the
-    layers of a step), else a new one cached there."""
+    layers of a step), else a new one cached there. One per layer kind: models that alternate
+    sliding-window and full layers keep both."""
     inputs = (block_tables, query_start_loc, seq_lens)
-    key = (block_size, window, token_bytes, *map(id, inputs), *_versions(inputs))
-    plan = getattr(seq_lens, "_pdserve_plan", None)
-    if plan is not None and plan.key == key:
-        return plan
-    groups = make_plan(block_tables, query_start_loc, seq_lens, block_size, window, token_bytes)
-    # Holding the other two keeps their ids from being reused while the plan lives on seq_lens
-    # (holding seq_lens itself would make a cycle).
-    plan = StepPlan(key, groups, {"inputs": inputs[:2]})
-    seq_lens._pdserve_plan = plan
-    return plan
+    kind = (block_size, window, token_bytes)
+    key = (*map(id, inputs), *_versions(inputs))
+    plans = getattr(seq_lens, "_pdserve_plans", None)
+    if plans is None or plans.get("key") != key:
+        # Holding the other two keeps their ids from being reused while the plans live on
+        # seq_lens (holding seq_lens itself would make a cycle).
+        plans = seq_lens._pdserve_plans = {"key": key, "inputs": inputs[:2]}
+    if kind not in plans:
+        plans[kind] = StepPlan(kind, make_plan(*inputs, *kind))
+    return plans[kind]
 
 
 def _fold(rows: torch.Tensor, n: int, q_len: int, kv_heads: int) -> torch.Tensor:

@@ -13,6 +13,7 @@ BENCHMARKS = {
     "offline": ("offline", "LLM against HF generate and the hardware floor"),
     "compare": ("compare", "colocated, 1P1D and transformers serve, side by side"),
     "kernels": ("gpu:kernels_main", "Triton kernels against their torch references"),
+    "attention": ("attention", "CPU paged attention against the KV bandwidth floor"),
     "reliability": ("chaos:reliability_main", "fault-injection scenarios (docs/reliability.md)"),
     "chaos": ("chaos", "2P2D, 2 routers under load while children are killed or stopped"),
     "structured": ("offline:structured_main", "a grammar's cost per decode step, with and without"),

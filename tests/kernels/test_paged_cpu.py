@@ -87,7 +87,8 @@ def test_plan_is_made_once_per_metadata_and_remade_when_it_changes():
     meta = (batch.block_tables, batch.query_start_loc, batch.seq_lens)
     first = step_plan(*meta, 16, None, 512)
     assert step_plan(*meta, 16, None, 512) is first  # every layer of the step
-    assert step_plan(*meta, 16, 7, 512) is not first  # a layer with a sliding window
+    windowed = step_plan(*meta, 16, 7, 512)  # a layer with a sliding window: its own plan
+    assert windowed is not first and step_plan(*meta, 16, None, 512) is first
 
     other_layer = replace(batch, k_cache=batch.k_cache * -2, v_cache=batch.v_cache + 1)
     other_layer = replace(
