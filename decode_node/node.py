@@ -24,12 +24,12 @@ from pdserve.common.wire.messages import (
     ReserveKV,
 )
 from pdserve.kv_transfer.commands import SliceDone
-from pdserve.kv_transfer.ranks import KVGroup
+from pdserve.kv_transfer.ranks import KVGroup, MovesKV
 
 log = logging.getLogger(__name__)
 
 
-class DecodeNode(EngineNode):
+class DecodeNode(MovesKV, EngineNode):
     """Admission by reservation: ReserveKV holds the prompt's blocks now (sharing those its
     prefix cache holds) or answers Busy; the prefill node writes into the rest; KVDone (the
     transfer's end) admits the request. A Prefill without destination runs here whole."""

@@ -14,7 +14,7 @@ rank finished verified.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 import zmq
@@ -357,3 +357,16 @@ class KVGroup:
 
     def close(self) -> None:
         self.local.close()  # the workers' ends close with their processes
+
+
+class MovesKV:
+    """What a node role that moves KV (prefill, decode) adds to `common.node.loop.EngineNode`:
+    every rank builds a `RankKV` beside its model runner, and rank 0 holds the `KVGroup`. Here
+    and not in common/node, which never imports kv_transfer."""
+
+    rank_agent_class: ClassVar[str | None] = f"{RankKV.__module__}:{RankKV.__name__}"
+    kv: KVGroup
+
+    def open_kv(self, options: dict[str, Any]) -> KVGroup:
+        runner = self.engine.runner  # type: ignore[attr-defined]  # the EngineNode's
+        return KVGroup(RankKV(runner, runner.tp, **options), runner.driver)

@@ -16,12 +16,12 @@ from pdserve.common.node.loop import EngineNode, Handler, Told
 from pdserve.common.wire.messages import Error, Failure, Message, Prefill
 from pdserve.common.wire.payloads import FirstToken
 from pdserve.kv_transfer.commands import Shipment
-from pdserve.kv_transfer.ranks import SEND_ERRORS, KVGroup
+from pdserve.kv_transfer.ranks import SEND_ERRORS, KVGroup, MovesKV
 
 log = logging.getLogger(__name__)
 
 
-class PrefillNode(EngineNode):
+class PrefillNode(MovesKV, EngineNode):
     """Runs prompts to their first token and hands each off: KV pages go to the reserved
     blocks of the decode node, the first token to the router."""
 

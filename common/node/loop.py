@@ -20,7 +20,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Iterable, Iterator
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import Any, ClassVar
 
 from pdserve.common.engine.config import (
     CacheConfig,
@@ -57,12 +57,6 @@ from pdserve.common.wire.messages import (
 )
 from pdserve.common.wire.security import load_keys
 
-if TYPE_CHECKING:  # a role that moves KV sets one; other roles never import kv_transfer
-    from pdserve.kv_transfer.ranks import KVGroup
-
-# What every tensor-parallel rank of a node that moves KV builds beside its model runner.
-RANK_KV = "pdserve.kv_transfer.ranks:RankKV"
-
 log = logging.getLogger(__name__)
 
 # A role's part in taking a new request (Prefill, ReserveKV): the message and its validated
@@ -79,7 +73,10 @@ class EngineNode:
 
     role: ClassVar[str] = ""
     reports_prefixes: ClassVar[bool] = False  # heartbeats carry prefix-cache changes
-    kv: KVGroup | None = None  # the node's KV connector on every rank, for roles that move KV
+    # A role that moves KV (`kv_transfer.ranks.MovesKV`) names its ranks' agent ("module:Class")
+    # and opens its KV group on them (`open_kv`); common/node never imports kv_transfer.
+    rank_agent_class: ClassVar[str | None] = None
+    kv: Any = None  # that role's `kv_transfer.ranks.KVGroup`
 
     def __init__(
         self, model: ModelConfig, cache: CacheConfig, scheduler: SchedulerConfig, node: NodeConfig
@@ -92,7 +89,7 @@ class EngineNode:
         parallel = ParallelConfig(
             node.tensor_parallel_size,
             node.threads_per_rank,
-            rank_agent=RANK_KV if agent is not None else None,
+            rank_agent=self.rank_agent_class if agent is not None else None,
             rank_agent_options=agent,
             workers=node.tp_workers,
             host=node.host if node.tp_workers == "external" else "127.0.0.1",
@@ -108,10 +105,7 @@ class EngineNode:
         self._last_progress = time.monotonic()
         self.stop_event = threading.Event()
         if agent is not None:  # rank 0's end; the workers built theirs from the same options
-            from pdserve.kv_transfer.ranks import KVGroup, RankKV
-
-            runner = self.engine.runner
-            self.kv = KVGroup(RankKV(runner, runner.tp, **agent), runner.driver)
+            self.kv = self.open_kv(agent)
         self.membership = Membership(node, self.registration(), self.curve, self.live, self.fail)
         if self.reports_prefixes:  # nodes a prefix-aware router picks by cache
             self.engine.kv.pool.prefix_events = PrefixEvents()
@@ -125,6 +119,10 @@ class EngineNode:
         """The options of this role's KV end on every tensor-parallel rank
         (`kv_transfer.ranks.RankKV`), or None for a role that moves no KV."""
         return None
+
+    def open_kv(self, options: dict[str, Any]) -> Any:
+        """Rank 0's KV group of a role that moves KV (`rank_agent` gave `options`)."""
+        raise NotImplementedError(f"the {self.role} role moves no KV")
 
     def kv_options(self, model: ModelConfig, node: NodeConfig) -> dict[str, Any]:
         """RankKV's options for a role that moves KV."""
