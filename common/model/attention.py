@@ -21,6 +21,11 @@ class AttentionMetadata:
     query_start_loc: [B + 1] int32, cumulative query lengths; sequence b owns tokens
                      query_start_loc[b]:query_start_loc[b + 1]
     seq_lens:        [B] int32, context length of each sequence including its new tokens
+
+    The tensors are not changed once made: on the CPU the step's attention plan (groups,
+    gather indices, masks) is made by the first layer and cached on seq_lens, which every
+    layer, and the compiled decode's opaque op, gets as the same object
+    (kernels/paged_cpu.step_plan; a change in place is caught only outside inference mode).
     """
 
     slot_mapping: torch.Tensor
