@@ -1,9 +1,10 @@
 """Command-line flags shared by every node (and by `pdserve serve`), turned into configs in one
 place. Flags come in named groups; every help line states its default and unit.
 
-A config dataclass declares its flags on its fields (`config.option`): `add_options` adds them to
-a parser and `options_of` builds the config back from the parsed flags, so a field's name,
-default and help text live in one place (`NodeConfig`, the router's `RouterConfig`)."""
+A config dataclass declares its flags on its fields (`common.options.option`): `add_options`
+adds them to a parser and `options_of` builds the config back from the parsed flags, so a
+field's name, default and help text live in one place (the engine's three configs,
+`NodeConfig`, the router's `RouterConfig`, the supervisor's `Backoff`)."""
 
 from __future__ import annotations
 
