@@ -28,6 +28,7 @@ from pdserve.common.model.config import ModelArchConfig
 from pdserve.common.model.llama import MLP, DecoderLayer, RMSNorm, _reduced, apply_rope
 from pdserve.common.model.moe import Experts, MoeForCausalLM, route_grouped, stack_experts
 from pdserve.common.model.parallel import TPGroup, TPShard
+from pdserve.kernels import ops
 
 # transformers builds the two low-rank norms with its default eps, whatever rms_norm_eps says.
 _LATENT_NORM_EPS = 1e-6
@@ -125,9 +126,13 @@ class MlaAttention(nn.Module):
         self, q_nope: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tensor, attn: AttentionMetadata
     ) -> torch.Tensor:
         """Output [T, H, v_head_dim]: each sequence's queries over its cached latents, decode
-        rows (one query) absorbed, prompt chunks expanded. The loop is over sequences."""
-        out = q_nope.new_zeros(q_nope.shape[0], self.num_heads, self.v_dim)
+        rows (one query) absorbed, prompt chunks expanded. A decode step on the CPU (one row
+        per sequence) reads the latents in place, all rows at once; else the loop is over
+        sequences."""
         starts = attn.query_start_loc.tolist()
+        if q_nope.shape[0] == len(starts) - 1 and cache.device.type == "cpu":
+            return self.absorbed_paged(q_nope, q_pe, cache, attn)
+        out = q_nope.new_zeros(q_nope.shape[0], self.num_heads, self.v_dim)
         for b, seq_len in enumerate(attn.seq_lens.tolist()):
             lo, hi = starts[b], starts[b + 1]
             if hi == lo:
@@ -157,13 +162,31 @@ class MlaAttention(nn.Module):
         """The same attention in latent space: q_nope through W_UK scores against the cached
         latents directly, the weighted latents go through W_UV (kv_b_proj's two halves)."""
         kv_c, k_pe = latents.split([self.rank, self.rope], dim=-1)
-        w = self.kv_b_proj.weight.view(self.num_heads, self.nope + self.v_dim, self.rank)
-        w_uk, w_uv = w.split([self.nope, self.v_dim], dim=1)
+        w_uk, w_uv = self._absorbed_weights()
         q_latent = torch.einsum("qhn,hnr->qhr", q_nope, w_uk)
         scores = torch.einsum("qhr,kr->hqk", q_latent, kv_c)
         scores = scores + torch.einsum("qhd,kd->hqk", q_pe, k_pe)
         probs = _causal_softmax(scores * self.scale)
         return torch.einsum("qhr,hvr->qhv", torch.einsum("hqk,kr->qhr", probs, kv_c), w_uv)
+
+    def absorbed_paged(
+        self, q_nope: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tensor, attn: AttentionMetadata
+    ) -> torch.Tensor:
+        """`absorbed` for one query per sequence, all sequences in one paged attention call:
+        the latent rows are the keys of one KV head and, their first `rank` dims, its values,
+        so the kernel reads each cached latent once, where it lies."""
+        w_uk, w_uv = self._absorbed_weights()
+        q = torch.cat((torch.einsum("qhn,hnr->qhr", q_nope, w_uk), q_pe), dim=-1)
+        latent = cache[0]
+        meta = (attn.block_tables, attn.query_start_loc, attn.seq_lens)
+        context = ops.paged_attention(q, latent, latent, *meta, self.scale)
+        return torch.einsum("qhr,hvr->qhv", context[..., : self.rank], w_uv)
+
+    def _absorbed_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """W_UK [H, nope, rank] and W_UV [H, v_dim, rank]: kv_b_proj's two halves per head."""
+        w = self.kv_b_proj.weight.view(self.num_heads, self.nope + self.v_dim, self.rank)
+        w_uk, w_uv = w.split([self.nope, self.v_dim], dim=1)
+        return w_uk, w_uv
 
     def fuse(self) -> None:
         """Nothing to join: the latent projections are one matrix each already."""

@@ -16,6 +16,7 @@ from tests.kernels.test_reference import (
     MIXED_BATCH,
     dense_attention,
     make_paged_batch,
+    move_first_block,
     run_attention,
     run_ref,
 )
@@ -99,14 +100,7 @@ def test_plan_is_made_once_per_metadata_and_remade_when_it_changes():
     dense = dense_attention(other_layer, 0.125, None)
     torch.testing.assert_close(run_new(other_layer, 0.125, None).double(), dense, atol=1e-5, rtol=0)
 
-    # Sequence 0's first block moved to a spare one, its old place poisoned, in place.
-    used = set(batch.block_tables.flatten().tolist())
-    spare = next(b for b in range(batch.k_cache.shape[0]) if b not in used)
-    old = int(batch.block_tables[0, 0])
-    for cache in (batch.k_cache, batch.v_cache):
-        cache[spare] = cache[old]
-        cache[old] = float("nan")
-    batch.block_tables[0, 0] = spare
+    move_first_block(batch)
     assert step_plan(*meta, 16, None, 512) is not first
     dense = dense_attention(batch, 0.125, None)
     torch.testing.assert_close(run_new(batch, 0.125, None).double(), dense, atol=1e-5, rtol=0)

@@ -165,7 +165,17 @@ def test_attention_plan_is_shared_while_metadata_holds_and_remade_when_it_change
         rtol=1e-5,
     )
 
-    # Move sequence 0's first block to a spare one, poisoning the old place, in place.
+    move_first_block(batch)
+    torch.testing.assert_close(
+        run_ref(batch, scale, None).double(),
+        dense_attention(batch, scale, None),
+        atol=1e-5,
+        rtol=1e-5,
+    )
+
+
+def move_first_block(batch: PagedBatch) -> None:
+    """Move sequence 0's first block to a spare one, poisoning the old place, in place."""
     used = set(batch.block_tables.flatten().tolist())
     spare = next(b for b in range(batch.k_cache.shape[0]) if b not in used)
     old = int(batch.block_tables[0, 0])
@@ -173,12 +183,6 @@ def test_attention_plan_is_shared_while_metadata_holds_and_remade_when_it_change
         cache[spare] = cache[old]
         cache[old] = float("nan")
     batch.block_tables[0, 0] = spare
-    torch.testing.assert_close(
-        run_ref(batch, scale, None).double(),
-        dense_attention(batch, scale, None),
-        atol=1e-5,
-        rtol=1e-5,
-    )
 
 
 def test_window_one_returns_own_value():
