@@ -46,10 +46,6 @@ _DENSE_CHUNK = 256
 _DENSE_CHUNK_INT8 = 1024  # int8's: 1.6x faster than 256 rows at a time on SmolLM2's head
 # Rows packed or converted at once, so a tensor's int32 (or float32) temporary stays small.
 _CONVERT_CHUNK = 256
-# Rows of GGUF blocks decoded to float32 at once before requantizing: a decoder's temporaries
-# are several times the chunk's float32 (Q6_K's about 4x), and at 256 rows of a 2304-wide
-# tensor they were a third of a 29 MB file's load peak beyond the loaded model.
-_DECODE_CHUNK = 64
 # The CPU int4 packing groups output rows in blocks of this many (AVX512 builds).
 _INT4_BLOCK = 64
 
@@ -437,7 +433,7 @@ def from_gguf_blocks(raw: RawTensor, bits: Bits | None = None) -> QuantizedWeigh
     if name in INT4_EXACT_TYPES and bits in (None, 4):
         return _int4_exact(raw)
     quantize = _int8_rows if (bits or gguf_bits(name)) == 8 else _int4_group_rows
-    parts = ((s, quantize(torch.from_numpy(w))) for s, w in float_rows(raw, _DECODE_CHUNK))
+    parts = ((s, quantize(torch.from_numpy(w))) for s, w in float_rows(raw, _CONVERT_CHUNK))
     return _gather_rows(parts, raw.shape[0])
 
 
