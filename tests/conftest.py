@@ -25,6 +25,16 @@ from pdserve.tiny_model import make_tiny_model  # noqa: E402
 # The placement's own tests pass --prefill-placement explicitly.
 os.environ.setdefault("PDSERVE_PREFILL_PLACEMENT", "remote")
 
+# Engines and nodes the tests start run eager unless a test asks for compiled steps
+# (enforce_eager=False, --no-enforce-eager): compiling takes seconds a bucket, and most tests
+# are about something else. The compiling tests share one compile cache, kept across sessions
+# like torch's own /tmp/torchinductor_<user> (its folders are keyed by torch, code and model,
+# so a stale one is never read), never the user's ~/.cache/pdserve/compile.
+os.environ.setdefault("PDSERVE_ENFORCE_EAGER", "1")
+os.environ.setdefault(
+    "PDSERVE_COMPILE_CACHE_DIR", os.path.join(tempfile.gettempdir(), "pdserve-test-compile")
+)
+
 
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Path]:

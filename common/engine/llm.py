@@ -61,6 +61,7 @@ class LLM:
         threads_per_rank: int | None = None,
         quantization: str = "auto",
         enable_expert_parallel: bool = False,
+        compile_cache_dir: str | None = None,
     ) -> None:
         self.engine = LLMEngine(
             ModelConfig(
@@ -72,6 +73,7 @@ class LLM:
                 load_format=load_format,
                 quantization=quantization,
                 enable_expert_parallel=enable_expert_parallel,
+                compile_cache_dir=compile_cache_dir,
             ),
             CacheConfig(
                 block_size=block_size,

@@ -26,15 +26,6 @@ def read_bandwidth(model: torch.nn.Module, device: str) -> float:
     return total / rp.best_time(lambda: [w.sum() for w in weights], device)
 
 
-def inductor_cache_counts() -> dict[str, int]:
-    """Graphs inductor's on-disk cache had (hit) and compiled (miss) in this process so far:
-    the compile time at start depends on it."""
-    from torch._dynamo.utils import counters
-
-    inductor = counters["inductor"]
-    return {"hit": inductor["fxgraph_cache_hit"], "miss": inductor["fxgraph_cache_miss"]}
-
-
 def floor_s(pd: offline.Pdserve, batch: int, args: argparse.Namespace, bandwidth: float) -> float:
     """Seconds a decode step of `batch` sequences takes just to read what it must."""
     context = args.prompt_len + args.max_tokens / 2
@@ -63,7 +54,10 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     pds = {mode: offline.Pdserve(path, args, enforce_eager=mode == "eager") for mode in MODES}
     compiled = pds["compiled"].runner.compiled
     assert compiled is not None, "enforce_eager=False must compile"
-    cache = inductor_cache_counts()
+    # Graphs the compile cache had (hit) and compiled (miss): the compile time depends on it.
+    counts = compiled.cache_counts
+    assert counts is not None, "a compiled engine compiles through its compile cache"
+    cache = {"hit": counts.hits, "miss": counts.misses}
     eager = pds["eager"]
     bandwidth = read_bandwidth(eager.runner.model, args.device)
     copy_bw = offline.copy_bandwidth(args.copy_mib << 20, offline.DTYPES[args.dtype], args.device)

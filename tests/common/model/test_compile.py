@@ -12,8 +12,9 @@ from collections.abc import Iterator
 import pytest
 import torch
 
+from pdserve.bench.compile_start import start_once
 from pdserve.common.engine.compiled_decode import decode_buckets
-from pdserve.common.engine.config import ModelConfig
+from pdserve.common.engine.config import EAGER_ENV, ModelConfig
 from pdserve.common.engine.llm import LLM
 from pdserve.common.engine.model_runner import ForwardInputs, ModelRunner
 from pdserve.common.engine.scheduler import ScheduledSeq
@@ -120,11 +121,28 @@ def test_greedy_tokens_equal_hf_with_compiled_decode(
     compiled.engine.check_integrity()
 
 
+# -- the compile cache ----------------------------------------------------------------------------
+
+
+def test_a_second_start_compiles_nothing(compiled: LLM, model_dir: str) -> None:
+    """`compiled` was the first start: it compiled its buckets, or loaded them from an earlier
+    session's cache. A second start in a fresh process (same model, flags and cache folder:
+    the suite's $PDSERVE_COMPILE_CACHE_DIR) loads all three and compiles none."""
+    counts = compiled.engine.runner.compiled.cache_counts
+    assert counts is not None and counts.hits + counts.misses == 3, counts
+    engine = {**engine_kwargs(), "max_num_seqs": MAX_SEQS, "enforce_eager": False}
+    second = start_once(model_dir, engine, timeout_s=600)
+    assert (second.hits, second.misses) == (3, 0)
+
+
 # -- the switch -----------------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("enforce_eager", [True, None])
-def test_cpu_runs_eager_unless_asked(model_dir: str, enforce_eager: bool | None) -> None:
+def test_cpu_runs_eager_unless_asked(
+    model_dir: str, enforce_eager: bool | None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv(EAGER_ENV)  # the device's own default, not the suite's
     # Imported here: torch._dynamo imported while tests are collected would load Triton before
     # tests/kernels sets TRITON_INTERPRET.
     from torch._dynamo.utils import counters
@@ -137,13 +155,23 @@ def test_cpu_runs_eager_unless_asked(model_dir: str, enforce_eager: bool | None)
     assert counters["stats"]["unique_graphs"] == graphs, "an eager engine compiled a graph"
 
 
-def test_enforce_eager_defaults_by_device() -> None:
+def test_enforce_eager_defaults_by_device(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(EAGER_ENV)
     assert not ModelConfig("m").compile_decode
     assert ModelConfig("m", device="cuda").compile_decode
     assert ModelConfig("m", enforce_eager=False).compile_decode
     assert not ModelConfig("m", device="cuda:1", enforce_eager=True).compile_decode
     with pytest.raises(ValueError, match="enforce_eager"):
         ModelConfig("m", enforce_eager=1)
+
+
+def test_eager_env_decides_only_what_the_flag_left_open(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(EAGER_ENV, "0")
+    assert ModelConfig("m").compile_decode
+    assert not ModelConfig("m", enforce_eager=True).compile_decode
+    monkeypatch.setenv(EAGER_ENV, "1")
+    assert not ModelConfig("m", device="cuda").compile_decode
+    assert ModelConfig("m", enforce_eager=False).compile_decode
 
 
 @pytest.mark.parametrize(
