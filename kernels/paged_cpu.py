@@ -21,7 +21,12 @@ import torch
 
 from pdserve.kernels.reference import decode_groups
 
-CHUNK_BYTES = 1 << 20  # K bytes one chunk gathers across its rows: a buffer that stays in L2
+# A chunk gathers up to CHUNK_BYTES of K across its rows, yet at least MIN_CHUNK_KEYS keys a
+# row: each chunk costs a dozen torch calls (each a parallel region whose barrier stalls when
+# another process holds a core) and flash works in key blocks of 512, so short chunks lose
+# more than the buffer's cache residence wins.
+CHUNK_BYTES = 4 << 20
+MIN_CHUNK_KEYS = 1024
 _NEG = -1e30  # the log-sum-exp of a query that sees no key in a chunk: merges to weight 0
 _flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 
@@ -89,6 +94,13 @@ class StepPlan:
         return buf[:numel].view(shape)
 
 
+def _sees_all(lo: int, hi: int, seq_len: int, q_len: int, window: int | None) -> bool:
+    """Whether every query of a sequence sees every key in [lo, hi): its earliest query all
+    of them (causal), its latest the first of them (window). Decided on the host, the chunks
+    inside a context build no mask."""
+    return hi <= seq_len - q_len + 1 and (window is None or lo > seq_len - 1 - window)
+
+
 def _chunk(
     rows: list[int],
     blocks: range,
@@ -105,6 +117,8 @@ def _chunk(
     table = block_tables[torch.tensor(rows), blocks.start : blocks.stop].long()
     owned = torch.arange(blocks.start, blocks.stop)[None, :] * block_size < lens_t[:, None]
     index = torch.where(owned, table, 0).flatten()
+    if all(_sees_all(first, first + keys, lens[b], q_len, window) for b in rows):
+        return Chunk(index, len(rows), len(blocks), first, None, None, None)
     k_pos = first + torch.arange(keys)[None, None, :]
     q_pos = (lens_t[:, None] - q_len + torch.arange(q_len)[None, :])[:, :, None]
     seen = k_pos <= q_pos
@@ -140,7 +154,8 @@ def _group(
     first_pos = min(lens[b] - q_len for b in rows)  # the earliest query of the group
     lo = 0 if window is None else max(0, first_pos - window + 1) // block_size
     hi = -(-lens[rows[0]] // block_size)
-    step = max(1, CHUNK_BYTES // (token_bytes * block_size * len(rows)))
+    least = max(1, min(MIN_CHUNK_KEYS, CHUNK_BYTES // token_bytes) // block_size)
+    step = max(least, CHUNK_BYTES // (token_bytes * block_size * len(rows)))
     chunks = []
     for c0 in range(lo, hi, step):
         live = [b for b in rows if lens[b] > c0 * block_size]  # a prefix: longest first
