@@ -4,6 +4,8 @@ sampling."""
 from __future__ import annotations
 
 import contextlib
+import logging
+import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -30,6 +32,8 @@ from pdserve.common.model.parallel import TPGroup, TPShard
 from pdserve.common.model.weights import load_model
 from pdserve.common.wire.messages import Message
 from pdserve.common.wire.payloads import KVLayout, TokenLogprobs
+
+log = logging.getLogger(__name__)
 
 _PROMPT_LOGITS_ROWS = 256  # prompt positions scored at once: bounds the [rows, vocab] logits
 _MASK_TIMEOUT_S = 60.0  # filling a step's grammar masks takes milliseconds; never wait forever
@@ -116,6 +120,7 @@ class ModelRunner:
         max_model_len: int | None,
     ) -> None:
         dummy_seed = model_config.seed if model_config.load_format == "dummy" else None
+        start = time.perf_counter()
         self.model, self.arch = load_model(
             model_config.model_dir,
             self.dtype,
@@ -124,6 +129,9 @@ class ModelRunner:
             self.tp,
             quantization=model_config.quantization,
         )
+        # A node's start is this load and, when it compiles, the warm-up's line after it.
+        self.load_seconds = time.perf_counter() - start
+        log.info("loaded %s in %.1f s", model_config.model_dir, self.load_seconds)
         if self.device.type == "cuda":
             self.model.fuse_projections()  # wide GEMVs: decode steps read weights faster
         else:
