@@ -277,6 +277,7 @@ def test_kill_9_of_the_router(deployment: Deployment, expected) -> None:
     assert answers == [expected[p][1] for p in PROMPTS[:8]]
     for node, info in d.nodes().items():
         assert info["report"]["ok"] and not info["report"]["live_requests"], node
+        assert info["registrations"] == 1, (node, info)  # one, however often it was asked
         # serve's --num-blocks 256 reached it (less the null block; the default is thousands)
         assert 0 < info["report"]["num_blocks"] <= 256, (node, info)
 
