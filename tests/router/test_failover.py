@@ -50,7 +50,7 @@ def backend_config(placement: PlacementConfig | None = None, **options: Any) -> 
     PlacementConfig the flags make (None: the flags' default)."""
     placement = placement or PlacementConfig()
     where = {"prefill_placement": placement.mode, "local_prefill_threshold": placement.threshold}
-    return RouterConfig("m", control_port=0, **where, **options)
+    return RouterConfig("m", **{"control_port": 0, **where, **options})
 
 
 async def until(condition: Callable[[], bool], what: str) -> None:
