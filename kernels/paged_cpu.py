@@ -2,9 +2,10 @@
 
 The reference (`reference.paged_attention_ref`) gathers every sequence's whole context into
 new tensors per layer. Here each group of sequences walks its block table in chunks of about
-CHUNK_BYTES of K: the chunk's blocks are copied into a small buffer that stays in cache, one
-flash-attention call (`aten::_scaled_dot_product_flash_attention_for_cpu`, which also returns
-the log-sum-exp) attends over it, and the chunks' partial outputs are merged by their
+CHUNK_BYTES of K: the chunk's blocks are copied into a buffer of a few MiB, reused by every
+chunk and layer of the step; one flash-attention call
+(`aten::_scaled_dot_product_flash_attention_for_cpu`, which also returns the log-sum-exp)
+attends over it, and the chunks' partial outputs are merged by their
 log-sum-exps (an online softmax). Grouped-query heads fold into the query length: the G query
 heads that share a KV head are G query rows over the same keys, so K/V are never repeated.
 
