@@ -5,14 +5,18 @@ list of anything for a payload)."""
 from __future__ import annotations
 
 import ast
+from dataclasses import replace
 from pathlib import Path
 
 import msgpack
 import pytest
 
+from pdserve.common.engine.scheduler import ScheduledSeq
+from pdserve.common.engine.tensor_parallel import STEPS, Step
 from pdserve.common.wire.messages import PROTOCOL_VERSION, Abort, Message, encode
+from pdserve.common.wire.payloads import SamplingParams
 from pdserve.common.wire.ranks import Count, Done, RankCommandError, Refused, answer
-from pdserve.kv_transfer.commands import KV_RANKS, Cancel, Expect
+from pdserve.kv_transfer.commands import KV_RANKS, Cancel, Expect, ShipKV, Shipment
 from pdserve.kv_transfer.ranks import RankKV
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -179,3 +183,18 @@ def test_the_rank_path_imports_everything_at_the_top() -> None:
         if not at_top and module.startswith("pdserve")
     }
     assert late == set()
+
+
+def test_a_step_reaches_a_worker_as_rank_0_scheduled_it() -> None:
+    seqs = (
+        ScheduledSeq("a", (5, 6, 7), 16, (2, 9), True, SamplingParams(temperature=0.7)),
+        ScheduledSeq("b", (8,), 3, (4,), False, SamplingParams(), prompt_targets=(1, 2),
+                     prompt_target_pos=3),
+    )  # fmt: skip
+    ship = ShipKV((Shipment(("tcp://d:1", "tcp://d:2"), "x", (2, 9), (7, 1)),))
+    step = STEPS.decode(encode(Step.of(seqs, True, ship)))
+    assert isinstance(step, Step) and step.compiled
+    assert KV_RANKS.decode(step.hook) == ship
+    plain = SamplingParams()  # a worker does not sample
+    assert step.scheduled() == tuple(replace(s, request_id="", sampling=plain) for s in seqs)
+    assert STEPS.decode(encode(Step.of(seqs, False, None))).hook == b""
