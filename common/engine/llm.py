@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import inspect
 import itertools
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import MISSING, dataclass, fields
+from typing import Any
 
 from pdserve.common.engine.config import (
     CacheConfig,
@@ -17,6 +19,9 @@ from pdserve.common.engine.request import Request
 from pdserve.common.wire.payloads import SamplingParams, TokenLogprobs
 
 __all__ = ["LLM", "RequestOutput", "SamplingParams"]
+
+# The configs LLM's keywords fill, in LLMEngine's order; their field names do not overlap.
+LLM_CONFIGS = (ModelConfig, CacheConfig, SchedulerConfig, ParallelConfig)
 
 
 @dataclass(frozen=True, slots=True)
@@ -35,63 +40,20 @@ class RequestOutput:
 
 
 class LLM:
-    """`LLM(model_dir).generate(prompts, SamplingParams(...))`, vLLM-style."""
+    """`LLM(model_dir).generate(prompts, SamplingParams(...))`, vLLM-style.
 
-    def __init__(
-        self,
-        model: str,
-        block_size: int = 16,
-        num_blocks: int | None = None,
-        max_num_batched_tokens: int = 512,
-        max_num_seqs: int = 64,
-        enable_prefix_caching: bool = True,
-        device: str = "cpu",
-        dtype: str = "auto",
-        max_model_len: int | None = None,
-        long_prefill_token_threshold: int = 0,
-        enable_chunked_prefill: bool = True,
-        policy: str = "fcfs",
-        seed: int = 0,
-        kv_cache_bytes: int = 256 * 1024**2,
-        skip_tokenizer_init: bool = False,
-        enforce_eager: bool | None = None,
-        load_format: str = "auto",
-        gpu_memory_utilization: float = 0.85,
-        tensor_parallel_size: int = 1,
-        threads_per_rank: int | None = None,
-        quantization: str = "auto",
-        enable_expert_parallel: bool = False,
-        compile_cache_dir: str | None = None,
-    ) -> None:
-        self.engine = LLMEngine(
-            ModelConfig(
-                model,
-                dtype=dtype,
-                device=device,
-                seed=seed,
-                enforce_eager=enforce_eager,
-                load_format=load_format,
-                quantization=quantization,
-                enable_expert_parallel=enable_expert_parallel,
-                compile_cache_dir=compile_cache_dir,
-            ),
-            CacheConfig(
-                block_size=block_size,
-                num_blocks=num_blocks,
-                enable_prefix_caching=enable_prefix_caching,
-                kv_cache_bytes=kv_cache_bytes,
-                gpu_memory_utilization=gpu_memory_utilization,
-            ),
-            SchedulerConfig(
-                max_num_batched_tokens=max_num_batched_tokens,
-                max_num_seqs=max_num_seqs,
-                max_model_len=max_model_len,
-                long_prefill_token_threshold=long_prefill_token_threshold,
-                enable_chunked_prefill=enable_chunked_prefill,
-                policy=policy,
-            ),
-            ParallelConfig(tensor_parallel_size, threads_per_rank),
-        )
+    Every keyword but skip_tokenizer_init is a field of one of the engine's configs
+    (common/engine/config.py), whose docstrings and `option` help texts say what it means, and
+    takes that field's default: ModelConfig (dtype, device, quantization, enforce_eager, ...),
+    CacheConfig (block_size, num_blocks, kv_cache_bytes, ...), SchedulerConfig (max_num_seqs,
+    max_num_batched_tokens, policy, ...), ParallelConfig (tensor_parallel_size,
+    threads_per_rank, ...). `help(LLM)` and `inspect.signature(LLM)` list every one with its
+    default; an unknown keyword is a TypeError, a bad value a ValueError.
+    skip_tokenizer_init: take token-id prompts only (no tokenizer files needed).
+    """
+
+    def __init__(self, model: str, *, skip_tokenizer_init: bool = False, **options: Any) -> None:
+        self.engine = LLMEngine(*llm_configs(model, options))
         self.tokenizer = None if skip_tokenizer_init else _load_tokenizer(model)
         self._ids = itertools.count()
 
@@ -153,6 +115,37 @@ class LLM:
             if request.sampling.prompt_logprobs is not None
             else None,
         )
+
+
+def llm_configs(
+    model: str, options: dict[str, Any]
+) -> tuple[ModelConfig, CacheConfig, SchedulerConfig, ParallelConfig]:
+    """The engine's configs of `LLM(model, **options)`: each option to the config with a field
+    of its name, every other field at the config's own default."""
+    names = [{f.name for f in fields(cls)} - {"model_dir"} for cls in LLM_CONFIGS]
+    unknown = sorted(set(options).difference(*names))
+    if unknown:
+        raise TypeError(f"LLM() got unknown options {unknown} (see help(LLM))")
+    given = [{k: v for k, v in options.items() if k in own} for own in names]
+    given[0]["model_dir"] = model
+    return tuple(cls(**g) for cls, g in zip(LLM_CONFIGS, given))  # type: ignore[return-value]
+
+
+def _signature() -> inspect.Signature:
+    """LLM.__init__'s signature as `help` and editors should show it: every config field a
+    keyword with the config's default (the function itself takes them as **options)."""
+    own = list(inspect.signature(LLM.__init__).parameters.values())[:-1]  # but **options
+    keyword = inspect.Parameter.KEYWORD_ONLY
+    for cls in LLM_CONFIGS:
+        own += [
+            inspect.Parameter(f.name, keyword, default=f.default, annotation=f.type)
+            for f in fields(cls)
+            if f.default is not MISSING  # model_dir is LLM's model
+        ]
+    return inspect.Signature(own, return_annotation=None)
+
+
+LLM.__init__.__signature__ = _signature()  # type: ignore[attr-defined]
 
 
 def _as_batch(prompts) -> list[str | list[int]]:

@@ -1,14 +1,24 @@
 """Every engine and node option is declared once, on its config dataclass (`option`): the
-parsers take name, default and help from there, and no parser module spells one again."""
+parsers take name, default and help from there, and no parser module spells one again; the
+offline `LLM(...)` takes the engine configs' fields with their defaults, none written again."""
 
 from __future__ import annotations
 
 import argparse
 import ast
 import dataclasses
+import inspect
 from pathlib import Path
 
-from pdserve.common.engine.config import CacheConfig, ModelConfig, SchedulerConfig
+import pytest
+
+from pdserve.common.engine.config import (
+    CacheConfig,
+    ModelConfig,
+    ParallelConfig,
+    SchedulerConfig,
+)
+from pdserve.common.engine.llm import LLM, LLM_CONFIGS, llm_configs
 from pdserve.common.node.cli import (
     ENGINE_CONFIGS,
     add_engine_args,
@@ -125,3 +135,63 @@ def test_no_parser_module_declares_an_option_again() -> None:
     for module in PARSER_MODULES:
         again = _hand_written_flags((REPO / module).read_text()) & declared
         assert not again, f"{module} adds {sorted(again)} by hand: declare them on the config"
+
+
+# A value other than the default for each field `LLM(...)` takes beyond the engine flags.
+LLM_VALUES = {
+    **ENGINE_VALUES,
+    "load_format": "dummy",
+    "gpu_memory_utilization": 0.5,
+    "enable_chunked_prefill": False,
+    "policy": "priority",
+    "tensor_parallel_size": 2,
+    "threads_per_rank": 1,
+    "timeout_s": 5.0,
+    "start_timeout_s": 9.0,
+    "rank_agent": "m:A",
+    "rank_agent_options": {"a": 1},
+    "workers": "external",
+    "host": "127.0.0.2",
+    "port": 5,
+}
+
+
+def _names(config: type | object) -> set[str]:
+    return {f.name for f in dataclasses.fields(config)}
+
+
+def test_llm_takes_each_option_with_the_config_default() -> None:
+    names = [_names(cls) - {"model_dir"} for cls in LLM_CONFIGS]
+    assert sum(map(len, names)) == len(set().union(*names)) == len(LLM_VALUES)  # no overlap
+    signature = inspect.signature(LLM).parameters
+    for cls in LLM_CONFIGS:
+        for f in dataclasses.fields(cls):
+            if f.name != "model_dir":
+                assert signature[f.name].default == f.default, f"LLM({f.name}=...)"
+    for name, value in LLM_VALUES.items():
+        given = {name: value, **({"port": 5} if name == "workers" else {})}  # external: a port
+        expected = [ModelConfig("m", dtype="float32"), CacheConfig(), SchedulerConfig()]
+        expected = [
+            dataclasses.replace(c, **{k: v for k, v in given.items() if k in _names(c)})
+            for c in (*expected, ParallelConfig())
+        ]
+        assert llm_configs("m", {"dtype": "float32", **given}) == tuple(expected), name
+
+
+def test_llm_refuses_an_unknown_option_by_name() -> None:
+    with pytest.raises(TypeError, match=r"unknown options \['blocksize', 'model_dir'\]"):
+        llm_configs("m", {"blocksize": 8, "model_dir": "x"})
+
+
+def test_llm_module_writes_no_option_again() -> None:
+    """llm.py names no config field as a parameter, a keyword or a string (where a default
+    would be written again): its signature comes from the configs."""
+    tree = ast.parse((REPO / "common/engine/llm.py").read_text())
+    named = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.arg | ast.keyword):
+            named.add(node.arg)
+        elif isinstance(node, ast.Constant) and isinstance(node.value, str):
+            named.add(node.value)
+    fields = set().union(*map(_names, LLM_CONFIGS))
+    assert named & fields <= {"model_dir"}  # the one required field: LLM's model
