@@ -281,15 +281,15 @@ def _q4_k_m_fallbacks(name: str) -> Q:
 
 def test_a_q4_k_m_gguf_of_width_896_loads_every_tensor_quantized(tiny_model_dir, tmp_path) -> None:
     """Issue 36's file (Qwen2.5-0.5B's shape: 896 wide, 14 heads, 2 KV heads, an untied
-    head), two layers: every decoder linear, the embedding and the head held quantized, each
+    head), four layers: every decoder linear, the embedding and the head held quantized, each
     tensor converted on its own (the peak within 1.3x of the loaded size). Against the file:
     int8 holds Q5_0's 5.5 bits a weight in 8, so what is held is up to 1.45x the file's
-    tensors (1.32x for this mix; docs/quantization.md), and the bound stays there."""
+    tensors (1.37x for this mix; docs/quantization.md), and the bound stays there."""
     model_dir = tiny_model_dir(
         "llama",
         hidden_size=896,
-        intermediate_size=1280,
-        num_hidden_layers=2,
+        intermediate_size=2304,
+        num_hidden_layers=4,
         num_attention_heads=14,
         num_key_value_heads=2,
         tie_word_embeddings=False,
@@ -300,7 +300,7 @@ def test_a_q4_k_m_gguf_of_width_896_loads_every_tensor_quantized(tiny_model_dir,
     m = _measure_load(path, warm_up)
     file = sum(int(t.n_bytes) for t in gguf.GGUFReader(str(path)).tensors)
     loaded, peak = m["after"] - m["before"], m["peak"] - m["before"]
-    assert m["quantized"] == 2 * len(LINEARS), m
+    assert m["quantized"] == 4 * len(LINEARS), m
     assert (m["embedding"], m["head"]) == ("QuantizedEmbedding", "QuantizedLinear"), m
     assert loaded >= 0.9 * m["nbytes"], m  # the measurement sees the model
     assert m["nbytes"] <= 1.45 * file, {**m, "file": file}
