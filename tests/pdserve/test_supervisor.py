@@ -7,16 +7,9 @@ import signal
 
 import pytest
 
-from pdserve.local_cluster import LocalCluster
-from pdserve.serve import (
-    Backoff,
-    Child,
-    StopFlag,
-    Supervisor,
-    build_parser,
-    cluster_from_args,
-    exit_status,
-)
+from pdserve.local_cluster import LocalCluster, exit_status
+from pdserve.serve import build_parser, cluster_from_args
+from pdserve.supervisor import Backoff, Child, StopFlag, Supervisor
 
 
 def test_backoff_doubles_up_to_its_maximum() -> None:
