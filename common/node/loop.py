@@ -4,7 +4,8 @@ A node's loop reads like an engine step with I/O around it:
 
     handle control messages -> role I/O (KV arrivals) -> engine step -> leases, heartbeat
 
-Registration, heartbeats and leases are the node's `Membership` (membership.py), handed its data.
+Registration, heartbeats and leases are the node's `Membership` (membership.py), handed its data;
+what a heartbeat, /metrics and an integrity check report is read off the engine (reports.py).
 
 Role differences live in small subclasses (prefill_node, decode_node, ColocatedNode here):
 each adds its entries to the handler table (message type -> bound method) and overrides a few
@@ -38,9 +39,9 @@ from pdserve.common.node.membership import (
     Handler,
     Membership,
     NodeStatus,
-    PrefixChanges,
     advertise_host,
 )
+from pdserve.common.node.reports import engine_gauges, engine_status, integrity_report
 from pdserve.common.wire.messages import (
     Abort,
     Admitted,
@@ -206,7 +207,7 @@ class EngineNode:
         self.abort(msg.request_id)
 
     def report_integrity(self, msg: CheckIntegrity) -> IntegrityReport:
-        return self.integrity_report(msg.nonce)
+        return integrity_report(self.engine, msg.nonce)
 
     def resync_prefixes(self, _: SyncPrefixes) -> None:
         """A router lost track of our prefix-cache changes: send it the whole index now."""
@@ -255,22 +256,12 @@ class EngineNode:
         )
 
     def status(self) -> NodeStatus:
-        """This node's load and prefix-cache changes (taken: the next status has only newer
-        ones) for a heartbeat; the health gauges are refreshed with it."""
-        sched, kv = self.engine.scheduler, self.engine.kv
-        queued = sum(r.num_tokens - r.num_computed_tokens for r in sched.waiting)
+        """This node's load and prefix-cache changes for a heartbeat (`engine_status`); the
+        health gauges are refreshed with it."""
+        status = engine_status(self.engine, self.drain_deadline is not None)
         if self.health is not None:
-            self.publish_gauges(queued)
-        events = kv.pool.prefix_events
-        return NodeStatus(
-            free_blocks=kv.num_free_blocks,
-            num_running=len(sched.running),
-            num_waiting=len(sched.waiting),
-            queued_tokens=queued,
-            draining=self.drain_deadline is not None,
-            prefill_rate=self.engine.prefill_rate.tokens_per_s,
-            prefixes=None if events is None else PrefixChanges(*events.drain(kv.pool.cached)),
-        )
+            self.publish_gauges(status.queued_tokens)
+        return status
 
     def heartbeat(self, now: bool = False) -> None:
         """Report this node's status to every router once per interval (`now`: at once)."""
@@ -292,18 +283,9 @@ class EngineNode:
             self.tell(rid, Error(rid, why, Failure.LEASE_EXPIRED))
 
     def publish_gauges(self, queued_tokens: int) -> None:
-        """Refresh what the health endpoint's /metrics reports."""
-        sched, kv = self.engine.scheduler, self.engine.kv
-        total = max(1, kv.pool.num_blocks - 1)
-        self.health.gauges = {
-            "pdserve_node_queued_prefill_tokens": queued_tokens,
-            "pdserve_node_kv_cache_usage": 1.0 - kv.num_free_blocks / total,
-            "pdserve_node_free_kv_blocks": kv.num_free_blocks,
-            "pdserve_node_running_requests": len(sched.running),
-            "pdserve_node_waiting_requests": len(sched.waiting),
-            "pdserve_node_draining": float(self.drain_deadline is not None),
-            "pdserve_node_prefill_tokens_per_second": self.engine.prefill_rate.tokens_per_s,
-        }
+        """Refresh what the health endpoint's /metrics reports (a role may add gauges)."""
+        draining = self.drain_deadline is not None
+        self.health.gauges = engine_gauges(self.engine, queued_tokens, draining)
 
     def handle(self, msg: Message, link: int = 0) -> None:
         """Run this role's handler for `msg`, which came on `link`; bad input fails only its
@@ -357,23 +339,6 @@ class EngineNode:
             why = "node shut down before the request finished"
             self.tell(rid, Error(rid, why, Failure.DRAINING))
         return True
-
-    def integrity_report(self, nonce: int) -> IntegrityReport:
-        kv = self.engine.kv
-        try:
-            self.engine.check_integrity()
-            ok, detail = True, ""
-        except AssertionError as exc:
-            ok, detail = False, str(exc)
-        return IntegrityReport(
-            nonce=nonce,
-            ok=ok,
-            detail=detail,
-            num_blocks=kv.pool.num_blocks - 1,
-            free_blocks=kv.num_free_blocks,
-            cached_blocks=len(kv.pool.cached),
-            live_requests=tuple(self.engine.scheduler.requests),
-        )
 
     def live(self) -> bool:
         """The loop made progress within stall_timeout."""

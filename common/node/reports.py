@@ -1,0 +1,66 @@
+"""What a node reports about its engine, read from the engine alone: the load a heartbeat
+carries (`engine_status`), the gauges of the health endpoint's /metrics (`engine_gauges`) and
+the answer to a router's integrity check (`integrity_report`). The node adds the one thing only
+it knows, whether it drains, and sends them (`loop.EngineNode`)."""
+
+from __future__ import annotations
+
+from pdserve.common.engine.llm_engine import LLMEngine
+from pdserve.common.node.membership import NodeStatus, PrefixChanges
+from pdserve.common.wire.messages import IntegrityReport
+
+
+def queued_tokens(engine: LLMEngine) -> int:
+    """Prompt tokens waiting to be computed: what a prefill node is short of capacity by."""
+    return sum(r.num_tokens - r.num_computed_tokens for r in engine.scheduler.waiting)
+
+
+def engine_status(engine: LLMEngine, draining: bool) -> NodeStatus:
+    """The engine's load and prefix-cache changes for a heartbeat (the changes are taken: the
+    next status has only newer ones)."""
+    sched, kv = engine.scheduler, engine.kv
+    events = kv.pool.prefix_events
+    return NodeStatus(
+        free_blocks=kv.num_free_blocks,
+        num_running=len(sched.running),
+        num_waiting=len(sched.waiting),
+        queued_tokens=queued_tokens(engine),
+        draining=draining,
+        prefill_rate=engine.prefill_rate.tokens_per_s,
+        prefixes=None if events is None else PrefixChanges(*events.drain(kv.pool.cached)),
+    )
+
+
+def engine_gauges(engine: LLMEngine, queued: int, draining: bool) -> dict[str, float]:
+    """The health endpoint's gauges (`health.NODE_METRICS`) a node of every role reports."""
+    sched, kv = engine.scheduler, engine.kv
+    total = max(1, kv.pool.num_blocks - 1)  # the null block is never free
+    return {
+        "pdserve_node_queued_prefill_tokens": queued,
+        "pdserve_node_kv_cache_usage": 1.0 - kv.num_free_blocks / total,
+        "pdserve_node_free_kv_blocks": kv.num_free_blocks,
+        "pdserve_node_running_requests": len(sched.running),
+        "pdserve_node_waiting_requests": len(sched.waiting),
+        "pdserve_node_draining": float(draining),
+        "pdserve_node_prefill_tokens_per_second": engine.prefill_rate.tokens_per_s,
+    }
+
+
+def integrity_report(engine: LLMEngine, nonce: int) -> IntegrityReport:
+    """The engine's block bookkeeping checked (`LLMEngine.check_integrity`), as a router's
+    `CheckIntegrity` asked: a failed check is reported, not raised."""
+    kv = engine.kv
+    try:
+        engine.check_integrity()
+        ok, detail = True, ""
+    except AssertionError as exc:
+        ok, detail = False, str(exc)
+    return IntegrityReport(
+        nonce=nonce,
+        ok=ok,
+        detail=detail,
+        num_blocks=kv.pool.num_blocks - 1,
+        free_blocks=kv.num_free_blocks,
+        cached_blocks=len(kv.pool.cached),
+        live_requests=tuple(engine.scheduler.requests),
+    )
