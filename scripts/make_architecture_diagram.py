@@ -28,7 +28,7 @@ ARROWS = [
     (
         (3.1, 1.25),
         (6.6, 1.25),
-        "3 KV pages, one frame per layer\n(zmq | nccl | shm) + done, checksum",
+        "3 KV pages, one frame per layer\n(zmq | nccl | shm | nixl) + done, checksum",
         (4.85, 0.65),
     ),
 ]
