@@ -1,9 +1,10 @@
-"""Where a batch-1 decode step's time goes (docs/quantization.md's profile table): each part of
+"""Where a decode step's time goes (docs/quantization.md's profile table): each part of
 `engine.step()` timed around the engine's and the model's own functions, by wall clock and by
 this thread's CPU time (with --threads 1 the CPU time is the step's work, whatever else runs
 on the machine), then torch.profiler's busiest operations.
 
-    PYTHONPATH=. python scripts/decode_profile.py MODEL [--threads 1] [--steps 64] [--compile]
+    PYTHONPATH=. python scripts/decode_profile.py MODEL [--threads 1] [--steps 64] [--batch 16]
+        [--compile]
 
 "forward, rest" is the forward less the parts named inside it: residual adds, SiLU * up,
 views, and Python and dispatch between operations.
@@ -75,16 +76,20 @@ def instrument(llm: LLM, clock: Clock) -> None:
     llama.RotaryEmbedding.forward = clock.wrap("rope", llama.RotaryEmbedding.forward)
 
 
-def start_decoding(llm: LLM, steps: int) -> None:
-    """One request past its prefill, with `steps` decode steps ahead of it."""
+def start_decoding(llm: LLM, steps: int, batch: int) -> None:
+    """`batch` requests past their prefill (one step: 16 prompt tokens each), with `steps`
+    decode steps ahead of them."""
     params = SamplingParams(max_tokens=steps + 2, temperature=0.0, ignore_eos=True)
-    llm.engine.add_request(f"p{time.time()}", list(range(100, 116)), params)
+    for i in range(batch):
+        prompt = list(range(100 + i, 116 + i))  # distinct prompts: no prefix-cache hits
+        llm.engine.add_request(f"p{time.time()}-{i}", prompt, params)
     llm.engine.step()
+    assert not llm.engine.scheduler.waiting, "the prefill must take every prompt in one step"
 
 
-def step_parts(llm: LLM, clock: Clock, steps: int) -> dict[str, dict[str, float]]:
+def step_parts(llm: LLM, clock: Clock, steps: int, batch: int) -> dict[str, dict[str, float]]:
     """Milliseconds per decode step of each part, wall and CPU, and of the whole step."""
-    start_decoding(llm, steps)
+    start_decoding(llm, steps, batch)
     clock.clear()
     n, wall, cpu = 0, time.perf_counter(), time.thread_time()
     while llm.engine.has_unfinished:
@@ -102,9 +107,9 @@ def step_parts(llm: LLM, clock: Clock, steps: int) -> dict[str, dict[str, float]
     }
 
 
-def busiest_ops(llm: LLM, steps: int, rows: int = 15) -> str:
+def busiest_ops(llm: LLM, steps: int, batch: int, rows: int = 20) -> str:
     """torch.profiler's table of the operations with the most self time over `steps` steps."""
-    start_decoding(llm, steps)
+    start_decoding(llm, steps, batch)
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         while llm.engine.has_unfinished:
             llm.engine.step()
@@ -118,6 +123,7 @@ def main() -> None:
     p.add_argument("--quantization", default="auto")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--steps", type=int, default=64)
+    p.add_argument("--batch", type=int, default=1, help="sequences decoding together")
     p.add_argument("--repeats", type=int, default=3, help="runs of --steps; the median shown")
     p.add_argument("--compile", action="store_true", help="decode through the compiled model")
     p.add_argument("--ops", action="store_true", help="also torch.profiler's busiest ops")
@@ -130,15 +136,16 @@ def main() -> None:
         kv_cache_bytes=32 * 1024**2,
         skip_tokenizer_init=True,
         enforce_eager=not args.compile,
-        max_num_seqs=1,  # compiled: one bucket
+        max_num_seqs=args.batch,  # compiled: one bucket holds the batch
     )
     if args.ops:
-        print(busiest_ops(llm, args.steps))
+        print(busiest_ops(llm, args.steps, args.batch))
     clock = Clock()
     instrument(llm, clock)
-    runs = [step_parts(llm, clock, args.steps) for _ in range(args.repeats)]
+    runs = [step_parts(llm, clock, args.steps, args.batch) for _ in range(args.repeats)]
     runs.sort(key=lambda r: r["cpu_ms"]["step"])
-    print(json.dumps({"threads": args.threads, **runs[len(runs) // 2]}, indent=1))
+    head = {"threads": args.threads, "batch": args.batch}
+    print(json.dumps({**head, **runs[len(runs) // 2]}, indent=1))
 
 
 if __name__ == "__main__":
