@@ -130,6 +130,15 @@ class VllmLaunch:
         return cmd + (["--enforce-eager"] if self.enforce_eager else [])
 
     @property
+    def settings(self) -> str:
+        """What the report's setup shows of it: the cores and dtype to set against pdserve's."""
+        mode = "eager (`--enforce-eager`)" if self.enforce_eager else "compiled (its default)"
+        return (f"cores {self.cores} (`VLLM_CPU_OMP_THREADS_BIND`), KV cache {self.kv_gib} GiB "
+                f"(`VLLM_CPU_KVCACHE_SPACE`), `--dtype {self.dtype}`, {mode}, "
+                f"`--max-num-batched-tokens {self.batch_tokens} --max-num-seqs "
+                f"{self.max_num_seqs}`")  # fmt: skip
+
+    @property
     def env(self) -> dict[str, str]:
         """vLLM finds the CPU platform only when told; no usage reports, no hub look-ups."""
         return {"VLLM_TARGET_DEVICE": "cpu", "VLLM_CPU_OMP_THREADS_BIND": self.cores,

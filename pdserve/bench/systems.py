@@ -115,11 +115,18 @@ def transformers_serve(model: Path, batch_tokens: int, log_dir: Path, threads: i
     hub_cache.mkdir(parents=True, exist_ok=True)
     offline = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_HUB_CACHE": str(hub_cache)}
     env = {**os.environ, **offline, **{k: v for k, v in threads_env(threads).items() if v}}
-    cmd = [sys.executable, "-m", "transformers.cli.transformers", "serve", str(model)]
-    cmd += ["--continuous-batching", "--device", "cpu", "--dtype", dtype]
-    cmd += ["--cb-max-batch-tokens", str(batch_tokens)]
+    cmd = transformers_command(model, batch_tokens, dtype)
     with peer_server("transformers-serve", cmd, log_dir, env, timeout) as url:
         yield url
+
+
+TRANSFORMERS = (sys.executable, "-m", "transformers.cli.transformers", "serve")
+
+
+def transformers_command(model: Path, batch_tokens: int, dtype: str) -> list[str]:
+    """`transformers serve` on `model`, without --host and --port (the peer server adds them)."""
+    cmd = [*TRANSFORMERS, str(model), "--continuous-batching", "--device", "cpu"]
+    return cmd + ["--dtype", dtype, "--cb-max-batch-tokens", str(batch_tokens)]
 
 
 @dataclass
@@ -167,7 +174,8 @@ def routers_over_fakes(model: Path, routers: int, fakes: dict[str, Any], log_dir
         yield rig
 
 
-SMOLLM2_DIR = "smollm2-135m-instruct-f32"  # under --cache-dir
+SMOLLM2_DIR = "smollm2-135m-instruct"  # under --cache-dir, one folder per dtype
+SHORT_DTYPES = {"float32": "f32", "bfloat16": "bf16", "float16": "f16"}
 REMOTE = ("--prefill-placement", "remote")  # every prefill on a prefill node
 DEFAULT_BATCH_TOKENS = 512  # pdserve's --max-num-batched-tokens (pdserve.common.node.cli)
 
@@ -228,6 +236,22 @@ def start_peer(spec: System, args: argparse.Namespace, model: Path,
     return transformers_serve(model, tokens, log_dir, args.threads, dtype=dtype)
 
 
+def peer_settings(spec: System, args: argparse.Namespace, model: Path) -> str:
+    """How the peer `spec` names is started (as start_peer starts it), for the report's setup:
+    its cores or threads, dtype, KV room and flags, so a reader sees the same cores and dtype
+    as pdserve's were kept."""
+    tokens, threads = batch_tokens(args.engine_args), args.threads or os.cpu_count()
+    if spec.peer == "llamacpp":  # flags after `--model PATH`: threads, batch, context
+        cmd = llamacpp_command(args.gguf, tokens, args.threads)
+        flags = cmd[cmd.index("--model") + 2 :]
+        return f"{args.gguf.name}, `{' '.join(flags)}`"
+    if spec.peer == "vllm":
+        return VllmLaunch.of(args.vllm_python, model, args.engine_args, args.threads).settings
+    dtype = engine_dtype(args.engine_args, model)
+    flags = transformers_command(model, tokens, dtype)[len(TRANSFORMERS) + 1 :]
+    return f"`{' '.join(flags)}`, {threads} torch threads (`OMP_NUM_THREADS`)"
+
+
 Measure = Callable[[System, str, list[str], dict[str, Any]], None]
 
 
@@ -251,31 +275,33 @@ def measure_systems(args: argparse.Namespace, systems: dict[str, System], model:
     return results, notes
 
 
-def smollm2_model(cache_dir: Path) -> Path:
-    """SmolLM2-135M-Instruct as an HF directory of float32 safetensors, made once from the GGUF
-    pdserve serves, so transformers serve and pdserve load the same weights. Built aside and
+def smollm2_model(cache_dir: Path, dtype: str, gguf: Path | None = None) -> Path:
+    """SmolLM2-135M-Instruct (or `gguf`) as an HF directory of `dtype` safetensors (the dtype
+    the run serves: vLLM and transformers serve load it in that dtype), made once per dtype
+    from the GGUF pdserve serves, so every system loads the same weights. Built aside and
     renamed, so a concurrent run never reads half a model; another GGUF gets its own folder."""
     from pdserve.common.model.checkpoint import Checkpoint
     from pdserve.models import smollm2
 
-    gguf = smollm2()
-    out = cache_dir / f"{SMOLLM2_DIR}-{gguf.stat().st_size}"
+    gguf = gguf or smollm2()
+    out = cache_dir / f"{SMOLLM2_DIR}-{SHORT_DTYPES[dtype]}-{gguf.stat().st_size}"
     if (out / "model.safetensors").is_file():
         return out
-    print(f"writing {gguf.name} as float32 safetensors into {out}", flush=True)
+    print(f"writing {gguf.name} as {dtype} safetensors into {out}", flush=True)
     cache_dir.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=cache_dir) as tmp:
         built = shutil.copytree(Checkpoint.resolve(gguf).hf_dir(), Path(tmp) / "m")
-        _write_float32(gguf, built)
+        _write_safetensors(gguf, built, dtype)
         with contextlib.suppress(OSError):  # another run got there first
             os.rename(built, out)
     return out
 
 
-def _write_float32(gguf: Path, into: Path) -> None:
-    """The GGUF's weights as pdserve's loader reads them (dequantized, q/k rows in HF order),
-    into model.safetensors, and the model class into config.json (transformers serve picks
-    the class by `architectures`)."""
+def _write_safetensors(gguf: Path, into: Path, dtype: str) -> None:
+    """The GGUF's weights as pdserve's loader reads them (dequantized to float32, q/k rows in
+    HF order) then cast to `dtype` (one rounding, from float32), into model.safetensors; the
+    dtype and the model class into config.json (transformers serve picks the class by
+    `architectures`)."""
     import torch
     from safetensors.torch import save_file
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
@@ -283,11 +309,12 @@ def _write_float32(gguf: Path, into: Path) -> None:
     from pdserve.common.model.weights import load_model
 
     model, _ = load_model(gguf, torch.float32, "cpu")
-    state = {name: p.contiguous() for name, p in model.named_parameters()}  # tied: embeddings
+    cast = getattr(torch, dtype)
+    state = {n: p.to(cast).contiguous() for n, p in model.named_parameters()}  # tied: embeddings
     save_file(state, into / "model.safetensors", metadata={"format": "pt"})
     config = json.loads((into / "config.json").read_text())
     config.update(architectures=[MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[config["model_type"]]])
-    (into / "config.json").write_text(json.dumps({**config, "dtype": "float32"}, indent=2) + "\n")
+    (into / "config.json").write_text(json.dumps({**config, "dtype": dtype}, indent=2) + "\n")
 
 
 def heartbeat_args(heartbeat_timeout: float) -> list[str]:

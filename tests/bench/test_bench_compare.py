@@ -4,18 +4,22 @@ given directory (nothing under docs/)."""
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import sys
 from pathlib import Path
 
 import pytest
+import torch
+from safetensors.torch import load_file
 
 from pdserve.bench import compare as bc
-from pdserve.bench import peers
+from pdserve.bench import peers, systems
 from pdserve.bench import report as rp
 from pdserve.bench.load import load_pool
 from pdserve.bench.report import goal
+from tests.common.model.test_gguf import write_llama_gguf
 
 FAKE_LLAMACPP = Path(__file__).with_name("fake_llamacpp.py")
 FAKE_VLLM = Path(__file__).with_name("fake_vllm.py")
@@ -87,6 +91,11 @@ def test_quick_run_writes_results_plots_and_section(tmp_path, fake_vllm_python):
     assert "| colocated output tok/s >= 1.2x vLLM's" in doc
     assert "![compare_ttft](compare_ttft.png)" in doc
     assert "CPU cores" in doc
+    settings = data["peer_settings"]["vllm"]  # the same cores and dtype, shown in the setup
+    assert settings.startswith(f"cores {min(os.sched_getaffinity(0))} (")
+    assert "KV cache 1 GiB" in settings
+    assert f"`--dtype {peers.engine_dtype([], Path(data['model']))}`" in settings
+    assert "compiled (its default)" in settings and f"| vllm settings | {settings} |" in doc
 
     assert "engine_profile" not in doc and "profile" not in data
 
@@ -164,7 +173,7 @@ def test_llamacpp_quick_run_through_a_stand_in(tmp_path, monkeypatch):
     for llama.cpp's server: it runs only the runs sent one at a time, gets text prompts and
     min_tokens (it ignores ignore_eos), and is started with the flags of llamacpp_command."""
     cache = tmp_path / "cache"
-    monkeypatch.setattr(bc, "smollm2_model", lambda _: rp.cached_model(cache, *bc.MODELS[True]))
+    monkeypatch.setattr(bc, "smollm2_model", lambda *_: rp.cached_model(cache, *bc.MODELS[True]))
     monkeypatch.setattr(bc, "smollm2", lambda: tmp_path / "smollm2.gguf")
     monkeypatch.setattr(peers, "LLAMACPP", (sys.executable, str(FAKE_LLAMACPP)))
     out, logs = tmp_path / "out", tmp_path / "logs"
@@ -183,4 +192,44 @@ def test_llamacpp_quick_run_through_a_stand_in(tmp_path, monkeypatch):
     goals = {g["goal"]: g for g in data["goals"]}
     assert len(goals) == 6 + VLLM_GOALS and all(g["value"] is None for g in goals.values())
     assert [g["baseline"] > 0 for name, g in goals.items() if "llama.cpp" in name] == [True] * 2
-    assert "llamacpp" in (out / "benchmarks.md").read_text()
+    flags = "`--n_ctx 4096 --verbose false --n_batch 512 --n_threads 2 --n_threads_batch 2`"
+    assert data["peer_settings"] == {"llamacpp": f"smollm2.gguf, {flags}"}
+    assert f"| llamacpp settings | smollm2.gguf, {flags} |" in (out / "benchmarks.md").read_text()
+
+
+def test_transformers_settings_name_its_dtype_budget_and_threads(tmp_path):
+    args = argparse.Namespace(engine_args=["--dtype", "bfloat16", "--max-num-batched-tokens", "96"],
+                              threads=2)  # fmt: skip
+    settings = bc.peer_settings(bc.SYSTEMS["transformers-serve"], args, tmp_path / "m")
+    flags = "--continuous-batching --device cpu --dtype bfloat16 --cb-max-batch-tokens 96"
+    assert settings == f"`{flags}`, 2 torch threads (`OMP_NUM_THREADS`)"
+
+
+def test_llamacpp_decode_step_goal_is_issue_36s(tmp_path):
+    """Colocated's batch-1 step 5% over llama.cpp's misses (issue 25's 1.2x would have met)."""
+    one = "latency/concurrency=1"
+    results = {system: {one: {"completed": 4, "mean_tpot_ms": tpot, "mean_ttft_ms": 50.0}}
+               for system, tpot in (("pdserve-colocated", 10.5), ("llamacpp", 10.0))}  # fmt: skip
+    goals = [g for g in bc.evaluate_goals(results, bc.QUICK_SIZES, {}) if "TPOT" in g["goal"]]
+    step = next(g for g in goals if "llama.cpp" in g["goal"])
+    assert step["status"] == "missed" and step["ratio"] == pytest.approx(1.05)
+    assert "<= 1x llama.cpp's on the same GGUF" in step["goal"]
+    results["pdserve-colocated"][one]["mean_tpot_ms"] = 10.0
+    again = {g["goal"]: g for g in bc.evaluate_goals(results, bc.QUICK_SIZES, {})}
+    assert again[step["goal"]]["status"] == "met"
+
+
+def test_smollm2_model_is_written_in_the_served_dtype_once_per_dtype(tiny_model_dir, tmp_path):
+    """The HF directory vLLM and transformers serve load: the GGUF's weights in the run's dtype
+    (bf16 where the engine serves bf16), one folder per dtype, made once."""
+    gguf = write_llama_gguf(tiny_model_dir("llama"), tmp_path / "tiny.gguf")
+    cache = tmp_path / "cache"
+    bf16 = systems.smollm2_model(cache, "bfloat16", gguf)
+    f32 = systems.smollm2_model(cache, "float32", gguf)
+    assert bf16 != f32 and systems.smollm2_model(cache, "bfloat16", gguf) == bf16
+    for folder, dtype in ((bf16, torch.bfloat16), (f32, torch.float32)):
+        assert json.loads((folder / "config.json").read_text())["dtype"] == str(dtype)[6:]
+        assert {t.dtype for t in load_file(folder / "model.safetensors").values()} == {dtype}
+    wide, narrow = load_file(f32 / "model.safetensors"), load_file(bf16 / "model.safetensors")
+    assert wide.keys() == narrow.keys()
+    assert all(torch.equal(wide[n].to(torch.bfloat16), narrow[n]) for n in wide)
