@@ -1,4 +1,5 @@
-"""The one dispatch point: Triton kernels for CUDA tensors, torch references elsewhere.
+"""The one dispatch point: Triton kernels for CUDA tensors, else the plain-torch kernels of
+`cpu.py` (paged attention on a device that is neither CUDA nor CPU: `reference.py`'s).
 
 Callers (the model runner, the connectors) only ever import from here.
 """
@@ -9,7 +10,7 @@ import functools
 
 import torch
 
-from pdserve.kernels import paged_cpu, reference
+from pdserve.kernels import cpu, reference
 
 
 @functools.cache
@@ -32,7 +33,7 @@ def store_kv(key, value, k_cache, v_cache, slot_mapping) -> None:
         from pdserve.kernels.store_kv import store_kv_triton
 
         return store_kv_triton(key, value, k_cache, v_cache, slot_mapping)
-    return reference.store_kv_ref(key, value, k_cache, v_cache, slot_mapping)
+    return cpu.store_kv(key, value, k_cache, v_cache, slot_mapping)
 
 
 def paged_attention(
@@ -64,9 +65,9 @@ def paged_attention(
         )
     args = (query, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale)
     if query.device.type == "cpu":
-        # The chunked reader of paged_cpu; reference.paged_attention_ref is its oracle (and
+        # The chunked reader of cpu.py; reference.paged_attention_ref is its oracle (and
         # serves any other device without Triton).
-        return paged_cpu.paged_attention_cpu(*args, sliding_window)
+        return cpu.paged_attention_cpu(*args, sliding_window)
     return reference.paged_attention_ref(*args, sliding_window)
 
 
@@ -80,7 +81,7 @@ def gather_pages(
         from pdserve.kernels.page_copy import gather_pages_triton
 
         return gather_pages_triton(layer_cache, block_ids, out)
-    return reference.gather_pages_ref(layer_cache, block_ids, out)
+    return cpu.gather_pages(layer_cache, block_ids, out)
 
 
 def scatter_pages(layer_cache: torch.Tensor, block_ids: torch.Tensor, pages: torch.Tensor) -> None:
@@ -89,7 +90,7 @@ def scatter_pages(layer_cache: torch.Tensor, block_ids: torch.Tensor, pages: tor
         from pdserve.kernels.page_copy import scatter_pages_triton
 
         return scatter_pages_triton(layer_cache, block_ids, pages)
-    return reference.scatter_pages_ref(layer_cache, block_ids, pages)
+    return cpu.scatter_pages(layer_cache, block_ids, pages)
 
 
 def fused_moe(x, gate_up, down, weights, ids) -> torch.Tensor:

@@ -3,8 +3,8 @@
 Gather (cache -> pages) packs a request's blocks for a KV transfer; scatter (pages -> cache)
 unpacks them on the receiving node. Both are one kernel: copy block `ids[i]` of one side to
 block `i` of the other. A layer cache is [planes, N, bs, H, D]: planes 2 for K and V, 1 for
-an MLA latent; the kernel copies every plane. References: `gather_pages_ref`,
-`scatter_pages_ref`.
+an MLA latent; the kernel copies every plane. References: `cpu.gather_pages`,
+`cpu.scatter_pages`.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import triton
 import triton.language as tl
 
 from pdserve.kernels._checks import FLOAT_DTYPES, INDEX_DTYPES, check_dtype
-from pdserve.kernels.reference import check_pages_out
+from pdserve.kernels.cpu import check_pages_out
 
 # Elements copied per program; large enough to amortise the block-id load, small enough
 # that a 16 KiB-element block still spreads over several programs.

@@ -1,4 +1,6 @@
-"""Pure-torch references of every kernel: the CPU serving path and the oracle for Triton tests.
+"""Pure-torch references: the oracles the kernel tests compare against, and what `ops` runs on a
+device other than the CPU that has no Triton. (store_kv and the page copies have no entry here:
+the CPU kernels in `cpu.py` are plain torch and serve as their references.)
 
 Shapes used throughout:
   key/value rows      [T, num_kv_heads, head_dim]
@@ -19,24 +21,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-
-def store_kv_ref(
-    key: torch.Tensor,
-    value: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    slot_mapping: torch.Tensor,
-) -> None:
-    """Write each token's K and V into its slot; a negative slot means "do not store"."""
-    num_blocks, block_size = k_cache.shape[:2]
-    slots = slot_mapping.long()
-    if not bool((slots >= 0).all()):  # the boolean selection only when some are skipped
-        valid = slots >= 0
-        slots, key, value = slots[valid], key[valid], value[valid]
-    k_flat = k_cache.view(num_blocks * block_size, *k_cache.shape[2:])
-    v_flat = v_cache.view(num_blocks * block_size, *v_cache.shape[2:])
-    k_flat.index_copy_(0, slots, key.to(k_cache.dtype))
-    v_flat.index_copy_(0, slots, value.to(v_cache.dtype))
+from pdserve.kernels.cpu import decode_groups
 
 
 @dataclass(frozen=True, slots=True)
@@ -109,19 +94,6 @@ class _Scratch(threading.local):
 
 
 _SCRATCH = _Scratch()
-
-
-def decode_groups(q_lens: list[int], seq_lens: list[int]) -> list[list[int]]:
-    """The decode rows (q_len 1) in groups, longest first, each row at least half as long as
-    its group's longest: padding every row to its group's longest at most doubles the work."""
-    rows = sorted((b for b, q_len in enumerate(q_lens) if q_len == 1), key=lambda b: -seq_lens[b])
-    groups: list[list[int]] = []
-    for b in rows:
-        if groups and 2 * seq_lens[b] >= seq_lens[groups[-1][0]]:
-            groups[-1].append(b)
-        else:
-            groups.append([b])
-    return groups
 
 
 def _make_part(
@@ -247,36 +219,6 @@ def paged_attention_ref(
         result = _attend(q, k, v, part.seen, scale).reshape(-1, *query.shape[1:])
         out[part.tokens] = result.to(out.dtype)
     return out
-
-
-def gather_pages_ref(
-    layer_cache: torch.Tensor, block_ids: torch.Tensor, out: torch.Tensor | None = None
-) -> torch.Tensor:
-    """Copy the given blocks of one layer's cache [P, N, block_size, H, D] (P planes: 2 for K
-    and V, 1 for a latent) into a contiguous [P, n, block_size, H, D], new or `out` (which must
-    have exactly that shape, the cache's dtype and be contiguous)."""
-    if out is None:
-        return layer_cache.index_select(1, block_ids.long())
-    check_pages_out(out, layer_cache, block_ids)
-    return torch.index_select(layer_cache, 1, block_ids.long(), out=out)
-
-
-def scatter_pages_ref(layer_cache: torch.Tensor, block_ids: torch.Tensor, pages: torch.Tensor):
-    """Write contiguous pages [P, n, block_size, H, D] into the given blocks of a layer cache
-    [P, N, block_size, H, D]."""
-    layer_cache.index_copy_(1, block_ids.long(), pages.to(layer_cache.dtype))
-
-
-def check_pages_out(out: torch.Tensor, layer_cache: torch.Tensor, block_ids: torch.Tensor) -> None:
-    """ValueError unless `out` can take the gathered pages of `block_ids` as they are (no
-    resize, no cast): shared by both gathers so an `out=` is refused the same way."""
-    shape = (layer_cache.shape[0], block_ids.shape[0], *layer_cache.shape[2:])
-    if tuple(out.shape) != shape or out.dtype != layer_cache.dtype:
-        raise ValueError(
-            f"out {tuple(out.shape)} {out.dtype} cannot take pages {shape} {layer_cache.dtype}"
-        )
-    if not out.is_contiguous() or out.device != layer_cache.device:
-        raise ValueError(f"out must be contiguous and on {layer_cache.device}")
 
 
 def combine_splits_ref(part_out: torch.Tensor, part_lse: torch.Tensor, out: torch.Tensor) -> None:

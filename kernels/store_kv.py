@@ -1,6 +1,6 @@
 """Reshape-and-cache: write each new token's K and V rows into its paged cache slot.
 
-Reference: `kernels.reference.store_kv_ref`.
+Reference: `kernels.cpu.store_kv`.
 """
 
 from __future__ import annotations

@@ -25,7 +25,7 @@ class AttentionMetadata:
     The tensors are not changed once made: on the CPU the step's attention plan (groups,
     gather indices, masks) is made by the first layer and cached on seq_lens, which every
     layer, and the compiled decode's opaque op, gets as the same object
-    (kernels/paged_cpu.step_plan; a change in place is caught only outside inference mode).
+    (kernels/cpu.step_plan; a change in place is caught only outside inference mode).
     """
 
     slot_mapping: torch.Tensor

@@ -17,7 +17,7 @@ from torch.utils import benchmark
 
 from pdserve.bench import report as rp
 from pdserve.common.node.cli import parser
-from pdserve.kernels.paged_cpu import make_plan, paged_attention_cpu
+from pdserve.kernels.cpu import make_plan, paged_attention_cpu
 from pdserve.kernels.reference import paged_attention_ref
 
 IMPLS: dict[str, Callable[..., torch.Tensor]] = {

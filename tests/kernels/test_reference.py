@@ -1,4 +1,4 @@
-"""The torch references against naive dense (non-paged) computations.
+"""The reference attention against naive dense (non-paged) computations.
 
 The paged batches built here are also the inputs of the Triton tests: every cache entry no
 sequence owns (tails of partial blocks, spare blocks, the block that block-table padding
@@ -12,12 +12,7 @@ from dataclasses import dataclass, replace
 import pytest
 import torch
 
-from pdserve.kernels.reference import (
-    gather_pages_ref,
-    paged_attention_ref,
-    scatter_pages_ref,
-    store_kv_ref,
-)
+from pdserve.kernels.reference import paged_attention_ref
 
 # (context_len, q_len) per sequence: a decode in a partial block, a fresh prefill over three
 # blocks, a prefill chunk after a cached prefix, a decode that opens a new block, and a
@@ -198,45 +193,3 @@ def random_slots(num_tokens: int, num_blocks: int, block_size: int, seed: int) -
     slots = torch.randperm(num_blocks * block_size, generator=gen)[:num_tokens]
     slots[1] = -1
     return slots
-
-
-@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16])
-def test_store_kv_ref_writes_slots_and_skips_negative(cache_dtype):
-    num_blocks, block_size, heads, dim = 6, 16, 2, 64
-    key, value = torch.randn(2, 9, heads, dim).unbind(0)
-    k_cache = torch.zeros(num_blocks, block_size, heads, dim, dtype=cache_dtype)
-    v_cache = torch.zeros_like(k_cache)
-    slots = random_slots(9, num_blocks, block_size, seed=1)
-    store_kv_ref(key, value, k_cache, v_cache, slots)
-    expected_k, expected_v = torch.zeros_like(k_cache), torch.zeros_like(v_cache)
-    for t, slot in enumerate(slots.tolist()):
-        if slot >= 0:
-            expected_k[slot // block_size, slot % block_size] = key[t].to(cache_dtype)
-            expected_v[slot // block_size, slot % block_size] = value[t].to(cache_dtype)
-    assert torch.equal(k_cache, expected_k) and torch.equal(v_cache, expected_v)
-
-
-@pytest.mark.parametrize("shape", [(2, 7, 16, 2, 64), (1, 7, 16, 1, 40)])  # K/V; a latent
-def test_gather_then_scatter_ref_moves_exactly_the_named_blocks(shape):
-    layer = torch.randn(shape)
-    ids = torch.tensor([5, 0, 3], dtype=torch.int32)
-    pages = gather_pages_ref(layer, ids)
-    for i, block in enumerate(ids.tolist()):
-        assert torch.equal(pages[:, i], layer[:, block])
-    target = torch.zeros_like(layer)
-    scatter_pages_ref(target, torch.tensor([1, 6, 2]), pages)
-    assert torch.equal(target[:, [1, 6, 2]], pages)
-    assert not target[:, [0, 3, 4, 5]].any()
-
-
-def test_gather_ref_into_out_writes_the_given_buffer_or_refuses_it():
-    layer = torch.randn(2, 7, 16, 2, 64)
-    ids = torch.tensor([5, 0, 3])
-    staging = torch.zeros(4 * layer[:, :3].numel() * 4, dtype=torch.uint8)  # bytes, like a ring
-    out = staging[4096 : 4096 + layer[:, :3].numel() * 4].view(torch.float32).view(2, 3, 16, 2, 64)
-    assert gather_pages_ref(layer, ids, out=out) is out
-    assert torch.equal(out, gather_pages_ref(layer, ids))
-    assert not staging[:4096].any()
-    for bad in (out[:, :2], out.to(torch.float16), out.transpose(2, 3)):
-        with pytest.raises(ValueError, match="out"):
-            gather_pages_ref(layer, ids, out=bad)

@@ -21,15 +21,11 @@ import torch  # noqa: E402
 
 pytest.importorskip("triton", reason="triton is not installed; the torch references still run")
 
+from pdserve.kernels.cpu import gather_pages, scatter_pages, store_kv  # noqa: E402
 from pdserve.kernels.page_copy import gather_pages_triton, scatter_pages_triton  # noqa: E402
 from pdserve.kernels.paged_attention import paged_attention_triton  # noqa: E402
 from pdserve.kernels.paged_decode import paged_decode_triton  # noqa: E402
-from pdserve.kernels.reference import (  # noqa: E402
-    combine_splits_ref,  # noqa: E402
-    gather_pages_ref,
-    scatter_pages_ref,
-    store_kv_ref,
-)
+from pdserve.kernels.reference import combine_splits_ref  # noqa: E402
 from pdserve.kernels.split_combine import combine_splits_triton  # noqa: E402
 from pdserve.kernels.store_kv import store_kv_triton  # noqa: E402
 from tests.kernels.test_reference import (  # noqa: E402
@@ -208,7 +204,7 @@ def test_store_kv_matches_ref(key_dtype, cache_dtype, num_kv_heads, head_dim, bl
     buffer = torch.randn(2, 1 + num_blocks, block_size, num_kv_heads, head_dim).to(cache_dtype)
     expected = buffer.clone()
     slots = random_slots(num_tokens, num_blocks, block_size, seed=num_kv_heads)
-    store_kv_ref(key, value, expected[0, 1:], expected[1, 1:], slots)
+    store_kv(key, value, expected[0, 1:], expected[1, 1:], slots)
     buffer, key, value = buffer.to(DEVICE), key.to(DEVICE), value.to(DEVICE)
     store_kv_triton(key, value, buffer[0, 1:], buffer[1, 1:], slots.to(DEVICE, torch.int32))
     assert_copied(buffer, expected, key_dtype)
@@ -225,14 +221,14 @@ def test_gather_and_scatter_pages_match_ref(dtype, planes, heads, block_size, he
     layer = kv[:, 1]
     ids = torch.tensor([7, 2, 8, 0], device=DEVICE)
     pages = gather_pages_triton(layer, ids)
-    assert torch.equal(pages.cpu(), gather_pages_ref(layer.cpu(), ids.cpu()))
+    assert torch.equal(pages.cpu(), gather_pages(layer.cpu(), ids.cpu()))
     out = torch.full_like(pages, float("nan"))
     assert gather_pages_triton(layer, ids, out) is out and torch.equal(out, pages)
 
     new_pages = torch.randn(planes, 3, block_size, heads, head_dim)  # fp32: scatter casts
     ids = torch.tensor([4, 1, 6], dtype=torch.int32)
     expected = layer.cpu().clone()
-    scatter_pages_ref(expected, ids, new_pages)
+    scatter_pages(expected, ids, new_pages)
     scatter_pages_triton(layer, ids.to(DEVICE), new_pages.to(DEVICE))
     assert_copied(layer, expected, new_pages.dtype)
 

@@ -1,6 +1,7 @@
-"""The CPU paged attention (kernels/paged_cpu.py) against the reference it replaced on the hot
-path and against dense attention, on the NaN-poisoned paged batches of test_reference: a read
-of anything a sequence does not own poisons the output."""
+"""The CPU kernels (kernels/cpu.py): store_kv and the page copies against plain indexing; the
+paged attention against the reference it replaced on the hot path and against dense attention,
+on the NaN-poisoned paged batches of test_reference: a read of anything a sequence does not own
+poisons the output."""
 
 from __future__ import annotations
 
@@ -9,14 +10,21 @@ from dataclasses import replace
 import pytest
 import torch
 
-from pdserve.kernels import paged_cpu
-from pdserve.kernels.paged_cpu import paged_attention_cpu, step_plan
+from pdserve.kernels import cpu
+from pdserve.kernels.cpu import (
+    gather_pages,
+    paged_attention_cpu,
+    scatter_pages,
+    step_plan,
+    store_kv,
+)
 from tests.kernels.test_reference import (
     DECODE_BATCH,
     MIXED_BATCH,
     dense_attention,
     make_paged_batch,
     move_first_block,
+    random_slots,
     run_attention,
     run_ref,
 )
@@ -30,7 +38,7 @@ SPECS = [MIXED_BATCH, DECODE_BATCH, RAGGED_BATCH]
 @pytest.fixture(params=[64, 1 << 20], ids=["block-chunks", "default-chunks"])
 def chunk_bytes(request, monkeypatch) -> int:
     """64 bytes: every chunk is one block, so every merge path runs; else the default."""
-    monkeypatch.setattr(paged_cpu, "CHUNK_BYTES", request.param)
+    monkeypatch.setattr(cpu, "CHUNK_BYTES", request.param)
     return request.param
 
 
@@ -119,3 +127,45 @@ def test_inference_mode_metadata_gets_one_plan_per_step():
         out = run_new(replace(batch, seq_lens=steps[0][2]), 0.125, None)
     dense = dense_attention(batch, 0.125, None)
     torch.testing.assert_close(out.double(), dense, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16])
+def test_store_kv_writes_slots_and_skips_negative(cache_dtype):
+    num_blocks, block_size, heads, dim = 6, 16, 2, 64
+    key, value = torch.randn(2, 9, heads, dim).unbind(0)
+    k_cache = torch.zeros(num_blocks, block_size, heads, dim, dtype=cache_dtype)
+    v_cache = torch.zeros_like(k_cache)
+    slots = random_slots(9, num_blocks, block_size, seed=1)
+    store_kv(key, value, k_cache, v_cache, slots)
+    expected_k, expected_v = torch.zeros_like(k_cache), torch.zeros_like(v_cache)
+    for t, slot in enumerate(slots.tolist()):
+        if slot >= 0:
+            expected_k[slot // block_size, slot % block_size] = key[t].to(cache_dtype)
+            expected_v[slot // block_size, slot % block_size] = value[t].to(cache_dtype)
+    assert torch.equal(k_cache, expected_k) and torch.equal(v_cache, expected_v)
+
+
+@pytest.mark.parametrize("shape", [(2, 7, 16, 2, 64), (1, 7, 16, 1, 40)])  # K/V; a latent
+def test_gather_then_scatter_moves_exactly_the_named_blocks(shape):
+    layer = torch.randn(shape)
+    ids = torch.tensor([5, 0, 3], dtype=torch.int32)
+    pages = gather_pages(layer, ids)
+    for i, block in enumerate(ids.tolist()):
+        assert torch.equal(pages[:, i], layer[:, block])
+    target = torch.zeros_like(layer)
+    scatter_pages(target, torch.tensor([1, 6, 2]), pages)
+    assert torch.equal(target[:, [1, 6, 2]], pages)
+    assert not target[:, [0, 3, 4, 5]].any()
+
+
+def test_gather_into_out_writes_the_given_buffer_or_refuses_it():
+    layer = torch.randn(2, 7, 16, 2, 64)
+    ids = torch.tensor([5, 0, 3])
+    staging = torch.zeros(4 * layer[:, :3].numel() * 4, dtype=torch.uint8)  # bytes, like a ring
+    out = staging[4096 : 4096 + layer[:, :3].numel() * 4].view(torch.float32).view(2, 3, 16, 2, 64)
+    assert gather_pages(layer, ids, out=out) is out
+    assert torch.equal(out, gather_pages(layer, ids))
+    assert not staging[:4096].any()
+    for bad in (out[:, :2], out.to(torch.float16), out.transpose(2, 3)):
+        with pytest.raises(ValueError, match="out"):
+            gather_pages(layer, ids, out=bad)

@@ -1,11 +1,15 @@
-"""Paged attention on the CPU that reads the cache where it lies, a chunk of blocks at a time.
+"""The CPU kernels: everything the serving path runs when tensors live on the CPU.
 
-The reference (`reference.paged_attention_ref`) gathers every sequence's whole context into
-new tensors per layer. Here each group of sequences walks its block table in chunks of about
-CHUNK_BYTES of K: the chunk's blocks are copied into a buffer of a few MiB, reused by every
-chunk and layer of the step; one flash-attention call
-(`aten::_scaled_dot_product_flash_attention_for_cpu`, which also returns the log-sum-exp)
-attends over it, and the chunks' partial outputs are merged by their
+`store_kv` writes new K/V rows into their cache slots; `gather_pages` and `scatter_pages` copy
+blocks out of and into a layer cache for KV transfer. All three are plain torch on any device,
+so they are also the oracles of their Triton kernels. Shapes are those of `reference.py`.
+
+Paged attention reads the cache where it lies, a chunk of blocks at a time. The reference
+(`reference.paged_attention_ref`) gathers every sequence's whole context into new tensors per
+layer. Here each group of sequences walks its block table in chunks of about CHUNK_BYTES of K:
+the chunk's blocks are copied into a buffer of a few MiB, reused by every chunk and layer of the
+step; one flash-attention call (`aten::_scaled_dot_product_flash_attention_for_cpu`, which also
+returns the log-sum-exp) attends over it, and the chunks' partial outputs are merged by their
 log-sum-exps (an online softmax). Grouped-query heads fold into the query length: the G query
 heads that share a KV head are G query rows over the same keys, so K/V are never repeated.
 
@@ -20,8 +24,6 @@ from dataclasses import dataclass, field
 
 import torch
 
-from pdserve.kernels.reference import decode_groups
-
 # A chunk gathers up to CHUNK_BYTES of K across its rows, yet at least MIN_CHUNK_KEYS keys a
 # row: each chunk costs a dozen torch calls (each a parallel region whose barrier stalls when
 # another process holds a core) and flash works in key blocks of 512, so short chunks lose
@@ -30,6 +32,68 @@ CHUNK_BYTES = 4 << 20
 MIN_CHUNK_KEYS = 1024
 _NEG = -1e30  # the log-sum-exp of a query that sees no key in a chunk: merges to weight 0
 _flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+
+
+def store_kv(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Write each token's K and V into its slot; a negative slot means "do not store"."""
+    num_blocks, block_size = k_cache.shape[:2]
+    slots = slot_mapping.long()
+    if not bool((slots >= 0).all()):  # the boolean selection only when some are skipped
+        valid = slots >= 0
+        slots, key, value = slots[valid], key[valid], value[valid]
+    k_flat = k_cache.view(num_blocks * block_size, *k_cache.shape[2:])
+    v_flat = v_cache.view(num_blocks * block_size, *v_cache.shape[2:])
+    k_flat.index_copy_(0, slots, key.to(k_cache.dtype))
+    v_flat.index_copy_(0, slots, value.to(v_cache.dtype))
+
+
+def decode_groups(q_lens: list[int], seq_lens: list[int]) -> list[list[int]]:
+    """The decode rows (q_len 1) in groups, longest first, each row at least half as long as
+    its group's longest: padding every row to its group's longest at most doubles the work."""
+    rows = sorted((b for b, q_len in enumerate(q_lens) if q_len == 1), key=lambda b: -seq_lens[b])
+    groups: list[list[int]] = []
+    for b in rows:
+        if groups and 2 * seq_lens[b] >= seq_lens[groups[-1][0]]:
+            groups[-1].append(b)
+        else:
+            groups.append([b])
+    return groups
+
+
+def gather_pages(
+    layer_cache: torch.Tensor, block_ids: torch.Tensor, out: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Copy the given blocks of one layer's cache [P, N, block_size, H, D] (P planes: 2 for K
+    and V, 1 for a latent) into a contiguous [P, n, block_size, H, D], new or `out` (which must
+    have exactly that shape, the cache's dtype and be contiguous)."""
+    if out is None:
+        return layer_cache.index_select(1, block_ids.long())
+    check_pages_out(out, layer_cache, block_ids)
+    return torch.index_select(layer_cache, 1, block_ids.long(), out=out)
+
+
+def scatter_pages(layer_cache: torch.Tensor, block_ids: torch.Tensor, pages: torch.Tensor):
+    """Write contiguous pages [P, n, block_size, H, D] into the given blocks of a layer cache
+    [P, N, block_size, H, D]."""
+    layer_cache.index_copy_(1, block_ids.long(), pages.to(layer_cache.dtype))
+
+
+def check_pages_out(out: torch.Tensor, layer_cache: torch.Tensor, block_ids: torch.Tensor) -> None:
+    """ValueError unless `out` can take the gathered pages of `block_ids` as they are (no
+    resize, no cast): shared by both gathers so an `out=` is refused the same way."""
+    shape = (layer_cache.shape[0], block_ids.shape[0], *layer_cache.shape[2:])
+    if tuple(out.shape) != shape or out.dtype != layer_cache.dtype:
+        raise ValueError(
+            f"out {tuple(out.shape)} {out.dtype} cannot take pages {shape} {layer_cache.dtype}"
+        )
+    if not out.is_contiguous() or out.device != layer_cache.device:
+        raise ValueError(f"out must be contiguous and on {layer_cache.device}")
 
 
 @dataclass(frozen=True, slots=True)
