@@ -12,6 +12,7 @@ import time
 import uuid
 from collections import deque
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 import torch
@@ -27,9 +28,10 @@ from pdserve.kv_transfer.base import (
     TransferError,
     TransferTimeout,
 )
-from pdserve.kv_transfer.bookkeeping import SendBook
 from pdserve.kv_transfer.wire import (
+    CHECKSUM_SCHEME,
     KV_PLANE,
+    KVDone,
     KVHello,
     KVPage,
     KVRefused,
@@ -37,17 +39,45 @@ from pdserve.kv_transfer.wire import (
     SendFaults,
     blocks_per_frame,
     check_cache,
+    combine,
     corrupt_first_byte,
+    frame_digest,
     gather_heads,
+    heads_in,
     page_checksum,
     page_shape,
+    resolve,
+    to_ms,
     wait_event,
 )
 
 
-def to_ms(seconds: float) -> int:
-    """A zmq timeout (ms, never negative) of `seconds`."""
-    return max(0, int(seconds * 1000))
+@dataclass
+class _Outbound:
+    pages_per_layer: list[int]
+    # checksums may be device tensors resolved only at send_done, to keep send_layer async
+    frames: list[tuple[int, tuple[int, ...], int | torch.Tensor]] = field(default_factory=list)
+
+
+class SendBook:
+    """What a sender has sent, per open transfer (pure Python): `close` makes the done message
+    carrying its totals, and the receiver's `ReceiveBook` passes a transfer only if its own
+    totals equal them."""
+
+    def __init__(self, num_layers: int) -> None:
+        self._num_layers = num_layers
+        self._open: dict[str, _Outbound] = {}
+
+    def record(self, page: KVPage, checksum: int | torch.Tensor) -> None:
+        out = self._open.setdefault(page.xfer_id, _Outbound([0] * self._num_layers))
+        out.pages_per_layer[page.layer] += len(page.dst_block_ids)
+        out.frames.append((page.layer, page.dst_block_ids, checksum))
+
+    def close(self, xfer_id: str, first: FirstToken) -> KVDone:
+        """The done message for `xfer_id`; a transfer with no frames is legal (all cached)."""
+        out = self._open.pop(xfer_id, None) or _Outbound([0] * self._num_layers)
+        digest = combine(frame_digest(lay, ids, resolve(ck)) for lay, ids, ck in out.frames)
+        return KVDone(xfer_id, first, digest, tuple(out.pages_per_layer), CHECKSUM_SCHEME)
 
 
 class ChannelSender(KVSender):
@@ -243,13 +273,3 @@ class ChannelSender(KVSender):
 
     def _close_transport(self) -> None:
         """Release what `_on_welcome` set up."""
-
-
-def heads_in(layer_cache: torch.Tensor, heads: range | None) -> range:
-    """`heads` (all of the cache's KV heads when None); ValueError outside the cache."""
-    held = range(layer_cache.shape[3])
-    if heads is None:
-        return held
-    if heads.step != 1 or not heads or heads.start < 0 or heads.stop > held.stop:
-        raise ValueError(f"KV heads {heads} are not a range within the cache's {held}")
-    return heads

@@ -179,6 +179,16 @@ def gather_heads(
     return pages.contiguous() if out is None else out.copy_(pages)
 
 
+def heads_in(layer_cache: torch.Tensor, heads: range | None) -> range:
+    """`heads` (all of the cache's KV heads when None); ValueError outside the cache."""
+    held = range(layer_cache.shape[3])
+    if heads is None:
+        return held
+    if heads.step != 1 or not heads or heads.start < 0 or heads.stop > held.stop:
+        raise ValueError(f"KV heads {heads} are not a range within the cache's {held}")
+    return heads
+
+
 def frame_nbytes(page: KVPage, layout: KVLayout) -> int:
     return math.prod(page.shape) * layout.itemsize
 
@@ -311,6 +321,11 @@ def combine(digests: Iterable[int]) -> int:
 
 
 # -- waits and faults ---------------------------------------------------------------------------
+
+
+def to_ms(seconds: float) -> int:
+    """A zmq timeout (ms, never negative) of `seconds`."""
+    return max(0, int(seconds * 1000))
 
 
 def wait_event(event: Any, deadline: float, what: str) -> None:

@@ -7,7 +7,8 @@ from __future__ import annotations
 import pytest
 
 from pdserve.common.wire.payloads import FirstToken
-from pdserve.kv_transfer.bookkeeping import ReceiveBook, SendBook
+from pdserve.kv_transfer.channel import SendBook
+from pdserve.kv_transfer.channel_receiver import ReceiveBook
 from pdserve.kv_transfer.wire import KVPage
 
 

@@ -10,7 +10,8 @@ import torch
 
 from pdserve.common.wire.messages import Abort, ProtocolError, decode, encode
 from pdserve.common.wire.payloads import FirstToken, TokenLogprobs
-from pdserve.kv_transfer.bookkeeping import ReceiveBook, SendBook
+from pdserve.kv_transfer.channel import SendBook
+from pdserve.kv_transfer.channel_receiver import ReceiveBook
 from pdserve.kv_transfer.wire import (
     CHECKSUM_ROW_WORDS,
     CHECKSUM_SCHEME,
