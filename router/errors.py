@@ -1,6 +1,7 @@
 """Every error the API answers, in vLLM's envelope {"error": {"message", "type", "param",
-"code"}}: the APIError type, reading and validating a JSON body, the status of a failed
-generation, and the app's exception handlers (whatever the cause, the envelope)."""
+"code"}}: the APIError type, what is wrong with a body that does not parse, the status of a
+failed generation, and the app's exception handlers (whatever the cause, the envelope).
+Nothing here runs for a request that succeeds."""
 
 from __future__ import annotations
 
@@ -8,12 +9,11 @@ import json
 import logging
 import re
 from collections.abc import Mapping
-from typing import TypeVar
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
-from pydantic import BaseModel, ValidationError
+from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
@@ -40,8 +40,6 @@ ERROR_TYPES = {
 # A failure before any output has its own status: the client should retry when no node can
 # take the request (503), and fix a request a node refused as invalid (400); else 500.
 _FAILURE_STATUS = {Failure.UNAVAILABLE: 503, Failure.BAD_REQUEST: 400}
-
-_M = TypeVar("_M", bound=BaseModel)
 
 
 class APIError(Exception):
@@ -133,29 +131,14 @@ def _json_error(body: bytes, exc: ValidationError) -> APIError | None:
     return APIError(400, f"malformed JSON body: {err['msg']} (near {where}: {fragment!r})")
 
 
-def _check_content_type(request: Request) -> None:
-    """JSON bodies only; a missing content type is taken as JSON, as FastAPI does."""
-    content_type = request.headers.get("content-type")
-    if content_type is None:
-        return
-    mime = content_type.split(";", 1)[0].strip().lower()
-    if mime != "application/json" and not (
-        mime.startswith("application/") and mime.endswith("+json")
-    ):
-        raise APIError(415, f"unsupported content type {mime[:64]!r}: send application/json")
-
-
-async def parse_body(request: Request, model: type[_M]) -> _M:
-    _check_content_type(request)
-    body = await request.body()
-    try:
-        return model.model_validate_json(body)
-    except ValidationError as exc:
-        json_error = _json_error(body, exc)
-        if json_error is not None:
-            raise json_error from None
-        message, param = _validation_message(exc)
-        raise APIError(400, message, param) from None
+def body_error(body: bytes, exc: ValidationError) -> APIError:
+    """The 400 for a body that does not parse as the request's model: not JSON at all (quoting
+    a little of it), or JSON that breaks the model's rules (naming the first parameter)."""
+    json_error = _json_error(body, exc)
+    if json_error is not None:
+        return json_error
+    message, param = _validation_message(exc)
+    return APIError(400, message, param)
 
 
 def install_error_handlers(app: FastAPI) -> None:

@@ -6,13 +6,13 @@ from __future__ import annotations
 
 import time
 from collections.abc import AsyncGenerator, AsyncIterator
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import anyio
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
-from pydantic import BaseModel
+from pydantic import BaseModel, ValidationError
 from starlette.requests import ClientDisconnect
 from starlette.types import Receive, Scope, Send
 
@@ -27,7 +27,7 @@ from pdserve.router.dialects import (
     TokenStrings,
     usage_info,
 )
-from pdserve.router.errors import APIError, client_gone, failure_error, parse_body
+from pdserve.router.errors import APIError, body_error, client_gone, failure_error
 from pdserve.router.generation import (
     Choice,
     Generation,
@@ -54,6 +54,8 @@ from pdserve.router.tools import ToolMode, messages_for_default
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
+_M = TypeVar("_M", bound=BaseModel)
+
 
 def _too_long(limit: int, prompt_len: int, max_tokens: int | None, param: str) -> APIError:
     """vLLM's rule and wording: the prompt plus max_tokens must fit max_model_len; with
@@ -78,6 +80,28 @@ def _too_long(limit: int, prompt_len: int, max_tokens: int | None, param: str) -
 def _wrap_int64(value: int) -> int:
     # seed + i of the last choices may pass int64's top; wrap like the int64 it becomes.
     return (value + 2**63) % 2**64 - 2**63
+
+
+def _check_content_type(request: Request) -> None:
+    """JSON bodies only; a missing content type is taken as JSON, as FastAPI does."""
+    content_type = request.headers.get("content-type")
+    if content_type is None:
+        return
+    mime = content_type.split(";", 1)[0].strip().lower()
+    if mime != "application/json" and not (
+        mime.startswith("application/") and mime.endswith("+json")
+    ):
+        raise APIError(415, f"unsupported content type {mime[:64]!r}: send application/json")
+
+
+async def parse_body(request: Request, model: type[_M]) -> _M:
+    """The request's JSON body as `model`; what is wrong with one that is not: `body_error`."""
+    _check_content_type(request)
+    body = await request.body()
+    try:
+        return model.model_validate_json(body)
+    except ValidationError as exc:
+        raise body_error(body, exc) from None
 
 
 class Handlers:
