@@ -14,8 +14,6 @@ Shapes used throughout:
 
 from __future__ import annotations
 
-import math
-import threading
 from dataclasses import dataclass
 
 import torch
@@ -44,56 +42,6 @@ class _Part:
     n: int
     q_len: int
     keys: int
-
-
-@dataclass(frozen=True, slots=True)
-class _Plan:
-    """Everything an attention call derives from the step's metadata, made once per step and
-    shared by every layer (each layer gets the same metadata)."""
-
-    inputs: tuple[torch.Tensor, ...]  # copies of the metadata it was made from
-    block_size: int
-    sliding_window: int | None
-    parts: tuple[_Part, ...]
-
-    def fits(self, inputs: tuple[torch.Tensor, ...], block_size: int, window: int | None) -> bool:
-        # Compared by value: a few small int tensors, and ids or version counters cannot be
-        # trusted (ids are reused, inference tensors have no version counter).
-        return (
-            block_size == self.block_size
-            and window == self.sliding_window
-            and all(torch.equal(a, b) for a, b in zip(inputs, self.inputs, strict=True))
-        )
-
-
-class _Scratch(threading.local):
-    """Per-thread state of the reference attention: the last step's plan, and reused buffers
-    for the K/V gathers.
-
-    A fresh multi-megabyte tensor per gather and layer costs more in page faults than the
-    copy itself (about 4x on CPU), so each named buffer is kept and grown as needed, up to
-    MAX_BYTES; a gather larger than that gets a tensor of its own.
-    """
-
-    MAX_BYTES = 64 << 20
-
-    def __init__(self) -> None:
-        self.buffers: dict[tuple[str, torch.dtype, torch.device, bool], torch.Tensor] = {}
-        self.plan: _Plan | None = None
-
-    def take(self, name: str, shape: tuple[int, ...], like: torch.Tensor) -> torch.Tensor:
-        numel = math.prod(shape)
-        if numel * like.element_size() > self.MAX_BYTES:
-            return like.new_empty(shape)
-        # Tensors made under inference mode cannot be written outside it: one set per mode.
-        key = (name, like.dtype, like.device, torch.is_inference_mode_enabled())
-        buf = self.buffers.get(key)
-        if buf is None or buf.numel() < numel:
-            buf = self.buffers[key] = like.new_empty(numel)
-        return buf[:numel].view(shape)
-
-
-_SCRATCH = _Scratch()
 
 
 def _make_part(
@@ -126,18 +74,15 @@ def _make_part(
     return _Part(tokens, index, seen, unseen, len(seqs), q_len, keys)
 
 
-def _plan(
+def _parts(
     block_tables: torch.Tensor,
     query_start_loc: torch.Tensor,
     seq_lens: torch.Tensor,
     block_size: int,
     sliding_window: int | None,
-) -> _Plan:
-    """This step's plan: the cached one when the metadata is the same, else a new one."""
-    inputs = (block_tables, query_start_loc, seq_lens)
-    cached = _SCRATCH.plan
-    if cached is not None and cached.fits(inputs, block_size, sliding_window):
-        return cached
+) -> list[_Part]:
+    """The step's SDPA calls: one per group of decodes of like length, one per prompt chunk.
+    Made anew at every call: an oracle keeps no state between calls."""
     starts = query_start_loc.tolist()
     lens = seq_lens.tolist()
     q_lens = [starts[b + 1] - starts[b] for b in range(len(lens))]
@@ -150,16 +95,13 @@ def _plan(
         for b, q_len in enumerate(q_lens)
         if q_len > 1
     ]
-    plan = _Plan(tuple(t.clone() for t in inputs), block_size, sliding_window, tuple(parts))
-    _SCRATCH.plan = plan
-    return plan
+    return parts
 
 
-def _gather(cache: torch.Tensor, part: _Part, name: str) -> torch.Tensor:
-    """The part's K (or V) rows [n, keys, Hkv, D] from the paged cache, in this thread's
-    scratch buffer `name` (valid until the next gather into it), unseen rows zeroed."""
-    out = _SCRATCH.take(name, (part.index.shape[0], *cache.shape[1:]), cache)
-    torch.index_select(cache, 0, part.index, out=out)
+def _gather(cache: torch.Tensor, part: _Part) -> torch.Tensor:
+    """The part's K (or V) rows [n, keys, Hkv, D] copied from the paged cache, unseen rows
+    zeroed."""
+    out = cache.index_select(0, part.index)
     rows = out.view(part.n, -1, *cache.shape[2:])[:, : part.keys]
     if part.unseen is not None:
         # Masked to weight 0, yet NaN * 0 is NaN: zero the keys and values no query sees.
@@ -206,16 +148,14 @@ def paged_attention_ref(
 
     Decode rows (one new token each) go through in batched SDPA calls, each padded to its
     longest row (rows are grouped by length so padding never doubles a group's work); each
-    longer query runs on its own, since its matmuls already fill the machine. What the calls
-    derive from the metadata (groups, gather indices, masks) is made once per step: the
-    layers of a forward pass share it.
+    longer query runs on its own, since its matmuls already fill the machine.
     """
     out = torch.empty_like(query)
-    plan = _plan(block_tables, query_start_loc, seq_lens, k_cache.shape[1], sliding_window)
-    for part in plan.parts:
+    parts = _parts(block_tables, query_start_loc, seq_lens, k_cache.shape[1], sliding_window)
+    for part in parts:
         q = query[part.tokens].view(part.n, part.q_len, *query.shape[1:])
-        k = _gather(k_cache, part, "k")
-        v = _gather(v_cache, part, "v")
+        k = _gather(k_cache, part)
+        v = _gather(v_cache, part)
         result = _attend(q, k, v, part.seen, scale).reshape(-1, *query.shape[1:])
         out[part.tokens] = result.to(out.dtype)
     return out
