@@ -1,0 +1,157 @@
+"""`SpeculativeConfig`: which drafter proposes tokens and how many, parsed from vLLM's
+`--speculative-config` JSON keys. Pure Python; validated on construction."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, fields
+from typing import Any
+
+METHODS = ("ngram", "suffix")
+# Methods vLLM names that pdserve will build (issue 38) but has not: refused by name, so a
+# deployment does not silently run without the drafter it asked for.
+NOT_BUILT = ("draft_model", "mtp", "eagle", "eagle3", "medusa")
+# vLLM's keys for the suffix drafter, mapped to the shorter field names used here.
+VLLM_ALIASES = {
+    "suffix_decoding_max_tree_depth": "suffix_max_tree_depth",
+    "suffix_decoding_max_cached_requests": "suffix_max_cached_requests",
+    "suffix_decoding_min_token_prob": "suffix_min_token_prob",
+    "suffix_decoding_max_spec_factor": "suffix_max_spec_factor",
+}
+MAX_SPECULATIVE_TOKENS = 64  # a verify step costs k + 1 positions of every budget it meets
+
+
+def _field_error(name: str, problem: str) -> ValueError:
+    return ValueError(f"speculative_config.{name}: {problem}")
+
+
+def _check_int(name: str, value: Any, low: int, high: int | None = None) -> None:
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise _field_error(name, f"must be an integer, got {value!r}")
+    if value < low or (high is not None and value > high):
+        bound = f">= {low}" if high is None else f"in [{low}, {high}]"
+        raise _field_error(name, f"must be {bound}, got {value}")
+
+
+def _check_float(name: str, value: Any, low: float, high: float, low_open: bool) -> None:
+    if not isinstance(value, int | float) or isinstance(value, bool):
+        raise _field_error(name, f"must be a number, got {value!r}")
+    if value < low or value > high or (low_open and value == low):
+        left = "(" if low_open else "["
+        raise _field_error(name, f"must be in {left}{low}, {high}], got {value}")
+
+
+@dataclass(frozen=True, slots=True)
+class SpeculativeConfig:
+    """How the engine drafts tokens for verification (docs/speculative.md).
+
+    method: "ngram" (prompt lookup in the request's own tokens) or "suffix" (suffix trees over
+    the request's tokens and recent requests' outputs).
+    num_speculative_tokens: k, the most tokens drafted per step for one request.
+    prompt_lookup_min/max: the n-gram lengths ngram tries, longest first.
+    suffix_max_tree_depth: D, the longest token run a suffix tree stores (pattern + draft).
+    suffix_max_cached_requests: finished requests whose outputs the global tree keeps (oldest
+    evicted first; 0 keeps none).
+    suffix_min_token_prob: a suffix draft stops where the estimated probability that the whole
+    draft so far is right falls below this.
+    suffix_max_spec_factor: a suffix draft is at most this times the matched pattern's length
+    (short, weak matches draft little).
+    adaptive: the engine shrinks k per request while its drafts keep failing.
+    """
+
+    method: str
+    num_speculative_tokens: int
+    prompt_lookup_min: int = 1
+    prompt_lookup_max: int = 4
+    suffix_max_tree_depth: int = 24
+    suffix_max_cached_requests: int = 1000
+    suffix_min_token_prob: float = 0.1
+    suffix_max_spec_factor: float = 1.0
+    adaptive: bool = True
+
+    def __post_init__(self) -> None:
+        self._check_method()
+        _check_int("num_speculative_tokens", self.num_speculative_tokens, 1, MAX_SPECULATIVE_TOKENS)
+        _check_int("prompt_lookup_min", self.prompt_lookup_min, 1)
+        _check_int("prompt_lookup_max", self.prompt_lookup_max, 1)
+        if self.prompt_lookup_max < self.prompt_lookup_min:
+            raise _field_error(
+                "prompt_lookup_max",
+                f"must be >= prompt_lookup_min ({self.prompt_lookup_min}), "
+                f"got {self.prompt_lookup_max}",
+            )
+        _check_int("suffix_max_tree_depth", self.suffix_max_tree_depth, 2)
+        _check_int("suffix_max_cached_requests", self.suffix_max_cached_requests, 0)
+        _check_float("suffix_min_token_prob", self.suffix_min_token_prob, 0.0, 1.0, False)
+        _check_float("suffix_max_spec_factor", self.suffix_max_spec_factor, 0.0, 1e6, True)
+        if not isinstance(self.adaptive, bool):
+            raise _field_error("adaptive", f"must be true or false, got {self.adaptive!r}")
+
+    def _check_method(self) -> None:
+        if self.method in NOT_BUILT:
+            raise _field_error(
+                "method", f"{self.method!r} is not built yet (built: {', '.join(METHODS)})"
+            )
+        if self.method not in METHODS:
+            raise _field_error(
+                "method", f"unknown method {self.method!r} (built: {', '.join(METHODS)})"
+            )
+
+    @classmethod
+    def parse(cls, value: str | Mapping[str, Any] | None) -> SpeculativeConfig | None:
+        """A config from vLLM's --speculative-config JSON (text or an already decoded map);
+        None or empty text means no speculation. Unknown keys are refused by name."""
+        if value is None or (isinstance(value, str) and not value.strip()):
+            return None
+        raw = _decode(value) if isinstance(value, str) else value
+        if not isinstance(raw, Mapping):
+            raise ValueError(f"speculative_config: must be a JSON object, got {raw!r}")
+        known = {f.name for f in fields(cls)}
+        kwargs: dict[str, Any] = {}
+        for key, item in raw.items():
+            name = VLLM_ALIASES.get(key, key)
+            if name not in known:
+                raise _field_error(str(key), f"unknown key (known: {', '.join(sorted(known))})")
+            if item is not None:  # vLLM's JSON spells "use the default" as null
+                kwargs[name] = item
+        return cls._build(kwargs)
+
+    @classmethod
+    def _build(cls, kwargs: dict[str, Any]) -> SpeculativeConfig:
+        if "method" not in kwargs:
+            raise _field_error("method", f"required (one of {', '.join(METHODS)})")
+        if "num_speculative_tokens" not in kwargs:
+            if kwargs["method"] != "suffix":
+                raise _field_error("num_speculative_tokens", "required")
+            # vLLM's default for suffix: as deep as the tree lets a draft go.
+            depth = kwargs.get("suffix_max_tree_depth", cls.suffix_max_tree_depth)
+            kwargs["num_speculative_tokens"] = depth
+        return cls(**kwargs)
+
+    def as_dict(self) -> dict[str, Any]:
+        """Every field, JSON-ready: `parse(as_dict())` gives this config back."""
+        return asdict(self)
+
+    def to_json(self) -> str:
+        """The --speculative-config text that parses back to this config (a child's flags)."""
+        return json.dumps(self.as_dict(), sort_keys=True)
+
+    def digest_fields(self) -> dict[str, str | int]:
+        """What the prefill and decode nodes of one deployment must agree on. ngram and suffix
+        keep no KV state, so only which drafter runs and how many positions a verify step
+        reserves; a drafter with KV (draft_model, mtp) will add its layout here."""
+        return {"method": self.method, "num_speculative_tokens": self.num_speculative_tokens}
+
+    def digest(self) -> str:
+        """A short stable hash of `digest_fields()`, for a layout digest."""
+        text = json.dumps(self.digest_fields(), sort_keys=True)
+        return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def _decode(text: str) -> Any:
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"speculative_config: not valid JSON ({exc.msg} at {exc.pos})") from exc
