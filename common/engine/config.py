@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import argparse
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 from pdserve.common.model.dtype import DTYPES, resolve_auto
 from pdserve.common.options import option
+from pdserve.common.spec.config import SpeculativeConfig
 
 _DTYPES = ("auto", *DTYPES)
 QUANTIZATIONS = ("auto", "none", "int8", "int4")
@@ -20,6 +22,17 @@ MODEL, CACHE, SCHEDULER = "model", "KV cache", "scheduler"
 def _require(ok: bool, message: str) -> None:
     if not ok:
         raise ValueError(message)
+
+
+def _flag_value(parse: Callable[[str], Any], text: str) -> str:
+    """text, once `parse` accepts it: a flag's bad value is a usage error that says what is
+    wrong (argparse shows an ArgumentTypeError's message, not a ValueError's). The text itself
+    goes on to the config, so a supervisor hands it to its children as given."""
+    try:
+        parse(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from exc
+    return text
 
 
 @dataclass(frozen=True, slots=True)
@@ -173,8 +186,21 @@ class SchedulerConfig:
     )
     enable_chunked_prefill: bool = True  # no flag (the `LLM` API sets it)
     policy: str = "fcfs"  # no flag (the `LLM` API sets it)
+    speculative_config: SpeculativeConfig | None = option(
+        None,
+        SCHEDULER,
+        "speculative decoding, vLLM's JSON keys, e.g. "
+        '\'{"method": "ngram", "num_speculative_tokens": 3}\' (methods: ngram, suffix; '
+        "docs/speculative.md)",
+        type=lambda text: _flag_value(SpeculativeConfig.parse, text),
+        metavar="JSON",
+    )
 
     def __post_init__(self) -> None:
+        # The flag, LLM() and a supervisor's child give JSON text or a dict: parsed here, once.
+        if not isinstance(self.speculative_config, SpeculativeConfig | None):
+            spec = SpeculativeConfig.parse(self.speculative_config)
+            object.__setattr__(self, "speculative_config", spec)
         _require(self.max_num_batched_tokens >= 1, "max_num_batched_tokens must be >= 1")
         _require(self.max_num_seqs >= 1, "max_num_seqs must be >= 1")
         _require(

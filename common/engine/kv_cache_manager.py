@@ -387,6 +387,17 @@ class KVCacheManager:
             self.pool.cache_block(owned[i], hashes[i])
         self.req_num_cached[rid] = max(n_full, self.req_num_cached.get(rid, 0))
 
+    def trim(self, request: Request) -> None:
+        """Give back the blocks past the request's known tokens: a verify step allocated them
+        for drafts it rejected. None of them is cached: a block joins the index only once
+        every token in it is known (`cache_blocks`), and drafts never are."""
+        owned = self.req_blocks.get(request.request_id, [])
+        keep = -(-request.num_tokens // self.block_size)
+        extra = owned[keep:]
+        assert all(b.block_hash is None for b in extra), "a drafted block was cached"
+        del owned[keep:]
+        self.pool.free_blocks(reversed(extra))
+
     def free(self, request: Request) -> None:
         """Release the request's blocks, tail first, so shareable heads are evicted last."""
         blocks = self.req_blocks.pop(request.request_id, [])

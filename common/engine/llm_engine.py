@@ -39,8 +39,9 @@ class PrefillRate:
         self.decode_step_s = 0.0  # a step with decodes only (0: none seen yet)
 
     def observe(self, output: SchedulerOutput, seconds: float) -> None:
-        tokens = sum(len(seq.token_ids) for seq in output.seqs if len(seq.token_ids) > 1)
-        decodes = len(output.seqs) - sum(1 for seq in output.seqs if len(seq.token_ids) > 1)
+        # A verify step's drafts make it no prefill: its known tokens say.
+        prefills = [seq.num_known_tokens for seq in output.seqs if seq.num_known_tokens > 1]
+        tokens, decodes = sum(prefills), len(output.seqs) - len(prefills)
         if seconds <= 0:
             return
         if not tokens:

@@ -22,7 +22,12 @@ from pdserve.common.engine.sampler import (
     score_tokens,
     skip_draws,
 )
-from pdserve.common.engine.scheduler import SampledToken, ScheduledSeq, SchedulerOutput
+from pdserve.common.engine.scheduler import (
+    Sampled,
+    SampledToken,
+    ScheduledSeq,
+    SchedulerOutput,
+)
 from pdserve.common.engine.structured import allowed_from_bitmask, fill_bitmask
 from pdserve.common.engine.tensor_parallel import RankDriver, threads_per_rank
 from pdserve.common.model.attention import AttentionMetadata, KVCacheSpec
@@ -57,7 +62,8 @@ class ForwardInputs:
     input_ids: torch.Tensor
     positions: torch.Tensor
     attn: AttentionMetadata
-    logit_indices: torch.Tensor  # [S] flat index of the last token of each sampled sequence
+    # [S] flat index of the last token of each sampled sequence, and of each of its drafts
+    logit_indices: torch.Tensor
     sampled_seqs: tuple[ScheduledSeq, ...]
 
 
@@ -222,9 +228,10 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(
         self, output: SchedulerOutput, on_layer: LayerCall | None = None
-    ) -> tuple[dict[str, SampledToken], dict[str, list[TokenLogprobs]]]:
-        """Run the scheduled step: the sampled token of each completed sequence, and the
-        prompt logprobs of the positions this step computed, for requests that asked.
+    ) -> tuple[dict[str, Sampled], dict[str, list[TokenLogprobs]]]:
+        """Run the scheduled step: the sampled token of each completed sequence (the tokens
+        a verify step emits, for one with drafts), and the prompt logprobs of the positions
+        this step computed, for requests that asked.
 
         `on_layer.run(i)` is called once layer i has written this step's K/V (see the model)."""
         self.forget(output.finished_ids)
@@ -235,21 +242,44 @@ class ModelRunner:
             if self.driver is not None:
                 args = on_layer.args if on_layer is not None else None
                 self.driver.send_step(output.seqs, compiled, args)
-            masks = self._fill_masks(inputs.sampled_seqs)  # overlapped with the forward
+            plain = tuple(seq for seq in inputs.sampled_seqs if not seq.num_drafts)
+            masks = self._fill_masks(plain)  # overlapped with the forward
             logits, prompt_lps = self._forward(inputs, output.seqs, run, compiled)
         if logits is None:
             return {}, prompt_lps
-        rows = [self._sampling_row(seq) for seq in inputs.sampled_seqs]
+        sampled: dict[str, Sampled] = {}
+        if plain:
+            own = logits if len(plain) == len(logits) else logits[_plain_rows(inputs)]
+            sampled.update(self._sample(own, plain, masks))
+        row = 0
+        for seq in inputs.sampled_seqs:
+            if seq.num_drafts:
+                part = logits[row : row + seq.num_drafts + 1]
+                out = self.sampler.verify(part, self._sampling_row(seq), seq.draft_token_ids)
+                emitted = zip(out.token_ids, out.logprobs, strict=True)
+                sampled[seq.request_id] = tuple(
+                    SampledToken(seq.request_id, t, lp) for t, lp in emitted
+                )
+            row += 1 + seq.num_drafts
+        return sampled, prompt_lps
+
+    def _sample(
+        self,
+        logits: torch.Tensor,
+        seqs: tuple[ScheduledSeq, ...],
+        masks: tuple[list[int], Future[torch.Tensor]] | None,
+    ) -> dict[str, Sampled]:
+        """One token for each sequence, a row of logits each, under its grammar's mask."""
+        rows = [self._sampling_row(seq) for seq in seqs]
         allowed = None
         if masks is not None:
             indices, bitmask = masks[0], masks[1].result(timeout=_MASK_TIMEOUT_S)
             allowed = indices, allowed_from_bitmask(bitmask, logits.shape[-1]).to(self.device)
         result = self.sampler(logits, rows, allowed)
-        sampled = {
+        return {
             seq.request_id: SampledToken(seq.request_id, tok, lp)
-            for seq, tok, lp in zip(inputs.sampled_seqs, result.token_ids, result.logprobs)
+            for seq, tok, lp in zip(seqs, result.token_ids, result.logprobs)
         }
-        return sampled, prompt_lps
 
     @torch.inference_mode()
     def follow(
@@ -368,7 +398,7 @@ class ModelRunner:
             starts.append(starts[-1] + n)
             seq_lens.append(seq.start_pos + n)
             if seq.sample:
-                logit_indices.append(starts[-1] - 1)
+                logit_indices.extend(range(starts[-1] - 1 - seq.num_drafts, starts[-1]))
         width = max(len(seq.block_ids) for seq in seqs)
         tables = [list(seq.block_ids) + [0] * (width - len(seq.block_ids)) for seq in seqs]
         longs = self._to_device([input_ids, positions, slots, logit_indices], torch.int64)
@@ -397,3 +427,14 @@ class ModelRunner:
             return [torch.tensor(part, dtype=dtype) for part in lists]
         flat = torch.tensor([x for part in lists for x in part], dtype=dtype).pin_memory()
         return list(flat.to(self.device, non_blocking=True).split([len(p) for p in lists]))
+
+
+def _plain_rows(inputs: ForwardInputs) -> list[int]:
+    """The logits rows of the sampled sequences without drafts (one row each; a sequence
+    with drafts has one more per draft)."""
+    rows, row = [], 0
+    for seq in inputs.sampled_seqs:
+        if not seq.num_drafts:
+            rows.append(row)
+        row += 1 + seq.num_drafts
+    return rows

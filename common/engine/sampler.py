@@ -83,7 +83,60 @@ class Sampler:
         chosen = token_ids.tolist()
         return SamplerOutput(token_ids=chosen, logprobs=_logprobs(raw, rows, chosen))
 
+    def verify(
+        self, logits: torch.Tensor, row: SamplingRow, drafts: Sequence[int]
+    ) -> SamplerOutput:
+        """Speculative decoding's check of one request's k drafted tokens: logits [k + 1, V]
+        are the target's at the request's last known token and at each draft. The tokens to
+        emit: the drafts the target accepts, then its own token at the first rejection (or a
+        bonus token after all k). Greedy rows accept a draft equal to the argmax. Sampled rows
+        accept draft d with probability p(d) (p as `__call__` samples: tempered, truncated)
+        and on rejection draw from p without d, renormalized: each emitted token is then
+        distributed exactly as `__call__` would draw it (the drafts are point masses)."""
+        assert logits.shape[0] == len(drafts) + 1, f"{logits.shape[0]} rows, {len(drafts)} drafts"
+        raw = logits.float()
+        rows = [row] * raw.shape[0]
+        allowed = _ban(raw, rows)
+        if row.params.greedy:
+            target = allowed.argmax(dim=-1).tolist()
+            chosen = target[: _agreed(target, drafts) + 1]
+        else:
+            chosen = self._speculate(self._probs(allowed, rows), drafts, row.generator)
+        n = len(chosen)
+        return SamplerOutput(chosen, _logprobs(raw[:n], rows[:n], chosen))
+
+    def _speculate(
+        self, probs: torch.Tensor, drafts: Sequence[int], generator: torch.Generator | None
+    ) -> list[int]:
+        """The rejection rule over probs [k + 1, V] (see `verify`)."""
+        generator = generator or self.generator
+        coins = torch.rand(len(drafts), generator=generator, device=generator.device).tolist()
+        index = torch.tensor(list(drafts), device=probs.device)[:, None]
+        p_drafts = probs[:-1].gather(-1, index).squeeze(-1).tolist()
+        out: list[int] = []
+        for i, (draft, p, coin) in enumerate(zip(drafts, p_drafts, coins, strict=True)):
+            if coin >= p:  # rejected with probability 1 - p(d): the rest of p, without d
+                residual = probs[i].clone()
+                residual[draft] = 0.0
+                return [*out, self._race(residual, generator)]
+            out.append(draft)
+        return [*out, self._race(probs[-1], generator)]
+
+    def _race(self, probs: torch.Tensor, generator: torch.Generator) -> int:
+        """One draw from (unnormalized) probs [V], as `_sample` draws a row."""
+        q = _exponential(tuple(probs.shape), generator, probs)
+        return int((probs / q.clamp_(min=torch.finfo(probs.dtype).tiny)).argmax())
+
     def _sample(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
+        probs = self._probs(logits, rows)
+        # A zero draw would turn a masked token's 0/0 into NaN, which argmax would pick.
+        q = self._exponentials(rows, probs).clamp_(min=torch.finfo(probs.dtype).tiny)
+        return (probs / q).argmax(dim=-1)
+
+    @staticmethod
+    def _probs(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
+        """Each row's distribution to draw from: tempered, then truncated by top-k, top-p and
+        min-p."""
         params = [row.params for row in rows]
         temperature = torch.tensor([p.temperature for p in params], device=logits.device)
         logits = logits / temperature[:, None]
@@ -91,10 +144,7 @@ class Sampler:
             logits = _apply_top_k_top_p(logits, params)
         if any(p.min_p > 0.0 for p in params):
             logits = _apply_min_p(logits, params)
-        probs = logits.softmax(dim=-1)
-        # A zero draw would turn a masked token's 0/0 into NaN, which argmax would pick.
-        q = self._exponentials(rows, probs).clamp_(min=torch.finfo(probs.dtype).tiny)
-        return (probs / q).argmax(dim=-1)
+        return logits.softmax(dim=-1)
 
     def _exponentials(self, rows: Sequence[SamplingRow], probs: torch.Tensor) -> torch.Tensor:
         """Exp(1) noise shaped like probs; a row with a generator draws only from it."""
@@ -114,6 +164,14 @@ def _exponential(
     # Drawn on the generator's own device: a generator cannot feed a tensor elsewhere.
     noise = torch.empty(shape, dtype=like.dtype, device=generator.device)
     return noise.exponential_(generator=generator).to(like.device)
+
+
+def _agreed(target: Sequence[int], drafts: Sequence[int]) -> int:
+    """How many leading drafts equal the target's tokens."""
+    n = 0
+    while n < len(drafts) and drafts[n] == target[n]:
+        n += 1
+    return n
 
 
 def _ban(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:

@@ -9,10 +9,12 @@ budget lasts. Preemption frees a request's blocks and recomputes it later.
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from pdserve.common.engine.config import SchedulerConfig
+from pdserve.common.engine.drafting import create_drafter
 from pdserve.common.engine.kv_cache_manager import KVCacheManager
 from pdserve.common.engine.request import FinishReason, Request, RequestStatus
 from pdserve.common.wire.messages import Tokens
@@ -37,6 +39,18 @@ class ScheduledSeq:
     prompt_targets: tuple[int, ...] = ()
     prompt_target_pos: int = 0  # the position whose logits score prompt_targets[0]
     prompt_logprobs: int = 0
+    # Speculative decoding: the last num_drafts of token_ids are drafted, not known; the step
+    # samples at the last known token and at each draft, and verifies the drafts.
+    num_drafts: int = 0
+
+    @property
+    def num_known_tokens(self) -> int:
+        """Tokens of the request's own sequence this step computes (its drafts aside)."""
+        return len(self.token_ids) - self.num_drafts
+
+    @property
+    def draft_token_ids(self) -> tuple[int, ...]:
+        return self.token_ids[len(self.token_ids) - self.num_drafts :]
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,6 +69,10 @@ class SampledToken:
     request_id: str
     token_id: int
     logprobs: TokenLogprobs | None = None
+
+
+# What a step sampled for one request: a token, or the tokens a verify step emits in order.
+Sampled = SampledToken | tuple[SampledToken, ...]
 
 
 @dataclass(frozen=True, slots=True)
@@ -101,6 +119,7 @@ class Scheduler:
         self.requests: dict[str, Request] = {}
         self.reserved: dict[str, Request] = {}  # blocks held, KV arriving from a prefill node
         self._finished_ids: list[str] = []
+        self.drafter = create_drafter(config.speculative_config)
 
     # -- admission -------------------------------------------------------------------------
 
@@ -161,7 +180,7 @@ class Scheduler:
         self.kv.cache_blocks(request, request.num_tokens)
         request.status = RequestStatus.RUNNING
         self.running.append(request)
-        return self._accept(request, first)
+        return self._accept(request, (first,))
 
     @property
     def has_unfinished(self) -> bool:
@@ -199,7 +218,11 @@ class Scheduler:
             if n <= 0:
                 i += 1
                 continue
-            while self.kv.allocate_slots(request, n) is None:
+            drafts = self._drafts(request, n, budget)
+            while self.kv.allocate_slots(request, n + len(drafts)) is None:
+                if drafts:  # room for the known token alone goes before preempting anyone
+                    drafts = []
+                    continue
                 victim = self._pick_victim()
                 if self.running.index(victim) < i:
                     i -= 1
@@ -208,9 +231,32 @@ class Scheduler:
                 if victim is request:
                     break
             else:
-                self._emit(request, n, budget)
+                self._emit(request, n, budget, drafts)
                 i += 1
         return preempted_any
+
+    def _drafts(self, request: Request, n: int, budget: _StepBudget) -> list[int]:
+        """Tokens to verify after a request's last known token, within what its step may
+        emit: the budget left once every later decode has its token, max_tokens, the model's
+        length. None for a request under a grammar (its mask checks sampled tokens only) or
+        bans (they change with each output), or a seeded sampled one (its draws must not
+        depend on what else is batched)."""
+        params = request.sampling
+        if (
+            self.drafter is None
+            or n != 1
+            or request.num_tokens - request.num_computed_tokens != 1
+            or request.grammar is not None
+            or self._banned(request)
+            or (params.seed is not None and not params.greedy)
+        ):
+            return []
+        limit = min(
+            budget.tokens - 1 - budget.decodes,
+            params.max_tokens - request.num_output_tokens - 1,
+            self.max_model_len - request.num_tokens - 1,
+        )
+        return self.drafter.propose(request.request_id, request.all_token_ids, limit)
 
     def _schedule_waiting(self, budget: _StepBudget) -> None:
         while self.waiting and budget.tokens > 0 and len(self.running) < self.config.max_num_seqs:
@@ -232,9 +278,11 @@ class Scheduler:
             self.running.append(request)
             self._emit(request, n, budget)
 
-    def _emit(self, request: Request, n: int, budget: _StepBudget) -> None:
+    def _emit(
+        self, request: Request, n: int, budget: _StepBudget, drafts: Sequence[int] = ()
+    ) -> None:
         start = request.num_computed_tokens
-        budget.tokens -= n
+        budget.tokens -= n + len(drafts)
         targets: tuple[int, ...] = ()
         if request.sampling.prompt_logprobs is not None:
             # Position p's logits score prompt token p + 1; only positions not scored yet.
@@ -244,7 +292,7 @@ class Scheduler:
         budget.seqs.append(
             ScheduledSeq(
                 request_id=request.request_id,
-                token_ids=tuple(request.all_token_ids[start : start + n]),
+                token_ids=(*request.all_token_ids[start : start + n], *drafts),
                 start_pos=start,
                 block_ids=tuple(self.kv.block_ids(request.request_id)),
                 sample=start + n == request.num_tokens,
@@ -255,6 +303,7 @@ class Scheduler:
                 prompt_targets=targets,
                 prompt_target_pos=max(start, len(request.prompt_logprobs)),
                 prompt_logprobs=request.sampling.prompt_logprobs or 0,
+                num_drafts=len(drafts),
             )
         )
 
@@ -289,7 +338,7 @@ class Scheduler:
     def update(
         self,
         output: SchedulerOutput,
-        sampled: dict[str, SampledToken],
+        sampled: Mapping[str, Sampled],
         prompt_logprobs: dict[str, list[TokenLogprobs]] | None = None,
     ) -> list[RequestUpdate]:
         """Advance progress by what ran, append sampled tokens (and the prompt logprobs the
@@ -299,15 +348,28 @@ class Scheduler:
             request = self.requests.get(seq.request_id)
             if request is None or request.is_finished:
                 continue  # aborted while its step ran
-            request.num_computed_tokens += len(seq.token_ids)
+            request.num_computed_tokens += seq.num_known_tokens
             if prompt_logprobs and seq.request_id in prompt_logprobs:
                 request.prompt_logprobs.extend(prompt_logprobs[seq.request_id])
             token = sampled.get(seq.request_id)
-            if token is not None:
-                updates.append(self._accept(request, token))
+            if token is None:
+                continue
+            tokens = token if isinstance(token, tuple) else (token,)
+            if seq.num_drafts:
+                self._verified(request, seq, len(tokens) - 1)
+            updates.append(self._accept(request, tokens))
+            if seq.num_drafts and not request.is_finished:
+                self.kv.trim(request)  # the blocks only rejected drafts took go back
         return updates
 
-    def _accept(self, request: Request, token: SampledToken) -> RequestUpdate:
+    def _verified(self, request: Request, seq: ScheduledSeq, accepted: int) -> None:
+        """A verify step accepted its first `accepted` drafts: their KV, computed by the step,
+        is the request's (the rejected positions' KV is overwritten when they are reached)."""
+        assert self.drafter is not None, "drafts without a drafter"
+        request.num_computed_tokens += accepted
+        self.drafter.observe(request.request_id, seq.num_drafts, accepted)
+
+    def _accept(self, request: Request, tokens: Sequence[SampledToken]) -> RequestUpdate:
         first = not request.prompt_logprobs_sent
         request.prompt_logprobs_sent = True
         prompt_lps = tuple(request.prompt_logprobs) if first else ()
@@ -317,15 +379,28 @@ class Scheduler:
             return RequestUpdate(
                 request.request_id, (), (), FinishReason.LENGTH, cached, prompt_lps
             )
-        request.append_output(token.token_id, token.logprobs)
-        reason = self._stop_reason(request, token.token_id)
-        if request.grammar is not None and reason is None:
-            reason = _follow_grammar(request, token.token_id)
+        first_output = request.num_output_tokens == 0
+        emitted, reason = self._append(request, tokens)
         if reason is not None:
             self._finish(request, reason)
-        lps = (token.logprobs,) if token.logprobs is not None else ()
-        cached = request.num_cached_tokens if request.num_output_tokens == 1 else 0
-        return RequestUpdate(request.request_id, (token.token_id,), lps, reason, cached, prompt_lps)
+        ids = tuple(t.token_id for t in emitted)
+        lps = tuple(t.logprobs for t in emitted if t.logprobs is not None)
+        cached = request.num_cached_tokens if first_output else 0
+        return RequestUpdate(request.request_id, ids, lps, reason, cached, prompt_lps)
+
+    def _append(
+        self, request: Request, tokens: Sequence[SampledToken]
+    ) -> tuple[Sequence[SampledToken], FinishReason | None]:
+        """Append tokens in order, checking each against the stop conditions: the tokens
+        appended (none past a stop) and why the request ends, if it does."""
+        for i, token in enumerate(tokens):
+            request.append_output(token.token_id, token.logprobs)
+            reason = self._stop_reason(request, token.token_id)
+            if request.grammar is not None and reason is None:
+                reason = _follow_grammar(request, token.token_id)
+            if reason is not None:
+                return tokens[: i + 1], reason
+        return tokens, None
 
     def release(self, request_id: str) -> None:
         """A prefill node hands a request off after its first token: drop it, keep its
@@ -355,6 +430,8 @@ class Scheduler:
             self.waiting.remove(request)
         self.reserved.pop(request.request_id, None)
         self.kv.free(request)
+        if self.drafter is not None:
+            self.drafter.finish(request.request_id, request.all_token_ids)
         request.status = RequestStatus.FINISHED
         request.finish_reason = reason
         del self.requests[request.request_id]

@@ -122,6 +122,7 @@ class StepSeq:
     sample: bool
     prompt_targets: tuple[int, ...]
     prompt_target_pos: int
+    num_drafts: int = 0  # a verify step's logits rows, gathered on every rank
 
 
 @STEPS.register
@@ -139,7 +140,7 @@ class Step(Message):
     def of(cls, seqs: tuple[ScheduledSeq, ...], compiled: bool, hook: Message | None) -> Step:
         rows = tuple(
             StepSeq(s.token_ids, s.start_pos, s.block_ids, s.sample, s.prompt_targets,
-                    s.prompt_target_pos)
+                    s.prompt_target_pos, s.num_drafts)
             for s in seqs
         )  # fmt: skip
         return cls(compiled, rows, b"" if hook is None else encode(hook))
@@ -148,7 +149,8 @@ class Step(Message):
         plain = SamplingParams()  # sampling happens on rank 0 only
         return tuple(
             ScheduledSeq("", s.token_ids, s.start_pos, s.block_ids, s.sample, plain,
-                         prompt_targets=s.prompt_targets, prompt_target_pos=s.prompt_target_pos)
+                         prompt_targets=s.prompt_targets, prompt_target_pos=s.prompt_target_pos,
+                         num_drafts=s.num_drafts)
             for s in self.seqs
         )  # fmt: skip
 
