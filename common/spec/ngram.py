@@ -56,6 +56,10 @@ class NgramProposer(Proposer):
     def finish(self, request_id: str, tokens: Sequence[int]) -> None:
         self._indexes.pop(request_id, None)
 
+    def live_requests(self) -> list[str]:
+        """Ids with an index (finish frees it)."""
+        return list(self._indexes)
+
     def _grow(self, request_id: str, tokens: Sequence[int]) -> _Index:
         index = self._indexes.get(request_id)
         if index is None or not _extends(index, tokens):
