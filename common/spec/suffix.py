@@ -133,7 +133,8 @@ class SuffixProposer(Proposer):
         state = self._requests.pop(request_id, None)
         if state is None or self._max_cached == 0:
             return
-        output = tuple(tokens[state.first_seen :])
+        # From the last token the first call saw: the answer's first tokens then follow it.
+        output = tuple(tokens[max(state.first_seen - 1, 0) :])
         if output:
             self._cache(request_id, output)
 

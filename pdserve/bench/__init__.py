@@ -23,6 +23,7 @@ BENCHMARKS = {
     "multiturn": ("multiturn", "multi-turn chat: KV moved per turn, TTFT, P/D vs colocated"),
     "tp": ("tp", "TP 1 against TP 2: decode step, all-reduce share, KV GB/s per (p, d)"),
     "gpu": ("gpu", "one CUDA GPU against its floor, HF generate, KV transfer (docs/gpu.md)"),
+    "spec": ("spec", "speculative decoding (ngram, suffix) against none: tok/s, acceptance"),
 }
 
 
