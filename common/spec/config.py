@@ -126,7 +126,9 @@ class SpeculativeConfig:
             if kwargs["method"] != "suffix":
                 raise _field_error("num_speculative_tokens", "required")
             # vLLM's default for suffix: as deep as the tree lets a draft go.
-            depth = kwargs.get("suffix_max_tree_depth", cls.suffix_max_tree_depth)
+            # (a slotted class's attribute is the slot, not the default: read the field's)
+            default = next(f.default for f in fields(cls) if f.name == "suffix_max_tree_depth")
+            depth = kwargs.get("suffix_max_tree_depth", default)
             kwargs["num_speculative_tokens"] = depth
         return cls(**kwargs)
 

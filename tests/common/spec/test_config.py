@@ -50,6 +50,7 @@ def test_vllm_suffix_keys_map_to_fields_and_nulls_keep_defaults():
 def test_suffix_k_defaults_to_tree_depth_as_in_vllm():
     config = SpeculativeConfig.parse({"method": "suffix", "suffix_max_tree_depth": 12})
     assert config.num_speculative_tokens == 12
+    assert SpeculativeConfig.parse({"method": "suffix"}).num_speculative_tokens == 24
 
 
 def test_round_trip_through_json():
