@@ -76,7 +76,9 @@ class DecodeNode(MovesKV, EngineNode):
     def reserve(self, msg: ReserveKV, request: Request) -> Reserved | Busy:
         if self.engine.scheduler.reserve(request) is None:
             return Busy(msg.request_id, "no free blocks")
-        return self.expect(msg.request_id, msg.src_tp)
+        reserved = self.expect(msg.request_id, msg.src_tp)
+        self.stages.reserved(msg.request_id, len(reserved.block_ids), reserved.cached_tokens)
+        return reserved
 
     def expect(self, request_id: str, src_tp: int) -> Reserved:
         """Open a transfer into the request's reserved blocks (each rank expects its slices
@@ -147,6 +149,7 @@ class DecodeNode(MovesKV, EngineNode):
         problem = self.problems.pop(xfer_id, None)
         del self.pending[xfer_id], self.xfer_to_rid[xfer_id]
         self.rid_to_xfer.pop(rid, None)
+        self._kv_whole(rid, problem is None)
         if problem is not None:
             self.kv.cancel(xfer_id)  # the other ranks' slices, if any still open
             self.engine.abort(rid)
@@ -156,6 +159,15 @@ class DecodeNode(MovesKV, EngineNode):
         # The prefill node already streamed the first token (and any finish) to the router.
         self.engine.scheduler.admit_remote(rid, SampledToken(rid, token.token_id, token.logprobs))
         yield Admitted(rid)
+
+    def _kv_whole(self, request_id: str, ok: bool) -> None:
+        """The request's KV transfer ended on every rank (its stage, and span if traced)."""
+        request = self.engine.scheduler.requests.get(request_id)
+        if request is None:
+            return
+        cached = request.num_cached_tokens // self.block_size
+        pages = len(self.engine.kv.block_ids(request_id)) - cached
+        self.stages.kv_whole(request_id, ok, pages, self.kv.port.connector)
 
     def abort(self, request_id: str) -> None:
         xfer_id = self.rid_to_xfer.pop(request_id, None)

@@ -190,6 +190,7 @@ def cluster_from_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> L
         p.error("--num-routers must be >= 1")
     router = router_config(args)
     nodes = _engine_flags(args) + ["--drain-timeout", str(args.drain_timeout)]
+    nodes += option_flags(router.tracing)  # every process exports its own spans
     if router.curve_dir:
         nodes += ["--curve-dir", router.curve_dir]
     tp = _tp_flags(p, args)
@@ -205,7 +206,9 @@ def cluster_from_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> L
         engine_args=nodes + tp[0] + shlex.split(args.node_flags),
         prefill_args=tp[1],
         decode_args=tp[2],
-        router_args=option_flags(router, CLUSTER_SETS) + shlex.split(args.router_flags),
+        router_args=option_flags(router, CLUSTER_SETS)
+        + option_flags(router.tracing)
+        + shlex.split(args.router_flags),
         log_dir=args.log_dir,
         host=router.host,
         inherit_output=args.log_dir is None,

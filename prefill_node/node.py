@@ -56,6 +56,7 @@ class PrefillNode(MovesKV, EngineNode):
             return Error(msg.request_id, f"KV connection failed: {exc}", Failure.KV_FAILED)
         self.engine.scheduler.add_request(request)
         self.dests[msg.request_id] = msg
+        self.stages.hand_off_later(msg.request_id)
         # The decode node holds the leading blocks already (its prefix cache): skip them.
         self.next_block[msg.request_id] = msg.dest_cached_tokens // self.block_size
         return None
@@ -63,6 +64,7 @@ class PrefillNode(MovesKV, EngineNode):
     def step_messages(self) -> Iterator[Told]:
         shipped: list[bool] = []
         updates = self.engine.step(on_layer=lambda output: self.ship_kv(output, shipped))
+        self.stages.step_done()
         failed: dict[str, str] = {}  # decode node (its rank 0 endpoint) -> why sending failed
         if shipped:  # what broke on any rank while the layers went out
             failed.update(self.kv.take_failures())
@@ -70,7 +72,8 @@ class PrefillNode(MovesKV, EngineNode):
             dest = self.dests.get(update.request_id)
             if dest is not None and dest.dest_kv_endpoints[0] in failed:
                 continue  # failed below, before any of its tokens reach the client
-            yield update.tokens()  # sent now: the first token reaches the client first
+            # Sent now: the first token reaches the client first.
+            yield self.stages.first_token(update.tokens())
             yield from self.hand_off(update, failed)
         for endpoint, error in failed.items():
             yield from self.drop_destination(endpoint, error)
@@ -79,6 +82,7 @@ class PrefillNode(MovesKV, EngineNode):
         """The layer hook of this step's forward, on every rank: each layer's new pages (each
         rank its slices) leave as soon as the layer wrote them, while the later layers
         compute."""
+        self.stages.step_started(output)
         shipments = self.plan_kv(output)
         if not shipments:
             return None
@@ -116,12 +120,15 @@ class PrefillNode(MovesKV, EngineNode):
         first = FirstToken(update.new_token_ids[0], lps[0] if lps else None)
         self.engine.scheduler.release(update.request_id)
         endpoints = list(dest.dest_kv_endpoints)
+        pages = len(dest.dest_block_ids) - dest.dest_cached_tokens // self.block_size
         try:
             self.kv.done(endpoints, dest.xfer_id, first)
         except SEND_ERRORS as exc:
             failed[endpoints[0]] = str(exc)
             why = f"KV transfer failed: {exc}"
             yield Error(update.request_id, why, Failure.KV_FAILED)
+        sent = endpoints[0] not in failed
+        self.stages.kv_sent(update.request_id, pages, self.kv.port.connector, sent)
 
     def drop_destination(self, endpoint: str, error: str) -> Iterator[Error]:
         """A connection to a decode node (named by its rank 0 endpoint) broke: fail every

@@ -8,10 +8,11 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from pdserve.common.wire.messages import Error, Tokens
 from pdserve.common.wire.payloads import SamplingParams
+from pdserve.router.timing import RequestTiming
 
 
 @dataclass(frozen=True, slots=True)
@@ -21,6 +22,8 @@ class GenerateRequest:
     request_id: str
     prompt_token_ids: tuple[int, ...]
     sampling: SamplingParams
+    # Its stages on the way to the first token: the backend stamps, the HTTP layer reads.
+    timing: RequestTiming = field(default_factory=RequestTiming, compare=False)
 
 
 class Backend(ABC):

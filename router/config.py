@@ -5,10 +5,11 @@ and read them back with `router_config`."""
 from __future__ import annotations
 
 import argparse
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from pdserve.common.node.cli import add_options, options_of
 from pdserve.common.options import option
+from pdserve.common.tracing import TracingConfig
 from pdserve.router.cluster.policies import PLACEMENTS, POLICIES, PlacementConfig
 from pdserve.router.tools import PARSERS
 
@@ -129,6 +130,8 @@ class RouterConfig:
     reserve_wait: float = 10.0
     probe_timeout: float = 3.0
     max_failovers: int = 3
+    # Its flags are TracingConfig's own, shared with the nodes (`add_router_args` adds them).
+    tracing: TracingConfig = field(default_factory=TracingConfig)
 
     def __post_init__(self) -> None:
         if not self.model:
@@ -173,8 +176,10 @@ class RouterConfig:
 def add_router_args(p: argparse.ArgumentParser, omit: frozenset[str] = frozenset()) -> None:
     """The router's flags (but the fields in omit); MODEL is `add_model_arg`'s."""
     add_options(p, RouterConfig, omit)
+    add_options(p, TracingConfig, omit)
 
 
 def router_config(args: argparse.Namespace) -> RouterConfig:
     """The RouterConfig of parsed `add_router_args` flags (ValueError on a bad value)."""
-    return options_of(RouterConfig, args, model=args.model)
+    tracing = options_of(TracingConfig, args)
+    return options_of(RouterConfig, args, model=args.model, tracing=tracing)

@@ -347,6 +347,7 @@ class Generation:
                     await self._abort(choice)  # a stop string ended it before the backend did
                 self._queue.put_nowait(delta)
                 if delta.finish_reason is not None:
+                    self._metrics.observe_stages(choice.request.timing)
                     return
             self._queue.put_nowait(choice.fail("backend stream ended without a finish reason"))
         finally:

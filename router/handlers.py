@@ -16,6 +16,7 @@ from pydantic import BaseModel, ValidationError
 from starlette.requests import ClientDisconnect
 from starlette.types import Receive, Scope, Send
 
+from pdserve.common.tracing import valid_traceparent
 from pdserve.common.wire.payloads import StructuredOutputsParams
 from pdserve.router.backend import Backend, GenerateRequest
 from pdserve.router.config import RouterLimits
@@ -45,6 +46,7 @@ from pdserve.router.openai_protocol import (
     DetokenizeResponse,
     ModelCard,
     ModelList,
+    RequestMetrics,
     TokenizeRequest,
     TokenizeResponse,
 )
@@ -307,18 +309,22 @@ class Handlers:
         if body.request_id is not None:
             dialect.id = f"{dialect.prefix}-{body.request_id}"
         choices = self._make_choices(rid, prompts, body, prompt_param, echoes, forced)
+        traceparent = valid_traceparent(request.headers.get("traceparent"))
+        for choice in choices:  # each choice's stages count from the request's arrival
+            choice.request.timing.arrival, choice.request.timing.traceparent = started, traceparent
         if not self._backend.ready():
             raise APIError(503, f"{self._backend.unready_reason()}; retry later")
         self.metrics.prompt_tokens.inc(sum(len(p) for p in prompts))
         gen = Generation(self._backend, choices, request, self.metrics, started, self.admission)
         if body.stream:
-            return await streaming_response(
-                stream_events(gen, dialect, prompts, body.include_usage, body.continuous_usage)
-            )
+            usage = (body.include_usage, body.continuous_usage, body.return_metrics)
+            return await streaming_response(stream_events(gen, dialect, prompts, *usage))
         collected = await _collect(gen)
         if collected is None:
             return client_gone().response()
         answer = dialect.response(collected, usage_info(prompts, choices))
+        if body.return_metrics:
+            answer.metrics = _metrics(choices)
         # pydantic's JSON writes non-finite floats as null; json.dumps would refuse them.
         return Response(answer.model_dump_json(), media_type="application/json")
 
@@ -334,6 +340,10 @@ async def _collect(gen: Generation) -> list[Collected] | None:
             first = False
             collected[delta.index].add(delta)
     return None if gen.disconnected else collected
+
+
+def _metrics(choices: list[Choice]) -> list[RequestMetrics]:
+    return [RequestMetrics(index=c.index, **c.request.timing.metrics()) for c in choices]
 
 
 def _sse(payload: BaseModel, exclude: set[str] | None = None) -> str:
@@ -386,10 +396,11 @@ async def stream_events(
     prompts: list[list[int]],
     include_usage: bool,
     continuous_usage: bool = False,
+    metrics: bool = False,
 ) -> AsyncGenerator[str, None]:
     """SSE lines: opening chunks, a chunk per delta, usage if asked, then [DONE].
     `continuous_usage` puts the usage so far on every chunk after the opening ones (vLLM's
-    continuous_usage_stats; GuideLLM asks for it).
+    continuous_usage_stats; GuideLLM asks for it); `metrics`, a choice's metrics on its last.
 
     Nothing is yielded before the first delta: if that one is an error (no node could take
     the request, or it failed before any token), APIError is raised instead, so the client
@@ -413,6 +424,8 @@ async def stream_events(
                     continue
                 if continuous_usage:
                     chunk.usage = usage_info(prompts, gen.choices)
+                if metrics and delta.finish_reason:
+                    chunk.metrics = _metrics([gen.choices[delta.index]])
                 yield _sse(chunk, exclude)
             if delta.finish_reason == "error":
                 yield _sse(failure_error(delta.error, delta.failure, first=False).body())

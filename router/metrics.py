@@ -9,6 +9,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.core import GaugeMetricFamily, Metric
 
 from pdserve.router.backend import Backend
+from pdserve.router.timing import RequestTiming
 
 logger = logging.getLogger(__name__)
 
@@ -40,10 +41,34 @@ class RouterMetrics:
             buckets=(0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600),
             registry=reg,
         )
+        stages = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
+        self.ttft_stages = Histogram(
+            "pdserve:ttft_stage_seconds",
+            "Time to first token by stage (router/timing.py), each on one process's clock",
+            ["stage"],
+            buckets=stages,
+            registry=reg,
+        )
+        self.handoff_stages = Histogram(
+            "pdserve:handoff_stage_seconds",
+            "A remote prefill's hand-off to its decode node by stage (after the first token)",
+            ["stage"],
+            buckets=stages,
+            registry=reg,
+        )
         self.in_flight = Gauge(
             "pdserve_router_requests_in_flight", "Generation requests being served", registry=reg
         )
         reg.register(_BackendStatsCollector(backend))
+
+    def observe_stages(self, timing: RequestTiming) -> None:
+        """A finished request's stages, those it reached."""
+        for histogram, stages in (
+            (self.ttft_stages, timing.ttft_stages()),
+            (self.handoff_stages, timing.handoff_stages()),
+        ):
+            for stage, seconds in (stages or {}).items():
+                histogram.labels(stage).observe(seconds)
 
     def exposition(self) -> bytes:
         return generate_latest(self.registry)

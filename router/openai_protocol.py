@@ -184,6 +184,8 @@ class BaseGenerationRequest(_Request):
     ignore_eos: bool = False
     skip_special_tokens: bool = True
     return_token_ids: bool = False  # vLLM's extension: the generated ids in each choice
+    # pdserve's, in the way of return_token_ids: each choice's TTFT and its stages ("metrics")
+    return_metrics: bool = False
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     user: str | None = None  # the client's end-user id: no effect on the answer
@@ -611,6 +613,21 @@ class CompletionChoice(_Response):
     prompt_logprobs: PromptLogprobs | None = Field(None, exclude_if=lambda v: v is None)
 
 
+class RequestMetrics(_Response):
+    """One choice's time to first token and its stages in seconds (router/timing.py), when the
+    request asked (return_metrics): in the body, or on the stream chunk that ends the choice.
+    A stage list is null when its stages did not run (no KV moved) or did not report."""
+
+    index: int
+    time_to_first_token: float | None
+    ttft_stages: dict[str, float] | None
+    handoff_stages: dict[str, float] | None
+
+
+Metrics = list[RequestMetrics] | None
+_NO_METRICS = Field(None, exclude_if=lambda v: v is None)
+
+
 class CompletionResponse(_Response):
     """A whole completion, or (object "text_completion" too) one stream chunk."""
 
@@ -620,6 +637,7 @@ class CompletionResponse(_Response):
     model: str
     choices: list[CompletionChoice]
     usage: UsageInfo | None = None
+    metrics: Metrics = _NO_METRICS
 
 
 class ChatTopLogprob(_Response):
@@ -692,6 +710,7 @@ class ChatCompletionResponse(_Response):
     usage: UsageInfo
     # vLLM's, with prompt_logprobs (one prompt for all choices)
     prompt_logprobs: PromptLogprobs | None = Field(None, exclude_if=lambda v: v is None)
+    metrics: Metrics = _NO_METRICS
 
 
 class DeltaMessage(_Response):
@@ -720,6 +739,7 @@ class ChatCompletionChunk(_Response):
     model: str
     choices: list[ChatStreamChoice]
     usage: UsageInfo | None = None
+    metrics: Metrics = _NO_METRICS
 
 
 class ModelCard(_Response):

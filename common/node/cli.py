@@ -17,6 +17,7 @@ from pdserve.common.engine.config import CacheConfig, ModelConfig, SchedulerConf
 
 # KV_CONNECTORS: for the demo, which offers the nodes' choice of connector too.
 from pdserve.common.node.config import KV_CONNECTORS, NodeConfig  # noqa: F401
+from pdserve.common.tracing import TracingConfig
 
 ENGINE_CONFIGS = (ModelConfig, CacheConfig, SchedulerConfig)
 
@@ -141,6 +142,7 @@ def add_node_args(p: argparse.ArgumentParser) -> None:
     add_model_arg(p)
     add_engine_args(p)
     add_options(p, NodeConfig)
+    add_options(p, TracingConfig)
 
 
 def engine_configs(args: argparse.Namespace) -> tuple[ModelConfig, CacheConfig, SchedulerConfig]:
@@ -154,4 +156,4 @@ def engine_configs(args: argparse.Namespace) -> tuple[ModelConfig, CacheConfig, 
 
 def node_config(args: argparse.Namespace) -> NodeConfig:
     """The node settings of parsed `add_node_args` flags (ValueError on a bad value)."""
-    return options_of(NodeConfig, args)
+    return options_of(NodeConfig, args, tracing=options_of(TracingConfig, args))

@@ -5,9 +5,10 @@ Pure Python (no torch): the CLI module that builds it is imported by the router 
 
 from __future__ import annotations
 
-from dataclasses import MISSING, dataclass
+from dataclasses import MISSING, dataclass, field
 
 from pdserve.common.options import option
+from pdserve.common.tracing import TracingConfig
 
 # The connectors `kv_transfer.create_sender` / `create_receiver` know (a test keeps them equal).
 KV_CONNECTORS = ("zmq", "nccl", "shm", "nixl")
@@ -107,6 +108,8 @@ class NodeConfig:
         0, PARALLEL, "the ranks' rendezvous port on --host (0: a free one; external: required)"
     )
     connect_timeout: float = 10.0  # s for a KV handshake with a decode node (no flag)
+    # Its flags are TracingConfig's own (the router's too): `cli.add_node_args` adds them.
+    tracing: TracingConfig = field(default_factory=TracingConfig)
     kv_fence_timeout: float = option(
         30.0,
         NETWORK,

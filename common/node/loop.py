@@ -42,6 +42,8 @@ from pdserve.common.node.membership import (
     advertise_host,
 )
 from pdserve.common.node.reports import engine_gauges, engine_status, integrity_report
+from pdserve.common.node.stages import StageClock
+from pdserve.common.tracing import tracer_of
 from pdserve.common.wire.messages import (
     Abort,
     Admitted,
@@ -101,6 +103,8 @@ class EngineNode:
         self.block_size = cache.block_size
         self.node_id = node.node_id or f"{self.role}-{uuid.uuid4().hex[:8]}"
         self.incarnation = uuid.uuid4().hex
+        self.tracer = tracer_of(self.role, node.tracing)  # None: tracing off
+        self.stages = StageClock(self.tracer, self.node_id)
         self.fatal: str | None = None  # why the node stopped on its own (exit non-zero)
         self.drain_deadline: float | None = None  # set once draining (SIGTERM)
         self._last_progress = time.monotonic()
@@ -161,8 +165,10 @@ class EngineNode:
     def step_messages(self) -> Iterator[Told]:
         """One engine step, yielding what to tell the requests' routers; each message is sent
         before the step goes on (a role may act on a request after its tokens left)."""
-        for update in self.engine.step():
-            yield update.tokens()
+        updates = self.engine.step(on_layer=self.stages.step_started)
+        self.stages.step_done()
+        for update in updates:
+            yield self.stages.first_token(update.tokens())
 
     def refuse(self, msg: Prefill | ReserveKV, kind: Failure, why: str) -> Message:
         """The answer that turns a new request away (draining, full): the router's failover
@@ -187,9 +193,13 @@ class EngineNode:
                 msg.sampling,
                 output_token_ids=msg.output_token_ids,
             )
+            # A reservation's KV comes from a prefill node: its stages are the decode side's.
+            self.stages.taken(msg.request_id, msg.traceparent, isinstance(msg, ReserveKV))
             answer = take(msg, request)
             if msg.request_id in self.engine.scheduler.requests:
                 self.membership.take_lease(msg.request_id)
+            else:
+                self.stages.forget(msg.request_id)
             return answer
 
         return admit
@@ -313,6 +323,7 @@ class EngineNode:
         """Free everything the request holds here; idempotent."""
         self.engine.abort(request_id)
         self.membership.drop_lease(request_id)
+        self.stages.forget(request_id)
 
     def fail(self, why: str) -> None:
         """Stop on our own for a reason the process exits non-zero with."""
@@ -403,6 +414,8 @@ class EngineNode:
         if self.kv is not None:
             self.kv.close()
         self.engine.close()
+        if self.tracer is not None:
+            self.tracer.close()
 
 
 class ColocatedNode(EngineNode):

@@ -19,15 +19,16 @@ from typing import Any, ClassVar
 
 import msgpack
 
-from pdserve.common.wire.payloads import KVLayout, SamplingParams, TokenLogprobs
+from pdserve.common.wire.payloads import KVLayout, SamplingParams, StageTimes, TokenLogprobs
 
-PROTOCOL_VERSION = 8  # 2: typed failure kinds, incarnations, Reregister; 3: Registered,
+PROTOCOL_VERSION = 9  # 2: typed failure kinds, incarnations, Reregister; 3: Registered,
 # host ids; 4: the decode side's cached tokens in Reserved/Prefill, measured rates; 5: typed
 # sampling parameters and logprobs (maps checked field by field), KVDone's typed first token;
 # 6: KV layouts typed (RegisterNode, KVHello), the KV data plane decoded on its own;
 # 7: tensor parallelism: a node's TP size and every rank's KV endpoint, the sending group's TP
 # in ReserveKV and RenewTransfer; 8: nixl carries head slices (kvx.expect's heads, the welcome's
-# agent name)
+# agent name); 9: tracing: the W3C traceparent in ReserveKV and Prefill, the stage times in
+# Tokens
 MAX_MESSAGE_BYTES = 32 * 1024 * 1024  # a 1M-token prompt of int64 ids fits with room to spare
 
 
@@ -382,6 +383,7 @@ class ReserveKV(Message):
     # The TP size of the prefill node that will send: each decode rank expects one slice from
     # each prefill rank that holds some of its KV heads (common/wire/payloads.py).
     src_tp: int = 1
+    traceparent: str | None = None  # the router's request span, when the request is traced
 
     def __post_init__(self) -> None:
         _positive_tp(self.src_tp)
@@ -432,6 +434,7 @@ class Prefill(Message):
     dest_kv_instance: str = ""  # Reserved.kv_instance
     dest_cached_tokens: int = 0  # Reserved.cached_tokens: the blocks below need no transfer
     output_token_ids: tuple[int, ...] = ()  # a resumed request: tokens already streamed
+    traceparent: str | None = None  # the router's request span (ReserveKV.traceparent)
 
 
 @message
@@ -472,3 +475,5 @@ class Tokens(Message):
     # Of prompt tokens 1, 2, ... (with ranks); first message only, when the request asked for
     # prompt logprobs.
     prompt_logprobs: tuple[TokenLogprobs, ...] = ()
+    # The node's stages of the request, with the first token it computed (StageTimes).
+    stages: StageTimes | None = None

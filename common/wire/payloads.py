@@ -182,6 +182,21 @@ class FirstToken:
     logprobs: TokenLogprobs | None = None  # when the request asked for logprobs
 
 
+@dataclass(frozen=True, slots=True)
+class StageTimes:
+    """Seconds one request spent in each stage on one node, each the difference of two readings
+    of that node's own monotonic clock (clocks of two processes are never compared; the router
+    stitches the stages). A stage that did not run on the node is 0. A node computing a prompt
+    sends queue and prefill with the request's first token; a decode node that received the
+    prompt's KV sends the rest with its first token."""
+
+    queue: float = 0.0  # taken -> the first step that ran it
+    prefill: float = 0.0  # that step -> the first token left the node
+    kv_transfer: float = 0.0  # decode node: blocks reserved -> the KV whole on every rank
+    admission: float = 0.0  # decode node: KV whole -> the first step that ran it
+    first_step: float = 0.0  # decode node: that step -> its first token left the node
+
+
 # Element sizes of the cache dtypes a connector can carry; names are torch's attribute names.
 DTYPE_BYTES: dict[str, int] = {
     "float32": 4,

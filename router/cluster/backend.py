@@ -17,6 +17,7 @@ import time
 from collections.abc import AsyncIterator, Callable
 from typing import TYPE_CHECKING
 
+from pdserve.common.tracing import tracer_of
 from pdserve.common.wire.messages import (
     ALIVE_SUFFIX,
     Abort,
@@ -50,6 +51,7 @@ from pdserve.router.cluster.streams import (
     get_within,
     left_behind,
 )
+from pdserve.router.cluster.tracing import RequestTrace
 
 if TYPE_CHECKING:  # router.config reads the policies' names from this package: no cycle
     from pdserve.router.config import RouterConfig
@@ -90,6 +92,8 @@ class ClusterBackend(Backend):
             max_failovers=config.max_failovers,
         )
         self.registrar = Registrar(self.table, self.control, config.probe_timeout)
+        self.tracer = tracer_of("router", config.tracing)  # None: tracing off
+        self.model_name = config.served_name
         self._tasks: list[asyncio.Task] = []
         self._nonce = itertools.count(1)
 
@@ -108,6 +112,8 @@ class ClusterBackend(Backend):
             with contextlib.suppress(asyncio.CancelledError):
                 await task
         await self.control.close()
+        if self.tracer is not None:
+            self.tracer.close()
 
     # -- registry --------------------------------------------------------------------------
 
@@ -253,10 +259,13 @@ class ClusterBackend(Backend):
 
     async def generate(self, request: GenerateRequest) -> AsyncIterator[Tokens | Error]:
         stream = self.table.open(request)
+        stream.trace = RequestTrace(self.tracer, request, self.model_name)
+        stream.trace.child("router.queue", request.timing.arrival, {})
         finished = False
         try:
             failure = await self.routing.route(stream)
             if failure is not None:
+                stream.failed = True
                 yield failure
                 return
             while not finished:
@@ -264,6 +273,7 @@ class ClusterBackend(Backend):
                 if isinstance(item, Error):
                     finished = stream.failed = True
                 else:
+                    request.timing.note(item)
                     stream.tokens.extend(item.token_ids)
                     finished = bool(item.finish_reason)
                     stream.failed = item.finish_reason in ("error", "abort")
@@ -274,6 +284,8 @@ class ClusterBackend(Backend):
             else:
                 self._expect_conversation(stream)
             self.table.close(request.request_id)
+            outcome = "failed" if stream.failed else "finished" if finished else "abandoned"
+            stream.trace.finish(len(stream.generated), outcome)
 
     async def _next(self, stream: Stream) -> Tokens | Error:
         """The request's next message for its client, failing it over on the way as often as

@@ -15,6 +15,7 @@ from pdserve.common.wire.messages import (
     Abort,
     Error,
     Failure,
+    Message,
     Prefill,
     RenewTransfer,
     Reserved,
@@ -22,7 +23,13 @@ from pdserve.common.wire.messages import (
 )
 from pdserve.common.wire.payloads import SamplingParams
 from pdserve.router.cluster.control import ControlServer
-from pdserve.router.cluster.policies import PlacementConfig, Policy, estimate, missing_tokens
+from pdserve.router.cluster.policies import (
+    Estimate,
+    PlacementConfig,
+    Policy,
+    estimate,
+    missing_tokens,
+)
 from pdserve.router.cluster.registry import NodeInfo, NodeRegistry, kv_mismatch
 from pdserve.router.cluster.streams import Failover, RequestTable, Stream
 
@@ -98,6 +105,8 @@ class Routing:
         colocated = self.policy(self.registry.routable(("both",), exclude), stream.hashes)
         decodes = self._decode_order(stream)
         if colocated and not decodes:
+            if stream.trace.on:
+                self._trace_route(stream, colocated, [], None, self.registry.clock())
             await self._run_on(stream, colocated[0])
             return None
         if not decodes:
@@ -106,6 +115,8 @@ class Routing:
         prefills = self._prefills_for(stream, decodes[0])
         now = self.registry.clock()
         choice = estimate(self.placement, decodes[0], prefills, stream.hashes, now)
+        if stream.trace.on:
+            self._trace_route(stream, decodes, prefills, choice, now)
         if choice.local:
             self.num_local += 1
             await self._run_on(stream, decodes[0])
@@ -154,9 +165,12 @@ class Routing:
         self._routed(node, stream)
         sampling, outputs = self._wire(stream)
         prompt = stream.request.prompt_token_ids
-        await self.control.send(
-            node.node_id, Prefill(stream.wire_id, prompt, sampling, output_token_ids=outputs)
+        traceparent = stream.trace.traceparent
+        msg = Prefill(
+            stream.wire_id, prompt, sampling, output_token_ids=outputs, traceparent=traceparent
         )
+        await self.control.send(node.node_id, msg)
+        stream.request.timing.dispatch()
 
     async def _score(self, stream: Stream) -> Error | None:
         """A request that only scores its prompt (max_tokens 0) needs a prefill and nothing
@@ -169,9 +183,10 @@ class Routing:
         self.table.place_prefill(stream, node.node_id)
         self._routed(node, stream)
         sampling, _ = self._wire(stream)
-        await self.control.send(
-            node.node_id, Prefill(stream.wire_id, request.prompt_token_ids, sampling)
-        )
+        traceparent = stream.trace.traceparent
+        msg = Prefill(stream.wire_id, request.prompt_token_ids, sampling, traceparent=traceparent)
+        await self.control.send(node.node_id, msg)
+        stream.request.timing.dispatch()
         return None
 
     async def send_prefill(self, stream: Stream, reserved: Reserved) -> Error | None:
@@ -185,6 +200,7 @@ class Routing:
         if not prefills:
             return Error(stream.wire_id, "no prefill node available", Failure.UNAVAILABLE)
         prefill = prefills[0]
+        now = time.monotonic()
         if reserved.src_tp != prefill.tp_size:  # the decode ranks expect other slices
             renewed = await self.renew_transfer(stream, prefill.tp_size)
             if renewed is None:
@@ -206,8 +222,11 @@ class Routing:
                 dest_kv_instance=reserved.kv_instance,
                 dest_cached_tokens=reserved.cached_tokens,
                 output_token_ids=outputs,
+                traceparent=stream.trace.traceparent,
             ),
         )
+        stream.request.timing.dispatch()
+        stream.trace.child("router.dispatch", now, {"pdserve.prefill_node": prefill.node_id})
         return None
 
     async def _reserve(self, stream: Stream, decodes: list[NodeInfo]) -> Reserved | Error | None:
@@ -220,8 +239,15 @@ class Routing:
         while True:
             for node in decodes:
                 src_tp = self._likely_src_tp(stream, node)
-                msg = ReserveKV(stream.wire_id, request.prompt_token_ids, sampling, outputs, src_tp)
-                reply = await self.control.ask(node.node_id, stream.wire_id, msg)
+                msg = ReserveKV(
+                    stream.wire_id,
+                    request.prompt_token_ids,
+                    sampling,
+                    outputs,
+                    src_tp,
+                    traceparent=stream.trace.traceparent,
+                )
+                reply = await self._ask_reserve(stream, node, msg)
                 if isinstance(reply, Reserved):
                     self.table.place_decode(stream, node.node_id)
                     return reply
@@ -236,9 +262,54 @@ class Routing:
             await asyncio.sleep(0.2)
             decodes = self.policy(self._pairable_decodes(stream.lost), stream.hashes)
 
+    async def _ask_reserve(self, stream: Stream, node: NodeInfo, msg: ReserveKV) -> Message | None:
+        """One reservation's round trip, timed (a TTFT stage) and traced."""
+        start = time.monotonic()
+        reply = await self.control.ask(node.node_id, stream.wire_id, msg)
+        stream.request.timing.reserved(time.monotonic() - start)
+        outcome = type(reply).__name__.lower() if reply is not None else "timeout"
+        attrs = {"pdserve.decode_node": node.node_id, "pdserve.outcome": outcome}
+        stream.trace.child("router.reserve", start, attrs)
+        return reply
+
+    def _trace_route(
+        self,
+        stream: Stream,
+        candidates: list[NodeInfo],
+        prefills: list[NodeInfo],
+        choice: Estimate | None,
+        now: float,
+    ) -> None:
+        """The routing decision as a span: the candidates in the policy's order, the blocks
+        each holds of the request, the choice and why (no token of the prompt)."""
+        tokens = stream.hashes
+        cached = [
+            f"{n.node_id}:{(len(tokens) - missing_tokens(n, tokens, now)) // n.block_size}"
+            for n in [*candidates, *prefills]
+        ]
+        attrs = {
+            "pdserve.candidates": [n.node_id for n in candidates],
+            "pdserve.prefill_candidates": [n.node_id for n in prefills],
+            "pdserve.cached_blocks": cached,
+            "pdserve.chosen": candidates[0].node_id,
+            "pdserve.policy": type(self.policy).__name__,
+            "pdserve.prefill": "local" if choice is None or choice.local else "remote",
+            "pdserve.why": choice.why if choice is not None else "colocated node",
+        }
+        stream.trace.child("router.route", time.monotonic(), attrs)
+
     async def recover(self, stream: Stream, failover: Failover) -> Error | None:
         """Carry the request on without the nodes it lost (the table detached it from them
         already); an error message when it cannot, or has failed over too often."""
+        start = time.monotonic()
+        failure = await self._recover(stream, failover)
+        attrs = {"pdserve.failover.kind": failover.kind, "pdserve.failover.cause": failover.why}
+        attrs |= {"pdserve.failover.lost": list(failover.lost), "pdserve.attempt": stream.attempt}
+        attrs["pdserve.outcome"] = "failed" if failure is not None else "rerouted"
+        stream.trace.child("router.failover", start, attrs)
+        return failure
+
+    async def _recover(self, stream: Stream, failover: Failover) -> Error | None:
         rid = stream.wire_id
         log.warning("request %s: %s; failing over (%s)", rid, failover.why, failover.kind)
         for node_id in failover.detached:  # a lost one may only be stalled: it frees later

@@ -13,6 +13,7 @@ from pdserve.common.engine.kv_cache_manager import BlockHash, extend_block_hashe
 from pdserve.common.wire.messages import Error, Failure, Tokens
 from pdserve.router.backend import GenerateRequest
 from pdserve.router.cluster.registry import NodeRegistry
+from pdserve.router.cluster.tracing import RequestTrace
 
 
 class BlockHashes:
@@ -83,10 +84,12 @@ class Stream:
     failed: bool = False  # ended by an error or abort: the other node may still hold blocks
     failovers: int = 0
     first_at: float = 0.0  # when the prefill node's first token came (0: not yet)
+    trace: RequestTrace = field(init=False)  # its spans (none unless the backend traces)
 
     def __post_init__(self) -> None:
         self.tokens = list(self.request.prompt_token_ids)
         self.hashes = BlockHashes(self.tokens)
+        self.trace = RequestTrace(None, self.request, "")
 
     @property
     def wire_id(self) -> str:

@@ -12,6 +12,7 @@ from dataclasses import fields, replace
 import pytest
 
 from pdserve.common.node.cli import flag_of
+from pdserve.common.tracing import TracingConfig
 from pdserve.router.__main__ import build_parser as router_parser
 from pdserve.router.__main__ import parse_args
 from pdserve.router.cluster.policies import PlacementConfig
@@ -55,7 +56,8 @@ def _flags(p: argparse.ArgumentParser) -> set[str]:
 
 def test_serve_and_router_offer_the_same_router_flags_with_the_same_defaults() -> None:
     router, serve = _flags(router_parser()), _flags(serve_parser())
-    expected = {flag_of(f.name) for f in OPTIONS} | {"--model"}
+    tracing = {flag_of(f.name) for f in fields(TracingConfig)}  # shared with the nodes
+    expected = {flag_of(f.name) for f in OPTIONS} | tracing | {"--model"}
     assert router == expected
     # serve's own --max-model-len (the engine's) stands in for the router's: only
     # --control-host is missing, and the comment by SERVE_OMITS says why.

@@ -1,0 +1,269 @@
+"""Tracing across real processes on loopback: a router and a 1P1D pair export their spans to an
+OTLP/HTTP receiver the test runs (the exporter's own protobuf classes decode them).
+
+One request's spans come from all three processes under one trace id; the prefill node's and
+the decode node's spans hang under the router's request span (the decode side is never a child
+of the prefill); every stage has its span and attributes; an incoming traceparent is
+continued; no attribute carries the prompt or the answer. The same requests' TTFT stages come
+back in the response (`return_metrics`) and are counted on /metrics.
+"""
+
+from __future__ import annotations
+
+import gzip
+import re
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import httpx
+import pytest
+
+from pdserve.local_cluster import LocalCluster
+from pdserve.tiny_model import make_tiny_model
+from tests.devices import engine_flags
+
+# Chunks of 32 tokens: a prompt of ~100 tokens is prefilled in several steps (chunk spans).
+ENGINE = ["--block-size", "16", "--max-num-batched-tokens", "32", "--max-model-len", "1100"]
+ENGINE += engine_flags()
+PROMPT = "zebra quartz " * 40  # ~100 tokens of a text no attribute may carry
+PARENT_TRACE = "4bf92f3577b34da6a3ce929d0e0e4736"
+PARENT_SPAN = "00f067aa0ba902b7"
+EXPECTED = {
+    "pdserve-router": {"llm_request", "router.queue", "router.route", "router.reserve"},
+    "pdserve-prefill": {"prefill", "prefill.queue", "prefill.chunk", "prefill.kv_send"},
+    "pdserve-decode": {
+        "decode.reserve",
+        "decode.kv_transfer",
+        "decode.admission",
+        "decode.first_step",
+    },
+}
+
+
+@dataclass(frozen=True, slots=True)
+class Span:
+    service: str
+    name: str
+    trace_id: str
+    span_id: str
+    parent_id: str
+    attributes: dict[str, object]
+
+
+def _value(v) -> object:  # an OTLP AnyValue
+    kind = v.WhichOneof("value")
+    if kind == "array_value":
+        return [_value(x) for x in v.array_value.values]
+    return getattr(v, kind) if kind else None
+
+
+class Receiver:
+    """An OTLP/HTTP trace endpoint on loopback that keeps every span it is sent."""
+
+    def __init__(self) -> None:
+        self.spans: list[Span] = []
+        self.lock = threading.Lock()
+        receiver = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(self) -> None:  # noqa: N802 (http.server's name)
+                body = self.rfile.read(int(self.headers["Content-Length"]))
+                if self.headers.get("Content-Encoding") == "gzip":
+                    body = gzip.decompress(body)
+                receiver.take(body)
+                self.send_response(200)
+                self.send_header("Content-Type", "application/x-protobuf")
+                self.send_header("Content-Length", "0")
+                self.end_headers()
+
+            def log_message(self, *args: object) -> None:
+                pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+        self.url = f"http://127.0.0.1:{self.server.server_port}/v1/traces"
+
+    def take(self, body: bytes) -> None:
+        from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
+            ExportTraceServiceRequest,
+        )
+
+        request = ExportTraceServiceRequest.FromString(body)
+        for rs in request.resource_spans:
+            resource = {a.key: _value(a.value) for a in rs.resource.attributes}
+            for ss in rs.scope_spans:
+                for s in ss.spans:
+                    span = Span(
+                        str(resource.get("service.name")),
+                        s.name,
+                        s.trace_id.hex(),
+                        s.span_id.hex(),
+                        s.parent_span_id.hex(),
+                        {a.key: _value(a.value) for a in s.attributes},
+                    )
+                    with self.lock:
+                        self.spans.append(span)
+
+    def trace(self, trace_id: str) -> list[Span]:
+        with self.lock:
+            return [s for s in self.spans if s.trace_id == trace_id]
+
+    def wait_for(self, trace_id: str, timeout: float = 60.0) -> list[Span]:
+        """The trace's spans once every expected one came (the exporters batch them)."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            spans = self.trace(trace_id)
+            have = {(s.service, s.name) for s in spans}
+            if all((svc, n) in have for svc, names in EXPECTED.items() for n in names):
+                return spans
+            time.sleep(0.2)
+        return self.trace(trace_id)
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+@pytest.fixture(scope="module")
+def receiver() -> Iterator[Receiver]:
+    r = Receiver()
+    yield r
+    r.close()
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory, receiver) -> Iterator[LocalCluster]:
+    model = make_tiny_model("llama", tmp_path_factory.mktemp("tracing") / "m", max_position=2048)
+    tracing = ["--otlp-traces-endpoint", receiver.url]
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("OTEL_BSP_SCHEDULE_DELAY", "100")  # export within 0.1 s, not 5
+        c = LocalCluster(
+            str(model),
+            1,
+            1,
+            engine_args=ENGINE + tracing,
+            router_args=[*tracing, "--prefill-placement", "remote"],
+        )
+        with c:
+            yield c
+
+
+def complete(url: str, headers: dict[str, str] | None = None, **extra) -> dict:
+    body = {"prompt": PROMPT, "max_tokens": 6, "temperature": 0, "ignore_eos": True, **extra}
+    resp = httpx.post(url + "/v1/completions", json=body, headers=headers, timeout=120)
+    assert resp.status_code == 200, resp.text
+    return resp.json()
+
+
+def by_name(spans: list[Span]) -> dict[str, list[Span]]:
+    out: dict[str, list[Span]] = {}
+    for s in spans:
+        out.setdefault(s.name, []).append(s)
+    return out
+
+
+def test_one_trace_across_router_prefill_and_decode(cluster, receiver) -> None:
+    traceparent = f"00-{PARENT_TRACE}-{PARENT_SPAN}-01"
+    answer = complete(cluster.url, {"traceparent": traceparent})
+    spans = receiver.wait_for(PARENT_TRACE)
+    names = by_name(spans)
+    for service, expected in EXPECTED.items():
+        got = {s.name for s in spans if s.service == service}
+        assert expected <= got, f"{service} lacks {expected - got}"
+    (request,) = names["llm_request"]
+    assert request.parent_id == PARENT_SPAN, "the client's traceparent is continued"
+    # Both nodes' top spans are children of the router's request span: the decode side is a
+    # sibling of the prefill, not its child.
+    for name in ("prefill", *EXPECTED["pdserve-decode"]):
+        for span in names[name]:
+            assert span.parent_id == request.span_id, f"{name} is not under the request span"
+    (prefill,) = names["prefill"]
+    for name in ("prefill.queue", "prefill.chunk"):
+        assert {s.parent_id for s in names[name]} == {prefill.span_id}
+    assert len(names["prefill.chunk"]) >= 2, "a prompt of several chunks"
+    assert sum(s.attributes["pdserve.chunk.tokens"] for s in names["prefill.chunk"]) > 0
+    (route,) = names["router.route"]
+    assert route.attributes["pdserve.chosen"] == "decode0"
+    assert route.attributes["pdserve.prefill"] == "remote"
+    assert route.attributes["pdserve.candidates"] == ["decode0"]
+    assert route.attributes["pdserve.prefill_candidates"] == ["prefill0"]
+    assert re.fullmatch(r"decode0:\d+", route.attributes["pdserve.cached_blocks"][0])
+    assert route.attributes["pdserve.why"]
+    (kv,) = names["decode.kv_transfer"]
+    assert kv.attributes["pdserve.kv.checksum_ok"] is True
+    assert kv.attributes["pdserve.kv.connector"] == "zmq"
+    assert kv.attributes["pdserve.kv.pages"] >= 1
+    (sent,) = names["prefill.kv_send"]
+    assert sent.attributes["pdserve.kv.pages"] == kv.attributes["pdserve.kv.pages"]
+    assert names["router.reserve"][0].attributes["pdserve.outcome"] == "reserved"
+    assert request.attributes["gen_ai.usage.completion_tokens"] == 6
+    assert request.attributes["gen_ai.latency.time_to_first_token"] > 0
+    text = answer["choices"][0]["text"]
+    for span in spans:  # no prompt or answer text in any attribute
+        for key, value in span.attributes.items():
+            assert "zebra" not in str(value) and "quartz" not in str(value), (span.name, key)
+            assert len(text) < 4 or text not in str(value), (span.name, key)
+
+
+def test_a_request_without_traceparent_starts_its_trace_at_the_router(cluster, receiver) -> None:
+    before = {s.span_id for s in receiver.spans}
+    complete(cluster.url)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        roots = [
+            s
+            for s in receiver.spans
+            if s.name == "llm_request" and s.span_id not in before and s.trace_id != PARENT_TRACE
+        ]
+        if roots:
+            break
+        time.sleep(0.2)
+    (root,) = roots
+    assert root.parent_id == ""
+    spans = receiver.wait_for(root.trace_id)
+    assert {s.service for s in spans} == set(EXPECTED)
+
+
+def test_the_ttft_stages_come_back_and_are_counted(cluster) -> None:
+    for stream in (False, True):
+        metrics = _metrics_of(cluster.url, stream)
+        stages, ttft = metrics["ttft_stages"], metrics["time_to_first_token"]
+        assert set(stages) == {"router_queue", "decode_reservation", "prefill_queue", "prefill"}
+        assert all(v >= 0 for v in stages.values()), stages
+        # Each stage is on one process's clock: together they miss only the messages' way
+        # between the processes and the router's loop, never more than the TTFT.
+        assert sum(stages.values()) <= ttft, (stages, ttft)
+        assert sum(stages.values()) >= 0.5 * ttft, (stages, ttft)
+        handoff = metrics["handoff_stages"]
+        assert set(handoff) == {"kv_transfer", "decode_admission", "first_decode_step"}
+        assert all(v > 0 for v in handoff.values()), handoff
+    scrape = httpx.get(cluster.url + "/metrics", timeout=10).text
+    for stage in ("router_queue", "decode_reservation", "prefill_queue", "prefill"):
+        count = re.search(rf'pdserve:ttft_stage_seconds_count{{stage="{stage}"}} (\S+)', scrape)
+        assert count is not None and float(count.group(1)) >= 2, stage
+    count = re.search(r'pdserve:handoff_stage_seconds_count{stage="kv_transfer"} (\S+)', scrape)
+    assert count is not None and float(count.group(1)) >= 2
+
+
+def _metrics_of(url: str, stream: bool) -> dict:
+    """One request's metrics, from the body or from the stream's chunk that ends it."""
+    if not stream:
+        (metrics,) = complete(url, return_metrics=True)["metrics"]
+        return metrics
+    body = {"prompt": PROMPT, "max_tokens": 6, "temperature": 0, "ignore_eos": True}
+    body |= {"stream": True, "return_metrics": True}
+    found = []
+    with httpx.stream("POST", url + "/v1/completions", json=body, timeout=120) as resp:
+        for line in resp.iter_lines():
+            if line.startswith("data: {"):
+                import json
+
+                chunk = json.loads(line[6:])
+                if "metrics" in chunk:
+                    assert chunk["choices"][0]["finish_reason"] == "length"
+                    found += chunk["metrics"]
+    (metrics,) = found
+    return metrics
