@@ -366,6 +366,7 @@ class Scheduler:
         """A verify step accepted its first `accepted` drafts: their KV, computed by the step,
         is the request's (the rejected positions' KV is overwritten when they are reached)."""
         assert self.drafter is not None, "drafts without a drafter"
+        assert accepted <= seq.num_drafts, f"{accepted} accepted of {seq.num_drafts} drafts"
         request.num_computed_tokens += accepted
         self.drafter.observe(request.request_id, seq.num_drafts, accepted)
 

@@ -1,0 +1,207 @@
+"""Speculative decoding's pure parts (issue 38): `Sampler.verify` (greedy acceptance, the
+rejection rule's output distribution), the scheduler's stop checks over a verify step's
+tokens and its budget for drafts, and adaptive k."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import pytest
+import torch
+
+from pdserve.common.engine.config import SchedulerConfig
+from pdserve.common.engine.drafting import PROBE_AFTER_STEPS, Drafter
+from pdserve.common.engine.kv_cache_manager import KVCacheManager
+from pdserve.common.engine.request import FinishReason, Request
+from pdserve.common.engine.sampler import Sampler, SamplingRow
+from pdserve.common.engine.scheduler import SampledToken, Scheduler
+from pdserve.common.spec.base import Proposer
+from pdserve.common.spec.config import SpeculativeConfig
+from pdserve.common.wire.payloads import SamplingParams
+
+VOCAB = 6
+DRAWS = 4000
+
+
+def _peaked(*best: int) -> torch.Tensor:
+    """Logits [len(best), VOCAB] whose argmax in row i is best[i]."""
+    logits = torch.zeros(len(best), VOCAB)
+    for i, token in enumerate(best):
+        logits[i, token] = 5.0
+    return logits
+
+
+@pytest.mark.parametrize(
+    "target,drafts,emitted",
+    [
+        ((1, 2, 3, 4), (1, 2, 3), [1, 2, 3, 4]),  # all accepted, then the bonus token
+        ((1, 2, 3, 4), (1, 5, 3), [1, 2]),  # the target's token at the first mismatch
+        ((1, 2), (0,), [1]),
+    ],
+)
+def test_greedy_accepts_while_equal(target, drafts, emitted) -> None:
+    row = SamplingRow(SamplingParams(temperature=0.0, logprobs=0), None)
+    out = Sampler(seed=0).verify(_peaked(*target), row, drafts)
+    assert out.token_ids == emitted
+    assert [lp.token_id for lp in out.logprobs] == emitted
+
+
+def _tables(seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """A toy target model two tokens deep: logits of the first token, and of the second
+    given the first."""
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(VOCAB, generator=g) * 1.5, torch.randn(VOCAB, VOCAB, generator=g) * 1.5
+
+
+def _counts(pairs: Sequence[tuple[int, int]]) -> list[int]:
+    """Counts of each (t1, t2), flat index t1 * VOCAB + t2."""
+    counts = [0] * VOCAB * VOCAB
+    for t1, t2 in pairs:
+        counts[t1 * VOCAB + t2] += 1
+    return counts
+
+
+def _within_sampling_error(counts: Sequence[int], probs: Sequence[float]) -> bool:
+    """Every cell within 4.5 standard deviations of its expected count (a false alarm in
+    about 1 of 10^4 runs for 36 cells), and the total variation distance within 4 times its
+    expected size under exact sampling."""
+    tv_scale = sum(math.sqrt(p * (1 - p) / DRAWS) for p in probs) / 2
+    tv = sum(abs(c / DRAWS - p) for c, p in zip(counts, probs, strict=True)) / 2
+    cells = all(
+        abs(c - DRAWS * p) <= 4.5 * math.sqrt(DRAWS * p * (1 - p)) + 1e-9
+        for c, p in zip(counts, probs, strict=True)
+    )
+    return cells and tv <= 4 * tv_scale
+
+
+@pytest.mark.parametrize("likely", [True, False])
+def test_sampled_tokens_follow_the_target_distribution(likely: bool) -> None:
+    """4,000 draws of two tokens at temperature 0.8, top-p 0.9, two drafts per step (the
+    first draft the target's likeliest token, or one top-p cuts: always rejected): the pairs
+    are distributed as without drafts, within sampling error of the target's joint
+    distribution, which plain sampling meets too."""
+    first, second = _tables()
+    row = SamplingRow(SamplingParams(temperature=0.8, top_p=0.9), None)
+    p1 = Sampler._probs(first[None], [row])[0]
+    p2 = Sampler._probs(second, [row] * VOCAB)
+    joint = (p1[:, None] * p2).flatten().tolist()
+    d1 = int(p1.argmax() if likely else p1.argmin())
+    d2 = int(p2[d1].argsort(descending=True)[1])  # accepted some of the time
+    sampler = Sampler(seed=1)
+
+    def then(t1s: list[int]) -> list[tuple[int, int]]:
+        """Each first token and a second one drawn after it by a plain step."""
+        t2s = sampler(second[t1s], [row] * len(t1s)).token_ids
+        return list(zip(t1s, t2s, strict=True))
+
+    plain = then(sampler(first.expand(DRAWS, VOCAB), [row] * DRAWS).token_ids)
+    assert _within_sampling_error(_counts(plain), joint)
+    logits = torch.stack([first, second[d1], torch.zeros(VOCAB)])  # bonus row: unused
+    runs = [sampler.verify(logits, row, (d1, d2)).token_ids for _ in range(DRAWS)]
+    pairs = [(r[0], r[1]) for r in runs if len(r) >= 2]
+    pairs += then([r[0] for r in runs if len(r) == 1])  # rejected at once: the next step
+    assert 0 < sum(r[0] == d1 for r in runs) if likely else not any(r[0] == d1 for r in runs)
+    assert _within_sampling_error(_counts(pairs), joint)
+
+
+# -- the scheduler's side -------------------------------------------------------------------
+
+
+class FixedDrafts(Proposer):
+    """Drafts the same tokens every step."""
+
+    def __init__(self, drafts: Sequence[int]) -> None:
+        self.drafts = list(drafts)
+
+    def propose(self, request_id: str, tokens: Sequence[int], k: int) -> list[int]:
+        return self.drafts[:k]
+
+    def finish(self, request_id: str, tokens: Sequence[int]) -> None:
+        pass
+
+
+def _scheduler(k: int = 3, budget: int = 512, drafts=(7, 8, 9)) -> Scheduler:
+    spec = SpeculativeConfig("ngram", k)
+    config = SchedulerConfig(max_num_batched_tokens=budget, speculative_config=spec)
+    scheduler = Scheduler(config, KVCacheManager(64, 4), 512)
+    scheduler.drafter = Drafter(spec, FixedDrafts(drafts))
+    return scheduler
+
+
+def _decoding(scheduler: Scheduler, rid: str, prompt=(1, 2, 4, 5, 5), **params) -> Request:
+    """A request past its prefill, its first token sampled."""
+    return _prefilled(scheduler, [Request(rid, list(prompt), SamplingParams(**params), (3,))])[0]
+
+
+def _prefilled(scheduler: Scheduler, requests: list[Request]) -> list[Request]:
+    """Requests past their prefill (one step), their first token (6) sampled."""
+    for request in requests:
+        scheduler.add_request(request)
+    out = scheduler.schedule()
+    scheduler.update(out, {r.request_id: SampledToken(r.request_id, 6) for r in requests})
+    return requests
+
+
+def _verify(scheduler: Scheduler, emitted: dict[str, Sequence[int]]):
+    """One step whose verify emits `emitted` per request; its updates and the schedule."""
+    out = scheduler.schedule()
+    sampled = {rid: tuple(SampledToken(rid, t) for t in ts) for rid, ts in emitted.items()}
+    return scheduler.update(out, sampled), out
+
+
+def test_tokens_past_a_stop_token_are_dropped() -> None:
+    scheduler = _scheduler()
+    request = _decoding(scheduler, "r", stop_token_ids=(8,))
+    (update,), out = _verify(scheduler, {"r": (7, 8, 9, 10)})
+    assert out.seqs[0].token_ids == (6, 7, 8, 9) and out.seqs[0].num_drafts == 3
+    assert update.new_token_ids == (7, 8) and update.finish_reason is FinishReason.STOP
+    assert request.output_token_ids == [6, 7, 8]
+    scheduler.kv.check_integrity()
+    assert scheduler.kv.num_free_blocks == 63
+
+
+def test_drafts_stop_at_max_tokens() -> None:
+    scheduler = _scheduler()
+    request = _decoding(scheduler, "r", max_tokens=3)
+    (update,), out = _verify(scheduler, {"r": (7, 8)})
+    assert out.seqs[0].num_drafts == 1  # max_tokens leaves room for one draft and the bonus
+    assert update.new_token_ids == (7, 8) and update.finish_reason is FinishReason.LENGTH
+    assert request.output_token_ids == [6, 7, 8]
+
+
+def test_accepted_drafts_count_as_computed_and_rejected_blocks_go_back() -> None:
+    scheduler = _scheduler(k=8, drafts=range(10, 18))
+    request = _decoding(scheduler, "r")
+    assert len(scheduler.kv.block_ids("r")) == 2  # 5 prompt tokens + room for the 6th
+    (update,), out = _verify(scheduler, {"r": (10, 11, 99)})  # 2 accepted, then the target's
+    assert out.seqs[0].num_drafts == 8 and update.new_token_ids == (10, 11, 99)
+    assert request.num_computed_tokens == 8  # 5 + the sampled 6 + 2 accepted drafts
+    assert len(scheduler.kv.block_ids("r")) == 3  # 9 known tokens; 14 slots were reserved
+    scheduler.kv.check_integrity()
+
+
+def test_drafts_leave_every_later_decode_its_token() -> None:
+    scheduler = _scheduler(k=5, budget=4)
+    _prefilled(scheduler, [Request(rid, [1], SamplingParams(), (3,)) for rid in "abc"])
+    out = scheduler.schedule()
+    assert [len(seq.token_ids) for seq in out.seqs] == [2, 1, 1]
+    assert out.num_batched_tokens == 4
+
+
+def test_adaptive_k_shrinks_to_zero_then_probes() -> None:
+    drafter = Drafter(SpeculativeConfig("ngram", 4), FixedDrafts(range(10)))
+    assert len(drafter.propose("r", [1], limit=9)) == 4
+    drafter.observe("r", drafted=4, accepted=1)
+    assert len(drafter.propose("r", [1], limit=9)) == 2  # accepted + 1
+    drafter.observe("r", drafted=2, accepted=2)
+    assert len(drafter.propose("r", [1], limit=9)) == 3  # full acceptance grows by one
+    for _ in range(2):  # 3 -> 1 -> 0
+        drafter.observe("r", drafted=3, accepted=0)
+    skipped = 0
+    while not drafter.propose("r", [1], limit=9):
+        skipped += 1
+    assert skipped == PROBE_AFTER_STEPS - 1  # plain steps, then a probe at k = 1
+    fixed = Drafter(SpeculativeConfig("ngram", 4, adaptive=False), FixedDrafts(range(10)))
+    fixed.observe("r", drafted=4, accepted=0)
+    assert len(fixed.propose("r", [1], limit=9)) == 4
