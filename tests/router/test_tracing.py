@@ -1,0 +1,115 @@
+"""The router's side of a request's stages and spans: RequestTiming stitches the nodes' stage
+times with its own (router/timing.py); the request span's traceparent goes to every node the
+request is sent to (prefill and decode alike: siblings under it), and a failover is a span
+with its cause (over fake nodes, tests/router/test_failover.py's harness)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import pytest
+
+from pdserve.common.wire.messages import Error, Failure, Prefill, ReserveKV, Tokens
+from pdserve.common.wire.payloads import StageTimes
+from pdserve.router.cluster.backend import ClusterBackend
+from pdserve.router.timing import RequestTiming
+from tests.router.test_failover import FakeNodes, run, until
+
+
+def test_the_ttft_stages_are_the_routers_time_and_the_computing_nodes() -> None:
+    t = RequestTiming(arrival=100.0)
+    assert t.ttft_stages() is None and t.handoff_stages() is None
+    t.reserved(0.25)
+    t.dispatched = 101.0  # one second at the router, a quarter of it reserving
+    t.note(Tokens("r", (1,), stages=StageTimes(queue=0.5, prefill=2.0)))
+    assert t.ttft_stages() == {
+        "router_queue": 0.75,
+        "decode_reservation": 0.25,
+        "prefill_queue": 0.5,
+        "prefill": 2.0,
+    }
+    assert t.first_token > 0
+    t.note(Tokens("r", (2,), stages=StageTimes(kv_transfer=3.0, admission=0.1, first_step=0.2)))
+    assert t.handoff_stages() == {
+        "kv_transfer": 3.0,
+        "decode_admission": 0.1,
+        "first_decode_step": 0.2,
+    }
+
+
+def test_an_attempt_after_the_first_token_leaves_the_ttft_stages_alone() -> None:
+    t = RequestTiming(arrival=0.0)
+    t.dispatch()
+    first = StageTimes(queue=0.5, prefill=2.0)
+    t.note(Tokens("r", (1,), stages=first))
+    dispatched, token = t.dispatched, t.first_token
+    t.reserved(9.0)  # a resumed attempt, after the client had its first token
+    t.dispatch()
+    t.note(Tokens("r~1", (2,), stages=StageTimes(queue=7.0, prefill=7.0)))
+    assert (t.dispatched, t.first_token, t.reserving, t.computed) == (dispatched, token, 0, first)
+
+
+@dataclass
+class FakeSpan:
+    name: str
+    parent: Any
+    attributes: dict = field(default_factory=dict)
+    ended: bool = False
+
+
+class FakeTracer:
+    """Records spans; every request span is sampled, its traceparent names it."""
+
+    def __init__(self) -> None:
+        self.spans: list[FakeSpan] = []
+
+    def start(self, name: str, parent: Any, start: float, attributes) -> FakeSpan:
+        self.spans.append(FakeSpan(name, parent, dict(attributes)))
+        return self.spans[-1]
+
+    def end(self, span: FakeSpan, end: float, attributes=None) -> None:
+        span.attributes |= attributes or {}
+        span.ended = True
+
+    def span(self, name: str, parent: Any, start: float, end: float, attributes) -> FakeSpan:
+        self.spans.append(FakeSpan(name, parent, dict(attributes), ended=True))
+        return self.spans[-1]
+
+    def traceparent(self, span: FakeSpan) -> str:
+        return f"00-{'1' * 32}-{self.spans.index(span) + 1:016x}-01"
+
+    def close(self) -> None:
+        pass
+
+    def named(self, name: str) -> list[FakeSpan]:
+        return [s for s in self.spans if s.name == name]
+
+
+@pytest.mark.parametrize("traced", [True, False])
+def test_every_node_gets_the_request_spans_context_and_a_failover_is_a_span(traced) -> None:
+    tracer = FakeTracer()
+
+    async def body(backend: ClusterBackend, nodes: FakeNodes, _: Any) -> None:
+        backend.tracer = tracer if traced else None  # type: ignore[assignment]
+        client = await nodes.start()
+        nodes.tell("p0", Error("r", "queue full", Failure.BUSY))
+        await until(lambda: nodes.to("p1", Prefill), "the prefill on p1")
+        nodes.answer("r", "p1", "d0", 10, 11)
+        await client.done()
+        sent = [m for _, m in nodes.sent if isinstance(m, Prefill | ReserveKV)]
+        parents = {m.traceparent for m in sent}
+        if not traced:
+            assert parents == {None} and tracer.spans == []
+            return
+        (request,) = tracer.named("llm_request")
+        assert parents == {tracer.traceparent(request)}, "prefill and decode: one parent"
+        (failover,) = tracer.named("router.failover")
+        assert failover.parent is request
+        assert failover.attributes["pdserve.failover.cause"] == "p0: queue full"
+        assert failover.attributes["pdserve.failover.kind"] == "prefill"
+        assert failover.attributes["pdserve.failover.lost"] == ["p0"]
+        assert len(tracer.named("router.route")) == 1  # the first placement
+        assert request.ended and request.attributes["gen_ai.usage.completion_tokens"] == 2
+
+    run(body, "p0", "p1", "d0")
