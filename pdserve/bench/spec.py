@@ -197,9 +197,9 @@ def measure_all(args: argparse.Namespace, engines: dict[str, LLM],
     for r in range(args.repeats):
         for workload in WORKLOADS:
             for batch in args.batch_sizes:
+                ps = prompts[workload][: args.batch1_prompts] if batch == 1 else prompts[workload]
                 for system in rotated(args.systems, r):
-                    run = timed_run(engines[system], system, prompts[workload], batch,
-                                    args.max_tokens)  # fmt: skip
+                    run = timed_run(engines[system], system, ps, batch, args.max_tokens)
                     runs.setdefault((workload, batch, system), []).append(run)
                     print(f"{workload} batch {batch} {system}: {run['tokens_per_s']:.2f} tok/s",
                           flush=True)  # fmt: skip
@@ -224,6 +224,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     configs = {s: SYSTEMS[s] for s in args.systems}
     return {**offline.sweep_fields(args, path, SimpleNamespace(runner=runner)),
             "systems": args.systems, "speculative_configs": configs, "prompts": args.prompts,
+            "batch1_prompts": min(args.batch1_prompts, args.prompts),
             "batch_sizes": args.batch_sizes, "results": results}  # fmt: skip
 
 
@@ -286,8 +287,10 @@ def section(report: dict[str, Any], figure: str) -> str:
     configs = "; ".join(
         f"{s} `{json.dumps(c)}`" for s, c in report["speculative_configs"].items() if c
     )
+    at_one = report.get("batch1_prompts", report["prompts"])
     how = (f"{report['prompts']} prompts per workload through the model's chat template, greedy, "
-           f"up to {report['max_tokens']} new tokens; batch 1 runs them one by one. The prompts "
+           f"up to {report['max_tokens']} new tokens; batch 1 runs the first {at_one} one by one. "
+           "The prompts "
            "are in the prefix cache (a warm-up run), so the time is decoding; each measurement "
            "starts with a fresh drafter. Systems: " + configs + ".")  # fmt: skip
     return "\n".join(
@@ -319,6 +322,8 @@ FLAGS = [
     ("--systems", str, ",".join(SYSTEMS), "comma list of systems (none is always measured)"),
     ("--batch-sizes", str, None, "comma list of batch sizes (default: 1,8; quick: 1,2)"),
     ("--prompts", int, None, "prompts per workload (default: 8; quick: 2)"),
+    ("--batch1-prompts", int, None, "batch 1 runs only the first N prompts of each workload "
+     "(one by one, the slow part; default: all)", {"metavar": "N"}),
     ("--max-tokens", int, None, "most new tokens per prompt (default: 128; quick: 6)"),
     ("--repeats", int, 1, "timed runs of each measurement (the median is reported)"),
     ("--model", str, None, "checkpoint directory or GGUF (default: SmolLM2-135M-Instruct; "
@@ -340,6 +345,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     for key, defaults in QUICK.items():
         setattr(args, key, getattr(args, key) or defaults[int(args.quick)])
     args.batch_sizes = [int(b) for b in str(args.batch_sizes).split(",")]
+    args.batch1_prompts = args.batch1_prompts or args.prompts
     chosen = [s.strip() for s in args.systems.split(",") if s.strip()]
     unknown = sorted(set(chosen) - set(SYSTEMS))
     if unknown:
