@@ -37,6 +37,10 @@ NODE_METRICS: dict[str, str] = {
     "pdserve_node_draining": "1 while shutting down (SIGTERM), else 0",
     "pdserve_node_prefill_tokens_per_second": "prompt tokens/s of recent prefill steps",
     "pdserve_node_kv_received_bytes": "KV page bytes received from prefill nodes (decode role)",
+    # Speculative decoding (--speculative-config), vLLM's counters since the node started.
+    "pdserve_node_spec_decode_num_drafts": "verify steps of a request with drafted tokens",
+    "pdserve_node_spec_decode_num_draft_tokens": "tokens drafted",
+    "pdserve_node_spec_decode_num_accepted_tokens": "drafted tokens accepted",
 }
 
 

@@ -5,6 +5,7 @@ it knows, whether it drains, and sends them (`loop.EngineNode`)."""
 
 from __future__ import annotations
 
+from pdserve.common.engine.drafting import SpecDecodeStats
 from pdserve.common.engine.llm_engine import LLMEngine
 from pdserve.common.node.membership import NodeStatus, PrefixChanges
 from pdserve.common.wire.messages import IntegrityReport
@@ -43,7 +44,14 @@ def engine_gauges(engine: LLMEngine, queued: int, draining: bool) -> dict[str, f
         "pdserve_node_waiting_requests": len(sched.waiting),
         "pdserve_node_draining": float(draining),
         "pdserve_node_prefill_tokens_per_second": engine.prefill_rate.tokens_per_s,
+        **{f"pdserve_node_{name}": value for name, value in spec_decode_counters(engine).items()},
     }
+
+
+def spec_decode_counters(engine: LLMEngine) -> dict[str, float]:
+    """vLLM's `spec_decode_*` counters of the engine's drafter (0 without speculation)."""
+    drafter = engine.scheduler.drafter
+    return (drafter.stats if drafter is not None else SpecDecodeStats()).counters()
 
 
 def integrity_report(engine: LLMEngine, nonce: int) -> IntegrityReport:
