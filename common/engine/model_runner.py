@@ -166,6 +166,8 @@ class ModelRunner:
             width = -(-longest // self.block_size)
             self.compiled = CompiledDecode(self.model, max_num_seqs, width)
             self.compiled.warm_up(self.kv_caches, self._compile_cache(model_config))
+        elif self.device.type == "cpu":
+            self.model.use_cpu_head()  # packed or chunked float32 head (kernels/cpu_linear.py)
 
     def _compile_cache(self, model_config: ModelConfig) -> CompileCache:
         """Where this model's compiled steps are kept between starts: keyed by what shapes the

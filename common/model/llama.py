@@ -21,6 +21,7 @@ from pdserve.common.model.attention import AttentionMetadata, KVCacheSpec, paged
 from pdserve.common.model.config import ModelArchConfig
 from pdserve.common.model.parallel import TPGroup, TPShard
 from pdserve.common.model.quant import QuantizedEmbedding, QuantizedLinear, release_freed_heap
+from pdserve.kernels.cpu_linear import PackedLinear, chunked_linear, cpu_linear_enabled, packs
 
 
 class RMSNorm(nn.Module):
@@ -359,6 +360,7 @@ class LlamaFamilyForCausalLM(nn.Module):
         self.lm_head = (
             None if config.tie_word_embeddings else nn.Linear(config.hidden_size, rows, bias=False)
         )
+        self.chunk_head = False  # set by use_cpu_head: a tied float32 head chunked on the CPU
 
     @classmethod
     def kv_cache_spec(cls, config: ModelArchConfig, shard: TPShard | None = None) -> KVCacheSpec:
@@ -391,14 +393,33 @@ class LlamaFamilyForCausalLM(nn.Module):
         return self.model(input_ids, positions, attn, kv_caches, on_layer)
 
     @torch.no_grad()
+    def use_cpu_head(self) -> str:
+        """Give a float32 LM head on the CPU its faster kernel (kernels/cpu_linear.py) for eager
+        steps: an untied head's weight reordered into oneDNN's layout, in place of the plain
+        one; a tied one, whose rows the embedding reads, chunked. Which it did: "packed",
+        "chunked", or "" (another dtype, device or head, or PDSERVE_CPU_LINEAR=off)."""
+        head, embed = self.lm_head, self.model.embed_tokens
+        if not cpu_linear_enabled():
+            return ""
+        if type(head) is nn.Linear and packs(head.weight):
+            self.lm_head = PackedLinear(head.weight, head.bias)
+            return "packed"
+        if head is None and type(embed) is VocabEmbedding and packs(embed.weight):
+            self.chunk_head = True
+            return "chunked"
+        return ""
+
+    @torch.no_grad()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits [N, vocab_size] in float32 for the N rows the sampler needs (on every rank:
         under tensor parallelism each computes its vocabulary rows and they are gathered)."""
         embed, head = self.model.embed_tokens, self.lm_head
         if head is None and isinstance(embed, QuantizedEmbedding):
             head = embed.head  # the tied head, held int8 (docs/quantization.md)
-        if isinstance(head, QuantizedLinear):
+        if isinstance(head, QuantizedLinear | PackedLinear):
             logits = head(hidden)
+        elif self.chunk_head:
+            logits = chunked_linear(hidden, embed.weight)
         else:
             logits = F.linear(hidden, embed.weight if head is None else head.weight)
         if self.tp is not None:

@@ -1,0 +1,94 @@
+"""The LM head's float32 matmul on the CPU, where MKL's small-M SGEMM (F.linear) is slow.
+
+Measured at one thread on the AVX2 EPYC, a 49152 x 576 float32 head (113 MB, read from memory
+every step; docs/quantization.md, "CPU linear"): F.linear takes 19-23 ms at 1 row and 45-86 ms
+at 2 to 16. The weight reordered once into oneDNN's blocked layout (`PackedLinear`) takes the
+same at 1 row and half that from 2 rows on. A tied head must stay plain, because the embedding
+looks its rows up; there the plain weight multiplied HEAD_CHUNK vocabulary rows at a time
+(`chunked_linear`) is 1.3-1.7x faster than F.linear from 2 rows on, and slower at 1 row, where
+F.linear stays. The decoder's own linears stay F.linear: at the decode batches a step runs
+most, the packed layouts stream their weights 1.3-1.9x slower than F.linear at one row.
+
+Eager CPU engines only: the model runner applies this after loading unless it compiles decode
+steps (inductor plans its own matmuls). PDSERVE_CPU_LINEAR=off keeps F.linear everywhere.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+CPU_LINEAR_ENV = "PDSERVE_CPU_LINEAR"  # "auto" (default) or "off"
+# Vocabulary rows per matmul of a chunked head: 512 measured best of 256-2048 at 2-64 rows.
+HEAD_CHUNK = 512
+# From this many rows a plain head is chunked (F.linear is faster at one row).
+CHUNKED_FROM_ROWS = 2
+# The batch size oneDNN's reorder is told to expect; 16 and 128 measured alike at 1-64 rows.
+_PACK_ROWS = 16
+
+
+def cpu_linear_enabled() -> bool:
+    """Whether $PDSERVE_CPU_LINEAR lets the head use these kernels (ValueError if it is
+    neither auto nor off)."""
+    mode = os.environ.get(CPU_LINEAR_ENV, "auto")
+    if mode not in ("auto", "off"):
+        raise ValueError(f"{CPU_LINEAR_ENV} must be auto or off, not {mode!r}")
+    return mode == "auto"
+
+
+def packs(weight: torch.Tensor) -> bool:
+    """Whether `weight` can be held in oneDNN's layout: float32 on a CPU with oneDNN (bf16 is
+    emulated on AVX2 and not measured faster)."""
+    return (
+        weight.device.type == "cpu"
+        and weight.dtype == torch.float32
+        and weight.dim() == 2
+        and torch.backends.mkldnn.is_available()
+    )
+
+
+class PackedLinear(nn.Module):
+    """nn.Linear's forward over a float32 weight held only in oneDNN's blocked layout (the
+    plain copy is dropped by the caller). The packed tensor is an attribute, not a buffer:
+    state_dict, `.to()` and parameter walks cannot read an opaque oneDNN tensor. Eager only."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
+        super().__init__()
+        if not packs(weight):
+            raise ValueError(f"a packed linear takes a float32 CPU weight, not {weight.dtype}")
+        self.out_features, self.in_features = weight.shape
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), _PACK_ROWS)
+        self.register_buffer("bias", None if bias is None else bias.detach().clone())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        assert not torch.compiler.is_compiling(), "a packed linear runs eager only"
+        flat = x.reshape(-1, self.in_features)
+        if flat.dtype != torch.float32:
+            raise ValueError(f"a packed linear takes float32 input, not {flat.dtype}")
+        if flat.shape[0] == 0:  # oneDNN refuses an empty batch
+            out = flat.new_zeros(0, self.out_features)
+        else:
+            op = torch.ops.mkldnn._linear_pointwise
+            out = op(flat.contiguous(), self.packed, self.bias, "none", [], "")
+        return out if x.dim() == 2 else out.view(*x.shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        bias = self.bias is not None
+        return f"in_features={self.in_features}, out_features={self.out_features}, bias={bias}"
+
+
+def chunked_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """F.linear(x [M, K], weight [N, K]) without a bias, HEAD_CHUNK output columns at a time
+    from CHUNKED_FROM_ROWS rows on (each chunk's [M, 512] output stays in cache while its
+    weight rows stream once)."""
+    rows, vocab = x.shape[0], weight.shape[0]
+    if rows < CHUNKED_FROM_ROWS or vocab <= HEAD_CHUNK:
+        return F.linear(x, weight)
+    out = x.new_empty(rows, vocab)
+    for start in range(0, vocab, HEAD_CHUNK):
+        part = weight[start : start + HEAD_CHUNK]
+        torch.mm(x, part.t(), out=out[:, start : start + part.shape[0]])
+    return out

@@ -1,0 +1,114 @@
+"""The CPU LM-head kernels (kernels/cpu_linear.py) against F.linear over the row counts an
+engine runs, and how a model takes them (`use_cpu_head`): an untied head packed with no plain
+copy left, a tied one chunked with its embedding untouched, PDSERVE_CPU_LINEAR=off leaving it
+as it was."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pdserve.common.engine.llm import LLM
+from pdserve.common.model.weights import load_model
+from pdserve.kernels.cpu_linear import (
+    CPU_LINEAR_ENV,
+    HEAD_CHUNK,
+    PackedLinear,
+    chunked_linear,
+    cpu_linear_enabled,
+)
+
+# Decode batches 1..64 and prefill chunks: the rows the head and the decoder see.
+ROWS = (0, 1, 2, 3, 4, 16, 64, 256, 512)
+# A vocabulary that is not a multiple of HEAD_CHUNK: a short last chunk.
+VOCAB = 2 * HEAD_CHUNK + 300
+
+
+def close(got: torch.Tensor, want: torch.Tensor) -> None:
+    """Equal up to float32 summation order over K = 96 terms of unit scale."""
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4)
+
+
+@pytest.fixture(scope="module")
+def weight() -> torch.Tensor:
+    return torch.randn(VOCAB, 96, generator=torch.Generator().manual_seed(0))
+
+
+@pytest.mark.parametrize("rows", ROWS)
+@pytest.mark.parametrize("bias", [False, True])
+def test_packed_linear_equals_f_linear(weight: torch.Tensor, rows: int, bias: bool) -> None:
+    b = torch.randn(VOCAB) if bias else None
+    x = torch.randn(rows, weight.shape[1])
+    close(PackedLinear(weight, b)(x), F.linear(x, weight, b))
+
+
+def test_packed_linear_keeps_leading_dims_and_refuses_other_dtypes(weight: torch.Tensor) -> None:
+    layer = PackedLinear(weight)
+    x = torch.randn(3, 2, weight.shape[1])
+    close(layer(x), F.linear(x, weight))
+    with pytest.raises(ValueError, match="float32 input"):
+        layer(x.bfloat16())
+    with pytest.raises(ValueError, match="float32 CPU weight"):
+        PackedLinear(weight.bfloat16())
+
+
+@pytest.mark.parametrize("rows", ROWS)
+def test_chunked_linear_equals_f_linear(weight: torch.Tensor, rows: int) -> None:
+    x = torch.randn(rows, weight.shape[1])
+    close(chunked_linear(x, weight), F.linear(x, weight))
+
+
+def test_the_switch(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(CPU_LINEAR_ENV, raising=False)
+    assert cpu_linear_enabled()
+    monkeypatch.setenv(CPU_LINEAR_ENV, "off")
+    assert not cpu_linear_enabled()
+    monkeypatch.setenv(CPU_LINEAR_ENV, "fast")
+    with pytest.raises(ValueError, match="auto or off"):
+        cpu_linear_enabled()
+
+
+def head_logits(model: nn.Module, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """compute_logits of `rows` random hidden states, and F.linear's over the plain weight."""
+    hidden = torch.randn(rows, model.config.hidden_size)
+    plain = model.model.embed_tokens.weight if model.lm_head is None else model.lm_head.weight
+    return hidden, F.linear(hidden, plain)
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_a_model_takes_its_head_kernel(tiny_model_dir, tied: bool) -> None:
+    model, _ = load_model(
+        tiny_model_dir("llama", vocab=VOCAB, tie_word_embeddings=tied), torch.float32, "cpu"
+    )
+    hidden, wants = zip(*[head_logits(model, rows) for rows in (1, 5, 64)], strict=True)
+    assert model.use_cpu_head() == ("chunked" if tied else "packed")
+    for h, want in zip(hidden, wants, strict=True):
+        close(model.compute_logits(h), want)
+    names = {name for name, _ in model.named_parameters()}
+    assert "lm_head.weight" not in names, "the plain head is dropped once packed"
+    assert "model.embed_tokens.weight" in names, "the embedding keeps its rows"
+
+
+def test_off_and_bf16_leave_the_head_as_it_was(tiny_model_dir, monkeypatch) -> None:
+    model_dir = tiny_model_dir("llama", vocab=VOCAB, tie_word_embeddings=False)
+    monkeypatch.setenv(CPU_LINEAR_ENV, "off")
+    model, _ = load_model(model_dir, torch.float32, "cpu")
+    assert model.use_cpu_head() == ""
+    assert type(model.lm_head) is nn.Linear
+    monkeypatch.delenv(CPU_LINEAR_ENV)
+    model, _ = load_model(model_dir, torch.bfloat16, "cpu")
+    assert model.use_cpu_head() == "" and type(model.lm_head) is nn.Linear
+
+
+def test_an_eager_cpu_engine_packs_its_head(tiny_model_dir) -> None:
+    model_dir = str(tiny_model_dir("llama", vocab=VOCAB, tie_word_embeddings=False))
+    llm = LLM(
+        model_dir,
+        dtype="float32",
+        skip_tokenizer_init=True,
+        enforce_eager=True,
+        kv_cache_bytes=1 << 20,
+    )
+    assert isinstance(llm.engine.runner.model.lm_head, PackedLinear)
