@@ -187,14 +187,18 @@ class EngineNode:
             why = self.refusal()
             if why is not None:
                 return self.refuse(msg, *why)
-            request = self.engine.new_request(
-                msg.request_id,
-                list(msg.prompt_token_ids),
-                msg.sampling,
-                output_token_ids=msg.output_token_ids,
-            )
             # A reservation's KV comes from a prefill node: its stages are the decode side's.
             self.stages.taken(msg.request_id, msg.traceparent, isinstance(msg, ReserveKV))
+            try:  # validation (a grammar's compile) is part of the request's queue
+                request = self.engine.new_request(
+                    msg.request_id,
+                    list(msg.prompt_token_ids),
+                    msg.sampling,
+                    output_token_ids=msg.output_token_ids,
+                )
+            except ValueError:
+                self.stages.forget(msg.request_id)
+                raise
             answer = take(msg, request)
             if msg.request_id in self.engine.scheduler.requests:
                 self.membership.take_lease(msg.request_id)

@@ -169,8 +169,8 @@ class Routing:
         msg = Prefill(
             stream.wire_id, prompt, sampling, output_token_ids=outputs, traceparent=traceparent
         )
+        stream.request.timing.dispatch()  # before the send: its await may run other tasks
         await self.control.send(node.node_id, msg)
-        stream.request.timing.dispatch()
 
     async def _score(self, stream: Stream) -> Error | None:
         """A request that only scores its prompt (max_tokens 0) needs a prefill and nothing
@@ -185,8 +185,8 @@ class Routing:
         sampling, _ = self._wire(stream)
         traceparent = stream.trace.traceparent
         msg = Prefill(stream.wire_id, request.prompt_token_ids, sampling, traceparent=traceparent)
-        await self.control.send(node.node_id, msg)
         stream.request.timing.dispatch()
+        await self.control.send(node.node_id, msg)
         return None
 
     async def send_prefill(self, stream: Stream, reserved: Reserved) -> Error | None:
@@ -210,6 +210,7 @@ class Routing:
         self._routed(prefill, stream)
         self.kv_tokens_reused += reserved.cached_tokens
         self.kv_tokens_sent += len(stream.tokens) - reserved.cached_tokens
+        stream.request.timing.dispatch()
         await self.control.send(
             prefill.node_id,
             Prefill(
@@ -225,7 +226,6 @@ class Routing:
                 traceparent=stream.trace.traceparent,
             ),
         )
-        stream.request.timing.dispatch()
         stream.trace.child("router.dispatch", now, {"pdserve.prefill_node": prefill.node_id})
         return None
 
