@@ -140,3 +140,20 @@ def test_reading_the_router_flags_imports_no_web_framework() -> None:
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
+
+
+def test_serve_hands_the_tracing_flags_to_the_router_and_every_node() -> None:
+    """The router and each node export their own spans: `pdserve serve` gives each child the
+    flags it was given, and each child's config holds them."""
+    from pdserve.common.node.launch import parse_node_args
+
+    url = "http://127.0.0.1:4318/v1/traces"
+    p = serve_parser()
+    argv = ["m", "--otlp-traces-endpoint", url, "--trace-sample-ratio", "0.1"]
+    children = cluster_from_args(p, p.parse_args(argv)).children()
+    assert set(children) == {"router", "prefill0", "decode0"}
+    want = TracingConfig(url, 0.1)
+    assert parse_args(children.pop("router")[1:]).tracing == want
+    for name, args in children.items():
+        assert parse_node_args("node", "", args[1:])[1].tracing == want, name
+    assert parse_args(["m"]).tracing == TracingConfig()  # off unless given
