@@ -105,6 +105,8 @@ class StageClock:
         as it is otherwise (one dictionary miss per message)."""
         stamps = self._stamps.get(msg.request_id)
         if stamps is None or stamps.first or not msg.token_ids:
+            if stamps is not None and msg.finish_reason and not stamps.handoff:
+                del self._stamps[msg.request_id]  # a prompt only scored: no token comes
             return msg
         stamps.first = time.monotonic()
         stages = self._stages(stamps)

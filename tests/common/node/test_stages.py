@@ -105,4 +105,7 @@ def test_a_request_that_ends_before_its_first_token_leaves_nothing() -> None:
     clock.kv_whole("a", ok=False, pages=1, connector="zmq")  # a slice was not whole
     clock.taken("b", None)
     clock.forget("b")  # aborted
+    clock.taken("c", None)
+    step(clock, "c")
+    clock.first_token(Tokens("c", (), finish_reason="length"))  # a prompt only scored
     assert len(clock) == 0
