@@ -89,7 +89,7 @@ _RUNS = pytest.StashKey[dict]()
 
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "background(start): reads a run begun after collection")
-    config.stash[_RUNS] = {}
+    config.stash[_RUNS] = _Runs()
 
 
 def _start_of(item: pytest.Item) -> Callable[[Path], subprocess.Popen] | None:
@@ -97,17 +97,59 @@ def _start_of(item: pytest.Item) -> Callable[[Path], subprocess.Popen] | None:
     return None if marker is None else marker.args[0]
 
 
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    items.sort(key=lambda item: _start_of(item) is not None)  # stable: otherwise in order
+@pytest.hookimpl(tryfirst=True)  # before xdist's own, which reads the xdist_group marks
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if _xdist_worker(config):
+        _order_for_workers(items)
+    else:
+        items.sort(key=lambda item: _start_of(item) is not None)  # stable: otherwise in order
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:
-    if session.config.option.collectonly:
-        return
+    if session.config.option.collectonly or _xdist_worker(session.config):
+        return  # under xdist a run starts when a test first reads it (_Runs)
     runs = session.config.stash[_RUNS]
     for start in dict.fromkeys(filter(None, map(_start_of, session.items))):
-        out = Path(tempfile.mkdtemp(prefix=f"pdserve-{start.__name__}-"))
-        runs[start] = (start(out), out)
+        runs[start] = _begin(start)
+
+
+def _begin(start: Callable[[Path], subprocess.Popen]) -> tuple[subprocess.Popen, Path]:
+    out = Path(tempfile.mkdtemp(prefix=f"pdserve-{start.__name__}-"))
+    return start(out), out
+
+
+class _Runs(dict):
+    """start -> (process, out_dir) of the background runs. A pytest-xdist worker does not know
+    at collection which tests it will get, so there the run starts when a test first reads it
+    (its module goes first, and the other worker goes on meanwhile)."""
+
+    def __missing__(self, start: Callable[[Path], subprocess.Popen]) -> tuple:
+        self[start] = run = _begin(start)
+        return run
+
+
+# Under pytest-xdist (`-n 2 --dist loadgroup`, scripts/test.sh), a worker runs each group whole.
+# A module is one group, so its module-scoped fixtures (a started cluster, a loaded model, HF's
+# reference) are built once, as in one process. Groups are handed out in collection order:
+# the folders whose modules take minutes go first, so the last ones handed out are short and
+# the two workers end together.
+_SLOW_FIRST = ("bench", "e2e", "multihost", "pdserve", "scripts")
+
+
+def _xdist_worker(config: pytest.Config) -> bool:
+    return hasattr(config, "workerinput")
+
+
+def _order_for_workers(items: list[pytest.Item]) -> None:
+    for item in items:
+        if item.get_closest_marker("xdist_group") is None:
+            item.add_marker(pytest.mark.xdist_group(item.nodeid.split("::", 1)[0]))
+
+    def rank(item: pytest.Item) -> tuple[bool, bool]:
+        folder = item.nodeid.split("/")[1] if item.nodeid.count("/") > 1 else ""
+        return _start_of(item) is None, folder not in _SLOW_FIRST
+
+    items.sort(key=rank)  # stable: otherwise in order
 
 
 def pytest_sessionfinish(session: pytest.Session) -> None:
