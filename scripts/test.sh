@@ -5,4 +5,9 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 source scripts/_env.sh
 pdserve_env test
+# PDSERVE_TEST_WORKERS=2: that many pytest-xdist workers, each running whole modules, the slow
+# folders first (tests/conftest.py); xdist is installed by hand (docs/testing.md says why).
+if [ -n "${PDSERVE_TEST_WORKERS:-}" ]; then
+  set -- -n "$PDSERVE_TEST_WORKERS" --dist loadgroup --no-loadscope-reorder "$@"
+fi
 exec python -m pytest "$@"
