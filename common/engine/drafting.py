@@ -7,6 +7,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from pdserve.common.engine.request import Request
 from pdserve.common.spec.config import SpeculativeConfig
 from pdserve.common.spec.proposer import Proposer, create_proposer
 
@@ -72,6 +73,16 @@ class Drafter:
         self.max_k = config.num_speculative_tokens
         self.stats = SpecDecodeStats()
         self._budgets: dict[str, _Budget] = {}
+
+    def drafts(self, request: Request, limit: int) -> list[int]:
+        """Drafts for a request's next verify step, at most limit and what max_tokens leaves
+        room for; none for a request under a grammar (its mask checks sampled tokens only) or
+        a seeded sampled one (its draws must not depend on what else is batched)."""
+        params = request.sampling
+        if request.grammar is not None or (params.seed is not None and not params.greedy):
+            return []
+        limit = min(limit, params.max_tokens - request.num_output_tokens - 1)
+        return self.propose(request.request_id, request.all_token_ids, limit)
 
     def propose(self, request_id: str, tokens: Sequence[int], limit: int) -> list[int]:
         """Up to min(k, limit) drafts to follow `tokens` (the request's known tokens)."""

@@ -236,27 +236,14 @@ class Scheduler:
         return preempted_any
 
     def _drafts(self, request: Request, n: int, budget: _StepBudget) -> list[int]:
-        """Tokens to verify after a request's last known token, within what its step may
-        emit: the budget left once every later decode has its token, max_tokens, the model's
-        length. None for a request under a grammar (its mask checks sampled tokens only) or
-        bans (they change with each output), or a seeded sampled one (its draws must not
-        depend on what else is batched)."""
-        params = request.sampling
-        if (
-            self.drafter is None
-            or n != 1
-            or request.num_tokens - request.num_computed_tokens != 1
-            or request.grammar is not None
-            or self._banned(request)
-            or (params.seed is not None and not params.greedy)
-        ):
+        """Tokens to verify after a request's last known token: within the budget that every
+        later decode's token leaves and the model's length; none while bans are in force
+        (they change with each output token)."""
+        missing = request.num_tokens - request.num_computed_tokens
+        if self.drafter is None or n != 1 or missing != 1 or self._banned(request):
             return []
-        limit = min(
-            budget.tokens - 1 - budget.decodes,
-            params.max_tokens - request.num_output_tokens - 1,
-            self.max_model_len - request.num_tokens - 1,
-        )
-        return self.drafter.propose(request.request_id, request.all_token_ids, limit)
+        room = min(budget.tokens - 1 - budget.decodes, self.max_model_len - request.num_tokens - 1)
+        return self.drafter.drafts(request, room)
 
     def _schedule_waiting(self, budget: _StepBudget) -> None:
         while self.waiting and budget.tokens > 0 and len(self.running) < self.config.max_num_seqs:

@@ -205,3 +205,26 @@ def test_adaptive_k_shrinks_to_zero_then_probes() -> None:
     fixed = Drafter(SpeculativeConfig("ngram", 4, adaptive=False), FixedDrafts(range(10)))
     fixed.observe("r", drafted=4, accepted=0)
     assert len(fixed.propose("r", [1], limit=9)) == 4
+
+
+@pytest.mark.parametrize(
+    "params,drafted",
+    [
+        ({"temperature": 0.0}, True),
+        ({"temperature": 0.8}, True),
+        ({"temperature": 0.8, "seed": 1}, False),  # its draws must not depend on the batch
+        ({"temperature": 0.0, "seed": 1}, True),  # greedy draws nothing
+        ({"temperature": 0.0, "min_tokens": 3}, False),  # bans in force until 3 outputs
+    ],
+)
+def test_who_is_drafted_for(params, drafted: bool) -> None:
+    scheduler = _scheduler()
+    _decoding(scheduler, "r", **params)
+    assert (scheduler.schedule().seqs[0].num_drafts > 0) is drafted
+
+
+def test_a_request_under_a_grammar_is_not_drafted_for() -> None:
+    scheduler = _scheduler()
+    request = _decoding(scheduler, "r")
+    request.grammar = object()  # drafts are not checked against its mask
+    assert scheduler.schedule().seqs[0].num_drafts == 0
