@@ -1,0 +1,57 @@
+"""tests/conftest.py's order for pytest-xdist workers: each module one xdist group (a worker
+runs it whole, so its module fixtures are built once), a module's own group kept, background
+readers first, then the slow folders, each otherwise in collection order."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests import conftest
+
+pytest_plugins = ["pytester"]
+
+MODULES = {
+    "tests/common/test_a.py": "def test_a1(): pass\ndef test_a2(): pass\n",
+    "tests/e2e/test_b.py": "def test_b1(): pass\n",
+    "tests/router/test_c.py": (
+        "import pytest\n"
+        "@pytest.mark.xdist_group('shared')\n"
+        "def test_c1(): pass\n"
+        "def test_c2(): pass\n"
+    ),
+    "tests/bench/test_d.py": (
+        "import pytest\n"
+        "def start(out): pass\n"
+        "def test_d1(): pass\n"
+        "@pytest.mark.background.with_args(start)\n"
+        "def test_d2(): pass\n"
+    ),
+}
+
+
+def test_modules_are_groups_and_slow_folders_go_first(pytester: pytest.Pytester) -> None:
+    pytester.makeini("[pytest]\nmarkers =\n  xdist_group\n  background\n")
+    for path, source in MODULES.items():
+        pytester.path.joinpath(path).parent.mkdir(parents=True, exist_ok=True)
+        pytester.path.joinpath(path).write_text(source)
+    items, _ = pytester.inline_genitems("tests")
+    conftest._order_for_workers(items)
+    assert [item.name for item in items] == [
+        "test_d2",  # reads a background run: its worker starts the run at once
+        "test_d1",  # the slow folders, bench then e2e: in collection order
+        "test_b1",
+        "test_a1",
+        "test_a2",
+        "test_c1",
+        "test_c2",
+    ]
+    groups = {item.name: item.get_closest_marker("xdist_group").args[0] for item in items}
+    assert groups == {
+        "test_a1": "tests/common/test_a.py",
+        "test_a2": "tests/common/test_a.py",
+        "test_b1": "tests/e2e/test_b.py",
+        "test_c1": "shared",  # its own mark wins
+        "test_c2": "tests/router/test_c.py",
+        "test_d1": "tests/bench/test_d.py",
+        "test_d2": "tests/bench/test_d.py",
+    }
