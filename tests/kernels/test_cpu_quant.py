@@ -1,0 +1,100 @@
+"""The AVX2 int8/int4 GEMV (kernels/cpu_quant.py) against dequantize-then-matmul in float32."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+
+from pdserve.common.model.quant import quantize_int4, quantize_int8
+from pdserve.kernels import cpu_quant
+
+pytestmark = [
+    pytest.mark.skipif(
+        shutil.which("c++") is None and shutil.which("g++") is None, reason="no C++ compiler"
+    ),
+    pytest.mark.skipif(not cpu_quant.cpu_has_avx2_fma(), reason="no AVX2+FMA on this CPU"),
+]
+
+# Shapes (N, K): SmolLM2's, small ones, and for int8 K off any multiple of 8 or 32.
+INT8_SHAPES = [(48, 77), (17, 32), (576, 576), (192, 1536), (100, 45), (33, 1)]
+# (N, K, group): int4 takes K a multiple of its group, itself a multiple of 32.
+INT4_CASES = [(48, 64, 32), (48, 64, 64), (17, 32, 32), (576, 576, 32), (576, 576, 64)]
+INT4_CASES += [(192, 1536, 128), (40, 96, 32)]
+
+
+def _close(got: torch.Tensor, want: torch.Tensor) -> None:
+    # float32 sums in another order: relative to the size of the terms summed.
+    tol = 1e-5 * want.abs().max().item() + 1e-5
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=tol)
+
+
+@pytest.mark.parametrize("shape", INT8_SHAPES)
+@pytest.mark.parametrize("rows", range(1, cpu_quant.MAX_ROWS + 1))
+def test_int8_equals_the_dequantized_matmul(shape: tuple[int, int], rows: int) -> None:
+    gen = torch.Generator().manual_seed(rows * 1000 + shape[1])
+    n, k = shape
+    weight = quantize_int8(torch.randn(n, k, generator=gen))
+    x = torch.randn(rows, k, generator=gen)
+    got = cpu_quant.int8_mm(x, weight.values, weight.scales[:, 0].contiguous())
+    _close(got, x @ weight.dequantize().T)
+
+
+@pytest.mark.parametrize(("n", "k", "group"), INT4_CASES)
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 8])
+def test_int4_equals_the_dequantized_matmul(n: int, k: int, group: int, rows: int) -> None:
+    gen = torch.Generator().manual_seed(rows * 1000 + k + group)
+    weight = quantize_int4(torch.randn(n, k, generator=gen) + 0.3, group)
+    x = torch.randn(rows, k, generator=gen)
+    pack = cpu_quant.pack_int4(weight.values, weight.scales, weight.zeros, group)
+    _close(cpu_quant.int4_mm(x, pack), x @ weight.dequantize().T)
+    torch.testing.assert_close(cpu_quant.unpack_int4(pack), weight.dequantize())
+    torch.testing.assert_close(cpu_quant.unpack_int4(pack, 5, 9), weight.dequantize()[5:9])
+
+
+def test_each_output_row_is_its_own_weight_row() -> None:
+    """A one-hot input reads single columns: catches a swapped nibble or row offset that a
+    random comparison at loose tolerance could blur."""
+    weight = quantize_int4(torch.randn(64, 64, generator=torch.Generator().manual_seed(3)))
+    pack = cpu_quant.pack_int4(weight.values, weight.scales, weight.zeros, 32)
+    eye = torch.eye(64)[:8]
+    want = weight.dequantize()[:, :8].T
+    torch.testing.assert_close(cpu_quant.int4_mm(eye.contiguous(), pack), want)
+
+
+@pytest.mark.parametrize(
+    ("x", "message"),
+    [
+        (torch.randn(9, 64), "1 to 8 rows"),
+        (torch.randn(2, 64, dtype=torch.float64), "float32"),
+        (torch.randn(2, 32), "columns"),
+        (torch.randn(64, 2).T, "contiguous"),
+    ],
+)
+def test_bad_input_gets_a_clear_error(x: torch.Tensor, message: str) -> None:
+    weight = quantize_int8(torch.randn(16, 64))
+    with pytest.raises(RuntimeError, match=message):
+        cpu_quant.int8_mm(x, weight.values, weight.scales[:, 0].contiguous())
+
+
+def test_pack_refuses_groups_off_the_block() -> None:
+    weight = quantize_int4(torch.randn(16, 48), 16)
+    with pytest.raises(ValueError, match="multiples of 32"):
+        cpu_quant.pack_int4(weight.values, weight.scales, weight.zeros, 16)
+
+
+def test_off_or_without_avx2_it_is_unavailable(monkeypatch: pytest.MonkeyPatch) -> None:
+    cpu_quant.available.cache_clear()
+    try:
+        monkeypatch.setenv(cpu_quant.QUANT_KERNEL_ENV, "off")
+        assert not cpu_quant.available()
+        cpu_quant.available.cache_clear()
+        monkeypatch.delenv(cpu_quant.QUANT_KERNEL_ENV)
+        monkeypatch.setattr(cpu_quant, "cpu_has_avx2_fma", lambda: False)
+        assert not cpu_quant.available()
+        cpu_quant.available.cache_clear()
+        monkeypatch.undo()
+        assert cpu_quant.available()
+    finally:
+        cpu_quant.available.cache_clear()
