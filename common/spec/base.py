@@ -24,3 +24,12 @@ class Proposer(ABC):
         """The request ended (finished or aborted) with `tokens`: free its state. A drafter
         that learns across requests may keep what the request generated. Unknown ids are
         ignored, so finishing twice is harmless."""
+
+
+def extends(length: int, last: int, tokens: Sequence[int]) -> bool:
+    """Whether `tokens` may continue a sequence of `length` tokens that ended with `last`: the
+    append-only contract of `propose`, checked in O(1) (a drafter that indexed the old sequence
+    rebuilds when this fails)."""
+    if len(tokens) < length:
+        return False
+    return length == 0 or tokens[length - 1] == last

@@ -8,7 +8,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from pdserve.common.spec.base import Proposer
+from pdserve.common.spec.base import Proposer, extends
 from pdserve.common.spec.config import SpeculativeConfig
 
 
@@ -62,7 +62,7 @@ class NgramProposer(Proposer):
 
     def _grow(self, request_id: str, tokens: Sequence[int]) -> _Index:
         index = self._indexes.get(request_id)
-        if index is None or not _extends(index, tokens):
+        if index is None or not extends(index.length, index.last, tokens):
             index = self._indexes[request_id] = _Index()
         ends = index.ends
         # A gram ending at `end` is indexed once its next token, tokens[end], exists.
@@ -72,9 +72,3 @@ class NgramProposer(Proposer):
         index.length = len(tokens)
         index.last = tokens[-1] if tokens else -1
         return index
-
-
-def _extends(index: _Index, tokens: Sequence[int]) -> bool:
-    if len(tokens) < index.length:
-        return False
-    return index.length == 0 or tokens[index.length - 1] == index.last

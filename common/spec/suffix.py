@@ -11,7 +11,7 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from pdserve.common.spec.base import Proposer
+from pdserve.common.spec.base import Proposer, extends
 from pdserve.common.spec.config import SpeculativeConfig
 
 
@@ -158,7 +158,7 @@ class SuffixProposer(Proposer):
 
     def _grow(self, request_id: str, tokens: Sequence[int]) -> _RequestState:
         state = self._requests.get(request_id)
-        if state is None or not _extends(state, tokens):
+        if state is None or not extends(state.length, state.last, tokens):
             state = self._requests[request_id] = _RequestState(self._depth)
             state.first_seen = len(tokens)
         for token in tokens[state.length :]:
@@ -184,9 +184,3 @@ class SuffixProposer(Proposer):
             score += prob
             node = child
         return Draft(tuple(out), score) if out else None
-
-
-def _extends(state: _RequestState, tokens: Sequence[int]) -> bool:
-    if len(tokens) < state.length:
-        return False
-    return state.length == 0 or tokens[state.length - 1] == state.last
