@@ -46,9 +46,10 @@ class LLM:
     (common/engine/config.py), whose docstrings and `option` help texts say what it means, and
     takes that field's default: ModelConfig (dtype, device, quantization, enforce_eager, ...),
     CacheConfig (block_size, num_blocks, kv_cache_bytes, ...), SchedulerConfig (max_num_seqs,
-    max_num_batched_tokens, policy, ...), ParallelConfig (tensor_parallel_size,
-    threads_per_rank, ...). `help(LLM)` and `inspect.signature(LLM)` list every one with its
-    default; an unknown keyword is a TypeError, a bad value a ValueError.
+    max_num_batched_tokens, policy, speculative_config: vLLM's JSON keys as a dict or text,
+    ...), ParallelConfig (tensor_parallel_size, threads_per_rank, ...). `help(LLM)` and
+    `inspect.signature(LLM)` list every one with its default; an unknown keyword is a
+    TypeError, a bad value a ValueError.
     skip_tokenizer_init: take token-id prompts only (no tokenizer files needed).
     """
 

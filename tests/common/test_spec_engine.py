@@ -176,3 +176,14 @@ def test_bad_flag_is_a_usage_error_that_says_why(flag: str, error: str, capsys) 
     assert error in capsys.readouterr().err
     with pytest.raises(ValueError, match=error.split("'")[0]):
         LLM("unused", skip_tokenizer_init=True, speculative_config=flag)
+
+
+def test_sampled_requests_with_drafts(model) -> None:
+    """Sampling (temperature 0.3, top-p 0.9: the random model's answers still loop, so
+    ngram drafts) through verify steps: drafts are accepted by the rejection rule, every
+    answer runs to max_tokens, every block goes back."""
+    params = SamplingParams(max_tokens=12, temperature=0.3, top_p=0.9, ignore_eos=True)
+    llm, outs = generate(model, params, [PROMPTS[0]] * 16, speculative_config=ngram(3))
+    assert all(len(o.token_ids) == 12 for o in outs)
+    assert len({tuple(o.token_ids) for o in outs}) > 1  # sampled, not greedy
+    assert llm.engine.scheduler.drafter.stats.num_accepted_tokens > 0
