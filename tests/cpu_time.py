@@ -54,6 +54,8 @@ def pytest_runtest_teardown(item: pytest.Item) -> Iterator[None]:
 
 def pytest_terminal_summary(terminalreporter, config: pytest.Config) -> None:
     times = config.stash[_TIMES]
+    if not times:  # pytest-xdist's controller: its workers run the tests, and keep their times
+        return
     top = int(os.environ.get("PDSERVE_CPU_TOP", "25"))
     terminalreporter.write_sep("=", f"slowest {top} CPU times (user + sys, with children)")
     for (nodeid, phase), seconds in sorted(times.items(), key=lambda kv: -kv[1])[:top]:
