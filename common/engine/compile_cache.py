@@ -1,19 +1,24 @@
 """A persistent cache of compiled steps: a second start of the same model and flags compiles
 nothing.
 
+On the CPU the folder holds one AOTInductor package per decode bucket (decode_packages.py),
+found by the key alone: a start loads them without importing the compiler. Compiling them, and
+compiling on CUDA, goes through torch's own caches in the same folder.
+
 Torch keeps two on-disk caches of a compile: AOTAutograd's (the traced forward, keyed on the
 graph) in front of inductor's FX graph cache (the generated kernels, keyed on the graph, torch's
 version and inductor's config), both on by default, in one directory (TORCHINDUCTOR_CACHE_DIR,
 else /tmp/torchinductor_<user>, which a reboot clears). An engine's compiles run with that
 directory pointed at `<compile cache dir>/<key>`, where the key digests everything that shapes
 its graphs: torch, pdserve and the compiled code's version, the model's shapes, class, dtype and
-weight form, the batch buckets, the KV block size, the tensor-parallel shard and the CPU's
-instruction set. Torch's own keys already refuse a stale graph; ours gives each deployment
+weight form, the batch buckets, the KV block size, the tensor-parallel shard, the CPU's
+instruction set and the thread count (generated CPU loops fix it when compiled). Torch's own
+keys already refuse a stale graph, but a CPU package has only ours; and each deployment gets
 its own directory, so a changed model or torch starts from an empty one instead of searching
 (and growing) a shared one, and the directory's key.json says what it holds.
 
-What stays at a warm start: Dynamo traces the model again (its guards are not cached) and the
-kernels are loaded, not compiled (docs/quantization.md has the times).
+With torch.compile (CUDA) a warm start still imports the compiler and Dynamo traces the model
+again (its guards are not cached); the kernels are loaded, not compiled.
 """
 
 from __future__ import annotations
@@ -39,10 +44,11 @@ class CompileKey:
 
     torch: str
     pdserve: str
-    code: str  # a hash of the compiled step's and the attention op's source
+    code: str  # a hash of the compiled step's source and the model package's
     model: str  # class, architecture (every shape), dtype and weight form
     flags: str  # batch buckets, KV block size, tensor-parallel shard
     isa: str  # the CPU instruction set the kernels are generated for
+    threads: int  # the intra-op threads the CPU kernels' parallel loops are generated for
 
     def digest(self) -> str:
         text = json.dumps(asdict(self), sort_keys=True)
@@ -106,6 +112,7 @@ def compile_key(
         model=f"{type(model).__name__} {arch!r} {dtype} {form}",
         flags=json.dumps(flags, sort_keys=True, default=str),
         isa=torch.backends.cpu.get_cpu_capability(),
+        threads=torch.get_num_threads(),
     )
 
 

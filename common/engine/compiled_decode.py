@@ -10,6 +10,9 @@ change every step and never make it recompile. The batch is padded up to its buc
 4, ... up to max_num_seqs), so each bucket compiles once; padded rows store no K/V and their
 logits are dropped. Prefill and mixed steps, and steps with a per-layer hook, run eager.
 
+On the CPU each bucket is an AOTInductor package (`decode_packages.py`) kept in the compile
+cache, which a later start loads without importing the compiler or tracing again.
+
 On CUDA each bucket's compiled step is then captured as a CUDA graph over static inputs (the
 block tables as wide as max_model_len allows), so a decode step is a few copies and one graph
 launch instead of a few hundred kernel launches from Python (see `DecodeGraphs`).
@@ -18,13 +21,17 @@ launch instead of a few hundred kernel launches from Python (see `DecodeGraphs`)
 from __future__ import annotations
 
 import functools
+import hashlib
 import logging
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
 
+from pdserve import kernels
+from pdserve.common.engine import decode_packages
 from pdserve.common.engine.compile_cache import CacheCounts, CompileCache
 from pdserve.common.model import attention
 from pdserve.common.model.attention import AttentionMetadata
@@ -32,9 +39,6 @@ from pdserve.common.model.llama import LlamaFamilyForCausalLM
 
 log = logging.getLogger(__name__)
 
-# Up to this many rows a CPU linear is compiled as a reduction that reads each weight row once
-# for all rows: 1.4x MKL's GEMV bandwidth at 1 row, 1.8x at 2, 1.2x at 4; MKL wins from 8.
-REDUCTION_ROWS = 4
 MAX_GRAPHS = 64  # decode graphs one process may hold (buckets x engines)
 
 
@@ -50,7 +54,9 @@ class CompiledDecode:
 
     `logits` takes a decode step's inputs (B sequences, one token each, B <= the largest
     bucket) and returns float32 logits of its first B rows. `num_compiles` counts the graphs
-    inductor built: one per bucket used, unless something forces a recompile.
+    made ready, compiled or loaded from the cache: one per bucket, unless something forces a
+    recompile. On the CPU the buckets are AOTInductor packages (`packages`), on CUDA
+    torch.compile's graphs (replayed as CUDA graphs).
     """
 
     def __init__(
@@ -67,9 +73,13 @@ class CompiledDecode:
         self.cache_counts: CacheCounts | None = None  # of the warm-up, when it had a cache
         self.max_blocks_per_seq = max_blocks_per_seq  # the graphs' block-table width
         self.graphs: DecodeGraphs | None = None  # captured by warm_up on CUDA
-        self._step = torch.compile(
-            self._forward, backend=self._backend, dynamic=False, fullgraph=True
-        )
+        self.packages: dict[int, decode_packages.DecodePackage] = {}  # loaded by warm_up on CPU
+        self.cache: CompileCache | None = None  # where warm_up found or put the compiled steps
+
+    @functools.cached_property
+    def _step(self) -> Callable[..., torch.Tensor]:
+        # Made on first use: torch.compile imports Dynamo (seconds), which a CPU start skips.
+        return torch.compile(self._forward, backend=self._backend, dynamic=False, fullgraph=True)
 
     def _forward(
         self,
@@ -84,8 +94,6 @@ class CompiledDecode:
         from torch._inductor.compile_fx import compile_fx
 
         self.num_compiles += 1
-        n = _few_row_linears(gm)
-        log.debug("decode graph %d: %d linears as reductions", self.num_compiles, n)
         return compile_fx(
             gm, example_inputs, config_patches={"post_grad_custom_post_pass": _code_version()}
         )
@@ -112,14 +120,24 @@ class CompiledDecode:
             # for rows past the slot mapping, so they never reach the real rows.
             input_ids = torch.nn.functional.pad(input_ids, (0, size - batch))
             positions = torch.nn.functional.pad(positions, (0, size - batch))
+        if size in self.packages:
+            return self.packages[size](input_ids, positions, attn, kv_caches)[:batch]
         _mark_unbacked(attn)
         return self._step(input_ids, positions, attn, kv_caches)[:batch]
 
     def warm_up(self, kv_caches: list[torch.Tensor], cache: CompileCache | None = None) -> float:
-        """Compile every bucket now (through `cache`'s directory, if given), a dummy step each
-        that writes only slot 0 of the null block; the seconds it took, also logged."""
+        """Compile every bucket now (through `cache`'s directory, if given; on the CPU it must
+        be), on CUDA with a dummy step each that writes only slot 0 of the null block; the
+        seconds it took, also logged."""
         start = time.perf_counter()
-        if cache is None:
+        self.cache = cache
+        if kv_caches[0].device.type == "cpu":
+            assert cache is not None, "CPU packages live in a compile cache"
+            self.packages, self.cache_counts = decode_packages.load_packages(
+                self.model, self.buckets, kv_caches, cache
+            )
+            self.num_compiles += len(self.packages)
+        elif cache is None:
             self._compile_buckets(kv_caches)
         else:
             self.cache_counts = cache.run(lambda: self._compile_buckets(kv_caches))
@@ -230,61 +248,47 @@ class DecodeGraphs:
         return self.outputs[size][:batch]
 
 
+@functools.cache
 def code_hash() -> str:
-    """A hash of this file and of the attention op's, the code every compiled step runs."""
-    return _code_version().uuid().hex()
+    """A hash of the code a compiled step is traced from: this file, the packages', every
+    module of the model package (the model families, their layers and the attention op with
+    its fake) and of kernels/ (what a layer may call, such as the CPU linears). A CPU package
+    is found by the cache's key alone, so a change to any of them must give another key; read
+    here with hashlib, not inductor's helper, whose import alone costs a start seconds."""
+    return hash_files(traced_files())
+
+
+def traced_files() -> list[Path]:
+    """The source files a compiled step is made from (see code_hash)."""
+    model_dir = Path(attention.__file__).parent
+    kernels_dir = Path(kernels.__file__).parent
+    sources = [*sorted(model_dir.glob("*.py")), *sorted(kernels_dir.glob("*.py"))]
+    return [Path(__file__), Path(decode_packages.__file__), *sources]
+
+
+def hash_files(files: list[Path]) -> str:
+    digest = hashlib.sha256()
+    for path in files:
+        digest.update(path.name.encode() + b"\0" + path.read_bytes())
+    return digest.hexdigest()
 
 
 @functools.cache
 def _code_version() -> Any:
-    """A post-grad pass that changes nothing; its uuid, a hash of this file and of the
-    attention op's (with its fake), goes into the key of inductor's on-disk caches, so a graph
-    compiled against an older op or rewrite is never loaded. Made on first use: importing
-    torch._inductor costs a node ~2 s at start (and upsets Triton's interpreter)."""
-    from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
+    """A post-grad pass that changes nothing; its uuid, `code_hash()`, goes into the key of
+    inductor's on-disk caches, so a graph compiled against an older op is never loaded. Made
+    on first use: importing torch._inductor costs a node seconds at start (and upsets Triton's
+    interpreter)."""
+    from torch._inductor.custom_graph_pass import CustomGraphPass
 
     class CodeVersion(CustomGraphPass):
         def __call__(self, graph: torch.fx.Graph) -> None:
             pass
 
-        def uuid(self) -> bytes:
-            return get_hash_for_files((__file__, attention.__file__))
+        def uuid(self) -> str:
+            return code_hash()
 
     return CodeVersion()
-
-
-def _rows_linear(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
-) -> torch.Tensor:
-    """F.linear of few rows x [M, K] as a reduction laid out [N, M]: inductor's loop reads each
-    weight row once for all M rows, at about the bandwidth of a plain sum."""
-    out = (weight[:, None, :] * x[None, :, :]).sum(-1).t()
-    return out if bias is None else out + bias
-
-
-def _few_row_linears(gm: torch.fx.GraphModule) -> int:
-    """Point the graph's CPU linears of at most REDUCTION_ROWS rows at _rows_linear; how many.
-
-    A rewrite of the traced graph rather than a decomposition handed to inductor: the compile
-    caches key on the graph, so no cached graph is one compiled without this choice."""
-    count = 0
-    for node in gm.graph.nodes:
-        if node.op != "call_function" or node.target is not torch._C._nn.linear:
-            continue
-        x = node.args[0].meta.get("example_value")
-        if (
-            x is not None
-            and x.device.type == "cpu"
-            and x.dim() == 2
-            and x.shape[0] <= REDUCTION_ROWS
-        ):
-            node.target = _rows_linear
-            # A function of ours in the graph bypasses AOTAutograd's cache unless it says what
-            # its code hashes to (then the hash goes into the key), and a warm start re-traces.
-            node.meta.update(is_wrapped=True, user_cache_hash=code_hash())
-            count += 1
-    gm.recompile()
-    return count
 
 
 def _null_metadata(device: torch.device) -> AttentionMetadata:

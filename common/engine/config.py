@@ -39,11 +39,12 @@ def _flag_value(parse: Callable[[str], Any], text: str) -> str:
 class ModelConfig:
     """Where the weights are and how to run them.
 
-    enforce_eager: True runs every step eagerly; False compiles decode steps (torch.compile,
-    one graph per batch bucket, built at start, and on CUDA captured as CUDA graphs); None:
+    enforce_eager: True runs every step eagerly; False compiles decode steps (one graph per
+    batch bucket, built at start: AOTInductor packages on CPU, torch.compile's graphs captured
+    as CUDA graphs on CUDA); None:
     $PDSERVE_ENFORCE_EAGER if set, else by device (`compile_decode`): compiled on CUDA, eager
-    on CPU, where a bucket of a 30-layer model takes about a minute to compile cold and a warm
-    start (the compile cache, compile_cache_dir) still re-traces every bucket.
+    on CPU, where a bucket of a 30-layer model takes minutes to compile cold (a warm start loads
+    it from the compile cache, compile_cache_dir, in milliseconds: docs/architecture.md).
     load_format: "auto" reads the checkpoint's weights; "dummy" (vLLM's name) makes random
     ones from config.json alone, on the device, seeded by `seed` (benchmarks of model shapes
     whose weights are not at hand).

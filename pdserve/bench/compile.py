@@ -38,7 +38,13 @@ def compile_row(batch: int, runs: offline.Runs, floor: float) -> dict[str, Any]:
     row: dict[str, Any] = {"batch": batch, "floor_s": floor}
     for mode in MODES:
         step = statistics.median(r["decode_step_s"] for r in runs[mode])
-        row[mode] = {"step_s": step, "tokens_per_s": batch / step, "of_floor": floor / step}
+        row[mode] = {
+            "step_s": step,
+            "tokens_per_s": batch / step,
+            "of_floor": floor / step,
+            # this process's CPU time: steadier than wall time on a shared machine
+            "cpu_step_s": statistics.median(r["decode_step_cpu_s"] for r in runs[mode]),
+        }
     row["speedup"] = row["eager"]["step_s"] / row["compiled"]["step_s"]
     return {
         **row,

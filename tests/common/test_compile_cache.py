@@ -56,6 +56,15 @@ def test_changed_torch_code_or_flags_give_another_key(
     assert len(keys) == 5
 
 
+def test_another_thread_count_gives_another_key(
+    arch: ModelArchConfig, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """CPU kernels fix their parallel loops' thread count when compiled."""
+    before = digest(arch)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 7)
+    assert digest(arch) != before
+
+
 def test_cache_root_is_the_flag_then_the_environment_then_home(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
