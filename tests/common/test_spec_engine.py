@@ -187,3 +187,20 @@ def test_sampled_requests_with_drafts(model) -> None:
     assert all(len(o.token_ids) == 12 for o in outs)
     assert len({tuple(o.token_ids) for o in outs}) > 1  # sampled, not greedy
     assert llm.engine.scheduler.drafter.stats.num_accepted_tokens > 0
+
+
+def test_preempted_requests_with_drafts_equal_greedy(model, baseline) -> None:
+    """A pool too small for the batch: requests with drafts are preempted and recomputed."""
+    llm, outs = generate(model, GREEDY, num_blocks=40, speculative_config=ngram(3))
+    assert sum(o.num_preemptions for o in outs) > 0, "the pool was meant to force preemption"
+    assert [o.token_ids for o in outs] == [o.token_ids for o in baseline]
+
+
+def test_tensor_parallel_verify_steps_equal_greedy(model, baseline) -> None:
+    """Every rank computes the verify step's logits rows (the head's gather needs them)."""
+    llm, outs = generate(
+        model, GREEDY, PROMPTS[:3], tensor_parallel_size=2, speculative_config=ngram(3)
+    )
+    llm.close()
+    assert [o.token_ids for o in outs] == [o.token_ids for o in baseline[:3]]
+    assert llm.engine.scheduler.drafter.stats.num_accepted_tokens > 0
