@@ -80,6 +80,13 @@ class PackedLinear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={bias}"
 
 
+def packed_numel(model: nn.Module) -> int:
+    """Weight elements `model` holds in packed linears, which its parameters() do not list."""
+    return sum(
+        m.in_features * m.out_features for m in model.modules() if isinstance(m, PackedLinear)
+    )
+
+
 def chunked_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """F.linear(x [M, K], weight [N, K]) without a bias, HEAD_CHUNK output columns at a time
     from CHUNKED_FROM_ROWS rows on (each chunk's [M, 512] output stays in cache while its

@@ -24,6 +24,7 @@ from pdserve.common.engine.llm import LLM, SamplingParams
 from pdserve.common.model.config import ModelArchConfig
 from pdserve.common.node.cli import parser
 from pdserve.common.wire.payloads import StructuredOutputsParams
+from pdserve.kernels.cpu_linear import packed_numel
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -210,7 +211,7 @@ def sweep_fields(args: argparse.Namespace, path: Path, pd: Pdserve) -> dict[str,
     e, width, top = arch.num_experts, arch.moe_intermediate_size, arch.num_experts_per_tok
     description += f"; {e} experts of {width}, top {top}" if e else ""  # MLP: the dense layers'
     keys = ("device", "dtype", "prompt_len", "max_tokens", "repeats")
-    params = sum(p.numel() for p in model.parameters())
+    params = sum(p.numel() for p in model.parameters()) + packed_numel(model)
     model_fields = {"dir": str(path), "description": description, "params": params}
     return {**{k: getattr(args, k) for k in keys}, "model": model_fields}
 
@@ -250,6 +251,7 @@ def kv_bytes_per_token(arch: Any, itemsize: int = 4) -> int:
 def weight_bytes(model: torch.nn.Module) -> tuple[int, int]:
     """(all parameter bytes, embedding table bytes)."""
     total = sum(p.numel() * p.element_size() for p in model.parameters())
+    total += 4 * packed_numel(model)  # a float32 head packed for oneDNN
     embed = model.model.embed_tokens.weight
     return total, embed.numel() * embed.element_size()
 

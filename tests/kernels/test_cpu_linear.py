@@ -18,6 +18,7 @@ from pdserve.kernels.cpu_linear import (
     PackedLinear,
     chunked_linear,
     cpu_linear_enabled,
+    packed_numel,
 )
 
 # Decode batches 1..64 and prefill chunks: the rows the head and the decoder see.
@@ -83,7 +84,9 @@ def test_a_model_takes_its_head_kernel(tiny_model_dir, tied: bool) -> None:
         tiny_model_dir("llama", vocab=VOCAB, tie_word_embeddings=tied), torch.float32, "cpu"
     )
     hidden, wants = zip(*[head_logits(model, rows) for rows in (1, 5, 64)], strict=True)
+    held = sum(p.numel() for p in model.parameters())
     assert model.use_cpu_head() == ("chunked" if tied else "packed")
+    assert sum(p.numel() for p in model.parameters()) + packed_numel(model) == held
     for h, want in zip(hidden, wants, strict=True):
         close(model.compute_logits(h), want)
     names = {name for name, _ in model.named_parameters()}
