@@ -35,6 +35,7 @@ from pdserve.common.model.quant import (  # noqa: E402
     quantize_int8,
     stack_rows,
 )
+from pdserve.kernels import cpu_quant  # noqa: E402
 from tests.common.model.gguf_blocks import RANDOM_BLOCKS, encode  # noqa: E402
 
 EXACT = [Q.Q4_0, Q.Q4_1, Q.Q4_K]  # held as int4 exactly
@@ -279,11 +280,15 @@ def test_the_batch_size_rule_picks_the_path(mode: str, monkeypatch: pytest.Monke
     dense_rows: list[int] = []
     real = layer._dense
     monkeypatch.setattr(layer, "_dense", lambda x: dense_rows.append(len(x)) or real(x))
-    for rows in (1, threshold - 1, threshold, threshold + 5):
+    # int4 in the AVX2 kernel's layout: the kernel up to its rows, dequantized past them.
+    start = cpu_quant.MAX_ROWS + 1 if layer.mins is not None else threshold
+    for rows in (1, start - 1, start, start + 5):
         layer(torch.randn(rows, 256).bfloat16())
-    assert dense_rows == [threshold, threshold + 5]
+    assert dense_rows == [start, start + 5]
     dense_rows.clear()
-    floor = quant.DENSE_ROWS_FLOAT32[8 if mode == "int8" else 4]  # float32: the kernels are slow
+    floor = quant.DENSE_ROWS_FLOAT32[8 if mode == "int8" else 4]  # float32: torch's are slow
+    if layer.gemv:  # the AVX2 kernel serves float32 rows up to its limit
+        floor = cpu_quant.MAX_ROWS + 1
     for rows in (1, floor, threshold - 1):
         layer(torch.randn(rows, 256))
     assert dense_rows == [rows for rows in (1, floor, threshold - 1) if rows >= floor]
@@ -317,7 +322,11 @@ def test_stacked_layers_give_their_parts_outputs_exactly(bits: int, rows: int) -
     x = torch.randn(rows, 256).bfloat16()
     assert torch.equal(fused(x), torch.cat([p(x) for p in parts], dim=1))
     int4 = [QuantizedLinear(quantize_int4(torch.randn(out, 256))) for out in (64, 48)]
-    assert QuantizedLinear.stacked(int4) is None  # 48 rows: not whole blocks of 64
+    if int4[0].mins is None:  # torch's packing
+        assert QuantizedLinear.stacked(int4) is None  # 48 rows: not whole blocks of 64
+    else:  # the AVX2 kernel's layout joins any rows
+        x4 = torch.randn(rows, 256)
+        assert torch.equal(QuantizedLinear.stacked(int4)(x4), torch.cat([p(x4) for p in int4], 1))
     other = quantize_int8 if bits == 4 else quantize_int4
     mixed = [parts[0], QuantizedLinear(other(torch.randn(64, 256)), torch.randn(64))]
     assert QuantizedLinear.stacked(mixed) is None  # two widths
