@@ -31,7 +31,6 @@ from pdserve.common.model.quant import (
     release_freed_heap,
 )
 from pdserve.common.model.registry import checkpoint_tensors, model_class
-from pdserve.kernels import cpu_quant
 
 # Checkpoint keys that hold no weights of ours: old Llama checkpoints saved rope buffers.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
@@ -113,15 +112,13 @@ QUANTIZED_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_pr
 
 def _effective_quantization(mode: str, device: torch.device, dtype: torch.dtype) -> str:
     """`mode` where it runs. Quantized linears are CPU kernels, so `auto` elsewhere is none;
-    and `auto` in a float32 engine is none too unless the AVX2 GEMV (kernels/cpu_quant.py)
-    runs here: torch's packed kernels are slow on float32 activations (SmolLM2 int4: 130 ms a
-    decode token against 61 ms dequantized), ours not (SmolLM2's Q4_1 step 134 CPU ms held
-    at its bits against 179 dequantized, greedy tokens still HF's; docs/quantization.md).
-    `int8`/`int4` are taken as asked."""
+    and `auto` in a float32 engine is none too: torch's packed kernels are slow on float32
+    activations (SmolLM2 int4: 130 ms a decode token and 50 s a 512-token prompt, against
+    61 ms and 1.9 s dequantized; docs/quantization.md), and float32 is what one asks for to
+    match HF's output exactly. `int8`/`int4` are taken as asked."""
     if mode not in ("auto", "none", "int8", "int4"):
         raise ValueError(f"quantization must be auto, none, int8 or int4, not {mode!r}")
-    slow_f32 = dtype == torch.float32 and not cpu_quant.available()
-    if mode == "auto" and (device.type != "cpu" or slow_f32):
+    if mode == "auto" and (device.type != "cpu" or dtype == torch.float32):
         return "none"
     if device.type == "cpu" or mode in ("auto", "none"):
         return mode

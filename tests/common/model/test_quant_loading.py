@@ -33,7 +33,6 @@ from pdserve.common.model.quant import (  # noqa: E402
 )
 from pdserve.common.model.weights import linear_bits, load_model  # noqa: E402
 from pdserve.common.node.cli import add_engine_args, engine_configs  # noqa: E402
-from pdserve.kernels import cpu_quant  # noqa: E402
 from pdserve.kernels.cpu_linear import PackedLinear  # noqa: E402
 from tests.common.model.test_gguf import write_llama_gguf  # noqa: E402
 
@@ -152,9 +151,7 @@ def test_a_quantized_gguf_generates_as_the_file_dequantized(
     assert {m.bits for m in decoder if isinstance(m, QuantizedLinear)} == {int(width[3:])}
     assert isinstance(auto_bf16.model.embed_tokens, QuantizedEmbedding)  # int8 per row
     auto_f32, _ = load_model(path, torch.float32, "cpu", quantization="auto")
-    # Held at its bits in float32 too where the AVX2 kernel runs, else dequantized.
-    held = any(isinstance(m, QuantizedLinear) for m in auto_f32.modules())
-    assert held == cpu_quant.available()
+    assert not any(isinstance(m, QuantizedLinear) for m in auto_f32.modules())
     quantized = LLM(str(path), dtype="float32", quantization=width)
     kinds = _kinds(quantized.engine.runner.model)
     # The head stays float as stored (a float32 CPU engine holds it packed for oneDNN).
@@ -367,9 +364,8 @@ def test_a_tied_int8_embedding_stays_int8_under_auto(tiny_model_dir, tmp_path: P
     logits = model.compute_logits(hidden)
     assert logits.shape == (3, want.shape[0])
     assert ((logits - hidden.float() @ w.T).abs() <= bound).all()
-    f32_auto = [] if cpu_quant.available() else [(torch.float32, "auto")]
     for dtype, mode in (
-        *f32_auto,
+        (torch.float32, "auto"),
         (torch.bfloat16, "int8"),
         (torch.bfloat16, "none"),
     ):
