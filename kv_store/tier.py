@@ -1,0 +1,169 @@
+"""One interface for every place a KV block can live beyond the pool, and the rule every one
+of them keeps: fail closed, never block.
+
+A tier's `get`, `put` and `contains` never raise and never wait past the tier's timeout. A
+backend error, a timeout, a short read, another layout or a bad checksum is a miss (a failed
+put is a False): counted, logged once per kind, and after a backend error the tier is skipped
+for `backoff_s` so a store that is down costs one bounded timeout per backoff, not one per
+block. Callers recompute what a miss did not give them.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+from dataclasses import dataclass, fields
+from typing import TypeVar
+
+from pdserve.kv_store import codec
+from pdserve.kv_store.key import BlockKey
+
+logger = logging.getLogger(__name__)
+T = TypeVar("T")
+
+
+@dataclass(frozen=True, slots=True)
+class TierStats:
+    """A snapshot of one tier's counters since it was made."""
+
+    tier: str
+    hits: int = 0
+    misses: int = 0  # every get without a payload, errors and bad objects included
+    puts: int = 0  # objects stored
+    put_failures: int = 0
+    errors: int = 0  # backend errors and timeouts (each also a miss or a failed put)
+    bad_objects: int = 0  # read whole but refused by the codec (each also a miss)
+    skipped: int = 0  # calls answered at once while backing off after an error
+    bytes_read: int = 0
+    bytes_written: int = 0
+    seconds: float = 0.0  # spent in this tier's calls
+
+
+class _Counters:
+    """TierStats' mutable twin, updated under a lock (tiers are called from several threads)."""
+
+    def __init__(self, tier: str) -> None:
+        self.tier = tier
+        self.values: dict[str, float] = {f.name: 0 for f in fields(TierStats)[1:]}
+        self.lock = threading.Lock()
+
+    def add(self, **deltas: float) -> None:
+        with self.lock:
+            for name, delta in deltas.items():
+                self.values[name] += delta
+
+    def snapshot(self) -> TierStats:
+        with self.lock:
+            return TierStats(self.tier, **self.values)  # type: ignore[arg-type]
+
+
+class KVTier(ABC):
+    """A place that keeps whole, verified KV blocks by `BlockKey`.
+
+    Subclasses implement the raw `_load`, `_store`, `_exists` (and `_discard`) on object names
+    and may raise anything; this class turns every failure into a counted miss. Objects are
+    `codec`-encoded unless `encoded` is False (a tier in the reader's own memory).
+    """
+
+    encoded = True
+
+    def __init__(self, name: str, timeout_s: float, backoff_s: float) -> None:
+        if timeout_s <= 0 or backoff_s < 0:
+            raise ValueError(f"tier {name}: timeout_s must be > 0 and backoff_s >= 0")
+        self.name = name
+        self.timeout_s = timeout_s
+        self.backoff_s = backoff_s
+        self._counters = _Counters(name)
+        self._logged: set[str] = set()
+        self._down_until = 0.0
+
+    # -- the interface ------------------------------------------------------------------------
+
+    def get(self, key: BlockKey) -> memoryview | None:
+        """The block's payload, or None (a miss, whatever the cause)."""
+        blob = self._guard("get", lambda: self._load(key.name), None)
+        if blob is None:
+            self._counters.add(misses=1)
+            return None
+        payload = self._verify(key, blob)
+        self._counters.add(hits=payload is not None, misses=payload is None)
+        if payload is not None:
+            self._counters.add(bytes_read=payload.nbytes)
+        return payload
+
+    def put(self, key: BlockKey, payload: bytes | bytearray | memoryview) -> bool:
+        """Store the block whole (readers never see part of it); False if it was not stored."""
+        blob = codec.encode(key, payload) if self.encoded else bytes(payload)
+        ok = bool(self._guard("put", lambda: self._store(key.name, blob), False))
+        self._counters.add(puts=ok, put_failures=not ok, bytes_written=len(blob) if ok else 0)
+        return ok
+
+    def contains(self, key: BlockKey) -> bool:
+        """Whether an object is stored under the key (not verified: only `get` verifies)."""
+        return bool(self._guard("contains", lambda: self._exists(key.name), False))
+
+    def stats(self) -> TierStats:
+        return self._counters.snapshot()
+
+    def close(self) -> None:
+        """Release the backend's resources; the tier answers misses afterwards."""
+        self._down_until = float("inf")
+
+    # -- the backend --------------------------------------------------------------------------
+
+    @abstractmethod
+    def _load(self, name: str) -> bytes | bytearray | memoryview | None:
+        """The whole object stored as `name`, or None if there is none."""
+
+    @abstractmethod
+    def _store(self, name: str, blob: bytes) -> bool:
+        """Store `blob` as `name` atomically: a reader sees all of it or nothing."""
+
+    @abstractmethod
+    def _exists(self, name: str) -> bool: ...
+
+    @abstractmethod
+    def _discard(self, name: str) -> None:
+        """Remove a bad object so that the next put replaces it (best effort)."""
+
+    # -- failing closed -----------------------------------------------------------------------
+
+    def _verify(self, key: BlockKey, blob: bytes | bytearray | memoryview) -> memoryview | None:
+        if not self.encoded:
+            return memoryview(blob)
+        out = codec.decode_or_reason(blob, key)
+        if isinstance(out, memoryview):
+            return out
+        self._counters.add(bad_objects=1)
+        self._log_once(f"bad:{out.split(' ')[0]}", f"refused {key.name}: {out}")
+        self._guard("discard", lambda: self._discard(key.name), None)
+        return None
+
+    def _guard(self, op: str, call: Callable[[], T], failed: T) -> T:
+        """call(), or `failed` if it raises or the tier is backing off; timed and counted."""
+        start = time.monotonic()
+        if start < self._down_until:
+            self._counters.add(skipped=1)
+            return failed
+        try:
+            return call()
+        except Exception as e:  # noqa: BLE001 - every backend failure is a miss, by design
+            self._counters.add(errors=1)
+            self._down_until = time.monotonic() + self.backoff_s
+            self._log_once(f"{op}:{type(e).__name__}", f"{op} failed ({e!r})")
+            return failed
+        finally:
+            self._counters.add(seconds=time.monotonic() - start)
+
+    def _log_once(self, kind: str, message: str) -> None:
+        if kind in self._logged:
+            return
+        self._logged.add(kind)
+        logger.warning(
+            "kv tier %s: %s; counted as a miss, later ones of this kind only counted",
+            self.name,
+            message,
+        )
