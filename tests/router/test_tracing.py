@@ -23,13 +23,16 @@ def test_the_ttft_stages_are_the_routers_time_and_the_computing_nodes() -> None:
     t.reserved(0.25)
     t.dispatched = 101.0  # one second at the router, a quarter of it reserving
     t.note(Tokens("r", (1,), stages=StageTimes(queue=0.5, prefill=2.0)))
+    assert t.first_token > 0
+    t.first_token = 104.5  # 3.5 s after the dispatch: 1 s of it unread or on the way
     assert t.ttft_stages() == {
         "router_queue": 0.75,
         "decode_reservation": 0.25,
+        "node_inbox": 1.0,
         "prefill_queue": 0.5,
         "prefill": 2.0,
     }
-    assert t.first_token > 0
+    assert sum(t.ttft_stages().values()) == t.ttft  # nothing of the TTFT left out
     t.note(Tokens("r", (2,), stages=StageTimes(kv_transfer=3.0, admission=0.1, first_step=0.2)))
     assert t.handoff_stages() == {
         "kv_transfer": 3.0,
