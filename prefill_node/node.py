@@ -128,6 +128,8 @@ class PrefillNode(MovesKV, EngineNode):
             why = f"KV transfer failed: {exc}"
             yield Error(update.request_id, why, Failure.KV_FAILED)
         sent = endpoints[0] not in failed
+        if not sent:
+            self.metrics.transfer_failed()
         self.stages.kv_sent(update.request_id, pages, self.kv.port.connector, sent)
 
     def drop_destination(self, endpoint: str, error: str) -> Iterator[Error]:
@@ -138,6 +140,7 @@ class PrefillNode(MovesKV, EngineNode):
         bound = [(rid, d) for rid, d in self.dests.items() if d.dest_kv_endpoints[0] == endpoint]
         for rid, _ in bound:
             self.abort(rid)
+            self.metrics.transfer_failed()
             why = f"KV transfer to the decode node failed: {error}"
             yield Error(rid, why, Failure.KV_FAILED)
         if bound:

@@ -119,6 +119,7 @@ class Scheduler:
         self.requests: dict[str, Request] = {}
         self.reserved: dict[str, Request] = {}  # blocks held, KV arriving from a prefill node
         self._finished_ids: list[str] = []
+        self.num_preemptions = 0  # since the engine started (the node's vLLM-style counter)
         self.drafter = create_drafter(config.speculative_config)
 
     # -- admission -------------------------------------------------------------------------
@@ -318,6 +319,7 @@ class Scheduler:
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
         request.num_preemptions += 1
+        self.num_preemptions += 1
         self.waiting.appendleft(request)
 
     # -- after the forward -----------------------------------------------------------------

@@ -6,7 +6,8 @@
   the liveness proofs it sends routers), else 503: a liveness probe restarts a wedged node.
 - `/ready`: 200 once a router has accepted the node's registration and while it is not
   draining, else 503: a readiness probe keeps a starting or draining node out of rotation.
-- `/metrics`: Prometheus text with the gauges an autoscaler needs per role (`NODE_METRICS`).
+- `/metrics`: Prometheus text with the gauges an autoscaler needs per role (`NODE_METRICS`),
+  the engine's counters (`NODE_COUNTERS`) and the node's request metrics (`metrics.NodeMetrics`).
 
 It runs in a daemon thread (stdlib `http.server`), reads values the loop publishes in one
 `HealthState`, and never touches the engine: a probe cannot slow or break a step.
@@ -19,7 +20,7 @@ from collections.abc import Callable, Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 LIVE_PATH = "/live"
@@ -31,6 +32,7 @@ METRICS_PATH = "/metrics"
 NODE_METRICS: dict[str, str] = {
     "pdserve_node_queued_prefill_tokens": "prompt tokens waiting to be prefilled",
     "pdserve_node_kv_cache_usage": "fraction of KV blocks in use (0 to 1)",
+    "pdserve:kv_cache_usage_perc": "fraction of KV blocks in use (0 to 1; vLLM's name)",
     "pdserve_node_free_kv_blocks": "KV blocks free",
     "pdserve_node_running_requests": "requests in the running batch",
     "pdserve_node_waiting_requests": "requests queued, not yet running",
@@ -42,12 +44,23 @@ NODE_METRICS: dict[str, str] = {
     "pdserve_node_spec_decode_num_draft_tokens": "tokens drafted",
     "pdserve_node_spec_decode_num_accepted_tokens": "drafted tokens accepted",
 }
+# Counter name (exported with `_total`) -> help: the engine's totals since the node started,
+# published with the gauges (vLLM's names).
+NODE_COUNTERS: dict[str, str] = {
+    "pdserve:prefix_cache_queries": "prompt tokens looked up in the prefix cache",
+    "pdserve:prefix_cache_hits": "prompt tokens the prefix cache held",
+    "pdserve:num_preemptions": "requests preempted (freed to be recomputed later)",
+}
+
+
+_FAMILIES = ((GaugeMetricFamily, NODE_METRICS), (CounterMetricFamily, NODE_COUNTERS))
 
 
 class HealthServer:
     """The HTTP endpoint of one node, on its own daemon thread. `live` and `ready` are called
     from that thread (they only read flags); `gauges` is a dict the node loop replaces whole
-    at each heartbeat (one reference swap: no lock needed)."""
+    at each heartbeat (one reference swap: no lock needed). `registry` holds the node's own
+    metrics; the gauges join it."""
 
     def __init__(
         self,
@@ -56,10 +69,11 @@ class HealthServer:
         live: Callable[[], bool],
         ready: Callable[[], bool],
         labels: dict[str, str],
+        registry: CollectorRegistry | None = None,
     ) -> None:
-        self.gauges: dict[str, float] = dict.fromkeys(NODE_METRICS, 0.0)
+        self.gauges: dict[str, float] = dict.fromkeys([*NODE_METRICS, *NODE_COUNTERS], 0.0)
         self._live, self._ready = live, ready
-        self._registry = CollectorRegistry()
+        self._registry = registry or CollectorRegistry()
         self._registry.register(_Collector(self, labels))
         self._server = ThreadingHTTPServer((host, port), self._handler_class())
         self._server.daemon_threads = True
@@ -108,14 +122,16 @@ class HealthServer:
 
 
 class _Collector(Collector):
-    """The node's gauges as the loop last published them."""
+    """The node's gauges and engine counters as the loop last published them."""
 
     def __init__(self, server: HealthServer, labels: dict[str, str]) -> None:
         self._server, self._labels = server, labels
 
-    def collect(self) -> Iterator[GaugeMetricFamily]:
+    def collect(self) -> Iterator[Metric]:
         gauges = self._server.gauges
-        for name, text in NODE_METRICS.items():
-            family = GaugeMetricFamily(name, text, labels=list(self._labels))
-            family.add_metric(list(self._labels.values()), gauges.get(name, 0.0))
-            yield family
+        names, values = list(self._labels), list(self._labels.values())
+        for kind, metrics in _FAMILIES:
+            for name, text in metrics.items():
+                family = kind(name, text, labels=names)
+                family.add_metric(values, gauges.get(name, 0.0))
+                yield family

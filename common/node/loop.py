@@ -41,6 +41,7 @@ from pdserve.common.node.membership import (
     NodeStatus,
     advertise_host,
 )
+from pdserve.common.node.metrics import NodeMetrics
 from pdserve.common.node.reports import engine_gauges, engine_status, integrity_report
 from pdserve.common.node.stages import StageClock
 from pdserve.common.tracing import tracer_of
@@ -104,26 +105,36 @@ class EngineNode:
         self.node_id = node.node_id or f"{self.role}-{uuid.uuid4().hex[:8]}"
         self.incarnation = uuid.uuid4().hex
         self.tracer = tracer_of(self.role, node.tracing)  # None: tracing off
-        self.stages = StageClock(self.tracer, self.node_id)
         self.fatal: str | None = None  # why the node stopped on its own (exit non-zero)
         self.drain_deadline: float | None = None  # set once draining (SIGTERM)
         self._last_progress = time.monotonic()
         self.stop_event = threading.Event()
         if agent is not None:  # rank 0's end; the workers built theirs from the same options
             self.kv = self.open_kv(agent)
+        labels = {"role": self.role, "node_id": self.node_id}
+        self.metrics = self.node_metrics(labels)
+        self.stages = StageClock(self.tracer, self.node_id, self.metrics)
         self.membership = Membership(node, self.registration(), self.curve, self.live, self.fail)
         if self.reports_prefixes:  # nodes a prefix-aware router picks by cache
             self.engine.kv.pool.prefix_events = PrefixEvents()
         self._handlers = self.handlers()
         self.health: HealthServer | None = None
         if node.health_port:  # bound now: a port in use fails the start, not a probe later
-            labels = {"role": self.role, "node_id": self.node_id}
-            self.health = HealthServer(node.host, node.health_port, self.live, self.ready, labels)
+            self.health = HealthServer(
+                node.host, node.health_port, self.live, self.ready, labels, self.metrics.registry
+            )
 
     def rank_agent(self, model: ModelConfig, node: NodeConfig) -> dict[str, Any] | None:
         """The options of this role's KV end on every tensor-parallel rank
         (`kv_transfer.ranks.RankKV`), or None for a role that moves no KV."""
         return None
+
+    def node_metrics(self, labels: dict[str, str]) -> NodeMetrics:
+        """The node's request metrics; a node that moves KV labels its transfers' by connector."""
+        if self.kv is None:
+            return NodeMetrics(labels)
+        port = self.kv.port
+        return NodeMetrics(labels, port.connector, port.layout.block_bytes)
 
     def open_kv(self, options: dict[str, Any]) -> Any:
         """Rank 0's KV group of a role that moves KV (`rank_agent` gave `options`)."""
@@ -292,6 +303,7 @@ class EngineNode:
             self.handle_all(0)
         for rid in self.membership.expire_leases(self.engine.scheduler.requests):
             log.warning("lease of request %s expired: freeing it", rid)
+            self.metrics.lease_expired()
             self.abort(rid)
             why = "lease expired: the router stopped renewing"
             self.tell(rid, Error(rid, why, Failure.LEASE_EXPIRED))

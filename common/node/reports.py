@@ -33,18 +33,24 @@ def engine_status(engine: LLMEngine, draining: bool) -> NodeStatus:
 
 
 def engine_gauges(engine: LLMEngine, queued: int, draining: bool) -> dict[str, float]:
-    """The health endpoint's gauges (`health.NODE_METRICS`) a node of every role reports."""
+    """The health endpoint's gauges and counters (`health.NODE_METRICS`, `NODE_COUNTERS`) a
+    node of every role reports."""
     sched, kv = engine.scheduler, engine.kv
     total = max(1, kv.pool.num_blocks - 1)  # the null block is never free
+    usage = 1.0 - kv.num_free_blocks / total
     return {
         "pdserve_node_queued_prefill_tokens": queued,
-        "pdserve_node_kv_cache_usage": 1.0 - kv.num_free_blocks / total,
+        "pdserve_node_kv_cache_usage": usage,  # the autoscalers' name (docs/deploy.md)
+        "pdserve:kv_cache_usage_perc": usage,
         "pdserve_node_free_kv_blocks": kv.num_free_blocks,
         "pdserve_node_running_requests": len(sched.running),
         "pdserve_node_waiting_requests": len(sched.waiting),
         "pdserve_node_draining": float(draining),
         "pdserve_node_prefill_tokens_per_second": engine.prefill_rate.tokens_per_s,
         **{f"pdserve_node_{name}": value for name, value in spec_decode_counters(engine).items()},
+        "pdserve:prefix_cache_queries": kv.stats.queries,
+        "pdserve:prefix_cache_hits": kv.stats.hits,
+        "pdserve:num_preemptions": sched.num_preemptions,
     }
 
 

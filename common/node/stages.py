@@ -16,6 +16,7 @@ import time
 from dataclasses import dataclass, field, replace
 
 from pdserve.common.engine.scheduler import SchedulerOutput
+from pdserve.common.node.metrics import NodeMetrics
 from pdserve.common.tracing import REQUEST_ID, TIME_IN_PREFILL, TIME_IN_QUEUE, Tracer
 from pdserve.common.wire.messages import Tokens
 from pdserve.common.wire.payloads import StageTimes
@@ -39,9 +40,12 @@ class StageClock:
     """The stages of the requests this node holds, by request id. The node calls it where a
     stage ends; a request it forgets (aborted, handed off) leaves nothing behind."""
 
-    def __init__(self, tracer: Tracer | None, node_id: str) -> None:
+    def __init__(
+        self, tracer: Tracer | None, node_id: str, metrics: NodeMetrics | None = None
+    ) -> None:
         self.tracer = tracer
         self.node_id = node_id
+        self.metrics = metrics  # the node's request histograms, observed as stages end
         self._stamps: dict[str, _Stamps] = {}
         self._step: list[tuple[_Stamps, int]] = []  # traced requests of the running step
         self._step_start = 0.0
@@ -74,6 +78,8 @@ class StageClock:
         if stamps is None:
             return
         stamps.kv_whole = time.monotonic()
+        if self.metrics is not None:
+            self.metrics.kv_received(stamps.kv_whole - stamps.taken, pages, ok)
         if stamps.traceparent is not None:
             attrs = {REQUEST_ID: request_id, "pdserve.kv.connector": connector}
             attrs |= {"pdserve.kv.pages": pages, "pdserve.kv.checksum_ok": ok}
@@ -110,6 +116,8 @@ class StageClock:
             return msg
         stamps.first = time.monotonic()
         stages = self._stages(stamps)
+        if self.metrics is not None:
+            self.metrics.first_token(stages, stamps.remote)
         if stamps.traceparent is not None:
             self._spans(msg.request_id, stamps, stages)
         if not stamps.handoff:

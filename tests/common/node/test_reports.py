@@ -7,7 +7,7 @@ from __future__ import annotations
 from pdserve.common.engine.kv_cache_manager import PrefixEvents, hash_token_blocks
 from pdserve.common.engine.llm import LLM
 from pdserve.common.engine.llm_engine import LLMEngine
-from pdserve.common.node.health import NODE_METRICS
+from pdserve.common.node.health import NODE_COUNTERS, NODE_METRICS
 from pdserve.common.node.reports import engine_gauges, engine_status, integrity_report
 from pdserve.common.wire.payloads import SamplingParams
 
@@ -41,8 +41,11 @@ def test_status_and_gauges_follow_a_request_through_its_first_chunk(tiny_model_d
     assert running.prefixes.stored == tuple(hash_token_blocks(PROMPT[:BLOCK], BLOCK))
     assert engine_status(e, draining=True).prefixes.stored == ()  # taken by the last status
     gauges = engine_gauges(e, queued=3, draining=True)
-    assert set(gauges) < set(NODE_METRICS)  # the decode role adds its received bytes
+    assert set(gauges) < {*NODE_METRICS, *NODE_COUNTERS}  # decode adds its received bytes
     assert gauges["pdserve_node_kv_cache_usage"] == 1 - running.free_blocks / POOL
+    assert gauges["pdserve:kv_cache_usage_perc"] == gauges["pdserve_node_kv_cache_usage"]
+    assert gauges["pdserve:prefix_cache_queries"] == len(PROMPT)  # looked up once, no hit
+    assert gauges["pdserve:prefix_cache_hits"] == gauges["pdserve:num_preemptions"] == 0
     assert gauges["pdserve_node_queued_prefill_tokens"] == 3
     assert gauges["pdserve_node_draining"] == 1.0
 
