@@ -115,6 +115,9 @@ class Drafter:
         self.proposer.finish(request_id, tokens)
 
 
-def create_drafter(config: SpeculativeConfig | None) -> Drafter | None:
-    """The engine's drafter, or None without speculation."""
-    return None if config is None else Drafter(config)
+def create_drafter(
+    config: SpeculativeConfig | None, proposer: Proposer | None = None
+) -> Drafter | None:
+    """The engine's drafter, or None without speculation; `proposer` is one the model runner
+    built (draft_model), else the config's method makes its own."""
+    return None if config is None else Drafter(config, proposer)

@@ -18,6 +18,7 @@ from pdserve.common.engine.scheduler import RequestUpdate, Scheduler, SchedulerO
 from pdserve.common.engine.structured import StructuredOutputs
 from pdserve.common.model.checkpoint import Checkpoint
 from pdserve.common.model.weights import model_fingerprint
+from pdserve.common.spec.draft_model import DraftModelProposer
 from pdserve.common.wire.payloads import KVLayout, SamplingParams
 
 # Given a step's batch, what runs after each layer of its forward, or None (LLMEngine.step).
@@ -67,13 +68,20 @@ class LLMEngine:
     ) -> None:
         self.model_config = model
         self.runner = ModelRunner(
-            model, cache, scheduler.max_num_seqs, scheduler.max_model_len, parallel
+            model,
+            cache,
+            scheduler.max_num_seqs,
+            scheduler.max_model_len,
+            parallel,
+            speculative=scheduler.speculative_config,
         )
         self.kv = KVCacheManager(
             self.runner.num_blocks, cache.block_size, cache.enable_prefix_caching
         )
         self.max_model_len = self._max_model_len(scheduler)
-        self.scheduler = Scheduler(scheduler, self.kv, self.max_model_len)
+        draft = self.runner.draft
+        proposer = DraftModelProposer(draft, self.kv.block_ids) if draft is not None else None
+        self.scheduler = Scheduler(scheduler, self.kv, self.max_model_len, proposer)
         self._structured: StructuredOutputs | None = None  # made on the first constraint
         self.prefill_rate = PrefillRate()
 

@@ -35,6 +35,8 @@ from pdserve.common.model.config import ModelArchConfig
 from pdserve.common.model.llama import fuse_quantized
 from pdserve.common.model.parallel import TPGroup, TPShard
 from pdserve.common.model.weights import load_model
+from pdserve.common.spec.config import SpeculativeConfig
+from pdserve.common.spec.draft_model import DraftModel, layer_caches
 from pdserve.common.wire.messages import Message
 from pdserve.common.wire.payloads import KVLayout, TokenLogprobs
 
@@ -94,6 +96,7 @@ class ModelRunner:
         max_model_len: int | None = None,
         parallel: ParallelConfig | None = None,
         tp: TPGroup | None = None,
+        speculative: SpeculativeConfig | None = None,
     ) -> None:
         self.device = torch.device(model_config.device)
         self.dtype = _TORCH_DTYPES[model_config.dtype]
@@ -110,7 +113,10 @@ class ModelRunner:
             tp = self.driver.group
             torch.set_num_threads(threads_per_rank(parallel))  # this process is one rank
         self.tp = tp
+        self.draft: DraftModel | None = None  # draft_model's model and page group
         try:
+            if speculative is not None and speculative.has_draft_kv:
+                self._load_draft(speculative, model_config.model_dir)
             self._build(model_config, cache_config, max_num_seqs, max_model_len)
         except BaseException:
             self.close()
@@ -146,10 +152,10 @@ class ModelRunner:
         self.kv_spec = type(self.model).kv_cache_spec(self.arch, shard)  # this rank's share
         self.num_blocks = self._pool_size(cache_config)
         shape = self.kv_spec.shape(self.num_blocks, self.block_size)
-        self.kv_caches = [
-            torch.zeros(shape, dtype=self.dtype, device=self.device)
-            for _ in range(self.arch.num_layers)
-        ]
+        layers = self.arch.num_layers
+        self.kv_caches = layer_caches(shape, layers, self.dtype, self.device, self.draft)
+        # The target's layer caches; a draft's page group follows them in kv_caches.
+        self.model_caches = self.kv_caches[: self.arch.num_layers]
         self.sampler = Sampler(seed=model_config.seed, device=self.device)
         self.generators: dict[str, torch.Generator] = {}
         self._mask_worker: ThreadPoolExecutor | None = None  # started by the first grammar
@@ -165,9 +171,15 @@ class ModelRunner:
                 longest = min(longest, max_model_len)
             width = -(-longest // self.block_size)
             self.compiled = CompiledDecode(self.model, max_num_seqs, width)
-            self.compiled.warm_up(self.kv_caches, self._compile_cache(model_config))
+            self.compiled.warm_up(self.model_caches, self._compile_cache(model_config))
         elif self.device.type == "cpu":
             self.model.use_cpu_head()  # packed or chunked float32 head (kernels/cpu_linear.py)
+
+    def _load_draft(self, speculative: SpeculativeConfig, target_dir: str) -> None:
+        if self.parallel.tensor_parallel_size > 1:
+            raise ValueError("speculative_config: draft_model runs at tensor parallel size 1")
+        target = ModelArchConfig.from_dir(target_dir)
+        self.draft = DraftModel(speculative, target, self.dtype, self.device)
 
     def _compile_cache(self, model_config: ModelConfig) -> CompileCache:
         """Where this model's compiled steps are kept between starts: keyed by what shapes the
@@ -189,7 +201,10 @@ class ModelRunner:
             if self.device.type == "cuda":
                 free, _ = torch.cuda.mem_get_info(self.device)
                 budget = int(free * cache.gpu_memory_utilization)
-            n = budget // kv_block_bytes(self.arch, self.kv_spec, self.block_size, self.dtype)
+            size = kv_block_bytes(self.arch, self.kv_spec, self.block_size, self.dtype)
+            # A draft's layers (draft_model) have pages in every block too.
+            layers = self.arch.num_layers + (self.draft.num_layers if self.draft else 0)
+            n = budget * self.arch.num_layers // (size * layers)
         if self.tp is not None:
             wait = self.parallel.start_timeout_s
             n = int(self.tp.all_reduce_min(torch.tensor([n], dtype=torch.int64), wait)[0])
@@ -205,10 +220,14 @@ class ModelRunner:
         from pdserve.common.model.quant import weight_format  # numpy: only with quantization
 
         held = weight_format(self.model)
+        if held:
+            model_id = f"{model_id}:{held}"
+        if self.draft is not None:  # its pages travel as layers after the target's
+            model_id = f"{model_id}+draft:{self.draft.model_id}"
         return KVLayout(
-            model_id=f"{model_id}:{held}" if held else model_id,
+            model_id=model_id,
             dtype=str(self.dtype).removeprefix("torch."),
-            num_layers=self.arch.num_layers,
+            num_layers=len(self.kv_caches),
             num_kv_heads=spec.heads,
             head_dim=spec.dim,
             block_size=self.block_size,
@@ -305,12 +324,16 @@ class ModelRunner:
         """Logits [S, vocab] of the sampled rows (None when none is sampled), and the prompt
         logprobs this step computed."""
         if compiled:
-            args = (inputs.input_ids, inputs.positions, inputs.attn, self.kv_caches)
+            args = (inputs.input_ids, inputs.positions, inputs.attn, self.model_caches)
             logits = self.compiled.logits(*args)
+            if self.draft is not None:
+                self.draft.run(inputs.input_ids, inputs.positions, inputs.attn, on_layer)
             return (logits[inputs.logit_indices] if inputs.sampled_seqs else None), {}
         hidden = self.model(
-            inputs.input_ids, inputs.positions, inputs.attn, self.kv_caches, on_layer
+            inputs.input_ids, inputs.positions, inputs.attn, self.model_caches, on_layer
         )
+        if self.draft is not None:
+            self.draft.run(inputs.input_ids, inputs.positions, inputs.attn, on_layer)
         prompt_lps = self._score_prompts(hidden, seqs)
         if not inputs.sampled_seqs:
             return None, prompt_lps

@@ -17,6 +17,7 @@ from pdserve.common.engine.config import SchedulerConfig
 from pdserve.common.engine.drafting import create_drafter
 from pdserve.common.engine.kv_cache_manager import KVCacheManager
 from pdserve.common.engine.request import FinishReason, Request, RequestStatus
+from pdserve.common.spec.base import Proposer
 from pdserve.common.wire.messages import Tokens
 from pdserve.common.wire.payloads import SamplingParams, TokenLogprobs
 
@@ -110,7 +111,13 @@ class _StepBudget:
 class Scheduler:
     """Waiting and running queues over one KVCacheManager."""
 
-    def __init__(self, config: SchedulerConfig, kv: KVCacheManager, max_model_len: int) -> None:
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        kv: KVCacheManager,
+        max_model_len: int,
+        proposer: Proposer | None = None,  # a drafter built with the model (draft_model)
+    ) -> None:
         self.config = config
         self.kv = kv
         self.max_model_len = max_model_len
@@ -120,7 +127,7 @@ class Scheduler:
         self.reserved: dict[str, Request] = {}  # blocks held, KV arriving from a prefill node
         self._finished_ids: list[str] = []
         self.num_preemptions = 0  # since the engine started (the node's vLLM-style counter)
-        self.drafter = create_drafter(config.speculative_config)
+        self.drafter = create_drafter(config.speculative_config, proposer)
 
     # -- admission -------------------------------------------------------------------------
 

@@ -9,10 +9,10 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
-METHODS = ("ngram", "suffix")
+METHODS = ("ngram", "suffix", "draft_model")
 # Methods vLLM names that pdserve will build (issue 38) but has not: refused by name, so a
 # deployment does not silently run without the drafter it asked for.
-NOT_BUILT = ("draft_model", "mtp", "eagle", "eagle3", "medusa")
+NOT_BUILT = ("mtp", "eagle", "eagle3", "medusa")
 # vLLM's keys for the suffix drafter, mapped to the shorter field names used here.
 VLLM_ALIASES = {
     "suffix_decoding_max_tree_depth": "suffix_max_tree_depth",
@@ -47,8 +47,11 @@ def _check_float(name: str, value: Any, low: float, high: float, low_open: bool)
 class SpeculativeConfig:
     """How the engine drafts tokens for verification (docs/speculative.md).
 
-    method: "ngram" (prompt lookup in the request's own tokens) or "suffix" (suffix trees over
-    the request's tokens and recent requests' outputs).
+    method: "ngram" (prompt lookup in the request's own tokens), "suffix" (suffix trees over
+    the request's tokens and recent requests' outputs) or "draft_model" (a smaller model with
+    the target's vocabulary drafts greedily from its own KV, a page group of the target's
+    blocks: common/spec/draft_model.py).
+    model: draft_model's checkpoint directory (vLLM's key); no other method takes one.
     num_speculative_tokens: k, the most tokens drafted per step for one request.
     prompt_lookup_min/max: the n-gram lengths ngram tries, longest first.
     suffix_max_tree_depth: D, the longest token run a suffix tree stores (pattern + draft).
@@ -70,9 +73,11 @@ class SpeculativeConfig:
     suffix_min_token_prob: float = 0.1
     suffix_max_spec_factor: float = 1.0
     adaptive: bool = True
+    model: str | None = None
 
     def __post_init__(self) -> None:
         self._check_method()
+        self._check_model()
         _check_int("num_speculative_tokens", self.num_speculative_tokens, 1, MAX_SPECULATIVE_TOKENS)
         _check_int("prompt_lookup_min", self.prompt_lookup_min, 1)
         _check_int("prompt_lookup_max", self.prompt_lookup_max, 1)
@@ -98,6 +103,22 @@ class SpeculativeConfig:
             raise _field_error(
                 "method", f"unknown method {self.method!r} (built: {', '.join(METHODS)})"
             )
+
+    def _check_model(self) -> None:
+        if self.method != "draft_model":
+            if self.model is not None:
+                raise _field_error("model", f"only draft_model takes a model, not {self.method}")
+            return
+        if not isinstance(self.model, str) or not self.model.strip():
+            raise _field_error(
+                "model", f"draft_model needs a checkpoint directory, got {self.model!r}"
+            )
+
+    @property
+    def has_draft_kv(self) -> bool:
+        """Whether the drafter keeps KV of its own: a page group of every block, computed
+        with the target's and shipped with it from a prefill node."""
+        return self.method == "draft_model"
 
     @classmethod
     def parse(cls, value: str | Mapping[str, Any] | None) -> SpeculativeConfig | None:
@@ -143,7 +164,8 @@ class SpeculativeConfig:
     def digest_fields(self) -> dict[str, str | int]:
         """What the prefill and decode nodes of one deployment must agree on. ngram and suffix
         keep no KV state, so only which drafter runs and how many positions a verify step
-        reserves; a drafter with KV (draft_model, mtp) will add its layout here."""
+        reserves. A drafter with KV (draft_model) adds its page group to the KV layout instead
+        (`ModelRunner.kv_layout` names the draft's checkpoint and counts its layers)."""
         return {"method": self.method, "num_speculative_tokens": self.num_speculative_tokens}
 
     def digest(self) -> str:

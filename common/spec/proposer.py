@@ -19,6 +19,10 @@ PROPOSERS: dict[str, Callable[[SpeculativeConfig], Proposer]] = {
 
 def create_proposer(config: SpeculativeConfig) -> Proposer:
     """A fresh drafter for one engine (its per-request and cross-request state start empty)."""
+    if config.has_draft_kv:  # DraftModelProposer: it needs the runner's model and caches
+        raise ValueError(
+            f"speculative_config.method: {config.method}'s proposer is built by the engine"
+        )
     factory = PROPOSERS.get(config.method)
     if factory is None:
         raise ValueError(f"speculative_config.method: no proposer for {config.method!r}")

@@ -1,0 +1,175 @@
+"""`draft_model`: a smaller model with the target's vocabulary drafts k tokens greedily, one
+forward each, from KV of its own. That KV is a page group of the target's blocks: the runner
+allocates the draft's layer caches with the same geometry and block count as the target's, so
+one block id covers target and draft pages, the pool frees both at once, and a prefill node
+ships the draft pages as layers after the target's (the KV layout counts them and names the
+draft). Every forward of the target runs the draft over the same tokens and slots, so the
+draft's pages hold the draft's KV of every computed token; proposing only adds the drafted
+positions. Unlike the other drafters this one holds torch tensors (it is built by the model
+runner, not by `create_proposer`)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch
+
+from pdserve.common.model.attention import AttentionMetadata, KVCacheSpec
+from pdserve.common.model.config import ModelArchConfig
+from pdserve.common.model.weights import load_model, model_fingerprint
+from pdserve.common.spec.base import Proposer
+from pdserve.common.spec.config import SpeculativeConfig
+
+
+def scratch_blocks(block_size: int, max_k: int) -> int:
+    """Blocks a proposal may write past the request's own: k drafted positions from any
+    offset of the block holding the last known token span at most this many blocks."""
+    return (block_size + max_k - 2) // block_size + 1
+
+
+def check_draft(draft: ModelArchConfig, target: ModelArchConfig, same_pages: bool) -> None:
+    """ValueError unless the draft can serve the target: the same vocabulary, at least the
+    target's positions, and pages of the target's geometry (they travel as its layers)."""
+    if draft.vocab_size != target.vocab_size:
+        raise ValueError(
+            f"speculative_config.model: the draft's vocabulary has {draft.vocab_size} tokens, "
+            f"the target's {target.vocab_size}"
+        )
+    if draft.max_position_embeddings < target.max_position_embeddings:
+        raise ValueError(
+            f"speculative_config.model: the draft holds {draft.max_position_embeddings} "
+            f"positions, fewer than the target's {target.max_position_embeddings}"
+        )
+    if not same_pages:
+        raise ValueError(
+            "speculative_config.model: the draft's KV pages (planes, KV heads, head_dim) must "
+            "equal the target's: its pages share the target's blocks and transfers"
+        )
+
+
+def layer_caches(
+    shape: tuple[int, ...],
+    num_layers: int,
+    dtype: torch.dtype,
+    device: torch.device,
+    draft: DraftModel | None,
+) -> list[torch.Tensor]:
+    """A runner's layer caches of `shape` ([planes, num_blocks, ...]): one per target layer,
+    then a draft's. With a draft every cache gets its scratch blocks past the pool's, the same
+    in each, so that all the caches keep one shape for the KV connectors."""
+    if draft is None:
+        return [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+    planes, num_blocks, block_size, *page = shape
+    extra = scratch_blocks(block_size, draft.max_k)
+    full = (planes, num_blocks + extra, block_size, *page)
+    caches = [
+        torch.zeros(full, dtype=dtype, device=device) for _ in range(num_layers + draft.num_layers)
+    ]
+    scratch = list(range(num_blocks, num_blocks + extra))
+    draft.attach(caches[num_layers:], scratch, block_size, num_layers)
+    return caches
+
+
+class DraftModel:
+    """The draft model and its layer caches (a page group of the target's blocks).
+
+    `scratch` are block ids past the pool's (the caches have them, the pool never hands them
+    out): a proposal writes the drafted positions that lie past the request's own blocks
+    there, so drafting takes no block from the pool."""
+
+    def __init__(
+        self,
+        config: SpeculativeConfig,
+        target: ModelArchConfig,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
+        assert config.model is not None, "a draft_model config names its model"
+        self.model, self.arch = load_model(config.model, dtype, device)
+        target_spec = type(self.model).kv_cache_spec(target)
+        self.spec: KVCacheSpec = type(self.model).kv_cache_spec(self.arch)
+        check_draft(self.arch, target, self.spec == target_spec)
+        if device.type == "cpu":
+            self.model.use_cpu_head()
+        self.device = device
+        self.model_id = model_fingerprint(config.model)
+        self.caches: list[torch.Tensor] = []
+        self.scratch: list[int] = []
+        self.block_size = 0
+        self.first_layer = 0  # the index a prefill node ships the draft's layer 0 as
+        self.max_k = config.num_speculative_tokens
+
+    @property
+    def num_layers(self) -> int:
+        return self.arch.num_layers
+
+    def attach(
+        self, caches: list[torch.Tensor], scratch: list[int], block_size: int, first_layer: int
+    ) -> None:
+        """The draft's layer caches, once the runner has sized the pool; they follow the
+        target's `first_layer` caches."""
+        assert len(caches) == self.num_layers, f"{len(caches)} caches, {self.num_layers} layers"
+        self.caches, self.scratch, self.block_size = caches, scratch, block_size
+        self.first_layer = first_layer
+
+    def run(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        attn: AttentionMetadata,
+        on_layer: Callable[[int], None] | None = None,
+    ) -> None:
+        """The draft's forward over a step of the target: writes its pages at the step's
+        slots (its logits are not needed: drafting starts from the last known token). The
+        step's layer hook (a prefill node's KV sends) gets draft layer i as first_layer + i."""
+        shifted = None
+        if on_layer is not None:
+            shifted = lambda i: on_layer(self.first_layer + i)  # noqa: E731
+        self.model(input_ids, positions, attn, self.caches, shifted)
+
+    @torch.inference_mode()
+    def propose(self, tokens: Sequence[int], block_ids: Sequence[int], k: int) -> list[int]:
+        """k greedy drafts after `tokens`, whose KV but the last token's is in the draft's
+        pages of `block_ids`. The drafted positions' pages are written in the request's last
+        block and in scratch blocks; the verify step's draft forward rewrites them."""
+        bs, first = self.block_size, len(tokens) - 1
+        owned = list(block_ids[: -(-first // bs)])
+        table = owned + self.scratch[: (first + k - 1) // bs + 1 - len(owned)]
+        assert (first + k - 1) // bs < len(table), "drafts past the scratch blocks"
+        tables = torch.tensor([table], dtype=torch.int32, device=self.device)
+        starts = torch.tensor([0, 1], dtype=torch.int32, device=self.device)
+        out: list[int] = []
+        token = tokens[-1]
+        for pos in range(first, first + k):
+            attn = AttentionMetadata(
+                slot_mapping=self._longs([table[pos // bs] * bs + pos % bs]),
+                block_tables=tables,
+                query_start_loc=starts,
+                seq_lens=torch.tensor([pos + 1], dtype=torch.int32, device=self.device),
+                max_query_len=1,
+                max_seq_len=pos + 1,
+            )
+            hidden = self.model(self._longs([token]), self._longs([pos]), attn, self.caches)
+            token = int(self.model.compute_logits(hidden[-1:]).argmax(dim=-1)[0])
+            out.append(token)
+        return out
+
+    def _longs(self, values: list[int]) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.int64, device=self.device)
+
+
+class DraftModelProposer(Proposer):
+    """The `Proposer` face of a `DraftModel`: a request's KV lives in its blocks, looked up by
+    id (`block_ids`, the KV cache manager's), so the proposer keeps no state of its own."""
+
+    def __init__(self, draft: DraftModel, block_ids: Callable[[str], Sequence[int]]) -> None:
+        self.draft = draft
+        self._block_ids = block_ids
+
+    def propose(self, request_id: str, tokens: Sequence[int], k: int) -> list[int]:
+        if k <= 0 or not tokens:
+            return []
+        return self.draft.propose(tokens, self._block_ids(request_id), k)
+
+    def finish(self, request_id: str, tokens: Sequence[int]) -> None:
+        """Nothing to free: the draft's pages go back with the request's blocks."""
