@@ -58,6 +58,10 @@ class Backend(ABC):
         """Why no request can be served now (for the 503 a client gets)."""
         return "no prefill/decode route is available"
 
+    def failovers(self) -> dict[str, int]:
+        """Requests failed over since the start, by cause (`Failover.cause`)."""
+        return {}
+
     def stats(self) -> dict[str, float]:
         """Gauges exported on /metrics as pdserve_backend_<name>, read at scrape time."""
         return {}

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -19,7 +18,7 @@ from pdserve.common.wire.messages import Error, Failure, Tokens
 from pdserve.common.wire.payloads import TokenLogprobs
 from pdserve.router.backend import Backend, GenerateRequest
 from pdserve.router.cluster.streams import get_within
-from pdserve.router.metrics import RouterMetrics
+from pdserve.router.metrics import RouterMetrics, TokenClock
 from pdserve.router.middleware import Admission, Ticket
 
 if TYPE_CHECKING:
@@ -276,7 +275,6 @@ class Generation:
         self._queue: asyncio.Queue[ChoiceDelta] = asyncio.Queue()
         self._tasks: list[asyncio.Task[None]] = []
         self._remaining = len(choices)
-        self._first_token_seen = False
         self.failed = False
         self.disconnected = False
 
@@ -300,8 +298,6 @@ class Generation:
         assert self._ticket is not None, "left a generation that was never entered"
         self._ticket.release()
         self._metrics.in_flight.dec()
-        if self._remaining == 0 and not self.failed:
-            self._metrics.e2e.observe(time.monotonic() - self._started)
 
     def __aiter__(self) -> Generation:
         return self
@@ -338,26 +334,23 @@ class Generation:
 
     async def _consume(self, choice: Choice) -> None:
         events = self._backend.generate(choice.request)
+        clock = TokenClock(self._started)
         try:
             async for event in events:
                 if isinstance(event, Tokens):
-                    self._on_tokens(len(event.token_ids))
+                    self._metrics.on_tokens(clock, len(event.token_ids))
                 delta = choice.on_event(event)
                 if delta.finish_reason is not None and not choice.backend_done:
                     await self._abort(choice)  # a stop string ended it before the backend did
                 self._queue.put_nowait(delta)
                 if delta.finish_reason is not None:
                     self._metrics.observe_stages(choice.request.timing)
+                    if delta.finish_reason != "error":
+                        self._metrics.finished(clock)
                     return
             self._queue.put_nowait(choice.fail("backend stream ended without a finish reason"))
         finally:
             await aclose(events)
-
-    def _on_tokens(self, count: int) -> None:
-        self._metrics.generation_tokens.inc(count)
-        if count and not self._first_token_seen:
-            self._first_token_seen = True
-            self._metrics.ttft.observe(time.monotonic() - self._started)
 
     async def _abort(self, choice: Choice) -> None:
         rid = choice.request.request_id

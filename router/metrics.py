@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import logging
 import re
+import time
+from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from pdserve.router.backend import Backend
 from pdserve.router.timing import RequestTiming
@@ -29,18 +31,7 @@ class RouterMetrics:
         self.generation_tokens = Counter(
             "pdserve_router_generation_tokens", "Tokens generated", registry=reg
         )
-        self.ttft = Histogram(
-            "pdserve_router_time_to_first_token_seconds",
-            "Request arrival to first generated token",
-            buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60),
-            registry=reg,
-        )
-        self.e2e = Histogram(
-            "pdserve_router_e2e_request_latency_seconds",
-            "Request arrival to last token",
-            buckets=(0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600),
-            registry=reg,
-        )
+        self._latency_histograms(reg)
         stages = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
         self.ttft_stages = Histogram(
             "pdserve:ttft_stage_seconds",
@@ -61,6 +52,62 @@ class RouterMetrics:
         )
         reg.register(_BackendStatsCollector(backend))
 
+    def _latency_histograms(self, reg: CollectorRegistry) -> None:
+        """vLLM's per-request latencies (`pdserve:` for `vllm:`), one observation per choice
+        (a request of n choices is n requests to vLLM too), as the client sees them."""
+        slow = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
+        fast = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
+        self.ttft = Histogram(
+            "pdserve:time_to_first_token_seconds",
+            "Request arrival to its first generated token",
+            buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60),
+            registry=reg,
+        )
+        self.itl = Histogram(
+            "pdserve:inter_token_latency_seconds",
+            "Time between two token messages of one request (several tokens with speculation)",
+            buckets=fast, registry=reg,
+        )  # fmt: skip
+        self.tpot = Histogram(
+            "pdserve:request_time_per_output_token_seconds",
+            "A finished request's first to last token over its tokens after the first",
+            buckets=fast, registry=reg,
+        )  # fmt: skip
+        self.decode_time = Histogram(
+            "pdserve:request_decode_time_seconds",
+            "A finished request's first token to its last",
+            buckets=slow, registry=reg,
+        )  # fmt: skip
+        self.e2e = Histogram(
+            "pdserve:e2e_request_latency_seconds",
+            "Request arrival to its last token",
+            buckets=slow, registry=reg,
+        )  # fmt: skip
+
+    def on_tokens(self, clock: TokenClock, count: int) -> None:
+        """A choice's token message of `count` tokens reached the router."""
+        self.generation_tokens.inc(count)
+        if not count:
+            return
+        now = time.monotonic()
+        if clock.first:
+            self.itl.observe(now - clock.last)
+        else:
+            clock.first = now
+            self.ttft.observe(now - clock.started)
+        clock.last = now
+        clock.tokens += count
+
+    def finished(self, clock: TokenClock) -> None:
+        """A choice ended well (not with an error): its latencies."""
+        if not clock.first:
+            return  # no token (a prompt only scored): no latency of a token to report
+        self.e2e.observe(time.monotonic() - clock.started)
+        decoding = clock.last - clock.first
+        self.decode_time.observe(decoding)
+        if clock.tokens > 1:
+            self.tpot.observe(decoding / (clock.tokens - 1))
+
     def observe_stages(self, timing: RequestTiming) -> None:
         """A finished request's stages, those it reached."""
         for histogram, stages in (
@@ -72,6 +119,16 @@ class RouterMetrics:
 
     def exposition(self) -> bytes:
         return generate_latest(self.registry)
+
+
+@dataclass(slots=True)
+class TokenClock:
+    """One choice's token times at the router (monotonic s; 0: not yet) and its tokens."""
+
+    started: float  # the HTTP request's arrival
+    first: float = 0.0
+    last: float = 0.0
+    tokens: int = 0
 
 
 class _BackendStatsCollector:
@@ -87,12 +144,17 @@ class _BackendStatsCollector:
 
     def collect(self) -> list[Metric]:
         try:
-            stats = self._backend.stats()
+            stats, by_cause = self._backend.stats(), self._backend.failovers()
         except Exception:  # a broken gauge must not take the other metrics down with it
-            logger.exception("backend.stats() failed")
+            logger.exception("backend.stats() or failovers() failed")
             return []
         metrics: list[Metric] = []
         for key, value in sorted(stats.items()):
             name = "pdserve_backend_" + re.sub(r"[^a-zA-Z0-9_]", "_", key)
             metrics.append(GaugeMetricFamily(name, f"backend gauge {key}", value=float(value)))
-        return metrics
+        failovers = CounterMetricFamily(
+            "pdserve:failovers", "Requests failed over to other nodes, by cause", labels=["cause"]
+        )
+        for cause, count in sorted(by_cause.items()):
+            failovers.add_metric([cause], float(count))
+        return [*metrics, failovers]

@@ -165,6 +165,9 @@ class ClusterBackend(Backend):
             return "no decode node is available (prefill placement is local)"
         return self.registry.no_route_reason()
 
+    def failovers(self) -> dict[str, int]:
+        return dict(self.routing.failover_causes)
+
     def stats(self) -> dict[str, float]:
         return {
             **self.registry.stats(),
@@ -229,7 +232,7 @@ class ClusterBackend(Backend):
         if lost is None:
             stream.queue.put_nowait(msg)
         else:
-            self.table.fail_over(stream, lost, f"{sender}: {msg.message}")
+            self.table.fail_over(stream, lost, f"{sender}: {msg.message}", cause=msg.kind.value)
 
     async def check_integrity(self, node_id: str) -> IntegrityReport | None:
         nonce = next(self._nonce)

@@ -57,6 +57,7 @@ class Routing:
         self.placement = placement or PlacementConfig()
         self.max_failovers = max_failovers
         self.num_failovers = 0
+        self.failover_causes: Counter[str] = Counter()  # the same failovers, by Failover.cause
         self.num_local = 0  # prefills placed on the decode node
         self.num_remote = 0  # prefills placed on a prefill node
         self.kv_tokens_reused = 0  # remote prefills' tokens the decode node had cached
@@ -316,6 +317,7 @@ class Routing:
             await self.control.send(node_id, Abort(rid, failover.why))
         stream.failovers += 1
         self.num_failovers += 1
+        self.failover_causes[failover.cause] += 1
         if stream.failovers > self.max_failovers:
             why = f"gave up after {self.max_failovers} failovers: {failover.why}"
             return Error(rid, why, Failure.UNAVAILABLE)

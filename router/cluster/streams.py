@@ -59,6 +59,9 @@ class Failover:
     lost: tuple[str, ...]  # node ids not to route this request to again
     detached: tuple[str, ...]  # node ids the request left (each gets an Abort)
     why: str
+    # A few words for the failover counter's label (`why` names nodes: unbounded): "node_gone",
+    # "node_restarted", or the Failure kind of the node's error ("busy", "kv_failed", ...).
+    cause: str = "node_error"
 
 
 @dataclass(slots=True)
@@ -225,7 +228,14 @@ class RequestTable:
 
     # -- failover --------------------------------------------------------------------------
 
-    def fail_over(self, stream: Stream, lost: set[str], why: str, exclude: bool = True) -> None:
+    def fail_over(
+        self,
+        stream: Stream,
+        lost: set[str],
+        why: str,
+        exclude: bool = True,
+        cause: str = "node_error",
+    ) -> None:
         """Detach the request from lost nodes at once (later messages from them are ignored),
         never route it to them again (unless not `exclude`), and let its generator re-route
         it: a lost prefill node alone before the first token keeps the decode node's
@@ -242,7 +252,7 @@ class RequestTable:
         excluded = lost if exclude else set()
         stream.lost |= excluded
         kind = "prefill" if only_prefill else "resume"
-        stream.queue.put_nowait(Failover(kind, tuple(excluded), tuple(detached), why))
+        stream.queue.put_nowait(Failover(kind, tuple(excluded), tuple(detached), why, cause))
 
     def fail_dead(self, alive: set[str]) -> None:
         """Fail over every request that depends on a node missing its heartbeats: its decode
@@ -259,13 +269,14 @@ class RequestTable:
                 if n not in alive and (n == stream.decode_node or not done)
             }
             if lost:
-                self.fail_over(stream, lost, f"{', '.join(sorted(lost))} gone")
+                self.fail_over(stream, lost, f"{', '.join(sorted(lost))} gone", cause="node_gone")
 
     def node_restarted(self, node_id: str) -> None:
         """A new process under a known node id holds nothing the old one held: what it held
         fails over now (the new process may take the retry)."""
         for stream in self.on_node(node_id):
-            self.fail_over(stream, {node_id}, f"{node_id} restarted", exclude=False)
+            why = f"{node_id} restarted"
+            self.fail_over(stream, {node_id}, why, exclude=False, cause="node_restarted")
 
     def restart(self, stream: Stream) -> None:
         """Start the request over under a new attempt id (late messages of the old attempt

@@ -214,7 +214,7 @@ def test_dead_nodes_fail_over_what_depends_on_them() -> None:
     [note] = drain(other)
     assert note.why == "d1 gone"
     # p0 already left: only the reservation kept on d0 is lost now.
-    assert drain(before) == [Failover("resume", ("d0",), ("d0",), "d0 gone")]
+    assert drain(before) == [Failover("resume", ("d0",), ("d0",), "d0 gone", "node_gone")]
 
 
 def test_a_prefill_node_dead_after_the_hand_off_but_before_its_first_token_restarts_it() -> None:
@@ -307,5 +307,5 @@ def test_a_restarted_prefill_node_before_the_first_token_keeps_the_decode_reserv
     t = table("p0", "d0")
     stream = placed(t)
     t.node_restarted("p0")
-    assert drain(stream) == [Failover("prefill", (), ("p0",), "p0 restarted")]
+    assert drain(stream) == [Failover("prefill", (), ("p0",), "p0 restarted", "node_restarted")]
     assert stream.nodes() == {"d0"} and stream.lost == set()

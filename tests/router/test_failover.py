@@ -258,6 +258,7 @@ async def test_a_busy_prefill_node_is_left_and_the_decode_reservation_kept(
     nodes.tell("d0", Tokens("r", (12,), finish_reason="length"))
     assert await client.seen() == ("<10><11><12>", "length")
     assert backend.stats()["failovers"] == 1
+    assert backend.failovers() == {"busy": 1}  # by cause: the node's Failure kind
 
 
 @scenario("p0", "d0", "d1")
@@ -323,6 +324,7 @@ async def test_a_request_failed_over_too_often_ends_with_one_clean_error(
     assert last.finish_reason == "error" and "gave up after 2 failovers" in last.error
     assert [d.finish_reason for d in client.deltas] == ["error"]
     assert backend.stats()["failovers"] == 3
+    assert backend.failovers() == {"kv_failed": 3}
 
 
 # -- a node goes silent, restarts, or lets a lease expire -----------------------------------------
@@ -349,6 +351,7 @@ async def test_a_decode_node_silent_mid_stream_is_left_and_the_tokens_go_on(
     assert len(nodes.to("d0", Lease)) == 1
     nodes.answer("r~1", "p0", "d1", 12, 13)
     assert await client.seen() == ("<10><11><12><13>", "length")
+    assert backend.failovers() == {"node_gone": 1}
 
 
 @scenario("p0", "d0", "d1")
