@@ -32,7 +32,7 @@ class PrefillNode(MovesKV, EngineNode):
     def __init__(
         self, model: ModelConfig, cache: CacheConfig, scheduler: SchedulerConfig, node: NodeConfig
     ) -> None:
-        if model.enforce_eager is None:  # it runs prompts only: compiled decode steps never run
+        if model.enforce_eager is None and model.compile_mode is None:  # prompts only: no decode
             model = replace(model, enforce_eager=True)
         super().__init__(model, cache, scheduler, node)
         self.dests: dict[str, Prefill] = {}  # request id -> where its KV goes

@@ -11,7 +11,10 @@ change every step and never make it recompile. The batch is padded up to its buc
 logits are dropped. Prefill and mixed steps, and steps with a per-layer hook, run eager.
 
 On the CPU each bucket is an AOTInductor package (`decode_packages.py`) kept in the compile
-cache, which a later start loads without importing the compiler or tracing again.
+cache, which a later start loads without importing the compiler or tracing again. By default
+(`start_background`) the buckets the cache lacks are compiled by a child process while the
+engine serves them eager (`background_compile.py`); each switches to its package between two
+steps, once loaded.
 
 On CUDA each bucket's compiled step is then captured as a CUDA graph over static inputs (the
 block tables as wide as max_model_len allows), so a decode step is a few copies and one graph
@@ -32,7 +35,9 @@ import torch
 
 from pdserve import kernels
 from pdserve.common.engine import decode_packages
+from pdserve.common.engine.background_compile import BackgroundCompile, CompileJob
 from pdserve.common.engine.compile_cache import CacheCounts, CompileCache
+from pdserve.common.engine.config import ModelConfig
 from pdserve.common.model import attention
 from pdserve.common.model.attention import AttentionMetadata
 from pdserve.common.model.llama import LlamaFamilyForCausalLM
@@ -75,6 +80,7 @@ class CompiledDecode:
         self.graphs: DecodeGraphs | None = None  # captured by warm_up on CUDA
         self.packages: dict[int, decode_packages.DecodePackage] = {}  # loaded by warm_up on CPU
         self.cache: CompileCache | None = None  # where warm_up found or put the compiled steps
+        self.background: BackgroundCompile | None = None  # compiling what the cache lacked
 
     @functools.cached_property
     def _step(self) -> Callable[..., torch.Tensor]:
@@ -101,6 +107,24 @@ class CompiledDecode:
     def bucket(self, batch: int) -> int | None:
         """The smallest bucket that holds `batch` sequences; None when none does."""
         return next((b for b in self.buckets if b >= batch), None)
+
+    def runs(self, batch: int) -> bool:
+        """Whether a decode step of `batch` sequences runs compiled now. While a background
+        compile runs, the packages it loaded since the last step are adopted here, between two
+        steps (a step runs wholly in one mode), and a bucket without one runs eager."""
+        size = self.bucket(batch)
+        if size is None or self.background is None:
+            return size is not None
+        self.background.note(size)
+        ready = self.background.take_ready()
+        self.packages.update(ready)
+        self.num_compiles += len(ready)
+        return size in self.packages
+
+    def close(self) -> None:
+        """Stop a background compile (its child is killed; its buckets stay eager)."""
+        if self.background is not None:
+            self.background.close()
 
     def logits(
         self,
@@ -150,6 +174,32 @@ class CompiledDecode:
             "" if cache is None else f" ({self.cache_counts} in {cache.path})",
         )
         return self.compile_seconds
+
+    def start_background(
+        self, kv_caches: list[torch.Tensor], cache: CompileCache, config: ModelConfig
+    ) -> None:
+        """Load the packages `cache` holds now and compile the others in a child process
+        (CPU only): until a bucket's package is adopted (`runs`), its steps run eager."""
+        assert kv_caches[0].device.type == "cpu", "background compiles make CPU packages"
+        start = time.perf_counter()
+        self.cache = cache
+        self.packages, self.cache_counts = decode_packages.load_packages(
+            self.model, self.buckets, kv_caches, cache, compile_missing=False
+        )
+        self.num_compiles += len(self.packages)
+        self.compile_seconds = time.perf_counter() - start
+        missing = tuple(s for s in self.buckets if s not in self.packages)
+        log.info("decode buckets %s loaded, %s compiling in the background (%s)",
+                 sorted(self.packages), list(missing), cache.path)  # fmt: skip
+        if missing:
+            cache.path.mkdir(parents=True, exist_ok=True)
+            key = cache.key
+            job = CompileJob(config, key.flags, str(cache.root), key.digest(), key.threads, 0)
+            load = functools.partial(self._load_package, cache)
+            self.background = BackgroundCompile(job, missing, load)
+
+    def _load_package(self, cache: CompileCache, size: int) -> decode_packages.DecodePackage:
+        return decode_packages.DecodePackage(decode_packages.package_path(cache, size), self.model)
 
     def _compile_buckets(self, kv_caches: list[torch.Tensor]) -> None:
         device = kv_caches[0].device

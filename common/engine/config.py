@@ -14,6 +14,7 @@ from pdserve.common.spec.config import SpeculativeConfig
 
 _DTYPES = ("auto", *DTYPES)
 QUANTIZATIONS = ("auto", "none", "int8", "int4")
+COMPILE_MODES = ("eager", "background", "blocking")
 EAGER_ENV = "PDSERVE_ENFORCE_EAGER"  # what enforce_eager None means (`compile_decode`)
 # The help groups of the engine's flags (`node.cli.add_engine_args`).
 MODEL, CACHE, SCHEDULER = "model", "KV cache", "scheduler"
@@ -39,12 +40,15 @@ def _flag_value(parse: Callable[[str], Any], text: str) -> str:
 class ModelConfig:
     """Where the weights are and how to run them.
 
-    enforce_eager: True runs every step eagerly; False compiles decode steps (one graph per
-    batch bucket, built at start: AOTInductor packages on CPU, torch.compile's graphs captured
-    as CUDA graphs on CUDA); None:
-    $PDSERVE_ENFORCE_EAGER if set, else by device (`compile_decode`): compiled on CUDA, eager
-    on CPU, where a bucket of a 30-layer model takes minutes to compile cold (a warm start loads
-    it from the compile cache, compile_cache_dir, in milliseconds: docs/architecture.md).
+    enforce_eager, compile_mode: how decode steps run (`decode_compile`, one graph per batch
+    bucket: AOTInductor packages on CPU, torch.compile's graphs captured as CUDA graphs on
+    CUDA). compile_mode "eager" runs every step eagerly, "blocking" compiles every bucket at
+    start, "background" serves eager at once while a child process compiles the buckets the
+    compile cache lacks, each switching to its package once loaded (CPU only). enforce_eager
+    True means eager, False blocking. Neither given: $PDSERVE_ENFORCE_EAGER if set (1 eager,
+    0 blocking), else by device: blocking on CUDA, background on CPU, where a bucket of a
+    30-layer model takes minutes to compile cold (a warm start loads it from the compile
+    cache, compile_cache_dir, in milliseconds: docs/architecture.md).
     load_format: "auto" reads the checkpoint's weights; "dummy" (vLLM's name) makes random
     ones from config.json alone, on the device, seeded by `seed` (benchmarks of model shapes
     whose weights are not at hand).
@@ -70,10 +74,18 @@ class ModelConfig:
     enforce_eager: bool | None = option(
         None,
         MODEL,
-        "run every step eagerly; --no-enforce-eager compiles decode steps on CPU too "
-        "(default: decode steps compiled on CUDA, eager on CPU, where compiling each batch "
-        "bucket of a 30-layer model takes about a minute at start)",
+        "run every step eagerly (--compile-mode eager); --no-enforce-eager compiles every "
+        "decode bucket at start (--compile-mode blocking)",
         action=argparse.BooleanOptionalAction,
+    )
+    compile_mode: str | None = option(
+        None,
+        MODEL,
+        "decode steps: eager; blocking (every batch bucket compiled at start); background "
+        "(eager at once, a child process compiles the buckets the compile cache lacks, each "
+        "switching once loaded; CPU only). Default: background on CPU, blocking on CUDA",
+        choices=COMPILE_MODES,
+        type=str,
     )
     load_format: str = "auto"  # no flag (the `LLM` API sets it)
     quantization: str = option(
@@ -118,6 +130,14 @@ class ModelConfig:
             f"enforce_eager must be a bool or None, got {self.enforce_eager!r}",
         )
         _require(
+            self.compile_mode is None or self.compile_mode in COMPILE_MODES,
+            f"compile_mode must be one of {COMPILE_MODES}, got {self.compile_mode!r}",
+        )
+        _require(
+            self.compile_mode != "background" or self.device == "cpu",
+            "compile_mode background runs on the CPU only (CUDA graphs are captured at start)",
+        )
+        _require(
             self.load_format in ("auto", "dummy"),
             f"load_format must be 'auto' or 'dummy', got {self.load_format!r}",
         )
@@ -126,15 +146,25 @@ class ModelConfig:
 
     @property
     def compile_decode(self) -> bool:
-        """Whether decode steps run through the compiled model. enforce_eager None takes
-        $PDSERVE_ENFORCE_EAGER when set (1: eager, 0: compiled; the tests run eager unless
-        one asks), else the device's default: compiled on CUDA, eager on CPU."""
-        if self.enforce_eager is not None:
-            return not self.enforce_eager
+        """Whether decode steps run through the compiled model (at once or once compiled)."""
+        return self.decode_compile != "eager"
+
+    @property
+    def decode_compile(self) -> str:
+        """How decode steps run: "eager", "blocking" or "background". enforce_eager True wins;
+        then compile_mode; then enforce_eager False (blocking, as before compile_mode); then
+        $PDSERVE_ENFORCE_EAGER when set (1: eager, 0: blocking; the tests run eager unless
+        one asks), else the device's default: blocking on CUDA, background on CPU."""
+        if self.enforce_eager:
+            return "eager"
+        if self.compile_mode is not None:
+            return self.compile_mode
+        if self.enforce_eager is False:
+            return "blocking"
         env = os.environ.get(EAGER_ENV)
         if env is not None:
-            return env == "0"
-        return self.device.startswith("cuda")
+            return "blocking" if env == "0" else "eager"
+        return "blocking" if self.device.startswith("cuda") else "background"
 
 
 @dataclass(frozen=True, slots=True)

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import logging
 import os
-import tempfile
 from pathlib import Path
 
 import torch
@@ -87,9 +86,11 @@ def load_packages(
     buckets: tuple[int, ...],
     kv_caches: list[torch.Tensor],
     cache: CompileCache,
+    compile_missing: bool = True,
 ) -> tuple[dict[int, DecodePackage], CacheCounts]:
     """Every bucket's package from `cache`'s folder, compiling those it lacks (or cannot
-    load); the packages, and how many were loaded (hits) and compiled (misses)."""
+    load) unless told not to; the packages, and how many were loaded (hits) and compiled or
+    left to compile (misses)."""
     packages, missing = {}, []
     for size in buckets:
         try:
@@ -98,14 +99,24 @@ def load_packages(
             if package_path(cache, size).exists():
                 log.warning("compiling decode bucket %d again: %s", size, e)
             missing.append(size)
-    if missing:
+    if missing and compile_missing:
         cache.run(lambda: [compile_package(model, size, kv_caches, cache) for size in missing])
         packages.update({s: DecodePackage(package_path(cache, s), model) for s in missing})
     return packages, CacheCounts(hits=len(buckets) - len(missing), misses=len(missing))
 
 
 def package_path(cache: CompileCache, size: int) -> Path:
-    return cache.path / f"decode-{size}.pt2"
+    return package_file(cache.path, size)
+
+
+def package_file(folder: Path, size: int) -> Path:
+    return folder / f"decode-{size}.pt2"
+
+
+def tmp_package_path(folder: Path, size: int, pid: int) -> Path:
+    """Where process `pid` writes the package before renaming it: named by the writer, so a
+    compile killed before its cleanup leaves a file its parent can find and remove."""
+    return folder / f"decode-{size}.tmp-{pid}.pt2"  # .pt2: the packager insists
 
 
 def compile_package(
@@ -118,15 +129,13 @@ def compile_package(
     program = export_step(model, size, kv_caches)
     if size <= REDUCTION_ROWS:
         program = program.run_decompositions({torch.ops.aten.linear.default: _rows_linear})
-    target = package_path(cache, size)
-    fd, tmp = tempfile.mkstemp(suffix=".pt2", dir=target.parent)
-    os.close(fd)
+    tmp = tmp_package_path(cache.path, size, os.getpid())
     try:
         configs = {"aot_inductor.package_constants_in_so": False}  # weights come at load
-        aoti_compile_and_package(program, package_path=tmp, inductor_configs=configs)
-        os.replace(tmp, target)
+        aoti_compile_and_package(program, package_path=str(tmp), inductor_configs=configs)
+        os.replace(tmp, package_path(cache, size))
     finally:
-        Path(tmp).unlink(missing_ok=True)
+        tmp.unlink(missing_ok=True)
 
 
 def export_step(

@@ -77,6 +77,23 @@ def kv_block_bytes(
     return spec.block_bytes(block_size, dtype) * arch.num_layers
 
 
+def load_runner_model(
+    config: ModelConfig, tp: TPGroup | None = None
+) -> tuple[torch.nn.Module, ModelArchConfig]:
+    """The model as a runner holds it: loaded (random weights for load_format dummy) and its
+    projections fused for the device (a background compile's child loads the same)."""
+    dummy_seed = config.seed if config.load_format == "dummy" else None
+    dtype, device = _TORCH_DTYPES[config.dtype], torch.device(config.device)
+    model, arch = load_model(
+        config.model_dir, dtype, device, dummy_seed, tp, quantization=config.quantization
+    )
+    if device.type == "cuda":
+        model.fuse_projections()  # wide GEMVs: decode steps read weights faster
+    else:
+        fuse_quantized(model)  # one packed-int4 call for q/k/v, one for gate/up
+    return model, arch
+
+
 class ModelRunner:
     """Loads the model, owns the paged KV cache and runs one scheduled step at a time.
 
@@ -131,23 +148,11 @@ class ModelRunner:
         max_num_seqs: int,
         max_model_len: int | None,
     ) -> None:
-        dummy_seed = model_config.seed if model_config.load_format == "dummy" else None
         start = time.perf_counter()
-        self.model, self.arch = load_model(
-            model_config.model_dir,
-            self.dtype,
-            self.device,
-            dummy_seed,
-            self.tp,
-            quantization=model_config.quantization,
-        )
+        self.model, self.arch = load_runner_model(model_config, self.tp)
         # A node's start is this load and, when it compiles, the warm-up's line after it.
         self.load_seconds = time.perf_counter() - start
         log.info("loaded %s in %.1f s", model_config.model_dir, self.load_seconds)
-        if self.device.type == "cuda":
-            self.model.fuse_projections()  # wide GEMVs: decode steps read weights faster
-        else:
-            fuse_quantized(self.model)  # one packed-int4 call for q/k/v, one for gate/up
         shard = self.tp.shard if self.tp is not None else None
         self.kv_spec = type(self.model).kv_cache_spec(self.arch, shard)  # this rank's share
         self.num_blocks = self._pool_size(cache_config)
@@ -165,13 +170,20 @@ class ModelRunner:
         # forward. `pdserve bench structured` measures both ways.
         self.overlap_masks = self.device.type != "cpu"
         self.compiled: CompiledDecode | None = None
-        if model_config.compile_decode and self.model.compiles_decode:
+        mode = model_config.decode_compile
+        if mode == "background" and self.tp is not None:
+            mode = "eager"  # its child would compile one rank's share alone: not written
+        if mode != "eager" and self.model.compiles_decode:
             longest = min(self.arch.max_position_embeddings, self.num_blocks * self.block_size)
             if max_model_len is not None:
                 longest = min(longest, max_model_len)
             width = -(-longest // self.block_size)
             self.compiled = CompiledDecode(self.model, max_num_seqs, width)
-            self.compiled.warm_up(self.model_caches, self._compile_cache(model_config))
+            cache = self._compile_cache(model_config)
+            if mode == "background":
+                self.compiled.start_background(self.model_caches, cache, model_config)
+            else:
+                self.compiled.warm_up(self.model_caches, cache)
         elif self.device.type == "cpu":
             self.model.use_cpu_head()  # packed or chunked float32 head (kernels/cpu_linear.py)
 
@@ -235,9 +247,11 @@ class ModelRunner:
         )
 
     def close(self) -> None:
-        """Stop the other ranks, if this runner drives any."""
+        """Stop the other ranks, if this runner drives any, and a background compile."""
         if self.driver is not None:
             self.driver.close()
+        if getattr(self, "compiled", None) is not None:  # None before the model is built
+            self.compiled.close()
 
     @property
     def is_driver(self) -> bool:
@@ -343,12 +357,13 @@ class ModelRunner:
         self, seqs: tuple[ScheduledSeq, ...], on_layer: Callable[[int], None] | None
     ) -> bool:
         """A pure decode step the compiled model takes: one token per sequence, a bucket that
-        holds them, no prompt logprobs and no per-layer hook (a prefill node's KV sends)."""
+        holds them (compiled by now), no prompt logprobs and no per-layer hook (a prefill
+        node's KV sends)."""
         return (
             self.compiled is not None
             and on_layer is None
-            and self.compiled.bucket(len(seqs)) is not None
             and all(len(seq.token_ids) == 1 and not seq.prompt_targets for seq in seqs)
+            and self.compiled.runs(len(seqs))
         )
 
     def _score_prompts(

@@ -197,16 +197,21 @@ def test_an_unreadable_package_is_compiled_again(
 # -- the switch -----------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("enforce_eager", [True, None])
-def test_cpu_runs_eager_unless_asked(
-    model_dir: str, enforce_eager: bool | None, monkeypatch: pytest.MonkeyPatch
+@pytest.mark.parametrize("enforce_eager,compile_mode", [(True, None), (None, "eager")])
+def test_eager_asked_compiles_nothing(
+    model_dir: str,
+    enforce_eager: bool | None,
+    compile_mode: str | None,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     monkeypatch.delenv(EAGER_ENV)  # the device's own default, not the suite's
     # Imported here: torch._dynamo imported while tests are collected would load Triton before
     # tests/kernels sets TRITON_INTERPRET.
     from torch._dynamo.utils import counters
 
-    llm = LLM(model_dir, enforce_eager=enforce_eager, skip_tokenizer_init=True)
+    llm = LLM(
+        model_dir, enforce_eager=enforce_eager, compile_mode=compile_mode, skip_tokenizer_init=True
+    )
     assert llm.engine.runner.compiled is None
     graphs = counters["stats"]["unique_graphs"]
     (out,) = llm.generate([PROMPTS[2]], SamplingParams(max_tokens=4, temperature=0.0))
@@ -216,12 +221,24 @@ def test_cpu_runs_eager_unless_asked(
 
 def test_enforce_eager_defaults_by_device(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv(EAGER_ENV)
-    assert not ModelConfig("m").compile_decode
-    assert ModelConfig("m", device="cuda").compile_decode
-    assert ModelConfig("m", enforce_eager=False).compile_decode
+    assert ModelConfig("m").decode_compile == "background"
+    assert ModelConfig("m", device="cuda").decode_compile == "blocking"
+    assert ModelConfig("m", enforce_eager=False).decode_compile == "blocking"
     assert not ModelConfig("m", device="cuda:1", enforce_eager=True).compile_decode
     with pytest.raises(ValueError, match="enforce_eager"):
         ModelConfig("m", enforce_eager=1)
+
+
+def test_compile_mode_wins_over_all_but_enforce_eager(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(EAGER_ENV, "1")
+    assert ModelConfig("m", compile_mode="background").decode_compile == "background"
+    assert ModelConfig("m", compile_mode="blocking", enforce_eager=False).compile_decode
+    assert ModelConfig("m", compile_mode="background", enforce_eager=True).decode_compile == "eager"
+    assert not ModelConfig("m", device="cuda", compile_mode="eager").compile_decode
+    with pytest.raises(ValueError, match="compile_mode"):
+        ModelConfig("m", compile_mode="lazy")
+    with pytest.raises(ValueError, match="CPU only"):
+        ModelConfig("m", device="cuda", compile_mode="background")
 
 
 def test_eager_env_decides_only_what_the_flag_left_open(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -1,0 +1,229 @@
+"""Decode packages compiled while the node serves (`--compile-mode background`, the CPU default).
+
+A cold AOTInductor compile costs minutes of CPU a bucket on a real model (SmolLM2: about 180
+CPU seconds), so a node that compiled every bucket before serving would start tens of minutes
+late. Instead the runner loads the packages the compile cache already holds, serves the other
+buckets eager, and this module compiles those in a child process, one bucket at a time, the
+bucket the engine has used most first (the smallest on a tie). The child runs at the lowest CPU
+priority (nice 19, inherited by the C++ compiler it starts), so it takes only the cycles the
+node leaves; a process rather than a thread because the compile holds the GIL for
+long stretches and would stall the engine's steps.
+
+The child loads the model from the same config (its own copy of the weights, for as long as the
+compile runs: the package holds no weights), checks that its compile key is the parent's (the
+same code, dtype, weight form, threads) and writes the package into the cache folder, whole
+then renamed. The parent loads it on its own thread and `CompiledDecode` adopts it between two
+steps, so a step runs wholly eager or wholly compiled. A compile that fails, times out or is
+killed leaves its bucket eager, and the parent removes the child's unfinished package file.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import contextlib
+import ctypes
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+
+from pdserve.common.engine.config import ModelConfig
+from pdserve.common.engine.decode_packages import DecodePackage, package_file, tmp_package_path
+
+log = logging.getLogger(__name__)
+
+_PR_SET_PDEATHSIG = 1  # linux/prctl.h
+
+
+@dataclass(frozen=True, slots=True)
+class CompileJob:
+    """What a child needs to compile one bucket into the parent's cache folder: the model
+    (as the runner loaded it), the graphs' flags and thread count, and the key digest its
+    own key must match."""
+
+    model: ModelConfig
+    flags: str  # the JSON of the runner's compile flags (`ModelRunner._compile_cache`)
+    cache_root: str
+    digest: str
+    threads: int
+    size: int  # the bucket (0 in the template BackgroundCompile is given)
+
+    def to_json(self) -> str:
+        return json.dumps({**asdict(self), "model": asdict(self.model)})
+
+    @classmethod
+    def from_json(cls, text: str) -> CompileJob:
+        fields = json.loads(text)
+        return cls(**{**fields, "model": ModelConfig(**fields["model"])})
+
+
+class BackgroundCompile:
+    """Compiles `missing` buckets one child process at a time, on a thread of its own; each
+    package, once loaded by `load`, waits in `take_ready` for the engine to adopt it.
+
+    `note(size)` counts the engine's decode steps per bucket: the next child compiles the most
+    used bucket still missing. `close()` stops the child and the thread (a node's shutdown)."""
+
+    def __init__(
+        self,
+        job: CompileJob,
+        missing: tuple[int, ...],
+        load: Callable[[int], DecodePackage],
+        timeout_s: float = 3600.0,
+    ) -> None:
+        self.job, self.load, self.timeout_s = job, load, timeout_s
+        self.compiled: list[int] = []  # buckets compiled and loaded, in order
+        self.failed: list[int] = []  # buckets left eager
+        self.child: subprocess.Popen | None = None  # the latest child started
+        self._missing = sorted(missing)
+        self._uses: collections.Counter[int] = collections.Counter()
+        self._ready: dict[int, DecodePackage] = {}
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="decode-compile", daemon=True)
+        self._thread.start()
+
+    def note(self, size: int) -> None:
+        with self._lock:
+            self._uses[size] += 1
+
+    def take_ready(self) -> dict[int, DecodePackage]:
+        """The packages loaded since the last call (the caller owns them now)."""
+        with self._lock:
+            ready, self._ready = self._ready, {}
+        return ready
+
+    @property
+    def running(self) -> bool:
+        return self._thread.is_alive()
+
+    def wait(self, timeout_s: float) -> bool:
+        """Wait until every bucket is compiled or failed; whether that happened in time."""
+        self._thread.join(timeout_s)
+        return not self._thread.is_alive()
+
+    def close(self, timeout_s: float = 30.0) -> None:
+        self._stop.set()
+        self._thread.join(timeout_s)
+
+    def command(self, job: CompileJob) -> list[str]:
+        """The child's command line (a test stands in a child that fails)."""
+        return [sys.executable, "-m", __name__, job.to_json()]
+
+    def _next(self) -> int | None:
+        with self._lock:
+            if not self._missing:
+                return None
+            size = max(self._missing, key=lambda s: (self._uses[s], -s))
+            self._missing.remove(size)
+            return size
+
+    def _run(self) -> None:
+        while not self._stop.is_set() and (size := self._next()) is not None:
+            start = time.perf_counter()
+            try:
+                package = self._compile(size)
+            except Exception:  # whatever went wrong, the bucket stays eager and the node serves
+                log.exception("decode bucket %d stays eager: its background compile failed", size)
+                package = None
+            if package is None:
+                self.failed.append(size)
+                continue
+            with self._lock:
+                self._ready[size] = package
+            self.compiled.append(size)
+            log.info("decode bucket %d compiled in %.0f s", size, time.perf_counter() - start)
+
+    def _compile(self, size: int) -> DecodePackage | None:
+        """Run one child for `size`; its package, loaded, or None (logged) if none came."""
+        job = replace(self.job, size=size)
+        log_path = package_file(Path(job.cache_root) / job.digest, size).with_suffix(".log")
+        with open(log_path, "wb") as out:
+            child = subprocess.Popen(
+                self.command(job),
+                stdin=subprocess.DEVNULL,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,  # its compiler's processes are stopped with it
+            )
+            self.child = child
+            rc = self._wait(child)
+        if rc != 0:
+            tmp_package_path(log_path.parent, size, child.pid).unlink(missing_ok=True)
+            if not self._stop.is_set():
+                log.warning(
+                    "decode bucket %d stays eager: compile exited %s (%s)", size, rc, log_path
+                )
+            return None
+        try:
+            return self.load(size)
+        except (OSError, RuntimeError) as e:
+            log.warning("decode bucket %d stays eager: its package did not load: %s", size, e)
+            return None
+
+    def _wait(self, child: subprocess.Popen) -> int | None:
+        """The child's exit status; it is killed on close() or past timeout_s (None then)."""
+        deadline = time.monotonic() + self.timeout_s
+        while not self._stop.is_set() and time.monotonic() < deadline:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                return child.wait(timeout=0.5)
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(child.pid, signal.SIGKILL)
+        child.wait(timeout=30)
+        return None
+
+
+def _lowest_priority() -> None:
+    """Nice 19 (inherited by the compiler's processes): next to a busy node at nice 0 the
+    child gets about 1/70 of a core. Not SCHED_IDLE: on a machine kept busy by other nice-19
+    work (a test suite beside a benchmark) an idle-class compile never ran at all."""
+    os.nice(19)
+    with contextlib.suppress(OSError):  # die with the parent (a node killed mid-compile)
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+
+
+def compile_job(job: CompileJob) -> Path:
+    """In the child: load the model as the runner does, and compile the bucket's package."""
+    import torch
+
+    from pdserve.common.engine.compile_cache import CompileCache, compile_key
+    from pdserve.common.engine.compiled_decode import code_hash
+    from pdserve.common.engine.decode_packages import compile_package
+    from pdserve.common.engine.model_runner import load_runner_model
+
+    torch.set_num_threads(job.threads)  # the parent's: generated loops fix it
+    model, arch = load_runner_model(job.model)
+    dtype = getattr(torch, job.model.dtype)  # resolved by the parent's ModelConfig
+    key = compile_key(model, arch, dtype, json.loads(job.flags), code_hash())
+    if key.digest() != job.digest:
+        raise RuntimeError(f"the child's compile key {key} is not the parent's {job.digest}")
+    cache = CompileCache(Path(job.cache_root), key)
+    block_size = json.loads(job.flags)["block_size"]
+    spec = type(model).kv_cache_spec(arch, None)
+    # A small pool: the package's block count is dynamic (two or more: one is specialized).
+    kv_caches = [
+        torch.zeros(spec.shape(4, block_size), dtype=dtype) for _ in range(arch.num_layers)
+    ]
+    cache.run(lambda: compile_package(model, job.size, kv_caches, cache))
+    return package_file(cache.path, job.size)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description="compile one decode bucket (a node's child)")
+    parser.add_argument("job", help="the CompileJob as JSON")
+    args = parser.parse_args(argv)
+    _lowest_priority()
+    logging.basicConfig(level=logging.INFO)
+    print(compile_job(CompileJob.from_json(args.job)), flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,179 @@
+"""Decode packages compiled in the background (common/engine/background_compile.py): the engine
+serves eager at once, a bucket switches to its package between two steps with the same greedy
+tokens as HF, a second start loads it and compiles nothing, and a child that fails or is killed
+leaves the bucket eager and no unfinished package behind.
+
+One real background compile serves the module (bucket 1 of the tiny model, cold: the cache
+root is this module's own); the failing children are stand-ins that exit at once."""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+
+from pdserve.common.engine.background_compile import BackgroundCompile, CompileJob
+from pdserve.common.engine.config import EAGER_ENV
+from pdserve.common.engine.decode_packages import tmp_package_path
+from pdserve.common.engine.llm import LLM
+from tests.common.model.test_compile import QWEN2_SLIDING
+from tests.common.test_llm_equivalence import GREEDY, PROMPTS, hf_greedy
+from tests.devices import ON_CUDA
+
+pytestmark = pytest.mark.skipif(ON_CUDA, reason="background compiles make CPU packages")
+
+COMPILE_WAIT_S = 1200  # a cold bucket of the tiny model, at nice 19 beside other tests
+PROMPT = 4  # PROMPTS[4]: 40 tokens, greedy for MAX_TOKENS (10)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread() -> Iterator[None]:
+    """Packages are keyed by the thread count; one keeps the child's compile steady."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tiny_model_dir) -> str:
+    return str(tiny_model_dir("qwen2", **QWEN2_SLIDING))
+
+
+def start(model_dir: str, root: Path) -> LLM:
+    return LLM(model_dir, compile_mode="background", max_num_seqs=1, dtype="float32",
+               compile_cache_dir=str(root), skip_tokenizer_init=True)  # fmt: skip
+
+
+@dataclass(frozen=True, slots=True)
+class Switch:
+    """One request decoded across a background compile: its tokens, and per decode step
+    whether it ran compiled."""
+
+    tokens: list[int]
+    compiled_steps: list[bool]
+    root: Path
+
+
+@pytest.fixture(scope="module")
+def switched(model_dir: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Switch]:
+    """Decode two steps eager while bucket 1 compiles, wait for the compile, decode the rest."""
+    root = tmp_path_factory.mktemp("background-compile")
+    llm = start(model_dir, root)
+    compiled, engine = llm.engine.runner.compiled, llm.engine
+    assert compiled is not None and compiled.background is not None and not compiled.packages
+    steps: list[bool] = []
+    runs = compiled.runs
+    compiled.runs = lambda batch: steps.append(runs(batch)) or steps[-1]
+    request = engine.add_request("r", PROMPTS[PROMPT], GREEDY)
+    while len(steps) < 2:
+        engine.step()
+    assert compiled.background.wait(COMPILE_WAIT_S), "the background compile did not finish"
+    while engine.has_unfinished():
+        engine.step()
+    engine.check_integrity()
+    yield Switch(list(request.output_token_ids), steps, root)
+    llm.close()
+
+
+def test_a_bucket_switches_to_its_package_mid_stream_with_the_same_tokens(
+    switched: Switch, model_dir: str
+) -> None:
+    want, _ = hf_greedy(model_dir)
+    assert switched.tokens == want[PROMPT]
+    steps = switched.compiled_steps
+    assert steps[:2] == [False, False] and steps[-1], steps  # eager, then compiled
+    assert steps == sorted(steps), "a bucket switched back to eager"
+
+
+def test_a_second_start_compiles_nothing(switched: Switch, model_dir: str) -> None:
+    with start(model_dir, switched.root) as llm:
+        compiled = llm.engine.runner.compiled
+        assert compiled.background is None, "a second start compiled again"
+        assert sorted(compiled.packages) == [1]
+        counts = compiled.cache_counts
+        assert (counts.hits, counts.misses) == (1, 0)
+    assert not list(switched.root.rglob("*.tmp-*")), "an unfinished package was left"
+
+
+def _dying_child(how: str) -> object:
+    """A stand-in child that writes its unfinished package, then dies (`kill`) or exits 1."""
+    end = "os.kill(os.getpid(), signal.SIGKILL)" if how == "kill" else "sys.exit(1)"
+
+    def command(self: BackgroundCompile, job: CompileJob) -> list[str]:
+        folder = Path(job.cache_root) / job.digest
+        code = (
+            "import os, signal, sys\n"
+            f"open({str(folder)!r} + f'/decode-{job.size}.tmp-{{os.getpid()}}.pt2', 'w')\n"
+            f"{end}\n"
+        )
+        return [sys.executable, "-c", code]
+
+    return command
+
+
+@pytest.mark.parametrize("how", ["kill", "exit"])
+def test_a_failed_compile_leaves_eager_serving_and_no_tmp_files(
+    how: str, model_dir: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(BackgroundCompile, "command", _dying_child(how))
+    with start(model_dir, tmp_path) as llm:
+        background = llm.engine.runner.compiled.background
+        assert background.wait(60)
+        assert background.failed == [1] and background.compiled == []
+        folder = llm.engine.runner.compiled.cache.path
+        pid = background.child.pid
+        assert not tmp_package_path(folder, 1, pid).exists(), "the unfinished package stayed"
+        (out,) = llm.generate([PROMPTS[PROMPT]], GREEDY)
+        assert out.token_ids == hf_greedy(model_dir)[0][PROMPT]
+        assert not llm.engine.runner.compiled.packages
+
+
+def test_close_kills_a_compile_in_flight(model_dir: str, tmp_path: Path) -> None:
+    llm = start(model_dir, tmp_path)
+    background = llm.engine.runner.compiled.background
+    deadline = time.monotonic() + 60
+    while background.child is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    child = background.child
+    assert child is not None
+    llm.close()
+    assert not background.running and child.returncode is not None
+    assert background.compiled == [] and not list(tmp_path.rglob("*.tmp-*"))
+
+
+def test_the_suite_starts_no_background_compile(model_dir: str) -> None:
+    """tests/conftest.py's PDSERVE_ENFORCE_EAGER=1: an engine that does not ask stays eager."""
+    assert os.environ.get(EAGER_ENV) == "1"
+    with LLM(model_dir, skip_tokenizer_init=True) as llm:
+        assert llm.engine.runner.compiled is None
+
+
+def test_a_compile_job_crosses_to_the_child_as_json(model_dir: str) -> None:
+    from pdserve.common.engine.config import ModelConfig
+
+    job = CompileJob(ModelConfig(model_dir), '{"buckets": [1]}', "/r", "abc", 1, 4)
+    assert CompileJob.from_json(job.to_json()) == job
+
+
+def test_the_compile_mode_flag_reaches_the_config_and_serve_passes_it_on() -> None:
+    import argparse
+
+    from pdserve.common.node.cli import add_engine_args, engine_configs
+    from pdserve.serve import _engine_flags, build_parser
+
+    flags = ["--compile-mode", "background"]
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    args = parser.parse_args(flags)
+    args.model = "m"
+    assert engine_configs(args)[0].compile_mode == "background"
+    assert _engine_flags(build_parser().parse_args(["m", *flags])) == flags
+    with pytest.raises(SystemExit):  # argparse's usage error
+        parser.parse_args(["--compile-mode", "lazy"])
