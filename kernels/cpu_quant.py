@@ -1,4 +1,4 @@
-"""Weight-only int8/int4 matmuls for a few float32 rows on AVX2 CPUs: y = x @ W.T with W read
+"""Weight-only int8/int5/int4 matmuls for a few float32 rows on AVX2 CPUs: y = x @ W.T with W read
 at its stored bits, for the decode steps of a quantized model.
 
 On an AVX2 machine without AVX512, torch's packed kernels (`_weight_int8pack_mm`,
@@ -13,7 +13,11 @@ cached by the source's hash under torch's extensions folder; without AVX2+FMA or
 int8 is torch's layout as QuantizedLinear holds it (values [N, K], one scale per row). int4
 has a layout of its own, simpler to read than torch's: `Int4Pack`, nibbles [N, K/2] where
 each 32-column block's byte j holds columns j (low nibble) and j + 16 (high), with a float32
-scale and minimum per 32 columns, w = scale * v + minimum (GGUF's Q4_1 form).
+scale and minimum per 32 columns, w = scale * v + minimum (GGUF's Q4_1 form). int5 is
+`Int5Pack`, GGUF's Q5_0/Q5_1 blocks split into planes: the same nibbles, the fifth bits
+[N, K/8] (a block's 4 bytes, bit i of them column i: Q5's qh), and an f16 scale and minimum per
+32 columns, w = scale * v + minimum with v 0..31: 6 bits a weight, against Q5_0's 5.5 and
+Q5_1's 6 in the file (int8 per row held them in 8; the f16 fields are the file's own).
 """
 
 from __future__ import annotations
@@ -120,6 +124,51 @@ void int4_rows(const float* x, const float* xsum, const uint8_t* q, const float*
   }
 }
 
+// 8 values of a 5-bit weight: 8 low nibbles (the low half of `nib`) and their fifth bits
+// (bit i of `bits` for value i), as float32.
+inline __m256 widen5(__m128i nib, uint32_t bits) {
+  const __m256i lanes = _mm256_setr_epi32(1, 2, 4, 8, 16, 32, 64, 128);
+  __m256i set = _mm256_cmpeq_epi32(_mm256_and_si256(_mm256_set1_epi32(bits), lanes), lanes);
+  __m256i v = _mm256_or_si256(_mm256_cvtepu8_epi32(nib),
+                              _mm256_and_si256(set, _mm256_set1_epi32(16)));
+  return _mm256_cvtepi32_ps(v);
+}
+
+template <int M>
+void int5_rows(const float* x, const float* xsum, const uint8_t* q, const uint8_t* high,
+               const at::Half* scales, const at::Half* mins, float* y, int64_t K, int64_t N,
+               int64_t begin, int64_t end) {
+  const int64_t B = K / 32;
+  const __m128i low4 = _mm_set1_epi8(0x0F);
+  for (int64_t n = begin; n < end; ++n) {
+    const uint8_t* row = q + n * (K / 2);
+    const uint8_t* hrow = high + n * (K / 8);
+    const at::Half* s = scales + n * B;
+    const at::Half* mn = mins + n * B;
+    __m256 acc[M];
+    float offset[M];
+    for (int m = 0; m < M; ++m) { acc[m] = _mm256_setzero_ps(); offset[m] = 0.f; }
+    for (int64_t b = 0; b < B; ++b) {
+      __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + b * 16));
+      __m128i lo = _mm_and_si128(bytes, low4);
+      __m128i hi = _mm_and_si128(_mm_srli_epi16(bytes, 4), low4);
+      const uint8_t* h = hrow + b * 4;
+      __m256 w[4] = {widen5(lo, h[0]), widen5(_mm_srli_si128(lo, 8), h[1]),
+                     widen5(hi, h[2]), widen5(_mm_srli_si128(hi, 8), h[3])};
+      __m256 part[M];
+      for (int m = 0; m < M; ++m) part[m] = _mm256_setzero_ps();
+      dot32<M>(x + b * 32, K, w, part);
+      const __m256 scale = _mm256_set1_ps(float(s[b]));
+      const float minimum = float(mn[b]);
+      for (int m = 0; m < M; ++m) {
+        acc[m] = _mm256_fmadd_ps(scale, part[m], acc[m]);
+        offset[m] += minimum * xsum[m * B + b];
+      }
+    }
+    for (int m = 0; m < M; ++m) y[m * N + n] = hsum(acc[m]) + offset[m];
+  }
+}
+
 template <typename F>
 void over_rows(int64_t N, int64_t K, F f) {
   // About 64 KiB of weights per task, so small layers stay on one thread.
@@ -185,6 +234,37 @@ torch::Tensor int4_mm(torch::Tensor x, torch::Tensor q, torch::Tensor scales,
   });
   return y;
 }
+
+torch::Tensor int5_mm(torch::Tensor x, torch::Tensor q, torch::Tensor high,
+                      torch::Tensor scales, torch::Tensor mins) {
+  TORCH_CHECK(q.dim() == 2 && q.scalar_type() == torch::kByte, "q must be uint8 [N, K/2]");
+  const int64_t N = q.size(0), K = q.size(1) * 2, M = x.size(0), B = K / 32;
+  check(x, q, K);
+  TORCH_CHECK(K % 32 == 0, "int5 K must be a multiple of 32, not ", K);
+  TORCH_CHECK(high.scalar_type() == torch::kByte && high.is_contiguous() && high.dim() == 2 &&
+              high.size(0) == N && high.size(1) == K / 8, "high bits must be uint8 [N, K/8]");
+  for (const auto& t : {scales, mins}) {
+    TORCH_CHECK(t.scalar_type() == torch::kHalf && t.is_contiguous() && t.dim() == 2 &&
+                t.size(0) == N && t.size(1) == B, "scales and mins must be float16 [N, K/32]");
+  }
+  auto xsum = x.view({M, B, 32}).sum(2).contiguous();
+  auto y = torch::empty({M, N}, x.options());
+  const float* xp = x.data_ptr<float>();
+  const float* xs = xsum.data_ptr<float>();
+  const uint8_t* qp = q.data_ptr<uint8_t>();
+  const uint8_t* hp = high.data_ptr<uint8_t>();
+  const at::Half* sp = scales.data_ptr<at::Half>();
+  const at::Half* mp = mins.data_ptr<at::Half>();
+  float* yp = y.data_ptr<float>();
+  over_rows(N, K, [&](int64_t b, int64_t e) {
+    switch (M) {
+#define ROWS(R) case R: int5_rows<R>(xp, xs, qp, hp, sp, mp, yp, K, N, b, e); break;
+      ROWS(1) ROWS(2) ROWS(3) ROWS(4) ROWS(5) ROWS(6) ROWS(7) ROWS(8)
+#undef ROWS
+    }
+  });
+  return y;
+}
 """
 
 
@@ -213,14 +293,50 @@ def pack_int4(
     return Int4Pack(nibbles.contiguous(), per_block, mins)
 
 
-def unpack_int4(pack: Int4Pack, start: int = 0, end: int | None = None) -> torch.Tensor:
+@dataclasses.dataclass(frozen=True, slots=True)
+class Int5Pack:
+    """A 5-bit weight [N, K] in this kernel's layout (see the module's docstring)."""
+
+    nibbles: torch.Tensor  # uint8 [N, K/2], as Int4Pack's
+    high: torch.Tensor  # uint8 [N, K/8]: bit i of a block's 4 bytes is column i's fifth bit
+    scales: torch.Tensor  # float16 [N, K/32]
+    mins: torch.Tensor  # float16 [N, K/32]
+
+
+Rows = slice | torch.Tensor  # a range of weight rows, or the rows an index tensor names
+
+
+def pack_int5(values: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor) -> Int5Pack:
+    """A 5-bit weight (values 0..31 [N, K], w = scale * (v - 16) + zero per 32 columns) in
+    this kernel's layout. The scale and minimum are stored f16: a GGUF Q5 block's own."""
+    out, cols = values.shape
+    if cols % BLOCK:
+        raise ValueError(f"int5 needs columns a multiple of 32, not {cols}")
+    v = values.view(out, cols // BLOCK, 2, BLOCK // 2).to(torch.uint8)
+    nibbles = ((v[:, :, 0] & 15) | ((v[:, :, 1] & 15) << 4)).reshape(out, cols // 2)
+    bits = (values.view(out, cols // 8, 8).to(torch.uint8) >> 4) & 1
+    high = (bits << torch.arange(8, dtype=torch.uint8)).sum(2, dtype=torch.uint8)
+    mins = (zeros.float() - 16 * scales.float()).half()
+    return Int5Pack(nibbles.contiguous(), high, scales.half().contiguous(), mins.contiguous())
+
+
+def unpack_int4(pack: Int4Pack | Int5Pack, start: int = 0, end: int | None = None) -> torch.Tensor:
     """Rows [start, end) of the float32 weight a pack stands for (the dense path's input)."""
-    nib = pack.nibbles[start:end]
-    rows, blocks = nib.shape[0], pack.scales.shape[1]
-    b = nib.view(rows, blocks, BLOCK // 2)
-    v = torch.cat([b & 15, b >> 4], dim=2).float()
-    w = v * pack.scales[start:end, :, None] + pack.mins[start:end, :, None]
-    return w.view(rows, blocks * BLOCK)
+    return unpack_rows(pack, slice(start, end))
+
+
+def unpack_rows(pack: Int4Pack | Int5Pack, rows: Rows) -> torch.Tensor:
+    """The float32 rows of the weight a pack stands for: a range (the dense path's chunks) or
+    an index tensor (an embedding's lookup)."""
+    nib = pack.nibbles[rows]
+    count, blocks = nib.shape[0], pack.scales.shape[1]
+    b = nib.view(count, blocks, BLOCK // 2)
+    v = torch.cat([b & 15, b >> 4], dim=2)
+    if isinstance(pack, Int5Pack):
+        bits = pack.high[rows].view(count, blocks, 4, 1) >> torch.arange(8, dtype=torch.uint8)
+        v |= (bits & 1).view(count, blocks, BLOCK) << 4
+    w = v.float() * pack.scales[rows, :, None].float() + pack.mins[rows, :, None].float()
+    return w.view(count, blocks * BLOCK)
 
 
 def int8_mm(x: torch.Tensor, values: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
@@ -231,6 +347,11 @@ def int8_mm(x: torch.Tensor, values: torch.Tensor, scales: torch.Tensor) -> torc
 def int4_mm(x: torch.Tensor, pack: Int4Pack) -> torch.Tensor:
     """x [M <= MAX_ROWS, K] float32 @ the packed weight.T."""
     return _module().int4_mm(x, pack.nibbles, pack.scales, pack.mins)
+
+
+def int5_mm(x: torch.Tensor, pack: Int5Pack) -> torch.Tensor:
+    """x [M <= MAX_ROWS, K] float32 @ the 5-bit packed weight.T."""
+    return _module().int5_mm(x, pack.nibbles, pack.high, pack.scales, pack.mins)
 
 
 def cpu_has_avx2_fma() -> bool:
@@ -274,7 +395,7 @@ def _module():  # noqa: ANN202 (a compiled extension module)
     return cpp_extension.load_inline(
         name=f"pdserve_cpu_quant_{digest}",
         cpp_sources=[_SOURCE],
-        functions=["int8_mm", "int4_mm"],
+        functions=["int8_mm", "int4_mm", "int5_mm"],
         extra_cflags=["-O3", "-mavx2", "-mfma", "-fopenmp"],
         extra_ldflags=["-fopenmp"],
         verbose=False,

@@ -1,4 +1,4 @@
-"""The AVX2 int8/int4 GEMV (kernels/cpu_quant.py) against dequantize-then-matmul in float32."""
+"""The AVX2 int8/int5/int4 GEMV (kernels/cpu_quant.py) against dequantize-then-matmul in float32."""
 
 from __future__ import annotations
 
@@ -51,6 +51,55 @@ def test_int4_equals_the_dequantized_matmul(n: int, k: int, group: int, rows: in
     _close(cpu_quant.int4_mm(x, pack), x @ weight.dequantize().T)
     torch.testing.assert_close(cpu_quant.unpack_int4(pack), weight.dequantize())
     torch.testing.assert_close(cpu_quant.unpack_int4(pack, 5, 9), weight.dequantize()[5:9])
+
+
+def _int5(n: int, k: int, seed: int) -> tuple[torch.Tensor, cpu_quant.Int5Pack]:
+    """A random 5-bit weight (Q5_1's form: f16 scale and minimum per 32 columns) and its pack;
+    the float32 weight it stands for is computed here from the values, not unpacked."""
+    gen = torch.Generator().manual_seed(seed)
+    values = torch.randint(0, 32, (n, k), generator=gen, dtype=torch.int8)
+    scales = (torch.rand(n, k // 32, generator=gen) * 0.1).half().float()
+    mins = (torch.randn(n, k // 32, generator=gen) * 0.2).half().float()
+    pack = cpu_quant.pack_int5(values, scales, mins + 16 * scales)
+    torch.testing.assert_close(pack.mins.float(), mins)  # held exactly, as the file's f16
+    groups = values.float().view(n, -1, 32) * scales[..., None] + mins[..., None]
+    return groups.view(n, k), pack
+
+
+@pytest.mark.parametrize(("n", "k"), [(48, 64), (17, 32), (576, 576), (192, 896)])
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 8])
+def test_int5_equals_the_dequantized_matmul(n: int, k: int, rows: int) -> None:
+    weight, pack = _int5(n, k, rows * 1000 + k)
+    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows))
+    _close(cpu_quant.int5_mm(x, pack), x @ weight.T)
+    torch.testing.assert_close(cpu_quant.unpack_rows(pack, slice(None)), weight)
+    index = torch.tensor([5, 0, 5, n - 1])
+    torch.testing.assert_close(cpu_quant.unpack_rows(pack, index), weight[index])
+
+
+def test_int5_reads_each_column_with_its_fifth_bit() -> None:
+    """One-hot inputs read single columns: a fifth bit on the wrong column moves a value by
+    16 steps."""
+    weight, pack = _int5(64, 64, 7)
+    for first in (0, 8, 16, 24, 32, 56):
+        eye = torch.eye(64)[first : first + 8].contiguous()
+        torch.testing.assert_close(cpu_quant.int5_mm(eye, pack), weight[:, first : first + 8].T)
+
+
+def test_int5_refuses_misshapen_planes() -> None:
+    _, pack = _int5(16, 64, 1)
+    with pytest.raises(RuntimeError, match="high bits"):
+        cpu_quant._module().int5_mm(
+            torch.randn(1, 64), pack.nibbles, pack.high[:, :4], pack.scales, pack.mins
+        )
+    with pytest.raises(RuntimeError, match="float16"):
+        cpu_quant._module().int5_mm(
+            torch.randn(1, 64), pack.nibbles, pack.high, pack.scales.float(), pack.mins
+        )
+    with pytest.raises(ValueError, match="multiple of 32"):
+        cpu_quant.pack_int5(
+            torch.zeros(4, 48, dtype=torch.int8), torch.ones(4, 1), torch.ones(4, 1)
+        )
 
 
 def test_each_output_row_is_its_own_weight_row() -> None:
