@@ -76,13 +76,16 @@ class Drafter:
 
     def drafts(self, request: Request, limit: int) -> list[int]:
         """Drafts for a request's next verify step, at most limit and what max_tokens leaves
-        room for; none for a request under a grammar (its mask checks sampled tokens only) or
-        a seeded sampled one (its draws must not depend on what else is batched)."""
+        room for, cut where a request's grammar refuses one; none for a seeded sampled request
+        (its draws must not depend on what else is batched)."""
         params = request.sampling
-        if request.grammar is not None or (params.seed is not None and not params.greedy):
+        if params.seed is not None and not params.greedy:
             return []
         limit = min(limit, params.max_tokens - request.num_output_tokens - 1)
-        return self.propose(request.request_id, request.all_token_ids, limit)
+        drafts = self.propose(request.request_id, request.all_token_ids, limit)
+        if request.grammar is not None and drafts:
+            del drafts[request.grammar.allowed_drafts(drafts) :]
+        return drafts
 
     def propose(self, request_id: str, tokens: Sequence[int], limit: int) -> list[int]:
         """Up to min(k, limit) drafts to follow `tokens` (the request's known tokens)."""

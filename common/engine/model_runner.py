@@ -290,7 +290,8 @@ class ModelRunner:
         for seq in inputs.sampled_seqs:
             if seq.num_drafts:
                 part = logits[row : row + seq.num_drafts + 1]
-                out = self.sampler.verify(part, self._sampling_row(seq), seq.draft_token_ids)
+                row_params, drafts = self._sampling_row(seq), seq.draft_token_ids
+                out = self.sampler.verify(part, row_params, drafts, self._draft_mask(seq, part))
                 emitted = zip(out.token_ids, out.logprobs, strict=True)
                 sampled[seq.request_id] = tuple(
                     SampledToken(seq.request_id, t, lp) for t, lp in emitted
@@ -385,6 +386,16 @@ class ModelRunner:
                         lps += score_tokens(logits, part, seq.prompt_logprobs)
             offset += len(seq.token_ids)
         return out
+
+    def _draft_mask(self, seq: ScheduledSeq, logits: torch.Tensor) -> torch.Tensor | None:
+        """[k + 1, V] bool: what a drafted request's grammar allows at each verified position
+        (None without a grammar). Filled after the forward, unlike `_fill_masks`: a CPU
+        node fills before the forward anyway, and a verify step's rows are few."""
+        if seq.grammar is None:
+            return None
+        vocab = logits.shape[-1]
+        bitmask = fill_bitmask([seq.grammar], self.arch.vocab_size, [seq.draft_token_ids])
+        return allowed_from_bitmask(bitmask, vocab).to(self.device)
 
     def _fill_masks(
         self, seqs: tuple[ScheduledSeq, ...]

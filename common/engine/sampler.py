@@ -84,7 +84,11 @@ class Sampler:
         return SamplerOutput(token_ids=chosen, logprobs=_logprobs(raw, rows, chosen))
 
     def verify(
-        self, logits: torch.Tensor, row: SamplingRow, drafts: Sequence[int]
+        self,
+        logits: torch.Tensor,
+        row: SamplingRow,
+        drafts: Sequence[int],
+        allowed: torch.Tensor | None = None,
     ) -> SamplerOutput:
         """Speculative decoding's check of one request's k drafted tokens: logits [k + 1, V]
         are the target's at the request's last known token and at each draft. The tokens to
@@ -92,16 +96,19 @@ class Sampler:
         bonus token after all k). Greedy rows accept a draft equal to the argmax. Sampled rows
         accept draft d with probability p(d) (p as `__call__` samples: tempered, truncated)
         and on rejection draw from p without d, renormalized: each emitted token is then
-        distributed exactly as `__call__` would draw it (the drafts are point masses)."""
+        distributed exactly as `__call__` would draw it (the drafts are point masses).
+        `allowed`, for a request under a grammar: [k + 1, V] bool, the tokens its grammar
+        allows at each position (after the drafts before it), as `__call__`'s grammar_mask."""
         assert logits.shape[0] == len(drafts) + 1, f"{logits.shape[0]} rows, {len(drafts)} drafts"
         raw = logits.float()
         rows = [row] * raw.shape[0]
-        allowed = _ban(raw, rows)
+        grammar_mask = None if allowed is None else (list(range(len(rows))), allowed)
+        masked = _mask(_ban(raw, rows), raw, grammar_mask)
         if row.params.greedy:
-            target = allowed.argmax(dim=-1).tolist()
+            target = masked.argmax(dim=-1).tolist()
             chosen = target[: _agreed(target, drafts) + 1]
         else:
-            chosen = self._speculate(self._probs(allowed, rows), drafts, row.generator)
+            chosen = self._speculate(self._probs(masked, rows), drafts, row.generator)
         n = len(chosen)
         return SamplerOutput(chosen, _logprobs(raw[:n], rows[:n], chosen))
 

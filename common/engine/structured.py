@@ -108,20 +108,56 @@ class Grammar:
     def terminated(self) -> bool:
         return bool(self._matcher.is_terminated())
 
-    def fill(self, bitmask: torch.Tensor, row: int) -> None:
+    def fill(self, bitmask: torch.Tensor, row: int, drafts: Sequence[int] = ()) -> None:
+        """The allowed next tokens into bitmask[row], and for a verify step's drafts (checked
+        by `allowed_drafts`) into the rows after it: those allowed after each draft. The
+        matcher is rolled back to where it was: it advances only on verified tokens."""
+        for i, token in enumerate(drafts):
+            self._fill_row(bitmask, row + i)
+            assert self._matcher.accept_token(token), f"draft {i} ({token}) was not checked"
+        self._fill_row(bitmask, row + len(drafts))
+        self._matcher.rollback(len(drafts))
+
+    def _fill_row(self, bitmask: torch.Tensor, row: int) -> None:
         self._matcher.fill_next_token_bitmask(bitmask, row)
         if self._ban is not None:
             bitmask[row] &= self._ban
 
+    def allowed_drafts(self, drafts: Sequence[int]) -> int:
+        """How many leading drafts the grammar allows, the matcher left where it was. A draft
+        is cut at the first token the grammar refuses (or the JSON ban holds) and before a
+        token that would end the grammar: nothing can follow it to fill a mask for, and the
+        target samples that token itself."""
+        n = 0
+        for token in drafts:
+            if self._banned(token) or not self._matcher.accept_token(token):
+                break
+            if self._matcher.is_terminated():
+                self._matcher.rollback(1)
+                break
+            n += 1
+        self._matcher.rollback(n)
+        return n
 
-def fill_bitmask(grammars: Sequence[Grammar], vocab_size: int) -> torch.Tensor:
+    def _banned(self, token: int) -> bool:
+        return self._ban is not None and not (int(self._ban[token // 32]) >> (token % 32)) & 1
+
+
+def fill_bitmask(
+    grammars: Sequence[Grammar], vocab_size: int, drafts: Sequence[Sequence[int]] = ()
+) -> torch.Tensor:
     """The allowed next tokens of each grammar, one int32 bitmask row each (bit i of word w
-    allows token 32 * w + i). Runs on the runner's worker thread while the forward runs."""
+    allows token 32 * w + i), and one more after each of its drafts where `drafts` gives them
+    (a verify step's rows, in order). Runs on the runner's worker thread while the forward
+    runs."""
     import xgrammar as xgr
 
-    bitmask = xgr.allocate_token_bitmask(len(grammars), vocab_size)
-    for i, grammar in enumerate(grammars):
-        grammar.fill(bitmask, i)
+    drafts = drafts or [()] * len(grammars)
+    bitmask = xgr.allocate_token_bitmask(sum(1 + len(d) for d in drafts), vocab_size)
+    row = 0
+    for grammar, own in zip(grammars, drafts, strict=True):
+        grammar.fill(bitmask, row, own)
+        row += 1 + len(own)
     return bitmask
 
 

@@ -223,8 +223,19 @@ def test_who_is_drafted_for(params, drafted: bool) -> None:
     assert (scheduler.schedule().seqs[0].num_drafts > 0) is drafted
 
 
-def test_a_request_under_a_grammar_is_not_drafted_for() -> None:
+class RefusesAfter:
+    """A grammar that allows the first `n` tokens of any draft."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def allowed_drafts(self, drafts: Sequence[int]) -> int:
+        return min(self.n, len(drafts))
+
+
+def test_a_request_under_a_grammar_is_drafted_for_up_to_its_first_refusal() -> None:
     scheduler = _scheduler()
     request = _decoding(scheduler, "r")
-    request.grammar = object()  # drafts are not checked against its mask
-    assert scheduler.schedule().seqs[0].num_drafts == 0
+    request.grammar = RefusesAfter(1)
+    seq = scheduler.schedule().seqs[0]
+    assert (seq.num_drafts, seq.draft_token_ids) == (1, (7,))
