@@ -1,0 +1,179 @@
+"""`draft_model` speculation in the colocated engine (issue 38): greedy output with a draft
+model equals greedy without it and HF float32 at k in {1, 3, 5}; the target as its own draft
+accepts every draft, its first two layers as the draft accept some; the draft's pages are a page
+group of the target's blocks (no block leaks, the layout counts them); bad drafts are refused
+by name."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+from safetensors.torch import load_file, save_file
+
+from pdserve.common.engine.llm import LLM, SamplingParams
+from pdserve.common.spec.config import SpeculativeConfig
+from pdserve.common.spec.draft_model import scratch_blocks
+from pdserve.tiny_model import make_tiny_model
+from tests.common.test_llm_equivalence import PROMPTS as HF_PROMPTS
+from tests.common.test_llm_equivalence import hf_greedy
+
+# Repetitive prompts beside random ones of mixed lengths, one batch of concurrent requests.
+PROMPTS = [
+    [5, 6, 7, 8] * 10,
+    [9, 10, 11] * 7 + [9],
+    [17],
+    [101, 57, 3, 98, 250, 7, 77, 411, 23, 5, 6, 100, 42],
+    list(range(40, 140)),
+]
+GREEDY = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+
+
+def first_layers(src: Path, dst: Path, n: int) -> Path:
+    """A self-draft: the checkpoint at `src` cut to its first n layers (embeddings, final norm
+    and LM head kept), the issue's one-checkpoint way to a draft with real acceptance."""
+    dst.mkdir(parents=True, exist_ok=True)
+    for f in src.iterdir():
+        if f.suffix != ".safetensors":
+            shutil.copy(f, dst / f.name)
+    weights = load_file(src / "model.safetensors")
+    kept = {
+        name: w
+        for name, w in weights.items()
+        if not name.startswith("model.layers.") or int(name.split(".")[2]) < n
+    }
+    save_file(kept, dst / "model.safetensors", metadata={"format": "pt"})
+    config = json.loads((src / "config.json").read_text())
+    config["num_hidden_layers"] = n
+    (dst / "config.json").write_text(json.dumps(config))
+    return dst
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory) -> dict[str, str]:
+    """The target (3 layers), its first two layers, and an unrelated model of its vocabulary."""
+    root = tmp_path_factory.mktemp("draft")
+    target = make_tiny_model("llama", root / "target", num_hidden_layers=3)
+    return {
+        "target": str(target),
+        "layers2": str(first_layers(target, root / "layers2", 2)),
+        "other": str(make_tiny_model("llama", root / "other", seed=1, num_hidden_layers=1)),
+    }
+
+
+def draft(model: str, k: int) -> dict[str, object]:
+    return {"method": "draft_model", "model": model, "num_speculative_tokens": k}
+
+
+def generate(target: str, prompts, params, **options) -> tuple[LLM, list[list[int]]]:
+    """Token ids with these options, after checking that every block went back to the pool."""
+    llm = LLM(target, skip_tokenizer_init=True, block_size=4, **options)
+    outs = [o.token_ids for o in llm.generate(prompts, params)]
+    llm.engine.check_integrity()
+    assert llm.engine.kv.num_free_blocks == llm.engine.kv.pool.num_blocks - 1, "leaked blocks"
+    return llm, outs
+
+
+@pytest.fixture(scope="module")
+def baseline(models) -> list[list[int]]:
+    return generate(models["target"], PROMPTS, GREEDY)[1]
+
+
+@pytest.mark.parametrize("k", [1, 3, 5])
+def test_target_as_its_own_draft_accepts_every_draft(models, baseline, k) -> None:
+    llm, outs = generate(
+        models["target"], PROMPTS, GREEDY, speculative_config=draft(models["target"], k)
+    )
+    assert outs == baseline
+    stats = llm.engine.scheduler.drafter.stats
+    assert stats.num_draft_tokens > 0
+    assert stats.num_accepted_tokens == stats.num_draft_tokens, "a self-draft missed"
+
+
+@pytest.mark.parametrize("name, k", [("layers2", 1), ("layers2", 3), ("layers2", 5), ("other", 3)])
+def test_smaller_draft_gives_the_same_tokens(models, baseline, name, k) -> None:
+    llm, outs = generate(
+        models["target"], PROMPTS, GREEDY, speculative_config=draft(models[name], k)
+    )
+    assert outs == baseline
+    stats = llm.engine.scheduler.drafter.stats
+    assert stats.num_draft_tokens > stats.num_accepted_tokens, "every draft accepted"
+    if name == "layers2":
+        assert stats.num_accepted_tokens > 0, "the first layers' drafts never accepted"
+
+
+@pytest.mark.parametrize("k", [1, 3, 5])
+def test_matches_hf_float32(models, k) -> None:
+    """test_llm_equivalence's prompts (lengths 1 to 300, a shared prefix, a repeat)."""
+    params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+    spec = draft(models["layers2"], k)
+    _, outs = generate(models["target"], HF_PROMPTS, params, speculative_config=spec)
+    want, _ = hf_greedy(models["target"])
+    assert outs == want
+
+
+def test_draft_pages_share_the_target_blocks(models) -> None:
+    """The draft's layers follow the target's in every block (one block id, one pool), the
+    layout counts and names them, and the scratch blocks lie past the pool."""
+    plain = LLM(models["target"], skip_tokenizer_init=True, block_size=4, kv_cache_bytes=1 << 20)
+    spec = draft(models["layers2"], 5)
+    llm = LLM(
+        models["target"],
+        skip_tokenizer_init=True,
+        block_size=4,
+        kv_cache_bytes=1 << 20,
+        speculative_config=spec,
+    )
+    runner = llm.engine.runner
+    assert len(runner.kv_caches) == 3 + 2
+    assert runner.kv_caches[3].shape == runner.kv_caches[0].shape
+    assert runner.kv_caches[3].shape[1] == runner.num_blocks + scratch_blocks(4, 5)
+    assert llm.engine.kv.pool.num_blocks == runner.num_blocks
+    layout, plain_layout = llm.engine.kv_layout(), plain.engine.kv_layout()
+    assert layout.num_layers == 5 and plain_layout.num_layers == 3
+    # The budget pays for the draft's pages of each block too.
+    assert runner.num_blocks == (1 << 20) // layout.block_bytes
+    assert plain.engine.runner.num_blocks == (1 << 20) // plain_layout.block_bytes
+    assert layout.model_id.startswith(plain_layout.model_id + "+draft:")
+
+
+def test_bad_draft_is_refused_by_name(models, tmp_path) -> None:
+    wide = make_tiny_model("llama", tmp_path / "wide", vocab=640, num_hidden_layers=1)
+    with pytest.raises(ValueError, match="speculative_config.model: the draft's vocabulary"):
+        LLM(models["target"], skip_tokenizer_init=True, speculative_config=draft(str(wide), 3))
+    heads = make_tiny_model("llama", tmp_path / "heads", num_hidden_layers=1, num_key_value_heads=4)
+    with pytest.raises(ValueError, match="speculative_config.model: the draft's KV pages"):
+        LLM(models["target"], skip_tokenizer_init=True, speculative_config=draft(str(heads), 3))
+    with pytest.raises(ValueError, match="speculative_config.model: draft_model needs"):
+        SpeculativeConfig.parse({"method": "draft_model", "num_speculative_tokens": 3})
+    with pytest.raises(ValueError, match="speculative_config.model: only draft_model"):
+        SpeculativeConfig.parse({"method": "ngram", "num_speculative_tokens": 3, "model": "x"})
+
+
+def test_acceptance_depends_on_the_draft_pages(models) -> None:
+    """The negative control of the P/D parity test (tests/e2e/test_spec_disaggregated.py):
+    a decode side whose draft pages are zeros after the prompt, as a fresh pool holds them when
+    a prefill node does not ship them, accepts another number of drafts than one that holds
+    the draft's KV of the prompt. Tokens stay the target's either way. (The target as its own
+    draft, as in the P/D test: with the prompt's pages it accepts every draft.)"""
+    spec = draft(models["target"], 3)
+
+    def run(drop_draft_pages: bool) -> tuple[list[int], int]:
+        llm = LLM(models["target"], skip_tokenizer_init=True, block_size=4, speculative_config=spec)
+        request = llm.engine.add_request("r", PROMPTS[0], GREEDY)
+        llm.engine.step()  # the whole prompt and its first token, no drafts yet
+        assert request.num_output_tokens == 1
+        if drop_draft_pages:
+            for cache in llm.engine.runner.draft.caches:
+                cache.zero_()
+        while llm.engine.has_unfinished:
+            llm.engine.step()
+        return list(
+            request.output_token_ids
+        ), llm.engine.scheduler.drafter.stats.num_accepted_tokens
+
+    kept, dropped = run(False), run(True)
+    assert kept[0] == dropped[0]
+    assert kept[1] != dropped[1]
