@@ -33,8 +33,13 @@ _real_write = os.write
 
 def main(mode: str, directory: str, *args: str) -> None:
     if mode == "put":
-        first, count, nbytes = map(int, args)
+        first, count, nbytes = map(int, args[:3])
         tier = FileTier(directory, timeout_s=30)
+        print("ready", flush=True)
+        deadline = time.monotonic() + 120
+        while not os.path.exists(args[3]):  # every writer starts at once: they race per key
+            assert time.monotonic() < deadline, "no start signal in 120 s"
+            time.sleep(0.001)
         for i in range(first, first + count):
             assert tier.put(key(i), payload(i, nbytes)), tier.stats()
         print("done", flush=True)

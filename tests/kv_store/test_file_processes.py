@@ -31,22 +31,25 @@ def test_a_writer_killed_mid_write_leaves_nothing_readable(where: str, tmp_path:
 
 
 def test_concurrent_writers_of_the_same_keys(tmp_path: Path) -> None:
-    """Three processes put the same 20 blocks at once while this one reads them."""
+    """Three processes put the same 20 blocks, started together so that they write each block
+    at the same time, while this one reads them."""
+    store, gate = tmp_path / "store", tmp_path / "go"
     writers = [
-        subprocess.Popen(store_proc("put", tmp_path, 0, 20, 64 << 10), stdout=subprocess.PIPE)
+        subprocess.Popen(store_proc("put", store, 0, 20, BIG, gate), stdout=subprocess.PIPE)
         for _ in range(3)
     ]
-    tier = FileTier(tmp_path, timeout_s=30)
-    seen = 0
+    for w in writers:
+        assert w.stdout is not None and w.stdout.readline() == b"ready\n"
+    gate.touch()
+    tier = FileTier(store, timeout_s=30)
     while any(w.poll() is None for w in writers):
         for i in range(20):
             got = tier.get(key(i))
-            assert got is None or got == payload(i, 64 << 10), i
-            seen += got is not None
-    assert [w.wait(timeout=60) for w in writers] == [0, 0, 0]
-    assert all(tier.get(key(i)) == payload(i, 64 << 10) for i in range(20))
+            assert got is None or got == payload(i, BIG), i
+    assert [w.wait(timeout=60) for w in writers] == [0, 0, 0], "a writer's put failed"
+    assert all(tier.get(key(i)) == payload(i, BIG) for i in range(20))
     assert tier.stats().bad_objects == 0
-    assert not any((tmp_path / "tmp").iterdir()), "every writer's temporary file was renamed"
+    assert not any((store / "tmp").iterdir()), "every writer's temporary file was renamed"
 
 
 def test_eviction_during_reads_gives_whole_objects_or_misses(tmp_path: Path) -> None:
