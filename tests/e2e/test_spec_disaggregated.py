@@ -6,6 +6,7 @@ speculation, the node's /metrics count accepted drafts, and every pool is clean 
 from __future__ import annotations
 
 import json
+from functools import partial
 
 import httpx
 
@@ -13,7 +14,13 @@ from pdserve.bench.systems import wait_until
 from pdserve.common.engine.llm import LLM, SamplingParams
 from pdserve.local_cluster import LocalCluster, free_port
 from pdserve.tiny_model import make_tiny_model
-from tests.e2e.test_disaggregated import ENGINE, MAX_TOKENS, assert_clean, run_concurrently
+from tests.e2e.test_disaggregated import (
+    ENGINE,
+    MAX_TOKENS,
+    assert_clean,
+    complete,
+    run_concurrently,
+)
 
 SPEC = json.dumps({"method": "ngram", "num_speculative_tokens": 3})
 PROMPTS = [[5, 6, 7, 8] * 10, [9, 10, 11] * 7 + [9], [300, 301, 302, 303, 304, 305] * 5, [17]]
@@ -38,4 +45,65 @@ def test_decode_node_drafts_and_equals_colocated(tmp_path) -> None:
         accepted = "pdserve_node_spec_decode_num_accepted_tokens"
         # The gauges are published with each heartbeat: wait for one after the requests.
         wait_until(lambda: _metric(health, accepted) > 0, c.procs, 30, "drafts accepted")
+        assert_clean(c)
+
+
+# draft_model: the prefill node computes the draft's KV with the target's and ships it as the
+# layers after the target's; the decode node drafts from it without recomputing.
+DRAFT_PROMPTS = [[5, 6, 7, 8] * 10, [9, 10, 11] * 7 + [9], [17], [101, 57, 3, 98, 250, 7, 77]]
+DRAFT_TOKENS = 16
+DRAFTS = "pdserve_node_spec_decode_num_drafts"
+ACCEPTED = "pdserve_node_spec_decode_num_accepted_tokens"
+
+
+def _reached(port: int, name: str, value: float) -> bool:
+    return _metric(port, name) >= value
+
+
+def _colocated_counts(model: str, spec: str) -> tuple[list[list[int]], list[float], list[float]]:
+    """Greedy tokens and the running totals of drafts and accepted drafts after each prompt,
+    one prompt at a time, chunked as the prefill node chunks (ENGINE's flags)."""
+    params = SamplingParams(max_tokens=DRAFT_TOKENS, temperature=0.0, ignore_eos=True)
+    tokens, drafts, accepted = [], [], []
+    options = {"block_size": 16, "max_num_batched_tokens": 96, "speculative_config": spec}
+    with LLM(model, skip_tokenizer_init=True, **options) as llm:
+        stats = llm.engine.scheduler.drafter.stats
+        for prompt in DRAFT_PROMPTS:
+            tokens.append(llm.generate([prompt], params)[0].token_ids)
+            drafts.append(stats.num_drafts)
+            accepted.append(stats.num_accepted_tokens)
+    return tokens, drafts, accepted
+
+
+def test_draft_model_kv_through_1p1d_keeps_colocated_acceptance(tmp_path) -> None:
+    """Greedy tokens through 1P1D (zmq) equal colocated with and without speculation, and the
+    accepted drafts of each request equal colocated's exactly: the decode node drafts from
+    the shipped draft pages. (The negative control, a decode side whose draft pages are zeros
+    as a fresh pool holds them when they are not shipped, is
+    tests/common/spec/test_draft_model.py::test_acceptance_depends_on_the_draft_pages.)"""
+    model = make_tiny_model("llama", tmp_path / "m", max_position=2048)
+    # The target as its own draft: every draft is accepted where the draft pages hold the
+    # prompt's KV (a random smaller draft would accept next to none on a random target).
+    spec = json.dumps({"method": "draft_model", "model": str(model), "num_speculative_tokens": 3})
+    params = SamplingParams(max_tokens=DRAFT_TOKENS, temperature=0.0, ignore_eos=True)
+    with LLM(str(model), block_size=16, skip_tokenizer_init=True) as llm:
+        plain = [o.token_ids for o in llm.generate(DRAFT_PROMPTS, params)]
+    tokens, drafts, accepted = _colocated_counts(str(model), spec)
+    assert tokens == plain
+    assert accepted[-1] > 0, "no draft accepted colocated: the test would show nothing"
+    health = free_port()
+    engine = [*ENGINE, "--speculative-config", spec]
+    with LocalCluster(
+        str(model), 1, 1, engine_args=engine, decode_args=["--health-port", str(health)]
+    ) as c:
+        got = []
+        for i, prompt in enumerate(DRAFT_PROMPTS):
+            out = complete(c.url, prompt, max_tokens=DRAFT_TOKENS)
+            assert out["choices"][0]["token_ids"] == plain[i]
+            # The gauges come with each heartbeat: wait for this request's verify steps.
+            seen = partial(_reached, health, DRAFTS, drafts[i])
+            wait_until(seen, c.procs, 30, f"drafts of prompt {i}")
+            got.append(_metric(health, ACCEPTED))
+        assert got == accepted
+        assert _metric(health, DRAFTS) == drafts[-1]
         assert_clean(c)
