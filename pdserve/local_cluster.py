@@ -19,6 +19,9 @@ import time
 import urllib.error
 import urllib.request
 from dataclasses import dataclass, field
+from typing import Any
+
+from pdserve.testbed import zygote
 
 
 def exit_status(returncode: int) -> str:
@@ -137,15 +140,32 @@ class LocalCluster:
         env.pop("PDSERVE_API_KEY", None)
         if name == "router" and self.api_key:
             env["PDSERVE_API_KEY"] = self.api_key
-        args = [sys.executable, "-m", "pdserve", *self.children()[name]]
-        group = 0 if self.own_process_group else None
-        proc = subprocess.Popen(
-            args, stdout=out, stderr=subprocess.STDOUT, env=env, process_group=group
-        )
+        proc = self._forked(name, env, out) or self._exec(name, env, out)
         if out not in (None, subprocess.DEVNULL):
             out.close()  # the child holds its own descriptor
         self.procs[name] = proc
         return proc
+
+    def _exec(self, name: str, env: dict[str, str], out: Any) -> subprocess.Popen:
+        args = [sys.executable, "-m", "pdserve", *self.children()[name]]
+        group = 0 if self.own_process_group else None
+        return subprocess.Popen(
+            args, stdout=out, stderr=subprocess.STDOUT, env=env, process_group=group
+        )
+
+    def _forked(self, name: str, env: dict[str, str], out: Any) -> subprocess.Popen | None:
+        """The child forked by the test suite's launcher, where one runs for this process
+        (pdserve.testbed.zygote: the same process without a fresh interpreter's imports)."""
+        if zygote.ENV not in os.environ:
+            return None
+        env.pop(zygote.ENV, None)
+        null = os.open(os.devnull, os.O_WRONLY) if out == subprocess.DEVNULL else None
+        try:
+            fd = null if null is not None else (None if out is None else out.fileno())
+            return zygote.fork(self.children()[name], env, fd, self.own_process_group)
+        finally:
+            if null is not None:
+                os.close(null)
 
     def start(self, timeout: float = 120.0, routable: bool = True) -> LocalCluster:
         """Start every child; wait until they registered (and, with routable, until the

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
+import sys
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
@@ -106,7 +108,10 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:
-    if session.config.option.collectonly or _xdist_worker(session.config):
+    if session.config.option.collectonly:
+        return
+    _start_launcher(session.config)
+    if _xdist_worker(session.config):
         return  # under xdist a run starts when a test first reads it (_Runs)
     runs = session.config.stash[_RUNS]
     for start in dict.fromkeys(filter(None, map(_start_of, session.items))):
@@ -152,14 +157,44 @@ def _order_for_workers(items: list[pytest.Item]) -> None:
     items.sort(key=rank)  # stable: otherwise in order
 
 
+# The routers and nodes that LocalCluster starts are forked by one launcher that has imported
+# torch, transformers and pdserve's roles (pdserve.testbed.zygote): a fresh interpreter spent
+# 4 to 5 CPU s on imports before its first line of serving (0.7 to 0.9 s a forked child, to
+# ready), and the real-process tests start hundreds. It starts when the collected tests
+# import LocalCluster; until it has imported (about 8 CPU s), or with PDSERVE_TEST_FORK=0,
+# children start as fresh interpreters.
+_LAUNCHER = pytest.StashKey[tuple[subprocess.Popen, Path]]()
+
+
+def _start_launcher(config: pytest.Config) -> None:
+    if "pdserve.local_cluster" in sys.modules and os.environ.get("PDSERVE_TEST_FORK") != "0":
+        from pdserve.testbed import zygote
+
+        folder = Path(tempfile.mkdtemp(prefix="pdserve-launcher-"))
+        config.stash[_LAUNCHER] = (zygote.start(folder), folder)
+
+
+def _stop_launcher(config: pytest.Config) -> None:
+    proc, folder = config.stash.get(_LAUNCHER, (None, None))
+    if proc is not None:
+        _stop(proc, 10)
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def _stop(proc: subprocess.Popen, timeout: float) -> None:
+    proc.terminate()
+    try:
+        proc.wait(timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(timeout)
+
+
 def pytest_sessionfinish(session: pytest.Session) -> None:
+    _stop_launcher(session.config)
     for proc, _ in session.config.stash[_RUNS].values():
         if proc.poll() is None:
-            proc.terminate()  # the run stops what it started (SIGTERM is its clean stop)
-            try:
-                proc.wait(60)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+            _stop(proc, 60)  # the run stops what it started (SIGTERM is its clean stop)
 
 
 @pytest.fixture(scope="session")

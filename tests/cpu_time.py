@@ -15,14 +15,19 @@ from collections.abc import Iterator
 
 import pytest
 
+from pdserve.testbed import zygote
+
 _TIMES = pytest.StashKey[dict[tuple[str, str], float]]()
 
 
 def cpu_seconds() -> float:
-    """User + system seconds of this process and of its reaped children so far."""
+    """User + system seconds of this process and of its reaped children so far, with the
+    children the test launcher forked for it (tests/conftest.py) once that launcher reaped
+    them."""
     own = resource.getrusage(resource.RUSAGE_SELF)
     kids = resource.getrusage(resource.RUSAGE_CHILDREN)
-    return own.ru_utime + own.ru_stime + kids.ru_utime + kids.ru_stime
+    forked = zygote.children_cpu()
+    return own.ru_utime + own.ru_stime + kids.ru_utime + kids.ru_stime + forked
 
 
 def pytest_configure(config: pytest.Config) -> None:

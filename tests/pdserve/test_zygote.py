@@ -1,0 +1,88 @@
+"""The test suite's launcher (pdserve.testbed.zygote): a forked child runs pdserve's command
+line as `python -m pdserve` would (its folder, output, exit status), and a test whose
+environment differs from the launcher's gets a fresh interpreter instead."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from pdserve.local_cluster import LocalCluster
+from pdserve.testbed import zygote
+
+
+@pytest.fixture
+def launcher(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
+    """A launcher of its own (the session's, if any, comes back after), importing only the
+    command line: these tests are about forking, not about what is imported first."""
+    monkeypatch.setenv(zygote.ENV, "")  # restored after the test
+    folder = tmp_path / "launcher"
+    folder.mkdir()
+    proc = zygote.start(folder, preload=("pdserve.cli",))
+    deadline = time.monotonic() + 120
+    while not (folder / "sock").exists():
+        assert proc.poll() is None and time.monotonic() < deadline, "the launcher did not start"
+        time.sleep(0.05)
+    yield folder
+    proc.terminate()
+    proc.wait(30)
+
+
+def forked(args: list[str], out: Path, **env: str) -> zygote.ForkedChild | None:
+    with open(out, "wb") as f:
+        return zygote.fork(args, dict(os.environ, **env), f.fileno(), new_group=False)
+
+
+def test_a_forked_child_runs_the_command_in_its_folder(
+    launcher: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    child = forked(["keygen", "keys"], tmp_path / "out")
+    assert isinstance(child, zygote.ForkedChild)
+    assert child.wait(60) == 0
+    assert (tmp_path / "keys" / "cluster.key").is_file()
+    assert "wrote" in (tmp_path / "out").read_text()
+    assert child.pid != os.getpid() and child.poll() == 0
+    assert zygote.children_cpu() > 0  # what tests.cpu_time adds for forked children
+
+
+def test_a_failing_command_exits_with_its_code_and_says_why(launcher: Path, tmp_path: Path) -> None:
+    child = forked(["keygen"], tmp_path / "out")  # DIR missing: argparse exits 2
+    assert child is not None and child.wait(60) == 2
+    assert "DIR" in (tmp_path / "out").read_text()
+
+
+def test_a_child_killed_by_a_signal_reports_it(
+    launcher: Path, tmp_path: Path, tiny_model_dir
+) -> None:
+    child = forked(["router", "--model", str(tiny_model_dir("llama"))], tmp_path / "out")
+    assert child is not None
+    with pytest.raises(subprocess.TimeoutExpired):
+        child.wait(1)  # a router serves until it is stopped
+    child.kill()
+    assert child.wait(60) == -9
+    child.kill()  # after its end: nothing to signal, as Popen
+
+
+def test_another_environment_or_process_gets_a_fresh_interpreter(
+    launcher: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    assert forked(["keygen", "k"], tmp_path / "out", PDSERVE_CPU_QUANT="off") is None
+    assert forked(["keygen", "k"], tmp_path / "out", PYTHONUNBUFFERED="1") is not None
+    monkeypatch.setenv(zygote.ENV, os.environ[zygote.ENV].replace(str(os.getpid()), "1", 1))
+    assert forked(["keygen", "k"], tmp_path / "out") is None
+
+
+def test_local_cluster_starts_its_children_through_the_launcher(
+    launcher: Path, tmp_path: Path
+) -> None:
+    cluster = LocalCluster(str(tmp_path / "no-model"), log_dir=str(tmp_path / "logs"))
+    router = cluster.spawn("router")
+    assert isinstance(router, zygote.ForkedChild)
+    assert router.wait(120) != 0  # no such model: the router says so in its log and exits
+    assert "no-model" in (tmp_path / "logs" / "router.log").read_text()
