@@ -33,6 +33,7 @@ from pdserve.common.wire.messages import (
     decode,
     encode,
 )
+from pdserve.common.wire.payloads import SpecDecodeCounts
 from pdserve.common.wire.security import CurveKeys
 
 log = logging.getLogger(__name__)
@@ -64,6 +65,7 @@ class NodeStatus:
     draining: bool
     prefill_rate: float
     prefixes: PrefixChanges | None = None
+    spec_decode: SpecDecodeCounts | None = None  # None: the node does not speculate
 
 
 def advertise_host(node: NodeConfig) -> str:
@@ -285,6 +287,7 @@ class Membership:
                 queued_tokens=status.queued_tokens,
                 draining=status.draining,
                 prefill_rate=status.prefill_rate,
+                spec_decode=status.spec_decode,
                 **self._prefix_fields(status.prefixes),
             )
         )

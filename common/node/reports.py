@@ -9,6 +9,7 @@ from pdserve.common.engine.drafting import SpecDecodeStats
 from pdserve.common.engine.llm_engine import LLMEngine
 from pdserve.common.node.membership import NodeStatus, PrefixChanges
 from pdserve.common.wire.messages import IntegrityReport
+from pdserve.common.wire.payloads import SpecDecodeCounts
 
 
 def queued_tokens(engine: LLMEngine) -> int:
@@ -29,7 +30,18 @@ def engine_status(engine: LLMEngine, draining: bool) -> NodeStatus:
         draining=draining,
         prefill_rate=engine.prefill_rate.tokens_per_s,
         prefixes=None if events is None else PrefixChanges(*events.drain(kv.pool.cached)),
+        spec_decode=spec_decode_counts(engine),
     )
+
+
+def spec_decode_counts(engine: LLMEngine) -> SpecDecodeCounts | None:
+    """The drafter's counters as a heartbeat carries them (None without speculation)."""
+    drafter = engine.scheduler.drafter
+    if drafter is None:
+        return None
+    s = drafter.stats
+    per_position = tuple(s.accepted_per_position)
+    return SpecDecodeCounts(s.num_drafts, s.num_draft_tokens, s.num_accepted_tokens, per_position)
 
 
 def engine_gauges(engine: LLMEngine, queued: int, draining: bool) -> dict[str, float]:

@@ -19,16 +19,22 @@ from typing import Any, ClassVar
 
 import msgpack
 
-from pdserve.common.wire.payloads import KVLayout, SamplingParams, StageTimes, TokenLogprobs
+from pdserve.common.wire.payloads import (
+    KVLayout,
+    SamplingParams,
+    SpecDecodeCounts,
+    StageTimes,
+    TokenLogprobs,
+)
 
-PROTOCOL_VERSION = 9  # 2: typed failure kinds, incarnations, Reregister; 3: Registered,
+PROTOCOL_VERSION = 10  # 2: typed failure kinds, incarnations, Reregister; 3: Registered,
 # host ids; 4: the decode side's cached tokens in Reserved/Prefill, measured rates; 5: typed
 # sampling parameters and logprobs (maps checked field by field), KVDone's typed first token;
 # 6: KV layouts typed (RegisterNode, KVHello), the KV data plane decoded on its own;
 # 7: tensor parallelism: a node's TP size and every rank's KV endpoint, the sending group's TP
 # in ReserveKV and RenewTransfer; 8: nixl carries head slices (kvx.expect's heads, the welcome's
 # agent name); 9: tracing: the W3C traceparent in ReserveKV and Prefill, the stage times in
-# Tokens
+# Tokens; 10: heartbeats carry speculative-decoding counters (spec_decode)
 MAX_MESSAGE_BYTES = 32 * 1024 * 1024  # a 1M-token prompt of int64 ids fits with room to spare
 
 
@@ -332,6 +338,7 @@ class Heartbeat(Message):
     prefix_removed: tuple[bytes, ...] = ()
     draining: bool = False  # shutting down: finishing what it holds, taking nothing new
     prefill_rate: float = 0.0  # prompt tokens/s of its recent prefill steps (0: none yet)
+    spec_decode: SpecDecodeCounts | None = None  # None: the node does not speculate
 
 
 @message

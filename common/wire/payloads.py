@@ -183,6 +183,17 @@ class FirstToken:
 
 
 @dataclass(frozen=True, slots=True)
+class SpecDecodeCounts:
+    """A node's speculative-decoding counters since it started (vLLM's `spec_decode_*`), as
+    its heartbeats carry them for the router to sum over nodes."""
+
+    num_drafts: int  # verify steps of a request that had drafts
+    num_draft_tokens: int
+    num_accepted_tokens: int
+    accepted_per_position: tuple[int, ...] = ()  # accepted drafts by draft position
+
+
+@dataclass(frozen=True, slots=True)
 class StageTimes:
     """Seconds one request spent in each stage on one node, each the difference of two readings
     of that node's own monotonic clock (clocks of two processes are never compared; the router

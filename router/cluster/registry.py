@@ -6,11 +6,11 @@ from __future__ import annotations
 import asyncio
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from pdserve.common.wire.messages import Heartbeat, RegisterNode
-from pdserve.common.wire.payloads import KVLayout
+from pdserve.common.wire.payloads import KVLayout, SpecDecodeCounts
 
 NODE_ROLES = ("prefill", "decode", "both")
 
@@ -49,6 +49,7 @@ class NodeInfo:
     # of the last pages), as this router observed it lately.
     handoff_s: float = 0.0
     local_prefills: int = 0  # a decode node: local prefills before their first token (idem)
+    spec_decode: SpecDecodeCounts | None = None  # its latest speculative-decoding counters
 
     def load(self) -> tuple[int, int]:
         return (self.inflight + self.num_waiting, -self.free_blocks)
@@ -60,6 +61,7 @@ class NodeInfo:
         self.num_waiting, self.queued_tokens = msg.num_waiting, msg.queued_tokens
         self.recent_tokens = 0  # now counted in queued_tokens
         self.draining = msg.draining
+        self.spec_decode = msg.spec_decode
         if 0 < msg.prefill_rate < math.inf:
             self.prefill_rate = msg.prefill_rate
         self.recent_prefixes = {h: t for h, t in self.recent_prefixes.items() if t > now}
@@ -104,6 +106,24 @@ class NodeInfo:
         self.handoff_s = (
             seconds if not self.handoff_s else ((1 - weight) * self.handoff_s + weight * seconds)
         )
+
+
+def spec_decode_totals(counts: Iterable[SpecDecodeCounts | None]) -> dict[str, float]:
+    """Live nodes' speculative-decoding counters summed, under vLLM's names (nothing when no
+    node speculates). Each node counts since it started: a node gone takes its counts along."""
+    known = [c for c in counts if c is not None]
+    if not known:
+        return {}
+    out = {
+        "spec_decode_num_drafts": sum(c.num_drafts for c in known),
+        "spec_decode_num_draft_tokens": sum(c.num_draft_tokens for c in known),
+        "spec_decode_num_accepted_tokens": sum(c.num_accepted_tokens for c in known),
+    }
+    for c in known:
+        for pos, n in enumerate(c.accepted_per_position):
+            key = f"spec_decode_num_accepted_tokens_per_pos_{pos}"
+            out[key] = out.get(key, 0) + n
+    return out
 
 
 def kv_mismatch(prefill: NodeInfo, decode: NodeInfo) -> str | None:
@@ -258,4 +278,5 @@ class NodeRegistry:
             "nodes_decode": len(self.alive(("decode",))),
             "nodes_colocated": len(self.alive(("both",))),
             "prefix_blocks_prefill": sum(len(n.prefixes) for n in self.alive(("prefill",))),
+            **spec_decode_totals(n.spec_decode for n in self.alive(NODE_ROLES)),
         }
