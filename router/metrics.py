@@ -16,8 +16,31 @@ from pdserve.router.timing import RequestTiming
 logger = logging.getLogger(__name__)
 
 
+_SLOW = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
+_FAST = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
+# attribute, name, buckets, help
+_LATENCIES = (
+    ("ttft", "pdserve:time_to_first_token_seconds",
+     (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60),
+     "Request arrival to its first generated token"),
+    ("itl", "pdserve:inter_token_latency_seconds", _FAST,
+     "Time between two token messages of one request (several tokens with speculation)"),
+    ("tpot", "pdserve:request_time_per_output_token_seconds", _FAST,
+     "A finished request's first to last token over its tokens after the first"),
+    ("decode_time", "pdserve:request_decode_time_seconds", _SLOW,
+     "A finished request's first token to its last"),
+    ("e2e", "pdserve:e2e_request_latency_seconds", _SLOW, "Request arrival to its last token"),
+)  # fmt: skip
+
+
 class RouterMetrics:
     """Prometheus metrics of one app, in the app's own registry (tests build many apps)."""
+
+    ttft: Histogram
+    itl: Histogram
+    tpot: Histogram
+    decode_time: Histogram
+    e2e: Histogram
 
     def __init__(self, backend: Backend) -> None:
         self.registry = CollectorRegistry()
@@ -55,34 +78,8 @@ class RouterMetrics:
     def _latency_histograms(self, reg: CollectorRegistry) -> None:
         """vLLM's per-request latencies (`pdserve:` for `vllm:`), one observation per choice
         (a request of n choices is n requests to vLLM too), as the client sees them."""
-        slow = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
-        fast = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
-        self.ttft = Histogram(
-            "pdserve:time_to_first_token_seconds",
-            "Request arrival to its first generated token",
-            buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60),
-            registry=reg,
-        )
-        self.itl = Histogram(
-            "pdserve:inter_token_latency_seconds",
-            "Time between two token messages of one request (several tokens with speculation)",
-            buckets=fast, registry=reg,
-        )  # fmt: skip
-        self.tpot = Histogram(
-            "pdserve:request_time_per_output_token_seconds",
-            "A finished request's first to last token over its tokens after the first",
-            buckets=fast, registry=reg,
-        )  # fmt: skip
-        self.decode_time = Histogram(
-            "pdserve:request_decode_time_seconds",
-            "A finished request's first token to its last",
-            buckets=slow, registry=reg,
-        )  # fmt: skip
-        self.e2e = Histogram(
-            "pdserve:e2e_request_latency_seconds",
-            "Request arrival to its last token",
-            buckets=slow, registry=reg,
-        )  # fmt: skip
+        for attr, name, buckets, text in _LATENCIES:
+            setattr(self, attr, Histogram(name, text, buckets=buckets, registry=reg))
 
     def on_tokens(self, clock: TokenClock, count: int) -> None:
         """A choice's token message of `count` tokens reached the router."""

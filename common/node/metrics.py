@@ -9,6 +9,8 @@ thread reads without the loop taking a lock of its own. Every series carries the
 
 from __future__ import annotations
 
+from typing import Any
+
 from prometheus_client import CollectorRegistry, Counter, Histogram
 
 from pdserve.common.wire.payloads import StageTimes
@@ -19,77 +21,67 @@ SECONDS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 6
 BYTES = tuple(float(4**i) for i in range(6, 18))
 
 
+# attribute, kind, name, labelled by connector, buckets, help
+_SERIES = (
+    ("queue_time", Histogram, "pdserve:request_queue_time_seconds", False, SECONDS,
+     "Taken by the node to the first step that ran it (a decode node: KV whole to it)"),
+    ("prefill_time", Histogram, "pdserve:request_prefill_time_seconds", False, SECONDS,
+     "The first step that ran the prompt to its first token (every chunk)"),
+    ("kv_time", Histogram, "pdserve:kv_transfer_time_seconds", True, SECONDS,
+     "One request's KV transfer on its decode node: blocks reserved to KV whole on every rank "
+     "(pages stream as the prefill's layers finish: it overlaps the prefill)"),
+    ("kv_bytes", Histogram, "pdserve:kv_transfer_bytes", True, BYTES,
+     "KV bytes one request's transfer wrote into its decode node"),
+    ("kv_failed", Counter, "pdserve:kv_transfer_failures", True, None,
+     "Requests whose KV transfer failed (damaged or missing slices, a broken connection)"),
+    ("leases_expired", Counter, "pdserve:lease_expirations", False, None,
+     "Requests freed because their router stopped renewing their lease"),
+)  # fmt: skip
+
+
 class NodeMetrics:
-    """The request-level metrics of one node process (rank 0 of a tensor-parallel group)."""
+    """The request-level metrics of one node process (rank 0 of a tensor-parallel group): one
+    series of each metric in `_SERIES`, under the node's labels."""
+
+    queue_time: Any
+    prefill_time: Any
+    kv_time: Any
+    kv_bytes: Any
+    kv_failed: Any
+    leases_expired: Any
 
     def __init__(self, labels: dict[str, str], connector: str = "", block_bytes: int = 0) -> None:
-        """`connector`: the node's KV connector ("" for a node that moves no KV);
-        `block_bytes`: one block's KV across every layer and head (`KVLayout.block_bytes`)."""
+        """`connector`: the node's KV connector ("" for a node that moves no KV: "none");
+        `block_bytes`: one block's KV across every layer and head (`KVLayout.block_bytes`).
+        Every series exists from the start: a scrape before the first event reads 0."""
         self.registry = CollectorRegistry()
-        self._labels = labels
         self._block_bytes = block_bytes
-        self._kv_labels = labels | {"connector": connector}
-        names = list(labels)
-        kv = [*names, "connector"]
-        reg = self.registry
-        self.queue_time = Histogram(
-            "pdserve:request_queue_time_seconds",
-            "Taken by the node to the first step that ran it (a decode node: KV whole to it)",
-            names, buckets=SECONDS, registry=reg,
-        )  # fmt: skip
-        self.prefill_time = Histogram(
-            "pdserve:request_prefill_time_seconds",
-            "The first step that ran the prompt to its first token (every chunk)",
-            names, buckets=SECONDS, registry=reg,
-        )  # fmt: skip
-        self.kv_time = Histogram(
-            "pdserve:kv_transfer_time_seconds",
-            "One request's KV transfer on its decode node: blocks reserved to KV whole on "
-            "every rank (pages stream as the prefill's layers finish: overlaps the prefill)",
-            kv, buckets=SECONDS, registry=reg,
-        )  # fmt: skip
-        self.kv_bytes = Histogram(
-            "pdserve:kv_transfer_bytes",
-            "KV bytes one request's transfer wrote into its decode node (every rank)",
-            kv, buckets=BYTES, registry=reg,
-        )  # fmt: skip
-        self.kv_failed = Counter(
-            "pdserve:kv_transfer_failures",
-            "Requests whose KV transfer failed (damaged or missing slices, a broken connection)",
-            kv, registry=reg,
-        )  # fmt: skip
-        self.leases_expired = Counter(
-            "pdserve:lease_expirations",
-            "Requests freed because their router stopped renewing their lease",
-            names, registry=reg,
-        )  # fmt: skip
-        # Every series from the start: a scrape before the first event reads 0, not nothing.
-        for metric in (self.queue_time, self.prefill_time, self.leases_expired):
-            metric.labels(**labels)
-        if connector:
-            for metric in (self.kv_time, self.kv_bytes, self.kv_failed):
-                metric.labels(**self._kv_labels)
+        kv = labels | {"connector": connector or "none"}
+        for attr, kind, name, by_connector, buckets, text in _SERIES:
+            own = kv if by_connector else labels
+            opts = {"buckets": buckets} if buckets else {}
+            metric = kind(name, text, list(own), registry=self.registry, **opts)
+            setattr(self, attr, metric.labels(**own))
 
     def first_token(self, stages: StageTimes, remote: bool) -> None:
         """A request's stages up to the first token this node computed (`remote`: its KV came
         from a prefill node; its queue is the wait for admission)."""
-        labels = self._labels
         if remote:
-            self.queue_time.labels(**labels).observe(stages.admission)
+            self.queue_time.observe(stages.admission)
             return
-        self.queue_time.labels(**labels).observe(stages.queue)
-        self.prefill_time.labels(**labels).observe(stages.prefill)
+        self.queue_time.observe(stages.queue)
+        self.prefill_time.observe(stages.prefill)
 
     def kv_received(self, seconds: float, pages: int, ok: bool) -> None:
         """A request's KV transfer of `pages` blocks ended on every rank of this decode node."""
         if not ok:
             self.transfer_failed()
             return
-        self.kv_time.labels(**self._kv_labels).observe(seconds)
-        self.kv_bytes.labels(**self._kv_labels).observe(pages * self._block_bytes)
+        self.kv_time.observe(seconds)
+        self.kv_bytes.observe(pages * self._block_bytes)
 
     def transfer_failed(self) -> None:
-        self.kv_failed.labels(**self._kv_labels).inc()
+        self.kv_failed.inc()
 
     def lease_expired(self) -> None:
-        self.leases_expired.labels(**self._labels).inc()
+        self.leases_expired.inc()
