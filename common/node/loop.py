@@ -130,7 +130,8 @@ class EngineNode:
         return None
 
     def node_metrics(self, labels: dict[str, str]) -> NodeMetrics:
-        """The node's request metrics; a node that moves KV labels its transfers' by connector."""
+        """The node's request metrics; a node that moves KV labels its transfer series with
+        its connector."""
         if self.kv is None:
             return NodeMetrics(labels)
         port = self.kv.port
