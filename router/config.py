@@ -114,6 +114,14 @@ class RouterConfig:
         LIMITS,
         "prompt tokens in flight beyond which new requests get 503",
     )
+    request_log: str | None = option(
+        None,
+        API,
+        "append one JSON line per finished request to FILE (lengths, prompt block hashes, "
+        "stage times, nodes, outcome; no text) for `pdserve bench replay`",
+        type=str,
+        metavar="FILE",
+    )
     curve_dir: str | None = option(
         None,
         SECURITY,

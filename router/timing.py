@@ -43,6 +43,7 @@ class RequestTiming:
     first_token: float = 0.0  # the first token reached the router's request stream
     computed: StageTimes | None = None  # from the node that computed the prompt
     received: StageTimes | None = None  # from the decode node its KV went to
+    cached_tokens: int = 0  # prompt tokens a node had cached (its first message's count)
 
     def reserved(self, seconds: float) -> None:
         if not self.first_token:
@@ -62,6 +63,7 @@ class RequestTiming:
                 self.computed = stages
         if msg.token_ids and not self.first_token:
             self.first_token = time.monotonic()
+        self.cached_tokens = max(self.cached_tokens, msg.cached_tokens)
 
     @property
     def ttft(self) -> float:

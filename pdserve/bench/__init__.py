@@ -24,6 +24,7 @@ BENCHMARKS = {
     "tp": ("tp", "TP 1 against TP 2: decode step, all-reduce share, KV GB/s per (p, d)"),
     "gpu": ("gpu", "one CUDA GPU against its floor, HF generate, KV transfer (docs/gpu.md)"),
     "spec": ("spec", "speculative decoding (ngram, suffix) against none: tok/s, acceptance"),
+    "replay": ("replay", "a captured request log or Mooncake trace: TTFT stages, prefix hits"),
 }
 
 

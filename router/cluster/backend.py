@@ -52,6 +52,7 @@ from pdserve.router.cluster.streams import (
     left_behind,
 )
 from pdserve.router.cluster.tracing import RequestTrace
+from pdserve.router.request_log import RequestLog, logged
 
 if TYPE_CHECKING:  # router.config reads the policies' names from this package: no cycle
     from pdserve.router.config import RouterConfig
@@ -93,6 +94,7 @@ class ClusterBackend(Backend):
         )
         self.registrar = Registrar(self.table, self.control, config.probe_timeout)
         self.tracer = tracer_of("router", config.tracing)  # None: tracing off
+        self.request_log = RequestLog(config.request_log) if config.request_log else None
         self.model_name = config.served_name
         self._tasks: list[asyncio.Task] = []
         self._nonce = itertools.count(1)
@@ -114,6 +116,8 @@ class ClusterBackend(Backend):
         await self.control.close()
         if self.tracer is not None:
             self.tracer.close()
+        if self.request_log is not None:
+            self.request_log.close()
 
     # -- registry --------------------------------------------------------------------------
 
@@ -142,6 +146,8 @@ class ClusterBackend(Backend):
             layout = dataclasses.asdict(node.kv_layout) if node.kv_layout else None
             out[node.node_id] = {"role": node.role, "kv_layout": layout, "report": None}
             out[node.node_id]["in_flight"] = node.inflight
+            # The router's view of its prefix cache, as placement reads it (hex block hashes).
+            out[node.node_id]["prefix_view"] = sorted(h.hex() for h in node.prefixes)
             out[node.node_id]["registrations"] = self.registrar.registrations[node.node_id]
             if report is not None:
                 out[node.node_id]["report"] = {
@@ -286,8 +292,10 @@ class ClusterBackend(Backend):
                 await self._abort_nodes(stream, "stream ended")
             else:
                 self._expect_conversation(stream)
-            self.table.close(request.request_id)
             outcome = "failed" if stream.failed else "finished" if finished else "abandoned"
+            if self.request_log is not None:  # before close, which detaches its nodes
+                self._log(stream, outcome)
+            self.table.close(request.request_id)
             stream.trace.finish(len(stream.generated), outcome)
 
     async def _next(self, stream: Stream) -> Tokens | Error:
@@ -304,6 +312,13 @@ class ClusterBackend(Backend):
             failure = await self.routing.recover(stream, item)
             if failure is not None:
                 return failure
+
+    def _log(self, stream: Stream, outcome: str) -> None:
+        """The request's line in --request-log, its prompt hashed at its computing node's
+        block size (the prefix caches' granularity; 16 if it reached none)."""
+        node = self.registry.get(stream.prefill_node or stream.decode_node)
+        assert self.request_log is not None
+        self.request_log.write(logged(stream, outcome, node.block_size if node else 16))
 
     def _expect_conversation(self, stream: Stream) -> None:
         """The node that decoded a finished request holds its prompt and answer: the next
