@@ -14,7 +14,9 @@ compile runs: the package holds no weights), checks that its compile key is the 
 same code, dtype, weight form, threads) and writes the package into the cache folder, whole
 then renamed. The parent loads it on its own thread and `CompiledDecode` adopts it between two
 steps, so a step runs wholly eager or wholly compiled. A compile that fails, times out or is
-killed leaves its bucket eager, and the parent removes the child's unfinished package file.
+killed leaves its bucket eager, and the parent removes the child's unfinished package file;
+the buckets not compiled yet stay eager too (a model that one bucket cannot export, none can),
+until the next start tries again.
 """
 
 from __future__ import annotations
@@ -134,9 +136,11 @@ class BackgroundCompile:
             except Exception:  # whatever went wrong, the bucket stays eager and the node serves
                 log.exception("decode bucket %d stays eager: its background compile failed", size)
                 package = None
-            if package is None:
-                self.failed.append(size)
-                continue
+            if package is None:  # what failed one bucket (a model export cannot trace, say)
+                with self._lock:  # fails the rest alike: they stay eager until the next start
+                    self.failed += [size, *self._missing]
+                    self._missing.clear()
+                return
             with self._lock:
                 self._ready[size] = package
             self.compiled.append(size)

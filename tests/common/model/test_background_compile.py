@@ -16,13 +16,14 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-import torch
 
 from pdserve.common.engine.background_compile import BackgroundCompile, CompileJob
 from pdserve.common.engine.config import EAGER_ENV
 from pdserve.common.engine.decode_packages import tmp_package_path
 from pdserve.common.engine.llm import LLM
-from tests.common.model.test_compile import QWEN2_SLIDING
+
+# one_thread: this module's engines, and so the child's packages, at one thread (autouse).
+from tests.common.model.test_compile import QWEN2_SLIDING, one_thread  # noqa: F401
 from tests.common.test_llm_equivalence import GREEDY, PROMPTS, hf_greedy
 from tests.devices import ON_CUDA
 
@@ -32,22 +33,13 @@ COMPILE_WAIT_S = 1200  # a cold bucket of the tiny model, at nice 19 beside othe
 PROMPT = 4  # PROMPTS[4]: 40 tokens, greedy for MAX_TOKENS (10)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread() -> Iterator[None]:
-    """Packages are keyed by the thread count; one keeps the child's compile steady."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 @pytest.fixture(scope="module")
 def model_dir(tiny_model_dir) -> str:
     return str(tiny_model_dir("qwen2", **QWEN2_SLIDING))
 
 
-def start(model_dir: str, root: Path) -> LLM:
-    return LLM(model_dir, compile_mode="background", max_num_seqs=1, dtype="float32",
+def start(model_dir: str, root: Path, max_num_seqs: int = 1) -> LLM:
+    return LLM(model_dir, compile_mode="background", max_num_seqs=max_num_seqs, dtype="float32",
                compile_cache_dir=str(root), skip_tokenizer_init=True)  # fmt: skip
 
 
@@ -75,7 +67,7 @@ def switched(model_dir: str, tmp_path_factory: pytest.TempPathFactory) -> Iterat
     while len(steps) < 2:
         engine.step()
     assert compiled.background.wait(COMPILE_WAIT_S), "the background compile did not finish"
-    while engine.has_unfinished():
+    while engine.has_unfinished:
         engine.step()
     engine.check_integrity()
     yield Switch(list(request.output_token_ids), steps, root)
@@ -102,11 +94,12 @@ def test_a_second_start_compiles_nothing(switched: Switch, model_dir: str) -> No
     assert not list(switched.root.rglob("*.tmp-*")), "an unfinished package was left"
 
 
-def _dying_child(how: str) -> object:
+def _dying_child(how: str, started: list[int]) -> object:
     """A stand-in child that writes its unfinished package, then dies (`kill`) or exits 1."""
     end = "os.kill(os.getpid(), signal.SIGKILL)" if how == "kill" else "sys.exit(1)"
 
     def command(self: BackgroundCompile, job: CompileJob) -> list[str]:
+        started.append(job.size)
         folder = Path(job.cache_root) / job.digest
         code = (
             "import os, signal, sys\n"
@@ -122,11 +115,13 @@ def _dying_child(how: str) -> object:
 def test_a_failed_compile_leaves_eager_serving_and_no_tmp_files(
     how: str, model_dir: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(BackgroundCompile, "command", _dying_child(how))
-    with start(model_dir, tmp_path) as llm:
+    started: list[int] = []
+    monkeypatch.setattr(BackgroundCompile, "command", _dying_child(how, started))
+    with start(model_dir, tmp_path, max_num_seqs=2) as llm:
         background = llm.engine.runner.compiled.background
         assert background.wait(60)
-        assert background.failed == [1] and background.compiled == []
+        # the smallest bucket first; its failure leaves the other eager without a child
+        assert started == [1] and background.failed == [1, 2] and background.compiled == []
         folder = llm.engine.runner.compiled.cache.path
         pid = background.child.pid
         assert not tmp_package_path(folder, 1, pid).exists(), "the unfinished package stayed"
