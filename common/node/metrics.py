@@ -15,7 +15,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 
 from pdserve.common.wire.payloads import StageTimes
 
-# vLLM's request-time buckets (0.3 s to 2 h would hide a CPU node's milliseconds: both).
+# Request times from 1 ms (a tiny model's prefill on a CPU) to 10 min (a long prompt queued).
 SECONDS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 600)
 # KV bytes of one request: 4 KiB (a tiny model's block) to 16 GiB, by powers of 4.
 BYTES = tuple(float(4**i) for i in range(6, 18))
