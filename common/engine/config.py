@@ -187,12 +187,28 @@ class CacheConfig:
         action="store_false",
     )
     kv_cache_bytes: int = option(256 * 1024**2, CACHE, "KV pool size on CPU (bytes)")
+    kv_offload_bytes: int = option(
+        0, CACHE, "host KV tier under the pool: evicted blocks kept in memory (bytes; 0: none)"
+    )
+    kv_store: str | None = option(
+        None,
+        CACHE,
+        "shared KV tier under the pool and host tier: file://DIR or redis://HOST:PORT "
+        "(docs/kv_tiers.md)",
+        type=str,
+        metavar="URL",
+    )
     gpu_memory_utilization: float = 0.85  # no flag (the `LLM` API sets it)
 
     def __post_init__(self) -> None:
         _require(self.block_size in (1, 2, 4, 8, 16, 32, 64, 128), "block_size must be 2^k <= 128")
         _require(self.num_blocks is None or self.num_blocks >= 2, "num_blocks must be >= 2")
         _require(self.kv_cache_bytes > 0, "kv_cache_bytes must be positive")
+        _require(self.kv_offload_bytes >= 0, "kv_offload_bytes must be >= 0")
+        _require(
+            self.kv_store is None or self.kv_store.split("://")[0] in ("file", "redis"),
+            f"kv_store {self.kv_store!r}: use file://DIR or redis://HOST:PORT",
+        )
         _require(0.0 < self.gpu_memory_utilization <= 1.0, "gpu_memory_utilization in (0, 1]")
 
 
@@ -221,8 +237,8 @@ class SchedulerConfig:
         None,
         SCHEDULER,
         "speculative decoding, vLLM's JSON keys, e.g. "
-        '\'{"method": "ngram", "num_speculative_tokens": 3}\' (methods: ngram, suffix; '
-        "docs/speculative.md)",
+        '\'{"method": "ngram", "num_speculative_tokens": 3}\' (methods: ngram, suffix, '
+        "draft_model; docs/speculative.md)",
         type=lambda text: _flag_value(SpeculativeConfig.parse, text),
         metavar="JSON",
     )

@@ -16,6 +16,7 @@ import torch
 
 from pdserve.common.model.attention import AttentionMetadata, KVCacheSpec
 from pdserve.common.model.config import ModelArchConfig
+from pdserve.common.model.registry import model_class
 from pdserve.common.model.weights import load_model, model_fingerprint
 from pdserve.common.spec.base import Proposer
 from pdserve.common.spec.config import SpeculativeConfig
@@ -86,7 +87,7 @@ class DraftModel:
     ) -> None:
         assert config.model is not None, "a draft_model config names its model"
         self.model, self.arch = load_model(config.model, dtype, device)
-        target_spec = type(self.model).kv_cache_spec(target)
+        target_spec = model_class(target).kv_cache_spec(target)  # the target's own family
         self.spec: KVCacheSpec = type(self.model).kv_cache_spec(self.arch)
         check_draft(self.arch, target, self.spec == target_spec)
         if device.type == "cpu":

@@ -9,6 +9,7 @@ import json
 from functools import partial
 
 import httpx
+import pytest
 
 from pdserve.bench.systems import wait_until
 from pdserve.common.engine.llm import LLM, SamplingParams
@@ -75,8 +76,9 @@ def _colocated_counts(model: str, spec: str) -> tuple[list[list[int]], list[floa
     return tokens, drafts, accepted
 
 
-def test_draft_model_kv_through_1p1d_keeps_colocated_acceptance(tmp_path) -> None:
-    """Greedy tokens through 1P1D (zmq) equal colocated with and without speculation, and the
+@pytest.mark.parametrize("connector", ["zmq", "shm"])
+def test_draft_model_kv_through_1p1d_keeps_colocated_acceptance(tmp_path, connector) -> None:
+    """Greedy tokens through 1P1D (zmq, shm) equal colocated with and without speculation, and the
     accepted drafts of each request equal colocated's exactly: the decode node drafts from
     the shipped draft pages. (The negative control, a decode side whose draft pages are zeros
     as a fresh pool holds them when they are not shipped, is
@@ -93,8 +95,9 @@ def test_draft_model_kv_through_1p1d_keeps_colocated_acceptance(tmp_path) -> Non
     assert accepted[-1] > 0, "no draft accepted colocated: the test would show nothing"
     health = free_port()
     engine = [*ENGINE, "--speculative-config", spec]
+    decode = ["--health-port", str(health)]
     with LocalCluster(
-        str(model), 1, 1, engine_args=engine, decode_args=["--health-port", str(health)]
+        str(model), 1, 1, kv_connector=connector, engine_args=engine, decode_args=decode
     ) as c:
         got = []
         for i, prompt in enumerate(DRAFT_PROMPTS):

@@ -137,6 +137,9 @@ def test_draft_pages_share_the_target_blocks(models) -> None:
     assert runner.num_blocks == (1 << 20) // layout.block_bytes
     assert plain.engine.runner.num_blocks == (1 << 20) // plain_layout.block_bytes
     assert layout.model_id.startswith(plain_layout.model_id + "+draft:")
+    # The KV handshake compares layouts field by field: a node without the draft is refused.
+    mismatch = layout.describe_mismatch(plain_layout)
+    assert "model_id" in mismatch and "num_layers" in mismatch
 
 
 def test_bad_draft_is_refused_by_name(models, tmp_path) -> None:
@@ -177,3 +180,23 @@ def test_acceptance_depends_on_the_draft_pages(models) -> None:
     kept, dropped = run(False), run(True)
     assert kept[0] == dropped[0]
     assert kept[1] != dropped[1]
+
+
+def test_preempted_requests_recompute_the_draft_pages(models, baseline) -> None:
+    """A pool too small for the batch: a preempted request's blocks go back with both page
+    groups, and its recompute rewrites the draft's pages with the target's, so the target as
+    its own draft still accepts every draft."""
+    llm = LLM(
+        models["target"],
+        skip_tokenizer_init=True,
+        block_size=4,
+        num_blocks=40,
+        speculative_config=draft(models["target"], 3),
+    )
+    outs = llm.generate(PROMPTS, GREEDY)
+    assert sum(o.num_preemptions for o in outs) > 0, "the pool was meant to force preemption"
+    assert [o.token_ids for o in outs] == baseline
+    llm.engine.check_integrity()
+    assert llm.engine.kv.num_free_blocks == llm.engine.kv.pool.num_blocks - 1, "leaked blocks"
+    stats = llm.engine.scheduler.drafter.stats
+    assert stats.num_accepted_tokens == stats.num_draft_tokens > 0
