@@ -148,8 +148,6 @@ class ClusterBackend(Backend):
             out[node.node_id]["in_flight"] = node.inflight
             # The router's view of its prefix cache, as placement reads it (hex block hashes).
             out[node.node_id]["prefix_view"] = sorted(h.hex() for h in node.prefixes)
-            # The router's view of its prefix cache, as placement reads it (hex block hashes).
-            out[node.node_id]["prefix_view"] = sorted(h.hex() for h in node.prefixes)
             out[node.node_id]["registrations"] = self.registrar.registrations[node.node_id]
             if report is not None:
                 out[node.node_id]["report"] = {
