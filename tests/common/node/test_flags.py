@@ -60,6 +60,7 @@ ENGINE_VALUES = {
     "max_model_len": 50,
     "long_prefill_token_threshold": 5,
     "compile_cache_dir": "/tmp/c",
+    "compile_mode": "blocking",
     "speculative_config": '{"method": "ngram", "num_speculative_tokens": 2}',
 }
 
