@@ -19,6 +19,7 @@ import hashlib
 from array import array
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 from pdserve.common.engine.request import Request
 
@@ -88,6 +89,18 @@ class PrefixEvents:
         removed = tuple(h for h, cached in self.pending.items() if not cached)
         self.pending.clear()
         return False, stored, removed
+
+
+class BlockTiers(Protocol):
+    """Where full blocks go when the pool evicts them and come back from on a prefix miss
+    (host memory, a shared store: `kv_store.PoolTiers`). The manager stays free of tensors:
+    the tiers copy a block's pages themselves, by block id."""
+
+    def offload(self, block_hash: BlockHash, block_id: int) -> None:
+        """Keep a copy of the block's pages (called before the block is reused)."""
+
+    def load(self, block_hash: BlockHash, block_id: int) -> bool:
+        """Write the verified pages of `block_hash` into the block; False on any miss."""
 
 
 class KVCacheBlock:
@@ -172,6 +185,7 @@ class BlockPool:
         self.free_queue = FreeBlockQueue(self.blocks[1:])
         self.cached: dict[BlockHash, KVCacheBlock] = {}
         self.prefix_events: PrefixEvents | None = None  # set by nodes that report their cache
+        self.tiers: BlockTiers | None = None  # evicted full blocks go there (KVCacheManager)
 
     @property
     def num_free_blocks(self) -> int:
@@ -201,6 +215,8 @@ class BlockPool:
     def _evict(self, block: KVCacheBlock) -> None:
         if block.block_hash is None:
             return
+        if self.tiers is not None:  # its pages are still intact: nothing wrote it since
+            self.tiers.offload(block.block_hash, block.block_id)
         if self.cached.get(block.block_hash) is block:
             del self.cached[block.block_hash]
             if self.prefix_events is not None:
@@ -281,7 +297,8 @@ class KVCacheBlocks:
 @dataclass(slots=True)
 class PrefixCacheStats:
     queries: int = 0  # prompt tokens looked up
-    hits: int = 0  # of which served from the cache
+    hits: int = 0  # of which served from the cache (the pool or a tier)
+    tier_hits: int = 0  # of which loaded from a tier below the pool
 
     @property
     def hit_rate(self) -> float:
@@ -291,10 +308,17 @@ class PrefixCacheStats:
 class KVCacheManager:
     """Owns every request's block table; the only caller of BlockPool."""
 
-    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True) -> None:
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        enable_caching: bool = True,
+        tiers: BlockTiers | None = None,
+    ) -> None:
         self.block_size = block_size
         self.enable_caching = enable_caching
         self.pool = BlockPool(num_blocks, enable_caching)
+        self.pool.tiers = tiers if enable_caching else None
         self.req_blocks: dict[str, list[KVCacheBlock]] = {}
         self.req_hashes: dict[str, list[BlockHash]] = {}
         self.req_num_cached: dict[str, int] = {}  # leading blocks already indexed
@@ -333,16 +357,46 @@ class KVCacheManager:
         if not self.enable_caching:
             return KVCacheBlocks(), 0
         max_blocks = (request.num_tokens - 1) // self.block_size
+        hashes = self._hashes(request)[:max_blocks]
         hits: list[KVCacheBlock] = []
-        for block_hash in self._hashes(request)[:max_blocks]:
+        for block_hash in hashes:
             block = self.pool.get_cached_block(block_hash)
             if block is None:
                 break
             hits.append(block)
+        n_pool = len(hits)
+        if self.pool.tiers is not None and n_pool < len(hashes):
+            self._load_from_tiers(hits, hashes[n_pool:])
         n_tokens = len(hits) * self.block_size
         self.stats.queries += request.num_tokens
         self.stats.hits += n_tokens
+        self.stats.tier_hits += (len(hits) - n_pool) * self.block_size
         return KVCacheBlocks(tuple(hits)), n_tokens
+
+    def _load_from_tiers(self, hits: list[KVCacheBlock], missing: list[BlockHash]) -> None:
+        """Extend `hits` with the blocks after them that a tier holds, each loaded into a
+        pool block and indexed like a computed one; stops at the first miss (the rest is
+        recomputed). The hits are held while loading so that taking a block for a load
+        never evicts one of them; afterwards every one is evictable again until
+        allocate_slots touches it, as pool hits are."""
+        assert self.pool.tiers is not None
+        self.pool.touch(hits)
+        held = list(hits)
+        for block_hash in missing:
+            block = self.pool.get_cached_block(block_hash)  # a later block may still be here
+            if block is not None:
+                self.pool.touch([block])
+            elif self.pool.num_free_blocks:
+                (block,) = self.pool.get_new_blocks(1)
+                if not self.pool.tiers.load(block_hash, block.block_id):
+                    self.pool.free_blocks([block])
+                    break
+                self.pool.cache_block(block, block_hash)
+            else:
+                break
+            held.append(block)
+            hits.append(block)
+        self.pool.free_blocks(reversed(held))
 
     def allocate_slots(
         self,

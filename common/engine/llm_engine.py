@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from pdserve.common.engine.config import (
     CacheConfig,
@@ -20,6 +21,10 @@ from pdserve.common.model.checkpoint import Checkpoint
 from pdserve.common.model.weights import model_fingerprint
 from pdserve.common.spec.draft_model import DraftModelProposer
 from pdserve.common.wire.payloads import KVLayout, SamplingParams
+
+if TYPE_CHECKING:
+    from pdserve.kv_store.pool_tiers import PoolTiers
+    from pdserve.kv_store.tier import TierStats
 
 # Given a step's batch, what runs after each layer of its forward, or None (LLMEngine.step).
 LayerHook = Callable[[SchedulerOutput], LayerCall | None]
@@ -75,8 +80,9 @@ class LLMEngine:
             parallel,
             speculative=scheduler.speculative_config,
         )
+        self.tiers = self._tiers(cache, parallel)
         self.kv = KVCacheManager(
-            self.runner.num_blocks, cache.block_size, cache.enable_prefix_caching
+            self.runner.num_blocks, cache.block_size, cache.enable_prefix_caching, self.tiers
         )
         self.max_model_len = self._max_model_len(scheduler)
         draft = self.runner.draft
@@ -84,6 +90,19 @@ class LLMEngine:
         self.scheduler = Scheduler(scheduler, self.kv, self.max_model_len, proposer)
         self._structured: StructuredOutputs | None = None  # made on the first constraint
         self.prefill_rate = PrefillRate()
+
+    def _tiers(self, cache: CacheConfig, parallel: ParallelConfig | None) -> PoolTiers | None:
+        """The KV tiers under the pool (docs/kv_tiers.md), or None when none is asked for."""
+        if not (cache.kv_offload_bytes or cache.kv_store) or not cache.enable_prefix_caching:
+            return None
+        if parallel is not None and parallel.tensor_parallel_size > 1:
+            raise ValueError("KV tiers (--kv-offload-bytes, --kv-store) run at TP 1 only for now")
+        from pdserve.kv_store.key import KeySpace  # kv_store sits above the engine's core
+        from pdserve.kv_store.pool_tiers import open_pool_tiers
+
+        space = KeySpace.of(self.kv_layout())
+        caches = self.runner.kv_caches
+        return open_pool_tiers(cache.kv_offload_bytes, cache.kv_store, space, caches)
 
     def _max_model_len(self, scheduler: SchedulerConfig) -> int:
         capacity = self.kv.capacity_tokens()
@@ -187,6 +206,13 @@ class LLMEngine:
         driver = self.runner.driver
         return None if driver is None else driver.broken()
 
+    def tier_stats(self) -> tuple[TierStats, ...]:
+        """Counters of each KV tier under the pool (hits, misses, bytes), nearest first."""
+        return () if self.tiers is None else self.tiers.stats()
+
     def close(self) -> None:
-        """Stop the engine's other tensor-parallel ranks (nothing to do at TP 1)."""
+        """Stop the engine's other tensor-parallel ranks (nothing to do at TP 1) and close
+        the KV tiers."""
         self.runner.close()
+        if self.tiers is not None:
+            self.tiers.close()

@@ -1,0 +1,143 @@
+"""KV tiers under the engine's block pool (issue 40, colocated): a multi-turn workload whose
+working set is about 4x a 16-block pool, with the host tier alone and with host + file://
+store, equals HF transformers' greedy output token for token, and the tiers' counters show the
+blocks the pool evicted coming back instead of being recomputed. A store whose every object
+is corrupted gives the same output, its reads counted as misses."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import pytest
+import torch
+
+from pdserve.common.engine.llm import LLM, SamplingParams
+from pdserve.tiny_model import make_tiny_model
+
+VOCAB = 512
+BLOCK = 4
+NUM_BLOCKS = 16  # 15 usable: 60 tokens, a fifth of the workload's 5 conversations
+ANSWER = 6
+GREEDY = SamplingParams(max_tokens=ANSWER, temperature=0.0, ignore_eos=True)
+Turn = tuple[tuple[int, ...], tuple[int, ...]]  # (prompt, answer)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
+    return str(make_tiny_model("llama", tmp_path_factory.mktemp("tiers"), vocab=VOCAB))
+
+
+def converse(llm: LLM, n_convs: int = 5, n_turns: int = 4) -> list[Turn]:
+    """Round robin over conversations, one request at a time: each turn's prompt is the
+    previous prompt, its answer and six new tokens, so a turn's prefix was evicted by the
+    other conversations' turns since (about 68 blocks of history against 15)."""
+    rng = random.Random(7)
+    history: list[list[int]] = [[] for _ in range(n_convs)]
+    turns: list[Turn] = []
+    for _ in range(n_turns):
+        for conv in history:
+            conv += [rng.randrange(3, VOCAB) for _ in range(12 if not conv else 6)]
+            (out,) = llm.generate([conv], GREEDY)
+            turns.append((tuple(conv), tuple(out.token_ids)))
+            conv += out.token_ids
+    return turns
+
+
+_hf: dict[tuple[int, ...], tuple[int, ...]] = {}
+
+
+def assert_equals_hf(model_dir: str, turns: list[Turn]) -> None:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    for prompt, answer in turns:
+        if prompt not in _hf:
+            ids = torch.tensor([prompt])
+            with torch.no_grad():
+                out = model.generate(
+                    ids,
+                    attention_mask=torch.ones_like(ids),
+                    max_new_tokens=ANSWER,
+                    do_sample=False,
+                    eos_token_id=None,
+                    pad_token_id=0,
+                )
+            _hf[prompt] = tuple(out[0, len(prompt) :].tolist())
+        assert answer == _hf[prompt], f"prompt of {len(prompt)} tokens"
+
+
+def run(model_dir: str, **tiers: object) -> tuple[list[Turn], LLM]:
+    llm = LLM(
+        model_dir,
+        num_blocks=NUM_BLOCKS,
+        block_size=BLOCK,
+        dtype="float32",
+        skip_tokenizer_init=True,
+        **tiers,
+    )
+    turns = converse(llm)
+    kv = llm.engine.kv
+    kv.check_integrity()
+    assert kv.num_free_blocks == NUM_BLOCKS - 1 and not kv.req_blocks  # back to baseline
+    return turns, llm
+
+
+def tier(llm: LLM, name: str):
+    """The counters of the tier `name` ("host", or a store by its URL's scheme)."""
+    (stats,) = [s for s in llm.engine.tier_stats() if s.tier.split(":")[0] == name]
+    return stats
+
+
+@pytest.fixture(scope="module")
+def baseline(model_dir: str) -> tuple[list[Turn], int]:
+    """The workload without tiers: its turns (checked against HF) and prefix-cache hits."""
+    turns, llm = run(model_dir)
+    assert_equals_hf(model_dir, turns)
+    assert llm.engine.tier_stats() == () and llm.engine.kv.stats.tier_hits == 0
+    return turns, llm.engine.kv.stats.hits
+
+
+def test_host_tier_equals_hf_and_saves_prompt_tokens(model_dir: str, baseline) -> None:
+    turns, llm = run(model_dir, kv_offload_bytes=64 << 20)
+    assert turns == baseline[0]
+    assert_equals_hf(model_dir, turns)
+    stats, host = llm.engine.kv.stats, tier(llm, "host")
+    assert llm.engine.tiers is not None and llm.engine.tiers.offloaded > 0
+    # Every earlier turn's history comes back from the host tier instead of being recomputed.
+    assert host.hits > 0 and stats.tier_hits == host.hits * BLOCK
+    assert stats.hits == baseline[1] + stats.tier_hits
+    assert host.bytes_read == host.hits * llm.engine.tiers.block_bytes
+
+
+def test_file_store_serves_a_fresh_engine(model_dir: str, baseline, tmp_path: Path) -> None:
+    url = f"file://{tmp_path}/kv"
+    turns, first = run(model_dir, kv_offload_bytes=64 << 20, kv_store=url)
+    assert turns == baseline[0] and tier(first, "host").hits > 0
+    assert tier(first, "file").puts > 0
+    # A second engine (an empty pool and host tier) reads what the first stored.
+    turns, second = run(model_dir, kv_offload_bytes=64 << 20, kv_store=url)
+    assert turns == baseline[0]
+    assert_equals_hf(model_dir, turns)
+    file_hits = tier(second, "file").hits
+    assert file_hits > 0 and tier(second, "file").bad_objects == 0
+    assert second.engine.kv.stats.tier_hits >= file_hits * BLOCK
+    assert second.engine.kv.stats.hits > first.engine.kv.stats.hits  # turn 1s hit too
+
+
+def test_corrupted_store_is_recomputed(model_dir: str, baseline, tmp_path: Path) -> None:
+    url = f"file://{tmp_path}/kv"
+    run(model_dir, kv_store=url)
+    objects = list((tmp_path / "kv").rglob("*.kv"))
+    assert objects
+    for path in objects:  # one flipped byte in the payload: only the checksum can tell
+        data = bytearray(path.read_bytes())
+        data[-1] ^= 0x40
+        path.write_bytes(bytes(data))
+    turns, llm = run(model_dir, kv_store=url)
+    assert turns == baseline[0]
+    assert_equals_hf(model_dir, turns)
+    store = tier(llm, "file")
+    assert store.bad_objects > 0 and store.misses >= store.bad_objects
+    # Whatever came back was rewritten by this engine after the damaged object was dropped.
+    assert llm.engine.kv.stats.tier_hits == store.hits * BLOCK
