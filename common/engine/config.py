@@ -15,7 +15,7 @@ from pdserve.common.spec.config import SpeculativeConfig
 _DTYPES = ("auto", *DTYPES)
 QUANTIZATIONS = ("auto", "none", "int8", "int4")
 COMPILE_MODES = ("eager", "background", "blocking")
-EAGER_ENV = "PDSERVE_ENFORCE_EAGER"  # what enforce_eager None means (`compile_decode`)
+EAGER_ENV = "PDSERVE_ENFORCE_EAGER"  # decides what the flags leave open (`decode_compile`)
 # The help groups of the engine's flags (`node.cli.add_engine_args`).
 MODEL, CACHE, SCHEDULER = "model", "KV cache", "scheduler"
 
