@@ -97,8 +97,10 @@ def load_runner_model(
 class ModelRunner:
     """Loads the model, owns the paged KV cache and runs one scheduled step at a time.
 
-    With model_config.compile_decode, decode steps of up to max_num_seqs sequences run through
-    the compiled model (every bucket compiled here, at start); other steps run eager.
+    Unless model_config.decode_compile is "eager", decode steps of up to max_num_seqs
+    sequences run through the compiled model (every bucket compiled here, at start, when
+    "blocking"; when "background", each bucket once a child process has compiled it); other
+    steps run eager.
 
     With `parallel.tensor_parallel_size` N > 1 this runner is rank 0 of N: it starts the
     other ranks (`tensor_parallel.RankDriver`), holds its shard of the model and of every KV
