@@ -122,6 +122,9 @@ class ModelRunner:
         self.block_size = cache_config.block_size
         self.parallel = parallel = parallel or ParallelConfig()
         self.driver: RankDriver | None = None
+        drafts_kv = speculative is not None and speculative.has_draft_kv
+        if drafts_kv and parallel.tensor_parallel_size > 1:  # before any rank process starts
+            raise ValueError("speculative_config: draft_model runs at tensor parallel size 1 only")
         if tp is None and parallel.tensor_parallel_size > 1:
             # Refuse a model that cannot split before starting any process.
             shard = TPShard(0, parallel.tensor_parallel_size, model_config.enable_expert_parallel)
@@ -190,8 +193,6 @@ class ModelRunner:
             self.model.use_cpu_head()  # packed or chunked float32 head (kernels/cpu_linear.py)
 
     def _load_draft(self, speculative: SpeculativeConfig, target_dir: str) -> None:
-        if self.parallel.tensor_parallel_size > 1:
-            raise ValueError("speculative_config: draft_model runs at tensor parallel size 1")
         target = ModelArchConfig.from_dir(target_dir)
         self.draft = DraftModel(speculative, target, self.dtype, self.device)
 

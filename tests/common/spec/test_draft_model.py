@@ -149,6 +149,8 @@ def test_bad_draft_is_refused_by_name(models, tmp_path) -> None:
     heads = make_tiny_model("llama", tmp_path / "heads", num_hidden_layers=1, num_key_value_heads=4)
     with pytest.raises(ValueError, match="speculative_config.model: the draft's KV pages"):
         LLM(models["target"], skip_tokenizer_init=True, speculative_config=draft(str(heads), 3))
+    with pytest.raises(ValueError, match="draft_model runs at tensor parallel size 1 only"):
+        LLM(models["target"], tensor_parallel_size=2, speculative_config=draft(str(wide), 3))
     with pytest.raises(ValueError, match="speculative_config.model: draft_model needs"):
         SpeculativeConfig.parse({"method": "draft_model", "num_speculative_tokens": 3})
     with pytest.raises(ValueError, match="speculative_config.model: only draft_model"):
