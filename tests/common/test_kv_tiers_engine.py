@@ -141,3 +141,57 @@ def test_corrupted_store_is_recomputed(model_dir: str, baseline, tmp_path: Path)
     assert store.bad_objects > 0 and store.misses >= store.bad_objects
     # Whatever came back was rewritten by this engine after the damaged object was dropped.
     assert llm.engine.kv.stats.tier_hits == store.hits * BLOCK
+
+
+class FakeTiers:
+    """BlockTiers over a dict, with a pool of "pages" (block id -> hash it holds)."""
+
+    def __init__(self, pages: dict[int, bytes], fail: bool = False) -> None:
+        self.pages, self.fail = pages, fail
+        self.stored: dict[bytes, bytes] = {}
+
+    def offload(self, block_hash: bytes, block_id: int) -> None:
+        assert self.pages[block_id] == block_hash, "offloaded after the block was reused"
+        self.stored[block_hash] = self.pages[block_id]
+
+    def load(self, block_hash: bytes, block_id: int) -> bool:
+        if self.fail or block_hash not in self.stored:
+            return False
+        self.pages[block_id] = self.stored[block_hash]
+        return True
+
+
+def prefill(kv, pages: dict[int, bytes], rid: str, tokens: list[int]) -> int:
+    """Prefill then free a request (as the engine does), writing each full block's "pages";
+    returns the tokens its prefix lookup served."""
+    from pdserve.common.engine.request import Request
+    from pdserve.common.wire.payloads import SamplingParams
+
+    r = Request(rid, tokens, SamplingParams(max_tokens=1))
+    hits, n = kv.get_computed_blocks(r)
+    for b in hits.blocks:
+        assert pages.get(b.block_id) == b.block_hash, "a hit block without its pages"
+    assert kv.allocate_slots(r, r.num_tokens - n, hits) is not None
+    for b in kv.req_blocks[rid]:
+        if b.block_hash is not None:
+            pages[b.block_id] = b.block_hash
+    kv.free(r)
+    kv.check_integrity()
+    return n
+
+
+@pytest.mark.parametrize("fail", [False, True])
+def test_manager_offloads_evicted_blocks_and_loads_them_back(fail: bool) -> None:
+    from pdserve.common.engine.kv_cache_manager import KVCacheManager
+
+    pages: dict[int, bytes] = {}
+    tiers = FakeTiers(pages)
+    kv = KVCacheManager(num_blocks=7, block_size=4, tiers=tiers)  # 6 usable blocks
+    a, b = list(range(100, 121)), list(range(200, 221))  # 5 full blocks each
+    assert prefill(kv, pages, "a1", a) == 0
+    assert prefill(kv, pages, "b1", b) == 0  # evicts a's blocks: offloaded
+    assert len(tiers.stored) >= 5
+    tiers.fail = fail
+    served = prefill(kv, pages, "a2", a)
+    assert served == (0 if fail else 20) and kv.stats.tier_hits == served
+    assert kv.num_free_blocks == 6
