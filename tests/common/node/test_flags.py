@@ -55,6 +55,8 @@ ENGINE_VALUES = {
     "num_blocks": 9,
     "enable_prefix_caching": False,
     "kv_cache_bytes": 4096,
+    "kv_offload_bytes": 8192,
+    "kv_store": "file:///tmp/kv",
     "max_num_batched_tokens": 100,
     "max_num_seqs": 3,
     "max_model_len": 50,
