@@ -245,12 +245,14 @@ class Scheduler:
 
     def _drafts(self, request: Request, n: int, budget: _StepBudget) -> list[int]:
         """Tokens to verify after a request's last known token: within the budget that every
-        later decode's token leaves and the model's length; none while bans are in force
-        (they change with each output token)."""
+        later decode's token leaves and the model's length; while bans are in force, only as
+        many as keep every verified position before min_tokens (a step bans alike at each)."""
         missing = request.num_tokens - request.num_computed_tokens
-        if self.drafter is None or n != 1 or missing != 1 or self._banned(request):
+        if self.drafter is None or n != 1 or missing != 1:
             return []
         room = min(budget.tokens - 1 - budget.decodes, self.max_model_len - request.num_tokens - 1)
+        if self._banned(request):
+            room = min(room, request.sampling.min_tokens - request.num_output_tokens - 1)
         return self.drafter.drafts(request, room)
 
     def _schedule_waiting(self, budget: _StepBudget) -> None:

@@ -27,6 +27,7 @@ SCHEMA = {
 }
 JSON = StructuredOutputsParams(json=SCHEMA)
 PROMPTS = [f"Describe person {i} as JSON:" for i in range(50)]
+MIN_TOKENS = 12
 
 
 @pytest.fixture(scope="module")
@@ -114,3 +115,22 @@ def test_json_answers_with_drafts_are_valid_and_equal_without(model: str, llm: L
         assert out.finish_reason == "stop", out
         assert set(json.loads(out.text)) == {"name", "age", "tags"}
     assert stats.num_accepted_tokens > 0 and stats.num_draft_tokens > stats.num_accepted_tokens
+
+
+def test_min_tokens_with_drafts_equals_without(model: str, llm: LLM) -> None:
+    """Requests with min_tokens are drafted for (within the bans: the scheduler's cut is
+    tested in test_spec_verify); greedy answers equal those without drafts, each request's
+    stop token the one it picks at min_tokens without bans, so each ends there."""
+    prompts = [[5, 6, 7, 8] * 10, [9, 10, 11] * 7 + [9], [300, 301, 302, 303, 304, 305] * 5]
+    free = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    firsts = [o.token_ids[MIN_TOKENS] for o in llm.generate(prompts, free)]
+    params = [
+        SamplingParams(max_tokens=40, min_tokens=MIN_TOKENS, temperature=0.0, stop_token_ids=(t,))
+        for t in firsts
+    ]
+    want = [o.token_ids for o in llm.generate(prompts, params)]
+    spec = {"method": "ngram", "num_speculative_tokens": 3}
+    with LLM(model, block_size=16, dtype="float32", speculative_config=spec) as drafted:
+        got = [o.token_ids for o in drafted.generate(prompts, params)]
+        assert drafted.engine.scheduler.drafter.stats.num_drafts > 0
+    assert got == want

@@ -214,7 +214,7 @@ def test_adaptive_k_shrinks_to_zero_then_probes() -> None:
         ({"temperature": 0.8}, True),
         ({"temperature": 0.8, "seed": 1}, False),  # its draws must not depend on the batch
         ({"temperature": 0.0, "seed": 1}, True),  # greedy draws nothing
-        ({"temperature": 0.0, "min_tokens": 3}, False),  # bans in force until 3 outputs
+        ({"temperature": 0.0, "min_tokens": 2}, False),  # the next token is the 2nd: banned
     ],
 )
 def test_who_is_drafted_for(params, drafted: bool) -> None:
@@ -231,6 +231,15 @@ class RefusesAfter:
 
     def allowed_drafts(self, drafts: Sequence[int]) -> int:
         return min(self.n, len(drafts))
+
+
+def test_drafts_under_bans_stop_before_min_tokens() -> None:
+    """Bans hold until min_tokens outputs; a verify step bans alike at every position, so
+    its last position may sample at most the min_tokens-th output."""
+    scheduler = _scheduler(k=5)
+    _decoding(scheduler, "r", min_tokens=4)  # 1 output so far: the 2nd to 4th are banned
+    seq = scheduler.schedule().seqs[0]
+    assert seq.num_drafts == 2 and seq.banned_token_ids == (3,)
 
 
 def test_a_request_under_a_grammar_is_drafted_for_up_to_its_first_refusal() -> None:
