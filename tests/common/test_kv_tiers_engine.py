@@ -195,3 +195,12 @@ def test_manager_offloads_evicted_blocks_and_loads_them_back(fail: bool) -> None
     served = prefill(kv, pages, "a2", a)
     assert served == (0 if fail else 20) and kv.stats.tier_hits == served
     assert kv.num_free_blocks == 6
+
+
+def test_bad_tier_options_are_refused_by_name() -> None:
+    from pdserve.common.engine.config import CacheConfig
+
+    with pytest.raises(ValueError, match="kv_store 'http://x'"):
+        CacheConfig(kv_store="http://x")
+    with pytest.raises(ValueError, match="kv_offload_bytes"):
+        CacheConfig(kv_offload_bytes=-1)
