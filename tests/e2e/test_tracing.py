@@ -10,7 +10,9 @@ back in the response (`return_metrics`) and are counted on /metrics.
 
 from __future__ import annotations
 
+import asyncio
 import gzip
+import json
 import re
 import threading
 import time
@@ -22,13 +24,14 @@ import httpx
 import pytest
 
 from pdserve.local_cluster import LocalCluster
+from pdserve.router.timing import TTFT_STAGES
 from pdserve.tiny_model import make_tiny_model
 from tests.devices import engine_flags
 
-# Chunks of 32 tokens: a prompt of ~100 tokens is prefilled in several steps (chunk spans).
+# Chunks of 32 tokens: a prompt of ~360 tokens is prefilled in several steps (chunk spans).
 ENGINE = ["--block-size", "16", "--max-num-batched-tokens", "32", "--max-model-len", "1100"]
 ENGINE += engine_flags()
-PROMPT = "zebra quartz " * 40  # ~100 tokens of a text no attribute may carry
+PROMPT = "zebra quartz " * 40  # ~360 tokens of a text no attribute may carry
 PARENT_TRACE = "4bf92f3577b34da6a3ce929d0e0e4736"
 PARENT_SPAN = "00f067aa0ba902b7"
 EXPECTED = {
@@ -151,6 +154,18 @@ def cluster(tmp_path_factory, receiver) -> Iterator[LocalCluster]:
             yield c
 
 
+@pytest.fixture(scope="module")
+def untraced(tmp_path_factory) -> Iterator[LocalCluster]:
+    """A 1P1D pair without tracing: the client that times its requests shares no process with
+    an OTLP receiver decoding spans."""
+    model = make_tiny_model("llama", tmp_path_factory.mktemp("untraced") / "m", max_position=2048)
+    router = ["--prefill-placement", "remote"]
+    # Long steps (1,024 tokens): prompts that come during one wait for its end.
+    engine = ["--max-num-batched-tokens", "1024", *ENGINE[2:]]
+    with LocalCluster(str(model), 1, 1, engine_args=engine, router_args=router) as c:
+        yield c
+
+
 def complete(url: str, headers: dict[str, str] | None = None, **extra) -> dict:
     body = {"prompt": PROMPT, "max_tokens": 6, "temperature": 0, "ignore_eos": True, **extra}
     resp = httpx.post(url + "/v1/completions", json=body, headers=headers, timeout=120)
@@ -231,21 +246,58 @@ def test_the_ttft_stages_come_back_and_are_counted(cluster) -> None:
     for stream in (False, True):
         metrics = _metrics_of(cluster.url, stream)
         stages, ttft = metrics["ttft_stages"], metrics["time_to_first_token"]
-        assert set(stages) == {"router_queue", "decode_reservation", "prefill_queue", "prefill"}
+        assert set(stages) == set(TTFT_STAGES)
         assert all(v >= 0 for v in stages.values()), stages
-        # Each stage is on one process's clock: together they miss only the messages' way
-        # between the processes and the router's loop, never more than the TTFT.
-        assert sum(stages.values()) <= ttft, (stages, ttft)
-        assert sum(stages.values()) >= 0.5 * ttft, (stages, ttft)
+        assert sum(stages.values()) == pytest.approx(ttft, abs=1e-6), (stages, ttft)
         handoff = metrics["handoff_stages"]
         assert set(handoff) == {"kv_transfer", "decode_admission", "first_decode_step"}
         assert all(v > 0 for v in handoff.values()), handoff
     scrape = httpx.get(cluster.url + "/metrics", timeout=10).text
-    for stage in ("router_queue", "decode_reservation", "prefill_queue", "prefill"):
+    for stage in TTFT_STAGES:
         count = re.search(rf'pdserve:ttft_stage_seconds_count{{stage="{stage}"}} (\S+)', scrape)
         assert count is not None and float(count.group(1)) >= 2, stage
     count = re.search(r'pdserve:handoff_stage_seconds_count{stage="kv_transfer"} (\S+)', scrape)
     assert count is not None and float(count.group(1)) >= 2
+
+
+def test_the_stages_add_up_to_the_ttft_each_client_measured_under_load(untraced) -> None:
+    """8 requests at once: a prompt that comes while the prefill node runs a step waits unread
+    in its socket (1.4 s in a run on the loaded box); `node_inbox` holds that wait, so every
+    request's stages add up to the TTFT its client took (first token id on the stream).
+    What no stage holds is the client's own part and the router's loop before a handler runs
+    (10-300 ms at 8 at once on the loaded 2-core box): prompts of ~1,080 tokens keep it under
+    5% (1.2-3.8% in three runs; one run beside three other heavy jobs saw 5.3%)."""
+
+    async def load() -> list[tuple[float, dict]]:
+        async with httpx.AsyncClient(timeout=300) as client:
+            # Eight connections open first: the TTFT a client measures on a connection it
+            # keeps, not the TCP handshakes of eight new ones behind a busy event loop.
+            await asyncio.gather(*(client.get(untraced.url + "/v1/models") for _ in range(8)))
+            return await asyncio.gather(*(_timed(client, untraced.url, i) for i in range(8)))
+
+    for ttft, metrics in asyncio.run(load()):
+        stages = metrics["ttft_stages"]
+        assert set(stages) == set(TTFT_STAGES), stages
+        gap = abs(ttft - sum(stages.values()))
+        assert gap <= max(0.05 * ttft, 0.005), (ttft, stages)
+
+
+async def _timed(client: httpx.AsyncClient, url: str, i: int) -> tuple[float, dict]:
+    """One streamed request's TTFT as its client sees it, and its metrics."""
+    body = {"prompt": f"{i} {PROMPT * 3}", "max_tokens": 4, "temperature": 0, "ignore_eos": True}
+    body |= {"stream": True, "return_metrics": True, "return_token_ids": True}
+    start, ttft, metrics = time.monotonic(), 0.0, None
+    async with client.stream("POST", url + "/v1/completions", json=body) as resp:
+        assert resp.status_code == 200, await resp.aread()
+        async for line in resp.aiter_lines():
+            if not line.startswith("data: {"):
+                continue
+            chunk = json.loads(line[6:])
+            if not ttft and any(c.get("token_ids") for c in chunk["choices"]):
+                ttft = time.monotonic() - start
+            metrics = chunk.get("metrics", [metrics])[0]
+    assert ttft and metrics is not None
+    return ttft, metrics
 
 
 def _metrics_of(url: str, stream: bool) -> dict:
@@ -259,8 +311,6 @@ def _metrics_of(url: str, stream: bool) -> dict:
     with httpx.stream("POST", url + "/v1/completions", json=body, timeout=120) as resp:
         for line in resp.iter_lines():
             if line.startswith("data: {"):
-                import json
-
                 chunk = json.loads(line[6:])
                 if "metrics" in chunk:
                     assert chunk["choices"][0]["finish_reason"] == "length"
