@@ -15,16 +15,8 @@ from pdserve.common.engine.sampler import Sampler, SamplingRow
 from pdserve.common.engine.structured import Grammar, allowed_from_bitmask, fill_bitmask
 from pdserve.common.wire.payloads import SamplingParams, StructuredOutputsParams
 from pdserve.tiny_model import make_tiny_model
+from tests.e2e.test_structured import SCHEMA  # the schema the e2e tests ask for too
 
-SCHEMA = {
-    "type": "object",
-    "properties": {
-        "name": {"type": "string", "maxLength": 12},
-        "age": {"type": "integer", "minimum": 0, "maximum": 120},
-        "tags": {"type": "array", "items": {"enum": ["a", "b", "c"]}, "maxItems": 3},
-    },
-    "required": ["name", "age", "tags"],
-}
 JSON = StructuredOutputsParams(json=SCHEMA)
 PROMPTS = [f"Describe person {i} as JSON:" for i in range(50)]
 MIN_TOKENS = 12
