@@ -217,7 +217,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--max-concurrency", type=int, help="requests in flight at most")
     p.add_argument("--timeout", type=float, default=600.0, help="per request (s)")
     p.add_argument("--seed", type=int, default=0, help="of the blocks' tokens")
-    p.add_argument("--out", help="write the report (JSON) here")
+    p.add_argument_group("output").add_argument("--out", help="the report (JSON), logs beside")
     args = p.parse_args(argv)
     if (args.url is None) == (args.model is None):
         p.error("give one of --url (a running deployment) or --model (local ones)")
