@@ -26,6 +26,7 @@ import dataclasses
 import hashlib
 import logging
 import os
+from collections.abc import Callable
 from functools import cache
 
 import torch
@@ -35,6 +36,9 @@ log = logging.getLogger(__name__)
 MAX_ROWS = 8  # input rows one call takes (the C++ side is instantiated for 1..8)
 BLOCK = 32  # int4 columns per scale and minimum
 QUANT_KERNEL_ENV = "PDSERVE_CPU_QUANT"  # "auto" (default) or "off"
+# Rows packed at once: packing a whole tensor made several byte-per-weight temporaries at
+# once, the largest transient of a GGUF load (issue 36's load peak; docs/quantization.md).
+_PACK_ROWS = 64
 
 _SOURCE = r"""
 #include <torch/extension.h>
@@ -285,12 +289,37 @@ def pack_int4(
     out, cols = values.shape
     if group_size % BLOCK or cols % group_size:
         raise ValueError(f"int4 group size {group_size} for {cols} columns: need multiples of 32")
-    v = values.view(out, cols // BLOCK, 2, BLOCK // 2).to(torch.uint8)
-    nibbles = (v[:, :, 0] | (v[:, :, 1] << 4)).reshape(out, cols // 2)
+    nibbles = _planes(values, [(2, _nibble_plane)])[0]
     repeat = group_size // BLOCK
     per_block = scales.float().repeat_interleave(repeat, dim=1).contiguous()
     mins = (zeros.float() - 8 * scales.float()).repeat_interleave(repeat, dim=1).contiguous()
-    return Int4Pack(nibbles.contiguous(), per_block, mins)
+    return Int4Pack(nibbles, per_block, mins)
+
+
+def _nibble_plane(values: torch.Tensor) -> torch.Tensor:
+    """Values [rows, K] (their low 4 bits) as the packs' nibbles [rows, K/2]."""
+    rows, cols = values.shape
+    v = values.view(rows, cols // BLOCK, 2, BLOCK // 2).to(torch.uint8) & 15
+    return (v[:, :, 0] | (v[:, :, 1] << 4)).reshape(rows, cols // 2)
+
+
+def _high_plane(values: torch.Tensor) -> torch.Tensor:
+    """Values [rows, K] (their fifth bits) as Int5Pack's bit plane [rows, K/8]."""
+    rows, cols = values.shape
+    bits = (values.view(rows, cols // 8, 8).to(torch.uint8) >> 4) & 1
+    return (bits << torch.arange(8, dtype=torch.uint8)).sum(2, dtype=torch.uint8)
+
+
+def _planes(values: torch.Tensor, planes: list[tuple[int, Callable]]) -> list[torch.Tensor]:
+    """Each (columns per byte, plane function) of `values`, _PACK_ROWS rows at a time into
+    one preallocated tensor each: the temporaries never span the whole weight."""
+    out, cols = values.shape
+    results = [torch.empty(out, cols // per_byte, dtype=torch.uint8) for per_byte, _ in planes]
+    for start in range(0, out, _PACK_ROWS):
+        chunk = values[start : start + _PACK_ROWS]
+        for result, (_, plane) in zip(results, planes, strict=True):
+            result[start : start + len(chunk)] = plane(chunk)
+    return results
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -309,15 +338,11 @@ Rows = slice | torch.Tensor  # a range of weight rows, or the rows an index tens
 def pack_int5(values: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor) -> Int5Pack:
     """A 5-bit weight (values 0..31 [N, K], w = scale * (v - 16) + zero per 32 columns) in
     this kernel's layout. The scale and minimum are stored f16: a GGUF Q5 block's own."""
-    out, cols = values.shape
-    if cols % BLOCK:
-        raise ValueError(f"int5 needs columns a multiple of 32, not {cols}")
-    v = values.view(out, cols // BLOCK, 2, BLOCK // 2).to(torch.uint8)
-    nibbles = ((v[:, :, 0] & 15) | ((v[:, :, 1] & 15) << 4)).reshape(out, cols // 2)
-    bits = (values.view(out, cols // 8, 8).to(torch.uint8) >> 4) & 1
-    high = (bits << torch.arange(8, dtype=torch.uint8)).sum(2, dtype=torch.uint8)
+    if values.shape[1] % BLOCK:
+        raise ValueError(f"int5 needs columns a multiple of 32, not {values.shape[1]}")
+    nibbles, high = _planes(values, [(2, _nibble_plane), (8, _high_plane)])
     mins = (zeros.float() - 16 * scales.float()).half()
-    return Int5Pack(nibbles.contiguous(), high, scales.half().contiguous(), mins.contiguous())
+    return Int5Pack(nibbles, high, scales.half().contiguous(), mins.contiguous())
 
 
 def unpack_int4(pack: Int4Pack | Int5Pack, start: int = 0, end: int | None = None) -> torch.Tensor:

@@ -47,6 +47,27 @@ def _q4_1(b: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     return _nibbles(b[..., 4:20]), d, m + 8 * d
 
 
+def _fifth_bits(qh: np.ndarray) -> np.ndarray:
+    """Q5_0/Q5_1's 4 qh bytes as 32 bits, bit i of them column i's, shifted to 16."""
+    bits = (qh[..., None] >> np.arange(8, dtype=np.uint8)) & 1
+    return bits.reshape(*qh.shape[:-1], 32) << 4
+
+
+def _q5_0(b: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Q5_0 (d f16, 4 bytes of fifth bits, 16 bytes of nibbles): w = d * (q - 16)."""
+    d = _f16(b, 0).astype(np.float32)
+    q = _nibbles(b[..., 6:22]).reshape(*b.shape[:-1], 32) | _fifth_bits(b[..., 2:6])
+    return q, d, np.zeros_like(d)
+
+
+def _q5_1(b: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Q5_1 (d, m f16, 4 bytes of fifth bits, 16 bytes): w = d * q + m = d * (q - 16) +
+    (m + 16d)."""
+    d, m = _f16(b, 0).astype(np.float32), _f16(b, 2).astype(np.float32)
+    q = _nibbles(b[..., 8:24]).reshape(*b.shape[:-1], 32) | _fifth_bits(b[..., 4:8])
+    return q, d, m + 16 * d
+
+
 def _k_scales(s: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Q4_K/Q5_K's 12 bytes as 8 six-bit scales and mins: sub-blocks 0-3 in the low six bits
     of bytes 0-3 (scales) and 4-7 (mins); 4-7 in bytes 8-11's nibbles, topped by the spare
@@ -134,7 +155,10 @@ _FLOAT_DECODERS = {
         )
     },
 }
+# Q5_0 and Q5_1 decode to 5 bits exactly: (q 0..31, scale, zero), w = scale * (q - 16) + zero.
+_INT5_DECODERS = {"Q5_0": (22, 32, _q5_0), "Q5_1": (24, 32, _q5_1)}
 INT4_EXACT_TYPES = tuple(_INT4_DECODERS)
+INT5_EXACT_TYPES = tuple(_INT5_DECODERS)
 QUANTIZED_TYPES = INT4_EXACT_TYPES + tuple(_FLOAT_DECODERS)
 
 
@@ -174,8 +198,10 @@ def int4_rows(
     raw: RawTensor, rows: int
 ) -> Iterator[tuple[int, np.ndarray, np.ndarray, np.ndarray]]:
     """(first row, q uint8 [rows, in], scale, zero float32 [rows, in / 32]) of a Q4_0, Q4_1 or
-    Q4_K tensor, `rows` rows at a time."""
-    decode = _INT4_DECODERS[check_blocks(raw)][2]
+    Q4_K tensor (w = scale * (q - 8) + zero), or of a Q5_0 or Q5_1 one (q 0..31, w = scale *
+    (q - 16) + zero), `rows` rows at a time."""
+    name = check_blocks(raw)
+    decode = (_INT4_DECODERS.get(name) or _INT5_DECODERS[name])[2]
     for start, blocks in _row_chunks(raw, rows):
         q, scale, zero = decode(blocks)
         n = len(blocks)

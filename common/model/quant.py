@@ -14,7 +14,7 @@ from __future__ import annotations
 import ctypes
 import dataclasses
 import gc
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Literal
 
 import numpy as np
@@ -23,6 +23,7 @@ from torch import nn
 
 from pdserve.common.model.gguf_types import (
     INT4_EXACT_TYPES,
+    INT5_EXACT_TYPES,
     QUANTIZED_TYPES,
     RawTensor,
     check_blocks,
@@ -36,11 +37,11 @@ INT4_GROUP = 32
 # At this many rows and more, a bf16 (or fp16) input runs dequantize-then-matmul instead of the
 # weight-only kernel, per width (docs/quantization.md: the weight-only kernels' time grows with
 # each row; dequantizing costs a fixed amount per call, int4's several times int8's).
-DENSE_ROWS: dict[int, int] = {8: 16, 4: 128}
+DENSE_ROWS: dict[int, int] = {8: 16, 4: 128, 5: 128}
 # A float32 input's thresholds: on float32 rows the kernels are many times slower (a 1536x576
 # int4 layer at one thread: 1.5 ms a row, where the dense path takes 1.0 ms for one row and
 # 1.8 ms for 37; int8 0.75 ms a row against 0.2 ms for one).
-DENSE_ROWS_FLOAT32: dict[int, int] = {8: 1, 4: 2}
+DENSE_ROWS_FLOAT32: dict[int, int] = {8: 1, 4: 2, 5: 2}
 # The int8 kernel works 4 rows at a time: on SmolLM2's 49152-row tied head 5 rows cost what 8
 # do (11.2 ms), the dense path 9.8 ms, bf16's matmul 8.4 ms; 4 rows 6.1 ms against 8.4.
 _HEAD_DENSE_ROWS = 5
@@ -48,19 +49,23 @@ _HEAD_DENSE_ROWS = 5
 _DENSE_CHUNK = 256
 _DENSE_CHUNK_INT8 = 1024  # int8's: 1.6x faster than 256 rows at a time on SmolLM2's head
 # Rows packed or converted at once, so a tensor's int32 (or float32) temporary stays small.
-_CONVERT_CHUNK = 256
+_CONVERT_CHUNK = 64  # 256 rows of a 2304-wide float32 chunk came to a tenth of a small model
 # The CPU int4 packing groups output rows in blocks of this many (AVX512 builds).
 _INT4_BLOCK = 64
 
-Bits = Literal[4, 8]
+Bits = Literal[4, 5, 8]
+Pack = cpu_quant.Int4Pack | cpu_quant.Int5Pack  # a weight already in the AVX2 kernel's layout
+# What a 4- or 5-bit value is offset by: w = scale * (v - offset) + zero.
+_OFFSET = {4: 8, 5: 16}
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class QuantizedWeight:
     """A weight [out, in] as integers: w[n, k] = scales[n, g] * values[n, k] for 8 bits
     (symmetric, g = 0: one scale per output row), and scales[n, g] * (values[n, k] - 8) +
-    zeros[n, g] for 4 bits (values 0..15, g = k // group_size). float32 scales keep a GGUF
-    block's f16 scale exactly; the layer stores them in its own dtype."""
+    zeros[n, g] for 4 bits (values 0..15, g = k // group_size); 5 bits (GGUF's Q5_0/Q5_1,
+    group 32) the same with values 0..31 and 16. float32 scales keep a GGUF block's f16 scale
+    exactly; the layer stores them in its own dtype."""
 
     bits: Bits
     values: torch.Tensor  # int8 [out, in]
@@ -87,7 +92,7 @@ class QuantizedWeight:
         if self.zeros is None:
             return self.values.float() * self.scales
         g = self.group_size
-        w = self.values.float().view(self.out_features, -1, g) - 8
+        w = self.values.float().view(self.out_features, -1, g) - _OFFSET[self.bits]
         return (w * self.scales[..., None] + self.zeros[..., None]).view(self.values.shape)
 
     def narrow(self, dim: int, start: int, length: int) -> QuantizedWeight:
@@ -246,29 +251,27 @@ class QuantizedLinear(nn.Module):
 
     def __init__(
         self,
-        weight: QuantizedWeight,
+        weight: QuantizedWeight | Pack,
         bias: torch.Tensor | None = None,
         scale_dtype: torch.dtype = torch.bfloat16,
         dense_rows: int | None = None,
         dense: bool = True,
     ) -> None:
         super().__init__()
-        self.in_features, self.out_features = weight.in_features, weight.out_features
-        self.bits, self.group_size = weight.bits, weight.group_size
-        self.dense_rows = (dense_rows or DENSE_ROWS[weight.bits]) if dense else None
-        # The AVX2 kernel (kernels/cpu_quant.py) serves float32 rows, and int4 rows of any
-        # dtype once the weight is held in its layout (torch's int4 packing is not kept then).
+        self.bits, self.out_features, self.in_features, self.group_size = _form(weight)
+        self.dense_rows = (dense_rows or DENSE_ROWS[self.bits]) if dense else None
+        # The AVX2 kernel (kernels/cpu_quant.py) serves float32 rows, and int4/int5 rows of
+        # any dtype once the weight is held in its layout (torch's int4 packing is not kept).
         self.gemv = cpu_quant.available()
-        self.register_buffer("mins", None)  # int4 in the AVX2 kernel's layout only
-        if weight.bits == 8:
+        self.register_buffer("mins", None)  # int4/int5 in the AVX2 kernel's layout only
+        self.register_buffer("qhigh", None)  # int5's fifth bits
+        if self.bits == 5 or (self.bits == 4 and self.gemv):
+            self._hold(weight if isinstance(weight, Pack) else self.pack_for_gemv(weight))
+        elif isinstance(weight, Pack):
+            raise ValueError("a weight in the AVX2 kernel's layout needs that kernel")
+        elif self.bits == 8:
             self.register_buffer("qweight", weight.values)
             self.register_buffer("scales", weight.scales[:, 0].to(scale_dtype))
-        elif self.gemv:
-            self._check_int4(weight)
-            pack = cpu_quant.pack_int4(weight.values, weight.scales, weight.zeros, self.group_size)
-            self.register_buffer("qweight", pack.nibbles)
-            self.register_buffer("scales", pack.scales)  # float32: the kernel reads them so
-            self.register_buffer("mins", pack.mins)
         else:
             self._check_int4(weight)
             packed = _pack_int4(weight.values)
@@ -279,6 +282,27 @@ class QuantizedLinear(nn.Module):
             if not _int4_unpacks(packed, weight.values):
                 self.dense_rows = None  # this build packs another way: kernel only
         self.register_buffer("bias", None if bias is None else bias.detach().clone())
+
+    @staticmethod
+    def pack_for_gemv(weight: QuantizedWeight) -> Pack:
+        """An int4 or int5 weight in the AVX2 kernel's layout."""
+        if weight.bits == 5:
+            return cpu_quant.pack_int5(weight.values, weight.scales, weight.zeros)
+        QuantizedLinear._check_int4(weight)
+        return cpu_quant.pack_int4(weight.values, weight.scales, weight.zeros, weight.group_size)
+
+    def _hold(self, pack: Pack) -> None:
+        """The AVX2 kernel's layout as the layer's buffers: int4's float32 scales and minimums
+        (the kernel reads them so), int5's f16 ones (the file's own) and its bit plane."""
+        if not self.gemv:
+            raise ValueError(f"int{self.bits} in this layout needs the AVX2 kernel (cpu_quant)")
+        if self.bits == 4 and self.out_features % 16:
+            raise ValueError(f"int4 needs out_features a multiple of 16: {self.out_features}")
+        self.register_buffer("qweight", pack.nibbles)
+        self.register_buffer("scales", pack.scales)
+        self.register_buffer("mins", pack.mins)
+        if isinstance(pack, cpu_quant.Int5Pack):
+            self.register_buffer("qhigh", pack.high)
 
     @staticmethod
     def _check_int4(weight: QuantizedWeight) -> None:
@@ -336,6 +360,8 @@ class QuantizedLinear(nn.Module):
         fused.register_buffer("scales", torch.cat([m.scales for m in layers], dim=rows))
         mins = None if first.mins is None else torch.cat([m.mins for m in layers])
         fused.register_buffer("mins", mins)
+        high = None if first.qhigh is None else torch.cat([m.qhigh for m in layers])
+        fused.register_buffer("qhigh", high)
         bias = None if first.bias is None else torch.cat([m.bias for m in layers])
         fused.register_buffer("bias", bias)
         return fused
@@ -385,7 +411,26 @@ class QuantizedLinear(nn.Module):
     def _gemv_rows(self, x: torch.Tensor) -> torch.Tensor:
         if self.bits == 8:
             return cpu_quant.int8_mm(x, self.qweight, self.scales.float())
-        return cpu_quant.int4_mm(x, cpu_quant.Int4Pack(self.qweight, self.scales, self.mins))
+        if self.bits == 5:
+            return cpu_quant.int5_mm(x, self._pack())
+        return cpu_quant.int4_mm(x, self._pack())
+
+    def _pack(self) -> cpu_quant.Int4Pack | cpu_quant.Int5Pack:
+        """The weight as the AVX2 kernel's int4 or int5 layout (held so, `mins` set)."""
+        if self.bits == 5:
+            return cpu_quant.Int5Pack(self.qweight, self.qhigh, self.scales, self.mins)
+        return cpu_quant.Int4Pack(self.qweight, self.scales, self.mins)
+
+    def rows(self, index: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """The weight's rows `index` names, dequantized to `dtype` [len(index), in]: an
+        embedding's lookup. int8 or the AVX2 kernel's layouts (torch's int4 packing interleaves
+        64 rows and is not read back per row: ValueError)."""
+        if self.bits == 8:
+            values = self.qweight[index].to(dtype)
+            return values * self.scales[index, None].to(dtype)
+        if self.mins is None:
+            raise ValueError("an int4 weight in torch's packing gives no rows back")
+        return cpu_quant.unpack_rows(self._pack(), index).to(dtype)
 
     def _dense(self, x: torch.Tensor) -> torch.Tensor:
         """x @ dequantized weight.T, a chunk of output rows at a time (no whole bf16 copy)."""
@@ -393,7 +438,7 @@ class QuantizedLinear(nn.Module):
         if self.bits == 8:
             return self._dense_int8(x, out)
         if self.mins is not None:
-            pack = cpu_quant.Int4Pack(self.qweight, self.scales, self.mins)
+            pack = self._pack()
             for start in range(0, self.out_features, _DENSE_CHUNK):
                 w = cpu_quant.unpack_int4(pack, start, start + _DENSE_CHUNK).to(x.dtype)
                 out[:, start : start + len(w)] = x @ w.T
@@ -435,31 +480,41 @@ class QuantizedLinear(nn.Module):
         )
 
 
-def quantized_head(weight: QuantizedWeight, dtype: torch.dtype) -> QuantizedLinear:
+def quantized_head(weight: QuantizedWeight | Pack, dtype: torch.dtype) -> QuantizedLinear:
     """An LM head held quantized (a GGUF's output.weight, or a tied embedding's rows), scales
     in the engine's dtype: int8 goes dense from 5 rows (its kernel works 4 rows at a time),
     int4 by the width's own rule."""
-    dense = _HEAD_DENSE_ROWS if weight.bits == 8 else None
+    dense = _HEAD_DENSE_ROWS if _form(weight)[0] == 8 else None
     return QuantizedLinear(weight, None, scale_dtype=dtype, dense_rows=dense)
 
 
+def _form(weight: QuantizedWeight | Pack) -> tuple[Bits, int, int, int | None]:
+    """(bits, out_features, in_features, group_size) of a weight in either form."""
+    if isinstance(weight, QuantizedWeight):
+        return weight.bits, weight.out_features, weight.in_features, weight.group_size
+    out, half = weight.nibbles.shape
+    return (5 if isinstance(weight, cpu_quant.Int5Pack) else 4), out, 2 * half, INT4_GROUP
+
+
 class QuantizedEmbedding(nn.Module):
-    """A token embedding held int8 with one scale per row: a GGUF's quantized token_embd under
-    `auto`, whatever its type (SmolLM2's Q8_0, a Q4_K_M file's Q5_0), instead of a bf16 copy.
-    A lookup dequantizes the tokens' rows. Tied, `head` is the LM head too, through the int8
+    """A token embedding held quantized: a GGUF's quantized token_embd under `auto`, int8 with
+    one scale per row, or int5 at its bits where the file stores Q5_0/Q5_1 (a Q4_K_M file of a
+    896-wide model) and the AVX2 kernel runs, instead of a float copy. A lookup dequantizes
+    the tokens' rows into `dtype`. Tied, `head` is the LM head too, through the quantized
     kernel, so the pair is stored once: at batch 1 the tied bf16 head read 56 MiB a decode
     step and took a quarter of it (docs/quantization.md's profile)."""
 
-    def __init__(self, weight: QuantizedWeight, dtype: torch.dtype = torch.bfloat16) -> None:
+    def __init__(self, weight: QuantizedWeight | Pack, dtype: torch.dtype = torch.bfloat16) -> None:
         super().__init__()
-        if weight.bits != 8:
-            raise ValueError(f"a quantized embedding is int8, not int{weight.bits}")
+        if _form(weight)[0] == 4:
+            raise ValueError("a quantized embedding is int8 or int5, not int4")
         self.head = quantized_head(weight, dtype)
-        self.out_features, self.in_features = weight.out_features, weight.in_features
+        self.dtype = dtype
+        self.out_features, self.in_features = self.head.out_features, self.head.in_features
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        rows = nn.functional.embedding(input_ids, self.head.qweight)
-        return rows.to(self.head.scales.dtype) * self.head.scales[input_ids, None]
+        rows = self.head.rows(input_ids.reshape(-1), self.dtype)
+        return rows.view(*input_ids.shape, self.in_features)
 
 
 # --- GGUF blocks ---------------------------------------------------------------------------
@@ -468,23 +523,54 @@ class QuantizedEmbedding(nn.Module):
 def gguf_bits(qtype_name: str) -> Bits | None:
     """The width a GGUF type is held at unless asked otherwise (None: a type with no quantized
     form here, such as F16 or F32, which stays float): int4 where it holds the type exactly,
-    int8 per row for every other (docs/quantization.md: int4 group 32 would double Q5_K's
+    int5 for Q5_0/Q5_1 exactly where the AVX2 kernel runs (int8 would hold their 5.5-6 bits in
+    8), int8 per row for every other (docs/quantization.md: int4 group 32 would double Q5_K's
     error; int8 per row adds a fifth of it)."""
     if qtype_name in INT4_EXACT_TYPES:
         return 4
+    if qtype_name in INT5_EXACT_TYPES and cpu_quant.available():
+        return 5
     return 8 if qtype_name in QUANTIZED_TYPES else None
 
 
 def from_gguf_blocks(raw: RawTensor, bits: Bits | None = None) -> QuantizedWeight:
-    """A GGUF tensor's quantized form: int4 group 32 exactly for Q4_0, Q4_1 and Q4_K, int8 per
-    row (requantized) for every other type, unless `bits` asks for the other width. Works a
-    chunk of rows at a time: the peak beyond the result is one chunk's decode."""
+    """A GGUF tensor's quantized form: int4 group 32 exactly for Q4_0, Q4_1 and Q4_K, int5 for
+    Q5_0 and Q5_1 (`gguf_bits`), int8 per row (requantized) for every other type, unless
+    `bits` asks for int8 or int4 (int5 is only a Q5 type's own). Works a chunk of rows at a
+    time: the peak beyond the result is one chunk's decode."""
     name = check_blocks(raw)
-    if name in INT4_EXACT_TYPES and bits in (None, 4):
-        return _int4_exact(raw)
+    own = gguf_bits(name)
+    if bits == 5 and name not in INT5_EXACT_TYPES:
+        raise ValueError(f"tensor {raw.name}: only Q5_0/Q5_1 are held as int5, not {name}")
+    if own in (4, 5) and bits in (None, own):
+        return _int_exact(raw, own)
     quantize = _int8_rows if (bits or gguf_bits(name)) == 8 else _int4_group_rows
     parts = ((s, quantize(torch.from_numpy(w))) for s, w in float_rows(raw, _CONVERT_CHUNK))
     return _gather_rows(parts, raw.shape[0])
+
+
+def gguf_weight(raw: RawTensor, bits: Bits | None = None) -> QuantizedWeight | Pack:
+    """`from_gguf_blocks`'s weight for one rank (a layer takes either form): a type held
+    exactly in the AVX2 kernel's layout (Q4_x as int4, Q5_x as int5) is packed a chunk of rows
+    at a time straight from its blocks, without the whole int8 copy QuantizedWeight holds,
+    which was the largest transient of issue 36's load (docs/quantization.md)."""
+    own = gguf_bits(check_blocks(raw))
+    if own not in (4, 5) or bits not in (None, own) or not cpu_quant.available():
+        return from_gguf_blocks(raw, bits)
+    pack = None
+    for start, part in _exact_rows(raw, own):
+        packed = QuantizedLinear.pack_for_gemv(part)
+        pack = pack or _empty_pack(packed, raw.shape[0])
+        for field in dataclasses.fields(packed):
+            rows = getattr(packed, field.name)
+            getattr(pack, field.name)[start : start + len(rows)] = rows
+    assert pack is not None, "a weight has rows"
+    return pack
+
+
+def _empty_pack(part: Pack, out: int) -> Pack:
+    fields = {f.name: getattr(part, f.name) for f in dataclasses.fields(part)}
+    return type(part)(**{n: t.new_empty(out, t.shape[1]) for n, t in fields.items()})
 
 
 def _empty_like_rows(part: QuantizedWeight, out: int) -> QuantizedWeight:
@@ -497,17 +583,15 @@ def _empty_like_rows(part: QuantizedWeight, out: int) -> QuantizedWeight:
     )
 
 
-def _int4_exact(raw: RawTensor) -> QuantizedWeight:
-    out, cols = raw.shape
-    values = torch.empty(out, cols, dtype=torch.int8)
-    scales = torch.empty(out, cols // INT4_GROUP)
-    zeros = torch.empty(out, cols // INT4_GROUP)
+def _int_exact(raw: RawTensor, bits: Bits) -> QuantizedWeight:
+    return _gather_rows(_exact_rows(raw, bits), raw.shape[0])
+
+
+def _exact_rows(raw: RawTensor, bits: Bits) -> Iterator[tuple[int, QuantizedWeight]]:
+    """(first row, weight) of a Q4_x (bits 4) or Q5_x (bits 5) tensor, a chunk at a time."""
     for start, q, scale, zero in int4_rows(raw, _CONVERT_CHUNK):
-        end = start + len(q)
-        values[start:end] = torch.from_numpy(q.view(np.int8))
-        scales[start:end] = torch.from_numpy(scale)
-        zeros[start:end] = torch.from_numpy(zero)
-    return QuantizedWeight(4, values, scales, zeros, INT4_GROUP)
+        values = torch.from_numpy(q.view(np.int8))
+        yield start, QuantizedWeight(bits, values, *map(torch.from_numpy, (scale, zero)), 32)
 
 
 def release_freed_heap() -> None:

@@ -25,12 +25,14 @@ from pdserve.common.model.quant import (
     QuantizedLinear,
     from_gguf_blocks,
     gguf_bits,
+    gguf_weight,
     quantize_int4,
     quantize_int8,
     quantized_head,
     release_freed_heap,
 )
 from pdserve.common.model.registry import checkpoint_tensors, model_class
+from pdserve.kernels import cpu_quant
 
 # Checkpoint keys that hold no weights of ours: old Llama checkpoints saved rope buffers.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
@@ -79,7 +81,7 @@ def load_model(
     for name, data in tensors:
         if _ignored(name, config):
             continue
-        if _quantized_vocab(mode, name, data, tp) and shapes[name] == _shape(data):
+        if _quantized_vocab(mode, name, data, tp, dtype) and shapes[name] == _shape(data):
             layers[name] = _vocab_layer(name, data, dtype)
             loaded[name] = shapes[name]
             continue
@@ -112,13 +114,14 @@ QUANTIZED_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_pr
 
 def _effective_quantization(mode: str, device: torch.device, dtype: torch.dtype) -> str:
     """`mode` where it runs. Quantized linears are CPU kernels, so `auto` elsewhere is none;
-    and `auto` in a float32 engine is none too: torch's packed kernels are slow on float32
-    activations (SmolLM2 int4: 130 ms a decode token and 50 s a 512-token prompt, against
-    61 ms and 1.9 s dequantized; docs/quantization.md), and float32 is what one asks for to
-    match HF's output exactly. `int8`/`int4` are taken as asked."""
+    and `auto` in a float32 engine is none too unless the AVX2 GEMV (kernels/cpu_quant.py)
+    runs here: torch's packed kernels are slow on float32 activations (SmolLM2 int4: 130 ms a
+    decode token against 61 ms dequantized), ours not (docs/quantization.md, "float32
+    engines at the file's bits"). `int8`/`int4` are taken as asked."""
     if mode not in ("auto", "none", "int8", "int4"):
         raise ValueError(f"quantization must be auto, none, int8 or int4, not {mode!r}")
-    if mode == "auto" and (device.type != "cpu" or dtype == torch.float32):
+    slow_f32 = dtype == torch.float32 and not cpu_quant.available()
+    if mode == "auto" and (device.type != "cpu" or slow_f32):
         return "none"
     if device.type == "cpu" or mode in ("auto", "none"):
         return mode
@@ -143,14 +146,19 @@ _VOCAB = ("model.embed_tokens.weight", "lm_head.weight")
 
 
 def _quantized_vocab(
-    mode: str, name: str, data: torch.Tensor | RawTensor, tp: TPGroup | None
+    mode: str, name: str, data: torch.Tensor | RawTensor, tp: TPGroup | None, dtype: torch.dtype
 ) -> bool:
     """Whether the embedding or an untied LM head stays quantized: under `auto`, one the GGUF
-    stores in any quantized type, on one rank (sharded ones stay float)."""
+    stores in any quantized type, on one rank (sharded ones stay float), in a bf16/fp16
+    engine. A float32 engine keeps them float at every TP size: its nodes then hold one weight
+    form whatever their TP size, so a TP 3 prefill node pairs with a TP 1 decode node (the
+    layout names the form; with the vocabulary int8 at TP 1 only, they never paired: the
+    reverted 73d89de's prefill node "not ready"). bf16 engines still differ so."""
     return (
         mode == "auto"
         and name in _VOCAB
         and tp is None
+        and dtype != torch.float32
         and isinstance(data, RawTensor)
         and gguf_bits(data.qtype_name) is not None
     )
@@ -159,13 +167,14 @@ def _quantized_vocab(
 def _vocab_layer(
     name: str, data: RawTensor, dtype: torch.dtype
 ) -> QuantizedEmbedding | QuantizedLinear:
-    """The embedding held int8 per row (a lookup reads rows, which int4's packing does not
-    give back cheaply; an int4 type is requantized); the head at its type's width, int8 where
-    int4 cannot hold it (a vocabulary not a multiple of 16)."""
+    """The embedding held int8 per row, or int5 at a Q5 type's bits (a lookup reads rows,
+    which int4's packing does not give back cheaply; an int4 type is requantized); the head at
+    its type's width, int8 where int4 cannot hold it (a vocabulary not a multiple of 16)."""
     if name != "lm_head.weight":
-        return QuantizedEmbedding(from_gguf_blocks(data, 8), dtype)
+        bits = 5 if gguf_bits(data.qtype_name) == 5 else 8
+        return QuantizedEmbedding(gguf_weight(data, bits), dtype)
     try:
-        return quantized_head(from_gguf_blocks(data), dtype)
+        return quantized_head(gguf_weight(data), dtype)
     except ValueError:
         return quantized_head(from_gguf_blocks(data, 8), dtype)
 
@@ -200,10 +209,10 @@ def _quantized_linear(
     GGUF blocks convert first and the rank slices the integers; a float weight is sliced
     first, so each rank's int8 rows get their own scales."""
     try:
-        if isinstance(data, RawTensor) and gguf_bits(data.qtype_name) is not None:
-            weight = from_gguf_blocks(data, bits)
-            if tp is not None:
-                weight = tp.shard.shard_quantized(name, weight, config)
+        if isinstance(data, RawTensor) and gguf_bits(data.qtype_name) is not None and tp is None:
+            weight = gguf_weight(data, bits)
+        elif isinstance(data, RawTensor) and gguf_bits(data.qtype_name) is not None:
+            weight = tp.shard.shard_quantized(name, from_gguf_blocks(data, bits), config)
         else:
             tensor = _as_tensor(data)
             if tp is not None:

@@ -28,6 +28,7 @@ from pydantic import BaseModel, Field
 from pdserve import LLM, SamplingParams, demo
 from pdserve.cli import main as pdserve_main
 from pdserve.common.model.dtype import cpu_bf16_flag
+from pdserve.kernels import cpu_quant
 from pdserve.local_cluster import LocalCluster
 from pdserve.models import smollm2
 
@@ -160,12 +161,14 @@ def test_float32_1p1d_with_the_openai_client_answers_as_the_engine(
     another prefill rank), in float32: the chat prompts' greedy answers through the openai
     client are the engine's (at TP 1, which equals HF above), "What is the capital of France?"
     is answered "Paris", json_object outputs load, both nodes hold float weights in float32,
-    and every block is free afterwards."""
+    and every block is free afterwards. Both under `--quantization auto`, named: the decoder
+    at the file's int4 where the AVX2 kernel runs, the vocabulary float at every TP size (so
+    the TP 3 and TP 1 nodes hold one form and pair), all float without the kernel."""
     from openai import OpenAI
 
     expected = [out.text for out in engine_answers[1]]
     tp = ["--tensor-parallel-size", "3", "--threads-per-rank", "1"]
-    float32 = ["--dtype", "float32"]
+    float32 = ["--dtype", "float32", "--quantization", "auto"]
     with LocalCluster(str(smollm2_gguf), engine_args=float32, prefill_args=tp) as cluster:
         client = OpenAI(base_url=cluster.url + "/v1", api_key="x", timeout=300, max_retries=0)
         model = client.models.list().data[0].id
@@ -197,7 +200,7 @@ def test_float32_1p1d_with_the_openai_client_answers_as_the_engine(
             )
             text = reply.choices[0].message.content
             assert isinstance(json.loads(text), dict), (thing, text)
-        assert_nodes(cluster.integrity(), "float32", "")
+        assert_nodes(cluster.integrity(), "float32", "int4" if cpu_quant.available() else "")
 
 
 def assert_nodes(nodes: dict, dtype: str, weights: str) -> None:
@@ -224,8 +227,11 @@ def demo_deployment(smollm2_gguf: Path) -> Iterator[tuple]:
 
 
 def demo_weights() -> tuple[str, str]:
-    """The dtype and weight form `demo.smollm2_engine_args` gives SmolLM2 on this CPU."""
-    return ("bfloat16", "int8") if cpu_bf16_flag() else ("float32", "")
+    """The dtype and weight form `demo.smollm2_engine_args` gives SmolLM2 on this CPU (float32
+    `auto`: the decoder at the file's int4 where the AVX2 kernel runs)."""
+    if cpu_bf16_flag():
+        return ("bfloat16", "int8")
+    return ("float32", "int4" if cpu_quant.available() else "")
 
 
 def test_the_demo_answers_paris_from_weights_held_int8(demo_deployment, capsys) -> None:

@@ -39,6 +39,7 @@ from pdserve.kernels import cpu_quant  # noqa: E402
 from tests.common.model.gguf_blocks import RANDOM_BLOCKS, encode  # noqa: E402
 
 EXACT = [Q.Q4_0, Q.Q4_1, Q.Q4_K]  # held as int4 exactly
+INT5 = [Q.Q5_0, Q.Q5_1]  # held as int5 exactly where the AVX2 kernel runs, else int8 per row
 # Held as int8 per row (docs/quantization.md): every other type users download.
 REQUANTIZED = [Q.Q8_0, Q.Q5_0, Q.Q5_1, Q.Q2_K, Q.Q3_K, Q.Q5_K, Q.Q6_K, Q.IQ4_NL, Q.IQ4_XS]
 BF16 = 2.0**-8  # bf16's relative rounding
@@ -109,11 +110,13 @@ def test_a_gguf_tensor_multiplies_as_its_dequantized_float(tmp_path: Path, qtype
     raw = _raw(tmp_path, w, qtype)
     dequantized = torch.from_numpy(gguf.quants.dequantize(raw.blocks, qtype).reshape(w.shape))
     weight = from_gguf_blocks(raw)
-    assert weight.bits == (4 if qtype in EXACT else 8)
+    int5 = 5 if cpu_quant.available() else 8
+    assert weight.bits == (4 if qtype in EXACT else int5 if qtype in INT5 else 8)
     x = torch.randn(5, w.shape[1])
     want = x @ dequantized.T
     rounding = 1e-5 * (x.abs() @ dequantized.abs().T)  # float32 sums of 512 products
-    requant = 0 if qtype in EXACT else _half_step_bound(x, _requant_step(weight))
+    exact = weight.bits in (4, 5)  # the type's own values and scales
+    requant = 0 if exact else _half_step_bound(x, _requant_step(weight))
     exact = QuantizedLinear(weight, scale_dtype=torch.float32)
     _assert_close(exact(x), want, rounding + requant)
     # bf16: the activations rounded first; bf16 scales (and zeros) and output cost 2^-8 each.

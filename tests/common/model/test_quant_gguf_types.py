@@ -1,6 +1,7 @@
 """Every GGUF type users download, through the loader into a bf16 engine under `auto`: each
 decoder linear, the embedding and the LM head held at the type's width (int4 where it holds
-the type exactly, int8 per row otherwise; a tied pair stored once), and greedy output that
+the type exactly, int5 for Q5_0/Q5_1 where the AVX2 kernel runs, int8 per row otherwise; a
+tied pair stored once), and greedy output that
 the same file dequantized in float32 scores within the type's tolerance."""
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from gguf import GGMLQuantizationType as Q  # noqa: E402
 
 from pdserve import LLM, SamplingParams  # noqa: E402
 from pdserve.common.model.quant import QuantizedEmbedding, QuantizedLinear  # noqa: E402
+from pdserve.kernels import cpu_quant  # noqa: E402
 from tests.common.model.test_gguf import write_llama_gguf  # noqa: E402
 
 EXACT = (Q.Q4_0, Q.Q4_1, Q.Q4_K)  # int4 group 32, exactly
@@ -36,7 +38,8 @@ def _assert_held_at(model: nn.Module, bits: int, tied: bool) -> None:
     assert not any(type(m) is nn.Linear for m in layers.modules())
     assert {m.bits for m in layers.modules() if isinstance(m, QuantizedLinear)} == {bits}
     embed = model.model.embed_tokens
-    assert isinstance(embed, QuantizedEmbedding)  # int8 per row whatever the type
+    assert isinstance(embed, QuantizedEmbedding)  # int5 at a Q5 type's bits, else int8 per row
+    assert embed.head.bits == (5 if bits == 5 else 8)
     if tied:  # stored once: the head is the embedding's own rows
         assert model.lm_head is None
     else:
@@ -67,7 +70,8 @@ def test_each_type_is_held_at_its_bits_and_generates_within_its_tolerance(
     )
     path = write_llama_gguf(model_dir, tmp_path / "m.gguf", qtype)
     llm = LLM(str(path), dtype="bfloat16", quantization="auto")
-    _assert_held_at(llm.engine.runner.model, 4 if qtype in EXACT else 8, tied)
+    int5 = 5 if qtype in (Q.Q5_0, Q.Q5_1) and cpu_quant.available() else 8
+    _assert_held_at(llm.engine.runner.model, 4 if qtype in EXACT else int5, tied)
     prompts = [llm.tokenizer.encode(p) for p in PROMPTS]
     params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
     outputs = [o.token_ids for o in llm.generate(prompts, params)]

@@ -33,6 +33,7 @@ from pdserve.common.model.quant import (  # noqa: E402
 )
 from pdserve.common.model.weights import linear_bits, load_model  # noqa: E402
 from pdserve.common.node.cli import add_engine_args, engine_configs  # noqa: E402
+from pdserve.kernels import cpu_quant  # noqa: E402
 from pdserve.kernels.cpu_linear import PackedLinear  # noqa: E402
 from tests.common.model.test_gguf import write_llama_gguf  # noqa: E402
 
@@ -136,8 +137,9 @@ def test_a_quantized_gguf_generates_as_the_file_dequantized(
 ) -> None:
     """Q8_0 (as int8) and Q4_0 (as int4) held exactly: the only difference from
     dequantize-then-matmul is float32 rounding, so greedy tokens are equal. `auto` keeps each
-    type at that width in a bf16 engine; a float32 engine dequantizes under `auto` (the
-    packed kernels are slow on float32 activations) and is asked for the width here."""
+    type at that width in a bf16 engine, and in a float32 one where the AVX2 kernel runs
+    (elsewhere it dequantizes there: torch's packed kernels are slow on float32 activations);
+    the width is also asked for by name."""
     path = write_llama_gguf(
         tiny_model_dir("llama"), tmp_path / "q.gguf", qtype, change=_amax_in_every_block
     )
@@ -150,8 +152,18 @@ def test_a_quantized_gguf_generates_as_the_file_dequantized(
     decoder = auto_bf16.model.layers.modules()
     assert {m.bits for m in decoder if isinstance(m, QuantizedLinear)} == {int(width[3:])}
     assert isinstance(auto_bf16.model.embed_tokens, QuantizedEmbedding)  # int8 per row
-    auto_f32, _ = load_model(path, torch.float32, "cpu", quantization="auto")
-    assert not any(isinstance(m, QuantizedLinear) for m in auto_f32.modules())
+    auto_f32 = LLM(str(path), dtype="float32", quantization="auto")
+    f32_model = auto_f32.engine.runner.model
+    f32_kinds = _kinds(f32_model)
+    # The vocabulary stays float in float32 (an untied head packed for oneDNN).
+    assert f32_kinds.pop("lm_head", nn.Linear) in (nn.Linear, PackedLinear)
+    held = set(f32_kinds.values())
+    if cpu_quant.available():  # the decoder at the file's bits; the vocabulary float (below)
+        assert held == {QuantizedLinear}, held
+        assert not isinstance(f32_model.model.embed_tokens, QuantizedEmbedding)
+        assert [o.token_ids for o in auto_f32.generate(prompts, params)] == want
+    else:
+        assert QuantizedLinear not in held
     quantized = LLM(str(path), dtype="float32", quantization=width)
     kinds = _kinds(quantized.engine.runner.model)
     # The head stays float as stored (a float32 CPU engine holds it packed for oneDNN).
@@ -219,6 +231,7 @@ _MEASURE = textwrap.dedent(
         ),
         "embedding": type(model.model.embed_tokens).__name__,
         "head": type(head).__name__,
+        "widths": sorted({m.bits for m in model.modules() if hasattr(m, "bits")}),
     }))
     """
 )
@@ -284,9 +297,10 @@ def _q4_k_m_fallbacks(name: str) -> Q:
 def test_a_q4_k_m_gguf_of_width_896_loads_every_tensor_quantized(tiny_model_dir, tmp_path) -> None:
     """Issue 36's file (Qwen2.5-0.5B's shape: 896 wide, 14 heads, 2 KV heads, an untied
     head), four layers: every decoder linear, the embedding and the head held quantized, each
-    tensor converted on its own (the peak within 1.3x of the loaded size). Against the file:
-    int8 holds Q5_0's 5.5 bits a weight in 8, so what is held is up to 1.45x the file's
-    tensors (1.37x for this mix; docs/quantization.md), and the bound stays there."""
+    tensor converted on its own, and the load's peak within 1.3x the file's tensors (issue
+    36's bound, file + KV: load_model makes no KV pool). Q5_0 is held at its bits (int5, 6
+    bits a weight with its f16 scale and minimum) where the AVX2 kernel runs; int8 held it
+    in 8 (the peak was 1.50x the file; docs/quantization.md)."""
     model_dir = tiny_model_dir(
         "llama",
         hidden_size=896,
@@ -305,8 +319,12 @@ def test_a_q4_k_m_gguf_of_width_896_loads_every_tensor_quantized(tiny_model_dir,
     assert m["quantized"] == 4 * len(LINEARS), m
     assert (m["embedding"], m["head"]) == ("QuantizedEmbedding", "QuantizedLinear"), m
     assert loaded >= 0.9 * m["nbytes"], m  # the measurement sees the model
-    assert m["nbytes"] <= 1.45 * file, {**m, "file": file}
-    assert peak <= 1.3 * loaded, m
+    if not cpu_quant.available():  # int8 holds Q5_0's 5.5 bits in 8
+        assert m["nbytes"] <= 1.45 * file and peak <= 1.3 * loaded, {**m, "file": file}
+        return
+    assert m["widths"] == [4, 5, 8], m
+    print(f"held {m['nbytes'] / file:.3f}x, after {loaded / file:.3f}x, peak {peak / file:.3f}x")
+    assert peak <= 1.3 * file, {**m, "file": file}
 
 
 @pytest.fixture(scope="module")
@@ -346,7 +364,8 @@ def test_smollm2_q4_1_kept_int4_answers_paris(smollm2_gguf: Path) -> None:
 def test_a_tied_int8_embedding_stays_int8_under_auto(tiny_model_dir, tmp_path: Path) -> None:
     """A tied Q8_0 embedding in a bf16 engine under `auto`: held int8 per row, a lookup gives
     the file's rows within int8's half step and bf16's rounding, the LM head is the int8
-    product; float32 engines and the explicit modes keep it float."""
+    product; float32 engines (whose TP ranks would hold it float: one form at every TP size)
+    and the explicit modes keep it float."""
     path = write_llama_gguf(
         tiny_model_dir("llama", tie_word_embeddings=True), tmp_path / "q.gguf", Q.Q8_0
     )
