@@ -182,6 +182,7 @@ async def test_integrity_reports_of_every_live_node(
             "kv_layout": None,  # the fake nodes register none
             "in_flight": 0,  # requests this router routed there and waits on
             "registrations": 0,  # RegisterNode messages it got (fakes skip them)
+            "prefix_view": [],  # block hashes the router credits it with (none announced)
             "report": {
                 "ok": False,
                 "detail": "leak",
@@ -197,6 +198,7 @@ async def test_integrity_reports_of_every_live_node(
             "report": None,
             "in_flight": 0,
             "registrations": 0,
+            "prefix_view": [],
         },
     }
 
