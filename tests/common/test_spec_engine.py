@@ -12,7 +12,7 @@ import torch
 
 from pdserve.common.engine.llm import LLM, SamplingParams
 from pdserve.common.node.cli import add_engine_args, engine_configs
-from pdserve.common.node.health import NODE_METRICS
+from pdserve.common.node.health import NODE_COUNTERS, NODE_METRICS
 from pdserve.common.node.reports import engine_gauges
 from tests.common.test_llm_equivalence import (  # noqa: F401 - model_dirs is a fixture
     assert_matches_hf,
@@ -142,7 +142,7 @@ def test_counters_add_up(model) -> None:
     assert stats.accepted_per_position == sorted(stats.accepted_per_position, reverse=True)
     assert stats.num_drafts <= stats.num_draft_tokens <= 3 * stats.num_drafts
     gauges = engine_gauges(llm.engine, queued=0, draining=False)
-    assert set(gauges) <= set(NODE_METRICS)
+    assert set(gauges) <= set(NODE_METRICS) | set(NODE_COUNTERS)  # every one exported
     assert gauges["pdserve_node_spec_decode_num_accepted_tokens"] == stats.num_accepted_tokens
     assert gauges["pdserve_node_spec_decode_num_drafts"] == stats.num_drafts
 
