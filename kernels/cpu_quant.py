@@ -97,37 +97,6 @@ void int8_rows(const float* x, const int8_t* q, const float* scales, float* y,
   }
 }
 
-template <int M>
-void int4_rows(const float* x, const float* xsum, const uint8_t* q, const float* scales,
-               const float* mins, float* y, int64_t K, int64_t N, int64_t begin, int64_t end) {
-  const int64_t B = K / 32;
-  const __m128i low4 = _mm_set1_epi8(0x0F);
-  for (int64_t n = begin; n < end; ++n) {
-    const uint8_t* row = q + n * (K / 2);
-    const float* s = scales + n * B;
-    const float* mn = mins + n * B;
-    __m256 acc[M];
-    float offset[M];
-    for (int m = 0; m < M; ++m) { acc[m] = _mm256_setzero_ps(); offset[m] = 0.f; }
-    for (int64_t b = 0; b < B; ++b) {
-      __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + b * 16));
-      __m128i lo = _mm_and_si128(bytes, low4);
-      __m128i hi = _mm_and_si128(_mm_srli_epi16(bytes, 4), low4);
-      __m256 w[4] = {widen(lo), widen(_mm_srli_si128(lo, 8)),
-                     widen(hi), widen(_mm_srli_si128(hi, 8))};
-      __m256 part[M];
-      for (int m = 0; m < M; ++m) part[m] = _mm256_setzero_ps();
-      dot32<M>(x + b * 32, K, w, part);
-      const __m256 scale = _mm256_set1_ps(s[b]);
-      for (int m = 0; m < M; ++m) {
-        acc[m] = _mm256_fmadd_ps(scale, part[m], acc[m]);
-        offset[m] += mn[b] * xsum[m * B + b];
-      }
-    }
-    for (int m = 0; m < M; ++m) y[m * N + n] = hsum(acc[m]) + offset[m];
-  }
-}
-
 // 8 values of a 5-bit weight: 8 low nibbles (the low half of `nib`) and their fifth bits
 // (bit i of `bits` for value i), as float32.
 inline __m256 widen5(__m128i nib, uint32_t bits) {
@@ -138,17 +107,18 @@ inline __m256 widen5(__m128i nib, uint32_t bits) {
   return _mm256_cvtepi32_ps(v);
 }
 
-template <int M>
-void int5_rows(const float* x, const float* xsum, const uint8_t* q, const uint8_t* high,
-               const at::Half* scales, const at::Half* mins, float* y, int64_t K, int64_t N,
-               int64_t begin, int64_t end) {
+// int4 and int5 rows (w = scale * v + minimum per 32 columns): the nibbles, and for int5
+// (HIGH) the fifth bits' plane; S is the scales' type (int4's float32, int5's f16).
+template <int M, bool HIGH, typename S>
+void affine_rows(const float* x, const float* xsum, const uint8_t* q, const uint8_t* high,
+                 const S* scales, const S* mins, float* y, int64_t K, int64_t N,
+                 int64_t begin, int64_t end) {
   const int64_t B = K / 32;
   const __m128i low4 = _mm_set1_epi8(0x0F);
   for (int64_t n = begin; n < end; ++n) {
     const uint8_t* row = q + n * (K / 2);
-    const uint8_t* hrow = high + n * (K / 8);
-    const at::Half* s = scales + n * B;
-    const at::Half* mn = mins + n * B;
+    const S* s = scales + n * B;
+    const S* mn = mins + n * B;
     __m256 acc[M];
     float offset[M];
     for (int m = 0; m < M; ++m) { acc[m] = _mm256_setzero_ps(); offset[m] = 0.f; }
@@ -156,9 +126,15 @@ void int5_rows(const float* x, const float* xsum, const uint8_t* q, const uint8_
       __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + b * 16));
       __m128i lo = _mm_and_si128(bytes, low4);
       __m128i hi = _mm_and_si128(_mm_srli_epi16(bytes, 4), low4);
-      const uint8_t* h = hrow + b * 4;
-      __m256 w[4] = {widen5(lo, h[0]), widen5(_mm_srli_si128(lo, 8), h[1]),
-                     widen5(hi, h[2]), widen5(_mm_srli_si128(hi, 8), h[3])};
+      __m256 w[4];
+      if constexpr (HIGH) {
+        const uint8_t* h = high + n * (K / 8) + b * 4;
+        w[0] = widen5(lo, h[0]); w[1] = widen5(_mm_srli_si128(lo, 8), h[1]);
+        w[2] = widen5(hi, h[2]); w[3] = widen5(_mm_srli_si128(hi, 8), h[3]);
+      } else {
+        w[0] = widen(lo); w[1] = widen(_mm_srli_si128(lo, 8));
+        w[2] = widen(hi); w[3] = widen(_mm_srli_si128(hi, 8));
+      }
       __m256 part[M];
       for (int m = 0; m < M; ++m) part[m] = _mm256_setzero_ps();
       dot32<M>(x + b * 32, K, w, part);
@@ -231,7 +207,7 @@ torch::Tensor int4_mm(torch::Tensor x, torch::Tensor q, torch::Tensor scales,
   float* yp = y.data_ptr<float>();
   over_rows(N, K, [&](int64_t b, int64_t e) {
     switch (M) {
-#define ROWS(R) case R: int4_rows<R>(xp, xs, qp, sp, mp, yp, K, N, b, e); break;
+#define ROWS(R) case R: affine_rows<R, false>(xp, xs, qp, nullptr, sp, mp, yp, K, N, b, e); break;
       ROWS(1) ROWS(2) ROWS(3) ROWS(4) ROWS(5) ROWS(6) ROWS(7) ROWS(8)
 #undef ROWS
     }
@@ -262,7 +238,7 @@ torch::Tensor int5_mm(torch::Tensor x, torch::Tensor q, torch::Tensor high,
   float* yp = y.data_ptr<float>();
   over_rows(N, K, [&](int64_t b, int64_t e) {
     switch (M) {
-#define ROWS(R) case R: int5_rows<R>(xp, xs, qp, hp, sp, mp, yp, K, N, b, e); break;
+#define ROWS(R) case R: affine_rows<R, true>(xp, xs, qp, hp, sp, mp, yp, K, N, b, e); break;
       ROWS(1) ROWS(2) ROWS(3) ROWS(4) ROWS(5) ROWS(6) ROWS(7) ROWS(8)
 #undef ROWS
     }
