@@ -364,24 +364,22 @@ class KVCacheManager:
             if block is None:
                 break
             hits.append(block)
-        n_pool = len(hits)
-        if self.pool.tiers is not None and n_pool < len(hashes):
-            self._load_from_tiers(hits, hashes[n_pool:])
+        if self.pool.tiers is not None and len(hits) < len(hashes):
+            self.stats.tier_hits += self._load_from_tiers(hits, hashes[len(hits) :])
         n_tokens = len(hits) * self.block_size
         self.stats.queries += request.num_tokens
         self.stats.hits += n_tokens
-        self.stats.tier_hits += (len(hits) - n_pool) * self.block_size
         return KVCacheBlocks(tuple(hits)), n_tokens
 
-    def _load_from_tiers(self, hits: list[KVCacheBlock], missing: list[BlockHash]) -> None:
+    def _load_from_tiers(self, hits: list[KVCacheBlock], missing: list[BlockHash]) -> int:
         """Extend `hits` with the blocks after them that a tier holds, each loaded into a
         pool block and indexed like a computed one; stops at the first miss (the rest is
-        recomputed). The hits are held while loading so that taking a block for a load
-        never evicts one of them; afterwards every one is evictable again until
-        allocate_slots touches it, as pool hits are."""
+        recomputed); returns the tokens loaded. The hits are held while loading so that
+        taking a block for a load never evicts one of them; afterwards every one is
+        evictable again until allocate_slots touches it, as pool hits are."""
         assert self.pool.tiers is not None
         self.pool.touch(hits)
-        held = list(hits)
+        held, loaded = list(hits), 0
         for block_hash in missing:
             block = self.pool.get_cached_block(block_hash)  # a later block may still be here
             if block is not None:
@@ -392,11 +390,13 @@ class KVCacheManager:
                     self.pool.free_blocks([block])
                     break
                 self.pool.cache_block(block, block_hash)
+                loaded += self.block_size
             else:
                 break
             held.append(block)
             hits.append(block)
         self.pool.free_blocks(reversed(held))
+        return loaded
 
     def allocate_slots(
         self,
