@@ -191,8 +191,11 @@ def run_local(args: argparse.Namespace, policy: str, trace: Sequence[TraceReques
     router = ["--policy", policy, "--request-log", str(request_log), *args.router_args]
     cluster = LocalCluster(args.model, args.prefill, args.decode, args.colocated,
                            engine_args=args.engine_args, router_args=router)  # fmt: skip
-    with cluster:
+    try:  # a start that fails stops what it started too
+        cluster.start(timeout=args.start_timeout)
         done = asyncio.run(replay(cluster.url, trace, requests, args.max_concurrency, args.timeout))
+    finally:
+        cluster.stop()
     return done | {"policy": policy, "request_log": str(request_log)}
 
 
@@ -216,6 +219,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--limit", type=int, help="replay the first N requests only")
     p.add_argument("--max-concurrency", type=int, help="requests in flight at most")
     p.add_argument("--timeout", type=float, default=600.0, help="per request (s)")
+    p.add_argument("--start-timeout", type=float, default=120.0, help="a local deployment's (s)")
     p.add_argument("--seed", type=int, default=0, help="of the blocks' tokens")
     p.add_argument_group("output").add_argument("--out", help="the report (JSON), logs beside")
     args = p.parse_args(argv)
