@@ -10,4 +10,7 @@ pdserve_env test
 if [ -n "${PDSERVE_TEST_WORKERS:-}" ]; then
   set -- -n "$PDSERVE_TEST_WORKERS" --dist loadgroup --no-loadscope-reorder "$@"
 fi
+# Build the AVX2 GGUF kernel (kernels/cpu_quant.py) once before the nodes the tests start need
+# it: a cold build takes minutes, longer than a node's readiness wait; cached by its source hash.
+python -c "from pdserve.kernels import cpu_quant; cpu_quant.available()"
 exec python -m pytest "$@"
