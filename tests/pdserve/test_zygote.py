@@ -72,6 +72,7 @@ def test_a_child_killed_by_a_signal_reports_it(
 def test_another_environment_or_process_gets_a_fresh_interpreter(
     launcher: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    monkeypatch.chdir(tmp_path)  # the forked keygen writes k/ where it runs
     assert forked(["keygen", "k"], tmp_path / "out", PDSERVE_CPU_QUANT="off") is None
     assert forked(["keygen", "k"], tmp_path / "out", PYTHONUNBUFFERED="1") is not None
     monkeypatch.setenv(zygote.ENV, os.environ[zygote.ENV].replace(str(os.getpid()), "1", 1))
