@@ -3,6 +3,7 @@ this thread's CPU ms (with --threads 1 the step's own work, whatever else runs) 
 medians of alternating steps, and how far the logits differ (docs/benchmarks.md).
 
     PYTHONPATH=. python scripts/compiled_step_bench.py MODEL CACHE_ROOT 1,16 [--threads 1]
+        [--dtype float32|bfloat16]
 
 The buckets given are compiled into CACHE_ROOT first when it lacks them (minutes each, cold).
 Eager is what an eager CPU engine runs (its float32 LM head on kernels/cpu_linear.py); the
@@ -95,10 +96,11 @@ def main() -> None:
     p.add_argument("buckets", help="comma-separated batch sizes, each its own bucket")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--repeat", type=int, default=10)
+    p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     buckets = tuple(sorted(int(b) for b in args.buckets.split(",")))
-    llm = LLM(args.model, enforce_eager=True, max_num_seqs=max(buckets), dtype="float32",
+    llm = LLM(args.model, enforce_eager=True, max_num_seqs=max(buckets), dtype=args.dtype,
               kv_cache_bytes=256 << 20, skip_tokenizer_init=True)  # fmt: skip
     runner = llm.engine.runner
     compiled = compile_buckets(runner, buckets, args.cache_root)
