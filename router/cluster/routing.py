@@ -304,7 +304,9 @@ class Routing:
         already); an error message when it cannot, or has failed over too often."""
         start = time.monotonic()
         failure = await self._recover(stream, failover)
-        attrs = {"pdserve.failover.kind": failover.kind, "pdserve.failover.cause": failover.why}
+        # cause: the bounded word the failover counter is labelled with; why: its sentence
+        attrs = {"pdserve.failover.kind": failover.kind, "pdserve.failover.cause": failover.cause}
+        attrs["pdserve.failover.why"] = failover.why
         attrs |= {"pdserve.failover.lost": list(failover.lost), "pdserve.attempt": stream.attempt}
         attrs["pdserve.outcome"] = "failed" if failure is not None else "rerouted"
         stream.trace.child("router.failover", start, attrs)

@@ -109,7 +109,8 @@ def test_every_node_gets_the_request_spans_context_and_a_failover_is_a_span(trac
         assert parents == {tracer.traceparent(request)}, "prefill and decode: one parent"
         (failover,) = tracer.named("router.failover")
         assert failover.parent is request
-        assert failover.attributes["pdserve.failover.cause"] == "p0: queue full"
+        assert failover.attributes["pdserve.failover.cause"] == "busy"  # the counter's label
+        assert failover.attributes["pdserve.failover.why"] == "p0: queue full"
         assert failover.attributes["pdserve.failover.kind"] == "prefill"
         assert failover.attributes["pdserve.failover.lost"] == ["p0"]
         assert len(tracer.named("router.route")) == 1  # the first placement
