@@ -4,7 +4,7 @@ host tier drops is still in the store."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from pdserve.kv_store.key import BlockKey
 from pdserve.kv_store.tier import KVTier, TierStats
@@ -22,13 +22,19 @@ class TierChain:
     def get(self, key: BlockKey) -> memoryview | None:
         """The first tier's verified payload, copied into the tiers above it; None: no tier
         holds an intact one (every miss and failure counted in its tier)."""
+        return self.find(key)[0]
+
+    def find(
+        self, key: BlockKey, ask: Callable[[KVTier], bool] = lambda _: True
+    ) -> tuple[memoryview | None, KVTier | None]:
+        """`get`, asking only the tiers `ask` accepts; also says which tier served it."""
         for i, tier in enumerate(self.tiers):
-            payload = tier.get(key)
+            payload = tier.get(key) if ask(tier) else None
             if payload is not None:
                 for upper in self.tiers[:i]:
                     upper.put(key, payload)
-                return payload
-        return None
+                return payload, tier
+        return None, None
 
     def put(self, key: BlockKey, payload: bytes | bytearray | memoryview) -> int:
         """Write through every tier; returns how many stored it."""

@@ -9,6 +9,7 @@ refused (a miss) before anything is written into the pool.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 
 import torch
@@ -16,21 +17,33 @@ import torch
 from pdserve.common.engine.kv_cache_manager import BlockHash
 from pdserve.kv_store import open_store
 from pdserve.kv_store.chain import TierChain
+from pdserve.kv_store.cost import LoadCost
 from pdserve.kv_store.host import HostTier
 from pdserve.kv_store.key import KeySpace
 from pdserve.kv_store.tier import KVTier, TierStats
 
 
 class PoolTiers:
-    """Copies blocks between the layer caches `caches` ([planes, blocks, ...] each) and
-    `chain`, under the keys of `space`. Counts offloads; the chain's tiers count the rest."""
+    """Copies blocks of `block_size` tokens between the layer caches `caches` ([planes,
+    blocks, ...] each) and `chain`, under the keys of `space`; `cost` decides which tiers a
+    load asks (`kv_store.cost`) and learns each tier's rate from the loads. Counts offloads;
+    the chain's tiers count the rest."""
 
-    def __init__(self, chain: TierChain, space: KeySpace, caches: Sequence[torch.Tensor]) -> None:
+    def __init__(
+        self,
+        chain: TierChain,
+        space: KeySpace,
+        caches: Sequence[torch.Tensor],
+        block_size: int,
+        cost: LoadCost,
+    ) -> None:
         if not caches:
             raise ValueError("a pool's tiers need its layer caches")
         self.chain = chain
         self.space = space
         self.caches = tuple(caches)
+        self.block_size = block_size
+        self.cost = cost
         self.block_bytes = sum(c[:, 0].numel() * c.element_size() for c in self.caches)
         self.offloaded = 0  # blocks written to at least one tier
 
@@ -40,8 +53,9 @@ class PoolTiers:
         self.offloaded += self.chain.put(self.space.key(block_hash), payload) > 0
 
     def load(self, block_hash: BlockHash, block_id: int) -> bool:
-        payload = self.chain.get(self.space.key(block_hash))
-        if payload is None or payload.nbytes != self.block_bytes:
+        start = time.perf_counter()
+        payload, tier = self.chain.find(self.space.key(block_hash), self._worth_asking)
+        if payload is None or tier is None or payload.nbytes != self.block_bytes:
             return False
         data = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
         offset = 0
@@ -50,7 +64,11 @@ class PoolTiers:
             n = page.numel() * page.element_size()
             page.copy_(data[offset : offset + n].view(cache.dtype).view(page.shape))
             offset += n
+        self.cost.observe(tier.name, self.block_bytes, time.perf_counter() - start)
         return True
+
+    def _worth_asking(self, tier: KVTier) -> bool:
+        return self.cost.worth_loading(tier.name, self.block_size, self.block_bytes)
 
     def stats(self) -> tuple[TierStats, ...]:
         return self.chain.stats()
@@ -64,6 +82,8 @@ def open_pool_tiers(
     store_url: str | None,
     space: KeySpace,
     caches: Sequence[torch.Tensor],
+    block_size: int,
+    cost: LoadCost,
 ) -> PoolTiers | None:
     """The tiers `--kv-offload-bytes` and `--kv-store` ask for, or None for neither."""
     tiers: list[KVTier] = []
@@ -71,4 +91,4 @@ def open_pool_tiers(
         tiers.append(HostTier(offload_bytes))
     if store_url:
         tiers.append(open_store(store_url))
-    return PoolTiers(TierChain(tiers), space, caches) if tiers else None
+    return PoolTiers(TierChain(tiers), space, caches, block_size, cost) if tiers else None

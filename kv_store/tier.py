@@ -40,6 +40,7 @@ class TierStats:
     bytes_read: int = 0
     bytes_written: int = 0
     seconds: float = 0.0  # spent in this tier's calls
+    load_seconds: float = 0.0  # of which in gets, checking the object included
 
 
 class _Counters:
@@ -84,14 +85,15 @@ class KVTier(ABC):
 
     def get(self, key: BlockKey) -> memoryview | None:
         """The block's payload, or None (a miss, whatever the cause)."""
+        start = time.monotonic()
         blob = self._guard("get", lambda: self._load(key.name), None)
-        if blob is None:
-            self._counters.add(misses=1)
-            return None
-        payload = self._verify(key, blob)
-        self._counters.add(hits=payload is not None, misses=payload is None)
-        if payload is not None:
-            self._counters.add(bytes_read=payload.nbytes)
+        payload = None if blob is None else self._verify(key, blob)
+        self._counters.add(
+            hits=payload is not None,
+            misses=payload is None,
+            bytes_read=0 if payload is None else payload.nbytes,
+            load_seconds=time.monotonic() - start,
+        )
         return payload
 
     def put(self, key: BlockKey, payload: bytes | bytearray | memoryview) -> bool:

@@ -15,6 +15,7 @@ from pdserve.common.spec.config import SpeculativeConfig
 _DTYPES = ("auto", *DTYPES)
 QUANTIZATIONS = ("auto", "none", "int8", "int4")
 COMPILE_MODES = ("eager", "background", "blocking")
+KV_LOAD_POLICIES = ("always", "cost")  # kv_store.cost.POLICIES (kv_store sits above this)
 EAGER_ENV = "PDSERVE_ENFORCE_EAGER"  # decides what the flags leave open (`decode_compile`)
 # The help groups of the engine's flags (`node.cli.add_engine_args`).
 MODEL, CACHE, SCHEDULER = "model", "KV cache", "scheduler"
@@ -198,6 +199,13 @@ class CacheConfig:
         type=str,
         metavar="URL",
     )
+    kv_load_policy: str = option(
+        "always",
+        CACHE,
+        "a prefix hit in a KV tier: always load it, or load it only when the node's measured "
+        "rates say loading is faster than recomputing (cost; docs/kv_tiers.md)",
+        choices=KV_LOAD_POLICIES,
+    )
     gpu_memory_utilization: float = 0.85  # no flag (the `LLM` API sets it)
 
     def __post_init__(self) -> None:
@@ -209,6 +217,7 @@ class CacheConfig:
             self.kv_store is None or self.kv_store.split("://")[0] in ("file", "redis"),
             f"kv_store {self.kv_store!r}: use file://DIR or redis://HOST:PORT",
         )
+        _require(self.kv_load_policy in KV_LOAD_POLICIES, f"kv_load_policy in {KV_LOAD_POLICIES}")
         _require(0.0 < self.gpu_memory_utilization <= 1.0, "gpu_memory_utilization in (0, 1]")
 
 

@@ -80,6 +80,7 @@ class LLMEngine:
             parallel,
             speculative=scheduler.speculative_config,
         )
+        self.prefill_rate = PrefillRate()  # before the tiers: their cost model reads it
         self.tiers = self._tiers(cache, parallel)
         self.kv = KVCacheManager(
             self.runner.num_blocks, cache.block_size, cache.enable_prefix_caching, self.tiers
@@ -89,7 +90,6 @@ class LLMEngine:
         proposer = DraftModelProposer(draft, self.kv.block_ids) if draft is not None else None
         self.scheduler = Scheduler(scheduler, self.kv, self.max_model_len, proposer)
         self._structured: StructuredOutputs | None = None  # made on the first constraint
-        self.prefill_rate = PrefillRate()
 
     def _tiers(self, cache: CacheConfig, parallel: ParallelConfig | None) -> PoolTiers | None:
         """The KV tiers under the pool (docs/kv_tiers.md), or None when none is asked for."""
@@ -97,12 +97,16 @@ class LLMEngine:
             return None
         if parallel is not None and parallel.tensor_parallel_size > 1:
             raise ValueError("KV tiers (--kv-offload-bytes, --kv-store) run at TP 1 only for now")
-        from pdserve.kv_store.key import KeySpace  # kv_store sits above the engine's core
+        from pdserve.kv_store.cost import LoadCost  # kv_store sits above the engine's core
+        from pdserve.kv_store.key import KeySpace
         from pdserve.kv_store.pool_tiers import open_pool_tiers
 
         space = KeySpace.of(self.kv_layout())
-        caches = self.runner.kv_caches
-        return open_pool_tiers(cache.kv_offload_bytes, cache.kv_store, space, caches)
+        cost = LoadCost(lambda: self.prefill_rate.tokens_per_s, cache.kv_load_policy)
+        caches, block_size = self.runner.kv_caches, cache.block_size
+        return open_pool_tiers(
+            cache.kv_offload_bytes, cache.kv_store, space, caches, block_size, cost
+        )
 
     def _max_model_len(self, scheduler: SchedulerConfig) -> int:
         capacity = self.kv.capacity_tokens()
