@@ -7,7 +7,8 @@ On an AVX2 machine without AVX512, torch's packed kernels (`_weight_int8pack_mm`
 This kernel reads each weight row once for all (up to MAX_ROWS) input rows, widens its
 integers to float32 in registers and sums with FMA; rows of W are split across torch's
 threads. It is C++ built at first use with torch's cpp_extension (g++ -O3 -mavx2 -mfma),
-cached by the source's hash under torch's extensions folder; without AVX2+FMA or a compiler,
+cached by the source's hash, torch's version and folder under torch's extensions folder (an flock
+held while building; a dead build's lock file is removed); without AVX2+FMA or a compiler,
 `available()` is False (logged once) and callers keep torch's kernels.
 
 int8 is torch's layout as QuantizedLinear holds it (values [N, K], one scale per row). int4
@@ -22,11 +23,14 @@ Q5_1's 6 in the file (int8 per row held them in 8; the f16 fields are the file's
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import fcntl
 import hashlib
 import logging
 import os
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Iterator
 from functools import cache
 
 import torch
@@ -36,6 +40,8 @@ log = logging.getLogger(__name__)
 MAX_ROWS = 8  # input rows one call takes (the C++ side is instantiated for 1..8)
 BLOCK = 32  # int4 columns per scale and minimum
 QUANT_KERNEL_ENV = "PDSERVE_CPU_QUANT"  # "auto" (default) or "off"
+# Seconds to wait for another process's build of the kernel (a cold one takes minutes when loaded).
+BUILD_WAIT_ENV = "PDSERVE_CPU_QUANT_BUILD_WAIT"
 # Rows packed at once: packing a whole tensor made several byte-per-weight temporaries at
 # once, the largest transient of a GGUF load (issue 36's load peak; docs/quantization.md).
 _PACK_ROWS = 64
@@ -387,17 +393,59 @@ def available() -> bool:
     return True
 
 
+def extension_name(version: str | None = None, torch_dir: str | None = None) -> str:
+    """The build's name: the source's hash with torch's version and install folder, so that two
+    venvs with different torch never share (and load the other's) build folder."""
+    version = torch.__version__ if version is None else version
+    torch_dir = os.path.dirname(torch.__file__) if torch_dir is None else torch_dir
+    key = f"{_SOURCE}\0{version}\0{torch_dir}"
+    return f"pdserve_cpu_quant_{hashlib.sha256(key.encode()).hexdigest()[:16]}"
+
+
+@contextlib.contextmanager
+def build_lock(build_dir: str, wait_s: float) -> Iterator[None]:
+    """Hold the build folder for one process, waiting at most `wait_s` for another (TimeoutError).
+
+    torch's own lock is a file that exists while a build runs, so a build killed midway leaves it
+    behind and every later load waits on it forever. Ours is an flock, which the kernel drops with
+    the process that held it: once we hold it no pdserve build is running, and a `lock` file
+    there is a dead build's, removed before torch looks."""
+    os.makedirs(build_dir, exist_ok=True)
+    deadline = time.monotonic() + wait_s
+    with open(os.path.join(build_dir, "pdserve.flock"), "w") as held:
+        while True:
+            try:
+                fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() >= deadline:
+                    raise TimeoutError(
+                        f"cpu quant kernel: another process has been building in {build_dir} "
+                        f"for over {wait_s:.0f} s"
+                    ) from None
+                time.sleep(0.2)
+        stale = os.path.join(build_dir, "lock")
+        if os.path.exists(stale):
+            log.warning("cpu quant kernel: removing %s, left by a build that was killed", stale)
+            os.remove(stale)
+        yield  # the flock goes with the file's close
+
+
 @cache
 def _module():  # noqa: ANN202 (a compiled extension module)
     from torch.utils import cpp_extension
 
-    digest = hashlib.sha256(_SOURCE.encode()).hexdigest()[:16]
-    log.info("cpu quant kernel: loading pdserve_cpu_quant_%s (built once, then cached)", digest)
-    return cpp_extension.load_inline(
-        name=f"pdserve_cpu_quant_{digest}",
-        cpp_sources=[_SOURCE],
-        functions=["int8_mm", "int4_mm", "int5_mm"],
-        extra_cflags=["-O3", "-mavx2", "-mfma", "-fopenmp"],
-        extra_ldflags=["-fopenmp"],
-        verbose=False,
-    )
+    name = extension_name()
+    # torch's own folder for `name` (private, but the layout every torch extension uses)
+    build_dir = cpp_extension._get_build_directory(name, verbose=False)
+    log.info("cpu quant kernel: loading %s (built once, then cached)", name)
+    with build_lock(build_dir, float(os.environ.get(BUILD_WAIT_ENV, "900"))):
+        return cpp_extension.load_inline(
+            name=name,
+            cpp_sources=[_SOURCE],
+            functions=["int8_mm", "int4_mm", "int5_mm"],
+            extra_cflags=["-O3", "-mavx2", "-mfma", "-fopenmp"],
+            extra_ldflags=["-fopenmp"],
+            build_directory=build_dir,
+            verbose=False,
+        )

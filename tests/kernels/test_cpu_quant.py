@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+import fcntl
+import os
+import pathlib
 import shutil
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -147,3 +152,43 @@ def test_off_or_without_avx2_it_is_unavailable(monkeypatch: pytest.MonkeyPatch) 
         assert cpu_quant.available()
     finally:
         cpu_quant.available.cache_clear()
+
+
+def test_the_build_name_follows_torch_version_and_folder() -> None:
+    name = cpu_quant.extension_name("2.13.0+cpu", "/venv-a/torch")
+    assert name == cpu_quant.extension_name("2.13.0+cpu", "/venv-a/torch")
+    assert name != cpu_quant.extension_name("2.12.0+cpu", "/venv-a/torch")
+    assert name != cpu_quant.extension_name("2.13.0+cpu", "/venv-b/torch")
+    assert cpu_quant.extension_name() == cpu_quant.extension_name(
+        torch.__version__, os.path.dirname(torch.__file__)
+    )
+
+
+def test_a_killed_builds_lock_is_removed(tmp_path: pathlib.Path) -> None:
+    (tmp_path / "lock").touch()  # torch's lock file, as a killed build leaves it
+    with cpu_quant.build_lock(str(tmp_path), wait_s=5):
+        assert not (tmp_path / "lock").exists()
+
+
+def test_a_live_build_is_waited_for_a_bounded_time(tmp_path: pathlib.Path) -> None:
+    (tmp_path / "lock").touch()
+    with open(tmp_path / "pdserve.flock", "w") as other:  # another process's build, running
+        fcntl.flock(other, fcntl.LOCK_EX)
+        with pytest.raises(TimeoutError, match="another process"):
+            with cpu_quant.build_lock(str(tmp_path), wait_s=0.5):
+                pass
+        assert (tmp_path / "lock").exists()  # not a dead build's: left alone
+    with cpu_quant.build_lock(str(tmp_path), wait_s=5):  # released: the next build goes on
+        assert not (tmp_path / "lock").exists()
+
+
+def test_the_kernel_loads_past_a_stale_lock_in_its_build_folder() -> None:
+    from torch.utils import cpp_extension
+
+    cpu_quant._module()  # built (or loaded) before the lock is left behind
+    build_dir = cpp_extension._get_build_directory(cpu_quant.extension_name(), verbose=False)
+    pathlib.Path(build_dir, "lock").touch()
+    code = "from pdserve.kernels import cpu_quant; assert cpu_quant.available()"
+    # before build_lock this waited on the lock file forever: the timeout makes that a failure
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+    assert not pathlib.Path(build_dir, "lock").exists()
