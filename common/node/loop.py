@@ -44,6 +44,7 @@ from pdserve.common.node.membership import (
 from pdserve.common.node.metrics import NodeMetrics
 from pdserve.common.node.reports import engine_gauges, engine_status, integrity_report
 from pdserve.common.node.stages import StageClock
+from pdserve.common.node.tier_metrics import tier_report
 from pdserve.common.tracing import tracer_of
 from pdserve.common.wire.messages import (
     Abort,
@@ -313,6 +314,7 @@ class EngineNode:
         """Refresh what the health endpoint's /metrics reports (a role may add gauges)."""
         draining = self.drain_deadline is not None
         self.health.gauges = engine_gauges(self.engine, queued_tokens, draining)
+        self.metrics.tiers.publish(tier_report(self.engine))
 
     def handle(self, msg: Message, link: int = 0) -> None:
         """Run this role's handler for `msg`, which came on `link`; bad input fails only its

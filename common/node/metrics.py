@@ -13,6 +13,7 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
 
+from pdserve.common.node.tier_metrics import TierCollector
 from pdserve.common.wire.payloads import StageTimes
 
 # Request times from 1 ms (a tiny model's prefill on a CPU) to 10 min (a long prompt queued).
@@ -62,6 +63,8 @@ class NodeMetrics:
             opts = {"buckets": buckets} if buckets else {}
             metric = kind(name, text, list(own), registry=self.registry, **opts)
             setattr(self, attr, metric.labels(**own))
+        self.tiers = TierCollector(labels)  # the loop publishes the engine's KV tier counters
+        self.registry.register(self.tiers)
 
     def first_token(self, stages: StageTimes, remote: bool) -> None:
         """A request's stages up to the first token this node computed (`remote`: its KV came
