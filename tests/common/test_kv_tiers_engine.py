@@ -7,13 +7,23 @@ is corrupted gives the same output, its reads counted as misses."""
 from __future__ import annotations
 
 import random
+import shutil
+import threading
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
+import redis
 import torch
+from prometheus_client import generate_latest
+from prometheus_client.parser import text_string_to_metric_families
 
 from pdserve.common.engine.llm import LLM, SamplingParams
+from pdserve.common.node.metrics import NodeMetrics
+from pdserve.common.node.tier_metrics import tier_report
+from pdserve.kv_store import FileTier, KeySpace, codec
 from pdserve.tiny_model import make_tiny_model
+from tests.kv_store.helpers import RedisServer
 
 VOCAB = 512
 BLOCK = 4
@@ -21,6 +31,7 @@ NUM_BLOCKS = 16  # 15 usable: 60 tokens, a fifth of the workload's 5 conversatio
 ANSWER = 6
 GREEDY = SamplingParams(max_tokens=ANSWER, temperature=0.0, ignore_eos=True)
 Turn = tuple[tuple[int, ...], tuple[int, ...]]  # (prompt, answer)
+Between = Callable[[int], None] | None
 
 
 @pytest.fixture(scope="module")
@@ -28,10 +39,11 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
     return str(make_tiny_model("llama", tmp_path_factory.mktemp("tiers"), vocab=VOCAB))
 
 
-def converse(llm: LLM, n_convs: int = 5, n_turns: int = 4) -> list[Turn]:
+def converse(llm: LLM, between: Between = None, n_convs: int = 5, n_turns: int = 4) -> list[Turn]:
     """Round robin over conversations, one request at a time: each turn's prompt is the
     previous prompt, its answer and six new tokens, so a turn's prefix was evicted by the
-    other conversations' turns since (about 68 blocks of history against 15)."""
+    other conversations' turns since (about 68 blocks of history against 15). `between(i)`
+    runs after the i-th request (a fault injected under load)."""
     rng = random.Random(7)
     history: list[list[int]] = [[] for _ in range(n_convs)]
     turns: list[Turn] = []
@@ -41,6 +53,8 @@ def converse(llm: LLM, n_convs: int = 5, n_turns: int = 4) -> list[Turn]:
             (out,) = llm.generate([conv], GREEDY)
             turns.append((tuple(conv), tuple(out.token_ids)))
             conv += out.token_ids
+            if between is not None:
+                between(len(turns))
     return turns
 
 
@@ -67,7 +81,7 @@ def assert_equals_hf(model_dir: str, turns: list[Turn]) -> None:
         assert answer == _hf[prompt], f"prompt of {len(prompt)} tokens"
 
 
-def run(model_dir: str, **tiers: object) -> tuple[list[Turn], LLM]:
+def run(model_dir: str, between: Between = None, **tiers: object) -> tuple[list[Turn], LLM]:
     llm = LLM(
         model_dir,
         num_blocks=NUM_BLOCKS,
@@ -76,7 +90,7 @@ def run(model_dir: str, **tiers: object) -> tuple[list[Turn], LLM]:
         skip_tokenizer_init=True,
         **tiers,
     )
-    turns = converse(llm)
+    turns = converse(llm, between)
     kv = llm.engine.kv
     kv.check_integrity()
     assert kv.num_free_blocks == NUM_BLOCKS - 1 and not kv.req_blocks  # back to baseline
@@ -95,6 +109,7 @@ def baseline(model_dir: str) -> tuple[list[Turn], int]:
     turns, llm = run(model_dir)
     assert_equals_hf(model_dir, turns)
     assert llm.engine.tier_stats() == () and llm.engine.kv.stats.tier_hits == 0
+    assert scrape(llm)[("pdserve:kv_tier_loaded_tokens_total", "")] == 0
     return turns, llm.engine.kv.stats.hits
 
 
@@ -108,39 +123,157 @@ def test_host_tier_equals_hf_and_saves_prompt_tokens(model_dir: str, baseline) -
     assert host.hits > 0 and stats.tier_hits == host.hits * BLOCK
     assert stats.hits == baseline[1] + stats.tier_hits
     assert host.bytes_read == host.hits * llm.engine.tiers.block_bytes
+    metrics = scrape(llm)  # 0 on the tierless baseline engine
+    assert metrics[("pdserve:kv_tier_loaded_tokens_total", "")] == stats.tier_hits
+    assert metrics[("pdserve:kv_tier_hits_total", "host")] == host.hits
+    assert metrics[("pdserve:kv_tier_stored_bytes_total", "host")] == host.bytes_written > 0
 
 
-def test_file_store_serves_a_fresh_engine(model_dir: str, baseline, tmp_path: Path) -> None:
-    url = f"file://{tmp_path}/kv"
-    turns, first = run(model_dir, kv_offload_bytes=64 << 20, kv_store=url)
+@pytest.fixture(scope="module")
+def filled(model_dir: str, baseline, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, int]:
+    """A file store the workload filled (host tier + file://), checked, and the filling
+    engine's prefix hits; tests that change the store read a copy."""
+    folder = tmp_path_factory.mktemp("filled") / "kv"
+    turns, first = run(model_dir, kv_offload_bytes=64 << 20, kv_store=f"file://{folder}")
     assert turns == baseline[0] and tier(first, "host").hits > 0
     assert tier(first, "file").puts > 0
+    return folder, first.engine.kv.stats.hits
+
+
+def copy_of(store: Path, tmp_path: Path) -> Path:
+    shutil.copytree(store, tmp_path / "kv")
+    return tmp_path / "kv"
+
+
+def test_file_store_serves_a_fresh_engine(model_dir: str, baseline, filled) -> None:
     # A second engine (an empty pool and host tier) reads what the first stored.
-    turns, second = run(model_dir, kv_offload_bytes=64 << 20, kv_store=url)
+    turns, second = run(model_dir, kv_offload_bytes=64 << 20, kv_store=f"file://{filled[0]}")
     assert turns == baseline[0]
     assert_equals_hf(model_dir, turns)
     file_hits = tier(second, "file").hits
     assert file_hits > 0 and tier(second, "file").bad_objects == 0
     assert second.engine.kv.stats.tier_hits >= file_hits * BLOCK
-    assert second.engine.kv.stats.hits > first.engine.kv.stats.hits  # turn 1s hit too
+    assert second.engine.kv.stats.hits > filled[1]  # turn 1s hit too
 
 
-def test_corrupted_store_is_recomputed(model_dir: str, baseline, tmp_path: Path) -> None:
-    url = f"file://{tmp_path}/kv"
-    run(model_dir, kv_store=url)
-    objects = list((tmp_path / "kv").rglob("*.kv"))
-    assert objects
-    for path in objects:  # one flipped byte in the payload: only the checksum can tell
-        data = bytearray(path.read_bytes())
+def damage(path: Path, how: str) -> None:
+    """Truncate the object, flip one payload byte (only the checksum can tell), or rewrite it
+    as the same block of another KV layout."""
+    data = bytearray(path.read_bytes())
+    if how == "truncate":
+        path.write_bytes(bytes(data[: len(data) - 100]))
+    elif how == "corrupt":
         data[-1] ^= 0x40
         path.write_bytes(bytes(data))
-    turns, llm = run(model_dir, kv_store=url)
+    else:
+        other = KeySpace("0" * 64).key(bytes.fromhex(path.stem))
+        n_header = codec._PREFIX.unpack_from(data)[2]
+        path.write_bytes(codec.encode(other, data[codec._PREFIX.size + n_header :]))
+
+
+def test_damaged_store_is_recomputed(model_dir: str, baseline, filled, tmp_path: Path) -> None:
+    """A third of the objects truncated, a third corrupted, a third of another layout."""
+    store = copy_of(filled[0], tmp_path)
+    objects = sorted(store.rglob("*.kv"))
+    assert len(objects) >= 30
+    for i, path in enumerate(objects):
+        damage(path, ("truncate", "corrupt", "layout")[i % 3])
+    turns, llm = run(model_dir, kv_store=f"file://{store}")
     assert turns == baseline[0]
     assert_equals_hf(model_dir, turns)
-    store = tier(llm, "file")
-    assert store.bad_objects > 0 and store.misses >= store.bad_objects
+    got = tier(llm, "file")
+    assert got.bad_objects > 0 and got.misses >= got.bad_objects and got.errors == 0
     # Whatever came back was rewritten by this engine after the damaged object was dropped.
-    assert llm.engine.kv.stats.tier_hits == store.hits * BLOCK
+    assert llm.engine.kv.stats.tier_hits == got.hits * BLOCK
+    assert scrape(llm)[("pdserve:kv_tier_bad_objects_total", "file")] == got.bad_objects
+
+
+def test_eviction_while_the_engine_reads(model_dir: str, baseline, filled, tmp_path: Path) -> None:
+    """Another sweeper evicts the store down to a few blocks over and over while a fresh
+    engine reads it: reads get whole objects or misses, never an error or a bad object."""
+    store = copy_of(filled[0], tmp_path)
+    assert len(list(store.rglob("*.kv"))) > 40
+    sweeper = FileTier(store, high_bytes=20 * _block_bytes(store), low_fraction=0.25)
+    stop, sweeps = threading.Event(), []
+
+    def evict() -> None:
+        while not stop.is_set():
+            sweeps.append(sweeper.sweep())
+
+    thread = threading.Thread(target=evict, daemon=True)
+    thread.start()
+    try:
+        turns, llm = run(model_dir, kv_store=f"file://{store}")
+    finally:
+        stop.set()
+        thread.join(timeout=30)
+    assert turns == baseline[0]
+    got = tier(llm, "file")
+    assert got.bad_objects == 0 and got.errors == 0
+    assert min(sweeps) <= 20 * _block_bytes(store), "the sweeper evicted"
+
+
+def _block_bytes(store: Path) -> int:
+    return max(p.stat().st_size for p in store.rglob("*.kv"))
+
+
+@pytest.fixture
+def redis_server(tmp_path: Path) -> Iterator[RedisServer]:
+    server = RedisServer(tmp_path)
+    server.start()
+    try:
+        yield server
+    finally:
+        server.kill()
+
+
+def test_redis_store_with_host_tier_then_alone(model_dir: str, baseline, redis_server) -> None:
+    turns, first = run(model_dir, kv_offload_bytes=64 << 20, kv_store=redis_server.url)
+    assert turns == baseline[0]
+    assert tier(first, "host").hits > 0 and tier(first, "redis").puts > 0
+    # A fresh engine on the store alone: the store serves every earlier turn's history.
+    turns, second = run(model_dir, kv_store=redis_server.url)
+    assert turns == baseline[0]
+    assert_equals_hf(model_dir, turns)
+    got = tier(second, "redis")
+    assert got.hits > 0 and got.bad_objects == got.errors == 0
+    assert second.engine.kv.stats.tier_hits == got.hits * BLOCK
+    metrics = scrape(second)
+    assert metrics[("pdserve:kv_tier_hits_total", "redis")] == got.hits
+    assert metrics[("pdserve:kv_tier_loaded_tokens_total", "")] == got.hits * BLOCK
+    assert metrics[("pdserve:kv_tier_loaded_bytes_total", "redis")] == got.bytes_read > 0
+    assert metrics[("pdserve:kv_tier_load_bytes_per_second", "redis")] > 0
+
+
+def test_redis_killed_and_restarted_under_load(model_dir: str, baseline, redis_server) -> None:
+    """kill -9 after the 6th request, a fresh (empty) server on the same port after the
+    12th: every answer still equals HF's; the dead server's calls are counted errors and
+    misses, and the engine stores into the new server."""
+
+    def fault(i: int) -> None:
+        if i == 6:
+            redis_server.kill()
+        elif i == 12:
+            redis_server.start()
+
+    turns, llm = run(model_dir, between=fault, kv_store=redis_server.url)
+    assert turns == baseline[0]
+    got = tier(llm, "redis")
+    assert got.errors >= 1 and got.misses > got.errors and got.bad_objects == 0
+    assert redis.Redis(port=redis_server.port, socket_timeout=5).dbsize() > 0, "stored again"
+    assert scrape(llm)[("pdserve:kv_tier_errors_total", "redis")] == got.errors
+
+
+def scrape(llm: LLM) -> dict[tuple[str, str], float]:
+    """(sample, tier label or "") -> value of the tier series a node would serve for it."""
+    metrics = NodeMetrics({"role": "both", "node_id": "n0"})
+    metrics.tiers.publish(tier_report(llm.engine))
+    text = generate_latest(metrics.registry).decode()
+    return {
+        (s.name, s.labels.get("tier", "")): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }
 
 
 class FakeTiers:
