@@ -42,6 +42,9 @@ class DecodeNode(MovesKV, EngineNode):
         self, model: ModelConfig, cache: CacheConfig, scheduler: SchedulerConfig, node: NodeConfig
     ) -> None:
         super().__init__(model, cache, scheduler, node)
+        # History pull: an answer's blocks go to the shared store when it ends, so that the
+        # next turn's prefill node loads them instead of prefilling them (docs/kv_tiers.md).
+        self.engine.kv.store_answers = cache.kv_store is not None
         self.fences = self.kv.local.receiver.fences
         self.xfer_to_rid: dict[str, str] = {}
         self.rid_to_xfer: dict[str, str] = {}

@@ -217,6 +217,12 @@ class BlockPool:
             return
         if self.tiers is not None:  # its pages are still intact: nothing wrote it since
             self.tiers.offload(block.block_hash, block.block_id)
+        self.forget(block)
+
+    def forget(self, block: KVCacheBlock) -> None:
+        """Drop the block's hash from the index (its pages are no use to anyone now)."""
+        if block.block_hash is None:
+            return
         if self.cached.get(block.block_hash) is block:
             del self.cached[block.block_hash]
             if self.prefix_events is not None:
@@ -325,6 +331,9 @@ class KVCacheManager:
         # Blocks a finished request left that remote writes may still reach (a cancelled
         # nixl transfer): owned by the key until `release_held`.
         self.held: dict[str, list[KVCacheBlock]] = {}
+        # History pull (a decode node with a shared store): a request's answer blocks go to
+        # the tiers when it ends, for the next turn's prefill node (`_store_answer`).
+        self.store_answers = False
         self.stats = PrefixCacheStats()
 
     @property
@@ -430,7 +439,8 @@ class KVCacheManager:
 
     def cache_blocks(self, request: Request, num_tokens: int) -> None:
         """Index every full block up to num_tokens. Safe before the forward runs: within a
-        layer every token's KV is stored before any attention reads the cache."""
+        layer every token's KV is stored before any attention reads the cache (but see
+        `unschedule`)."""
         if not self.enable_caching:
             return
         rid = request.request_id
@@ -440,6 +450,19 @@ class KVCacheManager:
         for i in range(self.req_num_cached.get(rid, 0), n_full):
             self.pool.cache_block(owned[i], hashes[i])
         self.req_num_cached[rid] = max(n_full, self.req_num_cached.get(rid, 0))
+
+    def unschedule(self, request: Request) -> None:
+        """The request's step will not run after all (preempted within the schedule that gave
+        it tokens): the blocks that step's allocation indexed past its computed tokens hold no
+        KV yet, so they leave the index, and neither a prefix hit nor a tier (`free` and
+        eviction write indexed blocks down) ever takes their pages."""
+        rid = request.request_id
+        first = request.num_computed_tokens // self.block_size
+        for block in self.req_blocks.get(rid, [])[first:]:
+            if block.block_hash is not None:
+                assert block.ref_cnt == 1, f"{block}: an unwritten block was shared"
+                self.pool.forget(block)
+        self.req_num_cached[rid] = min(first, self.req_num_cached.get(rid, 0))
 
     def trim(self, request: Request) -> None:
         """Give back the blocks past the request's known tokens: a verify step allocated them
@@ -457,7 +480,18 @@ class KVCacheManager:
         blocks = self.req_blocks.pop(request.request_id, [])
         self.req_hashes.pop(request.request_id, None)
         self.req_num_cached.pop(request.request_id, None)
+        if self.store_answers and self.pool.tiers is not None:
+            self._store_answer(request, blocks)
         self.pool.free_blocks(reversed(blocks))
+
+    def _store_answer(self, request: Request, blocks: list[KVCacheBlock]) -> None:
+        """Write the request's indexed blocks from the one its first generated token falls in
+        to the tiers now rather than at eviction. Indexed means full of known tokens whose KV
+        a forward wrote (see `unschedule`): never a draft's or an unfinished position's."""
+        assert self.pool.tiers is not None
+        for block in blocks[request.num_prompt_tokens // self.block_size :]:
+            if block.block_hash is not None:
+                self.pool.tiers.offload(block.block_hash, block.block_id)
 
     def hold(self, request_id: str, key: str) -> None:
         """Keep the request's blocks out of the free pool under `key` when it is freed."""

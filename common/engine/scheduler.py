@@ -322,6 +322,7 @@ class Scheduler:
             if seq.request_id == request.request_id:
                 budget.seqs.remove(seq)
                 budget.tokens += len(seq.token_ids)
+                self.kv.unschedule(request)
                 break
         self.running.remove(request)
         self.kv.free(request)
