@@ -38,6 +38,7 @@ from pdserve.common.rendezvous import listening_store
 from pdserve.common.wire.messages import Message, Plane, encode
 from pdserve.common.wire.payloads import SamplingParams
 from pdserve.common.wire.ranks import RankCommand, RankPlane
+from pdserve.testbed import zygote
 
 # The kinds of what rank 0 broadcasts (a header's first number).
 STEP, KEEPALIVE, STOP, CALL = 1, 2, 3, 4
@@ -323,7 +324,11 @@ class RankDriver:
 
 
 def _spawn(port: int, rank: int, parallel: ParallelConfig) -> subprocess.Popen:
-    """A worker on this host (the same command `pdserve tp-worker` runs on another one)."""
+    """A worker on this host (the same command `pdserve tp-worker` runs on another one); under
+    the test suite, forked by its launcher (pdserve.testbed.zygote) where it can be."""
     env = {**os.environ, "OMP_NUM_THREADS": str(threads_per_rank(parallel))}
+    args = ["--leader", f"127.0.0.1:{port}", "--rank", str(rank)]
+    nixl = (parallel.rank_agent_options or {}).get("connector") == "nixl"  # never forked yet
+    forked = None if nixl else zygote.fork_rank(["tp-worker", *args], env)
     cmd = [sys.executable, "-m", "pdserve.common.engine.tensor_parallel_worker"]
-    return subprocess.Popen([*cmd, "--leader", f"127.0.0.1:{port}", "--rank", str(rank)], env=env)
+    return forked or subprocess.Popen([*cmd, *args], env=env)

@@ -8,6 +8,10 @@ sockets on loopback, its own log, signals and exit status; the TP ranks a node s
 own children as before. `tests/conftest.py` starts the launcher once per session (per xdist
 worker) when the collected tests import `LocalCluster`, and names it in `PDSERVE_TEST_ZYGOTE`
 as "OWNER_PID:SOCKET"; only that process uses it (a `pdserve serve` a test starts does not).
+A tensor-parallel leader under it (the test process, or a node the launcher forked) asks it
+for its worker ranks too (`fork_rank`, through `PDSERVE_TEST_RANKS`): a rank forked from the
+launcher joins its leader's process group and is refused, so started fresh, to a leader in
+another session or namespace (tests/multihost's hosts) or serving over nixl.
 
 A child is forked only when its environment equals the launcher's but for `SAME_ENV_EXCEPT`:
 modules it has already imported read some variables at import time (a test that sets
@@ -33,6 +37,7 @@ import traceback
 from pathlib import Path
 
 ENV = "PDSERVE_TEST_ZYGOTE"
+RANKS_ENV = "PDSERVE_TEST_RANKS"  # the launcher's socket, for any TP leader under the session
 # What every role imports before it serves (each role's own imports come after these).
 PRELOAD = (
     "torch",
@@ -49,9 +54,11 @@ PRELOAD = (
 # is read at import time.
 SAME_ENV_EXCEPT = frozenset(
     {"PYTHONUNBUFFERED", "PDSERVE_API_KEY", "PYTEST_CURRENT_TEST", "COLUMNS", "LINES", ENV}
+    | {RANKS_ENV}
     | {"TORCHINDUCTOR_CACHE_DIR"}
 )
 log = logging.getLogger(__name__)
+_UNSET = object()
 
 
 def start(folder: Path, preload: tuple[str, ...] = PRELOAD) -> subprocess.Popen:
@@ -60,6 +67,7 @@ def start(folder: Path, preload: tuple[str, ...] = PRELOAD) -> subprocess.Popen:
     cmd = [sys.executable, "-u", "-m", "pdserve.testbed.zygote", str(folder), str(os.getpid())]
     proc = subprocess.Popen([*cmd, *preload], stdin=subprocess.DEVNULL)
     os.environ[ENV] = f"{os.getpid()}:{folder / 'sock'}"
+    os.environ[RANKS_ENV] = str(folder / "sock")
     return proc
 
 
@@ -108,7 +116,29 @@ def fork(
     owner, _, path = os.environ.get(ENV, "").partition(":")
     if owner != str(os.getpid()) or not os.path.exists(path) or "nixl" in args:
         return None  # nixl: not yet run forked without a failure, see docs/testing.md
-    request = {"args": args, "env": env, "cwd": os.getcwd(), "new_group": new_group}
+    return _ask(path, {"args": args, "env": env, "new_group": new_group}, out)
+
+
+def fork_rank(args: list[str], env: dict[str, str]) -> ForkedChild | None:
+    """A tensor-parallel worker rank (`pdserve tp-worker ARGS`) of this process, forked by the
+    session's launcher into this process's group with its output; None where it must start
+    fresh (no launcher, another environment, session or namespace)."""
+    path = os.environ.get(RANKS_ENV, "")
+    if not path or not os.path.exists(path):
+        return None
+    here = {"pgid": os.getpgrp(), "sid": os.getsid(0), "ns": namespaces()}
+    return _ask(path, {"args": args, "env": env, "new_group": False, **here}, 1)  # as Popen's
+
+
+def namespaces() -> dict[str, str]:
+    """This process's namespaces (a rank forked elsewhere would not see its leader's network)."""
+    if not os.path.isdir("/proc/self/ns"):
+        return {}
+    return {k: os.readlink(f"/proc/self/ns/{k}") for k in ("net", "mnt", "pid", "uts", "ipc")}
+
+
+def _ask(path: str, request: dict, out: int | None) -> ForkedChild | None:
+    request["cwd"] = os.getcwd()
     fd = sys.stdout.fileno() if out is None else out
     try:
         with socket.socket(socket.AF_UNIX) as s:
@@ -118,6 +148,7 @@ def fork(
             reply = json.loads(s.makefile("rb").readline() or b"{}")
     except (OSError, ValueError):
         return None
+    args = request["args"]
     if "pid" not in reply:
         log.info("a fresh interpreter for %s: the launcher refused (%s)", args[0], reply)
         return None
@@ -170,7 +201,7 @@ class Launcher:
             conn.settimeout(10.0)
             msg, fds, _, _ = socket.recv_fds(conn, 1 << 20, 1)
             request = json.loads(msg)
-            differ = self.env_differs(request["env"])
+            differ = self.env_differs(request["env"]) or self.elsewhere(request)
             if differ or len(fds) != 1:
                 reply = {"refused": differ}
             else:
@@ -180,9 +211,23 @@ class Launcher:
             conn.sendall(json.dumps(reply).encode() + b"\n")
 
     def env_differs(self, env: dict[str, str]) -> list[str]:
-        """The variables where env is not the launcher's own, but for SAME_ENV_EXCEPT."""
+        """The variables where env is not the launcher's own, but for SAME_ENV_EXCEPT (what
+        its imports set, which a forked child's own environment holds, may be there or not)."""
         keys = (self.base_env.keys() | env.keys()) - SAME_ENV_EXCEPT
-        return sorted(k for k in keys if self.base_env.get(k) != env.get(k))
+
+        def same(k: str) -> bool:
+            return env.get(k) in (self.base_env.get(k), self.imports_set.get(k, _UNSET))
+
+        return sorted(k for k in keys if not same(k))
+
+    @staticmethod
+    def elsewhere(request: dict) -> list[str]:
+        """What keeps a rank from joining its leader's group here: another session or
+        namespace."""
+        if "sid" in request and request["sid"] != os.getsid(0):
+            return ["session"]
+        ns = request.get("ns", {})
+        return sorted(k for k, v in namespaces().items() if ns.get(k, v) != v)
 
     def fork(self, request: dict, out: int, mine: tuple[socket.socket, ...]) -> int:
         self.count += 1
@@ -210,6 +255,9 @@ def _child(request: dict, out: int, imports_set: dict[str, str]) -> None:
         os.close(out)
         if request["new_group"]:
             os.setpgid(0, 0)
+        elif request.get("pgid") not in (None, os.getpgrp()):
+            with contextlib.suppress(OSError):  # a rank: in its leader's group, as if Popen'd
+                os.setpgid(0, request["pgid"])
         os.chdir(request["cwd"])
         os.environ.clear()
         os.environ.update({**imports_set, **request["env"]})

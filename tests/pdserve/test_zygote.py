@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from pdserve.common.engine.llm import LLM, SamplingParams
 from pdserve.local_cluster import LocalCluster
 from pdserve.testbed import zygote
 
@@ -21,6 +22,7 @@ def launcher(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
     """A launcher of its own (the session's, if any, comes back after), importing only the
     command line: these tests are about forking, not about what is imported first."""
     monkeypatch.setenv(zygote.ENV, "")  # restored after the test
+    monkeypatch.setenv(zygote.RANKS_ENV, "")
     folder = tmp_path / "launcher"
     folder.mkdir()
     proc = zygote.start(folder, preload=("pdserve.cli",))
@@ -87,3 +89,37 @@ def test_local_cluster_starts_its_children_through_the_launcher(
     assert isinstance(router, zygote.ForkedChild)
     assert router.wait(120) != 0  # no such model: the router says so in its log and exits
     assert "no-model" in (tmp_path / "logs" / "router.log").read_text()
+
+
+def test_tensor_parallel_ranks_are_forked_into_their_leaders_group(
+    launcher: Path, tiny_model_dir
+) -> None:
+    """rank 0 here: its worker is the launcher's child, in this process's group (as a Popen
+    child would be, so a signal to the group reaches it), and serves as a fresh one does."""
+    model = str(tiny_model_dir("llama"))
+    greedy = SamplingParams(max_tokens=4, temperature=0.0)
+    tp1 = LLM(model, skip_tokenizer_init=True, dtype="float32").generate([[1, 2, 3]], greedy)
+    with LLM(model, tensor_parallel_size=2, threads_per_rank=1, dtype="float32",
+             skip_tokenizer_init=True) as llm:  # fmt: skip
+        (worker,) = llm.engine.runner.driver.procs
+        assert isinstance(worker, zygote.ForkedChild)
+        assert os.getpgid(worker.pid) == os.getpgrp()
+        assert llm.generate([[1, 2, 3]], greedy)[0].token_ids == tp1[0].token_ids
+    assert worker.wait(30) == 0  # STOP: the worker's own clean end
+
+
+def test_a_rank_of_another_session_or_namespace_starts_fresh(launcher: Path) -> None:
+    elsewhere = zygote.Launcher.elsewhere
+    assert elsewhere({}) == [] and elsewhere({"ns": zygote.namespaces()}) == []
+    assert elsewhere({"sid": os.getsid(0) + 1}) == ["session"]
+    assert elsewhere({"ns": {**zygote.namespaces(), "net": "net:[1]"}}) == ["net"]
+
+
+def test_what_the_launchers_imports_set_may_be_in_a_childs_environment(tmp_path: Path) -> None:
+    """A forked node's environment holds what the launcher's imports set: its ranks fork too."""
+    launcher = zygote.Launcher(tmp_path)
+    launcher.base_env, launcher.imports_set = {"A": "1"}, {"B": "2"}
+    assert launcher.env_differs({"A": "1"}) == []
+    assert launcher.env_differs({"A": "1", "B": "2"}) == []
+    assert launcher.env_differs({"A": "1", "B": "3"}) == ["B"]
+    assert launcher.env_differs({"B": "2"}) == ["A"]
