@@ -34,9 +34,11 @@ from pdserve.common.model.attention import AttentionMetadata, KVCacheSpec
 from pdserve.common.model.config import ModelArchConfig
 from pdserve.common.model.llama import fuse_quantized
 from pdserve.common.model.parallel import TPGroup, TPShard
+from pdserve.common.model.registry import model_class
 from pdserve.common.model.weights import load_model
 from pdserve.common.spec.config import SpeculativeConfig
 from pdserve.common.spec.draft_model import DraftModel, layer_caches
+from pdserve.common.spec.mtp import MtpDraft
 from pdserve.common.wire.messages import Message
 from pdserve.common.wire.payloads import KVLayout, TokenLogprobs
 
@@ -124,7 +126,9 @@ class ModelRunner:
         self.driver: RankDriver | None = None
         drafts_kv = speculative is not None and speculative.has_draft_kv
         if drafts_kv and parallel.tensor_parallel_size > 1:  # before any rank process starts
-            raise ValueError("speculative_config: draft_model runs at tensor parallel size 1 only")
+            raise ValueError(
+                f"speculative_config: {speculative.method} runs at tensor parallel size 1 only"
+            )
         if tp is None and parallel.tensor_parallel_size > 1:
             # Refuse a model that cannot split before starting any process.
             shard = TPShard(0, parallel.tensor_parallel_size, model_config.enable_expert_parallel)
@@ -135,10 +139,10 @@ class ModelRunner:
             tp = self.driver.group
             torch.set_num_threads(threads_per_rank(parallel))  # this process is one rank
         self.tp = tp
-        self.draft: DraftModel | None = None  # draft_model's model and page group
+        self.draft: DraftModel | MtpDraft | None = None  # a drafter with a page group
         try:
             if speculative is not None and speculative.has_draft_kv:
-                self._load_draft(speculative, model_config.model_dir)
+                self._load_draft(speculative, model_config)
             self._build(model_config, cache_config, max_num_seqs, max_model_len)
         except BaseException:
             self.close()
@@ -160,6 +164,8 @@ class ModelRunner:
         log.info("loaded %s in %.1f s", model_config.model_dir, self.load_seconds)
         shard = self.tp.shard if self.tp is not None else None
         self.kv_spec = type(self.model).kv_cache_spec(self.arch, shard)  # this rank's share
+        if isinstance(self.draft, MtpDraft):
+            self.draft.bind(self.model)  # it shares the target's embedding and rope
         self.num_blocks = self._pool_size(cache_config)
         shape = self.kv_spec.shape(self.num_blocks, self.block_size)
         layers = self.arch.num_layers
@@ -196,9 +202,15 @@ class ModelRunner:
         elif self.device.type == "cpu":
             self.model.use_cpu_head()  # packed or chunked float32 head (kernels/cpu_linear.py)
 
-    def _load_draft(self, speculative: SpeculativeConfig, target_dir: str) -> None:
-        target = ModelArchConfig.from_dir(target_dir)
-        self.draft = DraftModel(speculative, target, self.dtype, self.device)
+    def _load_draft(self, speculative: SpeculativeConfig, model_config: ModelConfig) -> None:
+        target = ModelArchConfig.from_dir(model_config.model_dir)
+        if speculative.method != "mtp":
+            self.draft = DraftModel(speculative, target, self.dtype, self.device)
+            return
+        spec = model_class(target).kv_cache_spec(target)
+        seed = model_config.seed if model_config.load_format == "dummy" else None
+        args = (speculative, model_config.model_dir, target, spec, self.dtype, self.device)
+        self.draft = MtpDraft(*args, seed)
 
     def _compile_cache(self, model_config: ModelConfig) -> CompileCache:
         """Where this model's compiled steps are kept between starts: keyed by what shapes the
@@ -221,7 +233,7 @@ class ModelRunner:
                 free, _ = torch.cuda.mem_get_info(self.device)
                 budget = int(free * cache.gpu_memory_utilization)
             size = kv_block_bytes(self.arch, self.kv_spec, self.block_size, self.dtype)
-            # A draft's layers (draft_model) have pages in every block too.
+            # A drafter's page group (draft_model, mtp) has pages in every block too.
             layers = self.arch.num_layers + (self.draft.num_layers if self.draft else 0)
             n = budget * self.arch.num_layers // (size * layers)
         if self.tp is not None:
@@ -242,7 +254,7 @@ class ModelRunner:
         if held:
             model_id = f"{model_id}:{held}"
         if self.draft is not None:  # its pages travel as layers after the target's
-            model_id = f"{model_id}+draft:{self.draft.model_id}"
+            model_id = f"{model_id}+{self.draft.layout_tag}"
         return KVLayout(
             model_id=model_id,
             dtype=str(self.dtype).removeprefix("torch."),
@@ -348,14 +360,14 @@ class ModelRunner:
         if compiled:
             args = (inputs.input_ids, inputs.positions, inputs.attn, self.model_caches)
             logits = self.compiled.logits(*args)
-            if self.draft is not None:
+            if self.draft is not None:  # mtp never runs compiled: DeepSeek decodes eager
                 self.draft.run(inputs.input_ids, inputs.positions, inputs.attn, on_layer)
             return (logits[inputs.logit_indices] if inputs.sampled_seqs else None), {}
         hidden = self.model(
             inputs.input_ids, inputs.positions, inputs.attn, self.model_caches, on_layer
         )
         if self.draft is not None:
-            self.draft.run(inputs.input_ids, inputs.positions, inputs.attn, on_layer)
+            self.draft.run(inputs.input_ids, inputs.positions, inputs.attn, on_layer, hidden)
         prompt_lps = self._score_prompts(hidden, seqs)
         if not inputs.sampled_seqs:
             return None, prompt_lps

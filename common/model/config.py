@@ -96,6 +96,7 @@ class ModelArchConfig:
     qk_nope_head_dim: int = 0
     v_head_dim: int = 0
     rope_interleave: bool = False
+    num_nextn_predict_layers: int = 0  # DeepSeek's MTP layers, after num_layers (deepseek_mtp.py)
 
     def __post_init__(self) -> None:
         if self.architecture not in SUPPORTED_ARCHITECTURES:
@@ -370,6 +371,7 @@ def _mla_settings(arch: str, hf_config: Any) -> dict[str, Any]:
         "qk_nope_head_dim": int(hf_config.qk_nope_head_dim),
         "v_head_dim": int(hf_config.v_head_dim),
         "rope_interleave": bool(getattr(hf_config, "rope_interleave", False)),
+        "num_nextn_predict_layers": int(getattr(hf_config, "num_nextn_predict_layers", 0) or 0),
     }
 
 

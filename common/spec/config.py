@@ -9,10 +9,10 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
-METHODS = ("ngram", "suffix", "draft_model")
+METHODS = ("ngram", "suffix", "draft_model", "mtp")
 # Methods vLLM names that pdserve will build (issue 38) but has not: refused by name, so a
 # deployment does not silently run without the drafter it asked for.
-NOT_BUILT = ("mtp", "eagle", "eagle3", "medusa")
+NOT_BUILT = ("eagle", "eagle3", "medusa")
 # vLLM's keys for the suffix drafter, mapped to the shorter field names used here.
 VLLM_ALIASES = {
     "suffix_decoding_max_tree_depth": "suffix_max_tree_depth",
@@ -50,7 +50,9 @@ class SpeculativeConfig:
     method: "ngram" (prompt lookup in the request's own tokens), "suffix" (suffix trees over
     the request's tokens and recent requests' outputs) or "draft_model" (a smaller model with
     the target's vocabulary drafts greedily from its own KV, a page group of the target's
-    blocks: common/spec/draft_model.py).
+    blocks: common/spec/draft_model.py) or "mtp" (DeepSeek-V3's multi-token-prediction layer
+    drafts from the target's last hidden state, its KV and the hidden states a page group of
+    the target's blocks: common/spec/mtp.py).
     model: draft_model's checkpoint directory (vLLM's key); no other method takes one.
     num_speculative_tokens: k, the most tokens drafted per step for one request.
     prompt_lookup_min/max: the n-gram lengths ngram tries, longest first.
@@ -118,7 +120,7 @@ class SpeculativeConfig:
     def has_draft_kv(self) -> bool:
         """Whether the drafter keeps KV of its own: a page group of every block, computed
         with the target's and shipped with it from a prefill node."""
-        return self.method == "draft_model"
+        return self.method in ("draft_model", "mtp")
 
     @classmethod
     def parse(cls, value: str | Mapping[str, Any] | None) -> SpeculativeConfig | None:

@@ -11,6 +11,7 @@ runner, not by `create_proposer`)."""
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -21,11 +22,41 @@ from pdserve.common.model.weights import load_model, model_fingerprint
 from pdserve.common.spec.base import Proposer
 from pdserve.common.spec.config import SpeculativeConfig
 
+if TYPE_CHECKING:
+    from pdserve.common.spec.mtp import MtpDraft
+
 
 def scratch_blocks(block_size: int, max_k: int) -> int:
     """Blocks a proposal may write past the request's own: k drafted positions from any
     offset of the block holding the last known token span at most this many blocks."""
     return (block_size + max_k - 2) // block_size + 1
+
+
+def draft_table(
+    block_ids: Sequence[int], scratch: Sequence[int], first: int, k: int, block_size: int
+) -> list[int]:
+    """The block table a proposal of k positions from `first` (the last known token) runs
+    over: the request's blocks up to `first`'s, then scratch blocks for what lies past them."""
+    owned = list(block_ids[: -(-first // block_size)])
+    table = owned + list(scratch[: (first + k - 1) // block_size + 1 - len(owned)])
+    assert (first + k - 1) // block_size < len(table), "drafts past the scratch blocks"
+    return table
+
+
+def one_position(
+    table: list[int], pos: int, block_size: int, device: torch.device
+) -> AttentionMetadata:
+    """A one-sequence, one-token step at `pos` over `table` (a proposal's draft forward)."""
+    return AttentionMetadata(
+        slot_mapping=torch.tensor(
+            [table[pos // block_size] * block_size + pos % block_size], device=device
+        ),
+        block_tables=torch.tensor([table], dtype=torch.int32, device=device),
+        query_start_loc=torch.tensor([0, 1], dtype=torch.int32, device=device),
+        seq_lens=torch.tensor([pos + 1], dtype=torch.int32, device=device),
+        max_query_len=1,
+        max_seq_len=pos + 1,
+    )
 
 
 def check_draft(draft: ModelArchConfig, target: ModelArchConfig, same_pages: bool) -> None:
@@ -53,7 +84,7 @@ def layer_caches(
     num_layers: int,
     dtype: torch.dtype,
     device: torch.device,
-    draft: DraftModel | None,
+    draft: DraftModel | MtpDraft | None,
 ) -> list[torch.Tensor]:
     """A runner's layer caches of `shape` ([planes, num_blocks, ...]): one per target layer,
     then a draft's. With a draft every cache gets its scratch blocks past the pool's, the same
@@ -94,6 +125,7 @@ class DraftModel:
             self.model.use_cpu_head()
         self.device = device
         self.model_id = model_fingerprint(config.model)
+        self.layout_tag = f"draft:{self.model_id}"  # what a KV layout's model id says of it
         self.caches: list[torch.Tensor] = []
         self.scratch: list[int] = []
         self.block_size = 0
@@ -119,10 +151,12 @@ class DraftModel:
         positions: torch.Tensor,
         attn: AttentionMetadata,
         on_layer: Callable[[int], None] | None = None,
+        hidden: torch.Tensor | None = None,
     ) -> None:
         """The draft's forward over a step of the target: writes its pages at the step's
-        slots (its logits are not needed: drafting starts from the last known token). The
-        step's layer hook (a prefill node's KV sends) gets draft layer i as first_layer + i."""
+        slots (its logits are not needed: drafting starts from the last known token; the
+        target's `hidden` states are not either). The step's layer hook (a prefill node's
+        KV sends) gets draft layer i as first_layer + i."""
         shifted = None
         if on_layer is not None:
             shifted = lambda i: on_layer(self.first_layer + i)  # noqa: E731
@@ -133,23 +167,12 @@ class DraftModel:
         """k greedy drafts after `tokens`, whose KV but the last token's is in the draft's
         pages of `block_ids`. The drafted positions' pages are written in the request's last
         block and in scratch blocks; the verify step's draft forward rewrites them."""
-        bs, first = self.block_size, len(tokens) - 1
-        owned = list(block_ids[: -(-first // bs)])
-        table = owned + self.scratch[: (first + k - 1) // bs + 1 - len(owned)]
-        assert (first + k - 1) // bs < len(table), "drafts past the scratch blocks"
-        tables = torch.tensor([table], dtype=torch.int32, device=self.device)
-        starts = torch.tensor([0, 1], dtype=torch.int32, device=self.device)
+        first = len(tokens) - 1
+        table = draft_table(block_ids, self.scratch, first, k, self.block_size)
         out: list[int] = []
         token = tokens[-1]
         for pos in range(first, first + k):
-            attn = AttentionMetadata(
-                slot_mapping=self._longs([table[pos // bs] * bs + pos % bs]),
-                block_tables=tables,
-                query_start_loc=starts,
-                seq_lens=torch.tensor([pos + 1], dtype=torch.int32, device=self.device),
-                max_query_len=1,
-                max_seq_len=pos + 1,
-            )
+            attn = one_position(table, pos, self.block_size, self.device)
             hidden = self.model(self._longs([token]), self._longs([pos]), attn, self.caches)
             token = int(self.model.compute_logits(hidden[-1:]).argmax(dim=-1)[0])
             out.append(token)
@@ -163,7 +186,9 @@ class DraftModelProposer(Proposer):
     """The `Proposer` face of a `DraftModel`: a request's KV lives in its blocks, looked up by
     id (`block_ids`, the KV cache manager's), so the proposer keeps no state of its own."""
 
-    def __init__(self, draft: DraftModel, block_ids: Callable[[str], Sequence[int]]) -> None:
+    def __init__(
+        self, draft: DraftModel | MtpDraft, block_ids: Callable[[str], Sequence[int]]
+    ) -> None:
         self.draft = draft
         self._block_ids = block_ids
 

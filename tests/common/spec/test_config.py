@@ -96,7 +96,7 @@ def test_bad_field_is_named(value, field):
         SpeculativeConfig.parse(value)
 
 
-@pytest.mark.parametrize("method", ["mtp", "eagle"])
+@pytest.mark.parametrize("method", ["eagle", "medusa"])
 def test_methods_not_built_say_so(method):
     with pytest.raises(ValueError, match="not built yet"):
         SpeculativeConfig.parse({"method": method, "num_speculative_tokens": 3})
