@@ -82,12 +82,12 @@ class PrefillNode(MovesKV, EngineNode):
         """The layer hook of this step's forward, on every rank: each layer's new pages (each
         rank its slices) leave as soon as the layer wrote them, while the later layers
         compute."""
-        self.stages.step_started(output)
+        traces = self.stages.step_started(output)
         shipments = self.plan_kv(output)
         if not shipments:
-            return None
+            return LayerCall.traced(None, traces)
         shipped.append(True)
-        return self.kv.ship(shipments)
+        return LayerCall.traced(self.kv.ship(shipments), traces)
 
     def plan_kv(self, output: SchedulerOutput) -> list[Shipment]:
         """Which blocks of this step go where: every block not yet sent up to what the step

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
+from pdserve.common.wire.messages import Failure
 from pdserve.router.backend import Backend
 from pdserve.router.timing import RequestTiming
 
@@ -154,4 +155,10 @@ class _BackendStatsCollector:
         )
         for cause, count in sorted(by_cause.items()):
             failovers.add_metric([cause], float(count))
-        return [*metrics, failovers]
+        fenced = CounterMetricFamily(
+            "pdserve:tp_fenced_requests",
+            "Requests a node fenced when a rank of its tensor-parallel group was lost (moved on "
+            'as failovers{cause="tp_broken"})',
+            value=float(by_cause.get(Failure.TP_BROKEN.value, 0)),
+        )
+        return [*metrics, failovers, fenced]

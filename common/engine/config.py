@@ -282,7 +282,9 @@ class ParallelConfig:
     step (rank 0 sends a keep-alive while idle); start_timeout_s bounds the workers' start,
     arrival and model load. rank_agent ("module:Class") is what each worker builds beside its
     model runner, as Class(runner, group, **rank_agent_options), for rank 0 to `call` (a
-    node's per-rank KV connector end); the options travel as JSON.
+    node's per-rank KV connector end); the options travel as JSON. otlp_traces_endpoint: where
+    each worker sends the spans of its part of traced requests' steps, as the service
+    `trace_service` (the node's own --otlp-traces-endpoint and role; None: no spans).
     """
 
     tensor_parallel_size: int = 1
@@ -291,6 +293,8 @@ class ParallelConfig:
     start_timeout_s: float = 600.0
     rank_agent: str | None = None
     rank_agent_options: dict[str, Any] | None = None
+    otlp_traces_endpoint: str | None = None
+    trace_service: str = "node"
     # "local": rank 0 starts its workers on this host; "external": it serves the rendezvous on
     # host:port and waits for workers started elsewhere (`pdserve tp-worker`, other hosts).
     workers: str = "local"

@@ -8,7 +8,7 @@ import logging
 import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -53,10 +53,19 @@ _TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16":
 class LayerCall:
     """What runs inside a step's forward right after each layer wrote its K/V: `run(layer)`
     here; on the other tensor-parallel ranks, their agent's `layer_hook(args)` (so `args` is
-    what they need, a message of the agent's plane: a prefill node's shipments of the step)."""
+    what they need, a message of the agent's plane: a prefill node's shipments of the step).
+    `traces`: the spans the other ranks' spans of the step go under (`Step.traces`)."""
 
-    run: Callable[[int], None]
+    run: Callable[[int], None] | None
     args: Message | None = None
+    traces: tuple[str, ...] = ()
+
+    @staticmethod
+    def traced(call: LayerCall | None, traces: tuple[str, ...]) -> LayerCall | None:
+        """`call` (None: nothing to run) that also carries the step's `traces`."""
+        if not traces:
+            return call
+        return LayerCall(None, traces=traces) if call is None else replace(call, traces=traces)
 
 
 @dataclass(frozen=True, slots=True)
@@ -295,7 +304,8 @@ class ModelRunner:
         with self.tp.lock if self.tp is not None else contextlib.nullcontext():
             if self.driver is not None:
                 args = on_layer.args if on_layer is not None else None
-                self.driver.send_step(output.seqs, compiled, args)
+                traces = on_layer.traces if on_layer is not None else ()
+                self.driver.send_step(output.seqs, compiled, args, traces)
             plain = tuple(seq for seq in inputs.sampled_seqs if not seq.num_drafts)
             masks = self._fill_masks(plain)  # overlapped with the forward
             logits, prompt_lps = self._forward(inputs, output.seqs, run, compiled)

@@ -129,22 +129,30 @@ class StepSeq:
 @STEPS.register
 @dataclass(frozen=True, slots=True)
 class Step(Message):
-    """One step for every worker: its sequences, whether it runs compiled, and the message
-    its agent builds the step's layer hook from, encoded on the agent's plane (b"": none)."""
+    """One step for every worker: its sequences, whether it runs compiled, the message its
+    agent builds the step's layer hook from, encoded on the agent's plane (b"": none), and the
+    W3C traceparents of the node spans its traced requests' rank spans go under (tracing)."""
 
     TYPE: ClassVar[str] = "tp.step"
     compiled: bool
     seqs: tuple[StepSeq, ...]
     hook: bytes = b""
+    traces: tuple[str, ...] = ()
 
     @classmethod
-    def of(cls, seqs: tuple[ScheduledSeq, ...], compiled: bool, hook: Message | None) -> Step:
+    def of(
+        cls,
+        seqs: tuple[ScheduledSeq, ...],
+        compiled: bool,
+        hook: Message | None,
+        traces: tuple[str, ...] = (),
+    ) -> Step:
         rows = tuple(
             StepSeq(s.token_ids, s.start_pos, s.block_ids, s.sample, s.prompt_targets,
                     s.prompt_target_pos, s.num_drafts)
             for s in seqs
         )  # fmt: skip
-        return cls(compiled, rows, b"" if hook is None else encode(hook))
+        return cls(compiled, rows, b"" if hook is None else encode(hook), traces)
 
     def scheduled(self) -> tuple[ScheduledSeq, ...]:
         plain = SamplingParams()  # sampling happens on rank 0 only
@@ -226,11 +234,17 @@ class RankDriver:
         threading.Thread(target=self._keep_alive, daemon=True, name="tp-alive").start()
 
     def send_step(
-        self, seqs: tuple[ScheduledSeq, ...], compiled: bool, hook: Message | None = None
+        self,
+        seqs: tuple[ScheduledSeq, ...],
+        compiled: bool,
+        hook: Message | None = None,
+        traces: tuple[str, ...] = (),
     ) -> None:
         """Call with `group.lock` held, through the step's last collective. `hook`: what the
-        workers' agents build the step's layer hook from (a message of their plane)."""
-        self._checked(self.channel.send, STEP, encode(Step.of(seqs, compiled, hook)))
+        workers' agents build the step's layer hook from (a message of their plane); `traces`:
+        the node spans the workers' spans of this step go under (`Step.traces`)."""
+        step = Step.of(seqs, compiled, hook, traces)
+        self._checked(self.channel.send, STEP, encode(step))
 
     def call(
         self, plane: RankPlane, command: RankCommand, local: Callable[[], Message]

@@ -1,7 +1,9 @@
 """A worker rank of a tensor-parallel node (`pdserve tp-worker`, or spawned by rank 0's
 `RankDriver` on the same host): it joins rank 0's rendezvous, reads its `WorkerSpec` there,
 builds its model runner and its agent, then follows rank 0: each `Step` runs the forward with
-the other ranks; each command goes to its agent (`common.wire.ranks.answer`)."""
+the other ranks; each command goes to its agent (`common.wire.ranks.answer`). A node that
+traces has each worker export a span of its part of every step that runs a traced request
+(`tp.forward`, under the node span `Step.traces` names)."""
 
 from __future__ import annotations
 
@@ -9,6 +11,7 @@ import argparse
 import datetime
 import importlib
 import signal
+import time
 from typing import Any
 
 import torch
@@ -29,6 +32,7 @@ from pdserve.common.engine.tensor_parallel import (
 )
 from pdserve.common.model.parallel import TPGroup, TPShard
 from pdserve.common.node.cli import parser
+from pdserve.common.tracing import Tracer, TracingConfig, tracer_of
 from pdserve.common.wire.ranks import answer
 
 _LEADER_WAIT_S = 600.0  # a worker waits this long for rank 0's rendezvous and its spec
@@ -84,17 +88,35 @@ def _run_worker(spec: WorkerSpec, store: dist.Store, port: int, args: argparse.N
     plane = None if agent is None else agent.PLANE
     handlers = {} if agent is None else agent.handlers()
     channel = StepChannel(group)
-    while True:
-        kind, payload = channel.recv()
-        if kind == STOP:
-            return
-        if kind == STEP:
-            step = STEPS.decode(payload)
-            assert isinstance(step, Step), f"a step frame held {step.TYPE}"
-            hook = None if not step.hook else agent.layer_hook(plane.decode(step.hook))
-            runner.follow(step.scheduled(), step.compiled, hook)
-        elif kind == CALL:
-            channel.gather(answer(plane, handlers, payload))
+    endpoint = spec.parallel.otlp_traces_endpoint
+    tracer = tracer_of(spec.parallel.trace_service, TracingConfig(endpoint))
+    try:
+        while True:
+            kind, payload = channel.recv()
+            if kind == STOP:
+                return
+            if kind == STEP:
+                step = STEPS.decode(payload)
+                assert isinstance(step, Step), f"a step frame held {step.TYPE}"
+                hook = None if not step.hook else agent.layer_hook(plane.decode(step.hook))
+                start = time.monotonic()
+                runner.follow(step.scheduled(), step.compiled, hook)
+                if step.traces and tracer is not None:
+                    _rank_spans(tracer, step, spec.rank, start)
+            elif kind == CALL:
+                channel.gather(answer(plane, handlers, payload))
+    finally:
+        if tracer is not None:
+            tracer.close()  # what is still batched goes out
+
+
+def _rank_spans(tracer: Tracer, step: Step, rank: int, start: float) -> None:
+    """This rank's part of the step, under each traced request's node span."""
+    tokens = sum(len(s.token_ids) for s in step.seqs)
+    attrs = {"pdserve.tp_rank": rank, "pdserve.step.tokens": tokens}
+    end = time.monotonic()
+    for parent in step.traces:
+        tracer.span("tp.forward", parent, start, end, dict(attrs))
 
 
 def _here(args: argparse.Namespace) -> dict[str, str]:

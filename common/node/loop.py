@@ -96,6 +96,8 @@ class EngineNode:
             node.threads_per_rank,
             rank_agent=self.rank_agent_class if agent is not None else None,
             rank_agent_options=agent,
+            otlp_traces_endpoint=node.tracing.otlp_traces_endpoint,
+            trace_service=self.role,
             workers=node.tp_workers,
             host=node.host if node.tp_workers == "external" else "127.0.0.1",
             port=node.tp_port,
@@ -178,7 +180,7 @@ class EngineNode:
     def step_messages(self) -> Iterator[Told]:
         """One engine step, yielding what to tell the requests' routers; each message is sent
         before the step goes on (a role may act on a request after its tokens left)."""
-        updates = self.engine.step(on_layer=self.stages.step_started)
+        updates = self.engine.step(on_layer=self.stages.step_call)
         self.stages.step_done()
         for update in updates:
             yield self.stages.first_token(update.tokens())
@@ -350,6 +352,12 @@ class EngineNode:
         log.error("%s", why)
         self.stop_event.set()
 
+    def group_broken(self, why: str) -> None:
+        """A rank is gone: stop, fencing what is held here (routers move it on at once)."""
+        self.fail(f"tensor-parallel group broken: {why}")
+        for rid in list(self.membership.leases):
+            self.tell(rid, Error(rid, self.fatal or why, Failure.TP_BROKEN))
+
     def drain(self) -> None:
         """Stop taking requests; finish (or, past drain_timeout, fail) what is held; exit.
         A second call stops at once."""
@@ -394,7 +402,7 @@ class EngineNode:
                 broken = self._rank_lost()
                 if broken is None:
                     raise
-                self.fail(f"tensor-parallel group broken: {broken}")
+                self.group_broken(broken)
                 break
         self.stop_event.set()
         self.close()
@@ -403,7 +411,7 @@ class EngineNode:
         """One turn of the loop; False when the node stops."""
         broken = self.engine.broken()
         if broken is not None:  # a rank is gone: the whole node goes (and is restarted)
-            self.fail(f"tensor-parallel group broken: {broken}")
+            self.group_broken(broken)
             return False
         self.handle_all(0 if self.engine.has_unfinished else 5)
         self.poll_io()
@@ -429,7 +437,7 @@ class EngineNode:
     def close(self) -> None:
         if self.health is not None:
             self.health.close()
-        self.membership.close()
+        self.membership.close(linger_ms=1000 if self.fatal else 0)  # fences go out
         if self.kv is not None:
             self.kv.close()
         self.engine.close()

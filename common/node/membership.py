@@ -130,8 +130,8 @@ class ControlClient:
                 if exc.request_id:
                     self.send(Error(exc.request_id, str(exc), Failure.BAD_REQUEST))
 
-    def close(self) -> None:
-        self.sock.close(linger=0)
+    def close(self, linger_ms: int = 0) -> None:
+        self.sock.close(linger=linger_ms)
 
 
 class RouterLinks:
@@ -168,9 +168,9 @@ class RouterLinks:
             return []
         return [(i, msg) for i, link in enumerate(self.links) for msg in link.recv(0)]
 
-    def close(self) -> None:
+    def close(self, linger_ms: int = 0) -> None:
         for link in self.links:
-            link.close()
+            link.close(linger_ms)
 
 
 class Membership:
@@ -387,10 +387,11 @@ class Membership:
             for sock in socks:
                 sock.close(linger=0)
 
-    def close(self) -> None:
-        """End the liveness thread, close every link."""
+    def close(self, linger_ms: int = 0) -> None:
+        """End the liveness thread, close every link (`linger_ms`: how long what is still
+        queued may take to leave; 0: dropped)."""
         self._stopping.set()
         if self._liveness.is_alive():
             self._liveness.join(timeout=5.0)
-        self.control.close()
+        self.control.close(linger_ms)
         self.ctx.term()

@@ -8,13 +8,19 @@ stages as spans under the router's request span; with tracing off (`tracer` None
 A prompt computed here: taken -> queue -> first step that ran it -> prefill -> first token.
 A prompt whose KV a prefill node sends (a decode node's reservation): reserved -> KV transfer
 -> KV whole -> admission -> first step -> its first token.
+
+The node's span of a traced request's computing (`prefill`, or a decode node's
+`decode.first_step`) is open while its steps run: the other ranks of a tensor-parallel node
+put their own spans of those steps under it (`step_started` gives their parents).
 """
 
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field, replace
+from typing import Any
 
+from pdserve.common.engine.model_runner import LayerCall
 from pdserve.common.engine.scheduler import SchedulerOutput
 from pdserve.common.node.metrics import NodeMetrics
 from pdserve.common.tracing import REQUEST_ID, TIME_IN_PREFILL, TIME_IN_QUEUE, Tracer
@@ -34,6 +40,8 @@ class _Stamps:
     handoff: bool = False  # a prefill node's: kept until its KV is all sent
     first: float = 0.0
     chunks: list[tuple[float, float, int]] = field(default_factory=list)  # traced only
+    span: Any = None  # the node's open span of the request's steps (traced only)
+    ranks_parent: str = ""  # its traceparent, for the other ranks' spans
 
 
 class StageClock:
@@ -56,7 +64,9 @@ class StageClock:
     def taken(self, request_id: str, traceparent: str | None, remote: bool = False) -> None:
         """The node took the request (queued it, or reserved its blocks: `remote`)."""
         parent = traceparent if self.tracer is not None else None
-        self._stamps[request_id] = _Stamps(time.monotonic(), parent, remote)
+        stamps = self._stamps[request_id] = _Stamps(time.monotonic(), parent, remote)
+        if parent is not None and not remote:
+            self._open("prefill", stamps, stamps.taken, request_id)
 
     def reserved(self, request_id: str, blocks: int, cached_tokens: int) -> None:
         """A decode node reserved the request's blocks (a traced request: its span)."""
@@ -85,11 +95,13 @@ class StageClock:
             attrs |= {"pdserve.kv.pages": pages, "pdserve.kv.checksum_ok": ok}
             self._span("decode.kv_transfer", stamps, stamps.taken, stamps.kv_whole, attrs)
         if not ok:  # the request fails here: no first token will come
-            del self._stamps[request_id]
+            self.forget(request_id)
 
-    def step_started(self, output: SchedulerOutput) -> None:
-        """A step runs these requests: the first step of each ends its queue (or admission)."""
+    def step_started(self, output: SchedulerOutput) -> tuple[str, ...]:
+        """A step runs these requests: the first step of each ends its queue (or admission).
+        The node spans the other ranks' spans of this step go under (none: nothing traced)."""
         now = self._step_start = time.monotonic()
+        parents: list[str] = []
         for seq in output.seqs:
             stamps = self._stamps.get(seq.request_id)
             if stamps is None:
@@ -97,7 +109,16 @@ class StageClock:
             if not stamps.scheduled:
                 stamps.scheduled = now
             if stamps.traceparent is not None and not stamps.first:
+                if stamps.span is None:  # a decode node's first step
+                    self._open("decode.first_step", stamps, now, seq.request_id)
                 self._step.append((stamps, len(seq.token_ids)))
+                parents.append(stamps.ranks_parent)
+        return tuple(parents)
+
+    def step_call(self, output: SchedulerOutput) -> LayerCall | None:
+        """`step_started` as a step's layer call: nothing to run, the node spans for the other
+        tensor-parallel ranks (None: nothing traced)."""
+        return LayerCall.traced(None, self.step_started(output))
 
     def step_done(self) -> None:
         """The step ended: each traced request's part of it is one chunk."""
@@ -112,7 +133,7 @@ class StageClock:
         stamps = self._stamps.get(msg.request_id)
         if stamps is None or stamps.first or not msg.token_ids:
             if stamps is not None and msg.finish_reason and not stamps.handoff:
-                del self._stamps[msg.request_id]  # a prompt only scored: no token comes
+                self.forget(msg.request_id)  # a prompt only scored: no token comes
             return msg
         stamps.first = time.monotonic()
         stages = self._stages(stamps)
@@ -135,7 +156,12 @@ class StageClock:
         self._span("prefill.kv_send", stamps, start, time.monotonic(), attrs)
 
     def forget(self, request_id: str) -> None:
-        self._stamps.pop(request_id, None)
+        """The request ended here before its first token (aborted, failed): no stage of it
+        is reported; a node span still open ends now."""
+        stamps = self._stamps.pop(request_id, None)
+        if stamps is not None and stamps.span is not None:
+            assert self.tracer is not None
+            self.tracer.end(stamps.span, time.monotonic(), {"pdserve.outcome": "ended"})
 
     # -- stages and spans ----------------------------------------------------------------
 
@@ -150,6 +176,20 @@ class StageClock:
             )
         return StageTimes(queue=s.scheduled - s.taken, prefill=s.first - s.scheduled)
 
+    def _open(self, name: str, s: _Stamps, start: float, request_id: str) -> None:
+        """Open the node's span of the request's steps (ended with its first token)."""
+        assert self.tracer is not None, "a traced request on a node without tracer"
+        attrs = {REQUEST_ID: request_id, "pdserve.node_id": self.node_id}
+        s.span = self.tracer.start(name, s.traceparent, start, attrs)
+        s.ranks_parent = self.tracer.traceparent(s.span) or ""
+
+    def _close(self, s: _Stamps, attrs: dict) -> Any:
+        """End the open span with the first token: the span, to parent others under it."""
+        assert self.tracer is not None and s.span is not None
+        span, s.span = s.span, None
+        self.tracer.end(span, s.first, attrs)
+        return span
+
     def _span(self, name: str, s: _Stamps, start: float, end: float, attrs: dict) -> object:
         assert self.tracer is not None, "a traced request on a node without tracer"
         attrs["pdserve.node_id"] = self.node_id
@@ -160,10 +200,10 @@ class StageClock:
         base = {REQUEST_ID: rid}
         if s.remote:
             self._span("decode.admission", s, s.kv_whole or s.scheduled, s.scheduled, dict(base))
-            self._span("decode.first_step", s, s.scheduled, s.first, dict(base))
+            self._close(s, {})  # decode.first_step
             return
         times = {TIME_IN_QUEUE: stages.queue, TIME_IN_PREFILL: stages.prefill}
-        prefill = self._span("prefill", s, s.taken, s.first, base | times)
+        prefill = self._close(s, times)
         assert self.tracer is not None
         self.tracer.span("prefill.queue", prefill, s.taken, s.scheduled, dict(base))
         for i, (begin, end, tokens) in enumerate(s.chunks):

@@ -206,6 +206,9 @@ class Failure(str, enum.Enum):
     BAD_REQUEST = "bad_request"  # the request itself is invalid: the client's error (400)
     BUSY = "busy"  # the node holds all it can: another node may take the request
     DRAINING = "draining"  # the node is shutting down: another node may take the request
+    # A rank of the node's tensor-parallel group is gone: the node stops and fences what it
+    # held (another node may take it; no token of it will come from here).
+    TP_BROKEN = "tp_broken"
     KV_FAILED = "kv_failed"  # the KV transfer failed: retry from the tokens already streamed
     LEASE_EXPIRED = "lease_expired"  # the router stopped renewing: the node freed it
     NO_RESERVATION = "no_reservation"  # a transfer to renew is not held (any more)
@@ -216,7 +219,7 @@ class Failure(str, enum.Enum):
     @property
     def elsewhere(self) -> bool:
         """Another node may succeed where this one refused."""
-        return self in (Failure.BUSY, Failure.DRAINING)
+        return self in (Failure.BUSY, Failure.DRAINING, Failure.TP_BROKEN)
 
 
 @message

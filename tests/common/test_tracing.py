@@ -38,6 +38,7 @@ def test_without_the_flag_no_process_imports_the_sdk() -> None:
     code = """
 import sys
 import pdserve.prefill_node.node, pdserve.decode_node.node, pdserve.router.__main__
+import pdserve.common.engine.tensor_parallel_worker
 from pdserve.common.node.stages import StageClock
 from pdserve.common.tracing import TracingConfig, tracer_of
 from pdserve.router.backend import GenerateRequest

@@ -25,24 +25,42 @@ class FakeSpan:
 
 
 class FakeTracer:
-    """Records the finished spans a StageClock makes."""
+    """Records the spans a StageClock makes as they end (a span it opens, `start`, when it
+    is ended), as an exporter gets them."""
 
     def __init__(self) -> None:
         self.spans: list[FakeSpan] = []
+        self.opened: list[FakeSpan] = []
 
     def span(self, name: str, parent: Any, start: float, end: float, attributes) -> FakeSpan:
         span = FakeSpan(name, parent, start, end, dict(attributes))
         self.spans.append(span)
         return span
 
+    def start(self, name: str, parent: Any, start: float, attributes) -> FakeSpan:
+        span = FakeSpan(name, parent, start, 0.0, dict(attributes))
+        self.opened.append(span)
+        return span
+
+    def end(self, span: FakeSpan, end: float, attributes=None) -> None:
+        assert not span.end, f"{span.name} ended twice"
+        span.end = end
+        span.attributes |= attributes or {}
+        self.spans.append(span)
+
+    def traceparent(self, span: FakeSpan) -> str:
+        return f"00-{'1' * 32}-{self.opened.index(span) + 1:016x}-01"
+
     def named(self, name: str) -> list[FakeSpan]:
         return [s for s in self.spans if s.name == name]
 
 
-def step(clock: StageClock, *rids: str, tokens: int = 4) -> None:
+def step(clock: StageClock, *rids: str, tokens: int = 4) -> tuple[str, ...]:
+    """One step of `rids`: the node spans the other ranks' spans of it would go under."""
     seqs = tuple(ScheduledSeq(rid, (1,) * tokens, 0, (0,), True, SamplingParams()) for rid in rids)
-    clock.step_started(SchedulerOutput(seqs, tokens * len(rids)))
+    parents = clock.step_started(SchedulerOutput(seqs, tokens * len(rids)))
     clock.step_done()
+    return parents
 
 
 def test_a_prompt_computed_here_reports_its_queue_and_prefill_with_the_first_token() -> None:
@@ -109,3 +127,38 @@ def test_a_request_that_ends_before_its_first_token_leaves_nothing() -> None:
     step(clock, "c")
     clock.first_token(Tokens("c", (), finish_reason="length"))  # a prompt only scored
     assert len(clock) == 0
+
+
+def test_the_other_ranks_get_the_open_node_span_of_each_traced_request_until_its_first_token():
+    """A tensor-parallel node's workers put their spans of a step under the node's span of each
+    traced request in it: `prefill` on a node that computes the prompt, `decode.first_step` on
+    a decode node; an untraced request gives them nothing, nor a step after the first token."""
+    tracer = FakeTracer()
+    clock = StageClock(tracer, "p0")  # type: ignore[arg-type]
+    clock.taken("r", PARENT)
+    clock.taken("u", None)
+    (prefill,) = tracer.opened
+    assert prefill.name == "prefill" and prefill.parent == PARENT and not prefill.end
+    assert step(clock, "r", "u") == (tracer.traceparent(prefill),)
+    assert step(clock, "u") == ()
+    clock.first_token(Tokens("r", (7,)))
+    assert prefill.end and tracer.named("prefill") == [prefill]
+    assert step(clock, "r") == (), "after its first token"
+    decode = StageClock(tracer, "d0")  # type: ignore[arg-type]
+    decode.taken("d", PARENT, remote=True)
+    decode.kv_whole("d", ok=True, pages=1, connector="zmq")
+    (parent,) = step(decode, "d", tokens=1)
+    first_step = tracer.opened[-1]
+    assert first_step.name == "decode.first_step" and parent == tracer.traceparent(first_step)
+    decode.first_token(Tokens("d", (8,)))
+    assert first_step.end and tracer.named("decode.first_step") == [first_step]
+
+
+def test_an_open_node_span_ends_when_its_request_ends_before_its_first_token() -> None:
+    tracer = FakeTracer()
+    clock = StageClock(tracer, "p0")  # type: ignore[arg-type]
+    clock.taken("r", PARENT)
+    step(clock, "r")
+    clock.forget("r")  # aborted
+    (prefill,) = tracer.spans
+    assert prefill.end and prefill.attributes["pdserve.outcome"] == "ended"
