@@ -1,0 +1,192 @@
+"""The planner's policy against the peers' failure modes (issue 41's acceptance). Each check is
+a function of the policy class; each test runs it on `Policy` (must hold) and on a naive policy
+that repeats a peer's mistake (must not), so no check here is one that cannot fail."""
+
+from __future__ import annotations
+
+import math
+import random
+
+import pytest
+
+from pdserve.planner.actions import DRAIN, FLIP, START, STOP, actions_for
+from pdserve.planner.config import PlannerConfig
+from pdserve.planner.policy import Policy
+from pdserve.planner.snapshot import NodeView
+
+from .plant import (
+    CONFIG,
+    PREFILL_RATE,
+    Load,
+    NaNBlind,
+    NeedsSamples,
+    NoHysteresis,
+    QueueBlind,
+    RequestRate,
+    WaitsForReady,
+    counts,
+    nodes,
+    run,
+    snapshot,
+)
+
+
+def grows_prefill_on_queue_alone(cls: type[Policy]) -> bool:
+    """Arrivals two prefill nodes compute at half their rate, TTFT still within its SLO, and a
+    queue of 40k prompt tokens (4 s of two nodes' work, past the 1 s queue budget)."""
+    load = Load(arrival=8.0, prompt=1000.0, queued=40_000.0)
+    view = nodes(2, 2)
+    decision = cls(CONFIG).decide(snapshot(load, view, 0.0), 0.0)
+    return decision.decided and decision.prefill > 2  # type: ignore[operator]
+
+
+def test_queue_wait_alone_grows_prefill() -> None:
+    assert grows_prefill_on_queue_alone(Policy)
+    assert not grows_prefill_on_queue_alone(QueueBlind)
+
+
+def changes_at_the_boundary(cls: type[Policy]) -> int:
+    """A constant load at one prefill node's growth threshold, measured with 4% noise, for 60
+    intervals: how often the prefill count changes."""
+    rng = random.Random(7)
+    at_threshold = PREFILL_RATE * CONFIG.util_high / 1000.0  # requests/s of 1000 tokens
+    loads = [Load(at_threshold * (1 + rng.gauss(0, 0.04)), 1000.0) for _ in range(60)]
+    history = [p for p, _ in run(cls(CONFIG), loads, start=(1, 1))]
+    return sum(a != b for a, b in zip(history, history[1:]))
+
+
+def test_no_oscillation_at_the_boundary_under_constant_load() -> None:
+    assert changes_at_the_boundary(Policy) <= 1
+    assert changes_at_the_boundary(NoHysteresis) >= 4
+
+
+def intervals_to_minimum_when_idle(cls: type[Policy]) -> int | None:
+    """Busy at 6P/4D, then idle (nothing arrives, nothing measured): the intervals until both
+    pools are at their minimum, None if not within ten."""
+    busy = Load(arrival=40.0, prompt=1000.0)
+    idle = [Load(arrival=0.0, prompt=0.0, output=0.0)] * 10
+    policy, view = cls(CONFIG), nodes(6, 4)
+    policy.decide(snapshot(busy, view, 0.0), 0.0)
+    for i, load in enumerate(idle, 1):
+        now = i * CONFIG.interval
+        snap = snapshot(load, view, now, prefill_rate=None, decode_rate=None, ttft_p90=None)
+        decision = policy.decide(snap, now)
+        if decision.decided:
+            view = nodes(decision.prefill, decision.decode)  # type: ignore[arg-type]
+        if counts(view) == (CONFIG.min_prefill, CONFIG.min_decode):
+            return i
+    return None
+
+
+def test_scales_down_to_the_minimum_within_two_intervals_of_going_idle() -> None:
+    steps = intervals_to_minimum_when_idle(Policy)
+    assert steps is not None and steps <= 2, steps
+    assert intervals_to_minimum_when_idle(NeedsSamples) is None
+
+
+BAD_FIGURES = [
+    {"arrival_rate": math.nan},
+    {"mean_prompt_tokens": math.nan},
+    {"queued_prompt_tokens": math.inf},
+    {"kv_usage": math.nan},
+    {"arrival_rate": -1.0},
+    {"prefill_rate": math.nan},
+    {"prefill_rate": None},
+    {"decode_rate": math.nan},
+    {"at": -100.0},  # measured 100 s ago: stale
+]
+
+
+def decides_on(cls: type[Policy], bad: dict[str, object]) -> bool:
+    """Whether any of three decisions on the bad figures is made (none should be), or the
+    policy fails on them."""
+    policy, view, load = cls(CONFIG), nodes(3, 3), Load(arrival=10.0, prompt=1000.0)
+    made = []
+    for i in range(3):
+        now = i * CONFIG.interval
+        figures = {k: (now + v if k == "at" else v) for k, v in bad.items()}
+        try:
+            made.append(policy.decide(snapshot(load, view, now, **figures), now).decided)
+        except (OverflowError, ValueError):
+            return True
+    return any(made)
+
+
+@pytest.mark.parametrize(
+    "bad", BAD_FIGURES, ids=lambda b: "-".join(f"{k}={v}" for k, v in b.items())
+)
+def test_nan_absent_or_stale_figures_make_no_decision(bad: dict[str, object]) -> None:
+    assert not decides_on(Policy, bad)
+    assert decides_on(NaNBlind, bad) or "rate" in next(iter(bad))
+
+
+def test_a_bad_figure_changes_nothing_and_says_why() -> None:
+    view = nodes(3, 3)
+    decision = Policy(CONFIG).decide(
+        snapshot(Load(10.0, 1000.0), view, 0.0, arrival_rate=math.nan), 0.0
+    )
+    assert (decision.prefill, decision.decode) == (None, None)
+    assert actions_for(decision, view) == ()
+    assert "NaN" in decision.describe()
+
+
+def replaces_a_node_that_never_becomes_ready(cls: type[Policy]) -> bool:
+    """Two prefill nodes needed; one was started at 0 and never becomes ready. Before the
+    start timeout the planner still decides (a load step grows prefill to 3); after it, the
+    dead node is stopped and a node started in its place."""
+    config = PlannerConfig(start_timeout=60.0)
+    policy = cls(config)
+    dead = NodeView("p-dead", "prefill", ready=False, started_at=0.0)
+    view = (*nodes(1, 2), dead)
+    two, three = Load(arrival=10.0, prompt=1000.0), Load(arrival=17.0, prompt=1000.0)
+    early = policy.decide(snapshot(three, view, 30.0), 30.0)
+    if not early.decided or early.prefill != 3:
+        return False
+    late = policy.decide(snapshot(two, view, 100.0), 100.0)
+    kinds = [(a.kind, a.node_id) for a in actions_for(late, view)]
+    return (STOP, "p-dead") in kinds and (START, None) in kinds and late.prefill == 2
+
+
+def test_a_node_that_never_becomes_ready_does_not_stall_the_planner() -> None:
+    assert replaces_a_node_that_never_becomes_ready(Policy)
+    assert not replaces_a_node_that_never_becomes_ready(WaitsForReady)
+
+
+def ratio_after_prompts_grow(cls: type[Policy]) -> tuple[float, float]:
+    """P:D after 10 intervals of 1K-token prompts, then after 10 of 8K (4 requests/s, 256
+    answer tokens each)."""
+    loads = [Load(4.0, 1024.0)] * 10 + [Load(4.0, 8192.0)] * 10
+    history = run(cls(CONFIG), loads, start=(1, 1))
+    return history[9][0] / history[9][1], history[-1][0] / history[-1][1]
+
+
+def test_the_p_to_d_ratio_follows_the_prompt_length() -> None:
+    short, long = ratio_after_prompts_grow(Policy)
+    assert long >= 4 * short, (short, long)
+    naive_short, naive_long = ratio_after_prompts_grow(RequestRate)
+    assert naive_long < 4 * naive_short
+
+
+def test_a_role_flip_is_cheaper_than_a_start_and_a_drain() -> None:
+    view = nodes(1, 4)
+    decision = Policy(CONFIG).decide(snapshot(Load(4.0, 8192.0), view, 0.0), 0.0)
+    acts = actions_for(decision, view)
+    assert decision.prefill > 1 and decision.decode < 4  # type: ignore[operator]
+    assert FLIP in {a.kind for a in acts}
+    assert not {START, DRAIN} <= {a.kind for a in acts}, acts
+
+
+def test_bounds_hold_whatever_the_load() -> None:
+    config = PlannerConfig(max_prefill=3, min_decode=2, max_nodes=4)
+    decision = Policy(config).decide(snapshot(Load(100.0, 8192.0), nodes(1, 2), 0.0), 0.0)
+    assert decision.prefill <= 3 and decision.decode >= 2  # type: ignore[operator]
+    assert decision.prefill + decision.decode <= 4  # type: ignore[operator]
+
+
+@pytest.mark.parametrize(
+    "given",
+    [{"util_low": 0.9}, {"ttft_slo": 0.0}, {"min_prefill": 70}, {"queue_share": 2.0}],
+)
+def test_bad_settings_are_refused(given: dict[str, float]) -> None:
+    with pytest.raises(ValueError):
+        PlannerConfig(**given)  # type: ignore[arg-type]
