@@ -25,6 +25,7 @@ BENCHMARKS = {
     "gpu": ("gpu", "one CUDA GPU against its floor, HF generate, KV transfer (docs/gpu.md)"),
     "spec": ("spec", "speculative decoding (ngram, suffix) against none: tok/s, acceptance"),
     "replay": ("replay", "a captured request log or Mooncake trace: TTFT stages, prefix hits"),
+    "tracing": ("tracing", "saturation tok/s with tracing off, a 10% sample, every request"),
     "kv-tiers": ("kv_tiers", "KV tiers under the pool (host, file, redis) against none: TTFT"),
 }
 
