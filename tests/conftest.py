@@ -19,6 +19,9 @@ import pytest
 # (a 100-request fault scenario took 10x the CPU and 4x the time with two threads per node).
 # A test that wants more threads asks for them (--threads-per-rank, torch.set_num_threads).
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+# MKL's too, as the benchmarks set both for their servers (pdserve.bench.systems.threads_env):
+# with the launcher's environment the same, their routers and nodes are forked (below).
+os.environ.setdefault("MKL_NUM_THREADS", os.environ["OMP_NUM_THREADS"])
 
 from pdserve.tiny_model import make_tiny_model  # noqa: E402
 
