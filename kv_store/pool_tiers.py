@@ -5,6 +5,9 @@ prefix block the pool lacks is copied back in from the first tier that holds an 
 A block's payload is its pages in every layer cache, in cache order, as raw bytes: the key's
 layout digest names that order, the dtype and the shapes, so a payload of another length is
 refused (a miss) before anything is written into the pool.
+
+Which tiers a load asks is the cost model's call (`kv_store.cost.LoadCost`, --kv-load-policy):
+a tier measured slower than recomputing is skipped, and its blocks are recomputed.
 """
 
 from __future__ import annotations

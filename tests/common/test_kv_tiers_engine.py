@@ -9,6 +9,7 @@ from __future__ import annotations
 import random
 import shutil
 import threading
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -81,7 +82,12 @@ def assert_equals_hf(model_dir: str, turns: list[Turn]) -> None:
         assert answer == _hf[prompt], f"prompt of {len(prompt)} tokens"
 
 
-def run(model_dir: str, between: Between = None, **tiers: object) -> tuple[list[Turn], LLM]:
+def run(
+    model_dir: str,
+    between: Between = None,
+    prepare: Callable[[LLM], None] | None = None,
+    **tiers: object,
+) -> tuple[list[Turn], LLM]:
     llm = LLM(
         model_dir,
         num_blocks=NUM_BLOCKS,
@@ -90,6 +96,8 @@ def run(model_dir: str, between: Between = None, **tiers: object) -> tuple[list[
         skip_tokenizer_init=True,
         **tiers,
     )
+    if prepare is not None:
+        prepare(llm)
     turns = converse(llm, between)
     kv = llm.engine.kv
     kv.check_integrity()
@@ -154,6 +162,29 @@ def test_file_store_serves_a_fresh_engine(model_dir: str, baseline, filled) -> N
     assert file_hits > 0 and tier(second, "file").bad_objects == 0
     assert second.engine.kv.stats.tier_hits >= file_hits * BLOCK
     assert second.engine.kv.stats.hits > filled[1]  # turn 1s hit too
+
+
+def test_cost_policy_recomputes_what_a_slow_tier_holds(model_dir: str, baseline, filled) -> None:
+    """--kv-load-policy cost with a store that takes 0.1 s a read (and is known to: its rate
+    seeded) and a prefill rate measured by a 40-token prompt first: the engine stops asking
+    the store and recomputes instead (one probe in 32 still loads), and the answers stay HF's."""
+
+    def slow_store(llm: LLM) -> None:
+        tiers = llm.engine.tiers
+        store = tiers.chain.tiers[-1]
+        read = store._load
+        store._load = lambda name: time.sleep(0.1) or read(name)  # type: ignore[method-assign]
+        tiers.cost.observe(store.name, tiers.block_bytes, 1.0)
+        llm.generate([[2 + i for i in range(40)]], GREEDY)  # the prefill rate, measured
+
+    url = f"file://{filled[0]}"
+    turns, llm = run(model_dir, prepare=slow_store, kv_store=url, kv_load_policy="cost")
+    assert turns == baseline[0]
+    (rate,) = llm.engine.tiers.cost.rates()
+    got = tier(llm, "file")
+    assert llm.engine.prefill_rate.tokens_per_s > 0 and rate.recompute_chosen > 0
+    assert llm.engine.kv.stats.tier_hits == got.hits * BLOCK
+    assert scrape(llm)[("pdserve:kv_tier_recompute_chosen_total", "file")] == rate.recompute_chosen
 
 
 def damage(path: Path, how: str) -> None:
