@@ -23,17 +23,16 @@ from pathlib import Path
 
 import httpx
 import pytest
-import torch
 from prometheus_client.parser import text_string_to_metric_families
 
 from pdserve.common.engine.kv_cache_manager import hash_token_blocks
 from pdserve.local_cluster import LocalCluster, free_port
 from pdserve.tiny_model import make_tiny_model
+from tests.common.test_kv_tiers_engine import ANSWER, assert_equals_hf
 from tests.e2e.test_disaggregated import assert_clean, complete
 
 VOCAB = 512
 BLOCK = 4
-ANSWER = 6
 ENGINE = ["--block-size", str(BLOCK), "--num-blocks", "16", "--dtype", "float32"]
 ENGINE += ["--heartbeat-interval", "0.2"]
 ROUTER = ["--prefill-placement", "remote"]  # every prompt through the prefill node
@@ -46,36 +45,6 @@ Turn = tuple[list[int], list[int]]  # (prompt, answer)
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
     return str(make_tiny_model("llama", tmp_path_factory.mktemp("tiers_pd"), vocab=VOCAB))
-
-
-class HF:
-    """HF transformers' greedy answers (float32), one per distinct prompt."""
-
-    def __init__(self, model_dir: str) -> None:
-        from transformers import AutoModelForCausalLM
-
-        self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-        self.answers: dict[tuple[int, ...], list[int]] = {}
-
-    def answer(self, prompt: list[int]) -> list[int]:
-        if tuple(prompt) not in self.answers:
-            ids = torch.tensor([prompt])
-            with torch.no_grad():
-                out = self.model.generate(
-                    ids,
-                    attention_mask=torch.ones_like(ids),
-                    max_new_tokens=ANSWER,
-                    do_sample=False,
-                    eos_token_id=None,
-                    pad_token_id=0,
-                )
-            self.answers[tuple(prompt)] = out[0, len(prompt) :].tolist()
-        return self.answers[tuple(prompt)]
-
-
-@pytest.fixture(scope="module")
-def hf(model_dir: str) -> HF:
-    return HF(model_dir)
 
 
 class Deployment:
@@ -143,7 +112,7 @@ def full_blocks(n_tokens: int, prompt_len: int) -> int:
 
 
 def run_conversations(
-    d: Deployment, hf: HF, history_pull: bool, n_convs: int = 5, n_turns: int = 4, seed: int = 7
+    d: Deployment, history_pull: bool, n_convs: int = 5, n_turns: int = 4, seed: int = 7
 ) -> list[Turn]:
     """Every turn equals HF; the prefill node computes exactly what it cannot load: with
     history pull the previous prompt and answer but the answer's last token (never computed),
@@ -152,10 +121,11 @@ def run_conversations(
     next turn; one conversation alone stays in it."""
     histories: list[list[int]] = [[] for _ in range(n_convs)]
     last: dict[int, Turn] = {}
+    turns: list[tuple[tuple[int, ...], tuple[int, ...]]] = []
     for conv, new in conversations(n_convs, n_turns, seed):
         prompt = histories[conv] + new
         answer, computed = d.ask(prompt)
-        assert answer == hf.answer(prompt), f"conversation {conv}, {len(prompt)} tokens"
+        turns.append((tuple(prompt), tuple(answer)))
         if conv in last:
             prev, prev_answer = last[conv]
             held = len(prev) + len(prev_answer) - 1 if history_pull else len(prev)
@@ -164,12 +134,13 @@ def run_conversations(
             assert computed == len(prompt)
         last[conv] = (prompt, answer)
         histories[conv] = prompt + answer
+    assert_equals_hf(d.cluster.model, turns)
     return list(last.values())
 
 
-def test_host_tier_alone_recomputes_the_previous_answer(model_dir, hf, tmp_path) -> None:
+def test_host_tier_alone_recomputes_the_previous_answer(model_dir, tmp_path) -> None:
     with Deployment(model_dir, HOST, tmp_path) as d:
-        run_conversations(d, hf, history_pull=False)
+        run_conversations(d, history_pull=False)
 
 
 def stored_tokens(store: Path, prompt: list[int]) -> int:
@@ -183,7 +154,7 @@ def stored_tokens(store: Path, prompt: list[int]) -> int:
     return n
 
 
-def test_history_pull_and_a_second_prefill_node_from_the_store(model_dir, hf, tmp_path) -> None:
+def test_history_pull_and_a_second_prefill_node_from_the_store(model_dir, tmp_path) -> None:
     """1P1D on host + file://: turn N's prefill computes only the new message, first for one
     conversation alone (its answers never leave the decode node's pool: only the history
     write puts them in the store), then for five. Then fresh nodes on the same store answer
@@ -192,8 +163,8 @@ def test_history_pull_and_a_second_prefill_node_from_the_store(model_dir, hf, tm
     store = tmp_path / "kv"
     tiers = [*HOST, "--kv-store", f"file://{store}"]
     with Deployment(model_dir, tiers, tmp_path / "first") as d:
-        run_conversations(d, hf, history_pull=True, n_convs=1, n_turns=3, seed=8)
-        last = run_conversations(d, hf, history_pull=True)
+        run_conversations(d, history_pull=True, n_convs=1, n_turns=3, seed=8)
+        last = run_conversations(d, history_pull=True)
     loaded = 0
     with Deployment(model_dir, tiers, tmp_path / "second") as d:
         for prompt, answer in last:
