@@ -403,7 +403,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
                  SYSTEMS[n].peer}  # fmt: skip
         results, notes = measure_systems(args, SYSTEMS, model, measure_one)
     pdserve = any(SYSTEMS[name].shape for name in args.systems)  # what loads the GGUF
-    memory = gguf_memory(args.gguf) if args.gguf and pdserve else {}
+    memory = gguf_memory(args.gguf, notes) if args.gguf and pdserve else {}
     config = json.loads((model / "config.json").read_text())
     return scenario_fields(
         args, model, model_desc(config, args), (results, notes),
@@ -415,15 +415,22 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     )  # fmt: skip
 
 
-def gguf_memory(gguf: Path, kv_mib: int = 32) -> dict[str, float]:
+def gguf_memory(gguf: Path, notes: list[str], kv_mib: int = 32) -> dict[str, float]:
     """MiB of the GGUF file, and what an engine on it (dtype and quantization auto, a KV pool of
-    kv_mib) adds to a fresh process's RSS, less the pool: weights, buffers, what the heap keeps."""
+    kv_mib) adds to a fresh process's RSS, less the pool: weights, buffers, what the heap keeps.
+    A probe that fails is a note (its stderr's end) and no figure: the systems' runs, measured
+    before it, are kept."""
     code = (f"import os; from pdserve.testbed.faults import rss_mib; from pdserve import LLM; "
             f"r = rss_mib(os.getpid()); e = LLM({str(gguf)!r}, kv_cache_bytes={kv_mib << 20}, "
             "skip_tokenizer_init=True); print(rss_mib(os.getpid()) - r)")  # fmt: skip
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         timeout=600, check=True)  # fmt: skip
-    resident = float(out.stdout.split()[-1]) - kv_mib
+    try:
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                             timeout=600, check=True)  # fmt: skip
+        resident = float(out.stdout.split()[-1]) - kv_mib
+    except (subprocess.SubprocessError, ValueError, IndexError) as exc:
+        tail = (getattr(exc, "stderr", None) or "").strip().splitlines()[-3:]
+        notes.append(f"GGUF memory probe failed ({type(exc).__name__}): {' | '.join(tail)}")
+        return {}
     return {"file_mib": gguf.stat().st_size / 2**20, "resident_mib": resident}
 
 

@@ -233,3 +233,22 @@ def test_smollm2_model_is_written_in_the_served_dtype_once_per_dtype(tiny_model_
     wide, narrow = load_file(f32 / "model.safetensors"), load_file(bf16 / "model.safetensors")
     assert wide.keys() == narrow.keys()
     assert all(torch.equal(wide[n].to(torch.bfloat16), narrow[n]) for n in wide)
+
+
+def test_gguf_memory_probe_that_fails_is_a_note_not_a_lost_run(tmp_path, monkeypatch):
+    """The memory probe runs after every system was measured: its failure (here a stand-in
+    python exiting 1, as the probe once did in a 13-minute run on the AMX box) is a note with
+    its stderr, and no figure, instead of an exception that loses the measured runs."""
+    gguf = tmp_path / "m.gguf"
+    gguf.write_bytes(bytes(2**20))
+    python = tmp_path / "python"
+    python.write_text('#!/bin/sh\necho "Traceback" >&2\necho "RuntimeError: no room" >&2\nexit 1\n')
+    python.chmod(0o755)
+    monkeypatch.setattr(sys, "executable", str(python))
+    notes: list[str] = []
+    assert bc.gguf_memory(gguf, notes) == {}
+    assert notes == ["GGUF memory probe failed (CalledProcessError): Traceback | RuntimeError: "
+                     "no room"]  # fmt: skip
+    python.write_text("#!/bin/sh\necho 100.5\n")
+    assert bc.gguf_memory(gguf, notes, kv_mib=32) == {"file_mib": 1.0, "resident_mib": 68.5}
+    assert len(notes) == 1
