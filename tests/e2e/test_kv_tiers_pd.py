@@ -6,9 +6,9 @@ say exactly how many prompt tokens it computed:
 
 - host tier alone: each turn's previous prompt comes back from the prefill node's pool or host
   tier; the previous answer (computed on the decode node) is prefilled again;
-- host tier and a shared file:// store: the decode node writes each answer's blocks to the
-  store when it ends (history pull), so the prefill node computes only the new message (and
-  the partial block before it);
+- host tier and a shared store (file:// or a real redis-server): the decode node writes each
+  answer's blocks to the store when it ends (history pull), so the prefill node computes only
+  the new message (and the partial block before it);
 - a second deployment (fresh nodes, same store) serves each conversation's last prompt: its
   prefill node computes exactly the tokens whose blocks are not in the store.
 
@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import random
 import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import httpx
@@ -26,6 +27,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from pdserve.common.engine.kv_cache_manager import hash_token_blocks
+from pdserve.kv_store.local_redis import LocalRedis
 from pdserve.local_cluster import LocalCluster, free_port
 from pdserve.tiny_model import make_tiny_model
 from tests.common.test_kv_tiers_engine import ANSWER, assert_equals_hf
@@ -143,32 +145,55 @@ def test_host_tier_alone_recomputes_the_previous_answer(model_dir, tmp_path) -> 
         run_conversations(d, history_pull=False)
 
 
-def stored_tokens(store: Path, prompt: list[int]) -> int:
-    """Tokens of the prompt's leading blocks that the file store holds (any key space: one
-    model here), as a prefix lookup may take them (never the last token)."""
+Holds = Callable[[str], bool]  # does the store hold the block of this hash (hex)?
+
+
+@pytest.fixture(params=["file", "redis"])
+def store(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[tuple[str, Holds]]:
+    """The shared store's URL and a look inside it by block name (any key space: one model
+    here): a folder, or a real redis-server on a loopback port."""
+    if request.param == "file":
+        root = tmp_path / "kv"
+        yield f"file://{root}", lambda h: any(root.glob(f"*/{h[:2]}/{h}.kv"))
+        return
+    import redis
+
+    server = LocalRedis(tmp_path)
+    server.start()
+    client = redis.Redis.from_url(server.url)
+    try:
+        yield server.url, lambda h: bool(client.keys(f"pdserve:kv:*/{h}"))
+    finally:
+        client.close()
+        server.kill()
+
+
+def stored_tokens(holds: Holds, prompt: list[int]) -> int:
+    """Tokens of the prompt's leading blocks the store holds, as a prefix lookup may take
+    them (never the last token)."""
     n = 0
     for block_hash in hash_token_blocks(prompt, BLOCK)[: (len(prompt) - 1) // BLOCK]:
-        if not list(store.glob(f"*/{block_hash.hex()[:2]}/{block_hash.hex()}.kv")):
+        if not holds(block_hash.hex()):
             break
         n += BLOCK
     return n
 
 
-def test_history_pull_and_a_second_prefill_node_from_the_store(model_dir, tmp_path) -> None:
-    """1P1D on host + file://: turn N's prefill computes only the new message, first for one
-    conversation alone (its answers never leave the decode node's pool: only the history
-    write puts them in the store), then for five. Then fresh nodes on the same store answer
-    each conversation's last prompt, computing only what the store lacks (their pools and
-    host tiers start empty: every hit is the store's)."""
-    store = tmp_path / "kv"
-    tiers = [*HOST, "--kv-store", f"file://{store}"]
+def test_history_pull_and_a_second_prefill_node_from_the_store(model_dir, store, tmp_path) -> None:
+    """1P1D on host + a shared store: turn N's prefill computes only the new message, first
+    for one conversation alone (its answers never leave the decode node's pool: only the
+    history write puts them in the store), then for five. Then fresh nodes on the same store
+    answer each conversation's last prompt, computing only what the store lacks (their pools
+    and host tiers start empty: every hit is the store's)."""
+    url, holds = store
+    tiers = [*HOST, "--kv-store", url]
     with Deployment(model_dir, tiers, tmp_path / "first") as d:
         run_conversations(d, history_pull=True, n_convs=1, n_turns=3, seed=8)
         last = run_conversations(d, history_pull=True)
     loaded = 0
     with Deployment(model_dir, tiers, tmp_path / "second") as d:
         for prompt, answer in last:
-            in_store = stored_tokens(store, prompt)
+            in_store = stored_tokens(holds, prompt)
             got, computed = d.ask(prompt)
             assert got == answer
             assert computed == len(prompt) - in_store
