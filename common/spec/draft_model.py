@@ -102,12 +102,39 @@ def layer_caches(
     return caches
 
 
-class DraftModel:
-    """The draft model and its layer caches (a page group of the target's blocks).
+class PageGroup:
+    """A drafter's layer caches in the target's blocks (draft_model's, mtp's): the runner
+    sizes the pool, then `attach`es them after the target's `first_layer` caches.
 
     `scratch` are block ids past the pool's (the caches have them, the pool never hands them
     out): a proposal writes the drafted positions that lie past the request's own blocks
     there, so drafting takes no block from the pool."""
+
+    num_layers: int  # layer caches of the group (a property of each drafter)
+
+    def __init__(self, device: torch.device, max_k: int, layout_tag: str) -> None:
+        self.device = device
+        self.max_k = max_k
+        self.layout_tag = layout_tag  # what a KV layout's model id says of the group
+        self.caches: list[torch.Tensor] = []
+        self.scratch: list[int] = []
+        self.block_size = 0
+        self.first_layer = 0  # the index a prefill node ships the group's layer 0 as
+
+    def attach(
+        self, caches: list[torch.Tensor], scratch: list[int], block_size: int, first_layer: int
+    ) -> None:
+        """The group's layer caches, once the runner has sized the pool."""
+        assert len(caches) == self.num_layers, f"{len(caches)} caches, {self.num_layers} layers"
+        self.caches, self.scratch, self.block_size = caches, scratch, block_size
+        self.first_layer = first_layer
+
+    def _longs(self, values: list[int]) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.int64, device=self.device)
+
+
+class DraftModel(PageGroup):
+    """The draft model and its layer caches (a page group of the target's blocks)."""
 
     def __init__(
         self,
@@ -123,27 +150,12 @@ class DraftModel:
         check_draft(self.arch, target, self.spec == target_spec)
         if device.type == "cpu":
             self.model.use_cpu_head()
-        self.device = device
         self.model_id = model_fingerprint(config.model)
-        self.layout_tag = f"draft:{self.model_id}"  # what a KV layout's model id says of it
-        self.caches: list[torch.Tensor] = []
-        self.scratch: list[int] = []
-        self.block_size = 0
-        self.first_layer = 0  # the index a prefill node ships the draft's layer 0 as
-        self.max_k = config.num_speculative_tokens
+        super().__init__(device, config.num_speculative_tokens, f"draft:{self.model_id}")
 
     @property
     def num_layers(self) -> int:
         return self.arch.num_layers
-
-    def attach(
-        self, caches: list[torch.Tensor], scratch: list[int], block_size: int, first_layer: int
-    ) -> None:
-        """The draft's layer caches, once the runner has sized the pool; they follow the
-        target's `first_layer` caches."""
-        assert len(caches) == self.num_layers, f"{len(caches)} caches, {self.num_layers} layers"
-        self.caches, self.scratch, self.block_size = caches, scratch, block_size
-        self.first_layer = first_layer
 
     def run(
         self,
@@ -177,9 +189,6 @@ class DraftModel:
             token = int(self.model.compute_logits(hidden[-1:]).argmax(dim=-1)[0])
             out.append(token)
         return out
-
-    def _longs(self, values: list[int]) -> torch.Tensor:
-        return torch.tensor(values, dtype=torch.int64, device=self.device)
 
 
 class DraftModelProposer(Proposer):

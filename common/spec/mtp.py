@@ -28,7 +28,7 @@ from pdserve.common.model.attention import AttentionMetadata, KVCacheSpec
 from pdserve.common.model.config import ModelArchConfig
 from pdserve.common.model.deepseek_mtp import load_mtp
 from pdserve.common.spec.config import SpeculativeConfig
-from pdserve.common.spec.draft_model import draft_table, one_position
+from pdserve.common.spec.draft_model import PageGroup, draft_table, one_position
 
 
 def hidden_layers(hidden_size: int, spec: KVCacheSpec) -> int:
@@ -37,9 +37,9 @@ def hidden_layers(hidden_size: int, spec: KVCacheSpec) -> int:
     return -(-hidden_size // row)
 
 
-class MtpDraft:
+class MtpDraft(PageGroup):
     """The MTP layer, the target's embedding and rope it shares, and its page group: the
-    hidden layers, then the MTP layer's cache (`attach`). Proposes like `DraftModel`."""
+    hidden layers, then the MTP layer's cache. Proposes like `DraftModel`."""
 
     def __init__(
         self,
@@ -54,15 +54,9 @@ class MtpDraft:
         self.layer = load_mtp(target_dir, target, dtype, device, dummy_seed)
         self.hidden_size = target.hidden_size
         self.num_hidden = hidden_layers(target.hidden_size, spec)
-        self.device = device
-        self.max_k = config.num_speculative_tokens
-        self.layout_tag = "mtp"  # what a KV layout's model id says of this page group
+        super().__init__(device, config.num_speculative_tokens, "mtp")
         self.embed: Callable[[torch.Tensor], torch.Tensor] | None = None
         self.rope: Callable[..., tuple[torch.Tensor, ...]] | None = None
-        self.caches: list[torch.Tensor] = []
-        self.scratch: list[int] = []
-        self.block_size = 0
-        self.first_layer = 0
 
     @property
     def num_layers(self) -> int:
@@ -72,15 +66,6 @@ class MtpDraft:
     def bind(self, target: torch.nn.Module) -> None:
         """The target's embedding and rope, once the runner has loaded it."""
         self.embed, self.rope = target.model.embed_tokens, target.model.rotary_emb
-
-    def attach(
-        self, caches: list[torch.Tensor], scratch: list[int], block_size: int, first_layer: int
-    ) -> None:
-        """The page group's caches, once the runner has sized the pool (after the target's
-        `first_layer` caches)."""
-        assert len(caches) == self.num_layers, f"{len(caches)} caches, {self.num_layers} layers"
-        self.caches, self.scratch, self.block_size = caches, scratch, block_size
-        self.first_layer = first_layer
 
     def run(
         self,
@@ -173,6 +158,3 @@ class MtpDraft:
             token = int(self.layer.compute_logits(previous).argmax(dim=-1)[0])
             out.append(token)
         return out
-
-    def _longs(self, values: list[int]) -> torch.Tensor:
-        return torch.tensor(values, dtype=torch.int64, device=self.device)

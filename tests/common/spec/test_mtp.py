@@ -23,18 +23,11 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from pdserve.common.engine.llm import LLM, SamplingParams
+from pdserve.common.engine.llm import LLM
 from pdserve.common.model.attention import KVCacheSpec
 from pdserve.common.spec.mtp import MtpDraft, hidden_layers
+from tests.common.spec.test_draft_model import GREEDY, PROMPTS  # the same mixed batch
 
-PROMPTS = [
-    [5, 6, 7, 8] * 10,
-    [9, 10, 11] * 7 + [9],
-    [17],
-    [101, 57, 3, 98, 250, 7, 77, 411, 23, 5, 6, 100, 42],
-    list(range(40, 140)),
-]
-GREEDY = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
 COPY_MIX = 0.3  # how much the copy MTP's attention, experts and embedding add
 
 
@@ -175,6 +168,8 @@ def test_acceptance_depends_on_the_page_group(models) -> None:
                 cache.zero_()
         while llm.engine.has_unfinished:
             llm.engine.step()
+        llm.engine.check_integrity()
+        assert llm.engine.kv.num_free_blocks == llm.engine.kv.pool.num_blocks - 1, "leaked"
         accepted = llm.engine.scheduler.drafter.stats.num_accepted_tokens
         return list(request.output_token_ids), accepted
 
