@@ -93,10 +93,17 @@ def compare(
     slos = (config.ttft_slo, config.itl_slo)
     rows = sweep(trace, model, slos, goal, *most)
     best = cheapest(rows, goal) or max(rows, key=lambda r: r.result.goodput)
-    planned = Sim(trace, model, slos, (1, 1), Policy(config)).run()
     pair = one_to_one(trace, model, slos, goal, max(most))
-    summary = [replace(best, name="best static"), pair, Row("planner", "from 1P1D", planned)]
+    summary = [replace(best, name="best static"), pair]
+    for start in {(1, 1): None, _counts(best.nodes): None}:
+        planned = Sim(trace, model, slos, start, Policy(config)).run()
+        summary.append(Row("planner", f"from {start[0]}P{start[1]}D", planned))
     return rows, summary
+
+
+def _counts(nodes: str) -> tuple[int, int]:
+    p, d = nodes.rstrip("D").split("P")
+    return int(p), int(d)
 
 
 def table(rows: Sequence[Row], base: SimResult) -> str:
@@ -129,6 +136,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--max-prefill", type=int, default=24)
     p.add_argument("--max-decode", type=int, default=8)
     p.add_argument("--sweep", action="store_true", help="print every static allocation too")
+    p.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
+                   help="a PlannerConfig field (util_high=0.95), repeatable")  # fmt: skip
     return p.parse_args(argv)
 
 
@@ -141,12 +150,13 @@ def main(argv: Sequence[str] | None = None) -> str:
     else:
         trace = mooncake(Path(args.trace), limit=args.limit)
     model = NodeModel(prefill_rate=args.prefill_rate, start_delay=args.start_delay)
-    config = PlannerConfig(ttft_slo=args.ttft_slo, itl_slo=args.itl_slo)
+    given = {k: float(v) for k, v in (item.split("=", 1) for item in args.set)}
+    config = PlannerConfig(ttft_slo=args.ttft_slo, itl_slo=args.itl_slo, **given)
     started = time.process_time()
     rows, summary = compare(trace, model, config, args.goal, (args.max_prefill, args.max_decode))
     out = table((rows if args.sweep else []) + summary, summary[0].result)
     cpu = time.process_time() - started
-    out += f"\n\n{len(trace)} requests; {len(rows) + 2} simulations in {cpu:.1f} CPU s"
+    out += f"\n\n{len(trace)} requests; {len(rows) + 4} simulations in {cpu:.1f} CPU s; {config}"
     print(out)
     return out
 

@@ -21,13 +21,14 @@ class PlannerConfig:
     what one decode node sustains within the ITL SLO, and by KV usage. A pool grows when the
     need exceeds `util_high` of its capacity and shrinks only to a size whose survivors stay
     under `util_low` (the gap is the hysteresis); a shrink also waits until every need inside
-    the last `window` seconds allows it.
+    the last `window` seconds allows it (or the deployment has been idle for two decisions).
     """
 
     ttft_slo: float = option(2.0, SLO, "p90 time to first token the planner aims at (s)")
     itl_slo: float = option(0.05, SLO, "p90 inter-token latency the planner aims at (s)")
     interval: float = option(10.0, SIZING, "seconds between two decisions")
-    window: float = option(10.0, SIZING, "a pool shrinks only if every need in this many s allows")
+    window: float = option(60.0, SIZING, "a pool shrinks only if every need in this many s allows")
+    smoothing: float = option(30.0, SIZING, "arrivals are averaged over about this many s")
     queue_share: float = option(0.5, SIZING, "share of the TTFT SLO the queue may wait")
     util_high: float = option(0.8, SIZING, "grow a pool when its need passes this share")
     util_low: float = option(0.65, SIZING, "shrink only to survivors under this share")
@@ -42,7 +43,7 @@ class PlannerConfig:
     max_nodes: int = option(128, BOUNDS, "most nodes of both roles together")
 
     def __post_init__(self) -> None:
-        for name in ("ttft_slo", "itl_slo", "interval", "max_age", "start_timeout"):
+        for name in ("ttft_slo", "itl_slo", "interval", "smoothing", "max_age", "start_timeout"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"--{name.replace('_', '-')} must be > 0")
         if self.window < 0:

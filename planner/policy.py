@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from pdserve.planner.config import PlannerConfig
 from pdserve.planner.snapshot import DECODE, PREFILL, NodeView, Snapshot, measured
@@ -86,11 +86,14 @@ class Policy:
     def __init__(self, config: PlannerConfig) -> None:
         self.config = config
         self._targets: deque[tuple[float, int, int]] = deque()
+        self._idle = 0  # decisions in a row made on an idle snapshot
+        self._rates: tuple[float, float, float, float] | None = None  # (at, req, prompt, answer)/s
 
     def decide(self, snap: Snapshot, now: float) -> Decision:
         pools = pools_of(snap.nodes, now, self.config.start_timeout)
         current = (pools.prefill, pools.decode)
         problem = self._unusable(snap, now)
+        snap = snap if problem else self._smoothed(snap)
         p_need: Need | str = problem or self.prefill_need(snap)
         d_need: Need | str = problem or self.decode_need(snap, pools)
         if isinstance(p_need, str) or isinstance(d_need, str):
@@ -98,10 +101,28 @@ class Policy:
             return Decision(now, None, None, (why,), current, pools.stop, snap)
         p = self._guard_ttft(snap, pools.prefill, _target(pools.prefill, p_need))
         d = self._guard_itl(snap, pools.decode, _target(pools.decode, d_need))
+        self._idle = self._idle + 1 if snap.idle() else 0
         p, d = self._paced(current, *self._stabilized(now, current, p, d))
         p, d = self._bounded(p, d)
         reasons = (f"prefill: {p_need.why}", f"decode: {d_need.why}")
         return Decision(now, p, d, reasons, current, pools.stop, snap)
+
+    def _smoothed(self, snap: Snapshot) -> Snapshot:
+        """The arrivals as a moving average over about `smoothing` seconds: one interval's
+        count of long prompts is noise (Mooncake's 10 s samples swing 2x around the mean);
+        a burst the average is slow to see fills the queue, which counts at once."""
+        rate = snap.arrival_rate
+        raw = (rate * snap.mean_prompt_tokens, rate * snap.mean_output_tokens)
+        if self._rates is None or snap.idle() or snap.at <= self._rates[0]:
+            self._rates = (snap.at, snap.arrival_rate, *raw)
+            return snap
+        share = 1 - math.exp(-(snap.at - self._rates[0]) / self.config.smoothing)
+        before = self._rates[1:]
+        now = [b + share * (x - b) for b, x in zip(before, (snap.arrival_rate, *raw))]
+        self._rates = (snap.at, *now)  # type: ignore[assignment]
+        n = now[0]
+        return replace(snap, arrival_rate=n, mean_prompt_tokens=now[1] / n if n else 0.0,
+                       mean_output_tokens=now[2] / n if n else 0.0)  # fmt: skip
 
     def _unusable(self, snap: Snapshot, now: float) -> str | None:
         if now - snap.at > self.config.max_age:
@@ -158,7 +179,11 @@ class Policy:
         return max(target, current + 1) if late else target
 
     def _stabilized(self, now: float, current: tuple[int, int], p: int, d: int) -> tuple[int, int]:
-        """Growth at once; a shrink only to the largest target of the last `window` s."""
+        """Growth at once; a shrink only to the largest target of the last `window` s, or at
+        once on a second idle snapshot in a row (an idle deployment has no load to protect;
+        one idle interval may be chance)."""
+        if self._idle >= 2:
+            self._targets.clear()
         self._targets.append((now, p, d))
         while self._targets[0][0] < now - self.config.window:
             self._targets.popleft()

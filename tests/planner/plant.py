@@ -73,10 +73,17 @@ class QueueBlind(Policy):
 
 
 class NoHysteresis(Policy):
-    """Shrinks as soon as the survivors fit at the growth threshold (Dynamo #9294)."""
+    """Shrinks as soon as the survivors fit at the growth threshold, on one interval's
+    figures (Dynamo #9294)."""
 
     def _utils(self) -> tuple[float, float]:
         return self.config.util_high, self.config.util_high
+
+    def _smoothed(self, snap: Snapshot) -> Snapshot:
+        return snap
+
+    def _stabilized(self, now: float, current: tuple[int, int], p: int, d: int) -> tuple[int, int]:
+        return p, d
 
 
 class NeedsSamples(Policy):
