@@ -161,6 +161,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
             print(rp.record_line(COLUMNS, record), flush=True)
             results.append(record)
     return {"device": "cpu", "dtype": args.dtype, "repeats": 1, "results": results,
+            "commit": rp.git_state(),
             "options": {k: getattr(args, k.replace("-", "_")) for k in OPTIONS}}  # fmt: skip
 
 
@@ -187,6 +188,7 @@ COLUMNS = [
 def section(report: dict[str, Any]) -> str:
     lines = ["## KV tiers under the pool (`pdserve bench kv-tiers`)", ""]
     lines += rp.run_header(report)
+    lines += [f"Commit: {report.get('commit', 'not recorded')}.  "]
     lines += ["", f"Options: {report['options']}.", ""]
     if max(report["load_avg"]) > (report["machine"].get("cpu_count") or 1):
         lines += [SMOKE, ""]

@@ -165,7 +165,7 @@ def test_file_store_serves_a_fresh_engine(model_dir: str, baseline, filled) -> N
 
 
 def test_cost_policy_recomputes_what_a_slow_tier_holds(model_dir: str, baseline, filled) -> None:
-    """--kv-load-policy cost with a store that takes 0.1 s a read (and is known to: its rate
+    """--kv-load-policy cost with a store that takes 0.5 s a read (and is known to: its rate
     seeded) and a prefill rate measured by a 40-token prompt first: the engine stops asking
     the store and recomputes instead (one probe in 32 still loads), and the answers stay HF's."""
 
@@ -173,7 +173,7 @@ def test_cost_policy_recomputes_what_a_slow_tier_holds(model_dir: str, baseline,
         tiers = llm.engine.tiers
         store = tiers.chain.tiers[-1]
         read = store._load
-        store._load = lambda name: time.sleep(0.1) or read(name)  # type: ignore[method-assign]
+        store._load = lambda name: time.sleep(0.5) or read(name)  # type: ignore[method-assign]
         tiers.cost.observe(store.name, tiers.block_bytes, 1.0)
         llm.generate([[2 + i for i in range(40)]], GREEDY)  # the prefill rate, measured
 
