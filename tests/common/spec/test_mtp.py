@@ -82,7 +82,7 @@ def engine(model: str, **options) -> LLM:
 
 def generate(model: str, prompts, **options) -> tuple[LLM, list[list[int]]]:
     """Greedy token ids with these options, after checking every block went back."""
-    llm = engine(model, num_blocks=600, **options)
+    llm = engine(model, **{"num_blocks": 600, **options})
     outs = [o.token_ids for o in llm.generate(prompts, GREEDY)]
     llm.engine.check_integrity()
     assert llm.engine.kv.num_free_blocks == llm.engine.kv.pool.num_blocks - 1, "leaked blocks"
@@ -202,3 +202,13 @@ def test_bad_setups_are_refused_by_name(models, tmp_path) -> None:
         engine(str(none), speculative_config=mtp(3))
     with pytest.raises(ValueError, match="mtp runs at tensor parallel size 1 only"):
         engine(models["copy"], tensor_parallel_size=2, speculative_config=mtp(3))
+
+
+def test_dummy_weights_make_the_mtp_layer_too(models) -> None:
+    """--load-format dummy: random MTP weights from the seed, whatever the checkpoint holds
+    (the plain one has no MTP layer); tokens equal those without speculation."""
+    options = {"num_blocks": 300, "load_format": "dummy"}
+    _, want = generate(models["plain"], PROMPTS[:2], **options)
+    llm, outs = generate(models["plain"], PROMPTS[:2], speculative_config=mtp(3), **options)
+    assert outs == want
+    assert llm.engine.scheduler.drafter.stats.num_draft_tokens > 0
