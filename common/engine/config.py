@@ -247,7 +247,7 @@ class SchedulerConfig:
         SCHEDULER,
         "speculative decoding, vLLM's JSON keys, e.g. "
         '\'{"method": "ngram", "num_speculative_tokens": 3}\' (methods: ngram, suffix, '
-        "draft_model; docs/speculative.md)",
+        "draft_model, mtp; docs/speculative.md)",
         type=lambda text: _flag_value(SpeculativeConfig.parse, text),
         metavar="JSON",
     )
