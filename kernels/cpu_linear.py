@@ -39,35 +39,39 @@ def cpu_linear_enabled() -> bool:
     return mode == "auto"
 
 
-def packs(weight: torch.Tensor) -> bool:
-    """Whether `weight` can be held in oneDNN's layout: float32 on a CPU with oneDNN (bf16 is
-    emulated on AVX2 and not measured faster)."""
+def packs(weight: torch.Tensor, native_bf16: bool = False) -> bool:
+    """Whether `weight` can be held in oneDNN's layout: float32 on a CPU with oneDNN, or bf16
+    where the caller found native bf16 (AMX or AVX512-BF16: oneDNN's bf16 kernels; emulated
+    on AVX2, where they were not measured faster)."""
+    dtypes = (torch.float32, torch.bfloat16) if native_bf16 else (torch.float32,)
     return (
         weight.device.type == "cpu"
-        and weight.dtype == torch.float32
+        and weight.dtype in dtypes
         and weight.dim() == 2
         and torch.backends.mkldnn.is_available()
     )
 
 
 class PackedLinear(nn.Module):
-    """nn.Linear's forward over a float32 weight held only in oneDNN's blocked layout (the
-    plain copy is dropped by the caller). The packed tensor is an attribute, not a buffer:
-    state_dict, `.to()` and parameter walks cannot read an opaque oneDNN tensor. Eager only."""
+    """nn.Linear's forward over a float32 or bf16 weight held only in oneDNN's blocked layout
+    (the plain copy is dropped by the caller); the input comes in the weight's dtype. The
+    packed tensor is an attribute, not a buffer: state_dict, `.to()` and parameter walks cannot
+    read an opaque oneDNN tensor. Eager only."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
         super().__init__()
-        if not packs(weight):
-            raise ValueError(f"a packed linear takes a float32 CPU weight, not {weight.dtype}")
+        if not packs(weight, native_bf16=True):
+            raise ValueError(f"a packed linear takes a float32 or bf16 CPU weight: {weight.dtype}")
         self.out_features, self.in_features = weight.shape
+        self.dtype = weight.dtype
         self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), _PACK_ROWS)
         self.register_buffer("bias", None if bias is None else bias.detach().clone())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         assert not torch.compiler.is_compiling(), "a packed linear runs eager only"
         flat = x.reshape(-1, self.in_features)
-        if flat.dtype != torch.float32:
-            raise ValueError(f"a packed linear takes float32 input, not {flat.dtype}")
+        if flat.dtype != self.dtype:
+            raise ValueError(f"a packed linear takes {self.dtype} input, not {flat.dtype}")
         if flat.shape[0] == 0:  # oneDNN refuses an empty batch
             out = flat.new_zeros(0, self.out_features)
         else:

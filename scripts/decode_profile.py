@@ -25,6 +25,7 @@ from torch.profiler import ProfilerActivity, profile
 from pdserve import LLM, SamplingParams
 from pdserve.common.model import llama
 from pdserve.common.model.quant import QuantizedLinear
+from pdserve.kernels.cpu_linear import PackedLinear
 
 # Parts of the forward (children of "forward"), and the step's other parts.
 _INSIDE = ("decoder matmuls", "attention", "rmsnorm", "rope")
@@ -68,7 +69,7 @@ def instrument(llm: LLM, clock: Clock) -> None:
     runner.model.compute_logits = clock.wrap("LM head", runner.model.compute_logits)
     for layer in runner.model.model.layers:
         for module in layer.modules():
-            if isinstance(module, QuantizedLinear | torch.nn.Linear):
+            if isinstance(module, QuantizedLinear | torch.nn.Linear | PackedLinear):
                 module.forward = clock.wrap("decoder matmuls", module.forward)
     llama.paged_attention = clock.wrap("attention", llama.paged_attention)
     llama.RMSNorm.forward = clock.wrap("rmsnorm", llama.RMSNorm.forward)

@@ -19,6 +19,7 @@ from torch import nn
 
 from pdserve.common.model.attention import AttentionMetadata, KVCacheSpec, paged_attention
 from pdserve.common.model.config import ModelArchConfig
+from pdserve.common.model.dtype import cpu_bf16_flag
 from pdserve.common.model.parallel import TPGroup, TPShard
 from pdserve.common.model.quant import QuantizedEmbedding, QuantizedLinear, release_freed_heap
 from pdserve.kernels.cpu_linear import PackedLinear, chunked_linear, cpu_linear_enabled, packs
@@ -238,6 +239,14 @@ class VocabEmbedding(nn.Module):
         return self.tp.all_reduce(rows.masked_fill(outside[:, None], 0.0))
 
 
+# Llama-family projections that forward only calls (DeepSeek's kv_b_proj, whose weight MLA
+# reads, and MoE's router gate stay plain).
+_PACKED_LINEARS = frozenset(
+    ("q_proj", "k_proj", "v_proj", "o_proj", "qkv_proj", "gate_proj", "up_proj", "down_proj")
+    + ("gate_up_proj",)
+)
+
+
 def _fused(parts: tuple[nn.Module, ...], quantized_only: bool) -> nn.Module | None:
     """One projection for `parts`, or None where they stay apart: quantized parts join by
     their packed rows (`QuantizedLinear.stacked`, exact: one kernel call instead of several);
@@ -394,13 +403,18 @@ class LlamaFamilyForCausalLM(nn.Module):
 
     @torch.no_grad()
     def use_cpu_head(self) -> str:
-        """Give a float32 LM head on the CPU its faster kernel (kernels/cpu_linear.py) for eager
-        steps: an untied head's weight reordered into oneDNN's layout, in place of the plain
-        one; a tied one, whose rows the embedding reads, chunked. Which it did: "packed",
-        "chunked", or "" (another dtype, device or head, or PDSERVE_CPU_LINEAR=off)."""
+        """Give the CPU's eager steps faster linears (kernels/cpu_linear.py). A float32 head: an
+        untied one reordered into oneDNN's layout in place of the plain weight, a tied one
+        (whose rows the embedding reads) chunked. bf16 on a CPU with native bf16 (AMX or
+        AVX512-BF16): the decoder's float linears and the head packed, a tied head as a
+        packed copy (vocab x hidden more), as oneDNN's prepacked bf16 GEMM takes about half
+        F.linear's time at 1-16 rows (docs/quantization.md). Returns which: "packed",
+        "chunked", "bf16 packed", or "" (nothing, or PDSERVE_CPU_LINEAR=off)."""
         head, embed = self.lm_head, self.model.embed_tokens
         if not cpu_linear_enabled():
             return ""
+        if embed.weight.dtype == torch.bfloat16 and cpu_bf16_flag() is not None:
+            return self._pack_bf16()
         if type(head) is nn.Linear and packs(head.weight):
             self.lm_head = PackedLinear(head.weight, head.bias)
             return "packed"
@@ -408,6 +422,24 @@ class LlamaFamilyForCausalLM(nn.Module):
             self.chunk_head = True
             return "chunked"
         return ""
+
+    def _pack_bf16(self) -> str:
+        """The bf16 decoder linears (those only called, never read: _PACKED_LINEARS) and the
+        head in oneDNN's layout: "bf16 packed", or "" where none was float."""
+        packed = 0
+        for parent in self.model.layers.modules():
+            for name, child in parent.named_children():
+                if name in _PACKED_LINEARS and type(child) is nn.Linear:
+                    if packs(child.weight, native_bf16=True):
+                        setattr(parent, name, PackedLinear(child.weight, child.bias))
+                        packed += 1
+        head, embed = self.lm_head, self.model.embed_tokens
+        if head is None and type(embed) is VocabEmbedding:
+            head = embed  # tied: packed as a copy, the embedding keeps its rows
+        if type(head) in (nn.Linear, VocabEmbedding) and packs(head.weight, native_bf16=True):
+            self.lm_head = PackedLinear(head.weight, getattr(head, "bias", None))
+            packed += 1
+        return "bf16 packed" if packed else ""
 
     @torch.no_grad()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

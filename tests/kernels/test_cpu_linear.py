@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pdserve.common.engine.llm import LLM
+from pdserve.common.model import llama
 from pdserve.common.model.weights import load_model
 from pdserve.kernels.cpu_linear import (
     CPU_LINEAR_ENV,
@@ -20,6 +21,8 @@ from pdserve.kernels.cpu_linear import (
     cpu_linear_enabled,
     packed_numel,
 )
+from tests.common.test_model import BLOCK_SIZE, NUM_BLOCKS, PagedSequence
+from tests.common.test_model import _step as step
 
 # Decode batches 1..64 and prefill chunks: the rows the head and the decoder see.
 ROWS = (0, 1, 2, 3, 4, 16, 64, 256, 512)
@@ -51,8 +54,32 @@ def test_packed_linear_keeps_leading_dims_and_refuses_other_dtypes(weight: torch
     close(layer(x), F.linear(x, weight))
     with pytest.raises(ValueError, match="float32 input"):
         layer(x.bfloat16())
-    with pytest.raises(ValueError, match="float32 CPU weight"):
-        PackedLinear(weight.bfloat16())
+    with pytest.raises(ValueError, match="float32 or bf16 CPU weight"):
+        PackedLinear(weight.half())
+
+
+needs_bf16 = pytest.mark.skipif(
+    not torch.ops.mkldnn._is_mkldnn_bf16_supported(), reason="oneDNN has no bf16 here"
+)
+
+
+def close_bf16(got: torch.Tensor, want: torch.Tensor) -> None:
+    """Equal up to bf16 rounding of the output (both sides sum bf16 products in float32)."""
+    assert got.dtype == torch.bfloat16
+    torch.testing.assert_close(got.float(), want, rtol=1.6e-2, atol=2e-2)
+
+
+@needs_bf16
+@pytest.mark.parametrize("rows", ROWS)
+@pytest.mark.parametrize("bias", [False, True])
+def test_bf16_packed_linear_equals_f_linear(weight: torch.Tensor, rows: int, bias: bool) -> None:
+    w = weight.bfloat16()
+    b = torch.randn(VOCAB).bfloat16() if bias else None
+    x = torch.randn(rows, weight.shape[1]).bfloat16()
+    want = F.linear(x.float(), w.float(), None if b is None else b.float())
+    close_bf16(PackedLinear(w, b)(x), want)
+    with pytest.raises(ValueError, match="bfloat16 input"):
+        PackedLinear(w)(x.float())
 
 
 @pytest.mark.parametrize("rows", ROWS)
@@ -94,15 +121,46 @@ def test_a_model_takes_its_head_kernel(tiny_model_dir, tied: bool) -> None:
     assert "model.embed_tokens.weight" in names, "the embedding keeps its rows"
 
 
-def test_off_and_bf16_leave_the_head_as_it_was(tiny_model_dir, monkeypatch) -> None:
+def test_off_and_emulated_bf16_leave_the_head_as_it_was(tiny_model_dir, monkeypatch) -> None:
     model_dir = tiny_model_dir("llama", vocab=VOCAB, tie_word_embeddings=False)
     monkeypatch.setenv(CPU_LINEAR_ENV, "off")
     model, _ = load_model(model_dir, torch.float32, "cpu")
     assert model.use_cpu_head() == ""
     assert type(model.lm_head) is nn.Linear
     monkeypatch.delenv(CPU_LINEAR_ENV)
+    monkeypatch.setattr(llama, "cpu_bf16_flag", lambda: None)  # an AVX2 CPU
     model, _ = load_model(model_dir, torch.bfloat16, "cpu")
     assert model.use_cpu_head() == "" and type(model.lm_head) is nn.Linear
+    assert type(model.model.layers[0].mlp.down_proj) is nn.Linear
+
+
+def step_logits(model: nn.Module, config) -> torch.Tensor:
+    """Logits of a 9-token prefill, then of 4 decode steps, on a fresh bf16 paged cache."""
+    shape = (2, NUM_BLOCKS, BLOCK_SIZE, config.num_kv_heads, config.head_dim)
+    caches = [torch.zeros(shape, dtype=torch.bfloat16) for _ in range(config.num_layers)]
+    seq = PagedSequence(config, 13, seed=1, caches=caches)
+    rows = [step(model, [seq], [(0, 9)])] + [step(model, [seq], [(t, t + 1)]) for t in range(9, 13)]
+    return torch.cat(rows)
+
+
+@needs_bf16
+@pytest.mark.parametrize("tied", [False, True])
+def test_a_bf16_model_on_native_bf16_packs_its_linears(tiny_model_dir, monkeypatch, tied) -> None:
+    monkeypatch.setattr(llama, "cpu_bf16_flag", lambda: "amx_bf16")  # what AMX reports
+    model_dir = tiny_model_dir("llama", vocab=VOCAB, tie_word_embeddings=tied)
+    model, config = load_model(model_dir, torch.bfloat16, "cpu")
+    want = step_logits(model, config)
+    assert model.use_cpu_head() == "bf16 packed"
+    kinds = {type(m) for layer in model.model.layers for m in (*layer.self_attn.children(),)}
+    kinds |= {type(m) for layer in model.model.layers for m in layer.mlp.children()}
+    assert nn.Linear not in kinds and PackedLinear in kinds
+    assert isinstance(model.lm_head, PackedLinear)
+    names = {name for name, _ in model.named_parameters()}
+    assert "model.embed_tokens.weight" in names, "the embedding keeps its rows"
+    got = step_logits(model, config)
+    # bf16 products summed in another order, over a few layers: a few bf16 ulps of the logits
+    torch.testing.assert_close(got, want, rtol=0.05, atol=0.05 * want.abs().max().item())
+    assert torch.equal(got.argmax(-1), want.argmax(-1))
 
 
 def test_an_eager_cpu_engine_packs_its_head(tiny_model_dir) -> None:
