@@ -221,7 +221,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
-    return rp.bench_main(argv, parse_args, SECTION, measure, write)
+    return rp.bench_main(argv, parse_args, "kv_tiers", measure, write)  # scripts/bench_kv_tiers.py
 
 
 if __name__ == "__main__":
