@@ -8,10 +8,10 @@ sockets on loopback, its own log, signals and exit status; the TP ranks a node s
 own children as before. `tests/conftest.py` starts the launcher once per session (per xdist
 worker) when the collected tests import `LocalCluster`, and names it in `PDSERVE_TEST_ZYGOTE`
 as "OWNER_PID:SOCKET"; only that process uses it (a `pdserve serve` a test starts does not).
-A tensor-parallel leader under it (the test process, or a node the launcher forked) asks it
-for its worker ranks too (`fork_rank`, through `PDSERVE_TEST_RANKS`): a rank forked from the
-launcher joins its leader's process group and is refused, so started fresh, to a leader in
-another session or namespace (tests/multihost's hosts) or serving over nixl.
+The test process's own tensor-parallel engines ask it for their worker ranks too
+(`fork_rank`): a rank forked from the launcher joins its leader's process group; a node's
+ranks stay its own children (tests look for them among its children), and a leader in another
+session or namespace, or serving over nixl, gets fresh interpreters.
 
 A child is forked only when its environment equals the launcher's but for `SAME_ENV_EXCEPT`:
 modules it has already imported read some variables at import time (a test that sets
@@ -37,7 +37,7 @@ import traceback
 from pathlib import Path
 
 ENV = "PDSERVE_TEST_ZYGOTE"
-RANKS_ENV = "PDSERVE_TEST_RANKS"  # the launcher's socket, for any TP leader under the session
+RANKS_ENV = "PDSERVE_TEST_RANKS"  # the launcher's socket, for the test process's TP ranks
 # What every role imports before it serves (each role's own imports come after these).
 PRELOAD = (
     "torch",
@@ -120,10 +120,12 @@ def fork(
 
 
 def fork_rank(args: list[str], env: dict[str, str]) -> ForkedChild | None:
-    """A tensor-parallel worker rank (`pdserve tp-worker ARGS`) of this process, forked by the
-    session's launcher into this process's group with its output; None where it must start
-    fresh (no launcher, another environment, session or namespace)."""
+    """A tensor-parallel worker rank (`pdserve tp-worker ARGS`) of the test process, forked by
+    the session's launcher into this process's group with its output; None where it must start
+    fresh (not the test process, no launcher, another environment, session or namespace)."""
     path = os.environ.get(RANKS_ENV, "")
+    if os.environ.get(ENV, "").partition(":")[0] != str(os.getpid()):
+        return None  # a node's ranks stay its children: tests find them there (/proc's ppid)
     if not path or not os.path.exists(path):
         return None
     here = {"pgid": os.getpgrp(), "sid": os.getsid(0), "ns": namespaces()}

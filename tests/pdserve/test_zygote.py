@@ -116,7 +116,7 @@ def test_a_rank_of_another_session_or_namespace_starts_fresh(launcher: Path) -> 
 
 
 def test_what_the_launchers_imports_set_may_be_in_a_childs_environment(tmp_path: Path) -> None:
-    """A forked node's environment holds what the launcher's imports set: its ranks fork too."""
+    """A process forked from the launcher holds what its imports set: that is no difference."""
     launcher = zygote.Launcher(tmp_path)
     launcher.base_env, launcher.imports_set = {"A": "1"}, {"B": "2"}
     assert launcher.env_differs({"A": "1"}) == []
