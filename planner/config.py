@@ -28,7 +28,7 @@ class PlannerConfig:
     itl_slo: float = option(0.05, SLO, "p90 inter-token latency the planner aims at (s)")
     interval: float = option(10.0, SIZING, "seconds between two decisions")
     window: float = option(60.0, SIZING, "a pool shrinks only if every need in this many s allows")
-    smoothing: float = option(30.0, SIZING, "arrivals are averaged over about this many s")
+    smoothing: float = option(10.0, SIZING, "arrivals are averaged over about this many s")
     queue_share: float = option(0.5, SIZING, "share of the TTFT SLO the queue may wait")
     util_high: float = option(0.8, SIZING, "grow a pool when its need passes this share")
     util_low: float = option(0.65, SIZING, "shrink only to survivors under this share")

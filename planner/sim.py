@@ -105,6 +105,7 @@ class Sim:
         self.requests = [Request(r.at, r.input_len, r.output_len) for r in trace]
         self.now, self.queue, self.nodes = 0.0, deque[Request](), list[Node]()
         self.window, self.decisions = Window(), list[Decision]()
+        self._seen_context = 0.0
         self._events: list[tuple[float, int, Callable[..., None], tuple]] = []
         self._seq, self._ids, self._done = itertools.count(), itertools.count(), 0
         for role, n in ((PREFILL, nodes[0]), (DECODE, nodes[1])):
@@ -231,8 +232,10 @@ class Sim:
             else 0.0
         )
         figures = self.window.close(interval)
-        context = figures.mean_prompt + figures.mean_output / 2
-        rate = self.model.decode_rate(context, self.slos[1]) if figures.arrival_rate else None
+        if figures.arrival_rate:  # the decode rate at the sequences last seen arriving
+            self._seen_context = figures.mean_prompt + figures.mean_output / 2
+        seen = self._seen_context
+        rate = self.model.decode_rate(seen, self.slos[1]) if seen else None
         views = tuple(n.view() for n in self._present())
         return Snapshot(
             self.now,
