@@ -158,6 +158,8 @@ LLM_VALUES = {
     "workers": "external",
     "host": "127.0.0.2",
     "port": 5,
+    "otlp_traces_endpoint": "http://127.0.0.1:4318",
+    "trace_service": "prefill",
 }
 
 
