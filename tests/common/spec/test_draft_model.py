@@ -68,7 +68,10 @@ def draft(model: str, k: int) -> dict[str, object]:
 
 
 def generate(target: str, prompts, params, **options) -> tuple[LLM, list[list[int]]]:
-    """Token ids with these options, after checking that every block went back to the pool."""
+    """Token ids with these options, after checking that every block went back to the pool.
+    float32 unless asked: the oracles (HF float32, the target alone) compare token for token,
+    and `auto` is bf16 on a CPU with native bf16."""
+    options.setdefault("dtype", "float32")
     llm = LLM(target, skip_tokenizer_init=True, block_size=4, **options)
     outs = [o.token_ids for o in llm.generate(prompts, params)]
     llm.engine.check_integrity()
@@ -166,7 +169,13 @@ def test_acceptance_depends_on_the_draft_pages(models) -> None:
     spec = draft(models["target"], 3)
 
     def run(drop_draft_pages: bool) -> tuple[list[int], int]:
-        llm = LLM(models["target"], skip_tokenizer_init=True, block_size=4, speculative_config=spec)
+        llm = LLM(
+            models["target"],
+            skip_tokenizer_init=True,
+            block_size=4,
+            dtype="float32",
+            speculative_config=spec,
+        )
         request = llm.engine.add_request("r", PROMPTS[0], GREEDY)
         llm.engine.step()  # the whole prompt and its first token, no drafts yet
         assert request.num_output_tokens == 1
@@ -192,6 +201,7 @@ def test_preempted_requests_recompute_the_draft_pages(models, baseline) -> None:
         models["target"],
         skip_tokenizer_init=True,
         block_size=4,
+        dtype="float32",
         num_blocks=40,
         speculative_config=draft(models["target"], 3),
     )
