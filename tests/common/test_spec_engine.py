@@ -45,12 +45,14 @@ def model(model_dirs) -> str:  # noqa: F811 - the fixture imported above
 
 @pytest.fixture(scope="module")
 def baseline(model: str) -> list:
-    with LLM(model, skip_tokenizer_init=True, block_size=4) as llm:
+    # float32: the oracle is HF float32 (test_baseline_is_hf); `auto` is bf16 with native bf16
+    with LLM(model, skip_tokenizer_init=True, block_size=4, dtype="float32") as llm:
         return llm.generate(PROMPTS, GREEDY)
 
 
 def generate(model: str, params: SamplingParams, prompts=PROMPTS, **options) -> tuple[LLM, list]:
     """Outputs with speculation, after checking that every block went back to the pool."""
+    options.setdefault("dtype", "float32")  # as the baseline
     llm = LLM(model, skip_tokenizer_init=True, block_size=4, **options)
     outs = llm.generate(prompts, params)
     llm.engine.check_integrity()

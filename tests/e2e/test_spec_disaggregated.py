@@ -36,7 +36,7 @@ def _metric(port: int, name: str) -> float:
 def test_decode_node_drafts_and_equals_colocated(tmp_path) -> None:
     model = str(make_tiny_model("llama", tmp_path / "m", max_position=2048))
     params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
-    with LLM(model, block_size=16, skip_tokenizer_init=True) as llm:
+    with LLM(model, block_size=16, skip_tokenizer_init=True, dtype="float32") as llm:
         reference = [o.token_ids for o in llm.generate(PROMPTS, params)]
     health = free_port()
     decode = ["--speculative-config", SPEC, "--health-port", str(health)]
@@ -67,6 +67,7 @@ def _colocated_counts(model: str, spec: str) -> tuple[list[list[int]], list[floa
     params = SamplingParams(max_tokens=DRAFT_TOKENS, temperature=0.0, ignore_eos=True)
     tokens, drafts, accepted = [], [], []
     options = {"block_size": 16, "max_num_batched_tokens": 96, "speculative_config": spec}
+    options["dtype"] = "float32"  # as ENGINE's nodes: `auto` is bf16 on a CPU with native bf16
     with LLM(model, skip_tokenizer_init=True, **options) as llm:
         stats = llm.engine.scheduler.drafter.stats
         for prompt in DRAFT_PROMPTS:
@@ -88,7 +89,7 @@ def test_draft_model_kv_through_1p1d_keeps_colocated_acceptance(tmp_path, connec
     # prompt's KV (a random smaller draft would accept next to none on a random target).
     spec = json.dumps({"method": "draft_model", "model": str(model), "num_speculative_tokens": 3})
     params = SamplingParams(max_tokens=DRAFT_TOKENS, temperature=0.0, ignore_eos=True)
-    with LLM(str(model), block_size=16, skip_tokenizer_init=True) as llm:
+    with LLM(str(model), block_size=16, skip_tokenizer_init=True, dtype="float32") as llm:
         plain = [o.token_ids for o in llm.generate(DRAFT_PROMPTS, params)]
     tokens, drafts, accepted = _colocated_counts(str(model), spec)
     assert tokens == plain
