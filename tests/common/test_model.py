@@ -308,9 +308,9 @@ def test_dummy_load_format_needs_only_config_json(
     state = lambda llm: llm.engine.runner.model.state_dict()  # noqa: E731
     a, b, c = state(first), state(second), state(other)
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
-    assert not torch.equal(
-        a["model.layers.0.mlp.up_proj.weight"], c["model.layers.0.mlp.up_proj.weight"]
-    )
+    # the embedding: an eager bf16 engine on AMX holds its linears packed, outside state_dict
+    key = "model.embed_tokens.weight"
+    assert not torch.equal(a[key], c[key])
     assert torch.equal(a["model.norm.weight"], torch.ones_like(a["model.norm.weight"]))
     (out,) = first.generate([[1, 2, 3]], SamplingParams(max_tokens=4, temperature=0.0))
     assert len(out.token_ids) == 4
