@@ -27,14 +27,15 @@ from pdserve.common.wire.payloads import (
     TokenLogprobs,
 )
 
-PROTOCOL_VERSION = 10  # 2: typed failure kinds, incarnations, Reregister; 3: Registered,
+PROTOCOL_VERSION = 11  # 2: typed failure kinds, incarnations, Reregister; 3: Registered,
 # host ids; 4: the decode side's cached tokens in Reserved/Prefill, measured rates; 5: typed
 # sampling parameters and logprobs (maps checked field by field), KVDone's typed first token;
 # 6: KV layouts typed (RegisterNode, KVHello), the KV data plane decoded on its own;
 # 7: tensor parallelism: a node's TP size and every rank's KV endpoint, the sending group's TP
 # in ReserveKV and RenewTransfer; 8: nixl carries head slices (kvx.expect's heads, the welcome's
 # agent name); 9: tracing: the W3C traceparent in ReserveKV and Prefill, the stage times in
-# Tokens; 10: heartbeats carry speculative-decoding counters (spec_decode)
+# Tokens; 10: heartbeats carry speculative-decoding counters (spec_decode); 11: the error kind
+# tp_broken (a node whose TP group broke fences the requests it held)
 MAX_MESSAGE_BYTES = 32 * 1024 * 1024  # a 1M-token prompt of int64 ids fits with room to spare
 
 
