@@ -188,8 +188,9 @@ class BackgroundCompile:
 def _lowest_priority() -> None:
     """Nice 19 (inherited by the compiler's processes): next to a busy node at nice 0 the
     child gets about 1/70 of a core. Not SCHED_IDLE: on a machine kept busy by other nice-19
-    work (a test suite beside a benchmark) an idle-class compile never ran at all."""
-    os.nice(19)
+    work (a test suite beside a benchmark) an idle-class compile never ran at all. Set, not
+    added: os.nice(19) under a node at nice -10 left the child at nice 9."""
+    os.setpriority(os.PRIO_PROCESS, 0, 19)
     with contextlib.suppress(OSError):  # die with the parent (a node killed mid-compile)
         ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
 

@@ -186,3 +186,24 @@ def test_weights_on_the_avx2_gemv_stay_eager_and_start_no_child(tiny_model_dir) 
              skip_tokenizer_init=True) as llm:  # fmt: skip
         assert any(getattr(m, "gemv", False) for m in llm.engine.runner.model.modules())
         assert llm.engine.runner.compiled is None
+
+
+def test_the_compile_child_runs_at_nice_19_whatever_its_parent_runs_at() -> None:
+    """A node started at nice -10 (a benchmark's) must not hand its compile child nice 9."""
+    import subprocess
+
+    code = (
+        "import os; from pdserve.common.engine.background_compile import _lowest_priority; "
+        "_lowest_priority(); print(os.getpriority(os.PRIO_PROCESS, 0))"
+    )
+    try:
+        out = subprocess.run(
+            [sys.executable, "-c", code],
+            preexec_fn=lambda: os.setpriority(os.PRIO_PROCESS, 0, -10),
+            capture_output=True, text=True, timeout=120, check=True,
+        )
+    except subprocess.SubprocessError as e:
+        if "Permission" in str(getattr(e, "stderr", "")) or os.geteuid() != 0:
+            pytest.skip("raising a process's priority needs root")
+        raise
+    assert out.stdout.strip() == "19"
