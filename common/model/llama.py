@@ -413,7 +413,8 @@ class LlamaFamilyForCausalLM(nn.Module):
         head, embed = self.lm_head, self.model.embed_tokens
         if not cpu_linear_enabled():
             return ""
-        if embed.weight.dtype == torch.bfloat16 and cpu_bf16_flag() is not None:
+        # the final norm's dtype is the model's (a GGUF's embedding may be quantized: no weight)
+        if self.model.norm.weight.dtype == torch.bfloat16 and cpu_bf16_flag() is not None:
             return self._pack_bf16()
         if type(head) is nn.Linear and packs(head.weight):
             self.lm_head = PackedLinear(head.weight, head.bias)

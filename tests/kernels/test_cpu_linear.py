@@ -19,6 +19,7 @@ from pdserve.kernels.cpu_linear import (
     PackedLinear,
     chunked_linear,
     cpu_linear_enabled,
+    packs,
     packed_numel,
 )
 from tests.common.test_model import BLOCK_SIZE, NUM_BLOCKS, PagedSequence
@@ -161,6 +162,21 @@ def test_a_bf16_model_on_native_bf16_packs_its_linears(tiny_model_dir, monkeypat
     # bf16 products summed in another order, over a few layers: a few bf16 ulps of the logits
     torch.testing.assert_close(got, want, rtol=0.05, atol=0.05 * want.abs().max().item())
     assert torch.equal(got.argmax(-1), want.argmax(-1))
+
+
+def test_a_bf16_model_with_a_quantized_embedding_packs_its_decoder(tiny_model_dir, monkeypatch) -> None:
+    """A GGUF's bf16 model under `auto` holds its embedding quantized (no `.weight`): the
+    packing decision reads the model's dtype elsewhere (it raised AttributeError at load)."""
+    from pdserve.common.model.quant import QuantizedEmbedding, quantize_int8
+
+    monkeypatch.setattr(llama, "cpu_bf16_flag", lambda: "amx_bf16")
+    model, _ = load_model(tiny_model_dir("llama", vocab=VOCAB), torch.bfloat16, "cpu")
+    weight = model.model.embed_tokens.weight.detach().float()
+    model.model.embed_tokens = QuantizedEmbedding(quantize_int8(weight), torch.bfloat16)
+    model.lm_head = None  # tied: the quantized embedding is the head
+    native = packs(torch.zeros(64, 64, dtype=torch.bfloat16), native_bf16=True)
+    assert model.use_cpu_head() == ("bf16 packed" if native else "")
+    assert isinstance(model.model.embed_tokens, QuantizedEmbedding) and model.lm_head is None
 
 
 def test_an_eager_cpu_engine_packs_its_head(tiny_model_dir) -> None:
