@@ -283,20 +283,32 @@ def test_the_batch_size_rule_picks_the_path(mode: str, monkeypatch: pytest.Monke
     dense_rows: list[int] = []
     real = layer._dense
     monkeypatch.setattr(layer, "_dense", lambda x: dense_rows.append(len(x)) or real(x))
-    # int4 in the AVX2 kernel's layout: the kernel up to its rows, dequantized past them.
-    start = cpu_quant.MAX_ROWS + 1 if layer.mins is not None else threshold
+    # int4 in the AVX2 kernel's layout: the kernel up to GEMV_ROWS (MAX_ROWS a call),
+    # dequantized past them.
+    start = quant.GEMV_ROWS + 1 if layer.mins is not None else threshold
     for rows in (1, start - 1, start, start + 5):
         layer(torch.randn(rows, 256).bfloat16())
     assert dense_rows == [start, start + 5]
     dense_rows.clear()
     floor = quant.DENSE_ROWS_FLOAT32[8 if mode == "int8" else 4]  # float32: torch's are slow
     if layer.gemv:  # the AVX2 kernel serves float32 rows up to its limit
-        floor = cpu_quant.MAX_ROWS + 1
+        floor = (quant.GEMV_ROWS if layer.mins is not None else cpu_quant.MAX_ROWS) + 1
     for rows in (1, floor, threshold - 1):
         layer(torch.randn(rows, 256))
     assert dense_rows == [rows for rows in (1, floor, threshold - 1) if rows >= floor]
     assert QuantizedLinear(quantize_int8(w), dense=False).dense_rows is None
     assert QuantizedLinear(quantize_int8(w), dense_rows=7).dense_rows == 7
+
+
+def test_rows_past_one_kernel_call_are_sliced_and_equal_the_dense_path() -> None:
+    w = torch.from_numpy(_weights(64, 256))
+    layer = QuantizedLinear(quantize_int4(w))
+    if layer.mins is None:
+        pytest.skip("no AVX2 kernel here: int4 stays in torch's packing")
+    for rows in (cpu_quant.MAX_ROWS + 1, 2 * cpu_quant.MAX_ROWS + 3, quant.GEMV_ROWS):
+        x = torch.randn(rows, 256)
+        assert not layer._takes_dense(x)
+        torch.testing.assert_close(layer(x), layer._dense(x), rtol=1e-4, atol=1e-4)
 
 
 def test_stacked_rows_are_the_weights_one_after_another() -> None:
