@@ -11,14 +11,16 @@ back in the response (`return_metrics`) and are counted on /metrics.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gzip
 import json
 import re
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 
 import httpx
 import pytest
@@ -137,21 +139,36 @@ def receiver() -> Iterator[Receiver]:
     r.close()
 
 
-@pytest.fixture(scope="module")
-def cluster(tmp_path_factory, receiver) -> Iterator[LocalCluster]:
-    model = make_tiny_model("llama", tmp_path_factory.mktemp("tracing") / "m", max_position=2048)
+@contextlib.contextmanager
+def traced_cluster(
+    folder: Path, receiver: Receiver, decode: int = 1, engine: Sequence[str] = (), **env: str | None
+) -> Iterator[LocalCluster]:
+    """1P and `decode` D nodes of the tiny model and a router, every process exporting its
+    spans to `receiver` within 0.1 s (not 5), prefill always remote; `env` set (None: unset)."""
+    model = make_tiny_model("llama", folder / "m", max_position=2048)
     tracing = ["--otlp-traces-endpoint", receiver.url]
     with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("OTEL_BSP_SCHEDULE_DELAY", "100")  # export within 0.1 s, not 5
+        mp.setenv("OTEL_BSP_SCHEDULE_DELAY", "100")
+        for name, value in env.items():
+            if value is None:
+                mp.delenv(name, raising=False)
+            else:
+                mp.setenv(name, value)
         c = LocalCluster(
             str(model),
             1,
-            1,
-            engine_args=ENGINE + tracing,
+            decode,
+            engine_args=[*ENGINE, *engine, *tracing],
             router_args=[*tracing, "--prefill-placement", "remote"],
         )
         with c:
             yield c
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory, receiver) -> Iterator[LocalCluster]:
+    with traced_cluster(tmp_path_factory.mktemp("tracing"), receiver) as c:
+        yield c
 
 
 @pytest.fixture(scope="module")

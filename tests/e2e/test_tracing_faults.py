@@ -14,8 +14,7 @@ import httpx
 import pytest
 
 from pdserve.local_cluster import LocalCluster
-from pdserve.tiny_model import make_tiny_model
-from tests.e2e.test_tracing import ENGINE, Receiver, Span, by_name
+from tests.e2e.test_tracing import Receiver, Span, by_name, traced_cluster
 
 TRACE = "5c0ffee5c0ffee5c0ffee5c0ffee5c0f"
 MAX_TOKENS = 900  # long enough that the kill lands while the decode node still generates
@@ -30,19 +29,8 @@ def receiver() -> Iterator[Receiver]:
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory, receiver) -> Iterator[LocalCluster]:
-    model = make_tiny_model("llama", tmp_path_factory.mktemp("failover") / "m", max_position=2048)
-    tracing = ["--otlp-traces-endpoint", receiver.url]
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("OTEL_BSP_SCHEDULE_DELAY", "100")  # export within 0.1 s, not 5
-        c = LocalCluster(
-            str(model),
-            1,
-            2,
-            engine_args=[*ENGINE, *tracing],
-            router_args=[*tracing, "--prefill-placement", "remote"],
-        )
-        with c:
-            yield c
+    with traced_cluster(tmp_path_factory.mktemp("failover"), receiver, decode=2) as c:
+        yield c
 
 
 def decoding_on(cluster: LocalCluster) -> str | None:

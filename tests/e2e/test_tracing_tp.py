@@ -20,8 +20,7 @@ import pytest
 
 from pdserve.local_cluster import LocalCluster
 from pdserve.testbed import zygote
-from pdserve.tiny_model import make_tiny_model
-from tests.e2e.test_tracing import ENGINE, Receiver, Span, by_name, complete
+from tests.e2e.test_tracing import Receiver, Span, by_name, complete, traced_cluster
 
 TRACE = "7a7a7a7a7a7a7a7a7a7a7a7a7a7a7a7a"
 TP2 = ["--tensor-parallel-size", "2", "--threads-per-rank", "1"]
@@ -36,22 +35,11 @@ def receiver() -> Iterator[Receiver]:
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory, receiver) -> Iterator[LocalCluster]:
-    model = make_tiny_model("llama", tmp_path_factory.mktemp("tp") / "m", max_position=2048)
-    tracing = ["--otlp-traces-endpoint", receiver.url]
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("OTEL_BSP_SCHEDULE_DELAY", "100")  # export within 0.1 s, not 5 (every rank)
-        # Worker ranks as their node's own children (not forked by the suite's launcher): the
-        # last test finds the decode node's worker among them to kill it.
-        mp.delenv(zygote.RANKS_ENV, raising=False)
-        c = LocalCluster(
-            str(model),
-            1,
-            1,
-            engine_args=[*ENGINE, *TP2, *tracing],
-            router_args=[*tracing, "--prefill-placement", "remote"],
-        )
-        with c:
-            yield c
+    # Worker ranks as their node's own children (not forked by the suite's launcher): the
+    # last test finds the decode node's worker among them to kill it.
+    unforked = {zygote.RANKS_ENV: None}
+    with traced_cluster(tmp_path_factory.mktemp("tp"), receiver, engine=TP2, **unforked) as c:
+        yield c
 
 
 def wait_for_ranks(receiver: Receiver, expected: int, timeout: float = 60.0) -> list[Span]:
