@@ -10,7 +10,7 @@ import random
 import shutil
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -24,7 +24,7 @@ from pdserve.common.node.metrics import NodeMetrics
 from pdserve.common.node.tier_metrics import tier_report
 from pdserve.kv_store import FileTier, KeySpace, codec
 from pdserve.tiny_model import make_tiny_model
-from tests.kv_store.helpers import RedisServer
+from tests.kv_store.helpers import redis_server  # noqa: F401  (the fixture)
 
 VOCAB = 512
 BLOCK = 4
@@ -248,17 +248,7 @@ def _block_bytes(store: Path) -> int:
     return max(p.stat().st_size for p in store.rglob("*.kv"))
 
 
-@pytest.fixture
-def redis_server(tmp_path: Path) -> Iterator[RedisServer]:
-    server = RedisServer(tmp_path)
-    server.start()
-    try:
-        yield server
-    finally:
-        server.kill()
-
-
-def test_redis_store_with_host_tier_then_alone(model_dir: str, baseline, redis_server) -> None:
+def test_redis_store_with_host_tier_then_alone(model_dir: str, baseline, redis_server) -> None:  # noqa: F811
     turns, first = run(model_dir, kv_offload_bytes=64 << 20, kv_store=redis_server.url)
     assert turns == baseline[0]
     assert tier(first, "host").hits > 0 and tier(first, "redis").puts > 0
@@ -276,7 +266,7 @@ def test_redis_store_with_host_tier_then_alone(model_dir: str, baseline, redis_s
     assert metrics[("pdserve:kv_tier_load_bytes_per_second", "redis")] > 0
 
 
-def test_redis_killed_and_restarted_under_load(model_dir: str, baseline, redis_server) -> None:
+def test_redis_killed_and_restarted_under_load(model_dir: str, baseline, redis_server) -> None:  # noqa: F811
     """kill -9 after the 6th request, a fresh (empty) server on the same port after the
     12th: every answer still equals HF's; the dead server's calls are counted errors and
     misses, and the engine stores into the new server."""

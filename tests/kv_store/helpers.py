@@ -5,7 +5,10 @@ from __future__ import annotations
 import random
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
 
 from pdserve.common.engine.kv_cache_manager import hash_token_blocks
 from pdserve.common.wire.payloads import KVLayout
@@ -38,3 +41,14 @@ def store_proc(*args: object) -> list[str]:
 
 
 RedisServer = LocalRedis  # a real redis-server on a loopback port, restartable on it
+
+
+@pytest.fixture
+def redis_server(tmp_path: Path) -> Iterator[RedisServer]:
+    """A real redis-server on a loopback port for one test (tests/kv_store's and the engine's)."""
+    server = RedisServer(tmp_path)
+    server.start()
+    try:
+        yield server
+    finally:
+        server.kill()
