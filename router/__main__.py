@@ -14,6 +14,7 @@ from pdserve.common.node.cli import add_model_arg, parser, resolve_model
 from pdserve.common.process import freeze_startup_heap
 from pdserve.router.app import create_app
 from pdserve.router.cluster import ClusterBackend
+from pdserve.router.cluster.registry import NODE_ROLES, NodeInfo
 from pdserve.router.config import RouterConfig, add_router_args, router_config
 
 
@@ -43,6 +44,14 @@ def max_model_len_of(model_dir: str, override: int | None) -> int:
     return min(limit, override) if override else limit
 
 
+def node_load(node: NodeInfo) -> dict:
+    fields = ("role", "draining", "num_blocks", "free_blocks", "queued_tokens", "num_waiting")
+    return {name: getattr(node, name) for name in fields} | {
+        "in_flight": node.inflight,
+        "prefill_rate": node.prefill_rate,
+    }
+
+
 async def serve(config: RouterConfig) -> None:
     tokenizer = Checkpoint.resolve(config.model).tokenizer()
     backend = ClusterBackend(config, max_model_len_of(config.model, config.max_model_len))
@@ -60,6 +69,11 @@ async def serve(config: RouterConfig) -> None:
     async def integrity() -> dict:
         """Block-pool integrity of every node: all blocks free or cached when idle."""
         return await backend.integrity()
+
+    @app.get("/internal/load")
+    async def load() -> dict:
+        """Every live node's load as its last heartbeat told it (what `pdserve.planner` reads)."""
+        return {n.node_id: node_load(n) for n in backend.registry.alive(NODE_ROLES)}
 
     http = uvicorn.Config(app, host=config.host, port=config.port, log_level="warning")
     freeze_startup_heap()
