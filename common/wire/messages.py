@@ -24,10 +24,11 @@ from pdserve.common.wire.payloads import (
     SamplingParams,
     SpecDecodeCounts,
     StageTimes,
+    TierCounts,
     TokenLogprobs,
 )
 
-PROTOCOL_VERSION = 11  # 2: typed failure kinds, incarnations, Reregister; 3: Registered,
+PROTOCOL_VERSION = 12  # 2: typed failure kinds, incarnations, Reregister; 3: Registered,
 # host ids; 4: the decode side's cached tokens in Reserved/Prefill, measured rates; 5: typed
 # sampling parameters and logprobs (maps checked field by field), KVDone's typed first token;
 # 6: KV layouts typed (RegisterNode, KVHello), the KV data plane decoded on its own;
@@ -35,7 +36,8 @@ PROTOCOL_VERSION = 11  # 2: typed failure kinds, incarnations, Reregister; 3: Re
 # in ReserveKV and RenewTransfer; 8: nixl carries head slices (kvx.expect's heads, the welcome's
 # agent name); 9: tracing: the W3C traceparent in ReserveKV and Prefill, the stage times in
 # Tokens; 10: heartbeats carry speculative-decoding counters (spec_decode); 11: the error kind
-# tp_broken (a node whose TP group broke fences the requests it held)
+# tp_broken (a node whose TP group broke fences the requests it held); 12: KV tiers: the host
+# tier's blocks and the shared-store writes in heartbeats, per-tier counters, the store's id
 MAX_MESSAGE_BYTES = 32 * 1024 * 1024  # a 1M-token prompt of int64 ids fits with room to spare
 
 
@@ -296,6 +298,9 @@ class RegisterNode(Message):
     # router names what differs when a prefill node cannot send KV to a decode node.
     kv_layout: KVLayout | None = None
     tp_size: int = 1  # the node's tensor-parallel ranks (processes)
+    # The shared KV store it reads and writes (its URL and key space; "" for none): the router
+    # credits a block one node wrote there to every node of the same store.
+    kv_store: str = ""
 
     def __post_init__(self) -> None:
         _positive_tp(self.tp_size)
@@ -340,9 +345,18 @@ class Heartbeat(Message):
     prefix_reset: bool = False
     prefix_stored: tuple[bytes, ...] = ()
     prefix_removed: tuple[bytes, ...] = ()
+    # The same for its host KV tier (under the same number; a reset lists it whole), and the
+    # blocks it wrote to its shared store since (nodes of that store may load them).
+    host_stored: tuple[bytes, ...] = ()
+    host_removed: tuple[bytes, ...] = ()
+    shared_stored: tuple[bytes, ...] = ()
     draining: bool = False  # shutting down: finishing what it holds, taking nothing new
     prefill_rate: float = 0.0  # prompt tokens/s of its recent prefill steps (0: none yet)
     spec_decode: SpecDecodeCounts | None = None  # None: the node does not speculate
+    # Its KV tiers' counters since it started (none: no tiers), and the prompt tokens it
+    # loaded from them instead of recomputing; the router sums both over live nodes.
+    kv_tiers: tuple[TierCounts, ...] = ()
+    kv_tier_loaded_tokens: int = 0
 
 
 @message

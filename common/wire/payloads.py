@@ -194,6 +194,22 @@ class SpecDecodeCounts:
 
 
 @dataclass(frozen=True, slots=True)
+class TierCounts:
+    """One KV tier's counters on one node since it started (`kv_store.TierStats` and the
+    cost model's choices), as its heartbeats carry them for the router to sum over nodes."""
+
+    tier: str  # its kind: host, file, redis
+    hits: int = 0
+    misses: int = 0
+    loaded_bytes: int = 0
+    stored_bytes: int = 0
+    load_seconds: float = 0.0
+    errors: int = 0
+    bad_objects: int = 0
+    recompute_chosen: int = 0  # blocks recomputed because loading was judged slower
+
+
+@dataclass(frozen=True, slots=True)
 class StageTimes:
     """Seconds one request spent in each stage on one node, each the difference of two readings
     of that node's own monotonic clock (clocks of two processes are never compared; the router
