@@ -63,8 +63,12 @@ class SenderProcess:
     """A child process running tests/kv_transfer/sender_proc.py, driven by JSON lines.
 
     While a command runs, `call` keeps polling the given pump: the receivers live in the test
-    process and only make progress (handshakes included) when polled.
+    process and only make progress (handshakes included) when polled. A command's wait starts
+    once the child has said it is ready: its imports (torch) took 28 to 42 s on a loaded machine,
+    more than a command's 20 s, and failed the first command of a module when counted in it.
     """
+
+    START_TIMEOUT = 300.0
 
     def __init__(self) -> None:
         env = {**os.environ, "PYTHONPATH": str(REPO)}
@@ -79,6 +83,12 @@ class SenderProcess:
         self._replies: queue.Queue[dict[str, Any]] = queue.Queue()
         self._reader = threading.Thread(target=self._read, daemon=True)
         self._reader.start()
+        try:
+            ready = self._await(None, self.START_TIMEOUT, "its ready line")
+            assert ready == {"ok": True, "ready": True}, ready
+        except BaseException:
+            self.close()
+            raise
 
     def _read(self) -> None:
         assert self.proc.stdout is not None
@@ -89,6 +99,9 @@ class SenderProcess:
         assert self.proc.stdin is not None
         self.proc.stdin.write(json.dumps(cmd) + "\n")
         self.proc.stdin.flush()
+        return self._await(pump, timeout, cmd["op"])
+
+    def _await(self, pump: Pump | None, timeout: float, what: str) -> dict[str, Any]:
         deadline = time.monotonic() + timeout
         while True:
             try:
@@ -96,7 +109,7 @@ class SenderProcess:
             except queue.Empty:
                 pass
             assert self.proc.poll() is None, f"sender process died ({self.proc.returncode})"
-            assert time.monotonic() < deadline, f"sender process did not answer {cmd['op']}"
+            assert time.monotonic() < deadline, f"sender process did not answer {what}"
             if pump is not None:
                 pump.once()
             else:

@@ -96,6 +96,7 @@ class Child:
 
 def main() -> None:
     child = Child()
+    print(json.dumps({"ok": True, "ready": True}), flush=True)  # imports done (SenderProcess)
     for line in sys.stdin:
         cmd = json.loads(line)
         op = cmd.pop("op")
