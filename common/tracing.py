@@ -2,7 +2,9 @@
 
 `--otlp-traces-endpoint URL` turns it on for one process: its spans go to that OTLP/HTTP
 collector (`.../v1/traces`), sampled at `--trace-sample-ratio` where a trace starts (the router;
-a node follows its parent's decision). The SDK is the `tracing` extra and is imported only
+a node follows its parent's decision). The router decides before it makes anything
+(`Tracer.sampled`): a request left out of the sample costs one random number, no span object
+and no attribute. The SDK is the `tracing` extra and is imported only
 then: with the flag absent a process imports nothing of it and makes no span object, and every
 caller holds `None` in place of a `Tracer`.
 
@@ -15,6 +17,7 @@ otherwise; no attribute carries prompt or output text.
 
 from __future__ import annotations
 
+import random
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -86,7 +89,7 @@ class Tracer:
             from opentelemetry.sdk.resources import Resource
             from opentelemetry.sdk.trace import TracerProvider
             from opentelemetry.sdk.trace.export import BatchSpanProcessor
-            from opentelemetry.sdk.trace.sampling import ParentBased, TraceIdRatioBased
+            from opentelemetry.sdk.trace.sampling import ALWAYS_ON, ParentBased
             from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
         except ImportError as exc:
             raise RuntimeError(
@@ -95,7 +98,11 @@ class Tracer:
             ) from None
         from opentelemetry import trace
 
-        sampler = ParentBased(TraceIdRatioBased(ratio))
+        # The ratio is applied by `sampled`, before any span exists; the SDK records what it is
+        # handed unless the parent's flags say the trace is left out.
+        sampler = ParentBased(ALWAYS_ON)
+        self._ratio = ratio
+        self._random = random.Random()
         resource = Resource.create({"service.name": f"pdserve-{service}"})
         self._provider = TracerProvider(sampler=sampler, resource=resource)
         self._provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter(endpoint=endpoint)))
@@ -105,6 +112,13 @@ class Tracer:
         # Spans carry epoch times; stages are taken on the monotonic clock (one process's
         # offset between the two, read once: a stage never spans two processes).
         self._offset_ns = time.time_ns() - time.monotonic_ns()
+
+    def sampled(self, parent: str | None) -> bool:
+        """Whether a trace that continues `parent` (a valid traceparent) or starts here (None)
+        is recorded: the parent's sampled flag, else a draw at the sample ratio."""
+        if parent is not None:
+            return bool(int(parent[-2:], 16) & 1)
+        return self._random.random() < self._ratio
 
     def _ns(self, monotonic_s: float) -> int:
         return int(monotonic_s * 1e9) + self._offset_ns

@@ -4,8 +4,9 @@ each routing decision, each decode reservation, each failover). The nodes' spans
 the same request span (its traceparent goes in Prefill and ReserveKV): the decode node's are
 siblings of the prefill node's, never its children.
 
-With tracing off, or the trace not sampled, a RequestTrace holds no span and every method
-returns at once; `on` tells a caller whether an attribute is worth computing.
+With tracing off, or the trace not sampled (decided before any span or attribute is made),
+a RequestTrace holds no span and every method returns at once; `on` tells a caller whether an
+attribute is worth computing.
 """
 
 from __future__ import annotations
@@ -26,9 +27,9 @@ class RequestTrace:
         self.request = request
         self.span: Any = None
         self.traceparent: str | None = None  # what the nodes are sent (None: nothing traced)
-        if tracer is None:
-            return
         timing, sampling = request.timing, request.sampling
+        if tracer is None or not tracer.sampled(timing.traceparent):
+            return  # left out: no span object, no attribute built
         attrs = {
             names.REQUEST_ID: request.request_id,
             names.RESPONSE_MODEL: model,
@@ -37,10 +38,8 @@ class RequestTrace:
             names.TEMPERATURE: sampling.temperature,
             names.TOP_P: sampling.top_p,
         }
-        span = tracer.start("llm_request", timing.traceparent, timing.arrival, attrs)
-        self.traceparent = tracer.traceparent(span)
-        if self.traceparent is not None:  # sampled: its children are recorded too
-            self.span = span
+        self.span = tracer.start("llm_request", timing.traceparent, timing.arrival, attrs)
+        self.traceparent = tracer.traceparent(self.span)
 
     @property
     def on(self) -> bool:

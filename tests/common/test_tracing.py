@@ -81,15 +81,30 @@ def test_an_incoming_traceparent_is_taken_only_when_well_formed(header, valid) -
 def test_a_request_span_continues_its_parent_and_follows_its_sampling() -> None:
     tracer = Tracer("router", NOWHERE, ratio=0.0)  # starts no trace of its own
     try:
-        root = tracer.start("llm_request", None, 0.0, {})
-        assert tracer.traceparent(root) is None, "an unsampled trace tells the nodes nothing"
-        child = tracer.start("llm_request", PARENT, 0.0, {})  # the parent sampled it
+        assert not any(tracer.sampled(None) for _ in range(100)), "a root at ratio 0"
+        assert tracer.sampled(PARENT), "the parent sampled it"
+        child = tracer.start("llm_request", PARENT, 0.0, {})
         continued = tracer.traceparent(child)
         assert continued is not None
         version, trace_id, span_id, flags = continued.split("-")
         assert (version, trace_id, flags) == ("00", PARENT.split("-")[1], "01")
         assert span_id != PARENT.split("-")[2]
         unsampled = PARENT[:-2] + "00"
+        assert not tracer.sampled(unsampled)
         assert tracer.traceparent(tracer.start("llm_request", unsampled, 0.0, {})) is None
     finally:
         tracer.close()  # no span ended: nothing to export
+
+
+def test_the_ratio_is_drawn_once_per_root_before_any_span() -> None:
+    tracer = Tracer("router", NOWHERE, ratio=0.1)
+    try:
+        kept = sum(tracer.sampled(None) for _ in range(20_000))
+        assert 1_600 < kept < 2_400, kept  # 10% of 20,000 roots, +-9 standard deviations
+        every = Tracer("router", NOWHERE, ratio=1.0)
+        assert all(every.sampled(None) for _ in range(1_000))
+        # A root the ratio kept is recorded whole: the SDK does not draw a second time.
+        assert every.traceparent(every.start("llm_request", None, 0.0, {})) is not None
+        every.close()
+    finally:
+        tracer.close()

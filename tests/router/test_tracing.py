@@ -11,8 +11,10 @@ from typing import Any
 import pytest
 
 from pdserve.common.wire.messages import Error, Failure, Prefill, ReserveKV, Tokens
-from pdserve.common.wire.payloads import StageTimes
+from pdserve.common.wire.payloads import SamplingParams, StageTimes
+from pdserve.router.backend import GenerateRequest
 from pdserve.router.cluster.backend import ClusterBackend
+from pdserve.router.cluster.tracing import RequestTrace
 from pdserve.router.timing import RequestTiming
 from tests.router.test_failover import FakeNodes, run, until
 
@@ -64,8 +66,14 @@ class FakeSpan:
 class FakeTracer:
     """Records spans; every request span is sampled, its traceparent names it."""
 
-    def __init__(self) -> None:
+    def __init__(self, sample: bool = True) -> None:
         self.spans: list[FakeSpan] = []
+        self.sample = sample
+        self.asked: list[str | None] = []
+
+    def sampled(self, parent: str | None) -> bool:
+        self.asked.append(parent)
+        return self.sample
 
     def start(self, name: str, parent: Any, start: float, attributes) -> FakeSpan:
         self.spans.append(FakeSpan(name, parent, dict(attributes)))
@@ -117,3 +125,17 @@ def test_every_node_gets_the_request_spans_context_and_a_failover_is_a_span(trac
         assert request.ended and request.attributes["gen_ai.usage.completion_tokens"] == 2
 
     run(body, "p0", "p1", "d0")
+
+
+def test_a_request_left_out_of_the_sample_makes_no_span_and_no_attribute() -> None:
+    tracer = FakeTracer(sample=False)
+    request = GenerateRequest("r", (1, 2, 3), SamplingParams(max_tokens=4))
+    request.timing.traceparent = "00-" + "1" * 32 + "-" + "2" * 16 + "-00"
+    trace = RequestTrace(tracer, request, "m")  # type: ignore[arg-type]
+    assert tracer.asked == [request.timing.traceparent], "the client's flags decide"
+    assert not trace.on and trace.traceparent is None and tracer.spans == []
+    trace.child("router.queue", 0.0, {})
+    trace.finish(4, "finished")
+    assert tracer.spans == [], "no span at all for it"
+    kept = RequestTrace(FakeTracer(sample=True), request, "m")  # type: ignore[arg-type]
+    assert kept.on and kept.traceparent is not None
