@@ -9,6 +9,7 @@ can start the same child again.
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import signal
@@ -74,6 +75,8 @@ class LocalCluster:
     api_key: str | None = None  # the router's (given to it by environment, not in `ps`)
     procs: dict[str, subprocess.Popen] = field(default_factory=dict)
     more_routers: list[tuple[int, int]] = field(default_factory=list)  # (port, control port)
+    added: dict[str, str] = field(default_factory=dict)  # nodes added since: name -> role
+    removed: set[str] = field(default_factory=set)  # nodes gone for good (drained, stopped)
 
     def __post_init__(self) -> None:
         if self.num_routers < 1:
@@ -109,19 +112,33 @@ class LocalCluster:
         out = {}
         for i, (port, control) in enumerate(routers):
             out[f"router{i or ''}"] = self._router(port, control)
-        for i in range(self.num_prefill):
-            out[f"prefill{i}"] = ["prefill", *node, "--node-id", f"prefill{i}", *kv]
-            out[f"prefill{i}"] += self.prefill_args
-        for i in range(self.num_decode):
-            out[f"decode{i}"] = ["decode", *node, "--node-id", f"decode{i}", *kv]
-            out[f"decode{i}"] += self.decode_args
+        roles = [("prefill", f"prefill{i}") for i in range(self.num_prefill)]
+        roles += [("decode", f"decode{i}") for i in range(self.num_decode)]
+        for role, name in roles + [(role, name) for name, role in self.added.items()]:
+            extra = self.prefill_args if role == "prefill" else self.decode_args
+            out[name] = [role, *node, "--node-id", name, *kv, *extra]
         for i in range(self.num_colocated):
             out[f"both{i}"] = ["decode", "--role", "both", *node, "--node-id", f"both{i}"]
         for name, args in self.node_args.items():
             if name not in out:
                 raise ValueError(f"node_args names {name!r}, not a node of this cluster")
             out[name] = out[name] + args
-        return out
+        return {name: args for name, args in out.items() if name not in self.removed}
+
+    def add_node(self, role: str) -> str:
+        """One more node of `role` (prefill or decode), under a name never used here; its name.
+        `spawn` starts it."""
+        if role not in ("prefill", "decode"):
+            raise ValueError(f"a node added to a P/D deployment is prefill or decode, not {role}")
+        used = set(self.children()) | self.removed
+        name = next(f"{role}{i}" for i in itertools.count() if f"{role}{i}" not in used)
+        self.added[name] = role
+        return name
+
+    def remove_node(self, name: str) -> None:
+        """Forget node `name` (it has exited): no child of that name from now on."""
+        self.removed.add(name)
+        self.procs.pop(name, None)
 
     def _router(self, port: int, control_port: int) -> list[str]:
         out = ["router", "--model", self.model, "--host", self.host, "--port", str(port)]

@@ -32,6 +32,9 @@ from pdserve.common.node.cli import (
 )
 from pdserve.common.node.config import NodeConfig
 from pdserve.local_cluster import LocalCluster
+from pdserve.planner.config import PlannerConfig
+from pdserve.planner.loop import PlannerLoop, SupervisorExecutor
+from pdserve.planner.source import RouterSource
 from pdserve.router.config import add_router_args, router_config
 from pdserve.supervisor import MAX_RESTARTS, SUPERVISOR, Backoff, StopFlag, Supervisor
 
@@ -87,8 +90,21 @@ def build_parser() -> argparse.ArgumentParser:
     add_router_args(p, omit=SERVE_OMITS)
     _add_supervisor_args(p)
     _add_child_flag_args(p)
+    _add_planner_args(p)
     add_engine_args(p)
     return p
+
+
+def _add_planner_args(p: argparse.ArgumentParser) -> None:
+    """`--planner` and the planner's own options (its node start timeout is --start-timeout)."""
+    group = p.add_argument_group("planner")
+    group.add_argument(
+        "--planner",
+        action="store_true",
+        help="size the prefill and decode pools from the router's measurements: start, drain "
+        "and flip nodes between the bounds below (docs/planner.md; P/D deployments only)",
+    )
+    add_options(p, PlannerConfig, omit=frozenset({"start_timeout"}))
 
 
 def _add_deployment_args(p: argparse.ArgumentParser) -> None:
@@ -225,6 +241,20 @@ def supervisor_from_args(p: argparse.ArgumentParser, args: argparse.Namespace) -
         p.error(str(exc))
 
 
+def planner_from_args(
+    p: argparse.ArgumentParser, args: argparse.Namespace, sup: Supervisor
+) -> PlannerLoop:
+    """The planner loop of `--planner`, on the supervisor's children and the first router."""
+    if args.colocated:
+        p.error("--planner sizes prefill and decode pools: it needs a P/D deployment")
+    try:
+        config = options_of(PlannerConfig, args)
+    except ValueError as exc:
+        p.error(str(exc))
+    source = RouterSource(sup.cluster.urls, sup.cluster.api_key)
+    return PlannerLoop(config, source, SupervisorExecutor(sup), sup.registry)
+
+
 def _on_stop_signals(sup: Supervisor, stop: StopFlag) -> None:
     """First signal: leave the supervising loop (main then drains). Next ones: SIGTERM the
     children again, which stops a draining node at once."""
@@ -259,7 +289,8 @@ def main(argv: list[str] | None = None) -> None:
             urls = " ".join(sup.cluster.urls)
             log.info("pdserve ready at %s (routers, %s); Ctrl-C to stop", urls, nodes)
             print(f"pdserve ready at {urls}", flush=True)
-            sup.run(stop)
+            planner = planner_from_args(p, args, sup) if args.planner else None
+            sup.run(stop, tick=planner.tick if planner else None)
     except (RuntimeError, OSError, subprocess.SubprocessError) as exc:
         log.error("%s", exc)
         sup.failed = str(exc)

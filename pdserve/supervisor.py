@@ -11,12 +11,17 @@ from __future__ import annotations
 
 import logging
 import signal
+import subprocess
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from pdserve.common.options import option
 from pdserve.local_cluster import LocalCluster, exit_status
+
+if TYPE_CHECKING:
+    from prometheus_client import CollectorRegistry
 
 __all__ = ["MAX_RESTARTS", "SUPERVISOR", "Backoff", "Child", "StopFlag", "Supervisor"]
 
@@ -90,6 +95,9 @@ class Child:
     restarts: int = 0  # restarts so far (the metric)
     restart_at: float | None = None  # when to start it again (None: running or given up)
     given_up: bool = False
+    retiring: bool = False  # asked to drain and leave: never restarted
+    then: str | None = None  # the role of the node to start once this one has left (a flip)
+    retired_at: float = 0.0
 
     def exited(self, now: float, backoff: Backoff, max_restarts: int) -> float | None:
         """Record an exit; the delay before the restart, or None once the child failed more
@@ -155,9 +163,12 @@ class Supervisor:
         if self.stopping:
             return
         now = self.clock()
-        for name, child in self.children.items():
+        for name, child in list(self.children.items()):
             proc = self.cluster.procs.get(name)
-            if child.restart_at is not None:
+            if child.retiring:
+                if proc is None or proc.poll() is not None:
+                    self._left(child, proc)
+            elif child.restart_at is not None:
                 if now >= child.restart_at:
                     self._restart(child, now)
             elif not child.given_up and proc is not None and proc.poll() is not None:
@@ -184,14 +195,49 @@ class Supervisor:
         if child.name == "router":
             self.failed = f"the router exited {child.failures} times in a row ({status})"
 
+    # -- the planner's changes (nodes of a P/D deployment) -------------------------------
+
+    def start_node(self, role: str) -> str:
+        """Start one more node of `role`; its name. OSError when it cannot be started."""
+        name = self.cluster.add_node(role)
+        self.children[name] = child = Child(name)
+        proc = self.cluster.spawn(name)
+        child.started(self.clock(), restart=False)
+        log.info("%s started (pid %d) by the planner", name, proc.pid)
+        return name
+
+    def retire(self, name: str, then: str | None = None, at_once: bool = False) -> None:
+        """Drain node `name` and let it leave (SIGTERM: it finishes what it holds; SIGKILL with
+        at_once); with `then`, start a node of that role once it has left (a role flip)."""
+        child = self.children[name]
+        child.retiring, child.then, child.restart_at = True, then, None
+        child.retired_at = self.clock()
+        proc = self.cluster.procs.get(name)
+        if proc is not None and proc.poll() is None:
+            proc.send_signal(signal.SIGKILL if at_once else signal.SIGTERM)
+        log.info("%s %s by the planner", name, "stopped" if at_once else "draining")
+
+    def _left(self, child: Child, proc: subprocess.Popen | None) -> None:
+        status = "never started" if proc is None else exit_status(proc.returncode)
+        log.info("%s left (%s)", child.name, status)
+        del self.children[child.name]
+        self.cluster.remove_node(child.name)
+        if child.then is not None:
+            self.start_node(child.then)
+
     def up(self, name: str) -> bool:
         proc = self.cluster.procs.get(name)
         return proc is not None and proc.poll() is None
 
-    def run(self, stop: StopFlag, interval: float = 0.2) -> None:
-        """Supervise until stop is set or the router cannot be kept up."""
+    def run(
+        self, stop: StopFlag, interval: float = 0.2, tick: Callable[[], None] | None = None
+    ) -> None:
+        """Supervise until stop is set or the router cannot be kept up; `tick` runs after
+        every round (the planner: in this thread, so that only one changes the children)."""
         while not stop.wait(interval) and self.failed is None:
             self.poll()
+            if tick is not None:
+                tick()
 
     def stop(self, timeout: float) -> None:
         """SIGTERM every child (nodes drain), wait up to timeout, SIGKILL what is left."""
@@ -209,6 +255,11 @@ class Supervisor:
         self._metrics = _Metrics(port, host)
         self._publish()
         return self._metrics.port
+
+    @property
+    def registry(self) -> CollectorRegistry | None:
+        """What its metrics endpoint serves (None: none is served); the planner's join it."""
+        return None if self._metrics is None else self._metrics.registry
 
     def _publish(self) -> None:
         if self._metrics is not None:
