@@ -18,10 +18,12 @@ from pdserve.tiny_model import make_tiny_model
 from tests.e2e.test_disaggregated import (
     ENGINE,
     MAX_TOKENS,
+    _nccl,
     assert_clean,
     complete,
     run_concurrently,
 )
+from tests.kv_transfer.helpers import needs_nixl
 
 SPEC = json.dumps({"method": "ngram", "num_speculative_tokens": 3})
 PROMPTS = [[5, 6, 7, 8] * 10, [9, 10, 11] * 7 + [9], [300, 301, 302, 303, 304, 305] * 5, [17]]
@@ -55,6 +57,10 @@ DRAFT_PROMPTS = [[5, 6, 7, 8] * 10, [9, 10, 11] * 7 + [9], [17], [101, 57, 3, 98
 DRAFT_TOKENS = 16
 DRAFTS = "pdserve_node_spec_decode_num_drafts"
 ACCEPTED = "pdserve_node_spec_decode_num_accepted_tokens"
+# Every connector ships the page group: nccl runs on gloo on the CPU (NCCL needs two GPUs),
+# nixl where its extra is installed (CI installs it).
+NCCL = pytest.param("nccl", marks=_nccl().marks)
+CONNECTORS = ["zmq", NCCL, "shm", pytest.param("nixl", marks=needs_nixl)]
 
 
 def _reached(port: int, name: str, value: float) -> bool:
@@ -77,12 +83,12 @@ def _colocated_counts(model: str, spec: str) -> tuple[list[list[int]], list[floa
     return tokens, drafts, accepted
 
 
-@pytest.mark.parametrize("connector", ["zmq", "shm"])
+@pytest.mark.parametrize("connector", CONNECTORS)
 def test_draft_model_kv_through_1p1d_keeps_colocated_acceptance(tmp_path, connector) -> None:
-    """Greedy tokens through 1P1D (zmq, shm) equal colocated with and without speculation, and the
-    accepted drafts of each request equal colocated's exactly: the decode node drafts from
-    the shipped draft pages. (The negative control, a decode side whose draft pages are zeros
-    as a fresh pool holds them when they are not shipped, is
+    """Greedy tokens through 1P1D (every connector) equal colocated with and without
+    speculation, and the accepted drafts of each request equal colocated's exactly: the decode
+    node drafts from the shipped draft pages. (The negative control, a decode side whose draft
+    pages are zeros as a fresh pool holds them when they are not shipped, is
     tests/common/spec/test_draft_model.py::test_acceptance_depends_on_the_draft_pages.)"""
     model = make_tiny_model("llama", tmp_path / "m", max_position=2048)
     # The target as its own draft: every draft is accepted where the draft pages hold the
