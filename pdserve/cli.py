@@ -20,6 +20,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
         "pdserve.common.engine.tensor_parallel_worker:worker_main",
         "one worker rank of a tensor-parallel node whose rank 0 runs on another host",
     ),
+    "planner": (
+        "pdserve.planner.__main__:main",
+        "the planner on Kubernetes: sets the prefill and decode Deployments' replicas",
+    ),
     "bench": ("pdserve.bench:main", "benchmarks: serve, kv-transfer, offline, compare"),
     "keygen": ("pdserve.cli:keygen", "write the cluster's CurveZMQ keys into DIR"),
     "demo": ("pdserve.demo:main", "serve SmolLM2 on 1 prefill + 1 decode node, ask it questions"),
