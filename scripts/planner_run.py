@@ -1,0 +1,115 @@
+"""The planner's real run (docs/benchmarks.md, "The planner on real processes"): `pdserve serve
+--planner` on a tiny random model, a closed-loop load that steps up and down, every answer
+checked against the offline engine, and a plot of the load, TTFT and the nodes of each role.
+
+    nice -n -10 python scripts/planner_run.py --out docs/bench/planner_run
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import sys
+import tempfile
+from dataclasses import asdict
+from pathlib import Path
+
+from pdserve import LLM, SamplingParams
+from pdserve.planner.stepload import Answer, NodeSample, Phase, Serve, run_load
+from pdserve.tiny_model import make_tiny_model
+
+# A model whose prefill of a long prompt costs tens of ms on a CPU core: the prefill pool is
+# what a burst of long prompts fills, and what the planner must grow.
+MODEL = {"layers": 4, "hidden": 256, "intermediate": 1024, "vocab": 512, "max_position": 4096}
+PLANNER = ["--planner", "--interval", "4", "--window", "16", "--smoothing", "4",
+           "--ttft-slo", "0.5", "--itl-slo", "0.2", "--max-prefill", "3", "--max-decode", "2",
+           "--max-nodes", "4", "--start-timeout", "120"]  # fmt: skip
+NODES = ["--num-prefill", "1", "--num-decode", "1", "--dtype", "float32", "--num-blocks", "512",
+         "--max-model-len", "2048", "--threads-per-rank", "1"]  # fmt: skip
+PHASES = "20x1,70x8,60x1"  # seconds x clients, one phase after another
+
+
+def phases_of(text: str) -> list[Phase]:
+    try:
+        return [Phase(float(s), int(c)) for s, c in (p.split("x") for p in text.split(","))]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"phases are SECONDSxCLIENTS,...; got {text!r}") from None
+
+
+def prompts(n: int, length: int, seed: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(5, MODEL["vocab"]) for _ in range(length)] for _ in range(n)]
+
+
+def expected(model: str, ids: list[list[int]], max_tokens: int) -> list[tuple[int, ...]]:
+    llm = LLM(model, dtype="float32")
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    return [tuple(o.token_ids) for o in llm.generate(ids, params)]
+
+
+def plot(answers: list[Answer], samples: list[NodeSample], phases: list[Phase], slo: float,
+         path: Path) -> None:  # fmt: skip
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (top, bottom) = plt.subplots(2, 1, figsize=(9, 6), sharex=True)
+    edges, t = [], 0.0
+    for p in phases:
+        edges += [(t, p.clients), (t + p.seconds, p.clients)]
+        t += p.seconds
+    top.plot(*zip(*edges), color="grey", label="clients (load)")
+    top.set_ylabel("clients at once")
+    ttft = top.twinx()
+    ok = [a for a in answers if a.ttft is not None]
+    ttft.scatter([a.sent for a in ok], [a.ttft for a in ok], s=6, label="TTFT")
+    ttft.axhline(slo, color="red", linestyle="--", label="TTFT SLO")
+    ttft.set_ylabel("TTFT (s)")
+    ttft.legend(loc="upper right")
+    top.legend(loc="upper left")
+    times = [s.at for s in samples]
+    bottom.step(times, [s.prefill for s in samples], where="post", label="prefill nodes")
+    bottom.step(times, [s.decode for s in samples], where="post", label="decode nodes")
+    bottom.step(times, [s.draining for s in samples], where="post", label="draining", ls=":")
+    bottom.set_xlabel("seconds")
+    bottom.set_ylabel("nodes (router's view)")
+    bottom.legend(loc="upper right")
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", required=True, help="folder for run.json, serve.log and run.png")
+    p.add_argument("--prompt-tokens", type=int, default=1024)
+    p.add_argument("--max-tokens", type=int, default=4)
+    p.add_argument("--phases", type=phases_of, default=phases_of(PHASES), help=PHASES)
+    args = p.parse_args(argv)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    model = str(make_tiny_model("llama", tempfile.mkdtemp(prefix="planner-run-"), **MODEL))
+    ids = prompts(32, args.prompt_tokens)
+    want = expected(model, ids, args.max_tokens)
+    serve = Serve(model, NODES + PLANNER, out / "serve.log", timeout=120.0)
+    try:
+        serve.wait_ready(180)
+        answers, samples = run_load(serve, args.phases, ids, args.max_tokens)
+    finally:
+        serve.stop()
+    failed = [a for a in answers if a.token_ids is None]
+    wrong = [a for a in answers if a.token_ids is not None and a.token_ids != want[a.prompt]]
+    report = {"answers": len(answers), "failed": len(failed), "wrong": len(wrong),
+              "planner": PLANNER, "nodes": NODES, "phases": [asdict(p) for p in args.phases],
+              "samples": [asdict(s) for s in samples],
+              "requests": [asdict(a) | {"token_ids": None} for a in answers]}  # fmt: skip
+    (out / "run.json").write_text(json.dumps(report, indent=1))
+    plot(answers, samples, args.phases, float(PLANNER[PLANNER.index("--ttft-slo") + 1]),
+         out / "run.png")  # fmt: skip
+    print(f"{len(answers)} answers, {len(failed)} failed, {len(wrong)} wrong; {out}/run.png")
+    sys.exit(1 if failed or wrong else 0)
+
+
+if __name__ == "__main__":
+    main()
