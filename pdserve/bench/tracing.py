@@ -20,49 +20,19 @@ import asyncio
 import json
 import statistics
 import sys
-import threading
 from collections.abc import Iterator, Sequence
 from contextlib import ExitStack, contextmanager
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
 from pdserve.bench import load
+from pdserve.bench.router import cpu_seconds
+from pdserve.common.tracing_receiver import ReceiverProcess
 
 # setting -> the sample ratio its router starts traces at (None: tracing off)
 SETTINGS: dict[str, float | None] = {"off": None, "sample 10%": 0.1, "every request": 1.0}
 BASELINE = "off"
 CAPS = load.ServerCaps(token_ids=True, eos_mode="ignore_eos", model=None)
-
-
-class DropReceiver:
-    """An OTLP/HTTP endpoint on loopback that reads each export whole and drops it; it counts
-    the batches and their bytes."""
-
-    def __init__(self) -> None:
-        self.batches = 0
-        self.bytes = 0
-        receiver = self
-
-        class Handler(BaseHTTPRequestHandler):
-            def do_POST(self) -> None:  # noqa: N802 (http.server's name)
-                n = len(self.rfile.read(int(self.headers["Content-Length"])))
-                receiver.batches += 1
-                receiver.bytes += n
-                self.send_response(200)
-                self.send_header("Content-Length", "0")
-                self.end_headers()
-
-            def log_message(self, *args: object) -> None:
-                pass
-
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
-        self.url = f"http://127.0.0.1:{self.server.server_port}/v1/traces"
-
-    def close(self) -> None:
-        self.server.shutdown()
-        self.server.server_close()
 
 
 def tracing_flags(ratio: float | None, url: str) -> tuple[list[str], list[str]]:
@@ -95,10 +65,17 @@ def deployments(args: argparse.Namespace, url: str) -> Iterator[dict[str, Any]]:
         yield out
 
 
-async def saturate(url: str, requests: Sequence[load.BenchRequest], concurrency: int,
-                   duration: float) -> dict[str, float]:  # fmt: skip
-    """One closed-loop window against the router at `url`: output tokens/s and requests/s of
-    the requests that ended well within it."""
+def cpu_of(cluster: Any) -> dict[str, float]:
+    """CPU seconds so far of each of a deployment's processes (router, nodes), by name."""
+    return {name: cpu_seconds(proc.pid) for name, proc in cluster.procs.items()}
+
+
+async def saturate(cluster: Any, requests: Sequence[load.BenchRequest], concurrency: int,
+                   duration: float) -> dict[str, Any]:  # fmt: skip
+    """One closed-loop window against `cluster`'s router: output tokens/s and requests/s of the
+    requests that ended well within it, and the CPU milliseconds each of its processes spent
+    per such request (what the neighbours' load on the box changes least)."""
+    url, cpu = cluster.url, cpu_of(cluster)
     results: list[load.RequestResult] = []
     async with load.make_client(url) as client:
         sender = load.Sender(client, url, CAPS, timeout_s=duration + 120)
@@ -112,59 +89,77 @@ async def saturate(url: str, requests: Sequence[load.BenchRequest], concurrency:
         )
         wall = loop.time() - start
     ok = [r for r in results if r.success]
+    spent = {name: seconds - cpu[name] for name, seconds in cpu_of(cluster).items()}
     return {
         "tokens_per_s": sum(r.output_tokens for r in ok) / wall,
         "requests_per_s": len(ok) / wall,
         "errors": len(results) - len(ok),
         "wall_s": wall,
+        "cpu_ms_per_request": {n: round(1e3 * s / max(1, len(ok)), 3) for n, s in spent.items()},
     }
 
 
 def measure(args: argparse.Namespace) -> dict[str, Any]:
     pool = load.load_pool(args.model)
     requests = load.random_requests(pool, 256, args.input_len, args.output_len, seed=args.seed)
-    receiver = DropReceiver()
+    receiver = ReceiverProcess()
     rounds: list[dict[str, Any]] = []
+    received = {"batches": 0, "bytes": 0}
     try:
         with deployments(args, receiver.url) as clusters:
             names = list(SETTINGS)
             for name in names:  # a short warm-up each: first requests, first exports
-                asyncio.run(saturate(clusters[name].url, requests, args.concurrency, 3.0))
+                asyncio.run(saturate(clusters[name], requests, args.concurrency, 3.0))
             for r in range(args.rounds):
                 order = names[r % len(names) :] + names[: r % len(names)]
                 for name in order:
-                    window = saturate(clusters[name].url, requests, args.concurrency, args.duration)
+                    window = saturate(clusters[name], requests, args.concurrency, args.duration)
                     rounds.append({"round": r, "setting": name, **asyncio.run(window)})
                     print(json.dumps(rounds[-1]), file=sys.stderr)
     finally:
-        receiver.close()
-    return {"rounds": rounds, "settings": summary(rounds), "otlp_batches": receiver.batches,
-            "otlp_bytes": receiver.bytes}  # fmt: skip
+        received = receiver.close()
+    return {"rounds": rounds, "settings": summary(rounds), "otlp_batches": received["batches"],
+            "otlp_bytes": received["bytes"]}  # fmt: skip
 
 
 def summary(rounds: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Per setting: median tokens/s over the rounds, its ratio to tracing off's median."""
-    median = {
-        name: statistics.median(r["tokens_per_s"] for r in rounds if r["setting"] == name)
-        for name in SETTINGS
-    }
-    base = median[BASELINE]
-    return [
-        {"setting": name, "median_tokens_per_s": round(m, 2),
-         "ratio_to_off": round(m / base, 4) if base else None,
-         "per_round": [round(r["tokens_per_s"], 2) for r in rounds if r["setting"] == name]}
-        for name, m in median.items()
-    ]  # fmt: skip
+    """Per setting: median tokens/s over the rounds and the deployment's median CPU ms per
+    request (all its processes), each with its ratio to tracing off's; the CPU ms by process."""
+    out = []
+    for name in SETTINGS:
+        mine = [r for r in rounds if r["setting"] == name]
+        cpu = [r.get("cpu_ms_per_request", {}) for r in mine]
+        out.append({
+            "setting": name,
+            "median_tokens_per_s": round(statistics.median(r["tokens_per_s"] for r in mine), 2),
+            "per_round": [round(r["tokens_per_s"], 2) for r in mine],
+            "median_cpu_ms_per_request": round(statistics.median(sum(c.values()) for c in cpu), 3),
+            "cpu_ms_by_process": {
+                p: round(statistics.median(c[p] for c in cpu), 3) for p in cpu[0]
+            },
+        })  # fmt: skip
+    base = out[list(SETTINGS).index(BASELINE)]
+    for s in out:
+        s["ratio_to_off"] = _ratio(s["median_tokens_per_s"], base["median_tokens_per_s"])
+        s["cpu_ratio_to_off"] = _ratio(
+            s["median_cpu_ms_per_request"], base["median_cpu_ms_per_request"]
+        )
+    return out
+
+
+def _ratio(value: float, base: float) -> float | None:
+    return round(value / base, 4) if base else None
 
 
 def render(result: dict[str, Any]) -> str:
-    lines = ["setting          tok/s (median)  ratio to off  per round"]
+    lines = ["setting          tok/s (median)  ratio to off  CPU ms/req  ratio  per round (tok/s)"]
     for s in result["settings"]:
         rounds = ", ".join(f"{v:.1f}" for v in s["per_round"])
         lines.append(
             f"{s['setting']:<16} {s['median_tokens_per_s']:14.1f}  {s['ratio_to_off']:12.3f}"
-            f"  {rounds}"
+            f"  {s['median_cpu_ms_per_request']:10.2f}  {s['cpu_ratio_to_off']:5.3f}  {rounds}"
         )
+        lines.append(f"{'':16} CPU ms/req by process: {s['cpu_ms_by_process']}")
     lines.append(f"OTLP batches received {result['otlp_batches']} ({result['otlp_bytes']} bytes)")
     return "\n".join(lines)
 
