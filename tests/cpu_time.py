@@ -4,7 +4,9 @@
 Each test's setup, call and teardown are charged the user + system seconds of this process and
 of the child processes reaped meanwhile (nodes, routers, scripts; a node's ranks come with it),
 and the session ends with the slowest PDSERVE_CPU_TOP (default 25) and the total. A child still
-running when a phase ends (a module's cluster) is charged to the phase that reaps it.
+running when a phase ends (a module's cluster) is charged to the phase that reaps it. With
+PDSERVE_CPU_LOG set, each phase's line is also appended to that file as it ends: a run stopped
+by a timeout on a loaded machine still leaves what it measured.
 """
 
 from __future__ import annotations
@@ -39,7 +41,14 @@ def _charge(item: pytest.Item, phase: str) -> Iterator[None]:
     try:
         return (yield)
     finally:  # a failing phase is charged too
-        item.config.stash[_TIMES][(item.nodeid, phase)] = cpu_seconds() - start
+        seconds = item.config.stash[_TIMES][(item.nodeid, phase)] = cpu_seconds() - start
+        if log := os.environ.get("PDSERVE_CPU_LOG"):
+            with open(log, "a") as out:
+                out.write(_line(item.nodeid, phase, seconds) + "\n")
+
+
+def _line(nodeid: str, phase: str, seconds: float) -> str:
+    return f"{seconds:8.2f}s {phase:<8} {nodeid}"
 
 
 @pytest.hookimpl(wrapper=True)
@@ -64,5 +73,5 @@ def pytest_terminal_summary(terminalreporter, config: pytest.Config) -> None:
     top = int(os.environ.get("PDSERVE_CPU_TOP", "25"))
     terminalreporter.write_sep("=", f"slowest {top} CPU times (user + sys, with children)")
     for (nodeid, phase), seconds in sorted(times.items(), key=lambda kv: -kv[1])[:top]:
-        terminalreporter.write_line(f"{seconds:8.2f}s {phase:<8} {nodeid}")
+        terminalreporter.write_line(_line(nodeid, phase, seconds))
     terminalreporter.write_line(f"{sum(times.values()):8.2f}s in all {len(times)} phases")
