@@ -308,6 +308,7 @@ class EngineNode:
         for rid in self.membership.expire_leases(self.engine.scheduler.requests):
             log.warning("lease of request %s expired: freeing it", rid)
             self.metrics.lease_expired()
+            self.stages.lease_expired(rid, self.config.lease_timeout)  # its span, if traced
             self.abort(rid)
             why = "lease expired: the router stopped renewing"
             self.tell(rid, Error(rid, why, Failure.LEASE_EXPIRED))

@@ -155,13 +155,22 @@ class StageClock:
         start = stamps.scheduled or stamps.taken
         self._span("prefill.kv_send", stamps, start, time.monotonic(), attrs)
 
-    def forget(self, request_id: str) -> None:
+    def lease_expired(self, request_id: str, lease_timeout: float) -> None:
+        """The request's router stopped renewing its lease: a traced request gets a span from
+        its taking to now, and a node span still open ends with that outcome."""
+        stamps = self._stamps.get(request_id)
+        if stamps is not None and stamps.traceparent is not None:
+            attrs = {REQUEST_ID: request_id, "pdserve.lease_timeout": lease_timeout}
+            self._span("node.lease_expired", stamps, stamps.taken, time.monotonic(), attrs)
+        self.forget(request_id, "lease_expired")
+
+    def forget(self, request_id: str, outcome: str = "ended") -> None:
         """The request ended here before its first token (aborted, failed): no stage of it
         is reported; a node span still open ends now."""
         stamps = self._stamps.pop(request_id, None)
         if stamps is not None and stamps.span is not None:
             assert self.tracer is not None
-            self.tracer.end(stamps.span, time.monotonic(), {"pdserve.outcome": "ended"})
+            self.tracer.end(stamps.span, time.monotonic(), {"pdserve.outcome": outcome})
 
     # -- stages and spans ----------------------------------------------------------------
 

@@ -162,3 +162,24 @@ def test_an_open_node_span_ends_when_its_request_ends_before_its_first_token() -
     clock.forget("r")  # aborted
     (prefill,) = tracer.spans
     assert prefill.end and prefill.attributes["pdserve.outcome"] == "ended"
+
+
+def test_a_lapsed_lease_is_a_span_under_the_request_span_and_ends_an_open_one() -> None:
+    tracer = FakeTracer()
+    decode = StageClock(tracer, "d0")  # type: ignore[arg-type]
+    decode.taken("d", PARENT, remote=True)  # a reservation whose KV never came
+    decode.lease_expired("d", 3.0)
+    (lapsed,) = tracer.spans
+    assert (lapsed.name, lapsed.parent) == ("node.lease_expired", PARENT)
+    assert lapsed.end >= lapsed.start > 0
+    assert lapsed.attributes["pdserve.lease_timeout"] == 3.0
+    assert lapsed.attributes["pdserve.node_id"] == "d0" and len(decode) == 0
+    prefill = StageClock(tracer, "p0")  # type: ignore[arg-type]
+    prefill.taken("p", PARENT)
+    prefill.lease_expired("p", 3.0)
+    assert tracer.spans[-1].name == "prefill"  # the open span ends with the lease's outcome
+    assert tracer.spans[-1].attributes["pdserve.outcome"] == "lease_expired"
+    untraced = StageClock(tracer, "d0")  # type: ignore[arg-type]
+    untraced.taken("u", None, remote=True)
+    untraced.lease_expired("u", 3.0)
+    assert len(tracer.spans) == 3 and len(untraced) == 0
