@@ -12,19 +12,18 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import gzip
 import json
 import re
 import threading
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import httpx
 import pytest
 
+from pdserve.common.tracing_receiver import OtlpReceiver
 from pdserve.local_cluster import LocalCluster
 from pdserve.router.timing import TTFT_STAGES
 from pdserve.tiny_model import make_tiny_model
@@ -71,25 +70,8 @@ class Receiver:
     def __init__(self) -> None:
         self.spans: list[Span] = []
         self.lock = threading.Lock()
-        receiver = self
-
-        class Handler(BaseHTTPRequestHandler):
-            def do_POST(self) -> None:  # noqa: N802 (http.server's name)
-                body = self.rfile.read(int(self.headers["Content-Length"]))
-                if self.headers.get("Content-Encoding") == "gzip":
-                    body = gzip.decompress(body)
-                receiver.take(body)
-                self.send_response(200)
-                self.send_header("Content-Type", "application/x-protobuf")
-                self.send_header("Content-Length", "0")
-                self.end_headers()
-
-            def log_message(self, *args: object) -> None:
-                pass
-
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
-        self.url = f"http://127.0.0.1:{self.server.server_port}/v1/traces"
+        self.endpoint = OtlpReceiver(self.take)
+        self.url = self.endpoint.url
 
     def take(self, body: bytes) -> None:
         from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
@@ -128,8 +110,7 @@ class Receiver:
         return self.trace(trace_id)
 
     def close(self) -> None:
-        self.server.shutdown()
-        self.server.server_close()
+        self.endpoint.close()
 
 
 @pytest.fixture(scope="module")
@@ -141,10 +122,17 @@ def receiver() -> Iterator[Receiver]:
 
 @contextlib.contextmanager
 def traced_cluster(
-    folder: Path, receiver: Receiver, decode: int = 1, engine: Sequence[str] = (), **env: str | None
+    folder: Path,
+    receiver: Receiver,
+    decode: int = 1,
+    engine: Sequence[str] = (),
+    router: Sequence[str] = (),
+    node_args: dict[str, list[str]] | None = None,
+    **env: str | None,
 ) -> Iterator[LocalCluster]:
     """1P and `decode` D nodes of the tiny model and a router, every process exporting its
-    spans to `receiver` within 0.1 s (not 5), prefill always remote; `env` set (None: unset)."""
+    spans to `receiver` within 0.1 s (not 5), prefill always remote; `engine` flags for every
+    node, `router` for the router, `node_args` by node; `env` set (None: unset)."""
     model = make_tiny_model("llama", folder / "m", max_position=2048)
     tracing = ["--otlp-traces-endpoint", receiver.url]
     with pytest.MonkeyPatch.context() as mp:
@@ -159,7 +147,8 @@ def traced_cluster(
             1,
             decode,
             engine_args=[*ENGINE, *engine, *tracing],
-            router_args=[*tracing, "--prefill-placement", "remote"],
+            router_args=[*tracing, "--prefill-placement", "remote", *router],
+            node_args=node_args or {},
         )
         with c:
             yield c
