@@ -84,6 +84,7 @@ def store_for(system: str, folder: Path, host_bytes: int) -> Iterator[dict[str, 
 @contextmanager
 def engine_for(args: argparse.Namespace, system: str, folder: Path) -> Iterator[LLM]:
     """A fresh, warmed-up engine of `system`, its store running, closed at the end."""
+    folder.mkdir(parents=True, exist_ok=True)
     with store_for(system, folder, args.kv_offload_bytes) as opts:
         llm = LLM(
             args.model, dtype=args.dtype, num_blocks=args.num_blocks, block_size=args.block_size,
