@@ -9,8 +9,11 @@ looks its rows up; there the plain weight multiplied HEAD_CHUNK vocabulary rows 
 F.linear stays. The decoder's own linears stay F.linear: at the decode batches a step runs
 most, the packed layouts stream their weights 1.3-1.9x slower than F.linear at one row.
 
-Eager CPU engines only: the model runner applies this after loading unless it compiles decode
-steps (inductor plans its own matmuls). PDSERVE_CPU_LINEAR=off keeps F.linear everywhere.
+The model runner applies these after loading. An engine that compiles decode steps keeps each
+packed layer's plain weight too (`keep_plain`): its AOTInductor packages are traced over the
+plain model and read those weights by name (a packed tensor is opaque to torch.export), while
+its eager steps (prefill, mixed steps, and every decode bucket until its package is adopted)
+run the packed ones. PDSERVE_CPU_LINEAR=off keeps F.linear everywhere.
 """
 
 from __future__ import annotations
@@ -53,12 +56,18 @@ def packs(weight: torch.Tensor, native_bf16: bool = False) -> bool:
 
 
 class PackedLinear(nn.Module):
-    """nn.Linear's forward over a float32 or bf16 weight held only in oneDNN's blocked layout
-    (the plain copy is dropped by the caller); the input comes in the weight's dtype. The
-    packed tensor is an attribute, not a buffer: state_dict, `.to()` and parameter walks cannot
-    read an opaque oneDNN tensor. Eager only."""
+    """nn.Linear's forward over a float32 or bf16 weight held in oneDNN's blocked layout; the
+    input comes in the weight's dtype. The packed tensor is an attribute, not a buffer:
+    state_dict, `.to()` and parameter walks cannot read an opaque oneDNN tensor.
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
+    With `keep_plain` the plain weight stays, a parameter under nn.Linear's name, and a traced
+    forward (torch.export, torch.compile) is nn.Linear's over it: a compiled step reads the
+    plain weight, the eager ones the packed copy. Without it the caller drops the plain weight
+    and the layer runs eager only."""
+
+    def __init__(
+        self, weight: torch.Tensor, bias: torch.Tensor | None = None, keep_plain: bool = False
+    ) -> None:
         super().__init__()
         if not packs(weight, native_bf16=True):
             raise ValueError(f"a packed linear takes a float32 or bf16 CPU weight: {weight.dtype}")
@@ -66,9 +75,15 @@ class PackedLinear(nn.Module):
         self.dtype = weight.dtype
         self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), _PACK_ROWS)
         self.register_buffer("bias", None if bias is None else bias.detach().clone())
+        if keep_plain and not isinstance(weight, nn.Parameter):
+            weight = nn.Parameter(weight.detach(), requires_grad=False)
+        # the caller's own parameter (a tied embedding's is listed once, under its first name)
+        self.register_parameter("weight", weight if keep_plain else None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        assert not torch.compiler.is_compiling(), "a packed linear runs eager only"
+        if torch.compiler.is_compiling():
+            assert self.weight is not None, "a packed linear without its plain weight is eager only"
+            return F.linear(x, self.weight, self.bias)
         flat = x.reshape(-1, self.in_features)
         if flat.dtype != self.dtype:
             raise ValueError(f"a packed linear takes {self.dtype} input, not {flat.dtype}")
@@ -85,7 +100,8 @@ class PackedLinear(nn.Module):
 
 
 def packed_numel(model: nn.Module) -> int:
-    """Weight elements `model` holds in packed linears, which its parameters() do not list."""
+    """Weight elements `model` holds in packed linears, which its parameters() do not list (a
+    packed layer that keeps its plain weight holds both)."""
     return sum(
         m.in_features * m.out_features for m in model.modules() if isinstance(m, PackedLinear)
     )

@@ -1,10 +1,11 @@
-"""CPU ms per float32 linear call over SmolLM2's shapes, each kernel torch ships for it
-(docs/quantization.md, "CPU linear"): F.linear (MKL), the weight transposed (`mm(x, w.T)`),
+"""CPU ms per float32 (or bf16) linear call over SmolLM2's shapes, each kernel torch ships for
+it (docs/quantization.md, "CPU linear"): F.linear (MKL), the weight transposed (`mm(x, w.T)`),
 oneDNN's blocked layout (`PackedLinear`), MKL's packed SGEMM (one packing per row count) and,
 for the head, `chunked_linear`. Weights are read from memory as in a decode step: each kernel
 cycles through copies of its weight that together exceed the last-level cache.
 
     PYTHONPATH=. python scripts/cpu_linear_bench.py [--rows 1,4,16,64,256,512] [--only head]
+        [--dtype bfloat16]   # F.linear, mm and oneDNN packed only (MKL's SGEMM is float32)
 """
 
 from __future__ import annotations
@@ -40,11 +41,12 @@ def kernels(w: torch.Tensor, rows: int) -> dict[str, Kernel]:
         "F.linear": (w.clone, lambda x, p: F.linear(x, p)),
         "mm(x, w.T)": (lambda: w.t().contiguous(), lambda x, p: torch.mm(x, p)),
         "oneDNN packed": (lambda: PackedLinear(w), lambda x, p: p(x)),
-        "MKL packed": (
+    }
+    if w.dtype == torch.float32:
+        found["MKL packed"] = (
             lambda: mkl._mkl_reorder_linear_weight(w, rows),
             lambda x, p: mkl._mkl_linear(x, p, w, None, rows),
-        ),
-    }
+        )
     if w.shape[0] > 8192:
         found["chunked"] = (w.clone, chunked_linear)
     return found
@@ -52,11 +54,11 @@ def kernels(w: torch.Tensor, rows: int) -> dict[str, Kernel]:
 
 def time_kernels(w: torch.Tensor, rows: int, repeats: int) -> dict[str, float]:
     """Median CPU ms per call of each kernel, the kernels interleaved in each repeat."""
-    copies = max(1, math.ceil(COLD_BYTES / (w.numel() * 4)))
+    copies = max(1, math.ceil(COLD_BYTES / (w.numel() * w.element_size())))
     calls = max(copies, min(200, int(2e9 / (2 * rows * w.numel()))))
     if w.shape[0] > 8192:
         calls = max(2, min(calls, 10))
-    x = torch.randn(rows, w.shape[1])
+    x = torch.randn(rows, w.shape[1]).to(w.dtype)
     found = kernels(w, rows)
     held = {name: [make() for _ in range(copies)] for name, (make, _) in found.items()}
     times: dict[str, list[float]] = {name: [] for name in found}
@@ -76,12 +78,13 @@ def main() -> None:
     p.add_argument("--only", default="", help="shapes whose name holds this")
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     for shape, (out, inp) in SHAPES.items():
         if args.only not in shape:
             continue
-        w = torch.randn(out, inp) * 0.05
+        w = (torch.randn(out, inp) * 0.05).to(getattr(torch, args.dtype))
         for rows in map(int, args.rows.split(",")):
             ms = time_kernels(w, rows, args.repeats)
             cells = "  ".join(f"{name} {t:.3f}" for name, t in ms.items())

@@ -208,8 +208,10 @@ class ModelRunner:
                 self.compiled.start_background(self.model_caches, cache, model_config)
             else:
                 self.compiled.warm_up(self.model_caches, cache)
-        elif self.device.type == "cpu":
-            self.model.use_cpu_head()  # packed or chunked float32 head (kernels/cpu_linear.py)
+        if self.device.type == "cpu":
+            # The eager steps' kernels (kernels/cpu_linear.py); a compiling runner's packages
+            # were traced over the plain model and bind its weights by name: they stay.
+            self.model.use_cpu_head(keep_plain=self.compiled is not None)
 
     def _load_draft(self, speculative: SpeculativeConfig, model_config: ModelConfig) -> None:
         target = ModelArchConfig.from_dir(model_config.model_dir)

@@ -402,29 +402,34 @@ class LlamaFamilyForCausalLM(nn.Module):
         return self.model(input_ids, positions, attn, kv_caches, on_layer)
 
     @torch.no_grad()
-    def use_cpu_head(self) -> str:
+    def use_cpu_head(self, keep_plain: bool = False) -> str:
         """Give the CPU's eager steps faster linears (kernels/cpu_linear.py). A float32 head: an
         untied one reordered into oneDNN's layout in place of the plain weight, a tied one
         (whose rows the embedding reads) chunked. bf16 on a CPU with native bf16 (AMX or
         AVX512-BF16): the decoder's float linears and the head packed, a tied head as a
         packed copy (vocab x hidden more), as oneDNN's prepacked bf16 GEMM takes about half
-        F.linear's time at 1-16 rows (docs/quantization.md). Returns which: "packed",
-        "chunked", "bf16 packed", or "" (nothing, or PDSERVE_CPU_LINEAR=off)."""
+        F.linear's time at 1-16 rows (docs/quantization.md). `keep_plain` (a runner whose
+        decode steps also run compiled): packed layers keep their plain weights, which the
+        compiled steps read, and no head is chunked (that would change the traced step).
+        Returns which: "packed", "chunked", "bf16 packed", or "" (nothing, or
+        PDSERVE_CPU_LINEAR=off)."""
         head, embed = self.lm_head, self.model.embed_tokens
         if not cpu_linear_enabled():
             return ""
         # the final norm's dtype is the model's (a GGUF's embedding may be quantized: no weight)
         if self.model.norm.weight.dtype == torch.bfloat16 and cpu_bf16_flag() is not None:
-            return self._pack_bf16()
+            return self._pack_bf16(keep_plain)
         if type(head) is nn.Linear and packs(head.weight):
-            self.lm_head = PackedLinear(head.weight, head.bias)
+            self.lm_head = PackedLinear(head.weight, head.bias, keep_plain)
             return "packed"
+        if keep_plain:
+            return ""
         if head is None and type(embed) is VocabEmbedding and packs(embed.weight):
             self.chunk_head = True
             return "chunked"
         return ""
 
-    def _pack_bf16(self) -> str:
+    def _pack_bf16(self, keep_plain: bool) -> str:
         """The bf16 decoder linears (those only called, never read: _PACKED_LINEARS) and the
         head in oneDNN's layout: "bf16 packed", or "" where none was float."""
         packed = 0
@@ -432,13 +437,15 @@ class LlamaFamilyForCausalLM(nn.Module):
             for name, child in parent.named_children():
                 if name in _PACKED_LINEARS and type(child) is nn.Linear:
                     if packs(child.weight, native_bf16=True):
-                        setattr(parent, name, PackedLinear(child.weight, child.bias))
+                        layer = PackedLinear(child.weight, child.bias, keep_plain)
+                        setattr(parent, name, layer)
                         packed += 1
         head, embed = self.lm_head, self.model.embed_tokens
         if head is None and type(embed) is VocabEmbedding:
             head = embed  # tied: packed as a copy, the embedding keeps its rows
         if type(head) in (nn.Linear, VocabEmbedding) and packs(head.weight, native_bf16=True):
-            self.lm_head = PackedLinear(head.weight, getattr(head, "bias", None))
+            bias = getattr(head, "bias", None)  # a kept tied weight shares the embedding's rows
+            self.lm_head = PackedLinear(head.weight, bias, keep_plain)
             packed += 1
         return "bf16 packed" if packed else ""
 
