@@ -1,14 +1,21 @@
-"""Weight-only int8/int5/int4 matmuls for a few float32 rows on AVX2 CPUs: y = x @ W.T with W read
-at its stored bits, for the decode steps of a quantized model.
+"""Weight-only int8/int5/int4 matmuls for a few float32 rows on x86 CPUs: y = x @ W.T with W
+read at its stored bits, for the decode steps of a quantized model.
 
-On an AVX2 machine without AVX512, torch's packed kernels (`_weight_int8pack_mm`,
+On a CPU without AMX, torch's packed kernels (`_weight_int8pack_mm`,
 `_weight_int4pack_mm_for_cpu`) fall back to slow code on float32 rows: 1.6 and 2.4 ms for a
 1x576x1536 layer against 0.16 ms for float32 F.linear (docs/quantization.md, "AVX2 GEMV").
-This kernel reads each weight row once for all (up to MAX_ROWS) input rows, widens its
-integers to float32 in registers and sums with FMA; rows of W are split across torch's
-threads. It is C++ built at first use with torch's cpp_extension (g++ -O3 -mavx2 -mfma),
-cached by the source's hash, torch's version and folder under torch's extensions folder (an flock
-held while building; a dead build's lock file is removed); without AVX2+FMA or a compiler,
+This kernel reads each weight row once for all (up to MAX_ROWS) input rows; rows of W are split
+across torch's threads. It has two paths, chosen per call (`uses_vnni()` by default):
+- **AVX2** (`-mavx2 -mfma`): widens the integers to float32 in registers and sums with FMA.
+- **AVX512-VNNI**, where /proc/cpuinfo shows AVX512F/BW/VL/DQ and AVX512_VNNI: quantizes each
+  activation row to int8 per 32 columns (llama.cpp's Q8 activations), multiplies the weight's
+  unsigned bytes by them with `vpdpbusd` (u8 x s8 -> s32) and scales each block's integer sum
+  once; a 4/5-bit weight's minimum is folded in through the activation's block sums. It
+  changes the numerics by that activation rounding (docs/quantization.md, "AVX512-VNNI GEMV").
+  `PDSERVE_CPU_QUANT=avx2` keeps the AVX2 path on such a CPU.
+The C++ (kernels/cpu_quant.cpp) is built at first use with torch's cpp_extension, cached by
+the source's hash, torch's version and folder under torch's extensions folder (an flock held
+while building; a dead build's lock file is removed); without AVX2+FMA or a compiler,
 `available()` is False (logged once) and callers keep torch's kernels.
 
 int8 is torch's layout as QuantizedLinear holds it (values [N, K], one scale per row). int4
@@ -32,6 +39,7 @@ import os
 import time
 from collections.abc import Callable, Iterator
 from functools import cache
+from pathlib import Path
 
 import torch
 
@@ -39,219 +47,18 @@ log = logging.getLogger(__name__)
 
 MAX_ROWS = 8  # input rows one call takes (the C++ side is instantiated for 1..8)
 BLOCK = 32  # int4 columns per scale and minimum
-QUANT_KERNEL_ENV = "PDSERVE_CPU_QUANT"  # "auto" (default) or "off"
+# "auto" (default: AVX512-VNNI where the CPU has it, else AVX2), "avx2" (the AVX2 path only)
+# or "off" (torch's kernels).
+QUANT_KERNEL_ENV = "PDSERVE_CPU_QUANT"
+_KERNEL_MODES = ("auto", "avx2", "off")
 # Seconds to wait for another process's build of the kernel (a cold one takes minutes when loaded).
 BUILD_WAIT_ENV = "PDSERVE_CPU_QUANT_BUILD_WAIT"
 # Rows packed at once: packing a whole tensor made several byte-per-weight temporaries at
 # once, the largest transient of a GGUF load (issue 36's load peak; docs/quantization.md).
 _PACK_ROWS = 64
 
-_SOURCE = r"""
-#include <torch/extension.h>
-#include <ATen/Parallel.h>
-#include <immintrin.h>
-
-namespace {
-
-inline float hsum(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
-}
-
-inline __m256 widen(__m128i bytes8) {  // 8 unsigned bytes (low half) to float32
-  return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(bytes8));
-}
-
-inline __m256 widen_signed(const int8_t* p) {
-  __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
-  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b));
-}
-
-// Sum of x[m, 32 columns] * w[4 vectors], for each of the M rows, into acc[m].
-template <int M>
-inline void dot32(const float* x, int64_t K, const __m256 w[4], __m256 acc[M]) {
-  for (int m = 0; m < M; ++m) {
-    const float* xm = x + m * K;
-    __m256 p = _mm256_mul_ps(_mm256_loadu_ps(xm), w[0]);
-    p = _mm256_fmadd_ps(_mm256_loadu_ps(xm + 8), w[1], p);
-    p = _mm256_fmadd_ps(_mm256_loadu_ps(xm + 16), w[2], p);
-    p = _mm256_fmadd_ps(_mm256_loadu_ps(xm + 24), w[3], p);
-    acc[m] = _mm256_add_ps(acc[m], p);
-  }
-}
-
-template <int M>
-void int8_rows(const float* x, const int8_t* q, const float* scales, float* y,
-               int64_t K, int64_t N, int64_t begin, int64_t end) {
-  const int64_t K32 = K - K % 32;
-  for (int64_t n = begin; n < end; ++n) {
-    const int8_t* row = q + n * K;
-    __m256 acc[M];
-    for (int m = 0; m < M; ++m) acc[m] = _mm256_setzero_ps();
-    for (int64_t k = 0; k < K32; k += 32) {
-      __m256 w[4] = {widen_signed(row + k), widen_signed(row + k + 8),
-                     widen_signed(row + k + 16), widen_signed(row + k + 24)};
-      dot32<M>(x + k, K, w, acc);
-    }
-    for (int m = 0; m < M; ++m) {
-      float s = hsum(acc[m]);
-      for (int64_t k = K32; k < K; ++k) s += x[m * K + k] * float(row[k]);
-      y[m * N + n] = s * scales[n];
-    }
-  }
-}
-
-// 8 values of a 5-bit weight: 8 low nibbles (the low half of `nib`) and their fifth bits
-// (bit i of `bits` for value i), as float32.
-inline __m256 widen5(__m128i nib, uint32_t bits) {
-  const __m256i lanes = _mm256_setr_epi32(1, 2, 4, 8, 16, 32, 64, 128);
-  __m256i set = _mm256_cmpeq_epi32(_mm256_and_si256(_mm256_set1_epi32(bits), lanes), lanes);
-  __m256i v = _mm256_or_si256(_mm256_cvtepu8_epi32(nib),
-                              _mm256_and_si256(set, _mm256_set1_epi32(16)));
-  return _mm256_cvtepi32_ps(v);
-}
-
-// int4 and int5 rows (w = scale * v + minimum per 32 columns): the nibbles, and for int5
-// (HIGH) the fifth bits' plane; S is the scales' type (int4's float32, int5's f16).
-template <int M, bool HIGH, typename S>
-void affine_rows(const float* x, const float* xsum, const uint8_t* q, const uint8_t* high,
-                 const S* scales, const S* mins, float* y, int64_t K, int64_t N,
-                 int64_t begin, int64_t end) {
-  const int64_t B = K / 32;
-  const __m128i low4 = _mm_set1_epi8(0x0F);
-  for (int64_t n = begin; n < end; ++n) {
-    const uint8_t* row = q + n * (K / 2);
-    const S* s = scales + n * B;
-    const S* mn = mins + n * B;
-    __m256 acc[M];
-    float offset[M];
-    for (int m = 0; m < M; ++m) { acc[m] = _mm256_setzero_ps(); offset[m] = 0.f; }
-    for (int64_t b = 0; b < B; ++b) {
-      __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + b * 16));
-      __m128i lo = _mm_and_si128(bytes, low4);
-      __m128i hi = _mm_and_si128(_mm_srli_epi16(bytes, 4), low4);
-      __m256 w[4];
-      if constexpr (HIGH) {
-        const uint8_t* h = high + n * (K / 8) + b * 4;
-        w[0] = widen5(lo, h[0]); w[1] = widen5(_mm_srli_si128(lo, 8), h[1]);
-        w[2] = widen5(hi, h[2]); w[3] = widen5(_mm_srli_si128(hi, 8), h[3]);
-      } else {
-        w[0] = widen(lo); w[1] = widen(_mm_srli_si128(lo, 8));
-        w[2] = widen(hi); w[3] = widen(_mm_srli_si128(hi, 8));
-      }
-      __m256 part[M];
-      for (int m = 0; m < M; ++m) part[m] = _mm256_setzero_ps();
-      dot32<M>(x + b * 32, K, w, part);
-      const __m256 scale = _mm256_set1_ps(float(s[b]));
-      const float minimum = float(mn[b]);
-      for (int m = 0; m < M; ++m) {
-        acc[m] = _mm256_fmadd_ps(scale, part[m], acc[m]);
-        offset[m] += minimum * xsum[m * B + b];
-      }
-    }
-    for (int m = 0; m < M; ++m) y[m * N + n] = hsum(acc[m]) + offset[m];
-  }
-}
-
-template <typename F>
-void over_rows(int64_t N, int64_t K, F f) {
-  // About 64 KiB of weights per task, so small layers stay on one thread.
-  const int64_t grain = std::max<int64_t>(16, (int64_t(1) << 16) / std::max<int64_t>(K, 1));
-  at::parallel_for(0, N, grain, f);
-}
-
-void check(const torch::Tensor& x, const torch::Tensor& q, int64_t K) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat && x.is_contiguous(),
-              "x must be contiguous float32 [M, K]");
-  TORCH_CHECK(x.size(0) >= 1 && x.size(0) <= 8, "x must have 1 to 8 rows, not ", x.size(0));
-  TORCH_CHECK(x.size(1) == K, "x has ", x.size(1), " columns, the weight ", K);
-  TORCH_CHECK(q.is_contiguous(), "the weight must be contiguous");
-}
-
-}  // namespace
-
-torch::Tensor int8_mm(torch::Tensor x, torch::Tensor q, torch::Tensor scales) {
-  TORCH_CHECK(q.dim() == 2 && q.scalar_type() == torch::kChar, "q must be int8 [N, K]");
-  const int64_t N = q.size(0), K = q.size(1), M = x.size(0);
-  check(x, q, K);
-  TORCH_CHECK(scales.scalar_type() == torch::kFloat && scales.is_contiguous() &&
-              scales.numel() == N, "scales must be float32 [N]");
-  auto y = torch::empty({M, N}, x.options());
-  const float* xp = x.data_ptr<float>();
-  const int8_t* qp = q.data_ptr<int8_t>();
-  const float* sp = scales.data_ptr<float>();
-  float* yp = y.data_ptr<float>();
-  over_rows(N, K, [&](int64_t b, int64_t e) {
-    switch (M) {
-#define ROWS(R) case R: int8_rows<R>(xp, qp, sp, yp, K, N, b, e); break;
-      ROWS(1) ROWS(2) ROWS(3) ROWS(4) ROWS(5) ROWS(6) ROWS(7) ROWS(8)
-#undef ROWS
-    }
-  });
-  return y;
-}
-
-torch::Tensor int4_mm(torch::Tensor x, torch::Tensor q, torch::Tensor scales,
-                      torch::Tensor mins) {
-  TORCH_CHECK(q.dim() == 2 && q.scalar_type() == torch::kByte, "q must be uint8 [N, K/2]");
-  const int64_t N = q.size(0), K = q.size(1) * 2, M = x.size(0), B = K / 32;
-  check(x, q, K);
-  TORCH_CHECK(K % 32 == 0, "int4 K must be a multiple of 32, not ", K);
-  for (const auto& t : {scales, mins}) {
-    TORCH_CHECK(t.scalar_type() == torch::kFloat && t.is_contiguous() && t.dim() == 2 &&
-                t.size(0) == N && t.size(1) == B, "scales and mins must be float32 [N, K/32]");
-  }
-  auto xsum = x.view({M, B, 32}).sum(2).contiguous();  // each block's sum of x, for mins
-  auto y = torch::empty({M, N}, x.options());
-  const float* xp = x.data_ptr<float>();
-  const float* xs = xsum.data_ptr<float>();
-  const uint8_t* qp = q.data_ptr<uint8_t>();
-  const float* sp = scales.data_ptr<float>();
-  const float* mp = mins.data_ptr<float>();
-  float* yp = y.data_ptr<float>();
-  over_rows(N, K, [&](int64_t b, int64_t e) {
-    switch (M) {
-#define ROWS(R) case R: affine_rows<R, false>(xp, xs, qp, nullptr, sp, mp, yp, K, N, b, e); break;
-      ROWS(1) ROWS(2) ROWS(3) ROWS(4) ROWS(5) ROWS(6) ROWS(7) ROWS(8)
-#undef ROWS
-    }
-  });
-  return y;
-}
-
-torch::Tensor int5_mm(torch::Tensor x, torch::Tensor q, torch::Tensor high,
-                      torch::Tensor scales, torch::Tensor mins) {
-  TORCH_CHECK(q.dim() == 2 && q.scalar_type() == torch::kByte, "q must be uint8 [N, K/2]");
-  const int64_t N = q.size(0), K = q.size(1) * 2, M = x.size(0), B = K / 32;
-  check(x, q, K);
-  TORCH_CHECK(K % 32 == 0, "int5 K must be a multiple of 32, not ", K);
-  TORCH_CHECK(high.scalar_type() == torch::kByte && high.is_contiguous() && high.dim() == 2 &&
-              high.size(0) == N && high.size(1) == K / 8, "high bits must be uint8 [N, K/8]");
-  for (const auto& t : {scales, mins}) {
-    TORCH_CHECK(t.scalar_type() == torch::kHalf && t.is_contiguous() && t.dim() == 2 &&
-                t.size(0) == N && t.size(1) == B, "scales and mins must be float16 [N, K/32]");
-  }
-  auto xsum = x.view({M, B, 32}).sum(2).contiguous();
-  auto y = torch::empty({M, N}, x.options());
-  const float* xp = x.data_ptr<float>();
-  const float* xs = xsum.data_ptr<float>();
-  const uint8_t* qp = q.data_ptr<uint8_t>();
-  const uint8_t* hp = high.data_ptr<uint8_t>();
-  const at::Half* sp = scales.data_ptr<at::Half>();
-  const at::Half* mp = mins.data_ptr<at::Half>();
-  float* yp = y.data_ptr<float>();
-  over_rows(N, K, [&](int64_t b, int64_t e) {
-    switch (M) {
-#define ROWS(R) case R: affine_rows<R, true>(xp, xs, qp, hp, sp, mp, yp, K, N, b, e); break;
-      ROWS(1) ROWS(2) ROWS(3) ROWS(4) ROWS(5) ROWS(6) ROWS(7) ROWS(8)
-#undef ROWS
-    }
-  });
-  return y;
-}
-"""
+# The C++ source, shipped beside this file (pyproject's package-data); its hash names the build.
+_SOURCE = Path(__file__).with_name("cpu_quant.cpp").read_text(encoding="utf-8")
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -346,32 +153,100 @@ def unpack_rows(pack: Int4Pack | Int5Pack, rows: Rows) -> torch.Tensor:
     return w.view(count, blocks * BLOCK)
 
 
-def int8_mm(x: torch.Tensor, values: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    """x [M <= MAX_ROWS, K] float32 @ (values [N, K] int8 * scales [N] float32).T."""
-    return _module().int8_mm(x, values, scales)
+def int8_mm(
+    x: torch.Tensor, values: torch.Tensor, scales: torch.Tensor, vnni: bool | None = None
+) -> torch.Tensor:
+    """x [M <= MAX_ROWS, K] float32 @ (values [N, K] int8 * scales [N] float32).T; `vnni`
+    picks the path (default `uses_vnni()`; K off a multiple of 32 takes AVX2's)."""
+    if torch.compiler.is_compiling():
+        return torch.ops.pdserve.cpu_int8_mm(x, values, scales, _path(vnni))
+    return _module().int8_mm(x, values, scales, _path(vnni))
 
 
-def int4_mm(x: torch.Tensor, pack: Int4Pack) -> torch.Tensor:
+def int4_mm(x: torch.Tensor, pack: Int4Pack, vnni: bool | None = None) -> torch.Tensor:
     """x [M <= MAX_ROWS, K] float32 @ the packed weight.T."""
-    return _module().int4_mm(x, pack.nibbles, pack.scales, pack.mins)
+    args = (x, pack.nibbles, pack.scales, pack.mins, _path(vnni))
+    if torch.compiler.is_compiling():
+        return torch.ops.pdserve.cpu_int4_mm(*args)
+    return _module().int4_mm(*args)
 
 
-def int5_mm(x: torch.Tensor, pack: Int5Pack) -> torch.Tensor:
+def int5_mm(x: torch.Tensor, pack: Int5Pack, vnni: bool | None = None) -> torch.Tensor:
     """x [M <= MAX_ROWS, K] float32 @ the 5-bit packed weight.T."""
-    return _module().int5_mm(x, pack.nibbles, pack.high, pack.scales, pack.mins)
+    args = (x, pack.nibbles, pack.high, pack.scales, pack.mins, _path(vnni))
+    if torch.compiler.is_compiling():
+        return torch.ops.pdserve.cpu_int5_mm(*args)
+    return _module().int5_mm(*args)
 
 
-def cpu_has_avx2_fma() -> bool:
-    """Whether this CPU has AVX2 and FMA (Linux's /proc/cpuinfo; False where it is absent)."""
+# The three as ops a traced graph holds (torch.compile, export): defined through
+# torch.library.Library as pdserve::packed_linear is (a cheaper dispatch than the custom_op
+# decorator's), each with a fake giving the output's shape. Eager calls skip the dispatcher.
+# A compiled caller passes `vnni` itself (QuantizedLinear.vnni): `uses_vnni` reads the CPU.
+_LIB = torch.library.Library("pdserve", "FRAGMENT")
+_LIB.define("cpu_int8_mm(Tensor x, Tensor values, Tensor scales, bool vnni) -> Tensor")
+_LIB.define(
+    "cpu_int4_mm(Tensor x, Tensor nibbles, Tensor scales, Tensor mins, bool vnni) -> Tensor"
+)
+_LIB.define(
+    "cpu_int5_mm(Tensor x, Tensor nibbles, Tensor high, Tensor scales, Tensor mins, bool vnni)"
+    " -> Tensor"
+)
+for _name in ("int8_mm", "int4_mm", "int5_mm"):
+    _LIB.impl(
+        f"cpu_{_name}",
+        lambda *args, _name=_name: getattr(_module(), _name)(*args),
+        "CompositeExplicitAutograd",
+    )
+
+
+@torch.library.register_fake("pdserve::cpu_int8_mm")
+@torch.library.register_fake("pdserve::cpu_int4_mm")
+@torch.library.register_fake("pdserve::cpu_int5_mm")
+def _gemv_fake(x: torch.Tensor, weight: torch.Tensor, *_: object) -> torch.Tensor:
+    """[M, N]: x's rows by the weight's (int8 values, or nibbles) rows."""
+    return x.new_empty(x.shape[0], weight.shape[0])
+
+
+def _path(vnni: bool | None) -> bool:
+    return uses_vnni() if vnni is None else vnni
+
+
+@cache
+def cpu_flags() -> frozenset[str]:
+    """This CPU's flags (Linux's /proc/cpuinfo; empty where it is absent)."""
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
                 if line.startswith("flags"):
-                    flags = set(line.split(":", 1)[1].split())
-                    return {"avx2", "fma"} <= flags
+                    return frozenset(line.split(":", 1)[1].split())
     except OSError:
         pass
-    return False
+    return frozenset()
+
+
+def cpu_has_avx2_fma() -> bool:
+    """Whether this CPU has AVX2 and FMA."""
+    return {"avx2", "fma"} <= cpu_flags()
+
+
+def cpu_has_avx512_vnni() -> bool:
+    """Whether this CPU has what the VNNI path's instructions need."""
+    return {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni"} <= cpu_flags()
+
+
+def _kernel_mode() -> str:
+    mode = os.environ.get(QUANT_KERNEL_ENV, "auto")
+    if mode not in _KERNEL_MODES:
+        raise ValueError(f"{QUANT_KERNEL_ENV}={mode!r}: expected one of {', '.join(_KERNEL_MODES)}")
+    return mode
+
+
+@cache
+def uses_vnni() -> bool:
+    """Whether calls take the AVX512-VNNI path by default: the CPU has it and
+    $PDSERVE_CPU_QUANT is not avx2."""
+    return _kernel_mode() != "avx2" and cpu_has_avx512_vnni()
 
 
 @cache
@@ -379,7 +254,7 @@ def available() -> bool:
     """Whether the kernel runs here: $PDSERVE_CPU_QUANT is not off, the CPU has AVX2+FMA and
     the C++ source compiled (once per process; the build is cached across processes). Logs
     why not, once."""
-    if os.environ.get(QUANT_KERNEL_ENV, "auto") == "off":
+    if _kernel_mode() == "off":
         log.info("cpu quant kernel: off (%s=off): torch's weight-only kernels", QUANT_KERNEL_ENV)
         return False
     if not cpu_has_avx2_fma():
@@ -390,6 +265,7 @@ def available() -> bool:
     except Exception as exc:  # no compiler, or it failed: torch's kernels serve instead
         log.warning("cpu quant kernel: build failed (%s): torch's weight-only kernels", exc)
         return False
+    log.info("cpu quant kernel: the %s path", "AVX512-VNNI" if uses_vnni() else "AVX2")
     return True
 
 

@@ -1,6 +1,7 @@
-"""The AVX2 int8/int4 GEMV (kernels/cpu_quant.py) against float32 F.linear and torch's packed
-weight-only kernels, per SmolLM2 shape and row count, at one thread by default
-(docs/quantization.md, "AVX2 GEMV"):
+"""The int8/int4 GEMV (kernels/cpu_quant.py), its AVX2 path and (where the CPU has it) its
+AVX512-VNNI one, against float32 F.linear and torch's packed weight-only kernels, per SmolLM2
+shape and row count, at one thread by default (docs/quantization.md, "AVX2 GEMV" and
+"AVX512-VNNI GEMV"):
 
     PYTHONPATH=. python scripts/cpu_quant_bench.py [--threads 1] [--rows 1 4 8] [--repeats 5]
 
@@ -27,6 +28,8 @@ from pdserve.kernels import cpu_quant
 # (out, in): SmolLM2-135M's q/o, k/v, gate/up, down and its tied head.
 SHAPES = [(576, 576), (192, 576), (1536, 576), (576, 1536), (49152, 576)]
 _COPIES_BYTES = 64 * 1024**2  # float32 bytes of weight copies cycled per measurement
+# The GEMV's paths measured: AVX2's, and AVX512-VNNI's where this CPU has it.
+PATHS = [False] + ([True] if cpu_quant.cpu_has_avx512_vnni() else [])
 
 
 def per_call_ms(fns: list[Callable[[], torch.Tensor]], repeats: int) -> float:
@@ -52,10 +55,14 @@ def layers(out: int, cols: int) -> dict[str, list[Callable[..., torch.Tensor]]]:
         pack = cpu_quant.pack_int4(q4.values, q4.scales, q4.zeros, q4.group_size)
         torch8 = QuantizedLinear(q8, scale_dtype=torch.float32, dense=False)
         kinds.setdefault("f32 F.linear", []).append(lambda x, w=w: F.linear(x, w))
-        kinds.setdefault("ours int8", []).append(
-            lambda x, q=q8.values, s=s8: cpu_quant.int8_mm(x, q, s)
-        )
-        kinds.setdefault("ours int4", []).append(lambda x, p=pack: cpu_quant.int4_mm(x, p))
+        for vnni in PATHS:
+            name = "vnni" if vnni else "avx2"
+            kinds.setdefault(f"ours int8 {name}", []).append(
+                lambda x, q=q8.values, s=s8, v=vnni: cpu_quant.int8_mm(x, q, s, v)
+            )
+            kinds.setdefault(f"ours int4 {name}", []).append(
+                lambda x, p=pack, v=vnni: cpu_quant.int4_mm(x, p, v)
+            )
         kinds.setdefault("torch int8", []).append(
             lambda x, m=torch8: torch.ops.aten._weight_int8pack_mm(x, m.qweight, m.scales)
         )
@@ -75,7 +82,7 @@ def main() -> None:
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     if not cpu_quant.available():
-        raise SystemExit("the AVX2 kernel is not available here (see the log)")
+        raise SystemExit("the GEMV is not available here (see the log)")
     for out, cols in SHAPES:
         kinds = layers(out, cols)
         for rows in args.rows:

@@ -1,7 +1,8 @@
 """Weight-only quantized linear layers: weights stay int8 or int4 in memory and the matmul runs
 through torch's own packed CPU kernels (`_weight_int8pack_mm`, `_weight_int4pack_mm_for_cpu`),
 or, on AVX2 CPUs, up to 8 rows through kernels/cpu_quant.py's GEMV (6-40x faster than torch's
-there on float32 rows), which holds int4 in a layout of its own instead of torch's.
+there on float32 rows; integer dot products on AVX512-VNNI), which holds int4 in a layout of
+its own instead of torch's.
 
 A weight goes through two forms. `QuantizedWeight` is the plain one (integers, scales, zeros,
 one row per output feature) that GGUF blocks and float weights convert to and that a
@@ -269,6 +270,7 @@ class QuantizedLinear(nn.Module):
         # The AVX2 kernel (kernels/cpu_quant.py) serves float32 rows, and int4/int5 rows of
         # any dtype once the weight is held in its layout (torch's int4 packing is not kept).
         self.gemv = cpu_quant.available()
+        self.vnni = self.gemv and cpu_quant.uses_vnni()  # a plain bool: a traced graph reads it
         self.register_buffer("mins", None)  # int4/int5 in the AVX2 kernel's layout only
         self.register_buffer("qhigh", None)  # int5's fifth bits
         if self.bits == 5 or (self.bits == 4 and self.gemv):
@@ -360,7 +362,7 @@ class QuantizedLinear(nn.Module):
         fused.out_features = sum(m.out_features for m in layers)
         dense = [m.dense_rows for m in layers]
         fused.dense_rows = None if None in dense else max(dense)
-        fused.gemv = first.gemv
+        fused.gemv, fused.vnni = first.gemv, first.vnni
         rows = 1 if torch_int4 else 0  # torch's int4 scales are [groups, out, 2]
         fused.register_buffer("qweight", torch.cat([m.qweight for m in layers]))
         fused.register_buffer("scales", torch.cat([m.scales for m in layers], dim=rows))
@@ -416,10 +418,10 @@ class QuantizedLinear(nn.Module):
 
     def _gemv_rows(self, x: torch.Tensor) -> torch.Tensor:
         if self.bits == 8:
-            return cpu_quant.int8_mm(x, self.qweight, self.scales.float())
+            return cpu_quant.int8_mm(x, self.qweight, self.scales.float(), self.vnni)
         if self.bits == 5:
-            return cpu_quant.int5_mm(x, self._pack())
-        return cpu_quant.int4_mm(x, self._pack())
+            return cpu_quant.int5_mm(x, self._pack(), self.vnni)
+        return cpu_quant.int4_mm(x, self._pack(), self.vnni)
 
     def _pack(self) -> cpu_quant.Int4Pack | cpu_quant.Int5Pack:
         """The weight as the AVX2 kernel's int4 or int5 layout (held so, `mins` set)."""

@@ -1,4 +1,6 @@
-"""The AVX2 int8/int5/int4 GEMV (kernels/cpu_quant.py) against dequantize-then-matmul in float32."""
+"""The int8/int5/int4 GEMV (kernels/cpu_quant.py) against dequantize-then-matmul in float32, on
+the AVX2 path and, where the CPU has it, the AVX512-VNNI one (its activation rounded to int8 per
+32 columns in the reference as the kernel rounds it)."""
 
 from __future__ import annotations
 
@@ -12,7 +14,7 @@ import sys
 import pytest
 import torch
 
-from pdserve.common.model.quant import quantize_int4, quantize_int8
+from pdserve.common.model.quant import QuantizedLinear, quantize_int4, quantize_int8
 from pdserve.kernels import cpu_quant
 
 pytestmark = [
@@ -29,31 +31,64 @@ INT4_CASES = [(48, 64, 32), (48, 64, 64), (17, 32, 32), (576, 576, 32), (576, 57
 INT4_CASES += [(192, 1536, 128), (40, 96, 32)]
 
 
+# The kernel's paths this CPU runs: AVX2 (False) everywhere, AVX512-VNNI (True) where it has it.
+PATHS = [False] + ([True] if cpu_quant.cpu_has_avx512_vnni() else [])
+path = pytest.mark.parametrize("vnni", PATHS, ids=lambda v: "vnni" if v else "avx2")
+
+
+def _q8(x: torch.Tensor) -> torch.Tensor:
+    """x's rows as the VNNI path reads them: int8 per 32 columns (scale amax / 127, rounded to
+    nearest even), back in float32."""
+    rows, cols = x.shape
+    blocks = x.view(rows, cols // 32, 32)
+    amax = blocks.abs().amax(2, keepdim=True)
+    inv = torch.where(amax > 0, 127 / amax, torch.zeros_like(amax))
+    return (torch.round(blocks * inv) * (amax / 127)).view(rows, cols)
+
+
+def _want(
+    x: torch.Tensor, weight: torch.Tensor, vnni: bool, mins: torch.Tensor | None = None
+) -> torch.Tensor:
+    """x @ weight.T as a path computes it: on VNNI's, x rounded by `_q8`, except in the term of
+    the minimums (w = scale * v + minimum per 32 columns), which take x's exact block sums."""
+    if not vnni:
+        return x @ weight.T
+    if mins is None:
+        return _q8(x) @ weight.T
+    spread = mins.float().repeat_interleave(32, dim=1)
+    return _q8(x) @ (weight - spread).T + x @ spread.T
+
+
 def _close(got: torch.Tensor, want: torch.Tensor) -> None:
     # float32 sums in another order: relative to the size of the terms summed.
     tol = 1e-5 * want.abs().max().item() + 1e-5
     torch.testing.assert_close(got, want, rtol=1e-4, atol=tol)
 
 
+@path
 @pytest.mark.parametrize("shape", INT8_SHAPES)
 @pytest.mark.parametrize("rows", range(1, cpu_quant.MAX_ROWS + 1))
-def test_int8_equals_the_dequantized_matmul(shape: tuple[int, int], rows: int) -> None:
+def test_int8_equals_the_dequantized_matmul(shape: tuple[int, int], rows: int, vnni: bool) -> None:
     gen = torch.Generator().manual_seed(rows * 1000 + shape[1])
     n, k = shape
     weight = quantize_int8(torch.randn(n, k, generator=gen))
     x = torch.randn(rows, k, generator=gen)
-    got = cpu_quant.int8_mm(x, weight.values, weight.scales[:, 0].contiguous())
-    _close(got, x @ weight.dequantize().T)
+    got = cpu_quant.int8_mm(x, weight.values, weight.scales[:, 0].contiguous(), vnni)
+    # K off a multiple of 32 (no model's) takes the AVX2 path on either
+    _close(got, _want(x, weight.dequantize(), vnni and k % 32 == 0))
 
 
+@path
 @pytest.mark.parametrize(("n", "k", "group"), INT4_CASES)
 @pytest.mark.parametrize("rows", [1, 2, 3, 5, 8])
-def test_int4_equals_the_dequantized_matmul(n: int, k: int, group: int, rows: int) -> None:
+def test_int4_equals_the_dequantized_matmul(
+    n: int, k: int, group: int, rows: int, vnni: bool
+) -> None:
     gen = torch.Generator().manual_seed(rows * 1000 + k + group)
     weight = quantize_int4(torch.randn(n, k, generator=gen) + 0.3, group)
     x = torch.randn(rows, k, generator=gen)
     pack = cpu_quant.pack_int4(weight.values, weight.scales, weight.zeros, group)
-    _close(cpu_quant.int4_mm(x, pack), x @ weight.dequantize().T)
+    _close(cpu_quant.int4_mm(x, pack, vnni), _want(x, weight.dequantize(), vnni, pack.mins))
     torch.testing.assert_close(cpu_quant.unpack_int4(pack), weight.dequantize())
     torch.testing.assert_close(cpu_quant.unpack_int4(pack, 5, 9), weight.dequantize()[5:9])
 
@@ -71,35 +106,38 @@ def _int5(n: int, k: int, seed: int) -> tuple[torch.Tensor, cpu_quant.Int5Pack]:
     return groups.view(n, k), pack
 
 
+@path
 @pytest.mark.parametrize(("n", "k"), [(48, 64), (17, 32), (576, 576), (192, 896)])
 @pytest.mark.parametrize("rows", [1, 2, 3, 5, 8])
-def test_int5_equals_the_dequantized_matmul(n: int, k: int, rows: int) -> None:
+def test_int5_equals_the_dequantized_matmul(n: int, k: int, rows: int, vnni: bool) -> None:
     weight, pack = _int5(n, k, rows * 1000 + k)
     x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows))
-    _close(cpu_quant.int5_mm(x, pack), x @ weight.T)
+    _close(cpu_quant.int5_mm(x, pack, vnni), _want(x, weight, vnni, pack.mins))
     torch.testing.assert_close(cpu_quant.unpack_rows(pack, slice(None)), weight)
     index = torch.tensor([5, 0, 5, n - 1])
     torch.testing.assert_close(cpu_quant.unpack_rows(pack, index), weight[index])
 
 
-def test_int5_reads_each_column_with_its_fifth_bit() -> None:
-    """One-hot inputs read single columns: a fifth bit on the wrong column moves a value by
-    16 steps."""
-    weight, pack = _int5(64, 64, 7)
-    for first in (0, 8, 16, 24, 32, 56):
-        eye = torch.eye(64)[first : first + 8].contiguous()
-        torch.testing.assert_close(cpu_quant.int5_mm(eye, pack), weight[:, first : first + 8].T)
+@path
+def test_int5_reads_each_column_with_its_fifth_bit(vnni: bool) -> None:
+    """One-hot inputs read single columns (int8 holds them exactly): a fifth bit on the wrong
+    column moves a value by 16 steps."""
+    weight, pack = _int5(64, 96, 7)  # three blocks: a pair and the odd one VNNI takes alone
+    for first in (0, 8, 16, 24, 32, 56, 64, 88):
+        eye = torch.eye(96)[first : first + 8].contiguous()
+        got = cpu_quant.int5_mm(eye, pack, vnni)
+        torch.testing.assert_close(got, weight[:, first : first + 8].T)
 
 
 def test_int5_refuses_misshapen_planes() -> None:
     _, pack = _int5(16, 64, 1)
     with pytest.raises(RuntimeError, match="high bits"):
         cpu_quant._module().int5_mm(
-            torch.randn(1, 64), pack.nibbles, pack.high[:, :4], pack.scales, pack.mins
+            torch.randn(1, 64), pack.nibbles, pack.high[:, :4], pack.scales, pack.mins, False
         )
     with pytest.raises(RuntimeError, match="float16"):
         cpu_quant._module().int5_mm(
-            torch.randn(1, 64), pack.nibbles, pack.high, pack.scales.float(), pack.mins
+            torch.randn(1, 64), pack.nibbles, pack.high, pack.scales.float(), pack.mins, False
         )
     with pytest.raises(ValueError, match="multiple of 32"):
         cpu_quant.pack_int5(
@@ -107,14 +145,16 @@ def test_int5_refuses_misshapen_planes() -> None:
         )
 
 
-def test_each_output_row_is_its_own_weight_row() -> None:
-    """A one-hot input reads single columns: catches a swapped nibble or row offset that a
+@path
+def test_each_output_row_is_its_own_weight_row(vnni: bool) -> None:
+    """One-hot inputs read single columns: catches a swapped nibble or row offset that a
     random comparison at loose tolerance could blur."""
-    weight = quantize_int4(torch.randn(64, 64, generator=torch.Generator().manual_seed(3)))
+    weight = quantize_int4(torch.randn(64, 96, generator=torch.Generator().manual_seed(3)))
     pack = cpu_quant.pack_int4(weight.values, weight.scales, weight.zeros, 32)
-    eye = torch.eye(64)[:8]
-    want = weight.dequantize()[:, :8].T
-    torch.testing.assert_close(cpu_quant.int4_mm(eye.contiguous(), pack), want)
+    for first in (0, 16, 40, 64, 88):
+        eye = torch.eye(96)[first : first + 8].contiguous()
+        want = weight.dequantize()[:, first : first + 8].T
+        torch.testing.assert_close(cpu_quant.int4_mm(eye, pack, vnni), want)
 
 
 @pytest.mark.parametrize(
@@ -126,10 +166,11 @@ def test_each_output_row_is_its_own_weight_row() -> None:
         (torch.randn(64, 2).T, "contiguous"),
     ],
 )
-def test_bad_input_gets_a_clear_error(x: torch.Tensor, message: str) -> None:
+@path
+def test_bad_input_gets_a_clear_error(x: torch.Tensor, message: str, vnni: bool) -> None:
     weight = quantize_int8(torch.randn(16, 64))
     with pytest.raises(RuntimeError, match=message):
-        cpu_quant.int8_mm(x, weight.values, weight.scales[:, 0].contiguous())
+        cpu_quant.int8_mm(x, weight.values, weight.scales[:, 0].contiguous(), vnni)
 
 
 def test_pack_refuses_groups_off_the_block() -> None:
@@ -152,6 +193,27 @@ def test_off_or_without_avx2_it_is_unavailable(monkeypatch: pytest.MonkeyPatch) 
         assert cpu_quant.available()
     finally:
         cpu_quant.available.cache_clear()
+
+
+def test_the_path_follows_the_cpu_and_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    """VNNI by default where the CPU has it; PDSERVE_CPU_QUANT=avx2 forces AVX2 (both paths
+    stay testable on an AVX512 box); a misspelt value is refused by name."""
+    cpu_quant.uses_vnni.cache_clear()
+    try:
+        monkeypatch.delenv(cpu_quant.QUANT_KERNEL_ENV, raising=False)
+        assert cpu_quant.uses_vnni() == cpu_quant.cpu_has_avx512_vnni()
+        cpu_quant.uses_vnni.cache_clear()
+        monkeypatch.setenv(cpu_quant.QUANT_KERNEL_ENV, "avx2")
+        assert not cpu_quant.uses_vnni()
+        cpu_quant.uses_vnni.cache_clear()
+        monkeypatch.setenv(cpu_quant.QUANT_KERNEL_ENV, "avx512")
+        with pytest.raises(ValueError, match="PDSERVE_CPU_QUANT='avx512'"):
+            cpu_quant.uses_vnni()
+        monkeypatch.setattr(cpu_quant, "cpu_flags", lambda: frozenset({"avx2", "fma"}))
+        monkeypatch.setenv(cpu_quant.QUANT_KERNEL_ENV, "auto")
+        assert not cpu_quant.uses_vnni()
+    finally:
+        cpu_quant.uses_vnni.cache_clear()
 
 
 def test_the_build_name_follows_torch_version_and_folder() -> None:
@@ -192,3 +254,28 @@ def test_the_kernel_loads_past_a_stale_lock_in_its_build_folder() -> None:
     # before build_lock this waited on the lock file forever: the timeout makes that a failure
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
     assert not pathlib.Path(build_dir, "lock").exists()
+
+
+@path
+def test_the_ops_trace_into_one_compiled_graph(vnni: bool) -> None:
+    """A module of int8, int4 and int5 layers on the GEMV compiles with fullgraph=True (no
+    graph break: a compiled step can hold the GGUF path's linears) and gives eager's output;
+    opcheck holds each op's fake to its kernel."""
+    gen = torch.Generator().manual_seed(11)
+    weight8 = quantize_int8(torch.randn(96, 96, generator=gen))
+    weight4 = quantize_int4(torch.randn(96, 96, generator=gen))
+    _, pack5 = _int5(96, 96, 5)
+    layers = [QuantizedLinear(w, scale_dtype=torch.float32) for w in (weight8, weight4, pack5)]
+    for layer in layers:
+        layer.vnni = vnni
+    model = torch.nn.Sequential(*layers)
+    x = torch.randn(3, 96, generator=gen)
+    compiled = torch.compile(model, backend="aot_eager", fullgraph=True)
+    torch.testing.assert_close(compiled(x), model(x))
+    ops = [
+        (torch.ops.pdserve.cpu_int8_mm, (x, weight8.values, weight8.scales[:, 0].contiguous())),
+        (torch.ops.pdserve.cpu_int4_mm, (x, layers[1].qweight, layers[1].scales, layers[1].mins)),
+        (torch.ops.pdserve.cpu_int5_mm, (x, pack5.nibbles, pack5.high, pack5.scales, pack5.mins)),
+    ]
+    for op, args in ops:
+        torch.library.opcheck(op.default, (*args, vnni))
