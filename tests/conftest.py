@@ -7,6 +7,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -185,12 +186,21 @@ def _stop_launcher(config: pytest.Config) -> None:
 
 
 def _stop(proc: subprocess.Popen, timeout: float) -> None:
+    """Stop proc, SIGKILL after timeout. Never raises at the session's end: a killed launcher
+    at nice 19 on a loaded machine took over 10 s to exit (freeing its memory), and the
+    TimeoutExpired ended that run without its summary (the durations and CPU times lost)."""
     proc.terminate()
     try:
         proc.wait(timeout)
     except subprocess.TimeoutExpired:
         proc.kill()
-        proc.wait(timeout)
+        try:
+            proc.wait(KILLED_EXIT_S)
+        except subprocess.TimeoutExpired:
+            warnings.warn(f"pid {proc.pid} not gone {KILLED_EXIT_S} s after SIGKILL", stacklevel=1)
+
+
+KILLED_EXIT_S = 120.0
 
 
 def pytest_sessionfinish(session: pytest.Session) -> None:

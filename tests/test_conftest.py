@@ -1,8 +1,11 @@
-"""tests/conftest.py's order for pytest-xdist workers: each module one xdist group (a worker
+"""tests/conftest.py: its order for pytest-xdist workers: each module one xdist group (a worker
 runs it whole, so its module fixtures are built once), a module's own group kept, background
-readers first, then the slow folders, each otherwise in collection order."""
+readers first, then the slow folders, each otherwise in collection order; and its stop of the
+launcher and background runs at the session's end, which never raises."""
 
 from __future__ import annotations
+
+import subprocess
 
 import pytest
 
@@ -55,3 +58,30 @@ def test_modules_are_groups_and_slow_folders_go_first(pytester: pytest.Pytester)
         "test_d1": "tests/bench/test_d.py",
         "test_d2": "tests/bench/test_d.py",
     }
+
+
+class _NeverExits:
+    """A child whose every wait times out (a killed launcher still freeing its memory)."""
+
+    pid = 4242
+
+    def __init__(self) -> None:
+        self.signals: list[str] = []
+
+    def terminate(self) -> None:
+        self.signals.append("TERM")
+
+    def kill(self) -> None:
+        self.signals.append("KILL")
+
+    def wait(self, timeout: float) -> int:
+        raise subprocess.TimeoutExpired("child", timeout)
+
+
+def test_a_child_slow_to_exit_is_killed_and_warned_about_not_raised() -> None:
+    """The session's end stops the launcher and background runs with _stop: a raise there
+    ended a run without its summary."""
+    child = _NeverExits()
+    with pytest.warns(UserWarning, match="pid 4242 not gone"):
+        conftest._stop(child, 0.01)  # type: ignore[arg-type]
+    assert child.signals == ["TERM", "KILL"]
