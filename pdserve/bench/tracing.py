@@ -4,13 +4,15 @@ tracing off in the same run.
 Three local deployments of `--model` (router + `--prefill` prefill and `--decode` decode
 nodes each): tracing off (no endpoint: nothing of the SDK imported), a `--trace-sample-ratio`
 0.1 sample, and every request traced. The traced ones' router and nodes export to an OTLP/HTTP
-receiver this process runs, which reads every batch and drops it (a collector on the same host
-would take the same batches). Each round drives each deployment in turn with the same closed
+receiver in a process of its own (`common/tracing_receiver.py`: the load generator shares no
+interpreter with it), which reads every batch and drops it (a collector on the same host would
+take the same batches). Each round drives each deployment in turn with the same closed
 loop (`--concurrency` streams, each sending its next request when its last one ended, for
 `--duration` s), in an order that rotates by round, so that no setting always runs first;
 the idle deployments wait meanwhile. Reported per setting: output tokens/s of the requests
-that ended within the window, its median over rounds and its ratio to tracing off, and the
-spans the receiver got.
+that ended within the window and the CPU ms per request of the router and each node (from
+/proc: what the neighbours' load moves least), their medians over rounds and ratios to tracing
+off, and the batches the receiver got.
 """
 
 from __future__ import annotations
