@@ -210,31 +210,42 @@ def test_layout_mismatch_is_refused_with_a_clear_error(model_dir):
         c.stop()
 
 
-def test_openai_client_and_demo_against_1p1d(model_dir, capsys):
-    from openai import OpenAI
+def test_openai_client_and_demo_against_1p1d(model_dir, capsys, monkeypatch):
+    """The openai client's completions and chats, whole and streamed, then `run_demo`'s own
+    questions, on one 1P1D deployment: the demo's (`demo.deployment`), checked before the demo
+    asks (a second cluster for the client alone cost a start and a model load per node)."""
+    from pdserve import demo
 
-    from pdserve.demo import COMPLETIONS, QUESTIONS, run_demo
+    real_deployment = demo.deployment
 
-    with LocalCluster(model_dir, 1, 1, engine_args=ENGINE) as c:
-        client = OpenAI(base_url=c.url + "/v1", api_key="unused", timeout=60)
-        name = client.models.list().data[0].id
-        fields = dict(model=name, max_tokens=6, temperature=0)
-        ask = dict(prompt="hello there", extra_body={"ignore_eos": True}, **fields)
-        whole = client.completions.create(**ask)
-        pieces = client.completions.create(stream=True, **ask)
-        assert "".join(ch.choices[0].text for ch in pieces if ch.choices) == whole.choices[0].text
-        assert whole.usage.completion_tokens == 6
-        messages = [{"role": "user", "content": "hi"}]
-        fields["max_tokens"] = 5
-        chat = client.chat.completions.create(messages=messages, **fields)
-        streamed = client.chat.completions.create(messages=messages, stream=True, **fields)
-        text = "".join(ch.choices[0].delta.content or "" for ch in streamed if ch.choices)
-        assert text == chat.choices[0].message.content
-        assert_clean(c)
-    results = run_demo(model_dir, max_tokens=6, kv_connector="zmq", log_dir=None)
-    asked = len(QUESTIONS) + len(COMPLETIONS)  # the demo's chat questions and completions
+    @contextlib.contextmanager
+    def checked_first(*args):
+        with real_deployment(*args) as (cluster, client, name):
+            assert_openai_client_answers(client, name)
+            assert_clean(cluster)
+            yield cluster, client, name
+
+    monkeypatch.setattr(demo, "deployment", checked_first)
+    results = demo.run_demo(model_dir, max_tokens=6, kv_connector="zmq", log_dir=None)
+    asked = len(demo.QUESTIONS) + len(demo.COMPLETIONS)  # the demo's chats and completions
     assert len(results) == asked and all(r["tokens"] >= 1 for r in results)
     assert "block pools clean on every node" in capsys.readouterr().out
+
+
+def assert_openai_client_answers(client, name: str) -> None:
+    """A completion and a chat each equal whether streamed or not."""
+    fields = dict(model=name, max_tokens=6, temperature=0)
+    ask = dict(prompt="hello there", extra_body={"ignore_eos": True}, **fields)
+    whole = client.completions.create(**ask)
+    pieces = client.completions.create(stream=True, **ask)
+    assert "".join(ch.choices[0].text for ch in pieces if ch.choices) == whole.choices[0].text
+    assert whole.usage.completion_tokens == 6
+    messages = [{"role": "user", "content": "hi"}]
+    fields["max_tokens"] = 5
+    chat = client.chat.completions.create(messages=messages, **fields)
+    streamed = client.chat.completions.create(messages=messages, stream=True, **fields)
+    text = "".join(ch.choices[0].delta.content or "" for ch in streamed if ch.choices)
+    assert text == chat.choices[0].message.content
 
 
 @pytest.mark.parametrize("policy", ["prefix_aware", "least_loaded"])
