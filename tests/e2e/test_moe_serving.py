@@ -1,4 +1,4 @@
-"""Qwen3-MoE, Mixtral and DeepSeek-V3 (MLA) served by real processes on loopback: a router,
+"""Qwen3-MoE and DeepSeek-V3 (MLA) served by real processes on loopback: a router,
 two prefill and two decode nodes of mixed tensor- and expert-parallel sizes, and a colocated
 node, against HF transformers' greedy tokens (float32; `hf_greedy`, computed once per session
 and model for the offline tests too) on tests/common/test_llm_equivalence.py's prompts (1 to
@@ -31,7 +31,12 @@ from pdserve.testbed import faults as fh
 from tests.common.test_llm_equivalence import MAX_TOKENS, PROMPTS, hf_greedy
 from tests.e2e.test_disaggregated import assert_reports_clean, complete
 
-ARCHS = ("qwen3_moe", "mixtral", "deepseek_v3")
+# One deployment per distinct path through the nodes: Qwen3-MoE for the MoE layer at expert and
+# tensor parallel sizes, DeepSeek-V3 for MLA's single-plane cache (its own KV layout, sent and
+# received). Mixtral takes Qwen3-MoE's path here (the same MoE layer, cache and transfer); its
+# own weights and gate are pinned in process (tests/common/model/test_moe.py, test_moe_parallel.py:
+# greedy at TP 2 equals HF, each rank's share), where a deployment costs no nine processes.
+ARCHS = ("qwen3_moe", "deepseek_v3")
 ENGINE = ["--block-size", "16", "--max-num-batched-tokens", "64", "--max-model-len", "512"]
 ENGINE += ["--num-blocks", "128", "--dtype", "float32", "--threads-per-rank", "1"]
 ENGINE += fh.NODE_ARGS  # fast heartbeats and leases: a dead node is noticed within 1.5 s
