@@ -36,9 +36,9 @@ class TierChain:
                 return payload, tier
         return None, None
 
-    def put(self, key: BlockKey, payload: bytes | bytearray | memoryview) -> int:
-        """Write through every tier; returns how many stored it."""
-        return sum(tier.put(key, payload) for tier in self.tiers)
+    def put(self, key: BlockKey, payload: bytes | bytearray | memoryview) -> list[KVTier]:
+        """Write through every tier; returns those that stored it."""
+        return [tier for tier in self.tiers if tier.put(key, payload)]
 
     def contains(self, key: BlockKey) -> bool:
         return any(tier.contains(key) for tier in self.tiers)

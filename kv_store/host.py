@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict
+from collections.abc import Callable
 
 from pdserve.kv_store.tier import KVTier
 
@@ -23,6 +24,9 @@ class HostTier(KVTier):
         self.used_bytes = 0
         self._blocks: OrderedDict[str, bytes] = OrderedDict()
         self._lock = threading.Lock()
+        # Told each name that joins (True) or leaves (False): a node reports its host tier's
+        # blocks to the router (`PoolTiers.host_changes`).
+        self.watch: Callable[[str, bool], None] = lambda _name, _held: None
 
     def _load(self, name: str) -> bytes | None:
         with self._lock:
@@ -38,10 +42,12 @@ class HostTier(KVTier):
             old = self._blocks.pop(name, None)
             self.used_bytes -= len(old) if old is not None else 0
             while self.used_bytes + len(blob) > self.budget_bytes:
-                _, evicted = self._blocks.popitem(last=False)
+                gone, evicted = self._blocks.popitem(last=False)
                 self.used_bytes -= len(evicted)
+                self.watch(gone, False)
             self._blocks[name] = blob
             self.used_bytes += len(blob)
+            self.watch(name, True)
             return True
 
     def _exists(self, name: str) -> bool:
@@ -52,6 +58,12 @@ class HostTier(KVTier):
         with self._lock:
             blob = self._blocks.pop(name, None)
             self.used_bytes -= len(blob) if blob is not None else 0
+            if blob is not None:
+                self.watch(name, False)
+
+    def names(self) -> list[str]:
+        with self._lock:
+            return list(self._blocks)
 
     def __len__(self) -> int:
         return len(self._blocks)

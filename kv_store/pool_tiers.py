@@ -8,6 +8,10 @@ refused (a miss) before anything is written into the pool.
 
 Which tiers a load asks is the cost model's call (`kv_store.cost.LoadCost`, --kv-load-policy):
 a tier measured slower than recomputing is skipped, and its blocks are recomputed.
+
+For tier-aware routing a node reports which blocks its host tier holds (as its pool's, by
+change since the last report, or whole) and which it wrote to the shared store: every node of
+that store (`store_id`) can load those (docs/kv_tiers.md, "Tier-aware routing").
 """
 
 from __future__ import annotations
@@ -17,7 +21,7 @@ from collections.abc import Sequence
 
 import torch
 
-from pdserve.common.engine.kv_cache_manager import BlockHash
+from pdserve.common.engine.kv_cache_manager import BlockHash, PrefixEvents
 from pdserve.kv_store import open_store
 from pdserve.kv_store.chain import TierChain
 from pdserve.kv_store.cost import LoadCost
@@ -49,11 +53,31 @@ class PoolTiers:
         self.cost = cost
         self.block_bytes = sum(c[:, 0].numel() * c.element_size() for c in self.caches)
         self.offloaded = 0  # blocks written to at least one tier
+        self.host = next((t for t in chain.tiers if isinstance(t, HostTier)), None)
+        self.store = next((t for t in chain.tiers if not isinstance(t, HostTier)), None)
+        self.host_events = PrefixEvents()  # the host tier's changes since the last report
+        if self.host is not None:
+            self.host.watch = self._host_changed
+        # Blocks put into the store since the last report (insertion order; bounded: they are
+        # a routing hint, and a block left out only costs a lower credit).
+        self._shared_stored: dict[BlockHash, None] = {}
+        self.shared_limit = 4096
+
+    @property
+    def store_id(self) -> str:
+        """The shared store as every node of it names it: its URL and this key space ("":
+        none). Nodes of one model and layout on one store give the same id."""
+        return f"{self.store.name}#{self.space.namespace}" if self.store is not None else ""
 
     def offload(self, block_hash: BlockHash, block_id: int) -> None:
         pages = torch.cat([c[:, block_id].reshape(-1).view(torch.uint8) for c in self.caches])
         payload = memoryview(pages.cpu().numpy()).cast("B")
-        self.offloaded += self.chain.put(self.space.key(block_hash), payload) > 0
+        stored = self.chain.put(self.space.key(block_hash), payload)
+        self.offloaded += bool(stored)
+        if self.store is not None and self.store in stored:
+            self._shared_stored[block_hash] = None
+            if len(self._shared_stored) > self.shared_limit:
+                del self._shared_stored[next(iter(self._shared_stored))]
 
     def load(self, block_hash: BlockHash, block_id: int) -> bool:
         start = time.perf_counter()
@@ -75,6 +99,34 @@ class PoolTiers:
 
     def stats(self) -> tuple[TierStats, ...]:
         return self.chain.stats()
+
+    # -- what a node reports for routing -----------------------------------------------------
+
+    def _host_changed(self, name: str, held: bool) -> None:
+        namespace, _, hex_hash = name.partition("/")
+        if namespace == self.space.namespace:
+            self.host_events.record(bytes.fromhex(hex_hash), held)
+
+    def host_hashes(self) -> list[BlockHash]:
+        """Every block of this key space the host tier holds now."""
+        names = self.host.names() if self.host is not None else []
+        prefix = self.space.namespace + "/"
+        return [bytes.fromhex(n[len(prefix) :]) for n in names if n.startswith(prefix)]
+
+    def host_changes(
+        self, snapshot: bool
+    ) -> tuple[bool, tuple[BlockHash, ...], tuple[BlockHash, ...]]:
+        """(is_snapshot, joined, left) of the host tier since the last call; the whole host
+        tier as joined when `snapshot` is asked or the change log overflowed."""
+        if snapshot:
+            self.host_events.resync()
+        return self.host_events.drain(self.host_hashes())
+
+    def take_shared_stored(self) -> tuple[BlockHash, ...]:
+        """The blocks put into the shared store since the last call."""
+        out = tuple(self._shared_stored)
+        self._shared_stored.clear()
+        return out
 
     def close(self) -> None:
         self.chain.close()

@@ -11,6 +11,7 @@ from pdserve.common.node.cli import add_options, options_of
 from pdserve.common.options import option
 from pdserve.common.tracing import TracingConfig
 from pdserve.router.cluster.policies import PLACEMENTS, POLICIES, PlacementConfig
+from pdserve.router.cluster.registry import TierCredit
 from pdserve.router.tools import PARSERS
 
 API, CLUSTER, LIMITS, SECURITY = "HTTP API", "cluster", "limits and admission", "security"
@@ -41,6 +42,7 @@ class RouterLimits:
 
 
 _LIMITS = RouterLimits()  # the admission bounds' defaults are RouterLimits' own
+_CREDIT = TierCredit()  # and the KV tier credits' TierCredit's
 
 
 @dataclass(frozen=True, slots=True)
@@ -95,6 +97,18 @@ class RouterConfig:
         type=int,
         metavar="TOKENS",
     )
+    kv_host_load_cost: float = option(
+        _CREDIT.host_cost,
+        CLUSTER,
+        "what loading a prompt block from a node's host KV tier costs, as a fraction of "
+        "computing it (one in its device pool: 0; 1 or more: worth nothing): prefix-aware "
+        "placement and the local/remote prefill choice credit cached blocks by it",
+    )
+    kv_shared_load_cost: float = option(
+        _CREDIT.shared_cost,
+        CLUSTER,
+        "the same for a block some node of the node's shared KV store (--kv-store) wrote there",
+    )
     heartbeat_timeout: float = option(
         5.0, CLUSTER, "a node silent this long (s) leaves the rotation; its requests fail over"
     )
@@ -144,7 +158,7 @@ class RouterConfig:
     def __post_init__(self) -> None:
         if not self.model:
             raise ValueError("a router needs a MODEL")
-        self.limits, self.placement  # noqa: B018 (each validates its own fields)
+        self.limits, self.placement, self.tier_credit  # noqa: B018 (each validates its own)
         if self.policy not in POLICIES:
             raise ValueError(f"unknown policy {self.policy!r}; choose from {sorted(POLICIES)}")
         if self.tool_call_parser not in PARSERS:
@@ -165,6 +179,10 @@ class RouterConfig:
     def limits(self) -> RouterLimits:
         bounds = (self.max_request_bytes, self.max_queued_requests, self.max_queued_tokens)
         return RouterLimits(*bounds)
+
+    @property
+    def tier_credit(self) -> TierCredit:
+        return TierCredit(self.kv_host_load_cost, self.kv_shared_load_cost)
 
     @property
     def placement(self) -> PlacementConfig:

@@ -282,6 +282,7 @@ class EngineNode:
             host_id=port.host_id if port else "",
             kv_layout=port.layout if port else None,
             tp_size=self.config.tensor_parallel_size,
+            kv_store=self.engine.tiers.store_id if self.engine.tiers is not None else "",
         )
 
     def status(self) -> NodeStatus:

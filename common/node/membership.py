@@ -33,7 +33,7 @@ from pdserve.common.wire.messages import (
     decode,
     encode,
 )
-from pdserve.common.wire.payloads import SpecDecodeCounts
+from pdserve.common.wire.payloads import SpecDecodeCounts, TierCounts
 from pdserve.common.wire.security import CurveKeys
 
 log = logging.getLogger(__name__)
@@ -51,6 +51,10 @@ class PrefixChanges:
     reset: bool
     stored: tuple[bytes, ...]
     removed: tuple[bytes, ...]
+    # The same of its host KV tier (whole on a reset), and the blocks it wrote to its store.
+    host_stored: tuple[bytes, ...] = ()
+    host_removed: tuple[bytes, ...] = ()
+    shared_stored: tuple[bytes, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,6 +70,8 @@ class NodeStatus:
     prefill_rate: float
     prefixes: PrefixChanges | None = None
     spec_decode: SpecDecodeCounts | None = None  # None: the node does not speculate
+    kv_tiers: tuple[TierCounts, ...] = ()  # its KV tiers' counters (none: no tiers)
+    kv_tier_loaded_tokens: int = 0  # prompt tokens loaded from a tier, not recomputed
 
 
 def advertise_host(node: NodeConfig) -> str:
@@ -288,6 +294,8 @@ class Membership:
                 draining=status.draining,
                 prefill_rate=status.prefill_rate,
                 spec_decode=status.spec_decode,
+                kv_tiers=status.kv_tiers,
+                kv_tier_loaded_tokens=status.kv_tier_loaded_tokens,
                 **self._prefix_fields(status.prefixes),
             )
         )
@@ -303,6 +311,9 @@ class Membership:
             prefix_reset=changes.reset,
             prefix_stored=changes.stored,
             prefix_removed=changes.removed,
+            host_stored=changes.host_stored,
+            host_removed=changes.host_removed,
+            shared_stored=changes.shared_stored,
         )
 
     def report_soon(self) -> None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 from pdserve.common.engine.drafting import SpecDecodeStats
 from pdserve.common.engine.llm_engine import LLMEngine
 from pdserve.common.node.membership import NodeStatus, PrefixChanges
+from pdserve.common.node.tier_metrics import tier_counts, tier_report
 from pdserve.common.wire.messages import IntegrityReport
 from pdserve.common.wire.payloads import SpecDecodeCounts
 
@@ -18,10 +19,10 @@ def queued_tokens(engine: LLMEngine) -> int:
 
 
 def engine_status(engine: LLMEngine, draining: bool) -> NodeStatus:
-    """The engine's load and prefix-cache changes for a heartbeat (the changes are taken: the
-    next status has only newer ones)."""
+    """The engine's load, prefix-cache changes and KV tier counters for a heartbeat (the
+    changes are taken: the next status has only newer ones)."""
     sched, kv = engine.scheduler, engine.kv
-    events = kv.pool.prefix_events
+    tiers = tier_report(engine)
     return NodeStatus(
         free_blocks=kv.num_free_blocks,
         num_running=len(sched.running),
@@ -29,8 +30,28 @@ def engine_status(engine: LLMEngine, draining: bool) -> NodeStatus:
         queued_tokens=queued_tokens(engine),
         draining=draining,
         prefill_rate=engine.prefill_rate.tokens_per_s,
-        prefixes=None if events is None else PrefixChanges(*events.drain(kv.pool.cached)),
+        prefixes=prefix_changes(engine),
         spec_decode=spec_decode_counts(engine),
+        kv_tiers=tier_counts(tiers),
+        kv_tier_loaded_tokens=tiers.tokens_loaded,
+    )
+
+
+def prefix_changes(engine: LLMEngine) -> PrefixChanges | None:
+    """What the pool's index and the host tier gained and lost since the last report, and the
+    blocks written to the shared store (None: the node reports no prefixes). When either
+    change log overflowed, both go whole: one reset replaces the router's whole view."""
+    events, tiers = engine.kv.pool.prefix_events, engine.tiers
+    if events is None:
+        return None
+    if tiers is not None and tiers.host_events.overflow:
+        events.resync()
+    reset, stored, removed = events.drain(engine.kv.pool.cached)
+    if tiers is None:
+        return PrefixChanges(reset, stored, removed)
+    _, host_stored, host_removed = tiers.host_changes(snapshot=reset)
+    return PrefixChanges(
+        reset, stored, removed, host_stored, host_removed, tiers.take_shared_stored()
     )
 
 

@@ -16,6 +16,8 @@ from typing import TYPE_CHECKING
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from pdserve.common.wire.payloads import TierCounts
+
 if TYPE_CHECKING:
     from pdserve.common.engine.llm_engine import LLMEngine
     from pdserve.kv_store.cost import TierRate
@@ -31,6 +33,7 @@ TIER_COUNTERS: dict[str, tuple[str, str]] = {
     "pdserve:kv_tier_errors": ("errors", "backend errors and timeouts (each a miss or lost put)"),
     "pdserve:kv_tier_bad_objects": ("bad_objects", "objects refused: checksum, length, layout"),
 }
+PREFIX = "pdserve:kv_tier_"
 TOKENS_LOADED = "pdserve:kv_tier_loaded_tokens"
 RECOMPUTE_CHOSEN = "pdserve:kv_tier_recompute_chosen"
 LOAD_RATE = "pdserve:kv_tier_load_bytes_per_second"
@@ -50,6 +53,22 @@ def tier_report(engine: LLMEngine) -> TierReport:
     if tiers is None:
         return TierReport()
     return TierReport(tiers.stats(), tiers.cost.rates(), engine.kv.stats.tier_hits)
+
+
+def tier_counts(report: TierReport) -> tuple[TierCounts, ...]:
+    """The report's counters per tier as a heartbeat carries them (`TierCounts`, whose fields
+    are the counters' names without `pdserve:kv_tier_`), for the router to sum."""
+    chosen = {tier_label(r.tier): r.recompute_chosen for r in report.rates}
+    out = []
+    for stats in report.tiers:
+        values = {
+            name.removeprefix(PREFIX): getattr(stats, field)
+            for name, (field, _) in TIER_COUNTERS.items()
+        }
+        counts = {k: v if k == "load_seconds" else int(v) for k, v in values.items()}
+        label = tier_label(stats.tier)
+        out.append(TierCounts(label, **counts, recompute_chosen=chosen.get(label, 0)))
+    return tuple(out)
 
 
 def tier_label(name: str) -> str:

@@ -75,7 +75,9 @@ class ClusterBackend(Backend):
         node that registers with a lower one lowers it."""
         self.token_timeout = config.token_timeout
         self.lease_interval = config.lease_interval
-        self.registry = NodeRegistry(config.heartbeat_timeout, max_model_len, clock)
+        self.registry = NodeRegistry(
+            config.heartbeat_timeout, max_model_len, clock, config.tier_credit
+        )
         self.table = RequestTable(self.registry)
         self.control = ControlServer(
             config.control_address,
@@ -148,6 +150,7 @@ class ClusterBackend(Backend):
             out[node.node_id]["in_flight"] = node.inflight
             # The router's view of its prefix cache, as placement reads it (hex block hashes).
             out[node.node_id]["prefix_view"] = sorted(h.hex() for h in node.prefixes)
+            out[node.node_id]["host_view"] = sorted(h.hex() for h in node.host_prefixes)
             out[node.node_id]["registrations"] = self.registrar.registrations[node.node_id]
             if report is not None:
                 out[node.node_id]["report"] = {

@@ -59,8 +59,9 @@ class Estimate:
 
 
 def missing_tokens(node: NodeInfo, tokens: BlockHashes, now: float) -> int:
-    """Tokens `node` would have to compute (or receive): those past its cached prefix."""
-    return len(tokens) - node.cached_blocks(tokens.of(node.block_size), now) * node.block_size
+    """Tokens `node` would have to compute (or receive): those past its cached prefix, a
+    block in its host tier or the shared store counting as part computed (`TierCredit`)."""
+    return len(tokens) - node.credited_tokens(tokens.of(node.block_size), now)
 
 
 def _rate(node: NodeInfo | None, fallback: NodeInfo | None) -> float:

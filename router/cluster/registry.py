@@ -4,15 +4,56 @@ cache), and which of them are alive and take new requests."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import math
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from pdserve.common.wire.messages import Heartbeat, RegisterNode
-from pdserve.common.wire.payloads import KVLayout, SpecDecodeCounts
+from pdserve.common.wire.payloads import KVLayout, SpecDecodeCounts, TierCounts
 
 NODE_ROLES = ("prefill", "decode", "both")
+
+
+@dataclass(frozen=True, slots=True)
+class TierCredit:
+    """What loading a cached block costs, by the medium that holds it, as a fraction of
+    computing it: a block in the node's device pool costs nothing, one in its host tier a copy
+    into the pool, one in the shared store a read from it (1 or more: worth nothing). Prefix-
+    aware placement and the local/remote prefill choice credit a prompt's leading blocks with
+    what they save (`saved`)."""
+
+    host_cost: float = 0.1
+    shared_cost: float = 0.5
+
+    def __post_init__(self) -> None:
+        for name in ("host_cost", "shared_cost"):
+            if not 0 <= getattr(self, name) < math.inf:
+                raise ValueError(f"KV {name} must be a fraction >= 0, got {getattr(self, name)}")
+
+    def saved(self, cost: float) -> float:
+        return max(0.0, 1.0 - cost)
+
+
+class StoreView:
+    """The blocks nodes of one shared KV store said they wrote there, the latest last. The
+    store evicts without telling anyone, so the view is a bounded hint: a block it lists that
+    is gone costs a recompute, never a wrong token."""
+
+    def __init__(self, limit: int = 1 << 17) -> None:
+        self.limit = limit
+        self.blocks: dict[bytes, None] = {}
+
+    def add(self, hashes: Iterable[bytes]) -> None:
+        for h in hashes:
+            self.blocks.pop(h, None)
+            self.blocks[h] = None
+        while len(self.blocks) > self.limit:
+            del self.blocks[next(iter(self.blocks))]
+
+    def __contains__(self, block_hash: bytes) -> bool:
+        return block_hash in self.blocks
 
 
 @dataclass(slots=True)
@@ -50,6 +91,13 @@ class NodeInfo:
     handoff_s: float = 0.0
     local_prefills: int = 0  # a decode node: local prefills before their first token (idem)
     spec_decode: SpecDecodeCounts | None = None  # its latest speculative-decoding counters
+    # Its host KV tier as it reports it, the shared store it uses (the registry's one view of
+    # that store, or None), what a block saves by medium, and its tiers' latest counters.
+    host_prefixes: set[bytes] = field(default_factory=set)
+    store: StoreView | None = None
+    credit: TierCredit = field(default_factory=TierCredit)
+    kv_tiers: tuple[TierCounts, ...] = ()
+    kv_tier_loaded_tokens: int = 0
 
     def load(self) -> tuple[int, int]:
         return (self.inflight + self.num_waiting, -self.free_blocks)
@@ -62,32 +110,62 @@ class NodeInfo:
         self.recent_tokens = 0  # now counted in queued_tokens
         self.draining = msg.draining
         self.spec_decode = msg.spec_decode
+        self.kv_tiers, self.kv_tier_loaded_tokens = msg.kv_tiers, msg.kv_tier_loaded_tokens
         if 0 < msg.prefill_rate < math.inf:
             self.prefill_rate = msg.prefill_rate
         self.recent_prefixes = {h: t for h, t in self.recent_prefixes.items() if t > now}
+        if self.store is not None:  # written there whatever became of the node's own view
+            self.store.add(msg.shared_stored)
         if not msg.prefix_seq:
             return True  # this node does not report its prefix cache
         in_order = msg.prefix_seq == self.prefix_seq + 1
         self.prefix_seq = msg.prefix_seq
         if msg.prefix_reset:
-            self.prefixes = set(msg.prefix_stored)
+            self.prefixes, self.host_prefixes = set(msg.prefix_stored), set(msg.host_stored)
             return True
-        if not in_order:
+        if not in_order:  # what it holds now is unknown: count none of it until a snapshot
             self.prefixes.clear()
+            self.host_prefixes.clear()
             return False
         self.prefixes.difference_update(msg.prefix_removed)
         self.prefixes.update(msg.prefix_stored)
+        self.host_prefixes.difference_update(msg.host_removed)
+        self.host_prefixes.update(msg.host_stored)
         return True
 
     def cached_blocks(self, hashes: list[bytes], now: float) -> int:
         """How many leading blocks of a prompt (its chained block hashes) this node holds or
-        is about to hold."""
+        is about to hold in its device pool."""
         n = 0
         for h in hashes:
-            if h not in self.prefixes and self.recent_prefixes.get(h, 0.0) <= now:
+            if not self.on_device(h, now):
                 break
             n += 1
         return n
+
+    def on_device(self, block_hash: bytes, now: float) -> bool:
+        return block_hash in self.prefixes or self.recent_prefixes.get(block_hash, 0.0) > now
+
+    def block_credit(self, block_hash: bytes, now: float) -> float:
+        """What the node holding this block saves (`TierCredit`; 0: it holds none)."""
+        if self.on_device(block_hash, now):
+            return 1.0
+        if block_hash in self.host_prefixes:
+            return self.credit.saved(self.credit.host_cost)
+        if self.store is not None and block_hash in self.store:
+            return self.credit.saved(self.credit.shared_cost)
+        return 0.0
+
+    def credited_tokens(self, hashes: list[bytes], now: float) -> int:
+        """The prompt tokens the node need not compute, counting its leading cached blocks
+        by the medium holding each (a node loads a prefix up to its first missing block)."""
+        credit = 0.0
+        for h in hashes:
+            saved = self.block_credit(h, now)
+            if saved <= 0:
+                break
+            credit += saved
+        return math.floor(credit * self.block_size + 1e-9)
 
     def routed(self, num_tokens: int, hashes: list[bytes], now: float, ttl: float = 5.0) -> None:
         """Tokens were sent here to compute (their leading block hashes given): those past the
@@ -106,6 +184,24 @@ class NodeInfo:
         self.handoff_s = (
             seconds if not self.handoff_s else ((1 - weight) * self.handoff_s + weight * seconds)
         )
+
+
+def kv_tier_totals(nodes: Iterable[NodeInfo]) -> dict[str, float]:
+    """Live nodes' KV tier counters summed per tier (`kv_tier_<counter>_<tier>`, the counters
+    of `TierCounts`) and the prompt tokens they loaded instead of recomputing (nothing when
+    no node has tiers). Each node counts since it started: a node gone takes its counts."""
+    out: dict[str, float] = {}
+    for node in nodes:
+        for counts in node.kv_tiers:
+            for f in dataclasses.fields(counts):
+                if f.name != "tier":
+                    key = f"kv_tier_{f.name}_{counts.tier}"
+                    out[key] = out.get(key, 0) + getattr(counts, f.name)
+        if node.kv_tiers:
+            out["kv_tier_loaded_tokens"] = out.get("kv_tier_loaded_tokens", 0) + (
+                node.kv_tier_loaded_tokens
+            )
+    return out
 
 
 def spec_decode_totals(counts: Iterable[SpecDecodeCounts | None]) -> dict[str, float]:
@@ -192,8 +288,11 @@ class NodeRegistry:
         heartbeat_timeout: float,
         default_max_model_len: int,
         clock: Callable[[], float] = time.monotonic,
+        credit: TierCredit | None = None,
     ) -> None:
         self.heartbeat_timeout = heartbeat_timeout
+        self.credit = credit or TierCredit()
+        self.stores: dict[str, StoreView] = {}  # by the id nodes give (URL and key space)
         self.default_max_model_len = default_max_model_len
         self.nodes: dict[str, NodeInfo] = {}
         self.clock = clock
@@ -219,6 +318,8 @@ class NodeRegistry:
             host_id=msg.host_id,
             kv_layout=msg.kv_layout,
             tp_size=msg.tp_size,
+            store=self.stores.setdefault(msg.kv_store, StoreView()) if msg.kv_store else None,
+            credit=self.credit,
         )
 
     def alive(self, roles: tuple[str, ...]) -> list[NodeInfo]:
@@ -279,4 +380,5 @@ class NodeRegistry:
             "nodes_colocated": len(self.alive(("both",))),
             "prefix_blocks_prefill": sum(len(n.prefixes) for n in self.alive(("prefill",))),
             **spec_decode_totals(n.spec_decode for n in self.alive(NODE_ROLES)),
+            **kv_tier_totals(self.alive(NODE_ROLES)),
         }

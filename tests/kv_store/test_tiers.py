@@ -132,7 +132,7 @@ def test_the_sweep_removes_stale_temporary_files(tmp_path: Path) -> None:
 def test_chain_reads_down_and_writes_through(tmp_path: Path) -> None:
     host, store = HostTier(1 << 20), FileTier(tmp_path)
     chain = TierChain([host, store])
-    assert chain.put(key(1), payload(1)) == 2
+    assert chain.put(key(1), payload(1)) == [host, store]
     host._discard(key(1).name)  # the host tier dropped it; the store still has it
     assert chain.get(key(1)) == payload(1)
     assert host.contains(key(1)), "a store hit is copied into the host tier"
@@ -143,8 +143,9 @@ def test_chain_reads_down_and_writes_through(tmp_path: Path) -> None:
 
 
 def test_chain_survives_a_broken_store() -> None:
-    chain = TierChain([HostTier(1 << 20), Broken()])
-    assert chain.put(key(1), payload(1)) == 1
+    host = HostTier(1 << 20)
+    chain = TierChain([host, Broken()])
+    assert chain.put(key(1), payload(1)) == [host], "stored in the host tier only"
     assert chain.get(key(1)) == payload(1) and chain.get(key(2)) is None
 
 

@@ -1,0 +1,63 @@
+"""What a node reports of its tiers for tier-aware routing (issue 40): the host tier's blocks by
+change since the last report (whole at first, after an overflow, or when asked), and the blocks
+put into the shared store. The router's side is tests/router/test_kv_tier_routing.py."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from pdserve.kv_store import FileTier, HostTier, TierChain
+from pdserve.kv_store.cost import LoadCost
+from pdserve.kv_store.key import KeySpace
+from pdserve.kv_store.pool_tiers import PoolTiers
+
+SPACE = KeySpace("ab" * 32)
+SHAPE = (2, 8, 4, 4)  # planes, blocks, then one block's page
+BLOCK_BYTES = 2 * 4 * 4 * 4  # float32
+
+
+def tiers(store: Path | None, host_blocks: int = 2) -> PoolTiers:
+    chain = [HostTier(host_blocks * BLOCK_BYTES)]
+    if store is not None:
+        chain.append(FileTier(store))
+    cost = LoadCost(lambda: 0.0, policy="always")
+    return PoolTiers(TierChain(chain), SPACE, [torch.zeros(SHAPE)], 4, cost)
+
+
+def test_the_host_tier_is_reported_whole_then_by_change(tmp_path: Path) -> None:
+    t = tiers(tmp_path)
+    for i in (1, 2, 3):  # the host tier keeps two: 1 left it
+        t.offload(bytes([i]), i)
+    reset, joined, left = t.host_changes(snapshot=False)
+    assert reset and set(joined) == {b"\x02", b"\x03"} and left == (), "first: the whole tier"
+    t.offload(b"\x04", 4)  # pushes 2 out
+    assert t.host_changes(snapshot=False) == (False, (b"\x04",), (b"\x02",))
+    assert t.host_changes(snapshot=False) == (False, (), ())
+    reset, joined, _ = t.host_changes(snapshot=True)
+    assert reset and set(joined) == {b"\x03", b"\x04"}, "asked: the whole tier again"
+
+
+def test_store_writes_are_reported_once(tmp_path: Path) -> None:
+    t = tiers(tmp_path)
+    for i in (1, 2, 3):
+        t.offload(bytes([i]), i)
+    assert t.take_shared_stored() == (b"\x01", b"\x02", b"\x03")
+    assert t.take_shared_stored() == ()
+    assert t.store_id == f"file://{tmp_path}#{SPACE.namespace}"
+    assert t.store_id != tiers(tmp_path / "other").store_id
+
+
+def test_a_node_without_a_store_reports_no_store_writes() -> None:
+    t = tiers(None)
+    t.offload(b"\x01", 1)
+    assert t.take_shared_stored() == () and t.store_id == ""
+
+
+def test_the_store_writes_kept_are_bounded(tmp_path: Path) -> None:
+    t = tiers(tmp_path)
+    t.shared_limit = 2
+    for i in (1, 2, 3):
+        t.offload(bytes([i]), i)
+    assert t.take_shared_stored() == (b"\x02", b"\x03"), "the oldest dropped"
