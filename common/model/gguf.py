@@ -9,13 +9,13 @@ interleaved for its rotary layout; they are put back in HF's order here.
 
 from __future__ import annotations
 
-import gc
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import TypeVar
 
 import numpy as np
 
+from pdserve.common.model.gguf_index import tensor_index
 from pdserve.common.model.gguf_types import QUANTIZED_TYPES, RawTensor, float_rows
 
 # gguf's architecture name -> the MODEL_ARCH name of its tensor map. llama.cpp writes Llama,
@@ -55,7 +55,13 @@ def check_architecture(path: Path, reader=None) -> str:
     """The file's architecture; ValueError naming it when pdserve cannot run it. Pass the
     file's reader when one is open: building one parses all the metadata (seconds for a
     tokenizer of 50k tokens)."""
-    arch = architecture_of(reader or open_reader(path))
+    return supported_architecture(path, architecture_of(reader or open_reader(path)))
+
+
+def supported_architecture(path: Path, arch: str | None) -> str:
+    """`arch`, the architecture `path` names, if pdserve runs it; else ValueError."""
+    if arch is None:
+        raise ValueError("GGUF file names no general.architecture")
     if arch not in SUPPORTED_GGUF_ARCHITECTURES:
         why = f" ({_BLOCKED[arch]})" if arch in _BLOCKED else ""
         raise ValueError(
@@ -142,17 +148,22 @@ def _named_tensors(
 ) -> Iterator[tuple[str, str, object]]:
     """(architecture, HF name, gguf tensor) for every tensor of the file we read; a tensor that
     maps to no HF name keeps its GGUF name, so the loader's name check reports it."""
-    import gguf
-
     reader = open_reader(path)
     arch = check_architecture(path, reader)
-    name_map = gguf.get_tensor_name_map(
-        gguf.MODEL_ARCH[SUPPORTED_GGUF_ARCHITECTURES[arch]], num_layers
-    )
-    to_hf = {g: h for hf_name in hf_names for g, h in _gguf_names(name_map, hf_name)}
+    to_hf = _to_hf_names(arch, hf_names, num_layers)
     for tensor in reader.tensors:
         if tensor.name not in _IGNORED:
             yield arch, to_hf.get(tensor.name, tensor.name), tensor
+
+
+def _to_hf_names(arch: str, hf_names: Iterable[str], num_layers: int) -> dict[str, str]:
+    """GGUF tensor name -> the HF name it is read as, for the parameters `hf_names`."""
+    import gguf
+
+    name_map = gguf.get_tensor_name_map(
+        gguf.MODEL_ARCH[SUPPORTED_GGUF_ARCHITECTURES[arch]], num_layers
+    )
+    return {g: h for hf_name in hf_names for g, h in _gguf_names(name_map, hf_name)}
 
 
 def _half_of(name: str) -> tuple[str, int] | None:
@@ -214,7 +225,7 @@ def read_raw_tensors(
     """Every tensor of the file as `read_tensors` names it, still quantized. llama.cpp's q/k
     row permutation is undone on the stored rows: a row is whole blocks, so moving rows moves
     blocks and leaves them as they are. Each tensor's bytes are read from the file into memory
-    of its own rather than viewed in the reader's map: pages of a mapped file stay resident
+    of its own rather than viewed in a map of the file: pages of a mapped file stay resident
     once touched, so a map read through would add the whole file to the loader's peak.
     Stacked experts (3-D) come dequantized, as F32: their gate and up halves are joined."""
     for name, data in _joined_experts(
@@ -227,19 +238,20 @@ def _raw_or_experts(
     path: Path, hf_names: Iterable[str], num_layers: int, num_heads: int, num_kv_heads: int
 ) -> Iterator[tuple[str, RawTensor | np.ndarray]]:
     """`read_raw_tensors`' tensors before the expert halves are joined: stacked experts as
-    float32 arrays, every other tensor as its blocks. Only where each tensor lies is kept of
-    the reader, which goes before the first tensor is read: its parsed metadata (a vocabulary
-    and its merges as thousands of small arrays) was 11 MB of a 29 MB file's load peak."""
-    stored = [
-        (arch, name, t.tensor_type.name, tuple(int(d) for d in t.shape), t.data_offset, t.n_bytes)
-        for arch, name, t in _named_tensors(path, hf_names, num_layers)
-    ]
-    gc.collect()  # the reader's reference cycles
+    float32 arrays, every other tensor as its blocks. Where each tensor lies comes from the
+    file's header alone (`gguf_index`): gguf's reader parses all the metadata into numpy
+    arrays first, which for SmolLM2's 49k-token vocabulary was the load's whole peak."""
+    arch, infos = tensor_index(path)
+    arch = supported_architecture(path, arch)
+    to_hf = _to_hf_names(arch, hf_names, num_layers)
     with path.open("rb") as f:
-        for arch, name, qtype_name, gguf_shape, offset, n_bytes in stored:
-            shape = gguf_shape[::-1]  # GGUF lists dimensions fastest first
-            f.seek(offset)
-            blocks = np.fromfile(f, dtype=np.uint8, count=n_bytes)
+        for info in infos:
+            if info.name in _IGNORED:
+                continue
+            name, qtype_name = to_hf.get(info.name, info.name), info.qtype_name
+            shape = info.shape[::-1]  # GGUF lists dimensions fastest first
+            f.seek(info.offset)
+            blocks = np.fromfile(f, dtype=np.uint8, count=info.n_bytes)
             blocks = blocks.reshape(int(np.prod(shape[:-1])), -1)  # 1 row for a vector
             heads = _rotary_heads(arch, name, num_heads, num_kv_heads)
             if heads is not None:
