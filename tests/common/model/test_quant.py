@@ -45,6 +45,18 @@ REQUANTIZED = [Q.Q8_0, Q.Q5_0, Q.Q5_1, Q.Q2_K, Q.Q3_K, Q.Q5_K, Q.Q6_K, Q.IQ4_NL,
 BF16 = 2.0**-8  # bf16's relative rounding
 
 
+@pytest.fixture
+def exact_gemv(monkeypatch: pytest.MonkeyPatch):
+    """Layers made here take the GEMV's AVX2 path, exact in float32: the tests that use it check
+    slicing, stacking and row chunks against the dequantized product, not the AVX512-VNNI
+    path's int8 activations (tests/kernels/test_cpu_quant.py checks those)."""
+    monkeypatch.setenv(cpu_quant.QUANT_KERNEL_ENV, "avx2")
+    cpu_quant.uses_vnni.cache_clear()
+    yield
+    monkeypatch.undo()
+    cpu_quant.uses_vnni.cache_clear()
+
+
 def _weights(rows: int = 64, cols: int = 512, seed: int = 0) -> np.ndarray:
     """Gaussian with a few large columns, as trained weights have."""
     rng = np.random.default_rng(seed)
@@ -118,14 +130,25 @@ def test_a_gguf_tensor_multiplies_as_its_dequantized_float(tmp_path: Path, qtype
     exact = weight.bits in (4, 5)  # the type's own values and scales
     requant = 0 if exact else _half_step_bound(x, _requant_step(weight))
     exact = QuantizedLinear(weight, scale_dtype=torch.float32)
-    _assert_close(exact(x), want, rounding + requant)
+    _assert_close(exact(x), want, rounding + requant + _q8_bound(exact, x, dequantized))
     # bf16: the activations rounded first; bf16 scales (and zeros) and output cost 2^-8 each.
     xb = x.bfloat16()
-    got = QuantizedLinear(weight)(xb)
+    layer = QuantizedLinear(weight)
+    got = layer(xb)
     assert got.dtype == torch.bfloat16
     want_b = xb.float() @ dequantized.T
     scaled = 3 * BF16 * (xb.float().abs() @ dequantized.abs().T)
-    _assert_close(got, want_b, scaled + requant * (1 + BF16))
+    _assert_close(got, want_b, scaled + requant * (1 + BF16) + _q8_bound(layer, xb, dequantized))
+
+
+def _q8_bound(layer: QuantizedLinear, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """What the GEMV's AVX512-VNNI path adds (kernels/cpu_quant.py): each activation rounded
+    to int8 per 32 columns moves by up to half a step, its block's amax / 254; 0 elsewhere."""
+    if not layer.vnni:
+        return torch.zeros(())
+    blocks = x.float().abs().view(x.shape[0], -1, 32)
+    half_step = (blocks.amax(2, keepdim=True) / 254).expand_as(blocks).reshape(x.shape)
+    return (half_step.double() @ weight.abs().double().T) * (1 + BF16)
 
 
 @pytest.mark.parametrize("qtype", [Q.Q4_K, Q.Q8_0], ids=lambda q: q.name)
@@ -191,7 +214,7 @@ def test_int4_packs_in_row_chunks_as_it_packs_whole(monkeypatch: pytest.MonkeyPa
 
 
 @pytest.mark.parametrize("mode", ["int8", "int4"])
-def test_a_shard_is_the_slice_of_the_dequantized_weight(mode: str) -> None:
+def test_a_shard_is_the_slice_of_the_dequantized_weight(mode: str, exact_gemv: None) -> None:
     w = torch.from_numpy(_weights(64, 256))
     weight = quantize_int8(w) if mode == "int8" else quantize_int4(w)
     full = weight.dequantize()
@@ -300,7 +323,7 @@ def test_the_batch_size_rule_picks_the_path(mode: str, monkeypatch: pytest.Monke
     assert QuantizedLinear(quantize_int8(w), dense_rows=7).dense_rows == 7
 
 
-def test_rows_past_one_kernel_call_are_sliced_and_equal_the_dense_path() -> None:
+def test_rows_past_one_kernel_call_are_sliced_and_equal_the_dense_path(exact_gemv: None) -> None:
     w = torch.from_numpy(_weights(64, 256))
     layer = QuantizedLinear(quantize_int4(w))
     if layer.mins is None:
@@ -311,7 +334,7 @@ def test_rows_past_one_kernel_call_are_sliced_and_equal_the_dense_path() -> None
         torch.testing.assert_close(layer(x), layer._dense(x), rtol=1e-4, atol=1e-4)
 
 
-def test_stacked_rows_are_the_weights_one_after_another() -> None:
+def test_stacked_rows_are_the_weights_one_after_another(exact_gemv: None) -> None:
     parts = [quantize_int4(torch.from_numpy(_weights(rows, 128, rows))) for rows in (32, 16, 16)]
     stacked = stack_rows(parts)
     want = torch.cat([p.dequantize() for p in parts])
