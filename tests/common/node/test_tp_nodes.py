@@ -123,9 +123,11 @@ def settle(prefill, decode_, before: tuple[int, int], timeout: float = 30.0) -> 
         (4, 2, 1, "nccl"),
         ("qwen3", 1, 2, "zmq"),  # q/k norms per head: each rank normalizes its own heads
         (4, 1, 2, "shm"),
-        (4, 1, 2, "nixl"),  # per-token descriptors of each decode rank's heads
+        # nixl: per-token descriptors of each decode rank's heads (1 -> 2), and several
+        # senders writing their own heads into one rank's blocks (2 -> 1; 4 -> 1 took the same
+        # path at 2.6x its CPU seconds: four ranks and agents).
+        (4, 1, 2, "nixl"),
         (4, 2, 1, "nixl"),
-        (4, 4, 1, "nixl"),
     ],
 )
 def test_tp_p_to_tp_d_equals_the_engine_at_tp1(models, kv, p, d, connector) -> None:
