@@ -1,6 +1,7 @@
 """A load that steps up and down against `pdserve serve --planner`, for the end-to-end test and
-the real run (`scripts/planner_run.py`): closed-loop clients, as many at once as the current
-phase says, each sending greedy completions of token-id prompts; every answer kept with its
+the real run (`scripts/planner_run.py`): requests sent at the current phase's rate (open loop:
+a slow deployment does not slow the arrivals, as it would with a fixed number of clients),
+each a greedy completion of a token-id prompt; every answer kept with its
 TTFT (the router's, `return_metrics`) so it can be checked against the offline engine; and the
 nodes of each role sampled from the router's /internal/load meanwhile.
 """
@@ -13,7 +14,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -24,10 +25,10 @@ from pdserve.local_cluster import free_port
 
 @dataclass(frozen=True, slots=True)
 class Phase:
-    """`clients` requests in flight at any time, for `seconds`."""
+    """`rate` requests per second, evenly spaced, for `seconds` (0: none, idle)."""
 
     seconds: float
-    clients: int
+    rate: float
 
 
 @dataclass(frozen=True, slots=True)
@@ -96,8 +97,8 @@ class Serve:
         r = self.http.post("/v1/completions", json=body)
         if r.status_code != 200:
             raise RuntimeError(f"HTTP {r.status_code}: {r.text[:200]}")
-        choice = r.json()["choices"][0]
-        return tuple(choice["token_ids"]), choice["metrics"]["time_to_first_token"]
+        answer = r.json()
+        return tuple(answer["choices"][0]["token_ids"]), answer["metrics"][0]["time_to_first_token"]
 
     def stop(self, timeout: float = 60.0) -> int:
         if self.proc.poll() is None:
@@ -114,44 +115,46 @@ class Serve:
 def run_load(
     serve: Serve, phases: Sequence[Phase], prompts: Sequence[list[int]], max_tokens: int
 ) -> tuple[list[Answer], list[NodeSample]]:
-    """The phases one after another; every answer, and the nodes sampled every second."""
-    answers: list[Answer] = []
-    samples: list[NodeSample] = []
+    """The phases one after another; every answer (all waited for), and the nodes sampled
+    every second until the last answer."""
     start = time.monotonic()
-    ends = [start + sum(p.seconds for p in phases[: i + 1]) for i in range(len(phases))]
-    lock = threading.Lock()
+    answers: list[Answer] = []
 
-    def clients_now(now: float) -> int | None:
-        i = next((i for i, end in enumerate(ends) if now < end), None)
-        return None if i is None else phases[i].clients
+    def send(i: int, at: float) -> None:
+        try:
+            ids, ttft = serve.complete(prompts[i], max_tokens)
+            answers.append(Answer(at, i, ids, ttft))
+        except (httpx.HTTPError, RuntimeError, KeyError, IndexError) as exc:
+            answers.append(Answer(at, i, None, None, f"{type(exc).__name__}: {exc}"))
 
-    def client(k: int) -> None:
-        sent = 0
-        while (n := clients_now(time.monotonic())) is not None:
-            if k >= n:
-                time.sleep(0.05)
-                continue
-            i = (k * 7919 + sent) % len(prompts)
-            sent += 1
-            at = time.monotonic() - start
-            try:
-                ids, ttft = serve.complete(prompts[i], max_tokens)
-                answer = Answer(at, i, ids, ttft)
-            except (httpx.HTTPError, RuntimeError, KeyError) as exc:
-                answer = Answer(at, i, None, None, str(exc))
-            with lock:
-                answers.append(answer)
-
-    workers = [threading.Thread(target=client, args=(k,), daemon=True)
-               for k in range(max(p.clients for p in phases))]  # fmt: skip
-    for w in workers:
-        w.start()
-    while clients_now(time.monotonic()) is not None:
+    sender = threading.Thread(target=_send_all, args=(phases, len(prompts), send, start))
+    sender.start()
+    samples: list[NodeSample] = []
+    while sender.is_alive():
         sample = serve.nodes()
         if sample is not None:
             at = time.monotonic() - start
             samples.append(NodeSample(at, sample.prefill, sample.decode, sample.draining))
-        time.sleep(1.0)
-    for w in workers:
-        w.join(timeout=serve.http.timeout.read or 60.0)
+        sender.join(1.0)
     return sorted(answers, key=lambda a: a.sent), samples
+
+
+def _send_all(
+    phases: Sequence[Phase], count: int, send: Callable[[int, float], None], start: float
+) -> None:
+    """Each request in its own thread at its time; returns when every one has answered."""
+    threads, at, n = [], 0.0, 0
+    for phase in phases:
+        end = at + phase.seconds
+        while at < end:
+            time.sleep(max(0.0, start + (at if phase.rate > 0 else end) - time.monotonic()))
+            if phase.rate <= 0:  # an idle phase
+                break
+            t = threading.Thread(target=send, args=(n % count, at), daemon=True)
+            t.start()
+            threads.append(t)
+            n += 1
+            at += 1.0 / phase.rate
+        at = end
+    for t in threads:
+        t.join()

@@ -10,9 +10,12 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import re
 import sys
 import tempfile
+import time
 from dataclasses import asdict
+from datetime import datetime
 from pathlib import Path
 
 from pdserve import LLM, SamplingParams
@@ -23,18 +26,18 @@ from pdserve.tiny_model import make_tiny_model
 # what a burst of long prompts fills, and what the planner must grow.
 MODEL = {"layers": 4, "hidden": 256, "intermediate": 1024, "vocab": 512, "max_position": 4096}
 PLANNER = ["--planner", "--interval", "4", "--window", "16", "--smoothing", "4",
-           "--ttft-slo", "0.5", "--itl-slo", "0.2", "--max-prefill", "3", "--max-decode", "2",
+           "--ttft-slo", "1", "--itl-slo", "0.2", "--max-prefill", "3", "--max-decode", "1",
            "--max-nodes", "4", "--start-timeout", "120"]  # fmt: skip
-NODES = ["--num-prefill", "1", "--num-decode", "1", "--dtype", "float32", "--num-blocks", "512",
-         "--max-model-len", "2048", "--threads-per-rank", "1"]  # fmt: skip
-PHASES = "20x1,70x8,60x1"  # seconds x clients, one phase after another
+NODES = ["--num-prefill", "1", "--num-decode", "1", "--dtype", "float32", "--num-blocks", "4096",
+         "--max-model-len", "2048", "--threads-per-rank", "1", "--no-prefix-caching"]  # fmt: skip
+PHASES = "20x1,60x5,60x1"  # seconds x requests per second, one phase after another
 
 
 def phases_of(text: str) -> list[Phase]:
     try:
-        return [Phase(float(s), int(c)) for s, c in (p.split("x") for p in text.split(","))]
+        return [Phase(float(s), float(r)) for s, r in (p.split("x") for p in text.split(","))]
     except ValueError:
-        raise argparse.ArgumentTypeError(f"phases are SECONDSxCLIENTS,...; got {text!r}") from None
+        raise argparse.ArgumentTypeError(f"phases are SECONDSxRATE,...; got {text!r}") from None
 
 
 def prompts(n: int, length: int, seed: int = 0) -> list[list[int]]:
@@ -43,13 +46,25 @@ def prompts(n: int, length: int, seed: int = 0) -> list[list[int]]:
 
 
 def expected(model: str, ids: list[list[int]], max_tokens: int) -> list[tuple[int, ...]]:
-    llm = LLM(model, dtype="float32")
+    llm = LLM(model, dtype="float32", enforce_eager=True)
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     return [tuple(o.token_ids) for o in llm.generate(ids, params)]
 
 
+ACTION = re.compile(r"^(\S+ \S+) INFO pdserve.planner: planner: (start|drain|flip|stop) (\w+)")
+
+
+def actions(log: Path, began: float) -> list[tuple[float, str]]:
+    """The planner's actions in serve's log: (s since the load began, "start prefill")."""
+    out = []
+    for m in filter(None, map(ACTION.match, log.read_text(errors="replace").splitlines())):
+        at = datetime.strptime(m[1], "%Y-%m-%d %H:%M:%S,%f").timestamp() - began
+        out.append((at, f"{m[2]} {m[3]}"))
+    return out
+
+
 def plot(answers: list[Answer], samples: list[NodeSample], phases: list[Phase], slo: float,
-         path: Path) -> None:  # fmt: skip
+         done: list[tuple[float, str]], path: Path) -> None:  # fmt: skip
     import matplotlib
 
     matplotlib.use("Agg")
@@ -58,10 +73,10 @@ def plot(answers: list[Answer], samples: list[NodeSample], phases: list[Phase], 
     fig, (top, bottom) = plt.subplots(2, 1, figsize=(9, 6), sharex=True)
     edges, t = [], 0.0
     for p in phases:
-        edges += [(t, p.clients), (t + p.seconds, p.clients)]
+        edges += [(t, p.rate), (t + p.seconds, p.rate)]
         t += p.seconds
-    top.plot(*zip(*edges), color="grey", label="clients (load)")
-    top.set_ylabel("clients at once")
+    top.plot(*zip(*edges), color="grey", label="load (requests/s)")
+    top.set_ylabel("requests per second")
     ttft = top.twinx()
     ok = [a for a in answers if a.ttft is not None]
     ttft.scatter([a.sent for a in ok], [a.ttft for a in ok], s=6, label="TTFT")
@@ -73,6 +88,9 @@ def plot(answers: list[Answer], samples: list[NodeSample], phases: list[Phase], 
     bottom.step(times, [s.prefill for s in samples], where="post", label="prefill nodes")
     bottom.step(times, [s.decode for s in samples], where="post", label="decode nodes")
     bottom.step(times, [s.draining for s in samples], where="post", label="draining", ls=":")
+    for at, what in done:
+        bottom.axvline(at, color="black", lw=0.6, ls="--")
+        bottom.annotate(what, (at, 0.1), rotation=90, fontsize=7, ha="right")
     bottom.set_xlabel("seconds")
     bottom.set_ylabel("nodes (router's view)")
     bottom.legend(loc="upper right")
@@ -95,6 +113,7 @@ def main(argv: list[str] | None = None) -> None:
     serve = Serve(model, NODES + PLANNER, out / "serve.log", timeout=120.0)
     try:
         serve.wait_ready(180)
+        began = time.time()
         answers, samples = run_load(serve, args.phases, ids, args.max_tokens)
     finally:
         serve.stop()
@@ -105,7 +124,10 @@ def main(argv: list[str] | None = None) -> None:
               "samples": [asdict(s) for s in samples],
               "requests": [asdict(a) | {"token_ids": None} for a in answers]}  # fmt: skip
     (out / "run.json").write_text(json.dumps(report, indent=1))
-    plot(answers, samples, args.phases, float(PLANNER[PLANNER.index("--ttft-slo") + 1]),
+    done = actions(out / "serve.log", began)
+    report["actions"] = done
+    (out / "run.json").write_text(json.dumps(report, indent=1))
+    plot(answers, samples, args.phases, float(PLANNER[PLANNER.index("--ttft-slo") + 1]), done,
          out / "run.png")  # fmt: skip
     print(f"{len(answers)} answers, {len(failed)} failed, {len(wrong)} wrong; {out}/run.png")
     sys.exit(1 if failed or wrong else 0)
