@@ -134,8 +134,8 @@ class ModelRunner:
         self.parallel = parallel = parallel or ParallelConfig()
         self.driver: RankDriver | None = None
         drafts_kv = speculative is not None and speculative.has_draft_kv
-        if drafts_kv and parallel.tensor_parallel_size > 1:  # before any rank process starts
-            raise ValueError(
+        if drafts_kv and speculative.method == "mtp" and parallel.tensor_parallel_size > 1:
+            raise ValueError(  # before any rank process starts
                 f"speculative_config: {speculative.method} runs at tensor parallel size 1 only"
             )
         if tp is None and parallel.tensor_parallel_size > 1:
@@ -143,7 +143,7 @@ class ModelRunner:
             shard = TPShard(0, parallel.tensor_parallel_size, model_config.enable_expert_parallel)
             shard.check(ModelArchConfig.from_dir(model_config.model_dir))
             self.driver = RankDriver(
-                model_config, cache_config, parallel, max_num_seqs, max_model_len
+                model_config, cache_config, parallel, max_num_seqs, max_model_len, speculative
             )
             tp = self.driver.group
             torch.set_num_threads(threads_per_rank(parallel))  # this process is one rank
@@ -216,7 +216,7 @@ class ModelRunner:
     def _load_draft(self, speculative: SpeculativeConfig, model_config: ModelConfig) -> None:
         target = ModelArchConfig.from_dir(model_config.model_dir)
         if speculative.method != "mtp":
-            self.draft = DraftModel(speculative, target, self.dtype, self.device)
+            self.draft = DraftModel(speculative, target, self.dtype, self.device, self.tp)
             return
         spec = model_class(target).kv_cache_spec(target)
         seed = model_config.seed if model_config.load_format == "dummy" else None

@@ -35,6 +35,7 @@ from pdserve.common.engine.config import CacheConfig, ModelConfig, ParallelConfi
 from pdserve.common.engine.scheduler import ScheduledSeq
 from pdserve.common.model.parallel import TPGroup, TPShard, join_group
 from pdserve.common.rendezvous import listening_store
+from pdserve.common.spec.config import SpeculativeConfig
 from pdserve.common.wire.messages import Message, Plane, encode
 from pdserve.common.wire.payloads import SamplingParams
 from pdserve.common.wire.ranks import RankCommand, RankPlane
@@ -61,6 +62,8 @@ class WorkerSpec:
     parallel: ParallelConfig
     max_num_seqs: int
     max_model_len: int | None
+    # A draft_model's: every rank holds its shard of the draft and computes its pages.
+    speculative: SpeculativeConfig | None = None
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self))
@@ -75,6 +78,7 @@ class WorkerSpec:
             parallel=ParallelConfig(**d["parallel"]),
             max_num_seqs=d["max_num_seqs"],
             max_model_len=d["max_model_len"],
+            speculative=SpeculativeConfig(**d["speculative"]) if d.get("speculative") else None,
         )
 
 
@@ -206,6 +210,7 @@ class RankDriver:
         parallel: ParallelConfig,
         max_num_seqs: int,
         max_model_len: int | None,
+        speculative: SpeculativeConfig | None = None,
     ) -> None:
         self.parallel = parallel
         size = parallel.tensor_parallel_size
@@ -213,7 +218,7 @@ class RankDriver:
         host, port = parallel.host, parallel.port
         store = listening_store(host, port, size, start)
         for r in range(1, size):  # each worker reads its spec from the rendezvous
-            spec = WorkerSpec(r, model, cache, parallel, max_num_seqs, max_model_len)
+            spec = WorkerSpec(r, model, cache, parallel, max_num_seqs, max_model_len, speculative)
             store.set(spec_key(r), spec.to_json())
         local = parallel.workers == "local"
         self.procs = [_spawn(store.port, r, parallel) for r in range(1, size)] if local else []

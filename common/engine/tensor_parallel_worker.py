@@ -82,7 +82,13 @@ def _run_worker(spec: WorkerSpec, store: dist.Store, port: int, args: argparse.N
     own_host = args.advertise_host or args.host
     group = open_group(shard, store, port, spec.parallel, spec.model.device, own_host)
     runner = ModelRunner(
-        spec.model, spec.cache, spec.max_num_seqs, spec.max_model_len, spec.parallel, group
+        spec.model,
+        spec.cache,
+        spec.max_num_seqs,
+        spec.max_model_len,
+        spec.parallel,
+        group,
+        spec.speculative,
     )
     agent = _make_agent(spec, runner, group, _here(args))
     plane = None if agent is None else agent.PLANE

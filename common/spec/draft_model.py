@@ -6,7 +6,13 @@ ships the draft pages as layers after the target's (the KV layout counts them an
 draft). Every forward of the target runs the draft over the same tokens and slots, so the
 draft's pages hold the draft's KV of every computed token; proposing only adds the drafted
 positions. Unlike the other drafters this one holds torch tensors (it is built by the model
-runner, not by `create_proposer`)."""
+runner, not by `create_proposer`).
+
+Under tensor parallelism every rank holds its shard of the draft (the KV heads it holds of the
+target's) and computes its pages with each step, so a prefill node at TP N ships the draft's
+pages from every rank as it ships the target's. Proposing runs k forwards on rank 0 alone,
+which the other ranks do not follow: a node at TP > 1 computes the draft's pages but drafts
+nothing (the decode node of P TP 2 -> D TP 1 drafts from the pages both P ranks shipped)."""
 
 from __future__ import annotations
 
@@ -17,6 +23,7 @@ import torch
 
 from pdserve.common.model.attention import AttentionMetadata, KVCacheSpec
 from pdserve.common.model.config import ModelArchConfig
+from pdserve.common.model.parallel import TPGroup
 from pdserve.common.model.registry import model_class
 from pdserve.common.model.weights import load_model, model_fingerprint
 from pdserve.common.spec.base import Proposer
@@ -120,6 +127,7 @@ class PageGroup:
         self.scratch: list[int] = []
         self.block_size = 0
         self.first_layer = 0  # the index a prefill node ships the group's layer 0 as
+        self.proposes = True  # False: it computes its pages but drafts nothing
 
     def attach(
         self, caches: list[torch.Tensor], scratch: list[int], block_size: int, first_layer: int
@@ -142,16 +150,19 @@ class DraftModel(PageGroup):
         target: ModelArchConfig,
         dtype: torch.dtype,
         device: torch.device,
+        tp: TPGroup | None = None,
     ) -> None:
         assert config.model is not None, "a draft_model config names its model"
-        self.model, self.arch = load_model(config.model, dtype, device)
-        target_spec = model_class(target).kv_cache_spec(target)  # the target's own family
-        self.spec: KVCacheSpec = type(self.model).kv_cache_spec(self.arch)
+        shard = tp.shard if tp is not None else None
+        self.model, self.arch = load_model(config.model, dtype, device, tp=tp)
+        target_spec = model_class(target).kv_cache_spec(target, shard)  # the target's family
+        self.spec: KVCacheSpec = type(self.model).kv_cache_spec(self.arch, shard)
         check_draft(self.arch, target, self.spec == target_spec)
         if device.type == "cpu":
             self.model.use_cpu_head()
         self.model_id = model_fingerprint(config.model)
         super().__init__(device, config.num_speculative_tokens, f"draft:{self.model_id}")
+        self.proposes = tp is None  # see the module's docstring
 
     @property
     def num_layers(self) -> int:
@@ -202,7 +213,7 @@ class DraftModelProposer(Proposer):
         self._block_ids = block_ids
 
     def propose(self, request_id: str, tokens: Sequence[int], k: int) -> list[int]:
-        if k <= 0 or not tokens:
+        if k <= 0 or not tokens or not self.draft.proposes:
             return []
         return self.draft.propose(tokens, self._block_ids(request_id), k)
 

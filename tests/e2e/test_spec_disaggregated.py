@@ -61,6 +61,7 @@ ACCEPTED = "pdserve_node_spec_decode_num_accepted_tokens"
 # nixl where its extra is installed (CI installs it).
 NCCL = pytest.param("nccl", marks=_nccl().marks)
 CONNECTORS = ["zmq", NCCL, "shm", pytest.param("nixl", marks=needs_nixl)]
+TP_THREADS = ["--threads-per-rank", "1"]  # two ranks on a 2-core machine
 
 
 def _reached(port: int, name: str, value: float) -> bool:
@@ -83,37 +84,56 @@ def _colocated_counts(model: str, spec: str) -> tuple[list[list[int]], list[floa
     return tokens, drafts, accepted
 
 
+@pytest.fixture(scope="module")
+def draft_colocated(tmp_path_factory) -> dict:
+    """The target as its own draft, colocated: greedy tokens (equal without speculation) and
+    the running totals of drafts and accepted drafts. Every draft is accepted where the draft
+    pages hold the prompt's KV (a random smaller draft would accept next to none on a random
+    target)."""
+    model = str(make_tiny_model("llama", tmp_path_factory.mktemp("draft") / "m", max_position=2048))
+    spec = json.dumps({"method": "draft_model", "model": model, "num_speculative_tokens": 3})
+    params = SamplingParams(max_tokens=DRAFT_TOKENS, temperature=0.0, ignore_eos=True)
+    with LLM(model, block_size=16, skip_tokenizer_init=True, dtype="float32") as llm:
+        plain = [o.token_ids for o in llm.generate(DRAFT_PROMPTS, params)]
+    tokens, drafts, accepted = _colocated_counts(model, spec)
+    assert tokens == plain
+    assert accepted[-1] > 0, "no draft accepted colocated: the test would show nothing"
+    return {"model": model, "spec": spec, "plain": plain, "drafts": drafts, "accepted": accepted}
+
+
+def _through_1p1d(colocated: dict, connector: str, prefill_args: list[str]) -> None:
+    """The prompts one at a time through 1P1D: each answer equals colocated's, and so does
+    the decode node's running total of accepted drafts after it; every pool is clean after."""
+    health = free_port()
+    engine = [*ENGINE, "--speculative-config", colocated["spec"]]
+    decode = ["--health-port", str(health)]
+    args = {"engine_args": engine, "prefill_args": prefill_args, "decode_args": decode}
+    with LocalCluster(colocated["model"], 1, 1, kv_connector=connector, **args) as c:
+        got = []
+        for i, prompt in enumerate(DRAFT_PROMPTS):
+            out = complete(c.url, prompt, max_tokens=DRAFT_TOKENS)
+            assert out["choices"][0]["token_ids"] == colocated["plain"][i]
+            # The gauges come with each heartbeat: wait for this request's verify steps.
+            seen = partial(_reached, health, DRAFTS, colocated["drafts"][i])
+            wait_until(seen, c.procs, 30, f"drafts of prompt {i}")
+            got.append(_metric(health, ACCEPTED))
+        assert got == colocated["accepted"]
+        assert _metric(health, DRAFTS) == colocated["drafts"][-1]
+        assert_clean(c)
+
+
 @pytest.mark.parametrize("connector", CONNECTORS)
-def test_draft_model_kv_through_1p1d_keeps_colocated_acceptance(tmp_path, connector) -> None:
+def test_draft_model_kv_through_1p1d_keeps_colocated_acceptance(draft_colocated, connector):
     """Greedy tokens through 1P1D (every connector) equal colocated with and without
     speculation, and the accepted drafts of each request equal colocated's exactly: the decode
     node drafts from the shipped draft pages. (The negative control, a decode side whose draft
     pages are zeros as a fresh pool holds them when they are not shipped, is
     tests/common/spec/test_draft_model.py::test_acceptance_depends_on_the_draft_pages.)"""
-    model = make_tiny_model("llama", tmp_path / "m", max_position=2048)
-    # The target as its own draft: every draft is accepted where the draft pages hold the
-    # prompt's KV (a random smaller draft would accept next to none on a random target).
-    spec = json.dumps({"method": "draft_model", "model": str(model), "num_speculative_tokens": 3})
-    params = SamplingParams(max_tokens=DRAFT_TOKENS, temperature=0.0, ignore_eos=True)
-    with LLM(str(model), block_size=16, skip_tokenizer_init=True, dtype="float32") as llm:
-        plain = [o.token_ids for o in llm.generate(DRAFT_PROMPTS, params)]
-    tokens, drafts, accepted = _colocated_counts(str(model), spec)
-    assert tokens == plain
-    assert accepted[-1] > 0, "no draft accepted colocated: the test would show nothing"
-    health = free_port()
-    engine = [*ENGINE, "--speculative-config", spec]
-    decode = ["--health-port", str(health)]
-    with LocalCluster(
-        str(model), 1, 1, kv_connector=connector, engine_args=engine, decode_args=decode
-    ) as c:
-        got = []
-        for i, prompt in enumerate(DRAFT_PROMPTS):
-            out = complete(c.url, prompt, max_tokens=DRAFT_TOKENS)
-            assert out["choices"][0]["token_ids"] == plain[i]
-            # The gauges come with each heartbeat: wait for this request's verify steps.
-            seen = partial(_reached, health, DRAFTS, drafts[i])
-            wait_until(seen, c.procs, 30, f"drafts of prompt {i}")
-            got.append(_metric(health, ACCEPTED))
-        assert got == accepted
-        assert _metric(health, DRAFTS) == drafts[-1]
-        assert_clean(c)
+    _through_1p1d(draft_colocated, connector, [])
+
+
+def test_draft_model_kv_from_tp2_prefill_to_tp1_decode(draft_colocated) -> None:
+    """P at TP 2, D at TP 1: each prefill rank computes its KV heads of the draft's pages with
+    the target's and ships them; the decode node drafts from both ranks' halves and accepts
+    what colocated accepts."""
+    _through_1p1d(draft_colocated, "zmq", ["--tensor-parallel-size", "2", *TP_THREADS])

@@ -11,6 +11,7 @@ import shutil
 from pathlib import Path
 
 import pytest
+import torch
 from safetensors.torch import load_file, save_file
 
 from pdserve.common.engine.llm import LLM, SamplingParams
@@ -152,8 +153,6 @@ def test_bad_draft_is_refused_by_name(models, tmp_path) -> None:
     heads = make_tiny_model("llama", tmp_path / "heads", num_hidden_layers=1, num_key_value_heads=4)
     with pytest.raises(ValueError, match="speculative_config.model: the draft's KV pages"):
         LLM(models["target"], skip_tokenizer_init=True, speculative_config=draft(str(heads), 3))
-    with pytest.raises(ValueError, match="draft_model runs at tensor parallel size 1 only"):
-        LLM(models["target"], tensor_parallel_size=2, speculative_config=draft(str(wide), 3))
     with pytest.raises(ValueError, match="speculative_config.model: draft_model needs"):
         SpeculativeConfig.parse({"method": "draft_model", "num_speculative_tokens": 3})
     with pytest.raises(ValueError, match="speculative_config.model: only draft_model"):
@@ -212,3 +211,26 @@ def test_preempted_requests_recompute_the_draft_pages(models, baseline) -> None:
     assert llm.engine.kv.num_free_blocks == llm.engine.kv.pool.num_blocks - 1, "leaked blocks"
     stats = llm.engine.scheduler.drafter.stats
     assert stats.num_accepted_tokens == stats.num_draft_tokens > 0
+
+
+def test_tensor_parallel_ranks_compute_the_draft_pages_but_draft_nothing(models) -> None:
+    """At TP 2 (a prefill node's part in P TP 2 -> D TP 1) each rank holds its KV heads of the
+    draft's pages, computed with the target's steps: rank 0's equal the first half of a TP 1
+    engine's. Proposing would run on rank 0 alone, so such a node drafts nothing; its tokens
+    are the target's."""
+    spec, prompt = draft(models["target"], 3), PROMPTS[3]
+    options = {"skip_tokenizer_init": True, "block_size": 4, "num_blocks": 40, "dtype": "float32"}
+    with LLM(models["target"], speculative_config=spec, **options) as one:
+        want = one.generate([prompt], GREEDY)[0].token_ids
+        whole = [cache.clone() for cache in one.engine.runner.draft.caches]
+    tp = {"tensor_parallel_size": 2, "threads_per_rank": 1}
+    with LLM(models["target"], speculative_config=spec, **tp, **options) as two:
+        assert two.generate([prompt], GREEDY)[0].token_ids == want
+        assert two.engine.scheduler.drafter.stats.num_draft_tokens == 0
+        halves = two.engine.runner.draft.caches
+        assert len(halves) == len(whole) == 3
+        for half, full in zip(halves, whole, strict=True):
+            heads = half.shape[3]
+            assert heads * 2 == full.shape[3]
+            assert half.abs().sum() > 0, "rank 0 computed no draft pages"
+            torch.testing.assert_close(half[:, :40], full[:, :40, :, :heads], atol=1e-4, rtol=0)
