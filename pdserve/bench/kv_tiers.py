@@ -207,9 +207,9 @@ OPTIONS = ("quantization", "num-blocks", "block-size", "kv-offload-bytes", "conv
            "turns", "first-len", "message-len", "documents", "document-len", "questions",
            "trace", "trace-requests", "length-scale", "kv-load-policy")  # fmt: skip
 SMOKE = (
-    "**A smoke run**: the load average was above the machine's core count (other work, this "
-    "run at nice 19), so its times show that every path works and what each system computes, "
-    "not how fast a tier is against recomputing."
+    "**A loaded machine**: the load average was above its core count, so the wall times carry "
+    "other work's. The systems ran side by side, each request to each in turn, so a busy "
+    "moment falls on all of them alike: read the ratios against `none`, not the times."
 )
 
 
