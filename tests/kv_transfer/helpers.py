@@ -95,11 +95,14 @@ class SenderProcess:
         for line in self.proc.stdout:
             self._replies.put(json.loads(line))
 
-    def call(self, pump: Pump | None, timeout: float = 20.0, **cmd: Any) -> dict[str, Any]:
+    def call(self, pump: Pump | None, wait_s: float = 60.0, **cmd: Any) -> dict[str, Any]:
+        """Send cmd and wait up to wait_s for its reply (named apart from the commands' own
+        `timeout`, which a caller's keyword went to instead: the sender's connect was given
+        the child's default while this wait was cut to 5 s, and failed under load)."""
         assert self.proc.stdin is not None
         self.proc.stdin.write(json.dumps(cmd) + "\n")
         self.proc.stdin.flush()
-        return self._await(pump, timeout, cmd["op"])
+        return self._await(pump, wait_s, cmd["op"])
 
     def _await(self, pump: Pump | None, timeout: float, what: str) -> dict[str, Any]:
         deadline = time.monotonic() + timeout
@@ -123,7 +126,7 @@ class SenderProcess:
     def close(self) -> None:
         try:
             if self.proc.poll() is None:
-                self.call(None, timeout=5.0, op="exit")
+                self.call(None, wait_s=5.0, op="exit")
             self.proc.wait(timeout=5.0)
         except Exception:
             self.proc.kill()

@@ -74,7 +74,7 @@ class Setup:
             connector=self.connector,
             layout=layout.to_dict(),
             endpoint=self.receiver.endpoint,
-            timeout=5.0,
+            timeout=30.0,  # the connect's, in the child (a handshake under load)
             opts=SENDER_OPTS.get(self.connector, {}),
             **extra,
         )

@@ -82,7 +82,7 @@ class Groups:
                 connector=connector,
                 layout=self.layout.to_dict(),
                 endpoint=self.receivers[s.dst_rank].endpoint,
-                timeout=5.0,
+                timeout=30.0,  # the connect's, in the child (a handshake under load)
             )
             self.senders.append(name)
 
@@ -211,7 +211,7 @@ def test_a_corrupted_slice_fails_only_its_own_transfer(connector, child) -> None
             connector=connector,
             layout=groups.layout.to_dict(),
             endpoint=groups.receivers[0].endpoint,
-            timeout=5.0,
+            timeout=30.0,  # the connect's, in the child (a handshake under load)
             corrupt="req.1-0",
         )
         ids = groups.transfer("req", [1, 2], [3, 4])
