@@ -12,7 +12,7 @@ across torch's threads. It has two paths, chosen per call (`uses_vnni()` by defa
   unsigned bytes by them with `vpdpbusd` (u8 x s8 -> s32) and scales each block's integer sum
   once; a 4/5-bit weight's minimum is folded in through the activation's block sums. It
   changes the numerics by that activation rounding (docs/quantization.md, "AVX512-VNNI GEMV").
-  `PDSERVE_CPU_QUANT=avx2` keeps the AVX2 path on such a CPU.
+  Opt-in: `PDSERVE_CPU_QUANT=vnni` (the default stays AVX2's exact float32 sums).
 The C++ (kernels/cpu_quant.cpp) is built at first use with torch's cpp_extension, cached by
 the source's hash, torch's version and folder under torch's extensions folder (an flock held
 while building; a dead build's lock file is removed); without AVX2+FMA or a compiler,
@@ -47,10 +47,11 @@ log = logging.getLogger(__name__)
 
 MAX_ROWS = 8  # input rows one call takes (the C++ side is instantiated for 1..8)
 BLOCK = 32  # int4 columns per scale and minimum
-# "auto" (default: AVX512-VNNI where the CPU has it, else AVX2), "avx2" (the AVX2 path only)
-# or "off" (torch's kernels).
+# "auto" (default) and "avx2": the AVX2 path; "vnni": AVX512-VNNI where the CPU has it (int8
+# activations: opt-in until engine-level tolerances are settled, docs/quantization.md); "off":
+# torch's kernels.
 QUANT_KERNEL_ENV = "PDSERVE_CPU_QUANT"
-_KERNEL_MODES = ("auto", "avx2", "off")
+_KERNEL_MODES = ("auto", "avx2", "vnni", "off")
 # Seconds to wait for another process's build of the kernel (a cold one takes minutes when loaded).
 BUILD_WAIT_ENV = "PDSERVE_CPU_QUANT_BUILD_WAIT"
 # Rows packed at once: packing a whole tensor made several byte-per-weight temporaries at
@@ -244,9 +245,9 @@ def _kernel_mode() -> str:
 
 @cache
 def uses_vnni() -> bool:
-    """Whether calls take the AVX512-VNNI path by default: the CPU has it and
-    $PDSERVE_CPU_QUANT is not avx2."""
-    return _kernel_mode() != "avx2" and cpu_has_avx512_vnni()
+    """Whether calls take the AVX512-VNNI path by default: $PDSERVE_CPU_QUANT is vnni and the
+    CPU has it."""
+    return _kernel_mode() == "vnni" and cpu_has_avx512_vnni()
 
 
 @cache

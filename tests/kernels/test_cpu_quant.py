@@ -196,21 +196,21 @@ def test_off_or_without_avx2_it_is_unavailable(monkeypatch: pytest.MonkeyPatch) 
 
 
 def test_the_path_follows_the_cpu_and_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
-    """VNNI by default where the CPU has it; PDSERVE_CPU_QUANT=avx2 forces AVX2 (both paths
-    stay testable on an AVX512 box); a misspelt value is refused by name."""
+    """AVX2 by default; PDSERVE_CPU_QUANT=vnni takes VNNI where the CPU has it (both paths stay
+    testable on an AVX512 box); a misspelt value is refused by name."""
     cpu_quant.uses_vnni.cache_clear()
     try:
         monkeypatch.delenv(cpu_quant.QUANT_KERNEL_ENV, raising=False)
-        assert cpu_quant.uses_vnni() == cpu_quant.cpu_has_avx512_vnni()
-        cpu_quant.uses_vnni.cache_clear()
-        monkeypatch.setenv(cpu_quant.QUANT_KERNEL_ENV, "avx2")
         assert not cpu_quant.uses_vnni()
+        cpu_quant.uses_vnni.cache_clear()
+        monkeypatch.setenv(cpu_quant.QUANT_KERNEL_ENV, "vnni")
+        assert cpu_quant.uses_vnni() == cpu_quant.cpu_has_avx512_vnni()
         cpu_quant.uses_vnni.cache_clear()
         monkeypatch.setenv(cpu_quant.QUANT_KERNEL_ENV, "avx512")
         with pytest.raises(ValueError, match="PDSERVE_CPU_QUANT='avx512'"):
             cpu_quant.uses_vnni()
         monkeypatch.setattr(cpu_quant, "cpu_flags", lambda: frozenset({"avx2", "fma"}))
-        monkeypatch.setenv(cpu_quant.QUANT_KERNEL_ENV, "auto")
+        monkeypatch.setenv(cpu_quant.QUANT_KERNEL_ENV, "vnni")
         assert not cpu_quant.uses_vnni()
     finally:
         cpu_quant.uses_vnni.cache_clear()
