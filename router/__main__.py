@@ -13,7 +13,7 @@ from pdserve.common.model.checkpoint import Checkpoint
 from pdserve.common.node.cli import add_model_arg, parser, resolve_model
 from pdserve.common.process import freeze_startup_heap
 from pdserve.router.app import create_app
-from pdserve.router.cluster import ClusterBackend
+from pdserve.router.cluster.backend import ClusterBackend
 from pdserve.router.cluster.registry import NODE_ROLES, NodeInfo
 from pdserve.router.config import RouterConfig, add_router_args, router_config
 

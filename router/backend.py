@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 from pdserve.common.wire.messages import Error, Tokens
 from pdserve.common.wire.payloads import SamplingParams
-from pdserve.router.timing import RequestTiming
+from pdserve.router.cluster.timing import RequestTiming
 
 
 @dataclass(frozen=True, slots=True)

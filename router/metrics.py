@@ -12,7 +12,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 
 from pdserve.common.wire.messages import Failure
 from pdserve.router.backend import Backend
-from pdserve.router.timing import RequestTiming
+from pdserve.router.cluster.timing import RequestTiming
 
 logger = logging.getLogger(__name__)
 
@@ -59,7 +59,7 @@ class RouterMetrics:
         stages = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
         self.ttft_stages = Histogram(
             "pdserve:ttft_stage_seconds",
-            "Time to first token by stage (router/timing.py), each on one process's clock",
+            "Time to first token by stage (router/cluster/timing.py), each on one process's clock",
             ["stage"],
             buckets=stages,
             registry=reg,

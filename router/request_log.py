@@ -5,7 +5,7 @@ it arrived (epoch s), its prompt's and answer's lengths, its prompt's full block
 block hashes (the router's `BlockHashes` at the block size of the node that computed it; 16 hex
 digits each: two prompts share a hash exactly where they share every token up to that block's
 end), the prompt tokens a node had cached, its time to first token and its stages
-(router/timing.py), end-to-end time, the nodes chosen, its failovers and outcome.
+(router/cluster/timing.py), end-to-end time, the nodes chosen, its failovers and outcome.
 
 Lines are written as requests end, each whole and flushed; a write that fails (disk full) is
 logged once and loses only the log, never the request.

@@ -10,10 +10,8 @@ Modules, from the bottom up: registry (NodeInfo, which nodes are alive), streams
 request's state and RequestTable, the owner of where every request runs), policies (local or
 remote prefill, and orderings of candidate nodes), control (the ROUTER socket),
 registration (nodes joining), routing (putting a request on nodes, again after a failover),
-backend (ClusterBackend: the wiring of messages, leases and streams).
+backend (ClusterBackend: the wiring of messages, leases and streams); beside them timing (one
+request's time to first token by stage, which the router's GenerateRequest carries down and the
+cluster fills in). The package imports none of them itself: `router.backend` imports timing
+from here, and `cluster.backend` imports `router.backend`.
 """
-
-from pdserve.router.cluster.backend import ClusterBackend
-from pdserve.router.cluster.policies import POLICIES
-
-__all__ = ["POLICIES", "ClusterBackend"]

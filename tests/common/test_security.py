@@ -14,7 +14,7 @@ from pdserve.common.wire.payloads import FirstToken
 from pdserve.common.wire.security import CurveKeys, keygen
 from pdserve.kv_transfer import KVLayout, TransferTimeout, create_receiver, create_sender
 from pdserve.local_cluster import LocalCluster, free_port
-from pdserve.router.cluster import ClusterBackend
+from pdserve.router.cluster.backend import ClusterBackend
 from pdserve.router.config import RouterConfig
 from tests.kv_transfer.helpers import Pump, make_caches
 from tests.kv_transfer.test_guards import connect_while_polling

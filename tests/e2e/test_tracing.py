@@ -25,7 +25,7 @@ import pytest
 
 from pdserve.common.tracing_receiver import OtlpReceiver
 from pdserve.local_cluster import LocalCluster
-from pdserve.router.timing import TTFT_STAGES
+from pdserve.router.cluster.timing import TTFT_STAGES
 from pdserve.tiny_model import make_tiny_model
 from tests.devices import engine_flags
 

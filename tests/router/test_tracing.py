@@ -1,5 +1,5 @@
 """The router's side of a request's stages and spans: RequestTiming stitches the nodes' stage
-times with its own (router/timing.py); the request span's traceparent goes to every node the
+times with its own (router/cluster/timing.py); the request span's traceparent goes to every node the
 request is sent to (prefill and decode alike: siblings under it), and a failover is a span
 with its cause (over fake nodes, tests/router/test_failover.py's harness)."""
 
@@ -15,7 +15,7 @@ from pdserve.common.wire.payloads import SamplingParams, StageTimes
 from pdserve.router.backend import GenerateRequest
 from pdserve.router.cluster.backend import ClusterBackend
 from pdserve.router.cluster.tracing import RequestTrace
-from pdserve.router.timing import RequestTiming
+from pdserve.router.cluster.timing import RequestTiming
 from tests.router.test_failover import FakeNodes, run, until
 
 
