@@ -3,8 +3,9 @@ on loopback. Each metric is on the /metrics of the process that measures it and 
 small load (read before and after); a decode node gone silent moves the failover counter; every
 PromQL expression of the Grafana dashboard names only metrics a scrape of this deployment shows.
 The lease-expiry count is exported (at 0 here) but not moved: a SIGSTOPped router let the
-answer finish before its 2 s lease ran out on an idle CI machine; a test that holds a lease
-without a running answer is still to write.
+answer finish before its 2 s lease ran out on an idle CI machine. The count is moved in
+tests/e2e/test_tracing_faults.py, which holds a decode node's reservation with no KV coming
+(the prefill node and then the router SIGSTOPped) until its lease lapses.
 """
 
 from __future__ import annotations
