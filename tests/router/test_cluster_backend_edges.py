@@ -183,6 +183,7 @@ async def test_integrity_reports_of_every_live_node(
             "in_flight": 0,  # requests this router routed there and waits on
             "registrations": 0,  # RegisterNode messages it got (fakes skip them)
             "prefix_view": [],  # block hashes the router credits it with (none announced)
+            "host_view": [],  # those in its host tier (none announced)
             "report": {
                 "ok": False,
                 "detail": "leak",
@@ -199,6 +200,7 @@ async def test_integrity_reports_of_every_live_node(
             "in_flight": 0,
             "registrations": 0,
             "prefix_view": [],
+            "host_view": [],
         },
     }
 
