@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 import threading
 from collections.abc import Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import ThreadingHTTPServer
 from pathlib import Path
 
 import kubernetes_validate
@@ -19,13 +19,14 @@ from pdserve.planner.__main__ import build_parser
 from pdserve.planner.k8s import MERGE_PATCH, KubeExecutor, KubeTarget
 from pdserve.planner.policy import Decision
 from pdserve.planner.snapshot import DECODE, PREFILL, NodeView
+from tests.bench.fake_llamacpp import JsonHandler
 from tests.deploy.test_manifests import K8S_VERSION, of_kind
 
 MANIFEST = Path(__file__).resolve().parents[2] / "deploy" / "planner.yaml"
 DEPLOYMENTS = "/apis/apps/v1/namespaces/ns/deployments/"
 
 
-class _Api(BaseHTTPRequestHandler):
+class _Api(JsonHandler):
     """Two Deployments (replicas, ready replicas); records every call."""
 
     state: dict[str, list[int]] = {}
@@ -35,31 +36,20 @@ class _Api(BaseHTTPRequestHandler):
         self._record(None)
         name = self.path.removeprefix(DEPLOYMENTS).removesuffix("/scale")
         if name not in self.state:
-            self._reply(404, {"kind": "Status", "code": 404})
+            self.reply(404, {"kind": "Status", "code": 404})
             return
         wanted, ready = self.state[name]
-        self._reply(200, {"spec": {"replicas": wanted}, "status": {"readyReplicas": ready}})
+        self.reply(200, {"spec": {"replicas": wanted}, "status": {"readyReplicas": ready}})
 
     def do_PATCH(self) -> None:  # noqa: N802
         body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
         self._record(body)
         name = self.path.removeprefix(DEPLOYMENTS).removesuffix("/scale")
         self.state[name][0] = body["spec"]["replicas"]
-        self._reply(200, {"spec": body["spec"]})
+        self.reply(200, {"spec": body["spec"]})
 
     def _record(self, body: dict | None) -> None:
         self.calls.append((self.command, self.path, dict(self.headers), body))
-
-    def _reply(self, status: int, body: dict) -> None:
-        data = json.dumps(body).encode()
-        self.send_response(status)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(data)))
-        self.end_headers()
-        self.wfile.write(data)
-
-    def log_message(self, *args: object) -> None:
-        pass
 
 
 @pytest.fixture
