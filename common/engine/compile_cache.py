@@ -11,8 +11,10 @@ version and inductor's config), both on by default, in one directory (TORCHINDUC
 else /tmp/torchinductor_<user>, which a reboot clears). An engine's compiles run with that
 directory pointed at `<compile cache dir>/<key>`, where the key digests everything that shapes
 its graphs: torch, pdserve and the compiled code's version, the model's shapes, class, dtype and
-weight form, the batch buckets, the KV block size, the tensor-parallel shard, the CPU's
-instruction set and the thread count (generated CPU loops fix it when compiled). Torch's own
+weight form, the KV block size, the tensor-parallel shard, the CPU's instruction set and the
+thread count (generated CPU loops fix it when compiled). Not the batch buckets: each bucket is a
+graph (a package) of its own, so engines with different bucket lists share the buckets they have
+in common. Torch's own
 keys already refuse a stale graph, but a CPU package has only ours; and each deployment gets
 its own directory, so a changed model or torch starts from an empty one instead of searching
 (and growing) a shared one, and the directory's key.json says what it holds.
@@ -46,7 +48,7 @@ class CompileKey:
     pdserve: str
     code: str  # a hash of the compiled step's source and the model package's
     model: str  # class, architecture (every shape), dtype and weight form
-    flags: str  # batch buckets, KV block size, tensor-parallel shard
+    flags: str  # KV block size, device, tensor-parallel shard (not the buckets: one graph each)
     isa: str  # the CPU instruction set the kernels are generated for
     threads: int  # the intra-op threads the CPU kernels' parallel loops are generated for
 

@@ -225,11 +225,12 @@ class ModelRunner:
 
     def _compile_cache(self, model_config: ModelConfig) -> CompileCache:
         """Where this model's compiled steps are kept between starts: keyed by what shapes the
-        graphs (not the block-table width: only the CUDA graphs' buffers depend on it)."""
+        graphs (not the block-table width: only the CUDA graphs' buffers depend on it; not the
+        bucket list: each bucket is its own graph, so an engine with buckets 1, 2, 4 and one
+        with bucket 1 alone share bucket 1's)."""
         assert self.compiled is not None, "only a compiling runner has a compile cache"
         shard = self.tp.shard if self.tp is not None else None
-        flags = {"buckets": self.compiled.buckets, "block_size": self.block_size}
-        flags.update(device=self.device.type, tp=shard)
+        flags = {"block_size": self.block_size, "device": self.device.type, "tp": shard}
         key = compile_key(self.model, self.arch, self.dtype, flags, code_hash())
         return CompileCache(cache_root(model_config.compile_cache_dir), key)
 

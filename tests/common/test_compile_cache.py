@@ -1,19 +1,23 @@
 """The compile cache's key and directory (common/engine/compile_cache.py): a changed model,
-torch, code or engine flag never reads another's compiled graphs. That a second start compiles
-nothing is tested with a real second process in tests/common/model/test_compile.py."""
+torch, code or engine flag never reads another's compiled graphs, and engines that differ only in
+their bucket lists share the buckets they have in common. That a second start compiles nothing is
+tested with a real second process in tests/common/model/test_compile.py."""
 
 from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
 
 from pdserve.common.engine.compile_cache import DIR_ENV, cache_root, compile_key
+from pdserve.common.engine.config import ModelConfig
+from pdserve.common.engine.model_runner import ModelRunner
 from pdserve.common.model.config import ModelArchConfig
 
-FLAGS = {"buckets": (1, 2, 4), "block_size": 16, "device": "cpu", "tp": None}
+FLAGS = {"block_size": 16, "device": "cpu", "tp": None}
 
 
 @pytest.fixture(scope="module")
@@ -49,11 +53,28 @@ def test_changed_torch_code_or_flags_give_another_key(
         digest(arch),
         digest(arch, code="c1"),
         digest(arch, flags={**FLAGS, "block_size": 32}),
-        digest(arch, flags={**FLAGS, "buckets": (1, 2, 4, 8)}),
+        digest(arch, flags={**FLAGS, "tp": "0/2"}),
     }
     monkeypatch.setattr(torch, "__version__", "9.9.9")
     keys.add(digest(arch))
     assert len(keys) == 5
+
+
+def runner_key(arch: ModelArchConfig, buckets: tuple[int, ...], block_size: int = 16) -> str:
+    """The key a compiling ModelRunner's `_compile_cache` gives (its attributes stood in)."""
+    compiled = SimpleNamespace(buckets=buckets)
+    runner = SimpleNamespace(compiled=compiled, block_size=block_size, tp=None, arch=arch,
+                             model=torch.nn.Linear(2, 2), dtype=torch.float32,
+                             device=torch.device("cpu"))  # fmt: skip
+    cache = ModelRunner._compile_cache(runner, ModelConfig(model_dir="unused"))
+    return cache.key.digest()
+
+
+def test_engines_with_other_bucket_lists_share_a_bucket(arch: ModelArchConfig) -> None:
+    """A bucket is one package, the same graph whatever the other buckets: the key leaves the
+    list out, so the suite's buckets 1, 2, 4 and another module's bucket 1 compile it once."""
+    assert runner_key(arch, (1,)) == runner_key(arch, (1, 2, 4)) == runner_key(arch, (1, 2))
+    assert runner_key(arch, (1,), block_size=32) != runner_key(arch, (1,))
 
 
 def test_another_thread_count_gives_another_key(
