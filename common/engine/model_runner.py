@@ -193,10 +193,6 @@ class ModelRunner:
         mode = model_config.decode_compile
         if mode == "background" and self.tp is not None:
             mode = "eager"  # its child would compile one rank's share alone: not written
-        if mode == "background" and any(getattr(m, "gemv", False) for m in self.model.modules()):
-            # The AVX2 GEMV (kernels/cpu_quant.py) is no torch op: export cannot trace it, and
-            # a child would load the model only to fail. Eager until it is registered as one.
-            mode = "eager"
         if mode != "eager" and self.model.compiles_decode:
             longest = min(self.arch.max_position_embeddings, self.num_blocks * self.block_size)
             if max_model_len is not None:
