@@ -63,7 +63,7 @@ class PlannerLoop:
         self.source = source
         self.executor = executor
         self.policy = Policy(config)
-        self.measurer = Measurer(config.itl_slo)
+        self.measurer = Measurer(config.itl_slo, config.window)
         self.metrics = PlannerMetrics(registry or CollectorRegistry())
         self.clock = clock
         self._next = clock()

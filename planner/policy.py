@@ -99,8 +99,9 @@ class Policy:
         if isinstance(p_need, str) or isinstance(d_need, str):
             why = problem or "; ".join(n for n in (p_need, d_need) if isinstance(n, str))
             return Decision(now, None, None, (why,), current, pools.stop, snap)
-        p = self._guard_ttft(snap, pools.prefill, _target(pools.prefill, p_need))
-        d = self._guard_itl(snap, pools.decode, _target(pools.decode, d_need))
+        p, d = _target(pools.prefill, p_need), _target(pools.decode, d_need)
+        p, d = self._guard_ttft(snap, current, p, d)
+        d = self._guard_itl(snap, pools.decode, d)
         self._idle = self._idle + 1 if snap.idle() else 0
         p, d = self._paced(current, *self._stabilized(now, current, p, d))
         p, d = self._bounded(p, d)
@@ -168,10 +169,25 @@ class Policy:
     def _utils(self) -> tuple[float, float]:
         return self.config.util_high, self.config.util_low
 
-    def _guard_ttft(self, snap: Snapshot, current: int, target: int) -> int:
-        """TTFT over its SLO with prompts waiting: one more node at least, never fewer."""
-        late = measured(snap.ttft_p90) and snap.ttft_p90 > self.config.ttft_slo  # type: ignore[operator]
-        return max(target, current + 1) if late and snap.queued_prompt_tokens > 0 else target
+    def _guard_ttft(
+        self, snap: Snapshot, current: tuple[int, int], p: int, d: int
+    ) -> tuple[int, int]:
+        """TTFT over its SLO: one more node at least of the pool it waited for. With the
+        stages measured, decode grows when waiting for a decode node's reservation took more
+        of the TTFT than waiting for a prefill node, else prefill when that wait took
+        `queue_share` of it or more (a TTFT that is mostly the prefill itself grows neither:
+        the rate-based sizing covers throughput); without them, prefill grows when prompts
+        are waiting."""
+        if not (measured(snap.ttft_p90) and snap.ttft_p90 > self.config.ttft_slo):  # type: ignore[operator]
+            return p, d
+        shares = snap.ttft_shares
+        if shares is None:
+            grow_p, grow_d = snap.queued_prompt_tokens > 0, False
+        else:
+            grow_d = shares.decode_wait > shares.prefill_wait
+            grow_p = not grow_d and shares.prefill_wait >= self.config.queue_share
+        more = lambda grow, now, target: max(target, now + 1) if grow else target  # noqa: E731
+        return more(grow_p, current[0], p), more(grow_d, current[1], d)
 
     def _guard_itl(self, snap: Snapshot, current: int, target: int) -> int:
         """ITL over its SLO: one more decode node at least."""

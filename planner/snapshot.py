@@ -23,6 +23,17 @@ class NodeView:
 
 
 @dataclass(frozen=True, slots=True)
+class TtftShares:
+    """Where the interval's time to first token went (the router's per-stage histograms,
+    `pdserve:ttft_stage_seconds`), as shares of their total: waiting for a prefill node (the
+    router's queue, the node's inbox and queue) and waiting for a decode node's reservation.
+    The rest is the prefill itself and the router's own work, which no added node shortens."""
+
+    prefill_wait: float
+    decode_wait: float
+
+
+@dataclass(frozen=True, slots=True)
 class Snapshot:
     """The measurements of one moment (`at`, seconds on the planner's clock).
 
@@ -30,7 +41,8 @@ class Snapshot:
     computes, measured through the P/D path; `decode_rate` the answer tokens per second one
     decode node sustains within the ITL SLO. None or NaN means "not measured". The arrival
     figures cover the last interval; `kv_usage` is the share of the ready decode nodes' KV in
-    use; the percentiles are None when no request reached that stage in the interval.
+    use; the percentiles are None when no request reached that stage in the interval;
+    `ttft_shares` None where the stages are not measured (the simulator) or none finished.
     """
 
     at: float
@@ -44,6 +56,7 @@ class Snapshot:
     ttft_p90: float | None
     itl_p90: float | None
     nodes: tuple[NodeView, ...]
+    ttft_shares: TtftShares | None = None
 
     def demand(self) -> tuple[float, ...]:
         """The figures every decision needs (a NaN or None among them: no decision)."""

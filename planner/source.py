@@ -5,11 +5,21 @@ since the previous reading into a `Snapshot` (the simulator builds its own).
 What is measured where: arrivals are the generation requests that finished plus the change of
 those in flight; prompt and answer tokens per arrival are the router's token counters over the
 arrivals; the queue is the prompt tokens waiting on the nodes; KV usage the mean of the decode
-nodes' (heartbeats); the prefill rate the mean of what the prefill nodes measured computing
-prompts inside the P/D deployment; TTFT and ITL p90 from the change of the router's histograms.
+nodes' (heartbeats); TTFT and ITL p90 from the change of the router's histograms, and the
+TTFT's shares spent waiting for a prefill or a decode node from the change of its per-stage sums.
 A decode node's rate within the ITL SLO is not measured directly: it is the answer tokens per
 second per decode node now, times the ITL SLO over the p90 ITL (the headroom left; 1 where no
 answer had a second token).
+
+The prefill rate is the best that any node measured computing prompts inside the deployment
+(the nodes' heartbeats) over the last `horizon` seconds, counting only rates that moved since
+the previous reading. Not the mean of the prefill nodes': a node's rate falls while it shares
+its cores with other nodes and while it warms up, and a rate stays where it was while the node
+computes nothing (the router prefills on the decode node at low load): a pool sized by the
+mean of those keeps nodes it does not need (3 -> 2 instead of 3 -> 1 in the planner's real
+run on two shared cores). The best recent rate is what one node does unhindered, which is what
+the survivors of a shrink will do. A decode node's rate counts: the same engine computes the
+prompts it prefills itself.
 """
 
 from __future__ import annotations
@@ -20,17 +30,22 @@ import math
 import time
 import urllib.error
 import urllib.request
+from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from pdserve.planner.snapshot import DECODE, PREFILL, NodeView, Snapshot
+from pdserve.planner.snapshot import DECODE, NodeView, Snapshot, TtftShares
 
 log = logging.getLogger(__name__)
 
 GENERATION_ROUTES = ("/v1/completions", "/v1/chat/completions")
 TTFT, ITL = "pdserve:time_to_first_token_seconds", "pdserve:inter_token_latency_seconds"
+STAGES = "pdserve:ttft_stage_seconds"
+# The TTFT stages (router/cluster/timing.py) spent waiting for a node of each role.
+PREFILL_WAIT = ("router_queue", "node_inbox", "prefill_queue")
+DECODE_WAIT = ("decode_reservation",)
 Buckets = tuple[tuple[float, float], ...]  # (upper bound, cumulative count), ascending
 
 
@@ -59,6 +74,7 @@ class Reading:
     ttft: Buckets
     itl: Buckets
     nodes: tuple[NodeLoad, ...]
+    stages: tuple[tuple[str, float], ...] = ()  # (TTFT stage, its seconds' sum), every stage
 
 
 def node_load(node_id: str, fields: dict) -> NodeLoad:
@@ -71,16 +87,17 @@ def node_load(node_id: str, fields: dict) -> NodeLoad:
 
 def reading_of(at: float, expositions: Iterable[str], nodes: tuple[NodeLoad, ...]) -> Reading:
     """A Reading of the routers' /metrics texts (Prometheus exposition format), summed."""
-    sums: dict[tuple[str, str], float] = {}
+    sums: dict[tuple[str, str, str], float] = {}
     for text in expositions:
         for family in text_string_to_metric_families(text):
             for s in family.samples:
                 if s.name == "pdserve_router_requests_total":
                     if s.labels.get("route") not in GENERATION_ROUTES:
                         continue
-                key = (s.name, s.labels.get("le", ""))
+                key = (s.name, s.labels.get("le", ""), s.labels.get("stage", ""))
                 sums[key] = sums.get(key, 0.0) + s.value
-    total = lambda name: sums.get((name, ""), 0.0)  # noqa: E731
+    total = lambda name: sums.get((name, "", ""), 0.0)  # noqa: E731
+    stages = tuple((st, v) for (n, _, st), v in sorted(sums.items()) if n == STAGES + "_sum")
     return Reading(
         at,
         total("pdserve_router_requests_total"),
@@ -90,13 +107,28 @@ def reading_of(at: float, expositions: Iterable[str], nodes: tuple[NodeLoad, ...
         _buckets(sums, TTFT),
         _buckets(sums, ITL),
         nodes,
+        stages,
     )
 
 
-def _buckets(sums: dict[tuple[str, str], float], family: str) -> Buckets:
+def _buckets(sums: dict[tuple[str, str, str], float], family: str) -> Buckets:
     name = family + "_bucket"
-    found = [(float(le), v) for (n, le), v in sums.items() if n == name]
+    found = [(float(le), v) for (n, le, _), v in sums.items() if n == name]
     return tuple(sorted(found))
+
+
+def shares_of(
+    now: tuple[tuple[str, float], ...], before: tuple[tuple[str, float], ...]
+) -> TtftShares | None:
+    """The TTFT's shares spent waiting for each role between two readings of the stage sums
+    (None: no request's stages came in)."""
+    old = dict(before)
+    grown = {stage: _grown(v, old.get(stage, 0.0)) for stage, v in now}
+    total = sum(grown.values())
+    if total <= 0:
+        return None
+    share = lambda names: sum(grown.get(n, 0.0) for n in names) / total  # noqa: E731
+    return TtftShares(share(PREFILL_WAIT), share(DECODE_WAIT))
 
 
 def p90_of(now: Buckets, before: Buckets) -> float | None:
@@ -128,13 +160,17 @@ def _grown(now: float, before: float) -> float:
 
 class Measurer:
     """Readings in, Snapshots out: the change since the previous reading, and the last rate
-    measured where an interval measured none (prefill and decode rates)."""
+    measured where an interval measured none (prefill and decode rates); the prefill rate the
+    best of the last `horizon` seconds (the module's docstring says why)."""
 
-    def __init__(self, itl_slo: float) -> None:
+    def __init__(self, itl_slo: float, horizon: float) -> None:
         self.itl_slo = itl_slo
+        self.horizon = horizon
         self._last: Reading | None = None
         self._prefill_rate: float | None = None
         self._decode_rate: float | None = None
+        self._reported: dict[str, float] = {}  # node id -> the prefill rate it last reported
+        self._rates: deque[tuple[float, float]] = deque()  # (at, a rate that moved)
 
     def snapshot(
         self, reading: Reading | None, now: float, nodes: tuple[NodeView, ...]
@@ -142,6 +178,8 @@ class Measurer:
         """The figures since the previous reading; NaN where there is no reading or no
         previous one (the policy then makes no decision)."""
         before, self._last = self._last, reading
+        if reading is not None:
+            self._measure_prefill(reading.at, reading.nodes)
         if reading is None or before is None or reading.at <= before.at:
             nan = math.nan
             return Snapshot(now, nan, nan, nan, nan, nan, None, None, None, None, nodes)
@@ -158,18 +196,23 @@ class Measurer:
             per(answers),
             float(sum(n.queued_tokens for n in reading.nodes)),
             _mean([n.kv_usage for n in reading.nodes if n.role == DECODE and not n.draining]),
-            self._measure_prefill(reading.nodes),
+            self._prefill_rate,
             self._measure_decode(reading.nodes, answers / seconds, itl),
             p90_of(reading.ttft, before.ttft),
             itl,
             nodes,
+            shares_of(reading.stages, before.stages),
         )
 
-    def _measure_prefill(self, nodes: tuple[NodeLoad, ...]) -> float | None:
-        rates = [n.prefill_rate for n in nodes if n.role == PREFILL and n.prefill_rate > 0]
-        if rates:
-            self._prefill_rate = _mean(rates)
-        return self._prefill_rate
+    def _measure_prefill(self, at: float, nodes: tuple[NodeLoad, ...]) -> None:
+        for n in nodes:
+            if n.prefill_rate > 0 and self._reported.get(n.node_id) != n.prefill_rate:
+                self._rates.append((at, n.prefill_rate))
+            self._reported[n.node_id] = n.prefill_rate
+        while self._rates and self._rates[0][0] < at - self.horizon:
+            self._rates.popleft()
+        if self._rates:  # else the last best stands: nothing was computed since
+            self._prefill_rate = max(rate for _, rate in self._rates)
 
     def _measure_decode(
         self, nodes: tuple[NodeLoad, ...], answers_per_s: float, itl: float | None

@@ -122,3 +122,13 @@ class RequestRate(Policy):
         self.learned = self.learned or PREFILL_RATE / snap.mean_prompt_tokens
         grow = math.ceil(snap.arrival_rate / (self.learned * self.config.util_high))
         return Need(grow, math.ceil(snap.arrival_rate / (self.learned * self.config.util_low)), "")
+
+
+class StageBlind(Policy):
+    """Grows prefill on any TTFT breach with prompts waiting, whatever the TTFT was spent
+    waiting for (Dynamo's planner before per-stage times: 99% of TTFT opaque)."""
+
+    def _guard_ttft(
+        self, snap: Snapshot, current: tuple[int, int], p: int, d: int
+    ) -> tuple[int, int]:
+        return super()._guard_ttft(replace(snap, ttft_shares=None), current, p, d)

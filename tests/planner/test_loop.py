@@ -15,12 +15,24 @@ from prometheus_client import CollectorRegistry
 from pdserve.planner.actions import DRAIN, FLIP, START, STOP, Action
 from pdserve.planner.config import PlannerConfig
 from pdserve.planner.loop import PlannerLoop, SupervisorExecutor
-from pdserve.planner.policy import Decision
-from pdserve.planner.snapshot import DECODE, PREFILL, NodeView
-from pdserve.planner.source import Measurer, NodeLoad, Reading, node_load, p90_of, reading_of
+from pdserve.planner.policy import Decision, Policy
+from pdserve.planner.snapshot import DECODE, PREFILL, NodeView, TtftShares
+from pdserve.planner.source import (
+    DECODE_WAIT,
+    PREFILL_WAIT,
+    Measurer,
+    NodeLoad,
+    Reading,
+    node_load,
+    p90_of,
+    reading_of,
+)
+from pdserve.router.cluster.timing import TTFT_STAGES
 from pdserve.router.metrics import RouterMetrics
 from pdserve.supervisor import Supervisor
 from tests.pdserve.test_supervisor import _FakeCluster, _Proc
+
+from . import plant
 
 CONFIG = PlannerConfig(ttft_slo=1.0, itl_slo=0.05, interval=5.0, window=20.0, start_timeout=30.0)
 
@@ -53,18 +65,53 @@ def test_the_router_metrics_become_a_snapshot() -> None:
     for ttft in [0.02] * 8 + [3.0, 4.0]:
         metrics.ttft.observe(ttft)
     metrics.itl.observe(0.01)
+    for stage, seconds in (("prefill_queue", 6.0), ("decode_reservation", 1.0), ("prefill", 3.0)):
+        metrics.ttft_stages.labels(stage).observe(seconds)
     loads = (*_loads(queued=300), NodeLoad("prefill1", PREFILL, False, 0.0, 200, 4000.0))
     second = reading_of(10.0, [metrics.exposition().decode()], loads)
-    m = Measurer(itl_slo=0.05)
+    m = Measurer(itl_slo=0.05, horizon=20.0)
     assert math.isnan(m.snapshot(first, 0.0, ()).arrival_rate)  # no change to measure yet
     snap = m.snapshot(second, 10.0, ())
     assert snap.arrival_rate == pytest.approx(0.4)
     assert (snap.mean_prompt_tokens, snap.mean_output_tokens) == (100.0, 10.0)
-    assert snap.queued_prompt_tokens == 500 and snap.prefill_rate == 3000.0
+    assert snap.queued_prompt_tokens == 500 and snap.prefill_rate == 4000.0  # the best
     assert snap.kv_usage == 0.25  # 25 of the 100 usable blocks (one is the null block)
     assert snap.ttft_p90 == pytest.approx(3.75)  # 9th of 10: half into the (2.5, 5] bucket
     assert snap.itl_p90 == pytest.approx(0.0095)
     assert snap.decode_rate == pytest.approx(4.0 * 0.05 / 0.0095)  # tokens/s x SLO / ITL
+    assert snap.ttft_shares == TtftShares(prefill_wait=0.6, decode_wait=0.1)
+
+
+def test_the_stages_the_planner_reads_are_the_routers() -> None:
+    assert {*PREFILL_WAIT, *DECODE_WAIT} <= set(TTFT_STAGES)
+
+
+def _rates(at: float, **rates: float) -> Reading:
+    """A reading of the nodes' prefill rates alone (d*: decode nodes)."""
+    loads = tuple(NodeLoad(n, DECODE if n[0] == "d" else PREFILL, False, 0.0, 0, r)
+                  for n, r in rates.items())  # fmt: skip
+    return Reading(at, 0.0, 0.0, 0.0, 0.0, (), (), loads)
+
+
+def test_the_prefill_rate_is_the_best_recent_one_not_the_contended_mean() -> None:
+    """The planner's real run on two shared cores: p0 alone computes 3,400 tokens/s; three
+    prefill nodes at once each measure about half; when the load falls the router prefills
+    on d0, whose rate moves, while the idle prefill nodes keep reporting their contended
+    rates. Sized by those (1,553 per node in the run), 1,024 tokens/s keeps two nodes."""
+    m = Measurer(itl_slo=0.05, horizon=20.0)
+    rate = lambda r: m.snapshot(r, r.at, ()).prefill_rate  # noqa: E731
+    assert rate(_rates(-10.0, d0=0.0)) is None  # a first reading: nothing to compare yet
+    assert rate(_rates(0.0, p0=3400.0, d0=0.0)) == 3400.0
+    contended = dict(p0=1700.0, p1=1600.0, p2=1650.0, d0=0.0)
+    assert rate(_rates(10.0, **contended)) == 3400.0  # p0's unhindered rate, 10 s old
+    assert rate(_rates(31.0, **contended | {"p2": 1620.0})) == 1620.0  # the others aged out
+    assert rate(_rates(60.0, **contended | {"p2": 1620.0})) == 1620.0  # nothing moved: held
+    assert rate(_rates(70.0, **contended | {"p2": 1620.0, "d0": 3000.0})) == 3000.0
+    snap = replace(plant.snapshot(plant.Load(1.0, 1024.0), plant.nodes(3, 1), 70.0),
+                   prefill_rate=3000.0, ttft_p90=0.4)  # fmt: skip
+    policy = Policy(CONFIG)
+    assert policy.decide(snap, 70.0).prefill == 1
+    assert Policy(CONFIG).decide(replace(snap, prefill_rate=1553.0), 70.0).prefill == 2
 
 
 def test_p90_of_a_histogram_between_two_readings() -> None:

@@ -12,7 +12,7 @@ import pytest
 from pdserve.planner.actions import DRAIN, FLIP, START, STOP, actions_for
 from pdserve.planner.config import PlannerConfig
 from pdserve.planner.policy import Policy
-from pdserve.planner.snapshot import NodeView
+from pdserve.planner.snapshot import NodeView, TtftShares
 
 from .plant import (
     CONFIG,
@@ -23,6 +23,7 @@ from .plant import (
     NoHysteresis,
     QueueBlind,
     RequestRate,
+    StageBlind,
     WaitsForReady,
     counts,
     nodes,
@@ -43,6 +44,29 @@ def grows_prefill_on_queue_alone(cls: type[Policy]) -> bool:
 def test_queue_wait_alone_grows_prefill() -> None:
     assert grows_prefill_on_queue_alone(Policy)
     assert not grows_prefill_on_queue_alone(QueueBlind)
+
+
+def growth_on_a_late_ttft(cls: type[Policy], shares: TtftShares, queued: float) -> tuple[int, int]:
+    """The pools' growth (prefill, decode) from 1P1D on a light load (no pool short of its
+    rate) whose p90 TTFT is 3x its SLO, spent as `shares` tell, with `queued` prompt tokens
+    waiting at the instant of the reading."""
+    load = Load(arrival=1.0, prompt=1000.0, queued=queued)
+    snap = snapshot(load, nodes(1, 1), 0.0, ttft_p90=3 * CONFIG.ttft_slo, ttft_shares=shares)
+    decision = cls(CONFIG).decide(snap, 0.0)
+    return decision.prefill - 1, decision.decode - 1  # type: ignore[operator]
+
+
+def test_the_ttft_stage_waited_on_picks_the_pool_that_grows() -> None:
+    """Waiting for prefill nodes grows prefill even when no prompt waits at the reading's
+    instant; waiting for a decode node's reservation grows decode, not prefill; a TTFT that
+    is the prefill's own compute grows neither."""
+    prefill_wait, decode_wait = TtftShares(0.8, 0.05), TtftShares(0.1, 0.7)
+    computing = TtftShares(0.1, 0.0)
+    assert growth_on_a_late_ttft(Policy, prefill_wait, queued=0.0) == (1, 0)
+    assert growth_on_a_late_ttft(Policy, decode_wait, queued=2000.0) == (0, 1)
+    assert growth_on_a_late_ttft(Policy, computing, queued=2000.0) == (0, 0)
+    assert growth_on_a_late_ttft(StageBlind, prefill_wait, queued=0.0) == (0, 0)
+    assert growth_on_a_late_ttft(StageBlind, decode_wait, queued=2000.0) == (1, 0)
 
 
 def changes_at_the_boundary(cls: type[Policy]) -> int:
