@@ -10,14 +10,19 @@ from typing import Any
 import pytest
 
 from tests.bench.helpers import positive, quick_run
+from tests.common.model.test_compile import QWEN2_SLIDING
 
 
 @pytest.fixture(scope="module")
-def quick(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, Any]]:
+def quick(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir) -> tuple[Path, dict[str, Any]]:
     out = tmp_path_factory.mktemp("compile")
     # One batch size: one bucket to compile, the slow part of the run. One thread: compiled
-    # kernels on cores that other tests keep busy can take seconds a step.
-    quick_run("bench_compile.py", out, "--batch-sizes", "1", "--threads", "1")
+    # kernels on cores that other tests keep busy can take seconds a step. The model, dtype
+    # and thread count of tests/common/model/test_compile.py: its bucket 1 is this run's (the
+    # compile cache keys each bucket apart), so the suite compiles that package once.
+    model = str(tiny_model_dir("qwen2", **QWEN2_SLIDING))
+    args = ("--model", model, "--dtype", "float32", "--batch-sizes", "1", "--threads", "1")
+    quick_run("bench_compile.py", out, *args)
     return out, json.loads((out / "compile.json").read_text())
 
 
