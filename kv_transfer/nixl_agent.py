@@ -142,23 +142,25 @@ class Agent:
             pass
 
     def local_pages(self, cache: torch.Tensor) -> Any:
-        """The prepped list of a local layer cache's pages: index kv * num_blocks + block."""
+        """The prepped list of a local layer cache's pages: index plane * num_blocks + block."""
         # A cache freed and another of other heads made at its address needs another list.
-        key = (cache.data_ptr(), cache.shape[1], _half_bytes(cache))
+        key = (cache.data_ptr(), cache.shape[0], cache.shape[1], _plane_bytes(cache))
         pages = self._local_lists.get(key)
         if pages is None:
             self.register([cache])
-            pages = self.prep("NIXL_INIT_AGENT", cache.data_ptr(), key[1], key[2], cache)
+            pages = self.prep("NIXL_INIT_AGENT", cache.data_ptr(), key[1:], cache)
             self._local_lists[key] = pages
         return pages
 
-    def prep(self, agent: str, base: int, num_blocks: int, half: int, like: Any) -> Any:
-        """Prep the 2 * num_blocks half-pages (K then V) of a layer cache at `base`."""
+    def prep(self, agent: str, base: int, geometry: tuple[int, int, int], like: Any) -> Any:
+        """Prep the planes * num_blocks plane pages (K's then V's; or the latent's) of a layer
+        cache at `base`; `geometry` is (planes, num_blocks, bytes of one block's plane)."""
         import numpy as np
 
+        planes, num_blocks, size = geometry
         device, mem = _mem_of(like)
-        starts = base + np.arange(2 * num_blocks, dtype=np.uint64) * np.uint64(half)
-        descs = np.stack([starts, np.full_like(starts, half), np.full_like(starts, device)], axis=1)
+        starts = base + np.arange(planes * num_blocks, dtype=np.uint64) * np.uint64(size)
+        descs = np.stack([starts, np.full_like(starts, size), np.full_like(starts, device)], axis=1)
         return self.agent.prep_xfer_dlist(agent, descs, mem)
 
 
@@ -226,8 +228,9 @@ class Notifications:
                     inbox.got.extend(got)
 
 
-def _half_bytes(cache: torch.Tensor) -> int:
-    """Bytes of one block's K (or V) half in a [2, num_blocks, bs, H, D] layer cache."""
+def _plane_bytes(cache: torch.Tensor) -> int:
+    """Bytes of one block's plane (its K or V half; or its latent, MLA's one plane) in a
+    [planes, num_blocks, bs, H, D] layer cache."""
     return cache[0, 0].numel() * cache.element_size()
 
 
@@ -238,9 +241,9 @@ def _mem_of(like: Any) -> tuple[int, str]:
     return int(like["device"]), str(like["mem"])
 
 
-def _page_indices(blocks: Sequence[int], num_blocks: int) -> list[int]:
-    """Indices into a prepped layer list of the K and V halves of `blocks`."""
-    return [*blocks, *(num_blocks + b for b in blocks)]
+def _page_indices(blocks: Sequence[int], num_blocks: int, planes: int) -> list[int]:
+    """Indices into a prepped layer list of every plane (K and V; or the latent) of `blocks`."""
+    return [plane * num_blocks + b for plane in range(planes) for b in blocks]
 
 
 def describe_caches(caches: Sequence[torch.Tensor]) -> dict[str, Any]:
@@ -256,8 +259,9 @@ def describe_caches(caches: Sequence[torch.Tensor]) -> dict[str, Any]:
         "agent": agent.metadata(),
         "name": agent.name,
         "layers": layers,
+        "planes": caches[0].shape[0],
         "num_blocks": caches[0].shape[1],
-        "half_bytes": _half_bytes(caches[0]),
+        "half_bytes": _plane_bytes(caches[0]),  # one plane's bytes (the name predates MLA)
     }
 
 
@@ -266,8 +270,8 @@ def remote_pages(target: dict[str, Any]) -> tuple[str, list[Any]]:
     answer (loads the agent; `Agent.drop_remote` unloads it)."""
     agent = Agent.get()
     name = agent.add_remote(bytes(target["agent"]), str(target["name"]))
-    half, n = int(target["half_bytes"]), int(target["num_blocks"])
-    return name, [agent.prep(name, int(e["base"]), n, half, e) for e in target["layers"]]
+    geometry = int(target["planes"]), int(target["num_blocks"]), int(target["half_bytes"])
+    return name, [agent.prep(name, int(e["base"]), geometry, e) for e in target["layers"]]
 
 
 def write_pages(
@@ -285,7 +289,9 @@ def write_pages(
     handles = []
     for layer in layers:
         cache = caches[layer]
-        src_pages, dst_pages = _page_indices(src, cache.shape[1]), _page_indices(dst, remote_blocks)
+        planes = cache.shape[0]
+        src_pages = _page_indices(src, cache.shape[1], planes)
+        dst_pages = _page_indices(dst, remote_blocks, planes)
         local = agent.local_pages(cache)
         make = agent.agent.make_prepped_xfer
         handles.append(_post(make, "WRITE", local, src_pages, remote[layer], dst_pages, notif))
@@ -294,10 +300,10 @@ def write_pages(
 
 @dataclass(frozen=True, slots=True)
 class Rows:
-    """A layer cache [2, num_blocks, block_size, heads, head_dim] as token rows: where it lies
-    (`base`, `device`, NIXL memory type `mem`), its geometry, and one head's bytes of a token.
-    A range of heads is contiguous within a token's row only, so a slice of a block's heads is
-    one descriptor per (K/V, block, token)."""
+    """A layer cache [planes, num_blocks, block_size, heads, head_dim] as token rows: where it
+    lies (`base`, `device`, NIXL memory type `mem`), its geometry, and one head's bytes of a
+    token. A range of heads is contiguous within a token's row only, so a slice of a block's
+    heads is one descriptor per (plane, block, token)."""
 
     base: int
     device: int
@@ -306,20 +312,21 @@ class Rows:
     block_size: int
     heads: int
     head_bytes: int
+    planes: int = 2
 
     @classmethod
     def of(cls, cache: torch.Tensor) -> Rows:
         device, mem = _mem_of(cache)
-        _, num_blocks, block_size, heads, head_dim = cache.shape
+        planes, num_blocks, block_size, heads, head_dim = cache.shape
         head_bytes = head_dim * cache.element_size()
-        return cls(cache.data_ptr(), device, mem, num_blocks, block_size, heads, head_bytes)
+        return cls(cache.data_ptr(), device, mem, num_blocks, block_size, heads, head_bytes, planes)
 
     def descs(self, blocks: Sequence[int], heads: range) -> Any:
-        """Nx3 (address, bytes, device) of `heads` of every token of `blocks`, K then V."""
+        """Nx3 (address, bytes, device) of `heads` of every token of `blocks`, plane by plane."""
         import numpy as np
 
         u64 = np.uint64
-        kv = np.arange(2, dtype=u64)[:, None, None] * u64(self.num_blocks)
+        kv = np.arange(self.planes, dtype=u64)[:, None, None] * u64(self.num_blocks)
         b = np.asarray(blocks, dtype=u64)[None, :, None]
         t = np.arange(self.block_size, dtype=u64)[None, None, :]
         row = u64(self.heads * self.head_bytes)
@@ -332,9 +339,9 @@ class Rows:
 def remote_rows(target: dict[str, Any], heads: int, block_size: int, head_bytes: int) -> list[Rows]:
     """Each layer cache of a receiver's `describe_caches` answer as `Rows`, its blocks holding
     `heads` KV heads."""
-    n = int(target["num_blocks"])
-    entries = target["layers"]
-    return [Rows(int(e["base"]), *_mem_of(e), n, block_size, heads, head_bytes) for e in entries]
+    n, planes = int(target["num_blocks"]), int(target["planes"])
+    geometry = n, block_size, heads, head_bytes, planes
+    return [Rows(int(e["base"]), *_mem_of(e), *geometry) for e in target["layers"]]
 
 
 def write_rows(

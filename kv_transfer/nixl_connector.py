@@ -6,10 +6,11 @@ handshake runs over the zmq side channel every connector shares: the receiver's 
 carries its agent metadata and where each layer's cache lives (base address, block count,
 memory type), so the sender can describe any of the receiver's pages. Per layer, as soon as
 the layer's K/V are written, the sender posts one WRITE pairing its source pages with the
-reserved destination pages (one descriptor per K or V half of a block; NIXL merges runs of
-contiguous blocks into one descriptor). A tensor-parallel slice (some of a block's KV heads,
-on either end) is not one region of a block in the [2, blocks, block_size, heads, head_dim]
-layout, only of each token's row: its WRITE has one descriptor per (K/V, block, token). A
+reserved destination pages (one descriptor per plane of a block: its K and its V half, or
+MLA's one latent plane; NIXL merges runs of contiguous blocks into one descriptor). A
+tensor-parallel slice (some of a block's KV heads, on either end) is not one region of a
+block in the [planes, blocks, block_size, heads, head_dim] layout, only of each token's row:
+its WRITE has one descriptor per (plane, block, token). A
 WRITE is DONE only after its endpoint flush, so the data is in the receiver's memory when the
 sender says so.
 
@@ -132,16 +133,21 @@ class NixlSender(ChannelSender):
         except (KeyError, TypeError, ValueError, RuntimeError, *self._agent.errors) as exc:
             raise TransferError(f"bad nixl welcome from {self._endpoint}: {exc!r}") from None
 
+    def _written_bytes(self, cache: torch.Tensor, blocks: int, heads: int) -> int:
+        """Bytes a WRITE of `heads` KV heads of `blocks` blocks of a layer cache moves: every
+        plane (K and V; or the latent) of them."""
+        return cache.shape[0] * blocks * self.layout.block_size * heads * self._head_bytes()
+
     def _head_bytes(self) -> int:
         """One KV head of one token: head_dim elements."""
         return self.layout.head_dim * self.layout.itemsize
 
     def _receiver_heads(self, half_bytes: int) -> int:
-        """The KV heads a receiver's blocks hold, from the bytes of one block's K half: all of
+        """The KV heads a receiver's blocks hold, from the bytes of one block's plane: all of
         the model's, or a tensor-parallel rank's share (a divisor of them)."""
         heads, rest = divmod(half_bytes, self.layout.block_size * self._head_bytes())
         if rest or not heads or self.layout.num_kv_heads % heads:
-            raise ValueError(f"blocks of {half_bytes} bytes per K half")
+            raise ValueError(f"blocks of {half_bytes} bytes per plane")
         return heads
 
     # -- messages from the receiver
@@ -243,7 +249,7 @@ class NixlSender(ChannelSender):
         notif = msgpack.packb([xfer_id, layer, dst[0]])
         try:
             if len(src[1]) == cache.shape[3] and len(dst[1]) == self._remote_rows[layer].heads:
-                # whole blocks on both ends (the same TP): one descriptor per K or V half
+                # whole blocks on both ends (the same TP): one descriptor per block plane
                 pages = self._remote_pages, self._remote_blocks, [layer], src[0], dst[0], notif
                 (handle,) = na.write_pages(self._caches, *pages)
             else:
@@ -255,6 +261,7 @@ class NixlSender(ChannelSender):
             raise TransferError(f"NIXL WRITE to {self._endpoint}: {exc}") from None
         out.handles.append((layer, handle))
         out.writes += 1
+        self.bytes_sent += self._written_bytes(cache, len(src[0]), len(src[1]))
         if restore is not None:  # test hook: the page goes out damaged, stays clean here
             self._wait(out, time.monotonic() + self._send_timeout, layer)
             restore()

@@ -86,11 +86,6 @@ class RankKV:
         self.caches: list[torch.Tensor] = runner.kv_caches
         self.rank, self.size = (0, 1) if group is None else (group.rank, group.size)
         self.layout: KVLayout = runner.kv_layout(model_id)
-        if connector == "nixl" and self.layout.planes != 2:
-            raise ValueError(
-                "--kv-connector nixl moves K/V pages only, and this model's cache holds one "
-                "latent per token (MLA); choose zmq, shm or nccl"
-            )
         keys = load_keys(curve_dir)
         self.port = KVPort(connector, self.layout, keys, connect_timeout, advertise_host)
         self.receiver: KVReceiver | None = None

@@ -3,9 +3,9 @@ both nodes started with the MTP method on the tiny DeepSeek-V3 (float32). The pr
 writes the target's hidden states and the MTP layer's KV with the prompt and ships them as the
 layers after the target's, on the same transfer; the decode node drafts from them without
 recomputing. Greedy answers equal the colocated engine's without speculation, and the accepted
-drafts of each request equal the colocated engine's exactly, on zmq, nccl (gloo) and shm
-(nixl moves K/V pages only: a node refuses it for MLA's latent cache at start,
-kv_transfer/ranks.py); every pool is clean after. (The negative control, a decode side whose
+drafts of each request equal the colocated engine's exactly, on zmq, nccl (gloo), shm and
+nixl (its WRITEs move the one latent plane of MLA's pages, and the hidden-state pages of the
+same shape); every pool is clean after. (The negative control, a decode side whose
 MTP pages are zeros after the prompt as a fresh pool holds them when they are not shipped,
 accepts another number:
 tests/common/spec/test_mtp.py::test_acceptance_depends_on_the_page_group.)"""
@@ -24,6 +24,9 @@ from pdserve.local_cluster import LocalCluster, free_port
 from tests.common.spec.test_mtp import COPY_MIX, with_mtp
 from tests.e2e.test_disaggregated import ENGINE, assert_clean, complete
 from tests.e2e.test_spec_disaggregated import ACCEPTED, DRAFTS, NCCL, _metric, _reached
+from tests.kv_transfer.helpers import needs_nixl
+
+NIXL = pytest.param("nixl", marks=needs_nixl)
 
 PROMPTS = [[9, 10, 11] * 7 + [9], [5, 6, 7, 8] * 10, [17], [101, 57, 3, 98, 250, 7, 77]]
 TOKENS = 16
@@ -58,7 +61,7 @@ def colocated(deepseek_dir, tmp_path_factory) -> dict:
     return {"model": model, "tokens": plain, "drafts": drafts, "accepted": accepted}
 
 
-@pytest.mark.parametrize("connector", ["zmq", NCCL, "shm"])  # nixl: see the docstring
+@pytest.mark.parametrize("connector", ["zmq", NCCL, "shm", NIXL])
 def test_mtp_pages_through_1p1d_keep_colocated_acceptance(colocated, connector) -> None:
     health = free_port()
     engine = [*ENGINE, *FLOAT32, "--speculative-config", SPEC]

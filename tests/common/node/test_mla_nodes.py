@@ -14,13 +14,11 @@ from typing import Any
 import pytest
 import torch
 
-from pdserve.common.engine.config import CacheConfig, ModelConfig, SchedulerConfig
-from pdserve.common.node.config import NodeConfig
-from pdserve.decode_node.node import DecodeNode
 from tests.common.model.test_mla import LATENT
 from tests.common.model.test_mla import model_dir as model_dir  # the tiny DeepSeek-V3
 from tests.common.node.test_tp_nodes import BLOCK, GREEDY, PROMPTS, answers, free, pair
-from tests.prefill_node.test_prefill_node import FakeRouter, finish_on_decode, start
+from tests.kv_transfer.helpers import needs_nixl
+from tests.prefill_node.test_prefill_node import finish_on_decode, start
 
 
 @pytest.fixture(autouse=True)
@@ -89,7 +87,14 @@ def assert_same_latents(prefill: Any, decode_: Any, shipped: Shipped, n_tokens: 
 
 @pytest.mark.parametrize(
     ("p", "d", "connector"),
-    [(1, 1, "zmq"), (1, 1, "nccl"), (1, 1, "shm"), (2, 1, "zmq"), (1, 2, "zmq")],
+    [
+        (1, 1, "zmq"),
+        (1, 1, "nccl"),
+        (1, 1, "shm"),
+        pytest.param(1, 1, "nixl", marks=needs_nixl),  # WRITEs of the one latent plane
+        (2, 1, "zmq"),
+        (1, 2, "zmq"),
+    ],
 )
 def test_mla_through_pd_equals_the_engine(model_dir: str, p: int, d: int, connector: str) -> None:
     expected = answers(model_dir)
@@ -110,17 +115,3 @@ def test_mla_through_pd_equals_the_engine(model_dir: str, p: int, d: int, connec
         sent = prefill.kv.bytes_sent()
         assert sum(sent) == d * one_copy and sent.count(0) == p - min(p, d)  # one sender each
         assert (free(prefill), free(decode_)) == before
-
-
-def test_nixl_is_refused_for_a_latent_cache_at_start(model_dir: str) -> None:
-    router = FakeRouter()
-    try:
-        with pytest.raises(ValueError, match="nixl moves K/V pages only"):
-            DecodeNode(
-                ModelConfig(model_dir, dtype="float32"),
-                CacheConfig(block_size=BLOCK, num_blocks=8),
-                SchedulerConfig(max_num_batched_tokens=40, max_num_seqs=2),
-                NodeConfig((router.addr,), kv_connector="nixl"),
-            )
-    finally:
-        router.sock.close()
