@@ -1,7 +1,8 @@
 """`python -m pdserve.planner.compare`: the planner against static P:D allocations in the
 simulator, on a sinusoidal burst or a Mooncake-format trace. Sweeps static (P, D), finds the
 cheapest that meets the goodput goal (fewest node-seconds), the cheapest 1:1, and runs the
-planner from 1P1D; prints one markdown table (docs/planner.md holds the runs)."""
+planner from 1P1D; prints one markdown table (docs/planner.md holds the runs) and, with
+`--plot PATH`, draws the planner's run from 1P1D over time (`drawing.draw`)."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from pdserve.planner.config import PlannerConfig
+from pdserve.planner.drawing import draw
 from pdserve.planner.policy import Policy
 from pdserve.planner.sim import NodeModel, Sim, SimResult
 from pdserve.planner.traces import mooncake, sinusoid
@@ -136,6 +138,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--max-prefill", type=int, default=24)
     p.add_argument("--max-decode", type=int, default=8)
     p.add_argument("--sweep", action="store_true", help="print every static allocation too")
+    p.add_argument("--plot", type=Path, default=None, help="PNG: the planner's run over time")
     p.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
                    help="a PlannerConfig field (util_high=0.95), repeatable")  # fmt: skip
     return p.parse_args(argv)
@@ -156,6 +159,12 @@ def main(argv: Sequence[str] | None = None) -> str:
     rows, summary = compare(trace, model, config, args.goal, (args.max_prefill, args.max_decode))
     out = table((rows if args.sweep else []) + summary, summary[0].result)
     cpu = time.process_time() - started
+    if args.plot:
+        name = "sinusoid" if args.trace == "sinusoid" else Path(args.trace).name
+        runs = [(r.nodes, r.result.decisions) for r in summary[2:]]
+        goodput = ", ".join(f"{r.nodes} {r.result.goodput:.1%}" for r in summary[2:])
+        title = f"{name}: the planner's runs (goodput {goodput}), best static {summary[0].nodes}"
+        draw(trace, runs, _counts(summary[0].nodes), title, args.plot)
     out += f"\n\n{len(trace)} requests; {len(rows) + 4} simulations in {cpu:.1f} CPU s; {config}"
     print(out)
     return out

@@ -95,7 +95,16 @@ class PlannerLoop:
 
 
 def _inputs(snap: Snapshot) -> str:
-    return ", ".join(f"{name} {_number(getattr(snap, name)):.4g}" for name in INPUTS)
+    return ", ".join(f"{name} {value:.4g}" for name, value in figures(snap).items())
+
+
+def figures(snap: Snapshot) -> dict[str, float]:
+    """The snapshot's figures by name, as logged and exported (NaN: not measured)."""
+    out = {name: _number(getattr(snap, name)) for name in INPUTS}
+    shares = snap.ttft_shares
+    out["ttft_prefill_wait_share"] = shares.prefill_wait if shares else math.nan
+    out["ttft_decode_wait_share"] = shares.decode_wait if shares else math.nan
+    return out
 
 
 def _number(value: float | None) -> float:
@@ -134,8 +143,8 @@ class PlannerMetrics:
         for action in actions:
             self.actions.labels(kind=action.kind, role=action.role).inc()
         self.never_ready.inc(len(decision.stop))
-        for name in INPUTS:
-            self.inputs.labels(figure=name).set(_number(getattr(snap, name)))
+        for name, value in figures(snap).items():
+            self.inputs.labels(figure=name).set(value)
 
 
 class SupervisorExecutor:

@@ -18,8 +18,7 @@ from dataclasses import asdict
 from datetime import datetime
 from pathlib import Path
 
-from pdserve import LLM, SamplingParams
-from pdserve.planner.stepload import Answer, NodeSample, Phase, Serve, run_load
+from pdserve.planner.stepload import Answer, NodeSample, Phase, Serve, reference, run_load
 from pdserve.tiny_model import make_tiny_model
 
 # A model whose prefill of a long prompt costs tens of ms on a CPU core: the prefill pool is
@@ -43,12 +42,6 @@ def phases_of(text: str) -> list[Phase]:
 def prompts(n: int, length: int, seed: int = 0) -> list[list[int]]:
     rng = random.Random(seed)
     return [[rng.randrange(5, MODEL["vocab"]) for _ in range(length)] for _ in range(n)]
-
-
-def expected(model: str, ids: list[list[int]], max_tokens: int) -> list[tuple[int, ...]]:
-    llm = LLM(model, dtype="float32", enforce_eager=True)
-    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
-    return [tuple(o.token_ids) for o in llm.generate(ids, params)]
 
 
 ACTION = re.compile(r"^(\S+ \S+) INFO pdserve.planner: planner: (start|drain|flip|stop) (\w+)")
@@ -109,9 +102,9 @@ def main(argv: list[str] | None = None) -> None:
     out.mkdir(parents=True, exist_ok=True)
     model = str(make_tiny_model("llama", tempfile.mkdtemp(prefix="planner-run-"), **MODEL))
     ids = prompts(32, args.prompt_tokens)
-    want = expected(model, ids, args.max_tokens)
     serve = Serve(model, NODES + PLANNER, out / "serve.log", timeout=120.0)
     try:
+        want = reference(model, ids, args.max_tokens)  # while the deployment starts
         serve.wait_ready(180)
         began = time.time()
         answers, samples = run_load(serve, args.phases, ids, args.max_tokens)

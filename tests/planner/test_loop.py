@@ -136,8 +136,9 @@ class _Source:
         loads = tuple(NodeLoad(n, PREFILL if n.startswith("p") else DECODE, False, 0.0,
                                self.queued if n.startswith("p") else 0, 5000.0)
                       for n in self.nodes)  # fmt: skip
+        stages = (("prefill", self.at), ("prefill_queue", 2 * self.at))  # waited 2/3 of it
         return Reading(self.at, self.finished, 0.0, self.finished * 100, self.finished * 10,
-                       ttft, ((0.01, 5.0), (math.inf, 5.0)), loads)  # fmt: skip
+                       ttft, ((0.01, 5.0), (math.inf, 5.0)), loads, stages)  # fmt: skip
 
 
 class _Executor:
@@ -186,6 +187,8 @@ def test_a_ttft_breach_with_a_queue_starts_a_prefill_node_and_idle_drains_it(cap
     assert _metric(loop, "pdserve:planner_target_nodes", role="prefill") == 2
     assert _metric(loop, "pdserve:planner_actions_total", kind=START, role=PREFILL) == 1
     assert _metric(loop, "pdserve:planner_input", figure="queued_prompt_tokens") == 4000
+    share = _metric(loop, "pdserve:planner_input", figure="ttft_prefill_wait_share")
+    assert share == pytest.approx(2 / 3) and "ttft_prefill_wait_share 0.6667" in caplog.text
     assert "prefill 1->2" in caplog.text and "queued_prompt_tokens 4000" in caplog.text
     now[0] = 12.0
     loop.tick()  # before the interval has passed: nothing

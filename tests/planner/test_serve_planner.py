@@ -14,9 +14,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from pdserve import LLM, SamplingParams
 from pdserve.local_cluster import free_port
-from pdserve.planner.stepload import NodeSample, Phase, Serve, run_load
+from pdserve.planner.stepload import NodeSample, Phase, Serve, reference, run_load
 from pdserve.tiny_model import make_tiny_model
 
 MAX_TOKENS = 4
@@ -42,13 +41,11 @@ def test_the_planner_grows_prefill_under_a_burst_and_shrinks_when_idle(
 ) -> None:
     rng = random.Random(0)
     prompts = [[rng.randrange(5, 512) for _ in range(512)] for _ in range(8)]
-    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
-    llm = LLM(model, dtype="float32", enforce_eager=True)
-    want = [tuple(o.token_ids) for o in llm.generate(prompts, params)]
     metrics_port = free_port()
     serve = Serve(model, [*FLAGS, "--supervisor-metrics-port", str(metrics_port)],
                   tmp_path / "serve.log", timeout=120.0)  # fmt: skip
     try:
+        want = reference(model, prompts, MAX_TOKENS)  # while the deployment starts
         serve.wait_ready(180)
         answers, samples = run_load(serve, [Phase(6, 4.0), Phase(4, 0.0)], prompts, MAX_TOKENS)
         idle = _wait_for(serve, lambda s: (s.prefill, s.decode, s.draining) == (1, 1, 0), 90)
