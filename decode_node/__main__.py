@@ -16,7 +16,7 @@ def main(argv: list[str] | None = None) -> None:
         role = argv[i + 1] if i + 1 < len(argv) else ""
         del argv[i : i + 2]
     if role == "both":
-        from pdserve.common.node.loop import ColocatedNode
+        from pdserve.common.node.colocated import ColocatedNode
 
         run_node(
             ColocatedNode,

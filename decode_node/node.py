@@ -5,13 +5,13 @@ from __future__ import annotations
 import logging
 import uuid
 from collections.abc import Iterator
-from typing import Any
 
 from pdserve.common.engine.config import CacheConfig, ModelConfig, SchedulerConfig
 from pdserve.common.engine.request import Request
 from pdserve.common.engine.scheduler import SampledToken
 from pdserve.common.node.config import NodeConfig
-from pdserve.common.node.loop import EngineNode, Handler, Told
+from pdserve.common.node.loop import EngineNode, Handler
+from pdserve.common.node.stages import KVWhole, Told
 from pdserve.common.wire.messages import (
     Admitted,
     Busy,
@@ -52,9 +52,6 @@ class DecodeNode(MovesKV, EngineNode):
         self.pending: dict[str, int] = {}
         self.problems: dict[str, str] = {}
 
-    def rank_agent(self, model: ModelConfig, node: NodeConfig) -> dict[str, Any]:
-        return self.kv_options(model, node)
-
     def handlers(self) -> dict[type[Message], Handler]:
         return {
             **super().handlers(),
@@ -79,9 +76,7 @@ class DecodeNode(MovesKV, EngineNode):
     def reserve(self, msg: ReserveKV, request: Request) -> Reserved | Busy:
         if self.engine.scheduler.reserve(request) is None:
             return Busy(msg.request_id, "no free blocks")
-        reserved = self.expect(msg.request_id, msg.src_tp)
-        self.stages.reserved(msg.request_id, len(reserved.block_ids), reserved.cached_tokens)
-        return reserved
+        return self.expect(msg.request_id, msg.src_tp)
 
     def expect(self, request_id: str, src_tp: int) -> Reserved:
         """Open a transfer into the request's reserved blocks (each rank expects its slices
@@ -152,7 +147,7 @@ class DecodeNode(MovesKV, EngineNode):
         problem = self.problems.pop(xfer_id, None)
         del self.pending[xfer_id], self.xfer_to_rid[xfer_id]
         self.rid_to_xfer.pop(rid, None)
-        self._kv_whole(rid, problem is None)
+        yield from self._kv_whole(rid, problem is None)
         if problem is not None:
             self.kv.cancel(xfer_id)  # the other ranks' slices, if any still open
             self.engine.abort(rid)
@@ -163,14 +158,13 @@ class DecodeNode(MovesKV, EngineNode):
         self.engine.scheduler.admit_remote(rid, SampledToken(rid, token.token_id, token.logprobs))
         yield Admitted(rid)
 
-    def _kv_whole(self, request_id: str, ok: bool) -> None:
-        """The request's KV transfer ended on every rank (its stage, and span if traced)."""
+    def _kv_whole(self, request_id: str, ok: bool) -> Iterator[KVWhole]:
+        """The request's KV transfer ended on every rank: its stage (and span, if traced)."""
         request = self.engine.scheduler.requests.get(request_id)
         if request is None:
             return
         cached = request.num_cached_tokens // self.block_size
-        pages = len(self.engine.kv.block_ids(request_id)) - cached
-        self.stages.kv_whole(request_id, ok, pages, self.kv.port.connector)
+        yield KVWhole(request_id, ok, len(self.engine.kv.block_ids(request_id)) - cached)
 
     def abort(self, request_id: str) -> None:
         xfer_id = self.rid_to_xfer.pop(request_id, None)

@@ -5,14 +5,14 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterator
 from dataclasses import replace
-from typing import Any
 
 from pdserve.common.engine.config import CacheConfig, ModelConfig, SchedulerConfig
 from pdserve.common.engine.model_runner import LayerCall
 from pdserve.common.engine.request import Request
 from pdserve.common.engine.scheduler import RequestUpdate, SchedulerOutput
 from pdserve.common.node.config import NodeConfig
-from pdserve.common.node.loop import EngineNode, Handler, Told
+from pdserve.common.node.loop import EngineNode, Handler
+from pdserve.common.node.stages import KVSent, Told
 from pdserve.common.wire.messages import Error, Failure, Message, Prefill
 from pdserve.common.wire.payloads import FirstToken
 from pdserve.kv_transfer.commands import Shipment
@@ -27,6 +27,7 @@ class PrefillNode(MovesKV, EngineNode):
 
     role = "prefill"
     reports_prefixes = True
+    hands_off = True
     kv: KVGroup
 
     def __init__(
@@ -37,9 +38,7 @@ class PrefillNode(MovesKV, EngineNode):
         super().__init__(model, cache, scheduler, node)
         self.dests: dict[str, Prefill] = {}  # request id -> where its KV goes
         self.next_block: dict[str, int] = {}  # request id -> first block not yet fully sent
-
-    def rank_agent(self, model: ModelConfig, node: NodeConfig) -> dict[str, Any]:
-        return self.kv_options(model, node)
+        self.shipping = False  # this step's forward ships KV (its failures are read after it)
 
     def handlers(self) -> dict[type[Message], Handler]:
         return {**super().handlers(), Prefill: self.admitting(self.on_prefill)}
@@ -56,38 +55,33 @@ class PrefillNode(MovesKV, EngineNode):
             return Error(msg.request_id, f"KV connection failed: {exc}", Failure.KV_FAILED)
         self.engine.scheduler.add_request(request)
         self.dests[msg.request_id] = msg
-        self.stages.hand_off_later(msg.request_id)
         # The decode node holds the leading blocks already (its prefix cache): skip them.
         self.next_block[msg.request_id] = msg.dest_cached_tokens // self.block_size
         return None
 
-    def step_messages(self) -> Iterator[Told]:
-        shipped: list[bool] = []
-        updates = self.engine.step(on_layer=lambda output: self.ship_kv(output, shipped))
-        self.stages.step_done()
+    def stepped(self, updates: list[RequestUpdate]) -> Iterator[Told]:
         failed: dict[str, str] = {}  # decode node (its rank 0 endpoint) -> why sending failed
-        if shipped:  # what broke on any rank while the layers went out
+        if self.shipping:  # what broke on any rank while the layers went out
             failed.update(self.kv.take_failures())
+            self.shipping = False
         for update in updates:
             dest = self.dests.get(update.request_id)
             if dest is not None and dest.dest_kv_endpoints[0] in failed:
                 continue  # failed below, before any of its tokens reach the client
-            # Sent now: the first token reaches the client first.
-            yield self.stages.first_token(update.tokens())
+            yield update.tokens()  # sent now: the first token reaches the client first
             yield from self.hand_off(update, failed)
         for endpoint, error in failed.items():
             yield from self.drop_destination(endpoint, error)
 
-    def ship_kv(self, output: SchedulerOutput, shipped: list[bool]) -> LayerCall | None:
-        """The layer hook of this step's forward, on every rank: each layer's new pages (each
+    def layer_call(self, output: SchedulerOutput) -> LayerCall | None:
+        """The layer call of this step's forward, on every rank: each layer's new pages (each
         rank its slices) leave as soon as the layer wrote them, while the later layers
         compute."""
-        traces = self.stages.step_started(output)
         shipments = self.plan_kv(output)
         if not shipments:
-            return LayerCall.traced(None, traces)
-        shipped.append(True)
-        return LayerCall.traced(self.kv.ship(shipments), traces)
+            return None
+        self.shipping = True
+        return self.kv.ship(shipments)
 
     def plan_kv(self, output: SchedulerOutput) -> list[Shipment]:
         """Which blocks of this step go where: every block not yet sent up to what the step
@@ -109,7 +103,7 @@ class PrefillNode(MovesKV, EngineNode):
             shipments.append(Shipment(dest.dest_kv_endpoints, dest.xfer_id, src, dst))
         return shipments
 
-    def hand_off(self, update: RequestUpdate, failed: dict[str, str]) -> Iterator[Error]:
+    def hand_off(self, update: RequestUpdate, failed: dict[str, str]) -> Iterator[Told]:
         """The request's KV is all sent: send the transfer's done message with the first
         token, and release the request here (the decode node goes on from that token)."""
         dest = self.dests.pop(update.request_id, None)
@@ -127,12 +121,9 @@ class PrefillNode(MovesKV, EngineNode):
             failed[endpoints[0]] = str(exc)
             why = f"KV transfer failed: {exc}"
             yield Error(update.request_id, why, Failure.KV_FAILED)
-        sent = endpoints[0] not in failed
-        if not sent:
-            self.metrics.transfer_failed()
-        self.stages.kv_sent(update.request_id, pages, self.kv.port.connector, sent)
+        yield KVSent(update.request_id, pages, endpoints[0] not in failed)
 
-    def drop_destination(self, endpoint: str, error: str) -> Iterator[Error]:
+    def drop_destination(self, endpoint: str, error: str) -> Iterator[Told]:
         """A connection to a decode node (named by its rank 0 endpoint) broke: fail every
         request bound there (the router then aborts their reservations) and reconnect on the
         next request."""
@@ -140,7 +131,7 @@ class PrefillNode(MovesKV, EngineNode):
         bound = [(rid, d) for rid, d in self.dests.items() if d.dest_kv_endpoints[0] == endpoint]
         for rid, _ in bound:
             self.abort(rid)
-            self.metrics.transfer_failed()
+            yield KVSent(rid, 0, ok=False)  # counted as a failed transfer
             why = f"KV transfer to the decode node failed: {error}"
             yield Error(rid, why, Failure.KV_FAILED)
         if bound:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from pdserve.common.engine.config import (
@@ -25,9 +24,6 @@ from pdserve.common.wire.payloads import KVLayout, SamplingParams
 if TYPE_CHECKING:
     from pdserve.kv_store.pool_tiers import PoolTiers
     from pdserve.kv_store.tier import TierStats
-
-# Given a step's batch, what runs after each layer of its forward, or None (LLMEngine.step).
-LayerHook = Callable[[SchedulerOutput], LayerCall | None]
 
 
 class PrefillRate:
@@ -189,16 +185,22 @@ class LLMEngine:
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished
 
-    def step(self, on_layer: LayerHook | None = None) -> list[RequestUpdate]:
-        """Schedule, run, update. `on_layer`, given the scheduled batch, returns what runs
-        inside its forward right after each layer wrote its K/V (the prefill node ships
-        that layer's pages with it), or None for nothing."""
-        output = self.scheduler.schedule()
+    def step(self) -> list[RequestUpdate]:
+        """Schedule, run, update (a node schedules, then runs the batch itself: `run`)."""
+        return self.run(self.scheduler.schedule())
+
+    def run(
+        self, output: SchedulerOutput, layer_call: LayerCall | None = None
+    ) -> list[RequestUpdate]:
+        """Run a scheduled batch and update its requests. `layer_call` runs inside the forward
+        right after each layer wrote its K/V (a prefill node ships that layer's pages with it):
+        the caller makes it from the batch it got from `scheduler.schedule()`, so the engine
+        calls nothing back."""
         if output.empty:
             self.runner.forget(output.finished_ids)
             return []
         start = time.perf_counter()
-        sampled, prompt_lps = self.runner.execute(output, on_layer(output) if on_layer else None)
+        sampled, prompt_lps = self.runner.execute(output, layer_call)
         self.prefill_rate.observe(output, time.perf_counter() - start)
         return self.scheduler.update(output, sampled, prompt_lps)
 

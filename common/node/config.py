@@ -6,6 +6,7 @@ Pure Python (no torch): the CLI module that builds it is imported by the router 
 from __future__ import annotations
 
 from dataclasses import MISSING, dataclass, field
+from typing import Any
 
 from pdserve.common.options import option
 from pdserve.common.tracing import TracingConfig
@@ -165,6 +166,21 @@ class NodeConfig:
         for name in ("kv_port", "health_port", "tp_port"):
             if not 0 <= getattr(self, name) < 65536:
                 raise ValueError(f"{name} must be in [0, 65536), got {getattr(self, name)}")
+
+    def kv_options(self, model_id: str, role: str, advertise_host: str) -> dict[str, Any]:
+        """The options of a KV-moving role's end on each of its ranks (`RankKV`'s keywords):
+        `model_id` the checkpoint's fingerprint, `advertise_host` how peers reach this host."""
+        return {
+            "connector": self.kv_connector,
+            "model_id": model_id,
+            "role": role,
+            "curve_dir": self.curve_dir,
+            "host": self.host,
+            "port": self.kv_port,
+            "advertise_host": advertise_host,
+            "connect_timeout": self.connect_timeout,
+            "fence_timeout": self.kv_fence_timeout,
+        }
 
 
 def is_wildcard(host: str) -> bool:

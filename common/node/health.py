@@ -7,7 +7,7 @@
 - `/ready`: 200 once a router has accepted the node's registration and while it is not
   draining, else 503: a readiness probe keeps a starting or draining node out of rotation.
 - `/metrics`: Prometheus text with the gauges an autoscaler needs per role (`NODE_METRICS`),
-  the engine's counters (`NODE_COUNTERS`) and the node's request metrics (`metrics.NodeMetrics`).
+  the engine's counters (`NODE_COUNTERS`) and the node's request metrics (`stages.NodeMetrics`).
 
 It runs in a daemon thread (stdlib `http.server`), reads values the loop publishes in one
 `HealthState`, and never touches the engine: a probe cannot slow or break a step.

@@ -1,4 +1,4 @@
-"""The loop every node process runs, and the colocated ("both") role.
+"""The loop every node process runs: the base of every role.
 
 A node's loop reads like an engine step with I/O around it:
 
@@ -7,11 +7,13 @@ A node's loop reads like an engine step with I/O around it:
 Registration, heartbeats and leases are the node's `Membership` (membership.py), handed its data;
 what a heartbeat, /metrics and an integrity check report is read off the engine (reports.py).
 
-Role differences live in small subclasses (prefill_node, decode_node, ColocatedNode here):
+Role differences live in small subclasses (prefill_node, decode_node, colocated.py):
 each adds its entries to the handler table (message type -> bound method) and overrides a few
-hooks; there is no `if role == ...` in the loop. Calls go one way, from the loop to the role:
-a role's handlers and hooks return (or yield) the messages to send, and the loop sends them,
-admits new requests and leases them; a role never calls back into the loop.
+hooks; there is no `if role == ...` in the loop. Calls go one way, from the loop to the role
+and the engine: a role's handlers and hooks return (or yield) the messages to send and the
+stages they ended, and the loop sends them, records the stages, admits new requests and leases
+them; a role never calls back into the loop, nor the engine into the node (the loop takes the
+step's batch from the scheduler and hands the forward its layer call, `EngineNode.step_messages`).
 """
 
 from __future__ import annotations
@@ -23,32 +25,22 @@ import uuid
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any, ClassVar
 
-from pdserve.common.engine.config import (
-    CacheConfig,
-    ModelConfig,
-    ParallelConfig,
-    SchedulerConfig,
-)
+from pdserve.common.engine.config import CacheConfig, ModelConfig, ParallelConfig, SchedulerConfig
 from pdserve.common.engine.kv_cache_manager import PrefixEvents
 from pdserve.common.engine.llm_engine import LLMEngine
+from pdserve.common.engine.model_runner import LayerCall
 from pdserve.common.engine.request import Request
+from pdserve.common.engine.scheduler import RequestUpdate, SchedulerOutput
 from pdserve.common.engine.tensor_parallel import GroupBroken
 from pdserve.common.node.config import NodeConfig
 from pdserve.common.node.health import HealthServer
-from pdserve.common.node.membership import (
-    Handler,
-    Membership,
-    NodeStatus,
-    advertise_host,
-)
-from pdserve.common.node.metrics import NodeMetrics
+from pdserve.common.node.membership import Handler, Membership, NodeStatus, advertise_host
 from pdserve.common.node.reports import engine_gauges, engine_status, integrity_report
-from pdserve.common.node.stages import StageClock
+from pdserve.common.node.stages import NodeMetrics, StageClock, Told
 from pdserve.common.node.tier_metrics import tier_report
 from pdserve.common.tracing import tracer_of
 from pdserve.common.wire.messages import (
     Abort,
-    Admitted,
     CheckIntegrity,
     Error,
     Failure,
@@ -56,9 +48,9 @@ from pdserve.common.wire.messages import (
     Message,
     Prefill,
     RegisterNode,
+    Reserved,
     ReserveKV,
     SyncPrefixes,
-    Tokens,
 )
 from pdserve.common.wire.security import load_keys
 
@@ -67,8 +59,6 @@ log = logging.getLogger(__name__)
 # A role's part in taking a new request (Prefill, ReserveKV): the message and its validated
 # Request; it queues or reserves the request on the engine, or answers why not.
 Take = Callable[[Any, Request], Message | None]
-# What a role's step and I/O send about requests, each to the router that owns the request.
-Told = Tokens | Error | Admitted
 
 
 class EngineNode:
@@ -78,6 +68,7 @@ class EngineNode:
 
     role: ClassVar[str] = ""
     reports_prefixes: ClassVar[bool] = False  # heartbeats carry prefix-cache changes
+    hands_off: ClassVar[bool] = False  # a Prefill's KV leaves after its first token (`xfer_id`)
     # A role that moves KV (`kv_transfer.ranks.MovesKV`) names its ranks' agent ("module:Class")
     # and opens its KV group on them (`open_kv`); common/node never imports kv_transfer.
     rank_agent_class: ClassVar[str | None] = None
@@ -129,8 +120,13 @@ class EngineNode:
 
     def rank_agent(self, model: ModelConfig, node: NodeConfig) -> dict[str, Any] | None:
         """The options of this role's KV end on every tensor-parallel rank
-        (`kv_transfer.ranks.RankKV`), or None for a role that moves no KV."""
-        return None
+        (`kv_transfer.ranks.RankKV`), or None for a role that moves no KV (names no agent)."""
+        if self.rank_agent_class is None:
+            return None
+        from pdserve.common.model.weights import model_fingerprint
+
+        model_id = model_fingerprint(model.model_dir)
+        return node.kv_options(model_id, self.role, self.advertise_host)
 
     def node_metrics(self, labels: dict[str, str]) -> NodeMetrics:
         """The node's request metrics; a node that moves KV labels its transfer series with
@@ -143,22 +139,6 @@ class EngineNode:
     def open_kv(self, options: dict[str, Any]) -> Any:
         """Rank 0's KV group of a role that moves KV (`rank_agent` gave `options`)."""
         raise NotImplementedError(f"the {self.role} role moves no KV")
-
-    def kv_options(self, model: ModelConfig, node: NodeConfig) -> dict[str, Any]:
-        """RankKV's options for a role that moves KV."""
-        from pdserve.common.model.weights import model_fingerprint
-
-        return {
-            "connector": node.kv_connector,
-            "model_id": model_fingerprint(model.model_dir),
-            "role": self.role,
-            "curve_dir": node.curve_dir,
-            "host": node.host,
-            "port": node.kv_port,
-            "advertise_host": self.advertise_host,
-            "connect_timeout": node.connect_timeout,
-            "fence_timeout": node.kv_fence_timeout,
-        }
 
     # -- the role's contract -----------------------------------------------------------------
 
@@ -177,13 +157,25 @@ class EngineNode:
         the requests' routers."""
         return iter(())
 
+    def layer_call(self, output: SchedulerOutput) -> LayerCall | None:
+        """What runs inside this step's forward after each layer (a prefill node ships the
+        layer's pages), given the step's batch; None: nothing."""
+        return None
+
+    def stepped(self, updates: list[RequestUpdate]) -> Iterator[Told]:
+        """What to tell the requests' routers of a step's updates (and the stages it ended)."""
+        for update in updates:
+            yield update.tokens()
+
     def step_messages(self) -> Iterator[Told]:
         """One engine step, yielding what to tell the requests' routers; each message is sent
-        before the step goes on (a role may act on a request after its tokens left)."""
-        updates = self.engine.step(on_layer=self.stages.step_call)
+        before the step goes on (a role may act on a request after its tokens left). The
+        step's spans open before the forward: the other ranks put theirs under them."""
+        output = self.engine.scheduler.schedule()
+        traces = self.stages.step_started(output)
+        updates = self.engine.run(output, LayerCall.traced(self.layer_call(output), traces))
         self.stages.step_done()
-        for update in updates:
-            yield self.stages.first_token(update.tokens())
+        yield from self.stepped(updates)
 
     def refuse(self, msg: Prefill | ReserveKV, kind: Failure, why: str) -> Message:
         """The answer that turns a new request away (draining, full): the router's failover
@@ -203,7 +195,9 @@ class EngineNode:
             if why is not None:
                 return self.refuse(msg, *why)
             # A reservation's KV comes from a prefill node: its stages are the decode side's.
-            self.stages.taken(msg.request_id, msg.traceparent, isinstance(msg, ReserveKV))
+            remote = isinstance(msg, ReserveKV)
+            handoff = isinstance(msg, Prefill) and self.hands_off and bool(msg.xfer_id)
+            self.stages.taken(msg.request_id, msg.traceparent, remote, handoff)
             try:  # validation (a grammar's compile) is part of the request's queue
                 request = self.engine.new_request(
                     msg.request_id,
@@ -215,6 +209,8 @@ class EngineNode:
                 self.stages.forget(msg.request_id)
                 raise
             answer = take(msg, request)
+            if isinstance(answer, Reserved):  # a decode node's reservation (its span, if traced)
+                self.stages.reserved(msg.request_id, len(answer.block_ids), answer.cached_tokens)
             if msg.request_id in self.engine.scheduler.requests:
                 self.membership.take_lease(msg.request_id)
             else:
@@ -247,18 +243,13 @@ class EngineNode:
 
     # -- shared ----------------------------------------------------------------------------
 
-    def reply(self, msg: Message) -> None:
-        """Answer the router whose message is being handled."""
-        self.membership.reply(msg)
-
-    def tell(self, request_id: str, msg: Message) -> None:
-        """Send a message about a request to the router that sent the request."""
-        self.membership.tell(request_id, msg)
-
     def send(self, messages: Iterable[Told]) -> None:
-        """Tell each message's request's router, one by one as they come."""
+        """Tell each message's request's router, one by one as they come; stage events are
+        recorded, not sent."""
         for msg in messages:
-            self.tell(msg.request_id, msg)
+            out = self.stages.record(msg)
+            if out is not None:
+                self.membership.tell(out.request_id, out)
 
     def poll_io(self) -> None:
         self.send(self.io_messages())
@@ -308,11 +299,10 @@ class EngineNode:
             self.handle_all(0)
         for rid in self.membership.expire_leases(self.engine.scheduler.requests):
             log.warning("lease of request %s expired: freeing it", rid)
-            self.metrics.lease_expired()
-            self.stages.lease_expired(rid, self.config.lease_timeout)  # its span, if traced
+            self.stages.lease_expired(rid, self.config.lease_timeout)  # counted; a span if traced
             self.abort(rid)
             why = "lease expired: the router stopped renewing"
-            self.tell(rid, Error(rid, why, Failure.LEASE_EXPIRED))
+            self.membership.tell(rid, Error(rid, why, Failure.LEASE_EXPIRED))
 
     def publish_gauges(self, queued_tokens: int) -> None:
         """Refresh what the health endpoint's /metrics reports (a role may add gauges)."""
@@ -331,11 +321,11 @@ class EngineNode:
                 raise ValueError(f"{self.role} node does not take {msg.TYPE}")
             answer = handler(msg)
             if answer is not None:
-                self.reply(answer)
+                self.membership.reply(answer)
         except ValueError as exc:  # bad input for one request: fail it, keep serving
             log.warning("request %s refused: %s", rid, exc)
             if rid:
-                self.reply(Error(rid, str(exc), Failure.BAD_REQUEST))
+                self.membership.reply(Error(rid, str(exc), Failure.BAD_REQUEST))
 
     def handle_all(self, timeout_ms: int) -> None:
         """Handle every message that arrives from any router within timeout_ms."""
@@ -358,7 +348,7 @@ class EngineNode:
         """A rank is gone: stop, fencing what is held here (routers move it on at once)."""
         self.fail(f"tensor-parallel group broken: {why}")
         for rid in list(self.membership.leases):
-            self.tell(rid, Error(rid, self.fatal or why, Failure.TP_BROKEN))
+            self.membership.tell(rid, Error(rid, self.fatal or why, Failure.TP_BROKEN))
 
     def drain(self) -> None:
         """Stop taking requests; finish (or, past drain_timeout, fail) what is held; exit.
@@ -377,7 +367,7 @@ class EngineNode:
         for rid in list(self.engine.scheduler.requests):
             self.abort(rid)
             why = "node shut down before the request finished"
-            self.tell(rid, Error(rid, why, Failure.DRAINING))
+            self.membership.tell(rid, Error(rid, why, Failure.DRAINING))
         return True
 
     def live(self) -> bool:
@@ -445,17 +435,3 @@ class EngineNode:
         self.engine.close()
         if self.tracer is not None:
             self.tracer.close()
-
-
-class ColocatedNode(EngineNode):
-    """Role "both": prefill and decode in one engine (vLLM-style mixed batches). A Prefill
-    brings a whole request: the node runs it to its end itself."""
-
-    role = "both"
-    reports_prefixes = True
-
-    def handlers(self) -> dict[type[Message], Handler]:
-        return {**super().handlers(), Prefill: self.admitting(self.queue)}
-
-    def queue(self, _: Prefill, request: Request) -> None:
-        self.engine.scheduler.add_request(request)

@@ -1,13 +1,18 @@
-"""When each request reached each stage on this node, and the spans of those stages.
+"""What a node measures of each request: its stages, their spans, and its request metrics.
 
 Every node times every request (a few monotonic readings; the router's TTFT histograms need
 them whether or not anything is traced) and hands the durations to the router with the first
 token it computes (`Tokens.stages`). A request whose router sent a traceparent also gets its
 stages as spans under the router's request span; with tracing off (`tracer` None) none is made.
+The same stages feed the node's Prometheus histograms (`NodeMetrics`, in vLLM's names).
 
 A prompt computed here: taken -> queue -> first step that ran it -> prefill -> first token.
 A prompt whose KV a prefill node sends (a decode node's reservation): reserved -> KV transfer
 -> KV whole -> admission -> first step -> its first token.
+
+Only the loop (common/node/loop.py) calls the clock: a role reports the stages it ends with
+what it returns (a decode node's `Reserved`) or yields (`KVWhole`, `KVSent`, beside the
+messages it sends), and `record` takes them out of the node's outgoing messages.
 
 The node's span of a traced request's computing (`prefill`, or a decode node's
 `decode.first_step`) is open while its steps run: the other ranks of a tensor-parallel node
@@ -20,12 +25,115 @@ import time
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from pdserve.common.engine.model_runner import LayerCall
+from prometheus_client import CollectorRegistry, Counter, Histogram
+
 from pdserve.common.engine.scheduler import SchedulerOutput
-from pdserve.common.node.metrics import NodeMetrics
+from pdserve.common.node.tier_metrics import TierCollector
 from pdserve.common.tracing import REQUEST_ID, TIME_IN_PREFILL, TIME_IN_QUEUE, Tracer
-from pdserve.common.wire.messages import Tokens
+from pdserve.common.wire.messages import Admitted, Error, Tokens
 from pdserve.common.wire.payloads import StageTimes
+
+# Request times from 1 ms (a tiny model's prefill on a CPU) to 10 min (a long prompt queued).
+SECONDS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 600)
+# KV bytes of one request: 4 KiB (a tiny model's block) to 16 GiB, by powers of 4.
+BYTES = tuple(float(4**i) for i in range(6, 18))
+
+
+# attribute, kind, name, labelled by connector, buckets, help
+_SERIES = (
+    ("queue_time", Histogram, "pdserve:request_queue_time_seconds", False, SECONDS,
+     "Taken by the node to the first step that ran it (a decode node: KV whole to it)"),
+    ("prefill_time", Histogram, "pdserve:request_prefill_time_seconds", False, SECONDS,
+     "The first step that ran the prompt to its first token (every chunk)"),
+    ("kv_time", Histogram, "pdserve:kv_transfer_time_seconds", True, SECONDS,
+     "One request's KV transfer on its decode node: blocks reserved to KV whole on every rank "
+     "(pages stream as the prefill's layers finish: it overlaps the prefill)"),
+    ("kv_bytes", Histogram, "pdserve:kv_transfer_bytes", True, BYTES,
+     "KV bytes one request's transfer wrote into its decode node"),
+    ("kv_failed", Counter, "pdserve:kv_transfer_failures", True, None,
+     "Requests whose KV transfer failed (damaged or missing slices, a broken connection)"),
+    ("leases_expired", Counter, "pdserve:lease_expirations", False, None,
+     "Requests freed because their router stopped renewing their lease"),
+)  # fmt: skip
+
+
+class NodeMetrics:
+    """The request-level metrics of one node process (rank 0 of a tensor-parallel group): one
+    series of each metric in `_SERIES`, under the node's labels (`role`, `node_id`: one query
+    sums them across nodes or splits them by role). The clock observes them as stages end; the
+    health endpoint serves them (`health.HealthServer`). prometheus_client's metrics lock their
+    own values, so the loop's thread writes and the health thread reads without a lock here."""
+
+    queue_time: Any
+    prefill_time: Any
+    kv_time: Any
+    kv_bytes: Any
+    kv_failed: Any
+    leases_expired: Any
+
+    def __init__(self, labels: dict[str, str], connector: str = "", block_bytes: int = 0) -> None:
+        """`connector`: the node's KV connector ("" for a node that moves no KV: "none");
+        `block_bytes`: one block's KV across every layer and head (`KVLayout.block_bytes`).
+        Every series exists from the start: a scrape before the first event reads 0."""
+        self.registry = CollectorRegistry()
+        self.connector = connector
+        self._block_bytes = block_bytes
+        kv = labels | {"connector": connector or "none"}
+        for attr, kind, name, by_connector, buckets, text in _SERIES:
+            own = kv if by_connector else labels
+            opts = {"buckets": buckets} if buckets else {}
+            metric = kind(name, text, list(own), registry=self.registry, **opts)
+            setattr(self, attr, metric.labels(**own))
+        self.tiers = TierCollector(labels)  # the loop publishes the engine's KV tier counters
+        self.registry.register(self.tiers)
+
+    def first_token(self, stages: StageTimes, remote: bool) -> None:
+        """A request's stages up to the first token this node computed (`remote`: its KV came
+        from a prefill node; its queue is the wait for admission)."""
+        if remote:
+            self.queue_time.observe(stages.admission)
+            return
+        self.queue_time.observe(stages.queue)
+        self.prefill_time.observe(stages.prefill)
+
+    def kv_received(self, seconds: float, pages: int, ok: bool) -> None:
+        """A request's KV transfer of `pages` blocks ended on every rank of this decode node."""
+        if not ok:
+            self.transfer_failed()
+            return
+        self.kv_time.observe(seconds)
+        self.kv_bytes.observe(pages * self._block_bytes)
+
+    def transfer_failed(self) -> None:
+        self.kv_failed.inc()
+
+    def lease_expired(self) -> None:
+        self.leases_expired.inc()
+
+
+@dataclass(frozen=True, slots=True)
+class KVWhole:
+    """A decode node's stage event: every rank holds the request's KV (`ok` False: a slice
+    was not whole, and the request fails here) of `pages` blocks."""
+
+    request_id: str
+    ok: bool
+    pages: int
+
+
+@dataclass(frozen=True, slots=True)
+class KVSent:
+    """A prefill node's stage event: the request's last KV and its done message left (`ok`
+    False: its transfer failed), `pages` blocks of it."""
+
+    request_id: str
+    pages: int
+    ok: bool
+
+
+# What a role's step and I/O yield: messages to tell each request's router, and the stage
+# events the loop records (`StageClock.record`) instead of sending.
+Told = Tokens | Error | Admitted | KVWhole | KVSent
 
 
 @dataclass(slots=True)
@@ -35,9 +143,9 @@ class _Stamps:
     taken: float
     traceparent: str | None
     remote: bool  # its KV comes from a prefill node
+    handoff: bool  # a prefill node's: kept until its KV is all sent
     kv_whole: float = 0.0
     scheduled: float = 0.0
-    handoff: bool = False  # a prefill node's: kept until its KV is all sent
     first: float = 0.0
     chunks: list[tuple[float, float, int]] = field(default_factory=list)  # traced only
     span: Any = None  # the node's open span of the request's steps (traced only)
@@ -45,7 +153,7 @@ class _Stamps:
 
 
 class StageClock:
-    """The stages of the requests this node holds, by request id. The node calls it where a
+    """The stages of the requests this node holds, by request id. The loop calls it where a
     stage ends; a request it forgets (aborted, handed off) leaves nothing behind."""
 
     def __init__(
@@ -54,6 +162,7 @@ class StageClock:
         self.tracer = tracer
         self.node_id = node_id
         self.metrics = metrics  # the node's request histograms, observed as stages end
+        self.connector = metrics.connector if metrics is not None else ""
         self._stamps: dict[str, _Stamps] = {}
         self._step: list[tuple[_Stamps, int]] = []  # traced requests of the running step
         self._step_start = 0.0
@@ -61,10 +170,14 @@ class StageClock:
     def __len__(self) -> int:
         return len(self._stamps)
 
-    def taken(self, request_id: str, traceparent: str | None, remote: bool = False) -> None:
-        """The node took the request (queued it, or reserved its blocks: `remote`)."""
+    def taken(
+        self, request_id: str, traceparent: str | None, remote: bool = False, handoff: bool = False
+    ) -> None:
+        """The node took the request (queued it, or reserved its blocks: `remote`); one it
+        hands off (`handoff`, a prefill node's) is kept past its first token: its KV goes out
+        after it (`kv_sent`)."""
         parent = traceparent if self.tracer is not None else None
-        stamps = self._stamps[request_id] = _Stamps(time.monotonic(), parent, remote)
+        stamps = self._stamps[request_id] = _Stamps(time.monotonic(), parent, remote, handoff)
         if parent is not None and not remote:
             self._open("prefill", stamps, stamps.taken, request_id)
 
@@ -76,13 +189,16 @@ class StageClock:
             attrs["pdserve.cached_tokens"] = cached_tokens
             self._span("decode.reserve", stamps, stamps.taken, time.monotonic(), attrs)
 
-    def hand_off_later(self, request_id: str) -> None:
-        """Keep the request past its first token: its KV goes out after it (`kv_sent`)."""
-        stamps = self._stamps.get(request_id)
-        if stamps is not None:
-            stamps.handoff = True
+    def record(self, msg: Told) -> Tokens | Error | Admitted | None:
+        """What the node sends of a role's message: a stage event is recorded and goes no
+        further (None), a first token gets the request's stages, anything else is as it was."""
+        if isinstance(msg, KVWhole):
+            return self.kv_whole(msg.request_id, msg.ok, msg.pages)
+        if isinstance(msg, KVSent):
+            return self.kv_sent(msg.request_id, msg.pages, msg.ok)
+        return self.first_token(msg) if isinstance(msg, Tokens) else msg
 
-    def kv_whole(self, request_id: str, ok: bool, pages: int, connector: str) -> None:
+    def kv_whole(self, request_id: str, ok: bool, pages: int) -> None:
         """Every rank holds the request's KV (or a slice failed: `ok` False)."""
         stamps = self._stamps.get(request_id)
         if stamps is None:
@@ -91,7 +207,7 @@ class StageClock:
         if self.metrics is not None:
             self.metrics.kv_received(stamps.kv_whole - stamps.taken, pages, ok)
         if stamps.traceparent is not None:
-            attrs = {REQUEST_ID: request_id, "pdserve.kv.connector": connector}
+            attrs = {REQUEST_ID: request_id, "pdserve.kv.connector": self.connector}
             attrs |= {"pdserve.kv.pages": pages, "pdserve.kv.checksum_ok": ok}
             self._span("decode.kv_transfer", stamps, stamps.taken, stamps.kv_whole, attrs)
         if not ok:  # the request fails here: no first token will come
@@ -114,11 +230,6 @@ class StageClock:
                 self._step.append((stamps, len(seq.token_ids)))
                 parents.append(stamps.ranks_parent)
         return tuple(parents)
-
-    def step_call(self, output: SchedulerOutput) -> LayerCall | None:
-        """`step_started` as a step's layer call: nothing to run, the node spans for the other
-        tensor-parallel ranks (None: nothing traced)."""
-        return LayerCall.traced(None, self.step_started(output))
 
     def step_done(self) -> None:
         """The step ended: each traced request's part of it is one chunk."""
@@ -145,19 +256,24 @@ class StageClock:
             del self._stamps[msg.request_id]
         return replace(msg, stages=stages)
 
-    def kv_sent(self, request_id: str, pages: int, connector: str, ok: bool) -> None:
-        """A prefill node sent the request's last KV and its done message: forget it."""
+    def kv_sent(self, request_id: str, pages: int, ok: bool) -> None:
+        """A prefill node sent the request's last KV and its done message (or its transfer
+        failed: `ok` False, counted): forget it."""
+        if not ok and self.metrics is not None:
+            self.metrics.transfer_failed()
         stamps = self._stamps.pop(request_id, None)
         if stamps is None or stamps.traceparent is None:
             return
-        attrs = {REQUEST_ID: request_id, "pdserve.kv.connector": connector}
+        attrs = {REQUEST_ID: request_id, "pdserve.kv.connector": self.connector}
         attrs |= {"pdserve.kv.pages": pages, "pdserve.kv.sent": ok}
         start = stamps.scheduled or stamps.taken
         self._span("prefill.kv_send", stamps, start, time.monotonic(), attrs)
 
     def lease_expired(self, request_id: str, lease_timeout: float) -> None:
-        """The request's router stopped renewing its lease: a traced request gets a span from
-        its taking to now, and a node span still open ends with that outcome."""
+        """The request's router stopped renewing its lease (counted): a traced request gets a
+        span from its taking to now, and a node span still open ends with that outcome."""
+        if self.metrics is not None:
+            self.metrics.lease_expired()
         stamps = self._stamps.get(request_id)
         if stamps is not None and stamps.traceparent is not None:
             attrs = {REQUEST_ID: request_id, "pdserve.lease_timeout": lease_timeout}

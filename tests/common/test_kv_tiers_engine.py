@@ -20,7 +20,7 @@ from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from pdserve.common.engine.llm import LLM, SamplingParams
-from pdserve.common.node.metrics import NodeMetrics
+from pdserve.common.node.stages import NodeMetrics
 from pdserve.common.node.tier_metrics import tier_report
 from pdserve.kv_store import FileTier, KeySpace, codec
 from pdserve.tiny_model import make_tiny_model

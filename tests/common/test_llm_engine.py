@@ -1,4 +1,4 @@
-"""LLMEngine.step: the layer hook sees each batch and runs inside its forward, layer by layer."""
+"""LLMEngine.step and run: a batch's layer call runs inside its forward, layer by layer."""
 
 from __future__ import annotations
 
@@ -19,28 +19,29 @@ def engine(model_dir) -> LLMEngine:
     )
 
 
-def test_the_layer_hook_runs_after_every_layer_of_every_batch(tiny_model_dir) -> None:
+def test_a_layer_call_runs_after_every_layer_of_the_batch_it_was_made_for(tiny_model_dir) -> None:
+    """A node takes the batch from the scheduler, makes the batch's layer call, and hands both
+    to `run`: the engine calls nothing back."""
     hooked, plain = engine(tiny_model_dir("llama")), engine(tiny_model_dir("llama"))
     batches: list[SchedulerOutput] = []
     layers: list[tuple[int, int]] = []  # (batch, layer)
 
-    def on_layer(output: SchedulerOutput):
-        batches.append(output)
-        if len(batches) == 2:
+    def layer_call(batch: int) -> LayerCall | None:
+        if batch == 2:
             return None  # nothing to do for this batch
-        batch = len(batches)
         return LayerCall(lambda layer: layers.append((batch, layer)))
 
     for e in (hooked, plain):
         e.add_request("r", list(range(1, 13)), GREEDY)  # 12 tokens: 2 chunks of at most 8
     got, want = [], []
     while hooked.has_unfinished:
-        got += hooked.step(on_layer=on_layer)
+        batches.append(hooked.scheduler.schedule())
+        got += hooked.run(batches[-1], layer_call(len(batches)))
         want += plain.step()
     n = hooked.runner.arch.num_layers
     assert [len(b.seqs[0].token_ids) for b in batches] == [8, 4, 1, 1]
     assert layers == [(b, i) for b in (1, 3, 4) for i in range(n)]
-    assert got == want  # the hook only observes
+    assert got == want  # the call only observes
 
 
 def test_prefill_rate_counts_prompt_tokens_against_prefill_time():

@@ -12,8 +12,8 @@ import torch
 
 from pdserve.common.engine.config import CacheConfig, ModelConfig, SchedulerConfig
 from pdserve.common.engine.llm import LLM, RequestOutput, SamplingParams
+from pdserve.common.node.colocated import ColocatedNode
 from pdserve.common.node.config import NodeConfig
-from pdserve.common.node.loop import ColocatedNode
 from pdserve.common.wire.messages import Prefill, Tokens
 from tests.common.node.test_tp_nodes import BLOCK, PROMPTS, pair, serve
 from tests.prefill_node.test_prefill_node import FakeRouter

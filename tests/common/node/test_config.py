@@ -7,9 +7,9 @@ import dataclasses
 import pytest
 
 from pdserve.common.node.cli import add_node_args, flag_of, node_config, parser
+from pdserve.common.node.colocated import ColocatedNode
 from pdserve.common.node.config import KV_CONNECTORS, NodeConfig
 from pdserve.common.node.launch import run_node
-from pdserve.common.node.loop import ColocatedNode
 from pdserve.kv_transfer import connector_names
 
 

@@ -42,7 +42,7 @@ def test_membership_holds_no_reference_to_its_node() -> None:
     tree = ast.parse(inspect.getsource(membership))
     modules = [n.module or "" for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)]
     modules += [a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names]
-    assert not [m for m in modules if m.endswith((".loop", "_node.node"))], modules
+    assert not [m for m in modules if m.endswith((".loop", ".colocated", "_node.node"))], modules
     (cls,) = [n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "Membership"]
     (init,) = [f for f in cls.body if isinstance(f, ast.FunctionDef) and f.name == "__init__"]
     for arg in init.args.args[1:] + init.args.kwonlyargs:

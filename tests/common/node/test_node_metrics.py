@@ -6,8 +6,7 @@ from __future__ import annotations
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from pdserve.common.node.metrics import NodeMetrics
-from pdserve.common.node.stages import StageClock
+from pdserve.common.node.stages import NodeMetrics, StageClock
 from pdserve.common.wire.messages import Tokens
 from tests.common.node.test_stages import step
 
@@ -49,11 +48,11 @@ def test_a_decode_nodes_transfer_is_timed_and_sized_per_request_and_failures_cou
     metrics = NodeMetrics(LABELS, "zmq", block_bytes=1024)
     clock = StageClock(None, "d0", metrics)
     clock.taken("a", None, remote=True)
-    clock.kv_whole("a", ok=True, pages=3, connector="zmq")
+    clock.kv_whole("a", ok=True, pages=3)
     step(clock, "a", tokens=1)
     clock.first_token(Tokens("a", (7,)))
     clock.taken("b", None, remote=True)
-    clock.kv_whole("b", ok=False, pages=2, connector="zmq")
+    clock.kv_whole("b", ok=False, pages=2)
     got = samples(metrics)
     assert got[("pdserve:kv_transfer_bytes_count", "zmq")] == 1
     assert got[("pdserve:kv_transfer_bytes_sum", "zmq")] == 3 * 1024

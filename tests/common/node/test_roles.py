@@ -10,8 +10,9 @@ import pytest
 import zmq
 
 from pdserve.common.engine.config import CacheConfig, ModelConfig, SchedulerConfig
+from pdserve.common.node.colocated import ColocatedNode
 from pdserve.common.node.config import NodeConfig
-from pdserve.common.node.loop import ColocatedNode, EngineNode
+from pdserve.common.node.loop import EngineNode
 from pdserve.common.wire.messages import (
     Abort,
     Busy,

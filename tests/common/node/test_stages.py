@@ -66,8 +66,7 @@ def step(clock: StageClock, *rids: str, tokens: int = 4) -> tuple[str, ...]:
 def test_a_prompt_computed_here_reports_its_queue_and_prefill_with_the_first_token() -> None:
     tracer = FakeTracer()
     clock = StageClock(tracer, "p0")  # type: ignore[arg-type]
-    clock.taken("r", PARENT)
-    clock.hand_off_later("r")
+    clock.taken("r", PARENT, handoff=True)
     step(clock, "r")
     step(clock, "r")
     msg = clock.first_token(Tokens("r", (7,)))
@@ -80,7 +79,7 @@ def test_a_prompt_computed_here_reports_its_queue_and_prefill_with_the_first_tok
     assert [s.parent for s in tracer.named("prefill.chunk")] == [prefill, prefill]
     assert tracer.named("prefill.queue")[0].parent is prefill
     assert len(clock) == 1, "kept until its KV is sent"
-    clock.kv_sent("r", pages=3, connector="zmq", ok=True)
+    clock.kv_sent("r", pages=3, ok=True)
     (sent,) = tracer.named("prefill.kv_send")
     assert sent.parent == PARENT and sent.attributes["pdserve.kv.pages"] == 3
     assert len(clock) == 0
@@ -91,7 +90,7 @@ def test_a_decode_nodes_stages_hang_under_the_request_span_not_the_prefill() -> 
     clock = StageClock(tracer, "d0")  # type: ignore[arg-type]
     clock.taken("r", PARENT, remote=True)
     clock.reserved("r", blocks=4, cached_tokens=16)
-    clock.kv_whole("r", ok=True, pages=3, connector="zmq")
+    clock.kv_whole("r", ok=True, pages=3)
     step(clock, "r", tokens=1)
     msg = clock.first_token(Tokens("r", (7,)))
     stages = msg.stages
@@ -120,7 +119,7 @@ def test_untraced_requests_and_a_node_without_tracer_make_no_span() -> None:
 def test_a_request_that_ends_before_its_first_token_leaves_nothing() -> None:
     clock = StageClock(None, "d0")
     clock.taken("a", None, remote=True)
-    clock.kv_whole("a", ok=False, pages=1, connector="zmq")  # a slice was not whole
+    clock.kv_whole("a", ok=False, pages=1)  # a slice was not whole
     clock.taken("b", None)
     clock.forget("b")  # aborted
     clock.taken("c", None)
@@ -146,7 +145,7 @@ def test_the_other_ranks_get_the_open_node_span_of_each_traced_request_until_its
     assert step(clock, "r") == (), "after its first token"
     decode = StageClock(tracer, "d0")  # type: ignore[arg-type]
     decode.taken("d", PARENT, remote=True)
-    decode.kv_whole("d", ok=True, pages=1, connector="zmq")
+    decode.kv_whole("d", ok=True, pages=1)
     (parent,) = step(decode, "d", tokens=1)
     first_step = tracer.opened[-1]
     assert first_step.name == "decode.first_step" and parent == tracer.traceparent(first_step)

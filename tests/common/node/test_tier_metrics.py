@@ -9,7 +9,7 @@ import urllib.request
 from prometheus_client.parser import text_string_to_metric_families
 
 from pdserve.common.node.health import HealthServer
-from pdserve.common.node.metrics import NodeMetrics
+from pdserve.common.node.stages import NodeMetrics
 from pdserve.common.node.tier_metrics import TierReport
 from pdserve.kv_store.cost import TierRate
 from pdserve.kv_store.tier import TierStats
