@@ -182,6 +182,7 @@ class FileTier(KVTier):
             if total <= (self.low_bytes or 0):
                 break
             path.unlink(missing_ok=True)  # a reader that opened it keeps its bytes
+            self.watch(f"{path.parent.parent.name}/{path.stem}", False)
             total -= size
         return total
 

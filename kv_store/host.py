@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict
-from collections.abc import Callable
 
 from pdserve.kv_store.tier import KVTier
 
@@ -23,10 +22,7 @@ class HostTier(KVTier):
         self.budget_bytes = budget_bytes
         self.used_bytes = 0
         self._blocks: OrderedDict[str, bytes] = OrderedDict()
-        self._lock = threading.Lock()
-        # Told each name that joins (True) or leaves (False): a node reports its host tier's
-        # blocks to the router (`PoolTiers.host_changes`).
-        self.watch: Callable[[str, bool], None] = lambda _name, _held: None
+        self._lock = threading.Lock()  # `watch` hears every join and leave, under it
 
     def _load(self, name: str) -> bytes | None:
         with self._lock:

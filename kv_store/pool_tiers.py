@@ -11,11 +11,13 @@ a tier measured slower than recomputing is skipped, and its blocks are recompute
 
 For tier-aware routing a node reports which blocks its host tier holds (as its pool's, by
 change since the last report, or whole) and which it wrote to the shared store: every node of
-that store (`store_id`) can load those (docs/kv_tiers.md, "Tier-aware routing").
+that store (`store_id`) can load those, and which it found missing there or evicted from it
+(docs/kv_tiers.md, "Tier-aware routing").
 """
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Sequence
 
@@ -58,10 +60,16 @@ class PoolTiers:
         self.host_events = PrefixEvents()  # the host tier's changes since the last report
         if self.host is not None:
             self.host.watch = self._host_changed
-        # Blocks put into the store since the last report (insertion order; bounded: they are
-        # a routing hint, and a block left out only costs a lower credit).
-        self._shared_stored: dict[BlockHash, None] = {}
+        # The store's blocks as this node saw them change since the last report: put there
+        # (True), or missed there or evicted by this node (False), the last change winning.
+        # Bounded, the oldest dropped: a routing hint, where a change left out only costs a
+        # credit. A sweep reports from its own thread.
+        self._shared: dict[BlockHash, bool] = {}
+        self._shared_lock = threading.Lock()
         self.shared_limit = 4096
+        self._store_asked = False  # by the load under way
+        if self.store is not None:
+            self.store.watch = self._store_changed
 
     @property
     def store_id(self) -> str:
@@ -75,13 +83,14 @@ class PoolTiers:
         stored = self.chain.put(self.space.key(block_hash), payload)
         self.offloaded += bool(stored)
         if self.store is not None and self.store in stored:
-            self._shared_stored[block_hash] = None
-            if len(self._shared_stored) > self.shared_limit:
-                del self._shared_stored[next(iter(self._shared_stored))]
+            self._shared_changed(block_hash, True)
 
     def load(self, block_hash: BlockHash, block_id: int) -> bool:
         start = time.perf_counter()
+        self._store_asked = False
         payload, tier = self.chain.find(self.space.key(block_hash), self._worth_asking)
+        if tier is None and self._store_asked:  # not there (any more), or unreadable
+            self._shared_changed(block_hash, False)
         if payload is None or tier is None or payload.nbytes != self.block_bytes:
             return False
         data = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
@@ -95,7 +104,9 @@ class PoolTiers:
         return True
 
     def _worth_asking(self, tier: KVTier) -> bool:
-        return self.cost.worth_loading(tier.name, self.block_size, self.block_bytes)
+        ask = self.cost.worth_loading(tier.name, self.block_size, self.block_bytes)
+        self._store_asked |= ask and tier is self.store
+        return ask
 
     def stats(self) -> tuple[TierStats, ...]:
         return self.chain.stats()
@@ -122,11 +133,28 @@ class PoolTiers:
             self.host_events.resync()
         return self.host_events.drain(self.host_hashes())
 
-    def take_shared_stored(self) -> tuple[BlockHash, ...]:
-        """The blocks put into the shared store since the last call."""
-        out = tuple(self._shared_stored)
-        self._shared_stored.clear()
-        return out
+    def _store_changed(self, name: str, held: bool) -> None:
+        namespace, _, hex_hash = name.partition("/")
+        if namespace == self.space.namespace:
+            self._shared_changed(bytes.fromhex(hex_hash), held)
+
+    def _shared_changed(self, block_hash: BlockHash, held: bool) -> None:
+        with self._shared_lock:
+            self._shared.pop(block_hash, None)  # re-inserted: the newest change
+            self._shared[block_hash] = held
+            if len(self._shared) > self.shared_limit:
+                del self._shared[next(iter(self._shared))]
+
+    def take_shared_changes(self) -> tuple[tuple[BlockHash, ...], tuple[BlockHash, ...]]:
+        """(stored, removed): the blocks this node put into the shared store since the last
+        call, and those it found missing there or evicted from it (the router's view of the
+        store learns both)."""
+        with self._shared_lock:
+            changes, self._shared = self._shared, {}
+        return (
+            tuple(h for h, held in changes.items() if held),
+            tuple(h for h, held in changes.items() if not held),
+        )
 
     def close(self) -> None:
         self.chain.close()

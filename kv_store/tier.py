@@ -80,6 +80,10 @@ class KVTier(ABC):
         self._counters = _Counters(name)
         self._logged: set[str] = set()
         self._down_until = 0.0
+        # Told each name this process saw join (True) or leave (False) the tier: the host tier
+        # tells every change, a store the objects this process evicted (a node reports them
+        # for tier-aware routing: `PoolTiers`).
+        self.watch: Callable[[str, bool], None] = lambda _name, _held: None
 
     # -- the interface ------------------------------------------------------------------------
 

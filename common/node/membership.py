@@ -51,10 +51,12 @@ class PrefixChanges:
     reset: bool
     stored: tuple[bytes, ...]
     removed: tuple[bytes, ...]
-    # The same of its host KV tier (whole on a reset), and the blocks it wrote to its store.
+    # The same of its host KV tier (whole on a reset), and the blocks it wrote to its store
+    # and found gone from it (missed there, or evicted by this node).
     host_stored: tuple[bytes, ...] = ()
     host_removed: tuple[bytes, ...] = ()
     shared_stored: tuple[bytes, ...] = ()
+    shared_removed: tuple[bytes, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -314,6 +316,7 @@ class Membership:
             host_stored=changes.host_stored,
             host_removed=changes.host_removed,
             shared_stored=changes.shared_stored,
+            shared_removed=changes.shared_removed,
         )
 
     def report_soon(self) -> None:

@@ -39,7 +39,7 @@ def engine_status(engine: LLMEngine, draining: bool) -> NodeStatus:
 
 def prefix_changes(engine: LLMEngine) -> PrefixChanges | None:
     """What the pool's index and the host tier gained and lost since the last report, and the
-    blocks written to the shared store (None: the node reports no prefixes). When either
+    shared store's blocks it wrote or found gone (None: the node reports no prefixes). When either
     change log overflowed, both go whole: one reset replaces the router's whole view."""
     events, tiers = engine.kv.pool.prefix_events, engine.tiers
     if events is None:
@@ -50,8 +50,9 @@ def prefix_changes(engine: LLMEngine) -> PrefixChanges | None:
     if tiers is None:
         return PrefixChanges(reset, stored, removed)
     _, host_stored, host_removed = tiers.host_changes(snapshot=reset)
+    shared_stored, shared_removed = tiers.take_shared_changes()
     return PrefixChanges(
-        reset, stored, removed, host_stored, host_removed, tiers.take_shared_stored()
+        reset, stored, removed, host_stored, host_removed, shared_stored, shared_removed
     )
 
 

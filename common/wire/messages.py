@@ -28,7 +28,7 @@ from pdserve.common.wire.payloads import (
     TokenLogprobs,
 )
 
-PROTOCOL_VERSION = 12  # 2: typed failure kinds, incarnations, Reregister; 3: Registered,
+PROTOCOL_VERSION = 13  # 2: typed failure kinds, incarnations, Reregister; 3: Registered,
 # host ids; 4: the decode side's cached tokens in Reserved/Prefill, measured rates; 5: typed
 # sampling parameters and logprobs (maps checked field by field), KVDone's typed first token;
 # 6: KV layouts typed (RegisterNode, KVHello), the KV data plane decoded on its own;
@@ -37,7 +37,8 @@ PROTOCOL_VERSION = 12  # 2: typed failure kinds, incarnations, Reregister; 3: Re
 # agent name); 9: tracing: the W3C traceparent in ReserveKV and Prefill, the stage times in
 # Tokens; 10: heartbeats carry speculative-decoding counters (spec_decode); 11: the error kind
 # tp_broken (a node whose TP group broke fences the requests it held); 12: KV tiers: the host
-# tier's blocks and the shared-store writes in heartbeats, per-tier counters, the store's id
+# tier's blocks and the shared-store writes in heartbeats, per-tier counters, the store's id;
+# 13: the shared store's blocks a node found gone (shared_removed) in heartbeats
 MAX_MESSAGE_BYTES = 32 * 1024 * 1024  # a 1M-token prompt of int64 ids fits with room to spare
 
 
@@ -346,10 +347,12 @@ class Heartbeat(Message):
     prefix_stored: tuple[bytes, ...] = ()
     prefix_removed: tuple[bytes, ...] = ()
     # The same for its host KV tier (under the same number; a reset lists it whole), and the
-    # blocks it wrote to its shared store since (nodes of that store may load them).
+    # blocks it wrote to its shared store since (nodes of that store may load them) and those
+    # it found gone from there (a miss, or its own eviction sweep: the router forgets them).
     host_stored: tuple[bytes, ...] = ()
     host_removed: tuple[bytes, ...] = ()
     shared_stored: tuple[bytes, ...] = ()
+    shared_removed: tuple[bytes, ...] = ()
     draining: bool = False  # shutting down: finishing what it holds, taking nothing new
     prefill_rate: float = 0.0  # prompt tokens/s of its recent prefill steps (0: none yet)
     spec_decode: SpecDecodeCounts | None = None  # None: the node does not speculate

@@ -37,9 +37,11 @@ class TierCredit:
 
 
 class StoreView:
-    """The blocks nodes of one shared KV store said they wrote there, the latest last. The
-    store evicts without telling anyone, so the view is a bounded hint: a block it lists that
-    is gone costs a recompute, never a wrong token."""
+    """The blocks nodes of one shared KV store said they wrote there, the latest last, less
+    those a node since found gone (a miss there, or its own eviction sweep). A store evicts
+    without telling anyone (another node's sweep, Redis's LRU), so the view is a bounded hint:
+    a block it lists that is gone costs a recompute, never a wrong token, and the first node
+    to miss it reports it."""
 
     def __init__(self, limit: int = 1 << 17) -> None:
         self.limit = limit
@@ -51,6 +53,10 @@ class StoreView:
             self.blocks[h] = None
         while len(self.blocks) > self.limit:
             del self.blocks[next(iter(self.blocks))]
+
+    def discard(self, hashes: Iterable[bytes]) -> None:
+        for h in hashes:
+            self.blocks.pop(h, None)
 
     def __contains__(self, block_hash: bytes) -> bool:
         return block_hash in self.blocks
@@ -115,7 +121,8 @@ class NodeInfo:
             self.prefill_rate = msg.prefill_rate
         self.recent_prefixes = {h: t for h, t in self.recent_prefixes.items() if t > now}
         if self.store is not None:  # written there whatever became of the node's own view
-            self.store.add(msg.shared_stored)
+            self.store.add(msg.shared_stored)  # a block is in one list: its latest change
+            self.store.discard(msg.shared_removed)
         if not msg.prefix_seq:
             return True  # this node does not report its prefix cache
         in_order = msg.prefix_seq == self.prefix_seq + 1

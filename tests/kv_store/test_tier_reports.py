@@ -1,6 +1,7 @@
 """What a node reports of its tiers for tier-aware routing (issue 40): the host tier's blocks by
 change since the last report (whole at first, after an overflow, or when asked), and the blocks
-put into the shared store. The router's side is tests/router/test_kv_tier_routing.py."""
+put into the shared store and those found gone from it (a miss, an eviction sweep). The
+router's side is tests/router/test_kv_tier_routing.py."""
 
 from __future__ import annotations
 
@@ -43,8 +44,8 @@ def test_store_writes_are_reported_once(tmp_path: Path) -> None:
     t = tiers(tmp_path)
     for i in (1, 2, 3):
         t.offload(bytes([i]), i)
-    assert t.take_shared_stored() == (b"\x01", b"\x02", b"\x03")
-    assert t.take_shared_stored() == ()
+    assert t.take_shared_changes() == ((b"\x01", b"\x02", b"\x03"), ())
+    assert t.take_shared_changes() == ((), ())
     assert t.store_id == f"file://{tmp_path}#{SPACE.namespace}"
     assert t.store_id != tiers(tmp_path / "other").store_id
 
@@ -52,7 +53,7 @@ def test_store_writes_are_reported_once(tmp_path: Path) -> None:
 def test_a_node_without_a_store_reports_no_store_writes() -> None:
     t = tiers(None)
     t.offload(b"\x01", 1)
-    assert t.take_shared_stored() == () and t.store_id == ""
+    assert t.take_shared_changes() == ((), ()) and t.store_id == ""
 
 
 def test_the_store_writes_kept_are_bounded(tmp_path: Path) -> None:
@@ -60,4 +61,23 @@ def test_the_store_writes_kept_are_bounded(tmp_path: Path) -> None:
     t.shared_limit = 2
     for i in (1, 2, 3):
         t.offload(bytes([i]), i)
-    assert t.take_shared_stored() == (b"\x02", b"\x03"), "the oldest dropped"
+    assert t.take_shared_changes() == ((b"\x02", b"\x03"), ()), "the oldest dropped"
+
+
+def test_store_misses_and_sweep_evictions_are_reported_as_gone(tmp_path: Path) -> None:
+    t = tiers(tmp_path, host_blocks=1)
+    store = t.store
+    assert isinstance(store, FileTier)
+    for i in (1, 2, 3):
+        t.offload(bytes([i]), i)
+    t.take_shared_changes()
+    assert not t.load(b"\x09", 5), "never stored: the store misses it"
+    assert t.load(b"\x01", 5), "the host tier lost it, the store has it"
+    store.high_bytes, store.low_bytes = 1, 0  # the next sweep evicts everything
+    assert store.sweep() == 0
+    t.offload(b"\x04", 4)
+    stored, removed = t.take_shared_changes()
+    assert stored == (b"\x04",)
+    assert set(removed) == {b"\x09", b"\x01", b"\x02", b"\x03"}, "the miss and the sweep"
+    assert not t.load(b"\x02", 5)  # host: only 4; store: swept
+    assert t.take_shared_changes() == ((), (b"\x02",))

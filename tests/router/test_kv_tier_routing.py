@@ -105,6 +105,24 @@ def test_the_store_credit_goes_only_to_nodes_of_that_store() -> None:
     assert missing_tokens(reg.get("c"), TOKENS, now) == len(PROMPT)
 
 
+def test_the_store_view_forgets_blocks_a_node_found_gone() -> None:
+    """A node of the store reports the blocks it missed there or swept out (`shared_removed`):
+    no node of that store is credited them any more, and a block written again is."""
+    reg = registry()
+    for name in ("writer", "reader", "other"):
+        join(reg, name, store=STORE)
+    heartbeat(reg, "writer", 1, prefix_reset=True, shared_stored=tuple(HASHES))
+    heartbeat(reg, "other", 1, prefix_reset=True)
+    assert missing_tokens(reg.get("other"), TOKENS, reg.clock()) == len(PROMPT) // 2
+    heartbeat(reg, "reader", 1, prefix_reset=True, shared_removed=tuple(HASHES[4:]))
+    now = reg.clock()
+    assert missing_tokens(reg.get("other"), TOKENS, now) == len(PROMPT) - 4 * BS * 0.5
+    assert missing_tokens(reg.get("writer"), TOKENS, now) == len(PROMPT) - 4 * BS * 0.5
+    heartbeat(reg, "writer", 2, shared_stored=tuple(HASHES[4:6]))  # written again
+    expected = len(PROMPT) - 6 * BS * 0.5
+    assert missing_tokens(reg.get("other"), TOKENS, reg.clock()) == expected
+
+
 def test_a_gap_forgets_the_host_view_and_a_snapshot_replaces_it() -> None:
     reg = registry()
     join(reg, "p")
