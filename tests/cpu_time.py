@@ -91,10 +91,9 @@ def pytest_terminal_summary(terminalreporter, config: pytest.Config) -> None:
 
 
 def per_folder(times: dict[tuple[str, str], tuple[float, float]]) -> dict[str, tuple]:
-    """folder (the node id's first two parts: tests/e2e) -> (CPU s, wall s, phases)."""
+    """folder (its modules' folder: tests/e2e, tests/common/node) -> (CPU s, wall s, phases)."""
     sums: dict[str, list] = collections.defaultdict(lambda: [0.0, 0.0, 0])
     for (nodeid, _), (cpu, wall) in times.items():
-        path = nodeid.split("::", 1)[0].split("/")
-        total = sums["/".join(path[:2]) if len(path) > 2 else path[0]]
+        total = sums[nodeid.split("::", 1)[0].rpartition("/")[0] or "."]
         total[0], total[1], total[2] = total[0] + cpu, total[1] + wall, total[2] + 1
     return {folder: tuple(total) for folder, total in sums.items()}
