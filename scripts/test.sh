@@ -6,7 +6,7 @@ cd "$(dirname "$0")/.."
 source scripts/_env.sh
 pdserve_env test
 # PDSERVE_TEST_WORKERS=2: that many pytest-xdist workers, each running whole modules, the slow
-# folders first (tests/conftest.py); xdist is installed by hand (docs/testing.md says why).
+# folders first (tests/conftest.py); pytest-xdist comes with the test extra (pyproject.toml).
 if [ -n "${PDSERVE_TEST_WORKERS:-}" ]; then
   set -- -n "$PDSERVE_TEST_WORKERS" --dist loadgroup --no-loadscope-reorder "$@"
 fi
