@@ -7,16 +7,15 @@ by name."""
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
 
 from pdserve.common.engine.llm import LLM, SamplingParams
 from pdserve.common.spec.config import SpeculativeConfig
 from pdserve.common.spec.draft_model import scratch_blocks
+from pdserve.common.spec.self_draft import write_self_draft
 from pdserve.tiny_model import make_tiny_model
 from tests.common.test_llm_equivalence import PROMPTS as HF_PROMPTS
 from tests.common.test_llm_equivalence import hf_greedy
@@ -32,26 +31,6 @@ PROMPTS = [
 GREEDY = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
 
 
-def first_layers(src: Path, dst: Path, n: int) -> Path:
-    """A self-draft: the checkpoint at `src` cut to its first n layers (embeddings, final norm
-    and LM head kept), the issue's one-checkpoint way to a draft with real acceptance."""
-    dst.mkdir(parents=True, exist_ok=True)
-    for f in src.iterdir():
-        if f.suffix != ".safetensors":
-            shutil.copy(f, dst / f.name)
-    weights = load_file(src / "model.safetensors")
-    kept = {
-        name: w
-        for name, w in weights.items()
-        if not name.startswith("model.layers.") or int(name.split(".")[2]) < n
-    }
-    save_file(kept, dst / "model.safetensors", metadata={"format": "pt"})
-    config = json.loads((src / "config.json").read_text())
-    config["num_hidden_layers"] = n
-    (dst / "config.json").write_text(json.dumps(config))
-    return dst
-
-
 @pytest.fixture(scope="module")
 def models(tmp_path_factory) -> dict[str, str]:
     """The target (3 layers), its first two layers, and an unrelated model of its vocabulary."""
@@ -59,7 +38,7 @@ def models(tmp_path_factory) -> dict[str, str]:
     target = make_tiny_model("llama", root / "target", num_hidden_layers=3)
     return {
         "target": str(target),
-        "layers2": str(first_layers(target, root / "layers2", 2)),
+        "layers2": str(write_self_draft(target, 2, root / "layers2")),
         "other": str(make_tiny_model("llama", root / "other", seed=1, num_hidden_layers=1)),
     }
 
@@ -234,3 +213,24 @@ def test_tensor_parallel_ranks_compute_the_draft_pages_but_draft_nothing(models)
             assert heads * 2 == full.shape[3]
             assert half.abs().sum() > 0, "rank 0 computed no draft pages"
             torch.testing.assert_close(half[:, :40], full[:, :40, :, :heads], atol=1e-4, rtol=0)
+
+
+def test_a_self_draft_of_a_gguf_is_the_cut_of_its_weights(models, tmp_path) -> None:
+    """A GGUF target's self-draft (dequantized through the loader) holds the first layers'
+    weights, the embedding, the final norm and the head as the file does (F32: exactly), and
+    a layer count outside the target's is refused by name."""
+    from safetensors.torch import load_file
+
+    from tests.common.model.test_gguf import write_llama_gguf
+
+    gguf = write_llama_gguf(Path(models["target"]), tmp_path / "t.gguf")
+    cut = write_self_draft(gguf, 2, tmp_path / "cut")
+    every = load_file(Path(models["target"]) / "model.safetensors")
+    want = {name: w for name, w in every.items() if not name.startswith("model.layers.2.")}
+    assert len(want) < len(every)  # the target's third layer is what the cut drops
+    got = load_file(cut / "model.safetensors")
+    assert sorted(got) == sorted(want)
+    assert all(torch.equal(got[name], want[name]) for name in want)
+    assert json.loads((cut / "config.json").read_text())["num_hidden_layers"] == 2
+    with pytest.raises(ValueError, match="1 to 3 layers"):
+        write_self_draft(gguf, 4, tmp_path / "too_many")
