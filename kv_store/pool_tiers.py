@@ -1,6 +1,7 @@
 """The tiers under one engine's block pool (`KVCacheManager`'s `BlockTiers`): a block the pool
-evicts is copied out of every layer's cache into the chain (host, then the shared store), and a
-prefix block the pool lacks is copied back in from the first tier that holds an intact one.
+evicts is copied out of every layer's cache into the chain (host, then the shared store, whose
+write is queued off the scheduler's path: `kv_store.write_behind`), and a prefix block the pool
+lacks is copied back in from the first tier that holds an intact one.
 
 A block's payload is its pages in every layer cache, in cache order, as raw bytes: the key's
 layout digest names that order, the dtype and the shapes, so a payload of another length is
@@ -30,6 +31,11 @@ from pdserve.kv_store.cost import LoadCost
 from pdserve.kv_store.host import HostTier
 from pdserve.kv_store.key import KeySpace
 from pdserve.kv_store.tier import KVTier, TierStats
+
+
+# Evictions queued for the shared store at most (`kv_store.write_behind`): 64 MiB is about 180
+# SmolLM2 blocks of 16 tokens in bf16; past it an eviction is not stored.
+WRITE_BEHIND_BYTES = 64 << 20
 
 
 class PoolTiers:
@@ -77,10 +83,10 @@ class PoolTiers:
         none). Nodes of one model and layout on one store give the same id."""
         return f"{self.store.name}#{self.space.namespace}" if self.store is not None else ""
 
-    def offload(self, block_hash: BlockHash, block_id: int) -> None:
+    def offload(self, block_hash: BlockHash, block_id: int, wait: bool = False) -> None:
         pages = torch.cat([c[:, block_id].reshape(-1).view(torch.uint8) for c in self.caches])
         payload = memoryview(pages.cpu().numpy()).cast("B")
-        stored = self.chain.put(self.space.key(block_hash), payload)
+        stored = self.chain.put(self.space.key(block_hash), payload, wait)
         self.offloaded += bool(stored)
         if self.store is not None and self.store in stored:
             self._shared_changed(block_hash, True)
@@ -174,4 +180,5 @@ def open_pool_tiers(
         tiers.append(HostTier(offload_bytes))
     if store_url:
         tiers.append(open_store(store_url))
-    return PoolTiers(TierChain(tiers), space, caches, block_size, cost) if tiers else None
+    chain = TierChain(tiers, behind_bytes=WRITE_BEHIND_BYTES)
+    return PoolTiers(chain, space, caches, block_size, cost) if tiers else None

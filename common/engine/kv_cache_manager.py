@@ -96,8 +96,9 @@ class BlockTiers(Protocol):
     (host memory, a shared store: `kv_store.PoolTiers`). The manager stays free of tensors:
     the tiers copy a block's pages themselves, by block id."""
 
-    def offload(self, block_hash: BlockHash, block_id: int) -> None:
-        """Keep a copy of the block's pages (called before the block is reused)."""
+    def offload(self, block_hash: BlockHash, block_id: int, wait: bool = False) -> None:
+        """Keep a copy of the block's pages (called before the block is reused); a shared
+        store's copy may be written after the call returns, unless `wait`."""
 
     def load(self, block_hash: BlockHash, block_id: int) -> bool:
         """Write the verified pages of `block_hash` into the block; False on any miss."""
@@ -490,8 +491,8 @@ class KVCacheManager:
         a forward wrote (see `unschedule`): never a draft's or an unfinished position's."""
         assert self.pool.tiers is not None
         for block in blocks[request.num_prompt_tokens // self.block_size :]:
-            if block.block_hash is not None:
-                self.pool.tiers.offload(block.block_hash, block.block_id)
+            if block.block_hash is not None:  # in the store before the next turn asks
+                self.pool.tiers.offload(block.block_hash, block.block_id, wait=True)
 
     def hold(self, request_id: str, key: str) -> None:
         """Keep the request's blocks out of the free pool under `key` when it is freed."""

@@ -137,9 +137,40 @@ def finish(args: argparse.Namespace, system: str, llm: LLM, per: dict[str, list]
     llm.engine.check_integrity()
     lengths = list(map(len, prompts))
     return {"system": system, **per, "prompt_lengths": lengths, "tiers": tiers,
+            "model": cost_model(llm),
             "prompt_tokens": sum(lengths), "computed": sum(lengths) - sum(per["cached"]),
             "oracle_blocks": capacity,
             "oracle_hit_rate": belady_hit_rate(prompts, args.block_size, capacity)}  # fmt: skip
+
+
+def cost_model(llm: LLM) -> dict[str, Any]:
+    """The load-or-recompute model's inputs at the end of the run: the engine's prefill rate,
+    each tier's measured load rate and the blocks it chose to recompute, one block's bytes."""
+    tiers = llm.engine.tiers
+    rates = tiers.cost.rates() if tiers is not None else ()
+    return {"prefill_tok_s": llm.engine.prefill_rate.tokens_per_s,
+            "block_bytes": tiers.block_bytes if tiers is not None else 0,
+            "load_bytes_s": {r.tier.split(":")[0]: r.bytes_per_s for r in rates},
+            "recompute_chosen": {r.tier.split(":")[0]: r.recompute_chosen for r in rates}}  # fmt: skip
+
+
+def model_error(record: dict, base: dict, block_size: int) -> float | None:
+    """The cost model's error on the requests a tier served: the mean, over them, of |the
+    TTFT it predicts minus the TTFT measured| over the TTFT measured, where the prediction is
+    `base`'s measured TTFT less the loaded tokens' recompute time plus their load time (by
+    the rates the model held at the end); None without such a request or rates."""
+    model = record["model"]
+    rates = [r for r in model["load_bytes_s"].values() if r > 0]
+    if not rates or model["prefill_tok_s"] <= 0:
+        return None
+    per_token_load = model["block_bytes"] / block_size / min(rates)
+    errors = []
+    for i, loaded in enumerate(record["loaded"]):
+        if loaded:
+            predicted = (base["ttft_s"][i] - loaded / model["prefill_tok_s"]
+                         + loaded * per_token_load)  # fmt: skip
+            errors.append(abs(predicted - record["ttft_s"][i]) / record["ttft_s"][i])
+    return statistics.mean(errors) if errors else None
 
 
 def oracle_capacity(args: argparse.Namespace, system: str, tiers: Any) -> int | None:
@@ -196,6 +227,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
             record["ttft_vs_none"] = record["mean_ms"] / base["mean_ms"]
             record["tier_served"] = against_recompute(record, base)
             record["tier_served_long"] = against_recompute(record, base, LONG)
+            record["model_error"] = model_error(record, base, args.block_size)
             print(rp.record_line(COLUMNS, record), flush=True)
             results.append(record)
     return {"device": "cpu", "dtype": args.dtype, "repeats": 1, "results": results,
@@ -239,14 +271,16 @@ COLUMNS = [
     ("Belady blocks", lambda r: r["oracle_blocks"] or "∞"),
     ("tier-served requests: speedup / worst", _served("tier_served")),
     (f"the same, prompts ≥ {LONG}", _served("tier_served_long")),
+    ("cost model's error", lambda r: "—" if r["model_error"] is None
+        else f"{r['model_error']:.0%}"),
     ("same first tokens", lambda r: "yes" if r["same_tokens"] else "**no**"),
 ]  # fmt: skip
 
 
 def goals(results: list[dict]) -> list[dict[str, Any]]:
     """The report's goals per tier row: a store hit ≥ 5x faster than recomputing at prompts
-    ≥ 2K tokens, no tier-served request slower than recomputing, the prefix hit rate within
-    10% of Belady's."""
+    ≥ 2K tokens, no tier-served request slower than recomputing (strictly, and by more than
+    the cost model's error), the prefix hit rate within 10% of Belady's."""
     out = []
     for r in (r for r in results if r["system"] != "none"):
         name = f"{r['workload']}, {r['system']}"
@@ -256,6 +290,9 @@ def goals(results: list[dict]) -> list[dict[str, Any]]:
                                long["speedup"], 1.0, ">=", 5.0))  # fmt: skip
         out.append(rp.goal(f"{name}: worst tier-served request against recomputing",
                            served["worst"], 1.0, ">=", 1.0))  # fmt: skip
+        if r.get("model_error") is not None:  # issue 40: "by more than the model's error"
+            out.append(rp.goal(f"{name}: the same, within the cost model's error",
+                               served["worst"], 1 / (1 + r["model_error"]), ">=", 1.0))  # fmt: skip
         out.append(rp.goal(f"{name}: prefix hit rate against Belady's",
                            r["hit_rate"], r["oracle_hit_rate"], ">=", 0.9))  # fmt: skip
     return out

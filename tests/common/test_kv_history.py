@@ -19,7 +19,7 @@ class Recorder:
     def __init__(self) -> None:
         self.offloaded: dict[bytes, int] = {}
 
-    def offload(self, block_hash: bytes, block_id: int) -> None:
+    def offload(self, block_hash: bytes, block_id: int, wait: bool = False) -> None:
         self.offloaded[block_hash] = block_id
 
     def load(self, block_hash: bytes, block_id: int) -> bool:

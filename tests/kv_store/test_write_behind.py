@@ -1,0 +1,89 @@
+"""A store's writes off the caller's path (`kv_store.write_behind`, issue 40): a chain with
+`behind_bytes` returns from a put before the store has it, the store gets it on the writer's
+thread, a block still queued is a miss (never bytes the store does not hold), `wait` writes at
+once (the history write), a full queue drops a put, and close writes what was queued."""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+import pytest
+
+from pdserve.kv_store import FileTier, HostTier, TierChain
+from pdserve.kv_store.write_behind import WriteBehind
+from tests.kv_store.helpers import key, payload
+
+
+class GatedFileTier(FileTier):
+    """A file tier whose writes wait until the test opens the gate."""
+
+    def __init__(self, folder: Path) -> None:
+        super().__init__(folder, timeout_s=30.0)
+        self.gate = threading.Event()
+
+    def _store(self, name: str, blob: bytes) -> bool:
+        assert self.gate.wait(20.0), "the test never opened the gate"
+        return super()._store(name, blob)
+
+
+def test_a_put_returns_before_the_store_has_it_and_lands_after(tmp_path: Path) -> None:
+    store = GatedFileTier(tmp_path)
+    chain = TierChain([HostTier(1 << 20), store], behind_bytes=1 << 20)
+    try:
+        stored = chain.put(key(1), payload(1))
+        assert stored == [chain.tiers[0], store], "queued for the store counts as stored"
+        assert store.stats().puts == 0 and chain.behind[store.name].pending() == 1
+        assert store.get(key(1)) is None, "still queued: a miss, not a partial object"
+        store.gate.set()
+        assert chain.flush(20.0)
+        assert store.stats().puts == 1
+        assert bytes(store.get(key(1)) or b"") == payload(1)
+    finally:
+        store.gate.set()
+        chain.close()
+
+
+def test_wait_writes_before_returning(tmp_path: Path) -> None:
+    store = FileTier(tmp_path)
+    chain = TierChain([store], behind_bytes=1 << 20)
+    try:
+        chain.put(key(2), payload(2), wait=True)
+        assert chain.behind[store.name].pending() == 0 and store.stats().puts == 1
+        assert bytes(store.get(key(2)) or b"") == payload(2)
+    finally:
+        chain.close()
+
+
+def test_a_full_queue_drops_the_put(tmp_path: Path) -> None:
+    store = GatedFileTier(tmp_path)
+    behind = WriteBehind(store, max_bytes=4096)
+    try:
+        assert behind.put(key(1), payload(1)), "the first fits"
+        assert not behind.put(key(2), payload(2)), "past max_bytes: dropped, not waited for"
+        assert behind.dropped == 1
+        store.gate.set()
+        assert behind.flush(20.0) and store.get(key(1)) is not None and store.get(key(2)) is None
+    finally:
+        store.gate.set()
+        behind.close(20.0)
+    assert not behind.put(key(3), payload(3)), "closed: dropped"
+
+
+def test_close_writes_what_was_queued(tmp_path: Path) -> None:
+    store = FileTier(tmp_path)
+    chain = TierChain([store], behind_bytes=1 << 20)
+    for i in range(8):
+        chain.put(key(i), payload(i))
+    chain.close()
+    reader = FileTier(tmp_path)
+    assert all(bytes(reader.get(key(i)) or b"") == payload(i) for i in range(8))
+
+
+def test_a_chain_without_behind_bytes_writes_at_once(tmp_path: Path) -> None:
+    store = FileTier(tmp_path)
+    chain = TierChain([store])
+    chain.put(key(4), payload(4))
+    assert chain.behind == {} and store.stats().puts == 1
+    with pytest.raises(ValueError, match="positive"):
+        WriteBehind(store, max_bytes=0)
