@@ -5,14 +5,15 @@ On a CPU without AMX, torch's packed kernels (`_weight_int8pack_mm`,
 `_weight_int4pack_mm_for_cpu`) fall back to slow code on float32 rows: 1.6 and 2.4 ms for a
 1x576x1536 layer against 0.16 ms for float32 F.linear (docs/quantization.md, "AVX2 GEMV").
 This kernel reads each weight row once for all (up to MAX_ROWS) input rows; rows of W are split
-across torch's threads. It has two paths, chosen per call (`uses_vnni()` by default):
+across torch's threads. It has two paths, chosen per layer (`QuantizedLinear.vnni`, `uses_vnni`):
 - **AVX2** (`-mavx2 -mfma`): widens the integers to float32 in registers and sums with FMA.
 - **AVX512-VNNI**, where /proc/cpuinfo shows AVX512F/BW/VL/DQ and AVX512_VNNI: quantizes each
   activation row to int8 per 32 columns (llama.cpp's Q8 activations), multiplies the weight's
   unsigned bytes by them with `vpdpbusd` (u8 x s8 -> s32) and scales each block's integer sum
   once; a 4/5-bit weight's minimum is folded in through the activation's block sums. It
   changes the numerics by that activation rounding (docs/quantization.md, "AVX512-VNNI GEMV").
-  Opt-in: `PDSERVE_CPU_QUANT=vnni` (the default stays AVX2's exact float32 sums).
+  The default for layers of a bf16 or fp16 engine, whose activations already round coarser;
+  a float32 engine keeps AVX2's exact float32 sums (`uses_vnni`).
 The C++ (kernels/cpu_quant.cpp) is built at first use with torch's cpp_extension, cached by
 the source's hash, torch's version and folder under torch's extensions folder (an flock held
 while building; a dead build's lock file is removed); without AVX2+FMA or a compiler,
@@ -47,9 +48,9 @@ log = logging.getLogger(__name__)
 
 MAX_ROWS = 8  # input rows one call takes (the C++ side is instantiated for 1..8)
 BLOCK = 32  # int4 columns per scale and minimum
-# "auto" (default) and "avx2": the AVX2 path; "vnni": AVX512-VNNI where the CPU has it (int8
-# activations: opt-in until engine-level tolerances are settled, docs/quantization.md); "off":
-# torch's kernels.
+# "auto" (default): AVX512-VNNI for a bf16/fp16 engine's layers where the CPU has it, AVX2 for
+# a float32 engine's (docs/quantization.md, "VNNI by default in bf16"); "avx2" and "vnni" force
+# either path; "off": torch's kernels.
 QUANT_KERNEL_ENV = "PDSERVE_CPU_QUANT"
 _KERNEL_MODES = ("auto", "avx2", "vnni", "off")
 # Seconds to wait for another process's build of the kernel (a cold one takes minutes when loaded).
@@ -244,10 +245,15 @@ def _kernel_mode() -> str:
 
 
 @cache
-def uses_vnni() -> bool:
-    """Whether calls take the AVX512-VNNI path by default: $PDSERVE_CPU_QUANT is vnni and the
-    CPU has it."""
-    return _kernel_mode() == "vnni" and cpu_has_avx512_vnni()
+def uses_vnni(dtype: torch.dtype = torch.float32) -> bool:
+    """Whether a layer of an engine in `dtype` takes the AVX512-VNNI path: where the CPU has it,
+    by $PDSERVE_CPU_QUANT when it names a path, else for any dtype but float32. Its int8
+    activations cost SmolLM2 Q4_1 +1.3% perplexity, where bf16 activations already round each
+    row to 8 bits of mantissa; a float32 engine (the HF-oracle tests) keeps the exact sums."""
+    mode = _kernel_mode()
+    if mode in ("avx2", "off") or not cpu_has_avx512_vnni():
+        return False
+    return mode == "vnni" or dtype != torch.float32
 
 
 @cache
@@ -266,7 +272,9 @@ def available() -> bool:
     except Exception as exc:  # no compiler, or it failed: torch's kernels serve instead
         log.warning("cpu quant kernel: build failed (%s): torch's weight-only kernels", exc)
         return False
-    log.info("cpu quant kernel: the %s path", "AVX512-VNNI" if uses_vnni() else "AVX2")
+    name = {False: "AVX2", True: "AVX512-VNNI"}
+    log.info("cpu quant kernel: the %s path for float32 engines, %s for bf16/fp16",
+             name[uses_vnni()], name[uses_vnni(torch.bfloat16)])  # fmt: skip
     return True
 
 

@@ -23,6 +23,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from pdserve import LLM, SamplingParams
+from pdserve.common.engine import compiled_decode
 from pdserve.common.model import llama
 from pdserve.common.model.quant import QuantizedLinear
 from pdserve.kernels.cpu_linear import PackedLinear
@@ -130,6 +131,10 @@ def main() -> None:
     p.add_argument("--ops", action="store_true", help="also torch.profiler's busiest ops")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
+    if args.compile:
+        # Only the batch's own bucket (a cold one of SmolLM2 takes minutes): the packages are
+        # kept per bucket in the default compile cache, so a second run loads it.
+        compiled_decode.decode_buckets = lambda max_num_seqs: (max_num_seqs,)
     llm = LLM(
         args.model,
         dtype=args.dtype,

@@ -10,14 +10,14 @@ graph) in front of inductor's FX graph cache (the generated kernels, keyed on th
 version and inductor's config), both on by default, in one directory (TORCHINDUCTOR_CACHE_DIR,
 else /tmp/torchinductor_<user>, which a reboot clears). An engine's compiles run with that
 directory pointed at `<compile cache dir>/<key>`, where the key digests everything that shapes
-its graphs: torch, pdserve and the compiled code's version, the model's shapes, class, dtype and
-weight form, the KV block size, the tensor-parallel shard, the CPU's instruction set and the
-thread count (generated CPU loops fix it when compiled). Not the batch buckets: each bucket is a
-graph (a package) of its own, so engines with different bucket lists share the buckets they have
-in common. Torch's own
-keys already refuse a stale graph, but a CPU package has only ours; and each deployment gets
-its own directory, so a changed model or torch starts from an empty one instead of searching
-(and growing) a shared one, and the directory's key.json says what it holds.
+its graphs: torch, pdserve and the compiled code's version (the GEMV's C++ included), the
+model's shapes, class, dtype and weight form (with the GEMV's path, AVX2 or VNNI), the KV
+block size, the tensor-parallel shard, the CPU's instruction set and the thread count
+(generated CPU loops fix it when compiled). Not the batch buckets: each bucket is a graph (a
+package) of its own, so engines with different bucket lists share the buckets they have in
+common. Torch's own keys already refuse a stale graph, but a CPU package has only ours; and each
+deployment gets its own directory, so a changed model or torch starts from an empty one instead
+of searching (and growing) a shared one, and the directory's key.json says what it holds.
 
 With torch.compile (CUDA) a warm start still imports the compiler and Dynamo traces the model
 again (its guards are not cached); the kernels are loaded, not compiled.
@@ -104,9 +104,11 @@ def compile_key(
     code: str,
 ) -> CompileKey:
     """The key of a model's compiled steps; flags: whatever engine setting shapes the graphs."""
-    from pdserve.common.model.quant import weight_format  # numpy: only when compiling
+    from pdserve.common.model.quant import gemv_paths, weight_format  # numpy: when compiling
 
-    form = weight_format(model) or "float"
+    # The GEMV's path is a constant of the graph (QuantizedLinear.vnni), set by the dtype and
+    # $PDSERVE_CPU_QUANT: a package made on one path must not serve the other.
+    form = " ".join(filter(None, [weight_format(model) or "float", gemv_paths(model)]))
     return CompileKey(
         torch=torch.__version__,
         pdserve=_pdserve_version(),

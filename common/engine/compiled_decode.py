@@ -312,7 +312,9 @@ def traced_files() -> list[Path]:
     """The source files a compiled step is made from (see code_hash)."""
     model_dir = Path(attention.__file__).parent
     kernels_dir = Path(kernels.__file__).parent
-    sources = [*sorted(model_dir.glob("*.py")), *sorted(kernels_dir.glob("*.py"))]
+    # *.cpp: the GEMV's C++ (kernels/cpu_quant.cpp), which a package calls through its op.
+    kernel_sources = sorted([*kernels_dir.glob("*.py"), *kernels_dir.glob("*.cpp")])
+    sources = [*sorted(model_dir.glob("*.py")), *kernel_sources]
     return [Path(__file__), Path(decode_packages.__file__), *sources]
 
 

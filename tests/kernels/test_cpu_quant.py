@@ -195,16 +195,28 @@ def test_off_or_without_avx2_it_is_unavailable(monkeypatch: pytest.MonkeyPatch) 
         cpu_quant.available.cache_clear()
 
 
-def test_the_path_follows_the_cpu_and_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
-    """AVX2 by default; PDSERVE_CPU_QUANT=vnni takes VNNI where the CPU has it (both paths stay
-    testable on an AVX512 box); a misspelt value is refused by name."""
+def test_the_path_follows_the_dtype_the_cpu_and_the_environment(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """By default VNNI for a bf16/fp16 engine's layers where the CPU has it, AVX2's exact sums
+    for a float32 engine's; PDSERVE_CPU_QUANT=avx2 or vnni forces either for every dtype (both
+    paths stay testable on an AVX512 box); a misspelt value is refused by name."""
+    vnni = cpu_quant.cpu_has_avx512_vnni()
+    low = (torch.bfloat16, torch.float16)
     cpu_quant.uses_vnni.cache_clear()
     try:
         monkeypatch.delenv(cpu_quant.QUANT_KERNEL_ENV, raising=False)
-        assert not cpu_quant.uses_vnni()
+        assert not cpu_quant.uses_vnni(torch.float32)
+        assert [cpu_quant.uses_vnni(d) for d in low] == [vnni, vnni]
+        layers = [QuantizedLinear(quantize_int8(torch.randn(32, 32)), scale_dtype=d)
+                  for d in (torch.float32, torch.bfloat16)]  # fmt: skip
+        assert [layer.vnni for layer in layers] == [False, vnni]  # the engine's dtype decides
+        cpu_quant.uses_vnni.cache_clear()
+        monkeypatch.setenv(cpu_quant.QUANT_KERNEL_ENV, "avx2")
+        assert not any(cpu_quant.uses_vnni(d) for d in (torch.float32, *low))
         cpu_quant.uses_vnni.cache_clear()
         monkeypatch.setenv(cpu_quant.QUANT_KERNEL_ENV, "vnni")
-        assert cpu_quant.uses_vnni() == cpu_quant.cpu_has_avx512_vnni()
+        assert [cpu_quant.uses_vnni(d) for d in (torch.float32, *low)] == [vnni] * 3
         cpu_quant.uses_vnni.cache_clear()
         monkeypatch.setenv(cpu_quant.QUANT_KERNEL_ENV, "avx512")
         with pytest.raises(ValueError, match="PDSERVE_CPU_QUANT='avx512'"):

@@ -146,6 +146,7 @@ def test_the_code_hash_covers_the_model_package(tmp_path: Path) -> None:
     names = {f.name for f in traced_files()}
     assert {"compiled_decode.py", "decode_packages.py", "llama.py", "attention.py"} <= names
     assert {"parallel.py", "quant.py", "ops.py", "cpu.py"} <= names  # and kernels/
+    assert "cpu_quant.cpp" in names  # the GEMV's C++, which a GGUF model's package calls
     files = [tmp_path / "a.py", tmp_path / "b.py"]
     for f in files:
         f.write_text("x = 1\n")
