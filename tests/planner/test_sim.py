@@ -10,6 +10,7 @@ import pytest
 
 from pdserve.bench.replay import TraceRequest
 from pdserve.planner.config import PlannerConfig
+from pdserve.planner.drawing import draw, load_per_bin
 from pdserve.planner.policy import Policy
 from pdserve.planner.sim import NodeModel, Sim
 from pdserve.planner.traces import mooncake, sinusoid
@@ -137,3 +138,16 @@ def test_a_mooncake_trace_is_read_by_the_replay_reader(tmp_path: Path) -> None:
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     got = mooncake(path, limit=2, time_scale=2.0)
     assert [(r.at, r.input_len, r.output_len) for r in got] == [(0.0, 600, 20), (2.0, 601, 20)]
+
+
+def test_a_run_is_drawn_with_its_load_per_minute_and_the_counts_it_decided(tmp_path: Path) -> None:
+    """`compare --plot`: the load binned per minute, and a PNG of a planner's run."""
+    requests = trace((0.0, 600, 2), (30.0, 600, 2), (61.0, 1200, 2))
+    starts, per_s, tokens = load_per_bin(requests)
+    assert starts == [0.0, 60.0]
+    assert per_s == pytest.approx([2 / 60, 1 / 60]) and tokens == pytest.approx([20.0, 20.0])
+    config = PlannerConfig(interval=10.0, window=10.0)
+    result = Sim(requests, NodeModel(), (1.0, 0.05), (1, 1), Policy(config)).run()
+    path = tmp_path / "run.png"
+    draw(requests, [("from 1P1D", result.decisions)], (1, 1), "a run", path)
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
