@@ -65,6 +65,7 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=16)
     p.add_argument("--prompt-len", type=int, default=512)
     p.add_argument("--compile-mode", default="eager", choices=("eager", "background", "blocking"))
+    p.add_argument("--max-num-seqs", type=int, default=None, help="the engine's (its buckets)")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     gc.collect()
@@ -76,6 +77,7 @@ def main() -> None:
         dtype=args.dtype,
         quantization=args.quantization,
         compile_mode=args.compile_mode,
+        **({} if args.max_num_seqs is None else {"max_num_seqs": args.max_num_seqs}),
         kv_cache_bytes=32 * 1024**2,
         skip_tokenizer_init=True,
     )
