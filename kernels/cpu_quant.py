@@ -12,8 +12,8 @@ across torch's threads. It has two paths, chosen per layer (`QuantizedLinear.vnn
   unsigned bytes by them with `vpdpbusd` (u8 x s8 -> s32) and scales each block's integer sum
   once; a 4/5-bit weight's minimum is folded in through the activation's block sums. It
   changes the numerics by that activation rounding (docs/quantization.md, "AVX512-VNNI GEMV").
-  The default for layers of a bf16 or fp16 engine, whose activations already round coarser;
-  a float32 engine keeps AVX2's exact float32 sums (`uses_vnni`).
+  The default for layers of a bf16 or fp16 engine (a perplexity cost inside issue 25's goals,
+  docs/quantization.md); a float32 engine keeps AVX2's exact float32 sums (`uses_vnni`).
 The C++ (kernels/cpu_quant.cpp) is built at first use with torch's cpp_extension, cached by
 the source's hash, torch's version and folder under torch's extensions folder (an flock held
 while building; a dead build's lock file is removed); without AVX2+FMA or a compiler,
@@ -248,8 +248,9 @@ def _kernel_mode() -> str:
 def uses_vnni(dtype: torch.dtype = torch.float32) -> bool:
     """Whether a layer of an engine in `dtype` takes the AVX512-VNNI path: where the CPU has it,
     by $PDSERVE_CPU_QUANT when it names a path, else for any dtype but float32. Its int8
-    activations cost SmolLM2 Q4_1 +1.3% perplexity, where bf16 activations already round each
-    row to 8 bits of mantissa; a float32 engine (the HF-oracle tests) keeps the exact sums."""
+    activations cost SmolLM2 Q4_1 +1.3% perplexity over the AVX2 path in bf16 (bf16's own
+    rounding +0.5% over float32), for a 0.83x eager step; a float32 engine (the HF-oracle
+    tests) keeps the exact sums."""
     mode = _kernel_mode()
     if mode in ("avx2", "off") or not cpu_has_avx512_vnni():
         return False
