@@ -156,9 +156,10 @@ def cost_model(llm: LLM) -> dict[str, Any]:
 
 def model_error(record: dict, base: dict, block_size: int) -> float | None:
     """The cost model's error on the requests a tier served: the mean, over them, of |the
-    TTFT it predicts minus the TTFT measured| over the TTFT measured, where the prediction is
-    `base`'s measured TTFT less the loaded tokens' recompute time plus their load time (by
-    the rates the model held at the end); None without such a request or rates."""
+    TTFT it predicts minus the TTFT measured| as a fraction of recomputing (`base`'s TTFT of
+    the request), where the prediction is `base`'s TTFT less the loaded tokens' recompute
+    time plus their load time, by the rates the model held at the end; None without such a
+    request or rates."""
     model = record["model"]
     rates = [r for r in model["load_bytes_s"].values() if r > 0]
     if not rates or model["prefill_tok_s"] <= 0:
@@ -169,7 +170,7 @@ def model_error(record: dict, base: dict, block_size: int) -> float | None:
         if loaded:
             predicted = (base["ttft_s"][i] - loaded / model["prefill_tok_s"]
                          + loaded * per_token_load)  # fmt: skip
-            errors.append(abs(predicted - record["ttft_s"][i]) / record["ttft_s"][i])
+            errors.append(abs(predicted - record["ttft_s"][i]) / base["ttft_s"][i])
     return statistics.mean(errors) if errors else None
 
 
