@@ -1,9 +1,9 @@
 """The router's OpenAI-compatible HTTP app, served over any `Backend`.
 
-Pure-ASGI middlewares count every request, check the API key and bound the body size before
-any handler runs. A request is then validated, tokenized (off the event loop), length-checked
-and split into choices (n per prompt), each one backend request; `Admission` refuses it with
-503 when the work in flight would pass `RouterLimits`. A generation runs the choices
+Pure-ASGI middlewares stamp and count every request, check the API key and bound the body
+size before any handler runs. A request is then validated, tokenized (off the event loop),
+length-checked and split into choices (n per prompt), each one backend request; `Admission`
+refuses it with 503 when the work in flight would pass `RouterLimits`. A generation runs the choices
 concurrently and turns their token events into text deltas (incremental detokenization, stop
 strings); a dialect (completions or chat) shapes the deltas into SSE chunks or one JSON
 response. Whatever ends a request early (client gone, error, cancellation) aborts its
@@ -29,7 +29,13 @@ from pdserve.router.backend import Backend
 from pdserve.router.config import RouterLimits
 from pdserve.router.errors import ERROR_TYPES, install_error_handlers
 from pdserve.router.handlers import Handlers
-from pdserve.router.middleware import OPEN_ROUTES, ApiKeyGuard, BodyLimit, RequestCounter
+from pdserve.router.middleware import (
+    OPEN_ROUTES,
+    ApiKeyGuard,
+    BodyLimit,
+    Entered,
+    RequestCounter,
+)
 from pdserve.router.openai_protocol import (
     ChatCompletionRequest,
     ChatCompletionResponse,
@@ -120,11 +126,12 @@ def create_app(
     # No /docs: it loads its page from a CDN. /openapi.json is served (behind the API key).
     app = FastAPI(title="pdserve router", lifespan=lifespan, docs_url=None, redoc_url=None)
     install_error_handlers(app)
-    # Added innermost first: requests are counted, then authorized, then size-bounded.
+    # Added innermost first: requests are stamped, counted, authorized, then size-bounded.
     app.add_middleware(BodyLimit, max_bytes=limits.max_request_bytes)
     if api_key is not None:
         app.add_middleware(ApiKeyGuard, api_key=api_key)
     app.add_middleware(RequestCounter, metrics=handlers.metrics)
+    app.add_middleware(Entered)  # outermost: the first line a request runs
     _add_routes(app, handlers)
     _serve_openapi(app, api_key is not None)
     app.state.admission = handlers.admission  # for tests and operators: work in flight

@@ -37,7 +37,7 @@ from pdserve.router.generation import (
     aclose,
 )
 from pdserve.router.metrics import RouterMetrics
-from pdserve.router.middleware import Admission
+from pdserve.router.middleware import Admission, Entered
 from pdserve.router.openai_protocol import (
     BaseGenerationRequest,
     ChatCompletionRequest,
@@ -310,12 +310,14 @@ class Handlers:
             dialect.id = f"{dialect.prefix}-{body.request_id}"
         choices = self._make_choices(rid, prompts, body, prompt_param, echoes, forced)
         traceparent = valid_traceparent(request.headers.get("traceparent"))
+        entered = Entered.at(request)
         for choice in choices:  # each choice's stages count from the request's arrival
-            choice.request.timing.arrival, choice.request.timing.traceparent = started, traceparent
+            timing = choice.request.timing
+            timing.entered, timing.arrival, timing.traceparent = entered, started, traceparent
         if not self._backend.ready():
             raise APIError(503, f"{self._backend.unready_reason()}; retry later")
         self.metrics.prompt_tokens.inc(sum(len(p) for p in prompts))
-        gen = Generation(self._backend, choices, request, self.metrics, started, self.admission)
+        gen = Generation(self._backend, choices, request, self.metrics, entered, self.admission)
         if body.stream:
             usage = (body.include_usage, body.continuous_usage, body.return_metrics)
             return await streaming_response(stream_events(gen, dialect, prompts, *usage))
@@ -424,9 +426,12 @@ async def stream_events(
                     continue
                 if continuous_usage:
                     chunk.usage = usage_info(prompts, gen.choices)
+                choice = gen.choices[delta.index]
                 if metrics and delta.finish_reason:
-                    chunk.metrics = _metrics([gen.choices[delta.index]])
+                    choice.request.timing.wrote()  # no chunk carries its own write's time
+                    chunk.metrics = _metrics([choice])
                 yield _sse(chunk, exclude)
+                choice.request.timing.wrote()  # resumed once the server's send returned
             if delta.finish_reason == "error":
                 yield _sse(failure_error(delta.error, delta.failure, first=False).body())
     if gen.disconnected:

@@ -1,11 +1,14 @@
 """What stands between a client and the nodes. Pure-ASGI middlewares, run before any handler:
-count every request by route and status, check the API key, bound the body size. Admission,
+stamp a request's arrival, count every request by route and status, check the API key, bound
+the body size. Admission,
 once a handler knows a request's size: how much generation work the router lets in at once."""
 
 from __future__ import annotations
 
 import secrets
+import time
 
+from starlette.requests import Request
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from pdserve.router.config import RouterLimits
@@ -24,6 +27,29 @@ ROUTES = (
     "/openapi.json",
 )
 OPEN_ROUTES = ("/health", "/live")  # every other path, unknown ones included, wants the API key
+
+
+class Entered:
+    """ASGI middleware, the outermost: the first line of the router's code that a request runs
+    stamps it (monotonic s, in its scope's state), where its TTFT starts (router_ingress,
+    router/cluster/timing.py). An ASGI app cannot stamp earlier: before it, uvicorn read and
+    parsed the request and started its task, all in uvicorn's own code (reached only by
+    subclassing its internal protocol classes)."""
+
+    KEY = "pdserve_entered"
+
+    def __init__(self, app: ASGIApp) -> None:
+        self._app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http":
+            scope.setdefault("state", {})[self.KEY] = time.monotonic()
+        await self._app(scope, receive, send)
+
+    @classmethod
+    def at(cls, request: Request) -> float:
+        """The request's stamp."""
+        return request.scope["state"][cls.KEY]
 
 
 async def _send_error(error: APIError, scope: Scope, receive: Receive, send: Send) -> None:

@@ -84,14 +84,14 @@ def logged(stream: Stream, outcome: str, block_size: int) -> LoggedRequest:
     `block_size` (the computing node's)."""
     timing, prompt = stream.request.timing, stream.request.prompt_token_ids
     return LoggedRequest(
-        arrival=epoch_of(timing.arrival),
+        arrival=epoch_of(timing.start),
         prompt_tokens=len(prompt),
         output_tokens=len(stream.generated),
         block_size=block_size,
         hash_ids=hash_ids(stream.hashes.of(block_size, len(prompt))),
         cached_tokens=timing.cached_tokens,
         ttft=timing.ttft or None,
-        e2e=time.monotonic() - timing.arrival,
+        e2e=time.monotonic() - timing.start,
         ttft_stages=timing.ttft_stages(),
         handoff_stages=timing.handoff_stages(),
         prefill_node=stream.prefill_node,

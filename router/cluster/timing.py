@@ -1,9 +1,20 @@
 """One backend request's time to its first token, taken apart into stages.
 
-Each stage is a duration on one process's monotonic clock: the router's own (its queue, the
-decode reservation's round trips), the computing node's (its queue, the prefill), the decode
-node's (the KV transfer, its admission, its first step); the nodes send theirs with the first
-token they compute (`Tokens.stages`). No two instants of different clocks are compared.
+Each stage is a duration on one process's monotonic clock: the router's own (the HTTP request's
+way in, its queue, the decode reservation's round trips, the first token's way out), the
+computing node's (its queue, the prefill), the decode node's (the KV transfer, its admission,
+its first step); the nodes send theirs with the first token they compute (`Tokens.stages`).
+No two instants of different clocks are compared.
+
+The router's TTFT runs from its first stamp of the HTTP request to the write of the chunk that
+carries the first token, so the stages add up to what a streaming client measures, less the
+bytes' way over the socket and the router process's wait for a CPU before it reads them.
+`router_ingress` is the first stamp (the outermost ASGI middleware's first line,
+router/middleware.py `Entered`) to the handler's first; it holds uvicorn's task start and
+the loop's other work before the handler runs. `router_egress` is the router's reading of the
+first token to the return of the server's `send` of its chunk (the chunk's making, the loop's
+other work, the stream task's start, the socket write). An answer that is not streamed is
+written whole at its end: its `router_egress` is 0, and its TTFT ends at the router's reading.
 
 `node_inbox` is the router's dispatch -> first token less the computing node's taken -> first
 token: two durations, each on one clock. It is the prompt's wait unread in the node's control
@@ -25,7 +36,15 @@ from dataclasses import dataclass, field
 from pdserve.common.wire.messages import Tokens
 from pdserve.common.wire.payloads import StageTimes
 
-TTFT_STAGES = ("router_queue", "decode_reservation", "node_inbox", "prefill_queue", "prefill")
+TTFT_STAGES = (
+    "router_ingress",
+    "router_queue",
+    "decode_reservation",
+    "node_inbox",
+    "prefill_queue",
+    "prefill",
+    "router_egress",
+)
 HANDOFF_STAGES = ("kv_transfer", "decode_admission", "first_decode_step")
 
 
@@ -36,11 +55,13 @@ class RequestTiming:
     Stamps after the first token (a failover's new attempt) leave the TTFT stages as they were:
     they are those of the attempt that produced it."""
 
-    arrival: float = field(default_factory=time.monotonic)
+    arrival: float = field(default_factory=time.monotonic)  # the HTTP handler's first stamp
+    entered: float = 0.0  # the router's first stamp of the HTTP request (0: taken as arrival)
     traceparent: str | None = None  # the client's W3C trace context, when it sent one
     reserving: float = 0.0  # seconds spent waiting for decode nodes' reservations
     dispatched: float = 0.0  # the computing node was sent the prompt
     first_token: float = 0.0  # the first token reached the router's request stream
+    written: float = 0.0  # its chunk was written to the client (0: not yet, or not streamed)
     computed: StageTimes | None = None  # from the node that computed the prompt
     received: StageTimes | None = None  # from the decode node its KV went to
     cached_tokens: int = 0  # prompt tokens a node had cached (its first message's count)
@@ -52,6 +73,11 @@ class RequestTiming:
     def dispatch(self) -> None:
         if not self.first_token:
             self.dispatched = time.monotonic()
+
+    def wrote(self) -> None:
+        """The chunk that carries the first token was written (later calls: nothing)."""
+        if self.first_token and not self.written:
+            self.written = time.monotonic()
 
     def note(self, msg: Tokens) -> None:
         """A node's message on its way to the client: its stages, the first token's time."""
@@ -66,18 +92,26 @@ class RequestTiming:
         self.cached_tokens = max(self.cached_tokens, msg.cached_tokens)
 
     @property
+    def start(self) -> float:
+        """Where the TTFT starts: the router's first stamp of the request."""
+        return self.entered or self.arrival
+
+    @property
     def ttft(self) -> float:
-        return self.first_token - self.arrival if self.first_token else 0.0
+        """The first stamp to the first token's write (or its reading, until written)."""
+        return (self.written or self.first_token) - self.start if self.first_token else 0.0
 
     def ttft_stages(self) -> dict[str, float] | None:
         """The stages before the first token (None until the computing node's are in)."""
         c = self.computed
         if c is None or not self.dispatched:
             return None
-        router = self.dispatched - self.arrival
+        ingress, router = self.arrival - self.start, self.dispatched - self.arrival
         away = (self.first_token or self.dispatched) - self.dispatched
         inbox = max(0.0, away - c.queue - c.prefill)  # see the module's docstring
-        values = (router - self.reserving, self.reserving, inbox, c.queue, c.prefill)
+        egress = self.written - self.first_token if self.written else 0.0
+        queue = router - self.reserving
+        values = (ingress, queue, self.reserving, inbox, c.queue, c.prefill, egress)
         return dict(zip(TTFT_STAGES, values, strict=True))
 
     def handoff_stages(self) -> dict[str, float] | None:

@@ -1,6 +1,7 @@
 """One request's spans at the router: the request span (vLLM's `llm_request`), which continues
-the client's traceparent or starts the trace, and under it the router's stages (its queue,
-each routing decision, each decode reservation, each failover). The nodes' spans hang under
+the client's traceparent or starts the trace, and under it the router's stages (the request's
+way in, its queue, each routing decision, each decode reservation, the first token's way out,
+each failover). The nodes' spans hang under
 the same request span (its traceparent goes in Prefill and ReserveKV): the decode node's are
 siblings of the prefill node's, never its children.
 
@@ -38,8 +39,9 @@ class RequestTrace:
             names.TEMPERATURE: sampling.temperature,
             names.TOP_P: sampling.top_p,
         }
-        self.span = tracer.start("llm_request", timing.traceparent, timing.arrival, attrs)
+        self.span = tracer.start("llm_request", timing.traceparent, timing.start, attrs)
         self.traceparent = tracer.traceparent(self.span)
+        self.child("router.ingress", timing.start, {}, timing.arrival)
 
     @property
     def on(self) -> bool:
@@ -58,9 +60,11 @@ class RequestTrace:
             return
         assert self.tracer is not None
         timing, now = self.request.timing, time.monotonic()
+        if timing.written:  # else not streamed, or its stream's write not done by now
+            self.child("router.egress", timing.first_token, {}, timing.written)
         attrs: dict[str, Any] = {
             names.COMPLETION_TOKENS: completion_tokens,
-            names.E2E: now - timing.arrival,
+            names.E2E: now - timing.start,
             "pdserve.outcome": outcome,
         }
         if timing.ttft:

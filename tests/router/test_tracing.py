@@ -14,27 +14,40 @@ from pdserve.common.wire.messages import Error, Failure, Prefill, ReserveKV, Tok
 from pdserve.common.wire.payloads import SamplingParams, StageTimes
 from pdserve.router.backend import GenerateRequest
 from pdserve.router.cluster.backend import ClusterBackend
-from pdserve.router.cluster.tracing import RequestTrace
 from pdserve.router.cluster.timing import RequestTiming
+from pdserve.router.cluster.tracing import RequestTrace
 from tests.router.test_failover import FakeNodes, run, until
 
 
 def test_the_ttft_stages_are_the_routers_time_and_the_computing_nodes() -> None:
-    t = RequestTiming(arrival=100.0)
+    t = RequestTiming(arrival=100.0, entered=99.9)  # the middleware's stamp, then the handler's
     assert t.ttft_stages() is None and t.handoff_stages() is None
+    t.wrote()  # no first token yet: nothing written of it
+    assert t.written == 0
     t.reserved(0.25)
     t.dispatched = 101.0  # one second at the router, a quarter of it reserving
     t.note(Tokens("r", (1,), stages=StageTimes(queue=0.5, prefill=2.0)))
     assert t.first_token > 0
     t.first_token = 104.5  # 3.5 s after the dispatch: 1 s of it unread or on the way
-    assert t.ttft_stages() == {
-        "router_queue": 0.75,
-        "decode_reservation": 0.25,
-        "node_inbox": 1.0,
-        "prefill_queue": 0.5,
-        "prefill": 2.0,
-    }
-    assert sum(t.ttft_stages().values()) == t.ttft  # nothing of the TTFT left out
+    assert t.ttft == pytest.approx(4.6), "until its write, the TTFT ends at the reading"
+    t.wrote()
+    assert t.written >= t.first_token
+    t.written = 104.55  # the chunk's write returned 50 ms after the reading
+    assert t.ttft_stages() == pytest.approx(
+        {
+            "router_ingress": 0.1,
+            "router_queue": 0.75,
+            "decode_reservation": 0.25,
+            "node_inbox": 1.0,
+            "prefill_queue": 0.5,
+            "prefill": 2.0,
+            "router_egress": 0.05,
+        }
+    )
+    assert t.ttft == pytest.approx(4.65), "the first stamp to the first token's write"
+    assert sum(t.ttft_stages().values()) == pytest.approx(t.ttft)  # nothing of the TTFT left out
+    t.wrote()
+    assert t.written == 104.55, "the first write only"
     t.note(Tokens("r", (2,), stages=StageTimes(kv_transfer=3.0, admission=0.1, first_step=0.2)))
     assert t.handoff_stages() == {
         "kv_transfer": 3.0,
