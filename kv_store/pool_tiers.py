@@ -32,7 +32,6 @@ from pdserve.kv_store.host import HostTier
 from pdserve.kv_store.key import KeySpace
 from pdserve.kv_store.tier import KVTier, TierStats
 
-
 # Evictions queued for the shared store at most (`kv_store.write_behind`): 64 MiB is about 180
 # SmolLM2 blocks of 16 tokens in bf16; past it an eviction is not stored.
 WRITE_BEHIND_BYTES = 64 << 20

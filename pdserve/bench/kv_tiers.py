@@ -147,11 +147,13 @@ def cost_model(llm: LLM) -> dict[str, Any]:
     """The load-or-recompute model's inputs at the end of the run: the engine's prefill rate,
     each tier's measured load rate and the blocks it chose to recompute, one block's bytes."""
     tiers = llm.engine.tiers
-    rates = tiers.cost.rates() if tiers is not None else ()
-    return {"prefill_tok_s": llm.engine.prefill_rate.tokens_per_s,
-            "block_bytes": tiers.block_bytes if tiers is not None else 0,
-            "load_bytes_s": {r.tier.split(":")[0]: r.bytes_per_s for r in rates},
-            "recompute_chosen": {r.tier.split(":")[0]: r.recompute_chosen for r in rates}}  # fmt: skip
+    rates = {r.tier.split(":")[0]: r for r in (tiers.cost.rates() if tiers is not None else ())}
+    return {
+        "prefill_tok_s": llm.engine.prefill_rate.tokens_per_s,
+        "block_bytes": tiers.block_bytes if tiers is not None else 0,
+        "load_bytes_s": {name: r.bytes_per_s for name, r in rates.items()},
+        "recompute_chosen": {name: r.recompute_chosen for name, r in rates.items()},
+    }
 
 
 def model_error(record: dict, base: dict, block_size: int) -> float | None:
