@@ -14,6 +14,7 @@ from pdserve.bench import spec
 from tests.bench.helpers import positive, quick_run
 
 QUICK_SYSTEMS = ("none", "ngram k3", "suffix k5 adaptive")
+PARITY = "1P1D accepted drafts per request = colocated (batch 1)"
 
 
 def test_repetitive_workload_cycles_its_three_kinds() -> None:
@@ -43,7 +44,7 @@ def test_systems_are_valid_speculative_configs() -> None:
     assert spec.speculative_config(spec.BASELINE) is None
     for system in spec.SYSTEMS:
         if system != spec.BASELINE:
-            config = spec.speculative_config(system)
+            config = spec.speculative_config(system, draft="/a/draft")
             assert config.method in system and config.adaptive == ("adaptive" in system)
 
 
@@ -68,7 +69,28 @@ def test_goals_take_the_best_drafter_and_each_adaptive_one() -> None:
     )
     assert len([g for g in goals if g.startswith("free chat")]) == 1
     assert goals["greedy tokens equal no speculation's"] == (1.0, "met")
-    assert goals["1P1D acceptance = colocated"] == (None, "not measured")
+    assert goals[PARITY] == (None, "not measured")
+
+
+def test_a_1p1d_row_counts_requests_whose_accepted_drafts_equal_colocated() -> None:
+    """result_row compares the running totals of accepted drafts after each request; the
+    goal sums the 1P1D rows, and the speed goals read colocated rows only."""
+    colocated = {"tokens_per_s": 10.0, "tokens": [[1], [2], [3]], "output_tokens": 3,
+                 "accepted_after": [2, 5, 5]}  # fmt: skip
+    pd_run = {**colocated, "tokens_per_s": 4.0, "accepted_after": [2.0, 4.0, 4.0]}
+    key = ("repetitive", 1, "ngram k3")
+    row = spec.result_row(key, [pd_run], [{**pd_run, "tokens_per_s": 2.0}], colocated, colocated)
+    assert row["mode"] == "1P1D" and row["ratio"] == 2.0 and row["sequences_equal"] == 3
+    assert (row["requests_same_acceptance"], row["requests_compared"]) == (1, 3)
+    rows = [_row("repetitive", 1, s, v) for s, v in (("none", 10.0), ("ngram k3", 15.0))]
+    report = {"systems": ["none", "ngram k3"], "batch_sizes": [1], "results": [*rows, row]}
+    goals = {g["goal"]: (g["ratio"], g["status"]) for g in spec.goals(report)}
+    assert goals[PARITY] == (pytest.approx(1 / 3), "missed")
+    best = "repetitive, batch 1: ngram or suffix >= 1.5x no speculation"
+    assert goals[best] == (1.5, "met")  # the colocated row's 15.0, not 1P1D's 4.0
+    row["accepted_after"] = colocated["accepted_after"]
+    same = spec.result_row(key, [{**pd_run, **row}], [pd_run], colocated, colocated)
+    assert same["requests_same_acceptance"] == 3
 
 
 def test_a_missing_baseline_is_not_measured() -> None:

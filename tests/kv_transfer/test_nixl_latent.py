@@ -12,8 +12,9 @@ import pytest
 import torch
 
 from pdserve.common.wire.payloads import FirstToken
-from pdserve.kv_transfer import create_receiver
+from pdserve.kv_transfer import KVLayout, create_receiver
 from pdserve.kv_transfer import nixl_wire as nx
+from pdserve.kv_transfer.base import KVSender, TransferResult
 from pdserve.testbed.kvfaults import FaultPlan, PlannedFaults
 from tests.kv_transfer.helpers import Pump, needs_nixl
 from tests.kv_transfer.test_latent_transfer import (
@@ -30,69 +31,58 @@ from tests.kv_transfer.test_latent_transfer import (
 )
 
 
-@needs_nixl
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_latent_pages_land_bit_exact_on_nixl(dtype: str) -> None:
-    layout = replace(LATENT, dtype=dtype)
+def transfer(
+    layout: KVLayout, dst_heads: range | None = None, src_heads: range | None = None, bad=False
+) -> tuple[TransferResult, list, list, list, KVSender]:
+    """One nixl transfer of SRC's pages into DST's (of those heads; `bad`: a damaged page):
+    its result, the sent caches, the receiver's before and after, and the closed sender."""
     sent, got = caches(layout, SRC_BLOCKS, 1), caches(layout, DST_BLOCKS, 2)
     before = [c.clone() for c in got]
     receiver = create_receiver("nixl", layout, got)
     pump = Pump(receiver)
     sender = connect(pump, "nixl", layout, receiver.endpoint)
     try:
-        receiver.expect("x", DST)
-        send(pump, sender, "x", sent)
+        if bad:
+            sender.faults = PlannedFaults(FaultPlan(targets=frozenset({"x"})))
+        receiver.expect("x", DST, dst_heads)
+        send(pump, sender, "x", sent, src_heads)
         (result,) = pump.wait_results("x")
-        assert result.ok and result.first == FirstToken(7), result.error
-        assert all(same_bits(g, as_sent(b, s)) for g, b, s in zip(got, before, sent))
-        assert not receiver.counters
-        pages = len(SRC) * layout.num_layers
-        assert receiver.pages_received == pages
-        assert sender.bytes_sent == pages * layout.page_bytes  # one latent per token, layer
+        assert bad or not receiver.counters
+        return result, sent, before, got, sender
     finally:
         sender.close()
         receiver.close()
+
+
+@needs_nixl
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_latent_pages_land_bit_exact_on_nixl(dtype: str) -> None:
+    layout = replace(LATENT, dtype=dtype)
+    result, sent, before, got, sender = transfer(layout)
+    assert result.ok and result.first == FirstToken(7), result.error
+    assert all(same_bits(g, as_sent(b, s)) for g, b, s in zip(got, before, sent))
+    pages = len(SRC) * layout.num_layers
+    assert sender.bytes_sent == pages * layout.page_bytes  # one latent per token, layer
 
 
 @needs_nixl
 def test_a_latent_slice_of_rows_lands_on_nixl() -> None:
     """A slice of heads (written row by row, the tensor-parallel path) of a one-plane cache of
     two heads: only those heads of the reserved blocks change."""
-    layout = replace(LATENT, num_kv_heads=2, head_dim=20)
-    sent, got = caches(layout, SRC_BLOCKS, 3), caches(layout, DST_BLOCKS, 4)
-    before = [c.clone() for c in got]
-    receiver = create_receiver("nixl", layout, got)
-    pump = Pump(receiver)
-    sender = connect(pump, "nixl", layout, receiver.endpoint)
-    try:
-        receiver.expect("x", DST, range(1, 2))
-        send(pump, sender, "x", sent, range(0, 1))
-        (result,) = pump.wait_results("x")
-        assert result.ok, result.error
-        for g, b, s in zip(got, before, sent):
-            expected = b.clone()
-            expected[:, DST, :, 1:2] = s[:, SRC, :, 0:1]
-            assert same_bits(g, expected)
-    finally:
-        sender.close()
-        receiver.close()
+    result, sent, before, got, _ = transfer(
+        replace(LATENT, num_kv_heads=2, head_dim=20), range(1, 2), range(0, 1)
+    )
+    assert result.ok, result.error
+    for g, b, s in zip(got, before, sent):
+        expected = b.clone()
+        expected[:, DST, :, 1:2] = s[:, SRC, :, 0:1]
+        assert same_bits(g, expected)
 
 
 @needs_nixl
 def test_a_damaged_latent_page_fails_its_checksum_on_nixl() -> None:
-    sent, got = caches(LATENT, SRC_BLOCKS, 1), caches(LATENT, DST_BLOCKS, 2)
-    receiver = create_receiver("nixl", LATENT, got)
-    pump = Pump(receiver)
-    sender = connect(pump, "nixl", LATENT, receiver.endpoint)
-    try:
-        sender.faults = PlannedFaults(FaultPlan(targets=frozenset({"bad"})))
-        receiver.expect("bad", DST)
-        send(pump, sender, "bad", sent)
-        (result,) = pump.wait_results("bad")
-        assert not result.ok and "checksum" in result.error
-    finally:
-        sender.close()
-        receiver.close()
+    result, *_ = transfer(LATENT, bad=True)
+    assert not result.ok and "checksum" in result.error
 
 
 def test_latent_page_sums_are_one_per_block() -> None:
