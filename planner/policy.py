@@ -7,7 +7,9 @@ was blind to the queue); a pool shrinks only to a size whose survivors take the 
 `util_low` (Dynamo's 2 <-> 1 oscillation came from N-1 survivors taking N/(N-1) of the load); an
 idle deployment needs no measured rate to shrink (Dynamo never scaled down without samples);
 missing, stale or NaN demand makes no decision; a node that never becomes ready is stopped after
-`start_timeout` and counted no more, and no decision waits for readiness.
+`start_timeout` and counted no more, and no decision waits for readiness; while prefill nodes
+are still starting, the queue and the TTFT they are on their way to relieve ask for no more
+(Dynamo over-scaled on cold-start samples, #12430): the pool grows then only for the arrivals.
 """
 
 from __future__ import annotations
@@ -55,6 +57,7 @@ class Need:
     grow: int
     keep: int
     why: str
+    flow: int | None = None  # grow for the arrivals alone (None: the same as grow)
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,6 +68,7 @@ class Pools:
     decode: int
     ready_decode: int
     stop: tuple[str, ...]
+    starting_prefill: int = 0
 
 
 def pools_of(nodes: tuple[NodeView, ...], now: float, start_timeout: float) -> Pools:
@@ -72,7 +76,8 @@ def pools_of(nodes: tuple[NodeView, ...], now: float, start_timeout: float) -> P
     live = [n for n in nodes if not n.draining and n.node_id not in late]
     count = lambda role: sum(n.role == role for n in live)
     ready_decode = sum(n.role == DECODE and n.ready for n in live)
-    return Pools(count(PREFILL), count(DECODE), ready_decode, late)
+    starting = sum(n.role == PREFILL and not n.ready for n in live)
+    return Pools(count(PREFILL), count(DECODE), ready_decode, late, starting)
 
 
 def _nodes_for(load: float, per_node: float, share: float) -> int:
@@ -102,6 +107,8 @@ class Policy:
         p, d = _target(pools.prefill, p_need), _target(pools.decode, d_need)
         p, d = self._guard_ttft(snap, current, p, d)
         d = self._guard_itl(snap, pools.decode, d)
+        if pools.starting_prefill and p > pools.prefill and p_need.flow is not None:
+            p = max(pools.prefill, p_need.flow)  # the queue and TTFT wait for those starting
         self._idle = self._idle + 1 if snap.idle() else 0
         p, d = self._paced(current, *self._stabilized(now, current, p, d))
         p, d = self._bounded(p, d)
@@ -145,9 +152,10 @@ class Policy:
             return "prefill rate not measured"
         budget = self.config.ttft_slo * self.config.queue_share
         queue = _nodes_for(snap.queued_prompt_tokens / budget, rate, 1.0)
+        flow = _nodes_for(arrivals, rate, self.config.util_high)
         grow, keep = (max(queue, _nodes_for(arrivals, rate, u)) for u in self._utils())
         why = f"{arrivals:,.0f} tok/s, queue {snap.queued_prompt_tokens:,.0f} tok, {rate:,.0f}/node"
-        return Need(grow, keep, why)
+        return Need(grow, keep, why, flow)
 
     def decode_need(self, snap: Snapshot, pools: Pools) -> Need | str:
         """Answer tokens per second over what one node sustains within the ITL SLO, and the

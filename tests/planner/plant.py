@@ -132,3 +132,12 @@ class StageBlind(Policy):
         self, snap: Snapshot, current: tuple[int, int], p: int, d: int
     ) -> tuple[int, int]:
         return super()._guard_ttft(replace(snap, ttft_shares=None), current, p, d)
+
+
+class ColdStartBlind(Policy):
+    """Grows prefill on the queue and the TTFT while the nodes it started are still cold: the
+    queue they are on their way to drain asks for more (Dynamo #12430's over-scaling)."""
+
+    def prefill_need(self, snap: Snapshot) -> Need | str:
+        need = super().prefill_need(snap)
+        return need if isinstance(need, str) else replace(need, flow=None)

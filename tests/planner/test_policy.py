@@ -17,6 +17,7 @@ from pdserve.planner.snapshot import NodeView, TtftShares
 from .plant import (
     CONFIG,
     PREFILL_RATE,
+    ColdStartBlind,
     Load,
     NaNBlind,
     NeedsSamples,
@@ -67,6 +68,20 @@ def test_the_ttft_stage_waited_on_picks_the_pool_that_grows() -> None:
     assert growth_on_a_late_ttft(Policy, computing, queued=2000.0) == (0, 0)
     assert growth_on_a_late_ttft(StageBlind, prefill_wait, queued=0.0) == (0, 0)
     assert growth_on_a_late_ttft(StageBlind, decode_wait, queued=2000.0) == (1, 0)
+
+
+def prefill_while_nodes_start(cls: type[Policy]) -> int:
+    """1 ready and 3 starting prefill nodes (a cold start: 60 s each), arrivals 3 nodes
+    compute, a queue of 100k prompt tokens and TTFT over its SLO: the prefill count asked."""
+    view = nodes(1, 2) + tuple(NodeView(f"s{i}", "prefill", False, 0.0) for i in range(3))
+    load = Load(arrival=2.0 * PREFILL_RATE / 1000.0, prompt=1000.0, queued=100_000.0)
+    snap = snapshot(load, view, 10.0, ttft_p90=4 * CONFIG.ttft_slo)
+    return cls(CONFIG).decide(snap, 10.0).prefill  # type: ignore[return-value]
+
+
+def test_nodes_still_starting_are_not_added_to_for_the_queue_they_will_drain() -> None:
+    assert prefill_while_nodes_start(Policy) == 4
+    assert prefill_while_nodes_start(ColdStartBlind) > 4
 
 
 def changes_at_the_boundary(cls: type[Policy]) -> int:
