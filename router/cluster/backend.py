@@ -51,7 +51,7 @@ from pdserve.router.cluster.streams import (
     get_within,
     left_behind,
 )
-from pdserve.router.cluster.tracing import RequestTrace
+from pdserve.router.cluster.timing import RequestTrace
 from pdserve.router.request_log import RequestLog, logged
 
 if TYPE_CHECKING:  # router.config reads the policies' names from this package: no cycle

@@ -13,7 +13,7 @@ from pdserve.common.engine.kv_cache_manager import BlockHash, extend_block_hashe
 from pdserve.common.wire.messages import Error, Failure, Tokens
 from pdserve.router.backend import GenerateRequest
 from pdserve.router.cluster.registry import NodeRegistry
-from pdserve.router.cluster.tracing import RequestTrace
+from pdserve.router.cluster.timing import RequestTrace
 
 
 class BlockHashes:

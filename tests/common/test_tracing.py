@@ -42,7 +42,7 @@ import pdserve.common.engine.tensor_parallel_worker
 from pdserve.common.node.stages import StageClock
 from pdserve.common.tracing import TracingConfig, tracer_of
 from pdserve.router.backend import GenerateRequest
-from pdserve.router.cluster.tracing import RequestTrace
+from pdserve.router.cluster.timing import RequestTrace
 from pdserve.common.wire.payloads import SamplingParams
 tracer = tracer_of("router", TracingConfig())
 trace = RequestTrace(tracer, GenerateRequest("r", (1,), SamplingParams()), "m")

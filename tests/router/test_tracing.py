@@ -14,8 +14,7 @@ from pdserve.common.wire.messages import Error, Failure, Prefill, ReserveKV, Tok
 from pdserve.common.wire.payloads import SamplingParams, StageTimes
 from pdserve.router.backend import GenerateRequest
 from pdserve.router.cluster.backend import ClusterBackend
-from pdserve.router.cluster.timing import RequestTiming
-from pdserve.router.cluster.tracing import RequestTrace
+from pdserve.router.cluster.timing import RequestTiming, RequestTrace
 from tests.router.test_failover import FakeNodes, run, until
 
 
