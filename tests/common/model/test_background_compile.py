@@ -174,20 +174,6 @@ def test_the_compile_mode_flag_reaches_the_config_and_serve_passes_it_on() -> No
         parser.parse_args(["--compile-mode", "lazy"])
 
 
-def test_weights_on_the_avx2_gemv_stay_eager_and_start_no_child(tiny_model_dir) -> None:
-    """The GEMV of kernels/cpu_quant.py is no torch op (export cannot trace it): a child
-    would load the model only to fail, so such a model serves eager and starts none."""
-    from pdserve.kernels import cpu_quant
-
-    if not cpu_quant.available():
-        pytest.skip("the AVX2 GEMV does not run on this CPU")
-    model = str(tiny_model_dir("llama"))
-    with LLM(model, compile_mode="background", quantization="int8", dtype="float32",
-             skip_tokenizer_init=True) as llm:  # fmt: skip
-        assert any(getattr(m, "gemv", False) for m in llm.engine.runner.model.modules())
-        assert llm.engine.runner.compiled is None
-
-
 def test_the_compile_child_runs_at_nice_19_whatever_its_parent_runs_at() -> None:
     """A node started at nice -10 (a benchmark's) must not hand its compile child nice 9."""
     import subprocess
