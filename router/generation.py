@@ -18,7 +18,7 @@ from pdserve.common.wire.messages import Error, Failure, Tokens
 from pdserve.common.wire.payloads import TokenLogprobs
 from pdserve.router.backend import Backend, GenerateRequest
 from pdserve.router.cluster.streams import get_within
-from pdserve.router.metrics import RouterMetrics, TokenClock
+from pdserve.router.cluster.timing import RouterMetrics, TokenClock
 from pdserve.router.middleware import Admission, Ticket
 
 if TYPE_CHECKING:

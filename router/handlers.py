@@ -19,6 +19,7 @@ from starlette.types import Receive, Scope, Send
 from pdserve.common.tracing import valid_traceparent
 from pdserve.common.wire.payloads import StructuredOutputsParams
 from pdserve.router.backend import Backend, GenerateRequest
+from pdserve.router.cluster.timing import RouterMetrics
 from pdserve.router.config import RouterLimits
 from pdserve.router.dialects import (
     ChatDialect,
@@ -36,7 +37,6 @@ from pdserve.router.generation import (
     StopStringMatcher,
     aclose,
 )
-from pdserve.router.metrics import RouterMetrics
 from pdserve.router.middleware import Admission, Entered
 from pdserve.router.openai_protocol import (
     BaseGenerationRequest,

@@ -11,9 +11,9 @@ import time
 from starlette.requests import Request
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from pdserve.router.cluster.timing import RouterMetrics
 from pdserve.router.config import RouterLimits
 from pdserve.router.errors import RETRY_AFTER_S, APIError
-from pdserve.router.metrics import RouterMetrics
 
 ROUTES = (
     "/v1/completions",

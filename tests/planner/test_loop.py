@@ -27,8 +27,7 @@ from pdserve.planner.source import (
     p90_of,
     reading_of,
 )
-from pdserve.router.cluster.timing import TTFT_STAGES
-from pdserve.router.metrics import RouterMetrics
+from pdserve.router.cluster.timing import TTFT_STAGES, RouterMetrics
 from pdserve.supervisor import Supervisor
 from tests.pdserve.test_supervisor import _FakeCluster, _Proc
 

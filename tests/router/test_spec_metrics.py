@@ -7,7 +7,7 @@ from __future__ import annotations
 from pdserve.common.wire.messages import Heartbeat, decode, encode
 from pdserve.common.wire.payloads import SpecDecodeCounts
 from pdserve.router.cluster.registry import NodeRegistry
-from pdserve.router.metrics import RouterMetrics
+from pdserve.router.cluster.timing import RouterMetrics
 from tests.router.test_registry import FakeClock, register
 
 TIMEOUT = 1.0
