@@ -16,10 +16,9 @@ from pydantic import BaseModel, ValidationError
 from starlette.requests import ClientDisconnect
 from starlette.types import Receive, Scope, Send
 
-from pdserve.common.tracing import valid_traceparent
 from pdserve.common.wire.payloads import StructuredOutputsParams
 from pdserve.router.backend import Backend, GenerateRequest
-from pdserve.router.cluster.timing import RouterMetrics
+from pdserve.router.cluster.timing import RouterMetrics, valid_traceparent
 from pdserve.router.config import RouterLimits
 from pdserve.router.dialects import (
     ChatDialect,

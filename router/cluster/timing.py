@@ -154,6 +154,24 @@ class RequestTiming:
         }
 
 
+def valid_traceparent(header: str | None) -> str | None:
+    """An incoming W3C traceparent header as given when well formed, else None (a bad header
+    starts a new trace rather than failing the request)."""
+    if header is None:
+        return None
+    parts = header.strip().split("-")
+    sizes = (2, 32, 16, 2)
+    if len(parts) != 4 or any(len(p) != n for p, n in zip(parts, sizes)):
+        return None
+    try:
+        int("".join(parts), 16)
+    except ValueError:
+        return None
+    if parts[0] == "ff" or set(parts[1]) == {"0"} or set(parts[2]) == {"0"}:
+        return None
+    return header.strip().lower()
+
+
 class Traced(Protocol):
     """What a trace reads of a backend request (router/backend.py `GenerateRequest`, which
     holds a RequestTiming: named here by its fields, so this module imports nothing above it)."""

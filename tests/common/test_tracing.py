@@ -8,7 +8,8 @@ import sys
 
 import pytest
 
-from pdserve.common.tracing import Tracer, TracingConfig, tracer_of, valid_traceparent
+from pdserve.common.tracing import Tracer, TracingConfig, tracer_of
+from pdserve.router.cluster.timing import valid_traceparent
 
 PARENT = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
 NOWHERE = "http://127.0.0.1:9/v1/traces"  # nothing is exported in these tests
