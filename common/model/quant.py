@@ -238,7 +238,10 @@ class QuantizedLinear(nn.Module):
         return out if x.dim() == 2 else out.view(*x.shape[:-1], self.out_features)
 
     def _takes_gemv(self, x: torch.Tensor) -> bool:
-        return self.gemv and (self.mins is not None or x.dtype == torch.float32)
+        # A bf16 engine's int8 layers too, below their dense rows (the tied head above all):
+        # the same sums as `_weight_int8pack_mm`'s in 0.37-0.5x of its time at 1-8 rows of
+        # SmolLM2's 49152 x 576 head on AVX512 (docs/quantization.md).
+        return self.gemv and (self.mins is not None or self.bits == 8 or x.dtype == torch.float32)
 
     def _takes_dense(self, x: torch.Tensor) -> bool:
         """Whether `x`'s rows go dequantize-then-matmul: past the AVX2 kernel's rows where it
@@ -246,7 +249,7 @@ class QuantizedLinear(nn.Module):
         dense = self.dense_rows
         if dense is None:
             return False
-        if self._takes_gemv(x):
+        if self._takes_gemv(x) and (self.mins is not None or x.dtype == torch.float32):
             return x.shape[0] > (GEMV_ROWS if self.mins is not None else cpu_quant.MAX_ROWS)
         if x.dtype == torch.float32:
             dense = min(dense, DENSE_ROWS_FLOAT32[self.bits])

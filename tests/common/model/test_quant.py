@@ -323,6 +323,27 @@ def test_the_batch_size_rule_picks_the_path(mode: str, monkeypatch: pytest.Monke
     assert QuantizedLinear(quantize_int8(w), dense_rows=7).dense_rows == 7
 
 
+def test_a_bf16_int8_layer_takes_the_kernel_below_its_dense_rows(
+    monkeypatch: pytest.MonkeyPatch, exact_gemv: None
+) -> None:
+    """A bf16 engine's int8 layers (SmolLM2's tied head) run the GEMV below their dense rows,
+    where torch's `_weight_int8pack_mm` ran before at twice the time; the sums are the
+    weight's, in float32."""
+    layer = QuantizedLinear(quantize_int8(torch.from_numpy(_weights(64, 256))))
+    if not layer.gemv:
+        pytest.skip("no cpu_quant kernel on this machine")
+    calls: list[int] = []
+    real = layer._gemv
+    monkeypatch.setattr(layer, "_gemv", lambda x: calls.append(len(x)) or real(x))
+    weight = layer.qweight.float() * layer.scales.float()[:, None]
+    for rows in (1, 3):
+        x = torch.randn(rows, 256).bfloat16()
+        torch.testing.assert_close(layer(x), (x.float() @ weight.T).bfloat16())
+    assert calls == [1, 3]
+    layer(torch.randn(layer.dense_rows, 256).bfloat16())  # dense from there on, as before
+    assert calls == [1, 3]
+
+
 def test_rows_past_one_kernel_call_are_sliced_and_equal_the_dense_path(exact_gemv: None) -> None:
     w = torch.from_numpy(_weights(64, 256))
     layer = QuantizedLinear(quantize_int4(w))
