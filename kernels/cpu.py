@@ -105,16 +105,13 @@ def check_pages_out(out: torch.Tensor, layer_cache: torch.Tensor, block_ids: tor
 
 @dataclass(frozen=True, slots=True)
 class Chunk:
-    """One flash call: the group's first `rows` rows over `blocks` blocks of keys each, of
-    which the first `keys` are attended (the blocks' span cut where the longest row ends: a
-    lone decode row needs no mask for its last block's empty slots).
+    """One flash call: the group's first `rows` rows over `blocks` blocks of keys each.
 
     index:  [rows * blocks] physical blocks, row-major (padding entries point at block 0)
     first:  position of the chunk's first key (the same for every row)
-    seen:   [rows, q_len, keys] True where a query sees a key; None when every query sees
-            every key of the chunk
-    unseen: rows of the gathered [rows * blocks * block_size] within the first `keys` of
-            their row that no query sees (they may hold NaN): zeroed
+    seen:   [rows, q_len, blocks * block_size] True where a query sees a key; None when
+            every query sees every key of the chunk
+    unseen: rows of the gathered [rows * keys] no query sees (they may hold NaN): zeroed
     empty:  [rows, q_len] True for a query that sees no key here, or None
     """
 
@@ -122,7 +119,6 @@ class Chunk:
     rows: int
     blocks: int
     first: int
-    keys: int
     seen: torch.Tensor | None
     unseen: torch.Tensor | None
     empty: torch.Tensor | None
@@ -187,31 +183,28 @@ def _chunk(
     window: int | None,
 ) -> Chunk:
     """The chunk of block columns `blocks` for the sequences `rows` (each owning some)."""
-    span = len(blocks) * block_size
+    keys = len(blocks) * block_size
     first = blocks.start * block_size
-    keys = min(span, max(lens[b] for b in rows) - first)
     lens_t = torch.tensor([lens[b] for b in rows])
     table = block_tables[torch.tensor(rows), blocks.start : blocks.stop].long()
     owned = torch.arange(blocks.start, blocks.stop)[None, :] * block_size < lens_t[:, None]
     index = torch.where(owned, table, 0).flatten()
     if all(_sees_all(first, first + keys, lens[b], q_len, window) for b in rows):
-        return Chunk(index, len(rows), len(blocks), first, keys, None, None, None)
+        return Chunk(index, len(rows), len(blocks), first, None, None, None)
     k_pos = first + torch.arange(keys)[None, None, :]
     q_pos = (lens_t[:, None] - q_len + torch.arange(q_len)[None, :])[:, :, None]
     seen = k_pos <= q_pos
     if window is not None:
         seen &= k_pos > q_pos - window
     if bool(seen.all()):
-        return Chunk(index, len(rows), len(blocks), first, keys, None, None, None)
-    unseen_rk = (~seen.any(dim=1)).nonzero()  # (row, key) pairs, as positions in the buffer
-    unseen = unseen_rk[:, 0] * span + unseen_rk[:, 1]
+        return Chunk(index, len(rows), len(blocks), first, None, None, None)
+    unseen = (~seen.any(dim=1)).flatten().nonzero().flatten()
     empty = ~seen.any(dim=2)
     return Chunk(
         index,
         len(rows),
         len(blocks),
         first,
-        keys,
         seen,
         unseen if unseen.numel() else None,
         empty if bool(empty.any()) else None,
@@ -333,7 +326,7 @@ def _gather(cache: torch.Tensor, chunk: Chunk, plan: StepPlan, name: str) -> tor
     torch.index_select(cache, 0, chunk.index, out=buf)
     if chunk.unseen is not None:
         buf.view(-1, kv_heads, dim).index_fill_(0, chunk.unseen, 0.0)
-    return buf.view(chunk.rows, -1, kv_heads, dim)[:, : chunk.keys].transpose(1, 2)
+    return buf.view(chunk.rows, -1, kv_heads, dim).transpose(1, 2)
 
 
 def _empty_fix(plan: StepPlan, chunk: Chunk, heads_per_kv: int) -> torch.Tensor:

