@@ -13,9 +13,6 @@ returns the log-sum-exp) attends over it, and the chunks' partial outputs are me
 log-sum-exps (an online softmax). Grouped-query heads fold into the query length: the G query
 heads that share a KV head are G query rows over the same keys, so K/V are never repeated.
 
-A prefill chunk's queries go in tiles (`query_tiles`), each reading keys only up to its own last
-query, so the part of the causal triangle a tile never sees is not computed at all.
-
 What a step's metadata implies (groups, gather indices, masks, buffers) is a `StepPlan`, made
 by the first layer and cached on the metadata's `seq_lens` tensor, which every layer of the
 step gets (the compiled decode passes the same tensor objects into its opaque op).
@@ -33,10 +30,6 @@ import torch
 # more than the buffer's cache residence wins.
 CHUNK_BYTES = 4 << 20
 MIN_CHUNK_KEYS = 1024
-# A prefill chunk's queries attend in tiles of this many, each over the keys up to its own
-# last query (`query_tiles`): SmolLM2's 1K prompt (two 512-token chunks) took 15-20% less CPU
-# in attention at 128 or 256 than in one tile (bf16, one thread; 64 lost to per-call costs).
-QUERY_TILE = 256
 _NEG = -1e30  # the log-sum-exp of a query that sees no key in a chunk: merges to weight 0
 _flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 
@@ -251,27 +244,8 @@ def make_plan(
     args = (starts, lens)
     rest = (block_tables, block_size, window, token_bytes)
     groups = [_group(g, *args, 1, *rest) for g in decode_groups(q_lens, lens)]
-    for b, q_len in enumerate(q_lens):
-        if q_len > 1:
-            groups += [_group([b], *tile, *rest) for tile in query_tiles(b, q_len, starts, lens)]
+    groups += [_group([b], *args, q, *rest) for b, q in enumerate(q_lens) if q > 1]
     return tuple(groups)
-
-
-def query_tiles(
-    b: int, q_len: int, starts: list[int], lens: list[int]
-) -> list[tuple[list[int], list[int], int]]:
-    """Sequence `b`'s queries in tiles of QUERY_TILE, each as (starts, lens, q_len) of a
-    sequence that ends at the tile's last query: a tile reads no key past it. The CPU flash
-    kernel masks but never skips within its 512-key blocks, so one call over the whole chunk
-    computes the causal triangle above the diagonal too."""
-    tiles = []
-    for first in range(0, q_len, QUERY_TILE):
-        n = min(QUERY_TILE, q_len - first)
-        tile_starts, tile_lens = list(starts), list(lens)
-        tile_starts[b] += first
-        tile_lens[b] += first + n - q_len
-        tiles.append((tile_starts, tile_lens, n))
-    return tiles
 
 
 def _versions(tensors: tuple[torch.Tensor, ...]) -> tuple[int, ...]:

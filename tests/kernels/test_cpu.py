@@ -42,14 +42,6 @@ def chunk_bytes(request, monkeypatch) -> int:
     return request.param
 
 
-@pytest.fixture(params=[7, 256], ids=["odd-tiles", "default-tiles"])
-def query_tile(request, monkeypatch) -> int:
-    """7: prefill chunks attend in tiles that end mid-block, over a cached prefix; else the
-    default, where this module's chunks are one tile each."""
-    monkeypatch.setattr(cpu, "QUERY_TILE", request.param)
-    return request.param
-
-
 def run_new(batch, scale: float, window: int | None) -> torch.Tensor:
     return run_attention(paged_attention_cpu, batch, scale, window)
 
@@ -57,7 +49,7 @@ def run_new(batch, scale: float, window: int | None) -> torch.Tensor:
 @pytest.mark.parametrize("spec", SPECS, ids=["mixed", "decode", "ragged"])
 @pytest.mark.parametrize("group", [1, 4])
 @pytest.mark.parametrize("window", [None, 1, 7, 40])
-def test_matches_reference_and_dense_in_float32(spec, group, window, chunk_bytes, query_tile):
+def test_matches_reference_and_dense_in_float32(spec, group, window, chunk_bytes):
     batch = make_paged_batch(spec, 2 * group, 2, 64, block_size=16)
     out = run_new(batch, 0.125, window)
     torch.testing.assert_close(out, run_ref(batch, 0.125, window), atol=1e-5, rtol=1e-5)
@@ -75,20 +67,8 @@ def test_small_chunks_really_split_and_merge(chunk_bytes):
     assert prefill.n == 1 and prefill.tokens.tolist() == list(range(5, 45))
 
 
-def test_prefill_tiles_read_no_key_past_their_last_query(monkeypatch):
-    monkeypatch.setattr(cpu, "QUERY_TILE", 16)
-    batch = make_paged_batch([(300, 40)], 8, 2, 64, block_size=16)
-    plan = step_plan(batch.block_tables, batch.query_start_loc, batch.seq_lens, 16, None, 512)
-    assert [g.q_len for g in plan.groups] == [16, 16, 8]
-    assert torch.cat([g.tokens for g in plan.groups]).tolist() == list(range(40))
-    for i, group in enumerate(plan.groups):
-        last_query = 300 + 16 * i + group.q_len - 1
-        keys_end = max(c.first + c.blocks * 16 for c in group.chunks)
-        assert keys_end == 16 * (last_query // 16 + 1)  # the block that holds the last query
-
-
 @pytest.mark.parametrize("window", [None, 7])
-def test_bf16_within_tolerance_of_the_float32_reference(window, chunk_bytes, query_tile):
+def test_bf16_within_tolerance_of_the_float32_reference(window, chunk_bytes):
     batch = make_paged_batch(RAGGED_BATCH, 8, 2, 64, block_size=16, dtype=torch.bfloat16)
     out = run_new(batch, 0.125, window)
     assert out.dtype == torch.bfloat16
