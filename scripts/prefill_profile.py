@@ -4,7 +4,6 @@ budget, 512), its parts timed as `decode_profile.py` times a decode step's, by w
 this thread's CPU time, per prompt.
 
     PYTHONPATH=. python scripts/prefill_profile.py MODEL [--prompt-tokens 1024] [--threads 1]
-        [--query-tile N]   # kernels/cpu.py's prefill query tile (a huge one: no tiling)
 """
 
 from __future__ import annotations
@@ -18,7 +17,6 @@ from pathlib import Path
 import torch
 
 from pdserve import LLM, SamplingParams
-from pdserve.kernels import cpu
 
 sys.path.insert(0, str(Path(__file__).parent))
 from decode_profile import Clock, instrument  # noqa: E402 (a script beside this one)
@@ -42,11 +40,8 @@ def main() -> None:
     p.add_argument("--prompt-tokens", type=int, default=1024)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--repeats", type=int, default=3, help="prompts timed; the median shown")
-    p.add_argument("--query-tile", type=int, help="kernels/cpu.py's QUERY_TILE for this run")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
-    if args.query_tile:
-        cpu.QUERY_TILE = args.query_tile
     llm = LLM(
         args.model,
         dtype=args.dtype,
@@ -60,7 +55,7 @@ def main() -> None:
     runs = sorted(prefill_ms(llm, args.prompt_tokens, i + 1) for i in range(args.repeats))
     parts = {k: round(1000 * v / args.repeats, 1) for k, v in sorted(clock.cpu.items())}
     wall, cpu_ms = runs[len(runs) // 2]
-    head = {"prompt_tokens": args.prompt_tokens, "query_tile": cpu.QUERY_TILE}
+    head = {"prompt_tokens": args.prompt_tokens}
     result = {**head, "wall_ms": round(wall, 1), "cpu_ms": round(cpu_ms, 1), "cpu_parts_ms": parts}
     print(json.dumps(result, indent=1))
 
