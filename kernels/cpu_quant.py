@@ -279,13 +279,18 @@ def available() -> bool:
     return True
 
 
-def extension_name(version: str | None = None, torch_dir: str | None = None) -> str:
+def extension_name(
+    version: str | None = None,
+    torch_dir: str | None = None,
+    source: str = _SOURCE,
+    stem: str = "cpu_quant",
+) -> str:
     """The build's name: the source's hash with torch's version and install folder, so that two
     venvs with different torch never share (and load the other's) build folder."""
     version = torch.__version__ if version is None else version
     torch_dir = os.path.dirname(torch.__file__) if torch_dir is None else torch_dir
-    key = f"{_SOURCE}\0{version}\0{torch_dir}"
-    return f"pdserve_cpu_quant_{hashlib.sha256(key.encode()).hexdigest()[:16]}"
+    key = f"{source}\0{version}\0{torch_dir}"
+    return f"pdserve_{stem}_{hashlib.sha256(key.encode()).hexdigest()[:16]}"
 
 
 @contextlib.contextmanager
@@ -319,18 +324,27 @@ def build_lock(build_dir: str, wait_s: float) -> Iterator[None]:
 
 @cache
 def _module():  # noqa: ANN202 (a compiled extension module)
+    return load_extension(
+        "cpu_quant", _SOURCE, ["int8_mm", "int4_mm", "int5_mm"], ["-mavx2", "-mfma"]
+    )
+
+
+def load_extension(stem: str, source: str, functions: list[str], cflags: list[str]):  # noqa: ANN201
+    """Build (or load the cached build of) a C++ source with torch's cpp_extension, at -O3 with
+    OpenMP (torch's threads) and `cflags`, under `build_lock`; named by `extension_name`.
+    Shared by the CPU kernels (cpu_quant, cpu_attention)."""
     from torch.utils import cpp_extension
 
-    name = extension_name()
+    name = extension_name(source=source, stem=stem)
     # torch's own folder for `name` (private, but the layout every torch extension uses)
     build_dir = cpp_extension._get_build_directory(name, verbose=False)
-    log.info("cpu quant kernel: loading %s (built once, then cached)", name)
+    log.info("%s kernel: loading %s (built once, then cached)", stem, name)
     with build_lock(build_dir, float(os.environ.get(BUILD_WAIT_ENV, "900"))):
         return cpp_extension.load_inline(
             name=name,
-            cpp_sources=[_SOURCE],
-            functions=["int8_mm", "int4_mm", "int5_mm"],
-            extra_cflags=["-O3", "-mavx2", "-mfma", "-fopenmp"],
+            cpp_sources=[source],
+            functions=functions,
+            extra_cflags=["-O3", *cflags, "-fopenmp"],
             extra_ldflags=["-fopenmp"],
             build_directory=build_dir,
             verbose=False,
