@@ -22,7 +22,6 @@ until the next start tries again.
 from __future__ import annotations
 
 import argparse
-import collections
 import contextlib
 import ctypes
 import json
@@ -36,6 +35,7 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
+from typing import Protocol
 
 from pdserve.common.engine.config import ModelConfig
 from pdserve.common.engine.decode_packages import DecodePackage, package_file, tmp_package_path
@@ -67,41 +67,37 @@ class CompileJob:
         return cls(**{**fields, "model": ModelConfig(**fields["model"])})
 
 
+class Handover(Protocol):
+    """Who takes the packages (compiled_decode.py `ReadyBuckets`, which the engine's step reads:
+    named here by its methods, so this module imports nothing of the step's)."""
+
+    def most_used(self, sizes: list[int]) -> int: ...
+    def put(self, size: int, package: DecodePackage) -> None: ...
+
+
 class BackgroundCompile:
     """Compiles `missing` buckets one child process at a time, on a thread of its own; each
-    package, once loaded by `load`, waits in `take_ready` for the engine to adopt it.
+    package, once loaded by `load`, is put into `ready` for the engine to adopt. The next child
+    compiles the bucket still missing that `ready` says the engine used most.
 
-    `note(size)` counts the engine's decode steps per bucket: the next child compiles the most
-    used bucket still missing. `close()` stops the child and the thread (a node's shutdown)."""
+    `close()` stops the child and the thread (a node's shutdown)."""
 
     def __init__(
         self,
         job: CompileJob,
         missing: tuple[int, ...],
         load: Callable[[int], DecodePackage],
+        ready: Handover,
         timeout_s: float = 3600.0,
     ) -> None:
-        self.job, self.load, self.timeout_s = job, load, timeout_s
+        self.job, self.load, self.ready, self.timeout_s = job, load, ready, timeout_s
         self.compiled: list[int] = []  # buckets compiled and loaded, in order
         self.failed: list[int] = []  # buckets left eager
         self.child: subprocess.Popen | None = None  # the latest child started
-        self._missing = sorted(missing)
-        self._uses: collections.Counter[int] = collections.Counter()
-        self._ready: dict[int, DecodePackage] = {}
-        self._lock = threading.Lock()
+        self._missing = sorted(missing)  # the thread's alone
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="decode-compile", daemon=True)
         self._thread.start()
-
-    def note(self, size: int) -> None:
-        with self._lock:
-            self._uses[size] += 1
-
-    def take_ready(self) -> dict[int, DecodePackage]:
-        """The packages loaded since the last call (the caller owns them now)."""
-        with self._lock:
-            ready, self._ready = self._ready, {}
-        return ready
 
     @property
     def running(self) -> bool:
@@ -121,12 +117,11 @@ class BackgroundCompile:
         return [sys.executable, "-m", __name__, job.to_json()]
 
     def _next(self) -> int | None:
-        with self._lock:
-            if not self._missing:
-                return None
-            size = max(self._missing, key=lambda s: (self._uses[s], -s))
-            self._missing.remove(size)
-            return size
+        if not self._missing:
+            return None
+        size = self.ready.most_used(self._missing)
+        self._missing.remove(size)
+        return size
 
     def _run(self) -> None:
         while not self._stop.is_set() and (size := self._next()) is not None:
@@ -137,12 +132,10 @@ class BackgroundCompile:
                 log.exception("decode bucket %d stays eager: its background compile failed", size)
                 package = None
             if package is None:  # what failed one bucket (a model export cannot trace, say)
-                with self._lock:  # fails the rest alike: they stay eager until the next start
-                    self.failed += [size, *self._missing]
-                    self._missing.clear()
+                self.failed += [size, *self._missing]  # fails the rest alike: they stay eager
+                self._missing.clear()  # until the next start
                 return
-            with self._lock:
-                self._ready[size] = package
+            self.ready.put(size, package)
             self.compiled.append(size)
             log.info("decode bucket %d compiled in %.0f s", size, time.perf_counter() - start)
 

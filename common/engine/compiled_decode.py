@@ -14,7 +14,7 @@ On the CPU each bucket is an AOTInductor package (`decode_packages.py`) kept in 
 cache, which a later start loads without importing the compiler or tracing again. By default
 (`start_background`) the buckets the cache lacks are compiled by a child process while the
 engine serves them eager (`background_compile.py`); each switches to its package between two
-steps, once loaded.
+steps, once loaded (`ReadyBuckets` hands them over, so the step never runs the compile's code).
 
 On CUDA each bucket's compiled step is then captured as a CUDA graph over static inputs (the
 block tables as wide as max_model_len allows), so a decode step is a few copies and one graph
@@ -23,9 +23,11 @@ launch instead of a few hundred kernel launches from Python (see `DecodeGraphs`)
 
 from __future__ import annotations
 
+import collections
 import functools
 import hashlib
 import logging
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -81,6 +83,7 @@ class CompiledDecode:
         self.packages: dict[int, decode_packages.DecodePackage] = {}  # loaded by warm_up on CPU
         self.cache: CompileCache | None = None  # where warm_up found or put the compiled steps
         self.background: BackgroundCompile | None = None  # compiling what the cache lacked
+        self.ready = ReadyBuckets()  # its packages, until a step adopts them
 
     @functools.cached_property
     def _step(self) -> Callable[..., torch.Tensor]:
@@ -115,8 +118,8 @@ class CompiledDecode:
         size = self.bucket(batch)
         if size is None or self.background is None:
             return size is not None
-        self.background.note(size)
-        ready = self.background.take_ready()
+        self.ready.note(size)
+        ready = self.ready.take()
         self.packages.update(ready)
         self.num_compiles += len(ready)
         return size in self.packages
@@ -196,7 +199,7 @@ class CompiledDecode:
             key = cache.key
             job = CompileJob(config, key.flags, str(cache.root), key.digest(), key.threads, 0)
             load = functools.partial(self._load_package, cache)
-            self.background = BackgroundCompile(job, missing, load)
+            self.background = BackgroundCompile(job, missing, load, self.ready)
 
     def _load_package(self, cache: CompileCache, size: int) -> decode_packages.DecodePackage:
         return decode_packages.DecodePackage(decode_packages.package_path(cache, size), self.model)
@@ -213,6 +216,37 @@ class CompiledDecode:
                 self.graphs = DecodeGraphs(
                     self._step, self.buckets, self.max_blocks_per_seq, kv_caches
                 )
+
+
+class ReadyBuckets:
+    """Where a background compile hands its packages to the engine's step (`put`, `take`), and
+    where the step counts its uses of each bucket (`note`), which the compile reads to pick
+    the next bucket (`most_used`). Each side holds the lock for a dict or counter operation
+    only: a step never waits on a compile."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._uses: collections.Counter[int] = collections.Counter()
+        self._ready: dict[int, decode_packages.DecodePackage] = {}
+
+    def note(self, size: int) -> None:
+        with self._lock:
+            self._uses[size] += 1
+
+    def take(self) -> dict[int, decode_packages.DecodePackage]:
+        """The packages put since the last call (the caller owns them now)."""
+        with self._lock:
+            ready, self._ready = self._ready, {}
+        return ready
+
+    def put(self, size: int, package: decode_packages.DecodePackage) -> None:
+        with self._lock:
+            self._ready[size] = package
+
+    def most_used(self, sizes: list[int]) -> int:
+        """The bucket of `sizes` the step used most (the smallest on a tie)."""
+        with self._lock:
+            return max(sizes, key=lambda s: (self._uses[s], -s))
 
 
 class DecodeGraphs:
