@@ -57,6 +57,7 @@ REPO = Path(__file__).resolve().parent.parent
 PROCESSES = ("router", "prefill0", "decode0")
 IDLE_WINDOWS = ("idle-before", "idle-after")
 NOT_SOURCE = ("tests/", "scripts/")
+START_TIMEOUT_S = 600.0  # three processes' imports beside seven engineers' jobs took over 120 s
 
 # Written into a temporary folder first on every child's PYTHONPATH: stdlib only, since it
 # runs before anything is imported.
@@ -460,9 +461,13 @@ def measure(src: Path, window: float, log_dir: str | None, traces: Path | None) 
         flags = ["--block-size", "16", "--max-model-len", "1024"]
         router = ["--prefill-placement", "remote"]
         args = dict(kv_connector="zmq", engine_args=flags, router_args=router, log_dir=log_dir)
-        with LocalCluster(model, 1, 1, **args) as cluster:
+        cluster = LocalCluster(model, 1, 1, **args)
+        try:
+            cluster.start(timeout=START_TIMEOUT_S)
             took = traced_run(cluster, work, window)
             pids = {name: cluster.procs[name].pid for name in PROCESSES}
+        finally:
+            cluster.stop()
         windows = read_windows(work, src, pids)
     if traces:
         raw = {
