@@ -1,15 +1,28 @@
 """Tiers in order, nearest first (host, then the deployment's shared store): reads go down the
 chain and copy a hit into every tier above it; writes go through to every tier, so a block the
 host tier drops is still in the store. With `behind_bytes` a store's writes are queued and run
-on a thread of their own (`WriteBehind`), unless the caller asks to wait for them."""
+on a thread of their own (`WriteBehind`), unless the caller asks to wait for them; until it
+ran, this process's reads of that block are served from the queue."""
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 from pdserve.kv_store.key import BlockKey
 from pdserve.kv_store.tier import KVTier, TierStats
 from pdserve.kv_store.write_behind import WriteBehind
+
+
+@dataclass(frozen=True, slots=True)
+class Found:
+    """What a lookup found: the payload (None: a miss in every tier asked), the tier that
+    served it, and whether it came from that tier's write queue in this process (the bytes
+    about to be stored there) rather than from the tier itself."""
+
+    payload: memoryview | None = None
+    tier: KVTier | None = None
+    queued: bool = False
 
 
 class TierChain:
@@ -30,19 +43,20 @@ class TierChain:
     def get(self, key: BlockKey) -> memoryview | None:
         """The first tier's verified payload, copied into the tiers above it; None: no tier
         holds an intact one (every miss and failure counted in its tier)."""
-        return self.find(key)[0]
+        return self.find(key).payload
 
-    def find(
-        self, key: BlockKey, ask: Callable[[KVTier], bool] = lambda _: True
-    ) -> tuple[memoryview | None, KVTier | None]:
-        """`get`, asking only the tiers `ask` accepts; also says which tier served it."""
+    def find(self, key: BlockKey, ask: Callable[[KVTier], bool] = lambda _: True) -> Found:
+        """`get`, asking only the tiers `ask` accepts (a block still in a tier's write queue
+        is served from there, without asking); also says where it came from."""
         for i, tier in enumerate(self.tiers):
-            payload = tier.get(key) if ask(tier) else None
+            behind = self.behind.get(tier.name)
+            queued = behind.queued(key) if behind is not None else None
+            payload = queued if queued is not None else tier.get(key) if ask(tier) else None
             if payload is not None:
                 for upper in self.tiers[:i]:
                     upper.put(key, payload)
-                return payload, tier
-        return None, None
+                return Found(payload, tier, queued is not None)
+        return Found()
 
     def put(
         self, key: BlockKey, payload: bytes | bytearray | memoryview, wait: bool = False

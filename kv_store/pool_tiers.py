@@ -73,6 +73,9 @@ class PoolTiers:
         self._shared_lock = threading.Lock()
         self.shared_limit = 4096
         self._store_asked = False  # by the load under way
+        self._at = 0  # the block of the walk under way that the load under way is for
+        self._walk_end = 1
+        self._decided: dict[str, bool] = {}  # each tier's answer for the walk under way
         if self.store is not None:
             self.store.watch = self._store_changed
 
@@ -90,26 +93,41 @@ class PoolTiers:
         if self.store is not None and self.store in stored:
             self._shared_changed(block_hash, True)
 
-    def load(self, block_hash: BlockHash, block_id: int) -> bool:
+    def begin_walk(self, first: int, end: int) -> None:
+        """A walk will ask `load` for the request's blocks `first`..`end - 1`, in order, up to
+        its first miss: each tier is asked once whether to serve the run from the block it is
+        first asked for to `end` (`kv_store.cost`)."""
+        self._walk_end = end
+        self._decided.clear()
+
+    def load(self, block_hash: BlockHash, block_id: int, at: int) -> bool:
+        """Write the verified pages of `block_hash`, the walk's block `at`, into `block_id`;
+        False on a miss, or when every tier holding it was chosen against (recomputed)."""
         start = time.perf_counter()
-        self._store_asked = False
-        payload, tier = self.chain.find(self.space.key(block_hash), self._worth_asking)
-        if tier is None and self._store_asked:  # not there (any more), or unreadable
+        self._store_asked, self._at = False, at
+        found = self.chain.find(self.space.key(block_hash), self._worth_asking)
+        if found.tier is None and self._store_asked:  # not there (any more), or unreadable
             self._shared_changed(block_hash, False)
-        if payload is None or tier is None or payload.nbytes != self.block_bytes:
+        if found.payload is None or found.tier is None or found.payload.nbytes != self.block_bytes:
             return False
-        data = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+        data = torch.frombuffer(bytearray(found.payload), dtype=torch.uint8)
         offset = 0
         for cache in self.caches:
             page = cache[:, block_id]
             n = page.numel() * page.element_size()
             page.copy_(data[offset : offset + n].view(cache.dtype).view(page.shape))
             offset += n
-        self.cost.observe(tier.name, self.block_bytes, time.perf_counter() - start)
+        if not found.queued:  # a payload still in this process's write queue: not the tier's rate
+            self.cost.observe(found.tier.name, self.block_bytes, time.perf_counter() - start)
         return True
 
     def _worth_asking(self, tier: KVTier) -> bool:
-        ask = self.cost.worth_loading(tier.name, self.block_size, self.block_bytes)
+        ask = self._decided.get(tier.name)
+        if ask is None:
+            blocks = max(1, self._walk_end - self._at)
+            first, end = self._at * self.block_size, (self._at + blocks) * self.block_size
+            ask = self.cost.worth_loading(tier.name, first, end, blocks * self.block_bytes, blocks)
+            self._decided[tier.name] = ask
         self._store_asked |= ask and tier is self.store
         return ask
 

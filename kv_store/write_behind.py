@@ -7,7 +7,8 @@ against 0.5 ms for a read), and a prompt that evicts thirty blocks waited for al
 (the caller's copy of the pages, so the block can be reused at once) and puts it through the
 tier on a thread of its own. The tier's rules still hold: its guard bounds every call, a
 reader sees a whole object or none, and a block still queued is a miss for everyone (no
-reader is handed bytes that are not in the store yet).
+reader is handed bytes that are not in the store yet), except this process's own reads: `queued`
+hands them the payload still waiting, the bytes that are about to be stored.
 
 Bounded: past `max_bytes` queued a put is dropped (counted in `dropped`), never waited for;
 the store is a cache. `flush` waits for the queue to drain, `close` flushes then stops.
@@ -32,7 +33,11 @@ class WriteBehind:
         self.tier = tier
         self.max_bytes = max_bytes
         self.dropped = 0  # puts refused because the queue was full (or closed)
+        self.served = 0  # reads answered from the queue (`queued`)
         self._queue: deque[tuple[BlockKey, bytes]] = deque()
+        # Each queued name's newest payload and how many puts of it are queued: a name leaves
+        # only once its last put ran, so until then a read finds it here, after in the tier.
+        self._waiting: dict[str, tuple[bytes, int]] = {}
         self._bytes = 0
         self._closed = False
         self._cond = threading.Condition()
@@ -50,6 +55,7 @@ class WriteBehind:
                 return False
             self._queue.append((key, data))
             self._bytes += len(data)
+            self._waiting[key.name] = (data, self._waiting.get(key.name, (b"", 0))[1] + 1)
             self._cond.notify_all()
         return True
 
@@ -65,7 +71,18 @@ class WriteBehind:
             with self._cond:
                 self._queue.popleft()
                 self._bytes -= len(data)
+                newest, count = self._waiting.pop(key.name)
+                if count > 1:
+                    self._waiting[key.name] = (newest, count - 1)
                 self._cond.notify_all()
+
+    def queued(self, key: BlockKey) -> memoryview | None:
+        """The payload of `key` still waiting to be put (it was read whole from the pool when
+        queued), or None: never put here, or already in the tier (or failed there)."""
+        with self._cond:
+            waiting = self._waiting.get(key.name)
+            self.served += waiting is not None
+        return None if waiting is None else memoryview(waiting[0])
 
     def pending(self) -> int:
         with self._cond:

@@ -100,8 +100,13 @@ class BlockTiers(Protocol):
         """Keep a copy of the block's pages (called before the block is reused); a shared
         store's copy may be written after the call returns, unless `wait`."""
 
-    def load(self, block_hash: BlockHash, block_id: int) -> bool:
-        """Write the verified pages of `block_hash` into the block; False on any miss."""
+    def begin_walk(self, first: int, end: int) -> None:
+        """`load` will be asked for a request's blocks `first`..`end - 1`, in order, up to the
+        first miss (the tiers decide per contiguous run whether loading beats recomputing)."""
+
+    def load(self, block_hash: BlockHash, block_id: int, at: int) -> bool:
+        """Write the verified pages of `block_hash` (the request's block `at`) into the block;
+        False on any miss, or when the tiers chose to have it recomputed."""
 
 
 class KVCacheBlock:
@@ -390,13 +395,14 @@ class KVCacheManager:
         assert self.pool.tiers is not None
         self.pool.touch(hits)
         held, loaded = list(hits), 0
+        self.pool.tiers.begin_walk(len(hits), len(hits) + len(missing))
         for block_hash in missing:
             block = self.pool.get_cached_block(block_hash)  # a later block may still be here
             if block is not None:
                 self.pool.touch([block])
             elif self.pool.num_free_blocks:
                 (block,) = self.pool.get_new_blocks(1)
-                if not self.pool.tiers.load(block_hash, block.block_id):
+                if not self.pool.tiers.load(block_hash, block.block_id, len(hits)):
                     self.pool.free_blocks([block])
                     break
                 self.pool.cache_block(block, block_hash)

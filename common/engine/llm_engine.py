@@ -76,7 +76,7 @@ class LLMEngine:
             parallel,
             speculative=scheduler.speculative_config,
         )
-        self.prefill_rate = PrefillRate()  # before the tiers: their cost model reads it
+        self.prefill_rate = PrefillRate()
         self.tiers = self._tiers(cache, parallel)
         self.kv = KVCacheManager(
             self.runner.num_blocks, cache.block_size, cache.enable_prefix_caching, self.tiers
@@ -93,12 +93,12 @@ class LLMEngine:
             return None
         if parallel is not None and parallel.tensor_parallel_size > 1:
             raise ValueError("KV tiers (--kv-offload-bytes, --kv-store) run at TP 1 only for now")
-        from pdserve.kv_store.cost import LoadCost  # kv_store sits above the engine's core
+        from pdserve.kv_store.cost import LoadCost, PrefillCost  # kv_store is above the core
         from pdserve.kv_store.key import KeySpace
         from pdserve.kv_store.pool_tiers import open_pool_tiers
 
         space = KeySpace.of(self.kv_layout())
-        cost = LoadCost(lambda: self.prefill_rate.tokens_per_s, cache.kv_load_policy)
+        cost = LoadCost(PrefillCost(), cache.kv_load_policy)
         caches, block_size = self.runner.kv_caches, cache.block_size
         return open_pool_tiers(
             cache.kv_offload_bytes, cache.kv_store, space, caches, block_size, cost
@@ -201,7 +201,10 @@ class LLMEngine:
             return []
         start = time.perf_counter()
         sampled, prompt_lps = self.runner.execute(output, layer_call)
-        self.prefill_rate.observe(output, time.perf_counter() - start)
+        seconds = time.perf_counter() - start
+        self.prefill_rate.observe(output, seconds)
+        if self.tiers is not None:  # the marginal prefill cost its load decisions weigh
+            self.tiers.cost.observe_step(output, seconds)
         return self.scheduler.update(output, sampled, prompt_lps)
 
     def check_integrity(self) -> None:

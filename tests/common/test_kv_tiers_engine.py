@@ -306,12 +306,17 @@ class FakeTiers:
     def __init__(self, pages: dict[int, bytes], fail: bool = False) -> None:
         self.pages, self.fail = pages, fail
         self.stored: dict[bytes, bytes] = {}
+        self.walks: list[tuple[int, int]] = []
 
     def offload(self, block_hash: bytes, block_id: int) -> None:
         assert self.pages[block_id] == block_hash, "offloaded after the block was reused"
         self.stored[block_hash] = self.pages[block_id]
 
-    def load(self, block_hash: bytes, block_id: int) -> bool:
+    def begin_walk(self, first: int, end: int) -> None:
+        self.walks.append((first, end))
+
+    def load(self, block_hash: bytes, block_id: int, at: int) -> bool:
+        assert self.walks and self.walks[-1][0] <= at < self.walks[-1][1], "outside its walk"
         if self.fail or block_hash not in self.stored:
             return False
         self.pages[block_id] = self.stored[block_hash]
@@ -351,6 +356,7 @@ def test_manager_offloads_evicted_blocks_and_loads_them_back(fail: bool) -> None
     tiers.fail = fail
     served = prefill(kv, pages, "a2", a)
     assert served == (0 if fail else 20) and kv.stats.tier_hits == served
+    assert tiers.walks[-1] == (0, 5), "one walk over a2's five blocks"
     assert kv.num_free_blocks == 6
 
 

@@ -1,79 +1,128 @@
-"""Load or recompute: the decision from measured rates, and the pool's tiers following it."""
+"""Load or recompute: the marginal prefill cost fitted from steps, the decision per contiguous
+run of hit blocks from fed rates (no timing), and the pool's tiers following it."""
 
 from __future__ import annotations
+
+import random
+from types import SimpleNamespace
 
 import pytest
 import torch
 
 from pdserve.kv_store import HostTier, TierChain
-from pdserve.kv_store.cost import LoadCost, TierRate
+from pdserve.kv_store.cost import LoadCost, PrefillCost, StepModel, TierRate
 from pdserve.kv_store.pool_tiers import PoolTiers
 from tests.kv_store.helpers import SPACE
 
 BLOCK = 2  # tokens per block
-CACHE_SHAPE = (2, 4, BLOCK, 1, 2)  # planes, blocks, block size, heads, head dim (float32)
+CACHE_SHAPE = (2, 8, BLOCK, 1, 2)  # planes, blocks, block size, heads, head dim (float32)
 BLOCK_BYTES = 2 * BLOCK * 1 * 2 * 4
+TRUE = StepModel(fixed_s=0.004, token_s=1e-3, pair_s=2e-7)  # a machine's step, made up
 
 
-class Prefill:
-    """A settable prefill rate (tokens/s; 0: not measured yet)."""
+def fitted(model: StepModel = TRUE, steps: int = 40, seed: int = 0) -> PrefillCost:
+    """A PrefillCost fed `steps` mixed steps (prefill chunks over ragged contexts, decodes)
+    timed exactly by `model`."""
+    rng, prefill = random.Random(seed), PrefillCost()
+    for _ in range(steps):
+        chunks = [(rng.randrange(2, 600), rng.randrange(0, 2000))]
+        chunks += [(1, rng.randrange(1, 2000)) for _ in range(rng.randrange(0, 4))]
+        prefill.observe(chunks, model.step_s(chunks))
+    return prefill
 
-    def __init__(self, tokens_per_s: float = 0.0) -> None:
-        self.tokens_per_s = tokens_per_s
 
-    def __call__(self) -> float:
-        return self.tokens_per_s
+def cost_with(load_bytes_per_s: float, model: StepModel = TRUE, **kw: object) -> LoadCost:
+    cost = LoadCost(fitted(model), **kw)  # type: ignore[arg-type]
+    if load_bytes_per_s:
+        cost.observe("store", 1000, 1000 / load_bytes_per_s)
+    return cost
+
+
+def test_the_fit_recovers_a_step_model_from_mixed_steps() -> None:
+    got = fitted().model()
+    assert got is not None
+    assert got.fixed_s == pytest.approx(TRUE.fixed_s, rel=1e-6)
+    assert got.token_s == pytest.approx(TRUE.token_s, rel=1e-6)
+    assert got.pair_s == pytest.approx(TRUE.pair_s, rel=1e-6)
+
+
+def test_recomputing_a_run_costs_what_it_adds_to_the_prefill() -> None:
+    """Tokens [s, e) recomputed in front of a prefill to L add the difference of the two
+    prefills, whatever L is: a late run costs more than an early one of the same length."""
+    for s, e, length in [(0, 16, 100), (64, 96, 500), (64, 96, 2000), (480, 512, 513)]:
+        whole, rest = TRUE.step_s([(length - s, s)]), TRUE.step_s([(length - e, e)])
+        assert TRUE.recompute_s(s, e) == pytest.approx(whole - rest)
+    assert TRUE.recompute_s(1000, 1016) > TRUE.recompute_s(0, 16)
+
+
+def test_few_steps_fit_an_average_rate_and_decodes_alone_are_left_out() -> None:
+    prefill = PrefillCost(min_steps=8)
+    assert prefill.model() is None
+    decode = SimpleNamespace(num_known_tokens=1, start_pos=50)
+    prefill.observe_step(SimpleNamespace(seqs=(decode, decode)), 0.5)  # type: ignore[arg-type]
+    assert prefill.model() is None and prefill.steps == 0, "a decode-only step: not a prefill"
+    chunk = SimpleNamespace(num_known_tokens=100, start_pos=0)
+    prefill.observe_step(SimpleNamespace(seqs=(chunk, decode)), 0.101)  # type: ignore[arg-type]
+    got = prefill.model()
+    assert got is not None and got.fixed_s == got.pair_s == 0.0
+    assert got.token_s == pytest.approx(0.101 / 101), "the step's tokens over its time"
+
+
+def test_no_coefficient_goes_negative() -> None:
+    """Steps whose time falls with context (noise, another process's load) would fit a
+    negative pair cost: the pair term leaves the fit instead."""
+    prefill = PrefillCost(min_steps=2)
+    for n, c in [(100, 0), (100, 1000), (200, 0), (200, 1000), (50, 500)]:
+        prefill.observe([(n, c)], 0.001 * n - 1e-6 * c)
+    got = prefill.model()
+    assert got is not None and got.pair_s == 0.0 and got.token_s > 0 and got.fixed_s >= 0
 
 
 def test_unmeasured_rates_load() -> None:
-    prefill = Prefill()
-    cost = LoadCost(prefill)
-    assert cost.estimate("store", 16, 1000) is None and cost.worth_loading("store", 16, 1000)
-    cost.observe("store", 1000, 1.0)  # 1000 B/s, still no prefill rate
-    assert cost.worth_loading("store", 16, 1000)
-    prefill.tokens_per_s = 100.0
+    cost = LoadCost(PrefillCost())
+    assert cost.estimate("store", 0, 16, 1000) is None
+    assert cost.worth_loading("store", 0, 16, 1000, 1)
+    cost.observe("store", 1000, 1.0)  # 1000 B/s, still no prefill step
+    assert cost.worth_loading("store", 0, 16, 1000, 1)
     cost.observe("host", 1000, 0.0)  # a zero-time load measures nothing
-    assert cost.estimate("host", 16, 1000) is None
+    assert cost.estimate("host", 0, 16, 1000) is None
 
 
 @pytest.mark.parametrize(
-    ("load_bytes_per_s", "prefill_tokens_per_s", "load"),
+    ("load_bytes_per_s", "start", "end", "load"),
     [
-        (1e6, 100.0, True),  # 1 ms to load 1000 bytes, 160 ms to recompute 16 tokens
-        (1e3, 1e4, False),  # 1 s to load, 1.6 ms to recompute
-        (1e3, 16.0, True),  # 1 s either way: a tie loads
+        (1e6, 0, 16, True),  # 1 ms to load, 16 ms to recompute
+        (40e3, 0, 16, False),  # 25 ms to load: recompute
+        (40e3, 4000, 4016, True),  # the same run late in a prompt: 28.9 ms to recompute
     ],
 )
-def test_the_faster_way_wins(load_bytes_per_s: float, prefill_tokens_per_s: float, load: bool):
-    cost = LoadCost(Prefill(prefill_tokens_per_s))
-    cost.observe("store", 1000, 1000 / load_bytes_per_s)
-    load_s, recompute_s = cost.estimate("store", 16, 1000)  # type: ignore[misc]
+def test_the_faster_way_wins(load_bytes_per_s: float, start: int, end: int, load: bool) -> None:
+    cost = cost_with(load_bytes_per_s)
+    load_s, recompute_s = cost.estimate("store", start, end, 1000)  # type: ignore[misc]
     assert load_s == pytest.approx(1000 / load_bytes_per_s)
-    assert recompute_s == pytest.approx(16 / prefill_tokens_per_s)
-    assert cost.worth_loading("store", 16, 1000) is load
-    assert cost.rates() == (TierRate("store", pytest.approx(load_bytes_per_s), int(not load)),)
+    assert recompute_s == pytest.approx(TRUE.recompute_s(start, end), rel=1e-6)
+    assert cost.worth_loading("store", start, end, 1000, 2) is load
+    assert cost.rates() == (TierRate("store", pytest.approx(load_bytes_per_s), 2 * (not load)),)
 
 
 def test_a_slow_tier_is_probed_again_and_can_recover() -> None:
-    cost = LoadCost(Prefill(1e4), probe_every=4)
-    cost.observe("store", 1000, 1.0)  # slow: 1 s a block against 1.6 ms
-    decisions = [cost.worth_loading("store", 16, 1000) for _ in range(8)]
-    assert decisions == [False, False, False, True] * 2, "every 4th is a probe"
+    cost = cost_with(1000.0, probe_every=4)  # 1 s a run against 16 ms
+    decisions = [cost.worth_loading("store", 0, 16, 1000, 1) for _ in range(8)]
+    assert decisions == [False, False, False, True] * 2, "every 4th run is a probe"
     for _ in range(40):  # the probes find the store fast again
         cost.observe("store", 1000, 1e-5)
-    assert cost.worth_loading("store", 16, 1000)
+    assert cost.worth_loading("store", 0, 16, 1000, 1)
     assert cost.rates()[0].recompute_chosen == 6
 
 
 def test_always_loads_but_still_measures() -> None:
-    cost = LoadCost(Prefill(1e4), policy="always")
-    cost.observe("store", 1000, 1.0)
-    assert all(cost.worth_loading("store", 16, 1000) for _ in range(5))
+    cost = cost_with(1000.0, policy="always")
+    assert all(cost.worth_loading("store", 0, 16, 1000, 1) for _ in range(5))
     assert cost.rates() == (TierRate("store", 1000.0, 0),)
 
 
 def test_rates_move_by_a_moving_average() -> None:
-    cost = LoadCost(Prefill(1.0), weight=0.5)
+    cost = LoadCost(PrefillCost(), weight=0.5)
     cost.observe("host", 100, 1.0)
     cost.observe("host", 300, 1.0)
     assert cost.rates()[0].bytes_per_s == 200.0
@@ -81,9 +130,11 @@ def test_rates_move_by_a_moving_average() -> None:
 
 def test_bad_options_are_refused() -> None:
     with pytest.raises(ValueError, match="policy"):
-        LoadCost(Prefill(), policy="sometimes")
+        LoadCost(PrefillCost(), policy="sometimes")
     with pytest.raises(ValueError):
-        LoadCost(Prefill(), weight=0.0)
+        LoadCost(PrefillCost(), weight=0.0)
+    with pytest.raises(ValueError, match="decay"):
+        PrefillCost(decay=0.0)
 
 
 def pool(cost: LoadCost) -> tuple[PoolTiers, HostTier, torch.Tensor]:
@@ -92,15 +143,38 @@ def pool(cost: LoadCost) -> tuple[PoolTiers, HostTier, torch.Tensor]:
     return PoolTiers(TierChain([host]), SPACE, [cache], BLOCK, cost), host, cache
 
 
-def test_the_pool_does_not_ask_a_tier_slower_than_recomputing() -> None:
-    prefill = Prefill(1e6)  # 2 µs to recompute a block
-    tiers, host, cache = pool(LoadCost(prefill))
-    cache[:, 1] = torch.arange(BLOCK_BYTES // 4, dtype=torch.float32).view(cache[:, 1].shape)
-    tiers.offload(b"h1", 1)
-    tiers.cost.observe("host", BLOCK_BYTES, 1.0)  # measured: a second to load a block
-    assert not tiers.load(b"h1", 2) and not cache[:, 2].any(), "recomputed: nothing loaded"
+def fill(tiers: PoolTiers, cache: torch.Tensor, blocks: int) -> list[bytes]:
+    """Blocks 1..`blocks` of the cache, distinct, offloaded under hashes h1, h2, ..."""
+    hashes = []
+    for i in range(1, blocks + 1):
+        cache[:, i] = (
+            torch.arange(BLOCK_BYTES // 4, dtype=torch.float32).view(cache[:, i].shape) + 100 * i
+        )
+        hashes.append(f"h{i}".encode())
+        tiers.offload(hashes[-1], i)
+    return hashes
+
+
+def walk(tiers: PoolTiers, hashes: list[bytes], first: int, into: int) -> int:
+    """The manager's walk: blocks loaded, in order, into cache blocks `into`, `into + 1`..."""
+    tiers.begin_walk(first, first + len(hashes))
+    for i, h in enumerate(hashes):
+        if not tiers.load(h, into + i, first + i):
+            return i
+    return len(hashes)
+
+
+def test_the_pool_decides_once_per_run_and_loads_it_whole_or_not_at_all() -> None:
+    # A host tier measured at 8 ms a block (BLOCK_BYTES / 8 ms): 2-token blocks at the
+    # start of a prompt cost ~6 ms each to recompute, late ones (past ~5,000 tokens) more.
+    slow = StepModel(fixed_s=0.0, token_s=3e-3, pair_s=1e-6)
+    tiers, host, cache = pool(LoadCost(fitted(slow)))
+    hashes = fill(tiers, cache, 3)
+    tiers.cost.observe("host", BLOCK_BYTES, 8e-3)
+    assert walk(tiers, hashes, first=0, into=4) == 0, "early in the prompt: recomputed"
     assert host.stats().hits == host.stats().misses == 0, "the host tier was not asked"
-    prefill.tokens_per_s = 1.0  # now recomputing takes 2 s a block
-    assert tiers.load(b"h1", 2) and torch.equal(cache[:, 2], cache[:, 1])
-    assert host.stats().hits == 1
-    assert tiers.cost.rates()[0].bytes_per_s > BLOCK_BYTES, "the real load, measured"
+    assert tiers.cost.rates()[0].recompute_chosen == 3, "the run's three blocks"
+    assert walk(tiers, hashes, first=3000, into=4) == 3, "late in a long prompt: loaded"
+    assert all(torch.equal(cache[:, 4 + i], cache[:, 1 + i]) for i in range(3))
+    assert host.stats().hits == 3
+    assert tiers.cost.rates()[0].bytes_per_s > BLOCK_BYTES / 8e-3, "the real loads, measured"

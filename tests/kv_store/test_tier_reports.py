@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 
 from pdserve.kv_store import FileTier, HostTier, TierChain
-from pdserve.kv_store.cost import LoadCost
+from pdserve.kv_store.cost import LoadCost, PrefillCost
 from pdserve.kv_store.key import KeySpace
 from pdserve.kv_store.pool_tiers import PoolTiers
 
@@ -23,7 +23,7 @@ def tiers(store: Path | None, host_blocks: int = 2) -> PoolTiers:
     chain = [HostTier(host_blocks * BLOCK_BYTES)]
     if store is not None:
         chain.append(FileTier(store))
-    cost = LoadCost(lambda: 0.0, policy="always")
+    cost = LoadCost(PrefillCost(), policy="always")
     return PoolTiers(TierChain(chain), SPACE, [torch.zeros(SHAPE)], 4, cost)
 
 
@@ -71,8 +71,8 @@ def test_store_misses_and_sweep_evictions_are_reported_as_gone(tmp_path: Path) -
     for i in (1, 2, 3):
         t.offload(bytes([i]), i)
     t.take_shared_changes()
-    assert not t.load(b"\x09", 5), "never stored: the store misses it"
-    assert t.load(b"\x01", 5), "the host tier lost it, the store has it"
+    assert not t.load(b"\x09", 5, 0), "never stored: the store misses it"
+    assert t.load(b"\x01", 5, 0), "the host tier lost it, the store has it"
     store.high_bytes, store.low_bytes = 1, 0  # the next sweep evicts everything
     assert store.sweep() == 0
     # No watermark again: the next put would start a background sweep that may take 4 too.
@@ -81,5 +81,5 @@ def test_store_misses_and_sweep_evictions_are_reported_as_gone(tmp_path: Path) -
     stored, removed = t.take_shared_changes()
     assert stored == (b"\x04",)
     assert set(removed) == {b"\x09", b"\x01", b"\x02", b"\x03"}, "the miss and the sweep"
-    assert not t.load(b"\x02", 5)  # host: only 4; store: swept
+    assert not t.load(b"\x02", 5, 0)  # host: only 4; store: swept
     assert t.take_shared_changes() == ((), (b"\x02",))

@@ -6,6 +6,7 @@ once (the history write), a full queue drops a put, and close writes what was qu
 from __future__ import annotations
 
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -87,3 +88,45 @@ def test_a_chain_without_behind_bytes_writes_at_once(tmp_path: Path) -> None:
     assert chain.behind == {} and store.stats().puts == 1
     with pytest.raises(ValueError, match="positive"):
         WriteBehind(store, max_bytes=0)
+
+
+def test_a_queued_block_is_read_from_the_queue(tmp_path: Path) -> None:
+    store = GatedFileTier(tmp_path)
+    chain = TierChain([store], behind_bytes=1 << 20)
+    try:
+        chain.put(key(5), payload(5))
+        found = chain.find(key(5), ask=lambda _: False)  # even a tier chosen against
+        assert found.queued and found.tier is store and bytes(found.payload or b"") == payload(5)
+        assert store.stats().hits == store.stats().misses == 0, "the store itself not asked"
+        assert chain.behind[store.name].served == 1
+        store.gate.set()
+        assert chain.flush(20.0)
+        found = chain.find(key(5))
+        assert not found.queued and bytes(found.payload or b"") == payload(5), "now the store's"
+    finally:
+        store.gate.set()
+        chain.close()
+
+
+def test_a_read_racing_its_own_write_gets_the_bytes(tmp_path: Path) -> None:
+    """Reads of each block from the moment it is queued until the store serves it: every one
+    the right bytes, none a miss (a name leaves the queue only after the store has it) and
+    none another block's."""
+    store = FileTier(tmp_path)
+    chain = TierChain([store], behind_bytes=1 << 20)
+    sources = {"queue": 0, "store": 0}
+    try:
+        for i in range(30):
+            chain.put(key(i), payload(i))
+            deadline = time.monotonic() + 20.0
+            while True:
+                found = chain.find(key(i))
+                assert found.payload is not None, f"block {i} missed while being written"
+                assert bytes(found.payload) == payload(i), f"block {i}: wrong bytes"
+                sources["queue" if found.queued else "store"] += 1
+                if not found.queued:
+                    break
+                assert time.monotonic() < deadline, f"block {i} never reached the store"
+    finally:
+        chain.close()
+    assert sources["queue"] > 0 and sources["store"] == 30, sources
