@@ -22,6 +22,7 @@ import urllib.request
 from dataclasses import dataclass, field
 from typing import Any
 
+from pdserve import placement
 from pdserve.testbed import zygote
 
 
@@ -52,7 +53,9 @@ class LocalCluster:
     a second one would stop it at once), as a supervisor wants. With num_routers > 1 every
     node registers with each router; routers after the first ("router1", ...) take free ports.
     `node_args` adds arguments to single nodes ("prefill0": a TP group, say), last, so that
-    they win over the shared ones.
+    they win over the shared ones. `placement` "auto" pins each child to its share of `cpus`
+    (`pdserve.placement.plan`, over the children of the moment), "off" leaves them to the
+    kernel.
     """
 
     model: str
@@ -77,8 +80,14 @@ class LocalCluster:
     more_routers: list[tuple[int, int]] = field(default_factory=list)  # (port, control port)
     added: dict[str, str] = field(default_factory=dict)  # nodes added since: name -> role
     removed: set[str] = field(default_factory=set)  # nodes gone for good (drained, stopped)
+    placement: str = placement.DEFAULT_PLACEMENT
+    cpus: tuple[int, ...] = field(default_factory=lambda: tuple(sorted(os.sched_getaffinity(0))))
 
     def __post_init__(self) -> None:
+        if self.placement not in placement.PLACEMENTS:
+            raise ValueError(
+                f"cpu placement {self.placement!r} is none of {', '.join(placement.PLACEMENTS)}"
+            )
         if self.num_routers < 1:
             raise ValueError(f"a deployment needs at least one router, got {self.num_routers}")
         self.port = self.port or free_port()
@@ -140,6 +149,18 @@ class LocalCluster:
         self.removed.add(name)
         self.procs.pop(name, None)
 
+    def cores(self) -> dict[str, tuple[int, ...]]:
+        """The cores of each child that is pinned, by name (none with placement off)."""
+        if self.placement == "off":
+            return {}
+        names = list(self.children())
+        roles = [[n for n in names if n.startswith(r)] for r in ("prefill", "decode", "both")]
+        share = placement.plan(self.cpus, *roles)
+        routers = share.pop("router", None)
+        if routers:
+            share.update((n, routers) for n in names if n.startswith("router"))
+        return share
+
     def _router(self, port: int, control_port: int) -> list[str]:
         out = ["router", "--model", self.model, "--host", self.host, "--port", str(port)]
         out += ["--control-host", "127.0.0.1", "--control-port", str(control_port)]
@@ -157,7 +178,13 @@ class LocalCluster:
         env.pop("PDSERVE_API_KEY", None)
         if name == "router" and self.api_key:
             env["PDSERVE_API_KEY"] = self.api_key
-        proc = self._forked(name, env, out) or self._exec(name, env, out)
+        cpus = self.cores().get(name)
+        if cpus and not name.startswith("router"):
+            env = placement.threads_env(cpus, env)
+        with placement.inherited(cpus):  # an exec'd child starts on its cores
+            proc = self._forked(name, env, out) or self._exec(name, env, out)
+        if cpus:
+            placement.pin(proc.pid, cpus)  # a forked one (the launcher's child) moves there
         if out not in (None, subprocess.DEVNULL):
             out.close()  # the child holds its own descriptor
         self.procs[name] = proc

@@ -32,6 +32,7 @@ from pdserve.common.node.cli import (
 )
 from pdserve.common.node.config import NodeConfig
 from pdserve.local_cluster import LocalCluster
+from pdserve.placement import DEFAULT_PLACEMENT, PLACEMENTS
 from pdserve.planner.config import PlannerConfig
 from pdserve.planner.loop import PlannerLoop, SupervisorExecutor
 from pdserve.planner.source import RouterSource
@@ -132,6 +133,15 @@ def _add_deployment_args(p: argparse.ArgumentParser) -> None:
         "free ports (named router1, ...; default: 1)",
     )
     topo.add_argument(
+        "--cpu-placement",
+        choices=PLACEMENTS,
+        default=DEFAULT_PLACEMENT,
+        help="auto: pin each child to its share of this process's cores, by the work (decode "
+        "nodes a quarter, at least a core each; prefill nodes and routers the rest; colocated "
+        "nodes evenly; nothing where there are fewer cores than nodes), each node's torch "
+        "threads at most its cores; off: leave them to the kernel (default: %(default)s)",
+    )
+    topo.add_argument(
         "--prefill-tp", type=int, default=None, metavar="N", help="prefill nodes' TP (default: -tp)"
     )
     topo.add_argument(
@@ -230,6 +240,7 @@ def cluster_from_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> L
         inherit_output=args.log_dir is None,
         own_process_group=True,
         api_key=router.api_key,
+        placement=args.cpu_placement,
     )
 
 
