@@ -31,6 +31,7 @@ from pdserve.bench.kv_tiers_workloads import WORKLOADS
 from pdserve.common.engine.llm import LLM, SamplingParams
 from pdserve.common.model.config import ModelArchConfig
 from pdserve.common.node.cli import parser
+from pdserve.kv_store.cost import StepModel
 
 SECTION = "kv-tiers"
 SYSTEMS = ("none", "host", "file", "redis")
@@ -99,9 +100,14 @@ def engine_for(args: argparse.Namespace, system: str, folder: Path) -> Iterator[
 
 
 def serve_one(llm: LLM, prompt: list[int], into: dict[str, list]) -> None:
-    """One request's TTFT (wall and CPU), first token, prefix hits and tier loads."""
-    stats = llm.engine.kv.stats
-    hits, loaded = stats.hits, stats.tier_hits
+    """One request's TTFT (wall and CPU), first token, prefix hits and tier loads, and what
+    else it waited on: the seconds its tier reads took and the blocks its evictions wrote
+    down, and the store writes still queued when it came."""
+    stats, tiers = llm.engine.kv.stats, llm.engine.tiers
+    hits, loaded, read_s, offloaded = stats.hits, stats.tier_hits, _read_s(llm), _offloaded(llm)
+    into["queued_writes"].append(
+        sum(b.pending() for b in tiers.chain.behind.values()) if tiers is not None else 0
+    )
     wall, cpu = time.perf_counter(), time.process_time()
     (out,) = llm.generate([prompt], FIRST_TOKEN)
     into["ttft_s"].append(time.perf_counter() - wall)
@@ -109,13 +115,24 @@ def serve_one(llm: LLM, prompt: list[int], into: dict[str, list]) -> None:
     into["first_tokens"].append(out.token_ids[0])
     into["cached"].append(stats.hits - hits)
     into["loaded"].append(stats.tier_hits - loaded)
+    into["read_s"].append(_read_s(llm) - read_s)
+    into["offloaded"].append(_offloaded(llm) - offloaded)
+
+
+def _read_s(llm: LLM) -> float:
+    return sum(s.load_seconds for s in llm.engine.tier_stats())
+
+
+def _offloaded(llm: LLM) -> int:
+    return llm.engine.tiers.offloaded if llm.engine.tiers is not None else 0
 
 
 def run_systems(args: argparse.Namespace, prompts: list[list[int]]) -> list[dict]:
     """Every system's engine side by side, each request sent to each in turn (the order
     rotating by request), so that a busy moment of the machine falls on all of them: a record
     per system with per-request TTFTs, hits and loads, and the counters."""
-    keys = ("ttft_s", "ttft_cpu_s", "first_tokens", "cached", "loaded")
+    keys = ("ttft_s", "ttft_cpu_s", "first_tokens", "cached", "loaded", "read_s", "offloaded",
+            "queued_writes")  # fmt: skip
     per: dict[str, dict[str, list]] = {s: {k: [] for k in keys} for s in args.systems}
     with tempfile.TemporaryDirectory(prefix="kv-tiers-") as tmp, ExitStack() as stack:
         llms = {s: stack.enter_context(engine_for(args, s, Path(tmp) / s)) for s in args.systems}
@@ -144,12 +161,15 @@ def finish(args: argparse.Namespace, system: str, llm: LLM, per: dict[str, list]
 
 
 def cost_model(llm: LLM) -> dict[str, Any]:
-    """The load-or-recompute model's inputs at the end of the run: the engine's prefill rate,
-    each tier's measured load rate and the blocks it chose to recompute, one block's bytes."""
+    """The load-or-recompute model's inputs at the end of the run: the engine's prefill rate
+    and fitted step model (`kv_store.cost.StepModel`), each tier's measured load rate and the
+    blocks it chose to recompute, one block's bytes."""
     tiers = llm.engine.tiers
     rates = {r.tier.split(":")[0]: r for r in (tiers.cost.rates() if tiers is not None else ())}
+    step = tiers.cost.prefill.model() if tiers is not None else None
     return {
         "prefill_tok_s": llm.engine.prefill_rate.tokens_per_s,
+        "step_model": None if step is None else [step.fixed_s, step.token_s, step.pair_s],
         "block_bytes": tiers.block_bytes if tiers is not None else 0,
         "load_bytes_s": {name: r.bytes_per_s for name, r in rates.items()},
         "recompute_chosen": {name: r.recompute_chosen for name, r in rates.items()},
@@ -160,18 +180,22 @@ def model_error(record: dict, base: dict, block_size: int) -> float | None:
     """The cost model's error on the requests a tier served: the mean, over them, of |the
     TTFT it predicts minus the TTFT measured| as a fraction of recomputing (`base`'s TTFT of
     the request), where the prediction is `base`'s TTFT less the loaded tokens' recompute
-    time plus their load time, by the rates the model held at the end; None without such a
-    request or rates."""
+    time (their marginal prefill cost at their positions: `StepModel.recompute_s`; a record
+    without a step model, the average prefill rate) plus their load time, by the rates and
+    fit the model held at the end; None without such a request or rates."""
     model = record["model"]
     rates = [r for r in model["load_bytes_s"].values() if r > 0]
-    if not rates or model["prefill_tok_s"] <= 0:
+    step = model.get("step_model")
+    if not rates or (step is None and model["prefill_tok_s"] <= 0):
         return None
     per_token_load = model["block_bytes"] / block_size / min(rates)
     errors = []
     for i, loaded in enumerate(record["loaded"]):
         if loaded:
-            predicted = (base["ttft_s"][i] - loaded / model["prefill_tok_s"]
-                         + loaded * per_token_load)  # fmt: skip
+            end = record["cached"][i]
+            recompute = (StepModel(*step).recompute_s(end - loaded, end) if step
+                         else loaded / model["prefill_tok_s"])  # fmt: skip
+            predicted = base["ttft_s"][i] - recompute + loaded * per_token_load
             errors.append(abs(predicted - record["ttft_s"][i]) / base["ttft_s"][i])
     return statistics.mean(errors) if errors else None
 
