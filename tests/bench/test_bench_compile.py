@@ -10,7 +10,16 @@ from typing import Any
 import pytest
 
 from tests.bench.helpers import positive, quick_run
-from tests.common.model.test_compile import QWEN2_SLIDING
+from tests.common.model.test_compile import (
+    COMPILE_WAIT_S,
+    QWEN2_SLIDING,
+    SHARES_QWEN2_PACKAGES,
+    waits_for_a_compile,
+)
+
+# Each test may be the first to read `quick`, whose run compiles bucket 1 when
+# test_compile.py has not yet (its 300 s default cut that run at load 15).
+pytestmark = [SHARES_QWEN2_PACKAGES, waits_for_a_compile]
 
 
 @pytest.fixture(scope="module")
@@ -22,7 +31,7 @@ def quick(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir) -> tuple[Pat
     # compile cache keys each bucket apart), so the suite compiles that package once.
     model = str(tiny_model_dir("qwen2", **QWEN2_SLIDING))
     args = ("--model", model, "--dtype", "float32", "--batch-sizes", "1", "--threads", "1")
-    quick_run("bench_compile.py", out, *args)
+    quick_run("bench_compile.py", out, *args, timeout=COMPILE_WAIT_S)
     return out, json.loads((out / "compile.json").read_text())
 
 

@@ -1,13 +1,16 @@
 """Decode packages compiled in the background (common/engine/background_compile.py): the engine
-serves eager at once, a bucket switches to its package between two steps with the same greedy
-tokens as HF, a second start loads it and compiles nothing, and a child that fails or is killed
+serves eager at once, a bucket switches to its package between two steps with eager's greedy
+tokens, a second start loads it and compiles nothing, and a child that fails or is killed
 leaves the bucket eager and no unfinished package behind.
 
-One real background compile serves the module (bucket 1 of the tiny model, cold: the cache
-root is this module's own); the failing children are stand-ins that exit at once."""
+One real background compile serves this module and tests/common/model/test_gguf_compile.py
+(`gguf_switch`, tests/common/model/conftest.py: bucket 1 of the tiny Llama as a Q4_1 GGUF,
+cold, under a root of its own; the suite's one cold compile of it); the failing children are
+stand-ins that exit at once."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 import time
@@ -23,13 +26,23 @@ from pdserve.common.engine.decode_packages import tmp_package_path
 from pdserve.common.engine.llm import LLM
 
 # one_thread: this module's engines, and so the child's packages, at one thread (autouse).
-from tests.common.model.test_compile import QWEN2_SLIDING, one_thread  # noqa: F401
+from tests.common.model.test_compile import (  # noqa: F401
+    COMPILE_WAIT_S,
+    QWEN2_SLIDING,
+    one_thread,
+    waits_for_a_compile,
+)
 from tests.common.test_llm_equivalence import GREEDY, PROMPTS, hf_greedy
 from tests.devices import ON_CUDA
 
-pytestmark = pytest.mark.skipif(ON_CUDA, reason="background compiles make CPU packages")
+# The modules that read `gguf_switch` (tests/common/model/conftest.py) are one xdist group: on
+# one worker, which compiles it once.
+SHARES_GGUF_SWITCH = pytest.mark.xdist_group("gguf_switch")
+pytestmark = [
+    pytest.mark.skipif(ON_CUDA, reason="background compiles make CPU packages"),
+    SHARES_GGUF_SWITCH,
+]
 
-COMPILE_WAIT_S = 1200  # a cold bucket of the tiny model, at nice 19 beside other tests
 PROMPT = 4  # PROMPTS[4]: 40 tokens, greedy for MAX_TOKENS (10)
 
 
@@ -43,55 +56,67 @@ def start(model_dir: str, root: Path, max_num_seqs: int = 1) -> LLM:
                compile_cache_dir=str(root), skip_tokenizer_init=True)  # fmt: skip
 
 
+def tokens(llm: LLM) -> list[int]:
+    (out,) = llm.generate([PROMPTS[PROMPT]], GREEDY)
+    return list(out.token_ids)
+
+
 @dataclass(frozen=True, slots=True)
 class Switch:
-    """One request decoded across a background compile: its tokens, and per decode step
-    whether it ran compiled."""
+    """One request decoded across a background compile: its tokens, per decode step whether it
+    ran compiled, and eager's tokens for it; the engine (still open), its model and its root."""
 
+    llm: LLM
     tokens: list[int]
     compiled_steps: list[bool]
+    eager_tokens: list[int]
+    model: str
     root: Path
 
 
-@pytest.fixture(scope="module")
-def switched(model_dir: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Switch]:
+@contextlib.contextmanager
+def switch_mid_stream(model: str, root: Path) -> Iterator[Switch]:
     """Decode two steps eager while bucket 1 compiles, wait for the compile, decode the rest."""
-    root = tmp_path_factory.mktemp("background-compile")
-    llm = start(model_dir, root)
-    compiled, engine = llm.engine.runner.compiled, llm.engine
-    assert compiled is not None and compiled.background is not None and not compiled.packages
-    steps: list[bool] = []
-    runs = compiled.runs
-    compiled.runs = lambda batch: steps.append(runs(batch)) or steps[-1]
-    request = engine.add_request("r", PROMPTS[PROMPT], GREEDY)
-    while len(steps) < 2:
-        engine.step()
-    assert compiled.background.wait(COMPILE_WAIT_S), "the background compile did not finish"
-    while engine.has_unfinished:
-        engine.step()
-    engine.check_integrity()
-    yield Switch(list(request.output_token_ids), steps, root)
-    llm.close()
+    with LLM(model, compile_mode="eager", max_num_seqs=1, dtype="float32",
+             skip_tokenizer_init=True) as eager:  # fmt: skip
+        want = tokens(eager)
+    with start(model, root) as llm:
+        compiled, engine = llm.engine.runner.compiled, llm.engine
+        assert compiled is not None and compiled.background is not None and not compiled.packages
+        steps: list[bool] = []
+        runs = compiled.runs
+        compiled.runs = lambda batch: steps.append(runs(batch)) or steps[-1]
+        request = engine.add_request("r", PROMPTS[PROMPT], GREEDY)
+        while len(steps) < 2:
+            engine.step()
+        assert compiled.background.wait(COMPILE_WAIT_S), "the background compile did not finish"
+        while engine.has_unfinished:
+            engine.step()
+        engine.check_integrity()
+        compiled.runs = runs
+        yield Switch(llm, list(request.output_token_ids), list(steps), want, model, root)
 
 
+@waits_for_a_compile
 def test_a_bucket_switches_to_its_package_mid_stream_with_the_same_tokens(
-    switched: Switch, model_dir: str
+    gguf_switch: Switch,
 ) -> None:
-    want, _ = hf_greedy(model_dir)
-    assert switched.tokens == want[PROMPT]
-    steps = switched.compiled_steps
+    assert gguf_switch.tokens == gguf_switch.eager_tokens
+    steps = gguf_switch.compiled_steps
     assert steps[:2] == [False, False] and steps[-1], steps  # eager, then compiled
     assert steps == sorted(steps), "a bucket switched back to eager"
 
 
-def test_a_second_start_compiles_nothing(switched: Switch, model_dir: str) -> None:
-    with start(model_dir, switched.root) as llm:
+@waits_for_a_compile
+def test_a_second_start_compiles_nothing(gguf_switch: Switch) -> None:
+    with start(gguf_switch.model, gguf_switch.root) as llm:
         compiled = llm.engine.runner.compiled
         assert compiled.background is None, "a second start compiled again"
         assert sorted(compiled.packages) == [1]
         counts = compiled.cache_counts
         assert (counts.hits, counts.misses) == (1, 0)
-    assert not list(switched.root.rglob("*.tmp-*")), "an unfinished package was left"
+        assert tokens(llm) == gguf_switch.eager_tokens
+    assert not list(gguf_switch.root.rglob("*.tmp-*")), "an unfinished package was left"
 
 
 def _dying_child(how: str, started: list[int]) -> object:

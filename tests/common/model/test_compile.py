@@ -33,6 +33,16 @@ BLOCK_SIZE = 16
 # Qwen2: q/k/v biases (the few-row linear with a bias); one full and one sliding layer
 # (the attention op with and without a window in one graph).
 QWEN2_SLIDING = {"vocab": VOCAB, "sliding_window": 8, "max_window_layers": 1}
+# tests/bench/test_bench_compile.py compiles this model's bucket 1 into the same compile cache:
+# the two modules are one xdist group, so two workers do not compile that package at once.
+SHARES_QWEN2_PACKAGES = pytest.mark.xdist_group("qwen2_packages")
+pytestmark = SHARES_QWEN2_PACKAGES
+# A cold bucket of a tiny model, at nice 19 beside other tests (a background compile's child
+# runs at nice 19 whatever its parent's): at load 30 one took longer than the suite's 600 s
+# (pyproject.toml). A test that may be the first to wait for a compile is given the wait and
+# 300 s more.
+COMPILE_WAIT_S = 1200
+waits_for_a_compile = pytest.mark.timeout(COMPILE_WAIT_S + 300)
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -87,6 +97,7 @@ def decode_batch(runner: ModelRunner, contexts: list[int], first_block: int) -> 
     return runner.prepare(tuple(decodes))
 
 
+@waits_for_a_compile
 @torch.inference_mode()
 def test_compiled_logits_equal_eager_for_any_batch_composition(compiled: LLM) -> None:
     runner = compiled.engine.runner
@@ -105,6 +116,7 @@ def test_compiled_logits_equal_eager_for_any_batch_composition(compiled: LLM) ->
     assert runner.compiled.num_compiles == 3, "a batch composition made a bucket recompile"
 
 
+@waits_for_a_compile
 def test_greedy_tokens_equal_hf_with_compiled_decode(
     compiled: LLM, model_dir: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -127,6 +139,7 @@ def test_greedy_tokens_equal_hf_with_compiled_decode(
 # -- the compile cache ----------------------------------------------------------------------------
 
 
+@waits_for_a_compile
 def test_a_second_start_compiles_nothing(compiled: LLM, model_dir: str) -> None:
     """`compiled` was the first start: it compiled its buckets, or loaded them from an earlier
     session's cache. A second start in a fresh process (same model, flags, thread count and
@@ -162,6 +175,7 @@ def _bucket_one(compiled: LLM) -> tuple[ModelRunner, CompileCache, Path]:
     return runner, cache, decode_packages.package_path(cache, 1)
 
 
+@waits_for_a_compile
 @pytest.mark.skipif(ON_CUDA, reason="CPU packages")
 def test_a_package_loads_only_onto_the_model_it_was_made_for(compiled: LLM) -> None:
     _, _, path = _bucket_one(compiled)
@@ -169,6 +183,7 @@ def test_a_package_loads_only_onto_the_model_it_was_made_for(compiled: LLM) -> N
         decode_packages.DecodePackage(path, torch.nn.Linear(2, 2))
 
 
+@waits_for_a_compile
 @pytest.mark.skipif(ON_CUDA, reason="CPU packages")
 @torch.inference_mode()
 def test_an_unreadable_package_is_compiled_again(
