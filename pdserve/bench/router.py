@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import itertools
 import json
 import math
@@ -24,6 +23,7 @@ from pdserve.bench import load
 from pdserve.bench import report as rp
 from pdserve.bench.systems import RoutersOverFakes, routers_over_fakes, sigterm_raises
 from pdserve.common.node.cli import parser
+from pdserve.placement import pin
 
 HOST = "127.0.0.1"
 MODEL_NAME = "router-bench"  # the routers' --served-model-name (systems.routers_over_fakes)
@@ -94,14 +94,6 @@ async def cores_used(watched: dict[str, int], window: tuple[float, float]) -> di
     used = {k: (cpu_seconds(pid) - cpu0[k]) / span for k, pid in watched.items()}
     share = (machine1[0] - machine0[0]) / max(1e-9, machine1[1] - machine0[1])
     return {**used, "machine": share * (os.cpu_count() or 1)}
-
-
-def pin(pid: int, cpus: Sequence[int]) -> None:
-    """Every thread of pid onto cpus (threads started later inherit it)."""
-    with contextlib.suppress(OSError):
-        for tid in os.listdir(f"/proc/{pid}/task"):
-            with contextlib.suppress(OSError):
-                os.sched_setaffinity(int(tid), cpus)
 
 
 def pin_plan(plan: str, routers: int, cpus: Sequence[int]) -> dict[str, list[int]]:
