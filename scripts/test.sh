@@ -3,13 +3,21 @@
 # Extra arguments go to pytest (e.g. scripts/test.sh tests/common -k scheduler).
 set -euo pipefail
 cd "$(dirname "$0")/.."
+# Two pytest-xdist workers by default, each running whole modules, the slow folders first
+# (tests/conftest.py): the suite in one process keeps about one of two cores busy
+# (docs/testing.md). PDSERVE_TEST_WORKERS=N for N workers, 1 for one pytest process.
+workers="${PDSERVE_TEST_WORKERS:-2}"
+case "$workers" in
+  '' | *[!0-9]* | 0*)
+    echo "PDSERVE_TEST_WORKERS must be a number of workers, 1 or more (1: no xdist), not '$workers'" >&2
+    exit 2
+    ;;
+esac
+if [ "$workers" -gt 1 ]; then
+  set -- -n "$workers" --dist loadgroup --no-loadscope-reorder "$@"
+fi
 source scripts/_env.sh
 pdserve_env test
-# PDSERVE_TEST_WORKERS=2: that many pytest-xdist workers, each running whole modules, the slow
-# folders first (tests/conftest.py); pytest-xdist comes with the test extra (pyproject.toml).
-if [ -n "${PDSERVE_TEST_WORKERS:-}" ]; then
-  set -- -n "$PDSERVE_TEST_WORKERS" --dist loadgroup --no-loadscope-reorder "$@"
-fi
 # Build the AVX2 GGUF kernel (kernels/cpu_quant.py) once before the nodes the tests start need
 # it: a cold build takes minutes, longer than a node's readiness wait; cached by its source hash.
 python -c "from pdserve.kernels import cpu_quant; cpu_quant.available()"
