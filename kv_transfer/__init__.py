@@ -1,7 +1,7 @@
 """KV connectors: move KV pages from a prefill node's cache blocks into a decode node's blocks.
 
 Pick a connector by name (`zmq`, `nccl`, `shm`) with `create_sender` / `create_receiver`; a node
-holds its end of the data plane in a `KVPort`.
+holds its end of the data plane in a `ranks.KVPort`.
 """
 
 from pdserve.common.wire.payloads import KVLayout
@@ -16,11 +16,9 @@ from pdserve.kv_transfer.base import (
     create_receiver,
     create_sender,
 )
-from pdserve.kv_transfer.port import KVPort
 
 __all__ = [
     "KVLayout",
-    "KVPort",
     "KVReceiver",
     "KVSender",
     "LayoutMismatchError",

@@ -1,6 +1,7 @@
 """A node's end of the KV data plane at each of its tensor-parallel ranks. `RankKV` is a rank's:
 on a decode node the rank's receiver, on a prefill node its senders, each moving only the KV
-heads the rank holds; `KVGroup` is the node's (rank 0), with one method per thing the node asks.
+heads the rank holds, through the `KVPort` it holds (one process's connector, layout and keys);
+`KVGroup` is the node's (rank 0), with one method per thing the node asks.
 
 A request's transfer between a prefill group at TP p and a decode group at TP d is one slice
 per (prefill rank, decode rank) pair of `payloads.transfer_plan`: slice `f"{xfer_id}.{i}"` goes
@@ -20,35 +21,20 @@ import torch
 import zmq
 
 from pdserve.common.engine.model_runner import LayerCall
+from pdserve.common.process import host_id
 from pdserve.common.wire.messages import Message
 from pdserve.common.wire.payloads import FirstToken, HeadSlice, KVLayout, transfer_plan
 from pdserve.common.wire.ranks import Count, Done, Handlers, RankCommand
-from pdserve.common.wire.security import load_keys
-from pdserve.kv_transfer.base import KVReceiver, TransferResult
-from pdserve.kv_transfer.commands import (
-    KV_RANKS,
-    Abandon,
-    BytesReceived,
-    BytesSent,
-    Cancel,
-    Connect,
-    Drop,
-    Endpoint,
-    EndpointIs,
-    Expect,
-    Failures,
-    Finished,
-    PollSenders,
-    Released,
-    SendDone,
-    ShipKV,
-    Shipment,
-    SliceDone,
-    TakeFailures,
-    TakeFinished,
-    TakeReleased,
+from pdserve.common.wire.security import CurveKeys, load_keys
+from pdserve.kv_transfer import commands
+from pdserve.kv_transfer.base import (
+    KVReceiver,
+    KVSender,
+    TransferResult,
+    check_available,
+    create_receiver,
+    create_sender,
 )
-from pdserve.kv_transfer.port import KVPort
 
 # What a broken or refused KV connection raises (TransferError/TransferTimeout included; a
 # worker rank's failure comes back from RankDriver.call as a RankCommandError, a RuntimeError).
@@ -60,6 +46,90 @@ def slice_id(xfer_id: str, src_rank: int) -> str:
     return f"{xfer_id}.{src_rank}"
 
 
+class KVPort:
+    """One node's KV connector: its name, the cache layout both ends must agree on (the digest
+    a node registers with), and the cluster's CurveZMQ keys for every socket it opens.
+
+    A prefill node keeps one connected sender per decode node (`sender`, `drop`); a decode node
+    binds one receiver (`listen`) and registers its `endpoint`.
+    """
+
+    def __init__(
+        self,
+        connector: str,
+        layout: KVLayout,
+        curve: CurveKeys | None = None,
+        connect_timeout: float = 10.0,
+        advertise_host: str = "127.0.0.1",
+    ) -> None:
+        check_available(connector)
+        self.advertise_host = advertise_host  # how other hosts reach this node's sockets
+        self.host_id = host_id()
+        self.connector = connector
+        self.layout = layout
+        self.digest = layout.digest()
+        self.curve = curve
+        self.connect_timeout = connect_timeout
+        self.senders: dict[str, KVSender] = {}  # receiver endpoint -> connected sender
+        self._instances: dict[str, str] = {}  # receiver endpoint -> the process behind it
+        self.receiver: KVReceiver | None = None
+
+    @property
+    def endpoint(self) -> str:
+        """Where senders connect ("" on a node that binds no receiver)."""
+        return self.receiver.endpoint if self.receiver is not None else ""
+
+    def listen(
+        self, kv_caches: list[torch.Tensor], host: str, port: int, fence_timeout: float = 30.0
+    ) -> KVReceiver:
+        """Bind the receiver that writes arriving pages into `kv_caches` (`port=0`: any free);
+        `fence_timeout` is nixl's (see nixl_receiver)."""
+        assert self.receiver is None, "a KV port binds one receiver"
+        opts = {"fence_timeout": fence_timeout} if self.connector == "nixl" else {}
+        self.receiver = create_receiver(
+            self.connector, self.layout, kv_caches, host=host, port=port, curve=self.curve, **opts
+        )
+        self.receiver.advertise(self.advertise_host)
+        return self.receiver
+
+    def sender(self, endpoint: str, instance: str = "") -> KVSender:
+        """The connected sender to the receiver at `endpoint`. The first call handshakes and
+        raises what `KVSender.connect` raises (a layout mismatch included). `instance` names
+        the receiving process: when another one now listens at the same address (a restart on
+        a fixed port), the old connection is dropped and a new one handshakes; the transport
+        would otherwise reconnect silently to a receiver that never heard our hello."""
+        if instance and self._instances.get(endpoint, instance) != instance:
+            self.drop(endpoint)
+        if instance:
+            self._instances[endpoint] = instance
+        sender = self.senders.get(endpoint)
+        if sender is None:
+            # nccl's gloo pair listens on this node's own address, which the peer dials.
+            opts = {"bind_host": self.advertise_host} if self.connector == "nccl" else {}
+            sender = create_sender(self.connector, self.layout, curve=self.curve, **opts)
+            sender.connect(endpoint, self.connect_timeout)
+            self.senders[endpoint] = sender
+        return sender
+
+    def poll(self) -> None:
+        """Let every sender take its receiver's messages (a prefill node's loop calls it)."""
+        for sender in self.senders.values():
+            sender.poll()
+
+    def drop(self, endpoint: str) -> None:
+        """Close the sender to `endpoint` (its connection broke); the next `sender` reconnects."""
+        sender = self.senders.pop(endpoint, None)
+        if sender is not None:
+            sender.close()
+
+    def close(self) -> None:
+        """Close every sender and the receiver; idempotent."""
+        for endpoint in list(self.senders):
+            self.drop(endpoint)
+        if self.receiver is not None:
+            self.receiver.close()
+
+
 class RankKV:
     """This rank's KV connector end (see the module docstring), the rank agent of a node that
     moves KV. Built on every rank of a node from the same options: `connector`, the
@@ -67,7 +137,7 @@ class RankKV:
     directory of the cluster's CurveZMQ keys, and for a decode node the bind `host`/`port`
     (each rank binds `port` + rank, or any free port when 0)."""
 
-    PLANE = KV_RANKS
+    PLANE = commands.KV_RANKS
 
     def __init__(
         self,
@@ -102,19 +172,19 @@ class RankKV:
     def handlers(self) -> Handlers:
         """Each command of the KV ranks plane -> the method that answers it."""
         return {
-            Endpoint: self.endpoint,
-            Expect: self.expect,
-            Cancel: self.cancel,
-            TakeFinished: self.finished,
-            TakeReleased: self.released,
-            BytesReceived: self.bytes_received,
-            BytesSent: self.bytes_sent,
-            Connect: self.connect,
-            TakeFailures: self.take_failures,
-            SendDone: self.done,
-            Abandon: self.abandon,
-            Drop: self.drop,
-            PollSenders: self.poll_senders,
+            commands.Endpoint: self.endpoint,
+            commands.Expect: self.expect,
+            commands.Cancel: self.cancel,
+            commands.TakeFinished: self.finished,
+            commands.TakeReleased: self.released,
+            commands.BytesReceived: self.bytes_received,
+            commands.BytesSent: self.bytes_sent,
+            commands.Connect: self.connect,
+            commands.TakeFailures: self.take_failures,
+            commands.SendDone: self.done,
+            commands.Abandon: self.abandon,
+            commands.Drop: self.drop,
+            commands.PollSenders: self.poll_senders,
         }
 
     def _plan(self, send_tp: int, recv_tp: int) -> tuple[HeadSlice, ...]:
@@ -125,11 +195,11 @@ class RankKV:
 
     # -- decode side ----------------------------------------------------------------------------
 
-    def endpoint(self, _: Endpoint) -> EndpointIs:
-        return EndpointIs(self.port.endpoint)
+    def endpoint(self, _: commands.Endpoint) -> commands.EndpointIs:
+        return commands.EndpointIs(self.port.endpoint)
 
-    def expect(self, cmd: Expect) -> Count:
-        """Expect this rank's slices of the transfer (`Expect`); how many."""
+    def expect(self, cmd: commands.Expect) -> Count:
+        """Expect this rank's slices of the transfer; how many."""
         assert self.receiver is not None, "a decode node's rank binds a receiver"
         ids = []
         for s in self._plan(cmd.src_tp, self.size):
@@ -141,7 +211,7 @@ class RankKV:
         self.expected[cmd.xfer_id] = ids
         return Count(len(ids))
 
-    def cancel(self, cmd: Cancel) -> Done:
+    def cancel(self, cmd: commands.Cancel) -> Done:
         assert self.receiver is not None
         ids = self.expected.pop(cmd.xfer_id, [])
         for sid in ids:
@@ -150,7 +220,7 @@ class RankKV:
             self.fenced.setdefault(cmd.xfer_id, set()).update(ids)
         return Done()
 
-    def finished(self, _: TakeFinished) -> Finished:
+    def finished(self, _: commands.TakeFinished) -> commands.Finished:
         """Slices finished here since the last call."""
         assert self.receiver is not None
         out = []
@@ -164,10 +234,10 @@ class RankKV:
             ids.remove(r.xfer_id)
             if not ids:
                 del self.expected[xfer_id]
-            out.append(SliceDone(xfer_id, r.ok, r.error, r.first))
-        return Finished(tuple(out))
+            out.append(commands.SliceDone(xfer_id, r.ok, r.error, r.first))
+        return commands.Finished(tuple(out))
 
-    def released(self, _: TakeReleased) -> Released:
+    def released(self, _: commands.TakeReleased) -> commands.Released:
         """Cancelled transfers whose blocks no sender can write here any more (fencing
         connectors): each cancelled xfer id once, when every one of its slices is."""
         assert self.receiver is not None
@@ -178,14 +248,14 @@ class RankKV:
         out = sorted(x for x, ids in self.fenced.items() if not ids)
         for xfer_id in out:
             del self.fenced[xfer_id]
-        return Released(tuple(out))
+        return commands.Released(tuple(out))
 
     def _poll(self) -> None:
         """Let the receiver take its messages; keep the transfers it finished for `finished`."""
         assert self.receiver is not None
         self._results += self.receiver.poll(0)
 
-    def bytes_received(self, _: BytesReceived) -> Count:
+    def bytes_received(self, _: commands.BytesReceived) -> Count:
         """KV bytes written here: pages received, each this rank's share of a page (exact
         when every slice carries all of the rank's heads)."""
         if self.receiver is None:
@@ -195,7 +265,7 @@ class RankKV:
 
     # -- prefill side ---------------------------------------------------------------------------
 
-    def bytes_sent(self, _: BytesSent) -> Count:
+    def bytes_sent(self, _: commands.BytesSent) -> Count:
         """Page bytes this rank's senders handed to their transports, as they count them (a
         rank the plan names for no slice sends none: an MLA latent leaves from one rank)."""
         return Count(sum(s.bytes_sent for s in self.port.senders.values()))
@@ -203,17 +273,17 @@ class RankKV:
     def _my_slices(self, endpoints: Sequence[str]) -> list[HeadSlice]:
         return [s for s in self._plan(self.size, len(endpoints)) if s.src_rank == self.rank]
 
-    def connect(self, cmd: Connect) -> Done:
+    def connect(self, cmd: commands.Connect) -> Done:
         """Handshake with every decode rank this rank sends to (raises what connect raises)."""
         for s in self._my_slices(cmd.endpoints):
             self.port.sender(cmd.endpoints[s.dst_rank], f"{cmd.instance}.{s.dst_rank}")
         return Done()
 
-    def layer_hook(self, ship: ShipKV) -> Callable[[int], None]:
+    def layer_hook(self, ship: commands.ShipKV) -> Callable[[int], None]:
         """What this rank runs after each layer of a step that ships `ship.shipments`."""
         return lambda layer: self.ship_layer(layer, ship.shipments)
 
-    def ship_layer(self, layer: int, shipments: Sequence[Shipment]) -> None:
+    def ship_layer(self, layer: int, shipments: Sequence[commands.Shipment]) -> None:
         """Send this rank's slices of one layer's new pages; a broken connection goes to
         `failed` (the rest of that destination's pages are skipped)."""
         cache = self.caches[layer]
@@ -229,30 +299,30 @@ class RankKV:
             except (*SEND_ERRORS, KeyError) as exc:
                 self.failed[ship.endpoints[0]] = str(exc) or type(exc).__name__
 
-    def take_failures(self, _: TakeFailures) -> Failures:
+    def take_failures(self, _: commands.TakeFailures) -> commands.Failures:
         failed, self.failed = self.failed, {}
-        return Failures(failed)
+        return commands.Failures(failed)
 
-    def done(self, cmd: SendDone) -> Done:
+    def done(self, cmd: commands.SendDone) -> Done:
         """End this rank's slices of the transfer, handing over the request's first token."""
         for s in self._my_slices(cmd.endpoints):
             sender = self.port.senders[cmd.endpoints[s.dst_rank]]
             sender.send_done(slice_id(cmd.xfer_id, self.rank), cmd.first)
         return Done()
 
-    def abandon(self, cmd: Abandon) -> Done:
+    def abandon(self, cmd: commands.Abandon) -> Done:
         for s in self._my_slices(cmd.endpoints):
             sender = self.port.senders.get(cmd.endpoints[s.dst_rank])
             if sender is not None:
                 sender.abandon(slice_id(cmd.xfer_id, self.rank))
         return Done()
 
-    def drop(self, cmd: Drop) -> Done:
+    def drop(self, cmd: commands.Drop) -> Done:
         for endpoint in cmd.endpoints:
             self.port.drop(endpoint)
         return Done()
 
-    def poll_senders(self, _: PollSenders) -> Done:
+    def poll_senders(self, _: commands.PollSenders) -> Done:
         self.port.poll()
         return Done()
 
@@ -274,7 +344,7 @@ class KVGroup:
         self.endpoints: tuple[str, ...] = ()
         self._released_on: dict[str, set[int]] = {}  # cancelled xfer id -> ranks that released
         if local.receiver is not None:
-            self.endpoints = tuple(r.endpoint for r in self._all(Endpoint()))
+            self.endpoints = tuple(r.endpoint for r in self._all(commands.Endpoint()))
 
     def _all(self, command: RankCommand) -> list[Message]:
         """Every rank's answer to `command`, rank 0's first."""
@@ -284,26 +354,26 @@ class KVGroup:
 
         if self.driver is None:
             return [here()]
-        return self.driver.call(KV_RANKS, command, here)
+        return self.driver.call(commands.KV_RANKS, command, here)
 
     # -- decode side ----------------------------------------------------------------------------
 
     def expect(self, xfer_id: str, block_ids: Sequence[int], src_tp: int) -> int:
         """Open transfer `xfer_id` into `block_ids` from a prefill group at TP `src_tp` on
         every rank; how many slices the node waits for."""
-        return sum(c.n for c in self._all(Expect(xfer_id, tuple(block_ids), src_tp)))
+        return sum(c.n for c in self._all(commands.Expect(xfer_id, tuple(block_ids), src_tp)))
 
     def cancel(self, xfer_id: str) -> None:
-        self._all(Cancel(xfer_id))
+        self._all(commands.Cancel(xfer_id))
 
-    def finished(self) -> list[SliceDone]:
+    def finished(self) -> list[commands.SliceDone]:
         """Slices finished on any rank since the last call."""
-        return [s for answer in self._all(TakeFinished()) for s in answer.slices]
+        return [s for answer in self._all(commands.TakeFinished()) for s in answer.slices]
 
     def released(self) -> list[str]:
         """Cancelled transfers whose blocks no sender can write on any rank any more (each
         rank names each cancelled transfer once): the node may free them now."""
-        for rank, answer in enumerate(self._all(TakeReleased())):
+        for rank, answer in enumerate(self._all(commands.TakeReleased())):
             for xfer_id in answer.xfer_ids:
                 self._released_on.setdefault(xfer_id, set()).add(rank)
         out = [x for x, ranks in self._released_on.items() if len(ranks) == self.size]
@@ -313,42 +383,42 @@ class KVGroup:
 
     def bytes_received(self) -> list[int]:
         """KV bytes written on each rank, rank 0's first."""
-        return [c.n for c in self._all(BytesReceived())]
+        return [c.n for c in self._all(commands.BytesReceived())]
 
     # -- prefill side ---------------------------------------------------------------------------
 
     def bytes_sent(self) -> list[int]:
         """KV page bytes each rank's senders sent, rank 0's first."""
-        return [c.n for c in self._all(BytesSent())]
+        return [c.n for c in self._all(commands.BytesSent())]
 
     def connect(self, endpoints: Sequence[str], instance: str) -> None:
         """Every rank handshakes with the decode ranks it sends to (a layout mismatch and an
         unreachable decode node raise one of SEND_ERRORS)."""
-        self._all(Connect(tuple(endpoints), instance))
+        self._all(commands.Connect(tuple(endpoints), instance))
 
-    def ship(self, shipments: Sequence[Shipment]) -> LayerCall:
+    def ship(self, shipments: Sequence[commands.Shipment]) -> LayerCall:
         """The layer hook of a step that ships `shipments`, here and on every worker."""
-        ship = ShipKV(tuple(shipments))
+        ship = commands.ShipKV(tuple(shipments))
         return LayerCall(self.local.layer_hook(ship), ship)
 
     def take_failures(self) -> dict[str, str]:
         """Decode groups (by rank 0 endpoint) whose sends broke on any rank, and why."""
         failed: dict[str, str] = {}
-        for answer in self._all(TakeFailures()):
+        for answer in self._all(commands.TakeFailures()):
             failed.update(answer.why)
         return failed
 
     def done(self, endpoints: Sequence[str], xfer_id: str, first: FirstToken) -> None:
-        self._all(SendDone(tuple(endpoints), xfer_id, first))
+        self._all(commands.SendDone(tuple(endpoints), xfer_id, first))
 
     def abandon(self, endpoints: Sequence[str], xfer_id: str) -> None:
-        self._all(Abandon(tuple(endpoints), xfer_id))
+        self._all(commands.Abandon(tuple(endpoints), xfer_id))
 
     def drop(self, endpoints: Sequence[str]) -> None:
-        self._all(Drop(tuple(endpoints)))
+        self._all(commands.Drop(tuple(endpoints)))
 
     def poll_senders(self) -> None:
-        self._all(PollSenders())
+        self._all(commands.PollSenders())
 
     def close(self) -> None:
         self.local.close()  # the workers' ends close with their processes

@@ -287,7 +287,7 @@ def test_a_receiver_restarted_at_the_same_address_gets_a_new_handshake() -> None
     """A decode node restarted on a fixed port listens where the old one did; the transport
     would reconnect the old sender silently, to a receiver that never heard its hello. The
     port compares the receiving process (Reserved.kv_instance) and handshakes again."""
-    from pdserve.kv_transfer import KVPort
+    from pdserve.kv_transfer.ranks import KVPort
 
     recv = create_receiver("zmq", LAYOUT, make_caches(LAYOUT, 8, seed=0))
     port = KVPort("zmq", LAYOUT)

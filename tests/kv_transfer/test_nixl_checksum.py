@@ -78,7 +78,8 @@ def test_nixl_without_the_extra_names_the_install(monkeypatch) -> None:
     made), with the command that installs it."""
     import pytest
 
-    from pdserve.kv_transfer import KVPort, TransferError, nixl_agent
+    from pdserve.kv_transfer import TransferError, nixl_agent
+    from pdserve.kv_transfer.ranks import KVPort
 
     monkeypatch.setattr(nixl_agent, "_NIXL_MODULES", ("no_such_nixl_module._api",))
     with pytest.raises(TransferError, match=r"pip install 'pdserve\[nixl\]'"):

@@ -173,7 +173,7 @@ def test_the_rank_path_imports_everything_at_the_top() -> None:
     """No import put off into a function or behind TYPE_CHECKING: an import cycle shows."""
     files = [
         ROOT / name
-        for name in RANK_PATH + ["kv_transfer/port.py", "common/rendezvous.py"]
+        for name in RANK_PATH + ["common/rendezvous.py"]
         if name.endswith(".py") and name != "common/engine/model_runner.py"
     ]
     late = {
