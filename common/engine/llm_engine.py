@@ -66,7 +66,12 @@ class LLMEngine:
         cache: CacheConfig,
         scheduler: SchedulerConfig,
         parallel: ParallelConfig | None = None,
+        decodes: bool = True,
     ) -> None:
+        """`decodes`: False on a prefill node (its requests leave after the first token)."""
+        spec = scheduler.speculative_config
+        if decodes and spec is not None and parallel is not None:
+            spec.check_decoding_tp(parallel.tensor_parallel_size)
         self.model_config = model
         self.runner = ModelRunner(
             model,

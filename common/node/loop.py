@@ -93,7 +93,7 @@ class EngineNode:
             host=node.host if node.tp_workers == "external" else "127.0.0.1",
             port=node.tp_port,
         )
-        self.engine = LLMEngine(model, cache, scheduler, parallel)
+        self.engine = LLMEngine(model, cache, scheduler, parallel, decodes=not self.hands_off)
         self.model_config = model
         self.block_size = cache.block_size
         self.node_id = node.node_id or f"{self.role}-{uuid.uuid4().hex[:8]}"

@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import hashlib
 import json
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, fields
@@ -163,17 +162,17 @@ class SpeculativeConfig:
         """The --speculative-config text that parses back to this config (a child's flags)."""
         return json.dumps(self.as_dict(), sort_keys=True)
 
-    def digest_fields(self) -> dict[str, str | int]:
-        """What the prefill and decode nodes of one deployment must agree on. ngram and suffix
-        keep no KV state, so only which drafter runs and how many positions a verify step
-        reserves. A drafter with KV (draft_model) adds its page group to the KV layout instead
-        (`ModelRunner.kv_layout` names the draft's checkpoint and counts its layers)."""
-        return {"method": self.method, "num_speculative_tokens": self.num_speculative_tokens}
-
-    def digest(self) -> str:
-        """A short stable hash of `digest_fields()`, for a layout digest."""
-        text = json.dumps(self.digest_fields(), sort_keys=True)
-        return hashlib.sha256(text.encode()).hexdigest()[:16]
+    def check_decoding_tp(self, tensor_parallel_size: int) -> None:
+        """ValueError, before any rank starts, for a node that decodes at TP > 1 with
+        draft_model: a proposal runs k forwards of the draft on rank 0, which the other ranks'
+        shards of the draft do not join (not built), so it would draft nothing. A prefill node
+        at TP > 1 takes it (it computes and ships the draft's pages to a TP 1 decode node)."""
+        if self.method == "draft_model" and tensor_parallel_size > 1:
+            raise _field_error(
+                "method",
+                f"draft_model drafts at tensor parallel size 1 only, not {tensor_parallel_size} "
+                "(a prefill node at TP > 1 may carry it for a TP 1 decode node)",
+            )
 
 
 def _decode(text: str) -> Any:

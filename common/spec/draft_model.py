@@ -11,8 +11,10 @@ runner, not by `create_proposer`).
 Under tensor parallelism every rank holds its shard of the draft (the KV heads it holds of the
 target's) and computes its pages with each step, so a prefill node at TP N ships the draft's
 pages from every rank as it ships the target's. Proposing runs k forwards on rank 0 alone,
-which the other ranks do not follow: a node at TP > 1 computes the draft's pages but drafts
-nothing (the decode node of P TP 2 -> D TP 1 drafts from the pages both P ranks shipped)."""
+which the other ranks do not follow: a node that decodes is refused draft_model at TP > 1 at
+start (`SpeculativeConfig.check_decoding_tp`); a prefill node at TP > 1 computes the draft's
+pages and never drafts (the decode node of P TP 2 -> D TP 1 drafts from the pages both P ranks
+shipped)."""
 
 from __future__ import annotations
 
@@ -162,7 +164,7 @@ class DraftModel(PageGroup):
             self.model.use_cpu_head()
         self.model_id = model_fingerprint(config.model)
         super().__init__(device, config.num_speculative_tokens, f"draft:{self.model_id}")
-        self.proposes = tp is None  # see the module's docstring
+        self.proposes = tp is None  # a prefill node's ranks: see the module's docstring
 
     @property
     def num_layers(self) -> int:

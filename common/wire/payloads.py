@@ -324,7 +324,20 @@ class KVLayout:
             for f in dataclasses.fields(self)
             if getattr(self, f.name) != getattr(other, f.name)
         ]
+        groups = (_page_group(self.model_id), _page_group(other.model_id))
+        if groups[0] != groups[1]:  # a drafter's pages on one side only, or another's
+            diffs.append(
+                f"speculative_config: {labels[0]} {groups[0]}, {labels[1]} {groups[1]} "
+                "(run both nodes with the same --speculative-config method and draft model)"
+            )
         return "KV layout mismatch: " + "; ".join(diffs) if diffs else ""
+
+
+def _page_group(model_id: str) -> str:
+    """What a layout's model id says of a drafter's page group after the target's
+    (`ModelRunner.kv_layout` appends "+draft:<fingerprint>" or "+mtp")."""
+    _, plus, group = model_id.partition("+")
+    return f"has the page group {group!r}" if plus else "has no draft page group"
 
 
 # -- the KV heads across tensor-parallel ranks -------------------------------------------------

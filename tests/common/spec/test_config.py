@@ -108,12 +108,14 @@ def test_not_an_object_is_refused(value):
         SpeculativeConfig.parse(value)
 
 
-def test_digest_covers_what_prefill_and_decode_share_only():
-    base = SpeculativeConfig("ngram", 3)
-    assert base.digest_fields() == {"method": "ngram", "num_speculative_tokens": 3}
-    assert base.digest() == SpeculativeConfig("ngram", 3, prompt_lookup_max=7).digest()
-    assert base.digest() != SpeculativeConfig("ngram", 4).digest()
-    assert base.digest() != SpeculativeConfig("suffix", 3).digest()
+def test_draft_model_is_refused_on_a_decoding_node_at_tp_above_1():
+    draft = SpeculativeConfig("draft_model", 3, model="/d")
+    draft.check_decoding_tp(1)
+    with pytest.raises(ValueError, match="speculative_config.method: draft_model drafts at "
+                       "tensor parallel size 1 only, not 2"):  # fmt: skip
+        draft.check_decoding_tp(2)
+    for method in ("ngram", "suffix"):  # rank 0's pure-Python proposers draft at any TP
+        SpeculativeConfig(method, 3).check_decoding_tp(4)
 
 
 def test_registry_builds_each_method():

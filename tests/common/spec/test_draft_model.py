@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from pdserve.common.engine.llm import LLM, SamplingParams
+from pdserve.common.engine.llm import LLM, SamplingParams, llm_configs
+from pdserve.common.engine.llm_engine import LLMEngine
 from pdserve.common.spec.config import SpeculativeConfig
 from pdserve.common.spec.draft_model import scratch_blocks
 from pdserve.common.spec.self_draft import write_self_draft
@@ -121,8 +122,12 @@ def test_draft_pages_share_the_target_blocks(models) -> None:
     assert plain.engine.runner.num_blocks == (1 << 20) // plain_layout.block_bytes
     assert layout.model_id.startswith(plain_layout.model_id + "+draft:")
     # The KV handshake compares layouts field by field: a node without the draft is refused.
-    mismatch = layout.describe_mismatch(plain_layout)
+    mismatch = layout.describe_mismatch(plain_layout, ("decode", "prefill"))
     assert "model_id" in mismatch and "num_layers" in mismatch
+    group = layout.model_id.partition("+")[2]
+    assert f"speculative_config: decode has the page group {group!r}, prefill has no draft " in (
+        mismatch
+    )
 
 
 def test_bad_draft_is_refused_by_name(models, tmp_path) -> None:
@@ -193,26 +198,38 @@ def test_preempted_requests_recompute_the_draft_pages(models, baseline) -> None:
 
 
 def test_tensor_parallel_ranks_compute_the_draft_pages_but_draft_nothing(models) -> None:
-    """At TP 2 (a prefill node's part in P TP 2 -> D TP 1) each rank holds its KV heads of the
-    draft's pages, computed with the target's steps: rank 0's equal the first half of a TP 1
-    engine's. Proposing would run on rank 0 alone, so such a node drafts nothing; its tokens
-    are the target's."""
+    """At TP 2 on a prefill node (its part in P TP 2 -> D TP 1: an engine that does not decode)
+    each rank holds its KV heads of the draft's pages, computed with the target's steps: rank
+    0's equal the first half of a TP 1 engine's. Proposing would run on rank 0 alone, so such
+    a node drafts nothing; its tokens are the target's. An engine that decodes is refused
+    draft_model at TP 2 at start, by name, before any rank starts."""
     spec, prompt = draft(models["target"], 3), PROMPTS[3]
     options = {"skip_tokenizer_init": True, "block_size": 4, "num_blocks": 40, "dtype": "float32"}
     with LLM(models["target"], speculative_config=spec, **options) as one:
         want = one.generate([prompt], GREEDY)[0].token_ids
         whole = [cache.clone() for cache in one.engine.runner.draft.caches]
     tp = {"tensor_parallel_size": 2, "threads_per_rank": 1}
-    with LLM(models["target"], speculative_config=spec, **tp, **options) as two:
-        assert two.generate([prompt], GREEDY)[0].token_ids == want
-        assert two.engine.scheduler.drafter.stats.num_draft_tokens == 0
-        halves = two.engine.runner.draft.caches
+    with pytest.raises(ValueError, match="draft_model drafts at tensor parallel size 1 only"):
+        LLM(models["target"], speculative_config=spec, **tp, **options)
+    engine_options = {k: v for k, v in options.items() if k != "skip_tokenizer_init"}
+    configs = llm_configs(models["target"], {"speculative_config": spec, **tp, **engine_options})
+    two = LLMEngine(*configs, decodes=False)
+    try:
+        two.add_request("r", prompt, GREEDY)
+        got: list[int] = []
+        while two.has_unfinished:
+            got.extend(t for update in two.step() for t in update.new_token_ids)
+        assert got == want
+        assert two.scheduler.drafter.stats.num_draft_tokens == 0
+        halves = two.runner.draft.caches
         assert len(halves) == len(whole) == 3
         for half, full in zip(halves, whole, strict=True):
             heads = half.shape[3]
             assert heads * 2 == full.shape[3]
             assert half.abs().sum() > 0, "rank 0 computed no draft pages"
             torch.testing.assert_close(half[:, :40], full[:, :40, :, :heads], atol=1e-4, rtol=0)
+    finally:
+        two.close()
 
 
 def test_a_self_draft_of_a_gguf_is_the_cut_of_its_weights(models, tmp_path) -> None:

@@ -1,8 +1,9 @@
 """ngram and suffix draft at tensor parallelism 2 (issue 38): their proposers are pure Python on
 rank 0 (the scheduler's side) and the verify step is the target's TP step, so nothing of the
 drafter needs the other ranks. Greedy tokens equal TP 1's without speculation, and drafts are
-made and accepted. (draft_model at TP > 1 computes its pages on every rank but proposes
-nothing: its forwards would run on rank 0 alone; mtp is refused at TP > 1 at start.)"""
+made and accepted. (draft_model at TP > 1 is refused at start on a node that decodes: its
+forwards would run on rank 0 alone; tests/common/spec/test_draft_model.py. mtp is refused at
+TP > 1 at start.)"""
 
 from __future__ import annotations
 
