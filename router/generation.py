@@ -295,6 +295,9 @@ class Generation:
             await asyncio.gather(*self._tasks, return_exceptions=True)
             await self._abort_unfinished()
         self._tasks = []
+        for choice in self.choices:  # after the writes: a stream may end before its first one
+            if choice.finish_reason is not None:
+                self._metrics.observe_stages(choice.request.timing)
         assert self._ticket is not None, "left a generation that was never entered"
         self._ticket.release()
         self._metrics.in_flight.dec()
@@ -344,7 +347,6 @@ class Generation:
                     await self._abort(choice)  # a stop string ended it before the backend did
                 self._queue.put_nowait(delta)
                 if delta.finish_reason is not None:
-                    self._metrics.observe_stages(choice.request.timing)
                     if delta.finish_reason != "error":
                         self._metrics.finished(clock)
                     return

@@ -5,16 +5,20 @@ with its cause (over fake nodes, tests/router/test_failover.py's harness)."""
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
 import pytest
+from fastapi.testclient import TestClient
 
 from pdserve.common.wire.messages import Error, Failure, Prefill, ReserveKV, Tokens
 from pdserve.common.wire.payloads import SamplingParams, StageTimes
+from pdserve.router.app import create_app
 from pdserve.router.backend import GenerateRequest
 from pdserve.router.cluster.backend import ClusterBackend
 from pdserve.router.cluster.timing import RequestTiming, RequestTrace
+from tests.router.fake_backend import FIRST_ORDINARY_ID, FakeBackend, tiny_tokenizer
 from tests.router.test_failover import FakeNodes, run, until
 
 
@@ -151,3 +155,32 @@ def test_a_request_left_out_of_the_sample_makes_no_span_and_no_attribute() -> No
     assert tracer.spans == [], "no span at all for it"
     kept = RequestTrace(FakeTracer(sample=True), request, "m")  # type: ignore[arg-type]
     assert kept.on and kept.traceparent is not None
+
+
+class OneMessage(FakeBackend):
+    """Answers with one message that carries the only token and the finish, with the computing
+    node's stages, as a cluster backend hands them on (dispatched, then noted)."""
+
+    async def generate(self, request: GenerateRequest) -> AsyncIterator[Tokens | Error]:
+        request.timing.dispatch()
+        stages = StageTimes(queue=0.01, prefill=0.02)
+        msg = Tokens(
+            request.request_id, (FIRST_ORDINARY_ID,), finish_reason="length", stages=stages
+        )
+        request.timing.note(msg)
+        yield msg
+
+
+def test_a_stream_that_ends_before_its_first_write_still_measures_its_egress() -> None:
+    """The whole answer comes before the router writes its first chunk: the stages are taken
+    once that chunk is written, so router_egress is the time to its write, not 0."""
+    tokenizer = tiny_tokenizer()
+    backend = OneMessage(len(tokenizer), tokenizer.eos_token_id)
+    with TestClient(create_app(backend, tokenizer, "tiny")) as client:
+        body = {"model": "tiny", "prompt": "Once", "max_tokens": 1, "stream": True}
+        assert client.post("/v1/completions", json=body).text.endswith("data: [DONE]\n\n")
+        metrics = client.get("/metrics").text.splitlines()
+    egress = 'pdserve:ttft_stage_seconds_{}{{stage="router_egress"}} '
+    (count,) = [float(m.split()[-1]) for m in metrics if m.startswith(egress.format("count"))]
+    (total,) = [float(m.split()[-1]) for m in metrics if m.startswith(egress.format("sum"))]
+    assert count == 1 and total > 0, "router_egress observed before the chunk's write"
