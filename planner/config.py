@@ -29,6 +29,9 @@ class PlannerConfig:
     interval: float = option(10.0, SIZING, "seconds between two decisions")
     window: float = option(60.0, SIZING, "a pool shrinks only if every need in this many s allows")
     smoothing: float = option(10.0, SIZING, "arrivals are averaged over about this many s")
+    burst_slos: float = option(5.0, SIZING, "and over at least this many TTFT SLOs")
+    trend: float = option(180.0, SIZING, "the arrivals' rise is read off an average over this many s")
+    lead: float = option(70.0, SIZING, "and planned for this many s ahead (a node's start)")
     queue_share: float = option(0.5, SIZING, "share of the TTFT SLO the queue may wait")
     util_high: float = option(0.8, SIZING, "grow a pool when its need passes this share")
     util_low: float = option(0.65, SIZING, "shrink only to survivors under this share")
@@ -43,11 +46,13 @@ class PlannerConfig:
     max_nodes: int = option(128, BOUNDS, "most nodes of both roles together")
 
     def __post_init__(self) -> None:
-        for name in ("ttft_slo", "itl_slo", "interval", "smoothing", "max_age", "start_timeout"):
+        positive = ("ttft_slo", "itl_slo", "interval", "smoothing", "trend", "max_age")
+        for name in (*positive, "start_timeout"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"--{name.replace('_', '-')} must be > 0")
-        if self.window < 0:
-            raise ValueError("--window must be >= 0")
+        for name in ("window", "burst_slos", "lead"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"--{name.replace('_', '-')} must be >= 0")
         for low, high in (("util_low", "util_high"), ("kv_low", "kv_high")):
             if not 0 < getattr(self, low) < getattr(self, high) <= 1:
                 raise ValueError(f"need 0 < {low} < {high} <= 1 (the gap is the hysteresis)")
