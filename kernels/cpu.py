@@ -13,9 +13,13 @@ returns the log-sum-exp) attends over it, and the chunks' partial outputs are me
 log-sum-exps (an online softmax). Grouped-query heads fold into the query length: the G query
 heads that share a KV head are G query rows over the same keys, so K/V are never repeated.
 
-What a step's metadata implies (groups, gather indices, masks, buffers) is a `StepPlan`, made
-by the first layer and cached on the metadata's `seq_lens` tensor, which every layer of the
-step gets (the compiled decode passes the same tensor objects into its opaque op).
+Decode rows (one query each) go to `cpu_attention.paged_decode` instead where it serves the
+dtypes: one C++ call a layer for all of them, reading each row's blocks in place with an online
+softmax (no gather, no flash call per group); prefill chunks keep the flash path above.
+
+What a step's metadata implies (groups, gather indices, masks, buffers, the decode rows) is a
+`StepPlan`, made by the first layer and cached on the metadata's `seq_lens` tensor, which every
+layer of the step gets (the compiled decode passes the same tensor objects into its opaque op).
 """
 
 from __future__ import annotations
@@ -23,6 +27,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
+
+from pdserve.kernels import cpu_attention
 
 # A chunk gathers up to CHUNK_BYTES of K across its rows, yet at least MIN_CHUNK_KEYS keys a
 # row: each chunk costs a dozen torch calls (each a parallel region whose barrier stalls when
@@ -130,12 +136,24 @@ class Group:
 
 
 @dataclass(frozen=True, slots=True)
+class DecodeRows:
+    """The step's decode rows for the in-place kernel: their rows of the flat query (None:
+    every row of the step, in order) with their block tables [R, W] and lengths [R], int32."""
+
+    tokens: torch.Tensor | None
+    block_tables: torch.Tensor
+    seq_lens: torch.Tensor
+
+
+@dataclass(frozen=True, slots=True)
 class StepPlan:
-    """A step's groups and what its layers' calls share: masks in the query's dtype and the
-    gather buffers, made by the first layer that needs them (`cache`)."""
+    """A step's groups, its decode rows when the in-place kernel takes them (then no group
+    holds them), and what its layers' calls share: masks in the query's dtype and the gather
+    buffers, made by the first layer that needs them (`cache`)."""
 
     key: tuple
     groups: tuple[Group, ...]
+    decode: DecodeRows | None = None
     cache: dict = field(default_factory=dict)
 
     def mask(self, chunk: Chunk, heads_per_kv: int, dtype: torch.dtype) -> torch.Tensor | None:
@@ -237,15 +255,35 @@ def make_plan(
     block_size: int,
     window: int | None,
     token_bytes: int,
+    in_place: bool = False,
 ) -> tuple[Group, ...]:
-    """The step's groups: decode rows batched by length, each longer query on its own."""
+    """The step's groups: decode rows batched by length (none where `in_place`: the decode
+    kernel takes them), each longer query on its own."""
     starts, lens = query_start_loc.tolist(), seq_lens.tolist()
     q_lens = [starts[b + 1] - starts[b] for b in range(len(lens))]
     args = (starts, lens)
     rest = (block_tables, block_size, window, token_bytes)
-    groups = [_group(g, *args, 1, *rest) for g in decode_groups(q_lens, lens)]
+    decodes = [] if in_place else decode_groups(q_lens, lens)
+    groups = [_group(g, *args, 1, *rest) for g in decodes]
     groups += [_group([b], *args, q, *rest) for b, q in enumerate(q_lens) if q > 1]
     return tuple(groups)
+
+
+def decode_rows(
+    block_tables: torch.Tensor, query_start_loc: torch.Tensor, seq_lens: torch.Tensor
+) -> DecodeRows | None:
+    """The rows with one query this step, or None; a step of decodes only passes its tensors
+    as they are."""
+    starts = query_start_loc.tolist()
+    rows = [b for b in range(len(starts) - 1) if starts[b + 1] - starts[b] == 1]
+    if not rows:
+        return None
+    tables, lens = block_tables.int().contiguous(), seq_lens.int().contiguous()
+    if len(rows) == len(starts) - 1:
+        return DecodeRows(None, tables, lens)
+    index = torch.tensor(rows)
+    tokens = torch.tensor([starts[b] for b in rows])
+    return DecodeRows(tokens, tables.index_select(0, index), lens.index_select(0, index))
 
 
 def _versions(tensors: tuple[torch.Tensor, ...]) -> tuple[int, ...]:
@@ -260,12 +298,13 @@ def step_plan(
     block_size: int,
     window: int | None,
     token_bytes: int,
+    in_place: bool = False,
 ) -> StepPlan:
     """The plan cached on seq_lens when it was made from these very tensors, unchanged (the
     layers of a step), else a new one cached there. One per layer kind: models that alternate
-    sliding-window and full layers keep both."""
+    sliding-window and full layers keep both. `in_place`: decode rows go to the kernel."""
     inputs = (block_tables, query_start_loc, seq_lens)
-    kind = (block_size, window, token_bytes)
+    kind = (block_size, window, token_bytes, in_place)
     key = (*map(id, inputs), *_versions(inputs))
     plans = getattr(seq_lens, "_pdserve_plans", None)
     if plans is None or plans.get("key") != key:
@@ -273,7 +312,8 @@ def step_plan(
         # seq_lens (holding seq_lens itself would make a cycle).
         plans = seq_lens._pdserve_plans = {"key": key, "inputs": inputs[:2]}
     if kind not in plans:
-        plans[kind] = StepPlan(kind, make_plan(*inputs, *kind))
+        decode = decode_rows(*inputs) if in_place else None
+        plans[kind] = StepPlan(kind, make_plan(*inputs, *kind), decode)
     return plans[kind]
 
 
@@ -369,17 +409,36 @@ def paged_attention_cpu(
     seq_lens: torch.Tensor,
     scale: float,
     sliding_window: int | None = None,
+    decode_kernel: bool = True,
 ) -> torch.Tensor:
     """`reference.paged_attention_ref`'s semantics (shapes there), reading the paged cache a
-    chunk of blocks at a time; the step's plan is made by its first layer. v_cache may be
-    k_cache itself (an MLA latent: keys and values from one gather; the caller keeps the
-    value dims of the output)."""
+    chunk of blocks at a time, decode rows in place (`cpu_attention`) where that serves and
+    `decode_kernel` (False: flash for them too, the bench's before); the step's plan is made
+    by its first layer. v_cache may be k_cache itself (an MLA latent: keys and values from
+    one read; the caller keeps the value dims of the output)."""
     block_size, kv_heads, dim = k_cache.shape[1:]
     token_bytes = kv_heads * dim * k_cache.element_size()
+    in_place = decode_kernel and cpu_attention.serves(query, k_cache, v_cache)
     args = (block_tables, query_start_loc, seq_lens, block_size, sliding_window, token_bytes)
-    plan = step_plan(*args)
+    plan = step_plan(*args, in_place)
+    decoded = None if plan.decode is None else _attend_decode(query, k_cache, v_cache, plan, scale)
+    if decoded is not None and plan.decode.tokens is None:
+        return decoded  # decodes only: the kernel's output is the step's
     out = torch.empty_like(query)
+    if decoded is not None:
+        out.index_copy_(0, plan.decode.tokens, decoded)
     for group in plan.groups:
         rows = _attend_group(query, k_cache, v_cache, group, plan, scale)
         out.index_copy_(0, group.tokens, rows.to(out.dtype))
     return out
+
+
+def _attend_decode(
+    query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: StepPlan, scale: float
+) -> torch.Tensor:
+    """The decode rows' outputs [R, H, D], the plan's kernel call."""
+    rows, window = plan.decode, plan.key[1]
+    q = query if rows.tokens is None else query.index_select(0, rows.tokens)
+    return cpu_attention.paged_decode(
+        q, k_cache, v_cache, rows.block_tables, rows.seq_lens, scale, window
+    )

@@ -1,6 +1,7 @@
 """`pdserve bench attention`: the CPU paged attention of a decode step against the bandwidth
-floor of the KV bytes it must read, at batch 1 and 16 and 1K and 4K context, next to the
-reference it replaced (which gathers each sequence's whole context per call).
+floor of the KV bytes it must read, at batch 1 and 16 and 1K and 4K context: the in-place decode
+kernel, next to the flash path and the reference it replaced (which gathers each sequence's
+whole context per call).
 
 The floor is the time a `sum()` takes to read those bytes at the read bandwidth measured in
 the same run, with the same thread count. Definitions: docs/benchmarks.md."""
@@ -8,6 +9,7 @@ the same run, with the same thread count. Definitions: docs/benchmarks.md."""
 from __future__ import annotations
 
 import argparse
+import functools
 import sys
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -20,8 +22,11 @@ from pdserve.common.node.cli import parser
 from pdserve.kernels.cpu import make_plan, paged_attention_cpu
 from pdserve.kernels.reference import paged_attention_ref
 
+# in_place: decode rows through kernels/cpu_attention (one C++ call a layer); flash: the
+# chunked gathers and flash calls it replaced for them; reference: the whole-context gathers.
 IMPLS: dict[str, Callable[..., torch.Tensor]] = {
-    "paged_cpu": paged_attention_cpu,
+    "in_place": paged_attention_cpu,
+    "flash": functools.partial(paged_attention_cpu, decode_kernel=False),
     "reference": paged_attention_ref,
 }
 BLOCK_SIZE = 16

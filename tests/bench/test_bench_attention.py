@@ -26,6 +26,6 @@ def test_quick_run_reports_each_case_against_its_floor(tmp_path: Path) -> None:
         assert r["kv_bytes"] == 2048 * sum(lens)
         assert math.isclose(r["gb_s"], r["kv_bytes"] / r["ms"] / 1e6)
         assert math.isclose(r["of_floor"], r["floor_ms"] / r["ms"])
-        assert ("plan_ms" in r) == (r["impl"] == "paged_cpu")
+        assert ("plan_ms" in r) == (r["impl"] == "in_place")
     section = (tmp_path / "benchmarks.md").read_text()
-    assert "<!-- BEGIN attention -->" in section and "| paged_cpu |" in section
+    assert "<!-- BEGIN attention -->" in section and "| in_place |" in section and "| flash |" in section

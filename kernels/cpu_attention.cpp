@@ -1,0 +1,238 @@
+// pdserve's CPU decode attention over the paged cache, read in place (kernels/cpu_attention.py
+// says what it takes and where it runs). Built by torch's cpp_extension at first use.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <c10/util/BFloat16.h>
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <vector>
+
+namespace {
+
+// One task's view of the call: the cache halves' strides (elements) and the query heads that
+// share a KV head (G of them, `dim` wide each).
+struct Layout {
+  int64_t block_size, dim, heads_per_kv, num_blocks;
+  int64_t k_block, k_token, k_head, v_block, v_token, v_head;
+};
+
+// The keys [lo, hi) a decode query at position len - 1 sees: all, or its last `window`.
+inline int64_t first_key(int64_t len, int64_t window) {
+  return window > 0 ? std::max<int64_t>(0, len - window) : 0;
+}
+
+inline float to_float(float x) { return x; }
+inline float to_float(c10::BFloat16 x) { return static_cast<float>(x); }
+
+// The plain loop: scores of one block's keys for the G heads, then the online-softmax update.
+template <typename T>
+struct Plain {
+  static void scores(const float* q, const T* k, int64_t k_token, int64_t keys, int64_t G,
+                     int64_t D, float* s, int64_t s_stride) {
+    for (int64_t t = 0; t < keys; ++t) {
+      const T* kt = k + t * k_token;
+      for (int64_t g = 0; g < G; ++g) {
+        float acc = 0.f;
+        for (int64_t d = 0; d < D; ++d) acc += q[g * D + d] * to_float(kt[d]);
+        s[g * s_stride + t] = acc;
+      }
+    }
+  }
+  static void accumulate(const float* p, const T* v, int64_t v_token, int64_t keys, int64_t G,
+                         int64_t D, float* acc, int64_t p_stride) {
+    for (int64_t t = 0; t < keys; ++t) {
+      const T* vt = v + t * v_token;
+      for (int64_t g = 0; g < G; ++g) {
+        const float w = p[g * p_stride + t];
+        for (int64_t d = 0; d < D; ++d) acc[g * D + d] += w * to_float(vt[d]);
+      }
+    }
+  }
+  static void exp_shift(float* x, int64_t n, float shift) {
+    for (int64_t i = 0; i < n; ++i) x[i] = std::exp(x[i] - shift);
+  }
+};
+
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq")
+
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const c10::BFloat16* p) {  // bf16 is float32's high half
+  __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+// exp(x) for 16 lanes: 2^n * p(r), x = n ln2 + r, |r| <= ln2/2, p of degree 6 (rel. error
+// ~1e-7, float32's own); inputs below -87 (weights under float32's normal range) give 0.
+inline __m512 exp16(__m512 x) {
+  const __m512 lo = _mm512_set1_ps(-87.f);
+  const __mmask16 under = _mm512_cmp_ps_mask(x, lo, _CMP_LT_OQ);
+  x = _mm512_max_ps(x, lo);
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145752f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.42860677e-6f), r);
+  __m512 p = _mm512_set1_ps(1.f / 720);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 120));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 24));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 6));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
+  const __m512 out = _mm512_scalef_ps(p, n);
+  return _mm512_mask_mov_ps(out, under, _mm512_setzero_ps());
+}
+
+// The same three steps on 16 lanes (dim a multiple of 16).
+template <typename T>
+struct Avx512 {
+  static void scores(const float* q, const T* k, int64_t k_token, int64_t keys, int64_t G,
+                     int64_t D, float* s, int64_t s_stride) {
+    for (int64_t t = 0; t < keys; ++t) {
+      const T* kt = k + t * k_token;
+      for (int64_t g = 0; g < G; ++g) {
+        const float* qg = q + g * D;
+        __m512 acc = _mm512_mul_ps(load16(qg), load16(kt));
+        for (int64_t d = 16; d < D; d += 16) acc = _mm512_fmadd_ps(load16(qg + d), load16(kt + d), acc);
+        s[g * s_stride + t] = _mm512_reduce_add_ps(acc);
+      }
+    }
+  }
+  static void accumulate(const float* p, const T* v, int64_t v_token, int64_t keys, int64_t G,
+                         int64_t D, float* acc, int64_t p_stride) {
+    for (int64_t t = 0; t < keys; ++t) {
+      const T* vt = v + t * v_token;
+      for (int64_t d = 0; d < D; d += 16) {
+        const __m512 vv = load16(vt + d);
+        for (int64_t g = 0; g < G; ++g) {
+          float* a = acc + g * D + d;
+          _mm512_storeu_ps(a, _mm512_fmadd_ps(_mm512_set1_ps(p[g * p_stride + t]), vv, load16(a)));
+        }
+      }
+    }
+  }
+  static void exp_shift(float* x, int64_t n, float shift) {
+    const __m512 m = _mm512_set1_ps(shift);
+    int64_t i = 0;
+    for (; i + 16 <= n; i += 16) _mm512_storeu_ps(x + i, exp16(_mm512_sub_ps(load16(x + i), m)));
+    if (i < n) {
+      const __mmask16 tail = static_cast<__mmask16>((1u << (n - i)) - 1);
+      const __m512 xs = _mm512_maskz_loadu_ps(tail, x + i);
+      _mm512_mask_storeu_ps(x + i, tail, exp16(_mm512_sub_ps(xs, m)));
+    }
+  }
+};
+
+#pragma GCC pop_options
+
+// One (row, KV head): walk the row's blocks from its first seen key, an online softmax per
+// query head (running max m, sum l, output acc), each block's scores computed at once.
+template <typename T, typename Ops>
+void attend_row(const float* q, const T* k_cache, const T* v_cache, const int32_t* table,
+                int64_t len, int64_t window, const Layout& L, int64_t kv_head, float* acc,
+                float* s, T* out) {
+  const int64_t G = L.heads_per_kv, D = L.dim, bs = L.block_size;
+  std::vector<float> m(G, -std::numeric_limits<float>::infinity()), l(G, 0.f);
+  std::fill(acc, acc + G * D, 0.f);
+  const int64_t lo = first_key(len, window);
+  for (int64_t start = lo - lo % bs; start < len; start += bs) {
+    const int64_t block = table[start / bs];
+    TORCH_CHECK(block >= 0 && block < L.num_blocks, "block table names block ", block,
+                " of a cache of ", L.num_blocks);
+    const int64_t from = std::max(start, lo), keys = std::min(start + bs, len) - from;
+    const T* k = k_cache + block * L.k_block + (from - start) * L.k_token + kv_head * L.k_head;
+    const T* v = v_cache + block * L.v_block + (from - start) * L.v_token + kv_head * L.v_head;
+    Ops::scores(q, k, L.k_token, keys, G, D, s, bs);
+    for (int64_t g = 0; g < G; ++g) {
+      float* sg = s + g * bs;
+      const float top = std::max(m[g], *std::max_element(sg, sg + keys));
+      Ops::exp_shift(sg, keys, top);
+      const float keep = std::exp(m[g] - top);  // 0 at the first block (m = -inf)
+      if (keep != 1.f) {
+        for (int64_t d = 0; d < D; ++d) acc[g * D + d] *= keep;
+      }
+      float sum = 0.f;
+      for (int64_t t = 0; t < keys; ++t) sum += sg[t];
+      l[g] = l[g] * keep + sum;
+      m[g] = top;
+    }
+    Ops::accumulate(s, v, L.v_token, keys, G, D, acc, bs);
+  }
+  for (int64_t g = 0; g < G; ++g) {
+    const float inv = l[g] > 0.f ? 1.f / l[g] : 0.f;
+    for (int64_t d = 0; d < D; ++d) out[g * D + d] = static_cast<T>(acc[g * D + d] * inv);
+  }
+}
+
+template <typename T, typename Ops>
+void attend_all(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
+                const torch::Tensor& tables, const torch::Tensor& lens, double scale,
+                int64_t window, torch::Tensor& out) {
+  const int64_t R = q.size(0), H = q.size(1), D = q.size(2), Hkv = k_cache.size(2);
+  const Layout L{k_cache.size(1), D, H / Hkv, k_cache.size(0),
+                 k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+                 v_cache.stride(0), v_cache.stride(1), v_cache.stride(2)};
+  const T* qp = q.data_ptr<T>();
+  const T* kp = k_cache.data_ptr<T>();
+  const T* vp = v_cache.data_ptr<T>();
+  const int32_t* tp = tables.data_ptr<int32_t>();
+  const int32_t* lp = lens.data_ptr<int32_t>();
+  T* op = out.data_ptr<T>();
+  const int64_t width = tables.size(1), G = L.heads_per_kv;
+  at::parallel_for(0, R * Hkv, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> qf(G * D), acc(G * D), s(G * L.block_size);
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t r = task / Hkv, h = task % Hkv, len = lp[r];
+      const T* qr = qp + (r * H + h * G) * D;
+      for (int64_t i = 0; i < G * D; ++i) qf[i] = to_float(qr[i]) * static_cast<float>(scale);
+      TORCH_CHECK(len >= 1 && len <= width * L.block_size, "row ", r, ": length ", len,
+                  " outside its block table's ", width * L.block_size, " slots");
+      attend_row<T, Ops>(qf.data(), kp, vp, tp + r * width, len, window, L, h, acc.data(),
+                         s.data(), op + (r * H + h * G) * D);
+    }
+  });
+}
+
+}  // namespace
+
+// Decode attention: q [R, H, D] (one query a row, at position lens[r] - 1) over each row's
+// blocks of k_cache and v_cache [N, block_size, Hkv, D] (v_cache may be k_cache itself);
+// block_tables [R, W] int32, lens [R] int32; window > 0 keeps the last `window` keys.
+// bf16 or float32, q's dtype the cache's; out [R, H, D] in it. avx512: the 16-lane path.
+torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
+                           torch::Tensor block_tables, torch::Tensor lens, double scale,
+                           int64_t window, bool avx512) {
+  TORCH_CHECK(q.dim() == 3 && q.is_contiguous(), "q must be a contiguous [R, H, D]");
+  TORCH_CHECK(k_cache.dim() == 4 && v_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes(),
+              "k_cache and v_cache must be [N, block_size, Hkv, D] alike");
+  TORCH_CHECK(k_cache.stride(3) == 1 && v_cache.stride(3) == 1, "cache rows must be contiguous");
+  TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() && q.scalar_type() == v_cache.scalar_type(),
+              "q, k_cache and v_cache must have one dtype");
+  TORCH_CHECK(q.size(2) == k_cache.size(3) && q.size(1) % k_cache.size(2) == 0,
+              "q's heads must be a multiple of the cache's, dims equal");
+  TORCH_CHECK(block_tables.scalar_type() == torch::kInt && block_tables.dim() == 2 &&
+              block_tables.is_contiguous() && block_tables.size(0) == q.size(0),
+              "block_tables must be a contiguous int32 [R, W]");
+  TORCH_CHECK(lens.scalar_type() == torch::kInt && lens.is_contiguous() && lens.dim() == 1 &&
+              lens.size(0) == q.size(0), "lens must be a contiguous int32 [R]");
+  static const bool has = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                          __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
+  TORCH_CHECK(!avx512 || (has && q.size(2) % 16 == 0),
+              "the AVX512 path needs AVX512F/BW/VL/DQ and a head dim a multiple of 16");
+  auto out = torch::empty_like(q);
+  const auto type = q.scalar_type();
+  if (type == torch::kFloat) {
+    if (avx512) attend_all<float, Avx512<float>>(q, k_cache, v_cache, block_tables, lens, scale, window, out);
+    else attend_all<float, Plain<float>>(q, k_cache, v_cache, block_tables, lens, scale, window, out);
+  } else if (type == torch::kBFloat16) {
+    using B = c10::BFloat16;
+    if (avx512) attend_all<B, Avx512<B>>(q, k_cache, v_cache, block_tables, lens, scale, window, out);
+    else attend_all<B, Plain<B>>(q, k_cache, v_cache, block_tables, lens, scale, window, out);
+  } else {
+    TORCH_CHECK(false, "paged_decode takes float32 or bfloat16, not ", type);
+  }
+  return out;
+}

@@ -1,0 +1,120 @@
+"""Decode attention on the CPU that reads the paged cache where it lies: one call a layer for
+all of a step's decode rows (kernels/cpu_attention.cpp).
+
+`paged_attention_cpu` (cpu.py) gathers each group's blocks into a buffer and calls flash
+attention per chunk and group, merging partial results by their log-sum-exps: at decode sizes
+that is hundreds of calls, gathers and views a step, per-call overhead rather than bandwidth
+(docs/quantization.md's profile). Here one C++ call takes q for every decode row, the layer's
+K/V cache, the rows' block tables and lengths, and for each (row, KV head), split across
+torch's threads, walks the row's blocks from its first seen key (a sliding window's) with an
+online softmax: a block's scores for the G query heads that share the KV head, their
+exponentials against the running maximum, the running output rescaled once a block. K and V
+are read in place, once for the G heads, and never gathered. Scores and sums are float32.
+
+Two paths, chosen per call: AVX512 (16 lanes, bf16 widened in registers, a polynomial exp)
+where /proc/cpuinfo shows AVX512F/BW/VL/DQ and the head dim is a multiple of 16, a plain loop
+otherwise. float32 and bfloat16, the query's dtype the cache's. Built like cpu_quant's kernel
+(`cpu_quant.load_extension`: cached by source hash and torch, under a build lock); where it
+does not build, `available()` is False (logged once) and cpu.py keeps its flash path.
+$PDSERVE_CPU_ATTENTION: "auto" (default), "plain" (the plain loop), "off" (flash for all).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from functools import cache
+from pathlib import Path
+
+import torch
+
+from pdserve.kernels import cpu_quant
+
+log = logging.getLogger(__name__)
+
+ATTENTION_KERNEL_ENV = "PDSERVE_CPU_ATTENTION"
+_MODES = ("auto", "plain", "off")
+DTYPES = (torch.float32, torch.bfloat16)
+_SOURCE = Path(__file__).with_name("cpu_attention.cpp").read_text(encoding="utf-8")
+
+
+@cache
+def _module():  # noqa: ANN202 (a compiled extension module)
+    return cpu_quant.load_extension("cpu_attention", _SOURCE, ["paged_decode"], [])
+
+
+def _mode() -> str:
+    mode = os.environ.get(ATTENTION_KERNEL_ENV, "auto")
+    if mode not in _MODES:
+        raise ValueError(f"{ATTENTION_KERNEL_ENV}={mode!r}: expected one of {', '.join(_MODES)}")
+    return mode
+
+
+def cpu_has_avx512() -> bool:
+    """Whether this CPU has what the AVX512 path's instructions need."""
+    return {"avx512f", "avx512bw", "avx512vl", "avx512dq"} <= cpu_quant.cpu_flags()
+
+
+@cache
+def available() -> bool:
+    """Whether decode rows take this kernel: $PDSERVE_CPU_ATTENTION is not off and the source
+    compiled (once per process). Logs why not, once."""
+    if _mode() == "off":
+        log.info("cpu attention kernel: off (%s=off): flash attention", ATTENTION_KERNEL_ENV)
+        return False
+    try:
+        _module()
+    except Exception as exc:  # no compiler, or it failed: the flash path serves instead
+        log.warning("cpu attention kernel: build failed (%s): flash attention", exc)
+        return False
+    return True
+
+
+def serves(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
+    """Whether this kernel takes these tensors' decode rows (dtypes it has, one among them)."""
+    dtypes = {query.dtype, k_cache.dtype, v_cache.dtype}
+    return len(dtypes) == 1 and query.dtype in DTYPES and available()
+
+
+def uses_avx512(head_dim: int) -> bool:
+    return _mode() == "auto" and head_dim % 16 == 0 and cpu_has_avx512()
+
+
+def paged_decode(
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    sliding_window: int | None = None,
+    avx512: bool | None = None,
+) -> torch.Tensor:
+    """One query a row, query [R, H, D] (row r at position seq_lens[r] - 1), over its blocks
+    block_tables [R, W] of k_cache and v_cache [N, block_size, Hkv, D] -> [R, H, D], the
+    query's dtype. `avx512` picks the path (default `uses_avx512`)."""
+    if sliding_window is not None and sliding_window < 1:
+        raise ValueError(f"sliding_window must be at least 1, not {sliding_window}")
+    args = (query.contiguous(), k_cache, v_cache, block_tables, seq_lens, scale)
+    path = uses_avx512(query.shape[-1]) if avx512 is None else avx512
+    if torch.compiler.is_compiling():
+        return torch.ops.pdserve.cpu_paged_decode(*args, sliding_window or 0, path)
+    return _module().paged_decode(*args, sliding_window or 0, path)
+
+
+# As an op a traced graph holds (torch.compile, AOTInductor's proxy executor), defined as
+# cpu_quant's are, with a fake giving the output's shape. Eager calls skip the dispatcher.
+_LIB = torch.library.Library("pdserve", "FRAGMENT")
+_LIB.define(
+    "cpu_paged_decode(Tensor query, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
+    "Tensor seq_lens, float scale, int window, bool avx512) -> Tensor"
+)
+_LIB.impl(
+    "cpu_paged_decode", lambda *args: _module().paged_decode(*args), "CompositeExplicitAutograd"
+)
+
+
+@torch.library.register_fake("pdserve::cpu_paged_decode")
+def _paged_decode_fake(query: torch.Tensor, *_: object) -> torch.Tensor:
+    """[R, H, D] in the query's dtype, contiguous."""
+    return torch.empty_like(query, memory_format=torch.contiguous_format)

@@ -1,0 +1,105 @@
+"""The in-place decode kernel (kernels/cpu_attention) against the reference and dense attention,
+on test_reference's NaN-poisoned paged batches (a read of any slot a row does not own poisons
+its output), on both paths: AVX512 and the plain loop. Its route through paged_attention_cpu
+over many steps is test_cpu_mixed_steps'."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+import torch
+
+from pdserve.kernels import cpu_attention
+from pdserve.kernels.cpu import paged_attention_cpu, step_plan
+from tests.kernels.test_reference import dense_attention, make_paged_batch, run_attention, run_ref
+
+# Ragged decode rows: part-full and just-opened blocks, one of a single token, one long.
+DECODE_ROWS = [(100, 1), (37, 1), (60, 1), (0, 1), (15, 1), (300, 1), (31, 1)]
+PATHS = [
+    pytest.param(True, id="avx512", marks=pytest.mark.skipif(
+        not cpu_attention.cpu_has_avx512(), reason="no AVX512 on this CPU")),
+    pytest.param(False, id="plain"),
+]  # fmt: skip
+
+
+def decode(batch, scale: float, window: int | None, avx512: bool) -> torch.Tensor:
+    return cpu_attention.paged_decode(
+        batch.query, batch.k_cache, batch.v_cache, batch.block_tables, batch.seq_lens,
+        scale, window, avx512,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("avx512", PATHS)
+@pytest.mark.parametrize("group", [1, 3, 4])
+@pytest.mark.parametrize("window", [None, 1, 7, 40])
+def test_matches_reference_and_dense_in_float32(avx512, group, window):
+    batch = make_paged_batch(DECODE_ROWS, 2 * group, 2, 64, block_size=16)
+    out = decode(batch, 0.125, window, avx512)
+    torch.testing.assert_close(out, run_ref(batch, 0.125, window), atol=1e-5, rtol=1e-5)
+    dense = dense_attention(batch, 0.125, window)
+    torch.testing.assert_close(out.double(), dense, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("avx512", PATHS)
+@pytest.mark.parametrize("window", [None, 7])
+def test_bf16_within_tolerance_of_the_float32_reference(avx512, window):
+    batch = make_paged_batch(DECODE_ROWS, 9, 3, 64, block_size=16, dtype=torch.bfloat16)
+    out = decode(batch, 0.125, window, avx512)
+    assert out.dtype == torch.bfloat16
+    ref = run_ref(replace(batch, query=batch.query.float(), k_cache=batch.k_cache.float(),
+                          v_cache=batch.v_cache.float()), 0.125, window)  # fmt: skip
+    torch.testing.assert_close(out.float(), ref, atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.parametrize("avx512", PATHS)
+def test_latent_as_keys_and_values(avx512):
+    # MLA's absorbed attention: one KV head, keys the whole latent, values the same rows.
+    batch = make_paged_batch(DECODE_ROWS, 8, 1, 576, block_size=16)
+    latent = replace(batch, v_cache=batch.k_cache, dense_v=[k.clone() for k in batch.dense_k])
+    out = decode(latent, 0.1, None, avx512)
+    torch.testing.assert_close(out, run_ref(latent, 0.1, None), atol=1e-5, rtol=1e-5)
+
+
+def test_a_head_dim_off_16_takes_the_plain_loop_only():
+    batch = make_paged_batch(DECODE_ROWS, 4, 2, 40, block_size=16)
+    assert not cpu_attention.uses_avx512(40)
+    out = decode(batch, 0.2, None, False)
+    torch.testing.assert_close(out, run_ref(batch, 0.2, None), atol=1e-5, rtol=1e-5)
+    if cpu_attention.cpu_has_avx512():
+        with pytest.raises(RuntimeError, match="multiple of 16"):
+            decode(batch, 0.2, None, True)
+
+
+def test_a_mixed_step_sends_only_its_decode_rows_to_the_kernel():
+    spec = [(37, 1), (0, 19), (21, 9), (32, 1)]  # decode, prompt, chunk over a prefix, decode
+    batch = make_paged_batch(spec, 8, 2, 64, block_size=16)
+    meta = (batch.block_tables, batch.query_start_loc, batch.seq_lens)
+    plan = step_plan(*meta, 16, None, 512, True)
+    assert plan.decode.tokens.tolist() == [0, 29]
+    assert sorted(g.q_len for g in plan.groups) == [9, 19]  # no decode group left for flash
+    out = run_attention(paged_attention_cpu, batch, 0.125, None)
+    torch.testing.assert_close(out, run_ref(batch, 0.125, None), atol=1e-5, rtol=1e-5)
+
+
+def test_bad_input_is_refused_with_a_reason():
+    batch = make_paged_batch(DECODE_ROWS, 4, 2, 64, block_size=16)
+    with pytest.raises(ValueError, match="sliding_window"):
+        decode(batch, 0.125, 0, False)
+    with pytest.raises(RuntimeError, match="block table names block"):
+        decode(replace(batch, block_tables=batch.block_tables + 1000), 0.125, None, False)
+    with pytest.raises(RuntimeError, match="outside its block table"):
+        decode(replace(batch, seq_lens=batch.seq_lens + 100), 0.125, None, False)
+    with pytest.raises(RuntimeError, match="one dtype"):
+        decode(replace(batch, query=batch.query.bfloat16()), 0.125, None, False)
+
+
+def test_the_op_has_a_fake_for_traced_graphs():
+    batch = make_paged_batch(DECODE_ROWS, 4, 2, 64, block_size=16)
+    args = (batch.query, batch.k_cache, batch.v_cache, batch.block_tables, batch.seq_lens)
+    out = torch.ops.pdserve.cpu_paged_decode(*args, 0.125, 0, False)
+    torch.testing.assert_close(out, run_ref(batch, 0.125, None), atol=1e-5, rtol=1e-5)
+    torch.library.opcheck(
+        torch.ops.pdserve.cpu_paged_decode.default, (*args, 0.125, 0, False),
+        test_utils=("test_schema", "test_faketensor"),
+    )  # fmt: skip
