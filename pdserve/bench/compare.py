@@ -41,6 +41,7 @@ from pdserve.bench.systems import (
 )
 from pdserve.common.node.cli import parser
 from pdserve.models import smollm2
+from pdserve.placement import plan
 
 SECTION = "compare"
 SMOLLM2_SECTION = "compare-smollm2"
@@ -98,8 +99,15 @@ def scenario_fields(args: argparse.Namespace, model: Path | str, desc: str,
     """What every comparison records: its setup, `more`, the (results, notes) measured."""
     setup = {"date": time.strftime("%Y-%m-%d %H:%M"), "git": rp.git_state(), "model": str(model)}
     setup |= {"model_desc": desc, "engine_args": args.engine_args, "threads": args.threads}
-    setup |= {"quick": args.quick, "systems": args.systems}
+    setup |= {"quick": args.quick, "systems": args.systems, "placement": placement_text()}
     return {**setup, **more, "results": measured[0], "notes": measured[1]}
+
+
+def placement_text() -> str:
+    """The cores LocalCluster's default placement gives a 1P1D system here (one colocated
+    node is not pinned)."""
+    cores = plan(sorted(os.sched_getaffinity(0)), ["prefill0"], ["decode0"], [])
+    return "; ".join(f"{n} on {','.join(map(str, c))}" for n, c in cores.items()) or "none"
 
 
 def scenario_page(report: dict[str, Any], title: str, blocks: dict[str, list[str]]) -> str:
@@ -257,6 +265,7 @@ def setup_table(report: dict[str, Any]) -> str:
         *[[f"{name} settings", text] for name, text in report.get("peer_settings", {}).items()],
         ["pdserve router flags",
          f"{rp.flags_text(report['router_args'])} (1P1D adds `--prefill-placement remote`)"],
+        ["pdserve 1P1D cores (`--cpu-placement auto`)", report.get("placement", "not recorded")],
         loads_row([x for r in runs for x in r["load_avg_1m"]], "around the runs"),
     ]  # fmt: skip
     return rp.markdown_table(["run", ""], rows)

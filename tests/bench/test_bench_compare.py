@@ -91,6 +91,7 @@ def test_quick_run_writes_results_plots_and_section(tmp_path, fake_vllm_python):
     assert "| colocated output tok/s >= 1.2x vLLM's" in doc
     assert "![compare_ttft](compare_ttft.png)" in doc
     assert "CPU cores" in doc
+    assert f"| pdserve 1P1D cores (`--cpu-placement auto`) | {bc.placement_text()} |" in doc
     settings = data["peer_settings"]["vllm"]  # the same cores and dtype, shown in the setup
     assert settings.startswith(f"cores {min(os.sched_getaffinity(0))} (")
     assert "KV cache 1 GiB" in settings
