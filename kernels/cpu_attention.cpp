@@ -128,40 +128,46 @@ struct Avx512 {
 
 #pragma GCC pop_options
 
-// One (row, KV head): walk the row's blocks from its first seen key, an online softmax per
-// query head (running max m, sum l, output acc), each block's scores computed at once.
+// One row's KV heads [h0, h1): walk the row's blocks from its first seen key, each block's
+// heads in turn (the block's K and V read front to back), an online softmax per query head
+// (running max m, sum l, output acc), a block's scores computed at once. q, acc: the heads'
+// [n * D] (n = (h1 - h0) G query heads); s: [n * block_size]; out: the row's head h0 * G.
 template <typename T, typename Ops>
 void attend_row(const float* q, const T* k_cache, const T* v_cache, const int32_t* table,
-                int64_t len, int64_t window, const Layout& L, int64_t kv_head, float* acc,
-                float* s, T* out) {
-  const int64_t G = L.heads_per_kv, D = L.dim, bs = L.block_size;
-  std::vector<float> m(G, -std::numeric_limits<float>::infinity()), l(G, 0.f);
-  std::fill(acc, acc + G * D, 0.f);
+                int64_t len, int64_t window, const Layout& L, int64_t h0, int64_t h1,
+                float* acc, float* s, T* out) {
+  const int64_t G = L.heads_per_kv, D = L.dim, bs = L.block_size, n = (h1 - h0) * G;
+  std::vector<float> m(n, -std::numeric_limits<float>::infinity()), l(n, 0.f);
+  std::fill(acc, acc + n * D, 0.f);
   const int64_t lo = first_key(len, window);
   for (int64_t start = lo - lo % bs; start < len; start += bs) {
     const int64_t block = table[start / bs];
     TORCH_CHECK(block >= 0 && block < L.num_blocks, "block table names block ", block,
                 " of a cache of ", L.num_blocks);
     const int64_t from = std::max(start, lo), keys = std::min(start + bs, len) - from;
-    const T* k = k_cache + block * L.k_block + (from - start) * L.k_token + kv_head * L.k_head;
-    const T* v = v_cache + block * L.v_block + (from - start) * L.v_token + kv_head * L.v_head;
-    Ops::scores(q, k, L.k_token, keys, G, D, s, bs);
-    for (int64_t g = 0; g < G; ++g) {
-      float* sg = s + g * bs;
-      const float top = std::max(m[g], *std::max_element(sg, sg + keys));
-      Ops::exp_shift(sg, keys, top);
-      const float keep = std::exp(m[g] - top);  // 0 at the first block (m = -inf)
-      if (keep != 1.f) {
-        for (int64_t d = 0; d < D; ++d) acc[g * D + d] *= keep;
+    const T* k0 = k_cache + block * L.k_block + (from - start) * L.k_token;
+    const T* v0 = v_cache + block * L.v_block + (from - start) * L.v_token;
+    for (int64_t h = h0; h < h1; ++h) {
+      const int64_t first = (h - h0) * G;  // the task's first query head of KV head h
+      float* sh = s + first * bs;
+      Ops::scores(q + first * D, k0 + h * L.k_head, L.k_token, keys, G, D, sh, bs);
+      for (int64_t g = first; g < first + G; ++g) {
+        float* sg = s + g * bs;
+        const float top = std::max(m[g], *std::max_element(sg, sg + keys));
+        Ops::exp_shift(sg, keys, top);
+        const float keep = std::exp(m[g] - top);  // 0 at the first block (m = -inf)
+        if (keep != 1.f) {
+          for (int64_t d = 0; d < D; ++d) acc[g * D + d] *= keep;
+        }
+        float sum = 0.f;
+        for (int64_t t = 0; t < keys; ++t) sum += sg[t];
+        l[g] = l[g] * keep + sum;
+        m[g] = top;
       }
-      float sum = 0.f;
-      for (int64_t t = 0; t < keys; ++t) sum += sg[t];
-      l[g] = l[g] * keep + sum;
-      m[g] = top;
+      Ops::accumulate(sh, v0 + h * L.v_head, L.v_token, keys, G, D, acc + first * D, bs);
     }
-    Ops::accumulate(s, v, L.v_token, keys, G, D, acc, bs);
   }
-  for (int64_t g = 0; g < G; ++g) {
+  for (int64_t g = 0; g < n; ++g) {
     const float inv = l[g] > 0.f ? 1.f / l[g] : 0.f;
     for (int64_t d = 0; d < D; ++d) out[g * D + d] = static_cast<T>(acc[g * D + d] * inv);
   }
@@ -181,17 +187,21 @@ void attend_all(const torch::Tensor& q, const torch::Tensor& k_cache, const torc
   const int32_t* tp = tables.data_ptr<int32_t>();
   const int32_t* lp = lens.data_ptr<int32_t>();
   T* op = out.data_ptr<T>();
-  const int64_t width = tables.size(1), G = L.heads_per_kv;
-  at::parallel_for(0, R * Hkv, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> qf(G * D), acc(G * D), s(G * L.block_size);
+  const int64_t width = tables.size(1);
+  // A task is a row with all its KV heads (each block read front to back), or one KV head of
+  // a row where rows are fewer than threads.
+  const int64_t per_task = R >= at::get_num_threads() ? Hkv : 1, tasks = R * (Hkv / per_task);
+  at::parallel_for(0, tasks, 1, [&](int64_t begin, int64_t end) {
+    const int64_t n = per_task * L.heads_per_kv;
+    std::vector<float> qf(n * D), acc(n * D), s(n * L.block_size);
     for (int64_t task = begin; task < end; ++task) {
-      const int64_t r = task / Hkv, h = task % Hkv, len = lp[r];
-      const T* qr = qp + (r * H + h * G) * D;
-      for (int64_t i = 0; i < G * D; ++i) qf[i] = to_float(qr[i]) * static_cast<float>(scale);
+      const int64_t r = task / (Hkv / per_task), h0 = task % (Hkv / per_task) * per_task;
+      const int64_t len = lp[r], offset = (r * H + h0 * L.heads_per_kv) * D;
+      for (int64_t i = 0; i < n * D; ++i) qf[i] = to_float(qp[offset + i]) * static_cast<float>(scale);
       TORCH_CHECK(len >= 1 && len <= width * L.block_size, "row ", r, ": length ", len,
                   " outside its block table's ", width * L.block_size, " slots");
-      attend_row<T, Ops>(qf.data(), kp, vp, tp + r * width, len, window, L, h, acc.data(),
-                         s.data(), op + (r * H + h * G) * D);
+      attend_row<T, Ops>(qf.data(), kp, vp, tp + r * width, len, window, L, h0, h0 + per_task,
+                         acc.data(), s.data(), op + offset);
     }
   });
 }

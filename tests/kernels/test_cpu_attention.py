@@ -103,3 +103,17 @@ def test_the_op_has_a_fake_for_traced_graphs():
         torch.ops.pdserve.cpu_paged_decode.default, (*args, 0.125, 0, False),
         test_utils=("test_schema", "test_faketensor"),
     )  # fmt: skip
+
+
+@pytest.mark.parametrize("avx512", PATHS)
+@pytest.mark.parametrize("rows", [1, 3])
+def test_rows_fewer_than_threads_split_by_kv_head(avx512, rows):
+    # Fewer rows than threads: a task is one KV head of a row, not the row's every head.
+    batch = make_paged_batch(DECODE_ROWS[:rows], 12, 4, 64, block_size=16)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(4)
+    try:
+        out = decode(batch, 0.125, 7, avx512)
+    finally:
+        torch.set_num_threads(threads)
+    torch.testing.assert_close(out, run_ref(batch, 0.125, 7), atol=1e-5, rtol=1e-5)
