@@ -5,12 +5,14 @@ from __future__ import annotations
 import logging
 import uuid
 from collections.abc import Iterator
+from dataclasses import replace
 
 from pdserve.common.engine.config import CacheConfig, ModelConfig, SchedulerConfig
 from pdserve.common.engine.request import Request
 from pdserve.common.engine.scheduler import SampledToken
 from pdserve.common.node.config import NodeConfig
 from pdserve.common.node.loop import EngineNode, Handler
+from pdserve.common.node.membership import NodeStatus
 from pdserve.common.node.stages import KVWhole, Told
 from pdserve.common.wire.messages import (
     Admitted,
@@ -116,6 +118,11 @@ class DecodeNode(MovesKV, EngineNode):
         self.pending.pop(xfer_id, None)
         self.problems.pop(xfer_id, None)
         self.kv.cancel(xfer_id)
+
+    def status(self) -> NodeStatus:
+        """The heartbeat's load with this node's busy seconds: the planner sizes decode by
+        answer tokens per busy second (`planner/source.py`)."""
+        return replace(super().status(), busy_seconds=self.stages.busy_seconds)
 
     def publish_gauges(self, queued_tokens: int) -> None:
         super().publish_gauges(queued_tokens)

@@ -7,9 +7,12 @@ those in flight; prompt and answer tokens per arrival are the router's token cou
 arrivals; the queue is the prompt tokens waiting on the nodes; KV usage the mean of the decode
 nodes' (heartbeats); TTFT and ITL p90 from the change of the router's histograms, and the
 TTFT's shares spent waiting for a prefill or a decode node from the change of its per-stage sums.
-A decode node's rate within the ITL SLO is not measured directly: it is the answer tokens per
-second per decode node now, times the ITL SLO over the p90 ITL (the headroom left; 1 where no
-answer had a second token).
+A decode node's rate within the ITL SLO is its answer tokens per busy second (the decode nodes'
+`busy_seconds`, seconds in steps that ran work, from their heartbeats), times the ITL SLO over
+the p90 ITL (the headroom left; 1 where no answer had a second token). Tokens per wall second
+understate a node that idles between requests: at half load it looked half as fast. Where a
+node reports no busy time (an older node) or is new since the last reading, the tokens per
+wall second per decode node stand in.
 
 The prefill rate is the best that any node measured computing prompts inside the deployment
 (the nodes' heartbeats) over the last `horizon` seconds, counting only rates that moved since
@@ -59,6 +62,7 @@ class NodeLoad:
     kv_usage: float
     queued_tokens: int
     prefill_rate: float  # 0: none measured yet
+    busy_seconds: float = 0.0  # in its steps that ran work since it started (0: not reported)
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,8 +85,8 @@ def node_load(node_id: str, fields: dict) -> NodeLoad:
     """A node of the router's /internal/load answer."""
     usable = max(1, fields["num_blocks"] - 1)  # the null block is never free
     usage = max(0.0, 1.0 - fields["free_blocks"] / usable)
-    return NodeLoad(node_id, fields["role"], fields["draining"], usage,
-                    fields["queued_tokens"], fields["prefill_rate"])  # fmt: skip
+    return NodeLoad(node_id, fields["role"], fields["draining"], usage, fields["queued_tokens"],
+                    fields["prefill_rate"], fields.get("busy_seconds", 0.0))  # fmt: skip
 
 
 def reading_of(at: float, expositions: Iterable[str], nodes: tuple[NodeLoad, ...]) -> Reading:
@@ -170,6 +174,7 @@ class Measurer:
         self._prefill_rate: float | None = None
         self._decode_rate: float | None = None
         self._reported: dict[str, float] = {}  # node id -> the prefill rate it last reported
+        self._busy: dict[str, float] = {}  # node id -> its busy seconds at the last reading
         self._rates: deque[tuple[float, float]] = deque()  # (at, a rate that moved)
 
     def snapshot(
@@ -178,8 +183,10 @@ class Measurer:
         """The figures since the previous reading; NaN where there is no reading or no
         previous one (the policy then makes no decision)."""
         before, self._last = self._last, reading
+        busy = None
         if reading is not None:
             self._measure_prefill(reading.at, reading.nodes)
+            busy = self._decode_busy(reading.nodes)
         if reading is None or before is None or reading.at <= before.at:
             nan = math.nan
             return Snapshot(now, nan, nan, nan, nan, nan, None, None, None, None, nodes)
@@ -197,7 +204,7 @@ class Measurer:
             float(sum(n.queued_tokens for n in reading.nodes)),
             _mean([n.kv_usage for n in reading.nodes if n.role == DECODE and not n.draining]),
             self._prefill_rate,
-            self._measure_decode(reading.nodes, answers / seconds, itl),
+            self._measure_decode(reading.nodes, answers / (busy or seconds), busy is None, itl),
             p90_of(reading.ttft, before.ttft),
             itl,
             nodes,
@@ -214,13 +221,26 @@ class Measurer:
         if self._rates:  # else the last best stands: nothing was computed since
             self._prefill_rate = max(rate for _, rate in self._rates)
 
+    def _decode_busy(self, nodes: tuple[NodeLoad, ...]) -> float | None:
+        """The decode nodes' busy seconds since the previous reading; None where a node's is
+        not known (not reported, or the node is new since)."""
+        decoding = [n for n in nodes if n.role == DECODE and not n.draining]
+        known = all(n.busy_seconds > 0 and n.node_id in self._busy for n in decoding)
+        busy = sum(_grown(n.busy_seconds, self._busy.get(n.node_id, 0.0)) for n in decoding)
+        self._busy = {n.node_id: n.busy_seconds for n in nodes}
+        return busy if known and busy > 0 else None
+
     def _measure_decode(
-        self, nodes: tuple[NodeLoad, ...], answers_per_s: float, itl: float | None
-    ) -> float | None:
+        self, nodes: tuple[NodeLoad, ...], answers_per_s: float, per_wall_s: bool,
+        itl: float | None,
+    ) -> float | None:  # fmt: skip
+        """Answer tokens per busy second of the decode nodes (`per_wall_s`: their busy time
+        is not known; per wall second and node), times the ITL headroom."""
         decoding = sum(n.role == DECODE and not n.draining for n in nodes)
         if answers_per_s > 0 and decoding:
             headroom = self.itl_slo / itl if itl else 1.0  # no ITL: one-token answers only
-            self._decode_rate = answers_per_s / decoding * headroom
+            per_node = answers_per_s / decoding if per_wall_s else answers_per_s
+            self._decode_rate = per_node * headroom
         return self._decode_rate
 
 

@@ -49,6 +49,7 @@ def node_load(node: NodeInfo) -> dict:
     return {name: getattr(node, name) for name in fields} | {
         "in_flight": node.inflight,
         "prefill_rate": node.prefill_rate,
+        "busy_seconds": node.busy_seconds,
     }
 
 

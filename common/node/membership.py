@@ -74,6 +74,7 @@ class NodeStatus:
     spec_decode: SpecDecodeCounts | None = None  # None: the node does not speculate
     kv_tiers: tuple[TierCounts, ...] = ()  # its KV tiers' counters (none: no tiers)
     kv_tier_loaded_tokens: int = 0  # prompt tokens loaded from a tier, not recomputed
+    busy_seconds: float = 0.0  # in steps that ran work (a decode node's; 0: not reported)
 
 
 def advertise_host(node: NodeConfig) -> str:
@@ -298,6 +299,7 @@ class Membership:
                 spec_decode=status.spec_decode,
                 kv_tiers=status.kv_tiers,
                 kv_tier_loaded_tokens=status.kv_tier_loaded_tokens,
+                busy_seconds=status.busy_seconds,
                 **self._prefix_fields(status.prefixes),
             )
         )

@@ -54,6 +54,8 @@ _SERIES = (
      "Requests whose KV transfer failed (damaged or missing slices, a broken connection)"),
     ("leases_expired", Counter, "pdserve:lease_expirations", False, None,
      "Requests freed because their router stopped renewing their lease"),
+    ("busy", Counter, "pdserve:engine_busy_seconds", False, None,
+     "Seconds spent in engine steps that ran work (tokens per busy second: a node's capacity)"),
 )  # fmt: skip
 
 
@@ -70,6 +72,7 @@ class NodeMetrics:
     kv_bytes: Any
     kv_failed: Any
     leases_expired: Any
+    busy: Any
 
     def __init__(self, labels: dict[str, str], connector: str = "", block_bytes: int = 0) -> None:
         """`connector`: the node's KV connector ("" for a node that moves no KV: "none");
@@ -166,6 +169,8 @@ class StageClock:
         self._stamps: dict[str, _Stamps] = {}
         self._step: list[tuple[_Stamps, int]] = []  # traced requests of the running step
         self._step_start = 0.0
+        self._step_works = False  # the running step runs a sequence
+        self.busy_seconds = 0.0  # in steps that ran work since the node started
 
     def __len__(self) -> int:
         return len(self._stamps)
@@ -217,6 +222,7 @@ class StageClock:
         """A step runs these requests: the first step of each ends its queue (or admission).
         The node spans the other ranks' spans of this step go under (none: nothing traced)."""
         now = self._step_start = time.monotonic()
+        self._step_works = bool(output.seqs)
         parents: list[str] = []
         for seq in output.seqs:
             stamps = self._stamps.get(seq.request_id)
@@ -232,8 +238,13 @@ class StageClock:
         return tuple(parents)
 
     def step_done(self) -> None:
-        """The step ended: each traced request's part of it is one chunk."""
+        """The step ended: each traced request's part of it is one chunk; a step that ran a
+        sequence adds its time to the node's busy seconds (an empty one adds nothing)."""
         now = time.monotonic()
+        if self._step_works:
+            self.busy_seconds += now - self._step_start
+            if self.metrics is not None:
+                self.metrics.busy.inc(now - self._step_start)
         for stamps, tokens in self._step:
             stamps.chunks.append((self._step_start, now, tokens))
         self._step.clear()

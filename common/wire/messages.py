@@ -360,6 +360,9 @@ class Heartbeat(Message):
     # loaded from them instead of recomputing; the router sums both over live nodes.
     kv_tiers: tuple[TierCounts, ...] = ()
     kv_tier_loaded_tokens: int = 0
+    # Seconds it spent in steps that ran work since it started (a decode node's; 0: not
+    # reported): its tokens per busy second are its capacity (the planner's decode rate).
+    busy_seconds: float = 0.0
 
 
 @message

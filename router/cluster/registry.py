@@ -104,6 +104,7 @@ class NodeInfo:
     credit: TierCredit = field(default_factory=TierCredit)
     kv_tiers: tuple[TierCounts, ...] = ()
     kv_tier_loaded_tokens: int = 0
+    busy_seconds: float = 0.0  # in its steps that ran work, as it last reported (0: none)
 
     def load(self) -> tuple[int, int]:
         return (self.inflight + self.num_waiting, -self.free_blocks)
@@ -117,6 +118,7 @@ class NodeInfo:
         self.draining = msg.draining
         self.spec_decode = msg.spec_decode
         self.kv_tiers, self.kv_tier_loaded_tokens = msg.kv_tiers, msg.kv_tier_loaded_tokens
+        self.busy_seconds = msg.busy_seconds
         if 0 < msg.prefill_rate < math.inf:
             self.prefill_rate = msg.prefill_rate
         self.recent_prefixes = {h: t for h, t in self.recent_prefixes.items() if t > now}

@@ -270,3 +270,24 @@ def test_the_supervisor_starts_drains_and_flips_nodes() -> None:
 
 def _decision() -> Decision:
     return Decision(0.0, 1, 1, (), (1, 1))
+
+
+def _decoded(at: float, answers: float, busy: float) -> Reading:
+    """A reading after `answers` answer tokens in all (one ITL each, under 25 ms), of one
+    decode node busy `busy` s."""
+    node = NodeLoad("d0", DECODE, False, 0.1, 0, 0.0, busy)
+    return Reading(at, 0.0, 0.0, 0.0, answers, (), ((0.025, answers), (math.inf, answers)), (node,))
+
+
+def test_the_decode_rate_is_answer_tokens_per_busy_second_times_the_itl_headroom() -> None:
+    """40 answer tokens in 10 s from a node busy 2 of them: 20 tokens per busy second (4 per
+    wall second), times SLO / ITL; a node that reports no busy time: per wall second."""
+    m = Measurer(itl_slo=0.05, horizon=20.0)
+    m.snapshot(_decoded(0.0, 0.0, 5.0), 0.0, ())
+    snap = m.snapshot(_decoded(10.0, 40.0, 7.0), 10.0, ())
+    assert snap.itl_p90 == pytest.approx(0.0225)  # 36th of 40 in the (0, 25 ms] bucket
+    assert snap.decode_rate == pytest.approx(20.0 * 0.05 / 0.0225)
+    m = Measurer(itl_slo=0.05, horizon=20.0)
+    m.snapshot(_decoded(0.0, 0.0, 0.0), 0.0, ())
+    snap = m.snapshot(_decoded(10.0, 40.0, 0.0), 10.0, ())
+    assert snap.decode_rate == pytest.approx(4.0 * 0.05 / 0.0225)

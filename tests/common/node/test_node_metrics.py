@@ -29,6 +29,7 @@ def test_every_series_is_exported_at_zero_before_the_first_request() -> None:
     assert got[("pdserve:kv_transfer_bytes_count", "zmq")] == 0
     assert got[("pdserve:kv_transfer_failures_total", "zmq")] == 0
     assert got[("pdserve:lease_expirations_total", "")] == 0
+    assert got[("pdserve:engine_busy_seconds_total", "")] == 0
 
 
 def test_a_computed_prompt_observes_its_queue_and_prefill_once() -> None:
@@ -60,3 +61,19 @@ def test_a_decode_nodes_transfer_is_timed_and_sized_per_request_and_failures_cou
     assert got[("pdserve:kv_transfer_failures_total", "zmq")] == 1
     assert got[("pdserve:request_queue_time_seconds_count", "")] == 1  # its admission
     assert got[("pdserve:request_prefill_time_seconds_count", "")] == 0
+
+
+def test_busy_seconds_grow_by_steps_that_ran_work_and_stay_still_on_empty_steps(
+    monkeypatch,
+) -> None:
+    """A decode node's tokens per busy second (the planner's decode rate) needs the time of
+    steps that ran a sequence, not the wall time: an empty step (nothing scheduled) adds none."""
+    times = iter([10.0, 10.25, 20.0, 20.5, 30.0, 30.125])
+    monkeypatch.setattr("pdserve.common.node.stages.time.monotonic", lambda: next(times))
+    metrics = NodeMetrics(LABELS)
+    clock = StageClock(None, "d0", metrics)
+    step(clock, "a", tokens=1)  # 10.0 -> 10.25
+    step(clock)  # nothing scheduled: 20.0 -> 20.5, not busy
+    step(clock, "a", "b", tokens=1)  # 30.0 -> 30.125
+    assert clock.busy_seconds == 0.375
+    assert samples(metrics)[("pdserve:engine_busy_seconds_total", "")] == 0.375
