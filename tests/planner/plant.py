@@ -141,3 +141,11 @@ class ColdStartBlind(Policy):
     def prefill_need(self, snap: Snapshot) -> Need | str:
         need = super().prefill_need(snap)
         return need if isinstance(need, str) else replace(need, flow=None)
+
+
+class QueueTwice(Policy):
+    """Sizes prefill for a queue by llm-d's rule alone once the nodes started for it serve:
+    the queue they came up to asks for more nodes again, which come up after it drained."""
+
+    def _cold(self, snap: Snapshot, pools: Pools, p: int, flow: int) -> int:
+        return max(pools.prefill, flow) if pools.starting_prefill else p

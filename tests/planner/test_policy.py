@@ -5,6 +5,7 @@ that repeats a peer's mistake (must not), so no check here is one that cannot fa
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 import random
 
 import pytest
@@ -23,6 +24,7 @@ from .plant import (
     NeedsSamples,
     NoHysteresis,
     QueueBlind,
+    QueueTwice,
     RequestRate,
     StageBlind,
     WaitsForReady,
@@ -82,6 +84,34 @@ def prefill_while_nodes_start(cls: type[Policy]) -> int:
 def test_nodes_still_starting_are_not_added_to_for_the_queue_they_will_drain() -> None:
     assert prefill_while_nodes_start(Policy) == 4
     assert prefill_while_nodes_start(ColdStartBlind) > 4
+
+
+def prefill_when_started_nodes_serve(cls: type[Policy]) -> int:
+    """A 40k-token queue grows prefill from 1 (to 5: drained within the 1 s budget); 70 s on
+    the 5 serve and 60k tokens wait, which they drain in 2 s at their spare rate, long before
+    a node asked for then would serve: the prefill count asked then."""
+    policy, load = cls(CONFIG), Load(arrival=8.0, prompt=1000.0, queued=40_000.0)
+    first = policy.decide(snapshot(load, nodes(1, 2), 0.0), 0.0)
+    assert first.prefill == 5, first.describe()
+    later = replace(load, queued=60_000.0)
+    return policy.decide(snapshot(later, nodes(5, 2), 70.0), 70.0).prefill  # type: ignore[return-value]
+
+
+def test_nodes_grown_for_a_queue_ask_no_more_for_it_once_they_serve() -> None:
+    assert prefill_when_started_nodes_serve(Policy) == 5
+    assert prefill_when_started_nodes_serve(QueueTwice) > 5
+
+
+def prefill_on_a_climb(config: PlannerConfig) -> int:
+    """Arrivals climbing by 2 requests/s (2,000 prompt tokens/s) every 10 s for 200 s: the
+    prefill count asked at the top (38-40 requests/s: 6-7 nodes' worth at `util_high`)."""
+    loads = [Load(arrival=2.0 + 2.0 * i, prompt=1000.0) for i in range(20)]
+    return run(Policy(config), loads, start=(1, 1))[-1][0]
+
+
+def test_a_climb_is_planned_for_a_node_start_ahead() -> None:
+    ahead, behind = prefill_on_a_climb(CONFIG), prefill_on_a_climb(replace(CONFIG, lead=0.0))
+    assert ahead > behind, (ahead, behind)
 
 
 def changes_at_the_boundary(cls: type[Policy]) -> int:
