@@ -30,7 +30,7 @@ class PlannerConfig:
     window: float = option(60.0, SIZING, "a pool shrinks only if every need in this many s allows")
     smoothing: float = option(10.0, SIZING, "arrivals are averaged over about this many s")
     burst_slos: float = option(5.0, SIZING, "and over at least this many TTFT SLOs")
-    trend: float = option(180.0, SIZING, "the arrivals' rise is read off an average over this many s")
+    trend: float = option(180.0, SIZING, "the arrivals' rise is read off a mean over this many s")
     lead: float = option(70.0, SIZING, "and planned for this many s ahead (a node's start)")
     queue_share: float = option(0.5, SIZING, "share of the TTFT SLO the queue may wait")
     util_high: float = option(0.8, SIZING, "grow a pool when its need passes this share")

@@ -5,8 +5,8 @@ that repeats a peer's mistake (must not), so no check here is one that cannot fa
 from __future__ import annotations
 
 import math
-from dataclasses import replace
 import random
+from dataclasses import replace
 
 import pytest
 
