@@ -1,5 +1,6 @@
 // pdserve's weight-only int8/int5/int4 GEMV for a few float32 rows (kernels/cpu_quant.py says
-// what each layout is and which path runs where). Built by torch's cpp_extension at first use.
+// what each layout is and which path runs where). Built by torch's cpp_extension at first use,
+// as one source with kernels/cpu_quant_gemm.cpp (the many-row GEMM and the entry points).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
@@ -121,7 +122,7 @@ void over_rows(int64_t N, int64_t K, F f) {
 void check(const torch::Tensor& x, const torch::Tensor& q, int64_t K) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat && x.is_contiguous(),
               "x must be contiguous float32 [M, K]");
-  TORCH_CHECK(x.size(0) >= 1 && x.size(0) <= 8, "x must have 1 to 8 rows, not ", x.size(0));
+  TORCH_CHECK(x.size(0) >= 1, "x must have at least one row");
   TORCH_CHECK(x.size(1) == K, "x has ", x.size(1), " columns, the weight ", K);
   TORCH_CHECK(q.is_contiguous(), "the weight must be contiguous");
 }
@@ -179,6 +180,19 @@ inline __m512i nibbles64(const uint8_t* p, bool pair) {
   return _mm512_and_si512(z, _mm512_set1_epi8(0x0F));
 }
 
+// A pair of blocks' 64 unsigned weights in column order: int4's nibbles, and for int5 (HIGH)
+// the fifth bits (`high`: bit i of the pair's 8 bytes is column i's) added as 16.
+template <bool HIGH>
+inline __m512i unsigned64(const uint8_t* nibbles, const uint8_t* high, bool pair) {
+  __m512i w = nibbles64(nibbles, pair);
+  if constexpr (HIGH) {
+    uint64_t bits = 0;
+    std::memcpy(&bits, high, pair ? 8 : 4);
+    w = _mm512_or_si512(w, _mm512_maskz_mov_epi8(bits, _mm512_set1_epi8(16)));
+  }
+  return w;
+}
+
 inline __m512 pair_scales(float first, float second) {
   return _mm512_mask_blend_ps(0xFF00, _mm512_set1_ps(first), _mm512_set1_ps(second));
 }
@@ -206,7 +220,6 @@ template <int M, bool HIGH, typename S>
 void affine_rows_vnni(const Q8Rows& xq, const uint8_t* q, const uint8_t* high, const S* scales,
                       const S* mins, float* y, int64_t N, int64_t begin, int64_t end) {
   const int64_t K = xq.K, B = xq.B;
-  const __m512i sixteen = _mm512_set1_epi8(16);
   for (int64_t n = begin; n < end; ++n) {
     const uint8_t* row = q + n * (K / 2);
     const S* s = scales + n * B;
@@ -215,12 +228,8 @@ void affine_rows_vnni(const Q8Rows& xq, const uint8_t* q, const uint8_t* high, c
     for (int64_t p = 0; p < xq.P; ++p) {
       const int64_t b = 2 * p;
       const bool pair = b + 1 < B;
-      __m512i w = nibbles64(row + b * 16, pair);
-      if constexpr (HIGH) {
-        uint64_t bits = 0;  // bit i: column i's fifth bit, over the pair's 64 columns
-        std::memcpy(&bits, high + n * (K / 8) + b * 4, pair ? 8 : 4);
-        w = _mm512_or_si512(w, _mm512_maskz_mov_epi8(bits, sixteen));
-      }
+      const __m512i w =
+          unsigned64<HIGH>(row + b * 16, HIGH ? high + n * (K / 8) + b * 4 : nullptr, pair);
       const __m512 ws = pair_scales(float(s[b]), pair ? float(s[b + 1]) : 0.f);
       for (int m = 0; m < M; ++m) {
         const __m512i x = _mm512_maskz_loadu_epi8(pair_mask(pair), xq.q.data() + m * K + b * 32);
@@ -279,109 +288,3 @@ void check_vnni(bool vnni) {
 }
 
 }  // namespace
-
-// Each entry point takes `vnni`: the AVX512-VNNI path (activations quantized to int8 per 32
-// columns) where true, the AVX2 float path otherwise.
-
-torch::Tensor int8_mm(torch::Tensor x, torch::Tensor q, torch::Tensor scales, bool vnni) {
-  TORCH_CHECK(q.dim() == 2 && q.scalar_type() == torch::kChar, "q must be int8 [N, K]");
-  const int64_t N = q.size(0), K = q.size(1), M = x.size(0);
-  check(x, q, K);
-  check_vnni(vnni);
-  TORCH_CHECK(scales.scalar_type() == torch::kFloat && scales.is_contiguous() &&
-              scales.numel() == N, "scales must be float32 [N]");
-  auto y = torch::empty({M, N}, x.options());
-  const float* xp = x.data_ptr<float>();
-  const int8_t* qp = q.data_ptr<int8_t>();
-  const float* sp = scales.data_ptr<float>();
-  float* yp = y.data_ptr<float>();
-  if (vnni && K % 32 == 0) {  // other widths (no model's) take the float path
-    const Q8Rows xq = quantize_rows(xp, M, K);
-    over_rows(N, K, [&](int64_t b, int64_t e) {
-      switch (M) {
-#define ROWS(R) case R: int8_rows_vnni<R>(xq, qp, sp, yp, N, b, e); break;
-        ROWS(1) ROWS(2) ROWS(3) ROWS(4) ROWS(5) ROWS(6) ROWS(7) ROWS(8)
-#undef ROWS
-      }
-    });
-    return y;
-  }
-  over_rows(N, K, [&](int64_t b, int64_t e) {
-    switch (M) {
-#define ROWS(R) case R: int8_rows<R>(xp, qp, sp, yp, K, N, b, e); break;
-      ROWS(1) ROWS(2) ROWS(3) ROWS(4) ROWS(5) ROWS(6) ROWS(7) ROWS(8)
-#undef ROWS
-    }
-  });
-  return y;
-}
-
-namespace {
-
-// int4 (HIGH false, float32 scales) and int5 (HIGH true, f16 scales) on either path.
-template <bool HIGH, typename S>
-torch::Tensor affine_mm(const torch::Tensor& x, const uint8_t* qp, const uint8_t* hp,
-                        const S* sp, const S* mp, int64_t N, bool vnni) {
-  const int64_t M = x.size(0), K = x.size(1), B = K / 32;
-  auto y = torch::empty({M, N}, x.options());
-  const float* xp = x.data_ptr<float>();
-  float* yp = y.data_ptr<float>();
-  if (vnni) {
-    const Q8Rows xq = quantize_rows(xp, M, K);
-    over_rows(N, K, [&](int64_t b, int64_t e) {
-      switch (M) {
-#define ROWS(R) case R: affine_rows_vnni<R, HIGH>(xq, qp, hp, sp, mp, yp, N, b, e); break;
-        ROWS(1) ROWS(2) ROWS(3) ROWS(4) ROWS(5) ROWS(6) ROWS(7) ROWS(8)
-#undef ROWS
-      }
-    });
-    return y;
-  }
-  auto xsum = x.view({M, B, 32}).sum(2).contiguous();  // each block's sum of x, for mins
-  const float* xs = xsum.data_ptr<float>();
-  over_rows(N, K, [&](int64_t b, int64_t e) {
-    switch (M) {
-#define ROWS(R) case R: affine_rows<R, HIGH>(xp, xs, qp, hp, sp, mp, yp, K, N, b, e); break;
-      ROWS(1) ROWS(2) ROWS(3) ROWS(4) ROWS(5) ROWS(6) ROWS(7) ROWS(8)
-#undef ROWS
-    }
-  });
-  return y;
-}
-
-void check_affine(const torch::Tensor& x, const torch::Tensor& q, const char* kind, bool vnni) {
-  TORCH_CHECK(q.dim() == 2 && q.scalar_type() == torch::kByte, "q must be uint8 [N, K/2]");
-  const int64_t K = q.size(1) * 2;
-  check(x, q, K);
-  check_vnni(vnni);
-  TORCH_CHECK(K % 32 == 0, kind, " K must be a multiple of 32, not ", K);
-}
-
-void check_block_fields(const torch::Tensor& q, std::initializer_list<torch::Tensor> fields,
-                        torch::ScalarType type, const char* message) {
-  for (const auto& t : fields) {
-    TORCH_CHECK(t.scalar_type() == type && t.is_contiguous() && t.dim() == 2 &&
-                t.size(0) == q.size(0) && t.size(1) == q.size(1) / 16, message);
-  }
-}
-
-}  // namespace
-
-torch::Tensor int4_mm(torch::Tensor x, torch::Tensor q, torch::Tensor scales,
-                      torch::Tensor mins, bool vnni) {
-  check_affine(x, q, "int4", vnni);
-  check_block_fields(q, {scales, mins}, torch::kFloat, "scales and mins must be float32 [N, K/32]");
-  return affine_mm<false, float>(x, q.data_ptr<uint8_t>(), nullptr, scales.data_ptr<float>(),
-                                 mins.data_ptr<float>(), q.size(0), vnni);
-}
-
-torch::Tensor int5_mm(torch::Tensor x, torch::Tensor q, torch::Tensor high,
-                      torch::Tensor scales, torch::Tensor mins, bool vnni) {
-  check_affine(x, q, "int5", vnni);
-  const int64_t N = q.size(0), K = q.size(1) * 2;
-  TORCH_CHECK(high.scalar_type() == torch::kByte && high.is_contiguous() && high.dim() == 2 &&
-              high.size(0) == N && high.size(1) == K / 8, "high bits must be uint8 [N, K/8]");
-  check_block_fields(q, {scales, mins}, torch::kHalf, "scales and mins must be float16 [N, K/32]");
-  return affine_mm<true, at::Half>(x, q.data_ptr<uint8_t>(), high.data_ptr<uint8_t>(),
-                                   scales.data_ptr<at::Half>(), mins.data_ptr<at::Half>(), N, vnni);
-}

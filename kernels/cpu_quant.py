@@ -4,8 +4,9 @@ read at its stored bits, for the decode steps of a quantized model.
 On a CPU without AMX, torch's packed kernels (`_weight_int8pack_mm`,
 `_weight_int4pack_mm_for_cpu`) fall back to slow code on float32 rows: 1.6 and 2.4 ms for a
 1x576x1536 layer against 0.16 ms for float32 F.linear (docs/quantization.md, "AVX2 GEMV").
-This kernel reads each weight row once for all (up to MAX_ROWS) input rows; rows of W are split
-across torch's threads. It has two paths, chosen per layer (`QuantizedLinear.vnni`, `uses_vnni`):
+The GEMV reads each weight row once for MAX_ROWS input rows at a time; rows of W are split
+across torch's threads. From 4 rows the VNNI path is a GEMM instead (kernels/cpu_quant_gemm.cpp):
+tiles of 16 weight rows unpacked once into vpdpbusd's layout, 16 outputs a vector. It has two paths, chosen per layer (`QuantizedLinear.vnni`, `uses_vnni`):
 - **AVX2** (`-mavx2 -mfma`): widens the integers to float32 in registers and sums with FMA.
 - **AVX512-VNNI**, where /proc/cpuinfo shows AVX512F/BW/VL/DQ and AVX512_VNNI: quantizes each
   activation row to int8 per 32 columns (llama.cpp's Q8 activations), multiplies the weight's
@@ -46,7 +47,10 @@ import torch
 
 log = logging.getLogger(__name__)
 
-MAX_ROWS = 8  # input rows one call takes (the C++ side is instantiated for 1..8)
+# Input rows the AVX2 path and the VNNI GEMV carry through one pass over the weight (a call
+# takes any number: the AVX2 path passes over each stretch of 64 weight rows 8 rows at a time,
+# the VNNI path takes its GEMM from 4 rows, kernels/cpu_quant_gemm.cpp).
+MAX_ROWS = 8
 BLOCK = 32  # int4 columns per scale and minimum
 # "auto" (default): AVX512-VNNI for a bf16/fp16 engine's layers where the CPU has it, AVX2 for
 # a float32 engine's (docs/quantization.md, "VNNI by default in bf16"); "avx2" and "vnni" force
@@ -59,8 +63,12 @@ BUILD_WAIT_ENV = "PDSERVE_CPU_QUANT_BUILD_WAIT"
 # once, the largest transient of a GGUF load (issue 36's load peak; docs/quantization.md).
 _PACK_ROWS = 64
 
-# The C++ source, shipped beside this file (pyproject's package-data); its hash names the build.
-_SOURCE = Path(__file__).with_name("cpu_quant.cpp").read_text(encoding="utf-8")
+# The C++ source, shipped beside this file (pyproject's package-data); its hash names the build:
+# the GEMV and its helpers, then the GEMM and the entry points, one translation unit.
+_SOURCE = "\n".join(
+    Path(__file__).with_name(name).read_text(encoding="utf-8")
+    for name in ("cpu_quant.cpp", "cpu_quant_gemm.cpp")
+)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -158,7 +166,7 @@ def unpack_rows(pack: Int4Pack | Int5Pack, rows: Rows) -> torch.Tensor:
 def int8_mm(
     x: torch.Tensor, values: torch.Tensor, scales: torch.Tensor, vnni: bool | None = None
 ) -> torch.Tensor:
-    """x [M <= MAX_ROWS, K] float32 @ (values [N, K] int8 * scales [N] float32).T; `vnni`
+    """x [M, K] float32 @ (values [N, K] int8 * scales [N] float32).T; `vnni`
     picks the path (default `uses_vnni()`; K off a multiple of 32 takes AVX2's)."""
     if torch.compiler.is_compiling():
         return torch.ops.pdserve.cpu_int8_mm(x, values, scales, _path(vnni))
@@ -166,7 +174,7 @@ def int8_mm(
 
 
 def int4_mm(x: torch.Tensor, pack: Int4Pack, vnni: bool | None = None) -> torch.Tensor:
-    """x [M <= MAX_ROWS, K] float32 @ the packed weight.T."""
+    """x [M, K] float32 @ the packed weight.T."""
     args = (x, pack.nibbles, pack.scales, pack.mins, _path(vnni))
     if torch.compiler.is_compiling():
         return torch.ops.pdserve.cpu_int4_mm(*args)
@@ -174,7 +182,7 @@ def int4_mm(x: torch.Tensor, pack: Int4Pack, vnni: bool | None = None) -> torch.
 
 
 def int5_mm(x: torch.Tensor, pack: Int5Pack, vnni: bool | None = None) -> torch.Tensor:
-    """x [M <= MAX_ROWS, K] float32 @ the 5-bit packed weight.T."""
+    """x [M, K] float32 @ the 5-bit packed weight.T."""
     args = (x, pack.nibbles, pack.high, pack.scales, pack.mins, _path(vnni))
     if torch.compiler.is_compiling():
         return torch.ops.pdserve.cpu_int5_mm(*args)

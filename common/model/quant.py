@@ -42,7 +42,7 @@ DENSE_ROWS: dict[int, int] = {8: 16, 4: 128, 5: 128}
 # int4 layer at one thread: 1.5 ms a row, where the dense path takes 1.0 ms for one row and
 # 1.8 ms for 37; int8 0.75 ms a row against 0.2 ms for one).
 DENSE_ROWS_FLOAT32: dict[int, int] = {8: 1, 4: 2, 5: 2}
-# Rows an int4/int5 layer in the AVX2 kernel's layout serves through it, MAX_ROWS a call,
+# Rows an int4/int5 layer in the AVX2 kernel's layout serves through it (on the AVX2 path),
 # before dequantize-then-matmul: on the AMX machine (1 thread, SmolLM2's 1536x576 and
 # 576x1536, bf16 rows) 16 rows took 0.69 ms through it against 1.9 dense, 32 rows 1.33 against
 # 1.99, 64 rows 2.69 against 2.01 (float32 rows alike); a batch-16 decode step had dequantized
@@ -243,11 +243,17 @@ class QuantizedLinear(nn.Module):
         # SmolLM2's 49152 x 576 head on AVX512 (docs/quantization.md).
         return self.gemv and (self.mins is not None or self.bits == 8 or x.dtype == torch.float32)
 
+    def _takes_gemm(self, x: torch.Tensor) -> bool:
+        """Whether the VNNI path takes every row count (its GEMM from 4 rows, one op in a traced
+        graph too): 2.5-3x the GEMV's rate at 16 rows and about 2x dequantize-then-matmul's at
+        128-512 (docs/quantization.md, "The VNNI GEMM"); a K off a multiple of 32 is AVX2's."""
+        return self.vnni and self._takes_gemv(x) and self.in_features % cpu_quant.BLOCK == 0
+
     def _takes_dense(self, x: torch.Tensor) -> bool:
         """Whether `x`'s rows go dequantize-then-matmul: past the AVX2 kernel's rows where it
         serves them, else from the width's (and dtype's) threshold on."""
         dense = self.dense_rows
-        if dense is None:
+        if dense is None or self._takes_gemm(x):
             return False
         if self._takes_gemv(x) and (self.mins is not None or x.dtype == torch.float32):
             return x.shape[0] > (GEMV_ROWS if self.mins is not None else cpu_quant.MAX_ROWS)
@@ -264,10 +270,8 @@ class QuantizedLinear(nn.Module):
         return torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.qweight, self.group_size, scales)
 
     def _gemv(self, x: torch.Tensor) -> torch.Tensor:
-        """The AVX2 kernel on float32 rows, MAX_ROWS at a time."""
-        xf, step = x.float(), cpu_quant.MAX_ROWS
-        parts = [self._gemv_rows(xf[s : s + step]) for s in range(0, len(xf), step)]
-        return (parts[0] if len(parts) == 1 else torch.cat(parts)).to(x.dtype)
+        """The kernel on x's rows as float32, in one call (it tiles the rows itself)."""
+        return self._gemv_rows(x.float()).to(x.dtype)
 
     def _gemv_rows(self, x: torch.Tensor) -> torch.Tensor:
         if self.bits == 8:

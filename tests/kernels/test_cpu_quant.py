@@ -31,6 +31,10 @@ INT4_CASES = [(48, 64, 32), (48, 64, 64), (17, 32, 32), (576, 576, 32), (576, 57
 INT4_CASES += [(192, 1536, 128), (40, 96, 32)]
 
 
+# Input rows: the GEMV's (1-3; VNNI's GEMM from 4, cpu_quant_gemm.cpp's GEMM_ROWS), passes of
+# 4 with a remainder (5, 17), whole tiles' worth (8, 16, 64); the AVX2 path takes them 8 a call.
+ROWS = [1, 2, 3, 4, 5, 8, 16, 17, 64]
+
 # The kernel's paths this CPU runs: AVX2 (False) everywhere, AVX512-VNNI (True) where it has it.
 PATHS = [False] + ([True] if cpu_quant.cpu_has_avx512_vnni() else [])
 path = pytest.mark.parametrize("vnni", PATHS, ids=lambda v: "vnni" if v else "avx2")
@@ -67,7 +71,7 @@ def _close(got: torch.Tensor, want: torch.Tensor) -> None:
 
 @path
 @pytest.mark.parametrize("shape", INT8_SHAPES)
-@pytest.mark.parametrize("rows", range(1, cpu_quant.MAX_ROWS + 1))
+@pytest.mark.parametrize("rows", ROWS)
 def test_int8_equals_the_dequantized_matmul(shape: tuple[int, int], rows: int, vnni: bool) -> None:
     gen = torch.Generator().manual_seed(rows * 1000 + shape[1])
     n, k = shape
@@ -80,7 +84,7 @@ def test_int8_equals_the_dequantized_matmul(shape: tuple[int, int], rows: int, v
 
 @path
 @pytest.mark.parametrize(("n", "k", "group"), INT4_CASES)
-@pytest.mark.parametrize("rows", [1, 2, 3, 5, 8])
+@pytest.mark.parametrize("rows", ROWS)
 def test_int4_equals_the_dequantized_matmul(
     n: int, k: int, group: int, rows: int, vnni: bool
 ) -> None:
@@ -108,7 +112,7 @@ def _int5(n: int, k: int, seed: int) -> tuple[torch.Tensor, cpu_quant.Int5Pack]:
 
 @path
 @pytest.mark.parametrize(("n", "k"), [(48, 64), (17, 32), (576, 576), (192, 896)])
-@pytest.mark.parametrize("rows", [1, 2, 3, 5, 8])
+@pytest.mark.parametrize("rows", ROWS)
 def test_int5_equals_the_dequantized_matmul(n: int, k: int, rows: int, vnni: bool) -> None:
     weight, pack = _int5(n, k, rows * 1000 + k)
     x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows))
@@ -160,7 +164,7 @@ def test_each_output_row_is_its_own_weight_row(vnni: bool) -> None:
 @pytest.mark.parametrize(
     ("x", "message"),
     [
-        (torch.randn(9, 64), "1 to 8 rows"),
+        (torch.randn(0, 64), "at least one row"),
         (torch.randn(2, 64, dtype=torch.float64), "float32"),
         (torch.randn(2, 32), "columns"),
         (torch.randn(64, 2).T, "contiguous"),
@@ -291,3 +295,33 @@ def test_the_ops_trace_into_one_compiled_graph(vnni: bool) -> None:
     ]
     for op, args in ops:
         torch.library.opcheck(op.default, (*args, vnni))
+
+
+@pytest.mark.skipif(not cpu_quant.cpu_has_avx512_vnni(), reason="no AVX512-VNNI on this CPU")
+@pytest.mark.parametrize("bits", [8, 4])
+def test_a_bf16_vnni_layer_takes_the_kernel_at_every_row_count(
+    bits: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A bf16 engine's layer on the VNNI path runs the kernel (its GEMM from 4 rows) for decode
+    batches and prefill chunks alike, never dequantize-then-matmul, and stays within bf16 and
+    the int8 activations' rounding of the dequantized product."""
+    monkeypatch.setenv(cpu_quant.QUANT_KERNEL_ENV, "vnni")
+    cpu_quant.uses_vnni.cache_clear()
+    try:
+        gen = torch.Generator().manual_seed(bits)
+        w = torch.randn(80, 256, generator=gen)
+        quantized = quantize_int8(w) if bits == 8 else quantize_int4(w + 0.3)
+        layer = QuantizedLinear(quantized, scale_dtype=torch.bfloat16)
+        assert layer.vnni
+        dense: list[int] = []
+        monkeypatch.setattr(layer, "_dense", lambda x: dense.append(len(x)))
+        weight = quantized.dequantize()
+        for rows in (1, 3, 4, 16, 17, 64, 200):
+            x = torch.randn(rows, 256, generator=gen).bfloat16()
+            got = layer(x).float()
+            want = x.float() @ weight.T
+            scale = want.abs().max().item()
+            torch.testing.assert_close(got, want, rtol=0, atol=0.03 * scale)
+        assert dense == []
+    finally:
+        cpu_quant.uses_vnni.cache_clear()

@@ -296,7 +296,11 @@ def test_int4_kernel_limits_are_named() -> None:
 
 
 @pytest.mark.parametrize("mode", ["int8", "int4"])
-def test_the_batch_size_rule_picks_the_path(mode: str, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_batch_size_rule_picks_the_path(
+    mode: str, monkeypatch: pytest.MonkeyPatch, exact_gemv: None
+) -> None:
+    """The dense thresholds of the AVX2 path and torch's kernels (VNNI's GEMM takes every row
+    count: tests/kernels/test_cpu_quant.py)."""
     w = torch.from_numpy(_weights(64, 256))
     layer = QuantizedLinear(quantize_int8(w) if mode == "int8" else quantize_int4(w))
     threshold = quant.DENSE_ROWS[8 if mode == "int8" else 4]

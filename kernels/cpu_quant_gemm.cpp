@@ -1,0 +1,338 @@
+// The AVX512-VNNI GEMM for many rows, and the torch entry points that pick a path. Built as one
+// source after kernels/cpu_quant.cpp (kernels/cpu_quant.py joins them), whose helpers it uses.
+//
+// The GEMV there works one weight row at a time: a pair of blocks' dot product is 16 int32
+// lanes, converted, scaled and summed in float32 for each activation row, then reduced across
+// lanes for each output, so at 16 rows its float work, not the weight's bytes, is the step (two
+// float ops and a reduction per 64 products). Here a tile of 16 weight rows is unpacked once
+// into vpdpbusd's layout (lane j holds row j's bytes at 4 columns: a 16x16 transpose of dwords)
+// and each activation row's 4 bytes are broadcast against it: a 32-column block is 8 vpdpbusd
+// into one vector whose lanes are 16 outputs, scaled once, and no lane is ever reduced.
+
+namespace {
+
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni")
+
+constexpr int64_t TILE = 16;  // weight rows a tile holds: the lanes of one output vector
+constexpr int PASS_ROWS = 4;  // activation rows one pass over a tile's blocks carries
+// From this many rows the GEMM serves the VNNI path (below it the GEMV): measured in
+// docs/quantization.md, "The VNNI GEMM".
+constexpr int64_t GEMM_ROWS = 4;
+
+// One tile's weights as vpdpbusd reads them; each thread fills its own, tile after tile.
+// Plain vectors of 16 lanes each (std::vector does not align __m512i here: unaligned loads).
+struct Tile {
+  std::vector<int32_t> w;        // [K / 4][16]: lane j = weight row j's 4 bytes at 4 columns
+  std::vector<float> scale;      // [B][16] int4/int5: lane j = row j's block scale
+  std::vector<float> minimum;    // [B][16] int4/int5
+  std::vector<int32_t> bias;     // [B][16] int8: -128 * the block's weight sums, lane j row j's
+  explicit Tile(int64_t K)
+      : w(K / 4 * 16), scale(K / 32 * 16), minimum(K / 32 * 16), bias(K / 32 * 16) {}
+  __m512i weights(int64_t g) const { return _mm512_loadu_si512(w.data() + g * 16); }
+  void set_weights(int64_t g, __m512i v) { _mm512_storeu_si512(w.data() + g * 16, v); }
+};
+
+// r[i] lane j <- r[j] lane i, for 16 vectors of 16 dwords.
+inline void transpose16(__m512i r[16]) {
+  __m512i t[16];
+  for (int i = 0; i < 16; i += 2) {
+    t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
+    t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
+  }
+  // u[4g + e]: per 128-bit lane L, rows 4g..4g+3 at column 4L + e
+  __m512i u[16];
+  for (int g = 0; g < 16; g += 4) {
+    u[g] = _mm512_unpacklo_epi64(t[g], t[g + 2]);
+    u[g + 1] = _mm512_unpackhi_epi64(t[g], t[g + 2]);
+    u[g + 2] = _mm512_unpacklo_epi64(t[g + 1], t[g + 3]);
+    u[g + 3] = _mm512_unpackhi_epi64(t[g + 1], t[g + 3]);
+  }
+  for (int e = 0; e < 4; ++e) {  // a 4x4 transpose of 128-bit lanes over u[e], u[4+e], ...
+    const __m512i v0 = _mm512_shuffle_i32x4(u[e], u[4 + e], 0x44);
+    const __m512i v1 = _mm512_shuffle_i32x4(u[e], u[4 + e], 0xEE);
+    const __m512i v2 = _mm512_shuffle_i32x4(u[8 + e], u[12 + e], 0x44);
+    const __m512i v3 = _mm512_shuffle_i32x4(u[8 + e], u[12 + e], 0xEE);
+    r[e] = _mm512_shuffle_i32x4(v0, v2, 0x88);
+    r[4 + e] = _mm512_shuffle_i32x4(v0, v2, 0xDD);
+    r[8 + e] = _mm512_shuffle_i32x4(v1, v3, 0x88);
+    r[12 + e] = _mm512_shuffle_i32x4(v1, v3, 0xDD);
+  }
+}
+
+// Each pair of blocks' 64 bytes of the tile's 16 rows (`bytes(row, b, pair)`) transposed into
+// the tile: a short tile (the weight's last) repeats its last row, whose lanes are not stored.
+// `at(row, b)` is where a row's pair starts: the next tile's is prefetched (16 rows read side by
+// side streamed at a third of the GEMV's rate from memory: SmolLM2's 49152-row head).
+template <typename Bytes, typename At>
+void fill_weights(Tile& t, int64_t B, const int64_t row[TILE], Bytes bytes, At at) {
+  for (int64_t b = 0; b < B; b += 2) {
+    const bool pair = b + 1 < B;
+    __m512i r[TILE];
+    for (int j = 0; j < TILE; ++j) {
+      _mm_prefetch(reinterpret_cast<const char*>(at(row[j] + TILE, b)), _MM_HINT_T0);
+      r[j] = bytes(row[j], b, pair);
+    }
+    transpose16(r);
+    for (int g = 0; g < (pair ? 16 : 8); ++g) t.set_weights(b * 8 + g, r[g]);
+  }
+}
+
+inline void tile_rows(int64_t n0, int64_t rows, int64_t row[TILE]) {
+  for (int j = 0; j < TILE; ++j) row[j] = n0 + std::min<int64_t>(j, rows - 1);
+}
+
+template <bool HIGH, typename S>
+void fill_affine(Tile& t, const uint8_t* q, const uint8_t* high, const S* scales, const S* mins,
+                 int64_t K, int64_t n0, int64_t rows) {
+  const int64_t B = K / 32;
+  int64_t row[TILE];
+  tile_rows(n0, rows, row);
+  const auto at = [&](int64_t n, int64_t b) { return q + n * (K / 2) + b * 16; };
+  fill_weights(t, B, row, [&](int64_t n, int64_t b, bool pair) {
+    return unsigned64<HIGH>(at(n, b), HIGH ? high + n * (K / 8) + b * 4 : nullptr, pair);
+  }, at);
+  alignas(64) float s[TILE], mn[TILE];
+  for (int64_t b = 0; b < B; ++b) {
+    for (int j = 0; j < TILE; ++j) {
+      s[j] = float(scales[row[j] * B + b]);
+      mn[j] = float(mins[row[j] * B + b]);
+    }
+    _mm512_storeu_ps(t.scale.data() + b * 16, _mm512_load_ps(s));
+    _mm512_storeu_ps(t.minimum.data() + b * 16, _mm512_load_ps(mn));
+  }
+}
+
+void fill_int8(Tile& t, const int8_t* q, int64_t K, int64_t n0, int64_t rows) {
+  const int64_t B = K / 32;
+  int64_t row[TILE];
+  tile_rows(n0, rows, row);
+  const auto at = [&](int64_t n, int64_t b) { return q + n * K + b * 32; };
+  fill_weights(t, B, row, [&](int64_t n, int64_t b, bool pair) {
+    return _mm512_maskz_loadu_epi8(pair_mask(pair), at(n, b));
+  }, at);
+  const __m512i ones = _mm512_set1_epi8(1);
+  for (int64_t b = 0; b < B; ++b) {
+    __m512i sum = _mm512_setzero_si512();
+    for (int g = 0; g < 8; ++g) sum = _mm512_dpbusd_epi32(sum, ones, t.weights(b * 8 + g));
+    _mm512_storeu_si512(t.bias.data() + b * 16,
+                        _mm512_sub_epi32(_mm512_setzero_si512(), _mm512_slli_epi32(sum, 7)));
+  }
+}
+
+inline __m512i broadcast4(const uint8_t* p) {
+  int32_t v;
+  std::memcpy(&v, p, 4);
+  return _mm512_set1_epi32(v);
+}
+
+// Activation rows m0..m0+R against a filled tile, into y's 16 columns from n0 (`keep` of them).
+// int4/int5 (INT8 false): unsigned weights by signed activations, scaled per block, plus the
+// minimums through the activations' block sums. int8: the activation shifted to unsigned
+// (`xu`, q + 128) by the signed weights, the shift taken off by the tile's bias, and each output
+// scaled by its row's scale (`row_scale`) at the end.
+template <int R, bool INT8>
+void tile_pass(const Q8Rows& xq, const uint8_t* xu, const Tile& t, int64_t m0, float* y,
+               int64_t N, int64_t n0, __mmask16 keep, __m512 row_scale) {
+  const int64_t K = xq.K, B = xq.B;
+  const uint8_t* x = INT8 ? xu : reinterpret_cast<const uint8_t*>(xq.q.data());
+  __m512 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < B; ++b) {
+    __m512i w[8];
+    for (int g = 0; g < 8; ++g) w[g] = t.weights(b * 8 + g);
+    const __m512 scale = _mm512_loadu_ps(t.scale.data() + b * 16);
+    const __m512 minimum = _mm512_loadu_ps(t.minimum.data() + b * 16);
+    for (int r = 0; r < R; ++r) {
+      const uint8_t* xb = x + (m0 + r) * K + b * 32;
+      // two chains of 4, so that R rows make 2R independent ones
+      __m512i lo = INT8 ? _mm512_loadu_si512(t.bias.data() + b * 16) : _mm512_setzero_si512();
+      __m512i hi = _mm512_setzero_si512();
+      for (int g = 0; g < 4; ++g) {
+        if constexpr (INT8) {
+          lo = _mm512_dpbusd_epi32(lo, broadcast4(xb + 4 * g), w[g]);
+          hi = _mm512_dpbusd_epi32(hi, broadcast4(xb + 16 + 4 * g), w[g + 4]);
+        } else {
+          lo = _mm512_dpbusd_epi32(lo, w[g], broadcast4(xb + 4 * g));
+          hi = _mm512_dpbusd_epi32(hi, w[g + 4], broadcast4(xb + 16 + 4 * g));
+        }
+      }
+      const __m512 dot = _mm512_cvtepi32_ps(_mm512_add_epi32(lo, hi));
+      const __m512 xs = _mm512_set1_ps(xq.scales[((m0 + r) * xq.P + b / 2) * 16 + (b % 2) * 8]);
+      if constexpr (INT8) {
+        acc[r] = _mm512_fmadd_ps(dot, xs, acc[r]);
+      } else {
+        acc[r] = _mm512_fmadd_ps(dot, _mm512_mul_ps(scale, xs), acc[r]);
+        const __m512 xsum = _mm512_set1_ps(xq.sums[(m0 + r) * B + b]);
+        acc[r] = _mm512_fmadd_ps(minimum, xsum, acc[r]);
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    const __m512 out = INT8 ? _mm512_mul_ps(acc[r], row_scale) : acc[r];
+    _mm512_mask_storeu_ps(y + (m0 + r) * N + n0, keep, out);
+  }
+}
+
+// y [M, N] = x @ W.T over tiles of 16 weight rows, split across torch's threads; `fill(t, n0,
+// rows)` unpacks a tile, `row_scales` (int8's, else null) scale each output column.
+template <bool INT8, typename Fill>
+void gemm(const Q8Rows& xq, int64_t M, int64_t N, float* y, const float* row_scales, Fill fill) {
+  std::vector<uint8_t> xu;
+  if constexpr (INT8) {  // vpdpbusd's unsigned operand: q + 128
+    xu.resize(xq.q.size());
+    for (size_t i = 0; i < xu.size(); ++i) xu[i] = uint8_t(xq.q[i]) ^ 0x80;
+  }
+  const int64_t tiles = (N + TILE - 1) / TILE;
+  at::parallel_for(0, tiles, 4, [&](int64_t begin, int64_t end) {
+    Tile t(xq.K);
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t n0 = i * TILE, rows = std::min(TILE, N - n0);
+      fill(t, n0, rows);
+      const __mmask16 keep = rows == TILE ? __mmask16(0xFFFF) : __mmask16((1u << rows) - 1);
+      const __m512 rs = INT8 ? _mm512_maskz_loadu_ps(keep, row_scales + n0) : _mm512_set1_ps(1.f);
+      for (int64_t m0 = 0; m0 < M; m0 += PASS_ROWS) {
+        switch (std::min<int64_t>(PASS_ROWS, M - m0)) {
+#define PASS(R) case R: tile_pass<R, INT8>(xq, xu.data(), t, m0, y, N, n0, keep, rs); break;
+          PASS(1) PASS(2) PASS(3) PASS(4)
+#undef PASS
+        }
+      }
+    }
+  });
+}
+
+#pragma GCC pop_options
+
+// The AVX2 GEMV over any number of rows: 8 at a time over 64 weight rows at a time, so that
+// each stretch of weights comes from memory once for all of them. f(m0, rows, begin, end).
+template <typename F>
+void avx2_rows(int64_t M, int64_t N, int64_t K, F f) {
+  over_rows(N, K, [&](int64_t begin, int64_t end) {
+    for (int64_t n = begin; n < end; n += 64) {
+      for (int64_t m = 0; m < M; m += 8) f(m, std::min<int64_t>(8, M - m), n, std::min(end, n + 64));
+    }
+  });
+}
+
+}  // namespace
+
+// Each entry point takes `vnni`: the AVX512-VNNI path (activations quantized to int8 per 32
+// columns; the GEMV below GEMM_ROWS rows, the GEMM from there) where true, the AVX2 float path
+// otherwise.
+
+torch::Tensor int8_mm(torch::Tensor x, torch::Tensor q, torch::Tensor scales, bool vnni) {
+  TORCH_CHECK(q.dim() == 2 && q.scalar_type() == torch::kChar, "q must be int8 [N, K]");
+  const int64_t N = q.size(0), K = q.size(1), M = x.size(0);
+  check(x, q, K);
+  check_vnni(vnni);
+  TORCH_CHECK(scales.scalar_type() == torch::kFloat && scales.is_contiguous() &&
+              scales.numel() == N, "scales must be float32 [N]");
+  auto y = torch::empty({M, N}, x.options());
+  const float* xp = x.data_ptr<float>();
+  const int8_t* qp = q.data_ptr<int8_t>();
+  const float* sp = scales.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  if (vnni && K % 32 == 0) {  // other widths (no model's) take the float path
+    const Q8Rows xq = quantize_rows(xp, M, K);
+    if (M >= GEMM_ROWS) {
+      gemm<true>(xq, M, N, yp, sp, [&](Tile& t, int64_t n0, int64_t rows) {
+        fill_int8(t, qp, K, n0, rows);
+      });
+      return y;
+    }
+    over_rows(N, K, [&](int64_t b, int64_t e) {
+      switch (M) {
+#define ROWS(R) case R: int8_rows_vnni<R>(xq, qp, sp, yp, N, b, e); break;
+        ROWS(1) ROWS(2) ROWS(3) ROWS(4) ROWS(5) ROWS(6) ROWS(7) ROWS(8)
+#undef ROWS
+      }
+    });
+    return y;
+  }
+  avx2_rows(M, N, K, [&](int64_t m, int64_t rows, int64_t b, int64_t e) {
+    switch (rows) {
+#define ROWS(R) case R: int8_rows<R>(xp + m * K, qp, sp, yp + m * N, K, N, b, e); break;
+      ROWS(1) ROWS(2) ROWS(3) ROWS(4) ROWS(5) ROWS(6) ROWS(7) ROWS(8)
+#undef ROWS
+    }
+  });
+  return y;
+}
+
+namespace {
+
+// int4 (HIGH false, float32 scales) and int5 (HIGH true, f16 scales) on either path.
+template <bool HIGH, typename S>
+torch::Tensor affine_mm(const torch::Tensor& x, const uint8_t* qp, const uint8_t* hp,
+                        const S* sp, const S* mp, int64_t N, bool vnni) {
+  const int64_t M = x.size(0), K = x.size(1), B = K / 32;
+  auto y = torch::empty({M, N}, x.options());
+  const float* xp = x.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  if (vnni) {
+    const Q8Rows xq = quantize_rows(xp, M, K);
+    if (M >= GEMM_ROWS) {
+      gemm<false>(xq, M, N, yp, nullptr, [&](Tile& t, int64_t n0, int64_t rows) {
+        fill_affine<HIGH>(t, qp, hp, sp, mp, K, n0, rows);
+      });
+      return y;
+    }
+    over_rows(N, K, [&](int64_t b, int64_t e) {
+      switch (M) {
+#define ROWS(R) case R: affine_rows_vnni<R, HIGH>(xq, qp, hp, sp, mp, yp, N, b, e); break;
+        ROWS(1) ROWS(2) ROWS(3) ROWS(4) ROWS(5) ROWS(6) ROWS(7) ROWS(8)
+#undef ROWS
+      }
+    });
+    return y;
+  }
+  auto xsum = x.view({M, B, 32}).sum(2).contiguous();  // each block's sum of x, for mins
+  const float* xs = xsum.data_ptr<float>();
+  avx2_rows(M, N, K, [&](int64_t m, int64_t rows, int64_t b, int64_t e) {
+    switch (rows) {
+#define ROWS(R) \
+  case R: affine_rows<R, HIGH>(xp + m * K, xs + m * B, qp, hp, sp, mp, yp + m * N, K, N, b, e); break;
+      ROWS(1) ROWS(2) ROWS(3) ROWS(4) ROWS(5) ROWS(6) ROWS(7) ROWS(8)
+#undef ROWS
+    }
+  });
+  return y;
+}
+
+void check_affine(const torch::Tensor& x, const torch::Tensor& q, const char* kind, bool vnni) {
+  TORCH_CHECK(q.dim() == 2 && q.scalar_type() == torch::kByte, "q must be uint8 [N, K/2]");
+  const int64_t K = q.size(1) * 2;
+  check(x, q, K);
+  check_vnni(vnni);
+  TORCH_CHECK(K % 32 == 0, kind, " K must be a multiple of 32, not ", K);
+}
+
+void check_block_fields(const torch::Tensor& q, std::initializer_list<torch::Tensor> fields,
+                        torch::ScalarType type, const char* message) {
+  for (const auto& t : fields) {
+    TORCH_CHECK(t.scalar_type() == type && t.is_contiguous() && t.dim() == 2 &&
+                t.size(0) == q.size(0) && t.size(1) == q.size(1) / 16, message);
+  }
+}
+
+}  // namespace
+
+torch::Tensor int4_mm(torch::Tensor x, torch::Tensor q, torch::Tensor scales,
+                      torch::Tensor mins, bool vnni) {
+  check_affine(x, q, "int4", vnni);
+  check_block_fields(q, {scales, mins}, torch::kFloat, "scales and mins must be float32 [N, K/32]");
+  return affine_mm<false, float>(x, q.data_ptr<uint8_t>(), nullptr, scales.data_ptr<float>(),
+                                 mins.data_ptr<float>(), q.size(0), vnni);
+}
+
+torch::Tensor int5_mm(torch::Tensor x, torch::Tensor q, torch::Tensor high,
+                      torch::Tensor scales, torch::Tensor mins, bool vnni) {
+  check_affine(x, q, "int5", vnni);
+  const int64_t N = q.size(0), K = q.size(1) * 2;
+  TORCH_CHECK(high.scalar_type() == torch::kByte && high.is_contiguous() && high.dim() == 2 &&
+              high.size(0) == N && high.size(1) == K / 8, "high bits must be uint8 [N, K/8]");
+  check_block_fields(q, {scales, mins}, torch::kHalf, "scales and mins must be float16 [N, K/32]");
+  return affine_mm<true, at::Half>(x, q.data_ptr<uint8_t>(), high.data_ptr<uint8_t>(),
+                                   scales.data_ptr<at::Half>(), mins.data_ptr<at::Half>(), N, vnni);
+}
