@@ -17,8 +17,8 @@ def gguf_switch(
     request decoded across the cold compile of bucket 1 (test_background_compile.Switch).
 
     test_background_compile.py (the switch, a warm second start) and test_gguf_compile.py
-    (the GEMV's ops in the package) read this one compile, about 25 CPU s cold; both modules
-    are one xdist group, so two workers do not compile it twice."""
+    (the GEMV's ops in the package) read this one compile (35 CPU s cold, docs/testing.md);
+    both modules are one xdist group, so two workers do not compile it twice."""
     from gguf import GGMLQuantizationType
 
     from tests.common.model.test_background_compile import switch_mid_stream
