@@ -1,11 +1,13 @@
 """Speculative decoding on the scheduler's side: which tokens to draft for a request this step
 (its proposer and its adaptive k) and what the drafts earned (vLLM's `spec_decode_*`
-counters). Pure Python; the model runner verifies the drafts (`Sampler.verify`)."""
+counters). The model runner verifies the drafts (`Sampler.verify`)."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+
+import numpy as np
 
 from pdserve.common.engine.request import Request
 from pdserve.common.spec.config import SpeculativeConfig
@@ -14,6 +16,15 @@ from pdserve.common.spec.proposer import Proposer, create_proposer
 # Decode steps a request whose k fell to 0 goes without drafting before it tries k = 1
 # again: its text may have turned repetitive since (a quote, a copied block of code).
 PROBE_AFTER_STEPS = 16
+# What a verify step costs beyond a one-row decode step, as shares of that step, until the
+# engine's own steps have measured it (`StepCost`): a fixed part (the several-query attention
+# path, the verify sampler) and one per row (the GEMV reads the weights again per row).
+# SmolLM2's Q4_1 GGUF in bf16, one thread, the least of each: 29.5 CPU ms at 1 row, 43.7, 53.9
+# and 74.1 for a verify step of 2, 4 and 6 rows (docs/benchmarks.md's spec section).
+VERIFY_COST = 0.22
+ROW_COST = 0.26
+# How much of a request's acceptance estimate (and of the step cost fit) one step replaces.
+DECAY = 0.8
 
 
 @dataclass(slots=True)
@@ -48,23 +59,74 @@ class SpecDecodeStats:
         }
 
 
+class StepCost:
+    """A decode step's time as base + verify x (the step verifies drafts) + slope x rows (a
+    verify step of k drafts is k + 1 rows), fitted by decayed least squares over the engine's
+    steps without a prefill chunk. `verify_cost` and `row_cost` are those parts' shares of a
+    one-row step: VERIFY_COST and ROW_COST until the steps seen fit them (plain steps and
+    verify steps of two widths), kept in [0, 2] against a noisy fit."""
+
+    def __init__(self, decay: float = 1 - (1 - DECAY) / 8) -> None:
+        self.decay = decay
+        self._xx = np.zeros((3, 3))  # decayed sums of x x^T and x y, x = (1, verifies, rows)
+        self._xy = np.zeros(3)
+        self.steps = 0  # steps observed
+        self.verify_cost, self.row_cost = VERIFY_COST, ROW_COST
+
+    def observe(self, rows: int, verifies: bool, seconds: float) -> None:
+        if rows < 1 or seconds <= 0:
+            return
+        self.steps += 1
+        x = np.array([1.0, float(verifies), float(rows)])
+        self._xx = self.decay * self._xx + np.outer(x, x)
+        self._xy = self.decay * self._xy + x * seconds
+        if np.linalg.matrix_rank(self._xx, tol=1e-6 * self._xx[0, 0]) == 3:
+            base, verify, slope = np.linalg.solve(self._xx, self._xy)
+            if base + slope > 0:
+                self.verify_cost = float(np.clip(verify / (base + slope), 0.0, 2.0))
+                self.row_cost = float(np.clip(slope / (base + slope), 0.0, 2.0))
+
+    def relative(self, k: int) -> float:
+        """A step of one request verifying k drafts, in one-row steps."""
+        return 1.0 + (self.verify_cost + self.row_cost * k if k else 0.0)
+
+
+def best_k(acceptance: float, cost: StepCost, limit: int) -> int:
+    """The draft count in [0, limit] with the most tokens per unit of step time, drafts
+    accepted in turn each with probability `acceptance` (k drafts emit 1 + a + ... + a^k
+    tokens on average, for cost.relative(k) one-row steps); 0 unless drafting beats it."""
+    best, best_rate, emitted = 0, 1.0, 1.0
+    for k in range(1, limit + 1):
+        emitted += acceptance**k
+        rate = emitted / cost.relative(k)
+        if rate > best_rate:
+            best, best_rate = k, rate
+    return best
+
+
 @dataclass(slots=True)
 class _Budget:
-    """One request's adaptive k, and how many steps it still sits out at k = 0."""
+    """One request's recent acceptance (decayed counts of accepted drafts and of drafts
+    tried in turn: a rejected draft ends its step's run), and the steps it sits out at k = 0."""
 
-    k: int
+    hits: float = 1.0  # a prior of one hit in two tries: a new request starts at k = 1
+    tries: float = 2.0
     idle: int = 0
+
+    @property
+    def acceptance(self) -> float:
+        return self.hits / self.tries
 
 
 class Drafter:
     """The proposer of one engine and each running request's k.
 
-    Adaptive k (config.adaptive): a request starts at num_speculative_tokens; after a verify
-    step that accepted every draft its k grows by one (up to the configured k); after one that
-    rejected a draft it becomes accepted + 1 (what just worked and one more), and after one
-    that accepted none it halves, down to 0: a plain decode step, no drafting cost, for
-    PROBE_AFTER_STEPS steps, then a probe at k = 1. Steps where the proposer has no guess do
-    not count.
+    Adaptive k (config.adaptive): each step a request drafts the k that gives the most tokens
+    per unit of step time (`best_k`) from its recent acceptance and what a row of a step costs
+    (`StepCost`, measured on this engine's steps), up to the configured k. Where no k beats a
+    plain decode step the request goes without drafting (no drafting cost) for
+    PROBE_AFTER_STEPS steps, then probes at k = 1. Steps where the proposer has no guess do
+    not count. Without adaptive k every step drafts the configured k.
     """
 
     def __init__(self, config: SpeculativeConfig, proposer: Proposer | None = None) -> None:
@@ -72,6 +134,7 @@ class Drafter:
         self.proposer = proposer or create_proposer(config)
         self.max_k = config.num_speculative_tokens
         self.stats = SpecDecodeStats()
+        self.cost = StepCost()
         self._budgets: dict[str, _Budget] = {}
 
     def drafts(self, request: Request, limit: int) -> list[int]:
@@ -89,28 +152,35 @@ class Drafter:
 
     def propose(self, request_id: str, tokens: Sequence[int], limit: int) -> list[int]:
         """Up to min(k, limit) drafts to follow `tokens` (the request's known tokens)."""
-        budget = self._budgets.setdefault(request_id, _Budget(self.max_k))
-        if budget.k == 0:
-            budget.idle -= 1
+        k = self.max_k
+        if self.config.adaptive:
+            budget = self._budgets.setdefault(request_id, _Budget())
             if budget.idle > 0:
-                return []
-            budget.k = 1
-        k = min(budget.k, limit)
+                budget.idle -= 1
+                if budget.idle > 0:
+                    return []
+                k = 1  # the probe after sitting out
+            else:
+                k = best_k(budget.acceptance, self.cost, self.max_k)
+                if k == 0:
+                    budget.idle = PROBE_AFTER_STEPS
+                    return []
+        k = min(k, limit)
         return self.proposer.propose(request_id, tokens, k)[:k] if k > 0 else []
 
     def observe(self, request_id: str, drafted: int, accepted: int) -> None:
         """A verify step of `drafted` drafts accepted the first `accepted` of them."""
         self.stats.observe(drafted, accepted)
         budget = self._budgets.get(request_id)
-        if budget is None or not self.config.adaptive:
+        if budget is None:
             return
-        if accepted == drafted:
-            budget.k = min(budget.k + 1, self.max_k)
-        elif accepted:
-            budget.k = accepted + 1
-        else:
-            budget.k //= 2
-            budget.idle = PROBE_AFTER_STEPS
+        budget.hits = DECAY * budget.hits + accepted
+        budget.tries = DECAY * budget.tries + accepted + (accepted < drafted)
+
+    def observe_step(self, rows: int, verifies: bool, seconds: float) -> None:
+        """An engine step of `rows` query rows (decodes and verify steps only; `verifies`:
+        some had drafts) took `seconds`."""
+        self.cost.observe(rows, verifies, seconds)
 
     def finish(self, request_id: str, tokens: Sequence[int]) -> None:
         """The request ended: drop its k, let the proposer keep what it learns from it."""

@@ -11,7 +11,14 @@ import pytest
 import torch
 
 from pdserve.common.engine.config import SchedulerConfig
-from pdserve.common.engine.drafting import PROBE_AFTER_STEPS, Drafter
+from pdserve.common.engine.drafting import (
+    PROBE_AFTER_STEPS,
+    ROW_COST,
+    VERIFY_COST,
+    Drafter,
+    StepCost,
+    best_k,
+)
 from pdserve.common.engine.kv_cache_manager import KVCacheManager
 from pdserve.common.engine.request import FinishReason, Request
 from pdserve.common.engine.sampler import Sampler, SamplingRow
@@ -122,7 +129,7 @@ class FixedDrafts(Proposer):
 
 
 def _scheduler(k: int = 3, budget: int = 512, drafts=(7, 8, 9)) -> Scheduler:
-    spec = SpeculativeConfig("ngram", k)
+    spec = SpeculativeConfig("ngram", k, adaptive=False)  # every step asks for k drafts
     config = SchedulerConfig(max_num_batched_tokens=budget, speculative_config=spec)
     scheduler = Scheduler(config, KVCacheManager(64, 4), 512)
     scheduler.drafter = Drafter(spec, FixedDrafts(drafts))
@@ -189,22 +196,73 @@ def test_drafts_leave_every_later_decode_its_token() -> None:
     assert out.num_batched_tokens == 4
 
 
-def test_adaptive_k_shrinks_to_zero_then_probes() -> None:
+def _cost(verify: float, row: float) -> StepCost:
+    cost = StepCost()
+    cost.verify_cost, cost.row_cost = verify, row
+    return cost
+
+
+def test_best_k_weighs_acceptance_against_a_verify_steps_cost() -> None:
+    rows = _cost(0.0, 0.25)  # a row costs a quarter of a step, nothing else
+    assert best_k(0.0, rows, 5) == 0  # nothing accepted: a plain step
+    assert best_k(0.5, rows, 5) == 1  # 1.5 tokens for 1.25 steps; a second draft: 1.75 for 1.5
+    assert best_k(0.8, rows, 5) == 3  # 2.95 / 1.75 beats 2.44 / 1.5 and 3.36 / 2
+    assert best_k(0.95, rows, 5) == 5
+    assert best_k(0.95, rows, 2) == 2  # never past the limit
+    assert best_k(0.9, _cost(0.0, 1.0), 5) == 0  # a row costs a whole step: no draft pays
+    assert best_k(0.8, _cost(0.0, 0.05), 5) == 5  # near-free rows: draft all
+    # a verify step's fixed cost: half the drafts accepted no longer pay for one
+    assert best_k(0.5, _cost(0.3, 0.25), 5) == 0
+    assert best_k(0.8, _cost(0.3, 0.25), 5) == 4  # 3.36 / 2.3 beats 2.95 / 2.05, 3.69 / 2.55
+
+
+def test_step_cost_fits_a_verify_steps_parts_as_shares_of_a_one_row_step() -> None:
+    cost = StepCost()
+    assert (cost.verify_cost, cost.row_cost) == (VERIFY_COST, ROW_COST)  # nothing measured
+    for _ in range(5):
+        cost.observe(1, False, 0.02)
+        cost.observe(3, True, 0.028)
+    assert (cost.verify_cost, cost.row_cost) == (VERIFY_COST, ROW_COST)  # two widths: no fit
+    for rows in (1, 2, 4, 6) * 5:  # 20 ms a row-step, 4 ms more to verify, 2 ms a row
+        cost.observe(rows, rows > 1, 0.018 + 0.004 * (rows > 1) + 0.002 * rows)
+    assert cost.verify_cost == pytest.approx(0.2, rel=1e-6)
+    assert cost.row_cost == pytest.approx(0.1, rel=1e-6)
+    assert cost.relative(0) == 1.0 and cost.relative(3) == pytest.approx(1.5)
+    for rows in (1, 2, 6) * 60:  # a new cost takes over as the old steps decay
+        cost.observe(rows, rows > 1, 0.02 * (1 + 0.6 * (rows - 1)))
+    assert cost.row_cost == pytest.approx(0.6, rel=0.05)
+    assert cost.verify_cost == pytest.approx(0.0, abs=0.05)
+
+
+def test_adaptive_k_follows_acceptance_then_sits_out_and_probes() -> None:
     drafter = Drafter(SpeculativeConfig("ngram", 4), FixedDrafts(range(10)))
-    assert len(drafter.propose("r", [1], limit=9)) == 4
-    drafter.observe("r", drafted=4, accepted=1)
-    assert len(drafter.propose("r", [1], limit=9)) == 2  # accepted + 1
-    drafter.observe("r", drafted=2, accepted=2)
-    assert len(drafter.propose("r", [1], limit=9)) == 3  # full acceptance grows by one
-    for _ in range(2):  # 3 -> 1 -> 0
-        drafter.observe("r", drafted=3, accepted=0)
-    skipped = 0
+    ks = []
+    for _ in range(6):  # every draft accepted: k climbs to the configured 4
+        ks.append(len(drafter.propose("r", [1], limit=9)))
+        drafter.observe("r", drafted=ks[-1], accepted=ks[-1])
+    assert ks[0] == 1 and ks[-1] == 4 and ks == sorted(ks), ks
+    for rows in (1, 2, 3) * 4:  # steps measured: a row costs a whole step, no draft pays
+        drafter.observe_step(rows, rows > 1, 0.01 * rows)
+    assert (drafter.cost.verify_cost, drafter.cost.row_cost) == pytest.approx((0.0, 1.0))
+    assert drafter.propose("r", [1], limit=9) == []
+    skipped = 1
     while not drafter.propose("r", [1], limit=9):
         skipped += 1
-    assert skipped == PROBE_AFTER_STEPS - 1  # plain steps, then a probe at k = 1
+    assert skipped == PROBE_AFTER_STEPS  # plain steps, then a probe at k = 1
     fixed = Drafter(SpeculativeConfig("ngram", 4, adaptive=False), FixedDrafts(range(10)))
     fixed.observe("r", drafted=4, accepted=0)
     assert len(fixed.propose("r", [1], limit=9)) == 4
+
+
+def test_failing_drafts_stop_paying_within_a_few_steps() -> None:
+    drafter = Drafter(SpeculativeConfig("ngram", 5), FixedDrafts(range(10)))
+    drafted = 0
+    for _ in range(100):
+        k = len(drafter.propose("r", [1], limit=9))
+        if k:
+            drafter.observe("r", drafted=k, accepted=0)
+        drafted += k
+    assert drafted <= 2 + 100 // PROBE_AFTER_STEPS, drafted  # the first tries, then probes
 
 
 @pytest.mark.parametrize(
