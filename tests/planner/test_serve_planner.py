@@ -1,7 +1,8 @@
 """`pdserve serve --planner` end to end (real processes, a tiny model): a burst of long prompts
 makes it start a prefill node, going idle makes it drain back to one prefill and one decode
 node, every answer equals the offline engine's and none fails; the planner's metrics are on
-the supervisor's endpoint."""
+the supervisor's endpoint; the decode node's busy seconds moved under the load and stay still
+when idle."""
 
 from __future__ import annotations
 
@@ -49,6 +50,7 @@ def test_the_planner_grows_prefill_under_a_burst_and_shrinks_when_idle(
         serve.wait_ready(180)
         answers, samples = run_load(serve, [Phase(6, 4.0), Phase(4, 0.0)], prompts, MAX_TOKENS)
         idle = _wait_for(serve, lambda s: (s.prefill, s.decode, s.draining) == (1, 1, 0), 90)
+        busy = _decode_busy(serve), time.sleep(2.0), _decode_busy(serve)  # heartbeats: 0.5 s
         exported = httpx.get(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10).text
     finally:
         code = serve.stop()
@@ -58,10 +60,17 @@ def test_the_planner_grows_prefill_under_a_burst_and_shrinks_when_idle(
     assert max(s.prefill for s in samples) == 2, log[-3000:]
     assert "prefill1 started (pid" in log and "prefill1 draining by the planner" in log
     assert idle, log[-3000:]  # back to one prefill node after going idle
+    assert busy[0] > 0 and busy[2] == busy[0], busy  # moved under the load, still when idle
     started = re.search(r'^pdserve:planner_actions_total\{kind="start",role="prefill"\} (\S+)',
                         exported, re.M)  # fmt: skip
     assert started and float(started[1]) >= 1
     assert code == 0, log[-2000:]
+
+
+def _decode_busy(serve: Serve) -> float:
+    """The decode nodes' busy seconds, as their last heartbeats told the router."""
+    load = serve.http.get("/internal/load").json()
+    return sum(n["busy_seconds"] for n in load.values() if n["role"] == "decode")
 
 
 def _wait_for(serve: Serve, ok: Callable[[NodeSample], bool], timeout: float) -> bool:
