@@ -6,7 +6,8 @@ On a CPU without AMX, torch's packed kernels (`_weight_int8pack_mm`,
 1x576x1536 layer against 0.16 ms for float32 F.linear (docs/quantization.md, "AVX2 GEMV").
 The GEMV reads each weight row once for MAX_ROWS input rows at a time; rows of W are split
 across torch's threads. From 4 rows the VNNI path is a GEMM instead (kernels/cpu_quant_gemm.cpp):
-tiles of 16 weight rows unpacked once into vpdpbusd's layout, 16 outputs a vector. It has two paths, chosen per layer (`QuantizedLinear.vnni`, `uses_vnni`):
+tiles of 16 weight rows unpacked once into vpdpbusd's layout, 16 outputs a vector. It has
+two paths, chosen per layer (`QuantizedLinear.vnni`, `uses_vnni`):
 - **AVX2** (`-mavx2 -mfma`): widens the integers to float32 in registers and sums with FMA.
 - **AVX512-VNNI**, where /proc/cpuinfo shows AVX512F/BW/VL/DQ and AVX512_VNNI: quantizes each
   activation row to int8 per 32 columns (llama.cpp's Q8 activations), multiplies the weight's

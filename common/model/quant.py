@@ -1,8 +1,8 @@
 """Weight-only quantized linear layers: weights stay int8 or int4 in memory and the matmul runs
 through torch's own packed CPU kernels (`_weight_int8pack_mm`, `_weight_int4pack_mm_for_cpu`),
-or, on AVX2 CPUs, up to 8 rows through kernels/cpu_quant.py's GEMV (6-40x faster than torch's
-there on float32 rows; integer dot products on AVX512-VNNI), which holds int4 in a layout of
-its own instead of torch's.
+or, on AVX2 CPUs, through kernels/cpu_quant.py's GEMV (6-40x faster than torch's there on
+float32 rows; integer dot products on AVX512-VNNI, a GEMM from 4 rows), which holds int4 in a
+layout of its own instead of torch's.
 
 A weight goes through two forms. `QuantizedWeight` is the plain one (integers, scales, zeros,
 one row per output feature) that GGUF blocks and float weights convert to and that a
