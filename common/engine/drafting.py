@@ -1,13 +1,11 @@
 """Speculative decoding on the scheduler's side: which tokens to draft for a request this step
 (its proposer and its adaptive k) and what the drafts earned (vLLM's `spec_decode_*`
-counters). The model runner verifies the drafts (`Sampler.verify`)."""
+counters). Pure Python; the model runner verifies the drafts (`Sampler.verify`)."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-
-import numpy as np
 
 from pdserve.common.engine.request import Request
 from pdserve.common.spec.config import SpeculativeConfig
@@ -16,14 +14,14 @@ from pdserve.common.spec.proposer import Proposer, create_proposer
 # Decode steps a request whose k fell to 0 goes without drafting before it tries k = 1
 # again: its text may have turned repetitive since (a quote, a copied block of code).
 PROBE_AFTER_STEPS = 16
-# What a verify step costs beyond a one-row decode step, as shares of that step, until the
-# engine's own steps have measured it (`StepCost`): a fixed part (the several-query attention
-# path, the verify sampler) and one per row (the GEMV reads the weights again per row).
+# What a verify step costs beyond a one-row decode step, as shares of that step (`StepCost`): a
+# fixed part (the several-query attention path, the verify sampler) and one per row (the GEMV
+# reads the weights again per row).
 # SmolLM2's Q4_1 GGUF in bf16, one thread, the least of each: 29.5 CPU ms at 1 row, 43.7, 53.9
 # and 74.1 for a verify step of 2, 4 and 6 rows (docs/benchmarks.md's spec section).
 VERIFY_COST = 0.22
 ROW_COST = 0.26
-# How much of a request's acceptance estimate (and of the step cost fit) one step replaces.
+# How much of a request's acceptance estimate one verify step replaces.
 DECAY = 0.8
 
 
@@ -59,32 +57,15 @@ class SpecDecodeStats:
         }
 
 
+@dataclass(frozen=True, slots=True)
 class StepCost:
-    """A decode step's time as base + verify x (the step verifies drafts) + slope x rows (a
-    verify step of k drafts is k + 1 rows), fitted by decayed least squares over the engine's
-    steps without a prefill chunk. `verify_cost` and `row_cost` are those parts' shares of a
-    one-row step: VERIFY_COST and ROW_COST until the steps seen fit them (plain steps and
-    verify steps of two widths), kept in [0, 2] against a noisy fit."""
+    """What a verify step costs beyond a one-row decode step, as shares of that step: a fixed
+    part and one per row. Fixed, not fitted on the engine's steps as they run: a k chosen from
+    timings would differ between a colocated engine and a decode node, and through P/D the
+    drafts per request must equal colocated's (issue 38's parity bar)."""
 
-    def __init__(self, decay: float = 1 - (1 - DECAY) / 8) -> None:
-        self.decay = decay
-        self._xx = np.zeros((3, 3))  # decayed sums of x x^T and x y, x = (1, verifies, rows)
-        self._xy = np.zeros(3)
-        self.steps = 0  # steps observed
-        self.verify_cost, self.row_cost = VERIFY_COST, ROW_COST
-
-    def observe(self, rows: int, verifies: bool, seconds: float) -> None:
-        if rows < 1 or seconds <= 0:
-            return
-        self.steps += 1
-        x = np.array([1.0, float(verifies), float(rows)])
-        self._xx = self.decay * self._xx + np.outer(x, x)
-        self._xy = self.decay * self._xy + x * seconds
-        if np.linalg.matrix_rank(self._xx, tol=1e-6 * self._xx[0, 0]) == 3:
-            base, verify, slope = np.linalg.solve(self._xx, self._xy)
-            if base + slope > 0:
-                self.verify_cost = float(np.clip(verify / (base + slope), 0.0, 2.0))
-                self.row_cost = float(np.clip(slope / (base + slope), 0.0, 2.0))
+    verify_cost: float = VERIFY_COST
+    row_cost: float = ROW_COST
 
     def relative(self, k: int) -> float:
         """A step of one request verifying k drafts, in one-row steps."""
@@ -123,9 +104,9 @@ class Drafter:
 
     Adaptive k (config.adaptive): each step a request drafts the k that gives the most tokens
     per unit of step time (`best_k`) from its recent acceptance and what a row of a step costs
-    (`StepCost`, measured on this engine's steps), up to the configured k. Where no k beats a
-    plain decode step the request goes without drafting (no drafting cost) for
-    PROBE_AFTER_STEPS steps, then probes at k = 1. Steps where the proposer has no guess do
+    (`StepCost`), up to the configured k. Where no k beats a plain decode step the request
+    goes without drafting (no drafting cost) for PROBE_AFTER_STEPS steps, then probes at
+    k = 1. Steps where the proposer has no guess do
     not count. Without adaptive k every step drafts the configured k.
     """
 
@@ -176,11 +157,6 @@ class Drafter:
             return
         budget.hits = DECAY * budget.hits + accepted
         budget.tries = DECAY * budget.tries + accepted + (accepted < drafted)
-
-    def observe_step(self, rows: int, verifies: bool, seconds: float) -> None:
-        """An engine step of `rows` query rows (decodes and verify steps only; `verifies`:
-        some had drafts) took `seconds`."""
-        self.cost.observe(rows, verifies, seconds)
 
     def finish(self, request_id: str, tokens: Sequence[int]) -> None:
         """The request ended: drop its k, let the proposer keep what it learns from it."""

@@ -204,16 +204,10 @@ class LLMEngine:
         if output.empty:
             self.runner.forget(output.finished_ids)
             return []
-        start, cpu = time.perf_counter(), time.process_time()
+        start = time.perf_counter()
         sampled, prompt_lps = self.runner.execute(output, layer_call)
-        seconds, cpu = time.perf_counter() - start, time.process_time() - cpu
+        seconds = time.perf_counter() - start
         self.prefill_rate.observe(output, seconds)
-        drafter = self.scheduler.drafter
-        if drafter is not None and all(seq.num_known_tokens == 1 for seq in output.seqs):
-            # on the CPU its time: what other processes take of the cores stays out of the fit
-            drafts = [seq.num_drafts for seq in output.seqs]
-            cost = cpu if self.runner.device.type == "cpu" else seconds
-            drafter.observe_step(len(drafts) + sum(drafts), any(drafts), cost)
         if self.tiers is not None:  # the marginal prefill cost its load decisions weigh
             self.tiers.cost.observe_step(output, seconds)
         return self.scheduler.update(output, sampled, prompt_lps)

@@ -72,8 +72,6 @@ def test_greedy_with_drafts_equals_greedy_without(model, baseline, k) -> None:
     assert stats.num_accepted_tokens > 0, "no draft accepted: the verify path did not run"
     assert stats.num_draft_tokens > stats.num_accepted_tokens  # and some were rejected
     assert max(len(lp) for lp in [stats.accepted_per_position]) <= k
-    # adaptive k weighs the engine's own decode and verify steps' times (not the prefills')
-    assert 0 < llm.engine.scheduler.drafter.cost.steps < MAX_TOKENS
 
 
 @pytest.mark.parametrize("k", [1, 3, 5])
