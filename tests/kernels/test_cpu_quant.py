@@ -14,7 +14,12 @@ import sys
 import pytest
 import torch
 
-from pdserve.common.model.quant import QuantizedLinear, quantize_int4, quantize_int8
+from pdserve.common.model.quant import (
+    QuantizedLinear,
+    quantize_int4,
+    quantize_int8,
+    quantized_head,
+)
 from pdserve.kernels import cpu_quant
 
 pytestmark = [
@@ -302,16 +307,19 @@ def test_the_ops_trace_into_one_compiled_graph(vnni: bool) -> None:
 def test_a_bf16_vnni_layer_takes_the_kernel_at_every_row_count(
     bits: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """A bf16 engine's layer on the VNNI path runs the kernel (its GEMM from 4 rows) for decode
-    batches and prefill chunks alike, never dequantize-then-matmul, and stays within bf16 and
-    the int8 activations' rounding of the dequantized product."""
+    """A bf16 engine's int4 layer, or int8 head, on the VNNI path runs the kernel (its GEMM from
+    4 rows) for decode batches and prefill chunks alike, never dequantize-then-matmul, and
+    stays within bf16 and the int8 activations' rounding of the dequantized product."""
     monkeypatch.setenv(cpu_quant.QUANT_KERNEL_ENV, "vnni")
     cpu_quant.uses_vnni.cache_clear()
     try:
         gen = torch.Generator().manual_seed(bits)
         w = torch.randn(80, 256, generator=gen)
         quantized = quantize_int8(w) if bits == 8 else quantize_int4(w + 0.3)
-        layer = QuantizedLinear(quantized, scale_dtype=torch.bfloat16)
+        if bits == 8:
+            layer = quantized_head(quantized, torch.bfloat16)
+        else:
+            layer = QuantizedLinear(quantized, scale_dtype=torch.bfloat16)
         assert layer.vnni
         dense: list[int] = []
         monkeypatch.setattr(layer, "_dense", lambda x: dense.append(len(x)))
@@ -323,5 +331,42 @@ def test_a_bf16_vnni_layer_takes_the_kernel_at_every_row_count(
             scale = want.abs().max().item()
             torch.testing.assert_close(got, want, rtol=0, atol=0.03 * scale)
         assert dense == []
+    finally:
+        cpu_quant.uses_vnni.cache_clear()
+
+
+@pytest.mark.skipif(not cpu_quant.cpu_has_avx512_vnni(), reason="no AVX512-VNNI on this CPU")
+def test_an_int8_decoder_layer_keeps_bf16_activations_from_its_exact_rows(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """An int8 layer requantized per row (`--quantization int8`) runs the GEMM below
+    `exact_rows` and dequantize-then-matmul from there (a prefill chunk's activations stay
+    bf16: the GEMM's int8 rounding flipped the demo's Paris), fused q/k/v alike; the output
+    from there is the dense path's bit for bit."""
+    monkeypatch.setenv(cpu_quant.QUANT_KERNEL_ENV, "vnni")
+    cpu_quant.uses_vnni.cache_clear()
+    try:
+        gen = torch.Generator().manual_seed(3)
+        parts = [quantize_int8(torch.randn(out, 256, generator=gen)) for out in (64, 32, 32)]
+        single = QuantizedLinear(parts[0], scale_dtype=torch.bfloat16)
+        fused = QuantizedLinear.stacked(
+            [QuantizedLinear(p, scale_dtype=torch.bfloat16) for p in parts]
+        )
+        for layer in (single, fused):
+            assert layer.vnni and layer.exact_rows == 16
+            dense: list[int] = []
+            real_dense = layer._dense
+
+            def counted(x, dense=dense, real_dense=real_dense):
+                dense.append(len(x))
+                return real_dense(x)
+
+            monkeypatch.setattr(layer, "_dense", counted)
+            for rows in (1, 4, 15, 16, 37, 200):
+                x = torch.randn(rows, 256, generator=gen).bfloat16()
+                got = layer(x)
+                if rows >= 16:
+                    assert torch.equal(got, real_dense(x)), rows
+            assert dense == [16, 37, 200]
     finally:
         cpu_quant.uses_vnni.cache_clear()
