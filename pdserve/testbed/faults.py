@@ -237,6 +237,18 @@ def wait_clean(cluster: LocalCluster, timeout: float = 30.0) -> dict:
         time.sleep(0.5)
 
 
+def wait_members(cluster: LocalCluster, names: set[str], timeout: float = 30.0) -> set[str]:
+    """Until the router counts exactly `names` as its live nodes; returns the last set (the
+    caller asserts on it). A node whose heartbeats a loaded machine delayed past the router's
+    timeout is dropped and comes back at its next one."""
+    deadline = time.monotonic() + timeout
+    while True:
+        members = set(cluster.integrity())
+        if members == names or time.monotonic() > deadline:
+            return members
+        time.sleep(0.5)
+
+
 def cluster_for(
     model_dir: str,
     router_extra: tuple[str, ...] = (),

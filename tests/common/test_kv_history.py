@@ -22,7 +22,10 @@ class Recorder:
     def offload(self, block_hash: bytes, block_id: int, wait: bool = False) -> None:
         self.offloaded[block_hash] = block_id
 
-    def load(self, block_hash: bytes, block_id: int) -> bool:
+    def begin_walk(self, first: int, end: int) -> None:
+        pass
+
+    def load(self, block_hash: bytes, block_id: int, at: int) -> bool:
         return False
 
 

@@ -81,7 +81,8 @@ def test_a_stalled_node_then_a_killed_prefill_node_then_a_killed_decode_node(mod
         run = fh.run_scenario("SIGSTOP decode 3 s", c, prompts, wants, stall, 0.1)
         check(run, c, min_ok=len(prompts))
         assert run.failovers > 0
-        assert set(c.integrity()) == {"prefill0", "prefill1", "decode0", "decode1"}
+        everyone = {"prefill0", "prefill1", "decode0", "decode1"}
+        assert fh.wait_members(c, everyone) == everyone
 
         survivors = {"prefill0", "prefill1", "decode0", "decode1"}
         for role, (prompts, wants) in (("prefill", loads[1]), ("decode", loads[2])):
@@ -95,7 +96,7 @@ def test_a_stalled_node_then_a_killed_prefill_node_then_a_killed_decode_node(mod
             check(run, c, min_ok=len(prompts))
             assert run.failovers > 0, role
             survivors.discard(victim)
-            assert set(c.integrity()) == survivors
+            assert fh.wait_members(c, survivors) == survivors
 
 
 def set_child_env(monkeypatch: pytest.MonkeyPatch, plan: str) -> None:

@@ -108,14 +108,9 @@ def test_every_metric_moves_under_a_small_load(deployment: Deployment) -> None:
     before = {p: deployment.scrape(p) for p in procs}
     url = deployment.cluster.url
     assert complete(url, PREFIX + [1] * 16, 8).status_code == 200
-    usage: list[float] = []
     with ThreadPoolExecutor(6) as pool:
         answers = [pool.submit(complete, url, PREFIX + [i] * 16, 112) for i in range(2, 8)]
-        while not all(a.done() for a in answers):  # the gauge is up while answers grow
-            usage.append(deployment.scrape("decode0")["pdserve:kv_cache_usage_perc"])
-            time.sleep(0.1)
-    assert [a.result().status_code for a in answers] == [200] * 6
-    assert max(usage) > 0
+        assert [a.result().status_code for a in answers] == [200] * 6
     wait_for(  # the node's counters go out with its next heartbeat
         lambda: deployment.scrape("prefill0")["pdserve:prefix_cache_hits_total"] > 0,
         "prefix-cache hits",
@@ -153,6 +148,28 @@ def test_every_metric_moves_under_a_small_load(deployment: Deployment) -> None:
         assert after[name]["pdserve:lease_expirations_total"] == 0
 
 
+def test_kv_cache_usage_is_up_while_a_request_runs(deployment: Deployment) -> None:
+    """The gauges go out together with each heartbeat: a scrape of the decode node that counts
+    a running request shows its blocks in use. Sampled while answers run; a load can end
+    between two heartbeats on a fast machine, so another is sent until a sample caught one
+    running (the assertion is on every such sample, however many there are)."""
+    url = deployment.cluster.url
+    running: list[float] = []  # the usage of each sample that counted a running request
+    for attempt in range(5):
+        with ThreadPoolExecutor(6) as pool:
+            prompts = [PREFIX + [attempt * 8 + i] * 16 for i in range(40, 46)]
+            answers = [pool.submit(complete, url, p, 112) for p in prompts]
+            while not all(a.done() for a in answers):
+                sample = deployment.scrape("decode0")
+                if sample["pdserve_node_running_requests"] > 0:
+                    running.append(sample["pdserve:kv_cache_usage_perc"])
+        assert [a.result().status_code for a in answers] == [200] * 6
+        if running:
+            break
+    assert running, "no scrape of five loads caught a running request"
+    assert min(running) > 0, running
+
+
 def test_a_silent_decode_node_is_a_failover_by_its_cause(deployment: Deployment) -> None:
     cluster = deployment.cluster
     decode = cluster.procs["decode0"]
@@ -162,15 +179,23 @@ def test_a_silent_decode_node_is_a_failover_by_its_cause(deployment: Deployment)
         return deployment.scrape("router").get(key, 0.0)
 
     before = failovers()
-    with ThreadPoolExecutor(1) as pool:
-        answer = pool.submit(complete, cluster.url, PREFIX + [6] * 16, LONG, 60)
-        wait_for(lambda: deployment.scrape("decode0")["pdserve_node_running_requests"] > 0, "run")
+    body = {"prompt": PREFIX + [6] * 16, "max_tokens": LONG, "temperature": 0}
+    body |= {"ignore_eos": True, "stream": True}
+    with httpx.stream("POST", cluster.url + "/v1/completions", json=body, timeout=60) as answer:
+        chunks = answer.iter_lines()
+        # The second token is the decode node's: it holds the request, with hundreds of tokens
+        # to go, when the node is stopped (a scrape of its gauges lags a heartbeat behind, and
+        # a fast node had finished the answer by then).
+        tokens = 0
+        while tokens < 2:
+            tokens += next(chunks).startswith("data: {")
         os.kill(decode.pid, signal.SIGSTOP)  # past the router's 1.5 s heartbeat timeout
         try:
             wait_for(lambda: failovers() > before, "failover")
         finally:
             os.kill(decode.pid, signal.SIGCONT)
-        answer.result()  # another decode node there is none: an error, but an answer
+        for _ in chunks:  # another decode node there is none: an error, but an answer
+            pass
     deployment.cluster.wait_ready(60)  # the node is back for what follows
 
 
