@@ -97,12 +97,15 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--prompt-tokens", type=int, default=1024)
     p.add_argument("--max-tokens", type=int, default=4)
     p.add_argument("--phases", type=phases_of, default=phases_of(PHASES), help=PHASES)
+    p.add_argument("--ttft-slo", type=float, default=1.0, help="the planner's p90 TTFT target (s)")
     args = p.parse_args(argv)
+    planner = PLANNER.copy()
+    planner[planner.index("--ttft-slo") + 1] = str(args.ttft_slo)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     model = str(make_tiny_model("llama", tempfile.mkdtemp(prefix="planner-run-"), **MODEL))
     ids = prompts(32, args.prompt_tokens)
-    serve = Serve(model, NODES + PLANNER, out / "serve.log", timeout=120.0)
+    serve = Serve(model, NODES + planner, out / "serve.log", timeout=120.0)
     try:
         want = reference(model, ids, args.max_tokens)  # while the deployment starts
         serve.wait_ready(180)
@@ -113,15 +116,14 @@ def main(argv: list[str] | None = None) -> None:
     failed = [a for a in answers if a.token_ids is None]
     wrong = [a for a in answers if a.token_ids is not None and a.token_ids != want[a.prompt]]
     report = {"answers": len(answers), "failed": len(failed), "wrong": len(wrong),
-              "planner": PLANNER, "nodes": NODES, "phases": [asdict(p) for p in args.phases],
+              "planner": planner, "nodes": NODES, "phases": [asdict(p) for p in args.phases],
               "samples": [asdict(s) for s in samples],
               "requests": [asdict(a) | {"token_ids": None} for a in answers]}  # fmt: skip
     (out / "run.json").write_text(json.dumps(report, indent=1))
     done = actions(out / "serve.log", began)
     report["actions"] = done
     (out / "run.json").write_text(json.dumps(report, indent=1))
-    plot(answers, samples, args.phases, float(PLANNER[PLANNER.index("--ttft-slo") + 1]), done,
-         out / "run.png")  # fmt: skip
+    plot(answers, samples, args.phases, args.ttft_slo, done, out / "run.png")
     print(f"{len(answers)} answers, {len(failed)} failed, {len(wrong)} wrong; {out}/run.png")
     sys.exit(1 if failed or wrong else 0)
 
