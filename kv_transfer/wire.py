@@ -23,6 +23,7 @@ import torch.nn.functional as F
 
 from pdserve.common.wire.messages import Message, Plane
 from pdserve.common.wire.payloads import FirstToken, KVLayout
+from pdserve.kernels import ops
 from pdserve.kv_transfer.base import TransferError, TransferTimeout
 
 _MASK64 = (1 << 64) - 1
@@ -171,8 +172,6 @@ def gather_heads(
 ) -> torch.Tensor:
     """Pages of `block_ids` holding only the cache's KV heads `heads` (a tensor-parallel
     slice), contiguous, into `out` when given."""
-    from pdserve.kernels import ops
-
     if len(heads) == layer_cache.shape[3]:
         return ops.gather_pages(layer_cache, block_ids, out=out)
     pages = layer_cache[:, block_ids, :, heads.start : heads.stop]
