@@ -45,13 +45,19 @@ class TierChain:
         holds an intact one (every miss and failure counted in its tier)."""
         return self.find(key).payload
 
-    def find(self, key: BlockKey, ask: Callable[[KVTier], bool] = lambda _: True) -> Found:
-        """`get`, asking only the tiers `ask` accepts (a block still in a tier's write queue
-        is served from there, without asking); also says where it came from."""
+    def find(
+        self,
+        key: BlockKey,
+        ask: Callable[[KVTier], bool] = lambda _: True,
+        read: Callable[[KVTier, BlockKey], memoryview | None] = KVTier.get,
+    ) -> Found:
+        """`get`, asking only the tiers `ask` accepts, through `read` (a caller reading a run
+        ahead serves a block from it); a block still in a tier's write queue is served from
+        there, without asking. Also says where it came from."""
         for i, tier in enumerate(self.tiers):
             behind = self.behind.get(tier.name)
             queued = behind.queued(key) if behind is not None else None
-            payload = queued if queued is not None else tier.get(key) if ask(tier) else None
+            payload = queued if queued is not None else read(tier, key) if ask(tier) else None
             if payload is not None:
                 for upper in self.tiers[:i]:
                     upper.put(key, payload)

@@ -16,7 +16,8 @@ so a read returns the whole object or, if the name was gone before the open, a m
 go least recently used first (a hit touches the file's mtime; atime is often off) when the
 folder passes `high_bytes`, down to `low_fraction` of it.
 
-Every call runs on a small worker pool and is abandoned after `timeout_s` (a hung shared
+A run of blocks is read back to back in one worker call (`get_run`). Every call runs on a
+small worker pool and is abandoned after `timeout_s` (a hung shared
 filesystem costs the caller a miss, not a stall); with `max_pending` calls still stuck, new
 ones are refused at once.
 """
@@ -27,7 +28,7 @@ import os
 import threading
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import TypeVar
@@ -104,11 +105,25 @@ class FileTier(KVTier):
     def _load(self, name: str) -> bytearray | None:
         return self._bounded(lambda: self._read(self.path(name)))
 
+    def _load_many(self, names: Sequence[str]) -> list[bytearray | None]:
+        return self._bounded(lambda: self._read_run(names))  # back to back, one worker call
+
+    def _read_run(self, names: Sequence[str]) -> list[bytearray | None]:
+        out: list[bytearray | None] = []
+        for name in names:
+            out.append(self._read(self.path(name)))
+            if out[-1] is None:
+                break
+        return out
+
     def _store(self, name: str, blob: bytes) -> bool:
         return self._bounded(lambda: self._write(name, blob))
 
     def _exists(self, name: str) -> bool:
         return self._bounded(lambda: self.path(name).is_file())
+
+    def _refresh(self, name: str) -> bool:
+        return self._bounded(lambda: _touch(self.path(name)))
 
     def _discard(self, name: str) -> None:
         self._bounded(lambda: self.path(name).unlink(missing_ok=True))
@@ -206,11 +221,15 @@ def _unlink_if(path: Path, stale: Callable[[os.stat_result], bool]) -> None:
         pass
 
 
-def _touch(path: Path) -> None:
+def _touch(path: Path) -> bool:
+    """Mark the object recently used; False if it is gone."""
     try:
         os.utime(path)
-    except OSError:  # evicted since, or a read-only mount: recency is a hint only
+    except FileNotFoundError:
+        return False
+    except OSError:  # a read-only mount: recency is a hint only
         pass
+    return True
 
 
 def _write_synced(path: Path, blob: bytes) -> None:

@@ -7,6 +7,11 @@ A block's payload is its pages in every layer cache, in cache order, as raw byte
 layout digest names that order, the dtype and the shapes, so a payload of another length is
 refused (a miss) before anything is written into the pool.
 
+A walk's blocks are read from the shared store a run at a time (`RUN_BLOCKS` in one round
+trip: a Redis MGET, one back-to-back pass over the files), not one round trip per block, and
+still fail closed per block: the first miss or refused object ends the run, and the blocks
+from it on are recomputed.
+
 Which tiers a load asks is the cost model's call (`kv_store.cost.LoadCost`, --kv-load-policy):
 a tier measured slower than recomputing is skipped, and its blocks are recomputed.
 
@@ -29,12 +34,15 @@ from pdserve.kv_store import open_store
 from pdserve.kv_store.chain import TierChain
 from pdserve.kv_store.cost import LoadCost
 from pdserve.kv_store.host import HostTier
-from pdserve.kv_store.key import KeySpace
+from pdserve.kv_store.key import BlockKey, KeySpace
 from pdserve.kv_store.tier import KVTier, TierStats
 
 # Evictions queued for the shared store at most (`kv_store.write_behind`): 64 MiB is about 180
 # SmolLM2 blocks of 16 tokens in bf16; past it an eviction is not stored.
 WRITE_BEHIND_BYTES = 64 << 20
+# A walk's blocks read from the store in one round trip at most (`KVTier.get_run`): 32 SmolLM2
+# blocks of 8 tokens in bf16 are 5.9 MB.
+RUN_BLOCKS = 32
 
 
 class PoolTiers:
@@ -74,8 +82,13 @@ class PoolTiers:
         self.shared_limit = 4096
         self._store_asked = False  # by the load under way
         self._at = 0  # the block of the walk under way that the load under way is for
-        self._walk_end = 1
+        self._walk_first, self._walk_end = 0, 1
+        self._walk_hashes: list[BlockHash] = []
         self._decided: dict[str, bool] = {}  # each tier's answer for the walk under way
+        # The store's run read ahead of the walk: each block's verified payload, or None for
+        # the miss that ended the run (counted once, not asked again).
+        self._ahead: dict[str, memoryview | None] = {}
+        self._read_bytes = 0  # what the load under way read from its tier (0: read ahead)
         if self.store is not None:
             self.store.watch = self._store_changed
 
@@ -93,19 +106,22 @@ class PoolTiers:
         if self.store is not None and self.store in stored:
             self._shared_changed(block_hash, True)
 
-    def begin_walk(self, first: int, end: int) -> None:
-        """A walk will ask `load` for the request's blocks `first`..`end - 1`, in order, up to
-        its first miss: each tier is asked once whether to serve the run from the block it is
-        first asked for to `end` (`kv_store.cost`)."""
-        self._walk_end = end
+    def begin_walk(self, first: int, end: int, hashes: Sequence[BlockHash] = ()) -> None:
+        """A walk will ask `load` for the request's blocks `first`..`end - 1` (`hashes`, if
+        given: the store is then read a run at a time), in order, up to its first miss: each
+        tier is asked once whether to serve the run from the block it is first asked for to
+        `end` (`kv_store.cost`)."""
+        self._walk_first, self._walk_end = first, end
+        self._walk_hashes = list(hashes)
         self._decided.clear()
+        self._ahead.clear()
 
     def load(self, block_hash: BlockHash, block_id: int, at: int) -> bool:
         """Write the verified pages of `block_hash`, the walk's block `at`, into `block_id`;
         False on a miss, or when every tier holding it was chosen against (recomputed)."""
         start = time.perf_counter()
-        self._store_asked, self._at = False, at
-        found = self.chain.find(self.space.key(block_hash), self._worth_asking)
+        self._store_asked, self._at, self._read_bytes = False, at, self.block_bytes
+        found = self.chain.find(self.space.key(block_hash), self._worth_asking, self._read)
         if found.tier is None and self._store_asked:  # not there (any more), or unreadable
             self._shared_changed(block_hash, False)
         if found.payload is None or found.tier is None or found.payload.nbytes != self.block_bytes:
@@ -117,9 +133,44 @@ class PoolTiers:
             n = page.numel() * page.element_size()
             page.copy_(data[offset : offset + n].view(cache.dtype).view(page.shape))
             offset += n
-        if not found.queued:  # a payload still in this process's write queue: not the tier's rate
-            self.cost.observe(found.tier.name, self.block_bytes, time.perf_counter() - start)
+        # Not the tier's rate: a payload still in this process's write queue, or one read
+        # ahead (the call that read its run observed the run's bytes).
+        if not found.queued and self._read_bytes:
+            self.cost.observe(found.tier.name, self._read_bytes, time.perf_counter() - start)
         return True
+
+    def _read(self, tier: KVTier, key: BlockKey) -> memoryview | None:
+        """A store's block from the run read ahead, or the walk's run from it read in one
+        round trip; a block at a time from the other tiers (memory) or without the walk's
+        hashes."""
+        if tier is not self.store:
+            return tier.get(key)
+        if key.name in self._ahead:
+            self._read_bytes = 0
+            return self._ahead.pop(key.name)
+        keys = self._run(key)
+        payloads = tier.get_run(keys)
+        self._read_bytes = sum(p.nbytes for p in payloads)
+        self._ahead = {k.name: p for k, p in zip(keys[1:], payloads[1:])}
+        if 0 < len(payloads) < len(keys):
+            self._ahead[keys[len(payloads)].name] = None
+        return payloads[0] if payloads else None
+
+    def _run(self, first: BlockKey) -> list[BlockKey]:
+        """`first` (the walk's block `_at`) and the walk's blocks after it, `RUN_BLOCKS` at
+        most, up to one that the host tier or the store's write queue holds (read there)."""
+        i = self._at - self._walk_first
+        if not 0 <= i < len(self._walk_hashes) or self.space.key(self._walk_hashes[i]) != first:
+            return [first]
+        assert self.store is not None
+        behind = self.chain.behind.get(self.store.name)
+        keys = [first]
+        for block_hash in self._walk_hashes[i + 1 : i + RUN_BLOCKS]:
+            key = self.space.key(block_hash)
+            if self.host is not None and self.host.contains(key) or behind and behind.has(key):
+                break
+            keys.append(key)
+        return keys
 
     def _worth_asking(self, tier: KVTier) -> bool:
         ask = self._decided.get(tier.name)

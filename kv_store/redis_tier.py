@@ -5,12 +5,14 @@ Put-complete: an object is one SET of the whole encoded block, which Redis appli
 so a reader gets all of it or nothing; two writers of one key each set an equal whole object.
 Eviction is the server's: run it with `--maxmemory` and `--maxmemory-policy allkeys-lru`
 (docs/kv_tiers.md); a GET returns a whole value or nothing, so eviction during a read is a
-miss at worst. Every call is bounded by `timeout_s` (connect and socket timeouts, no retries);
-a server that is down costs one refused or timed-out call per `backoff_s`.
+miss at worst. A run of blocks is read with one MGET (one round trip). Every call is bounded
+by `timeout_s` (connect and socket timeouts, no retries); a server that is down costs one
+refused or timed-out call per `backoff_s`.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from urllib.parse import urlsplit
 
 from pdserve.kv_store.tier import KVTier
@@ -55,11 +57,17 @@ class RedisTier(KVTier):
     def _load(self, name: str) -> bytes | None:
         return self._client.get(PREFIX + name)
 
+    def _load_many(self, names: Sequence[str]) -> list[bytes | None]:
+        return self._client.mget([PREFIX + name for name in names])  # one round trip
+
     def _store(self, name: str, blob: bytes) -> bool:
         return bool(self._client.set(PREFIX + name, blob, px=self.ttl_ms))
 
     def _exists(self, name: str) -> bool:
         return bool(self._client.exists(PREFIX + name))
+
+    def _refresh(self, name: str) -> bool:
+        return bool(self._client.touch(PREFIX + name))  # exists, and recently used for the LRU
 
     def _discard(self, name: str) -> None:
         self._client.delete(PREFIX + name)

@@ -14,7 +14,7 @@ import logging
 import threading
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, fields
 from typing import TypeVar
 
@@ -100,6 +100,35 @@ class KVTier(ABC):
         )
         return payload
 
+    def get_run(self, keys: Sequence[BlockKey]) -> list[memoryview]:
+        """The verified payloads of the leading `keys` the tier holds intact, read in one round
+        trip where the backend can (`_load_many`). Fails closed per block: the first miss or
+        refused object ends the run (counted as one miss); the blocks after it are neither
+        verified nor counted, and the caller recomputes them."""
+        if not keys:
+            return []
+        start = time.monotonic()
+        names = [k.name for k in keys]
+        blobs = self._guard("get", lambda: self._load_many(names), None) or ()
+        out: list[memoryview] = []
+        for key, blob in zip(keys, blobs):
+            payload = None if blob is None else self._verify(key, blob)
+            if payload is None:
+                break
+            out.append(payload)
+        self._counters.add(
+            hits=len(out),
+            misses=len(out) < len(keys),
+            bytes_read=sum(p.nbytes for p in out),
+            load_seconds=time.monotonic() - start,
+        )
+        return out
+
+    def refresh(self, key: BlockKey) -> bool:
+        """Whether an object is stored under the key, marking it recently used if so (a put
+        of a block already there is then skipped: `WriteBehind`); not verified."""
+        return bool(self._guard("refresh", lambda: self._refresh(key.name), False))
+
     def put(self, key: BlockKey, payload: bytes | bytearray | memoryview) -> bool:
         """Store the block whole (readers never see part of it); False if it was not stored."""
         blob = codec.encode(key, payload) if self.encoded else bytes(payload)
@@ -128,8 +157,21 @@ class KVTier(ABC):
     def _store(self, name: str, blob: bytes) -> bool:
         """Store `blob` as `name` atomically: a reader sees all of it or nothing."""
 
+    def _load_many(self, names: Sequence[str]) -> Sequence[bytes | bytearray | memoryview | None]:
+        """The objects stored as `names`, in order, up to the first missing one (None) at
+        least; a backend with a batched read overrides this one read per name."""
+        out: list[bytes | bytearray | memoryview | None] = []
+        for name in names:
+            out.append(self._load(name))
+            if out[-1] is None:
+                break
+        return out
+
     @abstractmethod
     def _exists(self, name: str) -> bool: ...
+
+    def _refresh(self, name: str) -> bool:
+        return self._exists(name)
 
     @abstractmethod
     def _discard(self, name: str) -> None:

@@ -100,9 +100,10 @@ class BlockTiers(Protocol):
         """Keep a copy of the block's pages (called before the block is reused); a shared
         store's copy may be written after the call returns, unless `wait`."""
 
-    def begin_walk(self, first: int, end: int) -> None:
-        """`load` will be asked for a request's blocks `first`..`end - 1`, in order, up to the
-        first miss (the tiers decide per contiguous run whether loading beats recomputing)."""
+    def begin_walk(self, first: int, end: int, hashes: Sequence[BlockHash] = ()) -> None:
+        """`load` will be asked for a request's blocks `first`..`end - 1` (`hashes`: a store
+        can read them a run at a time), in order, up to the first miss (the tiers decide per
+        contiguous run whether loading beats recomputing)."""
 
     def load(self, block_hash: BlockHash, block_id: int, at: int) -> bool:
         """Write the verified pages of `block_hash` (the request's block `at`) into the block;
@@ -395,7 +396,7 @@ class KVCacheManager:
         assert self.pool.tiers is not None
         self.pool.touch(hits)
         held, loaded = list(hits), 0
-        self.pool.tiers.begin_walk(len(hits), len(hits) + len(missing))
+        self.pool.tiers.begin_walk(len(hits), len(hits) + len(missing), missing)
         for block_hash in missing:
             block = self.pool.get_cached_block(block_hash)  # a later block may still be here
             if block is not None:

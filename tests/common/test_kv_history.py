@@ -22,7 +22,7 @@ class Recorder:
     def offload(self, block_hash: bytes, block_id: int, wait: bool = False) -> None:
         self.offloaded[block_hash] = block_id
 
-    def begin_walk(self, first: int, end: int) -> None:
+    def begin_walk(self, first: int, end: int, hashes: object = ()) -> None:
         pass
 
     def load(self, block_hash: bytes, block_id: int, at: int) -> bool:

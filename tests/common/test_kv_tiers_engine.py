@@ -312,7 +312,7 @@ class FakeTiers:
         assert self.pages[block_id] == block_hash, "offloaded after the block was reused"
         self.stored[block_hash] = self.pages[block_id]
 
-    def begin_walk(self, first: int, end: int) -> None:
+    def begin_walk(self, first: int, end: int, hashes: object = ()) -> None:
         self.walks.append((first, end))
 
     def load(self, block_hash: bytes, block_id: int, at: int) -> bool:

@@ -130,3 +130,23 @@ def test_a_read_racing_its_own_write_gets_the_bytes(tmp_path: Path) -> None:
     finally:
         chain.close()
     assert sources["queue"] > 0 and sources["store"] == 30, sources
+
+
+def test_a_block_the_store_holds_is_not_encoded_again(tmp_path: Path) -> None:
+    """An evicted block that the store already holds (loaded from it earlier) costs the writer
+    a stat, not an encode, checksum and write."""
+    store = FileTier(tmp_path)
+    chain = TierChain([store], behind_bytes=1 << 20)
+    try:
+        assert store.put(key(3), payload(3))
+        mtime = store.path(key(3).name).stat().st_mtime_ns
+        time.sleep(0.01)
+        chain.put(key(3), payload(3))
+        chain.put(key(4), payload(4))
+        assert chain.flush(20.0)
+        behind = chain.behind[store.name]
+        assert behind.present == 1 and store.stats().puts == 2, "key 3 skipped, key 4 put"
+        assert store.path(key(3).name).stat().st_mtime_ns > mtime, "marked recently used"
+        assert bytes(store.get(key(4)) or b"") == payload(4)
+    finally:
+        chain.close()
