@@ -105,7 +105,11 @@ class NodeMetrics:
             self.transfer_failed()
             return
         self.kv_time.observe(seconds)
-        self.kv_bytes.observe(pages * self._block_bytes)
+        self.kv_bytes.observe(self.bytes_of(pages))
+
+    def bytes_of(self, pages: int) -> int:
+        """The KV bytes of `pages` blocks (every layer and rank)."""
+        return pages * self._block_bytes
 
     def transfer_failed(self) -> None:
         self.kv_failed.inc()
@@ -214,6 +218,8 @@ class StageClock:
         if stamps.traceparent is not None:
             attrs = {REQUEST_ID: request_id, "pdserve.kv.connector": self.connector}
             attrs |= {"pdserve.kv.pages": pages, "pdserve.kv.checksum_ok": ok}
+            if self.metrics is not None:
+                attrs["pdserve.kv.bytes"] = self.metrics.bytes_of(pages)
             self._span("decode.kv_transfer", stamps, stamps.taken, stamps.kv_whole, attrs)
         if not ok:  # the request fails here: no first token will come
             self.forget(request_id)

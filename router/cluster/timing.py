@@ -235,6 +235,8 @@ class RequestTrace:
         }
         if timing.ttft:
             attrs[names.TIME_TO_FIRST_TOKEN] = timing.ttft
+        for kind, stages in (("ttft", timing.ttft_stages()), ("handoff", timing.handoff_stages())):
+            attrs |= {f"pdserve.{kind}.{stage}": v for stage, v in (stages or {}).items()}
         self.tracer.end(self.span, now, attrs)
         self.span = None
 

@@ -157,6 +157,31 @@ def test_a_request_left_out_of_the_sample_makes_no_span_and_no_attribute() -> No
     assert kept.on and kept.traceparent is not None
 
 
+def test_the_request_span_holds_the_ttft_taken_apart() -> None:
+    """The TTFT's stages, and the hand-off's, are attributes of the request span (issue 39:
+    in the trace too), the TTFT's adding up to the span's time to first token."""
+    tracer = FakeTracer()
+    timing = RequestTiming(arrival=100.0, entered=99.9)
+    request = GenerateRequest("r", (1, 2, 3), SamplingParams(max_tokens=4), timing=timing)
+    trace = RequestTrace(tracer, request, "m")  # type: ignore[arg-type]
+    timing.reserved(0.25)
+    timing.dispatched = 101.0
+    timing.note(Tokens("r", (1,), stages=StageTimes(queue=0.5, prefill=2.0)))
+    timing.first_token, timing.written = 104.5, 104.55
+    timing.note(Tokens("r", (2,), stages=StageTimes(kv_transfer=3.0, admission=0.1)))
+    trace.finish(2, "finished")
+    (span,) = tracer.named("llm_request")
+
+    def prefixed(prefix: str) -> dict[str, float]:
+        attrs = span.attributes.items()
+        return {k.removeprefix(prefix): v for k, v in attrs if k.startswith(prefix)}
+
+    assert prefixed("pdserve.ttft.") == timing.ttft_stages()
+    assert sum(prefixed("pdserve.ttft.").values()) == pytest.approx(4.65)
+    assert span.attributes["gen_ai.latency.time_to_first_token"] == pytest.approx(4.65)
+    assert prefixed("pdserve.handoff.") == timing.handoff_stages()
+
+
 class OneMessage(FakeBackend):
     """Answers with one message that carries the only token and the finish, with the computing
     node's stages, as a cluster backend hands them on (dispatched, then noted)."""
