@@ -1,6 +1,7 @@
 """The vLLM-level metrics (docs/api.md, "Metrics") on real processes: a router and a 1P1D pair
 on loopback. Each metric is on the /metrics of the process that measures it and moves under a
-small load (read before and after); a decode node gone silent moves the failover counter; every
+small load (read before and after); a decode node gone silent moves the failover counter; a
+second pair whose prefill node corrupts every KV frame moves the transfer-failure counter; every
 PromQL expression of the Grafana dashboard names only metrics a scrape of this deployment shows.
 The lease-expiry count is exported (at 0 here) but not moved: a SIGSTOPped router let the
 answer finish before its 2 s lease ran out on an idle CI machine. The count is moved in
@@ -24,6 +25,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from pdserve.local_cluster import LocalCluster, free_port
+from pdserve.testbed import kvfaults
 from pdserve.tiny_model import make_tiny_model
 from tests.devices import engine_flags
 
@@ -168,6 +170,42 @@ def test_kv_cache_usage_is_up_while_a_request_runs(deployment: Deployment) -> No
             break
     assert running, "no scrape of five loads caught a running request"
     assert min(running) > 0, running
+
+
+@pytest.fixture(scope="module")
+def damaged(tmp_path_factory) -> Iterator[Deployment]:
+    """A 1P1D pair whose prefill node corrupts every KV frame it sends (after its checksum:
+    the test bed's fault plan, pdserve.testbed.kvfaults; the nodes start as fresh
+    interpreters, which install it)."""
+    model = make_tiny_model("llama", tmp_path_factory.mktemp("damaged") / "m", max_position=2048)
+    health = {"prefill0": free_port(), "decode0": free_port()}
+    nodes = {name: ["--health-port", str(port)] for name, port in health.items()}
+    with pytest.MonkeyPatch.context() as mp:
+        for name, value in kvfaults.child_env("targets=*").items():
+            if value is None:
+                mp.delenv(name, raising=False)
+            else:
+                mp.setenv(name, value)
+        cluster = LocalCluster(
+            str(model), 1, 1, engine_args=ENGINE, router_args=ROUTER, node_args=nodes
+        )
+        with cluster:
+            yield Deployment(cluster, health)
+
+
+def test_a_damaged_kv_transfer_is_counted_where_it_is_found(damaged: Deployment) -> None:
+    """The decode node finds the damage (a slice's checksum) and counts each transfer of the
+    request as failed on its /metrics; the router fails the request over by that cause (what
+    the client gets at the end, a recomputed answer or an error, is tests/e2e/test_faults.py's
+    to check). The prefill node's sends all went out: none failed there."""
+    failed, cause = "pdserve:kv_transfer_failures_total|zmq", "pdserve:failovers_total|kv_failed"
+    before = {p: damaged.scrape(p) for p in ("router", "prefill0", "decode0")}
+    assert before["decode0"][failed] == 0 and before["router"].get(cause, 0.0) == 0
+    complete(damaged.cluster.url, PREFIX + [9] * 16, 4)
+    after = {p: damaged.scrape(p) for p in ("router", "prefill0", "decode0")}
+    assert after["decode0"][failed] >= 1 and after["router"][cause] >= 1
+    assert after["prefill0"][failed] == 0
+    assert after["decode0"]["pdserve:kv_transfer_bytes_count|zmq"] == 0, "no transfer was whole"
 
 
 def test_a_silent_decode_node_is_a_failover_by_its_cause(deployment: Deployment) -> None:
