@@ -15,7 +15,9 @@ heads that share a KV head are G query rows over the same keys, so K/V are never
 
 Decode rows (one query each) go to `cpu_attention.paged_decode` instead where it serves the
 dtypes: one C++ call a layer for all of them, reading each row's blocks in place with an online
-softmax (no gather, no flash call per group); prefill chunks keep the flash path above.
+softmax (no gather, no flash call per group). So do the queries of a prefill chunk whose
+sequence has at most IN_PLACE_KEYS keys, each query a row of its own length (its position + 1);
+longer prefill chunks keep the flash path above.
 
 What a step's metadata implies (groups, gather indices, masks, buffers, the decode rows) is a
 `StepPlan`, made by the first layer and cached on the metadata's `seq_lens` tensor, which every
@@ -36,6 +38,12 @@ from pdserve.kernels import cpu_attention
 # more than the buffer's cache residence wins.
 CHUNK_BYTES = 4 << 20
 MIN_CHUNK_KEYS = 1024
+# A prefill chunk whose sequence has at most this many keys goes to the in-place kernel, one
+# row per query, instead of flash: the flash kernel computes the whole masked square at ~20
+# GMAC/s, the kernel only each row's keys. One layer, SmolLM2's heads, bf16, one thread
+# (docs/quantization.md, "Where 16 requests' time goes"): 32 keys 84 against 172 us, 96
+# 416/577, 160 1212/1488, 224 2714/2903, 288 5526/4195.
+IN_PLACE_KEYS = 192
 _NEG = -1e30  # the log-sum-exp of a query that sees no key in a chunk: merges to weight 0
 _flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 
@@ -137,8 +145,9 @@ class Group:
 
 @dataclass(frozen=True, slots=True)
 class DecodeRows:
-    """The step's decode rows for the in-place kernel: their rows of the flat query (None:
-    every row of the step, in order) with their block tables [R, W] and lengths [R], int32."""
+    """The step's query rows for the in-place kernel (decode rows, short prefill chunks'
+    queries): their rows of the flat query (None: every row of the step, in order) with their
+    block tables [R, W] and lengths [R] (a row's position + 1), int32."""
 
     tokens: torch.Tensor | None
     block_tables: torch.Tensor
@@ -257,33 +266,51 @@ def make_plan(
     token_bytes: int,
     in_place: bool = False,
 ) -> tuple[Group, ...]:
-    """The step's groups: decode rows batched by length (none where `in_place`: the decode
-    kernel takes them), each longer query on its own."""
+    """The step's groups: decode rows batched by length, each longer query on its own; none
+    for the rows the in-place kernel takes where `in_place` (`decode_rows`)."""
     starts, lens = query_start_loc.tolist(), seq_lens.tolist()
     q_lens = [starts[b + 1] - starts[b] for b in range(len(lens))]
     args = (starts, lens)
     rest = (block_tables, block_size, window, token_bytes)
     decodes = [] if in_place else decode_groups(q_lens, lens)
     groups = [_group(g, *args, 1, *rest) for g in decodes]
-    groups += [_group([b], *args, q, *rest) for b, q in enumerate(q_lens) if q > 1]
+    prefills = [
+        b for b, q in enumerate(q_lens) if q > 1 and not (in_place and kernel_takes(q, lens[b]))
+    ]
+    groups += [_group([b], *args, q_lens[b], *rest) for b in prefills]
     return tuple(groups)
+
+
+def kernel_takes(q_len: int, seq_len: int) -> bool:
+    """Whether a sequence's queries go to the in-place kernel: a decode row, or a prefill chunk
+    of a sequence with at most IN_PLACE_KEYS keys."""
+    return q_len == 1 or seq_len <= IN_PLACE_KEYS
 
 
 def decode_rows(
     block_tables: torch.Tensor, query_start_loc: torch.Tensor, seq_lens: torch.Tensor
 ) -> DecodeRows | None:
-    """The rows with one query this step, or None; a step of decodes only passes its tensors
-    as they are."""
-    starts = query_start_loc.tolist()
-    rows = [b for b in range(len(starts) - 1) if starts[b + 1] - starts[b] == 1]
-    if not rows:
+    """The query rows the in-place kernel takes this step (`kernel_takes`), or None: a decode row
+    as it is, a short prefill chunk's queries each with its sequence's block table and its own
+    length. A step of decodes only passes its tensors as they are."""
+    starts, lens = query_start_loc.tolist(), seq_lens.tolist()
+    q_lens = [starts[b + 1] - starts[b] for b in range(len(lens))]
+    seqs = [b for b, q in enumerate(q_lens) if kernel_takes(q, lens[b])]
+    if not seqs:
         return None
-    tables, lens = block_tables.int().contiguous(), seq_lens.int().contiguous()
-    if len(rows) == len(starts) - 1:
-        return DecodeRows(None, tables, lens)
-    index = torch.tensor(rows)
-    tokens = torch.tensor([starts[b] for b in rows])
-    return DecodeRows(tokens, tables.index_select(0, index), lens.index_select(0, index))
+    tables = block_tables.int().contiguous()
+    if len(seqs) == len(lens) and all(q == 1 for q in q_lens):
+        return DecodeRows(None, tables, seq_lens.int().contiguous())
+    owner = [b for b in seqs for _ in range(q_lens[b])]
+    row_lens = [lens[b] - q_lens[b] + i + 1 for b in seqs for i in range(q_lens[b])]
+    tokens = (
+        None if len(seqs) == len(lens) else [starts[b] + i for b in seqs for i in range(q_lens[b])]
+    )
+    return DecodeRows(
+        None if tokens is None else torch.tensor(tokens),
+        tables.index_select(0, torch.tensor(owner)),
+        torch.tensor(row_lens, dtype=torch.int32),
+    )
 
 
 def _versions(tensors: tuple[torch.Tensor, ...]) -> tuple[int, ...]:

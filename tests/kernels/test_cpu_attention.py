@@ -6,12 +6,13 @@ over many steps is test_cpu_mixed_steps'."""
 from __future__ import annotations
 
 from dataclasses import replace
+from unittest import mock
 
 import pytest
 import torch
 
 from pdserve.kernels import cpu_attention
-from pdserve.kernels.cpu import paged_attention_cpu, step_plan
+from pdserve.kernels.cpu import IN_PLACE_KEYS, paged_attention_cpu, step_plan
 from tests.kernels.test_reference import dense_attention, make_paged_batch, run_attention, run_ref
 
 # Ragged decode rows: part-full and just-opened blocks, one of a single token, one long.
@@ -71,15 +72,32 @@ def test_a_head_dim_off_16_takes_the_plain_loop_only():
             decode(batch, 0.2, None, True)
 
 
-def test_a_mixed_step_sends_only_its_decode_rows_to_the_kernel():
-    spec = [(37, 1), (0, 19), (21, 9), (32, 1)]  # decode, prompt, chunk over a prefix, decode
+def test_a_mixed_step_sends_decode_rows_and_short_prefills_to_the_kernel():
+    # decode, a short prompt, a chunk over a prefix past IN_PLACE_KEYS, a long prompt, decode
+    spec = [(37, 1), (0, 19), (190, 9), (0, 200), (32, 1)]
     batch = make_paged_batch(spec, 8, 2, 64, block_size=16)
     meta = (batch.block_tables, batch.query_start_loc, batch.seq_lens)
     plan = step_plan(*meta, 16, None, 512, True)
-    assert plan.decode.tokens.tolist() == [0, 29]
-    assert sorted(g.q_len for g in plan.groups) == [9, 19]  # no decode group left for flash
+    assert plan.decode.tokens.tolist() == [0, *range(1, 20), 229]
+    assert plan.decode.seq_lens.tolist() == [38, *range(1, 20), 33]  # each row its position + 1
+    assert sorted(g.q_len for g in plan.groups) == [9, 200]  # only the long ones left for flash
     out = run_attention(paged_attention_cpu, batch, 0.125, None)
     torch.testing.assert_close(out, run_ref(batch, 0.125, None), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("avx512", PATHS)
+@pytest.mark.parametrize("window", [None, 5])
+@pytest.mark.parametrize("prefix", [0, 40])
+def test_short_prefill_chunks_in_place_match_the_reference(avx512, window, prefix):
+    # Chunks up to IN_PLACE_KEYS keys (one at exactly that many) go to the kernel, row by row.
+    spec = [(prefix, 23), (0, IN_PLACE_KEYS), (prefix + 3, 1), (IN_PLACE_KEYS - 40, 40)]
+    batch = make_paged_batch(spec, 8, 2, 64, block_size=16)
+    meta = (batch.block_tables, batch.query_start_loc, batch.seq_lens)
+    plan = step_plan(*meta, 16, window, 512, True)
+    assert plan.groups == () and plan.decode.tokens is None  # every row in place
+    with mock.patch.object(cpu_attention, "uses_avx512", lambda _: avx512):
+        out = run_attention(paged_attention_cpu, batch, 0.125, window)
+    torch.testing.assert_close(out, run_ref(batch, 0.125, window), atol=1e-5, rtol=1e-5)
 
 
 def test_bad_input_is_refused_with_a_reason():
