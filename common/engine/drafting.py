@@ -15,12 +15,14 @@ from pdserve.common.spec.proposer import Proposer, create_proposer
 # again: its text may have turned repetitive since (a quote, a copied block of code).
 PROBE_AFTER_STEPS = 16
 # What a verify step costs beyond a one-row decode step, as shares of that step (`StepCost`): a
-# fixed part (the several-query attention path, the verify sampler) and one per row (the GEMV
-# reads the weights again per row).
-# SmolLM2's Q4_1 GGUF in bf16, one thread, the least of each: 29.5 CPU ms at 1 row, 43.7, 53.9
-# and 74.1 for a verify step of 2, 4 and 6 rows (docs/benchmarks.md's spec section).
-VERIFY_COST = 0.22
-ROW_COST = 0.26
+# fixed part (mostly the several-query attention path) and one per row (the matmuls and the
+# head). SmolLM2's Q4_1 GGUF in bf16, one thread, eager, after the VNNI GEMM from 4 rows
+# (846a41c): a step of 2 to 8 rows, widths interleaved step by step, costs 1.3-1.5, 1.4-1.8,
+# 1.8-2.0, 1.8-2.2, 2.0-2.4, 2.1-2.5 and 2.1-2.5 one-row steps; a line through them: v 0.21-0.44,
+# r 0.12-0.19 over nine fits, means 0.34 and 0.15 (v 0.33: the first six fits' mean, which
+# docs/benchmarks.md's comparison ran; docs/speculative.md, "Step costs").
+VERIFY_COST = 0.33
+ROW_COST = 0.15
 # How much of a request's acceptance estimate one verify step replaces.
 DECAY = 0.8
 
