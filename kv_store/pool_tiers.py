@@ -29,7 +29,7 @@ from collections.abc import Sequence
 
 import torch
 
-from pdserve.common.engine.kv_cache_manager import BlockHash, PrefixEvents
+from pdserve.common.engine.kv_cache_manager import BlockHash, PrefixEvents, TierLoads
 from pdserve.kv_store import open_store
 from pdserve.kv_store.chain import TierChain
 from pdserve.kv_store.cost import LoadCost
@@ -85,6 +85,7 @@ class PoolTiers:
         self._walk_first, self._walk_end = 0, 1
         self._walk_hashes: list[BlockHash] = []
         self._decided: dict[str, bool] = {}  # each tier's answer for the walk under way
+        self.walk = TierLoads()  # what the walk under way loaded, for the request's trace
         # The store's run read ahead of the walk: each block's verified payload, or None for
         # the miss that ended the run (counted once, not asked again).
         self._ahead: dict[str, memoryview | None] = {}
@@ -115,6 +116,7 @@ class PoolTiers:
         self._walk_hashes = list(hashes)
         self._decided.clear()
         self._ahead.clear()
+        self.walk = TierLoads()
 
     def load(self, block_hash: BlockHash, block_id: int, at: int) -> bool:
         """Write the verified pages of `block_hash`, the walk's block `at`, into `block_id`;
@@ -137,6 +139,8 @@ class PoolTiers:
         # ahead (the call that read its run observed the run's bytes).
         if not found.queued and self._read_bytes:
             self.cost.observe(found.tier.name, self._read_bytes, time.perf_counter() - start)
+        self.walk.blocks[found.tier.name] = self.walk.blocks.get(found.tier.name, 0) + 1
+        self.walk.bytes += self.block_bytes
         return True
 
     def _read(self, tier: KVTier, key: BlockKey) -> memoryview | None:
@@ -179,6 +183,7 @@ class PoolTiers:
             first, end = self._at * self.block_size, (self._at + blocks) * self.block_size
             ask = self.cost.worth_loading(tier.name, first, end, blocks * self.block_bytes, blocks)
             self._decided[tier.name] = ask
+            self.walk.recompute_chosen += 0 if ask else blocks  # as the cost model counts them
         self._store_asked |= ask and tier is self.store
         return ask
 

@@ -119,6 +119,9 @@ class Drafter:
         self.stats = SpecDecodeStats()
         self.cost = StepCost()
         self._budgets: dict[str, _Budget] = {}
+        # The same counters per running request that drafted (from its first drafts to
+        # `finish`): a node's trace of the request keeps its own reference to them.
+        self.by_request: dict[str, SpecDecodeStats] = {}
 
     def drafts(self, request: Request, limit: int) -> list[int]:
         """Drafts for a request's next verify step, at most limit and what max_tokens leaves
@@ -149,11 +152,17 @@ class Drafter:
                     budget.idle = PROBE_AFTER_STEPS
                     return []
         k = min(k, limit)
-        return self.proposer.propose(request_id, tokens, k)[:k] if k > 0 else []
+        drafts = self.proposer.propose(request_id, tokens, k)[:k] if k > 0 else []
+        if drafts and request_id not in self.by_request:
+            self.by_request[request_id] = SpecDecodeStats()
+        return drafts
 
     def observe(self, request_id: str, drafted: int, accepted: int) -> None:
         """A verify step of `drafted` drafts accepted the first `accepted` of them."""
         self.stats.observe(drafted, accepted)
+        own = self.by_request.get(request_id)
+        if own is not None:
+            own.observe(drafted, accepted)
         budget = self._budgets.get(request_id)
         if budget is None:
             return
@@ -163,6 +172,7 @@ class Drafter:
     def finish(self, request_id: str, tokens: Sequence[int]) -> None:
         """The request ended: drop its k, let the proposer keep what it learns from it."""
         self._budgets.pop(request_id, None)
+        self.by_request.pop(request_id, None)
         self.proposer.finish(request_id, tokens)
 
 

@@ -16,9 +16,10 @@ Block lifecycle:
 from __future__ import annotations
 
 import hashlib
+import time
 from array import array
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 from pdserve.common.engine.request import Request
@@ -91,10 +92,36 @@ class PrefixEvents:
         return False, stored, removed
 
 
+@dataclass(slots=True)
+class TierLoads:
+    """What a request's prefix lookups took from the tiers below the pool: blocks loaded by
+    tier name, blocks the cost model chose to recompute rather than load (`LoadCost`), the
+    bytes and tokens loaded, and the monotonic times the first lookup began and the last
+    one ended."""
+
+    blocks: dict[str, int] = field(default_factory=dict)
+    recompute_chosen: int = 0
+    bytes: int = 0
+    tokens: int = 0  # loaded (what `PrefixCacheStats.tier_hits` counted of them)
+    start: float = 0.0
+    end: float = 0.0
+
+    def add(self, walk: TierLoads) -> None:
+        for name, n in walk.blocks.items():
+            self.blocks[name] = self.blocks.get(name, 0) + n
+        self.recompute_chosen += walk.recompute_chosen
+        self.bytes += walk.bytes
+        self.tokens += walk.tokens
+        self.start = self.start or walk.start
+        self.end = walk.end
+
+
 class BlockTiers(Protocol):
     """Where full blocks go when the pool evicts them and come back from on a prefix miss
     (host memory, a shared store: `kv_store.PoolTiers`). The manager stays free of tensors:
     the tiers copy a block's pages themselves, by block id."""
+
+    walk: TierLoads  # what the walk under way loaded and chose to recompute (`begin_walk`)
 
     def offload(self, block_hash: BlockHash, block_id: int, wait: bool = False) -> None:
         """Keep a copy of the block's pages (called before the block is reused); a shared
@@ -342,6 +369,9 @@ class KVCacheManager:
         # the tiers when it ends, for the next turn's prefill node (`_store_answer`).
         self.store_answers = False
         self.stats = PrefixCacheStats()
+        # What each request's lookups took from the tiers (only requests a tier served or the
+        # cost model turned to recompute; until `free`): a traced request's span reads it.
+        self.req_tier_loads: dict[str, TierLoads] = {}
 
     @property
     def usage(self) -> float:
@@ -381,13 +411,15 @@ class KVCacheManager:
                 break
             hits.append(block)
         if self.pool.tiers is not None and len(hits) < len(hashes):
-            self.stats.tier_hits += self._load_from_tiers(hits, hashes[len(hits) :])
+            self.stats.tier_hits += self._load_from_tiers(request, hits, hashes[len(hits) :])
         n_tokens = len(hits) * self.block_size
         self.stats.queries += request.num_tokens
         self.stats.hits += n_tokens
         return KVCacheBlocks(tuple(hits)), n_tokens
 
-    def _load_from_tiers(self, hits: list[KVCacheBlock], missing: list[BlockHash]) -> int:
+    def _load_from_tiers(
+        self, request: Request, hits: list[KVCacheBlock], missing: list[BlockHash]
+    ) -> int:
         """Extend `hits` with the blocks after them that a tier holds, each loaded into a
         pool block and indexed like a computed one; stops at the first miss (the rest is
         recomputed); returns the tokens loaded. The hits are held while loading so that
@@ -395,7 +427,7 @@ class KVCacheManager:
         evictable again until allocate_slots touches it, as pool hits are."""
         assert self.pool.tiers is not None
         self.pool.touch(hits)
-        held, loaded = list(hits), 0
+        held, loaded, start = list(hits), 0, time.monotonic()
         self.pool.tiers.begin_walk(len(hits), len(hits) + len(missing), missing)
         for block_hash in missing:
             block = self.pool.get_cached_block(block_hash)  # a later block may still be here
@@ -413,6 +445,10 @@ class KVCacheManager:
             held.append(block)
             hits.append(block)
         self.pool.free_blocks(reversed(held))
+        walk = self.pool.tiers.walk
+        if walk.blocks or walk.recompute_chosen:
+            walk.start, walk.end, walk.tokens = start, time.monotonic(), loaded
+            self.req_tier_loads.setdefault(request.request_id, TierLoads()).add(walk)
         return loaded
 
     def allocate_slots(
@@ -488,6 +524,7 @@ class KVCacheManager:
         blocks = self.req_blocks.pop(request.request_id, [])
         self.req_hashes.pop(request.request_id, None)
         self.req_num_cached.pop(request.request_id, None)
+        self.req_tier_loads.pop(request.request_id, None)
         if self.store_answers and self.pool.tiers is not None:
             self._store_answer(request, blocks)
         self.pool.free_blocks(reversed(blocks))

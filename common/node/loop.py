@@ -107,7 +107,9 @@ class EngineNode:
             self.kv = self.open_kv(agent)
         labels = {"role": self.role, "node_id": self.node_id}
         self.metrics = self.node_metrics(labels)
-        self.stages = StageClock(self.tracer, self.node_id, self.metrics)
+        drafter = self.engine.scheduler.drafter
+        method = drafter.config.method if drafter is not None and not self.hands_off else ""
+        self.stages = StageClock(self.tracer, self.node_id, self.metrics, method)
         self.membership = Membership(node, self.registration(), self.curve, self.live, self.fail)
         if self.reports_prefixes:  # nodes a prefix-aware router picks by cache
             self.engine.kv.pool.prefix_events = PrefixEvents()
@@ -172,7 +174,9 @@ class EngineNode:
         before the step goes on (a role may act on a request after its tokens left). The
         step's spans open before the forward: the other ranks put theirs under them."""
         output = self.engine.scheduler.schedule()
-        traces = self.stages.step_started(output)
+        drafter = self.engine.scheduler.drafter
+        drafts = drafter.by_request if drafter is not None else {}
+        traces = self.stages.step_started(output, self.engine.kv.req_tier_loads, drafts)
         updates = self.engine.run(output, LayerCall.traced(self.layer_call(output), traces))
         self.stages.step_done()
         yield from self.stepped(updates)

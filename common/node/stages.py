@@ -16,19 +16,27 @@ messages it sends), and `record` takes them out of the node's outgoing messages.
 
 The node's span of a traced request's computing (`prefill`, or a decode node's
 `decode.first_step`) is open while its steps run: the other ranks of a tensor-parallel node
-put their own spans of those steps under it (`step_started` gives their parents).
+put their own spans of those steps under it (`step_started` gives their parents). A prefix the
+engine loaded (in part) from a tier below its pool is one more span under it (`node.tier_load`).
+
+On a node that speculates a traced request is kept past its first token: when it ends
+(finished, aborted, its lease lapsed) its drafts are one span (`decode.speculation`), from
+the engine's own counts for that request (`Drafter.by_request`).
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
 
+from pdserve.common.engine.drafting import SpecDecodeStats
+from pdserve.common.engine.kv_cache_manager import TierLoads
 from pdserve.common.engine.scheduler import SchedulerOutput
-from pdserve.common.node.tier_metrics import TierCollector
+from pdserve.common.node.tier_metrics import TierCollector, tier_label
 from pdserve.common.tracing import REQUEST_ID, TIME_IN_PREFILL, TIME_IN_QUEUE, Tracer
 from pdserve.common.wire.messages import Admitted, Error, Tokens
 from pdserve.common.wire.payloads import StageTimes
@@ -37,6 +45,7 @@ from pdserve.common.wire.payloads import StageTimes
 SECONDS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 600)
 # KV bytes of one request: 4 KiB (a tiny model's block) to 16 GiB, by powers of 4.
 BYTES = tuple(float(4**i) for i in range(6, 18))
+_NONE: Mapping[str, Any] = {}
 
 
 # attribute, kind, name, labelled by connector, buckets, help
@@ -157,6 +166,7 @@ class _Stamps:
     chunks: list[tuple[float, float, int]] = field(default_factory=list)  # traced only
     span: Any = None  # the node's open span of the request's steps (traced only)
     ranks_parent: str = ""  # its traceparent, for the other ranks' spans
+    spec: SpecDecodeStats | None = None  # its drafts' counts, once it drafted (traced only)
 
 
 class StageClock:
@@ -164,10 +174,17 @@ class StageClock:
     stage ends; a request it forgets (aborted, handed off) leaves nothing behind."""
 
     def __init__(
-        self, tracer: Tracer | None, node_id: str, metrics: NodeMetrics | None = None
+        self,
+        tracer: Tracer | None,
+        node_id: str,
+        metrics: NodeMetrics | None = None,
+        spec_method: str = "",
     ) -> None:
+        """`spec_method`: the node's speculative method ("" none): a traced request is then
+        kept to its end, for its `decode.speculation` span."""
         self.tracer = tracer
         self.node_id = node_id
+        self.spec_method = spec_method
         self.metrics = metrics  # the node's request histograms, observed as stages end
         self.connector = metrics.connector if metrics is not None else ""
         self._stamps: dict[str, _Stamps] = {}
@@ -224,9 +241,16 @@ class StageClock:
         if not ok:  # the request fails here: no first token will come
             self.forget(request_id)
 
-    def step_started(self, output: SchedulerOutput) -> tuple[str, ...]:
+    def step_started(
+        self,
+        output: SchedulerOutput,
+        tier_loads: Mapping[str, TierLoads] = _NONE,
+        drafts: Mapping[str, SpecDecodeStats] = _NONE,
+    ) -> tuple[str, ...]:
         """A step runs these requests: the first step of each ends its queue (or admission).
-        The node spans the other ranks' spans of this step go under (none: nothing traced)."""
+        The node spans the other ranks' spans of this step go under (none: nothing traced).
+        `tier_loads` and `drafts`: the engine's per-request records (`KVCacheManager.
+        req_tier_loads`, `Drafter.by_request`), read for traced requests only."""
         now = self._step_start = time.monotonic()
         self._step_works = bool(output.seqs)
         parents: list[str] = []
@@ -234,13 +258,21 @@ class StageClock:
             stamps = self._stamps.get(seq.request_id)
             if stamps is None:
                 continue
-            if not stamps.scheduled:
+            first_step = not stamps.scheduled
+            if first_step:
                 stamps.scheduled = now
-            if stamps.traceparent is not None and not stamps.first:
-                if stamps.span is None:  # a decode node's first step
-                    self._open("decode.first_step", stamps, now, seq.request_id)
-                self._step.append((stamps, len(seq.token_ids)))
-                parents.append(stamps.ranks_parent)
+            if stamps.traceparent is None:
+                continue
+            if stamps.first:  # decoding past its first token: kept for its drafts' span
+                if seq.num_drafts and stamps.spec is None:
+                    stamps.spec = drafts.get(seq.request_id)
+                continue
+            if stamps.span is None:  # a decode node's first step
+                self._open("decode.first_step", stamps, now, seq.request_id)
+            if first_step and seq.request_id in tier_loads:
+                self._tier_span(seq.request_id, stamps, tier_loads[seq.request_id])
+            self._step.append((stamps, len(seq.token_ids)))
+            parents.append(stamps.ranks_parent)
         return tuple(parents)
 
     def step_done(self) -> None:
@@ -261,7 +293,8 @@ class StageClock:
         stamps = self._stamps.get(msg.request_id)
         if stamps is None or stamps.first or not msg.token_ids:
             if stamps is not None and msg.finish_reason and not stamps.handoff:
-                self.forget(msg.request_id)  # a prompt only scored: no token comes
+                # a prompt only scored (no token comes), or a request kept for its drafts
+                self.forget(msg.request_id, msg.finish_reason if stamps.first else "ended")
             return msg
         stamps.first = time.monotonic()
         stages = self._stages(stamps)
@@ -269,8 +302,10 @@ class StageClock:
             self.metrics.first_token(stages, stamps.remote)
         if stamps.traceparent is not None:
             self._spans(msg.request_id, stamps, stages)
-        if not stamps.handoff:
-            del self._stamps[msg.request_id]
+        if stamps.handoff:
+            return replace(msg, stages=stages)
+        if msg.finish_reason or not self._speculates(stamps):
+            self.forget(msg.request_id, msg.finish_reason or "ended")
         return replace(msg, stages=stages)
 
     def kv_sent(self, request_id: str, pages: int, ok: bool) -> None:
@@ -298,14 +333,45 @@ class StageClock:
         self.forget(request_id, "lease_expired")
 
     def forget(self, request_id: str, outcome: str = "ended") -> None:
-        """The request ended here before its first token (aborted, failed): no stage of it
-        is reported; a node span still open ends now."""
+        """The request ended here (aborted, failed; or finished, kept for its drafts): no
+        stage of it is reported; a node span still open ends now, a traced request that
+        decoded here on a speculating node gets its `decode.speculation` span."""
         stamps = self._stamps.pop(request_id, None)
-        if stamps is not None and stamps.span is not None:
+        if stamps is None:
+            return
+        if stamps.span is not None:
             assert self.tracer is not None
             self.tracer.end(stamps.span, time.monotonic(), {"pdserve.outcome": outcome})
+        if stamps.first and self._speculates(stamps):
+            self._speculation(request_id, stamps, outcome)
 
     # -- stages and spans ----------------------------------------------------------------
+
+    def _speculates(self, s: _Stamps) -> bool:
+        """A traced request this node decodes with drafts (kept to its end)."""
+        return bool(self.spec_method) and s.traceparent is not None and not s.handoff
+
+    def _speculation(self, rid: str, s: _Stamps, outcome: str) -> None:
+        """A traced request's drafts on this node, from its first decode step to its end."""
+        spec = s.spec or SpecDecodeStats()
+        attrs = {REQUEST_ID: rid, "pdserve.spec.method": self.spec_method}
+        attrs |= {"pdserve.spec.num_drafts": spec.num_drafts, "pdserve.outcome": outcome}
+        attrs["pdserve.spec.num_draft_tokens"] = spec.num_draft_tokens
+        attrs["pdserve.spec.num_accepted_tokens"] = spec.num_accepted_tokens
+        start = s.scheduled if s.remote else s.first
+        self._span("decode.speculation", s, start, time.monotonic(), attrs)
+
+    def _tier_span(self, rid: str, s: _Stamps, loads: TierLoads) -> None:
+        """What the request's prefix lookups loaded from the tiers under the pool (blocks by
+        tier kind), chose to recompute, and the bytes loaded: a span under the node's."""
+        assert self.tracer is not None
+        attrs: dict[str, Any] = {REQUEST_ID: rid, "pdserve.node_id": self.node_id}
+        attrs["pdserve.kv_tier.recompute_chosen_blocks"] = loads.recompute_chosen
+        attrs |= {"pdserve.kv_tier.bytes": loads.bytes, "pdserve.kv_tier.tokens": loads.tokens}
+        for name, n in loads.blocks.items():
+            key = f"pdserve.kv_tier.{tier_label(name)}.blocks"
+            attrs[key] = attrs.get(key, 0) + n
+        self.tracer.span("node.tier_load", s.span, loads.start, loads.end, attrs)
 
     @staticmethod
     def _stages(s: _Stamps) -> StageTimes:

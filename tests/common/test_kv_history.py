@@ -5,7 +5,7 @@ preempted within that same schedule must take such a block out of the index unwr
 
 from __future__ import annotations
 
-from pdserve.common.engine.kv_cache_manager import KVCacheManager, hash_token_blocks
+from pdserve.common.engine.kv_cache_manager import KVCacheManager, TierLoads, hash_token_blocks
 from pdserve.common.engine.request import Request
 from pdserve.common.wire.payloads import SamplingParams
 from tests.common.test_scheduler import Harness
@@ -18,6 +18,7 @@ class Recorder:
 
     def __init__(self) -> None:
         self.offloaded: dict[bytes, int] = {}
+        self.walk = TierLoads()
 
     def offload(self, block_hash: bytes, block_id: int, wait: bool = False) -> None:
         self.offloaded[block_hash] = block_id

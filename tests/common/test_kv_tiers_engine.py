@@ -19,6 +19,7 @@ import torch
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
+from pdserve.common.engine.kv_cache_manager import TierLoads
 from pdserve.common.engine.llm import LLM, SamplingParams
 from pdserve.common.node.stages import NodeMetrics
 from pdserve.common.node.tier_metrics import tier_report
@@ -307,6 +308,7 @@ class FakeTiers:
         self.pages, self.fail = pages, fail
         self.stored: dict[bytes, bytes] = {}
         self.walks: list[tuple[int, int]] = []
+        self.walk = TierLoads()  # records nothing: the manager's per-request record stays empty
 
     def offload(self, block_hash: bytes, block_id: int) -> None:
         assert self.pages[block_id] == block_hash, "offloaded after the block was reused"
