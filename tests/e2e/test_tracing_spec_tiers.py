@@ -67,21 +67,26 @@ def metrics(port: int) -> dict[str, float]:
     return out
 
 
-def settled(read: Callable[[], dict[str, float]], names: list[str]) -> dict[str, float]:
-    """`read()` once the named values held still across two heartbeats (they are published
-    with the node's heartbeat)."""
+def settled(
+    read: Callable[[], dict[str, float]], names: list[str], at_least: dict[str, float] | None = None
+) -> dict[str, float]:
+    """`read()` once the named values reached `at_least` and held still for 1.5 s (they are
+    published with the node's heartbeat, which a loaded machine delays)."""
+    at_least = at_least or {}
     last, deadline = read(), time.monotonic() + 30
     while time.monotonic() < deadline:
         time.sleep(1.5)
         now = read()
-        if all(now.get(n) == last.get(n) for n in names):
+        reached = all(now.get(n, 0.0) >= v for n, v in at_least.items())
+        if reached and all(now.get(n) == last.get(n) for n in names):
             return now
         last = now
-    raise AssertionError(f"{names} still moving after 30 s")
+    raise AssertionError(f"{names} not at {at_least} or still moving after 30 s")
 
 
-def traced(url: str, receiver: Receiver, prompt: list[int], want: str, **extra) -> list[Span]:
-    """The spans of one request (its own trace id) once `want` came."""
+def traced(url: str, receiver: Receiver, prompt: list[int], *want: str, **extra) -> list[Span]:
+    """The spans of one request (its own trace id) once every span named in `want` came (the
+    nodes export in batches: a span that ended first may come alone)."""
     trace_id = f"{time.time_ns():032x}"[-32:]
     headers = {"traceparent": f"00-{trace_id}-00f067aa0ba902b7-01"}
     body = {"prompt": prompt, "max_tokens": 6, "temperature": 0, "ignore_eos": True, **extra}
@@ -90,7 +95,7 @@ def traced(url: str, receiver: Receiver, prompt: list[int], want: str, **extra) 
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
         spans = receiver.trace(trace_id)
-        if any(s.name == want for s in spans):
+        if set(want) <= {s.name for s in spans}:
             return spans
         time.sleep(0.2)
     raise AssertionError(f"no {want} span in {sorted({s.name for s in receiver.trace(trace_id)})}")
@@ -106,16 +111,17 @@ def test_a_prefix_loaded_from_the_file_store_is_a_span_with_the_nodes_counts(
     assert not by_name(spans).get("node.tier_load"), "nothing in the store yet"
     traced(cluster.url, receiver, other, "prefill")
     before = settled(lambda: metrics(prefill), [LOADED_TOKENS + "_total"])
-    spans = traced(cluster.url, receiver, first, "node.tier_load")
-    after = settled(lambda: metrics(prefill), [LOADED_TOKENS + "_total"])
+    spans = traced(cluster.url, receiver, first, "node.tier_load", "prefill")
     names = by_name(spans)
     (load,), (node,) = names["node.tier_load"], names["prefill"]
     assert load.parent_id == node.span_id, "under the prefill node's span"
     attrs = load.attributes
+    total = LOADED_TOKENS + "_total"
+    after = settled(lambda: metrics(prefill), [total], {total: before[total] + 1})
     assert attrs["pdserve.kv_tier.file.blocks"] >= 1, attrs
     blocks = sum(v for k, v in attrs.items() if k.endswith(".blocks"))
     assert attrs["pdserve.kv_tier.tokens"] == blocks * BLOCK
-    loaded = after[LOADED_TOKENS + "_total"] - before[LOADED_TOKENS + "_total"]
+    loaded = after[total] - before[total]
     assert attrs["pdserve.kv_tier.tokens"] == loaded, (attrs, loaded)
     assert attrs["pdserve.kv_tier.recompute_chosen_blocks"] == 0  # --kv-load-policy always
     assert attrs["pdserve.kv_tier.bytes"] > 0
@@ -127,10 +133,15 @@ def test_a_speculated_request_spans_its_drafts_with_the_decode_nodes_counts(
 ) -> None:
     cluster, _, decode = deployment
     before = settled(lambda: metrics(decode), list(SPEC_COUNTERS.values()))
-    spans = traced(cluster.url, receiver, [5, 6, 7, 8] * 10, "decode.speculation", max_tokens=24)
-    after = settled(lambda: metrics(decode), list(SPEC_COUNTERS.values()))
+    prompt = [5, 6, 7, 8] * 10
+    spans = traced(
+        cluster.url, receiver, prompt, "decode.speculation", "llm_request", max_tokens=24
+    )
     names = by_name(spans)
     (spec,), (request,) = names["decode.speculation"], names["llm_request"]
+    drafts = SPEC_COUNTERS["pdserve.spec.num_drafts"]
+    moved = {drafts: before[drafts] + 1}  # the heartbeat after the request's first verify step
+    after = settled(lambda: metrics(decode), list(SPEC_COUNTERS.values()), moved)
     assert spec.service == "pdserve-decode" and spec.parent_id == request.span_id
     attrs = spec.attributes
     assert attrs["pdserve.spec.method"] == "ngram" and attrs["pdserve.outcome"] == "length"
