@@ -614,8 +614,9 @@ class CompletionChoice(_Response):
 
 
 class RequestMetrics(_Response):
-    """One choice's time to first token and its stages in seconds (router/cluster/timing.py), when the
-    request asked (return_metrics): in the body, or on the stream chunk that ends the choice.
+    """One choice's time to first token and its stages in seconds (router/cluster/timing.py),
+    when the request asked (return_metrics): in the body, or on the stream chunk that ends the
+    choice.
     A stage list is null when its stages did not run (no KV moved) or did not report."""
 
     index: int

@@ -28,4 +28,8 @@ def test_quick_run_reports_each_case_against_its_floor(tmp_path: Path) -> None:
         assert math.isclose(r["of_floor"], r["floor_ms"] / r["ms"])
         assert ("plan_ms" in r) == (r["impl"] == "in_place")
     section = (tmp_path / "benchmarks.md").read_text()
-    assert "<!-- BEGIN attention -->" in section and "| in_place |" in section and "| flash |" in section
+    assert (
+        "<!-- BEGIN attention -->" in section
+        and "| in_place |" in section
+        and "| flash |" in section
+    )

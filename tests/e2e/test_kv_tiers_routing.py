@@ -129,7 +129,8 @@ def test_a_prompt_in_one_nodes_host_tier_is_routed_there(model_dir: str, tmp_pat
         assert entry["prefill_node"] == other, "routed to where its blocks are (host tier)"
         # The node publishes its counters with its next heartbeat (`EngineNode.status`).
         host_hits = lambda: node_metrics(health[other])[("pdserve:kv_tier_hits_total", "host")]  # noqa: E731
-        wait_for(lambda: host_hits() - before >= 5, "the node loading the prompt from its host tier", 10.0)
+        loading = "the node loading the prompt from its host tier"
+        wait_for(lambda: host_hits() - before >= 5, loading, 10.0)
         assert len(answer["choices"][0]["token_ids"]) == 8
 
         def sums_agree() -> bool:

@@ -124,13 +124,6 @@ class Receiver:
         self.endpoint.close()
 
 
-@pytest.fixture(scope="module")
-def receiver() -> Iterator[Receiver]:
-    r = Receiver()
-    yield r
-    r.close()
-
-
 @contextlib.contextmanager
 def traced_cluster(
     folder: Path,

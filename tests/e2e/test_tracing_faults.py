@@ -34,13 +34,6 @@ MAX_TOKENS = 900  # long enough that the kill lands while the decode node still 
 
 
 @pytest.fixture(scope="module")
-def receiver() -> Iterator[Receiver]:
-    r = Receiver()
-    yield r
-    r.close()
-
-
-@pytest.fixture(scope="module")
 def cluster(tmp_path_factory, receiver) -> Iterator[LocalCluster]:
     with traced_cluster(tmp_path_factory.mktemp("failover"), receiver, decode=2) as c:
         yield c

@@ -36,13 +36,6 @@ SPEC_COUNTERS = {
 
 
 @pytest.fixture(scope="module")
-def receiver() -> Iterator[Receiver]:
-    r = Receiver()
-    yield r
-    r.close()
-
-
-@pytest.fixture(scope="module")
 def deployment(tmp_path_factory, receiver) -> Iterator[tuple[LocalCluster, int, int]]:
     """The cluster, the prefill node's and the decode node's health ports."""
     folder = tmp_path_factory.mktemp("tracing_tiers")

@@ -27,13 +27,6 @@ TP2 = ["--tensor-parallel-size", "2", "--threads-per-rank", "1"]
 
 
 @pytest.fixture(scope="module")
-def receiver() -> Iterator[Receiver]:
-    r = Receiver()
-    yield r
-    r.close()
-
-
-@pytest.fixture(scope="module")
 def cluster(tmp_path_factory, receiver) -> Iterator[LocalCluster]:
     # Worker ranks as their node's own children (not forked by the suite's launcher): the
     # last test finds the decode node's worker among them to kill it.

@@ -19,8 +19,8 @@ from pdserve.kernels.cpu_linear import (
     PackedLinear,
     chunked_linear,
     cpu_linear_enabled,
-    packs,
     packed_numel,
+    packs,
 )
 from tests.common.test_model import BLOCK_SIZE, NUM_BLOCKS, PagedSequence
 from tests.common.test_model import _step as step
@@ -164,7 +164,9 @@ def test_a_bf16_model_on_native_bf16_packs_its_linears(tiny_model_dir, monkeypat
     assert torch.equal(got.argmax(-1), want.argmax(-1))
 
 
-def test_a_bf16_model_with_a_quantized_embedding_packs_its_decoder(tiny_model_dir, monkeypatch) -> None:
+def test_a_bf16_model_with_a_quantized_embedding_packs_its_decoder(
+    tiny_model_dir, monkeypatch
+) -> None:
     """A GGUF's bf16 model under `auto` holds its embedding quantized (no `.weight`): the
     packing decision reads the model's dtype elsewhere (it raised AttributeError at load)."""
     from pdserve.common.model.quant import QuantizedEmbedding, quantize_int8

@@ -211,7 +211,10 @@ def test_the_compile_child_runs_at_nice_19_whatever_its_parent_runs_at() -> None
         out = subprocess.run(
             [sys.executable, "-c", code],
             preexec_fn=lambda: os.setpriority(os.PRIO_PROCESS, 0, -10),
-            capture_output=True, text=True, timeout=120, check=True,
+            capture_output=True,
+            text=True,
+            timeout=120,
+            check=True,
         )
     except subprocess.SubprocessError as e:
         if "Permission" in str(getattr(e, "stderr", "")) or os.geteuid() != 0:
