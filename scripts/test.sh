@@ -18,7 +18,9 @@ if [ "$workers" -gt 1 ]; then
 fi
 source scripts/_env.sh
 pdserve_env test
-# Build the AVX2 GGUF kernel (kernels/cpu_quant.py) once before the nodes the tests start need
-# it: a cold build takes minutes, longer than a node's readiness wait; cached by its source hash.
-python -c "from pdserve.kernels import cpu_quant; cpu_quant.available()"
+# Build the C++ kernels (kernels/cpu_quant.py's GGUF GEMV/GEMM, kernels/cpu_attention.py's
+# decode attention) once before the nodes the tests start need them: a cold build takes
+# minutes, longer than a node's readiness wait; each is cached by its source's hash.
+python -c "from pdserve.kernels import cpu_attention, cpu_quant
+cpu_quant.available(); cpu_attention.available()"
 exec python -m pytest "$@"
