@@ -33,7 +33,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import TypeVar
 
-from pdserve.kv_store.tier import KVTier
+from pdserve.kv_store.tier import KVTier, load_until_missing
 
 T = TypeVar("T")
 SUFFIX = ".kv"
@@ -106,15 +106,8 @@ class FileTier(KVTier):
         return self._bounded(lambda: self._read(self.path(name)))
 
     def _load_many(self, names: Sequence[str]) -> list[bytearray | None]:
-        return self._bounded(lambda: self._read_run(names))  # back to back, one worker call
-
-    def _read_run(self, names: Sequence[str]) -> list[bytearray | None]:
-        out: list[bytearray | None] = []
-        for name in names:
-            out.append(self._read(self.path(name)))
-            if out[-1] is None:
-                break
-        return out
+        read = lambda name: self._read(self.path(name))  # noqa: E731
+        return self._bounded(lambda: load_until_missing(names, read))  # one worker call
 
     def _store(self, name: str, blob: bytes) -> bool:
         return self._bounded(lambda: self._write(name, blob))

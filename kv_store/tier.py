@@ -160,12 +160,7 @@ class KVTier(ABC):
     def _load_many(self, names: Sequence[str]) -> Sequence[bytes | bytearray | memoryview | None]:
         """The objects stored as `names`, in order, up to the first missing one (None) at
         least; a backend with a batched read overrides this one read per name."""
-        out: list[bytes | bytearray | memoryview | None] = []
-        for name in names:
-            out.append(self._load(name))
-            if out[-1] is None:
-                break
-        return out
+        return load_until_missing(names, self._load)
 
     @abstractmethod
     def _exists(self, name: str) -> bool: ...
@@ -215,3 +210,14 @@ class KVTier(ABC):
             self.name,
             message,
         )
+
+
+def load_until_missing(names: Sequence[str], load: Callable[[str], T | None]) -> list[T | None]:
+    """`load` of each name in turn, up to and with the first None (a run ends at its first
+    missing block: the rest are not read)."""
+    out: list[T | None] = []
+    for name in names:
+        out.append(load(name))
+        if out[-1] is None:
+            break
+    return out
