@@ -124,8 +124,12 @@ class BlockTiers(Protocol):
     walk: TierLoads  # what the walk under way loaded and chose to recompute (`begin_walk`)
 
     def offload(self, block_hash: BlockHash, block_id: int, wait: bool = False) -> None:
-        """Keep a copy of the block's pages (called before the block is reused); a shared
-        store's copy may be written after the call returns, unless `wait`."""
+        """Keep a copy of the block's pages (called as the block is reused): taken at the
+        next `fence`, or now with `wait`, which also waits for a shared store's write."""
+
+    def fence(self) -> None:
+        """Copy out the pages of every block offloaded since the last fence: called before
+        anything writes into a block (the step's forward, a load, a transfer's pages)."""
 
     def begin_walk(self, first: int, end: int, hashes: Sequence[BlockHash] = ()) -> None:
         """`load` will be asked for a request's blocks `first`..`end - 1` (`hashes`: a store
@@ -479,7 +483,15 @@ class KVCacheManager:
         owned.extend(new_blocks)
         if cache:
             self.cache_blocks(request, min(total, request.num_tokens))
+        else:  # another node's pages may arrive in them at any time from now on
+            self.fence()
         return KVCacheBlocks(tuple(new_blocks))
+
+    def fence(self) -> None:
+        """Before anything writes KV into a block: the blocks evicted since the last fence
+        have their pages copied to the tiers (`BlockTiers.fence`)."""
+        if self.pool.tiers is not None:
+            self.pool.tiers.fence()
 
     def cache_blocks(self, request: Request, num_tokens: int) -> None:
         """Index every full block up to num_tokens. Safe before the forward runs: within a

@@ -201,6 +201,7 @@ class LLMEngine:
         right after each layer wrote its K/V (a prefill node ships that layer's pages with it):
         the caller makes it from the batch it got from `scheduler.schedule()`, so the engine
         calls nothing back."""
+        self.kv.fence()  # the blocks this schedule evicted go to the tiers before reuse
         if output.empty:
             self.runner.forget(output.finished_ids)
             return []

@@ -26,6 +26,9 @@ class Recorder:
     def begin_walk(self, first: int, end: int, hashes: object = ()) -> None:
         pass
 
+    def fence(self) -> None:
+        pass
+
     def load(self, block_hash: bytes, block_id: int, at: int) -> bool:
         return False
 

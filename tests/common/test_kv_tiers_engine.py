@@ -326,6 +326,9 @@ class FakeTiers:
     def begin_walk(self, first: int, end: int, hashes: object = ()) -> None:
         self.walks.append((first, end))
 
+    def fence(self) -> None:
+        pass  # `offload` copied already
+
     def load(self, block_hash: bytes, block_id: int, at: int) -> bool:
         assert self.walks and self.walks[-1][0] <= at < self.walks[-1][1], "outside its walk"
         if self.fail or block_hash not in self.stored:

@@ -27,13 +27,20 @@ def tiers(store: Path | None, host_blocks: int = 2) -> PoolTiers:
     return PoolTiers(TierChain(chain), SPACE, [torch.zeros(SHAPE)], 4, cost)
 
 
+def evict(t: PoolTiers, *blocks: int) -> None:
+    """The pool evicts `blocks` (each its own one-byte hash) and fences, as the engine's step
+    does before the forward that reuses them."""
+    for i in blocks:
+        t.offload(bytes([i]), i)
+    t.fence()
+
+
 def test_the_host_tier_is_reported_whole_then_by_change(tmp_path: Path) -> None:
     t = tiers(tmp_path)
-    for i in (1, 2, 3):  # the host tier keeps two: 1 left it
-        t.offload(bytes([i]), i)
+    evict(t, 1, 2, 3)  # the host tier keeps two: 1 left it
     reset, joined, left = t.host_changes(snapshot=False)
     assert reset and set(joined) == {b"\x02", b"\x03"} and left == (), "first: the whole tier"
-    t.offload(b"\x04", 4)  # pushes 2 out
+    evict(t, 4)  # pushes 2 out
     assert t.host_changes(snapshot=False) == (False, (b"\x04",), (b"\x02",))
     assert t.host_changes(snapshot=False) == (False, (), ())
     reset, joined, _ = t.host_changes(snapshot=True)
@@ -42,8 +49,7 @@ def test_the_host_tier_is_reported_whole_then_by_change(tmp_path: Path) -> None:
 
 def test_store_writes_are_reported_once(tmp_path: Path) -> None:
     t = tiers(tmp_path)
-    for i in (1, 2, 3):
-        t.offload(bytes([i]), i)
+    evict(t, 1, 2, 3)
     assert t.take_shared_changes() == ((b"\x01", b"\x02", b"\x03"), ())
     assert t.take_shared_changes() == ((), ())
     assert t.store_id == f"file://{tmp_path}#{SPACE.namespace}"
@@ -52,15 +58,14 @@ def test_store_writes_are_reported_once(tmp_path: Path) -> None:
 
 def test_a_node_without_a_store_reports_no_store_writes() -> None:
     t = tiers(None)
-    t.offload(b"\x01", 1)
+    evict(t, 1)
     assert t.take_shared_changes() == ((), ()) and t.store_id == ""
 
 
 def test_the_store_writes_kept_are_bounded(tmp_path: Path) -> None:
     t = tiers(tmp_path)
     t.shared_limit = 2
-    for i in (1, 2, 3):
-        t.offload(bytes([i]), i)
+    evict(t, 1, 2, 3)
     assert t.take_shared_changes() == ((b"\x02", b"\x03"), ()), "the oldest dropped"
 
 
@@ -68,8 +73,7 @@ def test_store_misses_and_sweep_evictions_are_reported_as_gone(tmp_path: Path) -
     t = tiers(tmp_path, host_blocks=1)
     store = t.store
     assert isinstance(store, FileTier)
-    for i in (1, 2, 3):
-        t.offload(bytes([i]), i)
+    evict(t, 1, 2, 3)
     t.take_shared_changes()
     assert not t.load(b"\x09", 5, 0), "never stored: the store misses it"
     assert t.load(b"\x01", 5, 0), "the host tier lost it, the store has it"
@@ -77,7 +81,7 @@ def test_store_misses_and_sweep_evictions_are_reported_as_gone(tmp_path: Path) -
     assert store.sweep() == 0
     # No watermark again: the next put would start a background sweep that may take 4 too.
     store.high_bytes, store.low_bytes = None, None
-    t.offload(b"\x04", 4)
+    evict(t, 4)
     stored, removed = t.take_shared_changes()
     assert stored == (b"\x04",)
     assert set(removed) == {b"\x09", b"\x01", b"\x02", b"\x03"}, "the miss and the sweep"
