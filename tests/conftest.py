@@ -7,6 +7,8 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import threading
+import time
 import warnings
 from collections.abc import Callable
 from pathlib import Path
@@ -87,15 +89,17 @@ def deepseek_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
 # Runs in the background: a test marked `background(start)` reads a long run that its module's
 # `start(out_dir) -> subprocess.Popen` begins once collection ends, beside the rest of the suite
 # (the chaos short form: a minute of light load and faults, tests/bench/test_bench_chaos.py),
-# and goes last, so that the suite's other tests fill that minute. `background_runs` gives a
-# test's module fixture the run (start -> (process, out_dir)) to wait for; a run still going
-# at the end (its tests failed early, or were interrupted) is stopped.
+# and its module goes last, so that the suite's other tests fill that minute. `background_runs`
+# gives a test's module fixture the run (start -> (run, out_dir); run.wait(timeout) and
+# run.returncode as a Popen's) to wait for; a run still going at the end (its tests failed
+# early, or were interrupted) is stopped.
 _RUNS = pytest.StashKey[dict]()
+EXIT_FILE = "exit-status"  # in a run's out_dir once it ends (another xdist worker reads it)
 
 
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "background(start): reads a run begun after collection")
-    config.stash[_RUNS] = _Runs()
+    config.stash[_RUNS] = {}
 
 
 def _start_of(item: pytest.Item) -> Callable[[Path], subprocess.Popen] | None:
@@ -115,33 +119,73 @@ def pytest_collection_finish(session: pytest.Session) -> None:
     if session.config.option.collectonly:
         return
     _start_launcher(session.config)
-    if _xdist_worker(session.config):
-        return  # under xdist a run starts when a test first reads it (_Runs)
     runs = session.config.stash[_RUNS]
     for start in dict.fromkeys(filter(None, map(_start_of, session.items))):
-        runs[start] = _begin(start)
+        runs[start] = _begin(start, session.config)
 
 
-def _begin(start: Callable[[Path], subprocess.Popen]) -> tuple[subprocess.Popen, Path]:
-    out = Path(tempfile.mkdtemp(prefix=f"pdserve-{start.__name__}-"))
-    return start(out), out
+def _begin(start: Callable[[Path], subprocess.Popen], config: pytest.Config) -> tuple[Any, Path]:
+    """Under pytest-xdist every worker collects the same tests and none knows which it will
+    run: the first worker (gw0) starts the run, in a folder named by the test run's id, and a
+    worker that gets its readers waits for the exit status the run leaves there. A worker
+    that started it waits for it at the session's end (another may read it still)."""
+    if not _xdist_worker(config):
+        out = Path(tempfile.mkdtemp(prefix=f"pdserve-{start.__name__}-"))
+        return _Started(start(out), out), out
+    run_id = config.workerinput["testrunuid"]
+    out = Path(tempfile.gettempdir()) / f"pdserve-{start.__name__}-{run_id}"
+    if config.workerinput["workerid"] != "gw0":
+        return _Read(out), out
+    out.mkdir()
+    return _Started(start(out), out), out
 
 
-class _Runs(dict):
-    """start -> (process, out_dir) of the background runs. A pytest-xdist worker does not know
-    at collection which tests it will get, so there the run starts when a test first reads it
-    (its module goes first, and the other worker goes on meanwhile)."""
+class _Started:
+    """A background run this process began: writes its exit status into out_dir when it ends
+    (a thread waits for it), for a worker that reads it."""
 
-    def __missing__(self, start: Callable[[Path], subprocess.Popen]) -> tuple:
-        self[start] = run = _begin(start)
-        return run
+    def __init__(self, proc: subprocess.Popen, out: Path) -> None:
+        self.proc = proc
+        self._waiter = threading.Thread(target=self._note_exit, args=(out,), daemon=True)
+        self._waiter.start()
+
+    def _note_exit(self, out: Path) -> None:
+        code = self.proc.wait()
+        (out / (EXIT_FILE + ".part")).write_text(str(code))
+        (out / (EXIT_FILE + ".part")).rename(out / EXIT_FILE)  # whole, or not there
+
+    @property
+    def returncode(self) -> int | None:
+        return self.proc.returncode
+
+    def wait(self, timeout: float) -> int:
+        return self.proc.wait(timeout)
+
+
+class _Read:
+    """A background run another pytest-xdist worker began: ended when its exit status is in
+    out_dir."""
+
+    def __init__(self, out: Path) -> None:
+        self.out, self.returncode = out, None
+
+    def wait(self, timeout: float) -> int:
+        deadline = time.monotonic() + timeout
+        while not (self.out / EXIT_FILE).exists():
+            if time.monotonic() > deadline:
+                raise subprocess.TimeoutExpired(f"the background run in {self.out}", timeout)
+            time.sleep(0.5)
+        self.returncode = int((self.out / EXIT_FILE).read_text())
+        return self.returncode
 
 
 # Under pytest-xdist (`-n 2 --dist loadgroup`, scripts/test.sh), a worker runs each group whole.
 # A module is one group, so its module-scoped fixtures (a started cluster, a loaded model, HF's
 # reference) are built once, as in one process. Groups are handed out in collection order:
 # the folders whose modules take minutes go first, so the last ones handed out are short and
-# the two workers end together.
+# the two workers end together; a module that reads a background run goes last, as in one
+# process (its run began at collection, and both workers' tests fill its minute: when it went
+# first, its worker waited 80 to 110 s for the run with nothing to do).
 _SLOW_FIRST = ("bench", "e2e", "multihost", "pdserve", "scripts")
 
 
@@ -149,14 +193,20 @@ def _xdist_worker(config: pytest.Config) -> bool:
     return hasattr(config, "workerinput")
 
 
+def _module_of(item: pytest.Item) -> str:
+    return item.nodeid.split("::", 1)[0]
+
+
 def _order_for_workers(items: list[pytest.Item]) -> None:
     for item in items:
         if item.get_closest_marker("xdist_group") is None:
-            item.add_marker(pytest.mark.xdist_group(item.nodeid.split("::", 1)[0]))
+            item.add_marker(pytest.mark.xdist_group(_module_of(item)))
+
+    readers = {_module_of(item) for item in items if _start_of(item) is not None}
 
     def rank(item: pytest.Item) -> tuple[bool, bool]:
         folder = item.nodeid.split("/")[1] if item.nodeid.count("/") > 1 else ""
-        return _start_of(item) is None, folder not in _SLOW_FIRST
+        return _module_of(item) in readers, folder not in _SLOW_FIRST
 
     items.sort(key=rank)  # stable: otherwise in order
 
@@ -203,11 +253,23 @@ def _stop(proc: subprocess.Popen, timeout: float) -> None:
 KILLED_EXIT_S = 120.0
 
 
-def pytest_sessionfinish(session: pytest.Session) -> None:
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     _stop_launcher(session.config)
-    for proc, _ in session.config.stash[_RUNS].values():
-        if proc.poll() is None:
-            _stop(proc, 60)  # the run stops what it started (SIGTERM is its clean stop)
+    # Under xdist another worker may still wait for a run this one started: it ends first.
+    wait_s = 0.0 if exitstatus == pytest.ExitCode.INTERRUPTED else BACKGROUND_WAIT_S
+    for run, _ in session.config.stash[_RUNS].values():
+        if isinstance(run, _Started):
+            _finish(run.proc, wait_s if _xdist_worker(session.config) else 0.0)
+
+
+BACKGROUND_WAIT_S = 600.0  # test_bench_chaos's own wait for its run
+
+
+def _finish(proc: subprocess.Popen, wait_s: float) -> None:
+    try:
+        proc.wait(wait_s)
+    except subprocess.TimeoutExpired:
+        _stop(proc, 60)  # the run stops what it started (SIGTERM is its clean stop)
 
 
 @pytest.fixture(scope="session")

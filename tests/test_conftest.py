@@ -1,11 +1,16 @@
 """tests/conftest.py: its order for pytest-xdist workers: each module one xdist group (a worker
-runs it whole, so its module fixtures are built once), a module's own group kept, background
-readers first, then the slow folders, each otherwise in collection order; and its stop of the
-launcher and background runs at the session's end, which never raises."""
+runs it whole, so its module fixtures are built once), a module's own group kept, the slow
+folders first and a module that reads a background run last, each otherwise in collection
+order; a background run one worker begins and another reads; and its stop of the launcher and
+background runs at the session's end, which never raises."""
 
 from __future__ import annotations
 
 import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -32,7 +37,9 @@ MODULES = {
 }
 
 
-def test_modules_are_groups_and_slow_folders_go_first(pytester: pytest.Pytester) -> None:
+def test_modules_are_groups_slow_folders_first_background_readers_last(
+    pytester: pytest.Pytester,
+) -> None:
     pytester.makeini("[pytest]\nmarkers =\n  xdist_group\n  background\n")
     for path, source in MODULES.items():
         pytester.path.joinpath(path).parent.mkdir(parents=True, exist_ok=True)
@@ -40,13 +47,13 @@ def test_modules_are_groups_and_slow_folders_go_first(pytester: pytest.Pytester)
     items, _ = pytester.inline_genitems("tests")
     conftest._order_for_workers(items)
     assert [item.name for item in items] == [
-        "test_d2",  # reads a background run: its worker starts the run at once
-        "test_d1",  # the slow folders, bench then e2e: in collection order
-        "test_b1",
+        "test_b1",  # the slow folders first, in collection order
         "test_a1",
         "test_a2",
         "test_c1",
         "test_c2",
+        "test_d1",  # its module reads a background run (begun at collection): last, whole
+        "test_d2",
     ]
     groups = {item.name: item.get_closest_marker("xdist_group").args[0] for item in items}
     assert groups == {
@@ -85,3 +92,31 @@ def test_a_child_slow_to_exit_is_killed_and_warned_about_not_raised() -> None:
     with pytest.warns(UserWarning, match="pid 4242 not gone"):
         conftest._stop(child, 0.01)  # type: ignore[arg-type]
     assert child.signals == ["TERM", "KILL"]
+
+
+def exits_with(code: int) -> Callable[[Path], subprocess.Popen]:
+    def start(out: Path) -> subprocess.Popen:
+        (out / "log").write_text("the run's output")
+        return subprocess.Popen([sys.executable, "-c", f"raise SystemExit({code})"])
+
+    return start
+
+
+def test_a_background_run_one_worker_begins_another_reads() -> None:
+    """Under xdist gw0 starts the run at collection; gw1, given its readers, finds the same
+    folder and waits there for the run's exit status."""
+    start, run_id = exits_with(3), f"test-{id(object())}"
+    worker = {"testrunuid": run_id}
+    gw1 = SimpleNamespace(workerinput={**worker, "workerid": "gw1"})
+    gw0 = SimpleNamespace(workerinput={**worker, "workerid": "gw0"})
+    read, read_out = conftest._begin(start, gw1)  # type: ignore[arg-type]
+    began, out = conftest._begin(start, gw0)  # type: ignore[arg-type]
+    assert read_out == out and (out / "log").read_text() == "the run's output"
+    assert read.returncode is None
+    assert read.wait(60) == 3 and read.returncode == 3
+    assert began.wait(60) == 3 and began.returncode == 3
+
+
+def test_a_read_run_that_never_ends_times_out(tmp_path: Path) -> None:
+    with pytest.raises(subprocess.TimeoutExpired):
+        conftest._Read(tmp_path).wait(0.01)
