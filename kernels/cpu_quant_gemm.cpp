@@ -15,20 +15,24 @@ namespace {
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni")
 
 constexpr int64_t TILE = 16;  // weight rows a tile holds: the lanes of one output vector
-constexpr int PASS_ROWS = 4;  // activation rows one pass over a tile's blocks carries
+// Activation rows one pass over a tile's blocks carries: 8 chains of vpdpbusd in flight, which
+// cover its latency (4 cycles at one zmm a cycle here). 6 or 8 rows measured no faster (8 with
+// two chains a row spills: 8 weights + 8 accumulators + 16 dot products > 32 registers);
+// docs/quantization.md, "The GEMM's inner loop".
+constexpr int PASS_ROWS = 4;
 // From this many rows the GEMM serves the VNNI path (below it the GEMV): measured in
 // docs/quantization.md, "The VNNI GEMM".
 constexpr int64_t GEMM_ROWS = 4;
 
 // One tile's weights as vpdpbusd reads them; each thread fills its own, tile after tile.
 // Plain vectors of 16 lanes each (std::vector does not align __m512i here: unaligned loads).
+// Both forms hold unsigned bytes (int8's shifted by 128), so that the activations, signed, are
+// vpdpbusd's memory operand, broadcast by the instruction itself (`dot4`).
 struct Tile {
   std::vector<int32_t> w;        // [K / 4][16]: lane j = weight row j's 4 bytes at 4 columns
   std::vector<float> scale;      // [B][16] int4/int5: lane j = row j's block scale
   std::vector<float> minimum;    // [B][16] int4/int5
-  std::vector<int32_t> bias;     // [B][16] int8: -128 * the block's weight sums, lane j row j's
-  explicit Tile(int64_t K)
-      : w(K / 4 * 16), scale(K / 32 * 16), minimum(K / 32 * 16), bias(K / 32 * 16) {}
+  explicit Tile(int64_t K) : w(K / 4 * 16), scale(K / 32 * 16), minimum(K / 32 * 16) {}
   __m512i weights(int64_t g) const { return _mm512_loadu_si512(w.data() + g * 16); }
   void set_weights(int64_t g, __m512i v) { _mm512_storeu_si512(w.data() + g * 16, v); }
 };
@@ -104,38 +108,34 @@ void fill_affine(Tile& t, const uint8_t* q, const uint8_t* high, const S* scales
 }
 
 void fill_int8(Tile& t, const int8_t* q, int64_t K, int64_t n0, int64_t rows) {
-  const int64_t B = K / 32;
   int64_t row[TILE];
   tile_rows(n0, rows, row);
   const auto at = [&](int64_t n, int64_t b) { return q + n * K + b * 32; };
-  fill_weights(t, B, row, [&](int64_t n, int64_t b, bool pair) {
-    return _mm512_maskz_loadu_epi8(pair_mask(pair), at(n, b));
+  const __m512i shift = _mm512_set1_epi8(char(0x80));  // w + 128 as an unsigned byte
+  fill_weights(t, K / 32, row, [&](int64_t n, int64_t b, bool pair) {
+    return _mm512_xor_si512(_mm512_maskz_loadu_epi8(pair_mask(pair), at(n, b)), shift);
   }, at);
-  const __m512i ones = _mm512_set1_epi8(1);
-  for (int64_t b = 0; b < B; ++b) {
-    __m512i sum = _mm512_setzero_si512();
-    for (int g = 0; g < 8; ++g) sum = _mm512_dpbusd_epi32(sum, ones, t.weights(b * 8 + g));
-    _mm512_storeu_si512(t.bias.data() + b * 16,
-                        _mm512_sub_epi32(_mm512_setzero_si512(), _mm512_slli_epi32(sum, 7)));
-  }
 }
 
-inline __m512i broadcast4(const uint8_t* p) {
-  int32_t v;
-  std::memcpy(&v, p, 4);
-  return _mm512_set1_epi32(v);
+// acc += w's unsigned bytes . the 4 signed bytes at p in each lane: vpdpbusd with its memory
+// operand broadcast ({1to16}), which GCC does not fold from _mm512_set1_epi32 (a separate
+// vpbroadcastd a product: 8 more instructions a block and row).
+inline __m512i dot4(__m512i acc, __m512i w, const uint8_t* p) {
+  asm("vpdpbusd %2%{1to16%}, %1, %0" : "+v"(acc) : "v"(w), "m"(*reinterpret_cast<const int32_t*>(p)));
+  return acc;
 }
 
 // Activation rows m0..m0+R against a filled tile, into y's 16 columns from n0 (`keep` of them).
-// int4/int5 (INT8 false): unsigned weights by signed activations, scaled per block, plus the
-// minimums through the activations' block sums. int8: the activation shifted to unsigned
-// (`xu`, q + 128) by the signed weights, the shift taken off by the tile's bias, and each output
-// scaled by its row's scale (`row_scale`) at the end.
+// int4/int5 (INT8 false): scaled per block, plus the minimums through the activations' block
+// sums. int8: the weights' +128 shift taken off by -128 times the activation's integer block sum
+// (`shift`, [M, B]), and each output scaled by its row's scale (`row_scale`) at the end: the
+// same integers as signed weights by unsigned activations gave.
 template <int R, bool INT8>
-void tile_pass(const Q8Rows& xq, const uint8_t* xu, const Tile& t, int64_t m0, float* y,
+void tile_pass(const Q8Rows& xq, const int32_t* shift, const Tile& t, int64_t m0, float* y,
                int64_t N, int64_t n0, __mmask16 keep, __m512 row_scale) {
   const int64_t K = xq.K, B = xq.B;
-  const uint8_t* x = INT8 ? xu : reinterpret_cast<const uint8_t*>(xq.q.data());
+  const uint8_t* x = reinterpret_cast<const uint8_t*>(xq.q.data()) + m0 * K;
+  const float* xscale = xq.scales.data() + m0 * xq.P * 16;  // block b's at 8b (pair_scales)
   __m512 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
   for (int64_t b = 0; b < B; ++b) {
@@ -143,22 +143,18 @@ void tile_pass(const Q8Rows& xq, const uint8_t* xu, const Tile& t, int64_t m0, f
     for (int g = 0; g < 8; ++g) w[g] = t.weights(b * 8 + g);
     const __m512 scale = _mm512_loadu_ps(t.scale.data() + b * 16);
     const __m512 minimum = _mm512_loadu_ps(t.minimum.data() + b * 16);
+#pragma GCC unroll 8  // else GCC loops over the rows with acc[] on the stack
     for (int r = 0; r < R; ++r) {
-      const uint8_t* xb = x + (m0 + r) * K + b * 32;
+      const uint8_t* xb = x + r * K + b * 32;
       // two chains of 4, so that R rows make 2R independent ones
-      __m512i lo = INT8 ? _mm512_loadu_si512(t.bias.data() + b * 16) : _mm512_setzero_si512();
+      __m512i lo = INT8 ? _mm512_set1_epi32(shift[(m0 + r) * B + b]) : _mm512_setzero_si512();
       __m512i hi = _mm512_setzero_si512();
       for (int g = 0; g < 4; ++g) {
-        if constexpr (INT8) {
-          lo = _mm512_dpbusd_epi32(lo, broadcast4(xb + 4 * g), w[g]);
-          hi = _mm512_dpbusd_epi32(hi, broadcast4(xb + 16 + 4 * g), w[g + 4]);
-        } else {
-          lo = _mm512_dpbusd_epi32(lo, w[g], broadcast4(xb + 4 * g));
-          hi = _mm512_dpbusd_epi32(hi, w[g + 4], broadcast4(xb + 16 + 4 * g));
-        }
+        lo = dot4(lo, w[g], xb + 4 * g);
+        hi = dot4(hi, w[g + 4], xb + 16 + 4 * g);
       }
       const __m512 dot = _mm512_cvtepi32_ps(_mm512_add_epi32(lo, hi));
-      const __m512 xs = _mm512_set1_ps(xq.scales[((m0 + r) * xq.P + b / 2) * 16 + (b % 2) * 8]);
+      const __m512 xs = _mm512_set1_ps(xscale[r * xq.P * 16 + b * 8]);
       if constexpr (INT8) {
         acc[r] = _mm512_fmadd_ps(dot, xs, acc[r]);
       } else {
@@ -174,15 +170,22 @@ void tile_pass(const Q8Rows& xq, const uint8_t* xu, const Tile& t, int64_t m0, f
   }
 }
 
+// int8's shift: -128 times each row's integer sum over each 32-column block, [M, B].
+std::vector<int32_t> int8_shift(const Q8Rows& xq, int64_t M) {
+  std::vector<int32_t> shift(M * xq.B);
+  for (int64_t i = 0; i < M * xq.B; ++i) {
+    int32_t sum = 0;
+    for (int k = 0; k < 32; ++k) sum += xq.q[i * 32 + k];
+    shift[i] = -128 * sum;
+  }
+  return shift;
+}
+
 // y [M, N] = x @ W.T over tiles of 16 weight rows, split across torch's threads; `fill(t, n0,
 // rows)` unpacks a tile, `row_scales` (int8's, else null) scale each output column.
 template <bool INT8, typename Fill>
 void gemm(const Q8Rows& xq, int64_t M, int64_t N, float* y, const float* row_scales, Fill fill) {
-  std::vector<uint8_t> xu;
-  if constexpr (INT8) {  // vpdpbusd's unsigned operand: q + 128
-    xu.resize(xq.q.size());
-    for (size_t i = 0; i < xu.size(); ++i) xu[i] = uint8_t(xq.q[i]) ^ 0x80;
-  }
+  const std::vector<int32_t> shift = INT8 ? int8_shift(xq, M) : std::vector<int32_t>();
   const int64_t tiles = (N + TILE - 1) / TILE;
   at::parallel_for(0, tiles, 4, [&](int64_t begin, int64_t end) {
     Tile t(xq.K);
@@ -193,7 +196,7 @@ void gemm(const Q8Rows& xq, int64_t M, int64_t N, float* y, const float* row_sca
       const __m512 rs = INT8 ? _mm512_maskz_loadu_ps(keep, row_scales + n0) : _mm512_set1_ps(1.f);
       for (int64_t m0 = 0; m0 < M; m0 += PASS_ROWS) {
         switch (std::min<int64_t>(PASS_ROWS, M - m0)) {
-#define PASS(R) case R: tile_pass<R, INT8>(xq, xu.data(), t, m0, y, N, n0, keep, rs); break;
+#define PASS(R) case R: tile_pass<R, INT8>(xq, shift.data(), t, m0, y, N, n0, keep, rs); break;
           PASS(1) PASS(2) PASS(3) PASS(4)
 #undef PASS
         }

@@ -37,8 +37,9 @@ INT4_CASES += [(192, 1536, 128), (40, 96, 32)]
 
 
 # Input rows: the GEMV's (1-3; VNNI's GEMM from 4, cpu_quant_gemm.cpp's GEMM_ROWS), passes of
-# 4 with a remainder (5, 17), whole tiles' worth (8, 16, 64); the AVX2 path takes them 8 a call.
-ROWS = [1, 2, 3, 4, 5, 8, 16, 17, 64]
+# 4 with each remainder (5-7, 10, 11, 13, 15, 17), whole passes (4, 8, 12, 16, 64); the AVX2 path
+# takes them 8 a call, also with each remainder.
+ROWS = [1, 2, 3, 4, 5, 6, 7, 8, 10, 11, 12, 13, 15, 16, 17, 64]
 
 # The kernel's paths this CPU runs: AVX2 (False) everywhere, AVX512-VNNI (True) where it has it.
 PATHS = [False] + ([True] if cpu_quant.cpu_has_avx512_vnni() else [])

@@ -1,0 +1,197 @@
+"""The VNNI GEMM (kernels/cpu_quant_gemm.cpp) at SmolLM2's prefill shapes against this core's
+vpdpbusd peak, and optionally against the kernel of another git revision in the same process
+(docs/quantization.md, "The GEMM's inner loop"):
+
+    nice -n 19 python scripts/gemm_bench.py [--rows 64 128 256 512] [--baseline REV]
+        [--model GGUF --prompt-tokens 512 --batch 16 --batch-tokens 96]
+
+The peak is a loop of 12 independent zmm vpdpbusd (inline asm: an array of accumulators went
+through the stack) built as its own small extension. GEMM: int4 (the Q4_1/Q4_K form the model
+holds, Int4Pack) and int8 per row, one thread, this thread's CPU time, the median of --repeats;
+a MAC is two ops. With --baseline the old kernel's source (git show REV:kernels/..., or a
+folder with the two files) is built beside this one, each measurement alternates the two, and
+`equal` says whether their outputs are the same to the bit. With --model the model's prefill
+is timed too (bf16, eager, one thread): one --prompt-tokens prompt, and --batch prompts of
+--batch-tokens added at once, each kernel in turn (kernels.cpu_quant's module swapped).
+Prints JSON lines, each with the 1-minute load average.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import os
+import statistics
+import subprocess
+import time
+from collections.abc import Callable
+
+import torch
+
+from pdserve.kernels import cpu_quant
+
+# (N, K): SmolLM2-135M's q/o, k/v, gate/up and down.
+SHAPES = {"q/o": (576, 576), "k/v": (192, 576), "gate/up": (1536, 576), "down": (576, 1536)}
+PEAK_SOURCE = r"""
+#include <cstdint>
+#define D(r) "vpdpbusd %%zmm30, %%zmm31, %%zmm" #r "\n\t"
+// `iters` rounds of 12 independent zmm vpdpbusd (64 MACs, 128 ops each), in registers.
+void vnni_peak(int64_t iters) {
+  for (int64_t n = 0; n < iters; ++n) {
+    asm volatile(D(0) D(1) D(2) D(3) D(4) D(5) D(6) D(7) D(8) D(9) D(10) D(11) :::
+                 "xmm0", "xmm1", "xmm2", "xmm3", "xmm4", "xmm5", "xmm6", "xmm7", "xmm8",
+                 "xmm9", "xmm10", "xmm11");
+  }
+}
+"""
+
+
+def load() -> float:
+    return os.getloadavg()[0]
+
+
+def peak_gops(iters: int = 20_000_000) -> float:
+    """This core's vpdpbusd rate: 12 chains of zmm vpdpbusd, CPU time."""
+    mod = cpu_quant.load_extension("vnni_peak", PEAK_SOURCE, ["vnni_peak"], [])
+    mod.vnni_peak(1000)
+    best = 0.0
+    for _ in range(3):
+        start = time.thread_time()
+        mod.vnni_peak(iters)
+        best = max(best, iters * 12 * 128 / (time.thread_time() - start) / 1e9)
+    return best
+
+
+def baseline_module(rev: str):  # noqa: ANN201 (a compiled extension module)
+    """The kernel as git revision `rev` had it (or a folder holding its two files), built under
+    its own name."""
+    names = ("kernels/cpu_quant.cpp", "kernels/cpu_quant_gemm.cpp")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(cpu_quant.__file__)))
+    if os.path.isdir(rev):
+        folder = [os.path.join(rev, os.path.basename(n)) for n in names]
+        show = [open(path, encoding="utf-8").read() for path in folder]
+    else:
+        git = ["git", "show"]
+        show = [subprocess.check_output([*git, f"{rev}:{n}"], cwd=root, text=True) for n in names]
+    return cpu_quant.load_extension(
+        "cpu_quant", "\n".join(show), ["int8_mm", "int4_mm", "int5_mm"], ["-mavx2", "-mfma"]
+    )
+
+
+def weights(n: int, k: int) -> dict[str, tuple]:
+    """The int4 pack and the int8 weight (values, scales) of a random [n, k] weight."""
+    torch.manual_seed(n * 7 + k)
+    values = torch.randint(0, 16, (n, k), dtype=torch.uint8)
+    scales = torch.rand(n, k // 32) / 16
+    zeros = torch.randn(n, k // 32) / 8
+    pack = cpu_quant.pack_int4(values, scales, zeros, 32)
+    q8 = torch.randint(-127, 128, (n, k), dtype=torch.int8)
+    return {
+        "int4": (pack.nibbles, pack.scales, pack.mins),
+        "int8": (q8, torch.rand(n) / 64),
+    }
+
+
+def cpu_ms(fn: Callable[[], object], calls: int) -> float:
+    start = time.thread_time()
+    for _ in range(calls):
+        fn()
+    return 1000 * (time.thread_time() - start) / calls
+
+
+def gemm_ab(mods: dict[str, object], rows: list[int], repeats: int, peak: float) -> None:
+    """Each shape, kind and row count: every module's ms a call, alternating, median of repeats."""
+    for name, (n, k) in SHAPES.items():
+        w = weights(n, k)
+        for m in rows:
+            x = torch.randn(m, k)
+            for kind, args in w.items():
+                calls = max(3, int(2e8 / (m * n * k)))
+                fns = {
+                    label: functools.partial(getattr(mod, f"{kind}_mm"), x, *args, True)
+                    for label, mod in mods.items()
+                }
+                times: dict[str, list[float]] = {label: [] for label in fns}
+                for fn in fns.values():
+                    fn()
+                for _ in range(repeats):
+                    for label, fn in fns.items():
+                        times[label].append(cpu_ms(fn, calls))
+                row = {"shape": name, "N": n, "K": k, "rows": m, "kind": kind, "load": load()}
+                outs = [fn() for fn in fns.values()]
+                row["equal"] = all(torch.equal(outs[0], out) for out in outs[1:])
+                for label, ts in times.items():
+                    ms = statistics.median(ts)
+                    gops = 2 * m * n * k / ms / 1e6
+                    share = round(gops / peak, 3)
+                    row[label] = {"ms": round(ms, 3), "gops": round(gops, 1), "of_peak": share}
+                print(json.dumps(row), flush=True)
+
+
+def prefill_ab(mods: dict[str, object], args: argparse.Namespace) -> None:
+    """The model's prefill with each kernel in turn: CPU ms of engine steps to the first tokens."""
+    from pdserve import LLM, SamplingParams
+
+    llm = LLM(args.model, dtype="bfloat16", kv_cache_bytes=256 * 1024**2,
+              skip_tokenizer_init=True, enforce_eager=True)  # fmt: skip
+    params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+    loads = {"prompt": [(args.prompt_tokens, 1)], "batch": [(args.batch_tokens, args.batch)]}
+    seed = 0
+
+    def run(load_: list[tuple[int, int]]) -> float:
+        nonlocal seed
+        for tokens, count in load_:
+            for _ in range(count):
+                seed += 1
+                prompt = [(seed * 7919 + j * 31) % 40000 + 100 for j in range(tokens)]
+                llm.engine.add_request(f"p{seed}", prompt, params)
+        start = time.thread_time()
+        while llm.engine.has_unfinished:
+            llm.engine.step()
+        return 1000 * (time.thread_time() - start)
+
+    original = cpu_quant._module
+    try:
+        for label, load_ in loads.items():
+            times: dict[str, list[float]] = {m: [] for m in mods}
+            for i in range(args.prefill_repeats + 1):
+                for mlabel, mod in mods.items():
+                    cpu_quant._module = lambda mod=mod: mod
+                    ms = run(load_)
+                    if i:  # the first round warms up
+                        times[mlabel].append(ms)
+            out = {"prefill": label, "load": load()}
+            out.update({m: {"cpu_ms": round(statistics.median(t), 1), "all": [round(v) for v in t]}
+                        for m, t in times.items()})  # fmt: skip
+            print(json.dumps(out), flush=True)
+    finally:
+        cpu_quant._module = original
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--rows", type=int, nargs="+", default=[64, 128, 256, 512])
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--baseline", help="a git revision (or folder) whose kernel is timed beside")
+    p.add_argument("--no-gemm", action="store_true", help="skip the per-shape GEMM timings")
+    p.add_argument("--model", help="a GGUF or HF folder: time its prefill too")
+    p.add_argument("--prompt-tokens", type=int, default=512)
+    p.add_argument("--batch", type=int, default=16)
+    p.add_argument("--batch-tokens", type=int, default=96)
+    p.add_argument("--prefill-repeats", type=int, default=3)
+    args = p.parse_args()
+    torch.set_num_threads(1)
+    mods = {"now": cpu_quant._module()}
+    if args.baseline:
+        mods = {"base": baseline_module(args.baseline), **mods}
+    peak = peak_gops()
+    print(json.dumps({"vnni_peak_gops": round(peak, 1), "load": load()}), flush=True)
+    if not args.no_gemm:
+        gemm_ab(mods, args.rows, args.repeats, peak)
+    if args.model:
+        prefill_ab(mods, args)
+
+
+if __name__ == "__main__":
+    main()
