@@ -12,7 +12,8 @@ a MAC is two ops. With --baseline the old kernel's source (git show REV:kernels/
 folder with the two files) is built beside this one, each measurement alternates the two, and
 `equal` says whether their outputs are the same to the bit. With --model the model's prefill
 is timed too (bf16, eager, one thread): one --prompt-tokens prompt, and --batch prompts of
---batch-tokens added at once, each kernel in turn (kernels.cpu_quant's module swapped).
+--batch-tokens added at once, each kernel in turn (kernels.cpu_quant's module swapped), then
+--batch requests' decode steps with the kernels alternating step by step.
 Prints JSON lines, each with the 1-minute load average.
 """
 
@@ -165,8 +166,33 @@ def prefill_ab(mods: dict[str, object], args: argparse.Namespace) -> None:
             out.update({m: {"cpu_ms": round(statistics.median(t), 1), "all": [round(v) for v in t]}
                         for m, t in times.items()})  # fmt: skip
             print(json.dumps(out), flush=True)
+        decode_ab(mods, llm, args.batch, args.decode_steps)
     finally:
         cpu_quant._module = original
+
+
+def decode_ab(mods: dict[str, object], llm: object, batch: int, steps: int) -> None:
+    """Batch-`batch` decode steps, the kernels alternating step by step: CPU ms of a step."""
+    from pdserve import SamplingParams
+
+    params = SamplingParams(max_tokens=steps * len(mods) + 4, temperature=0.0, ignore_eos=True)
+    for i in range(batch):
+        prompt = [(i * 7919 + j * 31) % 40000 + 100 for j in range(32)]
+        llm.engine.add_request(f"d{i}", prompt, params)
+    for _ in range(2):  # the prompts' prefill, then a first decode step
+        llm.engine.step()
+    times: dict[str, list[float]] = {m: [] for m in mods}
+    for _ in range(steps):
+        for label, mod in mods.items():
+            cpu_quant._module = lambda mod=mod: mod
+            start = time.thread_time()
+            llm.engine.step()
+            times[label].append(1000 * (time.thread_time() - start))
+    out = {"decode_batch": batch, "steps": steps, "load": load()}
+    out.update({m: {"cpu_ms": round(statistics.median(t), 2)} for m, t in times.items()})
+    print(json.dumps(out), flush=True)
+    while llm.engine.has_unfinished:
+        llm.engine.step()
 
 
 def main() -> None:
@@ -180,6 +206,7 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=16)
     p.add_argument("--batch-tokens", type=int, default=96)
     p.add_argument("--prefill-repeats", type=int, default=3)
+    p.add_argument("--decode-steps", type=int, default=30, help="per kernel, batch --batch")
     args = p.parse_args()
     torch.set_num_threads(1)
     mods = {"now": cpu_quant._module()}
