@@ -16,7 +16,9 @@ session or namespace, or serving over nixl, gets fresh interpreters.
 A child is forked only when its environment equals the launcher's but for `SAME_ENV_EXCEPT`:
 modules it has already imported read some variables at import time (a test that sets
 `PDSERVE_CPU_QUANT` or `OMP_NUM_THREADS` for its nodes gets a fresh interpreter), and a
-launcher still importing, gone, or refusing means a fresh interpreter too, never a wait.
+launcher still importing, gone, or refusing means a fresh interpreter too, never a wait. A KV
+fault plan (`kvfaults.child_env`) is no other environment: the forked child installs it, as a
+fresh interpreter's sitecustomize would.
 """
 
 from __future__ import annotations
@@ -35,6 +37,8 @@ import sys
 import time
 import traceback
 from pathlib import Path
+
+from pdserve.testbed import kvfaults
 
 ENV = "PDSERVE_TEST_ZYGOTE"
 RANKS_ENV = "PDSERVE_TEST_RANKS"  # the launcher's socket, for the test process's TP ranks
@@ -215,6 +219,7 @@ class Launcher:
     def env_differs(self, env: dict[str, str]) -> list[str]:
         """The variables where env is not the launcher's own, but for SAME_ENV_EXCEPT (what
         its imports set, which a forked child's own environment holds, may be there or not)."""
+        env = _without_fault_plan(env)
         keys = (self.base_env.keys() | env.keys()) - SAME_ENV_EXCEPT
 
         def same(k: str) -> bool:
@@ -242,6 +247,20 @@ class Launcher:
         return pid
 
 
+def _without_fault_plan(env: dict[str, str]) -> dict[str, str]:
+    """env less what `kvfaults.child_env` adds for a KV fault plan (its variable, its site
+    folder first on PYTHONPATH)."""
+    if kvfaults.PLAN_ENV not in env:
+        return env
+    env = {k: v for k, v in env.items() if k != kvfaults.PLAN_ENV}
+    site, _, rest = env.get("PYTHONPATH", "").partition(os.pathsep)
+    if site == str(kvfaults.SITE_DIR):
+        del env["PYTHONPATH"]
+        if rest:
+            env["PYTHONPATH"] = rest
+    return env
+
+
 def _child(request: dict, out: int, imports_set: dict[str, str]) -> None:
     """In the forked child: become `python -m pdserve ARGS` with the request's environment,
     folder and output, and never return into the launcher's loop."""
@@ -263,6 +282,7 @@ def _child(request: dict, out: int, imports_set: dict[str, str]) -> None:
         os.chdir(request["cwd"])
         os.environ.clear()
         os.environ.update({**imports_set, **request["env"]})
+        kvfaults.install_from_env()  # what the plan's sitecustomize does in a fresh one
         sys.argv = [sys.executable, *request["args"]]
         code = _run(request["args"])
     finally:

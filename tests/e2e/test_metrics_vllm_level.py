@@ -175,8 +175,8 @@ def test_kv_cache_usage_is_up_while_a_request_runs(deployment: Deployment) -> No
 @pytest.fixture(scope="module")
 def damaged(tmp_path_factory) -> Iterator[Deployment]:
     """A 1P1D pair whose prefill node corrupts every KV frame it sends (after its checksum:
-    the test bed's fault plan, pdserve.testbed.kvfaults; the nodes start as fresh
-    interpreters, which install it)."""
+    the test bed's fault plan, pdserve.testbed.kvfaults, which the suite's launcher installs
+    in the nodes it forks, as a fresh interpreter's sitecustomize does)."""
     model = make_tiny_model("llama", tmp_path_factory.mktemp("damaged") / "m", max_position=2048)
     health = {"prefill0": free_port(), "decode0": free_port()}
     nodes = {name: ["--health-port", str(port)] for name, port in health.items()}

@@ -14,7 +14,7 @@ import pytest
 
 from pdserve.common.engine.llm import LLM, SamplingParams
 from pdserve.local_cluster import LocalCluster
-from pdserve.testbed import zygote
+from pdserve.testbed import kvfaults, zygote
 
 
 @pytest.fixture
@@ -123,3 +123,16 @@ def test_what_the_launchers_imports_set_may_be_in_a_childs_environment(tmp_path:
     assert launcher.env_differs({"A": "1", "B": "2"}) == []
     assert launcher.env_differs({"A": "1", "B": "3"}) == ["B"]
     assert launcher.env_differs({"B": "2"}) == ["A"]
+
+
+def test_a_kv_fault_plan_is_no_other_environment(tmp_path: Path) -> None:
+    """The forked child installs the plan itself (_child), so the variables kvfaults.child_env
+    sets are no reason for a fresh interpreter; anything else still is."""
+    launcher = zygote.Launcher(tmp_path)
+    launcher.base_env, launcher.imports_set = {"A": "1", "PYTHONPATH": "/x"}, {}
+    plan = {**launcher.base_env, kvfaults.PLAN_ENV: "targets=*"}
+    site = f"{kvfaults.SITE_DIR}{os.pathsep}/x"
+    assert launcher.env_differs({**plan, "PYTHONPATH": site}) == []
+    assert launcher.env_differs({**plan, "PYTHONPATH": f"/y{os.pathsep}{site}"}) == ["PYTHONPATH"]
+    launcher.base_env = {"A": "1"}
+    assert launcher.env_differs({**plan, "PYTHONPATH": str(kvfaults.SITE_DIR)}) == []
