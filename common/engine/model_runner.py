@@ -13,7 +13,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from pdserve.common.engine.compile_cache import CompileCache, cache_root, compile_key
-from pdserve.common.engine.compiled_decode import CompiledDecode, code_hash
+from pdserve.common.engine.compiled_decode import CompiledDecode, code_hash, decode_buckets
 from pdserve.common.engine.config import CacheConfig, ModelConfig, ParallelConfig
 from pdserve.common.engine.sampler import (
     Sampler,
@@ -149,6 +149,9 @@ class ModelRunner:
             torch.set_num_threads(threads_per_rank(parallel))  # this process is one rank
         self.tp = tp
         self.draft: DraftModel | MtpDraft | None = None  # a drafter with a page group
+        # The rows of one request's verify step (1 + k), which the compiled steps take on the
+        # CPU (see _compiled_step); 1 without speculation.
+        self.verify_rows = 1 + speculative.num_speculative_tokens if speculative else 1
         try:
             if speculative is not None and speculative.has_draft_kv:
                 self._load_draft(speculative, model_config)
@@ -198,7 +201,8 @@ class ModelRunner:
             if max_model_len is not None:
                 longest = min(longest, max_model_len)
             width = -(-longest // self.block_size)
-            self.compiled = CompiledDecode(self.model, max_num_seqs, width)
+            buckets = step_buckets(max_num_seqs, self.verify_rows if self.compiles_verify else 1)
+            self.compiled = CompiledDecode(self.model, max_num_seqs, width, buckets)
             cache = self._compile_cache(model_config)
             if mode == "background":
                 self.compiled.start_background(self.model_caches, cache, model_config)
@@ -279,6 +283,20 @@ class ModelRunner:
             self.driver.close()
         if getattr(self, "compiled", None) is not None:  # None before the model is built
             self.compiled.close()
+
+    @property
+    def compiles_verify(self) -> bool:
+        """Whether verify steps (a sequence with k drafts brings 1 + k rows) may run compiled:
+        on the CPU, whose packages take any rows per sequence (the attention op is opaque and
+        its metadata's sizes are dynamic); not on CUDA, whose graphs replay one row a
+        sequence."""
+        return self.device.type == "cpu"
+
+    @property
+    def verifies_compiled(self) -> bool:
+        """Whether this runner's verify steps run compiled once their bucket is ready (what
+        adaptive k's step costs are chosen by: `drafting.step_cost`)."""
+        return self.compiled is not None and self.compiles_verify
 
     @property
     def is_driver(self) -> bool:
@@ -385,14 +403,16 @@ class ModelRunner:
     def _compiled_step(
         self, seqs: tuple[ScheduledSeq, ...], on_layer: Callable[[int], None] | None
     ) -> bool:
-        """A pure decode step the compiled model takes: one token per sequence, a bucket that
-        holds them (compiled by now), no prompt logprobs and no per-layer hook (a prefill
-        node's KV sends)."""
+        """A pure decode step the compiled model takes: one known token per sequence and its
+        drafts (where `compiles_verify`), a bucket that holds its rows (compiled by now), no
+        prompt logprobs and no per-layer hook (a prefill node's KV sends). Buckets count
+        rows, not sequences: a verify step of one request with 5 drafts runs bucket 8."""
+        drafts = self.compiles_verify
         return (
             self.compiled is not None
             and on_layer is None
-            and all(len(seq.token_ids) == 1 and not seq.prompt_targets for seq in seqs)
-            and self.compiled.runs(len(seqs))
+            and all(_decodes(seq, drafts) for seq in seqs)
+            and self.compiled.runs(sum(len(seq.token_ids) for seq in seqs))
         )
 
     def _score_prompts(
@@ -506,6 +526,20 @@ class ModelRunner:
             return [torch.tensor(part, dtype=dtype) for part in lists]
         flat = torch.tensor([x for part in lists for x in part], dtype=dtype).pin_memory()
         return list(flat.to(self.device, non_blocking=True).split([len(p) for p in lists]))
+
+
+def step_buckets(max_num_seqs: int, verify_rows: int = 1) -> tuple[int, ...]:
+    """The compiled steps' buckets, in rows: a plain step's (one row a sequence, up to
+    max_num_seqs) and, with speculation, the powers of two up to one request's verify step
+    (`verify_rows`), so that it runs compiled even where max_num_seqs is smaller (batch 1)."""
+    verify = decode_buckets(1 << (verify_rows - 1).bit_length()) if verify_rows > 1 else ()
+    return tuple(sorted({*decode_buckets(max_num_seqs), *verify}))
+
+
+def _decodes(seq: ScheduledSeq, drafts: bool) -> bool:
+    """Whether a scheduled sequence is a decode row (with its drafts, where `drafts`)."""
+    known = len(seq.token_ids) - (seq.num_drafts if drafts else 0)
+    return known == 1 and not seq.prompt_targets
 
 
 def _plain_rows(inputs: ForwardInputs) -> list[int]:
