@@ -23,6 +23,14 @@ PROBE_AFTER_STEPS = 16
 # docs/benchmarks.md's comparison ran; docs/speculative.md, "Step costs").
 VERIFY_COST = 0.33
 ROW_COST = 0.15
+# The same against a compiled plain step (the CPU's default decode), where verify steps run
+# the compiled bucket that holds their rows (1 + k, padded up to 2, 4 or 8): one verify step of
+# k = 1..7 drafts, in compiled one-row steps. Its shape is the buckets', not a line: 2 rows cost
+# little more than one, 3 pad to 4 and pay the GEMM's 4-row tile, 5-8 all run bucket 8.
+# SmolLM2's Q4_1 GGUF in bf16, one thread, widths interleaved step by step, each bucket's
+# median ratio in three runs (1.22-1.40, 1.85-2.28, 2.21-2.65: the load moves them;
+# scripts/spec_step_cost.py; docs/speculative.md, "Step costs").
+COMPILED_STEP_COSTS = (1.26, 2.15, 2.15, 2.54, 2.54, 2.54, 2.54)
 # How much of a request's acceptance estimate one verify step replaces.
 DECAY = 0.8
 
@@ -68,10 +76,25 @@ class StepCost:
 
     verify_cost: float = VERIFY_COST
     row_cost: float = ROW_COST
+    # Measured steps of k = 1, 2, ... drafts, where a line is not their shape (compiled
+    # buckets); past the last, row_cost a draft more.
+    by_drafts: tuple[float, ...] = ()
 
     def relative(self, k: int) -> float:
         """A step of one request verifying k drafts, in one-row steps."""
-        return 1.0 + (self.verify_cost + self.row_cost * k if k else 0.0)
+        if not k:
+            return 1.0
+        if not self.by_drafts:
+            return 1.0 + self.verify_cost + self.row_cost * k
+        last = len(self.by_drafts)
+        return self.by_drafts[min(k, last) - 1] + self.row_cost * max(k - last, 0)
+
+
+def step_cost(compiled_verify: bool) -> StepCost:
+    """The costs of the steps the engine runs: compiled where its verify steps run compiled
+    (chosen by the configured compile mode, not by what a step ran: a background compile
+    switches at a time another node does not share, and k must not depend on it)."""
+    return StepCost(by_drafts=COMPILED_STEP_COSTS) if compiled_verify else StepCost()
 
 
 def best_k(acceptance: float, cost: StepCost, limit: int) -> int:
@@ -112,12 +135,17 @@ class Drafter:
     not count. Without adaptive k every step drafts the configured k.
     """
 
-    def __init__(self, config: SpeculativeConfig, proposer: Proposer | None = None) -> None:
+    def __init__(
+        self,
+        config: SpeculativeConfig,
+        proposer: Proposer | None = None,
+        cost: StepCost | None = None,
+    ) -> None:
         self.config = config
         self.proposer = proposer or create_proposer(config)
         self.max_k = config.num_speculative_tokens
         self.stats = SpecDecodeStats()
-        self.cost = StepCost()
+        self.cost = cost or StepCost()
         self._budgets: dict[str, _Budget] = {}
         # The same counters per running request that drafted (from its first drafts to
         # `finish`): a node's trace of the request keeps its own reference to them.
@@ -177,8 +205,11 @@ class Drafter:
 
 
 def create_drafter(
-    config: SpeculativeConfig | None, proposer: Proposer | None = None
+    config: SpeculativeConfig | None,
+    proposer: Proposer | None = None,
+    cost: StepCost | None = None,
 ) -> Drafter | None:
     """The engine's drafter, or None without speculation; `proposer` is one the model runner
-    built (draft_model), else the config's method makes its own."""
-    return None if config is None else Drafter(config, proposer)
+    built (draft_model), else the config's method makes its own; `cost`: its steps'
+    (`step_cost`; eager's by default)."""
+    return None if config is None else Drafter(config, proposer, cost)

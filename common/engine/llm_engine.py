@@ -11,6 +11,7 @@ from pdserve.common.engine.config import (
     ParallelConfig,
     SchedulerConfig,
 )
+from pdserve.common.engine.drafting import step_cost
 from pdserve.common.engine.kv_cache_manager import KVCacheManager
 from pdserve.common.engine.model_runner import LayerCall, ModelRunner
 from pdserve.common.engine.request import Request
@@ -89,7 +90,8 @@ class LLMEngine:
         self.max_model_len = self._max_model_len(scheduler)
         draft = self.runner.draft
         proposer = DraftModelProposer(draft, self.kv.block_ids) if draft is not None else None
-        self.scheduler = Scheduler(scheduler, self.kv, self.max_model_len, proposer)
+        cost = step_cost(self.runner.verifies_compiled)
+        self.scheduler = Scheduler(scheduler, self.kv, self.max_model_len, proposer, cost)
         self._structured: StructuredOutputs | None = None  # made on the first constraint
 
     def _tiers(self, cache: CacheConfig, parallel: ParallelConfig | None) -> PoolTiers | None:

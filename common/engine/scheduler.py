@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pdserve.common.engine.config import SchedulerConfig
-from pdserve.common.engine.drafting import create_drafter
+from pdserve.common.engine.drafting import StepCost, create_drafter
 from pdserve.common.engine.kv_cache_manager import KVCacheManager
 from pdserve.common.engine.request import FinishReason, Request, RequestStatus
 from pdserve.common.spec.base import Proposer
@@ -117,6 +117,7 @@ class Scheduler:
         kv: KVCacheManager,
         max_model_len: int,
         proposer: Proposer | None = None,  # a drafter built with the model (draft_model)
+        step_cost: StepCost | None = None,  # what its verify steps cost (eager's by default)
     ) -> None:
         self.config = config
         self.kv = kv
@@ -127,7 +128,7 @@ class Scheduler:
         self.reserved: dict[str, Request] = {}  # blocks held, KV arriving from a prefill node
         self._finished_ids: list[str] = []
         self.num_preemptions = 0  # since the engine started (the node's vLLM-style counter)
-        self.drafter = create_drafter(config.speculative_config, proposer)
+        self.drafter = create_drafter(config.speculative_config, proposer, step_cost)
 
     # -- admission -------------------------------------------------------------------------
 

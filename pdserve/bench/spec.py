@@ -96,7 +96,8 @@ def fresh_drafter(llm: LLM) -> Any:
     old = llm.engine.scheduler.drafter
     if old is None:
         return None
-    drafter = create_drafter(old.config, old.proposer if old.config.has_draft_kv else None)
+    proposer = old.proposer if old.config.has_draft_kv else None
+    drafter = create_drafter(old.config, proposer, old.cost)  # the engine's step costs
     llm.engine.scheduler.drafter = drafter
     return drafter
 
@@ -106,18 +107,19 @@ def timed_run(llm: LLM, prompts: list[list[int]], batch: int, max_tokens: int) -
     (at batch 1 also their running totals after each request)."""
     drafter = fresh_drafter(llm)
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
-    outs, start = [], time.perf_counter()
+    outs, start, cpu = [], time.perf_counter(), time.process_time()
     drafts_after, accepted_after = [], []
     for at in range(0, len(prompts), batch):
         outs += llm.generate(prompts[at : at + batch], params)
         if batch == 1 and drafter is not None:
             drafts_after.append(drafter.stats.num_drafts)
             accepted_after.append(drafter.stats.num_accepted_tokens)
-    wall = time.perf_counter() - start
+    wall, cpu = time.perf_counter() - start, time.process_time() - cpu
     tokens = [o.token_ids for o in outs]
     n = sum(map(len, tokens))
     counts = drafter.stats.counters() if drafter is not None else {}
-    return {"wall_s": wall, "output_tokens": n, "tokens_per_s": n / wall, "tokens": tokens,
+    return {"wall_s": wall, "cpu_s": cpu, "output_tokens": n, "tokens_per_s": n / wall,
+            "cpu_tokens_per_s": n / cpu, "tokens": tokens,
             "drafts_after": drafts_after, "accepted_after": accepted_after, **counts}  # fmt: skip
 
 
@@ -130,13 +132,17 @@ def result_row(key: tuple[str, int, str], runs: list[dict], base: list[dict], gr
     counts the requests whose accepted drafts equal colocated's (batch 1)."""
     speed = statistics.median(r["tokens_per_s"] for r in runs)
     base_speed = statistics.median(r["tokens_per_s"] for r in base)
+    cpu = statistics.median(r.get("cpu_tokens_per_s", 0.0) for r in runs)
+    base_cpu = statistics.median(r.get("cpu_tokens_per_s", 0.0) for r in base)
     first = runs[0]
     drafts, drafted = first.get(DRAFTS, 0), first.get("spec_decode_num_draft_tokens", 0)
     accepted = first.get(ACCEPTED, 0)
     same = sum(a == b for a, b in zip(first["tokens"], greedy["tokens"]))
     row = {"mode": "colocated" if colocated is None else "1P1D", "workload": key[0],
            "batch": key[1], "system": key[2], "tokens_per_s": speed,
-           "ratio": speed / base_speed, "output_tokens": first["output_tokens"],
+           "ratio": speed / base_speed, "cpu_tokens_per_s": cpu,
+           "cpu_ratio": cpu / base_cpu if base_cpu else None,
+           "output_tokens": first["output_tokens"],
            "drafts": drafts, "draft_tokens": drafted, "accepted_tokens": accepted,
            "acceptance_length": 1 + accepted / drafts if drafts else None,
            "draft_acceptance": accepted / drafted if drafted else None,
@@ -175,8 +181,8 @@ def measure_all(args: argparse.Namespace, engines: dict[str, LLM],
                 for system in rotated(args.systems, r):
                     run = timed_run(engines[system], ps, batch, args.max_tokens)
                     runs.setdefault((workload, batch, system), []).append(run)
-                    print(f"{workload} batch {batch} {system}: {run['tokens_per_s']:.2f} tok/s",
-                          flush=True)  # fmt: skip
+                    print(f"{workload} batch {batch} {system}: {run['tokens_per_s']:.2f} tok/s"
+                          f" ({run['cpu_tokens_per_s']:.2f} a CPU second)", flush=True)  # fmt: skip
     return runs
 
 

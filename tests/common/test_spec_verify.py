@@ -12,12 +12,14 @@ import torch
 
 from pdserve.common.engine.config import SchedulerConfig
 from pdserve.common.engine.drafting import (
+    COMPILED_STEP_COSTS,
     PROBE_AFTER_STEPS,
     ROW_COST,
     VERIFY_COST,
     Drafter,
     StepCost,
     best_k,
+    step_cost,
 )
 from pdserve.common.engine.kv_cache_manager import KVCacheManager
 from pdserve.common.engine.request import FinishReason, Request
@@ -219,6 +221,22 @@ def test_step_cost_is_a_verify_steps_parts_in_one_row_steps() -> None:
     assert (cost.verify_cost, cost.row_cost) == (VERIFY_COST, ROW_COST)
     assert cost.relative(0) == 1.0  # a plain step
     assert StepCost(0.2, 0.1).relative(3) == pytest.approx(1.5)
+
+
+def test_compiled_step_costs_are_the_buckets_measured() -> None:
+    """Where verify steps run compiled, k is chosen against the compiled buckets' measured
+    costs, whose shape no line has: one draft (bucket 2) nearly free, two or three (bucket 4)
+    the price of three, four to seven (bucket 8) one price."""
+    compiled, eager = step_cost(True), step_cost(False)
+    assert eager == StepCost()
+    assert [compiled.relative(k) for k in range(8)] == [1.0, *COMPILED_STEP_COSTS]
+    assert compiled.relative(9) == pytest.approx(COMPILED_STEP_COSTS[-1] + 2 * ROW_COST)
+    assert best_k(0.5, compiled, 5) == 1  # 1.5 tokens for 1.26 steps; eager's line: 2
+    assert best_k(0.5, eager, 5) == 2
+    assert best_k(0.7, compiled, 5) == 1  # k = 5's 2.94 tokens for 2.54 pay less
+    assert best_k(0.8, compiled, 5) == 5  # 3.69 / 2.54 beats 1.8 / 1.26
+    assert best_k(0.8, compiled, 3) == 1  # k = 3 pays bucket 4 for 2.95: not enough
+    assert best_k(0.9, compiled, 3) == 3  # 3.44 / 2.15 beats 1.9 / 1.26
 
 
 def test_adaptive_k_follows_acceptance_then_sits_out_and_probes() -> None:

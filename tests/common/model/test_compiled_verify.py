@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from pdserve.common.engine.compiled_decode import decode_buckets
+from pdserve.common.engine.drafting import step_cost
 from pdserve.common.engine.llm import LLM
 from pdserve.common.engine.model_runner import ForwardInputs, ModelRunner, step_buckets
 from pdserve.common.engine.scheduler import ScheduledSeq
@@ -95,7 +96,7 @@ def test_greedy_with_compiled_verify_steps_equals_greedy_without_and_hf(
         return forward(inputs, seqs, on_layer, compiled)
 
     monkeypatch.setattr(runner, "_forward", counted)
-    prompts = PROMPTS[:4]  # three repetitive (drafts accepted) and one random: one batch
+    prompts = PROMPTS[:4]  # three repetitive (drafts accepted) and a one-token one: one batch
     outs = speculating.generate(prompts, GREEDY)
     stats = speculating.engine.scheduler.drafter.stats
     assert stats.num_accepted_tokens > 0 and stats.num_draft_tokens > stats.num_accepted_tokens
@@ -113,3 +114,17 @@ def test_greedy_with_compiled_verify_steps_equals_greedy_without_and_hf(
                 do_sample=False, eos_token_id=None, pad_token_id=0,
             )  # fmt: skip
         assert seq[0, len(prompt) :].tolist() == out.token_ids
+
+
+@waits_for_a_compile
+def test_the_drafter_prices_the_steps_the_engine_runs(
+    speculating: LLM,
+    model_dir: str,  # noqa: F811 - the fixture imported above
+) -> None:
+    """Compiled verify steps: adaptive k weighs the compiled buckets' costs; an eager engine
+    the eager ones (chosen by the configured mode, so two nodes so configured agree)."""
+    assert speculating.engine.runner.verifies_compiled
+    assert speculating.engine.scheduler.drafter.cost == step_cost(True)
+    kwargs = {**engine_kwargs(), "speculative_config": ngram(K)}
+    with LLM(model_dir, skip_tokenizer_init=True, enforce_eager=True, **kwargs) as eager:
+        assert eager.engine.scheduler.drafter.cost == step_cost(False)
