@@ -25,7 +25,8 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 
 import torch
 
@@ -128,6 +129,19 @@ class PoolTiers:
             self.offloaded += bool(stored)
             if self.store is not None and self.store in stored:
                 self._shared_changed(block_hash, True)
+
+    @contextmanager
+    def forward(self) -> Iterator[None]:
+        """Around a forward that may write any block: the marked blocks are copied out first
+        (`fence`), and the store's writer starts no put until it ends (`WriteBehind.hold`)."""
+        self.fence()
+        for behind in self.chain.behind.values():
+            behind.hold(True)
+        try:
+            yield
+        finally:
+            for behind in self.chain.behind.values():
+                behind.hold(False)
 
     def begin_walk(self, first: int, end: int, hashes: Sequence[BlockHash] = ()) -> None:
         """A walk will ask `load` for the request's blocks `first`..`end - 1` (`hashes`, if

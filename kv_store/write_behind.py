@@ -60,6 +60,11 @@ class WriteBehind:
         self._waiting: dict[str, tuple[bytes, int]] = {}
         self._bytes = 0
         self._closed = False
+        # While the engine runs a forward (`hold`), the writer starts no put unless the queue
+        # is half full: its CPU (encode, checksum, write) would slow the forward's threads on
+        # the same cores. It writes between steps, and always once the queue fills.
+        self.yields = True
+        self._held = False
         self._cond = threading.Condition()
         self._thread = threading.Thread(
             target=self._run, name=f"kv-write-behind {tier.name}", daemon=True
@@ -83,7 +88,7 @@ class WriteBehind:
         _lower_priority(WRITER_NICE)
         while True:
             with self._cond:
-                while not self._queue and not self._closed:
+                while not self._closed and (not self._queue or self._yielding()):
                     self._cond.wait()
                 if not self._queue:
                     return
@@ -99,6 +104,16 @@ class WriteBehind:
                 if count > 1:
                     self._waiting[key.name] = (newest, count - 1)
                 self._cond.notify_all()
+
+    def hold(self, held: bool) -> None:
+        """A forward starts (True) or ends (False): see `yields`."""
+        with self._cond:
+            self._held = held
+            if not held:
+                self._cond.notify_all()
+
+    def _yielding(self) -> bool:
+        return self._held and self.yields and self._bytes < self.max_bytes // 2
 
     def queued(self, key: BlockKey) -> memoryview | None:
         """The payload of `key` still waiting to be put (it was read whole from the pool when
@@ -121,6 +136,8 @@ class WriteBehind:
         """Wait until every queued put ran (True), or `timeout_s` passed (False)."""
         deadline = time.monotonic() + timeout_s
         with self._cond:
+            self._held = False  # a flush is waited for: the writer goes on at once
+            self._cond.notify_all()
             while self._queue:
                 left = deadline - time.monotonic()
                 if left <= 0:

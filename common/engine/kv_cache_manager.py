@@ -19,6 +19,7 @@ import hashlib
 import time
 from array import array
 from collections.abc import Iterable, Sequence
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -129,7 +130,11 @@ class BlockTiers(Protocol):
 
     def fence(self) -> None:
         """Copy out the pages of every block offloaded since the last fence: called before
-        anything writes into a block (the step's forward, a load, a transfer's pages)."""
+        anything writes into a block (a load, a transfer's pages)."""
+
+    def forward(self) -> AbstractContextManager[None]:
+        """Around the step's forward: `fence` first; the tiers' background writers wait for
+        its end (their CPU would slow the forward's threads)."""
 
     def begin_walk(self, first: int, end: int, hashes: Sequence[BlockHash] = ()) -> None:
         """`load` will be asked for a request's blocks `first`..`end - 1` (`hashes`: a store
@@ -492,6 +497,10 @@ class KVCacheManager:
         have their pages copied to the tiers (`BlockTiers.fence`)."""
         if self.pool.tiers is not None:
             self.pool.tiers.fence()
+
+    def forward(self) -> AbstractContextManager[None]:
+        """Around the step's forward, which may write any block: `BlockTiers.forward`."""
+        return nullcontext() if self.pool.tiers is None else self.pool.tiers.forward()
 
     def cache_blocks(self, request: Request, num_tokens: int) -> None:
         """Index every full block up to num_tokens. Safe before the forward runs: within a

@@ -203,13 +203,13 @@ class LLMEngine:
         right after each layer wrote its K/V (a prefill node ships that layer's pages with it):
         the caller makes it from the batch it got from `scheduler.schedule()`, so the engine
         calls nothing back."""
-        self.kv.fence()  # the blocks this schedule evicted go to the tiers before reuse
         if output.empty:
             self.runner.forget(output.finished_ids)
             return []
-        start = time.perf_counter()
-        sampled, prompt_lps = self.runner.execute(output, layer_call)
-        seconds = time.perf_counter() - start
+        with self.kv.forward():  # the blocks this schedule evicted go to the tiers first
+            start = time.perf_counter()
+            sampled, prompt_lps = self.runner.execute(output, layer_call)
+            seconds = time.perf_counter() - start
         self.prefill_rate.observe(output, seconds)
         if self.tiers is not None:  # the marginal prefill cost its load decisions weigh
             self.tiers.cost.observe_step(output, seconds)

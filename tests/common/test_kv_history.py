@@ -5,6 +5,8 @@ preempted within that same schedule must take such a block out of the index unwr
 
 from __future__ import annotations
 
+from contextlib import AbstractContextManager, nullcontext
+
 from pdserve.common.engine.kv_cache_manager import KVCacheManager, TierLoads, hash_token_blocks
 from pdserve.common.engine.request import Request
 from pdserve.common.wire.payloads import SamplingParams
@@ -28,6 +30,9 @@ class Recorder:
 
     def fence(self) -> None:
         pass
+
+    def forward(self) -> AbstractContextManager[None]:
+        return nullcontext()
 
     def load(self, block_hash: bytes, block_id: int, at: int) -> bool:
         return False

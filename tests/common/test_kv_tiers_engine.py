@@ -11,6 +11,7 @@ import shutil
 import threading
 import time
 from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
 
 import pytest
@@ -328,6 +329,9 @@ class FakeTiers:
 
     def fence(self) -> None:
         pass  # `offload` copied already
+
+    def forward(self) -> AbstractContextManager[None]:
+        return nullcontext()
 
     def load(self, block_hash: bytes, block_id: int, at: int) -> bool:
         assert self.walks and self.walks[-1][0] <= at < self.walks[-1][1], "outside its walk"

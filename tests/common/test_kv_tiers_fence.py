@@ -43,7 +43,8 @@ def test_a_block_evicted_and_rewritten_in_one_step_lands_intact(
 ) -> None:
     """Prompt A's blocks are evicted by prompt B's allocation and written by B's forward in
     the same step; the host tier and the file store then hold A's pages as A's step wrote
-    them, and a second engine loading A from the store answers as the first computed it."""
+    them, and a second engine loading A from the store answers as the first computed it.
+    The store's writer is held during each forward (`WriteBehind.hold`)."""
     url = f"file://{tmp_path / 'store'}"
     llm = LLM(model_dir, num_blocks=16, block_size=BS, dtype="float32",
               skip_tokenizer_init=True, kv_offload_bytes=1 << 24, kv_store=url)  # fmt: skip
@@ -61,6 +62,17 @@ def test_a_block_evicted_and_rewritten_in_one_step_lands_intact(
     for h in hashes:
         assert bytes(host.get(engine.tiers.space.key(h))) == before[h], "host tier: other pages"
         assert bytes(store.get(engine.tiers.space.key(h))) == before[h], "store: other pages"
+    held = []
+    execute = engine.runner.execute
+    behind = engine.tiers.chain.behind[store.name]
+
+    def watched(*args, **kwargs):
+        held.append(behind._held)
+        return execute(*args, **kwargs)
+
+    engine.runner.execute = watched  # type: ignore[method-assign]
+    llm.generate([a], GREEDY)
+    assert held and all(held) and not behind._held, "the writer is held during each forward"
     llm.close()
     again = LLM(model_dir, num_blocks=16, block_size=BS, dtype="float32",
                 skip_tokenizer_init=True, kv_store=url)  # fmt: skip

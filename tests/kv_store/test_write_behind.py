@@ -150,3 +150,40 @@ def test_a_block_the_store_holds_is_not_encoded_again(tmp_path: Path) -> None:
         assert bytes(store.get(key(4)) or b"") == payload(4)
     finally:
         chain.close()
+
+
+def wait_for(check, timeout_s: float = 20.0) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while not check():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.01)
+    return True
+
+
+def test_the_writer_waits_out_a_forward_unless_its_queue_is_half_full(tmp_path: Path) -> None:
+    """Held (a forward runs: `PoolTiers.forward`), the writer starts no put while the queue
+    is under half its bound; it writes once released, or while the queue is at half or more."""
+    store = FileTier(tmp_path)
+    behind = WriteBehind(store, max_bytes=4 * 4096)
+    try:
+        behind.hold(True)
+        behind.put(key(1), payload(1))
+        time.sleep(0.3)
+        assert store.stats().puts == 0 and behind.pending() == 1, "written during a forward"
+        behind.hold(False)
+        assert wait_for(lambda: store.stats().puts == 1), "not written after the forward"
+        behind.hold(True)
+        behind.put(key(2), payload(2))
+        behind.put(key(3), payload(3))  # half of the bound: the writer goes on, to under half
+        assert wait_for(lambda: store.stats().puts == 2), "a half-full queue waited"
+        time.sleep(0.3)
+        assert store.stats().puts == 2 and behind.pending() == 1
+        behind.put(key(4), payload(4))
+        assert behind.flush(20.0) and store.stats().puts == 4, "a flush waits for no forward"
+        behind.yields = False
+        behind.hold(True)
+        behind.put(key(5), payload(5))
+        assert wait_for(lambda: store.stats().puts == 5), "yields off: written at once"
+    finally:
+        behind.close(20.0)
