@@ -101,8 +101,37 @@ struct Avx512 {
       }
     }
   }
+  // Head dim 64, up to 4 heads a KV head: the G x 4 accumulators stay in registers over the
+  // block's keys (the same FMAs in the same order as the loop below: the same bits).
+  template <int GG>
+  static void accumulate64(const float* p, const T* v, int64_t v_token, int64_t keys,
+                           float* acc, int64_t p_stride) {
+    __m512 a[GG][4];
+    for (int g = 0; g < GG; ++g)
+      for (int c = 0; c < 4; ++c) a[g][c] = load16(acc + g * 64 + 16 * c);
+    for (int64_t t = 0; t < keys; ++t) {
+      const T* vt = v + t * v_token;
+      const __m512 v0 = load16(vt), v1 = load16(vt + 16);
+      const __m512 v2 = load16(vt + 32), v3 = load16(vt + 48);
+      for (int g = 0; g < GG; ++g) {
+        const __m512 w = _mm512_set1_ps(p[g * p_stride + t]);
+        a[g][0] = _mm512_fmadd_ps(w, v0, a[g][0]);
+        a[g][1] = _mm512_fmadd_ps(w, v1, a[g][1]);
+        a[g][2] = _mm512_fmadd_ps(w, v2, a[g][2]);
+        a[g][3] = _mm512_fmadd_ps(w, v3, a[g][3]);
+      }
+    }
+    for (int g = 0; g < GG; ++g)
+      for (int c = 0; c < 4; ++c) _mm512_storeu_ps(acc + g * 64 + 16 * c, a[g][c]);
+  }
   static void accumulate(const float* p, const T* v, int64_t v_token, int64_t keys, int64_t G,
                          int64_t D, float* acc, int64_t p_stride) {
+    if (D == 64 && G >= 1 && G <= 4) {
+      if (G == 1) return accumulate64<1>(p, v, v_token, keys, acc, p_stride);
+      if (G == 2) return accumulate64<2>(p, v, v_token, keys, acc, p_stride);
+      if (G == 3) return accumulate64<3>(p, v, v_token, keys, acc, p_stride);
+      return accumulate64<4>(p, v, v_token, keys, acc, p_stride);
+    }
     for (int64_t t = 0; t < keys; ++t) {
       const T* vt = v + t * v_token;
       for (int64_t d = 0; d < D; d += 16) {
