@@ -7,9 +7,10 @@ pool since: a tier holds them) and `--new` fresh tokens. One engine per system s
 (SmolLM2 bf16 dense, 8-token blocks, a 64-block pool), each round sent to each in turn, the
 order rotating; before each request the other systems' write queues are drained (not timed),
 so a request meets only its own evictions' writes: the one-request-at-a-time regime, where a
-node is idle between requests. Systems: none; file and redis with the writer yielding during
-forwards (`WriteBehind.yields`, the default) and with it off ("-busy"). Prints per system the
-TTFT median, p90 and worst against none's of the same round, and CPU (process) medians.
+node is idle between requests. Systems: none; host (a 1 GiB host tier); file and redis with
+the writer yielding during forwards (`WriteBehind.yields`, the default) and with it off
+("-busy"). Prints per system the TTFT median, p90 and worst against none's of the same round,
+and CPU (process) medians.
 
     nice -n 19 python scripts/kv_tail_ttft.py --rounds 24
 """
@@ -32,7 +33,9 @@ FIRST = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
 
 def engine(system: str, folder: Path, stack: ExitStack) -> LLM:
     opts: dict = {}
-    if system.startswith("file"):
+    if system == "host":
+        opts["kv_offload_bytes"] = 1 << 30
+    elif system.startswith("file"):
         opts["kv_store"] = f"file://{folder / system}"
     elif system.startswith("redis"):
         (folder / system).mkdir()
