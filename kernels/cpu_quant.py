@@ -133,6 +133,50 @@ class Int5Pack:
 
 
 Rows = slice | torch.Tensor  # a range of weight rows, or the rows an index tensor names
+TILE = 16  # weight rows in one of the VNNI GEMM's tiles: the lanes of an output vector
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Int4Tiles:
+    """An int4 weight held in the VNNI GEMM's tile order (`tile_int4`), so that no call
+    transposes it: Int4Pack's bytes and fields, rows grouped by tiles of 16, within a tile
+    [block][4][16] dwords (dword (b, g, j) = row j's nibble bytes 4g..4g+3 of block b) and the
+    scales and minimums [block][16]. Whole tiles: a short last tile repeats the last row."""
+
+    nibbles: torch.Tensor  # uint8 [T * 16, K/2], the tiles' bytes in their order
+    scales: torch.Tensor  # float32 [T * 16, K/32], [T][B][16]
+    mins: torch.Tensor  # float32 [T * 16, K/32]
+    out_features: int  # N: the rows past it (in the last tile) are padding
+
+
+def tile_int4(pack: Int4Pack) -> Int4Tiles:
+    """An Int4Pack in the GEMM's tile order: the same bytes, permuted (one copy of them)."""
+    out, half = pack.nibbles.shape
+    blocks = pack.scales.shape[1]
+    padded = -(-out // TILE) * TILE
+
+    def tiled(t: torch.Tensor, per_row: int) -> torch.Tensor:
+        if padded != out:
+            t = torch.cat([t, t[-1:].expand(padded - out, -1)])
+        tiles = t.reshape(padded // TILE, TILE, per_row).transpose(1, 2).contiguous()
+        return tiles.view(padded, -1)
+
+    nibbles = tiled(pack.nibbles.view(torch.int32), half // 4).view(torch.uint8)
+    scales, mins = (tiled(t, blocks) for t in (pack.scales, pack.mins))
+    return Int4Tiles(nibbles, scales, mins, out)
+
+
+def untile_int4(tiles: Int4Tiles) -> Int4Pack:
+    """The row-major Int4Pack an Int4Tiles holds (the dense path's and tests' reading)."""
+    padded, half = tiles.nibbles.shape
+    blocks = tiles.scales.shape[1]
+
+    def rows(t: torch.Tensor, per_row: int) -> torch.Tensor:
+        t = t.view(padded // TILE, per_row, TILE).transpose(1, 2).reshape(padded, per_row)
+        return t[: tiles.out_features].contiguous()
+
+    nibbles = rows(tiles.nibbles.view(torch.int32), half // 4).view(torch.uint8)
+    return Int4Pack(nibbles, rows(tiles.scales, blocks), rows(tiles.mins, blocks))
 
 
 def pack_int5(values: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor) -> Int5Pack:
@@ -145,14 +189,19 @@ def pack_int5(values: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor) -
     return Int5Pack(nibbles, high, scales.half().contiguous(), mins.contiguous())
 
 
-def unpack_int4(pack: Int4Pack | Int5Pack, start: int = 0, end: int | None = None) -> torch.Tensor:
+AnyPack = Int4Pack | Int4Tiles | Int5Pack
+
+
+def unpack_int4(pack: AnyPack, start: int = 0, end: int | None = None) -> torch.Tensor:
     """Rows [start, end) of the float32 weight a pack stands for (the dense path's input)."""
     return unpack_rows(pack, slice(start, end))
 
 
-def unpack_rows(pack: Int4Pack | Int5Pack, rows: Rows) -> torch.Tensor:
+def unpack_rows(pack: AnyPack, rows: Rows) -> torch.Tensor:
     """The float32 rows of the weight a pack stands for: a range (the dense path's chunks) or
-    an index tensor (an embedding's lookup)."""
+    an index tensor (an embedding's lookup). Tiles are read back through `untile_int4`."""
+    if isinstance(pack, Int4Tiles):
+        pack = untile_int4(pack)
     nib = pack.nibbles[rows]
     count, blocks = nib.shape[0], pack.scales.shape[1]
     b = nib.view(count, blocks, BLOCK // 2)
@@ -174,8 +223,16 @@ def int8_mm(
     return _module().int8_mm(x, values, scales, _path(vnni))
 
 
-def int4_mm(x: torch.Tensor, pack: Int4Pack, vnni: bool | None = None) -> torch.Tensor:
-    """x [M, K] float32 @ the packed weight.T."""
+def int4_mm(x: torch.Tensor, pack: Int4Pack | Int4Tiles, vnni: bool | None = None) -> torch.Tensor:
+    """x [M, K] float32 @ the packed weight.T. Tiles take the VNNI path only (ValueError
+    where `vnni` says AVX2: a layer tiles its weight only where it runs VNNI)."""
+    if isinstance(pack, Int4Tiles):
+        if not _path(vnni):
+            raise ValueError("an int4 weight in tile order runs on the VNNI path only")
+        tiled = (x, pack.nibbles, pack.scales, pack.mins, pack.out_features)
+        if torch.compiler.is_compiling():
+            return torch.ops.pdserve.cpu_int4_tiled_mm(*tiled)
+        return _module().int4_tiled_mm(*tiled)
     args = (x, pack.nibbles, pack.scales, pack.mins, _path(vnni))
     if torch.compiler.is_compiling():
         return torch.ops.pdserve.cpu_int4_mm(*args)
@@ -203,7 +260,10 @@ _LIB.define(
     "cpu_int5_mm(Tensor x, Tensor nibbles, Tensor high, Tensor scales, Tensor mins, bool vnni)"
     " -> Tensor"
 )
-for _name in ("int8_mm", "int4_mm", "int5_mm"):
+_LIB.define(
+    "cpu_int4_tiled_mm(Tensor x, Tensor nibbles, Tensor scales, Tensor mins, int n) -> Tensor"
+)
+for _name in ("int8_mm", "int4_mm", "int5_mm", "int4_tiled_mm"):
     _LIB.impl(
         f"cpu_{_name}",
         lambda *args, _name=_name: getattr(_module(), _name)(*args),
@@ -217,6 +277,14 @@ for _name in ("int8_mm", "int4_mm", "int5_mm"):
 def _gemv_fake(x: torch.Tensor, weight: torch.Tensor, *_: object) -> torch.Tensor:
     """[M, N]: x's rows by the weight's (int8 values, or nibbles) rows."""
     return x.new_empty(x.shape[0], weight.shape[0])
+
+
+@torch.library.register_fake("pdserve::cpu_int4_tiled_mm")
+def _tiled_fake(
+    x: torch.Tensor, nibbles: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor, n: int
+) -> torch.Tensor:
+    """[M, n]: x's rows by the weight's rows less the last tile's padding."""
+    return x.new_empty(x.shape[0], n)
 
 
 def _path(vnni: bool | None) -> bool:
@@ -331,11 +399,12 @@ def build_lock(build_dir: str, wait_s: float) -> Iterator[None]:
         yield  # the flock goes with the file's close
 
 
+_FUNCTIONS = ("int8_mm", "int4_mm", "int5_mm", "int4_tiled_mm")
+
+
 @cache
 def _module():  # noqa: ANN202 (a compiled extension module)
-    return load_extension(
-        "cpu_quant", _SOURCE, ["int8_mm", "int4_mm", "int5_mm"], ["-mavx2", "-mfma"]
-    )
+    return load_extension("cpu_quant", _SOURCE, [*_FUNCTIONS], ["-mavx2", "-mfma"])
 
 
 def load_extension(stem: str, source: str, functions: list[str], cflags: list[str]):  # noqa: ANN201

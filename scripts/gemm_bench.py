@@ -10,16 +10,20 @@ through the stack) built as its own small extension. GEMM: int4 (the Q4_1/Q4_K f
 holds, Int4Pack) and int8 per row, one thread, this thread's CPU time, the median of --repeats;
 a MAC is two ops. With --baseline the old kernel's source (git show REV:kernels/..., or a
 folder with the two files) is built beside this one, each measurement alternates the two, and
-`equal` says whether their outputs are the same to the bit. With --model the model's prefill
-is timed too (bf16, eager, one thread): one --prompt-tokens prompt, and --batch prompts of
---batch-tokens added at once, each kernel in turn (kernels.cpu_quant's module swapped), then
---batch requests' decode steps with the kernels alternating step by step.
+`equal` says whether their outputs are the same to the bit (`max_rel` by how much they differ,
+relative to the largest output). A kernel with `int4_tiled_mm` is given int4 in tile order
+(Int4Tiles, docs/quantization.md, "Int4 weights in tile order"), one without it Int4Pack's
+rows. With --model the model's prefill is timed too (bf16, eager, one thread): one
+--prompt-tokens prompt, and --batch prompts of --batch-tokens added at once, each kernel in turn
+(kernels.cpu_quant's module swapped, the int4 layers' form with it), then each of
+--decode-batches requests' decode steps with the kernels alternating step by step.
 Prints JSON lines, each with the 1-minute load average.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import json
 import os
@@ -81,7 +85,8 @@ def baseline_module(rev: str):  # noqa: ANN201 (a compiled extension module)
 
 
 def weights(n: int, k: int) -> dict[str, tuple]:
-    """The int4 pack and the int8 weight (values, scales) of a random [n, k] weight."""
+    """The int4 pack and the int8 weight (values, scales) of a random [n, k] weight: int4 as
+    Int4Pack's fields, and (`int4_tiled`) in tile order."""
     torch.manual_seed(n * 7 + k)
     values = torch.randint(0, 16, (n, k), dtype=torch.uint8)
     scales = torch.rand(n, k // 32) / 16
@@ -90,8 +95,16 @@ def weights(n: int, k: int) -> dict[str, tuple]:
     q8 = torch.randint(-127, 128, (n, k), dtype=torch.int8)
     return {
         "int4": (pack.nibbles, pack.scales, pack.mins),
+        "int4_tiled": (*dataclasses.astuple(cpu_quant.tile_int4(pack)),),
         "int8": (q8, torch.rand(n) / 64),
     }
+
+
+def call(mod: object, kind: str, x: torch.Tensor, args: tuple) -> Callable[[], torch.Tensor]:
+    """The module's kernel for `kind` on x: int4 in tile order where the module has it."""
+    if kind == "int4" and hasattr(mod, "int4_tiled_mm"):
+        return functools.partial(mod.int4_tiled_mm, x, *args)
+    return functools.partial(getattr(mod, f"{kind}_mm"), x, *args, True)
 
 
 def cpu_ms(fn: Callable[[], object], calls: int) -> float:
@@ -107,12 +120,12 @@ def gemm_ab(mods: dict[str, object], rows: list[int], repeats: int, peak: float)
         w = weights(n, k)
         for m in rows:
             x = torch.randn(m, k)
-            for kind, args in w.items():
+            for kind in ("int4", "int8"):
                 calls = max(3, int(2e8 / (m * n * k)))
-                fns = {
-                    label: functools.partial(getattr(mod, f"{kind}_mm"), x, *args, True)
-                    for label, mod in mods.items()
-                }
+                fns = {}
+                for label, mod in mods.items():
+                    tiled = kind == "int4" and hasattr(mod, "int4_tiled_mm")
+                    fns[label] = call(mod, kind, x, w["int4_tiled" if tiled else kind])
                 times: dict[str, list[float]] = {label: [] for label in fns}
                 for fn in fns.values():
                     fn()
@@ -122,6 +135,10 @@ def gemm_ab(mods: dict[str, object], rows: list[int], repeats: int, peak: float)
                 row = {"shape": name, "N": n, "K": k, "rows": m, "kind": kind, "load": load()}
                 outs = [fn() for fn in fns.values()]
                 row["equal"] = all(torch.equal(outs[0], out) for out in outs[1:])
+                top = outs[0].abs().max().item()
+                row["max_rel"] = max(
+                    [(o - outs[0]).abs().max().item() / top for o in outs[1:]] + [0]
+                )
                 for label, ts in times.items():
                     ms = statistics.median(ts)
                     gops = 2 * m * n * k / ms / 1e6
@@ -158,7 +175,7 @@ def prefill_ab(mods: dict[str, object], args: argparse.Namespace) -> None:
             times: dict[str, list[float]] = {m: [] for m in mods}
             for i in range(args.prefill_repeats + 1):
                 for mlabel, mod in mods.items():
-                    cpu_quant._module = lambda mod=mod: mod
+                    use(llm, mod)
                     ms = run(load_)
                     if i:  # the first round warms up
                         times[mlabel].append(ms)
@@ -166,9 +183,28 @@ def prefill_ab(mods: dict[str, object], args: argparse.Namespace) -> None:
             out.update({m: {"cpu_ms": round(statistics.median(t), 1), "all": [round(v) for v in t]}
                         for m, t in times.items()})  # fmt: skip
             print(json.dumps(out), flush=True)
-        decode_ab(mods, llm, args.batch, args.decode_steps)
+        for batch in args.decode_batches:
+            decode_ab(mods, llm, batch, args.decode_steps)
     finally:
         cpu_quant._module = original
+
+
+def use(llm: object, mod: object) -> None:
+    """`mod` as the kernel, the model's int4 layers in the form it reads (tiles where it has
+    int4_tiled_mm, else rows): converted outside the time measured."""
+    from pdserve.common.model.quant import QuantizedLinear
+
+    cpu_quant._module = lambda: mod
+    tiled = hasattr(mod, "int4_tiled_mm")
+    for layer in llm.engine.runner.model.modules():
+        if not isinstance(layer, QuantizedLinear) or layer.bits != 4 or not layer.vnni:
+            continue
+        if layer.tiled == tiled:
+            continue
+        pack = layer._pack()
+        pack = cpu_quant.tile_int4(pack) if tiled else cpu_quant.untile_int4(pack)
+        layer.qweight, layer.scales, layer.mins = pack.nibbles, pack.scales, pack.mins
+        layer.tiled = tiled
 
 
 def decode_ab(mods: dict[str, object], llm: object, batch: int, steps: int) -> None:
@@ -184,7 +220,7 @@ def decode_ab(mods: dict[str, object], llm: object, batch: int, steps: int) -> N
     times: dict[str, list[float]] = {m: [] for m in mods}
     for _ in range(steps):
         for label, mod in mods.items():
-            cpu_quant._module = lambda mod=mod: mod
+            use(llm, mod)
             start = time.thread_time()
             llm.engine.step()
             times[label].append(1000 * (time.thread_time() - start))
@@ -206,7 +242,8 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=16)
     p.add_argument("--batch-tokens", type=int, default=96)
     p.add_argument("--prefill-repeats", type=int, default=3)
-    p.add_argument("--decode-steps", type=int, default=30, help="per kernel, batch --batch")
+    p.add_argument("--decode-steps", type=int, default=30, help="per kernel and batch")
+    p.add_argument("--decode-batches", type=int, nargs="+", default=[16])
     args = p.parse_args()
     torch.set_num_threads(1)
     mods = {"now": cpu_quant._module()}

@@ -125,6 +125,7 @@ class QuantizedLinear(nn.Module):
         # exact sums for a float32 one's; a plain bool: a traced graph reads it.
         self.vnni = self.gemv and cpu_quant.uses_vnni(scale_dtype)
         self.register_buffer("mins", None)  # int4/int5 in the AVX2 kernel's layout only
+        self.tiled = False  # int4 in the VNNI GEMM's tile order (`_hold`)
         self.register_buffer("qhigh", None)  # int5's fifth bits
         if self.bits == 5 or (self.bits == 4 and self.gemv):
             self._hold(weight if isinstance(weight, Pack) else self.pack_for_gemv(weight))
@@ -159,6 +160,11 @@ class QuantizedLinear(nn.Module):
             raise ValueError(f"int{self.bits} in this layout needs the AVX2 kernel (cpu_quant)")
         if self.bits == 4 and self.out_features % 16:
             raise ValueError(f"int4 needs out_features a multiple of 16: {self.out_features}")
+        # int4 on the VNNI path is held in its GEMM's tile order (the same bytes permuted):
+        # no call transposes it (docs/quantization.md, "Int4 weights in tile order").
+        self.tiled = self.bits == 4 and self.vnni
+        if self.tiled:
+            pack = cpu_quant.tile_int4(pack)
         self.register_buffer("qweight", pack.nibbles)
         self.register_buffer("scales", pack.scales)
         self.register_buffer("mins", pack.mins)
@@ -200,6 +206,8 @@ class QuantizedLinear(nn.Module):
             return None
         if any((m.mins is None) != (first.mins is None) for m in layers):
             return None
+        if any(m.tiled != first.tiled for m in layers):  # whole tiles (16 rows) concatenate
+            return None
         torch_int4 = first.bits == 4 and first.mins is None
         if torch_int4 and any(m.out_features % _INT4_BLOCK for m in layers):
             return None
@@ -215,7 +223,7 @@ class QuantizedLinear(nn.Module):
         fused.out_features = sum(m.out_features for m in layers)
         dense = [m.dense_rows for m in layers]
         fused.dense_rows = None if None in dense else max(dense)
-        fused.gemv, fused.vnni = first.gemv, first.vnni
+        fused.gemv, fused.vnni, fused.tiled = first.gemv, first.vnni, first.tiled
         exact = [m.exact_rows for m in layers]
         fused.exact_rows = None if None in exact else max(exact)
         rows = 1 if torch_int4 else 0  # torch's int4 scales are [groups, out, 2]
@@ -291,10 +299,12 @@ class QuantizedLinear(nn.Module):
             return cpu_quant.int5_mm(x, self._pack(), self.vnni)
         return cpu_quant.int4_mm(x, self._pack(), self.vnni)
 
-    def _pack(self) -> cpu_quant.Int4Pack | cpu_quant.Int5Pack:
-        """The weight as the AVX2 kernel's int4 or int5 layout (held so, `mins` set)."""
+    def _pack(self) -> cpu_quant.AnyPack:
+        """The weight as the kernel's int4 (rows or tiles) or int5 layout (held so, `mins` set)."""
         if self.bits == 5:
             return cpu_quant.Int5Pack(self.qweight, self.qhigh, self.scales, self.mins)
+        if self.tiled:
+            return cpu_quant.Int4Tiles(self.qweight, self.scales, self.mins, self.out_features)
         return cpu_quant.Int4Pack(self.qweight, self.scales, self.mins)
 
     def rows(self, index: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -315,6 +325,8 @@ class QuantizedLinear(nn.Module):
             return self._dense_int8(x, out)
         if self.mins is not None:
             pack = self._pack()
+            if isinstance(pack, cpu_quant.Int4Tiles):  # not reached: the GEMM takes every row
+                pack = cpu_quant.untile_int4(pack)
             for start in range(0, self.out_features, _DENSE_CHUNK):
                 w = cpu_quant.unpack_int4(pack, start, start + _DENSE_CHUNK).to(x.dtype)
                 out[:, start : start + len(w)] = x @ w.T

@@ -103,6 +103,39 @@ def test_int4_equals_the_dequantized_matmul(
     torch.testing.assert_close(cpu_quant.unpack_int4(pack, 5, 9), weight.dequantize()[5:9])
 
 
+VNNI = pytest.mark.skipif(not cpu_quant.cpu_has_avx512_vnni(), reason="no AVX512-VNNI on this CPU")
+
+
+@VNNI
+@pytest.mark.parametrize(("n", "k", "group"), INT4_CASES)
+@pytest.mark.parametrize("rows", [*ROWS, 18, 33])
+def test_int4_tiles_equal_the_dequantized_matmul(n: int, k: int, group: int, rows: int) -> None:
+    """An int4 weight in tile order (the VNNI layers' form) against the reference at every
+    pass remainder, in place (to 16 rows) and unpacked once (past them), with a short last tile
+    where N is off a multiple of 16; against the row-major kernel only by float order."""
+    gen = torch.Generator().manual_seed(rows * 1000 + k + group)
+    weight = quantize_int4(torch.randn(n, k, generator=gen) + 0.3, group)
+    x = torch.randn(rows, k, generator=gen)
+    pack = cpu_quant.pack_int4(weight.values, weight.scales, weight.zeros, group)
+    tiles = cpu_quant.tile_int4(pack)
+    assert tiles.nibbles.shape == (-(-n // 16) * 16, k // 2) and tiles.out_features == n
+    got = cpu_quant.int4_mm(x, tiles, True)
+    _close(got, _want(x, weight.dequantize(), True, pack.mins))
+    rows_major = cpu_quant.int4_mm(x, pack, True)
+    assert (got - rows_major).abs().max() <= 1e-5 * rows_major.abs().max()
+    back = cpu_quant.untile_int4(tiles)
+    for field in ("nibbles", "scales", "mins"):
+        assert torch.equal(getattr(back, field), getattr(pack, field)), field
+    torch.testing.assert_close(cpu_quant.unpack_int4(tiles, 5, 9), weight.dequantize()[5:9])
+
+
+def test_int4_tiles_refuse_the_avx2_path() -> None:
+    weight = quantize_int4(torch.randn(32, 64))
+    tiles = cpu_quant.tile_int4(QuantizedLinear.pack_for_gemv(weight))
+    with pytest.raises(ValueError, match="VNNI path only"):
+        cpu_quant.int4_mm(torch.randn(2, 64), tiles, False)
+
+
 def _int5(n: int, k: int, seed: int) -> tuple[torch.Tensor, cpu_quant.Int5Pack]:
     """A random 5-bit weight (Q5_1's form: f16 scale and minimum per 32 columns) and its pack;
     the float32 weight it stands for is computed here from the values, not unpacked."""
@@ -301,6 +334,16 @@ def test_the_ops_trace_into_one_compiled_graph(vnni: bool) -> None:
     ]
     for op, args in ops:
         torch.library.opcheck(op.default, (*args, vnni))
+    if vnni:  # the int4 layers of a bf16 engine hold tiles: their op too (a short last tile)
+        part = (weight4.values[:88], weight4.scales[:88], weight4.zeros[:88])
+        tiles = cpu_quant.tile_int4(cpu_quant.pack_int4(*part, weight4.group_size))
+        args = (x, tiles.nibbles, tiles.scales, tiles.mins, tiles.out_features)
+        torch.library.opcheck(torch.ops.pdserve.cpu_int4_tiled_mm.default, args)
+        compiled = torch.compile(
+            lambda x: cpu_quant.int4_mm(x, tiles, True), backend="aot_eager", fullgraph=True
+        )
+        torch.testing.assert_close(compiled(x), cpu_quant.int4_mm(x, tiles, True))
+        assert compiled(x).shape == (3, 88)
 
 
 @pytest.mark.skipif(not cpu_quant.cpu_has_avx512_vnni(), reason="no AVX512-VNNI on this CPU")
@@ -321,7 +364,7 @@ def test_a_bf16_vnni_layer_takes_the_kernel_at_every_row_count(
             layer = quantized_head(quantized, torch.bfloat16)
         else:
             layer = QuantizedLinear(quantized, scale_dtype=torch.bfloat16)
-        assert layer.vnni
+        assert layer.vnni and layer.tiled == (bits == 4)  # int4 held in tile order
         dense: list[int] = []
         monkeypatch.setattr(layer, "_dense", lambda x: dense.append(len(x)))
         weight = quantized.dequantize()
