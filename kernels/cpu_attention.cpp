@@ -89,8 +89,44 @@ inline __m512 exp16(__m512 x) {
 // The same three steps on 16 lanes (dim a multiple of 16).
 template <typename T>
 struct Avx512 {
+  // A block of up to 16 keys, one head at a time: each key's 16 lanes of products as below,
+  // then the 16 vectors summed together in _mm512_reduce_add_ps's own pairing (lanes 8 apart,
+  // then 4 within the half, then 2 and 1): the same bits as a reduce per key.
+  static void scores16(const float* q, const T* k, int64_t k_token, int64_t keys, int64_t G,
+                       int64_t D, float* s, int64_t s_stride) {
+    const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+    const __mmask16 live = static_cast<__mmask16>((1u << keys) - 1);
+    for (int64_t g = 0; g < G; ++g) {
+      const float* qg = q + g * D;
+      __m512 x[16];
+      for (int64_t t = 0; t < 16; ++t) {
+        if (t >= keys) {
+          x[t] = _mm512_setzero_ps();
+          continue;
+        }
+        const T* kt = k + t * k_token;
+        __m512 acc = _mm512_mul_ps(load16(qg), load16(kt));
+        for (int64_t d = 16; d < D; d += 16) acc = _mm512_fmadd_ps(load16(qg + d), load16(kt + d), acc);
+        x[t] = acc;
+      }
+      __m512 c[8], v[4], w[2];
+      for (int j = 0; j < 8; ++j)
+        c[j] = _mm512_add_ps(_mm512_shuffle_f32x4(x[2 * j], x[2 * j + 1], 0x44),
+                             _mm512_shuffle_f32x4(x[2 * j], x[2 * j + 1], 0xEE));
+      for (int j = 0; j < 4; ++j)
+        v[j] = _mm512_add_ps(_mm512_shuffle_f32x4(c[2 * j], c[2 * j + 1], 0x88),
+                             _mm512_shuffle_f32x4(c[2 * j], c[2 * j + 1], 0xDD));
+      for (int j = 0; j < 2; ++j)
+        w[j] = _mm512_add_ps(_mm512_shuffle_ps(v[2 * j], v[2 * j + 1], 0x44),
+                             _mm512_shuffle_ps(v[2 * j], v[2 * j + 1], 0xEE));
+      const __m512 r = _mm512_add_ps(_mm512_shuffle_ps(w[0], w[1], 0x88),
+                                     _mm512_shuffle_ps(w[0], w[1], 0xDD));
+      _mm512_mask_storeu_ps(s + g * s_stride, live, _mm512_permutexvar_ps(order, r));
+    }
+  }
   static void scores(const float* q, const T* k, int64_t k_token, int64_t keys, int64_t G,
                      int64_t D, float* s, int64_t s_stride) {
+    if (keys <= 16) return scores16(q, k, k_token, keys, G, D, s, s_stride);
     for (int64_t t = 0; t < keys; ++t) {
       const T* kt = k + t * k_token;
       for (int64_t g = 0; g < G; ++g) {
