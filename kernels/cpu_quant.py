@@ -6,7 +6,9 @@ On a CPU without AMX, torch's packed kernels (`_weight_int8pack_mm`,
 1x576x1536 layer against 0.16 ms for float32 F.linear (docs/quantization.md, "AVX2 GEMV").
 The GEMV reads each weight row once for MAX_ROWS input rows at a time; rows of W are split
 across torch's threads. From 4 rows the VNNI path is a GEMM instead (kernels/cpu_quant_gemm.cpp):
-tiles of 16 weight rows unpacked once into vpdpbusd's layout, 16 outputs a vector. It has
+tiles of 16 weight rows unpacked once into vpdpbusd's layout, 16 outputs a vector; an int4
+weight a VNNI layer holds is kept in that tile order from load (`Int4Tiles`), and read so at
+every row count, 1-3 too (docs/quantization.md, "Int4 weights in tile order"). It has
 two paths, chosen per layer (`QuantizedLinear.vnni`, `uses_vnni`):
 - **AVX2** (`-mavx2 -mfma`): widens the integers to float32 in registers and sums with FMA.
 - **AVX512-VNNI**, where /proc/cpuinfo shows AVX512F/BW/VL/DQ and AVX512_VNNI: quantizes each

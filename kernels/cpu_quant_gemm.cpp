@@ -8,6 +8,9 @@
 // into vpdpbusd's layout (lane j holds row j's bytes at 4 columns: a 16x16 transpose of dwords)
 // and each activation row's 4 bytes are broadcast against it: a 32-column block is 8 vpdpbusd
 // into one vector whose lanes are 16 outputs, scaled once, and no lane is ever reduced.
+// Int4 weights of VNNI layers are held in that order from load (Int4Tiles: only the nibble
+// unpack is left, 3 ops for two weight vectors) and served at every row count by `int4_tiled`;
+// the row-major fill below serves int8, int5 and row-major int4 (AVX2 layers' packs, tests).
 
 namespace {
 
@@ -229,7 +232,7 @@ void gemm(const Q8Rows& xq, int64_t M, int64_t N, float* y, const float* row_sca
 
 // Up to this many rows each pass over a tiled int4 weight unpacks its nibbles in registers (an
 // and, a shift and an and per weight vector); past it a tile is unpacked once into a Tile for
-// all the passes. Measured: in place 1.2-1.6x at 6-16 rows, unpacked once 1.06-1.09x at 64
+// all the passes. Measured: in place 1.0-1.6x at 6-16 rows, unpacked once 1.01-1.09x at 64
 // (docs/quantization.md, "Int4 weights in tile order").
 constexpr int64_t IN_PLACE_ROWS = 16;
 
