@@ -16,21 +16,23 @@ from pdserve.common.spec.proposer import Proposer, create_proposer
 PROBE_AFTER_STEPS = 16
 # What a verify step costs beyond a one-row decode step, as shares of that step (`StepCost`): a
 # fixed part (mostly the several-query attention path) and one per row (the matmuls and the
-# head). SmolLM2's Q4_1 GGUF in bf16, one thread, eager, after the VNNI GEMM from 4 rows
-# (846a41c): a step of 2 to 8 rows, widths interleaved step by step, costs 1.3-1.5, 1.4-1.8,
-# 1.8-2.0, 1.8-2.2, 2.0-2.4, 2.1-2.5 and 2.1-2.5 one-row steps; a line through them: v 0.21-0.44,
-# r 0.12-0.19 over nine fits, means 0.34 and 0.15 (v 0.33: the first six fits' mean, which
-# docs/benchmarks.md's comparison ran; docs/speculative.md, "Step costs").
-VERIFY_COST = 0.33
-ROW_COST = 0.15
+# head). SmolLM2's Q4_1 GGUF in bf16, one thread, eager, with int4 held in the GEMM's tile order
+# (78bf672: its 2-8-row calls 1.75-2.6x faster): a step of 2 to 8 rows, widths interleaved step
+# by step, costs 1.25-1.30, 1.27-1.44, 1.42-1.51, 1.51-1.63, 1.66-1.75, 1.72-1.94 and 1.79-1.86
+# one-row steps (medians, three runs); a line through them: v 0.03-0.31, r 0.09-0.12 over nine
+# fits (least, 20th percentile, median), means 0.16 and 0.11 (scripts/spec_step_cost.py;
+# docs/speculative.md, "Step costs"). Before the tiled kernel: 0.33 and 0.15.
+VERIFY_COST = 0.16
+ROW_COST = 0.11
 # The same against a compiled plain step (the CPU's default decode), where verify steps run
 # the compiled bucket that holds their rows (1 + k, padded up to 2, 4 or 8): one verify step of
 # k = 1..7 drafts, in compiled one-row steps. Its shape is the buckets', not a line: 2 rows cost
-# little more than one, 3 pad to 4 and pay the GEMM's 4-row tile, 5-8 all run bucket 8.
-# SmolLM2's Q4_1 GGUF in bf16, one thread, widths interleaved step by step, each bucket's
-# median ratio in three runs (1.22-1.40, 1.85-2.28, 2.21-2.65: the load moves them;
-# scripts/spec_step_cost.py; docs/speculative.md, "Step costs").
-COMPILED_STEP_COSTS = (1.26, 2.15, 2.15, 2.54, 2.54, 2.54, 2.54)
+# little more than one, 3 pad to 4, 5-8 all run bucket 8. SmolLM2's Q4_1 GGUF in bf16, one
+# thread, widths interleaved step by step, three runs after the tiled int4 GEMM: each bucket's
+# median over the runs' median ratios of its rows (bucket 2 1.30-1.41, bucket 4 1.59-1.72,
+# bucket 8 1.99-2.27; before it 1.26, 2.15 and 2.54; scripts/spec_step_cost.py;
+# docs/speculative.md, "Step costs").
+COMPILED_STEP_COSTS = (1.34, 1.67, 1.67, 2.12, 2.12, 2.12, 2.12)
 # How much of a request's acceptance estimate one verify step replaces.
 DECAY = 0.8
 

@@ -225,18 +225,19 @@ def test_step_cost_is_a_verify_steps_parts_in_one_row_steps() -> None:
 
 def test_compiled_step_costs_are_the_buckets_measured() -> None:
     """Where verify steps run compiled, k is chosen against the compiled buckets' measured
-    costs, whose shape no line has: one draft (bucket 2) nearly free, two or three (bucket 4)
-    the price of three, four to seven (bucket 8) one price."""
+    costs, whose shape no line has: one draft (bucket 2) a third of a step, two or three
+    (bucket 4) one price, four to seven (bucket 8) one price."""
     compiled, eager = step_cost(True), step_cost(False)
     assert eager == StepCost()
     assert [compiled.relative(k) for k in range(8)] == [1.0, *COMPILED_STEP_COSTS]
     assert compiled.relative(9) == pytest.approx(COMPILED_STEP_COSTS[-1] + 2 * ROW_COST)
-    assert best_k(0.5, compiled, 5) == 1  # 1.5 tokens for 1.26 steps; eager's line: 2
-    assert best_k(0.5, eager, 5) == 2
-    assert best_k(0.7, compiled, 5) == 1  # k = 5's 2.94 tokens for 2.54 pay less
-    assert best_k(0.8, compiled, 5) == 5  # 3.69 / 2.54 beats 1.8 / 1.26
-    assert best_k(0.8, compiled, 3) == 1  # k = 3 pays bucket 4 for 2.95: not enough
-    assert best_k(0.9, compiled, 3) == 3  # 3.44 / 2.15 beats 1.9 / 1.26
+    assert best_k(0.3, compiled, 5) == 0  # 1.3 tokens for 1.34 steps; eager's line: 1
+    assert best_k(0.3, eager, 5) == 1
+    assert best_k(0.45, compiled, 5) == 1  # 1.45 / 1.34 beats k = 3's 1.74 / 1.67
+    assert best_k(0.7, compiled, 5) == 3  # 2.53 / 1.67 beats 1.7 / 1.34 and k = 5's 2.94 / 2.12
+    assert best_k(0.8, compiled, 5) == 3  # 2.95 / 1.67 beats 3.69 / 2.12
+    assert best_k(0.9, compiled, 5) == 5  # 4.69 / 2.12 beats 3.44 / 1.67
+    assert best_k(0.9, compiled, 2) == 2  # 2.71 / 1.67 beats 1.9 / 1.34
 
 
 def test_adaptive_k_follows_acceptance_then_sits_out_and_probes() -> None:
