@@ -10,8 +10,8 @@ from dataclasses import dataclass, field
 from pdserve.common.node.cli import add_options, options_of
 from pdserve.common.options import option
 from pdserve.common.tracing import TracingConfig
-from pdserve.router.cluster.policies import PLACEMENTS, POLICIES, PlacementConfig
 from pdserve.router.cluster.registry import TierCredit
+from pdserve.router.cluster.routing import PLACEMENTS, POLICIES, PlacementConfig
 from pdserve.router.tools import PARSERS
 
 API, CLUSTER, LIMITS, SECURITY = "HTTP API", "cluster", "limits and admission", "security"

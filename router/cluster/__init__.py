@@ -7,11 +7,11 @@ destination; the prefill node streams the first token here and hands the KV to t
 node, which streams the rest.
 
 Modules, from the bottom up: registry (NodeInfo, which nodes are alive), streams (one
-request's state and RequestTable, the owner of where every request runs), policies (local or
-remote prefill, and orderings of candidate nodes), control (the ROUTER socket),
-registration (nodes joining), routing (putting a request on nodes, again after a failover),
-backend (ClusterBackend: the wiring of messages, leases and streams); beside them timing (one
-request's time to first token by stage, which the router's GenerateRequest carries down and the
-cluster fills in). The package imports none of them itself: `router.backend` imports timing
-from here, and `cluster.backend` imports `router.backend`.
+request's state and RequestTable, the owner of where every request runs), control (the
+ROUTER socket), registration (nodes joining), routing (where a request goes: the policies'
+orderings of candidate nodes and local or remote prefill; and putting it there, again after a
+failover), backend (ClusterBackend: the wiring of messages, leases and streams); beside them
+timing (one request's time to first token by stage, which the router's GenerateRequest carries
+down and the cluster fills in). The package imports none of them itself: `router.backend`
+imports timing from here, and `cluster.backend` imports `router.backend`.
 """

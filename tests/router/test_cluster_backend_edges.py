@@ -36,7 +36,7 @@ from pdserve.common.wire.payloads import SamplingParams
 from pdserve.local_cluster import free_port
 from pdserve.router.backend import GenerateRequest
 from pdserve.router.cluster.backend import ClusterBackend
-from pdserve.router.cluster.policies import POLICIES, PlacementConfig
+from pdserve.router.cluster.routing import POLICIES, PlacementConfig
 from pdserve.router.cluster.streams import BlockHashes
 from tests.router.test_failover import (
     BS,

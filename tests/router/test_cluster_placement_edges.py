@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from pdserve.router.cluster.policies import PlacementConfig, estimate
 from pdserve.router.cluster.registry import NodeInfo, NodeRegistry
+from pdserve.router.cluster.routing import PlacementConfig, estimate
 from pdserve.router.cluster.streams import BlockHashes
 from tests.router.test_failover import BS, FakeNodes
 from tests.router.test_registry import FakeClock

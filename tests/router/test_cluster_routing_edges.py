@@ -27,8 +27,8 @@ from pdserve.common.wire.messages import (
 from pdserve.common.wire.payloads import SamplingParams
 from pdserve.router.backend import GenerateRequest
 from pdserve.router.cluster.backend import ClusterBackend
-from pdserve.router.cluster.policies import PlacementConfig
 from pdserve.router.cluster.registry import NodeInfo
+from pdserve.router.cluster.routing import PlacementConfig
 from pdserve.router.cluster.streams import BlockHashes
 from tests.router.test_failover import (
     BS,

@@ -15,7 +15,7 @@ from pdserve.common.node.cli import flag_of
 from pdserve.common.tracing import TracingConfig
 from pdserve.router.__main__ import build_parser as router_parser
 from pdserve.router.__main__ import parse_args
-from pdserve.router.cluster.policies import PlacementConfig
+from pdserve.router.cluster.routing import PlacementConfig
 from pdserve.router.config import RouterConfig, RouterLimits
 from pdserve.serve import SERVE_OMITS, cluster_from_args
 from pdserve.serve import build_parser as serve_parser

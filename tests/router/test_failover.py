@@ -33,7 +33,7 @@ from pdserve.common.wire.messages import (
 from pdserve.common.wire.payloads import SamplingParams
 from pdserve.router.backend import GenerateRequest
 from pdserve.router.cluster.backend import ClusterBackend
-from pdserve.router.cluster.policies import PlacementConfig
+from pdserve.router.cluster.routing import PlacementConfig
 from pdserve.router.config import RouterConfig
 from pdserve.router.generation import Choice, ChoiceDelta, StopStringMatcher
 from tests.router.test_registry import FakeClock

@@ -11,8 +11,8 @@ import pytest
 from pdserve.common.engine.kv_cache_manager import hash_token_blocks
 from pdserve.common.wire.messages import Heartbeat, RegisterNode
 from pdserve.common.wire.payloads import TierCounts
-from pdserve.router.cluster.policies import PlacementConfig, estimate, missing_tokens, prefix_aware
 from pdserve.router.cluster.registry import NodeRegistry, TierCredit
+from pdserve.router.cluster.routing import PlacementConfig, estimate, missing_tokens, prefix_aware
 from pdserve.router.cluster.streams import BlockHashes
 
 BS = 16

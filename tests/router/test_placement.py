@@ -12,9 +12,14 @@ from pdserve.common.engine.kv_cache_manager import hash_token_blocks
 from pdserve.common.wire.messages import Heartbeat, Prefill, Reserved, ReserveKV
 from pdserve.common.wire.payloads import SamplingParams
 from pdserve.router.backend import GenerateRequest
-from pdserve.router.cluster.policies import POLICIES, PlacementConfig, estimate, missing_tokens
 from pdserve.router.cluster.registry import NodeInfo, NodeRegistry
-from pdserve.router.cluster.routing import Routing
+from pdserve.router.cluster.routing import (
+    POLICIES,
+    PlacementConfig,
+    Routing,
+    estimate,
+    missing_tokens,
+)
 from pdserve.router.cluster.streams import BlockHashes, RequestTable, Stream
 
 BS = 16

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import time
 
-from pdserve.router.cluster.policies import POLICIES
 from pdserve.router.cluster.registry import NodeInfo
+from pdserve.router.cluster.routing import POLICIES
 from pdserve.router.cluster.streams import BlockHashes
 
 REQ = BlockHashes([1, 2])
