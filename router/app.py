@@ -10,8 +10,8 @@ response. Whatever ends a request early (client gone, error, cancellation) abort
 unfinished backend requests and releases its admission. Every error, whatever its cause, is
 answered in vLLM's envelope {"error": {"message", "type", "param", "code"}}.
 
-Modules, from the bottom up: errors, metrics (router/cluster/timing.py); middleware,
-admission, tokenization; generation; dialects; streaming; handlers; app.
+Modules, from the bottom up: errors, metrics (router/cluster/timing.py); middleware (and
+admission); generation (and tokenization); dialects; handlers (and streaming); app.
 """
 
 from __future__ import annotations

@@ -34,6 +34,7 @@ from pdserve.router.generation import (
     Generation,
     IncrementalDetokenizer,
     StopStringMatcher,
+    Tokenization,
     aclose,
 )
 from pdserve.router.middleware import Admission, Entered
@@ -49,7 +50,6 @@ from pdserve.router.openai_protocol import (
     TokenizeRequest,
     TokenizeResponse,
 )
-from pdserve.router.tokenization import Tokenization
 from pdserve.router.tools import ToolMode, messages_for_default
 
 if TYPE_CHECKING:
