@@ -6,7 +6,7 @@ medians of alternating steps, and how far the logits differ (docs/benchmarks.md)
         [--dtype float32|bfloat16]
 
 The buckets given are compiled into CACHE_ROOT first when it lacks them (minutes each, cold).
-Eager is what an eager CPU engine runs (its float32 LM head on kernels/cpu_linear.py); the
+Eager is what an eager CPU engine runs (its float32 LM head on kernels/ops.py); the
 package is exported without that head, as a compiled engine's is.
 """
 

@@ -19,7 +19,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from pdserve.kernels.cpu_linear import PackedLinear, chunked_linear
+from pdserve.kernels.ops import PackedLinear, chunked_linear
 
 # SmolLM2-135M: (out, in) of q/o, k/v, gate/up, down and the tied head.
 SHAPES = {

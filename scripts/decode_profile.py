@@ -26,7 +26,7 @@ from pdserve import LLM, SamplingParams
 from pdserve.common.engine import compiled_decode
 from pdserve.common.model import llama
 from pdserve.common.model.quant import QuantizedLinear
-from pdserve.kernels.cpu_linear import PackedLinear
+from pdserve.kernels.ops import PackedLinear
 
 # Parts of the forward (children of "forward"), and the step's other parts.
 _INSIDE = ("decoder matmuls", "attention", "rmsnorm", "rope")

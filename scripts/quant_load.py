@@ -22,7 +22,7 @@ import time
 import torch
 
 from pdserve import LLM, SamplingParams
-from pdserve.kernels.cpu_linear import packed_numel
+from pdserve.kernels.ops import packed_numel
 
 
 def _status(key: str) -> int:

@@ -209,7 +209,7 @@ class ModelRunner:
             else:
                 self.compiled.warm_up(self.model_caches, cache)
         if self.device.type == "cpu":
-            # The eager steps' kernels (kernels/cpu_linear.py); a compiling runner's packages
+            # The eager steps' kernels (kernels/ops.py's CPU linears); a compiling runner's packages
             # were traced over the plain model and bind its weights by name: they stay.
             self.model.use_cpu_head(keep_plain=self.compiled is not None)
 

@@ -22,7 +22,7 @@ from pdserve.common.model.config import ModelArchConfig
 from pdserve.common.model.dtype import cpu_bf16_flag
 from pdserve.common.model.parallel import TPGroup, TPShard
 from pdserve.common.model.quant import QuantizedEmbedding, QuantizedLinear, release_freed_heap
-from pdserve.kernels.cpu_linear import PackedLinear, chunked_linear, cpu_linear_enabled, packs
+from pdserve.kernels.ops import PackedLinear, chunked_linear, cpu_linear_enabled, packs
 
 
 class RMSNorm(nn.Module):
@@ -403,7 +403,7 @@ class LlamaFamilyForCausalLM(nn.Module):
 
     @torch.no_grad()
     def use_cpu_head(self, keep_plain: bool = False) -> str:
-        """Give the CPU's eager steps faster linears (kernels/cpu_linear.py). A float32 head: an
+        """Give the CPU's eager steps faster linears (kernels/ops.py). A float32 head: an
         untied one reordered into oneDNN's layout in place of the plain weight, a tied one
         (whose rows the embedding reads) chunked. bf16 on a CPU with native bf16 (AMX or
         AVX512-BF16): the decoder's float linears and the head packed, a tied head as a

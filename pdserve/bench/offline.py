@@ -24,7 +24,7 @@ from pdserve.common.engine.llm import LLM, SamplingParams
 from pdserve.common.model.config import ModelArchConfig
 from pdserve.common.node.cli import parser
 from pdserve.common.wire.payloads import StructuredOutputsParams
-from pdserve.kernels.cpu_linear import packed_numel
+from pdserve.kernels.ops import packed_numel
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 

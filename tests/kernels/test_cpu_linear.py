@@ -1,4 +1,4 @@
-"""The CPU LM-head kernels (kernels/cpu_linear.py) against F.linear over the row counts an
+"""The CPU LM-head kernels (kernels/ops.py) against F.linear over the row counts an
 engine runs, and how a model takes them (`use_cpu_head`): an untied head packed with no plain
 copy left, a tied one chunked with its embedding untouched, PDSERVE_CPU_LINEAR=off leaving it
 as it was."""
@@ -13,7 +13,7 @@ from torch import nn
 from pdserve.common.engine.llm import LLM
 from pdserve.common.model import llama
 from pdserve.common.model.weights import load_model
-from pdserve.kernels.cpu_linear import (
+from pdserve.kernels.ops import (
     CPU_LINEAR_ENV,
     HEAD_CHUNK,
     PackedLinear,

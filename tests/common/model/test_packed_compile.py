@@ -1,4 +1,4 @@
-"""oneDNN-packed linears (kernels/cpu_linear.py) in an engine that compiles its decode steps
+"""oneDNN-packed linears (kernels/ops.py) in an engine that compiles its decode steps
 (`--compile-mode background`, the CPU default): its eager steps run the packed weights as an
 eager engine's do, the plain ones stay under their names for the packages (traced over the plain
 model, bound by name at load), and a packed layer traces as nn.Linear over its plain weight."""
@@ -16,7 +16,7 @@ from pdserve.common.engine.background_compile import BackgroundCompile
 from pdserve.common.engine.llm import LLM
 from pdserve.common.model.dtype import cpu_bf16_flag
 from pdserve.common.model.weights import load_model
-from pdserve.kernels.cpu_linear import PackedLinear, cpu_linear_enabled, packs
+from pdserve.kernels.ops import PackedLinear, cpu_linear_enabled, packs
 from tests.common.model.test_background_compile import PROMPT, _dying_child
 from tests.common.model.test_compile import QWEN2_SLIDING
 from tests.common.test_llm_equivalence import GREEDY, PROMPTS

@@ -34,7 +34,7 @@ from pdserve.common.model.quant import (  # noqa: E402
 from pdserve.common.model.weights import linear_bits, load_model  # noqa: E402
 from pdserve.common.node.cli import add_engine_args, engine_configs  # noqa: E402
 from pdserve.kernels import cpu_quant  # noqa: E402
-from pdserve.kernels.cpu_linear import PackedLinear  # noqa: E402
+from pdserve.kernels.ops import PackedLinear  # noqa: E402
 from tests.common.model.test_gguf import write_llama_gguf  # noqa: E402
 
 LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
