@@ -90,7 +90,9 @@ class PoolTiers:
         # The store's run read ahead of the walk: each block's verified payload, or None for
         # the miss that ended the run (counted once, not asked again).
         self._ahead: dict[str, memoryview | None] = {}
-        self._read_bytes = 0  # what the load under way read from its tier (0: read ahead)
+        # Each tier's loads in the walk under way, [bytes, seconds]: the cost model learns a
+        # run's load as one (its round trip once, its blocks' copies each).
+        self._spent: dict[str, list[float]] = {}
         # Blocks evicted since the last fence, block id -> hash: their pages are copied out
         # at the next `fence`, all at once, not one gather per block inside the scheduler's
         # call (0.2-0.3 CPU ms a block, issue 40's trace).
@@ -148,6 +150,7 @@ class PoolTiers:
         given: the store is then read a run at a time), in order, up to its first miss: each
         tier is asked once whether to serve the run from the block it is first asked for to
         `end` (`kv_store.cost`)."""
+        self._observe_walk()  # a walk the manager ended before its last block
         self._walk_first, self._walk_end = first, end
         self._walk_hashes = list(hashes)
         self._decided.clear()
@@ -159,11 +162,12 @@ class PoolTiers:
         False on a miss, or when every tier holding it was chosen against (recomputed)."""
         self.fence()  # `block_id` was likely evicted just now; a walk's later block may be too
         start = time.perf_counter()
-        self._store_asked, self._at, self._read_bytes = False, at, self.block_bytes
+        self._store_asked, self._at = False, at
         found = self.chain.find(self.space.key(block_hash), self._worth_asking, self._read)
         if found.tier is None and self._store_asked:  # not there (any more), or unreadable
             self._shared_changed(block_hash, False)
         if found.payload is None or found.tier is None or found.payload.nbytes != self.block_bytes:
+            self._observe_walk()
             return False
         data = torch.frombuffer(bytearray(found.payload), dtype=torch.uint8)
         offset = 0
@@ -172,13 +176,21 @@ class PoolTiers:
             n = page.numel() * page.element_size()
             page.copy_(data[offset : offset + n].view(cache.dtype).view(page.shape))
             offset += n
-        # Not the tier's rate: a payload still in this process's write queue, or one read
-        # ahead (the call that read its run observed the run's bytes).
-        if not found.queued and self._read_bytes:
-            self.cost.observe(found.tier.name, self._read_bytes, time.perf_counter() - start)
+        if not found.queued:  # a payload still in this process's write queue: not the tier's
+            spent = self._spent.setdefault(found.tier.name, [0, 0.0])
+            spent[0] += self.block_bytes
+            spent[1] += time.perf_counter() - start
         self.walk.blocks[found.tier.name] = self.walk.blocks.get(found.tier.name, 0) + 1
         self.walk.bytes += self.block_bytes
+        if at + 1 >= self._walk_end:
+            self._observe_walk()
         return True
+
+    def _observe_walk(self) -> None:
+        """Each tier's loads of the walk under way, as one observation of the cost model."""
+        for name, (nbytes, seconds) in self._spent.items():
+            self.cost.observe(name, int(nbytes), seconds)
+        self._spent.clear()
 
     def _read(self, tier: KVTier, key: BlockKey) -> memoryview | None:
         """A store's block from the run read ahead, or the walk's run from it read in one
@@ -187,11 +199,9 @@ class PoolTiers:
         if tier is not self.store:
             return tier.get(key)
         if key.name in self._ahead:
-            self._read_bytes = 0
             return self._ahead.pop(key.name)
         keys = self._run(key)
         payloads = tier.get_run(keys)
-        self._read_bytes = sum(p.nbytes for p in payloads)
         self._ahead = {k.name: p for k, p in zip(keys[1:], payloads[1:])}
         if 0 < len(payloads) < len(keys):
             self._ahead[keys[len(payloads)].name] = None

@@ -200,10 +200,10 @@ class CacheConfig:
         metavar="URL",
     )
     kv_load_policy: str = option(
-        "always",
+        "cost",
         CACHE,
-        "a prefix hit in a KV tier: always load it, or load it only when the node's measured "
-        "rates say loading is faster than recomputing (cost; docs/kv_tiers.md)",
+        "a prefix hit in a KV tier: load it only when the node's measured costs say loading "
+        "is faster than recomputing (cost), or always (docs/kv_tiers.md)",
         choices=KV_LOAD_POLICIES,
     )
     gpu_memory_utilization: float = 0.85  # no flag (the `LLM` API sets it)

@@ -1,7 +1,7 @@
 """The KV tiers' series on a node's /metrics (docs/api.md, docs/kv_tiers.md): per tier (label
 `tier`: host, file, redis) hits, misses, bytes loaded and stored, load time, store errors,
-objects refused, the measured load rate and the blocks recomputed by choice; per node the
-prompt tokens loaded from a tier instead of recomputed.
+objects refused, the fitted load rate and latency, and the blocks recomputed by choice; per
+node the prompt tokens loaded from a tier instead of recomputed.
 
 The node loop publishes a `TierReport` with its gauges (`loop.EngineNode.publish_gauges`); the
 health thread's scrape reads the last one (a reference swap, as the gauges), never the engine.
@@ -37,6 +37,7 @@ PREFIX = "pdserve:kv_tier_"
 TOKENS_LOADED = "pdserve:kv_tier_loaded_tokens"
 RECOMPUTE_CHOSEN = "pdserve:kv_tier_recompute_chosen"
 LOAD_RATE = "pdserve:kv_tier_load_bytes_per_second"
+LOAD_LATENCY = "pdserve:kv_tier_load_latency_seconds"
 
 
 @dataclass(frozen=True, slots=True)
@@ -97,12 +98,16 @@ class TierCollector(Collector):
         chosen = CounterMetricFamily(
             RECOMPUTE_CHOSEN, "blocks recomputed because loading was judged slower", labels=names
         )
-        rate = GaugeMetricFamily(LOAD_RATE, "measured load rate (0: none yet)", labels=names)
+        rate = GaugeMetricFamily(LOAD_RATE, "fitted load rate (0: none yet)", labels=names)
+        text = "fitted fixed time of a load, whatever its bytes"
+        latency = GaugeMetricFamily(LOAD_LATENCY, text, labels=names)
         for r in report.rates:
             chosen.add_metric([*node, tier_label(r.tier)], r.recompute_chosen)
             rate.add_metric([*node, tier_label(r.tier)], r.bytes_per_s)
+            latency.add_metric([*node, tier_label(r.tier)], r.latency_s)
         yield chosen
         yield rate
+        yield latency
         text = "prompt tokens loaded from a KV tier instead of recomputed"
         tokens = CounterMetricFamily(TOKENS_LOADED, text, labels=list(self._labels))
         tokens.add_metric(node, report.tokens_loaded)

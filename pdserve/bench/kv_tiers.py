@@ -28,10 +28,11 @@ from typing import Any
 from pdserve.bench import report as rp
 from pdserve.bench.kv_tiers_oracle import belady_hit_rate
 from pdserve.bench.kv_tiers_workloads import WORKLOADS
+from pdserve.common.engine.config import CacheConfig
 from pdserve.common.engine.llm import LLM, SamplingParams
 from pdserve.common.model.config import ModelArchConfig
 from pdserve.common.node.cli import parser
-from pdserve.kv_store.cost import StepModel
+from pdserve.kv_store.cost import LoadModel, StepModel
 
 SECTION = "kv-tiers"
 SYSTEMS = ("none", "host", "file", "redis")
@@ -57,7 +58,7 @@ FLAGS = [
     ("--trace", str, None, "trace: a Mooncake-format .jsonl (default: the shipped excerpt)"),
     ("--trace-requests", int, 400, "trace: its first requests replayed"),
     ("--length-scale", float, 1 / 64, "trace: prompt and block lengths times this"),
-    ("--kv-load-policy", str, "always", "always or cost (docs/kv_tiers.md)"),
+    ("--kv-load-policy", str, CacheConfig().kv_load_policy, "cost or always (docs/kv_tiers.md)"),
     ("--seed", int, 0, "the workloads' random tokens"),
 ]
 
@@ -162,8 +163,8 @@ def finish(args: argparse.Namespace, system: str, llm: LLM, per: dict[str, list]
 
 def cost_model(llm: LLM) -> dict[str, Any]:
     """The load-or-recompute model's inputs at the end of the run: the engine's prefill rate
-    and fitted step model (`kv_store.cost.StepModel`), each tier's measured load rate and the
-    blocks it chose to recompute, one block's bytes."""
+    and fitted step model (`kv_store.cost.StepModel`), each tier's fitted load rate and
+    latency (`LoadModel`) and the blocks it chose to recompute, one block's bytes."""
     tiers = llm.engine.tiers
     rates = {r.tier.split(":")[0]: r for r in (tiers.cost.rates() if tiers is not None else ())}
     step = tiers.cost.prefill.model() if tiers is not None else None
@@ -172,6 +173,7 @@ def cost_model(llm: LLM) -> dict[str, Any]:
         "step_model": None if step is None else [step.fixed_s, step.token_s, step.pair_s],
         "block_bytes": tiers.block_bytes if tiers is not None else 0,
         "load_bytes_s": {name: r.bytes_per_s for name, r in rates.items()},
+        "load_latency_s": {name: r.latency_s for name, r in rates.items()},
         "recompute_chosen": {name: r.recompute_chosen for name, r in rates.items()},
     }
 
@@ -181,21 +183,23 @@ def model_error(record: dict, base: dict, block_size: int) -> float | None:
     TTFT it predicts minus the TTFT measured| as a fraction of recomputing (`base`'s TTFT of
     the request), where the prediction is `base`'s TTFT less the loaded tokens' recompute
     time (their marginal prefill cost at their positions: `StepModel.recompute_s`; a record
-    without a step model, the average prefill rate) plus their load time, by the rates and
-    fit the model held at the end; None without such a request or rates."""
+    without a step model, the average prefill rate) plus their load time (the slowest tier's
+    `LoadModel`; a record without latencies, its rate alone), by the fits the model held at
+    the end; None without such a request or rates."""
     model = record["model"]
-    rates = [r for r in model["load_bytes_s"].values() if r > 0]
+    latency = model.get("load_latency_s", {})
+    loads = [LoadModel(latency.get(t, 0.0), r) for t, r in model["load_bytes_s"].items() if r > 0]
     step = model.get("step_model")
-    if not rates or (step is None and model["prefill_tok_s"] <= 0):
+    if not loads or (step is None and model["prefill_tok_s"] <= 0):
         return None
-    per_token_load = model["block_bytes"] / block_size / min(rates)
     errors = []
     for i, loaded in enumerate(record["loaded"]):
         if loaded:
-            end = record["cached"][i]
+            end, nbytes = record["cached"][i], loaded // block_size * model["block_bytes"]
             recompute = (StepModel(*step).recompute_s(end - loaded, end) if step
                          else loaded / model["prefill_tok_s"])  # fmt: skip
-            predicted = base["ttft_s"][i] - recompute + loaded * per_token_load
+            load = max(m.load_s(nbytes) for m in loads)
+            predicted = base["ttft_s"][i] - recompute + load
             errors.append(abs(predicted - record["ttft_s"][i]) / base["ttft_s"][i])
     return statistics.mean(errors) if errors else None
 

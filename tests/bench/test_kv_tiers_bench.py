@@ -12,6 +12,7 @@ import pytest
 
 from pdserve.bench import kv_tiers
 from pdserve.bench.kv_tiers_workloads import TRACE, multiturn, prefix, trace
+from pdserve.common.engine.config import CacheConfig
 
 # Mooncake's format: 512-token blocks; ids 0 and 1 shared by the first two requests.
 LINES = """\
@@ -100,3 +101,19 @@ def test_goals_name_each_tier_row_met_or_missed() -> None:
         "prefix, host: worst tier-served request against recomputing": "missed",
         "prefix, host: prefix hit rate against Belady's": "met",  # 0.92 of it
     }
+
+
+def test_the_bench_runs_the_engines_default_load_policy_cost() -> None:
+    assert options().kv_load_policy == CacheConfig().kv_load_policy == "cost"
+
+
+def test_the_models_error_prices_a_load_by_its_latency_and_rate() -> None:
+    """A request recomputing 16 tokens in 0.16 s (0.01 s a token) loads their 2 blocks (2000
+    bytes) in 0.05 s + 2000 / 1e5 s instead: predicted 1.0 - 0.16 + 0.07 s."""
+    model = {"step_model": [0.0, 0.01, 0.0], "prefill_tok_s": 100.0, "block_bytes": 1000,
+             "load_bytes_s": {"redis": 1e5}, "load_latency_s": {"redis": 0.05}}  # fmt: skip
+    tiered = {"model": model, "loaded": [16, 0], "cached": [16, 0], "ttft_s": [0.91, 0.5]}
+    base = {"ttft_s": [1.0, 0.5]}
+    assert kv_tiers.model_error(tiered, base, block_size=8) == pytest.approx(0.0, abs=1e-9)
+    del model["load_latency_s"]  # a record from before the latency: its rate alone
+    assert kv_tiers.model_error(tiered, base, block_size=8) == pytest.approx(0.05)

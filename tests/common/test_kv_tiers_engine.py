@@ -88,14 +88,19 @@ def run(
     model_dir: str,
     between: Between = None,
     prepare: Callable[[LLM], None] | None = None,
+    kv_load_policy: str = "always",
     **tiers: object,
 ) -> tuple[list[Turn], LLM]:
+    """The workload on a fresh engine with `tiers`. The tests count loads, and on this tiny
+    model recomputing a block is about as fast as reading it: they load every hit (`always`)
+    unless they test the cost policy, the default."""
     llm = LLM(
         model_dir,
         num_blocks=NUM_BLOCKS,
         block_size=BLOCK,
         dtype="float32",
         skip_tokenizer_init=True,
+        kv_load_policy=kv_load_policy,
         **tiers,
     )
     if prepare is not None:

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from pdserve.kv_store import HostTier, TierChain
-from pdserve.kv_store.cost import LoadCost, PrefillCost, StepModel, TierRate
+from pdserve.kv_store.cost import LoadCost, LoadFit, LoadModel, PrefillCost, StepModel, TierRate
 from pdserve.kv_store.pool_tiers import PoolTiers
 from tests.kv_store.helpers import SPACE
 
@@ -105,14 +105,24 @@ def test_the_faster_way_wins(load_bytes_per_s: float, start: int, end: int, load
     assert cost.rates() == (TierRate("store", pytest.approx(load_bytes_per_s), 2 * (not load)),)
 
 
-def test_a_slow_tier_is_probed_again_and_can_recover() -> None:
-    cost = cost_with(1000.0, probe_every=4)  # 1 s a run against 16 ms
-    decisions = [cost.worth_loading("store", 0, 16, 1000, 1) for _ in range(8)]
+def test_a_slow_tier_is_probed_only_where_the_loss_is_within_the_models_error() -> None:
+    """A tier found slower is loaded anyway every `probe_every` runs to measure it again, but
+    only on a run it is predicted to lose by at most `probe_loss` of recomputing it."""
+    recompute_s = TRUE.recompute_s(0, 16)
+    near = cost_with(1000 / (1.05 * recompute_s), probe_every=4)  # 5% slower than recomputing
+    decisions = [near.worth_loading("store", 0, 16, 1000, 1) for _ in range(8)]
     assert decisions == [False, False, False, True] * 2, "every 4th run is a probe"
+    far = cost_with(1000 / (1.5 * recompute_s), probe_every=4)  # 50% slower: never probed
+    assert not any(far.worth_loading("store", 0, 16, 1000, 1) for _ in range(12))
+    assert far.worth_loading("store", 4000, 4016, 1000, 1), "a late run is worth loading"
+    for _ in range(3):  # then a probe-due tier waits for a run it would lose little on
+        assert not far.worth_loading("store", 0, 16, 1000, 1)
+    assert not far.worth_loading("store", 0, 16, 1000, 1), "due, but 50% slower: no probe"
+    assert far.worth_loading("store", 2000, 2016, 1000, 1), "due, and within 10%: probed"
     for _ in range(40):  # the probes find the store fast again
-        cost.observe("store", 1000, 1e-5)
-    assert cost.worth_loading("store", 0, 16, 1000, 1)
-    assert cost.rates()[0].recompute_chosen == 6
+        near.observe("store", 1000, 1e-5)
+    assert near.worth_loading("store", 0, 16, 1000, 1)
+    assert near.rates()[0].recompute_chosen == 6
 
 
 def test_always_loads_but_still_measures() -> None:
@@ -121,18 +131,63 @@ def test_always_loads_but_still_measures() -> None:
     assert cost.rates() == (TierRate("store", 1000.0, 0),)
 
 
-def test_rates_move_by_a_moving_average() -> None:
-    cost = LoadCost(PrefillCost(), weight=0.5)
-    cost.observe("host", 100, 1.0)
-    cost.observe("host", 300, 1.0)
-    assert cost.rates()[0].bytes_per_s == 200.0
+FIXED = LoadModel(latency_s=0.008, bytes_per_s=50e6)  # a store's round trip and rate, made up
+SMOL_BLOCK = 184_320  # a SmolLM2 block of 8 tokens in bf16
+
+
+def fed(model: LoadModel = FIXED, loads: int = 30, seed: int = 0) -> LoadFit:
+    """A LoadFit fed `loads` runs of 1-32 blocks timed exactly by `model`."""
+    rng, fit = random.Random(seed), LoadFit()
+    for _ in range(loads):
+        nbytes = rng.randrange(1, 33) * SMOL_BLOCK
+        fit.observe(nbytes, model.load_s(nbytes))
+    return fit
+
+
+def test_the_load_fit_recovers_a_latency_and_a_rate() -> None:
+    got = fed().model
+    assert got is not None
+    assert got.latency_s == pytest.approx(FIXED.latency_s, rel=1e-6)
+    assert got.bytes_per_s == pytest.approx(FIXED.bytes_per_s, rel=1e-6)
+    few = fed(loads=3).model
+    assert few is not None and few.latency_s == 0.0, "too few loads: an average rate"
+
+
+def test_loads_of_one_size_fit_a_rate_and_no_coefficient_goes_negative() -> None:
+    fit = LoadFit()
+    for _ in range(10):
+        fit.observe(1000, 0.002)
+    assert fit.model == LoadModel(0.0, pytest.approx(500e3)), "a latency cannot be told apart"
+    shrinking = LoadFit(min_loads=2)  # time falling with size: the rate term leaves the fit
+    for nbytes, seconds in [(1000, 0.003), (9000, 0.002), (5000, 0.0025)]:
+        shrinking.observe(nbytes, seconds)
+    assert shrinking.model is not None
+    assert shrinking.model.bytes_per_s == float("inf") and shrinking.model.latency_s > 0
+
+
+def test_a_run_whose_fixed_cost_exceeds_its_saving_is_recomputed() -> None:
+    """Priced by bytes alone, a one-block run looks nearly free; its round trip makes it
+    slower than recomputing its tokens, while a long run pays the round trip once and is
+    loaded."""
+    cost = LoadCost(fitted(), fit=fed)
+    cost.observe("store", SMOL_BLOCK, FIXED.load_s(SMOL_BLOCK))
+    tiny = cost.estimate("store", 0, 8, SMOL_BLOCK)
+    assert tiny is not None and tiny[0] > tiny[1] > SMOL_BLOCK / FIXED.bytes_per_s
+    assert not cost.worth_loading("store", 0, 8, SMOL_BLOCK, 1)
+    assert cost.worth_loading("store", 0, 256, 32 * SMOL_BLOCK, 32)
+    (rate,) = cost.rates()
+    assert rate.latency_s == pytest.approx(FIXED.latency_s, rel=1e-6)
+    assert rate.bytes_per_s == pytest.approx(FIXED.bytes_per_s, rel=1e-6)
+    assert rate.recompute_chosen == 1
 
 
 def test_bad_options_are_refused() -> None:
     with pytest.raises(ValueError, match="policy"):
         LoadCost(PrefillCost(), policy="sometimes")
     with pytest.raises(ValueError):
-        LoadCost(PrefillCost(), weight=0.0)
+        LoadCost(PrefillCost(), probe_loss=-0.1)
+    with pytest.raises(ValueError, match="decay"):
+        LoadFit(decay=1.5)
     with pytest.raises(ValueError, match="decay"):
         PrefillCost(decay=0.0)
 
@@ -178,3 +233,33 @@ def test_the_pool_decides_once_per_run_and_loads_it_whole_or_not_at_all() -> Non
     assert all(torch.equal(cache[:, 4 + i], cache[:, 1 + i]) for i in range(3))
     assert host.stats().hits == 3
     assert tiers.cost.rates()[0].bytes_per_s > BLOCK_BYTES / 8e-3, "the real loads, measured"
+
+
+class Recorded(LoadFit):
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: list[int] = []
+
+    def observe(self, nbytes: int, seconds: float) -> None:
+        assert seconds > 0
+        self.seen.append(nbytes)
+        super().observe(nbytes, seconds)
+
+
+def test_a_walk_is_one_load_of_its_run_for_the_cost_model() -> None:
+    """The fixed cost of a load is paid once a run: each walk's loads from a tier are one
+    observation of its bytes, whether the walk ends at its last block, at a miss, or early."""
+    fits: list[Recorded] = []
+
+    def new_fit() -> Recorded:
+        fits.append(Recorded())
+        return fits[-1]
+
+    tiers, _, cache = pool(LoadCost(PrefillCost(), "always", fit=new_fit))
+    hashes = fill(tiers, cache, 3)
+    assert walk(tiers, hashes, first=0, into=4) == 3
+    assert walk(tiers, [hashes[0], b"gone", hashes[2]], first=0, into=4) == 1
+    tiers.begin_walk(0, 3)  # the manager stops after one block (no free block left)
+    assert tiers.load(hashes[0], 4, 0)
+    tiers.begin_walk(0, 1)
+    assert [f.seen for f in fits] == [[3 * BLOCK_BYTES, BLOCK_BYTES, BLOCK_BYTES]]

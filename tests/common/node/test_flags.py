@@ -57,7 +57,7 @@ ENGINE_VALUES = {
     "kv_cache_bytes": 4096,
     "kv_offload_bytes": 8192,
     "kv_store": "file:///tmp/kv",
-    "kv_load_policy": "cost",
+    "kv_load_policy": "always",
     "max_num_batched_tokens": 100,
     "max_num_seqs": 3,
     "max_model_len": 50,

@@ -40,7 +40,7 @@ def test_published_tier_counters_reach_the_scrape() -> None:
         assert not [k for k in before if k[1]], "no tier series before a tier reports"
         host = TierStats("host", hits=3, misses=1, bytes_read=300, load_seconds=0.5)
         store = TierStats("redis://127.0.0.1:1/0", misses=4, errors=2, bad_objects=1)
-        rates = (TierRate("host", 600.0, 0), TierRate("redis://127.0.0.1:1/0", 0.0, 5))
+        rates = (TierRate("host", 600.0, 0, 0.004), TierRate("redis://127.0.0.1:1/0", 0.0, 5))
         metrics.tiers.publish(TierReport((host, store), rates, tokens_loaded=48))
         after = scrape(server.port)
     finally:
@@ -51,6 +51,7 @@ def test_published_tier_counters_reach_the_scrape() -> None:
     assert after[("pdserve:kv_tier_loaded_bytes_total", "host")] == 300
     assert after[("pdserve:kv_tier_load_seconds_total", "host")] == 0.5
     assert after[("pdserve:kv_tier_load_bytes_per_second", "host")] == 600
+    assert after[("pdserve:kv_tier_load_latency_seconds", "host")] == 0.004
     assert after[("pdserve:kv_tier_misses_total", "redis")] == 4
     assert after[("pdserve:kv_tier_errors_total", "redis")] == 2
     assert after[("pdserve:kv_tier_bad_objects_total", "redis")] == 1
