@@ -15,9 +15,10 @@ heads that share a KV head are G query rows over the same keys, so K/V are never
 
 Decode rows (one query each) go to `cpu_attention.paged_decode` instead where it serves the
 dtypes: one C++ call a layer for all of them, reading each row's blocks in place with an online
-softmax (no gather, no flash call per group). So do the queries of a prefill chunk whose
-sequence has at most IN_PLACE_KEYS keys, each query a row of its own length (its position + 1);
-longer prefill chunks keep the flash path above.
+softmax (no gather, no flash call per group). So do a verify step's rows (a sequence of up to
+ROW_QUERIES queries, one kernel row, causal among them) at any length, and the queries of a
+prefill chunk whose sequence has at most IN_PLACE_KEYS keys, each query a row of its own length
+(its position + 1); longer prefill chunks keep the flash path above.
 
 What a step's metadata implies (groups, gather indices, masks, buffers, the decode rows) is a
 `StepPlan`, made by the first layer and cached on the metadata's `seq_lens` tensor, which every
@@ -44,6 +45,9 @@ MIN_CHUNK_KEYS = 1024
 # (docs/quantization.md, "Where 16 requests' time goes"): 32 keys 84 against 172 us, 96
 # 416/577, 160 1212/1488, 224 2714/2903, 288 5526/4195.
 IN_PLACE_KEYS = 192
+# A sequence with at most this many queries (a verify step's 1 + k, a decode row) goes to the
+# in-place kernel whatever its length, its queries one kernel row that reads its blocks once.
+ROW_QUERIES = 8
 _NEG = -1e30  # the log-sum-exp of a query that sees no key in a chunk: merges to weight 0
 _flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 
@@ -145,13 +149,15 @@ class Group:
 
 @dataclass(frozen=True, slots=True)
 class DecodeRows:
-    """The step's query rows for the in-place kernel (decode rows, short prefill chunks'
-    queries): their rows of the flat query (None: every row of the step, in order) with their
-    block tables [R, W] and lengths [R] (a row's position + 1), int32."""
+    """The step's query rows for the in-place kernel (decode and verify sequences, short prefill
+    chunks' queries): their rows of the flat query (None: every row of the step, in order) with
+    the kernel rows' block tables [R, W], lengths [R] (a row's last position + 1) and queries
+    [R] (None: one each), int32."""
 
     tokens: torch.Tensor | None
     block_tables: torch.Tensor
     seq_lens: torch.Tensor
+    queries: torch.Tensor | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -282,17 +288,28 @@ def make_plan(
 
 
 def kernel_takes(q_len: int, seq_len: int) -> bool:
-    """Whether a sequence's queries go to the in-place kernel: a decode row, or a prefill chunk
-    of a sequence with at most IN_PLACE_KEYS keys."""
-    return q_len == 1 or seq_len <= IN_PLACE_KEYS
+    """Whether a sequence's queries go to the in-place kernel: at most ROW_QUERIES of them (a
+    decode row, a verify step's), or a prefill chunk of a sequence with at most IN_PLACE_KEYS
+    keys."""
+    return q_len <= ROW_QUERIES or seq_len <= IN_PLACE_KEYS
+
+
+def _kernel_rows(q_len: int, seq_len: int) -> list[tuple[int, int]]:
+    """A taken sequence's kernel rows as (queries, length): one row of all its queries where
+    they are few, else a row per query of its own length (a causal square row by row does a
+    half of the work one row of them all would); none for a sequence without queries."""
+    if 1 <= q_len <= ROW_QUERIES:
+        return [(q_len, seq_len)]
+    return [(1, seq_len - q_len + i + 1) for i in range(q_len)]
 
 
 def decode_rows(
     block_tables: torch.Tensor, query_start_loc: torch.Tensor, seq_lens: torch.Tensor
 ) -> DecodeRows | None:
-    """The query rows the in-place kernel takes this step (`kernel_takes`), or None: a decode row
-    as it is, a short prefill chunk's queries each with its sequence's block table and its own
-    length. A step of decodes only passes its tensors as they are."""
+    """The query rows the in-place kernel takes this step (`kernel_takes`), or None: a decode or
+    verify sequence one row of its queries, a short prefill chunk's queries each a row with its
+    sequence's block table and its own length. A step of decodes only passes its tensors as
+    they are."""
     starts, lens = query_start_loc.tolist(), seq_lens.tolist()
     q_lens = [starts[b + 1] - starts[b] for b in range(len(lens))]
     seqs = [b for b, q in enumerate(q_lens) if kernel_takes(q, lens[b])]
@@ -301,15 +318,16 @@ def decode_rows(
     tables = block_tables.int().contiguous()
     if len(seqs) == len(lens) and all(q == 1 for q in q_lens):
         return DecodeRows(None, tables, seq_lens.int().contiguous())
-    owner = [b for b in seqs for _ in range(q_lens[b])]
-    row_lens = [lens[b] - q_lens[b] + i + 1 for b in seqs for i in range(q_lens[b])]
+    rows = [(b, *row) for b in seqs for row in _kernel_rows(q_lens[b], lens[b])]
     tokens = (
         None if len(seqs) == len(lens) else [starts[b] + i for b in seqs for i in range(q_lens[b])]
     )
+    queries = [n for _, n, _ in rows]
     return DecodeRows(
         None if tokens is None else torch.tensor(tokens),
-        tables.index_select(0, torch.tensor(owner)),
-        torch.tensor(row_lens, dtype=torch.int32),
+        tables.index_select(0, torch.tensor([b for b, _, _ in rows], dtype=torch.long)),
+        torch.tensor([n for _, _, n in rows], dtype=torch.int32),
+        None if all(n == 1 for n in queries) else torch.tensor(queries, dtype=torch.int32),
     )
 
 
@@ -467,5 +485,5 @@ def _attend_decode(
     rows, window = plan.decode, plan.key[1]
     q = query if rows.tokens is None else query.index_select(0, rows.tokens)
     return cpu_attention.paged_decode(
-        q, k_cache, v_cache, rows.block_tables, rows.seq_lens, scale, window
+        q, k_cache, v_cache, rows.block_tables, rows.seq_lens, scale, window, None, rows.queries
     )

@@ -19,9 +19,9 @@ struct Layout {
   int64_t k_block, k_token, k_head, v_block, v_token, v_head;
 };
 
-// The keys [lo, hi) a decode query at position len - 1 sees: all, or its last `window`.
-inline int64_t first_key(int64_t len, int64_t window) {
-  return window > 0 ? std::max<int64_t>(0, len - window) : 0;
+// The keys [lo, hi) a query at position hi - 1 sees: all before it, or its last `window`.
+inline int64_t first_key(int64_t hi, int64_t window) {
+  return window > 0 ? std::max<int64_t>(0, hi - window) : 0;
 }
 
 inline float to_float(float x) { return x; }
@@ -162,11 +162,15 @@ struct Avx512 {
   }
   static void accumulate(const float* p, const T* v, int64_t v_token, int64_t keys, int64_t G,
                          int64_t D, float* acc, int64_t p_stride) {
-    if (D == 64 && G >= 1 && G <= 4) {
-      if (G == 1) return accumulate64<1>(p, v, v_token, keys, acc, p_stride);
-      if (G == 2) return accumulate64<2>(p, v, v_token, keys, acc, p_stride);
-      if (G == 3) return accumulate64<3>(p, v, v_token, keys, acc, p_stride);
-      return accumulate64<4>(p, v, v_token, keys, acc, p_stride);
+    if (D == 64) {  // 4 heads at a time (a row of several queries has G of each), the rest after
+      int64_t g = 0;
+      for (; g + 4 <= G; g += 4)
+        accumulate64<4>(p + g * p_stride, v, v_token, keys, acc + g * 64, p_stride);
+      p += g * p_stride, acc += g * 64;
+      if (G - g == 1) return accumulate64<1>(p, v, v_token, keys, acc, p_stride);
+      if (G - g == 2) return accumulate64<2>(p, v, v_token, keys, acc, p_stride);
+      if (G - g == 3) return accumulate64<3>(p, v, v_token, keys, acc, p_stride);
+      return;
     }
     for (int64_t t = 0; t < keys; ++t) {
       const T* vt = v + t * v_token;
@@ -194,17 +198,21 @@ struct Avx512 {
 #pragma GCC pop_options
 
 // One row's KV heads [h0, h1): walk the row's blocks from its first seen key, each block's
-// heads in turn (the block's K and V read front to back), an online softmax per query head
-// (running max m, sum l, output acc), a block's scores computed at once. q, acc: the heads'
-// [n * D] (n = (h1 - h0) G query heads); s: [n * block_size]; out: the row's head h0 * G.
+// heads in turn (the block's K and V read front to back, once for all the row's queries), an
+// online softmax per query head (running max m, sum l, output acc), a block's scores computed
+// at once. A row holds Q queries, the i-th at position len - Q + i (a verify step's drafts, or
+// one decode query): it sees the keys [first_key(hi), hi), hi = len - Q + i + 1, the others
+// masked out of a block's scores. Per KV head the task's G * Q query heads lie query-major
+// (j = i * G + g); q, acc: [n * D] (n = (h1 - h0) G Q); s: [n * block_size].
 template <typename T, typename Ops>
 void attend_row(const float* q, const T* k_cache, const T* v_cache, const int32_t* table,
-                int64_t len, int64_t window, const Layout& L, int64_t h0, int64_t h1,
-                float* acc, float* s, T* out) {
-  const int64_t G = L.heads_per_kv, D = L.dim, bs = L.block_size, n = (h1 - h0) * G;
+                int64_t len, int64_t Q, int64_t window, const Layout& L, int64_t h0, int64_t h1,
+                float* acc, float* s) {
+  const int64_t GQ = L.heads_per_kv * Q, D = L.dim, bs = L.block_size, n = (h1 - h0) * GQ;
   std::vector<float> m(n, -std::numeric_limits<float>::infinity()), l(n, 0.f);
   std::fill(acc, acc + n * D, 0.f);
-  const int64_t lo = first_key(len, window);
+  const int64_t lo = first_key(len - Q + 1, window);  // the first query's first key: the least
+  const float none = -std::numeric_limits<float>::infinity();
   for (int64_t start = lo - lo % bs; start < len; start += bs) {
     const int64_t block = table[start / bs];
     TORCH_CHECK(block >= 0 && block < L.num_blocks, "block table names block ", block,
@@ -213,13 +221,23 @@ void attend_row(const float* q, const T* k_cache, const T* v_cache, const int32_
     const T* k0 = k_cache + block * L.k_block + (from - start) * L.k_token;
     const T* v0 = v_cache + block * L.v_block + (from - start) * L.v_token;
     for (int64_t h = h0; h < h1; ++h) {
-      const int64_t first = (h - h0) * G;  // the task's first query head of KV head h
+      const int64_t first = (h - h0) * GQ;  // the task's first query head of KV head h
       float* sh = s + first * bs;
-      Ops::scores(q + first * D, k0 + h * L.k_head, L.k_token, keys, G, D, sh, bs);
-      for (int64_t g = first; g < first + G; ++g) {
+      Ops::scores(q + first * D, k0 + h * L.k_head, L.k_token, keys, GQ, D, sh, bs);
+      for (int64_t j = 0; j < GQ; ++j) {
+        const int64_t g = first + j, hi = len - Q + j / L.heads_per_kv + 1;
         float* sg = s + g * bs;
-        const float top = std::max(m[g], *std::max_element(sg, sg + keys));
-        Ops::exp_shift(sg, keys, top);
+        // Keys of this block the query does not see (past it, or before its window).
+        const int64_t a = std::clamp<int64_t>(first_key(hi, window) - from, 0, keys);
+        const int64_t b = std::clamp<int64_t>(hi - from, a, keys);
+        std::fill(sg, sg + a, none);
+        std::fill(sg + b, sg + keys, none);
+        if (a == b) {  // sees none of them: weight 0, its running state as it was
+          std::fill(sg, sg + keys, 0.f);
+          continue;
+        }
+        const float top = std::max(m[g], *std::max_element(sg + a, sg + b));
+        Ops::exp_shift(sg, keys, top);  // exp(-inf) = 0 for the masked keys
         const float keep = std::exp(m[g] - top);  // 0 at the first block (m = -inf)
         if (keep != 1.f) {
           for (int64_t d = 0; d < D; ++d) acc[g * D + d] *= keep;
@@ -229,20 +247,21 @@ void attend_row(const float* q, const T* k_cache, const T* v_cache, const int32_
         l[g] = l[g] * keep + sum;
         m[g] = top;
       }
-      Ops::accumulate(sh, v0 + h * L.v_head, L.v_token, keys, G, D, acc + first * D, bs);
+      Ops::accumulate(sh, v0 + h * L.v_head, L.v_token, keys, GQ, D, acc + first * D, bs);
     }
   }
   for (int64_t g = 0; g < n; ++g) {
     const float inv = l[g] > 0.f ? 1.f / l[g] : 0.f;
-    for (int64_t d = 0; d < D; ++d) out[g * D + d] = static_cast<T>(acc[g * D + d] * inv);
+    for (int64_t d = 0; d < D; ++d) acc[g * D + d] *= inv;
   }
 }
 
 template <typename T, typename Ops>
 void attend_all(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
-                const torch::Tensor& tables, const torch::Tensor& lens, double scale,
-                int64_t window, torch::Tensor& out) {
-  const int64_t R = q.size(0), H = q.size(1), D = q.size(2), Hkv = k_cache.size(2);
+                const torch::Tensor& tables, const torch::Tensor& lens,
+                const std::vector<int64_t>& starts, double scale, int64_t window,
+                torch::Tensor& out) {
+  const int64_t R = tables.size(0), H = q.size(1), D = q.size(2), Hkv = k_cache.size(2);
   const Layout L{k_cache.size(1), D, H / Hkv, k_cache.size(0),
                  k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
                  v_cache.stride(0), v_cache.stride(1), v_cache.stride(2)};
@@ -252,35 +271,54 @@ void attend_all(const torch::Tensor& q, const torch::Tensor& k_cache, const torc
   const int32_t* tp = tables.data_ptr<int32_t>();
   const int32_t* lp = lens.data_ptr<int32_t>();
   T* op = out.data_ptr<T>();
-  const int64_t width = tables.size(1);
+  const int64_t width = tables.size(1), G = L.heads_per_kv;
+  int64_t most = 1;  // the most queries a row holds
+  for (int64_t r = 0; r < R; ++r) most = std::max(most, starts[r + 1] - starts[r]);
   // A task is a row with all its KV heads (each block read front to back), or one KV head of
   // a row where rows are fewer than threads.
   const int64_t per_task = R >= at::get_num_threads() ? Hkv : 1, tasks = R * (Hkv / per_task);
   at::parallel_for(0, tasks, 1, [&](int64_t begin, int64_t end) {
-    const int64_t n = per_task * L.heads_per_kv;
-    std::vector<float> qf(n * D), acc(n * D), s(n * L.block_size);
+    const int64_t most_n = per_task * G * most;
+    std::vector<float> qf(most_n * D), acc(most_n * D), s(most_n * L.block_size);
     for (int64_t task = begin; task < end; ++task) {
       const int64_t r = task / (Hkv / per_task), h0 = task % (Hkv / per_task) * per_task;
-      const int64_t len = lp[r], offset = (r * H + h0 * L.heads_per_kv) * D;
-      for (int64_t i = 0; i < n * D; ++i) qf[i] = to_float(qp[offset + i]) * static_cast<float>(scale);
-      TORCH_CHECK(len >= 1 && len <= width * L.block_size, "row ", r, ": length ", len,
-                  " outside its block table's ", width * L.block_size, " slots");
-      attend_row<T, Ops>(qf.data(), kp, vp, tp + r * width, len, window, L, h0, h0 + per_task,
-                         acc.data(), s.data(), op + offset);
+      const int64_t len = lp[r], Q = starts[r + 1] - starts[r];
+      TORCH_CHECK(len >= Q && len <= width * L.block_size, "row ", r, ": length ", len,
+                  " outside its block table's ", width * L.block_size, " slots or under its ",
+                  Q, " queries");
+      // [h][i][g] (KV head, query, head of the group) from q's [i][h * G + g].
+      auto at = [&](int64_t h, int64_t i, int64_t g) {
+        return ((starts[r] + i) * H + h * G + g) * D;
+      };
+      int64_t j = 0;
+      for (int64_t h = h0; h < h0 + per_task; ++h)
+        for (int64_t i = 0; i < Q; ++i)
+          for (int64_t g = 0; g < G; ++g, ++j)
+            for (int64_t d = 0; d < D; ++d)
+              qf[j * D + d] = to_float(qp[at(h, i, g) + d]) * static_cast<float>(scale);
+      attend_row<T, Ops>(qf.data(), kp, vp, tp + r * width, len, Q, window, L, h0, h0 + per_task,
+                         acc.data(), s.data());
+      j = 0;
+      for (int64_t h = h0; h < h0 + per_task; ++h)
+        for (int64_t i = 0; i < Q; ++i)
+          for (int64_t g = 0; g < G; ++g, ++j)
+            for (int64_t d = 0; d < D; ++d) op[at(h, i, g) + d] = static_cast<T>(acc[j * D + d]);
     }
   });
 }
 
 }  // namespace
 
-// Decode attention: q [R, H, D] (one query a row, at position lens[r] - 1) over each row's
-// blocks of k_cache and v_cache [N, block_size, Hkv, D] (v_cache may be k_cache itself);
-// block_tables [R, W] int32, lens [R] int32; window > 0 keeps the last `window` keys.
-// bf16 or float32, q's dtype the cache's; out [R, H, D] in it. avx512: the 16-lane path.
+// Decode attention: q [T, H, D] over each row's blocks of k_cache and v_cache [N, block_size,
+// Hkv, D] (v_cache may be k_cache itself); block_tables [R, W] int32, lens [R] int32. A row
+// holds queries[r] consecutive queries of q (int32 [R]; none: one each), the last at position
+// lens[r] - 1, each seeing the keys up to its own position (causal); window > 0 keeps a query's
+// last `window` keys. bf16 or float32, q's dtype the cache's; out [T, H, D] in it. avx512: the
+// 16-lane path.
 torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                            torch::Tensor block_tables, torch::Tensor lens, double scale,
-                           int64_t window, bool avx512) {
-  TORCH_CHECK(q.dim() == 3 && q.is_contiguous(), "q must be a contiguous [R, H, D]");
+                           int64_t window, bool avx512, c10::optional<torch::Tensor> queries) {
+  TORCH_CHECK(q.dim() == 3 && q.is_contiguous(), "q must be a contiguous [T, H, D]");
   TORCH_CHECK(k_cache.dim() == 4 && v_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes(),
               "k_cache and v_cache must be [N, block_size, Hkv, D] alike");
   TORCH_CHECK(k_cache.stride(3) == 1 && v_cache.stride(3) == 1, "cache rows must be contiguous");
@@ -288,11 +326,25 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor
               "q, k_cache and v_cache must have one dtype");
   TORCH_CHECK(q.size(2) == k_cache.size(3) && q.size(1) % k_cache.size(2) == 0,
               "q's heads must be a multiple of the cache's, dims equal");
+  const int64_t R = block_tables.size(0);
   TORCH_CHECK(block_tables.scalar_type() == torch::kInt && block_tables.dim() == 2 &&
-              block_tables.is_contiguous() && block_tables.size(0) == q.size(0),
-              "block_tables must be a contiguous int32 [R, W]");
+              block_tables.is_contiguous(), "block_tables must be a contiguous int32 [R, W]");
   TORCH_CHECK(lens.scalar_type() == torch::kInt && lens.is_contiguous() && lens.dim() == 1 &&
-              lens.size(0) == q.size(0), "lens must be a contiguous int32 [R]");
+              lens.size(0) == R, "lens must be a contiguous int32 [R]");
+  std::vector<int64_t> starts(R + 1, 0);  // each row's first query in q
+  if (queries.has_value()) {
+    const torch::Tensor& n = *queries;
+    TORCH_CHECK(n.scalar_type() == torch::kInt && n.is_contiguous() && n.dim() == 1 &&
+                n.size(0) == R, "queries must be a contiguous int32 [R]");
+    const int32_t* np = n.data_ptr<int32_t>();
+    for (int64_t r = 0; r < R; ++r) {
+      TORCH_CHECK(np[r] >= 1, "row ", r, " holds ", np[r], " queries");
+      starts[r + 1] = starts[r] + np[r];
+    }
+  } else {
+    for (int64_t r = 0; r < R; ++r) starts[r + 1] = r + 1;
+  }
+  TORCH_CHECK(starts[R] == q.size(0), "the rows hold ", starts[R], " queries, q ", q.size(0));
   static const bool has = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
                           __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
   TORCH_CHECK(!avx512 || (has && q.size(2) % 16 == 0),
@@ -300,12 +352,12 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor
   auto out = torch::empty_like(q);
   const auto type = q.scalar_type();
   if (type == torch::kFloat) {
-    if (avx512) attend_all<float, Avx512<float>>(q, k_cache, v_cache, block_tables, lens, scale, window, out);
-    else attend_all<float, Plain<float>>(q, k_cache, v_cache, block_tables, lens, scale, window, out);
+    if (avx512) attend_all<float, Avx512<float>>(q, k_cache, v_cache, block_tables, lens, starts, scale, window, out);
+    else attend_all<float, Plain<float>>(q, k_cache, v_cache, block_tables, lens, starts, scale, window, out);
   } else if (type == torch::kBFloat16) {
     using B = c10::BFloat16;
-    if (avx512) attend_all<B, Avx512<B>>(q, k_cache, v_cache, block_tables, lens, scale, window, out);
-    else attend_all<B, Plain<B>>(q, k_cache, v_cache, block_tables, lens, scale, window, out);
+    if (avx512) attend_all<B, Avx512<B>>(q, k_cache, v_cache, block_tables, lens, starts, scale, window, out);
+    else attend_all<B, Plain<B>>(q, k_cache, v_cache, block_tables, lens, starts, scale, window, out);
   } else {
     TORCH_CHECK(false, "paged_decode takes float32 or bfloat16, not ", type);
   }

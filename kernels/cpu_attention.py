@@ -1,5 +1,5 @@
 """Decode attention on the CPU that reads the paged cache where it lies: one call a layer for
-all of a step's decode rows (kernels/cpu_attention.cpp).
+all of a step's decode rows, a verify step's drafted rows among them (kernels/cpu_attention.cpp).
 
 `paged_attention_cpu` (cpu.py) gathers each group's blocks into a buffer and calls flash
 attention per chunk and group, merging partial results by their log-sum-exps: at decode sizes
@@ -10,6 +10,9 @@ torch's threads, walks the row's blocks from its first seen key (a sliding windo
 online softmax: a block's scores for the G query heads that share the KV head, their
 exponentials against the running maximum, the running output rescaled once a block. K and V
 are read in place, once for the G heads, and never gathered. Scores and sums are float32.
+A row may hold a few consecutive queries of one sequence (a verify step's 1 + k), each causal
+among them: their G heads each are the KV head's query heads, and a block's keys past a query
+(or before its window) are masked out of its scores, so the row's blocks are read once.
 
 Two paths, chosen per call: AVX512 (16 lanes, bf16 widened in registers, a polynomial exp)
 where /proc/cpuinfo shows AVX512F/BW/VL/DQ and the head dim is a multiple of 16, a plain loop
@@ -89,17 +92,21 @@ def paged_decode(
     scale: float,
     sliding_window: int | None = None,
     avx512: bool | None = None,
+    queries: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """One query a row, query [R, H, D] (row r at position seq_lens[r] - 1), over its blocks
-    block_tables [R, W] of k_cache and v_cache [N, block_size, Hkv, D] -> [R, H, D], the
-    query's dtype. `avx512` picks the path (default `uses_avx512`)."""
+    """Rows of queries over their blocks block_tables [R, W] of k_cache and v_cache [N,
+    block_size, Hkv, D]: row r holds queries[r] consecutive rows of query [T, H, D] (int32
+    [R]; None: one each), its last at position seq_lens[r] - 1, each query causal (it sees the
+    keys up to its own position) -> [T, H, D], the query's dtype. A verify step's drafted rows
+    are one row, so their blocks are read once. `avx512` picks the path (default
+    `uses_avx512`)."""
     if sliding_window is not None and sliding_window < 1:
         raise ValueError(f"sliding_window must be at least 1, not {sliding_window}")
     args = (query.contiguous(), k_cache, v_cache, block_tables, seq_lens, scale)
     path = uses_avx512(query.shape[-1]) if avx512 is None else avx512
     if torch.compiler.is_compiling():
-        return torch.ops.pdserve.cpu_paged_decode(*args, sliding_window or 0, path)
-    return _module().paged_decode(*args, sliding_window or 0, path)
+        return torch.ops.pdserve.cpu_paged_decode(*args, sliding_window or 0, path, queries)
+    return _module().paged_decode(*args, sliding_window or 0, path, queries)
 
 
 # As an op a traced graph holds (torch.compile, AOTInductor's proxy executor), defined as
@@ -107,11 +114,17 @@ def paged_decode(
 _LIB = torch.library.Library("pdserve", "FRAGMENT")
 _LIB.define(
     "cpu_paged_decode(Tensor query, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
-    "Tensor seq_lens, float scale, int window, bool avx512) -> Tensor"
+    "Tensor seq_lens, float scale, int window, bool avx512, Tensor? queries=None) -> Tensor"
 )
-_LIB.impl(
-    "cpu_paged_decode", lambda *args: _module().paged_decode(*args), "CompositeExplicitAutograd"
-)
+
+
+def _paged_decode_op(*args: object, queries: torch.Tensor | None = None) -> torch.Tensor:
+    """The op's body: the dispatcher passes `queries` by position where a caller did, else
+    not at all (its default), and the extension takes it by position."""
+    return _module().paged_decode(*args, *(() if len(args) == 9 else (queries,)))
+
+
+_LIB.impl("cpu_paged_decode", _paged_decode_op, "CompositeExplicitAutograd")
 
 
 @torch.library.register_fake("pdserve::cpu_paged_decode")

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from pdserve.kernels import cpu_attention
-from pdserve.kernels.cpu import IN_PLACE_KEYS, paged_attention_cpu, step_plan
+from pdserve.kernels.cpu import IN_PLACE_KEYS, ROW_QUERIES, paged_attention_cpu, step_plan
 from tests.kernels.test_reference import dense_attention, make_paged_batch, run_attention, run_ref
 
 # Ragged decode rows: part-full and just-opened blocks, one of a single token, one long.
@@ -24,10 +24,19 @@ PATHS = [
 ]  # fmt: skip
 
 
-def decode(batch, scale: float, window: int | None, avx512: bool) -> torch.Tensor:
+# Verify rows: each sequence's queries one kernel row, ragged (1 to ROW_QUERIES of them), a
+# row's queries across a block boundary (31 + 2: keys 32 and 33), one opening a block (16 + 4),
+# one whose every key is a query of it (0 + 3), one long.
+VERIFY_ROWS = [(100, 3), (37, 1), (5, 8), (0, 3), (31, 2), (300, ROW_QUERIES), (16, 4)]
+
+
+def decode(batch, scale: float, window: int | None, avx512: bool, rows=False) -> torch.Tensor:
+    """The kernel on a batch: one query a row, or (`rows`) each sequence's queries a row."""
+    starts = batch.query_start_loc
+    queries = (starts[1:] - starts[:-1]).int() if rows else None
     return cpu_attention.paged_decode(
         batch.query, batch.k_cache, batch.v_cache, batch.block_tables, batch.seq_lens,
-        scale, window, avx512,
+        scale, window, avx512, queries,
     )  # fmt: skip
 
 
@@ -60,6 +69,45 @@ def test_latent_as_keys_and_values(avx512):
     latent = replace(batch, v_cache=batch.k_cache, dense_v=[k.clone() for k in batch.dense_k])
     out = decode(latent, 0.1, None, avx512)
     torch.testing.assert_close(out, run_ref(latent, 0.1, None), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("avx512", PATHS)
+@pytest.mark.parametrize("group", [1, 3])
+@pytest.mark.parametrize("window", [None, 1, 2, 5, 40])
+def test_rows_of_several_queries_are_causal_among_them_in_float32(avx512, group, window):
+    # A window under a row's queries (1, 2, 5) makes its later queries skip its first keys.
+    batch = make_paged_batch(VERIFY_ROWS, 2 * group, 2, 64, block_size=16)
+    out = decode(batch, 0.125, window, avx512, rows=True)
+    torch.testing.assert_close(out, run_ref(batch, 0.125, window), atol=1e-5, rtol=1e-5)
+    dense = dense_attention(batch, 0.125, window)
+    torch.testing.assert_close(out.double(), dense, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("avx512", PATHS)
+@pytest.mark.parametrize("window", [None, 3])
+def test_rows_of_several_queries_in_bf16_within_tolerance(avx512, window):
+    batch = make_paged_batch(VERIFY_ROWS, 9, 3, 64, block_size=16, dtype=torch.bfloat16)
+    out = decode(batch, 0.125, window, avx512, rows=True)
+    ref = run_ref(replace(batch, query=batch.query.float(), k_cache=batch.k_cache.float(),
+                          v_cache=batch.v_cache.float()), 0.125, window)  # fmt: skip
+    torch.testing.assert_close(out.float(), ref, atol=2e-2, rtol=2e-2)
+
+
+def test_a_verify_step_past_in_place_keys_is_one_kernel_row_a_sequence():
+    # Verify rows (up to ROW_QUERIES queries) over long contexts, a decode row, and a prefill
+    # chunk of ROW_QUERIES + 1 queries past IN_PLACE_KEYS that flash keeps.
+    long = IN_PLACE_KEYS + 50
+    spec = [(long, 4), (long + 90, 1), (long, ROW_QUERIES), (long, ROW_QUERIES + 1)]
+    batch = make_paged_batch(spec, 9, 3, 64, block_size=16)
+    meta = (batch.block_tables, batch.query_start_loc, batch.seq_lens)
+    plan = step_plan(*meta, 16, None, 384, True)
+    assert plan.decode.queries.tolist() == [4, 1, ROW_QUERIES]
+    assert plan.decode.seq_lens.tolist() == [long + 4, long + 91, long + ROW_QUERIES]
+    assert plan.decode.tokens.tolist() == list(range(5 + ROW_QUERIES))
+    assert [g.q_len for g in plan.groups] == [ROW_QUERIES + 1]
+    for window in (None, 6):
+        out = run_attention(paged_attention_cpu, batch, 0.125, window)
+        torch.testing.assert_close(out, run_ref(batch, 0.125, window), atol=1e-5, rtol=1e-5)
 
 
 def test_a_head_dim_off_16_takes_the_plain_loop_only():
@@ -110,6 +158,11 @@ def test_bad_input_is_refused_with_a_reason():
         decode(replace(batch, seq_lens=batch.seq_lens + 100), 0.125, None, False)
     with pytest.raises(RuntimeError, match="one dtype"):
         decode(replace(batch, query=batch.query.bfloat16()), 0.125, None, False)
+    rows = make_paged_batch([(0, 3), (5, 2)], 4, 2, 64, block_size=16)
+    with pytest.raises(RuntimeError, match="the rows hold 5 queries, q 4"):
+        decode(replace(rows, query=rows.query[:4]), 0.125, None, False, rows=True)
+    with pytest.raises(RuntimeError, match="under its 3 queries"):
+        decode(replace(rows, seq_lens=rows.seq_lens - 1), 0.125, None, False, rows=True)
 
 
 def test_the_op_has_a_fake_for_traced_graphs():
@@ -119,6 +172,15 @@ def test_the_op_has_a_fake_for_traced_graphs():
     torch.testing.assert_close(out, run_ref(batch, 0.125, None), atol=1e-5, rtol=1e-5)
     torch.library.opcheck(
         torch.ops.pdserve.cpu_paged_decode.default, (*args, 0.125, 0, False),
+        test_utils=("test_schema", "test_faketensor"),
+    )  # fmt: skip
+    rows = make_paged_batch(VERIFY_ROWS, 4, 2, 64, block_size=16)
+    queries = (rows.query_start_loc[1:] - rows.query_start_loc[:-1]).int()
+    args = (rows.query, rows.k_cache, rows.v_cache, rows.block_tables, rows.seq_lens, 0.125, 0)
+    out = torch.ops.pdserve.cpu_paged_decode(*args, False, queries)
+    torch.testing.assert_close(out, run_ref(rows, 0.125, None), atol=1e-5, rtol=1e-5)
+    torch.library.opcheck(
+        torch.ops.pdserve.cpu_paged_decode.default, (*args, False, queries),
         test_utils=("test_schema", "test_faketensor"),
     )  # fmt: skip
 
