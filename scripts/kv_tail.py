@@ -2,7 +2,8 @@
 (docs/benchmarks.md, kv-tiers section): reads the run's JSON and prints, per tier system and
 workload, the worst tier-served requests against `none`'s TTFT of the same request (wall and
 CPU, the tier's read time, the blocks the request's allocation evicted and wrote down, the
-store writes queued when it came), then a least-squares split of each request's extra CPU
+store writes queued when it came), the cost model's load fit per tier and the worst request
+against the threshold the model's error sets, then a least-squares split of each request's extra CPU
 time over `none`'s by blocks evicted and blocks loaded, and the noise floor: the spread of
 the TTFT ratio over requests where the tier did nothing (nothing loaded, nothing evicted).
 
@@ -41,6 +42,7 @@ def report(record: dict, base: dict, block_size: int, worst: int) -> None:
     requests = rows(record, base)
     served = sorted((r for r in requests if r["loaded"]), key=lambda r: r["none_ms"] / r["tier_ms"])
     print(f"\n{record['workload']} / {record['system']}: {len(served)} tier-served requests")
+    model(record, served)
     print("  req prompt loaded  TTFT none->tier ms (x)   CPU none->tier ms  read ms evicted queued")
     for r in served[:worst]:
         ratio = r["none_ms"] / r["tier_ms"]
@@ -61,6 +63,27 @@ def report(record: dict, base: dict, block_size: int, worst: int) -> None:
         [r for r in requests if r["evicted"] and not r["loaded"]],
     )
     spread("TTFT ratio where it loaded", [r for r in requests if r["loaded"]])
+
+
+def model(record: dict, served: list[dict]) -> None:
+    """The cost model at the run's end (each tier's load fit, the blocks it chose to
+    recompute) and the worst tier-served request against the threshold its error sets."""
+    fit = record.get("model", {})
+    latency = fit.get("load_latency_s", {})
+    for tier, rate in fit.get("load_bytes_s", {}).items():
+        chosen = fit.get("recompute_chosen", {}).get(tier, 0)
+        print(
+            f"  {tier}: a load {1e3 * latency.get(tier, 0.0):.2f} ms + bytes at "
+            f"{rate / 1e6:.0f} MB/s, {chosen} blocks recomputed by choice"
+        )
+    error = record.get("model_error")
+    if error is not None and served:
+        worst = served[0]["none_ms"] / served[0]["tier_ms"]
+        verdict = "within" if worst >= 1 / (1 + error) else "**beyond**"
+        print(
+            f"  model error {error:.1%}: threshold {1 / (1 + error):.3f}x, worst {worst:.3f}x "
+            f"({verdict} the model's error)"
+        )
 
 
 def spread(what: str, requests: list[dict]) -> None:
