@@ -224,28 +224,30 @@ void attend_row(const float* q, const T* k_cache, const T* v_cache, const int32_
       const int64_t first = (h - h0) * GQ;  // the task's first query head of KV head h
       float* sh = s + first * bs;
       Ops::scores(q + first * D, k0 + h * L.k_head, L.k_token, keys, GQ, D, sh, bs);
-      for (int64_t j = 0; j < GQ; ++j) {
-        const int64_t g = first + j, hi = len - Q + j / L.heads_per_kv + 1;
-        float* sg = s + g * bs;
-        // Keys of this block the query does not see (past it, or before its window).
+      for (int64_t i = 0; i < Q; ++i) {
+        // The block's keys [a, b) that query i sees (the rest are past it, or before its window).
+        const int64_t hi = len - Q + i + 1;
         const int64_t a = std::clamp<int64_t>(first_key(hi, window) - from, 0, keys);
         const int64_t b = std::clamp<int64_t>(hi - from, a, keys);
-        std::fill(sg, sg + a, none);
-        std::fill(sg + b, sg + keys, none);
-        if (a == b) {  // sees none of them: weight 0, its running state as it was
-          std::fill(sg, sg + keys, 0.f);
-          continue;
+        for (int64_t g = first + i * L.heads_per_kv; g < first + (i + 1) * L.heads_per_kv; ++g) {
+          float* sg = s + g * bs;
+          std::fill(sg, sg + a, none);
+          std::fill(sg + b, sg + keys, none);
+          if (a == b) {  // sees none of them: weight 0, its running state as it was
+            std::fill(sg, sg + keys, 0.f);
+            continue;
+          }
+          const float top = std::max(m[g], *std::max_element(sg + a, sg + b));
+          Ops::exp_shift(sg, keys, top);  // exp(-inf) = 0 for the masked keys
+          const float keep = std::exp(m[g] - top);  // 0 at the first block (m = -inf)
+          if (keep != 1.f) {
+            for (int64_t d = 0; d < D; ++d) acc[g * D + d] *= keep;
+          }
+          float sum = 0.f;
+          for (int64_t t = 0; t < keys; ++t) sum += sg[t];
+          l[g] = l[g] * keep + sum;
+          m[g] = top;
         }
-        const float top = std::max(m[g], *std::max_element(sg + a, sg + b));
-        Ops::exp_shift(sg, keys, top);  // exp(-inf) = 0 for the masked keys
-        const float keep = std::exp(m[g] - top);  // 0 at the first block (m = -inf)
-        if (keep != 1.f) {
-          for (int64_t d = 0; d < D; ++d) acc[g * D + d] *= keep;
-        }
-        float sum = 0.f;
-        for (int64_t t = 0; t < keys; ++t) sum += sg[t];
-        l[g] = l[g] * keep + sum;
-        m[g] = top;
       }
       Ops::accumulate(sh, v0 + h * L.v_head, L.v_token, keys, GQ, D, acc + first * D, bs);
     }
@@ -286,23 +288,23 @@ void attend_all(const torch::Tensor& q, const torch::Tensor& k_cache, const torc
       TORCH_CHECK(len >= Q && len <= width * L.block_size, "row ", r, ": length ", len,
                   " outside its block table's ", width * L.block_size, " slots or under its ",
                   Q, " queries");
-      // [h][i][g] (KV head, query, head of the group) from q's [i][h * G + g].
-      auto at = [&](int64_t h, int64_t i, int64_t g) {
-        return ((starts[r] + i) * H + h * G + g) * D;
-      };
-      int64_t j = 0;
+      // The task's heads [h][i][g] (KV head, query, head of the group), G * D values each
+      // (h, i) from q's query i, heads h * G onwards.
+      const float sc = static_cast<float>(scale);
+      float* qj = qf.data();
       for (int64_t h = h0; h < h0 + per_task; ++h)
-        for (int64_t i = 0; i < Q; ++i)
-          for (int64_t g = 0; g < G; ++g, ++j)
-            for (int64_t d = 0; d < D; ++d)
-              qf[j * D + d] = to_float(qp[at(h, i, g) + d]) * static_cast<float>(scale);
+        for (int64_t i = 0; i < Q; ++i, qj += G * D) {
+          const T* src = qp + ((starts[r] + i) * H + h * G) * D;
+          for (int64_t e = 0; e < G * D; ++e) qj[e] = to_float(src[e]) * sc;
+        }
       attend_row<T, Ops>(qf.data(), kp, vp, tp + r * width, len, Q, window, L, h0, h0 + per_task,
                          acc.data(), s.data());
-      j = 0;
+      const float* aj = acc.data();
       for (int64_t h = h0; h < h0 + per_task; ++h)
-        for (int64_t i = 0; i < Q; ++i)
-          for (int64_t g = 0; g < G; ++g, ++j)
-            for (int64_t d = 0; d < D; ++d) op[at(h, i, g) + d] = static_cast<T>(acc[j * D + d]);
+        for (int64_t i = 0; i < Q; ++i, aj += G * D) {
+          T* dst = op + ((starts[r] + i) * H + h * G) * D;
+          for (int64_t e = 0; e < G * D; ++e) dst[e] = static_cast<T>(aj[e]);
+        }
     }
   });
 }
