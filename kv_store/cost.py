@@ -26,8 +26,9 @@ Until both are measured a hit is loaded (that is how a tier's rate gets measured
 a tier would load more slowly than recomputing is recomputed. After `probe_every` such runs,
 the tier is probed (loaded anyway, to measure it again: a store that was slow, a busy server,
 a cold disk, may be fast again), but only on a run whose predicted loss is within
-`probe_loss` of its recompute time, so that a probe costs no request more than the model's
-error allows.
+`probe_loss` of the request's time to first token were the run recomputed (at least a step's
+fixed cost and the run's), so that a probe costs no request more than the model's error
+allows.
 """
 
 from __future__ import annotations
@@ -236,24 +237,29 @@ class LoadCost:
             fit = self._fits.get(tier)
             return fit.model if fit is not None else None
 
-    def estimate(self, tier: str, start: int, end: int, nbytes: int) -> tuple[float, float] | None:
+    def estimate(
+        self, tier: str, start: int, end: int, nbytes: int
+    ) -> tuple[float, float, float] | None:
         """(seconds to load the KV of tokens [start, end), `nbytes`, from `tier`; seconds to
-        recompute them), or None while either is unmeasured."""
+        recompute them; the least time to first token of a request recomputing them: a
+        step's fixed cost and theirs), or None while either is unmeasured."""
         load, model = self.load_model(tier), self.prefill.model()
         if load is None or model is None:
             return None
-        return load.load_s(nbytes), model.recompute_s(start, end)
+        recompute_s = model.recompute_s(start, end)
+        return load.load_s(nbytes), recompute_s, model.fixed_s + recompute_s
 
     def worth_loading(self, tier: str, start: int, end: int, nbytes: int, blocks: int) -> bool:
         """Whether to load the run of `blocks` blocks holding tokens [start, end) (`nbytes`)
         from `tier` rather than recompute them: no slower by the model, or unmeasured, or a
-        probe (due, and its predicted loss within `probe_loss` of recomputing)."""
+        probe (due, and its predicted loss within `probe_loss` of the request's time to first
+        token if it recomputed the run: a step's fixed cost and the run's, at least)."""
         est = self.estimate(tier, start, end, nbytes)
         if self.policy == "always" or est is None or est[0] <= est[1]:
             self._skipped[tier] = 0
             return True
         skipped = self._skipped.get(tier, 0) + 1
-        if skipped >= self._probe_every and est[0] <= est[1] * (1 + self._probe_loss):
+        if skipped >= self._probe_every and est[0] - est[1] <= self._probe_loss * est[2]:
             self._skipped[tier] = 0
             return True
         self._skipped[tier] = skipped

@@ -98,27 +98,32 @@ def test_unmeasured_rates_load() -> None:
 )
 def test_the_faster_way_wins(load_bytes_per_s: float, start: int, end: int, load: bool) -> None:
     cost = cost_with(load_bytes_per_s)
-    load_s, recompute_s = cost.estimate("store", start, end, 1000)  # type: ignore[misc]
+    load_s, recompute_s, ttft_s = cost.estimate("store", start, end, 1000)  # type: ignore[misc]
     assert load_s == pytest.approx(1000 / load_bytes_per_s)
     assert recompute_s == pytest.approx(TRUE.recompute_s(start, end), rel=1e-6)
+    assert ttft_s == pytest.approx(TRUE.fixed_s + recompute_s, rel=1e-6)
     assert cost.worth_loading("store", start, end, 1000, 2) is load
     assert cost.rates() == (TierRate("store", pytest.approx(load_bytes_per_s), 2 * (not load)),)
 
 
+SMOL = StepModel(fixed_s=0.048, token_s=1e-3, pair_s=8e-7)  # SmolLM2's steps on the trace
+
+
 def test_a_slow_tier_is_probed_only_where_the_loss_is_within_the_models_error() -> None:
     """A tier found slower is loaded anyway every `probe_every` runs to measure it again, but
-    only on a run it is predicted to lose by at most `probe_loss` of recomputing it."""
-    recompute_s = TRUE.recompute_s(0, 16)
-    near = cost_with(1000 / (1.05 * recompute_s), probe_every=4)  # 5% slower than recomputing
+    only on a run it is predicted to lose by at most `probe_loss` (10%) of the request's
+    time to first token were the run recomputed: a step's fixed cost (48 ms) and the run's."""
+    recompute_s = SMOL.recompute_s(0, 16)  # 16.1 ms: a probe may lose 6.4 ms
+    near = cost_with(1000 / (1.3 * recompute_s), SMOL, probe_every=4)  # loses 4.8 ms
     decisions = [near.worth_loading("store", 0, 16, 1000, 1) for _ in range(8)]
     assert decisions == [False, False, False, True] * 2, "every 4th run is a probe"
-    far = cost_with(1000 / (1.5 * recompute_s), probe_every=4)  # 50% slower: never probed
+    far = cost_with(1000 / (1.5 * recompute_s), SMOL, probe_every=4)  # loses 8.1 ms
     assert not any(far.worth_loading("store", 0, 16, 1000, 1) for _ in range(12))
     assert far.worth_loading("store", 4000, 4016, 1000, 1), "a late run is worth loading"
     for _ in range(3):  # then a probe-due tier waits for a run it would lose little on
         assert not far.worth_loading("store", 0, 16, 1000, 1)
-    assert not far.worth_loading("store", 0, 16, 1000, 1), "due, but 50% slower: no probe"
-    assert far.worth_loading("store", 2000, 2016, 1000, 1), "due, and within 10%: probed"
+    assert not far.worth_loading("store", 0, 16, 1000, 1), "due, but loses 8.1 ms: no probe"
+    assert far.worth_loading("store", 200, 216, 1000, 1), "due, loses 5.5 of 67 ms: probed"
     for _ in range(40):  # the probes find the store fast again
         near.observe("store", 1000, 1e-5)
     assert near.worth_loading("store", 0, 16, 1000, 1)
