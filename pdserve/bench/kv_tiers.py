@@ -60,6 +60,7 @@ FLAGS = [
     ("--length-scale", float, 1 / 64, "trace: prompt and block lengths times this"),
     ("--kv-load-policy", str, CacheConfig().kv_load_policy, "cost or always (docs/kv_tiers.md)"),
     ("--seed", int, 0, "the workloads' random tokens"),
+    ("--repeats", int, 1, "whole runs of each workload; a request's TTFT is its median over them"),
 ]
 
 
@@ -213,6 +214,23 @@ def oracle_capacity(args: argparse.Namespace, system: str, tiers: Any) -> int | 
     return None if system in STORES else pool
 
 
+def median_of_runs(records: Sequence[dict]) -> dict:
+    """One system's record over repeated runs of the same requests: each request's TTFT (wall
+    and CPU) is its median over the runs, so that a moment of the machine's noise in one run
+    does not make a request's ratio against `none`; a request counts as loaded from a tier when
+    any run loaded it (its most loaded tokens), and the counters are the first run's. The runs'
+    first tokens must agree (`same_tokens` compares the first run's against `none`'s)."""
+    first = records[0]
+    if len(records) == 1:
+        return first
+    if any(r["first_tokens"] != first["first_tokens"] for r in records):
+        raise RuntimeError(f"{first['system']}: first tokens differ between repeated runs")
+    med = {k: [statistics.median(v) for v in zip(*(r[k] for r in records))]
+           for k in ("ttft_s", "ttft_cpu_s")}  # fmt: skip
+    return first | med | {"loaded": [max(v) for v in zip(*(r["loaded"] for r in records))],
+                          "runs_ttft_s": [r["ttft_s"] for r in records]}  # fmt: skip
+
+
 def summary(record: dict) -> dict:
     walls, cpus = sorted(record["ttft_s"]), record["ttft_cpu_s"]
     p90 = walls[min(len(walls) - 1, int(0.9 * len(walls)))]
@@ -250,8 +268,11 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
                 f"{workload}: a prompt of {max(map(len, prompts))} tokens; the "
                 f"pool holds {room} (raise --num-blocks or shorten the workload)"
             )
+        if args.repeats < 1:
+            raise ValueError(f"--repeats {args.repeats}: at least one run")
+        runs = [run_systems(args, prompts) for _ in range(args.repeats)]
         base = None
-        for record in run_systems(args, prompts):
+        for record in map(median_of_runs, zip(*runs)):
             record |= summary(record) | {"workload": workload}
             base = base or record
             record["same_tokens"] = record["first_tokens"] == base["first_tokens"]
@@ -261,7 +282,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
             record["model_error"] = model_error(record, base, args.block_size)
             print(rp.record_line(COLUMNS, record), flush=True)
             results.append(record)
-    return {"device": "cpu", "dtype": args.dtype, "repeats": 1, "results": results,
+    return {"device": "cpu", "dtype": args.dtype, "repeats": args.repeats, "results": results,
             "commit": rp.git_state(),
             "options": {k: getattr(args, k.replace("-", "_")) for k in OPTIONS}}  # fmt: skip
 

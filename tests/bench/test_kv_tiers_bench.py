@@ -117,3 +117,26 @@ def test_the_models_error_prices_a_load_by_its_latency_and_rate() -> None:
     assert kv_tiers.model_error(tiered, base, block_size=8) == pytest.approx(0.0, abs=1e-9)
     del model["load_latency_s"]  # a record from before the latency: its rate alone
     assert kv_tiers.model_error(tiered, base, block_size=8) == pytest.approx(0.05)
+
+
+def test_repeated_runs_set_each_request_at_its_median_before_the_ratios() -> None:
+    """Three runs of the same two requests: a moment of noise in one run (the tier's request
+    0 at 3.0 s) does not make that request's ratio; a request any run loaded counts as
+    tier-served; runs whose first tokens differ are refused."""
+    same = {"first_tokens": [1, 2], "system": "file"}
+    runs = [
+        record([1.0, 2.0], [16, 0], [100, 100]) | {"ttft_cpu_s": [0.5, 1.0], **same},
+        record([3.0, 2.2], [16, 8], [100, 100]) | {"ttft_cpu_s": [0.6, 1.1], **same},
+        record([0.9, 1.8], [16, 0], [100, 100]) | {"ttft_cpu_s": [0.4, 0.9], **same},
+    ]
+    merged = kv_tiers.median_of_runs(runs)
+    assert merged["ttft_s"] == [1.0, 2.0] and merged["ttft_cpu_s"] == [0.5, 1.0]
+    assert merged["loaded"] == [16, 8]
+    assert merged["runs_ttft_s"] == [[1.0, 2.0], [3.0, 2.2], [0.9, 1.8]]
+    base = record([1.1, 2.0], [0, 0], [100, 100])
+    assert kv_tiers.against_recompute(merged, base)["worst"] == pytest.approx(1.0)
+    assert kv_tiers.against_recompute(runs[1], base)["worst"] == pytest.approx(1.1 / 3.0)
+    assert kv_tiers.median_of_runs(runs[:1]) is runs[0]
+    runs[2]["first_tokens"] = [7, 7]
+    with pytest.raises(RuntimeError, match="first tokens differ"):
+        kv_tiers.median_of_runs(runs)
