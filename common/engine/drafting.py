@@ -15,24 +15,25 @@ from pdserve.common.spec.proposer import Proposer, create_proposer
 # again: its text may have turned repetitive since (a quote, a copied block of code).
 PROBE_AFTER_STEPS = 16
 # What a verify step costs beyond a one-row decode step, as shares of that step (`StepCost`): a
-# fixed part (mostly the several-query attention path) and one per row (the matmuls and the
-# head). SmolLM2's Q4_1 GGUF in bf16, one thread, eager, with int4 held in the GEMM's tile order
-# (78bf672: its 2-8-row calls 1.75-2.6x faster): a step of 2 to 8 rows, widths interleaved step
-# by step, costs 1.25-1.30, 1.27-1.44, 1.42-1.51, 1.51-1.63, 1.66-1.75, 1.72-1.94 and 1.79-1.86
-# one-row steps (medians, three runs); a line through them: v 0.03-0.31, r 0.09-0.12 over nine
-# fits (least, 20th percentile, median), means 0.16 and 0.11 (scripts/spec_step_cost.py;
-# docs/speculative.md, "Step costs"). Before the tiled kernel: 0.33 and 0.15.
-VERIFY_COST = 0.16
+# fixed part and one per row (the matmuls, the head, each query's attention). SmolLM2's Q4_1
+# GGUF in bf16, one thread, eager, with a verify step's queries one row of the in-place
+# attention kernel (8f8415d: before it they took the flash path past 192 keys, most of the
+# fixed part): a step of 2 to 8 rows, widths interleaved step by step, costs 1.00-1.19,
+# 1.13-1.24, 1.26-1.38, 1.42-1.57, 1.42-1.64, 1.59-1.80 and 1.56-1.86 one-row steps (medians,
+# six runs); a line through each run's medians: v -0.06-0.08, r 0.09-0.13, means 0.01 and 0.11
+# (scripts/spec_step_cost.py; docs/speculative.md, "Step costs"). Before it: 0.16 and 0.11.
+VERIFY_COST = 0.01
 ROW_COST = 0.11
 # The same against a compiled plain step (the CPU's default decode), where verify steps run
 # the compiled bucket that holds their rows (1 + k, padded up to 2, 4 or 8): one verify step of
 # k = 1..7 drafts, in compiled one-row steps. Its shape is the buckets', not a line: 2 rows cost
 # little more than one, 3 pad to 4, 5-8 all run bucket 8. SmolLM2's Q4_1 GGUF in bf16, one
-# thread, widths interleaved step by step, three runs after the tiled int4 GEMM: each bucket's
-# median over the runs' median ratios of its rows (bucket 2 1.30-1.41, bucket 4 1.59-1.72,
-# bucket 8 1.99-2.27; before it 1.26, 2.15 and 2.54; scripts/spec_step_cost.py;
+# thread, widths interleaved step by step, six runs with the verify rows in the attention
+# kernel: each bucket's median over the runs' median ratios of its rows (bucket 2 1.12-1.20,
+# bucket 4 1.37-1.54, bucket 8 1.86-2.24; before the kernel took them 1.34, 1.67 and 2.12, and
+# 1.43, 1.77 and 2.33 in five runs alternating with these; scripts/spec_step_cost.py;
 # docs/speculative.md, "Step costs").
-COMPILED_STEP_COSTS = (1.34, 1.67, 1.67, 2.12, 2.12, 2.12, 2.12)
+COMPILED_STEP_COSTS = (1.15, 1.48, 1.48, 2.05, 2.05, 2.05, 2.05)
 # How much of a request's acceptance estimate one verify step replaces.
 DECAY = 0.8
 
