@@ -34,6 +34,14 @@ ROW_COST = 0.11
 # 1.43, 1.77 and 2.33 in five runs alternating with these; scripts/spec_step_cost.py;
 # docs/speculative.md, "Step costs").
 COMPILED_STEP_COSTS = (1.15, 1.48, 1.48, 2.05, 2.05, 2.05, 2.05)
+# How much more a step's tokens per unit of time drafting must promise than a plain step before
+# a request drafts at all. The tables above are each bucket's median over runs that spread by
+# +-4-7% (bucket 2 1.12-1.20, bucket 4 1.37-1.54), and a request's acceptance is a decayed
+# estimate over its last few steps; without a margin, free chat (14-15% of drafts accepted)
+# sat on the compiled table's break-even (k = 1 pays from 0.15) and drafted at twice the steps
+# for nothing (docs/benchmarks.md, spec section: 0.93-1.08x against none). With it a request
+# drafts 1 from an acceptance of ~0.27 compiled, ~0.23 eager.
+MIN_GAIN = 0.1
 # How much of a request's acceptance estimate one verify step replaces.
 DECAY = 0.8
 
@@ -103,8 +111,9 @@ def step_cost(compiled_verify: bool) -> StepCost:
 def best_k(acceptance: float, cost: StepCost, limit: int) -> int:
     """The draft count in [0, limit] with the most tokens per unit of step time, drafts
     accepted in turn each with probability `acceptance` (k drafts emit 1 + a + ... + a^k
-    tokens on average, for cost.relative(k) one-row steps); 0 unless drafting beats it."""
-    best, best_rate, emitted = 0, 1.0, 1.0
+    tokens on average, for cost.relative(k) one-row steps); 0 unless drafting beats a plain
+    step by MIN_GAIN."""
+    best, best_rate, emitted = 0, 1.0 + MIN_GAIN, 1.0
     for k in range(1, limit + 1):
         emitted += acceptance**k
         rate = emitted / cost.relative(k)

@@ -13,6 +13,7 @@ import torch
 from pdserve.common.engine.config import SchedulerConfig
 from pdserve.common.engine.drafting import (
     COMPILED_STEP_COSTS,
+    MIN_GAIN,
     PROBE_AFTER_STEPS,
     ROW_COST,
     VERIFY_COST,
@@ -211,6 +212,9 @@ def test_best_k_weighs_acceptance_against_a_verify_steps_cost() -> None:
     assert best_k(0.95, rows, 2) == 2  # never past the limit
     assert best_k(0.9, _cost(0.0, 1.0), 5) == 0  # a row costs a whole step: no draft pays
     assert best_k(0.8, _cost(0.0, 0.05), 5) == 5  # near-free rows: draft all
+    # a gain under MIN_GAIN is no gain: 1.2 tokens for 1.1 steps is 1.09x a plain step
+    assert MIN_GAIN == 0.1 and best_k(0.2, _cost(0.0, 0.1), 5) == 0
+    assert best_k(0.25, _cost(0.0, 0.1), 5) == 1  # 1.25 / 1.1 = 1.14x
     # a verify step's fixed cost: half the drafts accepted no longer pay for one
     assert best_k(0.5, _cost(0.3, 0.25), 5) == 0
     assert best_k(0.8, _cost(0.3, 0.25), 5) == 4  # 3.36 / 2.3 beats 2.95 / 2.05, 3.69 / 2.55
@@ -231,8 +235,11 @@ def test_compiled_step_costs_are_the_buckets_measured() -> None:
     assert eager == StepCost()
     assert [compiled.relative(k) for k in range(8)] == [1.0, *COMPILED_STEP_COSTS]
     assert compiled.relative(9) == pytest.approx(COMPILED_STEP_COSTS[-1] + 2 * ROW_COST)
-    assert best_k(0.15, compiled, 5) == 0  # 1.15 tokens for 1.15 steps; eager's line: 1
-    assert best_k(0.15, eager, 5) == 1
+    assert best_k(0.15, compiled, 5) == 0  # 1.15 tokens for 1.15 steps
+    assert best_k(0.15, eager, 5) == 0  # 1.15 for 1.12: a gain under MIN_GAIN
+    assert best_k(0.25, compiled, 5) == 0  # 1.09x a plain step's rate: under MIN_GAIN
+    assert best_k(0.3, compiled, 5) == 1  # 1.13x
+    assert best_k(0.25, eager, 5) == 1  # 1.25 / 1.12 = 1.12x
     assert best_k(0.45, compiled, 5) == 1  # 1.45 / 1.15 beats k = 3's 1.74 / 1.48
     assert best_k(0.7, compiled, 5) == 3  # 2.53 / 1.48 beats 1.7 / 1.15 and k = 5's 2.94 / 2.05
     assert best_k(0.9, compiled, 5) == 3  # 3.44 / 1.48 beats 4.69 / 2.05
