@@ -44,8 +44,12 @@ def decode(batch, scale: float, window: int | None, avx512: bool, rows=False) ->
 @pytest.mark.parametrize("group", [1, 3, 4])
 @pytest.mark.parametrize("window", [None, 1, 7, 40])
 def test_matches_reference_and_dense_in_float32(avx512, group, window):
-    batch = make_paged_batch(DECODE_ROWS, 2 * group, 2, 64, block_size=16)
-    out = decode(batch, 0.125, window, avx512)
+    assert_float32_exact(DECODE_ROWS, group, window, avx512, rows=False)
+
+
+def assert_float32_exact(layout, group: int, window: int | None, avx512: bool, rows: bool):
+    batch = make_paged_batch(layout, 2 * group, 2, 64, block_size=16)
+    out = decode(batch, 0.125, window, avx512, rows=rows)
     torch.testing.assert_close(out, run_ref(batch, 0.125, window), atol=1e-5, rtol=1e-5)
     dense = dense_attention(batch, 0.125, window)
     torch.testing.assert_close(out.double(), dense, atol=1e-5, rtol=1e-5)
@@ -54,8 +58,12 @@ def test_matches_reference_and_dense_in_float32(avx512, group, window):
 @pytest.mark.parametrize("avx512", PATHS)
 @pytest.mark.parametrize("window", [None, 7])
 def test_bf16_within_tolerance_of_the_float32_reference(avx512, window):
-    batch = make_paged_batch(DECODE_ROWS, 9, 3, 64, block_size=16, dtype=torch.bfloat16)
-    out = decode(batch, 0.125, window, avx512)
+    assert_bf16_close(DECODE_ROWS, window, avx512, rows=False)
+
+
+def assert_bf16_close(layout, window: int | None, avx512: bool, rows: bool):
+    batch = make_paged_batch(layout, 9, 3, 64, block_size=16, dtype=torch.bfloat16)
+    out = decode(batch, 0.125, window, avx512, rows=rows)
     assert out.dtype == torch.bfloat16
     ref = run_ref(replace(batch, query=batch.query.float(), k_cache=batch.k_cache.float(),
                           v_cache=batch.v_cache.float()), 0.125, window)  # fmt: skip
@@ -76,21 +84,13 @@ def test_latent_as_keys_and_values(avx512):
 @pytest.mark.parametrize("window", [None, 1, 2, 5, 40])
 def test_rows_of_several_queries_are_causal_among_them_in_float32(avx512, group, window):
     # A window under a row's queries (1, 2, 5) makes its later queries skip its first keys.
-    batch = make_paged_batch(VERIFY_ROWS, 2 * group, 2, 64, block_size=16)
-    out = decode(batch, 0.125, window, avx512, rows=True)
-    torch.testing.assert_close(out, run_ref(batch, 0.125, window), atol=1e-5, rtol=1e-5)
-    dense = dense_attention(batch, 0.125, window)
-    torch.testing.assert_close(out.double(), dense, atol=1e-5, rtol=1e-5)
+    assert_float32_exact(VERIFY_ROWS, group, window, avx512, rows=True)
 
 
 @pytest.mark.parametrize("avx512", PATHS)
 @pytest.mark.parametrize("window", [None, 3])
 def test_rows_of_several_queries_in_bf16_within_tolerance(avx512, window):
-    batch = make_paged_batch(VERIFY_ROWS, 9, 3, 64, block_size=16, dtype=torch.bfloat16)
-    out = decode(batch, 0.125, window, avx512, rows=True)
-    ref = run_ref(replace(batch, query=batch.query.float(), k_cache=batch.k_cache.float(),
-                          v_cache=batch.v_cache.float()), 0.125, window)  # fmt: skip
-    torch.testing.assert_close(out.float(), ref, atol=2e-2, rtol=2e-2)
+    assert_bf16_close(VERIFY_ROWS, window, avx512, rows=True)
 
 
 def test_a_verify_step_past_in_place_keys_is_one_kernel_row_a_sequence():
