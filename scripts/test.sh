@@ -23,4 +23,8 @@ pdserve_env test
 # minutes, longer than a node's readiness wait; each is cached by its source's hash.
 python -c "from pdserve.kernels import cpu_attention, cpu_quant
 cpu_quant.available(); cpu_attention.available()"
+# -m would put the repository root first on sys.path, ahead of site-packages: its top-level
+# folders (kernels/, ...) would shadow distributions' packages of the same name (Python >= 3.11;
+# tests/conftest.py sets the same for every child, tests/test_kernels_name.py checks it).
+export PYTHONSAFEPATH=1
 exec python -m pytest "$@"

@@ -28,6 +28,13 @@ os.environ.setdefault("MKL_NUM_THREADS", os.environ["OMP_NUM_THREADS"])
 
 from pdserve.tiny_model import make_tiny_model  # noqa: E402
 
+# Children the tests start from the repository root (`python -m pdserve ...`, `python -c ...`)
+# keep it off the front of sys.path (Python >= 3.11), as pytest does (--import-mode=append,
+# pyproject.toml): its top-level folders (kernels/, common/, ...; installed as pdserve.*) would
+# shadow distributions' packages of the same name (transformers >= 5.25 imports Hugging Face's
+# `kernels`). tests/test_kernels_name.py checks both.
+os.environ.setdefault("PYTHONSAFEPATH", "1")
+
 # Routers the tests start prefill every prompt on a prefill node, as the P/D tests expect (the
 # cost model would place some on decode nodes, depending on rates measured while tests run).
 # The placement's own tests pass --prefill-placement explicitly.
