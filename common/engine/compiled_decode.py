@@ -10,15 +10,19 @@ change every step and never make it recompile. The batch is padded up to its buc
 4, ... up to max_num_seqs), so each bucket compiles once; padded rows store no K/V and their
 logits are dropped. Prefill and mixed steps, and steps with a per-layer hook, run eager.
 
-On the CPU each bucket is an AOTInductor package (`decode_packages.py`) kept in the compile
-cache, which a later start loads without importing the compiler or tracing again. By default
-(`start_background`) the buckets the cache lacks are compiled by a child process while the
-engine serves them eager (`background_compile.py`); each switches to its package between two
-steps, once loaded (`ReadyBuckets` hands them over, so the step never runs the compile's code).
+On the CPU each bucket is an AOTInductor package kept in the compile cache (made by
+`background_compile.py`), which a later start loads with torch's C++ loader (`DecodePackage`)
+without importing the compiler or tracing again: torch.compile's on-disk caches would still
+import Dynamo and inductor (about 3.5 CPU seconds here, more than a whole eager start of the
+tiny model) and trace each bucket again. A package holds no weights: they are handed to it at
+load, by name, as the model's own tensors (no copy). By default (`start_background`) the
+buckets the cache lacks are compiled by a child process while the engine serves them eager;
+each switches to its package between two steps, once loaded (`ReadyBuckets` hands them over,
+so the step never runs the compile's code).
 
-On CUDA each bucket's compiled step is then captured as a CUDA graph over static inputs (the
-block tables as wide as max_model_len allows), so a decode step is a few copies and one graph
-launch instead of a few hundred kernel launches from Python (see `DecodeGraphs`).
+On CUDA each bucket's compiled step is then captured as a CUDA graph over static inputs
+(`cuda_graphs.DecodeGraphs`), so a decode step is a few copies and one graph launch instead of
+a few hundred kernel launches from Python.
 """
 
 from __future__ import annotations
@@ -36,8 +40,8 @@ from typing import Any
 import torch
 
 from pdserve import kernels
-from pdserve.common.engine import decode_packages
-from pdserve.common.engine.background_compile import BackgroundCompile, CompileJob
+from pdserve.common.engine import background_compile, cuda_graphs
+from pdserve.common.engine.background_compile import BackgroundCompile, CompileJob, package_file
 from pdserve.common.engine.compile_cache import CacheCounts, CompileCache
 from pdserve.common.engine.config import ModelConfig
 from pdserve.common.model import attention
@@ -79,8 +83,8 @@ class CompiledDecode:
         self.compile_seconds: float | None = None  # of the warm-up, once done
         self.cache_counts: CacheCounts | None = None  # of the warm-up, when it had a cache
         self.max_blocks_per_seq = max_blocks_per_seq  # the graphs' block-table width
-        self.graphs: DecodeGraphs | None = None  # captured by warm_up on CUDA
-        self.packages: dict[int, decode_packages.DecodePackage] = {}  # loaded by warm_up on CPU
+        self.graphs: cuda_graphs.DecodeGraphs | None = None  # captured by warm_up on CUDA
+        self.packages: dict[int, DecodePackage] = {}  # loaded by warm_up on CPU
         self.cache: CompileCache | None = None  # where warm_up found or put the compiled steps
         self.background: BackgroundCompile | None = None  # compiling what the cache lacked
         self.ready = ReadyBuckets()  # its packages, until a step adopts them
@@ -149,7 +153,7 @@ class CompiledDecode:
             positions = torch.nn.functional.pad(positions, (0, size - batch))
         if size in self.packages:
             return self.packages[size](input_ids, positions, attn, kv_caches)[:batch]
-        _mark_unbacked(attn)
+        cuda_graphs.mark_unbacked(attn)
         return self._step(input_ids, positions, attn, kv_caches)[:batch]
 
     def warm_up(self, kv_caches: list[torch.Tensor], cache: CompileCache | None = None) -> float:
@@ -160,7 +164,7 @@ class CompiledDecode:
         self.cache = cache
         if kv_caches[0].device.type == "cpu":
             assert cache is not None, "CPU packages live in a compile cache"
-            self.packages, self.cache_counts = decode_packages.load_packages(
+            self.packages, self.cache_counts = load_packages(
                 self.model, self.buckets, kv_caches, cache
             )
             self.num_compiles += len(self.packages)
@@ -186,7 +190,7 @@ class CompiledDecode:
         assert kv_caches[0].device.type == "cpu", "background compiles make CPU packages"
         start = time.perf_counter()
         self.cache = cache
-        self.packages, self.cache_counts = decode_packages.load_packages(
+        self.packages, self.cache_counts = load_packages(
             self.model, self.buckets, kv_caches, cache, compile_missing=False
         )
         self.num_compiles += len(self.packages)
@@ -201,8 +205,8 @@ class CompiledDecode:
             load = functools.partial(self._load_package, cache)
             self.background = BackgroundCompile(job, missing, load, self.ready)
 
-    def _load_package(self, cache: CompileCache, size: int) -> decode_packages.DecodePackage:
-        return decode_packages.DecodePackage(decode_packages.package_path(cache, size), self.model)
+    def _load_package(self, cache: CompileCache, size: int) -> DecodePackage:
+        return DecodePackage(package_file(cache.path, size), self.model)
 
     def _compile_buckets(self, kv_caches: list[torch.Tensor]) -> None:
         device = kv_caches[0].device
@@ -213,9 +217,60 @@ class CompiledDecode:
                 ids = torch.zeros(size, dtype=torch.int64, device=device)
                 self.logits(ids, torch.zeros_like(ids), _null_metadata(device), kv_caches)
             if device.type == "cuda" and self.max_blocks_per_seq is not None:
-                self.graphs = DecodeGraphs(
+                self.graphs = cuda_graphs.DecodeGraphs(
                     self._step, self.buckets, self.max_blocks_per_seq, kv_caches
                 )
+
+
+class DecodePackage:
+    """One bucket's loaded package, bound to the model's weights: `(ids, positions, attn,
+    kv_caches) -> logits` of `size` rows (ids and positions padded to it)."""
+
+    def __init__(self, path: Path, model: torch.nn.Module) -> None:
+        # Run with the GIL-free runner's locking (False): steps may come from any thread.
+        self.loader = torch._C._aoti.AOTIModelPackageLoader(str(path), "model", False, 1, -1)
+        tensors = {**dict(model.named_parameters()), **dict(model.named_buffers())}
+        names = self.loader.get_constant_fqns()
+        missing = [n for n in names if n.removeprefix("model.") not in tensors]
+        if missing:
+            raise RuntimeError(f"{path} wants tensors the model does not have: {missing[:5]}")
+        constants = {n: tensors[n.removeprefix("model.")] for n in names}
+        # user_managed: the package reads the model's own tensors, which the runner keeps alive.
+        self.loader.load_constants(constants, False, True, True, False)
+
+    def __call__(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        attn: AttentionMetadata,
+        kv_caches: list[torch.Tensor],
+    ) -> torch.Tensor:
+        return self.loader.boxed_run([input_ids, positions, *attn.tensors(), *kv_caches])[0]
+
+
+def load_packages(
+    model: torch.nn.Module,
+    buckets: tuple[int, ...],
+    kv_caches: list[torch.Tensor],
+    cache: CompileCache,
+    compile_missing: bool = True,
+) -> tuple[dict[int, DecodePackage], CacheCounts]:
+    """Every bucket's package from `cache`'s folder, compiling those it lacks (or cannot
+    load) unless told not to; the packages, and how many were loaded (hits) and compiled or
+    left to compile (misses)."""
+    packages, missing = {}, []
+    for size in buckets:
+        try:
+            packages[size] = DecodePackage(package_file(cache.path, size), model)
+        except (OSError, RuntimeError) as e:  # absent, or unreadable: made again
+            if package_file(cache.path, size).exists():
+                log.warning("compiling decode bucket %d again: %s", size, e)
+            missing.append(size)
+    if missing and compile_missing:
+        compile_package = background_compile.compile_package
+        cache.run(lambda: [compile_package(model, size, kv_caches, cache) for size in missing])
+        packages.update({s: DecodePackage(package_file(cache.path, s), model) for s in missing})
+    return packages, CacheCounts(hits=len(buckets) - len(missing), misses=len(missing))
 
 
 class ReadyBuckets:
@@ -227,19 +282,19 @@ class ReadyBuckets:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._uses: collections.Counter[int] = collections.Counter()
-        self._ready: dict[int, decode_packages.DecodePackage] = {}
+        self._ready: dict[int, DecodePackage] = {}
 
     def note(self, size: int) -> None:
         with self._lock:
             self._uses[size] += 1
 
-    def take(self) -> dict[int, decode_packages.DecodePackage]:
+    def take(self) -> dict[int, DecodePackage]:
         """The packages put since the last call (the caller owns them now)."""
         with self._lock:
             ready, self._ready = self._ready, {}
         return ready
 
-    def put(self, size: int, package: decode_packages.DecodePackage) -> None:
+    def put(self, size: int, package: DecodePackage) -> None:
         with self._lock:
             self._ready[size] = package
 
@@ -249,92 +304,10 @@ class ReadyBuckets:
             return max(sizes, key=lambda s: (self._uses[s], -s))
 
 
-class DecodeGraphs:
-    """One CUDA graph per bucket of the compiled decode step, over one set of static inputs.
-
-    The graphs share a memory pool (captured largest first, as each reuses the pool) and the
-    static buffers: a step copies its B rows in, pads the rest of its bucket (token 0, slot -1:
-    no store, a sequence with no query token and length 0: no attention) and replays. Block
-    tables are `max_blocks` wide, enough for max_model_len, so any context fits one graph; the
-    attention kernels size their work from the lengths on the device, never from that width.
-    The logits returned are a view of the graph's output, valid until the next replay.
-    """
-
-    def __init__(
-        self,
-        step: Callable[..., torch.Tensor],
-        buckets: tuple[int, ...],
-        max_blocks: int,
-        kv_caches: list[torch.Tensor],
-    ) -> None:
-        device, rows = kv_caches[0].device, buckets[-1]
-        i64, i32 = (
-            {"dtype": torch.int64, "device": device},
-            {"dtype": torch.int32, "device": device},
-        )
-        self.input_ids = torch.zeros(rows, **i64)
-        self.positions = torch.zeros(rows, **i64)
-        self.slot_mapping = torch.full((rows,), -1, **i64)
-        self.block_tables = torch.zeros(rows, max_blocks, **i32)
-        self.query_start_loc = torch.zeros(rows + 1, **i32)
-        self.seq_lens = torch.zeros(rows, **i32)
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.outputs: dict[int, torch.Tensor] = {}
-        pool = torch.cuda.graph_pool_handle()
-        for size in sorted(buckets, reverse=True):
-            meta = self._metadata(size)
-            _mark_unbacked(meta)  # the graph the warm-up compiled, not a new one
-            args = (self.input_ids[:size], self.positions[:size], meta, kv_caches)
-            step(*args)  # all rows padding: stores and attends nothing
-            torch.cuda.synchronize(device)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                self.outputs[size] = step(*args)
-            self.graphs[size] = graph
-        torch.cuda.synchronize(device)
-
-    def _metadata(self, size: int) -> AttentionMetadata:
-        return AttentionMetadata(
-            slot_mapping=self.slot_mapping[:size],
-            block_tables=self.block_tables[:size],
-            query_start_loc=self.query_start_loc[: size + 1],
-            seq_lens=self.seq_lens[:size],
-            max_query_len=1,
-            max_seq_len=self.block_tables.shape[1],
-        )
-
-    def fits(self, attn: AttentionMetadata) -> bool:
-        """Whether this step's block tables fit the static ones (they do up to max_model_len)."""
-        return attn.block_tables.shape[1] <= self.block_tables.shape[1]
-
-    def replay(
-        self,
-        input_ids: torch.Tensor,
-        positions: torch.Tensor,
-        attn: AttentionMetadata,
-        size: int,
-    ) -> torch.Tensor:
-        """Logits [B, vocab] of B = len(input_ids) sequences through the graph of `size` rows."""
-        batch, width = input_ids.shape[0], attn.block_tables.shape[1]
-        self.input_ids[:batch].copy_(input_ids)
-        self.positions[:batch].copy_(positions)
-        self.slot_mapping[:batch].copy_(attn.slot_mapping)
-        self.block_tables[:batch, :width].copy_(attn.block_tables)
-        self.query_start_loc[: batch + 1].copy_(attn.query_start_loc)
-        self.seq_lens[:batch].copy_(attn.seq_lens)
-        if size > batch:
-            self.input_ids[batch:size].zero_()
-            self.positions[batch:size].zero_()
-            self.slot_mapping[batch:size].fill_(-1)
-            self.query_start_loc[batch + 1 : size + 1].fill_(batch)
-            self.seq_lens[batch:size].zero_()
-        self.graphs[size].replay()
-        return self.outputs[size][:batch]
-
-
 @functools.cache
 def code_hash() -> str:
-    """A hash of the code a compiled step is traced from: this file, the packages', every
+    """A hash of the code a compiled step is traced from: this file, the export's
+    (background_compile.py) and the graphs' marking (cuda_graphs.py), every
     module of the model package (the model families, their layers and the attention op with
     its fake) and of kernels/ (what a layer may call, such as the CPU linears). A CPU package
     is found by the cache's key alone, so a change to any of them must give another key; read
@@ -349,7 +322,8 @@ def traced_files() -> list[Path]:
     # *.cpp: the GEMV's C++ (kernels/cpu_quant.cpp), which a package calls through its op.
     kernel_sources = sorted([*kernels_dir.glob("*.py"), *kernels_dir.glob("*.cpp")])
     sources = [*sorted(model_dir.glob("*.py")), *kernel_sources]
-    return [Path(__file__), Path(decode_packages.__file__), *sources]
+    made_by = [Path(__file__), Path(background_compile.__file__), Path(cuda_graphs.__file__)]
+    return [*made_by, *sources]
 
 
 def hash_files(files: list[Path]) -> str:
@@ -389,11 +363,3 @@ def _null_metadata(device: torch.device) -> AttentionMetadata:
         max_query_len=1,
         max_seq_len=1,
     )
-
-
-def _mark_unbacked(attn: AttentionMetadata) -> None:
-    """Mark every size of the metadata unknown to the compiler: the graph only hands these
-    tensors to the attention op, so any batch composition runs the bucket's one graph."""
-    for t in attn.tensors():
-        for dim in range(t.dim()):
-            torch._dynamo.decorators.mark_unbacked(t, dim)

@@ -20,9 +20,8 @@ from pathlib import Path
 
 import pytest
 
-from pdserve.common.engine.background_compile import BackgroundCompile, CompileJob
+from pdserve.common.engine.background_compile import BackgroundCompile, CompileJob, tmp_package_path
 from pdserve.common.engine.config import EAGER_ENV
-from pdserve.common.engine.decode_packages import tmp_package_path
 from pdserve.common.engine.llm import LLM
 
 # one_thread: this module's engines, and so the child's packages, at one thread (autouse).

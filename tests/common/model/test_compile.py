@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from pdserve.bench.compile_start import start_once
-from pdserve.common.engine import decode_packages
+from pdserve.common.engine import background_compile, compiled_decode
 from pdserve.common.engine.compile_cache import CacheCounts, CompileCache
 from pdserve.common.engine.compiled_decode import decode_buckets, hash_files, traced_files
 from pdserve.common.engine.config import EAGER_ENV, ModelConfig
@@ -157,7 +157,8 @@ def test_the_code_hash_covers_the_model_package(tmp_path: Path) -> None:
     """A CPU package is found by the key alone: a change to any traced source (the model's
     layers, the attention op's fake, the export) must change the key."""
     names = {f.name for f in traced_files()}
-    assert {"compiled_decode.py", "decode_packages.py", "llama.py", "attention.py"} <= names
+    made_by = {"compiled_decode.py", "background_compile.py", "cuda_graphs.py"}
+    assert made_by | {"llama.py", "attention.py"} <= names
     assert {"parallel.py", "quant.py", "ops.py", "cpu.py"} <= names  # and kernels/
     assert "cpu_quant.cpp" in names  # the GEMV's C++, which a GGUF model's package calls
     files = [tmp_path / "a.py", tmp_path / "b.py"]
@@ -172,7 +173,7 @@ def _bucket_one(compiled: LLM) -> tuple[ModelRunner, CompileCache, Path]:
     runner = compiled.engine.runner
     cache = runner.compiled.cache
     assert cache is not None
-    return runner, cache, decode_packages.package_path(cache, 1)
+    return runner, cache, background_compile.package_file(cache.path, 1)
 
 
 @waits_for_a_compile
@@ -180,7 +181,7 @@ def _bucket_one(compiled: LLM) -> tuple[ModelRunner, CompileCache, Path]:
 def test_a_package_loads_only_onto_the_model_it_was_made_for(compiled: LLM) -> None:
     _, _, path = _bucket_one(compiled)
     with pytest.raises(RuntimeError, match="wants tensors the model does not have"):
-        decode_packages.DecodePackage(path, torch.nn.Linear(2, 2))
+        compiled_decode.DecodePackage(path, torch.nn.Linear(2, 2))
 
 
 @waits_for_a_compile
@@ -194,15 +195,15 @@ def test_an_unreadable_package_is_compiled_again(
     runner, good_cache, good = _bucket_one(compiled)
     cache = CompileCache(tmp_path, good_cache.key)
     cache.path.mkdir(parents=True)
-    decode_packages.package_path(cache, 1).write_bytes(b"not a package")
+    background_compile.package_file(cache.path, 1).write_bytes(b"not a package")
     made: list[int] = []
 
     def copy(model: object, size: int, kv: object, into: CompileCache) -> None:
         made.append(size)
-        decode_packages.package_path(into, size).write_bytes(good.read_bytes())
+        background_compile.package_file(into.path, size).write_bytes(good.read_bytes())
 
-    monkeypatch.setattr(decode_packages, "compile_package", copy)
-    packages, counts = decode_packages.load_packages(runner.model, (1,), runner.kv_caches, cache)
+    monkeypatch.setattr(background_compile, "compile_package", copy)
+    packages, counts = compiled_decode.load_packages(runner.model, (1,), runner.kv_caches, cache)
     assert counts == CacheCounts(hits=0, misses=1) and made == [1]
     inputs = decode_batch(runner, [20], first_block=1)
     args = (inputs.input_ids, inputs.positions, inputs.attn, runner.kv_caches)
