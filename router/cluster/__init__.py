@@ -6,12 +6,13 @@ prompt's blocks or answers Busy), Prefill to a prefill node with the reserved bl
 destination; the prefill node streams the first token here and hands the KV to the decode
 node, which streams the rest.
 
-Modules, from the bottom up: registry (NodeInfo, which nodes are alive), streams (one
-request's state and RequestTable, the owner of where every request runs), control (the
-ROUTER socket), registration (nodes joining), routing (where a request goes: the policies'
-orderings of candidate nodes and local or remote prefill; and putting it there, again after a
-failover), backend (ClusterBackend: the wiring of messages, leases and streams); beside them
-timing (one request's time to first token by stage, which the router's GenerateRequest carries
-down and the cluster fills in). The package imports none of them itself: `router.backend`
-imports timing from here, and `cluster.backend` imports `router.backend`.
+Modules, from the bottom up: registry (NodeInfo, which nodes are alive), streams (what is in
+flight with the nodes: the ROUTER socket with the asks waiting on it, one request's state, and
+RequestTable, the owner of where every request runs), registration (nodes joining), routing
+(where a request goes: the policies' orderings of candidate nodes and local or remote prefill;
+and putting it there, again after a failover), backend (ClusterBackend: the wiring of messages,
+leases and streams); beside them timing (one request's time to first token by stage, which the
+router's GenerateRequest carries down and the cluster fills in). The package imports none of
+them itself: `router.backend` imports timing from here, and `cluster.backend` imports
+`router.backend`.
 """

@@ -39,11 +39,11 @@ from pdserve.common.wire.messages import (
 )
 from pdserve.common.wire.security import load_keys
 from pdserve.router.backend import Backend, GenerateRequest
-from pdserve.router.cluster.control import ControlServer
 from pdserve.router.cluster.registration import Registrar
 from pdserve.router.cluster.registry import NODE_ROLES, NodeInfo, NodeRegistry
 from pdserve.router.cluster.routing import POLICIES, Routing
 from pdserve.router.cluster.streams import (
+    ControlServer,
     Failover,
     RequestTable,
     Stream,

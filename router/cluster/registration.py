@@ -11,8 +11,7 @@ from collections import Counter
 
 from pdserve.common.node.config import is_wildcard
 from pdserve.common.wire.messages import Registered, RegisterNode
-from pdserve.router.cluster.control import ControlServer
-from pdserve.router.cluster.streams import RequestTable
+from pdserve.router.cluster.streams import ControlServer, RequestTable
 
 log = logging.getLogger(__name__)
 

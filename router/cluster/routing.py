@@ -45,9 +45,14 @@ from pdserve.common.wire.messages import (
     ReserveKV,
 )
 from pdserve.common.wire.payloads import SamplingParams
-from pdserve.router.cluster.control import ControlServer
 from pdserve.router.cluster.registry import NodeInfo, NodeRegistry, kv_mismatch
-from pdserve.router.cluster.streams import BlockHashes, Failover, RequestTable, Stream
+from pdserve.router.cluster.streams import (
+    BlockHashes,
+    ControlServer,
+    Failover,
+    RequestTable,
+    Stream,
+)
 
 log = logging.getLogger(__name__)
 
