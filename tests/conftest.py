@@ -34,6 +34,18 @@ from pdserve.tiny_model import make_tiny_model  # noqa: E402
 # shadow distributions' packages of the same name (transformers >= 5.25 imports Hugging Face's
 # `kernels`). tests/test_kernels_name.py checks both.
 os.environ.setdefault("PYTHONSAFEPATH", "1")
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def module_command(module: str, *args: object) -> list[str]:
+    """The command line that runs `tests.*` module `module` as __main__ with `args` in a child:
+    the repository root appended to its sys.path (importable, behind site-packages)."""
+    code = (
+        f"import runpy, sys; sys.path.append({str(ROOT)!r}); "
+        f"runpy.run_module({module!r}, run_name='__main__', alter_sys=True)"
+    )
+    return [sys.executable, "-c", code, *map(str, args)]
+
 
 # Routers the tests start prefill every prompt on a prefill node, as the P/D tests expect (the
 # cost model would place some on decode nodes, depending on rates measured while tests run).

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import random
-import sys
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -14,6 +13,7 @@ from pdserve.common.engine.kv_cache_manager import hash_token_blocks
 from pdserve.common.wire.payloads import KVLayout
 from pdserve.kv_store import BlockKey, KeySpace
 from pdserve.kv_store.local_redis import LocalRedis
+from tests.conftest import module_command
 
 LAYOUT = KVLayout("tiny-model:abcd", "float32", 2, 2, 8, 4)
 SPACE = KeySpace.of(LAYOUT)
@@ -37,7 +37,7 @@ def wait_until(check: Callable[[], bool], what: str, timeout: float = 20.0) -> N
 
 def store_proc(*args: object) -> list[str]:
     """The command line of tests/kv_store/store_proc.py with `args`."""
-    return [sys.executable, "-m", "tests.kv_store.store_proc", *map(str, args)]
+    return module_command("tests.kv_store.store_proc", *args)
 
 
 RedisServer = LocalRedis  # a real redis-server on a loopback port, restartable on it

@@ -3,10 +3,8 @@
 from __future__ import annotations
 
 import json
-import os
 import queue
 import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
@@ -17,6 +15,7 @@ import torch
 
 from pdserve.kv_transfer import KVLayout, KVReceiver, TransferResult
 from pdserve.kv_transfer.nixl_agent import nixl_installed
+from tests.conftest import module_command
 
 # A nixl test skips only where no NIXL package is installed; an installed one that fails to
 # load fails the test (load_nixl names the import error).
@@ -71,11 +70,9 @@ class SenderProcess:
     START_TIMEOUT = 300.0
 
     def __init__(self) -> None:
-        env = {**os.environ, "PYTHONPATH": str(REPO)}
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "tests.kv_transfer.sender_proc"],
+            module_command("tests.kv_transfer.sender_proc"),
             cwd=REPO,
-            env=env,
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             text=True,
