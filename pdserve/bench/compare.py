@@ -20,6 +20,13 @@ from typing import Any
 from pdserve.bench import load
 from pdserve.bench import report as rp
 from pdserve.bench.peers import VLLM_PYTHON_FLAG, engine_dtype, vllm_python
+from pdserve.bench.rounds import (
+    failed_notes,
+    measure_rounds,
+    median_results,
+    rounds_row,
+    with_round_ratios,
+)
 from pdserve.bench.scenarios import (
     QUICK_SIZES,
     Run,
@@ -28,13 +35,13 @@ from pdserve.bench.scenarios import (
     sat_key,
     scenario_runs,
     sizes_from_dict,
+    sizes_table,
 )
 from pdserve.bench.systems import (
     REMOTE,
     System,
     batch_tokens,
     heartbeat_args,
-    measure_systems,
     peer_settings,
     sigterm_raises,
     smollm2_model,
@@ -176,6 +183,14 @@ def evaluate_goals(results: dict[str, dict], sizes: Sizes, memory: dict) -> list
     return [rp.goal(*spec) for spec in [*specs, *vllm_goals(results, sizes)]]
 
 
+def round_goals(results: dict[str, dict], rounds: list[dict[str, Any]], sizes: Sizes,
+                memory: dict) -> list[dict[str, Any]]:  # fmt: skip
+    """The goals judged on `results` (the medians), each with every round's own ratio (the
+    GGUF's memory, measured once, has none)."""
+    per_round = functools.partial(evaluate_goals, sizes=sizes, memory={})
+    return with_round_ratios(evaluate_goals(results, sizes, memory), rounds, per_round)
+
+
 def vllm_goals(results: dict[str, dict], sizes: Sizes) -> list[tuple]:
     """pdserve against vLLM on the same checkpoint, dtype, token budget and cores."""
     sat, one, mixed = sat_key(sizes), "latency/concurrency=1", "mixed/short+long"
@@ -266,27 +281,10 @@ def setup_table(report: dict[str, Any]) -> str:
         ["pdserve router flags",
          f"{rp.flags_text(report['router_args'])} (1P1D adds `--prefill-placement remote`)"],
         ["pdserve 1P1D cores (`--cpu-placement auto`)", report.get("placement", "not recorded")],
+        *rounds_row(report),
         loads_row([x for r in runs for x in r["load_avg_1m"]], "around the runs"),
     ]  # fmt: skip
     return rp.markdown_table(["run", ""], rows)
-
-
-def sizes_table(s: Sizes) -> str:
-    """The scenarios' requests; every system gets the same ones (fixed seed)."""
-    rates = ", ".join(f"{r:g}" for r in s.sat_rates)
-    longs = ", ".join(f"{t:g}" for t in s.mixed_long_at)
-    rows = [
-        ["latency", s.latency_n, s.latency_input, s.latency_output, "one at a time"],
-        ["saturation", s.sat_n, f"~{s.sat_input} (±25%)", f"~{s.sat_output}",
-         f"Poisson at {rates} req/s"],
-        ["serial", s.sat_n, f"~{s.sat_input} (±25%)", f"~{s.sat_output}", "one at a time"],
-        ["mixed: short", s.mixed_short_n, s.mixed_short_input, s.mixed_short_output,
-         "all at once"],
-        ["mixed: long", len(s.mixed_long_at), s.mixed_long_input, s.mixed_long_output,
-         f"at {longs} s"],
-    ]  # fmt: skip
-    header = ["scenario", "requests", "prompt tokens", "output tokens", "sent"]
-    return rp.markdown_table(header, rows)
 
 
 def render_section(report: dict[str, Any], to: rp.Outputs, plots: list[Path]) -> str:
@@ -338,8 +336,11 @@ def model_desc(config: dict[str, Any], args: argparse.Namespace) -> str:
 
 RUN_FLAGS = [
     ("--quick", bool, None, "tiny model, a handful of requests (default --out: a temp folder)"),
+    ("--repeats", int, 1, "rounds: each starts, measures and stops every system, the order "
+     "reversed every other round; tables and goals read each metric's median over the rounds, "
+     "goal rows each round's ratio too; the JSON keeps every round"),
     rp.TQDM_FLAG,
-]
+]  # fmt: skip
 MODEL_FLAGS = [
     ("--model", Path, None, "an HF model directory (default: the random-weight benchmark "
      "Llama)", {"metavar": "DIR"}),
@@ -364,6 +365,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     rp.add_flags(out, OUTPUT_FLAGS)
     args = parse_scenario(p, argv, list(SYSTEMS), QUICK_SYSTEMS)
     drop_peers_that_cannot_run(p, args)
+    if args.repeats < 1:
+        p.error(f"--repeats {args.repeats}: at least one round")
     if args.smollm2 and args.model is not None:
         p.error("--smollm2 and --model name two models: give one")
     args.section = args.section or (SMOLLM2_SECTION if args.smollm2 else SECTION)
@@ -410,9 +413,12 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
 
         peers = {n: peer_settings(SYSTEMS[n], args, model) for n in args.systems if
                  SYSTEMS[n].peer}  # fmt: skip
-        results, notes = measure_systems(args, SYSTEMS, model, measure_one)
+        rounds, notes = measure_rounds(args, SYSTEMS, model, measure_one)
+    results, notes = median_results([r["results"] for r in rounds]), notes + failed_notes(rounds)
     pdserve = any(SYSTEMS[name].shape for name in args.systems)  # what loads the GGUF
     memory = gguf_memory(args.gguf, notes) if args.gguf and pdserve else {}
+    goals = round_goals(results, rounds, sizes, memory)
+    repeated = {"repeats": args.repeats, "rounds": rounds} if args.repeats > 1 else {}
     config = json.loads((model / "config.json").read_text())
     return scenario_fields(
         args, model, model_desc(config, args), (results, notes),
@@ -420,7 +426,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         batch_tokens=batch_tokens(args.engine_args),
         router_args=heartbeat_args(args.heartbeat_timeout),
         section=args.section, sizes=asdict(sizes), memory=memory, peer_settings=peers,
-        goals=evaluate_goals(results, sizes, memory),
+        goals=goals, **repeated,
     )  # fmt: skip
 
 

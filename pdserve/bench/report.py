@@ -334,10 +334,24 @@ def goal(name: str, value: float | None, base: float | None, op: str, target: fl
 
 
 def goals_table(goals: list[dict[str, Any]]) -> str:
-    """The goals of a run as a table: goal, value, baseline, ratio, met or missed."""
+    """The goals of a run as a table: goal, value, baseline, ratio, met or missed; goals of
+    several rounds (`rounds`: each round's ratio, `round_loads`) add each round's ratio."""
     keys = ("goal", "value", "baseline", "ratio", "status")
     rows = [["—" if g[k] is None else g[k] for k in keys] for g in goals]
-    return markdown_table(list(keys), rows)
+    if not any("rounds" in g for g in goals):
+        return markdown_table(list(keys), rows)
+    each = [round_ratios(g.get("rounds", []), g.get("round_loads", [])) for g in goals]
+    header = [*keys, "each round's ratio (1-min load at its start, end)"]
+    return markdown_table(header, [[*row, text] for row, text in zip(rows, each)])
+
+
+def round_ratios(ratios: Sequence[float | None], loads: Sequence[Sequence[float]]) -> str:
+    """A goal's ratio in each round with the round's load average: `1.13 (2.1, 3.0); ...`
+    (— for a goal no round measured)."""
+    if all(r is None for r in ratios):
+        return "—"
+    return "; ".join(f"{'—' if r is None else cell(r)} ({a:.1f}, {b:.1f})"
+                     for r, (a, b) in zip(ratios, loads))  # fmt: skip
 
 
 def cell(v: Any) -> str:

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from pdserve.bench import load
+from pdserve.bench.report import markdown_table
 
 
 @dataclass(frozen=True, slots=True)
@@ -77,3 +78,21 @@ def sat_key(sizes: Sizes) -> str:
 def sizes_from_dict(d: dict[str, Any]) -> Sizes:
     """Sizes from its JSON form, where inf is the string "inf"."""
     return Sizes(**{k: tuple(map(float, v)) if isinstance(v, list) else v for k, v in d.items()})
+
+
+def sizes_table(s: Sizes) -> str:
+    """The scenarios' requests; every system gets the same ones (fixed seed)."""
+    rates = ", ".join(f"{r:g}" for r in s.sat_rates)
+    longs = ", ".join(f"{t:g}" for t in s.mixed_long_at)
+    rows = [
+        ["latency", s.latency_n, s.latency_input, s.latency_output, "one at a time"],
+        ["saturation", s.sat_n, f"~{s.sat_input} (±25%)", f"~{s.sat_output}",
+         f"Poisson at {rates} req/s"],
+        ["serial", s.sat_n, f"~{s.sat_input} (±25%)", f"~{s.sat_output}", "one at a time"],
+        ["mixed: short", s.mixed_short_n, s.mixed_short_input, s.mixed_short_output,
+         "all at once"],
+        ["mixed: long", len(s.mixed_long_at), s.mixed_long_input, s.mixed_long_output,
+         f"at {longs} s"],
+    ]  # fmt: skip
+    header = ["scenario", "requests", "prompt tokens", "output tokens", "sent"]
+    return markdown_table(header, rows)

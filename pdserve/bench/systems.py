@@ -256,12 +256,14 @@ Measure = Callable[[System, str, list[str], dict[str, Any]], None]
 
 
 def measure_systems(args: argparse.Namespace, systems: dict[str, System], model: Path | str,
-                    measure: Measure) -> tuple[dict[str, dict[str, Any]], list[str]]:  # fmt: skip
-    """Each system of args.systems started, measured by measure(system, url, health URLs, its
-    record) and stopped. A system that cannot start or go on keeps what it measured, noted."""
+                    measure: Measure, order: Sequence[str] | None = None
+                    ) -> tuple[dict[str, dict[str, Any]], list[str]]:  # fmt: skip
+    """Each system of args.systems (in `order`, if given) started, measured by measure(system,
+    url, health URLs, its record) and stopped before the next starts. A system that cannot
+    start or go on keeps what it measured, noted."""
     results: dict[str, dict[str, Any]] = {}
     notes: list[str] = []
-    for name in args.systems:
+    for name in args.systems if order is None else order:
         results[name] = {}
         print(f"== {name}: starting", flush=True)
         started = time.monotonic()

@@ -5,8 +5,11 @@ given directory (nothing under docs/)."""
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import math
 import os
+import statistics
 import sys
 from pathlib import Path
 
@@ -15,7 +18,7 @@ import torch
 from safetensors.torch import load_file
 
 from pdserve.bench import compare as bc
-from pdserve.bench import peers, systems
+from pdserve.bench import peers, rounds, systems
 from pdserve.bench import report as rp
 from pdserve.bench.load import load_pool
 from pdserve.bench.report import goal
@@ -30,10 +33,13 @@ VLLM_GOALS = 3
 
 @pytest.fixture
 def fake_vllm_python(tmp_path: Path) -> Path:
-    """A "python" that runs the stand-in with the arguments vLLM's python would get."""
+    """A "python" that runs the stand-in with the arguments vLLM's python would get; its
+    folder on PYTHONPATH for its import of fake_llamacpp (conftest sets PYTHONSAFEPATH, which
+    keeps a script's own folder off sys.path)."""
     python = tmp_path / "vllm-venv" / "python"
     python.parent.mkdir()
-    python.write_text(f'#!/bin/sh\nexec {sys.executable} {FAKE_VLLM} "$@"\n')
+    path = f"PYTHONPATH={FAKE_VLLM.parent}"
+    python.write_text(f'#!/bin/sh\n{path} exec {sys.executable} {FAKE_VLLM} "$@"\n')
     python.chmod(0o755)
     return python
 
@@ -99,6 +105,10 @@ def test_quick_run_writes_results_plots_and_section(tmp_path, fake_vllm_python):
     assert "compiled (its default)" in settings and f"| vllm settings | {settings} |" in doc
 
     assert "engine_profile" not in doc and "profile" not in data
+    # --repeats 1, the default: the report and its goals as before rounds existed
+    assert "rounds" not in data and "repeats" not in data
+    assert all(set(g) == {"goal", "value", "baseline", "ratio", "status"} for g in data["goals"])
+    assert "rounds (`--repeats`)" not in doc and "each round's ratio" not in doc
 
     # Redrawn from the JSON alone (nothing measured): the same section.
     again = tmp_path / "again"
@@ -253,3 +263,120 @@ def test_gguf_memory_probe_that_fails_is_a_note_not_a_lost_run(tmp_path, monkeyp
     python.write_text("#!/bin/sh\necho 100.5\n")
     assert bc.gguf_memory(gguf, notes, kv_mib=32) == {"file_mib": 1.0, "resident_mib": 68.5}
     assert len(notes) == 1
+
+
+def run_record(throughput: float, p99_short: float, completed: int = 4) -> dict:
+    """A run's record as load.summarize gives it, the fields these tests read."""
+    tag = {"short": {"completed": completed, "p99_itl_ms": p99_short}}
+    return {"completed": completed, "failed": 4 - completed, "output_throughput": throughput,
+            "requests": [{"ttft_s": throughput}], "by_tag": tag,
+            "date": str(throughput)}  # fmt: skip
+
+
+def test_each_metric_is_its_median_over_the_rounds_not_the_mean():
+    """Field by field, by tag too: a round's outlier (45 against ~100) moves a mean, not the
+    median; a metric a round could not measure (NaN) is left out; counts stay counts (the
+    lower median); every round's requests are kept for the CDFs."""
+    key = "saturation/rate=inf"
+    runs = ((100.0, 30.0, 4), (45.0, math.nan, 3), (110.0, 20.0, 4))
+    per_round = [{"vllm": {key: run_record(t, p, c)}} for t, p, c in runs]
+    merged = rounds.median_results(per_round)["vllm"][key]
+    assert merged["output_throughput"] == 100.0  # the mean: 85
+    assert merged["by_tag"]["short"]["p99_itl_ms"] == 25.0  # of the two rounds that measured it
+    assert merged["completed"] == 4 and merged["failed"] == 0
+    assert [r["ttft_s"] for r in merged["requests"]] == [100.0, 45.0, 110.0]
+    assert merged["date"] == "100.0"  # not a number: the first round's
+    assert rounds.median_results(per_round[:1]) is per_round[0]
+
+
+def test_goals_are_judged_on_the_medians_and_show_each_rounds_ratio():
+    """Colocated against vLLM all at once, in three rounds: 1.25x, 0.67x and 1.18x round by
+    round, 125 against 100 at the medians (1.25x, met); the mean (1.05x) or the median of the
+    round ratios (1.18x) would miss. Each goal row carries every round's ratio and load."""
+    sat = bc.sat_key(bc.QUICK_SIZES)
+    pairs = ((125.0, 100.0), (60.0, 90.0), (130.0, 110.0))
+    per_round = [{"round": i, "load_avg_1m": [i, i + 0.5],
+                  "results": {"pdserve-colocated": {sat: run_record(colo, 1.0)},
+                              "vllm": {sat: run_record(vllm, 1.0)}}}
+                 for i, (colo, vllm) in enumerate(pairs, 1)]  # fmt: skip
+    results = rounds.median_results([r["results"] for r in per_round])
+    goals = {g["goal"]: g for g in bc.round_goals(results, per_round, bc.QUICK_SIZES, {})}
+    rate = next(g for name, g in goals.items() if name.startswith("colocated output tok/s >= 1.2x"))
+    assert rate["ratio"] == pytest.approx(1.25) and rate["status"] == "met"
+    assert rate["rounds"] == pytest.approx([1.25, 60 / 90, 130 / 110])
+    assert rate["round_loads"] == [[1, 1.5], [2, 2.5], [3, 3.5]]
+    assert all(len(g["rounds"]) == 3 for g in goals.values())
+    table = rp.goals_table(list(goals.values()))
+    assert "each round's ratio (1-min load at its start, end)" in table
+    assert "| 1.25 | met | 1.25 (1.0, 1.5); 0.667 (2.0, 2.5); 1.18 (3.0, 3.5) |" in table
+    assert "| not measured | — |" in table  # no round measured it
+    one_missing = {**rate, "rounds": [1.25, None], "round_loads": [[1, 1.5], [2, 2.5]]}
+    assert "| 1.25 (1.0, 1.5); — (2.0, 2.5) |" in rp.goals_table([one_missing])
+
+
+def test_rounds_reverse_the_order_every_other_round_one_system_up_at_a_time(monkeypatch):
+    """Three rounds of A B C: A B C, C B A, A B C, each system stopped before the next starts;
+    a system that fails in a round is a note naming the round, and the rounds go on."""
+    events: list[str] = []
+    up: set[str] = set()
+
+    @contextlib.contextmanager
+    def start(spec, args, model):
+        assert not up, f"{spec.name} started while {up} up"
+        events.append(f"start {spec.name}")
+        if spec.name == "b" and events.count("start b") == 2:
+            raise RuntimeError("port taken")
+        up.add(spec.name)
+        yield f"http://{spec.name}", []
+        up.discard(spec.name)
+        events.append(f"stop {spec.name}")
+
+    def measure(spec, url, health, into):
+        assert up == {spec.name}
+        into["run"] = {"url": url}
+
+    monkeypatch.setattr(systems, "start_system", start)
+    specs = {n: systems.System(n, (0, 0, 1)) for n in "abc"}
+    args = argparse.Namespace(systems=["a", "b", "c"], repeats=3)
+    done, notes = rounds.measure_rounds(args, specs, "m", measure)
+    assert [r["order"] for r in done] == [["a", "b", "c"], ["c", "b", "a"], ["a", "b", "c"]]
+    each = ["start a", "stop a", "start b", "stop b", "start c", "stop c"]
+    assert events == [*each, "start c", "stop c", "start b", "start a", "stop a", *each]
+    assert notes == ["round 2: b stopped: port taken"]
+    assert done[1]["results"] == {"c": {"run": {"url": "http://c"}}, "b": {},
+                                  "a": {"run": {"url": "http://a"}}}  # fmt: skip
+    assert all(len(r["load_avg_1m"]) == 2 for r in done)
+
+
+def test_repeated_quick_run_through_stand_ins_keeps_every_round(tmp_path, monkeypatch,
+                                                                 fake_vllm_python):  # fmt: skip
+    """`--quick --smollm2 --systems llamacpp,vllm --repeats 2` through the two stand-ins: the
+    report's results are the rounds' medians, every round is kept with its order and load,
+    the goal rows carry each round, and the section says how many rounds there were."""
+    cache = tmp_path / "cache"
+    monkeypatch.setattr(bc, "smollm2_model", lambda *_: rp.cached_model(cache, *bc.MODELS[True]))
+    monkeypatch.setattr(bc, "smollm2", lambda: tmp_path / "smollm2.gguf")
+    monkeypatch.setattr(peers, "LLAMACPP", (sys.executable, str(FAKE_LLAMACPP)))
+    out = tmp_path / "out"
+    argv = ["--quick", "--smollm2", "--systems", "llamacpp,vllm", "--repeats", "2", "--out",
+            str(out), "--vllm-python", str(fake_vllm_python), "--disable-tqdm"]  # fmt: skip
+    data = bc.main(argv)
+    assert data["repeats"] == 2 and data["notes"] == []
+    assert [r["order"] for r in data["rounds"]] == [["llamacpp", "vllm"], ["vllm", "llamacpp"]]
+    for system in ("llamacpp", "vllm"):
+        for key, merged in data["results"][system].items():
+            each = [r["results"][system][key] for r in data["rounds"]]
+            assert all(run["completed"] > 0 and run["failed"] == 0 for run in each)
+            rates = [run["output_throughput"] for run in each]
+            assert merged["output_throughput"] == statistics.median(rates)
+            assert len(merged["requests"]) == sum(len(run["requests"]) for run in each)
+    loads = [r["load_avg_1m"] for r in data["rounds"]]
+    assert all(g["round_loads"] == loads and len(g["rounds"]) == 2 for g in data["goals"])
+    doc = (out / "benchmarks.md").read_text()
+    assert "| rounds (`--repeats`) | 2, the systems' order reversed every other round" in doc
+    assert "2: vllm, llamacpp (load " in doc and "each round's ratio" in doc
+    again = tmp_path / "again"
+    bc.main(["--from-json", str(out / "compare-smollm2.json"), "--out", str(again)])
+    assert (again / "benchmarks.md").read_text().split("### Goals")[1] == doc.split("### Goals")[1]
+    with pytest.raises(SystemExit):
+        bc.parse_args(["--out", "x", "--repeats", "0"])
