@@ -338,7 +338,7 @@ RUN_FLAGS = [
     ("--quick", bool, None, "tiny model, a handful of requests (default --out: a temp folder)"),
     ("--repeats", int, 1, "rounds: each starts, measures and stops every system, the order "
      "reversed every other round; tables and goals read each metric's median over the rounds, "
-     "goal rows each round's ratio too; the JSON keeps every round"),
+     "goal rows each round's ratio too; the JSON keeps every round", {"metavar": "N"}),
     rp.TQDM_FLAG,
 ]  # fmt: skip
 MODEL_FLAGS = [

@@ -99,12 +99,14 @@ def with_round_ratios(goals: list[dict[str, Any]], rounds: Sequence[dict[str, An
 def failed_notes(rounds: Sequence[dict[str, Any]]) -> list[str]:
     """A note for each run with failed requests in a round: the medians' table may not show
     them (a count at its median), so they are said here; none with one round."""
-    if len(rounds) == 1:
-        return []
-    return [f"round {r['round']}: {system} {key}: {res['failed']} of "
-            f"{res['completed'] + res['failed']} requests failed {res['errors'][:1]}"
-            for r in rounds for system, runs in r["results"].items()
-            for key, res in runs.items() if res.get("failed")]  # fmt: skip
+    notes: list[str] = []
+    for r in rounds if len(rounds) > 1 else []:
+        for system, runs in r["results"].items():
+            for key, res in [(k, res) for k, res in runs.items() if res.get("failed")]:
+                sent, first = res["completed"] + res["failed"], (res.get("errors") or ["?"])[0]
+                notes.append(f"round {r['round']}: {system} {key}: {res['failed']} of {sent} "
+                             f"requests failed (first error: {first})")  # fmt: skip
+    return notes
 
 
 def rounds_row(report: dict[str, Any]) -> list[list[str]]:

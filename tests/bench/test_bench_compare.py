@@ -270,7 +270,7 @@ def run_record(throughput: float, p99_short: float, completed: int = 4) -> dict:
     tag = {"short": {"completed": completed, "p99_itl_ms": p99_short}}
     return {"completed": completed, "failed": 4 - completed, "output_throughput": throughput,
             "requests": [{"ttft_s": throughput}], "by_tag": tag,
-            "date": str(throughput)}  # fmt: skip
+            "errors": ["HTTP 500"][: 4 - completed], "date": str(throughput)}  # fmt: skip
 
 
 def test_each_metric_is_its_median_over_the_rounds_not_the_mean():
@@ -287,6 +287,11 @@ def test_each_metric_is_its_median_over_the_rounds_not_the_mean():
     assert [r["ttft_s"] for r in merged["requests"]] == [100.0, 45.0, 110.0]
     assert merged["date"] == "100.0"  # not a number: the first round's
     assert rounds.median_results(per_round[:1]) is per_round[0]
+    # the median count hides round 2's failed request: a note names it
+    kept = [{"round": i, "results": r} for i, r in enumerate(per_round, 1)]
+    failed = f"round 2: vllm {key}: 1 of 4 requests failed (first error: HTTP 500)"
+    assert rounds.failed_notes(kept) == [failed]
+    assert rounds.failed_notes(kept[:1]) == []
 
 
 def test_goals_are_judged_on_the_medians_and_show_each_rounds_ratio():
