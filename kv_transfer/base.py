@@ -57,6 +57,12 @@ class KVSender(abc.ABC):
         # connectors; a nixl WRITE is not counted here).
         self.bytes_sent = 0
 
+    @classmethod
+    def check_installed(cls) -> None:
+        """TransferError naming the extra to install when this connector's library is missing
+        (`check_available`, at a node's start); most need nothing beyond pdserve's own."""
+        return None
+
     @abc.abstractmethod
     def connect(self, endpoint: str, timeout: float = 10.0) -> None:
         """Connect to a receiver's `endpoint` and handshake.
@@ -195,11 +201,7 @@ _CONNECTORS: dict[str, tuple[str, str]] = {
 def check_available(name: str) -> None:
     """Fail early (at a node's start) when connector `name` needs a library that is not
     installed: ValueError for an unknown name, TransferError naming the extra to install."""
-    _load(name, 0)
-    if name == "nixl":
-        from pdserve.kv_transfer.nixl_agent import load_nixl
-
-        load_nixl()
+    _load(name, 0).check_installed()
 
 
 def connector_names() -> tuple[str, ...]:

@@ -93,6 +93,10 @@ class NixlSender(ChannelSender):
 
     CONNECTOR: ClassVar[str] = "nixl"
 
+    @classmethod
+    def check_installed(cls) -> None:
+        na.load_nixl()
+
     def __init__(
         self,
         layout: KVLayout,

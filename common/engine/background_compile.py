@@ -19,21 +19,19 @@ engine has used most first (the smallest on a tie). The child runs at the lowest
 a process rather than a thread because the compile holds the GIL for long stretches and would
 stall the engine's steps.
 
-The child loads the model from the same config (its own copy of the weights, for as long as the
-compile runs), checks that its compile key is the parent's (the same code, dtype, weight form,
-threads) and writes the package. The parent loads it on its own thread (the `load` it is given)
-and `CompiledDecode` adopts it between two steps, so a step runs wholly eager or wholly
-compiled. A compile that fails, times out or is killed leaves its bucket eager, and the parent
-removes the child's unfinished package file; the buckets not compiled yet stay eager too (a
-model that one bucket cannot export, none can), until the next start tries again. Nothing here
-runs on a request.
+The child (compile_child.py) loads the model from the same config (its own copy of the weights,
+for as long as the compile runs), checks that its compile key is the parent's (the same code,
+dtype, weight form, threads) and writes the package. The parent loads it on its own thread (the
+`load` it is given) and `CompiledDecode` adopts it between two steps, so a step runs wholly
+eager or wholly compiled. A compile that fails, times out or is killed leaves its bucket eager,
+and the parent removes the child's unfinished package file; the buckets not compiled yet stay
+eager too (a model that one bucket cannot export, none can), until the next start tries again.
+Nothing here runs on a request.
 """
 
 from __future__ import annotations
 
-import argparse
 import contextlib
-import ctypes
 import json
 import logging
 import os
@@ -55,7 +53,7 @@ from pdserve.common.model.attention import AttentionMetadata
 
 log = logging.getLogger(__name__)
 
-_PR_SET_PDEATHSIG = 1  # linux/prctl.h
+CHILD = "pdserve.common.engine.compile_child"  # the child's module (`python -m`)
 
 # Up to this many rows a CPU linear is compiled as a reduction that reads each weight row once
 # for all rows: 1.4x MKL's GEMV bandwidth at 1 row, 1.8x at 2, 1.2x at 4; MKL wins from 8.
@@ -131,7 +129,7 @@ class BackgroundCompile:
 
     def command(self, job: CompileJob) -> list[str]:
         """The child's command line (a test stands in a child that fails)."""
-        return [sys.executable, "-m", __name__, job.to_json()]
+        return [sys.executable, "-m", CHILD, job.to_json()]
 
     def _next(self) -> int | None:
         if not self._missing:
@@ -193,39 +191,6 @@ class BackgroundCompile:
             os.killpg(child.pid, signal.SIGKILL)
         child.wait(timeout=30)
         return None
-
-
-def _lowest_priority() -> None:
-    """Nice 19 (inherited by the compiler's processes): next to a busy node at nice 0 the
-    child gets about 1/70 of a core. Not SCHED_IDLE: on a machine kept busy by other nice-19
-    work (a test suite beside a benchmark) an idle-class compile never ran at all. Set, not
-    added: os.nice(19) under a node at nice -10 left the child at nice 9."""
-    os.setpriority(os.PRIO_PROCESS, 0, 19)
-    with contextlib.suppress(OSError):  # die with the parent (a node killed mid-compile)
-        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
-
-
-def compile_job(job: CompileJob) -> Path:
-    """In the child: load the model as the runner does, and compile the bucket's package."""
-    from pdserve.common.engine.compile_cache import compile_key
-    from pdserve.common.engine.compiled_decode import code_hash
-    from pdserve.common.engine.model_runner import load_runner_model
-
-    torch.set_num_threads(job.threads)  # the parent's: generated loops fix it
-    model, arch = load_runner_model(job.model)
-    dtype = getattr(torch, job.model.dtype)  # resolved by the parent's ModelConfig
-    key = compile_key(model, arch, dtype, json.loads(job.flags), code_hash())
-    if key.digest() != job.digest:
-        raise RuntimeError(f"the child's compile key {key} is not the parent's {job.digest}")
-    cache = CompileCache(Path(job.cache_root), key)
-    block_size = json.loads(job.flags)["block_size"]
-    spec = type(model).kv_cache_spec(arch, None)
-    # A small pool: the package's block count is dynamic (two or more: one is specialized).
-    kv_caches = [
-        torch.zeros(spec.shape(4, block_size), dtype=dtype) for _ in range(arch.num_layers)
-    ]
-    cache.run(lambda: compile_package(model, job.size, kv_caches, cache))
-    return package_file(cache.path, job.size)
 
 
 def package_file(folder: Path, size: int) -> Path:
@@ -323,16 +288,3 @@ def _rows_linear(
         return out if bias is None else out + bias
     out = (weight[:, None, :] * x[None, :, :]).sum(-1).t()
     return out if bias is None else out + bias
-
-
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description="compile one decode bucket (a node's child)")
-    parser.add_argument("job", help="the CompileJob as JSON")
-    args = parser.parse_args(argv)
-    _lowest_priority()
-    logging.basicConfig(level=logging.INFO)
-    print(compile_job(CompileJob.from_json(args.job)), flush=True)
-
-
-if __name__ == "__main__":
-    main()

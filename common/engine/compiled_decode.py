@@ -307,7 +307,7 @@ class ReadyBuckets:
 @functools.cache
 def code_hash() -> str:
     """A hash of the code a compiled step is traced from: this file, the export's
-    (background_compile.py) and the graphs' marking (cuda_graphs.py), every
+    (background_compile.py, compile_child.py) and the graphs' marking (cuda_graphs.py), every
     module of the model package (the model families, their layers and the attention op with
     its fake) and of kernels/ (what a layer may call, such as the CPU linears). A CPU package
     is found by the cache's key alone, so a change to any of them must give another key; read
@@ -322,8 +322,9 @@ def traced_files() -> list[Path]:
     # *.cpp: the GEMV's C++ (kernels/cpu_quant.cpp), which a package calls through its op.
     kernel_sources = sorted([*kernels_dir.glob("*.py"), *kernels_dir.glob("*.cpp")])
     sources = [*sorted(model_dir.glob("*.py")), *kernel_sources]
-    made_by = [Path(__file__), Path(background_compile.__file__), Path(cuda_graphs.__file__)]
-    return [*made_by, *sources]
+    compile_dir = Path(background_compile.__file__)
+    made_by = [Path(__file__), compile_dir, compile_dir.with_name("compile_child.py")]
+    return [*made_by, Path(cuda_graphs.__file__), *sources]
 
 
 def hash_files(files: list[Path]) -> str:

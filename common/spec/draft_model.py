@@ -19,7 +19,6 @@ shipped)."""
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING
 
 import torch
 
@@ -30,9 +29,6 @@ from pdserve.common.model.registry import model_class
 from pdserve.common.model.weights import load_model, model_fingerprint
 from pdserve.common.spec.base import Proposer
 from pdserve.common.spec.config import SpeculativeConfig
-
-if TYPE_CHECKING:
-    from pdserve.common.spec.mtp import MtpDraft
 
 
 def scratch_blocks(block_size: int, max_k: int) -> int:
@@ -93,7 +89,7 @@ def layer_caches(
     num_layers: int,
     dtype: torch.dtype,
     device: torch.device,
-    draft: DraftModel | MtpDraft | None,
+    draft: PageGroup | None,
 ) -> list[torch.Tensor]:
     """A runner's layer caches of `shape` ([planes, num_blocks, ...]): one per target layer,
     then a draft's. With a draft every cache gets its scratch blocks past the pool's, the same
@@ -138,6 +134,11 @@ class PageGroup:
         assert len(caches) == self.num_layers, f"{len(caches)} caches, {self.num_layers} layers"
         self.caches, self.scratch, self.block_size = caches, scratch, block_size
         self.first_layer = first_layer
+
+    def propose(self, tokens: Sequence[int], block_ids: Sequence[int], k: int) -> list[int]:
+        """k greedy drafts after `tokens`, whose KV but the last token's is in the group's
+        pages of `block_ids` (each drafter its own way: `DraftModel`, mtp's `MtpDraft`)."""
+        raise NotImplementedError
 
     def _longs(self, values: list[int]) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.int64, device=self.device)
@@ -208,9 +209,7 @@ class DraftModelProposer(Proposer):
     """The `Proposer` face of a `DraftModel`: a request's KV lives in its blocks, looked up by
     id (`block_ids`, the KV cache manager's), so the proposer keeps no state of its own."""
 
-    def __init__(
-        self, draft: DraftModel | MtpDraft, block_ids: Callable[[str], Sequence[int]]
-    ) -> None:
+    def __init__(self, draft: PageGroup, block_ids: Callable[[str], Sequence[int]]) -> None:
         self.draft = draft
         self._block_ids = block_ids
 

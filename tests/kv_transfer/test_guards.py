@@ -314,6 +314,7 @@ def test_an_installed_nixl_that_does_not_load_is_named_not_taken_for_absent(
     """A broken NIXL install must fail loudly (tests that need nixl then fail, not skip)."""
     import sys
 
+    from pdserve.kv_transfer.base import check_available
     from pdserve.kv_transfer.nixl_agent import load_nixl, nixl_installed
 
     package = tmp_path / "nixl_cu12"
@@ -327,3 +328,7 @@ def test_an_installed_nixl_that_does_not_load_is_named_not_taken_for_absent(
     assert nixl_installed()
     with pytest.raises(TransferError, match=r"nixl_cu12\) is installed but does not load.*libucp"):
         load_nixl()
+    # ... and a node's start says so, through the nixl sender's own check
+    with pytest.raises(TransferError, match=r"nixl_cu12\) is installed but does not load.*libucp"):
+        check_available("nixl")
+    check_available("zmq")  # the others need nothing more

@@ -203,7 +203,7 @@ def test_the_compile_child_runs_at_nice_19_whatever_its_parent_runs_at() -> None
     import subprocess
 
     code = (
-        "import os; from pdserve.common.engine.background_compile import _lowest_priority; "
+        "import os; from pdserve.common.engine.compile_child import _lowest_priority; "
         "_lowest_priority(); print(os.getpriority(os.PRIO_PROCESS, 0))"
     )
     try:

@@ -157,7 +157,7 @@ def test_the_code_hash_covers_the_model_package(tmp_path: Path) -> None:
     """A CPU package is found by the key alone: a change to any traced source (the model's
     layers, the attention op's fake, the export) must change the key."""
     names = {f.name for f in traced_files()}
-    made_by = {"compiled_decode.py", "background_compile.py", "cuda_graphs.py"}
+    made_by = {"compiled_decode.py", "background_compile.py", "compile_child.py", "cuda_graphs.py"}
     assert made_by | {"llama.py", "attention.py"} <= names
     assert {"parallel.py", "quant.py", "ops.py", "cpu.py"} <= names  # and kernels/
     assert "cpu_quant.cpp" in names  # the GEMV's C++, which a GGUF model's package calls
