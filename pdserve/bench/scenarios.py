@@ -22,12 +22,16 @@ class Sizes:
     sat_input: int = 96
     sat_output: int = 32
     sat_rates: tuple[float, ...] = (0.5, 1.0, math.inf)
+    # The long prompts must arrive while the short requests decode, or the run mixes nothing:
+    # with 64 output tokens and longs at 3 and 12 s, the shorts of every system had finished
+    # by 2.6 s on the 2-core machine (the tenth session's compare), so their ITL was a plain
+    # decode's. 256 tokens keep them decoding past 2 s at ITLs down to 8 ms.
     mixed_short_n: int = 6
     mixed_short_input: int = 32
-    mixed_short_output: int = 64
+    mixed_short_output: int = 256
     mixed_long_input: int = 1024
     mixed_long_output: int = 4
-    mixed_long_at: tuple[float, ...] = (3.0, 12.0)  # seconds after the short ones start
+    mixed_long_at: tuple[float, ...] = (1.0, 2.0)  # seconds after the short ones start
 
 
 QUICK_SIZES = Sizes(2, 64, 4, 4, 32, 6, (8.0, math.inf), 2, 16, 12, 256, 2, (0.3,))

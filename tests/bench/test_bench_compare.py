@@ -53,6 +53,15 @@ def test_goal_status_follows_the_ratio():
     assert bc.batch_tokens([]) == 512
 
 
+def test_the_mixed_runs_long_prompts_arrive_while_its_short_requests_decode():
+    """The mixed run's point is the short requests' ITL while long prompts prefill: its last
+    long prompt must arrive before the shorts could end even at 8 ms a token (with 64 tokens
+    and longs at 3 and 12 s every system's shorts had ended by 2.6 s on the 2-core machine)."""
+    sizes = bc.Sizes()
+    assert max(sizes.mixed_long_at) < sizes.mixed_short_output * 0.008
+    assert min(sizes.mixed_long_at) > 0  # after the shorts' first tokens are under way
+
+
 def test_quick_run_writes_results_plots_and_section(tmp_path, fake_vllm_python):
     """Both pdserve systems and the vLLM stand-in, started on pdserve's flags and threads."""
     out, logs = tmp_path / "out", tmp_path / "logs"
