@@ -220,16 +220,26 @@ void attend_row(const float* q, const T* k_cache, const T* v_cache, const int32_
     const int64_t from = std::max(start, lo), keys = std::min(start + bs, len) - from;
     const T* k0 = k_cache + block * L.k_block + (from - start) * L.k_token;
     const T* v0 = v_cache + block * L.v_block + (from - start) * L.v_token;
+    // The queries [i0, i1) that see any of the block's keys: a prefill chunk's earlier queries
+    // come before it, a window's later ones past it. The others' scores are not computed and
+    // their state is left as it was (what weight 0 gave them: the same bits, half the work of
+    // a chunk's causal square).
+    const int64_t i0 = std::max<int64_t>(0, from - (len - Q));
+    int64_t i1 = Q;
+    while (i1 > i0 && first_key(len - Q + i1, window) >= from + keys) --i1;
+    if (i0 >= i1) continue;
+    const int64_t seen = (i1 - i0) * L.heads_per_kv;  // their query heads, consecutive
     for (int64_t h = h0; h < h1; ++h) {
-      const int64_t first = (h - h0) * GQ;  // the task's first query head of KV head h
+      const int64_t first = (h - h0) * GQ + i0 * L.heads_per_kv;  // its first query head seen
       float* sh = s + first * bs;
-      Ops::scores(q + first * D, k0 + h * L.k_head, L.k_token, keys, GQ, D, sh, bs);
-      for (int64_t i = 0; i < Q; ++i) {
+      Ops::scores(q + first * D, k0 + h * L.k_head, L.k_token, keys, seen, D, sh, bs);
+      for (int64_t i = i0; i < i1; ++i) {
         // The block's keys [a, b) that query i sees (the rest are past it, or before its window).
         const int64_t hi = len - Q + i + 1;
         const int64_t a = std::clamp<int64_t>(first_key(hi, window) - from, 0, keys);
         const int64_t b = std::clamp<int64_t>(hi - from, a, keys);
-        for (int64_t g = first + i * L.heads_per_kv; g < first + (i + 1) * L.heads_per_kv; ++g) {
+        const int64_t gi = first + (i - i0) * L.heads_per_kv;  // query i's first head
+        for (int64_t g = gi; g < gi + L.heads_per_kv; ++g) {
           float* sg = s + g * bs;
           std::fill(sg, sg + a, none);
           std::fill(sg + b, sg + keys, none);
@@ -249,7 +259,7 @@ void attend_row(const float* q, const T* k_cache, const T* v_cache, const int32_
           m[g] = top;
         }
       }
-      Ops::accumulate(sh, v0 + h * L.v_head, L.v_token, keys, GQ, D, acc + first * D, bs);
+      Ops::accumulate(sh, v0 + h * L.v_head, L.v_token, keys, seen, D, acc + first * D, bs);
     }
   }
   for (int64_t g = 0; g < n; ++g) {

@@ -87,6 +87,18 @@ def test_rows_of_several_queries_are_causal_among_them_in_float32(avx512, group,
     assert_float32_exact(VERIFY_ROWS, group, window, avx512, rows=True)
 
 
+# Prefill chunks as kernel rows: a chunk's earlier queries see none of its later blocks (the
+# kernel skips them), a window's later queries none of its first; one chunk opens the sequence,
+# one follows a cached prefix mid-block, one ends mid-block.
+CHUNK_ROWS = [(0, 40), (20, 30), (7, 50), (33, 1)]
+
+
+@pytest.mark.parametrize("avx512", PATHS)
+@pytest.mark.parametrize("window", [None, 1, 5, 17, 40])
+def test_prefill_chunks_as_rows_skip_the_blocks_a_query_does_not_see(avx512, window):
+    assert_float32_exact(CHUNK_ROWS, 3, window, avx512, rows=True)
+
+
 @pytest.mark.parametrize("avx512", PATHS)
 @pytest.mark.parametrize("window", [None, 3])
 def test_rows_of_several_queries_in_bf16_within_tolerance(avx512, window):
