@@ -119,9 +119,14 @@ void over_rows(int64_t N, int64_t K, F f) {
   at::parallel_for(0, N, grain, f);
 }
 
-void check(const torch::Tensor& x, const torch::Tensor& q, int64_t K) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat && x.is_contiguous(),
-              "x must be contiguous float32 [M, K]");
+// x [M, K]: float32 on either path, or bfloat16 where `bf16` (the VNNI path's: its activations
+// are quantized to int8 anyway, and bf16 -> float32 is exact).
+void check(const torch::Tensor& x, const torch::Tensor& q, int64_t K, bool bf16 = false) {
+  const auto type = x.scalar_type();
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() &&
+              (type == torch::kFloat || (bf16 && type == torch::kBFloat16)),
+              "x must be contiguous float32 [M, K]", bf16 ? " or bfloat16" : "",
+              " (bfloat16 on the VNNI path only)");
   TORCH_CHECK(x.size(0) >= 1, "x must have at least one row");
   TORCH_CHECK(x.size(1) == K, "x has ", x.size(1), " columns, the weight ", K);
   TORCH_CHECK(q.is_contiguous(), "the weight must be contiguous");
@@ -144,13 +149,40 @@ struct Q8Rows {
   int64_t K, B, P;
 };
 
-Q8Rows quantize_rows(const float* x, int64_t M, int64_t K) {
+// 16 columns of a row as float32: bf16's bits are float32's high half (exact).
+inline __m512 load_x16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load_x16(const at::BFloat16* p) {
+  const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(v), 16));
+}
+
+// 16 float32 lanes to bf16 at p (the lanes `keep` names), rounded to nearest even as
+// c10::BFloat16 rounds (a NaN as 0x7FC0): integer ops, no AVX512-BF16 needed at run time.
+inline void store_bf16(at::BFloat16* p, __m512 v, __mmask16 keep) {
+  const __m512i bits = _mm512_castps_si512(v);
+  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+  __m512i r = _mm512_srli_epi32(
+      _mm512_add_epi32(bits, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7FFF))), 16);
+  r = _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm512_set1_epi32(0x7FC0));
+  _mm512_mask_cvtepi32_storeu_epi16(p, keep, r);
+}
+
+// n float32 values rounded to bf16 (store_bf16), 16 at a time.
+inline void round_bf16(const float* from, at::BFloat16* to, int64_t n) {
+  for (int64_t i = 0; i < n; i += 16) {
+    const __mmask16 k = n - i >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (n - i)) - 1);
+    store_bf16(to + i, _mm512_maskz_loadu_ps(k, from + i), k);
+  }
+}
+
+template <typename T>
+Q8Rows quantize_rows(const T* x, int64_t M, int64_t K) {
   Q8Rows r{std::vector<int8_t>(M * K), std::vector<float>(M * ((K / 32 + 1) / 2) * 16, 0.f),
            std::vector<float>(M * (K / 32)), K, K / 32, (K / 32 + 1) / 2};
   for (int64_t m = 0; m < M; ++m) {
     for (int64_t b = 0; b < r.B; ++b) {
-      const float* xb = x + m * K + b * 32;
-      const __m512 lo = _mm512_loadu_ps(xb), hi = _mm512_loadu_ps(xb + 16);
+      const T* xb = x + m * K + b * 32;
+      const __m512 lo = load_x16(xb), hi = load_x16(xb + 16);
       const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(lo), _mm512_abs_ps(hi)));
       const __m512 inv = _mm512_set1_ps(amax > 0.f ? 127.f / amax : 0.f);
       int8_t* q = r.q.data() + m * K + b * 32;
@@ -272,6 +304,23 @@ void int8_rows_vnni(const Q8Rows& xq, const int8_t* q, const float* scales, floa
     }
     for (int m = 0; m < M; ++m) y[m * N + n] = _mm512_reduce_add_ps(acc[m]) * scales[n];
   }
+}
+
+// The VNNI path's int8 activations from x, float32 or bf16.
+Q8Rows quantize_input(const torch::Tensor& x) {
+  const int64_t M = x.size(0), K = x.size(1);
+  if (x.scalar_type() == torch::kBFloat16) return quantize_rows(x.data_ptr<at::BFloat16>(), M, K);
+  return quantize_rows(x.data_ptr<float>(), M, K);
+}
+
+// `f(float* y)` fills y [M, N] in float32 (the GEMV stores its sums one by one): straight into
+// y, or for a bf16 y into a float32 copy rounded into it after.
+template <typename F>
+void gemv_out(torch::Tensor& y, F f) {
+  if (y.scalar_type() == torch::kFloat) return f(y.data_ptr<float>());
+  std::vector<float> y32(y.numel());
+  f(y32.data());
+  round_bf16(y32.data(), y.data_ptr<at::BFloat16>(), y.numel());
 }
 
 #pragma GCC pop_options

@@ -218,16 +218,18 @@ def unpack_rows(pack: AnyPack, rows: Rows) -> torch.Tensor:
 def int8_mm(
     x: torch.Tensor, values: torch.Tensor, scales: torch.Tensor, vnni: bool | None = None
 ) -> torch.Tensor:
-    """x [M, K] float32 @ (values [N, K] int8 * scales [N] float32).T; `vnni`
-    picks the path (default `uses_vnni()`; K off a multiple of 32 takes AVX2's)."""
+    """x [M, K] @ (values [N, K] int8 * scales [N] float32).T in x's dtype: float32, or bf16 on
+    the VNNI path; `vnni` picks the path (default `uses_vnni()`; K off a multiple of 32 takes
+    AVX2's, float32 only)."""
     if torch.compiler.is_compiling():
         return torch.ops.pdserve.cpu_int8_mm(x, values, scales, _path(vnni))
     return _module().int8_mm(x, values, scales, _path(vnni))
 
 
 def int4_mm(x: torch.Tensor, pack: Int4Pack | Int4Tiles, vnni: bool | None = None) -> torch.Tensor:
-    """x [M, K] float32 @ the packed weight.T. Tiles take the VNNI path only (ValueError
-    where `vnni` says AVX2: a layer tiles its weight only where it runs VNNI)."""
+    """x [M, K] @ the packed weight.T in x's dtype (float32, or bf16 on the VNNI path). Tiles
+    take the VNNI path only (ValueError where `vnni` says AVX2: a layer tiles its weight only
+    where it runs VNNI)."""
     if isinstance(pack, Int4Tiles):
         if not _path(vnni):
             raise ValueError("an int4 weight in tile order runs on the VNNI path only")
@@ -242,7 +244,7 @@ def int4_mm(x: torch.Tensor, pack: Int4Pack | Int4Tiles, vnni: bool | None = Non
 
 
 def int5_mm(x: torch.Tensor, pack: Int5Pack, vnni: bool | None = None) -> torch.Tensor:
-    """x [M, K] float32 @ the 5-bit packed weight.T."""
+    """x [M, K] @ the 5-bit packed weight.T in x's dtype (float32, or bf16 on the VNNI path)."""
     args = (x, pack.nibbles, pack.high, pack.scales, pack.mins, _path(vnni))
     if torch.compiler.is_compiling():
         return torch.ops.pdserve.cpu_int5_mm(*args)
@@ -277,7 +279,7 @@ for _name in ("int8_mm", "int4_mm", "int5_mm", "int4_tiled_mm"):
 @torch.library.register_fake("pdserve::cpu_int4_mm")
 @torch.library.register_fake("pdserve::cpu_int5_mm")
 def _gemv_fake(x: torch.Tensor, weight: torch.Tensor, *_: object) -> torch.Tensor:
-    """[M, N]: x's rows by the weight's (int8 values, or nibbles) rows."""
+    """[M, N] in x's dtype: x's rows by the weight's (int8 values, or nibbles) rows."""
     return x.new_empty(x.shape[0], weight.shape[0])
 
 
@@ -285,7 +287,7 @@ def _gemv_fake(x: torch.Tensor, weight: torch.Tensor, *_: object) -> torch.Tenso
 def _tiled_fake(
     x: torch.Tensor, nibbles: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor, n: int
 ) -> torch.Tensor:
-    """[M, n]: x's rows by the weight's rows less the last tile's padding."""
+    """[M, n] in x's dtype: x's rows by the weight's rows less the last tile's padding."""
     return x.new_empty(x.shape[0], n)
 
 

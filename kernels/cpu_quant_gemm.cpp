@@ -192,6 +192,39 @@ void tile_pass(const Q8Rows& xq, const int32_t* shift, const W& t, const float* 
   }
 }
 
+// Where a tile's passes store (tile_pass writes float32 rows of 16 lanes at y + m * N + n0):
+// a float32 y itself; for a bf16 y a [M][16] float32 scratch of the thread's, whose rows are
+// rounded into y (store_bf16) once the tile's passes end, so no float32 [M, N] is ever made.
+template <typename O>
+struct TileOut;
+
+template <>
+struct TileOut<float> {
+  float* y;
+  int64_t N;
+  TileOut(float* y, int64_t, int64_t N) : y(y), N(N) {}
+  float* at() { return y; }
+  int64_t stride() const { return N; }
+  int64_t col(int64_t n0) const { return n0; }
+  void flush(int64_t, int64_t, __mmask16) {}
+};
+
+template <>
+struct TileOut<at::BFloat16> {
+  at::BFloat16* y;
+  int64_t N;
+  std::vector<float> scratch;  // [M][16]
+  TileOut(at::BFloat16* y, int64_t M, int64_t N) : y(y), N(N), scratch(M * TILE) {}
+  float* at() { return scratch.data(); }
+  int64_t stride() const { return TILE; }
+  int64_t col(int64_t) const { return 0; }
+  void flush(int64_t M, int64_t n0, __mmask16 keep) {
+    for (int64_t m = 0; m < M; ++m) {
+      store_bf16(y + m * N + n0, _mm512_loadu_ps(scratch.data() + m * TILE), keep);
+    }
+  }
+};
+
 // int8's shift: -128 times each row's integer sum over each 32-column block, [M, B].
 std::vector<int32_t> int8_shift(const Q8Rows& xq, int64_t M) {
   std::vector<int32_t> shift(M * xq.B);
@@ -205,12 +238,13 @@ std::vector<int32_t> int8_shift(const Q8Rows& xq, int64_t M) {
 
 // y [M, N] = x @ W.T over tiles of 16 weight rows, split across torch's threads; `fill(t, n0,
 // rows)` unpacks a tile, `row_scales` (int8's, else null) scale each output column.
-template <bool INT8, typename Fill>
-void gemm(const Q8Rows& xq, int64_t M, int64_t N, float* y, const float* row_scales, Fill fill) {
+template <bool INT8, typename O, typename Fill>
+void gemm(const Q8Rows& xq, int64_t M, int64_t N, O* y, const float* row_scales, Fill fill) {
   const std::vector<int32_t> shift = INT8 ? int8_shift(xq, M) : std::vector<int32_t>();
   const int64_t tiles = (N + TILE - 1) / TILE;
   at::parallel_for(0, tiles, 4, [&](int64_t begin, int64_t end) {
     Tile t(xq.K);
+    TileOut<O> out(y, M, N);
     for (int64_t i = begin; i < end; ++i) {
       const int64_t n0 = i * TILE, rows = std::min(TILE, N - n0);
       fill(t, n0, rows);
@@ -220,12 +254,14 @@ void gemm(const Q8Rows& xq, int64_t M, int64_t N, float* y, const float* row_sca
         switch (std::min<int64_t>(PASS_ROWS, M - m0)) {
 #define PASS(R) \
   case R: \
-    tile_pass<R, INT8>(xq, shift.data(), t, t.scale.data(), t.minimum.data(), m0, y, N, n0, keep, rs); \
+    tile_pass<R, INT8>(xq, shift.data(), t, t.scale.data(), t.minimum.data(), m0, out.at(), \
+                       out.stride(), out.col(n0), keep, rs); \
     break;
           PASS(1) PASS(2) PASS(3) PASS(4)
 #undef PASS
         }
       }
+      out.flush(M, n0, keep);
     }
   });
 }
@@ -239,13 +275,15 @@ constexpr int64_t IN_PLACE_ROWS = 16;
 // y [M, N] = x @ W.T for an int4 weight held tiled (`tiles` [T][B][4][16] dwords, scales and
 // minimums [T][B][16]): no call gathers a row or transposes a tile, at any row count (the
 // 1-3-row GEMV's horizontal sums are not needed either: a tile's 16 outputs are one vector).
-void int4_tiled(const Q8Rows& xq, int64_t M, int64_t N, float* y, const uint8_t* tiles,
+template <typename O>
+void int4_tiled(const Q8Rows& xq, int64_t M, int64_t N, O* y, const uint8_t* tiles,
                 const float* scales, const float* mins) {
   const int64_t K = xq.K, B = xq.B, T = (N + TILE - 1) / TILE;
   // one pass: about 64 KiB of weights a task, as the GEMV's; more: 4 tiles, as the GEMM's
   const int64_t grain = M > PASS_ROWS ? 4 : std::max<int64_t>(1, (int64_t(1) << 16) / (K * 8));
   at::parallel_for(0, T, grain, [&](int64_t begin, int64_t end) {
     Tile t(M > IN_PLACE_ROWS ? K : 0);
+    TileOut<O> out(y, M, N);
     for (int64_t i = begin; i < end; ++i) {
       const int64_t n0 = i * TILE, rows = std::min(TILE, N - n0);
       const __mmask16 keep = rows == TILE ? __mmask16(0xFFFF) : __mmask16((1u << rows) - 1);
@@ -264,13 +302,16 @@ void int4_tiled(const Q8Rows& xq, int64_t M, int64_t N, float* y, const uint8_t*
         switch (std::min<int64_t>(PASS_ROWS, M - m0)) {
 #define PASS(R) \
   case R: \
-    if (M > IN_PLACE_ROWS) tile_pass<R, false>(xq, nullptr, t, s, mn, m0, y, N, n0, keep, one); \
-    else tile_pass<R, false>(xq, nullptr, packed, s, mn, m0, y, N, n0, keep, one); \
+    if (M > IN_PLACE_ROWS) \
+      tile_pass<R, false>(xq, nullptr, t, s, mn, m0, out.at(), out.stride(), out.col(n0), keep, one); \
+    else \
+      tile_pass<R, false>(xq, nullptr, packed, s, mn, m0, out.at(), out.stride(), out.col(n0), keep, one); \
     break;
           PASS(1) PASS(2) PASS(3) PASS(4)
 #undef PASS
         }
       }
+      out.flush(M, n0, keep);
     }
   });
 }
@@ -288,41 +329,54 @@ void avx2_rows(int64_t M, int64_t N, int64_t K, F f) {
   });
 }
 
+// f(y's data) as float32 or bf16 (the VNNI path's outputs, in x's dtype).
+template <typename F>
+void with_out(torch::Tensor& y, F f) {
+  if (y.scalar_type() == torch::kBFloat16) return f(y.data_ptr<at::BFloat16>());
+  f(y.data_ptr<float>());
+}
+
 }  // namespace
 
 // Each entry point takes `vnni`: the AVX512-VNNI path (activations quantized to int8 per 32
 // columns; the GEMV below GEMM_ROWS rows, the GEMM from there) where true, the AVX2 float path
-// otherwise.
+// otherwise. On the VNNI path x may be bf16 as well as float32 and y is in x's dtype (rounded
+// to bf16 as each vector of 16 outputs is stored); the AVX2 path takes float32 only.
 
 torch::Tensor int8_mm(torch::Tensor x, torch::Tensor q, torch::Tensor scales, bool vnni) {
   TORCH_CHECK(q.dim() == 2 && q.scalar_type() == torch::kChar, "q must be int8 [N, K]");
   const int64_t N = q.size(0), K = q.size(1), M = x.size(0);
-  check(x, q, K);
+  const bool on_vnni = vnni && K % 32 == 0;  // other widths (no model's) take the float path
+  check(x, q, K, on_vnni);
   check_vnni(vnni);
   TORCH_CHECK(scales.scalar_type() == torch::kFloat && scales.is_contiguous() &&
               scales.numel() == N, "scales must be float32 [N]");
   auto y = torch::empty({M, N}, x.options());
-  const float* xp = x.data_ptr<float>();
   const int8_t* qp = q.data_ptr<int8_t>();
   const float* sp = scales.data_ptr<float>();
-  float* yp = y.data_ptr<float>();
-  if (vnni && K % 32 == 0) {  // other widths (no model's) take the float path
-    const Q8Rows xq = quantize_rows(xp, M, K);
+  if (on_vnni) {
+    const Q8Rows xq = quantize_input(x);
     if (M >= GEMM_ROWS) {
-      gemm<true>(xq, M, N, yp, sp, [&](Tile& t, int64_t n0, int64_t rows) {
-        fill_int8(t, qp, K, n0, rows);
+      with_out(y, [&](auto* yp) {
+        gemm<true>(xq, M, N, yp, sp, [&](Tile& t, int64_t n0, int64_t rows) {
+          fill_int8(t, qp, K, n0, rows);
+        });
       });
       return y;
     }
-    over_rows(N, K, [&](int64_t b, int64_t e) {
-      switch (M) {
+    gemv_out(y, [&](float* yp) {
+      over_rows(N, K, [&](int64_t b, int64_t e) {
+        switch (M) {
 #define ROWS(R) case R: int8_rows_vnni<R>(xq, qp, sp, yp, N, b, e); break;
-        ROWS(1) ROWS(2) ROWS(3) ROWS(4) ROWS(5) ROWS(6) ROWS(7) ROWS(8)
+          ROWS(1) ROWS(2) ROWS(3) ROWS(4) ROWS(5) ROWS(6) ROWS(7) ROWS(8)
 #undef ROWS
-      }
+        }
+      });
     });
     return y;
   }
+  const float* xp = x.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
   avx2_rows(M, N, K, [&](int64_t m, int64_t rows, int64_t b, int64_t e) {
     switch (rows) {
 #define ROWS(R) case R: int8_rows<R>(xp + m * K, qp, sp, yp + m * N, K, N, b, e); break;
@@ -341,25 +395,29 @@ torch::Tensor affine_mm(const torch::Tensor& x, const uint8_t* qp, const uint8_t
                         const S* sp, const S* mp, int64_t N, bool vnni) {
   const int64_t M = x.size(0), K = x.size(1), B = K / 32;
   auto y = torch::empty({M, N}, x.options());
-  const float* xp = x.data_ptr<float>();
-  float* yp = y.data_ptr<float>();
   if (vnni) {
-    const Q8Rows xq = quantize_rows(xp, M, K);
+    const Q8Rows xq = quantize_input(x);
     if (M >= GEMM_ROWS) {
-      gemm<false>(xq, M, N, yp, nullptr, [&](Tile& t, int64_t n0, int64_t rows) {
-        fill_affine<HIGH>(t, qp, hp, sp, mp, K, n0, rows);
+      with_out(y, [&](auto* yp) {
+        gemm<false>(xq, M, N, yp, nullptr, [&](Tile& t, int64_t n0, int64_t rows) {
+          fill_affine<HIGH>(t, qp, hp, sp, mp, K, n0, rows);
+        });
       });
       return y;
     }
-    over_rows(N, K, [&](int64_t b, int64_t e) {
-      switch (M) {
+    gemv_out(y, [&](float* yp) {
+      over_rows(N, K, [&](int64_t b, int64_t e) {
+        switch (M) {
 #define ROWS(R) case R: affine_rows_vnni<R, HIGH>(xq, qp, hp, sp, mp, yp, N, b, e); break;
-        ROWS(1) ROWS(2) ROWS(3) ROWS(4) ROWS(5) ROWS(6) ROWS(7) ROWS(8)
+          ROWS(1) ROWS(2) ROWS(3) ROWS(4) ROWS(5) ROWS(6) ROWS(7) ROWS(8)
 #undef ROWS
-      }
+        }
+      });
     });
     return y;
   }
+  const float* xp = x.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
   auto xsum = x.view({M, B, 32}).sum(2).contiguous();  // each block's sum of x, for mins
   const float* xs = xsum.data_ptr<float>();
   avx2_rows(M, N, K, [&](int64_t m, int64_t rows, int64_t b, int64_t e) {
@@ -376,7 +434,7 @@ torch::Tensor affine_mm(const torch::Tensor& x, const uint8_t* qp, const uint8_t
 void check_affine(const torch::Tensor& x, const torch::Tensor& q, const char* kind, bool vnni) {
   TORCH_CHECK(q.dim() == 2 && q.scalar_type() == torch::kByte, "q must be uint8 [N, K/2]");
   const int64_t K = q.size(1) * 2;
-  check(x, q, K);
+  check(x, q, K, vnni);
   check_vnni(vnni);
   TORCH_CHECK(K % 32 == 0, kind, " K must be a multiple of 32, not ", K);
 }
@@ -416,15 +474,17 @@ torch::Tensor int4_tiled_mm(torch::Tensor x, torch::Tensor tiles, torch::Tensor 
   TORCH_CHECK(tiles.dim() == 2 && tiles.scalar_type() == torch::kByte,
               "tiles must be uint8 [T * 16, K/2]");
   const int64_t padded = tiles.size(0), K = tiles.size(1) * 2;
-  check(x, tiles, K);
+  check(x, tiles, K, true);
   check_vnni(true);
   TORCH_CHECK(K % 32 == 0, "int4 K must be a multiple of 32, not ", K);
   TORCH_CHECK(padded % TILE == 0 && N <= padded && N > padded - TILE,
               "tiles hold ", padded, " rows: not whole tiles of ", N);
   check_block_fields(tiles, {scales, mins}, torch::kFloat, "scales and mins must be float32 [T * 16, K/32]");
   auto y = torch::empty({x.size(0), N}, x.options());
-  const Q8Rows xq = quantize_rows(x.data_ptr<float>(), x.size(0), K);
-  int4_tiled(xq, x.size(0), N, y.data_ptr<float>(), tiles.data_ptr<uint8_t>(),
-             scales.data_ptr<float>(), mins.data_ptr<float>());
+  const Q8Rows xq = quantize_input(x);
+  with_out(y, [&](auto* yp) {
+    int4_tiled(xq, x.size(0), N, yp, tiles.data_ptr<uint8_t>(), scales.data_ptr<float>(),
+               mins.data_ptr<float>());
+  });
   return y;
 }

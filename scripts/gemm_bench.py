@@ -3,6 +3,7 @@ vpdpbusd peak, and optionally against the kernel of another git revision in the 
 (docs/quantization.md, "The GEMM's inner loop"):
 
     nice -n 19 python scripts/gemm_bench.py [--rows 64 128 256 512] [--baseline REV]
+        [--shapes q/o head] [--dtype bfloat16]
         [--model GGUF --prompt-tokens 512 --batch 16 --batch-tokens 96]
 
 The peak is a loop of 12 independent zmm vpdpbusd (inline asm: an array of accumulators went
@@ -13,9 +14,13 @@ folder with the two files) is built beside this one, each measurement alternates
 `equal` says whether their outputs are the same to the bit (`max_rel` by how much they differ,
 relative to the largest output). A kernel with `int4_tiled_mm` is given int4 in tile order
 (Int4Tiles, docs/quantization.md, "Int4 weights in tile order"), one without it Int4Pack's
-rows. With --model the model's prefill is timed too (bf16, eager, one thread): one
+rows. With --dtype bfloat16 the rows are bf16: a kernel that reads and writes bf16 (since the
+VNNI path did, docs/quantization.md, "bf16 rows in and out") gets them as they are, an older one
+x.float() and its output .to(bfloat16) inside the time, as QuantizedLinear called it. With
+--model the model's prefill is timed too (bf16, eager, one thread): one
 --prompt-tokens prompt, and --batch prompts of --batch-tokens added at once, each kernel in turn
-(kernels.cpu_quant's module swapped, the int4 layers' form with it), then each of
+(kernels.cpu_quant's module swapped, the int4 layers' form and QuantizedLinear's float32 round
+trip with it), then each of
 --decode-batches requests' decode steps with the kernels alternating step by step.
 Prints JSON lines, each with the 1-minute load average.
 """
@@ -38,6 +43,7 @@ from pdserve.kernels import cpu_quant
 
 # (N, K): SmolLM2-135M's q/o, k/v, gate/up and down.
 SHAPES = {"q/o": (576, 576), "k/v": (192, 576), "gate/up": (1536, 576), "down": (576, 1536)}
+HEAD = {"head": (49152, 576)}  # the tied Q8_0 embedding as the LM head (--shapes head)
 PEAK_SOURCE = r"""
 #include <cstdint>
 #define D(r) "vpdpbusd %%zmm30, %%zmm31, %%zmm" #r "\n\t"
@@ -79,9 +85,9 @@ def baseline_module(rev: str):  # noqa: ANN201 (a compiled extension module)
     else:
         git = ["git", "show"]
         show = [subprocess.check_output([*git, f"{rev}:{n}"], cwd=root, text=True) for n in names]
-    return cpu_quant.load_extension(
-        "cpu_quant", "\n".join(show), ["int8_mm", "int4_mm", "int5_mm"], ["-mavx2", "-mfma"]
-    )
+    source = "\n".join(show)
+    names = [f for f in cpu_quant._FUNCTIONS if f"torch::Tensor {f}(" in source]
+    return cpu_quant.load_extension("cpu_quant", source, names, ["-mavx2", "-mfma"])
 
 
 def weights(n: int, k: int) -> dict[str, tuple]:
@@ -100,11 +106,35 @@ def weights(n: int, k: int) -> dict[str, tuple]:
     }
 
 
+@functools.cache
+def takes_bf16(mod: object) -> bool:
+    """Whether a kernel's VNNI path reads and writes bf16 rows (else float32 only)."""
+    x = torch.zeros(1, 32, dtype=torch.bfloat16)
+    try:
+        mod.int8_mm(x, torch.zeros(16, 32, dtype=torch.int8), torch.ones(16), True)
+    except RuntimeError:
+        return False
+    return True
+
+
 def call(mod: object, kind: str, x: torch.Tensor, args: tuple) -> Callable[[], torch.Tensor]:
-    """The module's kernel for `kind` on x: int4 in tile order where the module has it."""
-    if kind == "int4" and hasattr(mod, "int4_tiled_mm"):
-        return functools.partial(mod.int4_tiled_mm, x, *args)
-    return functools.partial(getattr(mod, f"{kind}_mm"), x, *args, True)
+    """The module's kernel for `kind` on x (args: the weight in the form `form` names): in tile
+    order where the module has `{kind}_tiled_mm`; bf16 rows through float32 for a module that
+    takes float32 only."""
+    tiled = getattr(mod, f"{kind}_tiled_mm", None)
+    kernel = getattr(mod, f"{kind}_mm")
+
+    def fn(x: torch.Tensor) -> torch.Tensor:
+        return tiled(x, *args) if tiled else kernel(x, *args, True)
+
+    if x.dtype == torch.bfloat16 and not takes_bf16(mod):
+        return lambda: fn(x.float()).to(torch.bfloat16)
+    return lambda: fn(x)
+
+
+def form(mod: object, kind: str) -> str:
+    """The weight form `call` gives a module's kernel for `kind`."""
+    return f"{kind}_tiled" if hasattr(mod, f"{kind}_tiled_mm") else kind
 
 
 def cpu_ms(fn: Callable[[], object], calls: int) -> float:
@@ -114,30 +144,30 @@ def cpu_ms(fn: Callable[[], object], calls: int) -> float:
     return 1000 * (time.thread_time() - start) / calls
 
 
-def gemm_ab(mods: dict[str, object], rows: list[int], repeats: int, peak: float) -> None:
+def gemm_ab(mods: dict[str, object], args: argparse.Namespace, peak: float) -> None:
     """Each shape, kind and row count: every module's ms a call, alternating, median of repeats."""
-    for name, (n, k) in SHAPES.items():
+    dtype = getattr(torch, args.dtype)
+    for name in args.shapes:
+        n, k = {**SHAPES, **HEAD}[name]
         w = weights(n, k)
-        for m in rows:
-            x = torch.randn(m, k)
-            for kind in ("int4", "int8"):
+        for m in args.rows:
+            x = torch.randn(m, k).to(dtype)
+            for kind in args.kinds:
                 calls = max(3, int(2e8 / (m * n * k)))
-                fns = {}
-                for label, mod in mods.items():
-                    tiled = kind == "int4" and hasattr(mod, "int4_tiled_mm")
-                    fns[label] = call(mod, kind, x, w["int4_tiled" if tiled else kind])
+                fns = {label: call(mod, kind, x, w[form(mod, kind)]) for label, mod in mods.items()}
                 times: dict[str, list[float]] = {label: [] for label in fns}
                 for fn in fns.values():
                     fn()
-                for _ in range(repeats):
+                for _ in range(args.repeats):
                     for label, fn in fns.items():
                         times[label].append(cpu_ms(fn, calls))
-                row = {"shape": name, "N": n, "K": k, "rows": m, "kind": kind, "load": load()}
+                row = {"shape": name, "N": n, "K": k, "rows": m, "kind": kind, "dtype": args.dtype}
+                row["load"] = load()
                 outs = [fn() for fn in fns.values()]
                 row["equal"] = all(torch.equal(outs[0], out) for out in outs[1:])
-                top = outs[0].abs().max().item()
+                top = outs[0].float().abs().max().item()
                 row["max_rel"] = max(
-                    [(o - outs[0]).abs().max().item() / top for o in outs[1:]] + [0]
+                    [(o - outs[0]).float().abs().max().item() / top for o in outs[1:]] + [0]
                 )
                 for label, ts in times.items():
                     ms = statistics.median(ts)
@@ -187,14 +217,27 @@ def prefill_ab(mods: dict[str, object], args: argparse.Namespace) -> None:
             decode_ab(mods, llm, batch, args.decode_steps)
     finally:
         cpu_quant._module = original
+        if hasattr(use, "gemv"):
+            from pdserve.common.model.quant import QuantizedLinear
+
+            QuantizedLinear._gemv = use.gemv
+
+
+def _float32_gemv(layer: object, x: torch.Tensor) -> torch.Tensor:
+    """QuantizedLinear._gemv before the kernel took bf16: the rows through float32."""
+    return layer._gemv_rows(x.float()).to(x.dtype)
 
 
 def use(llm: object, mod: object) -> None:
     """`mod` as the kernel, the model's int4 layers in the form it reads (tiles where it has
-    int4_tiled_mm, else rows): converted outside the time measured."""
+    int4_tiled_mm, else rows; converted outside the time measured), and bf16 rows passed
+    through float32 where it takes float32 only."""
     from pdserve.common.model.quant import QuantizedLinear
 
     cpu_quant._module = lambda: mod
+    if not hasattr(use, "gemv"):
+        use.gemv = QuantizedLinear._gemv  # type: ignore[attr-defined]
+    QuantizedLinear._gemv = use.gemv if takes_bf16(mod) else _float32_gemv  # type: ignore
     tiled = hasattr(mod, "int4_tiled_mm")
     for layer in llm.engine.runner.model.modules():
         if not isinstance(layer, QuantizedLinear) or layer.bits != 4 or not layer.vnni:
@@ -235,6 +278,9 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--rows", type=int, nargs="+", default=[64, 128, 256, 512])
     p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=[*SHAPES, *HEAD])
+    p.add_argument("--kinds", nargs="+", default=["int4", "int8"], choices=["int4", "int8"])
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     p.add_argument("--baseline", help="a git revision (or folder) whose kernel is timed beside")
     p.add_argument("--no-gemm", action="store_true", help="skip the per-shape GEMM timings")
     p.add_argument("--model", help="a GGUF or HF folder: time its prefill too")
@@ -252,7 +298,7 @@ def main() -> None:
     peak = peak_gops()
     print(json.dumps({"vnni_peak_gops": round(peak, 1), "load": load()}), flush=True)
     if not args.no_gemm:
-        gemm_ab(mods, args.rows, args.repeats, peak)
+        gemm_ab(mods, args, peak)
     if args.model:
         prefill_ab(mods, args)
 

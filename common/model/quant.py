@@ -289,7 +289,11 @@ class QuantizedLinear(nn.Module):
         return torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.qweight, self.group_size, scales)
 
     def _gemv(self, x: torch.Tensor) -> torch.Tensor:
-        """The kernel on x's rows as float32, in one call (it tiles the rows itself)."""
+        """The kernel on x's rows in one call (it tiles the rows itself): a VNNI layer's bf16
+        rows go in and come out bf16 (the kernel converts as it reads and stores: the float32
+        copies around every call were 2.8% of a 16-request run), other rows as float32."""
+        if self.vnni and x.dtype == torch.bfloat16 and self.in_features % cpu_quant.BLOCK == 0:
+            return self._gemv_rows(x)
         return self._gemv_rows(x.float()).to(x.dtype)
 
     def _gemv_rows(self, x: torch.Tensor) -> torch.Tensor:

@@ -10,6 +10,7 @@ import pathlib
 import shutil
 import subprocess
 import sys
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -198,6 +199,42 @@ def test_each_output_row_is_its_own_weight_row(vnni: bool) -> None:
         eye = torch.eye(96)[first : first + 8].contiguous()
         want = weight.dequantize()[:, first : first + 8].T
         torch.testing.assert_close(cpu_quant.int4_mm(eye, pack, vnni), want)
+
+
+def _kinds(n: int, k: int) -> dict[str, Callable[[torch.Tensor], torch.Tensor]]:
+    """Each VNNI kernel on an [n, k] weight (n off a multiple of 16: a short last tile)."""
+    gen = torch.Generator().manual_seed(n + k)
+    w8 = quantize_int8(torch.randn(n, k, generator=gen))
+    w4 = quantize_int4(torch.randn(n, k, generator=gen) + 0.3)
+    pack4 = cpu_quant.pack_int4(w4.values, w4.scales, w4.zeros, w4.group_size)
+    tiles4 = cpu_quant.tile_int4(pack4)
+    _, pack5 = _int5(n, k, 9)
+    scales8 = w8.scales[:, 0].contiguous()
+    return {
+        "int8": lambda x: cpu_quant.int8_mm(x, w8.values, scales8, True),
+        "int4": lambda x: cpu_quant.int4_mm(x, pack4, True),
+        "int4_tiled": lambda x: cpu_quant.int4_mm(x, tiles4, True),
+        "int5": lambda x: cpu_quant.int5_mm(x, pack5, True),
+    }
+
+
+@VNNI
+@pytest.mark.parametrize("rows", [*range(1, 18), 33, 64])
+def test_bf16_rows_in_and_out_equal_the_float32_call_rounded(rows: int) -> None:
+    """bf16 x in, bf16 y out on the VNNI path: bf16 -> float32 is exact, so the same int8
+    activations, and each output rounded to nearest even as torch's .to(bfloat16) rounds it."""
+    x = torch.randn(rows, 96, generator=torch.Generator().manual_seed(rows)).bfloat16()
+    for kind, kernel in _kinds(40, 96).items():
+        got = kernel(x)
+        assert got.dtype == torch.bfloat16, kind
+        assert torch.equal(got, kernel(x.float()).to(torch.bfloat16)), (kind, rows)
+
+
+def test_the_avx2_path_refuses_bf16_rows() -> None:
+    weight = quantize_int8(torch.randn(16, 64))
+    x = torch.randn(2, 64).bfloat16()
+    with pytest.raises(RuntimeError, match="VNNI path only"):
+        cpu_quant.int8_mm(x, weight.values, weight.scales[:, 0].contiguous(), False)
 
 
 @pytest.mark.parametrize(
