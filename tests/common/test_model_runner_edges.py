@@ -62,3 +62,27 @@ def test_a_seeded_generator_is_kept_across_steps_and_dropped_at_the_end() -> Non
     assert again is first and r.generators["a"] is first
     ModelRunner.forget(r, ("a", "gone"))  # type: ignore[arg-type]
     assert list(r.generators) == ["b"]
+
+
+def prepared(*seqs: ScheduledSeq):  # noqa: ANN201 (ForwardInputs)
+    r = SimpleNamespace(block_size=4, device=torch.device("cpu"))
+    r._to_device = lambda lists, dtype: ModelRunner._to_device(r, lists, dtype)  # type: ignore[arg-type]
+    return ModelRunner.prepare(r, seqs)  # type: ignore[arg-type]
+
+
+def step_seq(rid: str, tokens: int, sample: bool = True, drafts: int = 0) -> ScheduledSeq:
+    return ScheduledSeq(rid, tuple(range(1, tokens + 1)), 4, (1, 2, 3), sample, SamplingParams(),
+                        num_drafts=drafts)  # fmt: skip
+
+
+def test_a_step_that_samples_every_token_in_order_is_marked_so() -> None:
+    # The compiled CPU step hands such a step's logits to the sampler without the index copy;
+    # any other step must keep it (a prefill chunk's last token only, an unsampled chunk).
+    decode = prepared(step_seq("a", 1), step_seq("b", 1), step_seq("c", 1))
+    assert decode.every_row and decode.logit_indices.tolist() == [0, 1, 2]
+    verify = prepared(step_seq("a", 3, drafts=2), step_seq("b", 1))
+    assert verify.every_row and verify.logit_indices.tolist() == [0, 1, 2, 3]
+    chunk = prepared(step_seq("a", 1), step_seq("b", 5))
+    assert not chunk.every_row and chunk.logit_indices.tolist() == [0, 5]
+    unsampled = prepared(step_seq("a", 1, sample=False), step_seq("b", 1))
+    assert not unsampled.every_row and unsampled.logit_indices.tolist() == [1]
