@@ -181,6 +181,51 @@ def untile_int4(tiles: Int4Tiles) -> Int4Pack:
     return Int4Pack(nibbles, rows(tiles.scales, blocks), rows(tiles.mins, blocks))
 
 
+@dataclasses.dataclass(frozen=True, slots=True)
+class Int8Tiles:
+    """An int8 weight (one scale per row, kept beside it) held in the VNNI GEMM's tile order
+    (`tile_int8`), so that no call transposes it: rows by tiles of 16, a tile [K/4][16] dwords
+    (dword (g, j) = row j's bytes 4g..4g+3), each byte w ^ 0x80 (unsigned, as vpdpbusd reads it).
+    Whole tiles: a short last tile repeats the last row."""
+
+    values: torch.Tensor  # uint8 [T * 16, K], the tiles' bytes in their order
+    out_features: int  # N: the rows past it (in the last tile) are padding
+
+
+def tile_int8(values: torch.Tensor) -> torch.Tensor:
+    """int8 values [N, K] (K a multiple of 4) as Int8Tiles' bytes, _PACK_ROWS tiles at a time
+    into one tensor: the transient beside the result is a chunk, not a second weight."""
+    out, cols = values.shape
+    padded = -(-out // TILE) * TILE
+    tiles = torch.empty(padded, cols, dtype=torch.uint8)
+    step = _PACK_ROWS * TILE
+    for start in range(0, padded, step):
+        rows = torch.arange(start, min(start + step, padded)).clamp_(max=out - 1)
+        part = values[rows].view(torch.uint8) ^ 0x80
+        dwords = part.view(torch.int32).view(-1, TILE, cols // 4).transpose(1, 2)
+        tiles[start : start + len(rows)].view(torch.int32).view(-1, cols // 4, TILE).copy_(dwords)
+    return tiles
+
+
+def untile_int8(tiles: torch.Tensor, start: int, end: int) -> torch.Tensor:
+    """Rows [start, end) of the int8 weight Int8Tiles' bytes hold (`start` a multiple of 16;
+    `end` at most the weight's rows): the dense path's chunks."""
+    assert start % TILE == 0, f"rows from {start}: tiles start every {TILE}"
+    cols = tiles.shape[1]
+    last = -(-end // TILE) * TILE
+    dwords = tiles[start:last].view(torch.int32).view(-1, cols // 4, TILE).transpose(1, 2)
+    rows = dwords.contiguous().view(last - start, cols // 4).view(torch.uint8) ^ 0x80
+    return rows[: end - start].view(torch.int8)
+
+
+def int8_tile_rows(tiles: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """The int8 rows `index` names, read from Int8Tiles' bytes (row n: tile n // 16, lane
+    n % 16, the shift undone): a tied embedding's lookup from its head's weight."""
+    cols = tiles.shape[1]
+    dwords = tiles.view(torch.int32).view(-1, cols // 4, TILE)[index // TILE, :, index % TILE]
+    return (dwords.contiguous().view(torch.uint8) ^ 0x80).view(torch.int8)
+
+
 def pack_int5(values: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor) -> Int5Pack:
     """A 5-bit weight (values 0..31 [N, K], w = scale * (v - 16) + zero per 32 columns) in
     this kernel's layout. The scale and minimum are stored f16: a GGUF Q5 block's own."""
@@ -216,11 +261,21 @@ def unpack_rows(pack: AnyPack, rows: Rows) -> torch.Tensor:
 
 
 def int8_mm(
-    x: torch.Tensor, values: torch.Tensor, scales: torch.Tensor, vnni: bool | None = None
+    x: torch.Tensor,
+    values: torch.Tensor | Int8Tiles,
+    scales: torch.Tensor,
+    vnni: bool | None = None,
 ) -> torch.Tensor:
     """x [M, K] @ (values [N, K] int8 * scales [N] float32).T in x's dtype: float32, or bf16 on
     the VNNI path; `vnni` picks the path (default `uses_vnni()`; K off a multiple of 32 takes
-    AVX2's, float32 only)."""
+    AVX2's, float32 only). Tiles take the VNNI path only, as int4's do."""
+    if isinstance(values, Int8Tiles):
+        if not _path(vnni):
+            raise ValueError("an int8 weight in tile order runs on the VNNI path only")
+        tiled = (x, values.values, scales, values.out_features)
+        if torch.compiler.is_compiling():
+            return torch.ops.pdserve.cpu_int8_tiled_mm(*tiled)
+        return _module().int8_tiled_mm(*tiled)
     if torch.compiler.is_compiling():
         return torch.ops.pdserve.cpu_int8_mm(x, values, scales, _path(vnni))
     return _module().int8_mm(x, values, scales, _path(vnni))
@@ -267,7 +322,8 @@ _LIB.define(
 _LIB.define(
     "cpu_int4_tiled_mm(Tensor x, Tensor nibbles, Tensor scales, Tensor mins, int n) -> Tensor"
 )
-for _name in ("int8_mm", "int4_mm", "int5_mm", "int4_tiled_mm"):
+_LIB.define("cpu_int8_tiled_mm(Tensor x, Tensor tiles, Tensor scales, int n) -> Tensor")
+for _name in ("int8_mm", "int4_mm", "int5_mm", "int4_tiled_mm", "int8_tiled_mm"):
     _LIB.impl(
         f"cpu_{_name}",
         lambda *args, _name=_name: getattr(_module(), _name)(*args),
@@ -284,11 +340,11 @@ def _gemv_fake(x: torch.Tensor, weight: torch.Tensor, *_: object) -> torch.Tenso
 
 
 @torch.library.register_fake("pdserve::cpu_int4_tiled_mm")
-def _tiled_fake(
-    x: torch.Tensor, nibbles: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor, n: int
-) -> torch.Tensor:
-    """[M, n] in x's dtype: x's rows by the weight's rows less the last tile's padding."""
-    return x.new_empty(x.shape[0], n)
+@torch.library.register_fake("pdserve::cpu_int8_tiled_mm")
+def _tiled_fake(x: torch.Tensor, *args: object) -> torch.Tensor:
+    """[M, n] in x's dtype: x's rows by the weight's rows less the last tile's padding (n, the
+    last argument)."""
+    return x.new_empty(x.shape[0], args[-1])
 
 
 def _path(vnni: bool | None) -> bool:
@@ -403,7 +459,7 @@ def build_lock(build_dir: str, wait_s: float) -> Iterator[None]:
         yield  # the flock goes with the file's close
 
 
-_FUNCTIONS = ("int8_mm", "int4_mm", "int5_mm", "int4_tiled_mm")
+_FUNCTIONS = ("int8_mm", "int4_mm", "int5_mm", "int4_tiled_mm", "int8_tiled_mm")
 
 
 @cache

@@ -8,9 +8,10 @@
 // into vpdpbusd's layout (lane j holds row j's bytes at 4 columns: a 16x16 transpose of dwords)
 // and each activation row's 4 bytes are broadcast against it: a 32-column block is 8 vpdpbusd
 // into one vector whose lanes are 16 outputs, scaled once, and no lane is ever reduced.
-// Int4 weights of VNNI layers are held in that order from load (Int4Tiles: only the nibble
-// unpack is left, 3 ops for two weight vectors) and served at every row count by `int4_tiled`;
-// the row-major fill below serves int8, int5 and row-major int4 (AVX2 layers' packs, tests).
+// Int4 and int8 weights of VNNI layers are held in that order from load (Int4Tiles: only the
+// nibble unpack is left, 3 ops for two weight vectors; Int8Tiles: read as they lie) and served at
+// every row count by `int4_tiled` and `int8_tiled`; the row-major fill below serves int5 and
+// row-major int4 and int8 (AVX2 layers' weights, K off a multiple of 32, tests).
 
 namespace {
 
@@ -55,6 +56,16 @@ struct PackedTile {
       out[g] = _mm512_and_si512(v, low4);
       out[g + 4] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
     }
+  }
+};
+
+// A tile of an int8 weight held tiled from load (Int8Tiles, kernels/cpu_quant.py): the [K / 4][16]
+// dwords fill_int8 made on every call (lane j = row j's 4 bytes at 4 columns, w ^ 0x80), read
+// where they lie.
+struct Int8Tile {
+  const int32_t* p;
+  void block(int64_t b, __m512i out[8]) const {
+    for (int g = 0; g < 8; ++g) out[g] = _mm512_loadu_si512(p + (b * 8 + g) * 16);
   }
 };
 
@@ -316,6 +327,41 @@ void int4_tiled(const Q8Rows& xq, int64_t M, int64_t N, O* y, const uint8_t* til
   });
 }
 
+// y [M, N] = x @ W.T for an int8 weight held tiled (`tiles` [T][K / 4][16] dwords, unsigned) and
+// its rows' scales [N]: every row count reads the tiles in place (the 1-3-row GEMV's horizontal
+// sums are not needed: a tile's 16 outputs are one vector), and no call transposes a tile.
+template <typename O>
+void int8_tiled(const Q8Rows& xq, int64_t M, int64_t N, O* y, const uint8_t* tiles,
+                const float* row_scales) {
+  const int64_t K = xq.K, T = (N + TILE - 1) / TILE;
+  const std::vector<int32_t> shift = int8_shift(xq, M);
+  const std::vector<float> unused(xq.B * TILE);  // tile_pass's int4 scales, not read for int8
+  // one pass: about 64 KiB of weights a task, as the GEMV's; more: 4 tiles, as the GEMM's
+  const int64_t grain = M > PASS_ROWS ? 4 : std::max<int64_t>(1, (int64_t(1) << 16) / (K * TILE));
+  at::parallel_for(0, T, grain, [&](int64_t begin, int64_t end) {
+    TileOut<O> out(y, M, N);
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t n0 = i * TILE, rows = std::min(TILE, N - n0);
+      const __mmask16 keep = rows == TILE ? __mmask16(0xFFFF) : __mmask16((1u << rows) - 1);
+      const Int8Tile t{reinterpret_cast<const int32_t*>(tiles + i * TILE * K)};
+      const __m512 rs = _mm512_maskz_loadu_ps(keep, row_scales + n0);
+      const float* none = unused.data();
+      for (int64_t m0 = 0; m0 < M; m0 += PASS_ROWS) {
+        switch (std::min<int64_t>(PASS_ROWS, M - m0)) {
+#define PASS(R) \
+  case R: \
+    tile_pass<R, true>(xq, shift.data(), t, none, none, m0, out.at(), out.stride(), out.col(n0), \
+                       keep, rs); \
+    break;
+          PASS(1) PASS(2) PASS(3) PASS(4)
+#undef PASS
+        }
+      }
+      out.flush(M, n0, keep);
+    }
+  });
+}
+
 #pragma GCC pop_options
 
 // The AVX2 GEMV over any number of rows: 8 at a time over 64 weight rows at a time, so that
@@ -485,6 +531,25 @@ torch::Tensor int4_tiled_mm(torch::Tensor x, torch::Tensor tiles, torch::Tensor 
   with_out(y, [&](auto* yp) {
     int4_tiled(xq, x.size(0), N, yp, tiles.data_ptr<uint8_t>(), scales.data_ptr<float>(),
                mins.data_ptr<float>());
+  });
+  return y;
+}
+
+torch::Tensor int8_tiled_mm(torch::Tensor x, torch::Tensor tiles, torch::Tensor scales, int64_t N) {
+  TORCH_CHECK(tiles.dim() == 2 && tiles.scalar_type() == torch::kByte,
+              "int8 tiles must be uint8 [T * 16, K]");
+  const int64_t padded = tiles.size(0), K = tiles.size(1);
+  check(x, tiles, K, true);
+  check_vnni(true);
+  TORCH_CHECK(K % 32 == 0, "int8 tiles need K a multiple of 32, not ", K);
+  TORCH_CHECK(padded % TILE == 0 && N <= padded && N > padded - TILE,
+              "tiles hold ", padded, " rows: not whole tiles of ", N);
+  TORCH_CHECK(scales.scalar_type() == torch::kFloat && scales.is_contiguous() &&
+              scales.numel() == N, "scales must be float32 [N]");
+  auto y = torch::empty({x.size(0), N}, x.options());
+  const Q8Rows xq = quantize_input(x);
+  with_out(y, [&](auto* yp) {
+    int8_tiled(xq, x.size(0), N, yp, tiles.data_ptr<uint8_t>(), scales.data_ptr<float>());
   });
   return y;
 }

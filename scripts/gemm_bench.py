@@ -14,13 +14,13 @@ folder with the two files) is built beside this one, each measurement alternates
 `equal` says whether their outputs are the same to the bit (`max_rel` by how much they differ,
 relative to the largest output). A kernel with `int4_tiled_mm` is given int4 in tile order
 (Int4Tiles, docs/quantization.md, "Int4 weights in tile order"), one without it Int4Pack's
-rows. With --dtype bfloat16 the rows are bf16: a kernel that reads and writes bf16 (since the
-VNNI path did, docs/quantization.md, "bf16 rows in and out") gets them as they are, an older one
-x.float() and its output .to(bfloat16) inside the time, as QuantizedLinear called it. With
---model the model's prefill is timed too (bf16, eager, one thread): one
---prompt-tokens prompt, and --batch prompts of --batch-tokens added at once, each kernel in turn
-(kernels.cpu_quant's module swapped, the int4 layers' form and QuantizedLinear's float32 round
-trip with it), then each of
+rows; likewise int8 with `int8_tiled_mm` ("Int8 weights in tile order"). With --dtype bfloat16
+the rows are bf16: a kernel that reads and writes bf16 (docs/quantization.md, "bf16 rows in and
+out") gets them as they are, an older one x.float() and its output .to(bfloat16) inside the
+time, as QuantizedLinear called it. With --model the model's prefill is timed too (bf16, eager,
+one thread): one --prompt-tokens prompt, and --batch prompts of --batch-tokens added at once,
+each kernel in turn (kernels.cpu_quant's module swapped, the int4 and int8 layers' form and
+QuantizedLinear's float32 round trip with it), then each of
 --decode-batches requests' decode steps with the kernels alternating step by step.
 Prints JSON lines, each with the 1-minute load average.
 """
@@ -92,17 +92,19 @@ def baseline_module(rev: str):  # noqa: ANN201 (a compiled extension module)
 
 def weights(n: int, k: int) -> dict[str, tuple]:
     """The int4 pack and the int8 weight (values, scales) of a random [n, k] weight: int4 as
-    Int4Pack's fields, and (`int4_tiled`) in tile order."""
+    Int4Pack's fields, and (`int4_tiled`, `int8_tiled`) in tile order."""
     torch.manual_seed(n * 7 + k)
     values = torch.randint(0, 16, (n, k), dtype=torch.uint8)
     scales = torch.rand(n, k // 32) / 16
     zeros = torch.randn(n, k // 32) / 8
     pack = cpu_quant.pack_int4(values, scales, zeros, 32)
     q8 = torch.randint(-127, 128, (n, k), dtype=torch.int8)
+    scales8 = torch.rand(n) / 64
     return {
         "int4": (pack.nibbles, pack.scales, pack.mins),
         "int4_tiled": (*dataclasses.astuple(cpu_quant.tile_int4(pack)),),
-        "int8": (q8, torch.rand(n) / 64),
+        "int8": (q8, scales8),
+        "int8_tiled": (cpu_quant.tile_int8(q8), scales8, n),
     }
 
 
@@ -229,12 +231,15 @@ def _float32_gemv(layer: object, x: torch.Tensor) -> torch.Tensor:
 
 
 def use(llm: object, mod: object) -> None:
-    """`mod` as the kernel, the model's int4 layers in the form it reads (tiles where it has
-    int4_tiled_mm, else rows; converted outside the time measured), and bf16 rows passed
-    through float32 where it takes float32 only."""
+    """`mod` as the kernel, the model's int4 and int8 VNNI layers in the form it reads (tiles
+    where it has int4_tiled_mm or int8_tiled_mm, else rows; converted outside the time
+    measured), and bf16 rows passed through float32 where it takes float32 only."""
     from pdserve.common.model.quant import QuantizedLinear
 
     cpu_quant._module = lambda: mod
+    for layer in llm.engine.runner.model.modules():
+        if isinstance(layer, QuantizedLinear) and layer.bits == 8 and layer.vnni:
+            int8_form(layer, hasattr(mod, "int8_tiled_mm"))
     if not hasattr(use, "gemv"):
         use.gemv = QuantizedLinear._gemv  # type: ignore[attr-defined]
     QuantizedLinear._gemv = use.gemv if takes_bf16(mod) else _float32_gemv  # type: ignore
@@ -248,6 +253,18 @@ def use(llm: object, mod: object) -> None:
         pack = cpu_quant.tile_int4(pack) if tiled else cpu_quant.untile_int4(pack)
         layer.qweight, layer.scales, layer.mins = pack.nibbles, pack.scales, pack.mins
         layer.tiled = tiled
+
+
+def int8_form(layer: object, tiled: bool) -> None:
+    """An int8 VNNI layer's weight in tile order or in rows (the one copy converted)."""
+    if layer.tiled == tiled or layer.in_features % cpu_quant.BLOCK:
+        return
+    values = layer.qweight
+    if tiled:
+        layer.qweight = cpu_quant.tile_int8(values)
+    else:
+        layer.qweight = cpu_quant.untile_int8(values, 0, layer.out_features)
+    layer.tiled = tiled
 
 
 def decode_ab(mods: dict[str, object], llm: object, batch: int, steps: int) -> None:

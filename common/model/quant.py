@@ -125,14 +125,18 @@ class QuantizedLinear(nn.Module):
         # exact sums for a float32 one's; a plain bool: a traced graph reads it.
         self.vnni = self.gemv and cpu_quant.uses_vnni(scale_dtype)
         self.register_buffer("mins", None)  # int4/int5 in the AVX2 kernel's layout only
-        self.tiled = False  # int4 in the VNNI GEMM's tile order (`_hold`)
+        self.tiled = False  # int4 (`_hold`) or int8 in the VNNI GEMM's tile order
         self.register_buffer("qhigh", None)  # int5's fifth bits
         if self.bits == 5 or (self.bits == 4 and self.gemv):
             self._hold(weight if isinstance(weight, Pack) else self.pack_for_gemv(weight))
         elif isinstance(weight, Pack):
             raise ValueError("a weight in the AVX2 kernel's layout needs that kernel")
         elif self.bits == 8:
-            self.register_buffer("qweight", weight.values)
+            # On the VNNI path in its GEMM's tile order (unsigned), so that no call transposes
+            # it (docs/quantization.md, "Int8 weights in tile order"); K off 32 runs AVX2's.
+            self.tiled = self.vnni and self.in_features % cpu_quant.BLOCK == 0
+            values = cpu_quant.tile_int8(weight.values) if self.tiled else weight.values
+            self.register_buffer("qweight", values)
             self.register_buffer("scales", weight.scales[:, 0].to(scale_dtype))
         else:
             self._check_int4(weight)
@@ -208,6 +212,8 @@ class QuantizedLinear(nn.Module):
             return None
         if any(m.tiled != first.tiled for m in layers):  # whole tiles (16 rows) concatenate
             return None
+        if first.tiled and any(m.out_features % cpu_quant.TILE for m in layers):
+            return None  # a short last tile's padding would sit inside the joined weight
         torch_int4 = first.bits == 4 and first.mins is None
         if torch_int4 and any(m.out_features % _INT4_BLOCK for m in layers):
             return None
@@ -298,7 +304,10 @@ class QuantizedLinear(nn.Module):
 
     def _gemv_rows(self, x: torch.Tensor) -> torch.Tensor:
         if self.bits == 8:
-            return cpu_quant.int8_mm(x, self.qweight, self.scales.float(), self.vnni)
+            values = self.qweight
+            if self.tiled:
+                values = cpu_quant.Int8Tiles(self.qweight, self.out_features)
+            return cpu_quant.int8_mm(x, values, self.scales.float(), self.vnni)
         if self.bits == 5:
             return cpu_quant.int5_mm(x, self._pack(), self.vnni)
         return cpu_quant.int4_mm(x, self._pack(), self.vnni)
@@ -316,7 +325,10 @@ class QuantizedLinear(nn.Module):
         embedding's lookup. int8 or the AVX2 kernel's layouts (torch's int4 packing interleaves
         64 rows and is not read back per row: ValueError)."""
         if self.bits == 8:
-            values = self.qweight[index].to(dtype)
+            if self.tiled:
+                values = cpu_quant.int8_tile_rows(self.qweight, index).to(dtype)
+            else:
+                values = self.qweight[index].to(dtype)
             return values * self.scales[index, None].to(dtype)
         if self.mins is None:
             raise ValueError("an int4 weight in torch's packing gives no rows back")
@@ -347,7 +359,11 @@ class QuantizedLinear(nn.Module):
         scales = self.scales if self.scales.dtype == x.dtype else self.scales.to(x.dtype)
         for start in range(0, self.out_features, _DENSE_CHUNK_INT8):
             end = min(start + _DENSE_CHUNK_INT8, self.out_features)
-            part = torch.nn.functional.linear(x, self.qweight[start:end].to(x.dtype))
+            if self.tiled:
+                values = cpu_quant.untile_int8(self.qweight, start, end)
+            else:
+                values = self.qweight[start:end]
+            part = torch.nn.functional.linear(x, values.to(x.dtype))
             torch.mul(part, scales[start:end], out=out[:, start:end])
         return out
 

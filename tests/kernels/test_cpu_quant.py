@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from pdserve.common.model.quant import (
+    QuantizedEmbedding,
     QuantizedLinear,
     quantize_int4,
     quantize_int8,
@@ -130,11 +131,60 @@ def test_int4_tiles_equal_the_dequantized_matmul(n: int, k: int, group: int, row
     torch.testing.assert_close(cpu_quant.unpack_int4(tiles, 5, 9), weight.dequantize()[5:9])
 
 
+@VNNI
+@pytest.mark.parametrize(("n", "k"), [(48, 64), (17, 32), (40, 96), (100, 64), (192, 1536)])
+@pytest.mark.parametrize("rows", [*range(1, 18), 33, 64])
+def test_int8_tiles_equal_the_row_major_kernel_to_the_bit(n: int, k: int, rows: int) -> None:
+    """An int8 weight in tile order (the VNNI layers' form, N off 16: a short last tile) gives
+    the row-major GEMM's outputs bit for bit: the same integers and float order. Below the
+    GEMM's 4 rows the row-major kernel is a GEMV (another order), so those rows are compared
+    with the same rows of a 4-row row-major call (each row's sums are its own)."""
+    gen = torch.Generator().manual_seed(rows * 1000 + n + k)
+    weight = quantize_int8(torch.randn(n, k, generator=gen))
+    scales = weight.scales[:, 0].contiguous()
+    x = torch.randn(rows, k, generator=gen)
+    tiles = cpu_quant.Int8Tiles(cpu_quant.tile_int8(weight.values), n)
+    assert tiles.values.shape == (-(-n // 16) * 16, k)
+    got = cpu_quant.int8_mm(x, tiles, scales, True)
+    four = torch.cat([x, x[:1].expand(max(0, 4 - rows), k)])
+    assert torch.equal(got, cpu_quant.int8_mm(four, weight.values, scales, True)[:rows])
+    _close(got, _want(x, weight.dequantize(), True))
+    for start, end in ((0, n), (16, n), (0, min(n, 16))):
+        back = cpu_quant.untile_int8(tiles.values, start, end)
+        assert torch.equal(back, weight.values[start:end]), (start, end)
+    index = torch.tensor([n - 1, 0, 5, 5, n // 2, 16 % n])
+    assert torch.equal(cpu_quant.int8_tile_rows(tiles.values, index), weight.values[index])
+
+
 def test_int4_tiles_refuse_the_avx2_path() -> None:
     weight = quantize_int4(torch.randn(32, 64))
     tiles = cpu_quant.tile_int4(QuantizedLinear.pack_for_gemv(weight))
     with pytest.raises(ValueError, match="VNNI path only"):
         cpu_quant.int4_mm(torch.randn(2, 64), tiles, False)
+    weight8 = quantize_int8(torch.randn(32, 64))
+    tiles8 = cpu_quant.Int8Tiles(cpu_quant.tile_int8(weight8.values), 32)
+    with pytest.raises(ValueError, match="VNNI path only"):
+        cpu_quant.int8_mm(torch.randn(2, 64), tiles8, weight8.scales[:, 0].contiguous(), False)
+
+
+@VNNI
+def test_a_tied_embedding_looks_its_rows_up_from_the_heads_tiles(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A bf16 engine's quantized embedding keeps one int8 weight, its head's, in tile order
+    (N off 16 here), and its lookup equals the row-major one bit for bit."""
+    monkeypatch.setenv(cpu_quant.QUANT_KERNEL_ENV, "vnni")
+    cpu_quant.uses_vnni.cache_clear()
+    try:
+        weight = quantize_int8(torch.randn(100, 64, generator=torch.Generator().manual_seed(5)))
+        embed = QuantizedEmbedding(weight, torch.bfloat16)
+        assert embed.head.tiled and embed.head.qweight.dtype == torch.uint8
+        assert [name for name, _ in embed.named_buffers()] == ["head.qweight", "head.scales"]
+        ids = torch.tensor([[99, 0, 17], [16, 15, 99]])
+        want = weight.values[ids].bfloat16() * weight.scales[ids, 0].bfloat16()[..., None]
+        assert torch.equal(embed(ids), want)
+    finally:
+        cpu_quant.uses_vnni.cache_clear()
 
 
 def _int5(n: int, k: int, seed: int) -> tuple[torch.Tensor, cpu_quant.Int5Pack]:
@@ -381,6 +431,20 @@ def test_the_ops_trace_into_one_compiled_graph(vnni: bool) -> None:
         )
         torch.testing.assert_close(compiled(x), cpu_quant.int4_mm(x, tiles, True))
         assert compiled(x).shape == (3, 88)
+        tiles8 = cpu_quant.Int8Tiles(cpu_quant.tile_int8(weight8.values[:88]), 88)
+        scales8 = weight8.scales[:88, 0].contiguous()
+        for rows in (x, x.bfloat16()):  # the output in x's dtype, the fake's too
+            args8 = (rows, tiles8.values, scales8, 88)
+            torch.library.opcheck(torch.ops.pdserve.cpu_int8_tiled_mm.default, args8)
+            torch.library.opcheck(torch.ops.pdserve.cpu_int4_tiled_mm.default, (rows, *args[1:]))
+            compiled = torch.compile(
+                lambda x: cpu_quant.int8_mm(x, tiles8, scales8, True),
+                backend="aot_eager",
+                fullgraph=True,
+            )
+            got = compiled(rows)
+            assert got.dtype == rows.dtype and got.shape == (3, 88)
+            assert torch.equal(got, cpu_quant.int8_mm(rows, tiles8, scales8, True))
 
 
 @pytest.mark.skipif(not cpu_quant.cpu_has_avx512_vnni(), reason="no AVX512-VNNI on this CPU")
@@ -401,7 +465,7 @@ def test_a_bf16_vnni_layer_takes_the_kernel_at_every_row_count(
             layer = quantized_head(quantized, torch.bfloat16)
         else:
             layer = QuantizedLinear(quantized, scale_dtype=torch.bfloat16)
-        assert layer.vnni and layer.tiled == (bits == 4)  # int4 held in tile order
+        assert layer.vnni and layer.tiled  # held in tile order: int4 and the int8 head
         dense: list[int] = []
         monkeypatch.setattr(layer, "_dense", lambda x: dense.append(len(x)))
         weight = quantized.dequantize()

@@ -378,7 +378,8 @@ def test_a_tied_int8_embedding_stays_int8_under_auto(tiny_model_dir, tmp_path: P
     half_step = want.abs().amax(dim=1, keepdim=True) / 127 / 2
     assert ((got.float() - want).abs() <= half_step + (want.abs() + half_step) * 2**-7).all()
     hidden = torch.randn(3, want.shape[1]).bfloat16()
-    w = embed.head.qweight.float() * embed.head.scales.float()[:, None]
+    assert embed.head.tiled == embed.head.vnni  # one int8 weight, in tile order on VNNI
+    w = embed.head.rows(torch.arange(want.shape[0]), torch.float32)
     bound = (hidden.float().abs() @ w.abs().T) * 2**-7
     logits = model.compute_logits(hidden)
     assert logits.shape == (3, want.shape[0])
