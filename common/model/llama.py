@@ -22,6 +22,7 @@ from pdserve.common.model.config import ModelArchConfig
 from pdserve.common.model.dtype import cpu_bf16_flag
 from pdserve.common.model.parallel import TPGroup, TPShard
 from pdserve.common.model.quant import QuantizedEmbedding, QuantizedLinear, release_freed_heap
+from pdserve.kernels import cpu_fused
 from pdserve.kernels.ops import PackedLinear, chunked_linear, cpu_linear_enabled, packs
 
 
@@ -34,10 +35,19 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if cpu_fused.serves(x, self.weight):  # a bf16 eager CPU step: one pass, same roundings
+            return cpu_fused.rms_norm(x, self.weight, self.eps)
         # The casts are skipped, not run as no-ops, in float32: 122 dispatches a step.
         x32 = x if x.dtype == torch.float32 else x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * (x32 if x.dtype == torch.float32 else x32.to(x.dtype))
+
+    def add_forward(self, x: torch.Tensor, delta: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """(x + delta, its norm): a residual add and the norm it feeds, one pass where fused."""
+        if cpu_fused.serves(x, delta, self.weight):
+            return cpu_fused.add_rms_norm(x, delta, self.weight, self.eps)
+        x = x + delta
+        return x, self(x)
 
 
 @dataclass
@@ -115,6 +125,18 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos + _rotate_half(x) * sin
 
 
+def rope_qk(
+    q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """q and k rotated: by the fused kernel each (bit-equal, no cat) in a bf16 eager CPU step,
+    else by one `apply_rope` of their heads together (half the rope's calls; elementwise, so
+    each head's values are those of its own rotation)."""
+    if cpu_fused.serves(q, k, cos, sin):
+        return cpu_fused.rope(q, cos, sin), cpu_fused.rope(k, cos, sin)
+    q, k = apply_rope(torch.cat((q, k), 1), cos, sin).split([q.shape[1], k.shape[1]], 1)
+    return q, k
+
+
 class Attention(nn.Module):
     """GQA self-attention that writes its K/V into the paged cache, then attends over it."""
 
@@ -158,9 +180,7 @@ class Attention(nn.Module):
         v = v.view(t, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        # One rotation of q's and k's heads together: half the rope's calls (elementwise, so
-        # each head's values are those of its own rotation).
-        q, k = apply_rope(torch.cat((q, k), 1), cos, sin).split([self.num_heads, k.shape[1]], 1)
+        q, k = rope_qk(q, k, cos, sin)
         out = paged_attention(q, k, v, kv_cache, attn, self.scale, self.sliding_window)
         return _reduced(self.o_proj(out.reshape(t, self.num_heads * self.head_dim)), self.tp)
 
@@ -199,8 +219,9 @@ class MLP(nn.Module):
         another partial sum (DeepSeek's shared experts beside the routed ones) reduces once."""
         if self.gate_up_proj is not None:
             gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-            return self.down_proj(F.silu(gate) * up)
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        else:
+            gate, up = self.gate_proj(x), self.up_proj(x)
+        return self.down_proj(silu_mul(gate, up))
 
     def fuse(self, quantized_only: bool = False) -> bool:
         """Replace gate/up_proj by one gate_up_proj holding their rows in that order; whether
@@ -210,6 +231,13 @@ class MLP(nn.Module):
             self.gate_up_proj = fused
             del self.gate_proj, self.up_proj
         return fused is not None
+
+
+def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """SwiGLU's silu(gate) * up: one fused pass in a bf16 eager CPU step, same roundings."""
+    if cpu_fused.serves(gate, up):
+        return cpu_fused.silu_mul(gate, up)
+    return F.silu(gate) * up
 
 
 def _reduced(partial: torch.Tensor, tp: TPGroup | None) -> torch.Tensor:
@@ -298,8 +326,9 @@ class DecoderLayer(nn.Module):
         attn: AttentionMetadata,
         kv_cache: torch.Tensor,
     ) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, attn, kv_cache)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        delta = self.self_attn(self.input_layernorm(x), cos, sin, attn, kv_cache)
+        x, h = self.post_attention_layernorm.add_forward(x, delta)
+        return x + self.mlp(h)
 
     def attention(self, config: ModelArchConfig, layer: int, tp: TPGroup | None) -> nn.Module:
         """The attention block (a hook: DeepSeek puts its latent attention here)."""
