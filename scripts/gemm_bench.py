@@ -14,14 +14,14 @@ folder with the two files) is built beside this one, each measurement alternates
 `equal` says whether their outputs are the same to the bit (`max_rel` by how much they differ,
 relative to the largest output). A kernel with `int4_tiled_mm` is given int4 in tile order
 (Int4Tiles, docs/quantization.md, "Int4 weights in tile order"), one without it Int4Pack's
-rows; likewise int8 with `int8_tiled_mm` ("Int8 weights in tile order"). With --dtype bfloat16
-the rows are bf16: a kernel that reads and writes bf16 (docs/quantization.md, "bf16 rows in and
-out") gets them as they are, an older one x.float() and its output .to(bfloat16) inside the
-time, as QuantizedLinear called it. With --model the model's prefill is timed too (bf16, eager,
-one thread): one --prompt-tokens prompt, and --batch prompts of --batch-tokens added at once,
-each kernel in turn (kernels.cpu_quant's module swapped, the int4 and int8 layers' form and
-QuantizedLinear's float32 round trip with it), then each of
---decode-batches requests' decode steps with the kernels alternating step by step.
+rows; likewise int8 with `int8_tiled_mm`. With --dtype bfloat16 the rows are bf16: a kernel
+that reads and writes bf16 gets them as they are, an older one x.float() and its output
+.to(bfloat16) inside the time, as QuantizedLinear called it (docs/quantization.md, "bf16 rows in
+and out, and int8 weights in tile order"). With --model the model's prefill is timed too
+(bf16, eager, one thread): one --prompt-tokens prompt, and --batch prompts of --batch-tokens
+added at once, each kernel in turn (kernels.cpu_quant's module swapped, the int4 and int8
+layers' form and QuantizedLinear's float32 round trip with it), then each of --decode-batches
+requests' decode steps with the kernels alternating step by step.
 Prints JSON lines, each with the 1-minute load average.
 """
 

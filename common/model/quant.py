@@ -133,7 +133,8 @@ class QuantizedLinear(nn.Module):
             raise ValueError("a weight in the AVX2 kernel's layout needs that kernel")
         elif self.bits == 8:
             # On the VNNI path in its GEMM's tile order (unsigned), so that no call transposes
-            # it (docs/quantization.md, "Int8 weights in tile order"); K off 32 runs AVX2's.
+            # it; K off 32 runs AVX2's (docs/quantization.md, "bf16 rows in and out, and int8
+            # weights in tile order").
             self.tiled = self.vnni and self.in_features % cpu_quant.BLOCK == 0
             values = cpu_quant.tile_int8(weight.values) if self.tiled else weight.values
             self.register_buffer("qweight", values)
