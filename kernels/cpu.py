@@ -62,6 +62,8 @@ def store_kv(
     """Write each token's K and V into its slot; a negative slot means "do not store"."""
     num_blocks, block_size = k_cache.shape[:2]
     slots = slot_mapping.long()
+    if cpu_attention.stores(key, value, k_cache):  # one C++ call, not a dozen dispatches
+        return cpu_attention.store_kv(key, value, k_cache, v_cache, slots)
     if not bool((slots >= 0).all()):  # the boolean selection only when some are skipped
         valid = slots >= 0
         slots, key, value = slots[valid], key[valid], value[valid]

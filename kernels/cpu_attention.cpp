@@ -7,6 +7,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <limits>
 #include <vector>
 
@@ -374,4 +375,51 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor
     TORCH_CHECK(false, "paged_decode takes float32 or bfloat16, not ", type);
   }
   return out;
+}
+
+// K/V store: each token's rows key[t], value[t] ([Hkv, D], any row strides, D contiguous) into
+// slot slot_mapping[t] of k_cache and v_cache [N, block_size, Hkv, D] (each slot's [Hkv, D]
+// contiguous); a negative slot is not stored. One call for what index_copy_ took a dozen
+// dispatches for, 30 times a step (kernels/cpu.py's store_kv, its reference).
+void store_kv(torch::Tensor key, torch::Tensor value, torch::Tensor k_cache, torch::Tensor v_cache,
+              torch::Tensor slot_mapping) {
+  TORCH_CHECK(key.dim() == 3 && value.sizes() == key.sizes(), "key and value must be [T, Hkv, D] alike");
+  TORCH_CHECK(k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes() &&
+              k_cache.size(2) == key.size(1) && k_cache.size(3) == key.size(2),
+              "k_cache and v_cache must be [N, block_size, Hkv, D] of the keys' heads and dim");
+  TORCH_CHECK(key.scalar_type() == k_cache.scalar_type() && value.scalar_type() == k_cache.scalar_type() &&
+              v_cache.scalar_type() == k_cache.scalar_type(), "key, value and caches must have one dtype");
+  TORCH_CHECK(key.stride(2) == 1 && value.stride(2) == 1, "key and value rows must be contiguous");
+  for (const auto& c : {k_cache, v_cache}) {
+    TORCH_CHECK(c.stride(3) == 1 && c.stride(2) == c.size(3) && c.stride(1) == c.size(2) * c.size(3),
+                "each cache slot's [Hkv, D] must be contiguous");
+  }
+  TORCH_CHECK(slot_mapping.scalar_type() == torch::kLong && slot_mapping.dim() == 1 &&
+              slot_mapping.is_contiguous() && slot_mapping.size(0) == key.size(0),
+              "slot_mapping must be a contiguous int64 [T], a slot for each token");
+  const int64_t T = slot_mapping.size(0), Hkv = key.size(1), D = key.size(2);
+  const int64_t slots = k_cache.size(0) * k_cache.size(1), bs = k_cache.size(1);
+  const int64_t* sp = slot_mapping.data_ptr<int64_t>();
+  for (int64_t t = 0; t < T; ++t) {
+    TORCH_CHECK(sp[t] < slots, "slot ", sp[t], " of token ", t, " is past the cache's ", slots);
+  }
+  const int64_t row = Hkv * D * key.element_size();
+  auto copy = [&](const torch::Tensor& src, const torch::Tensor& cache) {
+    const char* from = static_cast<const char*>(src.data_ptr());
+    char* to = static_cast<char*>(cache.data_ptr());
+    const int64_t es = src.element_size();
+    const bool packed = src.stride(1) == D;  // a token's heads side by side: one copy
+    for (int64_t t = 0; t < T; ++t) {
+      if (sp[t] < 0) continue;
+      char* slot = to + ((sp[t] / bs) * cache.stride(0) + (sp[t] % bs) * cache.stride(1)) * es;
+      const char* tok = from + t * src.stride(0) * es;
+      if (packed) {
+        std::memcpy(slot, tok, row);
+      } else {
+        for (int64_t h = 0; h < Hkv; ++h) std::memcpy(slot + h * D * es, tok + h * src.stride(1) * es, D * es);
+      }
+    }
+  };
+  copy(key, k_cache);
+  copy(value, v_cache);
 }

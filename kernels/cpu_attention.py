@@ -43,7 +43,7 @@ _SOURCE = Path(__file__).with_name("cpu_attention.cpp").read_text(encoding="utf-
 
 @cache
 def _module():  # noqa: ANN202 (a compiled extension module)
-    return cpu_quant.load_extension("cpu_attention", _SOURCE, ["paged_decode"], [])
+    return cpu_quant.load_extension("cpu_attention", _SOURCE, ["paged_decode", "store_kv"], [])
 
 
 def _mode() -> str:
@@ -77,6 +77,22 @@ def serves(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) ->
     """Whether this kernel takes these tensors' decode rows (dtypes it has, one among them)."""
     dtypes = {query.dtype, k_cache.dtype, v_cache.dtype}
     return len(dtypes) == 1 and query.dtype in DTYPES and available()
+
+
+def stores(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor) -> bool:
+    """Whether `store_kv` takes these: one dtype, rows contiguous in D (kernels/cpu.py's
+    index_copy_ path takes the rest)."""
+    same = key.dtype == value.dtype == k_cache.dtype
+    rows = key.dim() == 3 and key.stride(-1) == 1 and value.stride(-1) == 1
+    return same and rows and available()
+
+
+def store_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
+             v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:  # fmt: skip
+    """Each token's K and V rows [T, Hkv, D] into its slot of k_cache and v_cache [N,
+    block_size, Hkv, D]; a negative slot is not stored, a slot past the cache raises. One call
+    (kernels/cpu.py's store_kv is the reference, and serves what `stores` refuses)."""
+    _module().store_kv(key, value, k_cache, v_cache, slot_mapping)
 
 
 def uses_avx512(head_dim: int) -> bool:

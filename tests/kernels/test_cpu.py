@@ -10,7 +10,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-from pdserve.kernels import cpu
+from pdserve.kernels import cpu, cpu_attention
 from pdserve.kernels.cpu import (
     gather_pages,
     paged_attention_cpu,
@@ -143,6 +143,31 @@ def test_store_kv_writes_slots_and_skips_negative(cache_dtype):
             expected_k[slot // block_size, slot % block_size] = key[t].to(cache_dtype)
             expected_v[slot // block_size, slot % block_size] = value[t].to(cache_dtype)
     assert torch.equal(k_cache, expected_k) and torch.equal(v_cache, expected_v)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_store_kv_in_one_call_equals_indexing_from_split_rows_into_a_layer_cache(dtype):
+    # The C++ store (cpu_attention.store_kv) takes K/V of the cache's dtype as a step makes
+    # them: split from one projection (rows strided), into the K and V halves of one layer's
+    # cache [2, N, bs, Hkv, D]; negative slots skipped, a slot past the cache refused.
+    num_blocks, block_size, heads, dim, tokens = 6, 16, 3, 64, 11
+    fused = torch.randn(tokens, (3 + 2) * heads * dim).to(dtype)  # q (3 groups), k, v
+    _, key, value = fused.split([3 * heads * dim, heads * dim, heads * dim], -1)
+    key, value = key.view(tokens, heads, dim), value.view(tokens, heads, dim)
+    layer = torch.zeros(2, num_blocks, block_size, heads, dim, dtype=dtype)
+    slots = random_slots(tokens, num_blocks, block_size, seed=3)
+    assert cpu_attention.stores(key, value, layer[0])
+    cpu_attention.store_kv(key, value, layer[0], layer[1], slots)
+    expected = torch.zeros_like(layer)
+    for t, slot in enumerate(slots.tolist()):
+        if slot >= 0:
+            expected[0, slot // block_size, slot % block_size] = key[t]
+            expected[1, slot // block_size, slot % block_size] = value[t]
+    assert (slots < 0).any() and torch.equal(layer, expected)
+    past = slots.clone()
+    past[2] = num_blocks * block_size
+    with pytest.raises(RuntimeError, match="past the cache"):
+        cpu_attention.store_kv(key, value, layer[0], layer[1], past)
 
 
 @pytest.mark.parametrize("shape", [(2, 7, 16, 2, 64), (1, 7, 16, 1, 40)])  # K/V; a latent
