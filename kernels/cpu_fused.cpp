@@ -69,21 +69,23 @@ inline __m512 load16(const B* p) {  // bf16 is float32's high half
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
 }
 
-// Round 16 floats to bf16 as c10::BFloat16 does (nearest even, NaN to 0x7FC0), integer ops.
-inline __m256i round16(__m512 v) {
+// Round 16 floats to bf16 as c10::BFloat16 does (nearest even, NaN to 0x7FC0), integer ops,
+// kept in float32's high halves: bf() uses them as they are, a store packs them.
+inline __m512i round16(__m512 v) {
   const __m512i u = _mm512_castps_si512(v);
   const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-  __m512i r = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF))), 16);
-  r = _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm512_set1_epi32(0x7FC0));
-  return _mm512_cvtepi32_epi16(r);
+  const __m512i r = _mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF)));
+  const __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+  return _mm512_mask_mov_epi32(r, nan, _mm512_set1_epi32(0x7FC00000));
 }
 
 inline void store16(B* p, __m512 v) {
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), round16(v));
+  const __m512i high = _mm512_srli_epi32(round16(v), 16);
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(high));
 }
 
 inline __m512 bf(__m512 v) {  // float32 -> bf16 -> float32: one bf16 rounding
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(round16(v)), 16));
+  return _mm512_castsi512_ps(_mm512_and_si512(round16(v), _mm512_set1_epi32(0xFFFF0000)));
 }
 
 // exp(x) for 16 lanes (kernels/cpu_attention.cpp's): 2^n p(r), |r| <= ln2/2, rel. error ~1e-7.
