@@ -75,35 +75,43 @@ def _avx512() -> bool:
 def serves(*tensors: torch.Tensor) -> bool:
     """Whether these tensors take the fused kernels: all bf16 on the CPU, an eager call (not
     traced by torch.compile or torch.export), $PDSERVE_CPU_FUSED not off, the source built."""
+    # a plain loop, not any(): this runs a few times a layer, and a 1-row step is microseconds
     if torch.compiler.is_compiling() or torch.compiler.is_exporting():
         return False
-    if any(t.dtype != torch.bfloat16 or t.device.type != "cpu" for t in tensors):
-        return False
+    for t in tensors:
+        if t.dtype != torch.bfloat16 or t.device.type != "cpu":
+            return False
     return _mode() == "auto" and available()
 
 
 def _rows(x: torch.Tensor) -> torch.Tensor:
-    """x as [T, n] rows (a view where its rows are contiguous, else a copy)."""
+    """x as [T, n] rows (itself, or a view where its rows are contiguous, else a copy)."""
+    if x.dim() == 2 and x.stride(1) == 1:
+        return x
     return x.reshape(-1, x.shape[-1]) if x.stride(-1) == 1 else x.contiguous().view(-1, x.shape[-1])
+
+
+def _shaped(y: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    return y if like.dim() == 2 else y.view(like.shape)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm of x [..., H] by weight [H], both bf16 -> x's shape, bf16."""
-    return _module().rms_norm(_rows(x), weight.contiguous(), eps, _avx512()).view(x.shape)
+    return _shaped(_module().rms_norm(_rows(x), weight, eps, _avx512()), x)
 
 
 def add_rms_norm(
     x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(bf16(x + delta), its RMSNorm) for x, delta [..., H] and weight [H], all bf16."""
-    s, y = _module().add_rms_norm(_rows(x), _rows(delta), weight.contiguous(), eps, _avx512())
-    return s.view(x.shape), y.view(x.shape)
+    s, y = _module().add_rms_norm(_rows(x), _rows(delta), weight, eps, _avx512())
+    return _shaped(s, x), _shaped(y, x)
 
 
 def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     """bf16(bf16(silu(gate)) * up) for gate, up [..., I] bf16 (a fused gate_up's halves may
     be passed as they are: rows need only be contiguous within)."""
-    return _module().silu_mul(_rows(gate), _rows(up), _avx512()).view(gate.shape)
+    return _shaped(_module().silu_mul(_rows(gate), _rows(up), _avx512()), gate)
 
 
 def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
