@@ -195,3 +195,26 @@ def test_greedy_output_with_and_without_the_kernels(
     monkeypatch.setenv(cpu_fused.FUSED_KERNEL_ENV, "off")
     plain = [o.token_ids for o in llm.generate(prompts, params)]
     assert fused == plain
+
+
+def test_threads_split_the_rows_and_change_no_bit():
+    """The suite runs one thread; a server runs several, each kernel's rows split among them."""
+    torch.manual_seed(1)
+    x, d = torch.randn(2, 510, 576).bfloat16()
+    w = torch.rand(576).bfloat16()
+    g, u = torch.randn(510, 3072).bfloat16().chunk(2, -1)
+    q, cos, sin = torch.randn(510, 9, 64).bfloat16(), *torch.rand(2, 510, 64).bfloat16()
+    m, threads = cpu_fused._module(), torch.get_num_threads()
+
+    def outputs() -> list[torch.Tensor]:
+        avx512 = cpu_has_avx512()
+        norms = [m.rms_norm(x, w, 1e-5, avx512), *m.add_rms_norm(x, d, w, 1e-5, False)]
+        return [*norms, m.silu_mul(g, u, avx512), m.rope(q, cos, sin, avx512)]
+
+    try:
+        torch.set_num_threads(1)
+        one = outputs()
+        torch.set_num_threads(3)
+        assert all(torch.equal(a, b) for a, b in zip(one, outputs(), strict=True))
+    finally:
+        torch.set_num_threads(threads)
