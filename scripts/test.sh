@@ -19,10 +19,11 @@ fi
 source scripts/_env.sh
 pdserve_env test
 # Build the C++ kernels (kernels/cpu_quant.py's GGUF GEMV/GEMM, kernels/cpu_attention.py's
-# decode attention) once before the nodes the tests start need them: a cold build takes
-# minutes, longer than a node's readiness wait; each is cached by its source's hash.
-python -c "from pdserve.kernels import cpu_attention, cpu_quant
-cpu_quant.available(); cpu_attention.available()"
+# decode attention and K/V store, kernels/cpu_fused.py's bf16 elementwise ops) once before the
+# nodes the tests start need them: a cold build takes minutes, longer than a node's readiness
+# wait; each is cached by its source's hash.
+python -c "from pdserve.kernels import cpu_attention, cpu_fused, cpu_quant
+cpu_quant.available(); cpu_attention.available(); cpu_fused.available()"
 # -m would put the repository root first on sys.path, ahead of site-packages: its top-level
 # folders (kernels/, ...) would shadow distributions' packages of the same name (Python >= 3.11;
 # tests/conftest.py sets the same for every child, tests/test_kernels_name.py checks it).
