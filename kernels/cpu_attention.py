@@ -25,9 +25,7 @@ $PDSERVE_CPU_ATTENTION: "auto" (default), "plain" (the plain loop), "off" (flash
 from __future__ import annotations
 
 import logging
-import os
 from functools import cache
-from pathlib import Path
 
 import torch
 
@@ -38,7 +36,7 @@ log = logging.getLogger(__name__)
 ATTENTION_KERNEL_ENV = "PDSERVE_CPU_ATTENTION"
 _MODES = ("auto", "plain", "off")
 DTYPES = (torch.float32, torch.bfloat16)
-_SOURCE = Path(__file__).with_name("cpu_attention.cpp").read_text(encoding="utf-8")
+_SOURCE = cpu_quant.kernel_source("cpu_attention.cpp")
 
 
 @cache
@@ -47,10 +45,7 @@ def _module():  # noqa: ANN202 (a compiled extension module)
 
 
 def _mode() -> str:
-    mode = os.environ.get(ATTENTION_KERNEL_ENV, "auto")
-    if mode not in _MODES:
-        raise ValueError(f"{ATTENTION_KERNEL_ENV}={mode!r}: expected one of {', '.join(_MODES)}")
-    return mode
+    return cpu_quant.env_mode(ATTENTION_KERNEL_ENV, _MODES)
 
 
 def cpu_has_avx512() -> bool:
@@ -65,12 +60,7 @@ def available() -> bool:
     if _mode() == "off":
         log.info("cpu attention kernel: off (%s=off): flash attention", ATTENTION_KERNEL_ENV)
         return False
-    try:
-        _module()
-    except Exception as exc:  # no compiler, or it failed: the flash path serves instead
-        log.warning("cpu attention kernel: build failed (%s): flash attention", exc)
-        return False
-    return True
+    return cpu_quant.builds(_module, "cpu attention kernel", "flash attention")
 
 
 def serves(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:

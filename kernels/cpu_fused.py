@@ -26,9 +26,7 @@ $PDSERVE_CPU_FUSED: "auto" (default) or "off" (the torch code), read at each cal
 from __future__ import annotations
 
 import logging
-import os
 from functools import cache
-from pathlib import Path
 
 import torch
 
@@ -39,7 +37,7 @@ log = logging.getLogger(__name__)
 
 FUSED_KERNEL_ENV = "PDSERVE_CPU_FUSED"
 _MODES = ("auto", "off")
-_SOURCE = Path(__file__).with_name("cpu_fused.cpp").read_text(encoding="utf-8")
+_SOURCE = cpu_quant.kernel_source("cpu_fused.cpp")
 _FUNCTIONS = ["rms_norm", "add_rms_norm", "silu_mul", "rope"]
 
 
@@ -50,21 +48,13 @@ def _module():  # noqa: ANN202 (a compiled extension module)
 
 
 def _mode() -> str:
-    mode = os.environ.get(FUSED_KERNEL_ENV, "auto")
-    if mode not in _MODES:
-        raise ValueError(f"{FUSED_KERNEL_ENV}={mode!r}: expected one of {', '.join(_MODES)}")
-    return mode
+    return cpu_quant.env_mode(FUSED_KERNEL_ENV, _MODES)
 
 
 @cache
 def available() -> bool:
     """Whether the source compiled (once per process); logs why not, once."""
-    try:
-        _module()
-    except Exception as exc:  # no compiler, or it failed: the torch code serves instead
-        log.warning("cpu fused kernels: build failed (%s): torch's ops", exc)
-        return False
-    return True
+    return cpu_quant.builds(_module, "cpu fused kernels", "torch's ops")
 
 
 @cache

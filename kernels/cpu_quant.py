@@ -375,10 +375,37 @@ def cpu_has_avx512_vnni() -> bool:
 
 
 def _kernel_mode() -> str:
-    mode = os.environ.get(QUANT_KERNEL_ENV, "auto")
-    if mode not in _KERNEL_MODES:
-        raise ValueError(f"{QUANT_KERNEL_ENV}={mode!r}: expected one of {', '.join(_KERNEL_MODES)}")
+    return env_mode(QUANT_KERNEL_ENV, _KERNEL_MODES)
+
+
+def env_mode(name: str, modes: tuple[str, ...]) -> str:
+    """A CPU kernel's switch: $name, one of `modes` (the first when unset), else ValueError.
+    Shared by the kernels (cpu_quant, cpu_attention, cpu_fused)."""
+    mode = os.environ.get(name, modes[0])
+    if mode not in modes:
+        raise ValueError(f"{name}={mode!r}: expected one of {', '.join(modes)}")
     return mode
+
+
+def builds(module: Callable[[], object], what: str, instead: str) -> bool:
+    """Whether `module()` (a kernel's cached build) loads; where it does not (no compiler, or
+    the build failed) logs that `instead` serves, and returns False."""
+    try:
+        module()
+    except Exception as exc:
+        log.warning("%s: build failed (%s): %s", what, exc, instead)
+        return False
+    return True
+
+
+def kernel_source(name: str) -> str:
+    """The C++ source kernels/`name` with kernels/cpu_simd.h pasted in at its `#include
+    "cpu_simd.h"` line (each extension is built from one text, and that text's hash names
+    its build, so a change to the shared code rebuilds every kernel that has it)."""
+    folder = Path(__file__).parent
+    shared = folder.joinpath("cpu_simd.h").read_text(encoding="utf-8")
+    source = folder.joinpath(name).read_text(encoding="utf-8")
+    return source.replace('#include "cpu_simd.h"', shared)
 
 
 @cache
@@ -405,10 +432,7 @@ def available() -> bool:
     if not cpu_has_avx2_fma():
         log.info("cpu quant kernel: no AVX2+FMA on this CPU: torch's weight-only kernels")
         return False
-    try:
-        _module()
-    except Exception as exc:  # no compiler, or it failed: torch's kernels serve instead
-        log.warning("cpu quant kernel: build failed (%s): torch's weight-only kernels", exc)
+    if not builds(_module, "cpu quant kernel", "torch's weight-only kernels"):
         return False
     name = {False: "AVX2", True: "AVX512-VNNI"}
     log.info("cpu quant kernel: the %s path for float32 engines, %s for bf16/fp16",

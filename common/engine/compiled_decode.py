@@ -319,8 +319,9 @@ def traced_files() -> list[Path]:
     """The source files a compiled step is made from (see code_hash)."""
     model_dir = Path(attention.__file__).parent
     kernels_dir = Path(kernels.__file__).parent
-    # *.cpp: the GEMV's C++ (kernels/cpu_quant.cpp), which a package calls through its op.
-    kernel_sources = sorted([*kernels_dir.glob("*.py"), *kernels_dir.glob("*.cpp")])
+    # *.cpp, *.h: the kernels' C++ (kernels/cpu_quant.cpp, ...), which a package calls through
+    # its ops.
+    kernel_sources = sorted(path for p in ("*.py", "*.cpp", "*.h") for path in kernels_dir.glob(p))
     sources = [*sorted(model_dir.glob("*.py")), *kernel_sources]
     compile_dir = Path(background_compile.__file__)
     made_by = [Path(__file__), compile_dir, compile_dir.with_name("compile_child.py")]

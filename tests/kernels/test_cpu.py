@@ -194,3 +194,14 @@ def test_gather_into_out_writes_the_given_buffer_or_refuses_it():
     for bad in (out[:, :2], out.to(torch.float16), out.transpose(2, 3)):
         with pytest.raises(ValueError, match="out"):
             gather_pages(layer, ids, out=bad)
+
+
+def test_a_kernel_source_has_the_shared_vector_code_pasted_in() -> None:
+    # cpu_attention and cpu_fused share exp16 through kernels/cpu_simd.h: each extension is
+    # built from one text, so the header is pasted in where the source includes it.
+    from pdserve.kernels import cpu_quant
+
+    for name in ("cpu_attention.cpp", "cpu_fused.cpp"):
+        source = cpu_quant.kernel_source(name)
+        assert '#include "cpu_simd.h"' not in source
+        assert source.count("inline __m512 exp16(__m512 x)") == 1

@@ -161,6 +161,7 @@ def test_the_code_hash_covers_the_model_package(tmp_path: Path) -> None:
     assert made_by | {"llama.py", "attention.py"} <= names
     assert {"parallel.py", "quant.py", "ops.py", "cpu.py"} <= names  # and kernels/
     assert "cpu_quant.cpp" in names  # the GEMV's C++, which a GGUF model's package calls
+    assert "cpu_simd.h" in names  # the vector code the kernels' sources paste in
     files = [tmp_path / "a.py", tmp_path / "b.py"]
     for f in files:
         f.write_text("x = 1\n")
