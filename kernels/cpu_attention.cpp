@@ -60,13 +60,7 @@ struct Plain {
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq")
 
-inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
-inline __m512 load16(const c10::BFloat16* p) {  // bf16 is float32's high half
-  __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-}
-
-#include "cpu_simd.h"  // exp16
+#include "cpu_simd.h"  // load16, exp16
 
 // The same three steps on 16 lanes (dim a multiple of 16).
 template <typename T>

@@ -64,10 +64,7 @@ void rope_head(const B* x, const B* c, const B* s, B* y, int64_t lo, int64_t hal
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq")
 
-inline __m512 load16(const B* p) {  // bf16 is float32's high half
-  __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-}
+#include "cpu_simd.h"  // load16, exp16
 
 // Round 16 floats to bf16 as c10::BFloat16 does (nearest even, NaN to 0x7FC0), integer ops,
 // kept in float32's high halves: bf() uses them as they are, a store packs them.
@@ -88,7 +85,6 @@ inline __m512 bf(__m512 v) {  // float32 -> bf16 -> float32: one bf16 rounding
   return _mm512_castsi512_ps(_mm512_and_si512(round16(v), _mm512_set1_epi32(0xFFFF0000)));
 }
 
-#include "cpu_simd.h"  // exp16
 
 float sum_squares16(const B* x, const B* d, B* s, int64_t n) {
   __m512 acc = _mm512_setzero_ps();

@@ -149,12 +149,7 @@ struct Q8Rows {
   int64_t K, B, P;
 };
 
-// 16 columns of a row as float32: bf16's bits are float32's high half (exact).
-inline __m512 load_x16(const float* p) { return _mm512_loadu_ps(p); }
-inline __m512 load_x16(const at::BFloat16* p) {
-  const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(v), 16));
-}
+#include "cpu_simd.h"  // load16 (exp16 unused here)
 
 // 16 float32 lanes to bf16 at p (the lanes `keep` names), rounded to nearest even as
 // c10::BFloat16 rounds (a NaN as 0x7FC0): integer ops, no AVX512-BF16 needed at run time.
@@ -182,7 +177,7 @@ Q8Rows quantize_rows(const T* x, int64_t M, int64_t K) {
   for (int64_t m = 0; m < M; ++m) {
     for (int64_t b = 0; b < r.B; ++b) {
       const T* xb = x + m * K + b * 32;
-      const __m512 lo = load_x16(xb), hi = load_x16(xb + 16);
+      const __m512 lo = load16(xb), hi = load16(xb + 16);
       const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(lo), _mm512_abs_ps(hi)));
       const __m512 inv = _mm512_set1_ps(amax > 0.f ? 127.f / amax : 0.f);
       int8_t* q = r.q.data() + m * K + b * 32;

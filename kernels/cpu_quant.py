@@ -66,13 +66,6 @@ BUILD_WAIT_ENV = "PDSERVE_CPU_QUANT_BUILD_WAIT"
 # once, the largest transient of a GGUF load (issue 36's load peak; docs/quantization.md).
 _PACK_ROWS = 64
 
-# The C++ source, shipped beside this file (pyproject's package-data); its hash names the build:
-# the GEMV and its helpers, then the GEMM and the entry points, one translation unit.
-_SOURCE = "\n".join(
-    Path(__file__).with_name(name).read_text(encoding="utf-8")
-    for name in ("cpu_quant.cpp", "cpu_quant_gemm.cpp")
-)
-
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class Int4Pack:
@@ -438,6 +431,12 @@ def available() -> bool:
     log.info("cpu quant kernel: the %s path for float32 engines, %s for bf16/fp16",
              name[uses_vnni()], name[uses_vnni(torch.bfloat16)])  # fmt: skip
     return True
+
+
+# The C++ source, shipped beside this file (pyproject's package-data), cpu_simd.h pasted in; its
+# hash names the build: the GEMV and its helpers, then the GEMM and the entry points, one
+# translation unit.
+_SOURCE = "\n".join(kernel_source(name) for name in ("cpu_quant.cpp", "cpu_quant_gemm.cpp"))
 
 
 def extension_name(

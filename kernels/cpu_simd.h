@@ -3,6 +3,14 @@
 // `kernel_source` (each extension is built from one source text). The includer provides the
 // AVX512 target and the namespace.
 
+// 16 lanes as float32: a float32 row's, or a bf16 row's widened (bf16 is float32's high half:
+// exact).
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const c10::BFloat16* p) {
+  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
 // exp(x) for 16 lanes: 2^n * p(r), x = n ln2 + r, |r| <= ln2/2, p of degree 6 (rel. error
 // ~1e-7, float32's own); inputs below -87 (weights under float32's normal range) give 0.
 inline __m512 exp16(__m512 x) {

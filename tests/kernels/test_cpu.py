@@ -197,11 +197,12 @@ def test_gather_into_out_writes_the_given_buffer_or_refuses_it():
 
 
 def test_a_kernel_source_has_the_shared_vector_code_pasted_in() -> None:
-    # cpu_attention and cpu_fused share exp16 through kernels/cpu_simd.h: each extension is
+    # The kernels share bf16 widening and exp16 through kernels/cpu_simd.h: each extension is
     # built from one text, so the header is pasted in where the source includes it.
     from pdserve.kernels import cpu_quant
 
-    for name in ("cpu_attention.cpp", "cpu_fused.cpp"):
+    for name in ("cpu_attention.cpp", "cpu_fused.cpp", "cpu_quant.cpp"):
         source = cpu_quant.kernel_source(name)
         assert '#include "cpu_simd.h"' not in source
         assert source.count("inline __m512 exp16(__m512 x)") == 1
+        assert source.count("inline __m512 load16(const c10::BFloat16* p)") == 1
